@@ -1,0 +1,101 @@
+"""What a kernel family provides, and what it hands to the compiler for one (spec, target).
+
+A family is one module under ptxc/kernels/ exposing `FAMILY = Family(...)`. `build(spec, target)`
+returns a `Program`: the IR of every entry plus the launch list that the metadata records (the
+exact parameter ABI with where each parameter comes from, grid/block expressions, shared memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..ir import EntryIR, PtxType
+from ..spec.fields import FamilyFields
+from ..spec.model import KernelSpec
+from ..targets import Target
+
+# Element types of tensors, as written in metadata.
+TENSOR_DTYPES = ("f32", "f16", "bf16", "i32", "u64")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor in the runtime interface: logical shape over named dims and spec constants."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+    role: str                      # "input" | "output" | "inout" | "workspace"
+    doc: str = ""
+    device_resident_scalars: bool = False   # per-step scalars (seq_lens, positions) read on device
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"dtype": self.dtype, "shape": list(self.shape), "role": self.role}
+        if self.device_resident_scalars:
+            d["device_resident"] = True
+        if self.doc:
+            d["doc"] = self.doc
+        return d
+
+
+@dataclass(frozen=True)
+class ParamSource:
+    """Where the runtime gets a kernel parameter's value.
+
+    kind: "pointer" (device address of `tensor`), "stride" (element stride of `tensor` along
+    `axis`), "dim" (the runtime dimension `name`), or "const" (`value`, fixed at build time).
+    """
+
+    kind: str
+    tensor: str | None = None
+    axis: int | None = None
+    name: str | None = None
+    value: int | float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in (("kind", self.kind), ("tensor", self.tensor), ("axis", self.axis),
+                                  ("name", self.name), ("value", self.value)) if v is not None}
+
+
+@dataclass(frozen=True)
+class LaunchParam:
+    name: str
+    type: PtxType
+    source: ParamSource
+
+
+@dataclass(frozen=True)
+class Launch:
+    entry: str
+    params: tuple[LaunchParam, ...]
+    grid: tuple[str, str, str]       # expressions over runtime dims (see ptxc.exprs)
+    block: tuple[int, int, int]
+    dynamic_smem_bytes: int = 0
+
+
+@dataclass
+class Program:
+    """What a family builds for one (spec, target): IR entries and their launch list."""
+
+    entries: list[EntryIR]
+    launches: list[Launch]
+    config: dict[str, Any] = field(default_factory=dict)   # resolved tiles, recorded in metadata
+
+
+@dataclass(frozen=True)
+class Interface:
+    tensors: tuple[TensorInfo, ...]
+    dims: tuple[str, ...]            # runtime dimensions, inferred from tensor shapes at launch
+    defaults: dict[str, int] = field(default_factory=dict)  # small odd shapes for launch-test
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    doc: str
+    fields: FamilyFields
+    validate: Callable[[KernelSpec], None]
+    interface: Callable[[KernelSpec], Interface]
+    build: Callable[[KernelSpec, Target], Program]
+    resolve_tile: Callable[[KernelSpec, Target], dict[str, Any]]

@@ -1,0 +1,134 @@
+"""Building blocks shared by the kernel families: element formats, 128-bit row loads and stores,
+warp reductions, and the online-softmax state (running max m, running sum l, accumulator).
+
+Softmax runs in base 2: scores are pre-multiplied by scale * log2(e) so every exponential is one
+`ex2.approx`; LSE converts back with ln(2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import SpecError
+from ..ir import B32, F16X2, BF16X2, F32, S64, U32, U64, Addr, KernelBuilder, Reg
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NEG_INF = float("-inf")
+VEC_BYTES = 16  # one 128-bit load/store
+
+
+@dataclass(frozen=True)
+class ElemFormat:
+    """How one dtype travels through registers: 16-byte vectors of `per_vec` elements."""
+
+    name: str
+    bytes: int
+
+    @property
+    def per_vec(self) -> int:
+        return VEC_BYTES // self.bytes
+
+    @property
+    def load_type(self):
+        return F32 if self.name == "f32" else B32   # halves stay packed two per b32 register
+
+
+FORMATS = {"f32": ElemFormat("f32", 4), "f16": ElemFormat("f16", 2), "bf16": ElemFormat("bf16", 2)}
+
+
+def check_dtype_target(dtype: str, targets) -> None:
+    from ..targets import TARGETS
+    for t in targets:
+        if dtype == "bf16" and not TARGETS[t].has_bf16:
+            raise SpecError(f"dtype bf16 needs sm_80 or newer, but targets include {t}; "
+                            f"use f16/f32 for {t} or drop it", key="targets")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def load_vec(b: KernelBuilder, fmt: ElemFormat, addr: Addr, pred: Reg | None = None) -> list[Reg]:
+    """One 128-bit global load (`ld.global.nc.v4`); with `pred`, lanes where it is false get zeros."""
+    if pred is None:
+        return b.ld("global", fmt.load_type, addr, vec=4, nc=True)
+    regs = [b.mov(0, fmt.load_type) for _ in range(4)]
+    with b.predicate(pred):
+        b.ld("global", fmt.load_type, addr, vec=4, nc=True, out=regs)
+    return regs
+
+
+def to_f32(b: KernelBuilder, fmt: ElemFormat, regs: list[Reg]) -> list[Reg]:
+    """Unpack a loaded vector to f32 values (element order preserved)."""
+    if fmt.name == "f32":
+        return list(regs)
+    out = []
+    for r in regs:
+        if fmt.name == "bf16":
+            # bf16 is the top half of an f32: a shift and a mask, no conversion instruction.
+            out += [b.bitcast(b.shl(r, 16), F32), b.bitcast(b.and_(r, -65536), F32)]
+        else:
+            lo, hi = b.unpack(r, fmt_half(fmt))
+            out += [b.cvt(F32, lo), b.cvt(F32, hi)]
+    return out
+
+
+def fmt_half(fmt: ElemFormat):
+    from ..ir import BF16, F16
+    return {"f16": F16, "bf16": BF16}[fmt.name]
+
+
+def from_f32(b: KernelBuilder, fmt: ElemFormat, vals: list[Reg]) -> list[Reg]:
+    """Round f32 values to the storage format, packed for a vector store."""
+    if fmt.name == "f32":
+        return list(vals)
+    pair = F16X2 if fmt.name == "f16" else BF16X2
+    return [b.cvt_pack(pair, vals[i + 1], vals[i]) for i in range(0, len(vals), 2)]
+
+
+def store_vec(b: KernelBuilder, fmt: ElemFormat, addr: Addr, packed: list[Reg]) -> None:
+    b.st("global", fmt.load_type, addr, packed)
+
+
+def element_offset(b: KernelBuilder, base: Reg, index: Reg, stride_bytes: Reg) -> Reg:
+    """base + index * stride_bytes as a 64-bit address (index u32 or s64, stride s64)."""
+    idx = b.cvt(S64, index) if index.type == U32 else index
+    return b.mad(idx, stride_bytes, b.bitcast(base, S64))
+
+
+def byte_stride(b: KernelBuilder, stride_elems: Reg, fmt: ElemFormat) -> Reg:
+    return b.mul(stride_elems, fmt.bytes)
+
+
+def warp_sum(b: KernelBuilder, x: Reg, offsets) -> Reg:
+    """Butterfly all-reduce over the lanes that differ in the bits of `offsets`."""
+    for off in offsets:
+        x = b.add(x, b.shfl("bfly", x, off))
+    return x
+
+
+def safe_max(b: KernelBuilder, m: Reg) -> Reg:
+    """The max to subtract before ex2: 0 when m is -inf, so ex2(-inf - m) is 0, never NaN."""
+    return b.selp(0.0, m, b.setp("eq", m, NEG_INF))
+
+
+def rescale_factor(b: KernelBuilder, m_old: Reg, m_use: Reg) -> Reg:
+    return b.ex2(b.sub(m_old, m_use))
+
+
+def merge_softmax_states(b: KernelBuilder, m: Reg, l: Reg, acc: list[Reg],
+                         m_o: Reg, l_o: Reg, acc_o: list[Reg]) -> None:
+    """(m, l, acc) <- exact merge with another partial state (m_o, l_o, acc_o), in place."""
+    m_new = b.max(m, m_o)
+    m_use = safe_max(b, m_new)
+    a, c = rescale_factor(b, m, m_use), rescale_factor(b, m_o, m_use)
+    b.mad(l, a, b.mul(l_o, c), out=l)
+    for x, y in zip(acc, acc_o):
+        b.mad(x, a, b.mul(y, c), out=x)
+    b.mov(m_new, out=m)
+
+
+def param_u64(b: KernelBuilder, name: str) -> Reg:
+    return b.load_param(b.param(name, U64))
