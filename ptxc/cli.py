@@ -1,0 +1,142 @@
+"""The `ptxc` command line. Imports are deferred into the commands so `ptxc --help` stays fast.
+
+Exit codes: 0 success; 1 a failed verification or test; 2 a user error (bad spec, bad input,
+missing toolchain) — always one clear message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+
+
+def _fail(e) -> None:
+    click.echo(f"error: {e}", err=True)
+    sys.exit(e.exit_code)
+
+
+def handles_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        from .errors import PtxcError
+        try:
+            return fn(*a, **kw)
+        except PtxcError as e:
+            _fail(e)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+    return wrapper
+
+
+def console(stderr: bool = True):
+    from rich.console import Console
+    return Console(stderr=stderr, highlight=False)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ptxc")
+def main():
+    """ptxc: compile attention-kernel specs (TOML) to verified PTX/cubin artifacts."""
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("out"), show_default=True,
+              help="Output directory for artifact sets.")
+@click.option("--target", "targets", multiple=True, help="Build for these targets instead of the specs' own.")
+@click.option("--no-verify", is_flag=True, help="Skip ptxas (no cubins; metadata says verified: false).")
+@click.option("-j", "--jobs", type=click.IntRange(1, 512), default=None, help="Parallel jobs [default: CPU count].")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+@click.option("--no-cache", is_flag=True, help="Neither read nor write the compilation cache.")
+@handles_errors
+def build(paths, out, targets, no_verify, jobs, as_json, no_cache):
+    """Build every kernel in SPEC files / directories into OUT."""
+    from .build import run_build
+    summary = run_build(paths, out, targets=list(targets), verify=not no_verify, jobs=jobs,
+                        use_cache=not no_cache, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2, sort_keys=True))
+    else:
+        from .report_cli import print_build_summary
+        print_build_summary(summary)
+    if summary["problems"]:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@handles_errors
+def verify(paths, as_json):
+    """Re-check spec files, artifact directories or whole output directories (exit 1 on mismatch)."""
+    from .build import run_verify
+    report = run_verify(paths)
+    if as_json:
+        click.echo(json.dumps({"ok": report.ok, "problems": report.problems, "rows": report.rows},
+                              indent=2, sort_keys=True))
+    else:
+        from .report_cli import print_verify_report
+        print_verify_report(report)
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@handles_errors
+def inspect(artifact_dir):
+    """Show an artifact's metadata in readable form."""
+    from .report_cli import print_inspect
+    print_inspect(artifact_dir)
+
+
+@main.command(name="list")
+@handles_errors
+def list_families():
+    """Kernel families with their spec keys, defaults and allowed values."""
+    from .report_cli import print_families
+    print_families()
+
+
+@main.group()
+def cache():
+    """The compilation cache (PTXC_CACHE_DIR, else the user cache directory)."""
+
+
+@cache.command("path")
+def cache_path():
+    """Print the cache directory."""
+    from .cache import default_cache_dir
+    click.echo(str(default_cache_dir()))
+
+
+@cache.command("info")
+@click.option("--json", "as_json", is_flag=True)
+def cache_info(as_json):
+    """Path, number of entries and total size."""
+    from .cache import Cache
+    info = Cache(enabled=False).info()
+    if as_json:
+        click.echo(json.dumps(info, sort_keys=True))
+    else:
+        click.echo(f"path:    {info['path']}\nentries: {info['entries']}\nsize:    "
+                   f"{info['bytes'] / 1e6:.2f} MB")
+
+
+@cache.command("clear")
+def cache_clear():
+    """Delete every cache entry."""
+    from .cache import Cache
+    n = Cache(enabled=False).clear()
+    click.echo(f"removed {n} entries")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

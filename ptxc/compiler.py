@@ -1,0 +1,148 @@
+"""The compilation stages, in order, for one (spec, target):
+
+    spec --family.build--> IR --render_module--> PTX --ptxas--> cubin + resources
+
+Stage 1+2 ("ptx") and stage 3 ("cubin") are cached separately: the PTX entry is keyed by the
+spec, target and code-generation sources; the cubin entry by the PTX text itself, the target and
+the ptxas version and options — so a ptxc change that leaves the PTX alone reuses the cubin.
+Each stage's output can be dumped (`ptxc build --dump-ir`, the .ptx files, the cubins).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .cache import Cache, canonical_json, make_key, sha256
+from .errors import PtxcError
+from .ir import render_module
+from .kernels import FAMILIES
+from .kernels.base import Launch
+from .ptxas import Resources, Toolchain, assemble
+from .spec import KernelSpec
+from .targets import DEFAULT_SMEM_PER_CTA, get_target
+
+
+@dataclass
+class TargetBuild:
+    target: str
+    ptx: str
+    launches: list[dict[str, Any]]
+    config: dict[str, Any]
+    cubin: bytes | None = None
+    resources: dict[str, dict] | None = None
+    ptxas_version: str | None = None
+    cached: dict[str, bool] = field(default_factory=dict)
+
+
+def launch_to_dict(launch: Launch, static_smem: int) -> dict[str, Any]:
+    """The exact parameter ABI: each parameter aligned to its own size, offsets in bytes."""
+    params, offset = [], 0
+    for p in launch.params:
+        size = p.type.bytes
+        offset = -(-offset // size) * size
+        params.append({"name": p.name, "type": p.type.name, "size": size, "offset": offset,
+                       "source": p.source.to_dict()})
+        offset += size
+    smem = static_smem + launch.dynamic_smem_bytes
+    return {"entry": launch.entry, "params": params, "param_bytes": offset,
+            "grid": list(launch.grid), "block": list(launch.block),
+            "dynamic_smem_bytes": launch.dynamic_smem_bytes, "static_smem_bytes": static_smem,
+            "needs_smem_opt_in": smem > DEFAULT_SMEM_PER_CTA}
+
+
+def lower(spec: KernelSpec, target_name: str) -> tuple[str, list[dict], dict, list]:
+    """Stages 1-2: spec -> IR -> PTX. Returns (ptx, launches, resolved config, IR entries)."""
+    target = get_target(target_name)
+    family = FAMILIES[spec.family]
+    program = family.build(spec, target)
+    ptx = render_module(program.entries, kernel=spec.name, family=spec.family, target=target.name,
+                        ptx_version=target.ptx_version,
+                        maxntid={l.entry: l.block[0] * l.block[1] * l.block[2] for l in program.launches})
+    smem = {e.name: e.static_smem_bytes for e in program.entries}
+    launches = [launch_to_dict(l, smem[l.entry]) for l in program.launches]
+    return ptx, launches, program.config, program.entries
+
+
+def compile_target(spec: KernelSpec, target: str, cache: Cache, tc: Toolchain | None) -> TargetBuild:
+    key = make_key("ptx", {"spec": spec.for_target_key(target)})
+    blob = cache.get("ptx", key)
+    if blob is not None:
+        data = json.loads(blob)
+        tb = TargetBuild(target, data["ptx"], data["launches"], data["config"], cached={"ptx": True})
+    else:
+        ptx, launches, config, _ = lower(spec, target)
+        tb = TargetBuild(target, ptx, launches, config, cached={"ptx": False})
+        cache.put("ptx", key, canonical_json({"ptx": ptx, "launches": launches, "config": config}))
+    if tc is not None:
+        _assemble_cached(spec, tb, cache, tc)
+    return tb
+
+
+def _assemble_cached(spec: KernelSpec, tb: TargetBuild, cache: Cache, tc: Toolchain) -> None:
+    key = make_key("cubin", {"ptx_sha256": sha256(tb.ptx.encode()), "target": tb.target,
+                             "ptxas": tc.version, "options": list(tc.options)})
+    blob = cache.get("cubin", key)
+    if blob is not None:
+        data = json.loads(blob)
+        tb.cubin, tb.resources = base64.b64decode(data["cubin"]), data["resources"]
+        tb.cached["cubin"] = True
+    else:
+        cubin, res, _ = assemble(tb.ptx, tb.target, tc, spec.name)
+        tb.cubin = cubin
+        tb.resources = {name: r.to_dict() for name, r in sorted(res.items())}
+        tb.cached["cubin"] = False
+        cache.put("cubin", key, canonical_json({"cubin": base64.b64encode(cubin).decode(),
+                                                "resources": tb.resources}))
+    tb.ptxas_version = tc.version
+    missing = [l["entry"] for l in tb.launches if l["entry"] not in tb.resources]
+    if missing:
+        raise PtxcError(f"{spec.name} [{tb.target}]: ptxas reported no resources for {missing}")
+
+
+@dataclass
+class KernelBuild:
+    spec: KernelSpec
+    targets: list[TargetBuild]
+
+
+def build_all(specs: list[KernelSpec], cache: Cache, tc: Toolchain | None, jobs: int | None = None,
+              target_override: list[str] | None = None,
+              on_done: Callable[[KernelSpec, str], None] | None = None) -> list[KernelBuild]:
+    """Compile every (spec, target) pair, in parallel; results keep the input order."""
+    jobs = jobs or os.cpu_count() or 1
+    work = [(s, t) for s in specs for t in (target_override or s.targets)]
+
+    def one(item):
+        s, t = item
+        result = compile_target(s, t, cache, tc)
+        if on_done:
+            on_done(s, t)
+        return result
+
+    if jobs == 1 or len(work) <= 1:
+        results = [one(w) for w in work]
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(one, work))
+    builds, i = [], 0
+    for s in specs:
+        n = len(target_override or s.targets)
+        builds.append(KernelBuild(s, results[i:i + n]))
+        i += n
+    return builds
+
+
+def check_resources(spec: KernelSpec, tb: TargetBuild) -> list[str]:
+    """Problems a user must hear about even when ptxas succeeded: spills, local stacks."""
+    problems = []
+    for entry, r in (tb.resources or {}).items():
+        res = Resources(**r)
+        if res.spill_stores or res.spill_loads:
+            problems.append(f"{spec.name} [{tb.target}] {entry}: {res.spill_stores} bytes spill "
+                            f"stores, {res.spill_loads} bytes spill loads")
+    return problems

@@ -1,0 +1,454 @@
+"""PTX text -> frozen `Module` of entries, declarations and instructions.
+
+The parser is syntactic only: it splits the text into statements, keeps each statement's line
+number and source text (for error messages), and parses operands into small frozen dataclasses.
+Deciding what an instruction means (and rejecting what the emulator does not support) is
+`decode.py`'s job.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import re
+from dataclasses import dataclass
+from typing import Union
+
+from ptxc.errors import EmulationError
+
+# ----------------------------------------------------------------------------- operands
+
+
+@dataclass(frozen=True)
+class Reg:
+    """A register or special register (``%r1``, ``%tid.x``); ``neg`` for ``!%p`` sources."""
+    name: str
+    neg: bool = False
+
+
+@dataclass(frozen=True)
+class Imm:
+    """An immediate. ``kind`` is 'int', 'f32bits' (0fXXXXXXXX), 'f64bits' (0d...) or 'float'."""
+    value: Union[int, float]
+    kind: str
+
+
+@dataclass(frozen=True)
+class Sym:
+    """A bare identifier: a shared variable, a parameter or a label."""
+    name: str
+
+
+@dataclass(frozen=True)
+class Addr:
+    """``[base+offset]``; base is a Reg, a Sym (variable/param) or None (absolute address)."""
+    base: Union[Reg, Sym, None]
+    offset: int
+
+
+@dataclass(frozen=True)
+class Vec:
+    """``{a, b, ...}``: a vector operand (ld/st.v*, mov pack/unpack, mma fragments)."""
+    items: tuple
+
+
+@dataclass(frozen=True)
+class Pair:
+    """``d|p``: a destination with a second (predicate) destination."""
+    first: object
+    second: object
+
+
+@dataclass(frozen=True)
+class Sink:
+    """``_``: a destination whose value is discarded."""
+
+
+Operand = Union[Reg, Imm, Sym, Addr, Vec, Pair, Sink]
+
+# ----------------------------------------------------------------------------- structure
+
+
+@dataclass(frozen=True)
+class Instruction:
+    line: int
+    text: str                   # the statement as written (without the trailing ';')
+    guard: Union[Reg, None]     # @%p / @!%p (neg=True)
+    opcode: str                 # 'ld', 'mma', 'cp', ...
+    mods: tuple                 # ('global', 'nc', 'v4', 'b32')
+    operands: tuple
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    ptype: str                  # 'u64', 'f32', ...
+    line: int
+
+
+@dataclass(frozen=True)
+class SharedVar:
+    name: str
+    align: int
+    nbytes: Union[int, None]    # None for `.extern` (the dynamic shared memory window)
+    line: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    line: int
+    params: tuple               # of Param
+    regs: tuple                 # of (name, ptype), ranges expanded
+    shared: tuple               # of SharedVar, in declaration order (module scope first)
+    body: tuple                 # of Instruction
+    labels: tuple               # of (label, pc)
+    reqntid: Union[tuple, None]
+    maxntid: Union[tuple, None]
+
+
+@dataclass(frozen=True)
+class Module:
+    version: str
+    target: str
+    address_size: int
+    entries: tuple              # of Entry
+    lines: tuple                # source lines, for error messages
+
+    def entry(self, name: str) -> Entry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        names = ", ".join(e.name for e in self.entries) or "none"
+        raise EmulationError(f"kernel '{name}' is not an .entry of this module (entries: {names})")
+
+
+# ----------------------------------------------------------------------------- lexing helpers
+
+_BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.S)
+_LINE_COMMENT = re.compile(r"//[^\n]*")
+_IDENT = r"[A-Za-z_$%][\w$]*"
+_LABEL = re.compile(r"([A-Za-z_$][\w$]*)\s*:(?!:)")
+_GUARD = re.compile(r"@(!?)(%[\w$]+)\s+")
+_REG = re.compile(r"(!?)(%[\w$]+(?:\.[xyz])?)$")
+_RANGE_DECL = re.compile(r"(%?[\w$]+)<(\d+)>$")
+_SIZED_VAR = re.compile(r"([\w$]+)\s*\[\s*(\d*)\s*\]$")
+_INT = re.compile(r"-?(0[xX][0-9a-fA-F]+|0[bB][01]+|0[0-7]*|[1-9]\d*)U?$")
+_FLOAT = re.compile(r"-?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
+
+
+def _fail(line: int, text: str, msg: str) -> EmulationError:
+    return EmulationError(f"PTX parse error at line {line}: {msg}: `{text.strip()}`")
+
+
+def _strip_comments(text: str) -> str:
+    # Block comments may span lines: replace them by as many newlines to keep numbering.
+    text = _BLOCK_COMMENT.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    return _LINE_COMMENT.sub("", text)
+
+
+def _split_top(s: str, sep: str) -> list:
+    """Split on `sep` outside of [] and {}."""
+    out, depth, cur = [], 0, []
+    for ch in s:
+        if ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        if ch == sep and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return [p.strip() for p in out]
+
+
+def parse_int(tok: str) -> int:
+    t = tok.rstrip("U")
+    neg = t.startswith("-")
+    t = t[1:] if neg else t
+    if t[:2] in ("0x", "0X"):
+        v = int(t[2:], 16)
+    elif t[:2] in ("0b", "0B"):
+        v = int(t[2:], 2)
+    elif len(t) > 1 and t[0] == "0":
+        v = int(t, 8)
+    else:
+        v = int(t)
+    return -v if neg else v
+
+
+def parse_operand(tok: str, line: int, text: str) -> Operand:
+    tok = tok.strip()
+    if not tok:
+        raise _fail(line, text, "empty operand")
+    parts = _split_top(tok, "|")
+    if len(parts) == 2:
+        return Pair(parse_operand(parts[0], line, text), parse_operand(parts[1], line, text))
+    if tok == "_":
+        return Sink()
+    if tok[0] == "{":
+        if tok[-1] != "}":
+            raise _fail(line, text, f"unterminated vector operand {tok!r}")
+        return Vec(tuple(parse_operand(p, line, text) for p in _split_top(tok[1:-1], ",")))
+    if tok[0] == "[":
+        if tok[-1] != "]":
+            raise _fail(line, text, f"unterminated address operand {tok!r}")
+        return _parse_address(tok[1:-1].strip(), line, text)
+    m = _REG.match(tok)
+    if m:
+        return Reg(m.group(2), neg=bool(m.group(1)))
+    low = tok.lower()
+    if low.startswith(("0f", "-0f")) and len(tok.lstrip("-")) == 10:
+        bits = int(tok.lstrip("-")[2:], 16)
+        return Imm(bits ^ (0x80000000 if tok[0] == "-" else 0), "f32bits")
+    if low.startswith(("0d", "-0d")) and len(tok.lstrip("-")) == 18:
+        bits = int(tok.lstrip("-")[2:], 16)
+        return Imm(bits ^ (1 << 63 if tok[0] == "-" else 0), "f64bits")
+    if _INT.match(tok):
+        return Imm(parse_int(tok), "int")
+    if _FLOAT.match(tok):
+        return Imm(float(tok), "float")
+    if re.fullmatch(r"[A-Za-z_$][\w$]*", tok):
+        return Sym(tok)
+    raise _fail(line, text, f"cannot parse operand {tok!r}")
+
+
+def _parse_address(inner: str, line: int, text: str) -> Addr:
+    m = re.fullmatch(r"(%?[A-Za-z_$][\w$]*(?:\.[xyz])?)?\s*(?:\+\s*(-?[\w]+))?", inner)
+    if m and (m.group(1) or m.group(2)):
+        base_tok, off_tok = m.group(1), m.group(2)
+        base = None
+        if base_tok:
+            base = Reg(base_tok) if base_tok.startswith("%") else Sym(base_tok)
+        try:
+            off = parse_int(off_tok) if off_tok else 0
+        except ValueError:
+            raise _fail(line, text, f"bad address offset {off_tok!r}") from None
+        return Addr(base, off)
+    if _INT.match(inner):
+        return Addr(None, parse_int(inner))
+    raise _fail(line, text, f"cannot parse address [{inner}]")
+
+
+def parse_instruction(stmt: str, line: int) -> Instruction:
+    text = stmt.strip()
+    rest = text
+    guard = None
+    m = _GUARD.match(rest)
+    if m:
+        guard = Reg(m.group(2), neg=bool(m.group(1)))
+        rest = rest[m.end():]
+    head, *more = rest.split(None, 1)
+    ops = more[0] if more else ""
+    parts = head.split(".")
+    # `::` qualifiers (shared::cta, L2::128B) stay attached to their modifier.
+    opcode, mods = parts[0], tuple(p for p in parts[1:])
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", opcode) or any(not p for p in mods):
+        raise _fail(line, text, f"malformed opcode {head!r}")
+    ops = ops.strip()
+    operands = tuple(parse_operand(p, line, text) for p in _split_top(ops, ",")) if ops else ()
+    return Instruction(line, text, guard, opcode, mods, operands)
+
+
+# ----------------------------------------------------------------------------- statements
+
+
+def _statements(text: str, start: int, end: int, line_of):
+    """Yield (kind, payload, line) for the body text[start:end]: 'label', 'stmt', 'scope'."""
+    i = start
+    while i < end:
+        while i < end and text[i].isspace():
+            i += 1
+        if i >= end:
+            return
+        ch = text[i]
+        if ch in "{}":
+            yield "scope", ch, line_of(i)
+            i += 1
+            continue
+        m = _LABEL.match(text, i)
+        if m and m.end() <= end:
+            yield "label", m.group(1), line_of(i)
+            i = m.end()
+            continue
+        j = text.find(";", i, end)
+        if j < 0:
+            raise _fail(line_of(i), text[i:end].splitlines()[0], "statement without ';'")
+        yield "stmt", text[i:j], line_of(i)
+        i = j + 1
+
+
+def _parse_decl(stmt: str, line: int):
+    """Parse `.reg`, `.shared` (incl. `.extern`) declarations. Returns ('reg', [...]) etc."""
+    toks = stmt.replace(",", " , ").split()
+    if toks[0] == ".reg":
+        ptype = toks[1].lstrip(".")
+        names = [n.strip() for n in " ".join(toks[2:]).split(",")]
+        regs = []
+        for n in names:
+            m = _RANGE_DECL.match(n)
+            if m:
+                regs.extend((f"{m.group(1)}{k}", ptype) for k in range(int(m.group(2))))
+            elif re.fullmatch(_IDENT, n):
+                regs.append((n, ptype))
+            else:
+                raise _fail(line, stmt, f"bad register declaration {n!r}")
+        return "reg", regs
+    extern = toks[0] == ".extern"
+    if extern:
+        toks = toks[1:]
+    if toks and toks[0] == ".shared":
+        align, elem, name_tok = 1, None, None
+        k = 1
+        while k < len(toks):
+            t = toks[k]
+            if t == ".align":
+                align = int(toks[k + 1])
+                k += 2
+                continue
+            if t.startswith("."):
+                elem = t[1:]
+            else:
+                name_tok = " ".join(toks[k:])
+                break
+            k += 1
+        esize = _TYPE_BYTES.get(elem)
+        m = _SIZED_VAR.match(name_tok or "") if name_tok else None
+        if esize is None:
+            raise _fail(line, stmt, f"unsupported shared variable type .{elem}")
+        if m:
+            name, count = m.group(1), m.group(2)
+            if extern:
+                nbytes = None
+            elif not count:
+                raise _fail(line, stmt, "shared array without a size (use .extern for dynamic)")
+            else:
+                nbytes = int(count) * esize
+        elif name_tok and re.fullmatch(r"[\w$]+", name_tok) and not extern:
+            name, nbytes = name_tok, esize
+        else:
+            raise _fail(line, stmt, "cannot parse shared variable declaration")
+        return "shared", SharedVar(name, max(align, esize), nbytes, line)
+    raise _fail(line, stmt, f"unsupported declaration {toks[0]}")
+
+
+_TYPE_BYTES = {f"{k}{n}": n // 8 for k in "bus" for n in (8, 16, 32, 64)}
+_TYPE_BYTES.update(f16=2, bf16=2, f32=4, f64=8, f16x2=4, bf16x2=4)
+
+_IGNORED_DIRECTIVES = (".pragma", ".loc", ".file", ".section")
+
+
+def _parse_params(text: str, line: int) -> tuple:
+    params = []
+    for p in _split_top(text, ","):
+        if not p:
+            continue
+        toks = [t for t in p.split() if not t.startswith(".ptr") and t not in (".global", ".shared")]
+        if len(toks) >= 4 and toks[2] == ".align":   # `.param .u64 .ptr .align 16 name`
+            toks = toks[:2] + toks[4:]
+        if len(toks) != 3 or toks[0] != ".param" or not toks[1].startswith(".") or "[" in toks[2]:
+            raise _fail(line, p, "unsupported kernel parameter (only scalar .param types)")
+        params.append(Param(toks[2], toks[1][1:], line))
+    return tuple(params)
+
+
+_ENTRY_HEAD = re.compile(r"(?:\.(?:visible|weak|extern)\s+)*\.(entry|func)\s+([\w$]+)\s*\(", re.S)
+_MODULE_DIRECTIVE = re.compile(r"\.(version|target|address_size)\s+([^\n;]+)")
+
+
+def _matching(text: str, i: int, open_ch: str, close_ch: str) -> int:
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == open_ch:
+            depth += 1
+        elif text[j] == close_ch:
+            depth -= 1
+            if depth == 0:
+                return j
+    return -1
+
+
+@functools.lru_cache(maxsize=64)
+def parse_module(ptx: str) -> Module:
+    """Parse PTX text into a frozen `Module` (cached by the exact text)."""
+    text = _strip_comments(ptx)
+    newlines = [i for i, c in enumerate(text) if c == "\n"]
+
+    def line_of(pos: int) -> int:
+        return bisect.bisect_left(newlines, pos) + 1
+
+    info = {"version": "", "target": "", "address_size": "64"}
+    module_shared, entries = [], []
+    i = 0
+    while i < len(text):
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            break
+        m = _MODULE_DIRECTIVE.match(text, i)
+        if m:
+            info[m.group(1)] = m.group(2).strip()
+            i = m.end()
+            continue
+        m = _ENTRY_HEAD.match(text, i)
+        if m:
+            close = _matching(text, m.end() - 1, "(", ")")
+            body_open = text.find("{", close)
+            if close < 0 or body_open < 0:
+                raise _fail(line_of(i), text[i:i + 60], "unterminated entry header")
+            body_close = _matching(text, body_open, "{", "}")
+            if body_close < 0:
+                raise _fail(line_of(i), text[i:i + 60], "unterminated entry body")
+            if m.group(1) == "entry":
+                entries.append(_parse_entry(text, m, close, body_open, body_close, line_of,
+                                            tuple(module_shared)))
+            i = body_close + 1   # .func bodies are skipped: `call` is not supported
+            continue
+        j = text.find(";", i)
+        if j < 0:
+            raise _fail(line_of(i), text[i:].splitlines()[0], "unexpected text")
+        stmt = text[i:j].strip()
+        if stmt.startswith((".extern", ".shared")):
+            module_shared.append(_parse_decl(stmt, line_of(i))[1])
+        elif not stmt.startswith(_IGNORED_DIRECTIVES):
+            raise _fail(line_of(i), stmt, "unsupported module-scope statement")
+        i = j + 1
+    return Module(info["version"], info["target"], int(info["address_size"]), tuple(entries),
+                  tuple(ptx.splitlines()))
+
+
+def _parse_entry(text, m, close, body_open, body_close, line_of, module_shared) -> Entry:
+    name, line = m.group(2), line_of(m.start())
+    params = _parse_params(text[m.end():close], line)
+    perf = text[close + 1:body_open]
+    reqntid = maxntid = None
+    for d in re.finditer(r"\.(reqntid|maxntid)\s+([\d\s,]+)", perf):
+        dims = tuple(int(x) for x in d.group(2).replace(",", " ").split())
+        if d.group(1) == "reqntid":
+            reqntid = dims
+        else:
+            maxntid = dims
+    regs, shared, body, labels = [], list(module_shared), [], []
+    for kind, payload, ln in _statements(text, body_open + 1, body_close, line_of):
+        if kind == "scope":
+            continue   # nested { } scopes: names are unique in ptxc output, so flatten
+        if kind == "label":
+            labels.append((payload, len(body)))
+            continue
+        stmt = payload.strip()
+        if stmt.startswith((".reg", ".shared", ".extern")):
+            k, val = _parse_decl(stmt, ln)
+            if k == "reg":
+                regs.extend(val)
+            else:
+                shared.append(val)
+        elif stmt.startswith(_IGNORED_DIRECTIVES):
+            continue
+        elif stmt.startswith("."):
+            raise _fail(ln, stmt, f"unsupported directive {stmt.split()[0]}")
+        else:
+            body.append(parse_instruction(stmt, ln))
+    return Entry(name, line, params, tuple(regs), tuple(shared), tuple(body), tuple(labels),
+                 reqntid, maxntid)

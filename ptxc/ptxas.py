@@ -1,0 +1,143 @@
+"""ptxas: locate it, run it on PTX text, and parse the resources it reports.
+
+Located by `PTXAS=/path` or `cuda.pathfinder.find_nvidia_binary_utility("ptxas")` (which looks in
+CUDA_HOME, the nvidia-cuda-nvcc wheel, then PATH) — never by a hand-written search.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import AssemblyError, ToolchainError
+
+INSTALL_HINT = "install it with `pip install nvidia-cuda-nvcc` (or `make build`), or set PTXAS=/path/to/ptxas"
+PTXAS_OPTIONS = ("-v", "--warn-on-spills", "-O3")
+
+
+@dataclass(frozen=True)
+class Resources:
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    stack: int = 0
+    shared_bytes: int = 0
+    constant_bytes: int = 0
+    barriers: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    path: str
+    version: str   # "13.5.37"
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return PTXAS_OPTIONS
+
+
+def find_ptxas() -> str:
+    override = os.environ.get("PTXAS")
+    if override:
+        if not (Path(override).is_file() and os.access(override, os.X_OK)):
+            raise ToolchainError(f"PTXAS={override} is not an executable file; {INSTALL_HINT}")
+        return override
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+    except ImportError:
+        raise ToolchainError(f"cuda-pathfinder is not installed, so ptxas cannot be located; {INSTALL_HINT}") from None
+    found = find_nvidia_binary_utility("ptxas")
+    if not found:
+        raise ToolchainError(f"ptxas not found; {INSTALL_HINT}")
+    return str(found)
+
+
+@lru_cache(maxsize=4)
+def _toolchain_at(path: str) -> Toolchain:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise ToolchainError(f"cannot run ptxas at {path}: {e.strerror}; {INSTALL_HINT}") from None
+    except subprocess.TimeoutExpired:
+        raise ToolchainError(f"ptxas at {path} did not answer `--version` within 60 s") from None
+    m = re.search(r"release [\d.]+, V([\d.]+)", out.stdout)
+    if out.returncode != 0 or not m:
+        first = (out.stderr or out.stdout).strip().splitlines()[:1]
+        raise ToolchainError(f"ptxas at {path} is broken: `--version` exited {out.returncode}"
+                             f"{': ' + first[0] if first else ''}; {INSTALL_HINT}")
+    return Toolchain(path, m.group(1))
+
+
+def toolchain() -> Toolchain:
+    return _toolchain_at(find_ptxas())
+
+
+_RES = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "barriers": re.compile(r"used (\d+) barriers"),
+    "shared_bytes": re.compile(r"(\d+) bytes smem"),
+    "constant_bytes": re.compile(r"(\d+) bytes cmem\[0\]"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def parse_resources(stderr: str) -> dict[str, Resources]:
+    """Per entry function, the resources in `ptxas -v` output."""
+    found: dict[str, dict[str, int]] = {}
+    current = None
+    for line in stderr.splitlines():
+        m = re.search(r"(?:Compiling entry function|Function properties for) '?([\w$]+)'?", line)
+        if m:
+            current = m.group(1)
+            found.setdefault(current, {})
+            continue
+        if current is None:
+            continue
+        for key, rx in _RES.items():
+            if (mm := rx.search(line)):
+                found[current][key] = int(mm.group(1))
+    return {name: Resources(**vals) for name, vals in found.items()}
+
+
+def assemble(ptx: str, target: str, tc: Toolchain, label: str) -> tuple[bytes, dict[str, Resources], str]:
+    """Assemble PTX for `target`; returns (cubin, resources per entry, ptxas log).
+
+    Raises AssemblyError with ptxas's message and the PTX line it names.
+    """
+    with tempfile.TemporaryDirectory(prefix="ptxc-ptxas-") as tmp:
+        src, dst = Path(tmp, "kernel.ptx"), Path(tmp, "kernel.cubin")
+        src.write_text(ptx)
+        try:
+            out = subprocess.run([tc.path, *tc.options, f"-arch={target}", str(src), "-o", str(dst)],
+                                 capture_output=True, text=True, timeout=600)
+        except OSError as e:
+            raise ToolchainError(f"cannot run ptxas at {tc.path}: {e.strerror}") from None
+        log = out.stderr + out.stdout
+        if out.returncode != 0 or not dst.exists():
+            raise AssemblyError(_explain_failure(log, ptx, label, target, out.returncode))
+        return dst.read_bytes(), parse_resources(log), log
+
+
+def _explain_failure(log: str, ptx: str, label: str, target: str, rc: int) -> str:
+    lines = ptx.splitlines()
+    msgs = [l.strip() for l in log.splitlines() if "error" in l or "fatal" in l] or \
+        [f"ptxas exited {rc} with no message"]
+    if rc < 0 or rc > 128 and not any("error" in m for m in msgs):
+        return f"{label} [{target}]: ptxas crashed (exit {rc}); {INSTALL_HINT}"
+    text = f"{label} [{target}]: ptxas rejected the PTX:\n  " + "\n  ".join(msgs[:8])
+    m = re.search(r"line (\d+)", msgs[0])
+    if m and 0 < int(m.group(1)) <= len(lines):
+        text += f"\n  PTX line {m.group(1)}: {lines[int(m.group(1)) - 1].strip()}"
+    if "PTX ISA" in log or ".version" in log:
+        text += "\n  (this ptxas may be older than the PTX ISA version ptxc emits for this target)"
+    return text
