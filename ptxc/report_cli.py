@@ -121,4 +121,4 @@ def print_families() -> None:
         c.print(f"\n[bold]{fam.name}[/bold]: {fam.doc}")
         c.print(fields_table(f"{fam.name} keys", fam.fields.fields))
         if fam.fields.tile:
-            c.print(fields_table(f"{fam.name} [kernel.tile] keys", fam.fields.tile, "tile."))
+            c.print(fields_table(escape(f"{fam.name} [kernel.tile] keys"), fam.fields.tile, "tile."))

@@ -120,11 +120,11 @@ def load_text(data: bytes | str, filename: str = "<string>") -> list[KernelSpec]
     for index, entry in enumerate(entries):
         label = f"#{index}" + (f" {entry['name']!r}" if isinstance(entry.get("name"), str) else "")
         try:
-            for spec in _expand_entry(_merge_defaults(defaults, entry), f"{filename}[{index}]"):
+            for spec in _expand_entry(_merge_defaults(defaults, entry), f"{filename}[{index}]", index):
                 if spec.name in names:
                     raise SpecError(f"duplicate kernel name after expansion (also made by "
                                     f"kernel #{names[spec.name]})", key="name",
-                                    kernel=repr(spec.name))
+                                    kernel=f"#{index} {spec.name!r}")
                 names[spec.name] = index
                 specs.append(spec)
         except SpecError as e:
@@ -161,7 +161,7 @@ def _family_of(entry: dict):
     return FAMILIES[family]
 
 
-def _expand_entry(entry: dict, source: str) -> list[KernelSpec]:
+def _expand_entry(entry: dict, source: str, index: int) -> list[KernelSpec]:
     family = _family_of(entry)
     fields = {f.name: f for f in COMMON_FIELDS + family.fields.fields}
     tile_fields = family.fields.tile_by_name()
@@ -202,7 +202,10 @@ def _expand_entry(entry: dict, source: str) -> list[KernelSpec]:
             else:
                 flat[key] = value
         flat["name"] = _expanded_name(name, chosen, flat, flat_tile)
-        specs.append(_build_spec(family, fields, tile_fields, flat, flat_tile, source))
+        try:
+            specs.append(_build_spec(family, fields, tile_fields, flat, flat_tile, source))
+        except SpecError as e:  # name the expanded kernel, not just the entry
+            raise SpecError(e.detail, key=e.key, kernel=f"#{index} {flat['name']!r}") from None
     return specs
 
 
@@ -240,19 +243,19 @@ def _build_spec(family, fields: dict[str, Field], tile_fields: dict[str, Field],
             continue
         values[key], why = f.validate(flat[key])
         if why:
-            raise SpecError(why, key=key, kernel=repr(flat.get("name")))
+            raise SpecError(why, key=key)
     checked_tile = {}
     for key, value in sorted(tile.items()):
         checked_tile[key], why = tile_fields[key].validate(value)
         if why:
-            raise SpecError(why, key="tile." + key, kernel=repr(flat.get("name")))
+            raise SpecError(why, key="tile." + key)
 
     if values["num_kv_heads"] is None:
         values["num_kv_heads"] = values["num_heads"]
     if values["num_heads"] % values["num_kv_heads"]:
         raise SpecError(f"num_heads = {values['num_heads']} is not divisible by num_kv_heads = "
                         f"{values['num_kv_heads']}; allowed: a divisor of num_heads",
-                        key="num_kv_heads", kernel=repr(values["name"]))
+                        key="num_kv_heads")
     if values["softmax_scale"] is None:
         values["softmax_scale"] = 1.0 / math.sqrt(values["head_dim"])
     common = {f.name for f in COMMON_FIELDS} | {"head_dim"}
@@ -263,8 +266,5 @@ def _build_spec(family, fields: dict[str, Field], tile_fields: dict[str, Field],
         num_kv_heads=values["num_kv_heads"], softmax_scale=values["softmax_scale"],
         targets=tuple(values["targets"]), options=options, tile=tuple(checked_tile.items()),
         source=source)
-    try:
-        family.validate(spec)
-    except SpecError as e:
-        raise SpecError(e.detail, key=e.key, kernel=repr(spec.name)) from None
+    family.validate(spec)
     return spec

@@ -1,0 +1,71 @@
+"""The builder rejects ill-typed IR with a precise message; structured control flow prints the
+expected branch/label shape."""
+
+import pytest
+
+from ptxc.errors import IRError
+from ptxc.ir import F32, S32, U32, U64, Addr, KernelBuilder
+from ptxc.ir.printer import render_instr
+
+
+def test_type_mismatch_names_operands():
+    b = KernelBuilder("k")
+    x, y = b.mov(1, U32), b.mov(1.0, F32)
+    with pytest.raises(IRError, match=r"add: operands have types u32 and f32"):
+        b.add(x, y)
+
+
+def test_signed_unsigned_mix_is_an_error():
+    b = KernelBuilder("k")
+    with pytest.raises(IRError, match="u32 and s32"):
+        b.add(b.mov(1, U32), b.mov(1, S32))
+
+
+def test_float_immediate_for_int_and_bad_destination():
+    b = KernelBuilder("k")
+    x = b.mov(1, U32)
+    with pytest.raises(IRError, match="float immediate"):
+        b.add(x, 1.5)
+    with pytest.raises(IRError, match="destination"):
+        b.add(x, 1, out=b.mov(0.0, F32))
+
+
+def test_shared_address_must_be_32_bit():
+    b = KernelBuilder("k")
+    with pytest.raises(IRError, match="expected 32-bit"):
+        b.ld("shared", F32, Addr(b.mov(0, U64)))
+
+
+def test_barrier_under_predicate_is_rejected():
+    b = KernelBuilder("k")
+    p = b.setp("lt", b.special("%tid.x"), 3)
+    with b.predicate(p):
+        with pytest.raises(IRError, match="bar.sync under a predicate"):
+            b.bar_sync()
+
+
+def test_if_else_and_loop_shapes():
+    b = KernelBuilder("k")
+    n = b.mov(10, U32)
+    p = b.setp("lt", n, 3)
+    with b.if_then(p):
+        b.add(n, 1, out=n)
+    with b.else_():
+        b.sub(n, 1, out=n)
+    with b.for_range(0, n, 2) as i:
+        b.add(n, i, out=n)
+    text = "\n".join(render_instr(i) for i in b.entry.body)
+    assert text == (
+        "\tmov.u32 %r1, 10;\n\tsetp.lt.u32 %p1, %r1, 3;\n\t@!%p1 bra $L__endif_1;\n"
+        "\tadd.u32 %r1, %r1, 1;\n\tbra $L__endelse_2;\n$L__endif_1:\n\tsub.u32 %r1, %r1, 1;\n"
+        "$L__endelse_2:\n\tmov.u32 %r2, 0;\n\tsetp.ge.u32 %p2, %r2, %r1;\n\t@%p2 bra $L__endloop_4;\n"
+        "$L__loop_3:\n\tadd.u32 %r1, %r1, %r2;\n\tadd.u32 %r2, %r2, 2;\n\tsetp.lt.u32 %p3, %r2, %r1;\n"
+        "\t@%p3 bra $L__loop_3;\n$L__endloop_4:")
+
+
+def test_float_immediates_print_as_hex_bits():
+    b = KernelBuilder("k")
+    b.mov(float("-inf"), F32)
+    b.mov(1.0, F32)
+    assert [render_instr(i) for i in b.entry.body] == ["\tmov.f32 %f1, 0fFF800000;",
+                                                       "\tmov.f32 %f2, 0f3F800000;"]
