@@ -138,5 +138,46 @@ def cache_clear():
     click.echo(f"removed {n} entries")
 
 
+@main.command(name="launch-test")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True)
+@click.option("--shape", "shapes", multiple=True, help="Runtime dims, e.g. --shape batch=2,max_seq_len=113.")
+@click.option("--target", "targets", multiple=True, help="Only these targets [default: all built].")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@handles_errors
+def launch_test(paths, backend, shapes, targets, seed, as_json):
+    """Run kernels on random inputs and compare with the fp64 reference (exit 1 on failure)."""
+    from .launch_test import TOLERANCE_RULE, launch_test as run, parse_assignments
+    used, rows = run(paths, backend=backend, shapes=parse_assignments(shapes, "--shape"), seed=seed,
+                     targets=list(targets) or None)
+    if backend == "auto":
+        click.echo(f"backend: {used}" + (" (no CUDA device found)" if used == "emu" else ""), err=True)
+    if as_json:
+        click.echo(json.dumps({"backend": used, "rule": TOLERANCE_RULE,
+                               "results": [r.to_dict() for r in rows]}, indent=2, sort_keys=True))
+    else:
+        from .report_cli import print_launch_test
+        print_launch_test(rows, TOLERANCE_RULE)
+    sys.exit(0 if rows and all(r.ok for r in rows) else 1)
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--inputs", "inputs_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--target", default=None, help="Which target's PTX/cubin [default: oldest built].")
+@click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True)
+@click.option("--set", "sets", multiple=True, help="Runtime dims not inferable from inputs: name=value.")
+@handles_errors
+def run(artifact_dir, inputs_path, output_path, target, backend, sets):
+    """Run an artifact's launch list on the tensors in an .npz; write the outputs to an .npz."""
+    from .launch_test import parse_assignments, run_npz
+    info = run_npz(artifact_dir, inputs_path, output_path, target=target, backend=backend,
+                   sets=parse_assignments(sets, "--set"))
+    click.echo(f"{output_path}: " + ", ".join(f"{k} {v}" for k, v in info["outputs"].items())
+               + f" (backend {info['backend']})")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -122,3 +122,17 @@ def print_families() -> None:
         c.print(fields_table(f"{fam.name} keys", fam.fields.fields))
         if fam.fields.tile:
             c.print(fields_table(escape(f"{fam.name} [kernel.tile] keys"), fam.fields.tile, "tile."))
+
+
+def print_launch_test(rows, rule: str) -> None:
+    c = _console()
+    table = Table(title=f"launch-test (pass: {rule})", title_justify="left")
+    for col in ("kernel", "target", "backend", "shape", "tensor", "max abs error", "tolerance", "result", "time"):
+        table.add_column(col)
+    for r in rows:
+        when = f"{r.ms:.3f} ms" if r.ms is not None else f"{r.seconds:.2f} s (emulated)" if r.backend == "emu" else ""
+        table.add_row(r.kernel, r.target, r.backend, r.shape, r.tensor, f"{r.max_error:.3e}",
+                      f"{r.tol:.3e}", "[green]pass[/green]" if r.ok else "[red]FAIL[/red]", when)
+    c.print(table)
+    failed = sum(not r.ok for r in rows)
+    c.print(f"{len(rows) - failed} passed, {failed} failed")

@@ -99,3 +99,7 @@ class Family:
     interface: Callable[[KernelSpec], Interface]
     build: Callable[[KernelSpec, Target], Program]
     resolve_tile: Callable[[KernelSpec, Target], dict[str, Any]]
+    # Random inputs at the given dims (host arrays, already representable in the dtype) ...
+    make_inputs: Callable[[KernelSpec, dict[str, int], Any], dict[str, Any]] | None = None
+    # ... and the outputs in float64; with dtype=..., the naive same-dtype computation instead.
+    reference: Callable[..., dict[str, Any]] | None = None

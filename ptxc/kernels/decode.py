@@ -303,5 +303,28 @@ def _store_f32_row(b, lane_off, base, vals):
         b.st("shared", F32, Addr(lane_off, base + q * 4), vals[q:q + 4])
 
 
+def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
+    """Random q/k/v and ragged seq_lens cycling through full, 0, 1, an odd middle, 17."""
+    import numpy as np
+
+    from ..reference import round_to
+    B, S = dims["batch"], dims["max_seq_len"]
+    H, Hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    host = np.float32
+    q, k, v = (round_to(rng.standard_normal(shape), spec.dtype).astype(host)
+               for shape in ((B, H, d), (B, S, Hk, d), (B, S, Hk, d)))
+    pattern = [S, 0, 1, max(1, (S * 5 // 9) | 1), 17]
+    lens = np.array([min(pattern[i % len(pattern)], S) for i in range(B)], dtype=np.int32)
+    return {"q": q, "k_cache": k, "v_cache": v, "seq_lens": lens}
+
+
+def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
+    from .. import reference as ref
+    o, lse = ref.decode(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["seq_lens"],
+                        spec.softmax_scale, dtype=dtype)
+    return {"o": o, "lse": lse} if spec.opt("return_lse") else {"o": o}
+
+
 FAMILY = Family(name="decode", doc=__doc__.split("\n")[0], fields=FIELDS, validate=validate,
-                interface=interface, build=build, resolve_tile=resolve_tile)
+                interface=interface, build=build, resolve_tile=resolve_tile,
+                make_inputs=make_inputs, reference=reference)

@@ -51,6 +51,14 @@ class KernelSpec:
             "targets": list(self.targets), **dict(self.options), "tile": dict(self.tile),
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "KernelSpec":
+        """Inverse of to_dict (e.g. the `spec` recorded in artifact metadata)."""
+        common = ("name", "family", "dtype", "head_dim", "num_heads", "num_kv_heads", "softmax_scale")
+        options = tuple(sorted((k, v) for k, v in data.items() if k not in common + ("targets", "tile")))
+        return cls(**{k: data[k] for k in common}, targets=tuple(data["targets"]), options=options,
+                   tile=tuple(sorted(data.get("tile", {}).items())))
+
     def for_target_key(self, target: str) -> dict[str, Any]:
         """What determines the PTX of one target: the spec with only that target listed."""
         data = self.to_dict()

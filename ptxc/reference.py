@@ -1,0 +1,121 @@
+"""fp64 numpy references, the "naive same-dtype" computation, and the tolerance rule.
+
+Tolerance rule (FlashAttention-2's tests): a kernel passes when
+
+    max|kernel - ref64|  <=  2 * max|naive_same_dtype - ref64|  +  1e-5
+
+where the naive computation stores every intermediate (scores, probabilities, output) in the
+kernel's dtype. It scales the allowed error with what the dtype itself makes unavoidable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TOLERANCE_RULE = "max|kernel - fp64| <= 2 * max|naive same-dtype - fp64| + 1e-5"
+ABS_SLACK = 1e-5
+
+
+# ---- dtype exchange ------------------------------------------------------------------------
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round to `dtype` and return as float64 (bf16 by round-to-nearest-even on f32 bits)."""
+    x = np.asarray(x)
+    if dtype == "f32":
+        return x.astype(np.float32).astype(np.float64)
+    if dtype == "f16":
+        return x.astype(np.float16).astype(np.float64)
+    if dtype == "bf16":
+        return bf16_bits_to_f32(f32_to_bf16_bits(x)).astype(np.float64)
+    raise ValueError(dtype)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(np.asarray(x, dtype=np.float32)).view(np.uint32)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    return (np.asarray(b, dtype=np.uint32) << 16).view(np.float32)
+
+
+def to_device(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Host array -> the bytes a kernel reads (bf16 exchanged as f32 arrays, stored as bits)."""
+    if dtype == "f32":
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if dtype == "f16":
+        return np.ascontiguousarray(x, dtype=np.float16)
+    if dtype == "bf16":
+        return f32_to_bf16_bits(x)
+    if dtype == "i32":
+        return np.ascontiguousarray(x, dtype=np.int32)
+    if dtype == "u64":
+        return np.ascontiguousarray(x, dtype=np.uint64)
+    raise ValueError(dtype)
+
+
+def from_device(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Device bytes -> host array (bf16 comes back as float32)."""
+    return bf16_bits_to_f32(x) if dtype == "bf16" else x
+
+
+# ---- attention ---------------------------------------------------------------------------
+def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype: str | None = None):
+    """softmax(scale * q k^T + mask) v over the last two axes of [..., heads, seq, d] arrays.
+
+    q: [B, H, Sq, D]; k, v: [B, Hk, Sk, D] (GQA: query head h uses KV head h // (H / Hk)).
+    kv_len: optional [B] valid key counts. Causal masks align bottom-right: query i sees key j
+    iff j <= i + Sk - Sq. Rows that see no key give 0 output and lse = -inf.
+    With `dtype`, every intermediate is rounded to it (the naive same-dtype computation).
+    Returns (o [B, H, Sq, D], lse [B, H, Sq]) in float64.
+    """
+    rnd = (lambda x: round_to(x, dtype)) if dtype else (lambda x: x)
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    B, H, Sq, D = q.shape
+    Hk, Sk = k.shape[1], k.shape[2]
+    k = np.repeat(k, H // Hk, axis=1)
+    v = np.repeat(v, H // Hk, axis=1)
+    s = rnd(np.einsum("bhqd,bhkd->bhqk", q, k) * scale)
+    mask = np.ones((B, 1, Sq, Sk), dtype=bool)
+    if kv_len is not None:
+        mask &= (np.arange(Sk)[None, :] < np.asarray(kv_len)[:, None])[:, None, None, :]
+    if causal:
+        mask &= (np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + Sk - Sq)[None, None]
+    s = np.where(mask, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m_safe)
+    l = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        o = rnd(np.einsum("bhqk,bhkd->bhqd", rnd(p / np.where(l > 0, l, 1.0)), v))
+        lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l[..., 0]), -np.inf)
+    return o, lse
+
+
+def decode(q, k_cache, v_cache, seq_lens, scale: float, dtype: str | None = None):
+    """Single-token decode: q [B, H, D], caches [B, S, Hk, D], seq_lens [B].
+    Returns (o [B, H, D], lse [B, H])."""
+    qh = np.asarray(q)[:, :, None, :]
+    kh = np.swapaxes(np.asarray(k_cache), 1, 2)
+    vh = np.swapaxes(np.asarray(v_cache), 1, 2)
+    lens = np.minimum(np.maximum(np.asarray(seq_lens), 0), kh.shape[2])
+    o, lse = attention(qh, kh, vh, scale, kv_len=lens, dtype=dtype)
+    return o[:, :, 0, :], lse[:, :, 0]
+
+
+# ---- comparison --------------------------------------------------------------------------
+def max_abs_error(got, ref) -> float:
+    """Max |got - ref|, with matching infinities (e.g. lse = -inf) counted as exact."""
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    if got.shape != ref.shape:
+        raise ValueError(f"shape {got.shape} != reference {ref.shape}")
+    same_inf = np.isinf(got) & np.isinf(ref) & (np.sign(got) == np.sign(ref))
+    diff = np.where(same_inf, 0.0, np.abs(got - ref))
+    if diff.size == 0:
+        return 0.0
+    return float(np.nanmax(np.where(np.isnan(diff), np.inf, diff)))
+
+
+def tolerance(naive, ref) -> float:
+    return 2.0 * max_abs_error(naive, ref) + ABS_SLACK

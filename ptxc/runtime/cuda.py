@@ -1,0 +1,137 @@
+"""The CUDA backend: run an artifact's launch list on a real GPU through the driver API
+(cuda-python's `cuda.bindings.driver`). Loads the cubin for the device's SM when the artifact has
+one (else JIT-compiles the PTX of the newest target not above the device), sets the dynamic
+shared-memory attribute above 48 KiB, launches per the metadata, times with CUDA events.
+
+This module is imported only when the cuda backend is asked for; without a driver or device,
+`CudaDevice.open()` raises a ToolchainError with a one-line reason (exit code 2).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import PtxcError, ToolchainError
+from . import launch_geometry, pack_args
+
+_CTYPE = {"u32": ctypes.c_uint32, "s32": ctypes.c_int32, "u64": ctypes.c_uint64,
+          "s64": ctypes.c_int64, "f32": ctypes.c_float}
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise ToolchainError(f"the cuda backend needs cuda-python ({e})") from None
+    return driver
+
+
+def _check(result, what: str):
+    drv = _driver()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        _, name = drv.cuGetErrorName(err)
+        raise PtxcError(f"CUDA error in {what}: {name.decode() if isinstance(name, bytes) else name}")
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+@dataclass
+class CudaDevice:
+    device: Any
+    context: Any
+    sm: int
+    name: str
+    modules: dict = field(default_factory=dict)
+    last_ms: list = field(default_factory=list)
+
+    @classmethod
+    def open(cls, ordinal: int = 0) -> "CudaDevice":
+        drv = _driver()
+        try:
+            err, = drv.cuInit(0)
+        except Exception as e:  # no libcuda.so: cuda-python raises at call time
+            raise ToolchainError(f"no CUDA driver available ({e.__class__.__name__}: {e})") from None
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise ToolchainError(f"no usable CUDA driver/device (cuInit: {err.name})")
+        count = _check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
+        if count == 0:
+            raise ToolchainError("no CUDA device present")
+        dev = _check(drv.cuDeviceGet(ordinal), "cuDeviceGet")
+        ctx = _check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        _check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        attr = drv.CUdevice_attribute
+        major = _check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "attr")
+        minor = _check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "attr")
+        name = _check(drv.cuDeviceGetName(256, dev), "cuDeviceGetName")
+        return cls(dev, ctx, major * 10 + minor, name.split(b"\0")[0].decode())
+
+    def pick_image(self, artifact, target: str | None) -> tuple[str, bytes]:
+        """The cubin built for exactly this SM, else the PTX of the newest target <= this SM."""
+        targets = artifact.meta["targets"]
+        if target is None:
+            exact = [t for t in targets if int("".join(filter(str.isdigit, t))) == self.sm and "cubin" in targets[t]]
+            if exact:
+                return exact[0], artifact.cubin(exact[0])
+            older = sorted((t for t in targets if int("".join(filter(str.isdigit, t))) <= self.sm),
+                           key=lambda t: int("".join(filter(str.isdigit, t))))
+            if not older:
+                raise ToolchainError(f"{artifact.name}: no target runs on sm_{self.sm} (built: {', '.join(targets)})")
+            target = older[-1]
+            return target, artifact.ptx(target).encode() + b"\0"
+        image = artifact.cubin(target)
+        return target, image if image is not None else artifact.ptx(target).encode() + b"\0"
+
+    def launcher(self, artifact, target: str | None, repeat: int = 1):
+        drv = _driver()
+        tname, image = self.pick_image(artifact, target)
+        module = _check(drv.cuModuleLoadData(image), f"cuModuleLoadData({artifact.name} {tname})")
+        self.modules[(artifact.name, tname)] = module
+
+        def launch(kernel, buffers, dims):
+            fn = _check(drv.cuModuleGetFunction(module, kernel["entry"].encode()), "cuModuleGetFunction")
+            smem = kernel["dynamic_smem_bytes"]
+            if kernel["needs_smem_opt_in"]:
+                _check(drv.cuFuncSetAttribute(
+                    fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                    "cuFuncSetAttribute")
+            dptrs = {}
+            for name, arr in buffers.items():
+                dptrs[name] = _check(drv.cuMemAlloc(max(arr.nbytes, 1)), "cuMemAlloc")
+                if arr.nbytes:
+                    _check(drv.cuMemcpyHtoD(dptrs[name], arr.ctypes.data, arr.nbytes), "cuMemcpyHtoD")
+            try:
+                values = pack_args(kernel, buffers, dims, pointer=lambda n, a: int(dptrs[n]))
+                cvals = [_CTYPE[p["type"]](int(v) if p["type"] != "f32" else float(v))
+                         for p, v in zip(kernel["params"], values)]
+                ptrs = (ctypes.c_void_p * len(cvals))(*[ctypes.addressof(c) for c in cvals])
+                grid, block = launch_geometry(kernel, dims)
+                start, stop = (_check(drv.cuEventCreate(0), "cuEventCreate") for _ in range(2))
+                _check(drv.cuEventRecord(start, 0), "cuEventRecord")
+                for _ in range(repeat):
+                    _check(drv.cuLaunchKernel(fn, *grid, *block, smem, 0, ctypes.addressof(ptrs), 0),
+                           f"cuLaunchKernel({kernel['entry']})")
+                _check(drv.cuEventRecord(stop, 0), "cuEventRecord")
+                _check(drv.cuEventSynchronize(stop), "cuEventSynchronize")
+                self.last_ms.append(_check(drv.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / repeat)
+                for name, arr in buffers.items():
+                    if arr.nbytes:
+                        _check(drv.cuMemcpyDtoH(arr.ctypes.data, dptrs[name], arr.nbytes), "cuMemcpyDtoH")
+            finally:
+                for d in dptrs.values():
+                    drv.cuMemFree(d)
+        return launch
+
+
+def available() -> bool:
+    try:
+        CudaDevice.open()
+        return True
+    except PtxcError:
+        return False
+    except Exception:
+        return False
+
+
+__all__ = ["CudaDevice", "available"]
