@@ -5,7 +5,7 @@
 Stage 1+2 ("ptx") and stage 3 ("cubin") are cached separately: the PTX entry is keyed by the
 spec, target and code-generation sources; the cubin entry by the PTX text itself, the target and
 the ptxas version and options — so a ptxc change that leaves the PTX alone reuses the cubin.
-Each stage's output can be dumped (`ptxc build --dump-ir`, the .ptx files, the cubins).
+Each stage's output is kept: the normalised spec (in the metadata), the .ptx files, the cubins.
 """
 
 from __future__ import annotations
