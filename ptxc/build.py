@@ -49,9 +49,12 @@ def _progress(total: int, enabled: bool):
 
 def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: bool = True,
               jobs: int | None = None, use_cache: bool = True, progress: bool = True,
-              cache_dir: Path | None = None) -> dict[str, Any]:
+              cache_dir: Path | None = None, shard: tuple[int, int] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     specs = load_paths(paths)
+    if shard is not None:
+        from .distribute import in_shard
+        specs = [s for s in specs if in_shard(s.name, shard)]
     if targets:
         specs = _retarget(specs, targets)
     for s in specs:  # resolve tiles for every target before any work: config errors come first
@@ -82,7 +85,7 @@ def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: boo
             "verified": tc is not None, "ptxas_version": tc.version if tc else None,
             "cache": {"path": str(cache.root), "enabled": cache.enabled, "hits": cache.hits,
                       "misses": cache.misses},
-            "seconds": round(time.perf_counter() - t0, 3)}
+            "shard": list(shard) if shard else None, "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def _target_summary(t: dict) -> dict:

@@ -56,12 +56,15 @@ def main():
 @click.option("-j", "--jobs", type=click.IntRange(1, 512), default=None, help="Parallel jobs [default: CPU count].")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @click.option("--no-cache", is_flag=True, help="Neither read nor write the compilation cache.")
+@click.option("--shard", default=None, metavar="I/N", help="Build only shard I of N (1-based; split by name hash).")
 @handles_errors
-def build(paths, out, targets, no_verify, jobs, as_json, no_cache):
+def build(paths, out, targets, no_verify, jobs, as_json, no_cache, shard):
     """Build every kernel in SPEC files / directories into OUT."""
     from .build import run_build
+    from .distribute import parse_shard
     summary = run_build(paths, out, targets=list(targets), verify=not no_verify, jobs=jobs,
-                        use_cache=not no_cache, progress=not as_json)
+                        use_cache=not no_cache, progress=not as_json,
+                        shard=parse_shard(shard) if shard else None)
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
     else:
@@ -177,6 +180,28 @@ def run(artifact_dir, inputs_path, output_path, target, backend, sets):
                    sets=parse_assignments(sets, "--set"))
     click.echo(f"{output_path}: " + ", ".join(f"{k} {v}" for k, v in info["outputs"].items())
                + f" (backend {info['backend']})")
+
+
+@main.command()
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=Path))
+@handles_errors
+def merge(inputs, out):
+    """Merge several build output directories (e.g. shards) into one artifact set."""
+    from .distribute import merge as do_merge
+    info = do_merge(list(inputs), out)
+    click.echo(f"merged {info['artifacts']} artifacts from {len(inputs)} directories into {out}")
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@handles_errors
+def pack(src, output):
+    """Write a reproducible .tar.gz of an output directory (sorted, fixed mtimes and owners)."""
+    from .distribute import pack as do_pack
+    info = do_pack(src, output)
+    click.echo(f"{output}: {info['files']} files, sha256 {info['sha256']}")
 
 
 if __name__ == "__main__":  # pragma: no cover

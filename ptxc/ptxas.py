@@ -124,20 +124,35 @@ def assemble(ptx: str, target: str, tc: Toolchain, label: str) -> tuple[bytes, d
             raise ToolchainError(f"cannot run ptxas at {tc.path}: {e.strerror}") from None
         log = out.stderr + out.stdout
         if out.returncode != 0 or not dst.exists():
+            _raise_toolchain_problem(log, out.returncode, tc, target)
             raise AssemblyError(_explain_failure(log, ptx, label, target, out.returncode))
         return dst.read_bytes(), parse_resources(log), log
+
+
+_TOO_OLD = re.compile(r"Unsupported \.version ([\d.]+); current version is '([\d.]+)'")
+
+
+def _raise_toolchain_problem(log: str, rc: int, tc: Toolchain, target: str) -> None:
+    """Failures that are the toolchain's, not the PTX's: one line, exit code 2."""
+    if rc < 0 or (rc > 128 and "error" not in log and "fatal" not in log):
+        raise ToolchainError(f"ptxas {tc.version} at {tc.path} crashed (exit {rc}) on {target}; "
+                             f"reinstall it ({INSTALL_HINT})")
+    m = _TOO_OLD.search(log)
+    if m:
+        raise ToolchainError(f"ptxas {tc.version} at {tc.path} is too old: ptxc emits PTX ISA "
+                             f"{m.group(1)} for {target}, this ptxas reads up to {m.group(2)}; "
+                             f"install a newer one (pip install -U nvidia-cuda-nvcc) or set PTXAS=")
+    if re.search(r"is not defined for option 'gpu-name'|Unknown target", log):
+        raise ToolchainError(f"ptxas {tc.version} at {tc.path} does not support {target}: "
+                             f"{log.strip().splitlines()[0] if log.strip() else 'no message'}")
 
 
 def _explain_failure(log: str, ptx: str, label: str, target: str, rc: int) -> str:
     lines = ptx.splitlines()
     msgs = [l.strip() for l in log.splitlines() if "error" in l or "fatal" in l] or \
         [f"ptxas exited {rc} with no message"]
-    if rc < 0 or rc > 128 and not any("error" in m for m in msgs):
-        return f"{label} [{target}]: ptxas crashed (exit {rc}); {INSTALL_HINT}"
     text = f"{label} [{target}]: ptxas rejected the PTX:\n  " + "\n  ".join(msgs[:8])
     m = re.search(r"line (\d+)", msgs[0])
     if m and 0 < int(m.group(1)) <= len(lines):
         text += f"\n  PTX line {m.group(1)}: {lines[int(m.group(1)) - 1].strip()}"
-    if "PTX ISA" in log or ".version" in log:
-        text += "\n  (this ptxas may be older than the PTX ISA version ptxc emits for this target)"
     return text

@@ -106,6 +106,8 @@ def load_text(data: bytes | str, filename: str = "<string>") -> list[KernelSpec]
         doc = tomllib.loads(data)
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"malformed TOML: {e}", file=filename) from None
+    except RecursionError:
+        raise SpecError("malformed TOML: arrays or tables nested too deeply", file=filename) from None
     _check_keys(doc, TOP_LEVEL_KEYS, filename, None, "")
     defaults = doc.get("defaults", {})
     if not isinstance(defaults, dict):
