@@ -204,5 +204,16 @@ def pack(src, output):
     click.echo(f"{output}: {info['files']} files, sha256 {info['sha256']}")
 
 
+@main.command(name="emit-c-header")
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Header path [default: OUT_DIR/ptxc_kernels.h].")
+@handles_errors
+def emit_c_header(out_dir, output):
+    """Write a C header (params structs, grid helpers, driver-API launchers) for an artifact set."""
+    from .cheader import emit
+    click.echo(str(emit(out_dir, output)))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
