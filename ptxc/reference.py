@@ -111,7 +111,8 @@ def max_abs_error(got, ref) -> float:
     if got.shape != ref.shape:
         raise ValueError(f"shape {got.shape} != reference {ref.shape}")
     same_inf = np.isinf(got) & np.isinf(ref) & (np.sign(got) == np.sign(ref))
-    diff = np.where(same_inf, 0.0, np.abs(got - ref))
+    with np.errstate(invalid="ignore"):
+        diff = np.where(same_inf, 0.0, np.abs(got - ref))
     if diff.size == 0:
         return 0.0
     return float(np.nanmax(np.where(np.isnan(diff), np.inf, diff)))

@@ -164,8 +164,12 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: DecodeConfig, ptrs, stri
         return b.and_(ok, row_ok)
 
     def row_base(t: str, head: Reg) -> Reg:
+        """Address of this lane's first chunk in (batch, head) of tensor t; the head axis is 1
+        for q/o ([batch, heads, d]) and 2 for the caches ([batch, seq, heads, d])."""
+        head_axis = 1 if t in ("q", "o") else 2
         base = C.element_offset(b, ptrs[t], batch, strides[(t, 0)])
-        return b.add(C.element_offset(b, b.bitcast(base, C.U64), head, strides[(t, 1)]), lane_byte)
+        return b.add(C.element_offset(b, b.bitcast(base, C.U64), head, strides[(t, head_axis)]),
+                     lane_byte)
 
     # Query chunk per head, scaled so that scores come out in log2 units.
     qscale = spec.softmax_scale * C.LOG2E
