@@ -60,6 +60,7 @@ def make_metadata(build, verified: bool) -> dict[str, Any]:
         "spec": spec.to_dict(),
         "tensors": {t.name: t.to_dict() for t in iface.tensors},
         "dims": list(iface.dims),
+        "dim_rules": iface.dim_rules,
         "scalars": {},
         "verified": verified,
         "targets": targets,

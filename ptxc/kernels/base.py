@@ -29,11 +29,17 @@ class TensorInfo:
     role: str                      # "input" | "output" | "inout" | "workspace"
     doc: str = ""
     device_resident_scalars: bool = False   # per-step scalars (seq_lens, positions) read on device
+    passed_as: str | None = None      # the kernel reaches this tensor through that pointer array
+    derived_from: str | None = None   # built by the runtime: per-batch device pointers into it
 
     def to_dict(self) -> dict[str, Any]:
         d = {"dtype": self.dtype, "shape": list(self.shape), "role": self.role}
         if self.device_resident_scalars:
             d["device_resident"] = True
+        if self.passed_as:
+            d["passed_as"] = self.passed_as
+        if self.derived_from:
+            d["derived_from"] = self.derived_from
         if self.doc:
             d["doc"] = self.doc
         return d
@@ -88,6 +94,8 @@ class Interface:
     tensors: tuple[TensorInfo, ...]
     dims: tuple[str, ...]            # runtime dimensions, inferred from tensor shapes at launch
     defaults: dict[str, int] = field(default_factory=dict)  # small odd shapes for launch-test
+    # Dims not inferable from shapes: {"num_splits": {"value": 3}} or {"num_splits": {"auto": {...}}}
+    dim_rules: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

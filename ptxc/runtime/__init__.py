@@ -24,6 +24,7 @@ from ..reference import from_device, to_device
 NP_PARAM = {"u32": np.uint32, "s32": np.int32, "u64": np.uint64, "s64": np.int64, "f32": np.float32}
 HOST_DTYPES = {"f32": (np.float32, np.float64, np.float16), "f16": (np.float16, np.float32, np.float64),
                "bf16": (np.float32, np.float64), "i32": (np.int32, np.int64), "u64": (np.uint64,)}
+EMU_NUM_SMS = 108  # the SM count "auto" rules assume on the emulator (an A100's)
 POISON = {"f32": np.float32(np.nan), "f16": np.float16(np.nan), "bf16": np.uint16(0x7FC0),
           "i32": np.int32(-0x7FFFFFFF), "u64": np.uint64(0)}
 
@@ -53,8 +54,9 @@ class Artifact:
         _, t = self.target(target)
         return (self.path / t["cubin"]).read_bytes() if "cubin" in t else None
 
-    def infer_dims(self, inputs: dict[str, np.ndarray], sets: dict[str, int] | None = None) -> dict[str, int]:
-        return infer_dims(self.meta, inputs, sets or {})
+    def infer_dims(self, inputs: dict[str, np.ndarray], sets: dict[str, int] | None = None,
+                   num_sms: int = EMU_NUM_SMS) -> dict[str, int]:
+        return infer_dims(self.meta, inputs, sets or {}, num_sms)
 
     def run(self, inputs: dict[str, np.ndarray], *, target: str | None = None, backend: str = "emu",
             sets: dict[str, int] | None = None, device=None) -> dict[str, np.ndarray]:
@@ -87,10 +89,21 @@ def load(path: str | Path) -> Artifact:
     return Artifact(path, meta)
 
 
-def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int]) -> dict[str, int]:
+def apply_dim_rule(rule: dict, dims: dict[str, int], num_sms: int) -> int:
+    """A dim the shapes do not determine: a fixed value, or an "auto" rule such as
+    num_splits = min(max, max(1, cdiv(2 * num_sms, ctas))) (enough CTAs for two waves)."""
+    if "value" in rule:
+        return int(rule["value"])
+    auto = rule["auto"]
+    ctas = max(1, exprs.evaluate(auto["ctas"], dims))
+    return int(min(auto["max"], max(1, -(-2 * num_sms // ctas))))
+
+
+def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
+               num_sms: int = EMU_NUM_SMS) -> dict[str, int]:
     """Match every input's shape against its tensor's named shape; return the runtime dims."""
     tensors = meta["tensors"]
-    expected = {n for n, t in tensors.items() if t["role"] in ("input", "inout")}
+    expected = {n for n, t in tensors.items() if t["role"] in ("input", "inout") and not t.get("derived_from")}
     missing = sorted(expected - set(inputs))
     extra = sorted(set(inputs) - expected)
     if missing:
@@ -122,6 +135,9 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int]) 
             elif dims.setdefault(want, size) != size:
                 raise InputError(f"{meta['name']}: input {name} axis {axis} ({want}) is {size}, "
                                  f"but {want} = {dims[want]} from another input or --set")
+    for name, rule in (meta.get("dim_rules") or {}).items():
+        if name not in dims:
+            dims[name] = apply_dim_rule(rule, dims, num_sms)
     unknown = [d for d in meta["dims"] if d not in dims]
     if unknown:
         raise InputError(f"{meta['name']}: cannot infer {', '.join(unknown)} from the inputs; "

@@ -19,7 +19,7 @@ MAX_NAME_LEN = 96
 @dataclass(frozen=True)
 class Field:
     name: str
-    kind: str                        # "int" | "float" | "bool" | "str" | "str_list"
+    kind: str                        # "int" | "float" | "bool" | "str" | "str_list" | "int_or_auto"
     doc: str
     default: Any = REQUIRED          # a value, REQUIRED, or None (= chosen by the family)
     choices: tuple | None = None     # allowed values (for str/int kinds)
@@ -40,10 +40,12 @@ class Field:
             "bool": lambda v: isinstance(v, bool),
             "str": lambda v: isinstance(v, str),
             "str_list": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+            "int_or_auto": lambda v: v == "auto" or (isinstance(v, int) and not isinstance(v, bool)),
         }[self.kind](value)
         if not ok:
             want = {"int": "an integer", "float": "a number", "bool": "true or false",
-                    "str": "a string", "str_list": "a list of strings"}[self.kind]
+                    "str": "a string", "str_list": "a list of strings",
+                    "int_or_auto": 'an integer or "auto"'}[self.kind]
             return value, f"got {_show(value)} ({_toml_type(value)}), expected {want}"
         if self.kind == "float":
             value = float(value)
@@ -51,7 +53,7 @@ class Field:
                 return value, f"got {_show(value)}, expected a finite number"
         if self.choices is not None and value not in self.choices:
             return value, f"got {_show(value)}, allowed: {self.describe_allowed()}"
-        if self.check is not None and (why := self.check(value)):
+        if self.check is not None and value != "auto" and (why := self.check(value)):
             return value, f"got {_show(value)}, expected {why}"
         return value, None
 

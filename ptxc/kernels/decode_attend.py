@@ -1,0 +1,203 @@
+"""The decode attention body: one CTA attends one query token per head of a head chunk over a
+range of KV rows, then either writes the final output or (split-KV) a partial result.
+
+Work split inside the CTA (docs/kernels.md): `lanes_per_row` lanes share a KV row (one or more
+128-bit chunks each); the warp's lane groups ("row slots") take consecutive rows; each lane
+issues `kv_unroll` K and V loads before using them. Each row slot keeps an online-softmax state
+in base 2; states merge across row slots with shuffles, then across warps in shared memory,
+where all threads cooperate on the epilogue with 128-bit stores.
+"""
+
+from __future__ import annotations
+
+from ..ir import F32, S32, S64, U32, Addr, KernelBuilder, Reg
+from . import common as C
+from .kv_access import KVAccess
+
+
+def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
+                   split_count: Reg | None) -> None:
+    """Emit the whole body. `strides[(t, axis)]` are byte strides of q and o; with
+    `split_count`, CTA z handles the z-th of `split_count` row ranges and writes partials."""
+    fmt, lpr, hp = cfg.fmt, cfg.lanes_per_row, cfg.heads_per_cta
+    tid = b.special("%tid.x")
+    lane, warp = b.and_(tid, 31), b.shr(tid, 5)
+    slot, sub = b.shr(lane, lpr.bit_length() - 1), b.and_(lane, lpr - 1)
+    batch, cx = b.special("%ctaid.y"), b.special("%ctaid.x")
+    kv_head = b.div(cx, cfg.head_chunks) if cfg.head_chunks > 1 else cx
+    head0 = b.mad(kv_head, cfg.group_size, b.mul(b.rem(cx, cfg.head_chunks), hp)) \
+        if cfg.head_chunks > 1 else b.mul(kv_head, cfg.group_size)
+
+    seq_len = b.ld("global", U32, Addr(C.element_offset(b, ptrs["seq_lens"], batch, b.mov(4, S64))))
+    seq_len = b.min(b.bitcast(b.max(b.bitcast(seq_len, S32), 0), U32), kv.capacity(b))
+    row_begin, row_end = b.mov(0, U32), seq_len
+    if split_count is not None:  # split z of n: rows [z*chunk, min((z+1)*chunk, len))
+        rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
+        per_split = b.div(b.add(seq_len, b.sub(split_count, 1)), split_count)
+        per_split = b.mul(b.div(b.add(per_split, rows_per_iter - 1), rows_per_iter), rows_per_iter)
+        row_begin = b.min(b.mul(b.special("%ctaid.z"), per_split), seq_len)
+        row_end = b.min(b.add(row_begin, per_split), seq_len)
+
+    lane_byte = b.cvt(S64, b.mul(sub, C.VEC_BYTES))
+    last_ok = b.setp("lt", sub, cfg.chunks - (cfg.chunks_per_lane - 1) * lpr) if cfg.chunks % lpr else None
+
+    def chunk_pred(j: int, row_ok: Reg | None) -> Reg | None:
+        ok = last_ok if j == cfg.chunks_per_lane - 1 else None
+        if ok is None or row_ok is None:
+            return ok or row_ok
+        return b.and_(ok, row_ok)
+
+    def head_row(t: str, head: Reg) -> Reg:
+        base = C.element_offset(b, ptrs[t], batch, strides[(t, 0)])
+        return b.add(C.element_offset(b, b.bitcast(base, C.U64), head, strides[(t, 1)]), lane_byte)
+
+    qscale = spec.softmax_scale * C.LOG2E  # scores come out in log2 units
+    q_regs = []
+    for i in range(hp):
+        qb = head_row("q", b.add(head0, i))
+        q_regs.append([[b.mul(x, qscale) for x in C.to_f32(b, fmt, C.load_vec(
+            b, fmt, Addr(qb, j * lpr * C.VEC_BYTES), chunk_pred(j, None)))]
+            for j in range(cfg.chunks_per_lane)])
+
+    m = [b.mov(C.NEG_INF, F32) for _ in range(hp)]
+    l = [b.mov(0.0, F32) for _ in range(hp)]
+    acc = [[[b.mov(0.0, F32) for _ in range(fmt.per_vec)] for _ in range(cfg.chunks_per_lane)]
+           for _ in range(hp)]
+    bases = kv.bases(b, ptrs, batch, kv_head, lane_byte)
+    first_row = b.mad(warp, cfg.rows_per_warp * cfg.kv_unroll, slot)
+    _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred)
+
+    off = lpr  # merge row slots: lanes that differ in the slot bits
+    while off < 32:
+        for i in range(hp):
+            flat = [x for ch in acc[i] for x in ch]
+            C.merge_softmax_states(b, m[i], l[i], flat, b.shfl("bfly", m[i], off),
+                                   b.shfl("bfly", l[i], off), [b.shfl("bfly", x, off) for x in flat])
+        off *= 2
+    smem = _stage_warp_states(b, cfg, m, l, acc, warp, slot, sub)
+    _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count)
+
+
+def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred):
+    fmt, lpr, hp = cfg.fmt, cfg.lanes_per_row, cfg.heads_per_cta
+    rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
+    with b.for_range(row_begin, row_end, rows_per_iter) as it:
+        rows = [b.add(it, b.add(first_row, u * cfg.rows_per_warp)) for u in range(cfg.kv_unroll)]
+        valid = [b.setp("lt", r, row_end) for r in rows]
+        tiles, page_cache = {}, {}
+        for t in ("k_cache", "v_cache"):  # every load issued before any use: loads in flight
+            tiles[t] = []
+            for r, ok in zip(rows, valid):
+                addr, row_ok = kv.row_address(b, bases, t, r, ok, page_cache)
+                tiles[t].append([C.load_vec(b, fmt, Addr(addr, j * lpr * C.VEC_BYTES), chunk_pred(j, row_ok))
+                                 for j in range(cfg.chunks_per_lane)])
+        scores = []  # [u][i]
+        for u in range(cfg.kv_unroll):
+            k = [C.to_f32(b, fmt, regs) for regs in tiles["k_cache"][u]]
+            row_scores = []
+            for i in range(hp):
+                s = b.mov(0.0, F32)
+                for j in range(cfg.chunks_per_lane):
+                    for e in range(fmt.per_vec):
+                        s = b.fma(q_regs[i][j][e], k[j][e], s)
+                s = C.warp_sum(b, s, [lpr >> n for n in range(1, lpr.bit_length())])
+                row_scores.append(b.selp(s, C.NEG_INF, valid[u]))
+            scores.append(row_scores)
+        v = [[C.to_f32(b, fmt, regs) for regs in tiles["v_cache"][u]] for u in range(cfg.kv_unroll)]
+        for i in range(hp):
+            m_new = m[i]
+            for u in range(cfg.kv_unroll):
+                m_new = b.max(m_new, scores[u][i])
+            m_use = C.safe_max(b, m_new)
+            alpha = C.rescale_factor(b, m[i], m_use)
+            p = [b.ex2(b.sub(scores[u][i], m_use)) for u in range(cfg.kv_unroll)]
+            psum = p[0]
+            for x in p[1:]:
+                psum = b.add(psum, x)
+            b.mad(l[i], alpha, psum, out=l[i])
+            for j in range(cfg.chunks_per_lane):
+                for e in range(fmt.per_vec):
+                    a = b.mul(acc[i][j][e], alpha, out=acc[i][j][e])
+                    for u in range(cfg.kv_unroll):
+                        b.fma(p[u], v[u][j][e], a, out=a)
+            b.mov(m_new, out=m[i])
+
+
+def _stage_warp_states(b, cfg, m, l, acc, warp, slot, sub) -> Reg:
+    """Row slot 0 of every warp writes (m, l) and its accumulator chunks to shared memory."""
+    fmt, d, hp = cfg.fmt, cfg.head_dim, cfg.heads_per_cta
+    smem = b.address_of(b.shared("merge_smem", cfg.merge_smem_bytes))
+    ml_base = b.mad(warp, hp * 8, smem)                                  # [warp][head] -> (m, l)
+    acc_base = b.mad(warp, hp * d * 4, b.add(smem, cfg.ml_smem_bytes))   # [warp][head][d]
+    with b.if_then(b.setp("eq", slot, 0)):
+        with b.if_then(b.setp("eq", sub, 0)):
+            for i in range(hp):
+                b.st("shared", F32, Addr(ml_base, i * 8), [m[i], l[i]])
+        lane_off = b.mad(sub, fmt.per_vec * 4, acc_base)
+        for j in range(cfg.chunks_per_lane):
+            ok = b.setp("lt", sub, cfg.chunks - j * cfg.lanes_per_row) \
+                if (j + 1) * cfg.lanes_per_row > cfg.chunks else None
+            for i in range(hp):
+                base = (i * d + j * cfg.lanes_per_row * fmt.per_vec) * 4
+                if ok is None:
+                    _store_f32_row(b, lane_off, base, acc[i][j])
+                else:
+                    with b.if_then(ok):
+                        _store_f32_row(b, lane_off, base, acc[i][j])
+    b.bar_sync(0)
+    return smem
+
+
+def _store_f32_row(b, lane_off, base, vals):
+    for q in range(0, len(vals), 4):
+        b.st("shared", F32, Addr(lane_off, base + q * 4), vals[q:q + 4])
+
+
+def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count):
+    """Every thread takes 128-bit output chunks (head i, chunk c): merge the warps' states,
+    then write the final O (and LSE) or, for a split, the partial O and its log2-sum-exp."""
+    fmt, d, hp, nw = cfg.fmt, cfg.head_dim, cfg.heads_per_cta, cfg.num_warps
+    total, nthreads = hp * cfg.chunks, nw * 32
+    acc_all = b.add(smem, cfg.ml_smem_bytes)
+    for rnd in range(-(-total // nthreads)):
+        item = b.add(tid, rnd * nthreads)
+        with b.if_then(b.setp("lt", item, total)):
+            i, c = b.div(item, cfg.chunks), b.rem(item, cfg.chunks)
+            ms = [b.ld("shared", F32, Addr(b.mad(i, 8, smem), w * hp * 8)) for w in range(nw)]
+            ls = [b.ld("shared", F32, Addr(b.mad(i, 8, smem), w * hp * 8 + 4)) for w in range(nw)]
+            m_tot = ms[0]
+            for x in ms[1:]:
+                m_tot = b.max(m_tot, x)
+            m_use = C.safe_max(b, m_tot)
+            weights = [C.rescale_factor(b, x, m_use) for x in ms]
+            l_tot = b.mul(ls[0], weights[0])
+            for x, w in zip(ls[1:], weights[1:]):
+                l_tot = b.fma(x, w, l_tot)
+            has_keys = b.setp("gt", l_tot, 0.0)
+            inv = b.selp(b.rcp(l_tot), 0.0, has_keys)
+            src = b.mad(b.mad(i, d, b.mul(c, fmt.per_vec)), 4, acc_all)
+            out = [b.mov(0.0, F32) for _ in range(fmt.per_vec)]
+            for w in range(nw):
+                part = [x for q in range(fmt.per_vec // 4) for x in
+                        b.ld("shared", F32, Addr(src, w * hp * d * 4 + q * 16), vec=4)]
+                for e in range(fmt.per_vec):
+                    b.fma(part[e], weights[w], out[e], out=out[e])
+            out = [b.mul(x, inv) for x in out]
+            head = b.add(head0, i)
+            lse2 = b.selp(b.add(m_tot, b.lg2(l_tot)), C.NEG_INF, has_keys)  # log2-sum-exp
+            if split_count is None:
+                base = C.element_offset(b, ptrs["o"], batch, strides[("o", 0)])
+                row = C.element_offset(b, b.bitcast(base, C.U64), head, strides[("o", 1)])
+                C.store_vec(b, fmt, Addr(b.add(row, b.cvt(S64, b.mul(c, C.VEC_BYTES)))), C.from_f32(b, fmt, out))
+                if spec.opt("return_lse"):
+                    with b.if_then(b.setp("eq", c, 0)):
+                        idx = b.mad(batch, spec.num_heads, head)
+                        b.st("global", F32, Addr(C.element_offset(b, ptrs["lse"], idx, b.mov(4, S64))),
+                             [b.mul(lse2, C.LN2)])
+            else:  # workspace o_part [batch, H, splits, d] f32, lse_part [batch, H, splits] f32
+                part_row = b.mad(b.mad(batch, spec.num_heads, head), split_count, b.special("%ctaid.z"))
+                dst = C.element_offset(b, ptrs["o_part"], b.mad(part_row, d, b.mul(c, fmt.per_vec)), b.mov(4, S64))
+                for q in range(0, fmt.per_vec, 4):
+                    b.st("global", F32, Addr(dst, q * 4), out[q:q + 4])
+                with b.if_then(b.setp("eq", c, 0)):
+                    b.st("global", F32, Addr(C.element_offset(b, ptrs["lse_part"], part_row, b.mov(4, S64))), [lse2])

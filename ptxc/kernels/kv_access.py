@@ -1,0 +1,129 @@
+"""Where KV row `r` of (sequence b, KV head h) lives, for each cache layout.
+
+    contiguous     k_cache [batch, max_seq_len, Hk, d]         addr = k + b*s0 + r*s1 + h*s2
+    pointer_array  k_ptrs [batch] -> [max_seq_len, Hk, d]      addr = k_ptrs[b] + r*s1 + h*s2
+    paged          k_cache [num_pages, page_size, Hk, d],      page = block_table[b, r / page_size]
+                   block_table [batch, max_pages_per_seq]      addr = k + page*s0 + (r % page_size)*s1 + h*s2
+
+Strides are in elements and are kernel parameters. Every layout bounds the rows it may touch
+(`capacity`: max_seq_len, or max_pages_per_seq * page_size) and the paged layout also refuses
+page ids outside [0, num_pages): a corrupt length or block table can never read out of bounds.
+Used by both the decode and the kv_append families.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir import S32, S64, U32, U64, Addr, KernelBuilder, Reg
+from . import common as C
+from .base import ParamSource, TensorInfo
+
+LAYOUTS = ("contiguous", "pointer_array", "paged")
+CACHES = ("k_cache", "v_cache")
+
+
+@dataclass
+class KVAccess:
+    """Emits a layout's parameters and its per-row address arithmetic into one kernel."""
+
+    layout: str
+    fmt: C.ElemFormat
+    page_size: int = 0
+    regs: dict = field(default_factory=dict)
+
+    # ---- interface ---------------------------------------------------------------------
+    def tensors(self, dtype: str, kv_heads: int, head_dim: int, role: str) -> list[TensorInfo]:
+        if self.layout == "paged":
+            shape = ("num_pages", self.page_size, kv_heads, head_dim)
+            return [TensorInfo(t, dtype, shape, role) for t in CACHES] + [
+                TensorInfo("block_table", "i32", ("batch", "max_pages_per_seq"), "input",
+                           "page ids per sequence; entries past a sequence's length are ignored")]
+        caches = [TensorInfo(t, dtype, ("batch", "max_seq_len", kv_heads, head_dim), role)
+                  for t in CACHES]
+        if self.layout == "pointer_array":
+            caches = [TensorInfo(t.name, t.dtype, t.shape, t.role, "reached through "
+                                 f"{t.name[0]}_ptrs: one device pointer per sequence",
+                                 passed_as=f"{t.name[0]}_ptrs") for t in caches]
+            caches += [TensorInfo(f"{t[0]}_ptrs", "u64", ("batch",), "input",
+                                  f"device address of each sequence's [max_seq_len, Hk, d] {t}",
+                                  derived_from=t) for t in CACHES]
+        return caches
+
+    def dims(self) -> tuple[str, ...]:
+        return ("num_pages", "max_pages_per_seq") if self.layout == "paged" else ("max_seq_len",)
+
+    def pointer_tensors(self) -> list[str]:
+        if self.layout == "pointer_array":
+            return ["k_ptrs", "v_ptrs"]
+        return list(CACHES) + (["block_table"] if self.layout == "paged" else [])
+
+    # ---- parameters --------------------------------------------------------------------
+    def emit_strides(self, param) -> None:
+        """Declare stride parameters (after all pointers): `param(name, type, source)`."""
+        axes = (1, 2) if self.layout == "pointer_array" else (0, 1, 2)
+        for t in CACHES:
+            for a in axes:
+                self.regs[(t, a)] = param(f"{t}_stride{a}", S64, ParamSource("stride", t, a))
+        if self.layout == "paged":
+            self.regs["bt_stride"] = param("block_table_stride0", S64,
+                                           ParamSource("stride", "block_table", 0))
+
+    def emit_dims(self, param) -> None:
+        for d in self.dims():
+            self.regs[d] = param(d, U32, ParamSource("dim", name=d))
+
+    def capacity(self, b: KernelBuilder) -> Reg:
+        """The most rows any sequence can have in this cache."""
+        if self.layout == "paged":
+            return b.mul(self.regs["max_pages_per_seq"], self.page_size)
+        return self.regs["max_seq_len"]
+
+    # ---- addressing --------------------------------------------------------------------
+    def bases(self, b: KernelBuilder, ptrs: dict, batch: Reg, kv_head: Reg, lane_byte: Reg) -> dict:
+        """Per (sequence, head) values reused for every row: byte-stride registers and bases."""
+        out = {}
+        for t in CACHES:
+            stride = {a: C.byte_stride(b, self.regs[(t, a)], self.fmt) for a in
+                      ((1, 2) if self.layout == "pointer_array" else (0, 1, 2))}
+            if self.layout == "contiguous":
+                base = C.element_offset(b, ptrs[t], batch, stride[0])
+            elif self.layout == "pointer_array":
+                slot = C.element_offset(b, ptrs[f"{t[0]}_ptrs"], batch, b.mov(8, S64))
+                base = b.bitcast(b.ld("global", U64, Addr(slot), nc=True), S64)
+            else:
+                base = b.bitcast(ptrs[t], S64)
+            head = C.element_offset(b, b.bitcast(base, U64), kv_head, stride[2])
+            out[t] = (b.add(head, lane_byte), stride)
+        if self.layout == "paged":
+            out["block_row"] = C.element_offset(b, ptrs["block_table"], batch,
+                                                b.mul(self.regs["bt_stride"], 4))
+        return out
+
+    def row_address(self, b: KernelBuilder, bases: dict, t: str, row: Reg, valid: Reg,
+                    page_cache: dict) -> tuple[Reg, Reg]:
+        """(address of this lane's first chunk of row `row`, validity); `page_cache` shares
+        the block-table lookup between K and V of the same row."""
+        base, stride = bases[t]
+        if self.layout != "paged":
+            return C.element_offset(b, base, row, stride[1]), valid
+        key = (row.cls, row.index)
+        if key not in page_cache:
+            shift = self.page_size.bit_length() - 1
+            entry = C.element_offset(b, bases["block_row"], b.shr(row, shift), b.mov(4, S64))
+            page = b.mov(-1, S32)
+            with b.predicate(valid):
+                b.ld("global", S32, Addr(entry), nc=True, out=[page])
+            in_range = b.and_(b.setp("ge", page, 0), b.setp("lt", page, b.bitcast(self.regs["num_pages"], S32)))
+            page_cache[key] = (page, b.and_(in_range, valid), b.and_(row, self.page_size - 1))
+        page, ok, offset = page_cache[key]
+        addr = C.element_offset(b, C.element_offset(b, b.bitcast(base, U64), page_as_s64(b, page), stride[0]),
+                                offset, stride[1])
+        return addr, ok
+
+
+def page_as_s64(b: KernelBuilder, page: Reg) -> Reg:
+    return b.cvt(S64, page)
+
+
+__all__ = ["KVAccess", "LAYOUTS", "CACHES"]
