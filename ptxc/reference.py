@@ -41,18 +41,15 @@ def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
 
 
 def to_device(x: np.ndarray, dtype: str) -> np.ndarray:
-    """Host array -> the bytes a kernel reads (bf16 exchanged as f32 arrays, stored as bits)."""
-    if dtype == "f32":
-        return np.ascontiguousarray(x, dtype=np.float32)
-    if dtype == "f16":
-        return np.ascontiguousarray(x, dtype=np.float16)
+    """Host array -> a fresh contiguous copy in the bytes a kernel reads (bf16 exchanged as f32
+    arrays, stored as bits). Always a copy: kernels write inout buffers in place, and the
+    caller's arrays must stay untouched."""
+    np_type = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u64": np.uint64}
     if dtype == "bf16":
         return f32_to_bf16_bits(x)
-    if dtype == "i32":
-        return np.ascontiguousarray(x, dtype=np.int32)
-    if dtype == "u64":
-        return np.ascontiguousarray(x, dtype=np.uint64)
-    raise ValueError(dtype)
+    if dtype not in np_type:
+        raise ValueError(dtype)
+    return np.array(x, dtype=np_type[dtype], order="C", copy=True)
 
 
 def from_device(x: np.ndarray, dtype: str) -> np.ndarray:

@@ -1,0 +1,163 @@
+"""Family "kv_append": scatter new K and V rows into a KV cache (contiguous or paged).
+
+Token t of sequence b goes to cache row `positions[b] + t`; `positions` is read on the device,
+so one captured launch serves every decoding step. A row outside the cache (negative, at or past
+max_seq_len / max_pages_per_seq * page_size, or on a page id outside [0, num_pages)) is the
+caller's bug and is skipped: the kernel never writes out of bounds. One CTA per (token, sequence);
+its threads copy 128-bit chunks of every KV head of that token.
+"""
+
+from __future__ import annotations
+
+from ..errors import InputError
+from ..ir import S32, S64, U32, Addr, KernelBuilder
+from ..spec.fields import Field, FamilyFields, int_range
+from ..spec.model import KernelSpec
+from ..targets import Target
+from . import common as C
+from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
+from .kv_access import CACHES, KVAccess
+
+_hd_check, _hd_allowed = int_range(16, 256, multiple_of=8)
+_page_check, _page_allowed = int_range(1, 256, power_of_two=True)
+FIELDS = FamilyFields(fields=(
+    Field("head_dim", "int", "elements per head", check=_hd_check, allowed=_hd_allowed),
+    Field("kv_layout", "str", "KV cache layout", default="contiguous", choices=("contiguous", "paged")),
+    Field("page_size", "int", "rows per page (paged only; default 16)", default=None,
+          check=_page_check, allowed=_page_allowed),
+))
+MAX_THREADS = 256
+
+
+def validate(spec: KernelSpec) -> None:
+    from .decode import validate as decode_validate
+    decode_validate(spec)
+
+
+def _kv(spec: KernelSpec) -> KVAccess:
+    paged = spec.opt("kv_layout") == "paged"
+    return KVAccess(spec.opt("kv_layout"), C.FORMATS[spec.dtype], (spec.opt("page_size") or 16) if paged else 0)
+
+
+def _geometry(spec: KernelSpec) -> tuple[int, int, int]:
+    chunks = spec.head_dim // C.FORMATS[spec.dtype].per_vec
+    items = spec.num_kv_heads * chunks
+    threads = min(MAX_THREADS, -(-items // 32) * 32)
+    return chunks, items, threads
+
+
+def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    _, items, threads = _geometry(spec)
+    return {"threads": threads, "chunks_per_thread": -(-items // threads)}
+
+
+def interface(spec: KernelSpec) -> Interface:
+    Hk, d = spec.num_kv_heads, spec.head_dim
+    kv = _kv(spec)
+    tensors = [TensorInfo(t, spec.dtype, ("batch", "num_new", Hk, d), "input") for t in ("k_new", "v_new")]
+    tensors.append(TensorInfo("positions", "i32", ("batch",), "input", "cache row of each sequence's "
+                              "first new token; out-of-range rows are skipped", device_resident_scalars=True))
+    tensors += kv.tensors(spec.dtype, Hk, d, "inout")
+    defaults = {"batch": 6, "num_new": 3}
+    defaults.update({"max_seq_len": 41} if kv.layout == "contiguous" else
+                    {"max_pages_per_seq": 3, "num_pages": 6 * 3 + 2})
+    return Interface(tuple(tensors), ("batch", "num_new", *kv.dims()), defaults)
+
+
+def build(spec: KernelSpec, target: Target) -> Program:
+    kv = _kv(spec)
+    fmt = kv.fmt
+    chunks, items, threads = _geometry(spec)
+    b = KernelBuilder(f"ptxc_{spec.name}")
+    params: list[LaunchParam] = []
+
+    def param(name, type, source):
+        params.append(LaunchParam(name, type, source))
+        return b.load_param(b.param(name, type))
+
+    ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t)))
+            for t in ("k_new", "v_new", "positions", *kv.pointer_tensors())}
+    new_strides = {(t, a): C.byte_stride(b, param(f"{t}_stride{a}", S64, ParamSource("stride", t, a)), fmt)
+                   for t in ("k_new", "v_new") for a in (0, 1, 2)}
+    kv.emit_strides(param)
+    kv.emit_dims(param)
+
+    tid, token, batch = b.special("%tid.x"), b.special("%ctaid.x"), b.special("%ctaid.y")
+    start = b.ld("global", S32, Addr(C.element_offset(b, ptrs["positions"], batch, b.mov(4, S64))))
+    row_s = b.add(start, b.bitcast(token, S32))
+    in_cache = b.and_(b.setp("ge", row_s, 0), b.setp("lt", row_s, b.bitcast(kv.capacity(b), S32)))
+    row = b.bitcast(row_s, U32)
+    for rnd in range(-(-items // threads)):
+        item = b.add(tid, rnd * threads)
+        with b.if_then(b.setp("lt", item, items)):
+            kv_head, chunk = b.div(item, chunks), b.rem(item, chunks)
+            lane_byte = b.cvt(S64, b.mul(chunk, C.VEC_BYTES))
+            bases = kv.bases(b, ptrs, batch, kv_head, lane_byte)
+            page_cache: dict = {}
+            for t, src_name in zip(CACHES, ("k_new", "v_new")):
+                src = C.element_offset(b, ptrs[src_name], batch, new_strides[(src_name, 0)])
+                src = C.element_offset(b, b.bitcast(src, C.U64), token, new_strides[(src_name, 1)])
+                src = b.add(C.element_offset(b, b.bitcast(src, C.U64), kv_head, new_strides[(src_name, 2)]), lane_byte)
+                dst, ok = kv.row_address(b, bases, t, row, in_cache, page_cache)
+                with b.predicate(ok):
+                    vals = b.ld("global", fmt.load_type, Addr(src), vec=4, nc=True)
+                    b.st("global", fmt.load_type, Addr(dst), vals)
+    b.ret()
+    launch = Launch(entry=b.entry.name, params=tuple(params), grid=("num_new", "batch", "1"),
+                    block=(threads, 1, 1))
+    return Program([b.entry], [launch], resolve_tile(spec, target))
+
+
+def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
+    """Random rows and caches; positions cycle through in-range, end-of-cache (partly past the
+    end), negative (partly before the start) and wholly out-of-range starts."""
+    import numpy as np
+
+    from ..reference import round_to
+    B, N, Hk, d = dims["batch"], dims["num_new"], spec.num_kv_heads, spec.head_dim
+    paged = spec.opt("kv_layout") == "paged"
+    ps = spec.opt("page_size") or 16
+    cap = dims["max_pages_per_seq"] * ps if paged else dims["max_seq_len"]
+    rows = (dims["num_pages"], ps) if paged else (B, cap)
+    k_new, v_new, k_cache, v_cache = (round_to(rng.standard_normal(s), spec.dtype).astype(np.float32)
+                                      for s in ((B, N, Hk, d), (B, N, Hk, d), (*rows, Hk, d), (*rows, Hk, d)))
+    starts = [0, cap // 3, cap - 1, -1, cap + 2, max(0, cap - N)]
+    inputs = {"k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
+              "positions": np.array([starts[i % len(starts)] for i in range(B)], dtype=np.int32)}
+    if paged:
+        need = B * dims["max_pages_per_seq"]
+        if dims["num_pages"] < need:
+            raise InputError(f"num_pages = {dims['num_pages']} < batch * max_pages_per_seq = {need}")
+        table = rng.permutation(dims["num_pages"])[:need].astype(np.int32).reshape(B, -1)
+        if table.size:
+            table[-1, -1] = dims["num_pages"] + 7   # a corrupt entry: rows on that page are skipped
+        inputs["block_table"] = table
+    return inputs
+
+
+def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
+    """The caches after the scatter (exact: this family only moves bits)."""
+    import numpy as np
+    k, v = inputs["k_cache"].astype(np.float64), inputs["v_cache"].astype(np.float64)
+    paged = spec.opt("kv_layout") == "paged"
+    ps = spec.opt("page_size") or 16
+    B, N = inputs["k_new"].shape[:2]
+    for bi in range(B):
+        for t in range(N):
+            r = int(inputs["positions"][bi]) + t
+            if paged:
+                table = inputs["block_table"]
+                if not (0 <= r < table.shape[1] * ps) or not (0 <= table[bi, r // ps] < k.shape[0]):
+                    continue
+                dst = (table[bi, r // ps], r % ps)
+            else:
+                if not (0 <= r < k.shape[1]):
+                    continue
+                dst = (bi, r)
+            k[dst], v[dst] = inputs["k_new"][bi, t], inputs["v_new"][bi, t]
+    return {"k_cache": k, "v_cache": v}
+
+
+FAMILY = Family(name="kv_append", doc=__doc__.split("\n")[0], fields=FIELDS, validate=validate,
+                interface=interface, build=build, resolve_tile=resolve_tile,
+                make_inputs=make_inputs, reference=reference)
