@@ -98,7 +98,7 @@ def _target_summary(t: dict) -> dict:
             "occupancy": min((k["occupancy"]["occupancy"] for k in ks if "occupancy" in k), default=None)}
 
 
-def run_verify(paths) -> "Report":
+def run_verify(paths):
     from .ptxas import toolchain
     from .verify import Report, is_artifact_dir, is_output_dir, verify_artifact, verify_output_dir
     tc = toolchain()

@@ -2,7 +2,6 @@
 target, outputs are deterministic, warm rebuilds touch nothing, and `verify` catches tampering."""
 
 import json
-import os
 import shutil
 from pathlib import Path
 
