@@ -25,3 +25,24 @@ def write_spec(tmp_path: Path, text: str, name: str = "spec.toml") -> Path:
     p = tmp_path / name
     p.write_text(text)
     return p
+
+
+def build_kernel(tmp_path: Path, family: str, body: str, tile: str = "", targets=("sm_80",)):
+    """Build one [[kernel]] named "k" (PTX only) into tmp_path/out and load it."""
+    from ptxc.build import run_build
+    from ptxc.runtime import load
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    text = (f'[[kernel]]\nname = "k"\nfamily = "{family}"\ntargets = {list(targets)!r}\n{body}\n'
+            .replace("'", '"'))
+    if tile:
+        text += f"[kernel.tile]\n{tile}\n"
+    (tmp_path / "k.toml").write_text(text)
+    run_build([tmp_path / "k.toml"], tmp_path / "out", verify=False, progress=False)
+    return load(tmp_path / "out" / "k")
+
+
+def assert_pass(rows) -> None:
+    """Every launch-test row is within the FA2 tolerance rule."""
+    assert rows
+    for r in rows:
+        assert r.ok, f"{r.kernel} {r.tensor} {r.shape}: max error {r.max_error:.3e} > tolerance {r.tol:.3e}"

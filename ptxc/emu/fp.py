@@ -31,6 +31,7 @@ F64 = Fmt("f64", 53, -1022, 1023)
 
 FLOAT_ROUNDINGS = ("rn", "rz", "rm", "rp")
 F16_NAN, BF16_NAN, F32_NAN = 0x7FFF, 0x7FFF, 0x7FFFFFFF   # NVIDIA canonical NaNs
+F64_NAN = 0x7FFFFFFFFFFFFFFF
 
 
 def round_to_format(s, e, mode: str, fmt: Fmt):
@@ -51,21 +52,18 @@ def round_to_format(s, e, mode: str, fmt: Fmt):
             fl = np.floor(scaled)
             tie = (scaled - fl) == 0.5
             r = np.where(tie & (e != 0), fl + (e > 0), r)
-    elif mode == "rz":
-        r = np.trunc(scaled)
-        if has_err:
-            exact = r == scaled
-            r = np.where(exact & (e != 0) & (np.sign(e) == -np.sign(x)), r - np.sign(x), r)
-    elif mode == "rm":
-        r = np.floor(scaled)
-        if has_err:
-            r = np.where((r == scaled) & (e < 0), r - 1, r)
-    elif mode == "rp":
-        r = np.ceil(scaled)
-        if has_err:
-            r = np.where((r == scaled) & (e > 0), r + 1, r)
     else:
-        raise ValueError(mode)
+        r = {"rz": np.trunc, "rm": np.floor, "rp": np.ceil}[mode](scaled)
+        if has_err:
+            # s itself is on the target grid: the exact value's side decides a one-step move.
+            direction = {"rz": np.where(np.sign(e) == -np.sign(x), -np.sign(x), 0.0),
+                         "rm": np.where(e < 0, -1.0, 0.0),
+                         "rp": np.where(e > 0, 1.0, 0.0)}[mode]
+            move = (r == scaled) & (direction != 0)
+            # stepping down in magnitude from a power of two lands in the finer binade below
+            finer = (np.abs(scaled) == 2.0 ** (fmt.p - 1)) & (E - 1 > fmt.emin)
+            step = np.where(finer & (np.sign(direction) == -np.sign(x)), 0.5, 1.0)
+            r = np.where(move, r + direction * step, r)
     res = np.ldexp(r, q)
     big = np.abs(res) > fmt.max_finite
     if big.any():
@@ -117,8 +115,12 @@ def f32_to_bf16_rn(x32):
 
 def flush_f32(x):
     """.ftz: subnormal f32 values become zero of the same sign."""
-    u = np.asarray(x, np.float32).view(np.uint32)
-    sub = (u & np.uint32(0x7F800000)) == 0
+    x = np.asarray(x, np.float32)
+    u = x.view(np.uint32)
+    # (|bits| - 1) < 0x7FFFFF holds exactly for the subnormals (0 wraps around to 0xFFFFFFFF)
+    sub = ((u & np.uint32(0x7FFFFFFF)) - np.uint32(1)) < np.uint32(0x007FFFFF)
+    if not sub.any():
+        return x
     return np.where(sub, u & np.uint32(0x80000000), u).view(np.float32)
 
 
@@ -198,7 +200,7 @@ def round_fraction(fr: Fraction, mode: str) -> float:
     try:
         r = float(fr)           # int/int true division: correctly rounded to nearest
     except OverflowError:
-        r = math.copysign(math.inf, fr)
+        r = math.inf if fr > 0 else -math.inf
     if mode == "rn":
         return r
     if math.isinf(r):
@@ -220,26 +222,36 @@ def exact_f64(fn, mode: str, fallback, *args):
     """Elementwise exact f64 arithmetic: fn(*Fractions) -> Fraction, rounded per `mode`.
 
     Used only for the rare f64 forms numpy cannot round correctly (fma, directed rounding).
-    `fallback` (IEEE numpy result) is used where an input or the result is not finite.
+    `fallback` (numpy's IEEE result) is kept where an input is not finite. Returns the result
+    and a mask of exact-zero results (whose sign the caller fixes with `exact_zero_sum`).
     """
-    args = [np.broadcast_to(np.asarray(a, np.float64), np.shape(fallback)) for a in args]
-    out = np.array(fallback, np.float64, copy=True)
-    flat_out = out.reshape(-1)
-    flat_args = [a.reshape(-1) for a in args]
-    for i in range(flat_out.size):
-        vals = [float(a[i]) for a in flat_args]
+    shape = np.shape(fallback)
+    args = [np.broadcast_to(np.asarray(a, np.float64), shape).reshape(-1) for a in args]
+    out = np.array(fallback, np.float64, copy=True).reshape(-1)
+    zero = np.zeros(out.size, np.bool_)
+    for i in range(out.size):
+        vals = [float(a[i]) for a in args]
         if not all(math.isfinite(v) for v in vals):
             continue
         try:
             fr = fn(*[Fraction(v) for v in vals])
         except ZeroDivisionError:
             continue
-        res = round_fraction(fr, mode)
-        if res == 0.0 and fr == 0:
-            # exact zero: keep numpy's sign for rn/rz/rp; roundTowardNegative gives -0
-            res = -0.0 if mode == "rm" and not (flat_out[i] == 0 and
-                                                 not math.copysign(1, flat_out[i]) < 0
-                                                 and all(v == 0 and math.copysign(1, v) > 0
-                                                         for v in vals)) else flat_out[i]
-        flat_out[i] = res
-    return out
+        zero[i] = fr == 0
+        if fr != 0:            # an exact zero keeps numpy's sign (right for products/quotients)
+            out[i] = round_fraction(fr, mode)
+    return out.reshape(shape), zero.reshape(shape)
+
+
+def exact_zero_sum(res, exact_zero, x, y, mode: str):
+    """IEEE sign of an exact-zero sum x + y: -0 if both addends are -0, and under
+    round-toward-negative -0 unless both are +0; +0 otherwise."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    xz_neg, yz_neg = np.signbit(x), np.signbit(y)
+    if mode == "rm":
+        both_pos = (x == 0) & (y == 0) & ~xz_neg & ~yz_neg
+        zero_val = np.where(both_pos, 0.0, -0.0)
+    else:
+        both_neg = (x == 0) & (y == 0) & xz_neg & yz_neg
+        zero_val = np.where(both_neg, -0.0, 0.0)
+    return np.where(exact_zero, zero_val, res)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ptxc.emu.parser import Imm, Reg, Sink, Sym
+from ptxc.emu.ptx_ast import Imm, Reg, Sink, Sym
 
 SHARED_BASE = 0x400          # first shared-window address (sm_80+ reserve the first 1 KB too)
 ALL = slice(None)
@@ -231,7 +231,3 @@ def _view_writer(arr):
         arr[sel] = v
     return write
 
-
-def index_of(ctx, sel):
-    """`sel` as an index array (for ops that need explicit thread numbers)."""
-    return ctx.all_index if isinstance(sel, slice) else sel

@@ -11,117 +11,10 @@ from __future__ import annotations
 import bisect
 import functools
 import re
-from dataclasses import dataclass
-from typing import Union
 
+from ptxc.emu.ptx_ast import (Addr, Entry, Imm, Instruction, Module, Operand, Pair, Param, Reg,
+                              SharedVar, Sink, Sym, Vec)
 from ptxc.errors import EmulationError
-
-# ----------------------------------------------------------------------------- operands
-
-
-@dataclass(frozen=True)
-class Reg:
-    """A register or special register (``%r1``, ``%tid.x``); ``neg`` for ``!%p`` sources."""
-    name: str
-    neg: bool = False
-
-
-@dataclass(frozen=True)
-class Imm:
-    """An immediate. ``kind`` is 'int', 'f32bits' (0fXXXXXXXX), 'f64bits' (0d...) or 'float'."""
-    value: Union[int, float]
-    kind: str
-
-
-@dataclass(frozen=True)
-class Sym:
-    """A bare identifier: a shared variable, a parameter or a label."""
-    name: str
-
-
-@dataclass(frozen=True)
-class Addr:
-    """``[base+offset]``; base is a Reg, a Sym (variable/param) or None (absolute address)."""
-    base: Union[Reg, Sym, None]
-    offset: int
-
-
-@dataclass(frozen=True)
-class Vec:
-    """``{a, b, ...}``: a vector operand (ld/st.v*, mov pack/unpack, mma fragments)."""
-    items: tuple
-
-
-@dataclass(frozen=True)
-class Pair:
-    """``d|p``: a destination with a second (predicate) destination."""
-    first: object
-    second: object
-
-
-@dataclass(frozen=True)
-class Sink:
-    """``_``: a destination whose value is discarded."""
-
-
-Operand = Union[Reg, Imm, Sym, Addr, Vec, Pair, Sink]
-
-# ----------------------------------------------------------------------------- structure
-
-
-@dataclass(frozen=True)
-class Instruction:
-    line: int
-    text: str                   # the statement as written (without the trailing ';')
-    guard: Union[Reg, None]     # @%p / @!%p (neg=True)
-    opcode: str                 # 'ld', 'mma', 'cp', ...
-    mods: tuple                 # ('global', 'nc', 'v4', 'b32')
-    operands: tuple
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    ptype: str                  # 'u64', 'f32', ...
-    line: int
-
-
-@dataclass(frozen=True)
-class SharedVar:
-    name: str
-    align: int
-    nbytes: Union[int, None]    # None for `.extern` (the dynamic shared memory window)
-    line: int
-
-
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    line: int
-    params: tuple               # of Param
-    regs: tuple                 # of (name, ptype), ranges expanded
-    shared: tuple               # of SharedVar, in declaration order (module scope first)
-    body: tuple                 # of Instruction
-    labels: tuple               # of (label, pc)
-    reqntid: Union[tuple, None]
-    maxntid: Union[tuple, None]
-
-
-@dataclass(frozen=True)
-class Module:
-    version: str
-    target: str
-    address_size: int
-    entries: tuple              # of Entry
-    lines: tuple                # source lines, for error messages
-
-    def entry(self, name: str) -> Entry:
-        for e in self.entries:
-            if e.name == name:
-                return e
-        names = ", ".join(e.name for e in self.entries) or "none"
-        raise EmulationError(f"kernel '{name}' is not an .entry of this module (entries: {names})")
-
 
 # ----------------------------------------------------------------------------- lexing helpers
 
@@ -268,6 +161,10 @@ def _statements(text: str, start: int, end: int, line_of):
             yield "scope", ch, line_of(i)
             i += 1
             continue
+        if text.startswith(_LINE_DIRECTIVES, i):      # debug directives end at the newline
+            nl = text.find("\n", i, end)
+            i = end if nl < 0 else nl + 1
+            continue
         m = _LABEL.match(text, i)
         if m and m.end() <= end:
             yield "label", m.group(1), line_of(i)
@@ -337,7 +234,8 @@ def _parse_decl(stmt: str, line: int):
 _TYPE_BYTES = {f"{k}{n}": n // 8 for k in "bus" for n in (8, 16, 32, 64)}
 _TYPE_BYTES.update(f16=2, bf16=2, f32=4, f64=8, f16x2=4, bf16x2=4)
 
-_IGNORED_DIRECTIVES = (".pragma", ".loc", ".file", ".section")
+_IGNORED_DIRECTIVES = (".pragma", ".loc", ".file")
+_LINE_DIRECTIVES = (".loc", ".file")
 
 
 def _parse_params(text: str, line: int) -> tuple:
@@ -345,9 +243,17 @@ def _parse_params(text: str, line: int) -> tuple:
     for p in _split_top(text, ","):
         if not p:
             continue
-        toks = [t for t in p.split() if not t.startswith(".ptr") and t not in (".global", ".shared")]
-        if len(toks) >= 4 and toks[2] == ".align":   # `.param .u64 .ptr .align 16 name`
-            toks = toks[:2] + toks[4:]
+        # drop pointer attributes: `.ptr`, a state space, `.align N` (also `.ptr.global.align N`)
+        toks, raw = [], p.split()
+        k = 0
+        while k < len(raw):
+            t = raw[k]
+            if t == ".align" or (t.startswith(".ptr") and t.endswith(".align")):
+                k += 2
+                continue
+            if not t.startswith(".ptr") and t not in (".global", ".shared", ".const", ".local"):
+                toks.append(t)
+            k += 1
         if len(toks) != 3 or toks[0] != ".param" or not toks[1].startswith(".") or "[" in toks[2]:
             raise _fail(line, p, "unsupported kernel parameter (only scalar .param types)")
         params.append(Param(toks[2], toks[1][1:], line))
@@ -387,6 +293,10 @@ def parse_module(ptx: str) -> Module:
             i += 1
         if i >= len(text):
             break
+        if text.startswith(_LINE_DIRECTIVES, i):
+            nl = text.find("\n", i)
+            i = len(text) if nl < 0 else nl + 1
+            continue
         m = _MODULE_DIRECTIVE.match(text, i)
         if m:
             info[m.group(1)] = m.group(2).strip()
@@ -415,8 +325,7 @@ def parse_module(ptx: str) -> Module:
         elif not stmt.startswith(_IGNORED_DIRECTIVES):
             raise _fail(line_of(i), stmt, "unsupported module-scope statement")
         i = j + 1
-    return Module(info["version"], info["target"], int(info["address_size"]), tuple(entries),
-                  tuple(ptx.splitlines()))
+    return Module(info["version"], info["target"], int(info["address_size"]), tuple(entries))
 
 
 def _parse_entry(text, m, close, body_open, body_close, line_of, module_shared) -> Entry:

@@ -1,0 +1,53 @@
+"""A strict, vectorised PTX emulator: how ptxc checks kernels without a GPU.
+
+Public API
+----------
+``launch(ptx, entry, grid, block, args, dynamic_smem_bytes=0, *, batch_threads=32768,
+step_limit=50_000_000) -> LaunchStats``
+    Emulate launching ``.entry entry`` of the PTX module text ``ptx``.
+
+    * ``grid`` / ``block``: tuples of 1-3 positive ints (missing dimensions are 1).
+    * ``args``: one per ``.param``, in order. A numpy array is a device buffer: its bytes (C
+      order) are copied into emulated global memory at a 256-byte aligned address, that address
+      is passed in the ``.u64`` parameter, and after a successful launch the bytes are copied
+      back into the same array in place (a read-only array is allowed if the kernel does not
+      write it). Any other parameter needs a numpy scalar of exactly the parameter's type
+      (``.u32`` -> ``np.uint32``, ``.s32`` -> ``np.int32``, ``.u64`` -> ``np.uint64``,
+      ``.s64`` -> ``np.int64``, ``.f32`` -> ``np.float32``, ``.f64`` -> ``np.float64``; a
+      ``.bN`` parameter takes any N-bit numpy scalar). Plain Python ints/floats are refused.
+      A wrong count or type raises ``ptxc.errors.InputError`` naming the parameter.
+    * ``dynamic_smem_bytes``: size of the ``.extern .shared`` array(s).
+    * Returns a ``LaunchStats`` (thread_instructions, steps, wall_time_s,
+      thread_instructions_per_s). CTAs run in batches of about ``batch_threads`` threads (all
+      threads of a CTA are always in one batch); ``step_limit`` bounds instruction issues per
+      batch so that an infinite loop fails instead of hanging.
+
+``parse_module(ptx) -> Module``
+    The parsed module (frozen dataclasses), cached by the exact text; decoded entries are
+    cached too, so repeated launches of the same PTX do not re-parse or re-decode.
+
+``EmulationError`` (``ptxc.errors.EmulationError``)
+    Raised for undefined behaviour and for anything the emulator does not support. The message
+    names the kernel, the PTX line number and text, and -- for errors while running -- the
+    block (ctaid) and thread (tid) of the first offending thread and the address involved.
+    The same facts are attributes: ``kernel``, ``line``, ``text``, ``ctaid``, ``tid``,
+    ``address``. Unsupported opcodes/modifiers are reported before any thread runs.
+
+What is checked
+---------------
+Global accesses outside the argument buffers (guard gaps separate them), shared accesses
+outside the CTA's shared memory, misaligned accesses (vectors: the whole vector size), reads
+of never-written shared memory, reads/writes of a cp.async destination before the wait that
+completes it, integer division by zero, barrier divergence/deadlock, warp collectives
+(shfl.sync, mma.sync, ldmatrix, bra.uni) executed by an incomplete or non-uniform warp, and
+shfl reads of lanes that are not executing it. Registers start with a NaN-like poison pattern.
+
+See docs/emulator.md for the execution model and numerical choices.
+"""
+
+from ptxc.emu.launch import LaunchStats, launch
+from ptxc.emu.parser import parse_module
+from ptxc.emu.ptx_ast import Module
+from ptxc.errors import EmulationError
+
+__all__ = ["launch", "LaunchStats", "parse_module", "Module", "EmulationError"]

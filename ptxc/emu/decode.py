@@ -1,0 +1,186 @@
+"""Instruction decoding: each PTX instruction becomes an `Op` once, before any thread runs.
+
+An Op holds a `bind(ctx)` that returns the per-batch closure ``run(sel)`` doing the work for
+the selected threads, so the execution loop never parses strings. Decoders live in the
+``ops_*`` modules and register themselves by opcode; an unknown opcode, an unsupported
+modifier or a malformed operand list is reported here, with the kernel and PTX line, before
+the launch starts.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+from ptxc.emu.operands import TYPES, DecodeError, SHARED_BASE, ptype
+from ptxc.emu.parser import parse_module
+from ptxc.emu.ptx_ast import Entry, Instruction, Module
+from ptxc.errors import EmulationError
+
+NORMAL, BRANCH, EXIT, BARRIER = range(4)
+
+DECODERS: dict = {}
+
+
+def register(*opcodes: str):
+    def deco(fn):
+        for name in opcodes:
+            DECODERS[name] = fn
+        return fn
+    return deco
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: int
+    ins: Instruction
+    bind: Callable = None        # NORMAL: bind(ctx) -> run(sel)
+    target: int = -1             # BRANCH: pc of the label
+    uniform: bool = False        # BRANCH: bra.uni (the guard must be warp-uniform)
+    bar_id: int = 0              # BARRIER
+    bar_count: int | None = None  # BARRIER: thread count operand, None = whole CTA
+
+
+class Mods:
+    """The modifiers of one instruction, consumed by its decoder; leftovers are errors."""
+
+    def __init__(self, ins: Instruction):
+        self.ins = ins
+        self.left = list(ins.mods)
+
+    def flag(self, *names: str):
+        """Remove and return the one of `names` that is present (None if none)."""
+        found = [m for m in self.left if m in names]
+        if len(found) > 1:
+            raise DecodeError(f"conflicting modifiers {', '.join('.' + f for f in found)}")
+        if found:
+            self.left.remove(found[0])
+            return found[0]
+        return None
+
+    def need(self, *names: str) -> str:
+        got = self.flag(*names)
+        if got is None:
+            raise DecodeError(f"needs one of {', '.join('.' + n for n in names)}")
+        return got
+
+    def types(self) -> list:
+        """Remove and return the type modifiers, in order."""
+        found = [m for m in self.left if m in TYPES]
+        for m in found:
+            self.left.remove(m)
+        return [ptype(m) for m in found]
+
+    def one_type(self):
+        ts = self.types()
+        if len(ts) != 1:
+            raise DecodeError(f"expects exactly one type modifier, got {len(ts)}")
+        return ts[0]
+
+    def done(self):
+        if self.left:
+            raise DecodeError("unsupported modifier" + ("s " if len(self.left) > 1 else " ")
+                              + ", ".join("." + m for m in self.left))
+
+
+def expect_operands(ins: Instruction, *counts: int):
+    if len(ins.operands) not in counts:
+        want = " or ".join(str(c) for c in counts)
+        raise DecodeError(f"expects {want} operands, got {len(ins.operands)}")
+
+
+class DecodeEnv:
+    """What decoders may ask about the kernel: registers, labels, shared layout, params."""
+
+    def __init__(self, module: Module, entry: Entry):
+        self.module, self.entry = module, entry
+        self.regs = {}
+        for name, t in entry.regs:
+            if t not in TYPES:
+                raise EmulationError(f"kernel '{entry.name}': unsupported register type .{t} "
+                                     f"for {name}")
+            self.regs[name] = TYPES[t]
+        self.labels = dict(entry.labels)
+        self.shared_offsets, offset, dyn_align = {}, 0, 16
+        for var in entry.shared:
+            if var.nbytes is None:
+                dyn_align = max(dyn_align, var.align)
+                continue
+            offset = -(-offset // var.align) * var.align
+            self.shared_offsets[var.name] = offset
+            offset += var.nbytes
+        self.dynamic_offset = -(-offset // dyn_align) * dyn_align
+        for var in entry.shared:
+            if var.nbytes is None:
+                self.shared_offsets[var.name] = self.dynamic_offset
+        self.static_shared_bytes = offset
+        self.params, poff = {}, 0
+        for p in entry.params:
+            t = TYPES.get(p.ptype)
+            if t is None or t.kind == "p":
+                raise EmulationError(f"kernel '{entry.name}': unsupported parameter type "
+                                     f".{p.ptype} for {p.name} (line {p.line})")
+            poff = -(-poff // t.nbytes) * t.nbytes
+            self.params[p.name] = (poff, t)
+            poff += t.nbytes
+        self.param_bytes = poff
+
+    def reg_type(self, name: str):
+        try:
+            return self.regs[name]
+        except KeyError:
+            raise DecodeError(f"{name} is neither a declared register nor a supported "
+                              f"special register") from None
+
+    def symbol_address(self, name: str) -> int:
+        if name in self.shared_offsets:
+            return SHARED_BASE + self.shared_offsets[name]
+        raise DecodeError(f"{name} is not a shared variable of this kernel")
+
+    def label_pc(self, name: str) -> int:
+        try:
+            return self.labels[name]
+        except KeyError:
+            raise DecodeError(f"branch target {name} is not a label of this kernel") from None
+
+
+@dataclass(frozen=True)
+class Program:
+    module: Module
+    entry: Entry
+    env: DecodeEnv
+    ops: tuple
+
+
+def decode_error(entry: Entry, ins: Instruction, msg: str) -> EmulationError:
+    err = EmulationError(f"kernel '{entry.name}': line {ins.line}: `{ins.text}`: "
+                         f"cannot emulate '{ins.opcode}': {msg}")
+    err.kernel, err.line, err.text = entry.name, ins.line, ins.text
+    return err
+
+
+@functools.lru_cache(maxsize=64)
+def decode_program(ptx: str, entry_name: str) -> Program:
+    """Parse (cached) and decode one entry of a module (cached by text and entry)."""
+    # The op families register their decoders on import.
+    from ptxc.emu import ops_async, ops_cvt, ops_ctrl, ops_float, ops_int, ops_logic  # noqa
+    from ptxc.emu import ops_mem, ops_warp  # noqa: F401
+    module = parse_module(ptx)
+    entry = module.entry(entry_name)
+    env = DecodeEnv(module, entry)
+    ops = []
+    for ins in entry.body:
+        decoder = DECODERS.get(ins.opcode)
+        if decoder is None:
+            raise decode_error(entry, ins, "unknown or unsupported opcode")
+        try:
+            op = decoder(ins, env)
+            if ins.guard is not None:
+                gt = env.reg_type(ins.guard.name)
+                if gt.kind != "p":
+                    raise DecodeError(f"guard {ins.guard.name} is not a predicate")
+        except DecodeError as exc:
+            raise decode_error(entry, ins, str(exc)) from None
+        ops.append(op)
+    return Program(module, entry, env, tuple(ops))

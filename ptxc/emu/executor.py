@@ -1,0 +1,339 @@
+"""Runs a decoded program for one batch of CTAs, all threads vectorised.
+
+Scheduling: every thread has a pc; each step executes the instruction at the LOWEST pc among
+runnable threads, for exactly the threads at that pc. Divergent paths therefore reconverge at
+the lowest pc, and threads of different CTAs at the same pc run together. To keep the common
+cases cheap the threads at the lowest pc form a "group" that runs with a scalar pc (no
+per-thread pc bookkeeping) until it reaches the lowest pc of any other thread, splits at a
+branch, or meets an instruction that needs per-thread treatment (exit, barrier). When the group
+is every live thread and none has exited, selections are `slice(None)` and every register read
+is a view.
+
+Barriers (bar.sync / barrier.sync a{, b}): a thread that reaches one waits. A barrier without
+a thread count completes for a CTA when every non-exited thread of that CTA waits at that same
+instruction (exited threads do not count, per the PTX ISA); with a count b, when b threads of
+the CTA wait there. If a CTA can make no progress because its threads wait at different
+barrier instructions (e.g. bar.sync inside an if/else), or a count is never reached, the
+launch fails with a "barrier divergence" / "barrier deadlock" error. Waiting at two different
+bar.sync instructions is reported even though sm_70+ hardware counts arrivals per barrier
+id: that pattern is a bug in CUDA's __syncthreads() contract and never intended by ptxc.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ptxc.emu.decode import BARRIER, BRANCH, EXIT, NORMAL
+from ptxc.emu.operands import ALL, Fault, RegStorage
+from ptxc.emu.memory import SharedMemory
+from ptxc.emu.ops_async import AsyncCopies
+from ptxc.errors import EmulationError
+
+BIG = np.iinfo(np.int64).max
+
+
+class BatchContext:
+    """Per-batch storage seen by bound ops (registers, memories, special registers)."""
+
+    def __init__(self, program, grid, block, cta_start, nctas, gmem, param_bytes, smem_bytes):
+        self.grid, self.block = grid, block
+        nthreads = block[0] * block[1] * block[2]
+        self.tpad = -(-nthreads // 32) * 32
+        self.nthreads, self.cta_start, self.nctas = nthreads, cta_start, nctas
+        n = self.n = nctas * self.tpad
+        self.all_index = np.arange(n, dtype=np.int64)
+        self.cta_of = self.all_index // self.tpad
+        self.lin = self.all_index % self.tpad
+        self.lane = self.lin & 31
+        self.scratch_flag = np.zeros(n, np.bool_)
+        self.regs = {name: RegStorage(t, n) for name, t in program.env.regs.items()}
+        self.gmem, self.param_bytes = gmem, param_bytes
+        self.smem = SharedMemory(nctas, smem_bytes)
+        self.cp_async = AsyncCopies(n)
+        self._special = {}
+
+    def coords(self, thread: int):
+        """(ctaid, tid) tuples of a batch thread index."""
+        gx, gy, _ = self.grid
+        bx, by, _ = self.block
+        c = self.cta_start + thread // self.tpad
+        lin = thread % self.tpad
+        return ((c % gx, (c // gx) % gy, c // (gx * gy)),
+                (lin % bx, (lin // bx) % by, lin // (bx * by)))
+
+    def special(self, name: str):
+        arr = self._special.get(name)
+        if arr is None:
+            arr = self._special[name] = self._compute_special(name).astype(np.uint32)
+        return arr
+
+    def _compute_special(self, name: str):
+        gx, gy, gz = self.grid
+        bx, by, bz = self.block
+        c = self.cta_start + self.cta_of
+        lin, lane = self.lin, self.lane
+        table = {
+            "%tid.x": lambda: lin % bx, "%tid.y": lambda: (lin // bx) % by,
+            "%tid.z": lambda: lin // (bx * by),
+            "%ctaid.x": lambda: c % gx, "%ctaid.y": lambda: (c // gx) % gy,
+            "%ctaid.z": lambda: c // (gx * gy),
+            "%laneid": lambda: lane, "%warpid": lambda: lin // 32,
+            "%nwarpid": lambda: np.full(self.n, self.tpad // 32),
+            "%lanemask_eq": lambda: np.int64(1) << lane,
+            "%lanemask_lt": lambda: (np.int64(1) << lane) - 1,
+            "%lanemask_le": lambda: (np.int64(2) << lane) - 1,
+            "%lanemask_gt": lambda: 0xFFFFFFFF ^ ((np.int64(2) << lane) - 1),
+            "%lanemask_ge": lambda: 0xFFFFFFFF ^ ((np.int64(1) << lane) - 1),
+        }
+        for axis, v in zip("xyz", self.block):
+            table[f"%ntid.{axis}"] = lambda v=v: np.full(self.n, v)
+        for axis, v in zip("xyz", self.grid):
+            table[f"%nctaid.{axis}"] = lambda v=v: np.full(self.n, v)
+        return np.broadcast_to(table[name](), (self.n,))
+
+
+class BatchRun:
+    """The scheduler state of one batch; `run()` executes it to completion."""
+
+    def __init__(self, program, ctx: BatchContext, step_limit: int):
+        self.program, self.ctx, self.step_limit = program, ctx, step_limit
+        self.ops = program.ops
+        self.bound = [op.bind(ctx) if op.kind == NORMAL else None for op in self.ops]
+        self.kinds = [op.kind for op in self.ops]
+        self.guards = [None if op.ins.guard is None else
+                       (ctx.regs[op.ins.guard.name].bits, op.ins.guard.neg) for op in self.ops]
+        n = ctx.n
+        self.exited = np.zeros(n, np.bool_)
+        self.exited[ctx.lin >= ctx.nthreads] = True         # padding up to whole warps
+        self.n_live = ctx.nctas * ctx.nthreads
+        self.pc_eff = np.full(n, BIG, np.int64)             # BIG: exited or waiting
+        # The current group: threads sharing a pc that run without per-thread pcs until they
+        # reach `limit`, the lowest pc of any other thread. Its pc_eff entries are stale.
+        self.group_sel = ALL if self.n_live == n else np.flatnonzero(~self.exited)
+        self.group_n, self.pc, self.limit, self.has_group = self.n_live, 0, BIG, True
+        self.waiting = np.zeros(n, np.bool_)
+        self.wait_pc = np.zeros(n, np.int64)
+        self.n_waiting = 0
+        self.thread_instructions = 0
+        self.steps = 0
+        self.cur_pc, self.cur_sel = 0, ALL
+
+    # ------------------------------------------------------------------ helpers
+    def _guard(self, pc, sel, nsel):
+        """Threads of `sel` whose guard predicate holds: sel itself, None, or an index array."""
+        g = self.guards[pc]
+        if g is None:
+            return sel
+        arr, neg = g
+        p = arr[sel]
+        if neg:
+            p = ~p
+        cnt = int(np.count_nonzero(p))
+        if cnt == nsel:
+            return sel
+        if cnt == 0:
+            return None
+        return np.flatnonzero(p) if isinstance(sel, slice) else sel[p]
+
+    # ------------------------------------------------------------------ main loop
+    def run(self):
+        try:
+            with np.errstate(all="ignore"):
+                while self.n_live > 0:
+                    if self.has_group:
+                        self._run_group()
+                    else:
+                        self._pick_group()
+                    if self.steps > self.step_limit:
+                        raise self._step_limit_fault()
+        except Fault as fault:
+            raise self._error(fault) from None
+
+    def _step_limit_fault(self):
+        return Fault(f"step limit of {self.step_limit} instruction issues exceeded "
+                     f"(an infinite loop?)")
+
+    def _pick_group(self):
+        """Form the next group: the runnable threads at the lowest pc."""
+        pe = self.pc_eff
+        m = int(pe.min())
+        if m == BIG:
+            if self.n_waiting and self._release_barriers():
+                return
+            self._report_stuck()
+        at_m = pe == m
+        sel = np.flatnonzero(at_m)
+        self.pc, self.group_n, self.has_group = m, sel.size, True
+        if sel.size == self.n_live:       # every live thread: converged
+            self.group_sel = ALL if self.n_live == self.ctx.n else sel
+            self.limit = BIG
+        else:
+            self.group_sel = sel
+            self.limit = int(np.where(at_m, BIG, pe).min())
+
+    def _run_group(self):
+        """Run the group's instructions while it stays together below `limit`; hand an
+        instruction that needs per-thread treatment to the general path."""
+        ops, bound, kinds, guards = self.ops, self.bound, self.kinds, self.guards
+        nops, limit = len(ops), self.limit
+        pc, sel, nsel = self.pc, self.group_sel, self.group_n
+        full = limit == BIG and nsel == self.n_live    # all live threads of the batch
+        steps = 0
+        try:
+            while pc < limit:
+                kind = kinds[pc] if pc < nops else EXIT    # falling off the end exits
+                if kind == NORMAL:
+                    s2 = self._guard(pc, sel, nsel) if guards[pc] else sel
+                    if s2 is not None:
+                        self.cur_pc, self.cur_sel = pc, s2
+                        bound[pc](s2)
+                    pc += 1
+                    steps += 1
+                    continue
+                if kind == BRANCH:
+                    taken = self._guard(pc, sel, nsel)
+                    if taken is None:
+                        pc += 1
+                    elif taken is sel:
+                        if ops[pc].target <= pc and self.steps + steps > self.step_limit:
+                            self.cur_pc, self.cur_sel = pc, sel
+                            raise self._step_limit_fault()
+                        pc = ops[pc].target
+                    else:
+                        break                     # the group splits
+                    steps += 1
+                    continue
+                if full and kind == EXIT and (pc >= nops or guards[pc] is None):
+                    steps += 1
+                    self.n_live = 0               # every live thread exits
+                    self.has_group = False
+                    return
+                if full and kind == BARRIER and guards[pc] is None and \
+                        ops[pc].bar_count is None:
+                    pc += 1                       # every live thread of every CTA arrives
+                    steps += 1
+                    continue
+                break
+        finally:
+            self.steps += steps
+            self.thread_instructions += steps * nsel
+        self.has_group = False
+        idx = self.ctx.all_index if isinstance(sel, slice) else sel
+        if pc >= limit:                           # others are at `limit`: merge with them
+            self.pc_eff[idx] = pc
+            return
+        self.cur_pc, self.cur_sel = pc, idx
+        self.steps += 1
+        self.thread_instructions += nsel
+        self._exec_general(pc, idx)
+
+    def _exec_general(self, pc, sel):
+        pe = self.pc_eff
+        if pc >= len(self.ops):
+            self._exit_threads(sel)
+            return
+        op = self.ops[pc]
+        s2 = self._guard(pc, sel, sel.size)
+        if op.kind == NORMAL:
+            if s2 is not None:
+                self.cur_sel = s2
+                self.bound[pc](s2)
+            pe[sel] = pc + 1
+        elif op.kind == BRANCH:
+            pe[sel] = pc + 1
+            if s2 is not None:
+                if op.uniform:
+                    self._check_uniform(sel, s2)
+                pe[s2] = op.target
+        elif op.kind == EXIT:
+            pe[sel] = pc + 1
+            if s2 is not None:
+                self._exit_threads(s2)
+        else:  # BARRIER
+            pe[sel] = pc + 1
+            if s2 is not None:
+                self.waiting[s2] = True
+                self.wait_pc[s2] = pc
+                pe[s2] = BIG
+                self.n_waiting += s2.size
+                self._release_barriers()
+
+    def _exit_threads(self, idx):
+        self.exited[idx] = True
+        self.pc_eff[idx] = BIG
+        self.n_live -= idx.size
+        if self.n_waiting:
+            self._release_barriers()
+
+    def _check_uniform(self, sel, taken):
+        warps = sel >> 5
+        total = np.bincount(warps, minlength=1)
+        hit = np.bincount(taken >> 5, minlength=total.size)
+        mixed = (hit > 0) & (hit < total)
+        if mixed.any():
+            w = int(np.flatnonzero(mixed)[0])
+            first = int(sel[np.flatnonzero(warps == w)[0]])
+            raise Fault("bra.uni with a guard predicate that differs between the lanes of a "
+                        "warp (undefined behaviour)", first)
+
+    # ------------------------------------------------------------------ barriers
+    def _barrier_groups(self):
+        widx = np.flatnonzero(self.waiting)
+        nops = len(self.ops) + 1
+        key = self.ctx.cta_of[widx] * nops + self.wait_pc[widx]
+        uniq, inv, counts = np.unique(key, return_inverse=True, return_counts=True)
+        return widx, uniq // nops, uniq % nops, inv, counts
+
+    def _release_barriers(self) -> bool:
+        widx, g_cta, g_pc, inv, counts = self._barrier_groups()
+        live = np.bincount(self.ctx.cta_of[~self.exited], minlength=self.ctx.nctas)
+        required = np.array([live[c] if self.ops[p].bar_count is None else self.ops[p].bar_count
+                             for c, p in zip(g_cta.tolist(), g_pc.tolist())], np.int64)
+        over = counts > required
+        if over.any():
+            g = int(np.flatnonzero(over)[0])
+            self.cur_pc = int(g_pc[g])
+            raise Fault(f"{counts[g]} threads arrived at a barrier for "
+                        f"{required[g]} threads", int(widx[np.flatnonzero(inv == g)[0]]))
+        done = counts == required
+        if not done.any():
+            return False
+        rel = widx[done[inv]]
+        self.waiting[rel] = False
+        self.pc_eff[rel] = self.wait_pc[rel] + 1
+        self.n_waiting -= rel.size
+        return True
+
+    def _report_stuck(self):
+        widx, g_cta, g_pc, inv, counts = self._barrier_groups()
+        cta = int(g_cta[0])
+        pcs = sorted(set(g_pc[g_cta == cta].tolist()))
+        first = int(widx[np.flatnonzero(self.ctx.cta_of[widx] == cta)[0]])
+        self.cur_pc = pcs[0]
+        if len(pcs) > 1:
+            lines = ", ".join(f"line {self.ops[p].ins.line} (`{self.ops[p].ins.text}`)"
+                              for p in pcs)
+            raise Fault(f"barrier divergence: threads of one CTA wait at different barrier "
+                        f"instructions ({lines}); no thread can make progress", first)
+        live = int(np.count_nonzero(~self.exited & (self.ctx.cta_of == cta)))
+        raise Fault(f"barrier deadlock: {int(counts[g_cta == cta][0])} of {live} live threads "
+                    f"of the CTA wait here and the barrier's count is never reached", first)
+
+    # ------------------------------------------------------------------ errors
+    def _error(self, fault: Fault) -> EmulationError:
+        pc = self.cur_pc
+        ins = self.ops[pc].ins if pc < len(self.ops) else None
+        thread = fault.thread
+        if thread is None:
+            sel = self.cur_sel
+            thread = 0 if isinstance(sel, slice) else int(sel[0]) if len(sel) else 0
+        ctaid, tid = self.ctx.coords(int(thread))
+        entry = self.program.entry.name
+        where = f"line {ins.line}: `{ins.text}`" if ins else "end of kernel"
+        msg = (f"kernel '{entry}': {where}: {fault.message} "
+               f"[block ctaid=({ctaid[0]}, {ctaid[1]}, {ctaid[2]}), "
+               f"thread tid=({tid[0]}, {tid[1]}, {tid[2]})]")
+        err = EmulationError(msg)
+        err.kernel, err.ctaid, err.tid, err.address = entry, ctaid, tid, fault.address
+        err.line, err.text = (ins.line, ins.text) if ins else (None, None)
+        return err

@@ -1,0 +1,159 @@
+"""launch(): check arguments, lay out memory, run CTAs in batches, copy buffers back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ptxc.emu.decode import decode_program
+from ptxc.emu.executor import BatchContext, BatchRun
+from ptxc.emu.memory import GlobalMemory
+from ptxc.errors import InputError
+
+# Maximum shared memory per CTA (opt-in) by target; the default is the sm_90 value.
+SMEM_LIMIT = {"sm_75": 65536, "sm_80": 166912, "sm_86": 101376, "sm_87": 166912,
+              "sm_89": 101376, "sm_90": 232448, "sm_100": 232448, "sm_120": 101376}
+MAX_THREADS_PER_CTA = 1024
+
+_SCALAR_DTYPES = {"u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "u64": np.uint64,
+                  "s8": np.int8, "s16": np.int16, "s32": np.int32, "s64": np.int64,
+                  "f16": np.float16, "f32": np.float32, "f64": np.float64}
+
+
+@dataclass(frozen=True)
+class LaunchStats:
+    """What one launch executed. A thread-instruction is one instruction issued for one thread
+    (guarded-off threads included); a step is one instruction issued for a group of threads."""
+    kernel: str
+    grid: tuple
+    block: tuple
+    thread_instructions: int
+    steps: int
+    wall_time_s: float
+
+    @property
+    def thread_instructions_per_s(self) -> float:
+        return self.thread_instructions / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+
+def _dims(name: str, value) -> tuple:
+    if not isinstance(value, tuple) or not 1 <= len(value) <= 3 or \
+            not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+                    for v in value):
+        raise InputError(f"{name} must be a tuple of 1 to 3 positive ints, got {value!r}")
+    return tuple(int(v) for v in value) + (1,) * (3 - len(value))
+
+
+def _describe(value) -> str:
+    if isinstance(value, np.ndarray):
+        return f"numpy array of {value.dtype} with shape {value.shape}"
+    if isinstance(value, np.generic):
+        return f"numpy.{value.dtype} scalar {value!r}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _pack_params(kernel: str, env, args: list):
+    """-> (param bytes, list of (arg index, array) device buffers, their GlobalMemory)."""
+    params = env.entry.params
+    if not isinstance(args, (list, tuple)):
+        raise InputError(f"kernel '{kernel}': args must be a list, got {type(args).__name__}")
+    if len(args) != len(params):
+        names = ", ".join(f"{p.name} (.{p.ptype})" for p in params) or "none"
+        raise InputError(f"kernel '{kernel}' takes {len(params)} parameter(s) ({names}), "
+                         f"got {len(args)} argument(s)")
+    buffers = []
+    for i, (p, a) in enumerate(zip(params, args)):
+        if isinstance(a, np.ndarray):
+            if a.dtype.hasobject:
+                raise InputError(f"kernel '{kernel}': param {i} '{p.name}': a device buffer "
+                                 f"cannot hold Python objects ({_describe(a)})")
+            if p.ptype not in ("u64", "s64", "b64"):
+                raise InputError(f"kernel '{kernel}': param {i} '{p.name}' (.{p.ptype}) is not "
+                                 f"a pointer (.u64) parameter, got a {_describe(a)}")
+            buffers.append((i, a))
+    gmem = GlobalMemory([(f"arg {i} '{params[i].name}'", a.nbytes) for i, a in buffers])
+    address_of = {i: int(gmem.starts[k]) for k, (i, _) in enumerate(buffers)}
+    out = bytearray(env.param_bytes)
+    for i, (p, a) in enumerate(zip(params, args)):
+        off, ptype = env.params[p.name]
+        if i in address_of:
+            value = np.uint64(address_of[i])
+        else:
+            value = _check_scalar(kernel, i, p, ptype, a)
+        out[off:off + ptype.nbytes] = value.tobytes()
+    return bytes(out), buffers, gmem
+
+
+def _check_scalar(kernel, i, p, ptype, a):
+    if ptype.kind == "b":
+        ok = isinstance(a, np.generic) and a.dtype.itemsize * 8 == ptype.bits and \
+            a.dtype.kind in "uif"
+        want = f"a {ptype.bits}-bit numpy scalar"
+    else:
+        dt = _SCALAR_DTYPES.get(ptype.name)
+        ok = dt is not None and isinstance(a, np.generic) and a.dtype == np.dtype(dt)
+        want = f"a numpy.{np.dtype(dt).name} scalar" if dt else "an unsupported type"
+    if not ok:
+        hint = " (a device buffer goes in a .u64 parameter)" if isinstance(a, np.ndarray) else ""
+        raise InputError(f"kernel '{kernel}': param {i} '{p.name}' (.{ptype.name}) expects "
+                         f"{want}, got {_describe(a)}{hint}")
+    return a
+
+
+def _shared_bytes(kernel: str, env, target: str, dynamic: int) -> int:
+    if not isinstance(dynamic, (int, np.integer)) or dynamic < 0:
+        raise InputError(f"dynamic_smem_bytes must be a non-negative int, got {dynamic!r}")
+    total = (env.dynamic_offset if dynamic else env.static_shared_bytes) + int(dynamic)
+    limit = SMEM_LIMIT.get(target.split(",")[0].strip().rstrip("af"), 232448)
+    if total > limit:
+        raise InputError(f"kernel '{kernel}' needs {total} bytes of shared memory "
+                         f"({env.static_shared_bytes} static + {dynamic} dynamic), more than "
+                         f"the {limit} bytes a CTA may have on {target or 'this target'}")
+    return total
+
+
+def launch(ptx: str, entry: str, grid: tuple, block: tuple, args: list,
+           dynamic_smem_bytes: int = 0, *, batch_threads: int = 32768,
+           step_limit: int = 50_000_000) -> LaunchStats:
+    """Emulate one kernel launch. See the package docstring for the full contract."""
+    t0 = time.perf_counter()
+    g, b = _dims("grid", grid), _dims("block", block)
+    nthreads = b[0] * b[1] * b[2]
+    if nthreads > MAX_THREADS_PER_CTA:
+        raise InputError(f"block {block} has {nthreads} threads, more than "
+                         f"{MAX_THREADS_PER_CTA}")
+    program = decode_program(ptx, entry)
+    env = program.env
+    if program.entry.reqntid and _dims(".reqntid", program.entry.reqntid) != b:
+        raise InputError(f"kernel '{entry}' requires block {program.entry.reqntid} (.reqntid), "
+                         f"launched with {block}")
+    if program.entry.maxntid:
+        mx = _dims(".maxntid", program.entry.maxntid)
+        if nthreads > mx[0] * mx[1] * mx[2]:
+            raise InputError(f"kernel '{entry}' allows at most {mx} threads (.maxntid), "
+                             f"launched with {block}")
+    smem = _shared_bytes(entry, env, program.module.target, dynamic_smem_bytes)
+    param_bytes, buffers, gmem = _pack_params(entry, env, args)
+    for k, (_, a) in enumerate(buffers):
+        gmem.region(k)[:] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    tpad = -(-nthreads // 32) * 32
+    ctas = g[0] * g[1] * g[2]
+    per_batch = max(1, batch_threads // tpad)
+    thread_instructions = steps = 0
+    for start in range(0, ctas, per_batch):
+        nctas = min(per_batch, ctas - start)
+        ctx = BatchContext(program, g, b, start, nctas, gmem, param_bytes, smem)
+        run = BatchRun(program, ctx, step_limit)
+        run.run()
+        thread_instructions += run.thread_instructions
+        steps += run.steps
+    for k, (i, a) in enumerate(buffers):
+        result = gmem.region(k).view(a.dtype).reshape(a.shape) if a.nbytes else a
+        if a.flags.writeable:
+            a[...] = result
+        elif not np.array_equal(result.reshape(-1).view(np.uint8),
+                                np.ascontiguousarray(a).reshape(-1).view(np.uint8)):
+            raise InputError(f"kernel '{entry}' wrote to arg {i}, a read-only numpy array")
+    return LaunchStats(entry, g, b, thread_instructions, steps, time.perf_counter() - t0)
