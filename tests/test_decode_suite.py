@@ -18,7 +18,7 @@ GQA_DIMS = [(4, 4, 64), (8, 2, 128), (8, 1, 256)]  # (heads, kv_heads, head_dim)
 
 CASES = [(layout, dtype, splits, GQA_DIMS[i % 3])
          for i, (layout, dtype, splits) in enumerate(itertools.product(
-             ("contiguous", "paged"), ("f32", "f16", "bf16"), (1, 3, '"auto"')))]
+             ("contiguous", "pointer_array", "paged"), ("f32", "f16", "bf16"), (1, 3, '"auto"')))]
 
 
 @pytest.mark.parametrize("layout,dtype,splits,gqa", CASES)
@@ -26,7 +26,7 @@ def test_layout_dtype_splits(tmp_path, layout, dtype, splits, gqa):
     heads, kv_heads, d = gqa
     body = (f'dtype = "{dtype}"\nhead_dim = {d}\nnum_heads = {heads}\nnum_kv_heads = {kv_heads}\n'
             f'kv_layout = "{layout}"\nnum_splits = {splits}\nreturn_lse = true')
-    shapes = {"batch": 5, "max_seq_len": 37} if layout == "contiguous" else \
+    shapes = {"batch": 5, "max_seq_len": 37} if layout != "paged" else \
         {"batch": 5, "max_pages_per_seq": 3, "num_pages": 19}
     art = build_kernel(tmp_path, "decode", body + ('\npage_size = 16' if layout == "paged" else ""))
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=11))
@@ -94,12 +94,22 @@ def test_kv_append_writes_rows_and_nothing_else(tmp_path, layout, dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,dtype,splits", list(itertools.product(
-    ("contiguous", "paged"), ("f32", "f16", "bf16"), (1, 3, '"auto"'))))
+    ("contiguous", "pointer_array", "paged"), ("f32", "f16", "bf16"), (1, 3, '"auto"'))))
 def test_decode_suite_long(tmp_path, layout, dtype, splits):
     for heads, kv_heads, d in GQA_DIMS + [(8, 8, 128), (16, 4, 64)]:
         body = (f'dtype = "{dtype}"\nhead_dim = {d}\nnum_heads = {heads}\nnum_kv_heads = {kv_heads}\n'
                 f'kv_layout = "{layout}"\nnum_splits = {splits}\nreturn_lse = true')
-        shapes = {"batch": 5, "max_seq_len": 600} if layout == "contiguous" else \
+        shapes = {"batch": 5, "max_seq_len": 600} if layout != "paged" else \
             {"batch": 5, "max_pages_per_seq": 40, "num_pages": 230}
         art = build_kernel(tmp_path / f"{heads}_{kv_heads}_{d}", "decode", body)
         assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=12))
+
+
+def test_pointer_array_metadata_says_runtime_builds_pointers(tmp_path):
+    art = build_kernel(tmp_path, "decode", 'dtype = "f16"\nhead_dim = 64\nnum_heads = 4\nkv_layout = "pointer_array"')
+    t = art.meta["tensors"]
+    assert t["k_ptrs"] == {"dtype": "u64", "shape": ["batch"], "role": "input", "derived_from": "k_cache",
+                           "doc": t["k_ptrs"]["doc"]}
+    assert t["k_cache"]["passed_as"] == "k_ptrs"
+    params = [p["name"] for p in art.meta["targets"]["sm_80"]["kernels"][0]["params"]]
+    assert "k_ptrs" in params and "k_cache" not in params and "k_cache_stride0" not in params

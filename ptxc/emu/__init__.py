@@ -16,6 +16,10 @@ step_limit=50_000_000) -> LaunchStats``
       ``.s64`` -> ``np.int64``, ``.f32`` -> ``np.float32``, ``.f64`` -> ``np.float64``; a
       ``.bN`` parameter takes any N-bit numpy scalar). Plain Python ints/floats are refused.
       A wrong count or type raises ``ptxc.errors.InputError`` naming the parameter.
+    * A ``PointerTable(((array, byte_offset), ...))`` in a ``.u64`` parameter is a device
+      buffer of pointers into arrays that are not parameters themselves (pointer-array KV
+      caches): the arrays are placed in global memory and entry k holds the address of array k
+      plus its offset.
     * ``dynamic_smem_bytes``: size of the ``.extern .shared`` array(s).
     * Returns a ``LaunchStats`` (thread_instructions, steps, wall_time_s,
       thread_instructions_per_s). CTAs run in batches of about ``batch_threads`` threads (all
@@ -45,9 +49,9 @@ shfl reads of lanes that are not executing it. Registers start with a NaN-like p
 See docs/emulator.md for the execution model and numerical choices.
 """
 
-from ptxc.emu.launch import LaunchStats, launch
+from ptxc.emu.launch import LaunchStats, PointerTable, launch
 from ptxc.emu.parser import parse_module
 from ptxc.emu.ptx_ast import Module
 from ptxc.errors import EmulationError
 
-__all__ = ["launch", "LaunchStats", "parse_module", "Module", "EmulationError"]
+__all__ = ["launch", "LaunchStats", "PointerTable", "parse_module", "Module", "EmulationError"]

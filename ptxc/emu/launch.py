@@ -54,8 +54,24 @@ def _describe(value) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
+@dataclass(frozen=True)
+class PointerTable:
+    """A .u64 buffer of device pointers into host arrays that are not parameters themselves
+    (e.g. per-sequence KV caches reached through `k_ptrs`): entry k is the device address of
+    `targets[k][0]` plus `targets[k][1]` bytes. The target arrays are laid out in global memory
+    like any buffer and copied back after the launch; one array may be named by many entries."""
+
+    targets: tuple
+
+    def __post_init__(self):
+        for arr, offset in self.targets:
+            if not isinstance(arr, np.ndarray) or not (0 <= int(offset) <= arr.nbytes):
+                raise InputError(f"PointerTable entry ({_describe(arr)}, {offset!r}): expected a numpy "
+                                 f"array and a byte offset within it")
+
+
 def _pack_params(kernel: str, env, args: list):
-    """-> (param bytes, list of (arg index, array) device buffers, their GlobalMemory)."""
+    """-> (param bytes, list of (arg index or None, array) device buffers, their GlobalMemory)."""
     params = env.entry.params
     if not isinstance(args, (list, tuple)):
         raise InputError(f"kernel '{kernel}': args must be a list, got {type(args).__name__}")
@@ -63,8 +79,17 @@ def _pack_params(kernel: str, env, args: list):
         names = ", ".join(f"{p.name} (.{p.ptype})" for p in params) or "none"
         raise InputError(f"kernel '{kernel}' takes {len(params)} parameter(s) ({names}), "
                          f"got {len(args)} argument(s)")
-    buffers = []
+    buffers, tables, targets = [], {}, {}
     for i, (p, a) in enumerate(zip(params, args)):
+        if isinstance(a, PointerTable):
+            if p.ptype not in ("u64", "s64", "b64"):
+                raise InputError(f"kernel '{kernel}': param {i} '{p.name}' (.{p.ptype}) is not "
+                                 f"a pointer (.u64) parameter, got a PointerTable")
+            tables[i] = a
+            buffers.append((i, np.zeros(len(a.targets), np.uint64)))
+            for arr, _ in a.targets:
+                targets.setdefault(id(arr), arr)
+            continue
         if isinstance(a, np.ndarray):
             if a.dtype.hasobject:
                 raise InputError(f"kernel '{kernel}': param {i} '{p.name}': a device buffer "
@@ -73,8 +98,16 @@ def _pack_params(kernel: str, env, args: list):
                 raise InputError(f"kernel '{kernel}': param {i} '{p.name}' (.{p.ptype}) is not "
                                  f"a pointer (.u64) parameter, got a {_describe(a)}")
             buffers.append((i, a))
-    gmem = GlobalMemory([(f"arg {i} '{params[i].name}'", a.nbytes) for i, a in buffers])
-    address_of = {i: int(gmem.starts[k]) for k, (i, _) in enumerate(buffers)}
+    first_target = len(buffers)
+    buffers += [(None, arr) for arr in targets.values()]
+    gmem = GlobalMemory([(f"arg {i} '{params[i].name}'" if i is not None else
+                          f"pointer-table target {k - first_target}", a.nbytes)
+                         for k, (i, a) in enumerate(buffers)])
+    address_of = {i: int(gmem.starts[k]) for k, (i, _) in enumerate(buffers) if i is not None}
+    target_address = {key: int(gmem.starts[first_target + k]) for k, key in enumerate(targets)}
+    for i, table in buffers[:first_target]:
+        if i in tables:
+            table[:] = [target_address[id(arr)] + int(off) for arr, off in tables[i].targets]
     out = bytearray(env.param_bytes)
     for i, (p, a) in enumerate(zip(params, args)):
         off, ptype = env.params[p.name]
@@ -155,5 +188,6 @@ def launch(ptx: str, entry: str, grid: tuple, block: tuple, args: list,
             a[...] = result
         elif not np.array_equal(result.reshape(-1).view(np.uint8),
                                 np.ascontiguousarray(a).reshape(-1).view(np.uint8)):
-            raise InputError(f"kernel '{entry}' wrote to arg {i}, a read-only numpy array")
+            what = f"arg {i}" if i is not None else "a pointer-table target"
+            raise InputError(f"kernel '{entry}' wrote to {what}, a read-only numpy array")
     return LaunchStats(entry, g, b, thread_instructions, steps, time.perf_counter() - t0)

@@ -64,7 +64,7 @@ class Artifact:
         tname, t = self.target(target)
         buffers = prepare_buffers(self.meta, inputs, dims)
         if backend == "emu":
-            launch = _emu_launcher(self.ptx(tname))
+            launch = _emu_launcher(self.ptx(tname), self.meta)
         elif backend == "cuda":
             from .cuda import CudaDevice
             dev = device or CudaDevice.open()
@@ -154,7 +154,10 @@ def prepare_buffers(meta: dict, inputs: dict[str, np.ndarray], dims: dict[str, i
     (NaN), so any element a kernel fails to write is visible."""
     buffers = {}
     for name, info in meta["tensors"].items():
-        if info["role"] in ("input", "inout"):
+        if info.get("derived_from"):  # filled with device addresses by the backend
+            shape = tuple(exprs.evaluate(s, dims) if isinstance(s, str) else s for s in info["shape"])
+            buffers[name] = np.zeros(shape, np.uint64)
+        elif info["role"] in ("input", "inout"):
             buffers[name] = to_device(np.asarray(inputs[name]), info["dtype"])
         else:
             shape = tuple(exprs.evaluate(s, dims) if isinstance(s, str) else s for s in info["shape"])
@@ -190,14 +193,29 @@ def launch_geometry(kernel: dict, dims: dict[str, int]) -> tuple[tuple[int, ...]
     return grid, tuple(kernel["block"])
 
 
-def _emu_launcher(ptx: str):
+def row_pointer_offsets(source: np.ndarray) -> list[int]:
+    """Byte offsets of each leading-axis slice: the per-sequence pointers of a pointer array."""
+    return [b * source.strides[0] for b in range(source.shape[0])]
+
+
+def _emu_launcher(ptx: str, meta: dict):
     from .. import emu
+
+    def pointer(name, arr):
+        source = meta["tensors"][name].get("derived_from")
+        if source is None:
+            return arr
+        return emu.PointerTable(tuple((buffers_ref[source], off)
+                                      for off in row_pointer_offsets(buffers_ref[source])))
+
+    buffers_ref: dict = {}
 
     def launch(kernel, buffers, dims):
         grid, block = launch_geometry(kernel, dims)
         if 0 in grid:
             return
-        args = pack_args(kernel, buffers, dims, pointer=lambda name, arr: arr)
+        buffers_ref.update(buffers)
+        args = pack_args(kernel, buffers, dims, pointer=pointer)
         emu.launch(ptx, kernel["entry"], grid, block, args,
                    dynamic_smem_bytes=kernel["dynamic_smem_bytes"])
     return launch

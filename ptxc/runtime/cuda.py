@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PtxcError, ToolchainError
-from . import launch_geometry, pack_args
+from . import launch_geometry, pack_args, row_pointer_offsets
 
 _CTYPE = {"u32": ctypes.c_uint32, "s32": ctypes.c_int32, "u64": ctypes.c_uint64,
           "s64": ctypes.c_int64, "f32": ctypes.c_float}
@@ -99,6 +99,11 @@ class CudaDevice:
             dptrs = {}
             for name, arr in buffers.items():
                 dptrs[name] = _check(drv.cuMemAlloc(max(arr.nbytes, 1)), "cuMemAlloc")
+            for name, info in artifact.meta["tensors"].items():   # pointer arrays: real addresses
+                source = info.get("derived_from")
+                if source:
+                    buffers[name][:] = [int(dptrs[source]) + off for off in row_pointer_offsets(buffers[source])]
+            for name, arr in buffers.items():
                 if arr.nbytes:
                     _check(drv.cuMemcpyHtoD(dptrs[name], arr.ctypes.data, arr.nbytes), "cuMemcpyHtoD")
             try:
