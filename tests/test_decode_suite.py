@@ -113,3 +113,25 @@ def test_pointer_array_metadata_says_runtime_builds_pointers(tmp_path):
     assert t["k_cache"]["passed_as"] == "k_ptrs"
     params = [p["name"] for p in art.meta["targets"]["sm_80"]["kernels"][0]["params"]]
     assert "k_ptrs" in params and "k_cache" not in params and "k_cache_stride0" not in params
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_kv_append_fused_into_decode_launch_list(tmp_path, layout):
+    art = build_kernel(tmp_path, "decode", f'dtype = "bf16"\nhead_dim = 64\nnum_heads = 8\nnum_kv_heads = 2\n'
+                                           f'kv_layout = "{layout}"\nnum_splits = 3\nappend_kv = true\nreturn_lse = true')
+    entries = [k["entry"] for k in art.meta["targets"]["sm_80"]["kernels"]]
+    assert entries == ["ptxc_k_append", "ptxc_k_split", "ptxc_k_reduce"]
+    assert art.meta["tensors"]["k_cache"]["role"] == "inout"
+    shapes = {"batch": 5, "max_seq_len": 29} if layout == "contiguous" else \
+        {"batch": 5, "max_pages_per_seq": 2, "num_pages": 12}
+    rows = check_artifact(art, backend="emu", shapes=shapes, seed=21)
+    assert {r.tensor for r in rows} == {"o", "lse", "k_cache", "v_cache"}
+    assert_pass(rows)
+
+
+def test_append_kv_rejects_pointer_arrays():
+    from ptxc.errors import SpecError
+    from ptxc.spec import load_text
+    with pytest.raises(SpecError, match="append_kv supports"):
+        load_text('[[kernel]]\nname = "k"\nfamily = "decode"\ndtype = "f16"\nhead_dim = 64\nnum_heads = 4\n'
+                  'kv_layout = "pointer_array"\nappend_kv = true\n')

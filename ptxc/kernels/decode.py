@@ -9,6 +9,7 @@ GQA group) — so each K/V row is loaded once for the whole chunk; the body is d
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..errors import InputError, SpecError
@@ -19,7 +20,7 @@ from ..targets import DEFAULT_SMEM_PER_CTA, Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .decode_attend import emit_attention
-from .kv_access import LAYOUTS, KVAccess
+from .kv_access import LAYOUTS, KVAccess, check_page_size
 from .split_reduce import build_reduce
 
 _hd_check, _hd_allowed = int_range(16, 256, multiple_of=8)
@@ -38,6 +39,8 @@ FIELDS = FamilyFields(
         Field("num_splits", "int_or_auto", 'KV splits per sequence (flash-decoding): 1, N, or '
               '"auto" (chosen at launch from batch x heads vs. the SM count)', default=1,
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
+        Field("append_kv", "bool", "launch kv_append first: write this step's k_new/v_new at row "
+              "seq_lens - 1, then attend (caches become inout)", default=False),
     ),
     tile=(
         Field("num_warps", "int", "warps per CTA (default 4)", default=None, choices=(1, 2, 4, 8)),
@@ -80,9 +83,10 @@ class DecodeConfig:
 
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
-    if spec.opt("page_size") is not None and spec.opt("kv_layout") != "paged":
-        raise SpecError(f"page_size applies only to kv_layout = \"paged\" (kv_layout is "
-                        f"{spec.opt('kv_layout')!r})", key="page_size")
+    check_page_size(spec)
+    if spec.opt("append_kv") and spec.opt("kv_layout") == "pointer_array":
+        raise SpecError("append_kv supports kv_layout \"contiguous\" and \"paged\", not "
+                        "\"pointer_array\"", key="append_kv")
 
 
 def page_size(spec: KernelSpec) -> int:
@@ -127,14 +131,17 @@ def _splits(spec: KernelSpec):
 def interface(spec: KernelSpec) -> Interface:
     d, H, Hk = spec.head_dim, spec.num_heads, spec.num_kv_heads
     kv = _kv(spec)
+    append = spec.opt("append_kv")
     tensors = [TensorInfo("q", spec.dtype, ("batch", H, d), "input"),
-               *kv.tensors(spec.dtype, Hk, d, "input"),
+               *kv.tensors(spec.dtype, Hk, d, "inout" if append else "input"),
                TensorInfo("seq_lens", "i32", ("batch",), "input", "KV rows used per sequence "
                           "(0 allowed; clamped to the cache's capacity)", device_resident_scalars=True),
                TensorInfo("o", spec.dtype, ("batch", H, d), "output")]
     if spec.opt("return_lse"):
         tensors.append(TensorInfo("lse", "f32", ("batch", H), "output",
                                   "log-sum-exp of the scaled scores; -inf for an empty sequence"))
+    if append:
+        tensors += _append_inputs(spec)
     dims = ["batch", *kv.dims()]
     defaults = {"batch": 5, "max_seq_len": 203} if spec.opt("kv_layout") != "paged" else \
         {"batch": 5, "max_pages_per_seq": -(-203 // page_size(spec)), "num_pages": 5 * -(-203 // page_size(spec)) + 3}
@@ -179,11 +186,31 @@ def build(spec: KernelSpec, target: Target) -> Program:
     grid = (str(spec.num_kv_heads * cfg.head_chunks), "batch", "num_splits" if split else "1")
     launches = [Launch(entry=b.entry.name, params=tuple(params), grid=grid, block=(cfg.num_warps * 32, 1, 1))]
     entries = [b.entry]
+    if spec.opt("append_kv"):
+        from .kv_append import build as build_append
+        appended = build_append(append_spec(spec), target)
+        entries.insert(0, appended.entries[0])
+        # one new token per sequence: kv_append's num_new dim is the constant 1 here
+        launches.insert(0, dataclasses.replace(appended.launches[0], grid=("1", "batch", "1")))
     if split:
         entry, launch = build_reduce(spec, f"ptxc_{spec.name}_reduce", spec.opt("return_lse"))
         entries.append(entry)
         launches.append(launch)
     return Program(entries, launches, resolve_tile(spec, target))
+
+
+def append_spec(spec: KernelSpec) -> KernelSpec:
+    """The kv_append kernel fused in front of decode (entry `ptxc_<name>_append`)."""
+    keep = {"kv_layout", "page_size"}
+    return dataclasses.replace(spec, name=f"{spec.name}_append", family="kv_append",
+                               options=tuple((k, v) for k, v in spec.options if k in keep))
+
+
+def _append_inputs(spec: KernelSpec) -> list[TensorInfo]:
+    Hk, d = spec.num_kv_heads, spec.head_dim
+    return [TensorInfo(t, spec.dtype, ("batch", 1, Hk, d), "input", "this step's new row") for t in ("k_new", "v_new")] + [
+        TensorInfo("positions", "i32", ("batch",), "input", "row of the new token (normally "
+                   "seq_lens - 1; out-of-range rows are skipped)", device_resident_scalars=True)]
 
 
 def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
@@ -207,6 +234,10 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
             raise InputError(f"num_pages = {dims['num_pages']} < batch * max_pages_per_seq = {need}")
         pages = rng.permutation(dims["num_pages"])[:need].astype(np.int32)
         inputs["block_table"] = pages.reshape(B, dims["max_pages_per_seq"])
+    if spec.opt("append_kv"):
+        inputs["k_new"], inputs["v_new"] = (round_to(rng.standard_normal((B, 1, Hk, d)), spec.dtype)
+                                            .astype(np.float32) for _ in range(2))
+        inputs["positions"] = (lens - 1).astype(np.int32)
     return inputs
 
 
@@ -223,9 +254,17 @@ def dense_caches(spec: KernelSpec, inputs: dict) -> tuple:
 
 def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
     from .. import reference as ref
+    out = {}
+    if spec.opt("append_kv"):
+        from .kv_append import reference as append_reference
+        out = append_reference(append_spec(spec), inputs)
+        inputs = {**inputs, **out}
     k, v = dense_caches(spec, inputs)
     o, lse = ref.decode(inputs["q"], k, v, inputs["seq_lens"], spec.softmax_scale, dtype=dtype)
-    return {"o": o, "lse": lse} if spec.opt("return_lse") else {"o": o}
+    out["o"] = o
+    if spec.opt("return_lse"):
+        out["lse"] = lse
+    return out
 
 
 FAMILY = Family(name="decode", doc=__doc__.split("\n")[0], fields=FIELDS, validate=validate,

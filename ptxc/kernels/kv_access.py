@@ -20,6 +20,14 @@ from . import common as C
 from .base import ParamSource, TensorInfo
 
 LAYOUTS = ("contiguous", "pointer_array", "paged")
+
+
+def check_page_size(spec) -> None:
+    """page_size belongs to paged caches only."""
+    from ..errors import SpecError
+    if spec.opt("page_size") is not None and spec.opt("kv_layout") != "paged":
+        raise SpecError(f"page_size applies only to kv_layout = \"paged\" (kv_layout is "
+                        f"{spec.opt('kv_layout')!r})", key="page_size")
 CACHES = ("k_cache", "v_cache")
 
 

@@ -16,7 +16,7 @@ from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
-from .kv_access import CACHES, KVAccess
+from .kv_access import CACHES, KVAccess, check_page_size
 
 _hd_check, _hd_allowed = int_range(16, 256, multiple_of=8)
 _page_check, _page_allowed = int_range(1, 256, power_of_two=True)
@@ -30,8 +30,8 @@ MAX_THREADS = 256
 
 
 def validate(spec: KernelSpec) -> None:
-    from .decode import validate as decode_validate
-    decode_validate(spec)
+    C.check_dtype_target(spec.dtype, spec.targets)
+    check_page_size(spec)
 
 
 def _kv(spec: KernelSpec) -> KVAccess:
