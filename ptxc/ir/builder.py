@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from ..errors import IRError
+from .tensorcore import TensorCoreOps
 from .values import (F16, F16X2, F32, F64, B16, B32, B64, BF16, BF16X2, PRED, S32, S64, SPECIAL_REGS,
                      U32, U64, Addr, Imm, Label, PtxType, Reg, Special, Sym, Vec, storage_of)
 
@@ -65,7 +66,9 @@ class EntryIR:
 Value = Reg | Imm | Special | Sym | int | float
 
 
-class KernelBuilder:
+class KernelBuilder(TensorCoreOps):
+    """Typed instruction methods; tensor-core and cp.async ones come from `TensorCoreOps`."""
+
     def __init__(self, name: str):
         self.entry = EntryIR(name)
         self._guard: tuple[Reg, bool] | None = None
@@ -328,9 +331,9 @@ class KernelBuilder:
         self.emit("setp", (cmp, t.name), (p,), (self._operand(a, t, "setp"), self._operand(b, t, "setp")))
         return p
 
-    def selp(self, a: Value, b: Value, p: Reg) -> Reg:
-        """p ? a : b."""
-        t = self._type_of(a, b, what="selp")
+    def selp(self, a: Value, b: Value, p: Reg, type: PtxType | None = None) -> Reg:
+        """p ? a : b (`type` is needed only when both are immediates)."""
+        t = type or self._type_of(a, b, what="selp")
         if not isinstance(p, Reg) or p.type != PRED:
             raise IRError(f"selp: selector {p} is not a predicate register")
         d = self.reg(t)

@@ -31,7 +31,7 @@ PRINTERS: dict[str, Callable[[Instr], str]] = {
     "comment": lambda i: f"// {i.srcs[0]}",
     "st": _store,
     "bra": lambda i: f"bra {i.srcs[0]};",
-    "cp_async": lambda i: f"cp.async.{'.'.join(i.mods)} {', '.join(map(str, i.srcs))};",
+    "cp_async": lambda i: f"cp.async.{'.'.join(i.mods)}" + (f" {', '.join(map(str, i.srcs))};" if i.srcs else ";"),
 }
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from .base import Family
 from .decode import FAMILY as _DECODE
 from .kv_append import FAMILY as _KV_APPEND
+from .prefill import FAMILY as _PREFILL
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (_DECODE, _KV_APPEND)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (_DECODE, _PREFILL, _KV_APPEND)}
 
 __all__ = ["FAMILIES", "Family"]

@@ -118,6 +118,33 @@ def rescale_factor(b: KernelBuilder, m_old: Reg, m_use: Reg) -> Reg:
     return b.ex2(b.sub(m_old, m_use))
 
 
+def online_softmax_rows(b: KernelBuilder, m: list[Reg], l: list[Reg], rows: list[list[Reg]],
+                        scale_log2: float, lanes) -> tuple[list[Reg], list[list[Reg]]]:
+    """One online-softmax step for each row a thread holds (`rows[r]`: its raw scores of row r,
+    the rest of the row on the lanes that differ in `lanes`). m (running max, log2 units) and
+    l (this lane's partial sum) are updated in place; returns per-row rescale factors alpha and
+    the probabilities 2^(s * scale_log2 - m)."""
+    alphas, probs = [], []
+    for r, vals in enumerate(rows):
+        mx = vals[0]
+        for x in vals[1:]:
+            mx = b.max(mx, x)
+        for off in lanes:
+            mx = b.max(mx, b.shfl("bfly", mx, off))
+        m_new = b.max(m[r], b.mul(mx, scale_log2))
+        m_use = safe_max(b, m_new)
+        alphas.append(rescale_factor(b, m[r], m_use))
+        neg = b.neg(m_use)
+        p = [b.ex2(b.fma(x, scale_log2, neg)) for x in vals]
+        total = p[0]
+        for x in p[1:]:
+            total = b.add(total, x)
+        b.fma(l[r], alphas[-1], total, out=l[r])
+        b.mov(m_new, out=m[r])
+        probs.append(p)
+    return alphas, probs
+
+
 def merge_softmax_states(b: KernelBuilder, m: Reg, l: Reg, acc: list[Reg],
                          m_o: Reg, l_o: Reg, acc_o: list[Reg]) -> None:
     """(m, l, acc) <- exact merge with another partial state (m_o, l_o, acc_o), in place."""

@@ -1,0 +1,116 @@
+"""Tensor-core tile math of the prefill kernel (f16/bf16, mma.sync.m16n8k16, f32 accumulate).
+
+Warp w owns query rows [16w, 16w + 16) of the CTA's tile. Per KV tile:
+  S = Q·Kᵀ   block_n/8 accumulator tiles (16 x 8 f32, 4 registers each); A = Q fragments by
+             ldmatrix.x4 from the Q tile, B = two n8 tiles of K per ldmatrix.x4 ([n][k] rows);
+  softmax    lane (g = lane/4, t = lane%4) holds rows g and g+8, columns 2t, 2t+1 of every n8
+             tile; row max by shfl.bfly 1 and 2, probabilities by one fma + ex2 each;
+  O += P·V   the S accumulators of n8 tiles 2k, 2k+1, rounded to f16x2/bf16x2, are the A
+             fragment of k-step k (no shared-memory round trip); B = two n8 tiles of V per
+             ldmatrix.x4.trans ([k][n] rows).
+A head_dim that is an odd multiple of 8 ends with a half k-step (zero upper A/B halves) and a
+single n8 tile of V (ldmatrix.x2).
+"""
+
+from __future__ import annotations
+
+from ..ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, Addr, KernelBuilder, Reg
+from . import common as C
+from .prefill import Ctx, finish_rows
+from .tiles import ldmatrix_lane_offset, zero_regs
+
+
+class MmaMath:
+    def __init__(self, b: KernelBuilder, ctx: Ctx):
+        self.b, self.ctx, cfg = b, ctx, ctx.cfg
+        self.in_type = F16 if cfg.fmt.name == "f16" else BF16
+        self.pair = F16X2 if cfg.fmt.name == "f16" else BF16X2
+        self.ss = cfg.q_geom.stride
+        self.d, self.bn = cfg.head_dim, cfg.block_n
+        self.ksteps, self.half_k = -(-self.d // 16), self.d % 16 == 8
+        self.dtiles = self.d // 8
+        self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
+        lane = ctx.lane
+        self.lane_off = ldmatrix_lane_offset(b, lane, self.ss)
+        warp_rows = b.mul(ctx.warp, 16)
+        self.q_lane = b.add(b.mad(warp_rows, self.ss, ctx.q_smem), self.lane_off)
+        g, t = b.shr(lane, 2), b.and_(lane, 3)
+        self.t = t
+        row0 = b.add(ctx.m_start, b.add(warp_rows, g))
+        self.rows = [row0, b.add(row0, 8)]
+        two_t = b.bitcast(b.shl(t, 1), S32)
+        self.limits = [b.sub(ctx.key_limit(b, r), two_t) for r in self.rows]   # keys < limit - 2t
+        self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.ss, ctx.q_smem), b.shl(t, 2))
+        self.zero = b.mov(0, B32)
+        self.fzero = zero_regs(b, 4, F32)
+        self.o = [zero_regs(b, 4, F32) for _ in range(self.dtiles)]
+        self.m = [b.mov(C.NEG_INF, F32) for _ in range(2)]
+        self.l = zero_regs(b, 2, F32)
+
+    def scores(self, k_tile: Reg) -> list[list[Reg]]:
+        b, ss = self.b, self.ss
+        k_lane = b.add(k_tile, self.lane_off)
+        s: list = [None] * (self.bn // 8)
+        for kk in range(self.ksteps):
+            half = self.half_k and kk == self.ksteps - 1
+            a = b.ldmatrix(Addr(self.q_lane, kk * 32), 2 if half else 4)
+            if half:
+                a += [self.zero, self.zero]
+            for pair in range(self.bn // 16):
+                kb = b.ldmatrix(Addr(k_lane, pair * 16 * ss + kk * 32), 2 if half else 4)
+                frags = [(kb[0], self.zero), (kb[1], self.zero)] if half else \
+                    [(kb[0], kb[2]), (kb[1], kb[3])]
+                for e, frag in enumerate(frags):
+                    jn = 2 * pair + e
+                    s[jn] = b.mma_m16n8k16(a, frag, s[jn] or self.fzero, self.in_type, out=s[jn])
+        return s
+
+    def mask(self, s: list[list[Reg]], key0: Reg) -> None:
+        """-inf where key (key0 + 8 jn + 2t + e) >= the row's key limit."""
+        b = self.b
+        for r in range(2):
+            rel = b.sub(self.limits[r], b.bitcast(key0, S32))
+            for jn, acc in enumerate(s):
+                for e in range(2):
+                    with b.predicate(b.setp("le", rel, 8 * jn + e)):
+                        b.mov(C.NEG_INF, F32, out=acc[2 * r + e])
+
+    def softmax(self, s: list[list[Reg]]) -> list[list[Reg]]:
+        b = self.b
+        rows = [[acc[2 * r + e] for acc in s for e in range(2)] for r in range(2)]
+        alphas, probs = C.online_softmax_rows(b, self.m, self.l, rows, self.scale_log2, (1, 2))
+        for acc in self.o:
+            for i, x in enumerate(acc):
+                b.mul(x, alphas[i // 2], out=x)
+        # probs[r][2 jn + e] is element (r, e) of n8 tile jn; k-step k packs tiles 2k, 2k+1.
+        pk = [[b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn]) for r in range(2)]
+              for jn in range(self.bn // 8)]
+        return [pk[2 * k] + pk[2 * k + 1] for k in range(self.bn // 16)]
+
+    def pv(self, a_frags: list[list[Reg]], v_tile: Reg) -> None:
+        b, ss = self.b, self.ss
+        v_lane = b.add(v_tile, self.lane_off)
+        for kk, a in enumerate(a_frags):
+            for pair in range(-(-self.dtiles // 2)):
+                both = 2 * pair + 1 < self.dtiles
+                vb = b.ldmatrix(Addr(v_lane, kk * 16 * ss + pair * 32), 4 if both else 2, trans=True)
+                frags = [(vb[0], vb[1]), (vb[2], vb[3])] if both else [(vb[0], vb[1])]
+                for e, frag in enumerate(frags):
+                    acc = self.o[2 * pair + e]
+                    b.mma_m16n8k16(a, frag, acc, self.in_type, out=acc)
+
+    def epilogue(self) -> None:
+        """O / l rounded into this warp's rows of the Q tile, then 128-bit row stores by all."""
+        from .tiles import global_rows, store_tile, thread_slot
+        b, ctx = self.b, self.ctx
+        invs = finish_rows(b, ctx, self.m, self.l, self.rows, (1, 2), b.setp("eq", self.t, 0))
+        for jd, acc in enumerate(self.o):
+            for r in range(2):
+                lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
+                b.st("shared", B32, Addr(self.o_smem, r * 8 * self.ss + jd * 16),
+                     [b.cvt_pack(self.pair, hi, lo)])
+        b.bar_sync(0)
+        slot = thread_slot(b, ctx.cfg.q_geom, ctx.tid)
+        go = global_rows(b, slot, ctx.o_base, ctx.o_row_stride)
+        nvalid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
+        store_tile(b, slot, go, ctx.m_start, nvalid, ctx.q_smem)

@@ -1,0 +1,174 @@
+"""Row tiles staged in shared memory: padded layout, global <-> shared copies with bounds, and
+the ldmatrix lane addresses over that layout.
+
+Layout: a tile of `rows` rows of `row_bytes` each, row stride padded to an odd number of 16-byte
+chunks. Eight consecutive rows then start in eight different 16-byte bank groups (an odd stride
+permutes them mod 8), so ldmatrix (8 rows x 16 bytes per matrix) and row-parallel 128-bit loads
+run without bank conflicts; the cost is one 16-byte chunk per row when the row is an even
+number of chunks, and no address arithmetic (a k-step is an immediate offset).
+
+Copies: thread `tid` moves 16-byte chunk `tid % chunks` of rows `tid // chunks + i * rows_per_pass`
+for each pass i. Rows at or past the number of valid rows are zero-filled: `cp.async` with
+src-size 0 (which reads nothing), or a predicated-off load of zeros on targets without cp.async.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import B32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
+
+CHUNK = 16
+
+
+def padded_stride(row_bytes: int) -> int:
+    chunks = -(-row_bytes // CHUNK)
+    return (chunks | 1) * CHUNK
+
+
+@dataclass(frozen=True)
+class TileGeom:
+    rows: int
+    row_bytes: int
+    threads: int
+
+    @property
+    def chunks(self) -> int:
+        return self.row_bytes // CHUNK
+
+    @property
+    def stride(self) -> int:
+        return padded_stride(self.row_bytes)
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.stride
+
+    @property
+    def rows_per_pass(self) -> int:
+        return self.threads // self.chunks
+
+    @property
+    def passes(self) -> int:
+        return -(-self.rows // self.rows_per_pass)
+
+    @property
+    def idle_threads(self) -> bool:
+        return self.threads % self.chunks != 0
+
+
+@dataclass(frozen=True)
+class ThreadSlot:
+    """Where one thread's chunks sit: first row `r0` (== rows for idle threads), chunk offset."""
+
+    geom: TileGeom
+    r0: Reg          # u32
+    col: Reg         # u32, byte offset of the chunk in the row
+    soff: Reg        # u32, r0 * stride + col
+
+    def guard(self, b: KernelBuilder, i: int) -> Reg | None:
+        """Predicate 'this thread writes a row in pass i' (None when always true)."""
+        g = self.geom
+        if not g.idle_threads and (i + 1) * g.rows_per_pass <= g.rows:
+            return None
+        return b.setp("lt", self.r0, g.rows - i * g.rows_per_pass)
+
+
+def thread_slot(b: KernelBuilder, geom: TileGeom, tid: Reg) -> ThreadSlot:
+    r0 = b.div(tid, geom.chunks)
+    if geom.idle_threads:
+        r0 = b.selp(r0, geom.rows, b.setp("lt", tid, geom.rows_per_pass * geom.chunks))
+    col = b.mul(b.rem(tid, geom.chunks), CHUNK)
+    return ThreadSlot(geom, r0, col, b.mad(r0, geom.stride, col))
+
+
+@dataclass(frozen=True)
+class GlobalRows:
+    """One tensor's rows for one (batch, head): this thread's first chunk address and the
+    byte steps between rows and between passes."""
+
+    thr_base: Reg    # u64: head base + r0 * row_stride + col
+    row_stride: Reg  # s64 bytes
+    pass_step: Reg   # s64 bytes: rows_per_pass * row_stride
+
+
+def global_rows(b: KernelBuilder, slot: ThreadSlot, head_base: Reg, row_stride: Reg) -> GlobalRows:
+    off = b.mad(b.cvt(S64, slot.r0), row_stride, b.cvt(S64, slot.col))
+    thr = b.add(b.bitcast(head_base, S64), off)
+    return GlobalRows(b.bitcast(thr, U64), row_stride, b.mul(row_stride, slot.geom.rows_per_pass))
+
+
+def _pass_addrs(b: KernelBuilder, g: GlobalRows, row0: Reg, passes: int) -> list[Reg]:
+    addr = b.mad(b.cvt(S64, row0), g.row_stride, b.bitcast(g.thr_base, S64))
+    out = [addr]
+    for _ in range(1, passes):
+        out.append(b.add(out[-1], g.pass_step))
+    return [b.bitcast(a, U64) for a in out]
+
+
+def load_tile(b: KernelBuilder, slot: ThreadSlot, src: GlobalRows, row0: Reg, nvalid: Reg,
+              smem: Reg, use_cp_async: bool) -> None:
+    """Copy rows [row0, row0 + rows) into the tile at shared address `smem`; rows at or past
+    `nvalid` (s32, may be <= 0) of the tile are zero-filled. With cp.async nothing is waited for."""
+    geom = slot.geom
+    rem = b.sub(nvalid, b.bitcast(slot.r0, S32))      # valid rows left from this thread's r0
+    dst = b.add(smem, slot.soff)
+    addrs = _pass_addrs(b, src, row0, geom.passes)
+    staged = []
+    for i, a in enumerate(addrs):
+        valid = b.setp("gt", rem, i * geom.rows_per_pass)
+        doff = i * geom.rows_per_pass * geom.stride
+        guard = slot.guard(b, i)
+        if use_cp_async:
+            size = b.selp(CHUNK, 0, valid, type=U32)
+            if guard is None:
+                b.cp_async(Addr(dst, doff), Addr(a), CHUNK, size)
+            else:
+                with b.predicate(guard):
+                    b.cp_async(Addr(dst, doff), Addr(a), CHUNK, size)
+        else:
+            regs = zero_regs(b, 4)
+            with b.predicate(valid):
+                b.ld("global", B32, Addr(a), vec=4, nc=True, out=regs)
+            staged.append((guard, doff, regs))
+    for guard, doff, regs in staged:
+        if guard is None:
+            b.st("shared", B32, Addr(dst, doff), regs)
+        else:
+            with b.predicate(guard):
+                b.st("shared", B32, Addr(dst, doff), regs)
+
+
+def store_tile(b: KernelBuilder, slot: ThreadSlot, dst: GlobalRows, row0: Reg, nvalid: Reg,
+               smem: Reg) -> None:
+    """Write the tile's rows [0, nvalid) (s32) from shared memory to rows row0.. of `dst`."""
+    geom = slot.geom
+    rem = b.sub(nvalid, b.bitcast(slot.r0, S32))
+    src = b.add(smem, slot.soff)
+    for i, a in enumerate(_pass_addrs(b, dst, row0, geom.passes)):
+        ok = b.setp("gt", rem, i * geom.rows_per_pass)
+        guard = slot.guard(b, i)
+        if guard is not None:
+            ok = b.and_(ok, guard)
+        with b.predicate(ok):
+            vals = b.ld("shared", B32, Addr(src, i * geom.rows_per_pass * geom.stride), vec=4)
+            b.st("global", B32, Addr(a), vals)
+
+
+def ldmatrix_lane_offset(b: KernelBuilder, lane: Reg, stride: int) -> Reg:
+    """Lane l addresses row (l & 15), 16-byte chunk (l >> 4) of a 16 x 16 block of halves.
+
+    With .x4 this gives the matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
+    (rows 8-15, k 8-15): an A fragment as is, two n8 B fragments of a [n][k] tile as (0, 2) and
+    (1, 3), and with .trans two n8 B fragments of a [k][n] tile as (0, 1) and (2, 3). With .x2
+    only lanes 0-15 matter: the k 0-7 halves (A rows 0-15, or two B tiles) of the same block.
+    """
+    return b.mad(b.and_(lane, 15), stride, b.mul(b.shr(lane, 4), CHUNK))
+
+
+def zero_regs(b: KernelBuilder, n: int, type=B32) -> list[Reg]:
+    return [b.mov(0, type) if type.is_int or type.kind == "b" else b.mov(0.0, type) for _ in range(n)]
+
+
+__all__ = ["TileGeom", "ThreadSlot", "GlobalRows", "thread_slot", "global_rows", "load_tile",
+           "store_tile", "ldmatrix_lane_offset", "padded_stride", "zero_regs", "U32", "U64"]
