@@ -180,16 +180,46 @@ def decode_like_args(iters: int):
     return [k, v, out, np.uint32(iters), np.float32(0.5 * 1.4426950408889634)]
 
 
+def real_decode_launch(batch: int, seq: int):
+    """ptxc's own decode kernel (Llama-3-8B shape: 32 heads, 8 KV heads, d128, f16) with every
+    sequence `seq` keys long: (ptx, entry, grid, block, args)."""
+    from ptxc.compiler import lower
+    from ptxc.kernels import FAMILIES
+    from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
+    from ptxc.spec import load_file
+    [spec] = load_file(Path(__file__).resolve().parents[1] / "specs" / "llama3_8b.toml")
+    ptx, launches, _, _ = lower(spec, "sm_80")
+    fam = FAMILIES["decode"]
+    inputs = fam.make_inputs(spec, {"batch": batch, "max_seq_len": seq}, np.random.default_rng(0))
+    inputs["seq_lens"][:] = seq
+    meta = {"name": spec.name, "tensors": {t.name: t.to_dict() for t in fam.interface(spec).tensors},
+            "dims": ["batch", "max_seq_len"], "dim_rules": {}}
+    dims = infer_dims(meta, inputs, {})
+    buffers = prepare_buffers(meta, inputs, dims)
+    [kernel] = launches
+    grid, block = launch_geometry(kernel, dims)
+    return ptx, kernel["entry"], grid, block, pack_args(kernel, buffers, dims, pointer=lambda n, a: a)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=1000, help="loop iterations per thread")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--decode", action="store_true",
+                    help="run ptxc's real decode kernel (batch 4, 32 heads, d128, seq 1000) instead")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1000)
     ns = ap.parse_args(argv)
-    grid, block = (8, 4), (128,)
-    result = bench(DECODE_LIKE_PTX, "decode_like", grid, block, decode_like_args(ns.iters),
-                   repeat=ns.repeat)
+    if ns.decode:
+        ptx, entry, grid, block, args = real_decode_launch(ns.batch, ns.seq)
+        label = f"{entry} (llama3_8b_decode, batch={ns.batch}, seq={ns.seq})"
+    else:
+        ptx, entry, grid, block, args = (DECODE_LIKE_PTX, "decode_like", (8, 4), (128,),
+                                         decode_like_args(ns.iters))
+        label = f"decode_like iters={ns.iters}"
+    result = bench(ptx, entry, grid, block, args, repeat=ns.repeat)
     stats = result.stats
-    print(f"kernel decode_like grid={grid} block={block} iters={ns.iters}")
+    print(f"kernel {label} grid={grid} block={block}")
     print(f"  thread-instructions : {stats.thread_instructions:,}")
     print(f"  instruction issues  : {stats.steps:,}")
     print(f"  wall time           : {stats.wall_time_s:.3f} s  (CPU {result.cpu_time_s:.3f} s)")

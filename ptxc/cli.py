@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -36,9 +35,6 @@ def handles_errors(fn):
     return wrapper
 
 
-def console(stderr: bool = True):
-    from rich.console import Console
-    return Console(stderr=stderr, highlight=False)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -213,6 +209,85 @@ def emit_c_header(out_dir, output):
     """Write a C header (params structs, grid helpers, driver-API launchers) for an artifact set."""
     from .cheader import emit
     click.echo(str(emit(out_dir, output)))
+
+
+# --- performance: static report (no GPU), GPU bench and tuner (docs/performance.md) ---
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--shape", "shapes", multiple=True,
+              help="Runtime dims for the cost model, e.g. --shape batch=32,max_seq_len=8192.")
+@click.option("--gpu", "gpus", multiple=True,
+              help="Roofline on these GPU models (ptxc/gpus.py) [default: the models of each target's SM].")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write a self-contained HTML page with roofline plots.")
+@click.option("--measured", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="`ptxc bench --json` output whose ptxc rows are drawn on the rooflines.")
+@click.option("--no-sass", is_flag=True, help="Skip the SASS instruction mix (nvdisasm).")
+@handles_errors
+def report(paths, shapes, gpus, as_json, html_path, measured, no_sass):
+    """Static performance report of artifacts: resources, occupancy, cost, roofline, SASS mix."""
+    from .launch_test import parse_assignments
+    from .report import build_report, load_measured, write_html
+    data = build_report(paths, shapes=parse_assignments(shapes, "--shape"), gpus=list(gpus) or None,
+                        measured=load_measured(measured) if measured else None, sass=not no_sass)
+    if html_path:
+        write_html(data, html_path)
+        click.echo(f"wrote {html_path}", err=True)
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        from .report_table import print_report
+        print_report(data)
+
+
+@main.command(name="bench")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--shape", "shapes", multiple=True, help="Runtime dims, e.g. --shape batch=4,seq_q=4096,seq_k=4096.")
+@click.option("--target", default=None, help="Which target's image [default: the device's SM].")
+@click.option("--warmup", type=click.IntRange(0, 10000), default=10, show_default=True)
+@click.option("--repeat", type=click.IntRange(1, 100000), default=50, show_default=True)
+@click.option("--l2-flush/--no-l2-flush", "flush", default=None,
+              help="Flush L2 before each timed run [default: for decode only].")
+@click.option("--no-compare", is_flag=True, help="Skip torch SDPA / flash-attn side by side.")
+@click.option("--json", "as_json", is_flag=True)
+@handles_errors
+def bench_cmd(paths, shapes, target, warmup, repeat, flush, no_compare, as_json):
+    """Time specs or artifacts on the GPU (CUDA events); TFLOP/s, GB/s and % of peak."""
+    from .bench import run_bench
+    from .launch_test import parse_assignments
+    result = run_bench(paths, shapes=parse_assignments(shapes, "--shape"), target=target, warmup=warmup,
+                       repeat=repeat, flush=flush, compare=not no_compare)
+    if as_json:
+        click.echo(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        from .report_table import print_bench
+        print_bench(result)
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--target", default=None, help="Target to tune [default: the spec's target for the device's SM].")
+@click.option("--shape", "shapes", multiple=True, help="Runtime dims to tune at.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory of the tuned table [default: ptxc/tuned/ in the package].")
+@click.option("--warmup", type=click.IntRange(0, 1000), default=5, show_default=True)
+@click.option("--repeat", type=click.IntRange(1, 10000), default=20, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 10000), default=None, help="Try at most N candidates per key.")
+@click.option("--json", "as_json", is_flag=True)
+@handles_errors
+def tune(paths, target, shapes, out_dir, warmup, repeat, limit, as_json):
+    """Time every legal tile of SPEC on the GPU; write the fastest per key to a tuned table."""
+    from .launch_test import parse_assignments
+    from .tune import run_tune
+    result = run_tune(paths, shapes=parse_assignments(shapes, "--shape"), target=target, out_dir=out_dir,
+                      warmup=warmup, repeat=repeat, limit=limit)
+    if as_json:
+        click.echo(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        from .report_table import print_tune
+        print_tune(result)
 
 
 if __name__ == "__main__":  # pragma: no cover

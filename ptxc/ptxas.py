@@ -44,20 +44,26 @@ class Toolchain:
         return PTXAS_OPTIONS
 
 
-def find_ptxas() -> str:
-    override = os.environ.get("PTXAS")
+def find_nvidia_tool(tool: str, env_var: str, hint: str, error: type[Exception] = ToolchainError) -> str:
+    """`$env_var` if set (must be executable), else cuda.pathfinder's lookup (CUDA_HOME, the
+    nvidia-* pip wheels, PATH); anything else raises `error` with `hint`."""
+    override = os.environ.get(env_var)
     if override:
         if not (Path(override).is_file() and os.access(override, os.X_OK)):
-            raise ToolchainError(f"PTXAS={override} is not an executable file; {INSTALL_HINT}")
+            raise error(f"{env_var}={override} is not an executable file; {hint}")
         return override
     try:
         from cuda.pathfinder import find_nvidia_binary_utility
     except ImportError:
-        raise ToolchainError(f"cuda-pathfinder is not installed, so ptxas cannot be located; {INSTALL_HINT}") from None
-    found = find_nvidia_binary_utility("ptxas")
+        raise error(f"cuda-pathfinder is not installed, so {tool} cannot be located; {hint}") from None
+    found = find_nvidia_binary_utility(tool)
     if not found:
-        raise ToolchainError(f"ptxas not found; {INSTALL_HINT}")
+        raise error(f"{tool} not found; {hint}")
     return str(found)
+
+
+def find_ptxas() -> str:
+    return find_nvidia_tool("ptxas", "PTXAS", INSTALL_HINT)
 
 
 @lru_cache(maxsize=4)

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import PtxcError, ToolchainError
 from . import launch_geometry, pack_args, row_pointer_offsets
 
-_CTYPE = {"u32": ctypes.c_uint32, "s32": ctypes.c_int32, "u64": ctypes.c_uint64,
+CTYPES = {"u32": ctypes.c_uint32, "s32": ctypes.c_int32, "u64": ctypes.c_uint64,
           "s64": ctypes.c_int64, "f32": ctypes.c_float}
 
 
@@ -29,12 +29,22 @@ def _driver():
 
 
 def _check(result, what: str):
+    """Unwrap a cuda-python (err, value...) result; raise with the error's name."""
     drv = _driver()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if err != drv.CUresult.CUDA_SUCCESS:
         _, name = drv.cuGetErrorName(err)
         raise PtxcError(f"CUDA error in {what}: {name.decode() if isinstance(name, bytes) else name}")
-    return rest[0] if len(rest) == 1 else tuple(rest)
+    return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
+
+
+def fill_derived_pointers(meta: dict, buffers: dict, dptrs: dict) -> None:
+    """Per-sequence pointer arrays (tensors `derived_from` a cache, the pointer_array layout):
+    entry b = device address of slice b of the source tensor's first axis."""
+    for name, info in meta["tensors"].items():
+        source = info.get("derived_from")
+        if source:
+            buffers[name][...] = [int(dptrs[source]) + off for off in row_pointer_offsets(buffers[source])]
 
 
 @dataclass
@@ -99,16 +109,13 @@ class CudaDevice:
             dptrs = {}
             for name, arr in buffers.items():
                 dptrs[name] = _check(drv.cuMemAlloc(max(arr.nbytes, 1)), "cuMemAlloc")
-            for name, info in artifact.meta["tensors"].items():   # pointer arrays: real addresses
-                source = info.get("derived_from")
-                if source:
-                    buffers[name][:] = [int(dptrs[source]) + off for off in row_pointer_offsets(buffers[source])]
+            fill_derived_pointers(artifact.meta, buffers, dptrs)
             for name, arr in buffers.items():
                 if arr.nbytes:
                     _check(drv.cuMemcpyHtoD(dptrs[name], arr.ctypes.data, arr.nbytes), "cuMemcpyHtoD")
             try:
                 values = pack_args(kernel, buffers, dims, pointer=lambda n, a: int(dptrs[n]))
-                cvals = [_CTYPE[p["type"]](int(v) if p["type"] != "f32" else float(v))
+                cvals = [CTYPES[p["type"]](int(v) if p["type"] != "f32" else float(v))
                          for p, v in zip(kernel["params"], values)]
                 ptrs = (ctypes.c_void_p * len(cvals))(*[ctypes.addressof(c) for c in cvals])
                 grid, block = launch_geometry(kernel, dims)
@@ -139,4 +146,4 @@ def available() -> bool:
         return False
 
 
-__all__ = ["CudaDevice", "available"]
+__all__ = ["CudaDevice", "available", "fill_derived_pointers", "CTYPES"]

@@ -1,0 +1,200 @@
+"""Cost models: FLOPs and DRAM bytes of one launch list at given runtime dims, and the roofline.
+
+The models count the useful work of the algorithm, not instructions (docs/performance.md).
+e = bytes per element of the dtype; L = KV rows per sequence (max_seq_len, or
+max_pages_per_seq * page_size when paged): the cost of a batch whose sequences are all full.
+
+decode     FLOPs = 4 * batch * H * L * d      (q.k and p.v: 2 FLOPs per multiply-add)
+           bytes = (K + V) * head_chunks + q + o (+ lse) + seq_lens (+ block_table | k/v_ptrs)
+                   (+ split partials), with K + V = 2 * batch * L * Hk * d * e. Each CTA serves
+                   `heads_per_cta` query heads of one KV head, so a K/V row is read once per
+                   chunk of its GQA group: head_chunks = group_size / heads_per_cta (from the
+                   resolved tile config). With num_splits > 1 the split kernel writes f32
+                   partial outputs and log-sum-exps that the reduce kernel reads back.
+prefill    FLOPs = 4 * batch * seq_q * seq_k * d * H, halved when causal (the FlashAttention
+                   convention; exact for seq_q == seq_k up to the diagonal blocks)
+           bytes = q + k + v + o (+ lse), each once (K/V reuse across query blocks from L2)
+kv_append  FLOPs = 0
+           bytes = 2 * batch * num_new * Hk * d * e read (k_new, v_new) and the same written
+                   into the cache, + positions (+ one block-table entry per row when paged)
+
+`unit` says which peak bounds the math: "tensor" for the mma path, "simt" otherwise (decode
+does f32 FMAs on the CUDA cores whatever its storage dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .errors import InputError, UserError
+
+ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+LSE_BYTES = 4   # lse is always f32
+PART_BYTES = 4  # split-KV partials are f32
+# Shapes the report uses when --shape does not say: typical serving sizes, not launch-test's
+# small odd ones (these decide which side of the ridge a kernel lands on).
+DEFAULT_DIMS = {
+    "decode": {"batch": 16, "kv_len": 4096},
+    "prefill": {"batch": 4, "seq_q": 4096, "seq_k": 4096},
+    "kv_append": {"batch": 16, "num_new": 1, "kv_len": 4096},
+}
+KNOWN_DIMS = {"batch", "max_seq_len", "seq_q", "seq_k", "num_pages", "max_pages_per_seq",
+              "num_splits", "num_new"}
+REPORT_NUM_SMS = 108   # SM count assumed by "auto" dim rules in a static report (an A100's)
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: int
+    bytes: int
+    unit: str        # "tensor" | "simt"
+    dims: dict
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOPs per DRAM byte."""
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+    def to_dict(self) -> dict:
+        return {"flops": self.flops, "bytes": self.bytes, "intensity": round(self.intensity, 4),
+                "unit": self.unit, "dims": dict(self.dims)}
+
+
+def _unit(config: dict) -> str:
+    return "tensor" if str(config.get("path", "")).startswith("mma") else "simt"
+
+
+def page_size(meta: dict) -> int:
+    """Rows per page of a paged cache (the constant in k_cache's shape), 0 when not paged."""
+    shape = meta["tensors"].get("k_cache", {}).get("shape", [])
+    return shape[1] if len(shape) == 4 and shape[0] == "num_pages" else 0
+
+
+def kv_length(meta: dict, dims: dict) -> int:
+    ps = page_size(meta)
+    return dims["max_pages_per_seq"] * ps if ps else dims["max_seq_len"]
+
+
+def _layout_bytes(meta: dict, dims: dict, rows_per_seq: int) -> int:
+    """Indirection the kernel reads: block-table entries (paged) or per-sequence pointers."""
+    t = meta["tensors"]
+    if "block_table" in t:
+        return dims["batch"] * -(-rows_per_seq // page_size(meta)) * 4
+    return sum(dims["batch"] * 8 for n in ("k_ptrs", "v_ptrs") if n in t)
+
+
+def decode_cost(meta: dict, config: dict, dims: dict) -> Cost:
+    spec = meta["spec"]
+    b, L = dims["batch"], kv_length(meta, dims)
+    H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
+    e = ELEM_BYTES[spec["dtype"]]
+    group = H // Hk
+    head_chunks = group // max(1, config.get("heads_per_cta", group))
+    kv = 2 * b * L * Hk * d * e * head_chunks
+    qo = 2 * b * H * d * e
+    lse = b * H * LSE_BYTES if spec.get("return_lse") else 0
+    splits = dims.get("num_splits", 1)
+    parts = 2 * b * H * splits * (d + 1) * PART_BYTES if splits > 1 else 0
+    return Cost(4 * b * H * L * d, kv + qo + lse + b * 4 + parts + _layout_bytes(meta, dims, L),
+                _unit(config), dict(dims))
+
+
+def prefill_cost(meta: dict, config: dict, dims: dict) -> Cost:
+    spec = meta["spec"]
+    b, sq, sk = dims["batch"], dims["seq_q"], dims["seq_k"]
+    H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
+    e = ELEM_BYTES[spec["dtype"]]
+    flops = 4 * b * sq * sk * d * H
+    if spec.get("causal"):
+        flops //= 2
+    qo = 2 * b * sq * H * d * e
+    kv = 2 * b * sk * Hk * d * e
+    lse = b * H * sq * LSE_BYTES if spec.get("return_lse") else 0
+    return Cost(flops, qo + kv + lse, _unit(config), dict(dims))
+
+
+def kv_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
+    spec = meta["spec"]
+    b, n = dims["batch"], dims["num_new"]
+    rows = 2 * b * n * spec["num_kv_heads"] * spec["head_dim"] * ELEM_BYTES[spec["dtype"]]
+    index = b * n * 4 if "block_table" in meta["tensors"] else _layout_bytes(meta, dims, n)
+    return Cost(0, 2 * rows + b * 4 + index, "simt", dict(dims))
+
+
+COST_MODELS: dict[str, Callable[[dict, dict, dict], Cost]] = {
+    "decode": decode_cost,
+    "prefill": prefill_cost,
+    "kv_append": kv_append_cost,
+}
+
+
+def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_SMS) -> dict[str, int]:
+    """The artifact's runtime dims: --shape values first, then the family's report defaults
+    (kv_len becomes max_seq_len, or max_pages_per_seq = kv_len / page_size with every
+    sequence owning its pages: num_pages = batch * max_pages_per_seq), then the artifact's dim rules (num_splits).
+    Names of other families' dims are ignored (one --shape for a mixed directory); names no
+    family has are refused."""
+    family, dims = meta["family"], list(meta["dims"])
+    bad = sorted(set(shapes) - KNOWN_DIMS - set(dims))
+    if bad:
+        raise InputError(f"--shape {', '.join(bad)}: not a runtime dimension (dims of "
+                         f"{meta['name']}: {', '.join(dims)})")
+    base = DEFAULT_DIMS.get(family, {})
+    out = {d: shapes[d] for d in dims if d in shapes}
+    for d in dims:
+        if d not in out and d in base:
+            out[d] = base[d]
+    kv = shapes.get("max_seq_len", base.get("kv_len"))
+    if "max_seq_len" in dims and "max_seq_len" not in out and kv is not None:
+        out["max_seq_len"] = kv
+    if "max_pages_per_seq" in dims and "max_pages_per_seq" not in out and kv is not None and page_size(meta):
+        out["max_pages_per_seq"] = -(-kv // page_size(meta))
+    if "num_pages" in dims and "num_pages" not in out and "max_pages_per_seq" in out and "batch" in out:
+        out["num_pages"] = out["batch"] * out["max_pages_per_seq"]
+    for name, rule in (meta.get("dim_rules") or {}).items():
+        if name in dims and name not in out:
+            from .runtime import apply_dim_rule
+            out[name] = apply_dim_rule(rule, out, num_sms)
+    missing = [d for d in dims if d not in out]
+    if missing:
+        raise InputError(f"{meta['name']}: give --shape {missing[0]}=N (no default for {family})")
+    return {d: out[d] for d in dims}
+
+
+def launch_cost(meta: dict, target: str, dims: dict[str, int]) -> Cost:
+    """Cost of one run of `target`'s whole launch list at `dims`."""
+    family = meta["family"]
+    model = COST_MODELS.get(family)
+    if model is None:
+        raise UserError(f"no cost model for family {family!r} (known: {', '.join(COST_MODELS)}); "
+                        f"add one to ptxc/costs.py")
+    return model(meta, meta["targets"][target].get("config", {}), dims)
+
+
+def roofline(cost: Cost, gpu) -> dict:
+    """Lower bound on the time of `cost` on `gpu`: the slower of doing the math at peak and
+    moving the bytes at full bandwidth, and which of the two binds."""
+    compute_s = cost.flops / gpu.peak_flops(cost.unit)
+    memory_s = cost.bytes / gpu.bandwidth
+    seconds = max(compute_s, memory_s)
+    return {"gpu": gpu.key, "seconds": seconds, "compute_seconds": compute_s,
+            "memory_seconds": memory_s, "bound": "compute" if compute_s >= memory_s else "memory",
+            "attainable_tflops": cost.flops / seconds / 1e12 if seconds else 0.0,
+            "ridge_intensity": gpu.peak_flops(cost.unit) / gpu.bandwidth}
+
+
+__all__ = [
+    "COST_MODELS",
+    "DEFAULT_DIMS",
+    "ELEM_BYTES",
+    "Cost",
+    "decode_cost",
+    "kv_append_cost",
+    "kv_length",
+    "launch_cost",
+    "page_size",
+    "prefill_cost",
+    "resolve_dims",
+    "roofline",
+]

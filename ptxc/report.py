@@ -1,0 +1,184 @@
+"""`ptxc report`: a static performance report of built artifacts, no GPU needed.
+
+Per kernel and target: resources from ptxas (registers, spills, shared memory, barriers), the
+theoretical occupancy (ptxc.targets.occupancy over the per-SM limits table), FLOPs and bytes
+of one launch list at a shape (ptxc.costs), arithmetic intensity, the roofline-bound time on
+each GPU model of the target's SM (or the ones asked for), and the SASS instruction mix when
+nvdisasm is available. The result is plain JSON data; report_table.py prints it, report_html.py
+renders it as one self-contained HTML page.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from . import __version__, exprs
+from .costs import launch_cost, resolve_dims, roofline
+from .errors import InputError, UserError
+from .gpus import GPUS, get_gpu, models_for_target, sm_of_target
+from .targets import get_target, occupancy
+
+
+def artifact_dirs(paths) -> list[Path]:
+    """Artifact directories named directly or found one level inside output directories."""
+    from .verify import is_artifact_dir, is_output_dir
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if is_artifact_dir(p):
+            found.append(p)
+        elif p.is_dir() and is_output_dir(p):
+            found += [c for c in sorted(p.iterdir()) if is_artifact_dir(c)]
+        else:
+            raise UserError(f"{p}: not an artifact directory or build output directory "
+                            f"(build specs first: ptxc build SPEC --out DIR)")
+    if not found:
+        raise UserError("no artifacts found in " + ", ".join(map(str, paths)))
+    return found
+
+
+def _load_meta(d: Path) -> dict:
+    path = d / f"{d.name}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable metadata ({e})") from None
+
+
+def _sass_mixes(jobs: list[tuple[Path, str, dict]], enabled: bool) -> tuple[dict, dict]:
+    """Instruction mix per (artifact dir, target) -> (mix or None, reason or None), run in
+    parallel (nvdisasm is a process per cubin) and cached; plus the report-wide status."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .cache import Cache
+    from .sass import SassUnavailable, find_nvdisasm, instruction_mix
+    status = {"available": False, "reason": None}
+    if not enabled:
+        status["reason"] = "skipped (--no-sass)"
+        return {(d, t): (None, status["reason"]) for d, t, _ in jobs}, status
+    try:
+        find_nvdisasm()
+    except SassUnavailable as e:
+        status["reason"] = str(e)
+        return {(d, t): (None, str(e)) for d, t, _ in jobs}, status
+    cache = Cache(warn=lambda msg: None)
+
+    def one(job):
+        d, _target, tinfo = job
+        if "cubin" not in tinfo:
+            return None, "no cubin (built with --no-verify)"
+        try:
+            return instruction_mix((d / tinfo["cubin"]).read_bytes(), cache), None
+        except OSError as e:
+            return None, f"cannot read {tinfo['cubin']}: {e.strerror}"
+        except SassUnavailable as e:
+            return None, str(e)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = dict(zip(((d, t) for d, t, _ in jobs), pool.map(one, jobs)))
+    if any(mix is not None for mix, _ in results.values()):
+        status["available"] = True
+    else:
+        status["reason"] = next((why for _, why in results.values() if why), "no cubins")
+    return results, status
+
+
+def _target_for_sm(targets: dict, sm: int) -> str | None:
+    """The target a device of `sm` runs: its own SM's cubin, else the newest older target's PTX."""
+    exact = [t for t in targets if sm_of_target(t) == sm]
+    if exact:
+        return min(exact)
+    older = sorted((t for t in targets if sm_of_target(t) < sm), key=lambda t: (sm_of_target(t), t))
+    return older[-1] if older else None
+
+
+def _launch_row(k: dict, target: str, dims: dict, mix: dict | None, why: str | None) -> dict:
+    res = k.get("resources") or {}
+    threads = k["block"][0] * k["block"][1] * k["block"][2]
+    smem = k["static_smem_bytes"] + k["dynamic_smem_bytes"]
+    occ = k.get("occupancy")
+    if occ is None and res:
+        occ = occupancy(get_target(target), threads, res.get("registers", 0), smem)
+    try:
+        grid = [exprs.evaluate(g, dims) for g in k["grid"]]
+    except InputError:
+        grid = list(k["grid"])
+    return {
+        "entry": k["entry"], "block": list(k["block"]), "threads": threads, "grid": grid,
+        "registers": res.get("registers"), "spill_bytes":
+            (res.get("spill_stores", 0) + res.get("spill_loads", 0)) if res else None,
+        "stack": res.get("stack"), "smem_bytes": smem, "barriers": res.get("barriers"),
+        "occupancy": occ, "sass": (mix or {}).get(k["entry"]), "sass_note": why,
+    }
+
+
+def build_report(paths, shapes: dict[str, int] | None = None, gpus: list[str] | None = None,
+                 measured: list[dict] | None = None, sass: bool = True) -> dict[str, Any]:
+    shapes = shapes or {}
+    chosen = [get_gpu(g) for g in gpus] if gpus else None
+    metas = [(d, _load_meta(d)) for d in artifact_dirs(paths)]
+    mixes, sass_status = _sass_mixes([(d, t, ti) for d, m in metas for t, ti in m["targets"].items()], sass)
+    used: dict[str, Any] = {}
+    kernels = []
+    for d, meta in metas:
+        dims = resolve_dims(meta, shapes)
+        targets = []
+        for target in sorted(meta["targets"], key=lambda t: (get_target(t).sm, t)):
+            tinfo = meta["targets"][target]
+            try:
+                cost, cost_note = launch_cost(meta, target, dims), None
+            except UserError as e:   # a family without a cost model still gets its resources
+                cost, cost_note = None, str(e)
+            mix, why = mixes[(d, target)]
+            if chosen is None:
+                models = models_for_target(target)
+            else:   # each chosen GPU runs the image a CUDA device would pick (runtime.cuda)
+                models = [g for g in chosen if _target_for_sm(meta["targets"], g.sm) == target]
+            models = models if cost else []
+            for g in models:
+                used[g.key] = g
+            targets.append({
+                "target": target, "config": tinfo.get("config", {}),
+                "cost": cost.to_dict() if cost else None, "cost_note": cost_note,
+                "launches": [_launch_row(k, target, dims, mix, why) for k in tinfo["kernels"]],
+                "roofline": [roofline(cost, g) for g in models],
+                "measured": [m for m in measured or [] if m.get("kernel") == meta["name"]
+                             and m.get("target") == target],
+            })
+        spec = meta["spec"]
+        kernels.append({"name": meta["name"], "family": meta["family"], "path": str(d),
+                        "dims": dims, "verified": meta.get("verified", False),
+                        "spec": {k: spec[k] for k in ("dtype", "head_dim", "num_heads", "num_kv_heads",
+                                                      "causal", "return_lse", "kv_layout") if k in spec},
+                        "targets": targets})
+    return {
+        "ptxc_version": __version__,
+        "shapes": shapes,
+        "gpus": {k: used[k].to_dict() for k in GPUS if k in used},
+        "sass": sass_status,
+        "kernels": kernels,
+    }
+
+
+def load_measured(paths) -> list[dict]:
+    """Rows of `ptxc bench --json` files, for plotting measured points on the rooflines."""
+    rows: list[dict] = []
+    for p in map(Path, paths):
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{p}: not a `ptxc bench --json` file ({e})") from None
+        rows += [r for r in data.get("results", []) if r.get("impl") == "ptxc"]
+    return rows
+
+
+def write_html(report: dict, path: Path) -> Path:
+    from .cache import atomic_write
+    from .report_html import render_html
+    atomic_write(path, render_html(report).encode())
+    return path
+
+
+__all__ = ["artifact_dirs", "build_report", "load_measured", "write_html"]
