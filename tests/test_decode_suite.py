@@ -135,3 +135,23 @@ def test_append_kv_rejects_pointer_arrays():
     with pytest.raises(SpecError, match="append_kv supports"):
         load_text('[[kernel]]\nname = "k"\nfamily = "decode"\ndtype = "f16"\nhead_dim = 64\nnum_heads = 4\n'
                   'kv_layout = "pointer_array"\nappend_kv = true\n')
+
+
+def test_tuned_table_steers_decode_tiles(tmp_path, monkeypatch):
+    """A table written by `ptxc tune` changes the default tile; a tile the user gives wins."""
+    from ptxc import tuned
+    from ptxc.kernels.decode import resolve_tile
+    from ptxc.spec import load_text
+    from ptxc.targets import TARGETS
+    tuned.write_table(tmp_path, target="sm_90", sm=90, device_name="NVIDIA H100 80GB HBM3",
+                      entries=[{"family": "decode", "head_dim": 128, "causal": False, "dtype": "f16",
+                                "tile": {"num_warps": 8, "kv_unroll": 2}, "median_ms": 0.1}])
+    monkeypatch.setattr(tuned, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(tuned.lookup, "__defaults__", (None, tmp_path))
+    base = '[[kernel]]\nname = "k"\nfamily = "decode"\ndtype = "f16"\nhead_dim = 128\nnum_heads = 8\n'
+    [spec] = load_text(base)
+    assert resolve_tile(spec, TARGETS["sm_90"])["num_warps"] == 8
+    assert resolve_tile(spec, TARGETS["sm_80"])["num_warps"] == 4          # no table for sm_80
+    [mine] = load_text(base + "[kernel.tile]\nnum_warps = 2\n")
+    chosen = resolve_tile(mine, TARGETS["sm_90"])
+    assert chosen["num_warps"] == 2 and chosen["kv_unroll"] == 2                 # user's key, tuned rest
