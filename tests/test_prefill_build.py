@@ -75,3 +75,24 @@ def test_sass_f32_path_has_no_tensor_cores(built):
     except SassUnavailable as e:
         pytest.skip(f"SASS mix unavailable: {e}")
     assert mix["HMMA"] == 0 and mix["LDL"] == 0 and mix["STL"] == 0
+
+
+def test_tuned_table_steers_prefill_tiles(tmp_path, monkeypatch):
+    """A `ptxc tune` table replaces the heuristic's default tile for its key and target only."""
+    from ptxc import tuned
+    from ptxc.kernels.prefill import resolve_tile
+    from ptxc.spec import load_text
+    from ptxc.targets import TARGETS
+    tuned.write_table(tmp_path, target="sm_80", sm=80, device_name="NVIDIA A100-SXM4-80GB",
+                      entries=[{"family": "prefill", "head_dim": 128, "causal": True, "dtype": "f16",
+                                "tile": {"block_m": 64, "block_n": 32, "num_stages": 3, "num_warps": 4},
+                                "median_ms": 1.0}])
+    monkeypatch.setattr(tuned.lookup, "__defaults__", (None, tmp_path))
+    base = ('[[kernel]]\nname = "k"\nfamily = "prefill"\ndtype = "f16"\nhead_dim = 128\n'
+            'num_heads = 8\ncausal = {}\n')
+    [causal] = load_text(base.format("true"))
+    [full] = load_text(base.format("false"))
+    got = resolve_tile(causal, TARGETS["sm_80"])
+    assert (got["block_m"], got["block_n"], got["num_stages"], got["num_warps"]) == (64, 32, 3, 4)
+    assert resolve_tile(full, TARGETS["sm_80"])["block_n"] != 32 or resolve_tile(full, TARGETS["sm_80"])["block_m"] != 64
+    assert resolve_tile(causal, TARGETS["sm_89"]) == resolve_tile(full, TARGETS["sm_89"])

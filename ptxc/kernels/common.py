@@ -159,3 +159,13 @@ def merge_softmax_states(b: KernelBuilder, m: Reg, l: Reg, acc: list[Reg],
 
 def param_u64(b: KernelBuilder, name: str) -> Reg:
     return b.load_param(b.param(name, U64))
+
+
+def tuned_tile(family: str, spec, target, keys: tuple[str, ...], causal: bool = False) -> dict:
+    """The tile `ptxc tune` measured fastest for this (family, head_dim, causal, dtype) on this
+    target (tables in ptxc/tuned/), restricted to `keys`; {} when there is none."""
+    if target is None:
+        return {}
+    from ..tuned import lookup
+    found = lookup(target.name, family, spec.head_dim, causal, spec.dtype) or {}
+    return {k: v for k, v in found.items() if k in keys}

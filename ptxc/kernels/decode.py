@@ -99,7 +99,8 @@ def configure(spec: KernelSpec, target: Target) -> DecodeConfig:
     lpr = min(32, C.next_pow2(chunks))
     cpl = -(-chunks // lpr)
     per_head = cpl * fmt.per_vec
-    tile = {**(tuned_tile(spec, target) or {}), **spec.tile_dict()}  # the user's keys win
+    tile = {**C.tuned_tile("decode", spec, target, ("num_warps", "kv_unroll")),
+            **spec.tile_dict()}  # the user's keys win over tuned ones
     nw = tile.get("num_warps") or 4
     cap = max(1, MAX_HEAD_REGS // per_head)
     hp = max(h for h in range(1, spec.group_size + 1) if spec.group_size % h == 0 and h <= cap
@@ -111,15 +112,6 @@ def configure(spec: KernelSpec, target: Target) -> DecodeConfig:
                         f"the cross-warp merge; at most {DEFAULT_SMEM_PER_CTA}: use fewer warps",
                         key="tile.num_warps")
     return cfg
-
-
-def tuned_tile(spec: KernelSpec, target: Target | None) -> dict | None:
-    """A tile `ptxc tune` measured as fastest on this target (ptxc/tuned/), if any."""
-    if target is None:
-        return None
-    from ..tuned import lookup
-    found = lookup(target.name, "decode", spec.head_dim, False, spec.dtype)
-    return {k: v for k, v in (found or {}).items() if k in ("num_warps", "kv_unroll")} or None
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:

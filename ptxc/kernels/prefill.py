@@ -122,10 +122,16 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
     tc = spec.dtype != "f32"
     given = spec.tile_dict()
     bm, bn, stages = _defaults(spec, target, tc)
+    # A tile `ptxc tune` measured on this target replaces the heuristic's defaults (it may
+    # still shrink to fit below); keys the spec gives win over both.
+    tuned = C.tuned_tile("prefill", spec, target, ("block_m", "block_n", "num_stages", "num_warps"),
+                         causal=spec.opt("causal"))
+    bm, bn, stages = tuned.get("block_m", bm), tuned.get("block_n", bn), tuned.get("num_stages", stages)
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
     if "num_warps" in given and "block_m" not in given:
         bm = 16 * given["num_warps"] if tc else 8 * given["num_warps"]
-    warps = given.get("num_warps") or _warps_for(bm, tc)
+    tuned_warps = tuned.get("num_warps") if bm == tuned.get("block_m") else None
+    warps = given.get("num_warps") or tuned_warps or _warps_for(bm, tc)
 
     def make():
         return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, tc, bm, bn, warps, stages,
