@@ -201,20 +201,18 @@ def row_pointer_offsets(source: np.ndarray) -> list[int]:
 def _emu_launcher(ptx: str, meta: dict):
     from .. import emu
 
-    def pointer(name, arr):
-        source = meta["tensors"][name].get("derived_from")
-        if source is None:
-            return arr
-        return emu.PointerTable(tuple((buffers_ref[source], off)
-                                      for off in row_pointer_offsets(buffers_ref[source])))
-
-    buffers_ref: dict = {}
-
     def launch(kernel, buffers, dims):
         grid, block = launch_geometry(kernel, dims)
         if 0 in grid:
             return
-        buffers_ref.update(buffers)
+
+        def pointer(name, arr):  # pointer arrays become tables of addresses into their source
+            source = meta["tensors"][name].get("derived_from")
+            if source is None:
+                return arr
+            return emu.PointerTable(tuple((buffers[source], off)
+                                          for off in row_pointer_offsets(buffers[source])))
+
         args = pack_args(kernel, buffers, dims, pointer=pointer)
         emu.launch(ptx, kernel["entry"], grid, block, args,
                    dynamic_smem_bytes=kernel["dynamic_smem_bytes"])
