@@ -183,7 +183,7 @@ def decode_like_args(iters: int):
 def real_decode_launch(batch: int, seq: int):
     """ptxc's own decode kernel (Llama-3-8B shape: 32 heads, 8 KV heads, d128, f16) with every
     sequence `seq` keys long: (ptx, entry, grid, block, args)."""
-    from ptxc.compiler import lower
+    from ptxc.pipeline.compiler import lower
     from ptxc.kernels import FAMILIES
     from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
     from ptxc.spec import load_file

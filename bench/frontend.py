@@ -39,8 +39,8 @@ def main() -> None:
     ap.add_argument("--triton-repeat", type=int, default=5)
     ap.add_argument("--no-triton", action="store_true")
     args = ap.parse_args()
-    from ptxc.build import run_build
-    from ptxc.compiler import lower
+    from ptxc.pipeline.build import run_build
+    from ptxc.pipeline.compiler import lower
     from ptxc.spec import load_paths
 
     specs = load_paths([ROOT / "specs"])
@@ -109,8 +109,8 @@ def print_triton_comparison(repeat: int) -> None:
     if why:
         print(f"Triton side by side skipped: {why}")
         return
-    from ptxc.compiler import lower
-    from ptxc.ptxas import assemble, toolchain
+    from ptxc.pipeline.compiler import lower
+    from ptxc.pipeline.ptxas import assemble, toolchain
     from ptxc.spec import load_text
     spec = load_text(PREFILL_SPEC)[0]
     tc = toolchain()

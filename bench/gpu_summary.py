@@ -22,7 +22,7 @@ def bench_table(out: Path) -> list[str]:
         except ValueError:
             continue
         if not lines:
-            model = data["gpu_model"] or "not in ptxc/gpus.py"
+            model = data["gpu_model"] or "not in ptxc/report/gpus.py"
             lines += [f"Device: {data['device']} (sm_{data['sm']}, model {model}); "
                       f"median of {data['repeat']} runs after {data['warmup']} warm-up, CUDA events.", "",
                       "| kernel | impl | shape | median | TFLOP/s | % peak | GB/s | % BW | L2 flushed |",

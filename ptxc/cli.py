@@ -56,15 +56,15 @@ def main():
 @handles_errors
 def build(paths, out, targets, no_verify, jobs, as_json, no_cache, shard):
     """Build every kernel in SPEC files / directories into OUT."""
-    from .build import run_build
-    from .distribute import parse_shard
+    from .pipeline.build import run_build
+    from .emit.distribute import parse_shard
     summary = run_build(paths, out, targets=list(targets), verify=not no_verify, jobs=jobs,
                         use_cache=not no_cache, progress=not as_json,
                         shard=parse_shard(shard) if shard else None)
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
     else:
-        from .report_cli import print_build_summary
+        from .report.console import print_build_summary
         print_build_summary(summary)
     if summary["problems"]:
         sys.exit(1)
@@ -76,13 +76,13 @@ def build(paths, out, targets, no_verify, jobs, as_json, no_cache, shard):
 @handles_errors
 def verify(paths, as_json):
     """Re-check spec files, artifact directories or whole output directories (exit 1 on mismatch)."""
-    from .build import run_verify
+    from .pipeline.build import run_verify
     report = run_verify(paths)
     if as_json:
         click.echo(json.dumps({"ok": report.ok, "problems": report.problems, "rows": report.rows},
                               indent=2, sort_keys=True))
     else:
-        from .report_cli import print_verify_report
+        from .report.console import print_verify_report
         print_verify_report(report)
     sys.exit(0 if report.ok else 1)
 
@@ -92,7 +92,7 @@ def verify(paths, as_json):
 @handles_errors
 def inspect(artifact_dir):
     """Show an artifact's metadata in readable form."""
-    from .report_cli import print_inspect
+    from .report.console import print_inspect
     print_inspect(artifact_dir)
 
 
@@ -100,7 +100,7 @@ def inspect(artifact_dir):
 @handles_errors
 def list_families():
     """Kernel families with their spec keys, defaults and allowed values."""
-    from .report_cli import print_families
+    from .report.console import print_families
     print_families()
 
 
@@ -112,7 +112,7 @@ def cache():
 @cache.command("path")
 def cache_path():
     """Print the cache directory."""
-    from .cache import default_cache_dir
+    from .pipeline.cache import default_cache_dir
     click.echo(str(default_cache_dir()))
 
 
@@ -120,7 +120,7 @@ def cache_path():
 @click.option("--json", "as_json", is_flag=True)
 def cache_info(as_json):
     """Path, number of entries and total size."""
-    from .cache import Cache
+    from .pipeline.cache import Cache
     info = Cache(enabled=False).info()
     if as_json:
         click.echo(json.dumps(info, sort_keys=True))
@@ -132,7 +132,7 @@ def cache_info(as_json):
 @cache.command("clear")
 def cache_clear():
     """Delete every cache entry."""
-    from .cache import Cache
+    from .pipeline.cache import Cache
     n = Cache(enabled=False).clear()
     click.echo(f"removed {n} entries")
 
@@ -147,7 +147,7 @@ def cache_clear():
 @handles_errors
 def launch_test(paths, backend, shapes, targets, seed, as_json):
     """Run kernels on random inputs and compare with the fp64 reference (exit 1 on failure)."""
-    from .launch_test import TOLERANCE_RULE, launch_test as run, parse_assignments
+    from .runtime.launch_test import TOLERANCE_RULE, launch_test as run, parse_assignments
     used, rows = run(paths, backend=backend, shapes=parse_assignments(shapes, "--shape"), seed=seed,
                      targets=list(targets) or None)
     if backend == "auto":
@@ -156,7 +156,7 @@ def launch_test(paths, backend, shapes, targets, seed, as_json):
         click.echo(json.dumps({"backend": used, "rule": TOLERANCE_RULE,
                                "results": [r.to_dict() for r in rows]}, indent=2, sort_keys=True))
     else:
-        from .report_cli import print_launch_test
+        from .report.console import print_launch_test
         print_launch_test(rows, TOLERANCE_RULE)
     sys.exit(0 if rows and all(r.ok for r in rows) else 1)
 
@@ -171,7 +171,7 @@ def launch_test(paths, backend, shapes, targets, seed, as_json):
 @handles_errors
 def run(artifact_dir, inputs_path, output_path, target, backend, sets):
     """Run an artifact's launch list on the tensors in an .npz; write the outputs to an .npz."""
-    from .launch_test import parse_assignments, run_npz
+    from .runtime.launch_test import parse_assignments, run_npz
     info = run_npz(artifact_dir, inputs_path, output_path, target=target, backend=backend,
                    sets=parse_assignments(sets, "--set"))
     click.echo(f"{output_path}: " + ", ".join(f"{k} {v}" for k, v in info["outputs"].items())
@@ -184,7 +184,7 @@ def run(artifact_dir, inputs_path, output_path, target, backend, sets):
 @handles_errors
 def merge(inputs, out):
     """Merge several build output directories (e.g. shards) into one artifact set."""
-    from .distribute import merge as do_merge
+    from .emit.distribute import merge as do_merge
     info = do_merge(list(inputs), out)
     click.echo(f"merged {info['artifacts']} artifacts from {len(inputs)} directories into {out}")
 
@@ -195,7 +195,7 @@ def merge(inputs, out):
 @handles_errors
 def pack(src, output):
     """Write a reproducible .tar.gz of an output directory (sorted, fixed mtimes and owners)."""
-    from .distribute import pack as do_pack
+    from .emit.distribute import pack as do_pack
     info = do_pack(src, output)
     click.echo(f"{output}: {info['files']} files, sha256 {info['sha256']}")
 
@@ -207,7 +207,7 @@ def pack(src, output):
 @handles_errors
 def emit_c_header(out_dir, output):
     """Write a C header (params structs, grid helpers, driver-API launchers) for an artifact set."""
-    from .cheader import emit
+    from .emit.cheader import emit
     click.echo(str(emit(out_dir, output)))
 
 
@@ -218,7 +218,7 @@ def emit_c_header(out_dir, output):
 @click.option("--shape", "shapes", multiple=True,
               help="Runtime dims for the cost model, e.g. --shape batch=32,max_seq_len=8192.")
 @click.option("--gpu", "gpus", multiple=True,
-              help="Roofline on these GPU models (ptxc/gpus.py) [default: the models of each target's SM].")
+              help="Roofline on these GPU models (ptxc/report/gpus.py) [default: the models of each target's SM].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write a self-contained HTML page with roofline plots.")
@@ -228,8 +228,8 @@ def emit_c_header(out_dir, output):
 @handles_errors
 def report(paths, shapes, gpus, as_json, html_path, measured, no_sass):
     """Static performance report of artifacts: resources, occupancy, cost, roofline, SASS mix."""
-    from .launch_test import parse_assignments
-    from .report import build_report, load_measured, write_html
+    from .runtime.launch_test import parse_assignments
+    from .report.analysis import build_report, load_measured, write_html
     data = build_report(paths, shapes=parse_assignments(shapes, "--shape"), gpus=list(gpus) or None,
                         measured=load_measured(measured) if measured else None, sass=not no_sass)
     if html_path:
@@ -238,7 +238,7 @@ def report(paths, shapes, gpus, as_json, html_path, measured, no_sass):
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
     else:
-        from .report_table import print_report
+        from .report.tables import print_report
         print_report(data)
 
 
@@ -255,14 +255,14 @@ def report(paths, shapes, gpus, as_json, html_path, measured, no_sass):
 @handles_errors
 def bench_cmd(paths, shapes, target, warmup, repeat, flush, no_compare, as_json):
     """Time specs or artifacts on the GPU (CUDA events); TFLOP/s, GB/s and % of peak."""
-    from .bench import run_bench
-    from .launch_test import parse_assignments
+    from .gpu.bench import run_bench
+    from .runtime.launch_test import parse_assignments
     result = run_bench(paths, shapes=parse_assignments(shapes, "--shape"), target=target, warmup=warmup,
                        repeat=repeat, flush=flush, compare=not no_compare)
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True))
     else:
-        from .report_table import print_bench
+        from .report.tables import print_bench
         print_bench(result)
 
 
@@ -279,14 +279,14 @@ def bench_cmd(paths, shapes, target, warmup, repeat, flush, no_compare, as_json)
 @handles_errors
 def tune(paths, target, shapes, out_dir, warmup, repeat, limit, as_json):
     """Time every legal tile of SPEC on the GPU; write the fastest per key to a tuned table."""
-    from .launch_test import parse_assignments
-    from .tune import run_tune
+    from .runtime.launch_test import parse_assignments
+    from .gpu.tune import run_tune
     result = run_tune(paths, shapes=parse_assignments(shapes, "--shape"), target=target, out_dir=out_dir,
                       warmup=warmup, repeat=repeat, limit=limit)
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True))
     else:
-        from .report_table import print_tune
+        from .report.tables import print_tune
         print_tune(result)
 
 

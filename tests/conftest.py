@@ -17,7 +17,7 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def toolchain():
     """ptxas is a hard requirement of the test suite (`make test` installs it)."""
-    from ptxc.ptxas import toolchain as tc
+    from ptxc.pipeline.ptxas import toolchain as tc
     return tc()
 
 
@@ -29,7 +29,7 @@ def write_spec(tmp_path: Path, text: str, name: str = "spec.toml") -> Path:
 
 def build_kernel(tmp_path: Path, family: str, body: str, tile: str = "", targets=("sm_80",)):
     """Build one [[kernel]] named "k" (PTX only) into tmp_path/out and load it."""
-    from ptxc.build import run_build
+    from ptxc.pipeline.build import run_build
     from ptxc.runtime import load
     tmp_path.mkdir(parents=True, exist_ok=True)
     text = (f'[[kernel]]\nname = "k"\nfamily = "{family}"\ntargets = {list(targets)!r}\n{body}\n'

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import SPECS
-from ptxc.build import run_build
+from ptxc.pipeline.build import run_build
 from ptxc.cli import main
 
 ACCEPTANCE_TARGETS = ["sm_80", "sm_89", "sm_90", "sm_120"]
@@ -54,7 +54,7 @@ def test_retarget_every_spec_to_acceptance_targets(tmp_path, toolchain):
 
 
 def test_metadata_matches_schema_and_manifest(built):
-    from ptxc.metadata import schema_errors
+    from ptxc.pipeline.metadata import schema_errors
     out, _ = built
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(manifest["artifacts"]) == sorted(p.name for p in out.iterdir() if p.is_dir())

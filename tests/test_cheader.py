@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SPECS
-from ptxc.build import run_build
-from ptxc.cheader import emit
+from ptxc.pipeline.build import run_build
+from ptxc.emit.cheader import emit
 
 
 def cuda_include() -> Path | None:

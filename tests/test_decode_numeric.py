@@ -5,10 +5,10 @@ ragged seq_lens (0, 1, odd lengths, the full cache)."""
 import numpy as np
 import pytest
 
-from ptxc import reference as ref
+from ptxc.runtime import reference as ref
 from conftest import assert_pass, build_kernel
 from ptxc.kernels import FAMILIES
-from ptxc.launch_test import check_artifact
+from ptxc.runtime.launch_test import check_artifact
 from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
 from ptxc.spec import load_text
 
@@ -82,7 +82,7 @@ def test_seq_lens_beyond_cache_are_clamped(tmp_path):
 
 def test_kv_rows_are_loaded_once_per_head_group():
     """The loop's K/V loads do not grow with the GQA group: 2 x kv_unroll 128-bit loads."""
-    from ptxc.compiler import lower
+    from ptxc.pipeline.compiler import lower
     counts = {}
     for heads in (8, 16):
         [spec] = load_text(f'[[kernel]]\nname = "k"\nfamily = "decode"\ndtype = "f16"\nhead_dim = 128\n'

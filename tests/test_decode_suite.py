@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from ptxc import reference as ref
+from ptxc.runtime import reference as ref
 from conftest import assert_pass, build_kernel
 from ptxc.kernels import FAMILIES
-from ptxc.launch_test import check_artifact
+from ptxc.runtime.launch_test import check_artifact
 from ptxc.spec.model import KernelSpec
 
 GQA_DIMS = [(4, 4, 64), (8, 2, 128), (8, 1, 256)]  # (heads, kv_heads, head_dim): GQA 1, 4, 8

@@ -1,7 +1,7 @@
 import pytest
 
 from ptxc.errors import InputError
-from ptxc.exprs import evaluate, names
+from ptxc.pipeline.exprs import evaluate, names
 from ptxc.targets import TARGETS, occupancy
 
 

@@ -4,7 +4,7 @@
 import os
 from pathlib import Path
 
-from ptxc.compiler import lower
+from ptxc.pipeline.compiler import lower
 from ptxc.spec import load_file
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -21,6 +21,6 @@ def test_decode_tiny_golden_ptx():
 
 
 def test_golden_ptx_assembles(toolchain):
-    from ptxc.ptxas import assemble
+    from ptxc.pipeline.ptxas import assemble
     _, res, _ = assemble((GOLDEN / "decode_tiny.sm_80.ptx").read_text(), "sm_80", toolchain, "tiny")
     assert res["ptxc_decode_tiny"].spill_stores == 0

@@ -12,15 +12,15 @@ import pytest
 from click.testing import CliRunner
 from conftest import ROOT, SPECS
 
-from ptxc.bench import bench_inputs, l2_flush_bytes, should_flush, throughput, timing_stats
+from ptxc.gpu.bench import bench_inputs, l2_flush_bytes, should_flush, throughput, timing_stats
 from ptxc.cli import main
-from ptxc.costs import Cost, kv_length, resolve_dims
+from ptxc.report.costs import Cost, kv_length, resolve_dims
 from ptxc.errors import UserError
-from ptxc.gpus import get_gpu
+from ptxc.report.gpus import get_gpu
 from ptxc.kernels import FAMILIES
 from ptxc.spec import load_paths
 from ptxc.targets import TARGETS
-from ptxc.tune import candidate_tiles, group_specs, pick_target, tune_key
+from ptxc.gpu.tune import candidate_tiles, group_specs, pick_target, tune_key
 from ptxc.tuned import lookup, read_table, table_path, write_table
 
 MIB = 1 << 20
@@ -67,7 +67,7 @@ def test_l2_flush_sizing_and_policy():
 @pytest.fixture(scope="module")
 def metas(tmp_path_factory):
     """Metadata of every example spec (built without ptxas: only the metadata is needed)."""
-    from ptxc.build import run_build
+    from ptxc.pipeline.build import run_build
     out = tmp_path_factory.mktemp("harness") / "out"
     summary = run_build([SPECS], out, verify=False, progress=False, use_cache=False)
     return [json.loads((out / k["name"] / f"{k['name']}.json").read_text()) for k in summary["kernels"]]
@@ -263,18 +263,18 @@ class FakeDriver:
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    import ptxc.bench
+    import ptxc.gpu.bench
     import ptxc.runtime.cuda
     from ptxc.runtime.cuda import CudaDevice
     drv = FakeDriver()
     monkeypatch.setattr(ptxc.runtime.cuda, "_driver", lambda: drv)
-    monkeypatch.setattr(ptxc.bench, "require_device",
+    monkeypatch.setattr(ptxc.gpu.bench, "require_device",
                         lambda: CudaDevice("dev", None, 90, "NVIDIA H100 80GB HBM3"))
     return drv
 
 
 def test_bench_orchestration_on_fake_driver(fake_gpu, toolchain, capsys):
-    from ptxc.bench import run_bench
+    from ptxc.gpu.bench import run_bench
     result = run_bench([SPECS / "llama3_8b.toml"], shapes={"batch": 2, "max_seq_len": 64},
                        warmup=2, repeat=5, compare=False)
     assert result["gpu_model"] == "h100-sxm" and result["l2_bytes"] == 50 * MIB and result["sm_count"] == 132
@@ -291,13 +291,13 @@ def test_bench_orchestration_on_fake_driver(fake_gpu, toolchain, capsys):
     launches = [c for c in calls if c[0] == "launch"]
     assert len(launches) == 7 and launches[0][2] == (8, 2, 1) and launches[0][3] == (128, 1, 1)
     assert set(fake_gpu.freed) == set(fake_gpu.allocs)         # every buffer and the scratch freed
-    from ptxc.report_table import print_bench
+    from ptxc.report.tables import print_bench
     print_bench(result)
     assert "llama3_8b_decode" in capsys.readouterr().out
 
 
 def test_tune_orchestration_on_fake_driver(fake_gpu, toolchain, tmp_path, capsys):
-    from ptxc.tune import run_tune
+    from ptxc.gpu.tune import run_tune
     result = run_tune([SPECS / "llama3_8b.toml"], shapes={"batch": 2, "max_seq_len": 64},
                       out_dir=tmp_path, warmup=1, repeat=3, limit=3)
     assert result["target"] == "sm_90" and len(result["tried"]) == 3
@@ -310,7 +310,7 @@ def test_tune_orchestration_on_fake_driver(fake_gpu, toolchain, tmp_path, capsys
     assert entry["tile"] == {"num_warps": 4, "kv_unroll": 4}
     assert table["device"] == "NVIDIA H100 80GB HBM3" and table["gpu_model"] == "h100-sxm"
     assert entry["dims"] == {"batch": 2, "max_seq_len": 64}
-    from ptxc.report_table import print_tune
+    from ptxc.report.tables import print_tune
     print_tune(result)
     assert "kv_unroll=4" in capsys.readouterr().out
 
@@ -325,7 +325,7 @@ def test_derived_pointer_arrays_get_device_addresses():
 
 @pytest.mark.parametrize("spec", ["pointer_array.toml", "vllm_paged.toml", "mqa_split.toml", "llama3_8b_prefill.toml"])
 def test_bench_every_layout_on_fake_driver(fake_gpu, toolchain, spec):
-    from ptxc.bench import run_bench
+    from ptxc.gpu.bench import run_bench
     shapes = {"batch": 2, "max_seq_len": 48, "seq_q": 32, "seq_k": 32, "num_new": 1}
     result = run_bench([SPECS / spec], shapes=shapes, warmup=1, repeat=2, compare=False)
     for row in result["results"]:

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from conftest import SPECS
 from ptxc.cli import main
-from ptxc.reference import decode, max_abs_error
+from ptxc.runtime.reference import decode, max_abs_error
 
 
 def test_launch_test_spec_json(tmp_path):

@@ -11,10 +11,10 @@ import itertools
 import numpy as np
 import pytest
 
-from ptxc.compiler import lower
+from ptxc.pipeline.compiler import lower
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
-from ptxc.reference import from_device, max_abs_error, to_device, tolerance
+from ptxc.runtime.reference import from_device, max_abs_error, to_device, tolerance
 from ptxc.runtime import POISON, launch_geometry, pack_args
 from ptxc.spec import load_text
 from ptxc.targets import TARGETS
@@ -155,8 +155,8 @@ def test_causal_skips_masked_tiles():
 
 
 def test_check_artifact_on_built_spec(tmp_path):
-    from ptxc.build import run_build
-    from ptxc.launch_test import check_artifact
+    from ptxc.pipeline.build import run_build
+    from ptxc.runtime.launch_test import check_artifact
     from ptxc.runtime import load
     path = tmp_path / "p.toml"
     path.write_text(spec_text("bf16", 64, "gqa4", True, tile=SMALL_TILE["bf16"], targets=("sm_80", "sm_89")))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import SPECS
-from ptxc.build import run_build
+from ptxc.pipeline.build import run_build
 
 PREFILL_SPECS = sorted(SPECS.glob("*prefill*.toml"))
 TARGETS = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"]
@@ -53,7 +53,7 @@ def test_f32_example_builds_for_sm75(tmp_path, toolchain):
 
 @pytest.mark.parametrize("target", ["sm_80", "sm_90"])
 def test_sass_tensor_core_evidence(built, target):
-    from ptxc.sass import SassUnavailable, instruction_mix
+    from ptxc.report.sass import SassUnavailable, instruction_mix
     out, _, metas = built
     meta = metas["llama3_8b_prefill"]
     cubin = (out / "llama3_8b_prefill" / meta["targets"][target]["cubin"]).read_bytes()
@@ -66,7 +66,7 @@ def test_sass_tensor_core_evidence(built, target):
 
 
 def test_sass_f32_path_has_no_tensor_cores(built):
-    from ptxc.sass import SassUnavailable, instruction_mix
+    from ptxc.report.sass import SassUnavailable, instruction_mix
     out, _, metas = built
     meta = metas["gpt2_prefill_f32"]
     cubin = (out / "gpt2_prefill_f32" / meta["targets"]["sm_80"]["cubin"]).read_bytes()

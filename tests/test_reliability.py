@@ -147,7 +147,7 @@ def test_unusable_cache_dir_falls_back_with_warning(tmp_path, monkeypatch):
 
 
 def test_truncated_and_foreign_cache_entries_are_rebuilt(tmp_path, monkeypatch, capsys):
-    from ptxc.build import run_build
+    from ptxc.pipeline.build import run_build
     cache = tmp_path / "c"
     run_build([SPECS / "gpt2_f32.toml"], tmp_path / "o1", verify=False, progress=False, cache_dir=cache)
     entries = sorted(p for p in cache.rglob("*") if p.is_file() and not p.name.startswith("."))

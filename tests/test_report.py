@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from conftest import SPECS
 
 from ptxc.cli import main
-from ptxc.costs import Cost, decode_cost, launch_cost, prefill_cost, resolve_dims, roofline
+from ptxc.report.costs import Cost, decode_cost, launch_cost, prefill_cost, resolve_dims, roofline
 from ptxc.errors import InputError, UserError
-from ptxc.gpus import GPUS, get_gpu, match_device, models_for_target
+from ptxc.report.gpus import GPUS, get_gpu, match_device, models_for_target
 from ptxc.targets import TARGETS, occupancy
 
 KIB = 1024
@@ -121,7 +121,7 @@ def test_gpu_table():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, toolchain):
-    from ptxc.build import run_build
+    from ptxc.pipeline.build import run_build
     out = tmp_path_factory.mktemp("report") / "out"
     summary = run_build([SPECS], out, verify=True, progress=False, use_cache=False)
     assert not summary["problems"], summary["problems"]
@@ -152,7 +152,7 @@ def test_report_every_example_spec_json_and_html(built, tmp_path, shared_cache):
     assert {k["name"] for k in data["kernels"]} == {k["name"] for k in summary["kernels"]}
     spec_files = sorted(SPECS.glob("*.toml"))
     assert spec_files and len(data["kernels"]) >= len(spec_files)
-    from ptxc.sass import SassUnavailable, find_nvdisasm
+    from ptxc.report.sass import SassUnavailable, find_nvdisasm
     try:
         find_nvdisasm()
         has_nvdisasm = True

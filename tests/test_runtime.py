@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import SPECS
-from ptxc.build import run_build
+from ptxc.pipeline.build import run_build
 from ptxc.cli import main
 from ptxc.errors import InputError
 from ptxc.runtime import infer_dims, launch_geometry, load, pack_args, prepare_buffers

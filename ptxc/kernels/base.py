@@ -75,7 +75,7 @@ class LaunchParam:
 class Launch:
     entry: str
     params: tuple[LaunchParam, ...]
-    grid: tuple[str, str, str]       # expressions over runtime dims (see ptxc.exprs)
+    grid: tuple[str, str, str]       # expressions over runtime dims (see ptxc.pipeline.exprs)
     block: tuple[int, int, int]
     dynamic_smem_bytes: int = 0
 

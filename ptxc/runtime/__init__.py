@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import exprs
+from ..pipeline import exprs
 from ..errors import InputError, UserError
-from ..reference import from_device, to_device
+from .reference import from_device, to_device
 
 NP_PARAM = {"u32": np.uint32, "s32": np.int32, "u64": np.uint64, "s64": np.int64, "f32": np.float32}
 HOST_DTYPES = {"f32": (np.float32, np.float64, np.float16), "f16": (np.float16, np.float32, np.float64),

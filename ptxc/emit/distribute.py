@@ -13,9 +13,9 @@ import json
 import tarfile
 from pathlib import Path
 
-from .artifacts import MANIFEST, kernel_dir, read_manifest, update_manifest
-from .cache import atomic_write, sha256, write_if_changed
-from .errors import UserError, VerifyError
+from ..pipeline.artifacts import MANIFEST, kernel_dir, read_manifest, update_manifest
+from ..pipeline.cache import atomic_write, sha256, write_if_changed
+from ..errors import UserError, VerifyError
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .cache import Cache, canonical_json, make_key, sha256
-from .errors import PtxcError
-from .ir import render_module
-from .kernels import FAMILIES
-from .kernels.base import Launch
+from ..errors import PtxcError
+from ..ir import render_module
+from ..kernels import FAMILIES
+from ..kernels.base import Launch
 from .ptxas import Resources, Toolchain, assemble
-from .spec import KernelSpec
-from .targets import DEFAULT_SMEM_PER_CTA, get_target
+from ..spec import KernelSpec
+from ..targets import DEFAULT_SMEM_PER_CTA, get_target
 
 
 @dataclass

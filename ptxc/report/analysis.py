@@ -2,7 +2,7 @@
 
 Per kernel and target: resources from ptxas (registers, spills, shared memory, barriers), the
 theoretical occupancy (ptxc.targets.occupancy over the per-SM limits table), FLOPs and bytes
-of one launch list at a shape (ptxc.costs), arithmetic intensity, the roofline-bound time on
+of one launch list at a shape (ptxc.report.costs), arithmetic intensity, the roofline-bound time on
 each GPU model of the target's SM (or the ones asked for), and the SASS instruction mix when
 nvdisasm is available. The result is plain JSON data; report_table.py prints it, report_html.py
 renders it as one self-contained HTML page.
@@ -15,16 +15,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import __version__, exprs
+from .. import __version__
+from ..pipeline import exprs
 from .costs import launch_cost, resolve_dims, roofline
-from .errors import InputError, UserError
+from ..errors import InputError, UserError
 from .gpus import GPUS, get_gpu, models_for_target, sm_of_target
-from .targets import get_target, occupancy
+from ..targets import get_target, occupancy
 
 
 def artifact_dirs(paths) -> list[Path]:
     """Artifact directories named directly or found one level inside output directories."""
-    from .verify import is_artifact_dir, is_output_dir
+    from ..pipeline.verify import is_artifact_dir, is_output_dir
     found: list[Path] = []
     for p in map(Path, paths):
         if is_artifact_dir(p):
@@ -52,7 +53,7 @@ def _sass_mixes(jobs: list[tuple[Path, str, dict]], enabled: bool) -> tuple[dict
     parallel (nvdisasm is a process per cubin) and cached; plus the report-wide status."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .cache import Cache
+    from ..pipeline.cache import Cache
     from .sass import SassUnavailable, find_nvdisasm, instruction_mix
     status = {"available": False, "reason": None}
     if not enabled:
@@ -175,8 +176,8 @@ def load_measured(paths) -> list[dict]:
 
 
 def write_html(report: dict, path: Path) -> Path:
-    from .cache import atomic_write
-    from .report_html import render_html
+    from ..pipeline.cache import atomic_write
+    from .html import render_html
     atomic_write(path, render_html(report).encode())
     return path
 

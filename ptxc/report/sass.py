@@ -38,7 +38,7 @@ class SassUnavailable(Exception):
 
 @lru_cache(maxsize=1)
 def find_nvdisasm() -> str:
-    from .ptxas import find_nvidia_tool
+    from ..pipeline.ptxas import find_nvidia_tool
     return find_nvidia_tool("nvdisasm", "NVDISASM", INSTALL_HINT, SassUnavailable)
 
 
@@ -68,7 +68,7 @@ def instruction_mix(cubin: bytes, cache=None) -> dict[str, dict[str, int]]:
     (stage "sass", keyed by the cubin's hash and the tool) when `cache` is given."""
     import json
 
-    from .cache import canonical_json, sha256
+    from ..pipeline.cache import canonical_json, sha256
     tool = find_nvdisasm()
     key = sha256(canonical_json({"stage": "sass", "v": 1, "cubin": sha256(cubin), "tool": tool,
                                  "classes": list(MIX_CLASSES)}))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError, UserError
+from ..errors import InputError, UserError
 from .reference import TOLERANCE_RULE, max_abs_error, tolerance
 
 
@@ -39,15 +39,15 @@ class CheckRow:
 def resolve_backend(backend: str) -> str:
     if backend != "auto":
         return backend
-    from .runtime.cuda import available
+    from .cuda import available
     return "cuda" if available() else "emu"
 
 
 def artifacts_for(paths, workdir: Path, verify: bool) -> list:
     """Artifact objects for artifact dirs, output dirs, or spec files (built into workdir)."""
-    from .build import run_build
-    from .runtime import load
-    from .verify import is_artifact_dir, is_output_dir
+    from ..pipeline.build import run_build
+    from . import load
+    from ..pipeline.verify import is_artifact_dir, is_output_dir
     arts = []
     for p in map(Path, paths):
         if is_artifact_dir(p):
@@ -65,8 +65,8 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
                    targets: list[str] | None = None, device=None) -> list[CheckRow]:
     import numpy as np
 
-    from .kernels import FAMILIES
-    from .spec.model import KernelSpec
+    from ..kernels import FAMILIES
+    from ..spec.model import KernelSpec
     spec = KernelSpec.from_dict(art.meta["spec"])
     family = FAMILIES[spec.family]
     dims = {**family.interface(spec).defaults, **shapes}
@@ -101,7 +101,7 @@ def launch_test(paths, *, backend: str = "auto", shapes: dict[str, int] | None =
     backend = resolve_backend(backend)
     device = None
     if backend == "cuda":
-        from .runtime.cuda import CudaDevice
+        from .cuda import CudaDevice
         device = CudaDevice.open()
     with tempfile.TemporaryDirectory(prefix="ptxc-launch-test-") as tmp:
         arts = artifacts_for(paths, Path(tmp), verify=backend == "cuda")
@@ -133,8 +133,8 @@ def run_npz(artifact_dir: Path, inputs_path: Path, output_path: Path, *, target:
             backend: str, sets: dict[str, int]) -> dict[str, Any]:
     import numpy as np
 
-    from .cache import atomic_write
-    from .runtime import load
+    from ..pipeline.cache import atomic_write
+    from . import load
     art = load(artifact_dir)
     try:
         with np.load(inputs_path, allow_pickle=False) as npz:

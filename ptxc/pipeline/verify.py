@@ -18,7 +18,7 @@ from typing import Any
 
 from .artifacts import MANIFEST, read_manifest
 from .cache import sha256
-from .errors import PtxcError
+from ..errors import PtxcError
 from .metadata import schema_errors
 
 _ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(([^)]*)\)", re.S)
@@ -105,7 +105,7 @@ def _check_abi(k: dict, where: Path, report: Report) -> None:
 
 def _reassemble(d: Path, meta: dict, target: str, t: dict, ptx: str, tc, report: Report) -> None:
     from .ptxas import assemble
-    from .targets import get_target, occupancy
+    from ..targets import get_target, occupancy
     try:
         _, res, _ = assemble(ptx, target, tc, meta["name"])
     except PtxcError as e:

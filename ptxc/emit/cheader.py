@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import __version__, exprs
-from .artifacts import MANIFEST, read_manifest
-from .cache import write_if_changed
-from .errors import UserError
-from .runtime import load
+from .. import __version__
+from ..pipeline import exprs
+from ..pipeline.artifacts import MANIFEST, read_manifest
+from ..pipeline.cache import write_if_changed
+from ..errors import UserError
+from ..runtime import load
 
 CTYPES = {"u32": "uint32_t", "s32": "int32_t", "u64": "uint64_t", "s64": "int64_t", "f32": "float"}
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import AssemblyError, ToolchainError
+from ..errors import AssemblyError, ToolchainError
 
 INSTALL_HINT = "install it with `pip install nvidia-cuda-nvcc` (or `make build`), or set PTXAS=/path/to/ptxas"
 PTXAS_OPTIONS = ("-v", "--warn-on-spills", "-O3")

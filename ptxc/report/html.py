@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from .report_table import fmt_count, fmt_seconds
+from .tables import fmt_count, fmt_seconds
 from .sass import MIX_CLASSES
 
 WIDTH, HEIGHT = 560, 360

@@ -17,10 +17,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import SpecError, UserError
-from .kernels import FAMILIES
-from .spec import KernelSpec
-from .targets import get_target
+from ..errors import SpecError, UserError
+from ..kernels import FAMILIES
+from ..spec import KernelSpec
+from ..targets import get_target
 
 MAX_CANDIDATES = 400   # the prefill product is 500 raw combinations; legal ones are far fewer
 
@@ -79,13 +79,13 @@ def pick_target(specs: list[KernelSpec], device_sm: int, target: str | None) -> 
 def _time_variant(spec: KernelSpec, tile: dict, target: str, dims_of, device, timer_args, tc, workdir: Path,
                   index: int) -> tuple[float, dict] | None:
     """(median ms, dims) of `spec` built with `tile`; None if it spills or fails to build."""
-    from .artifacts import write_kernel
+    from ..pipeline.artifacts import write_kernel
     from .bench import bench_inputs, timing_stats
-    from .cache import Cache
-    from .compiler import build_all, check_resources
-    from .cuda_timing import LaunchListTimer
-    from .errors import PtxcError
-    from .runtime import load, prepare_buffers
+    from ..pipeline.cache import Cache
+    from ..pipeline.compiler import build_all, check_resources
+    from .timing import LaunchListTimer
+    from ..errors import PtxcError
+    from ..runtime import load, prepare_buffers
     variant = dataclasses.replace(spec, name=f"{spec.name}__tune{index}", targets=(target,),
                                   tile=tuple(sorted(tile.items())))
     try:
@@ -105,12 +105,12 @@ def _time_variant(spec: KernelSpec, tile: dict, target: str, dims_of, device, ti
 def run_tune(paths, *, shapes: dict[str, int], target: str | None = None, out_dir: Path | None = None,
              warmup: int = 5, repeat: int = 20, limit: int | None = None) -> dict[str, Any]:
     from .bench import l2_flush_bytes, require_device, should_flush
-    from .costs import resolve_dims
-    from .cuda_timing import l2_cache_bytes, sm_count
-    from .gpus import match_device
-    from .ptxas import toolchain
-    from .spec import load_paths
-    from .tuned import TUNED_DIR, write_table
+    from ..report.costs import resolve_dims
+    from .timing import l2_cache_bytes, sm_count
+    from ..report.gpus import match_device
+    from ..pipeline.ptxas import toolchain
+    from ..spec import load_paths
+    from ..tuned import TUNED_DIR, write_table
     device = require_device()
     specs = load_paths(paths)
     tname = pick_target(specs, device.sm, target)

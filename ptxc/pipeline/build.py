@@ -13,10 +13,10 @@ from typing import Any
 from .artifacts import update_manifest, write_kernel
 from .cache import Cache
 from .compiler import build_all, check_resources
-from .errors import SpecError
-from .kernels import FAMILIES
-from .spec import KernelSpec, load_paths
-from .targets import get_target
+from ..errors import SpecError
+from ..kernels import FAMILIES
+from ..spec import KernelSpec, load_paths
+from ..targets import get_target
 
 
 def _retarget(specs: list[KernelSpec], targets: list[str]) -> list[KernelSpec]:
@@ -53,7 +53,7 @@ def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: boo
     t0 = time.perf_counter()
     specs = load_paths(paths)
     if shard is not None:
-        from .distribute import in_shard
+        from ..emit.distribute import in_shard
         specs = [s for s in specs if in_shard(s.name, shard)]
     if targets:
         specs = _retarget(specs, targets)

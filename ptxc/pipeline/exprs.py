@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from .errors import InputError
+from ..errors import InputError
 
 _TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*)|(//|[-+*(),]))")
 FUNCS = {"cdiv": lambda a, b: -(-a // b), "min": min, "max": max}

@@ -2,11 +2,11 @@
 
     ptxc bench specs/llama3_8b.toml --shape batch=32,max_seq_len=8192 [--json]
 
-Per artifact: the launch list at the shape (cost from ptxc.costs), CUDA-event timing of
+Per artifact: the launch list at the shape (cost from ptxc.report.costs), CUDA-event timing of
 `warmup` untimed then `repeat` timed runs, median and spread; decode runs flush L2 before each
 run (its KV cache must come from DRAM, as in serving). Prefill is reported in TFLOP/s
 (% of the tensor or f32 peak, whichever its math uses), decode in GB/s (% of DRAM bandwidth),
-against the row of ptxc/gpus.py that matches the device's name. With torch importable, the
+against the row of ptxc/report/gpus.py that matches the device's name. With torch importable, the
 same shapes through torch's scaled_dot_product_attention (and flash-attn if installed) are
 timed the same way (bench_torch.py).
 
@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .costs import Cost, launch_cost, resolve_dims
-from .gpus import GpuModel, match_device
+from ..report.costs import Cost, launch_cost, resolve_dims
+from ..report.gpus import GpuModel, match_device
 
 WARMUP, REPEAT = 10, 50
 MIN_FLUSH_BYTES = 64 * 1024 * 1024   # when the device does not report its L2 size
@@ -82,8 +82,8 @@ def bench_inputs(meta: dict, dims: dict[str, int], seed: int = 0) -> dict:
     per-sequence pointer arrays are placeholders the timer fills with device addresses."""
     import numpy as np
 
-    from . import exprs
-    from .costs import kv_length
+    from ..pipeline import exprs
+    from ..report.costs import kv_length
     rng = np.random.default_rng(seed)
     capacity = kv_length(meta, dims) if "max_seq_len" in dims or "max_pages_per_seq" in dims else 0
     out = {}
@@ -117,8 +117,8 @@ def result_row(impl: str, meta: dict, target: str | None, cost: Cost, samples: l
 
 def require_device():
     """The CUDA device, or a ToolchainError (exit code 2) with a one-line reason."""
-    from .errors import ToolchainError
-    from .runtime.cuda import CudaDevice
+    from ..errors import ToolchainError
+    from ..runtime.cuda import CudaDevice
     try:
         return CudaDevice.open()
     except ToolchainError as e:
@@ -127,9 +127,9 @@ def require_device():
 
 def run_bench(paths, *, shapes: dict[str, int], target: str | None = None, warmup: int = WARMUP,
               repeat: int = REPEAT, flush: bool | None = None, compare: bool = True) -> dict[str, Any]:
-    from .cuda_timing import LaunchListTimer, l2_cache_bytes, sm_count
-    from .launch_test import artifacts_for
-    from .runtime import prepare_buffers  # uploads bf16 as rounded f32 bits
+    from .timing import LaunchListTimer, l2_cache_bytes, sm_count
+    from ..runtime.launch_test import artifacts_for
+    from ..runtime import prepare_buffers  # uploads bf16 as rounded f32 bits
     device = require_device()
     gpu = match_device(device.name)
     l2, sms = l2_cache_bytes(device), sm_count(device)
@@ -148,13 +148,13 @@ def run_bench(paths, *, shapes: dict[str, int], target: str | None = None, warmu
             cost = launch_cost(meta, tname, dims)
             rows.append(result_row("ptxc", meta, tname, cost, samples, gpu, flushed))
             if compare:
-                from .bench_torch import compare_rows
+                from .torch_baseline import compare_rows
                 more, why = compare_rows(meta, dims, inputs, cost, warmup, repeat, fbytes)
                 rows += [result_row(impl, meta, None, cost, s, gpu, flushed) for impl, s in more]
                 notes += [f"{meta['name']}: {w}" for w in why]
     return {"device": device.name, "sm": device.sm, "gpu_model": gpu.key if gpu else None,
             "l2_bytes": l2, "sm_count": sms, "warmup": warmup, "repeat": repeat, "results": rows,
-            "notes": notes + ([] if gpu else [f"{device.name} is not in ptxc/gpus.py: no % of peak"])}
+            "notes": notes + ([] if gpu else [f"{device.name} is not in ptxc/report/gpus.py: no % of peak"])}
 
 
 __all__ = [

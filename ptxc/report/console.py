@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import UserError
+from ..errors import UserError
 
 
 def _console() -> Console:
@@ -100,9 +100,9 @@ def print_inspect(d: Path) -> None:
 
 
 def print_families() -> None:
-    from .kernels import FAMILIES
-    from .spec import COMMON_FIELDS
-    from .spec.fields import REQUIRED
+    from ..kernels import FAMILIES
+    from ..spec import COMMON_FIELDS
+    from ..spec.fields import REQUIRED
     c = _console()
 
     def fields_table(title, fields, prefix=""):

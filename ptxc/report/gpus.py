@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from .errors import UserError
+from ..errors import UserError
 
 MB = 1024 * 1024
 

@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import __version__
+from .. import __version__
 from .cache import sha256, write_if_changed
-from .errors import UserError
+from ..errors import UserError
 from .metadata import SCHEMA_VERSION, artifact_files, dumps, make_metadata
 
 MANIFEST = "manifest.json"

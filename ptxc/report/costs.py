@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import InputError, UserError
+from ..errors import InputError, UserError
 
 ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 LSE_BYTES = 4   # lse is always f32
@@ -154,7 +154,7 @@ def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_S
         out["num_pages"] = out["batch"] * out["max_pages_per_seq"]
     for name, rule in (meta.get("dim_rules") or {}).items():
         if name in dims and name not in out:
-            from .runtime import apply_dim_rule
+            from ..runtime import apply_dim_rule
             out[name] = apply_dim_rule(rule, out, num_sms)
     missing = [d for d in dims if d not in out]
     if missing:
@@ -168,7 +168,7 @@ def launch_cost(meta: dict, target: str, dims: dict[str, int]) -> Cost:
     model = COST_MODELS.get(family)
     if model is None:
         raise UserError(f"no cost model for family {family!r} (known: {', '.join(COST_MODELS)}); "
-                        f"add one to ptxc/costs.py")
+                        f"add one to ptxc/report/costs.py")
     return model(meta, meta["targets"][target].get("config", {}), dims)
 
 

@@ -12,10 +12,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from .. import __version__
 from .cache import sha256
-from .kernels import FAMILIES
-from .targets import get_target, occupancy
+from ..kernels import FAMILIES
+from ..targets import get_target, occupancy
 
 SCHEMA_VERSION = 1
 FILE_SUFFIX = {"ptx": ".ptx", "cubin": ".cubin"}
@@ -69,7 +69,7 @@ def make_metadata(build, verified: bool) -> dict[str, Any]:
 
 @lru_cache(maxsize=1)
 def schema() -> dict:
-    return json.loads((Path(__file__).parent / "schema" / "metadata.schema.json").read_text())
+    return json.loads((Path(__file__).resolve().parent.parent / "schema" / "metadata.schema.json").read_text())
 
 
 def schema_errors(meta: Any) -> list[str]:

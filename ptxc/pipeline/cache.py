@@ -20,12 +20,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-from . import __version__
+from .. import __version__
 
 MAGIC = b"ptxc-cache 1 "
 # Sources whose change may change generated code; the CLI, docs and emulator are left out.
 CODEGEN_DIRS = ("ir", "kernels", "spec", "tuned")   # tuned/*.json steer the tile heuristics
-CODEGEN_FILES = ("targets.py", "compiler.py", "ptxas.py", "metadata.py", "exprs.py")
+CODEGEN_FILES = ("targets.py", "pipeline/compiler.py", "pipeline/ptxas.py", "pipeline/metadata.py",
+                 "pipeline/exprs.py")
 
 
 def canonical_json(data: Any) -> bytes:
@@ -39,7 +40,7 @@ def sha256(data: bytes) -> str:
 
 @lru_cache(maxsize=1)
 def codegen_fingerprint() -> str:
-    root = Path(__file__).parent
+    root = Path(__file__).resolve().parent.parent   # the ptxc package
     files = sorted(p for d in CODEGEN_DIRS for p in (root / d).rglob("*") if p.suffix in (".py", ".j2", ".json"))
     files += [root / f for f in CODEGEN_FILES]
     h = hashlib.sha256(__version__.encode())

@@ -13,9 +13,9 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from .runtime import cuda as rcuda
-from .runtime import launch_geometry, pack_args
-from .runtime.cuda import CTYPES, fill_derived_pointers
+from ..runtime import cuda as rcuda
+from ..runtime import launch_geometry, pack_args
+from ..runtime.cuda import CTYPES, fill_derived_pointers
 
 def _driver():
     return rcuda._driver()
