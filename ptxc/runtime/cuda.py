@@ -20,6 +20,11 @@ CTYPES = {"u32": ctypes.c_uint32, "s32": ctypes.c_int32, "u64": ctypes.c_uint64,
           "s64": ctypes.c_int64, "f32": ctypes.c_float}
 
 
+def target_sm(target: str) -> int:
+    """sm_90a -> 90."""
+    return int("".join(filter(str.isdigit, target)))
+
+
 def _driver():
     try:
         from cuda.bindings import driver
@@ -77,20 +82,25 @@ class CudaDevice:
         name = _check(drv.cuDeviceGetName(256, dev), "cuDeviceGetName")
         return cls(dev, ctx, major * 10 + minor, name.split(b"\0")[0].decode())
 
+    def runnable_targets(self, artifact) -> list[str]:
+        """The artifact's targets this device can run: its own SM's cubin, and the PTX of every
+        older target (JIT-compiled by the driver). A cubin of another SM never loads."""
+        return [t for t in sorted(artifact.meta["targets"], key=target_sm) if target_sm(t) <= self.sm]
+
     def pick_image(self, artifact, target: str | None) -> tuple[str, bytes]:
-        """The cubin built for exactly this SM, else the PTX of the newest target <= this SM."""
+        """The cubin built for exactly this SM, else the PTX of the newest target <= this SM.
+        An explicit older target runs from its PTX (cubins are not portable across SM versions);
+        a newer one is refused."""
         targets = artifact.meta["targets"]
         if target is None:
-            exact = [t for t in targets if int("".join(filter(str.isdigit, t))) == self.sm and "cubin" in targets[t]]
-            if exact:
-                return exact[0], artifact.cubin(exact[0])
-            older = sorted((t for t in targets if int("".join(filter(str.isdigit, t))) <= self.sm),
-                           key=lambda t: int("".join(filter(str.isdigit, t))))
-            if not older:
+            runnable = self.runnable_targets(artifact)
+            if not runnable:
                 raise ToolchainError(f"{artifact.name}: no target runs on sm_{self.sm} (built: {', '.join(targets)})")
-            target = older[-1]
-            return target, artifact.ptx(target).encode() + b"\0"
-        image = artifact.cubin(target)
+            exact = [t for t in runnable if target_sm(t) == self.sm and "cubin" in targets[t]]
+            target = exact[0] if exact else runnable[-1]
+        if target_sm(target) > self.sm:
+            raise ToolchainError(f"{artifact.name}: {target} cannot run on this sm_{self.sm} device")
+        image = artifact.cubin(target) if target_sm(target) == self.sm else None
         return target, image if image is not None else artifact.ptx(target).encode() + b"\0"
 
     def launcher(self, artifact, target: str | None, repeat: int = 1):
