@@ -333,3 +333,29 @@ def test_bench_every_layout_on_fake_driver(fake_gpu, toolchain, spec):
         assert row["l2_flushed"] == (row["family"] != "prefill")
         assert row["metric"] == ("TFLOP/s" if row["family"] == "prefill" else "GB/s")
     assert {r["kernel"] for r in result["results"]} == {s.name for s in load_paths([SPECS / spec])}
+
+
+class _ImageArtifact:
+    """The three things CudaDevice.pick_image reads from an artifact."""
+    name = "k"
+    meta = {"targets": {"sm_120": {"cubin": "x"}, "sm_80": {"cubin": "x"}, "sm_90": {"cubin": "x"},
+                        "sm_86": {"cubin": "x"}}}
+
+    def cubin(self, target):
+        return f"cubin:{target}".encode()
+
+    def ptx(self, target):
+        return f"ptx:{target}"
+
+
+def test_cuda_device_runs_own_cubin_and_older_ptx_never_a_newer_target():
+    from ptxc.errors import ToolchainError
+    from ptxc.runtime.cuda import CudaDevice
+    dev, art = CudaDevice("dev", None, 90, "H100"), _ImageArtifact()
+    assert dev.runnable_targets(art) == ["sm_80", "sm_86", "sm_90"]       # numeric order, no sm_120
+    assert dev.pick_image(art, None) == ("sm_90", b"cubin:sm_90")
+    assert dev.pick_image(art, "sm_80") == ("sm_80", b"ptx:sm_80\0")      # a cubin is not portable
+    with pytest.raises(ToolchainError, match="sm_120 cannot run on this sm_90"):
+        dev.pick_image(art, "sm_120")
+    ampere = CudaDevice("dev", None, 87, "Orin")                            # no exact cubin: newest PTX
+    assert ampere.pick_image(art, None) == ("sm_86", b"ptx:sm_86\0")
