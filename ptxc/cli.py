@@ -21,6 +21,11 @@ def _fail(e) -> None:
     sys.exit(e.exit_code)
 
 
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """'1 kernel', '2 kernels' (irregular plurals passed as `many`)."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
 def handles_errors(fn):
     @functools.wraps(fn)
     def wrapper(*a, **kw):
@@ -117,24 +122,27 @@ def cache_path():
 
 
 @cache.command("info")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
+@handles_errors
 def cache_info(as_json):
-    """Path, number of entries and total size."""
+    """Path, number of entries and total size (only files ptxc itself wrote are counted)."""
     from .pipeline.cache import Cache
     info = Cache(enabled=False).info()
     if as_json:
         click.echo(json.dumps(info, sort_keys=True))
     else:
         click.echo(f"path:    {info['path']}\nentries: {info['entries']}\nsize:    "
-                   f"{info['bytes'] / 1e6:.2f} MB")
+                   f"{info['bytes'] / 1e6:.2f} MB"
+                   + ("" if info["is_ptxc_cache"] else "\n(not a ptxc cache: no CACHEDIR.TAG written by ptxc)"))
 
 
 @cache.command("clear")
+@handles_errors
 def cache_clear():
-    """Delete every cache entry."""
+    """Delete every entry ptxc wrote to the cache directory (and nothing else)."""
     from .pipeline.cache import Cache
     n = Cache(enabled=False).clear()
-    click.echo(f"removed {n} entries")
+    click.echo(f"removed {plural(n, 'entry', 'entries')}")
 
 
 @main.command(name="launch-test")
