@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,9 +17,15 @@ import click
 from . import __version__
 
 
-def _fail(e) -> None:
-    click.echo(f"error: {e}", err=True)
-    sys.exit(e.exit_code)
+MAX_ERROR_CHARS = 2000   # an error echoes user input; never unboundedly much of it
+
+
+def _fail(e, exit_code: int | None = None) -> None:
+    text = " ".join(str(e).split("\n"))   # one line, whatever the message holds
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[:MAX_ERROR_CHARS - 3] + "..."
+    click.echo(f"error: {text}", err=True)
+    sys.exit(e.exit_code if exit_code is None else exit_code)
 
 
 def plural(n: int, one: str, many: str | None = None) -> str:
@@ -37,6 +44,16 @@ def handles_errors(fn):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except OSError as e:   # a file the user named: missing parent, read-only, full disk, ...
+            where = f"{e.filename}: " if e.filename else ""
+            _fail(f"{where}{e.strerror or e}", 2)
+        except (RecursionError, MemoryError) as e:
+            _fail(f"input too large or nested too deeply ({type(e).__name__})", 2)
+        except Exception as e:   # a bug in ptxc: still one line, and the way to see more
+            if os.environ.get("PTXC_DEBUG"):
+                raise
+            _fail(f"internal error ({type(e).__name__}: {e}); this is a ptxc bug - "
+                  f"rerun with PTXC_DEBUG=1 for the traceback", 1)
     return wrapper
 
 

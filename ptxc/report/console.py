@@ -58,11 +58,8 @@ def print_verify_report(report) -> None:
 
 
 def print_inspect(d: Path) -> None:
-    path = d / f"{d.name}.json"
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{d}: not an artifact directory ({path} unreadable: {e})") from None
+    from ..pipeline.checked import load_checked
+    meta = load_checked(d)
     c = _console()
     spec = meta["spec"]
     c.print(f"[bold]{meta['name']}[/bold]  family={meta['family']}  ptxc {meta['ptxc_version']}  "

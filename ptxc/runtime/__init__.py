@@ -10,7 +10,6 @@ numpy float32/float16 (bf16 as float32, rounded on the way in), i32 as int32.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -47,12 +46,23 @@ class Artifact:
         return name, targets[name]
 
     def ptx(self, target: str | None = None) -> str:
-        _, t = self.target(target)
-        return (self.path / t["ptx"]).read_text()
+        return self._image(target, "ptx").decode("utf-8", "replace")
 
     def cubin(self, target: str) -> bytes | None:
         _, t = self.target(target)
-        return (self.path / t["cubin"]).read_bytes() if "cubin" in t else None
+        return self._image(target, "cubin") if "cubin" in t else None
+
+    def _image(self, target: str | None, kind: str) -> bytes:
+        """A ptx/cubin file, re-read as a regular file and re-checked against its sha256
+        (it may have changed since load_checked looked at it)."""
+        from ..errors import VerifyError
+        from ..pipeline.cache import sha256
+        from ..pipeline.checked import read_artifact_file
+        _, t = self.target(target)
+        data = read_artifact_file(self.path, t[kind])
+        if sha256(data) != t[f"{kind}_sha256"]:
+            raise VerifyError(f"{self.path / t[kind]}: changed since it was checked (sha256 differs)")
+        return data
 
     def infer_dims(self, inputs: dict[str, np.ndarray], sets: dict[str, int] | None = None,
                    num_sms: int = EMU_NUM_SMS) -> dict[str, int]:
@@ -78,15 +88,11 @@ class Artifact:
 
 
 def load(path: str | Path) -> Artifact:
+    """An artifact whose metadata passed ptxc.pipeline.checked.load_checked (schema, manifest
+    hash, files, re-derivation from the recorded spec); VerifyError (exit 1) if tampered."""
+    from ..pipeline.checked import load_checked
     path = Path(path)
-    meta_path = path / f"{path.name}.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-    except OSError:
-        raise UserError(f"{path}: not an artifact directory (no {meta_path.name})") from None
-    except ValueError as e:
-        raise UserError(f"{meta_path}: not valid JSON ({e})") from None
-    return Artifact(path, meta)
+    return Artifact(path, load_checked(path))
 
 
 def apply_dim_rule(rule: dict, dims: dict[str, int], num_sms: int) -> int:

@@ -270,3 +270,22 @@ def _build_spec(family, fields: dict[str, Field], tile_fields: dict[str, Field],
         source=source)
     family.validate(spec)
     return spec
+
+
+def spec_from_record(data: Any, where: str = "<metadata>") -> KernelSpec:
+    """The KernelSpec a recorded normalised spec (metadata's `spec`) stands for, validated by
+    exactly the rules a spec file passes; SpecError unless it is valid and already normalised
+    (re-normalising it gives back the same record)."""
+    if not isinstance(data, dict):
+        raise SpecError("recorded spec is not a table", file=where)
+    entry = {k: v for k, v in data.items() if v is not None}   # None = "the default" in records
+    lists = [k for k, v in entry.items() if isinstance(v, list) and k != "targets"]
+    tile = entry.get("tile")
+    if lists or (isinstance(tile, dict) and any(isinstance(v, list) for v in tile.values())) \
+            or "{" in str(entry.get("name", "")):
+        raise SpecError("recorded spec is not normalised (lists or placeholders)", file=where)
+    specs = _expand_entry(entry, where, 0)
+    if len(specs) != 1 or specs[0].to_dict() != data:
+        raise SpecError("recorded spec is not in normalised form (defaults or values differ "
+                        "from what the spec rules give)", file=where)
+    return specs[0]
