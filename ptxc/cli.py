@@ -28,11 +28,6 @@ def _fail(e, exit_code: int | None = None) -> None:
     sys.exit(e.exit_code if exit_code is None else exit_code)
 
 
-def plural(n: int, one: str, many: str | None = None) -> str:
-    """'1 kernel', '2 kernels' (irregular plurals passed as `many`)."""
-    return f"{n} {one if n == 1 else (many or one + 's')}"
-
-
 def handles_errors(fn):
     @functools.wraps(fn)
     def wrapper(*a, **kw):
@@ -111,17 +106,23 @@ def verify(paths, as_json):
 
 @main.command()
 @click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the checked metadata as JSON on stdout.")
 @handles_errors
-def inspect(artifact_dir):
-    """Show an artifact's metadata in readable form."""
+def inspect(artifact_dir, as_json):
+    """Show an artifact's metadata in readable form (after the same checks as every consumer)."""
     from .report.console import print_inspect
-    print_inspect(artifact_dir)
+    print_inspect(artifact_dir, as_json)
 
 
 @main.command(name="list")
+@click.option("--json", "as_json", is_flag=True, help="Print families and keys as JSON on stdout.")
 @handles_errors
-def list_families():
+def list_families(as_json):
     """Kernel families with their spec keys, defaults and allowed values."""
+    if as_json:
+        from .report.console import families_data
+        click.echo(json.dumps(families_data(), indent=2, sort_keys=True, default=str))
+        return
     from .report.console import print_families
     print_families()
 
@@ -158,17 +159,19 @@ def cache_info(as_json):
 def cache_clear():
     """Delete every entry ptxc wrote to the cache directory (and nothing else)."""
     from .pipeline.cache import Cache
+    from .report.console import plural
     n = Cache(enabled=False).clear()
     click.echo(f"removed {plural(n, 'entry', 'entries')}")
 
 
 @main.command(name="launch-test")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
-@click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True,
+              help="Where to run: the PTX emulator, a CUDA device, or CUDA when one is present.")
 @click.option("--shape", "shapes", multiple=True, help="Runtime dims, e.g. --shape batch=2,max_seq_len=113.")
 @click.option("--target", "targets", multiple=True, help="Only these targets [default: all built].")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @handles_errors
 def launch_test(paths, backend, shapes, targets, seed, as_json):
     """Run kernels on random inputs and compare with the fp64 reference (exit 1 on failure)."""
@@ -188,10 +191,13 @@ def launch_test(paths, backend, shapes, targets, seed, as_json):
 
 @main.command()
 @click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--inputs", "inputs_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--inputs", "inputs_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help=".npz with one array per input tensor (names as in `ptxc inspect`).")
+@click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help=".npz to write the output tensors to.")
 @click.option("--target", default=None, help="Which target's PTX/cubin [default: oldest built].")
-@click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True,
+              help="Where to run: the PTX emulator, a CUDA device, or CUDA when one is present.")
 @click.option("--set", "sets", multiple=True, help="Runtime dims not inferable from inputs: name=value.")
 @handles_errors
 def run(artifact_dir, inputs_path, output_path, target, backend, sets):
@@ -205,7 +211,8 @@ def run(artifact_dir, inputs_path, output_path, target, backend, sets):
 
 @main.command()
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output directory to merge into (created if missing).")
 @handles_errors
 def merge(inputs, out):
     """Merge several build output directories (e.g. shards) into one artifact set."""
@@ -216,7 +223,8 @@ def merge(inputs, out):
 
 @main.command()
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Path of the .tar.gz to write.")
 @handles_errors
 def pack(src, output):
     """Write a reproducible .tar.gz of an output directory (sorted, fixed mtimes and owners)."""
@@ -271,12 +279,12 @@ def report(paths, shapes, gpus, as_json, html_path, measured, no_sass):
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--shape", "shapes", multiple=True, help="Runtime dims, e.g. --shape batch=4,seq_q=4096,seq_k=4096.")
 @click.option("--target", default=None, help="Which target's image [default: the device's SM].")
-@click.option("--warmup", type=click.IntRange(0, 10000), default=10, show_default=True)
-@click.option("--repeat", type=click.IntRange(1, 100000), default=50, show_default=True)
+@click.option("--warmup", type=click.IntRange(0, 10000), default=10, show_default=True, help="Untimed runs first.")
+@click.option("--repeat", type=click.IntRange(1, 100000), default=50, show_default=True, help="Timed runs.")
 @click.option("--l2-flush/--no-l2-flush", "flush", default=None,
               help="Flush L2 before each timed run [default: for decode only].")
 @click.option("--no-compare", is_flag=True, help="Skip torch SDPA / flash-attn side by side.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @handles_errors
 def bench_cmd(paths, shapes, target, warmup, repeat, flush, no_compare, as_json):
     """Time specs or artifacts on the GPU (CUDA events); TFLOP/s, GB/s and % of peak."""
@@ -297,10 +305,10 @@ def bench_cmd(paths, shapes, target, warmup, repeat, flush, no_compare, as_json)
 @click.option("--shape", "shapes", multiple=True, help="Runtime dims to tune at.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Directory of the tuned table [default: ptxc/tuned/ in the package].")
-@click.option("--warmup", type=click.IntRange(0, 1000), default=5, show_default=True)
-@click.option("--repeat", type=click.IntRange(1, 10000), default=20, show_default=True)
+@click.option("--warmup", type=click.IntRange(0, 1000), default=5, show_default=True, help="Untimed runs per candidate.")
+@click.option("--repeat", type=click.IntRange(1, 10000), default=20, show_default=True, help="Timed runs per candidate.")
 @click.option("--limit", type=click.IntRange(1, 10000), default=None, help="Try at most N candidates per key.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @handles_errors
 def tune(paths, target, shapes, out_dir, warmup, repeat, limit, as_json):
     """Time every legal tile of SPEC on the GPU; write the fastest per key to a tuned table."""
