@@ -203,8 +203,12 @@ def launch_test(paths, backend, shapes, targets, seed, as_json):
 def run(artifact_dir, inputs_path, output_path, target, backend, sets):
     """Run an artifact's launch list on the tensors in an .npz; write the outputs to an .npz."""
     from .runtime.launch_test import parse_assignments, run_npz
-    info = run_npz(artifact_dir, inputs_path, output_path, target=target, backend=backend,
-                   sets=parse_assignments(sets, "--set"))
+    from .pipeline.artifacts import ensure_output_file
+    from .runtime.launch_test import progress_notes
+    ensure_output_file(output_path, "--output")
+    with progress_notes(f"{artifact_dir.name}"):
+        info = run_npz(artifact_dir, inputs_path, output_path, target=target, backend=backend,
+                       sets=parse_assignments(sets, "--set"))
     click.echo(f"{output_path}: " + ", ".join(f"{k} {v}" for k, v in info["outputs"].items())
                + f" (backend {info['backend']})")
 
@@ -229,6 +233,8 @@ def merge(inputs, out):
 def pack(src, output):
     """Write a reproducible .tar.gz of an output directory (sorted, fixed mtimes and owners)."""
     from .emit.distribute import pack as do_pack
+    from .pipeline.artifacts import ensure_output_file
+    ensure_output_file(output, "--output")
     info = do_pack(src, output)
     click.echo(f"{output}: {info['files']} files, sha256 {info['sha256']}")
 
@@ -241,6 +247,9 @@ def pack(src, output):
 def emit_c_header(out_dir, output):
     """Write a C header (params structs, grid helpers, driver-API launchers) for an artifact set."""
     from .emit.cheader import emit
+    if output is not None:
+        from .pipeline.artifacts import ensure_output_file
+        ensure_output_file(output, "--output")
     click.echo(str(emit(out_dir, output)))
 
 
@@ -263,6 +272,9 @@ def report(paths, shapes, gpus, as_json, html_path, measured, no_sass):
     """Static performance report of artifacts: resources, occupancy, cost, roofline, SASS mix."""
     from .runtime.launch_test import parse_assignments
     from .report.analysis import build_report, load_measured, write_html
+    if html_path:
+        from .pipeline.artifacts import ensure_output_file
+        ensure_output_file(html_path, "--html")
     data = build_report(paths, shapes=parse_assignments(shapes, "--shape"), gpus=list(gpus) or None,
                         measured=load_measured(measured) if measured else None, sass=not no_sass)
     if html_path:

@@ -12,7 +12,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from ..pipeline.artifacts import MANIFEST, kernel_dir, update_manifest
+from ..pipeline.artifacts import MANIFEST, ensure_output_dir, kernel_dir, update_manifest
 from ..pipeline.cache import atomic_write, sha256, write_if_changed
 from ..pipeline.checked import read_artifact_file, read_manifest_checked, load_checked
 from ..errors import UserError, VerifyError
@@ -51,7 +51,7 @@ def merge(inputs: list[Path], out: Path) -> dict:
                 raise UserError(f"conflict: artifact {name!r} differs between {other[1]} and {src}")
             seen[name] = (digest, src)
     metas = []
-    out.mkdir(parents=True, exist_ok=True)
+    ensure_output_dir(out)
     for name, (_, src) in sorted(seen.items()):
         d_src, d_out = kernel_dir(src, name), kernel_dir(out, name)
         d_out.mkdir(exist_ok=True)

@@ -69,6 +69,18 @@ def write_kernel(out: Path, build, verified: bool) -> tuple[dict[str, Any], int]
     return meta, changed
 
 
+def ensure_output_file(path: Path, option: str) -> None:
+    """Before any work: `path` can be written (parent an existing writable directory, path
+    itself not a directory); otherwise one line naming the option."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UserError(f"{option} {path}: is a directory; give a file path")
+    if not parent.is_dir():
+        raise UserError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {path}: directory {parent} is not writable")
+
+
 @contextlib.contextmanager
 def locked(out: Path) -> Iterator[None]:
     """An exclusive flock on `out/.manifest.lock` (re-entrant per thread is not needed: callers

@@ -214,6 +214,9 @@ def check_buffer_budget(meta: dict, inputs: dict[str, np.ndarray] | None, dims: 
     import math
     import os
     limit = int(os.environ.get("PTXC_MAX_RUN_BYTES") or DEFAULT_MAX_RUN_BYTES)
+    dims = dict(dims)
+    for name, rule in (meta.get("dim_rules") or {}).items():
+        dims.setdefault(name, apply_dim_rule(rule, dims, EMU_NUM_SMS))
     total = 0
     for name, info in meta["tensors"].items():
         if inputs is not None and info["role"] in ("input", "inout") and not info.get("derived_from"):
