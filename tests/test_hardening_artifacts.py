@@ -203,3 +203,20 @@ def test_untampered_artifact_runs_and_matches_reference(built, tmp_path):
     o, lse = decode(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["seq_lens"],
                     art.meta["spec"]["softmax_scale"])
     assert np.abs(out["o"] - o).max() < 1e-4 and np.abs(out["lse"] - lse).max() < 1e-4
+
+
+def test_concurrent_builds_of_one_name_from_two_specs_never_mix(tmp_path):
+    import subprocess
+    import sys
+    from ptxc.pipeline.checked import load_checked
+    for d in (64, 128):
+        (tmp_path / f"s{d}.toml").write_text(SPEC.replace(f'name = "{NAME}"', 'name = "dup"')
+                                             .replace("head_dim = 32", f"head_dim = {d}"))
+    out = tmp_path / "out"
+    for _ in range(3):
+        procs = [subprocess.Popen([sys.executable, "-m", "ptxc.cli", "build", str(tmp_path / f"s{d}.toml"),
+                                   "--out", str(out), "--no-verify", "--no-cache"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for d in (64, 128)]
+        assert all(p.wait(timeout=300) == 0 for p in procs)
+        meta = load_checked(out / "dup")   # consistent: files, hashes, manifest and spec agree
+        assert meta["spec"]["head_dim"] in (64, 128)

@@ -183,9 +183,9 @@ def _reference_problems(meta: dict, where: Path) -> list[str]:
             problems.append(f"{where}: {what} {short(text)} names {sorted(unknown)[0]!r}, not a dim")
 
     for tname, info in tensors.items():
-        for s in info["shape"]:
-            if isinstance(s, str) and s not in dims:
-                problems.append(f"{where}: tensor {tname} shape names {s!r}, not a dim")
+        for axis, s in enumerate(info["shape"]):
+            if isinstance(s, str):
+                expr_ok(s, f"tensor {tname} shape[{axis}]")
         for ref in ("passed_as", "derived_from"):
             if ref in info and info[ref] not in tensors:
                 problems.append(f"{where}: tensor {tname} {ref} {info[ref]!r} is not a tensor")
