@@ -21,7 +21,10 @@ MAX_ERROR_CHARS = 2000   # an error echoes user input; never unboundedly much of
 
 
 def _fail(e, exit_code: int | None = None) -> None:
-    text = " ".join(str(e).split("\n"))   # one line, whatever the message holds
+    from .errors import AssemblyError
+    # One line, whatever the message holds (a file name with a newline, echoed input) — except
+    # ptxas's rejection of generated PTX, a ptxc bug whose indented detail lines are the point.
+    text = str(e) if isinstance(e, AssemblyError) else " ".join(str(e).split("\n"))
     if len(text) > MAX_ERROR_CHARS:
         text = text[:MAX_ERROR_CHARS - 3] + "..."
     click.echo(f"error: {text}", err=True)

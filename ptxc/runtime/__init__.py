@@ -29,8 +29,18 @@ PARAM_RANGE = {"u32": (0, (1 << 32) - 1), "s32": (-(1 << 31), (1 << 31) - 1),
                "u64": (0, (1 << 64) - 1), "s64": (-(1 << 63), (1 << 63) - 1)}
 DIM_MAX = (1 << 31) - 1
 GRID_MAX = ((1 << 31) - 1, 65535, 65535)
-# Refuse a launch whose buffers would need more than this (PTXC_MAX_RUN_BYTES overrides).
-DEFAULT_MAX_RUN_BYTES = 8 << 30
+def _default_max_run_bytes() -> int:
+    """Refuse a launch whose buffers need more than 8 GiB or half the machine's memory,
+    whichever is less (PTXC_MAX_RUN_BYTES overrides)."""
+    import os
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 << 30
+    return min(8 << 30, ram // 2)
+
+
+DEFAULT_MAX_RUN_BYTES = _default_max_run_bytes()
 POISON = {"f32": np.float32(np.nan), "f16": np.float16(np.nan), "bf16": np.uint16(0x7FC0),
           "i32": np.int32(-0x7FFFFFFF), "u64": np.uint64(0)}
 
