@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,9 +17,18 @@ import click
 from . import __version__
 
 
-def _fail(e) -> None:
-    click.echo(f"error: {e}", err=True)
-    sys.exit(e.exit_code)
+MAX_ERROR_CHARS = 2000   # an error echoes user input; never unboundedly much of it
+
+
+def _fail(e, exit_code: int | None = None) -> None:
+    from .errors import AssemblyError
+    # One line, whatever the message holds (a file name with a newline, echoed input) — except
+    # ptxas's rejection of generated PTX, a ptxc bug whose indented detail lines are the point.
+    text = str(e) if isinstance(e, AssemblyError) else " ".join(str(e).split("\n"))
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[:MAX_ERROR_CHARS - 3] + "..."
+    click.echo(f"error: {text}", err=True)
+    sys.exit(e.exit_code if exit_code is None else exit_code)
 
 
 def handles_errors(fn):
@@ -32,6 +42,16 @@ def handles_errors(fn):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except OSError as e:   # a file the user named: missing parent, read-only, full disk, ...
+            where = f"{e.filename}: " if e.filename else ""
+            _fail(f"{where}{e.strerror or e}", 2)
+        except (RecursionError, MemoryError) as e:
+            _fail(f"input too large or nested too deeply ({type(e).__name__})", 2)
+        except Exception as e:   # a bug in ptxc: still one line, and the way to see more
+            if os.environ.get("PTXC_DEBUG"):
+                raise
+            _fail(f"internal error ({type(e).__name__}: {e}); this is a ptxc bug - "
+                  f"rerun with PTXC_DEBUG=1 for the traceback", 1)
     return wrapper
 
 
@@ -89,17 +109,23 @@ def verify(paths, as_json):
 
 @main.command()
 @click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the checked metadata as JSON on stdout.")
 @handles_errors
-def inspect(artifact_dir):
-    """Show an artifact's metadata in readable form."""
+def inspect(artifact_dir, as_json):
+    """Show an artifact's metadata in readable form (after the same checks as every consumer)."""
     from .report.console import print_inspect
-    print_inspect(artifact_dir)
+    print_inspect(artifact_dir, as_json)
 
 
 @main.command(name="list")
+@click.option("--json", "as_json", is_flag=True, help="Print families and keys as JSON on stdout.")
 @handles_errors
-def list_families():
+def list_families(as_json):
     """Kernel families with their spec keys, defaults and allowed values."""
+    if as_json:
+        from .report.console import families_data
+        click.echo(json.dumps(families_data(), indent=2, sort_keys=True, default=str))
+        return
     from .report.console import print_families
     print_families()
 
@@ -117,33 +143,38 @@ def cache_path():
 
 
 @cache.command("info")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON on stdout.")
+@handles_errors
 def cache_info(as_json):
-    """Path, number of entries and total size."""
+    """Path, number of entries and total size (only files ptxc itself wrote are counted)."""
     from .pipeline.cache import Cache
     info = Cache(enabled=False).info()
     if as_json:
         click.echo(json.dumps(info, sort_keys=True))
     else:
         click.echo(f"path:    {info['path']}\nentries: {info['entries']}\nsize:    "
-                   f"{info['bytes'] / 1e6:.2f} MB")
+                   f"{info['bytes'] / 1e6:.2f} MB"
+                   + ("" if info["is_ptxc_cache"] else "\n(not a ptxc cache: no CACHEDIR.TAG written by ptxc)"))
 
 
 @cache.command("clear")
+@handles_errors
 def cache_clear():
-    """Delete every cache entry."""
+    """Delete every entry ptxc wrote to the cache directory (and nothing else)."""
     from .pipeline.cache import Cache
+    from .report.console import plural
     n = Cache(enabled=False).clear()
-    click.echo(f"removed {n} entries")
+    click.echo(f"removed {plural(n, 'entry', 'entries')}")
 
 
 @main.command(name="launch-test")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
-@click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True,
+              help="Where to run: the PTX emulator, a CUDA device, or CUDA when one is present.")
 @click.option("--shape", "shapes", multiple=True, help="Runtime dims, e.g. --shape batch=2,max_seq_len=113.")
 @click.option("--target", "targets", multiple=True, help="Only these targets [default: all built].")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @handles_errors
 def launch_test(paths, backend, shapes, targets, seed, as_json):
     """Run kernels on random inputs and compare with the fp64 reference (exit 1 on failure)."""
@@ -163,24 +194,32 @@ def launch_test(paths, backend, shapes, targets, seed, as_json):
 
 @main.command()
 @click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--inputs", "inputs_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--inputs", "inputs_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help=".npz with one array per input tensor (names as in `ptxc inspect`).")
+@click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help=".npz to write the output tensors to.")
 @click.option("--target", default=None, help="Which target's PTX/cubin [default: oldest built].")
-@click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True,
+              help="Where to run: the PTX emulator, a CUDA device, or CUDA when one is present.")
 @click.option("--set", "sets", multiple=True, help="Runtime dims not inferable from inputs: name=value.")
 @handles_errors
 def run(artifact_dir, inputs_path, output_path, target, backend, sets):
     """Run an artifact's launch list on the tensors in an .npz; write the outputs to an .npz."""
     from .runtime.launch_test import parse_assignments, run_npz
-    info = run_npz(artifact_dir, inputs_path, output_path, target=target, backend=backend,
-                   sets=parse_assignments(sets, "--set"))
+    from .pipeline.artifacts import ensure_output_file
+    from .runtime.launch_test import progress_notes
+    ensure_output_file(output_path, "--output")
+    with progress_notes(f"{artifact_dir.name}"):
+        info = run_npz(artifact_dir, inputs_path, output_path, target=target, backend=backend,
+                       sets=parse_assignments(sets, "--set"))
     click.echo(f"{output_path}: " + ", ".join(f"{k} {v}" for k, v in info["outputs"].items())
                + f" (backend {info['backend']})")
 
 
 @main.command()
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Output directory to merge into (created if missing).")
 @handles_errors
 def merge(inputs, out):
     """Merge several build output directories (e.g. shards) into one artifact set."""
@@ -191,11 +230,14 @@ def merge(inputs, out):
 
 @main.command()
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Path of the .tar.gz to write.")
 @handles_errors
 def pack(src, output):
     """Write a reproducible .tar.gz of an output directory (sorted, fixed mtimes and owners)."""
     from .emit.distribute import pack as do_pack
+    from .pipeline.artifacts import ensure_output_file
+    ensure_output_file(output, "--output")
     info = do_pack(src, output)
     click.echo(f"{output}: {info['files']} files, sha256 {info['sha256']}")
 
@@ -208,6 +250,9 @@ def pack(src, output):
 def emit_c_header(out_dir, output):
     """Write a C header (params structs, grid helpers, driver-API launchers) for an artifact set."""
     from .emit.cheader import emit
+    if output is not None:
+        from .pipeline.artifacts import ensure_output_file
+        ensure_output_file(output, "--output")
     click.echo(str(emit(out_dir, output)))
 
 
@@ -230,6 +275,9 @@ def report(paths, shapes, gpus, as_json, html_path, measured, no_sass):
     """Static performance report of artifacts: resources, occupancy, cost, roofline, SASS mix."""
     from .runtime.launch_test import parse_assignments
     from .report.analysis import build_report, load_measured, write_html
+    if html_path:
+        from .pipeline.artifacts import ensure_output_file
+        ensure_output_file(html_path, "--html")
     data = build_report(paths, shapes=parse_assignments(shapes, "--shape"), gpus=list(gpus) or None,
                         measured=load_measured(measured) if measured else None, sass=not no_sass)
     if html_path:
@@ -246,12 +294,12 @@ def report(paths, shapes, gpus, as_json, html_path, measured, no_sass):
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--shape", "shapes", multiple=True, help="Runtime dims, e.g. --shape batch=4,seq_q=4096,seq_k=4096.")
 @click.option("--target", default=None, help="Which target's image [default: the device's SM].")
-@click.option("--warmup", type=click.IntRange(0, 10000), default=10, show_default=True)
-@click.option("--repeat", type=click.IntRange(1, 100000), default=50, show_default=True)
+@click.option("--warmup", type=click.IntRange(0, 10000), default=10, show_default=True, help="Untimed runs first.")
+@click.option("--repeat", type=click.IntRange(1, 100000), default=50, show_default=True, help="Timed runs.")
 @click.option("--l2-flush/--no-l2-flush", "flush", default=None,
               help="Flush L2 before each timed run [default: for decode only].")
 @click.option("--no-compare", is_flag=True, help="Skip torch SDPA / flash-attn side by side.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @handles_errors
 def bench_cmd(paths, shapes, target, warmup, repeat, flush, no_compare, as_json):
     """Time specs or artifacts on the GPU (CUDA events); TFLOP/s, GB/s and % of peak."""
@@ -272,10 +320,10 @@ def bench_cmd(paths, shapes, target, warmup, repeat, flush, no_compare, as_json)
 @click.option("--shape", "shapes", multiple=True, help="Runtime dims to tune at.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Directory of the tuned table [default: ptxc/tuned/ in the package].")
-@click.option("--warmup", type=click.IntRange(0, 1000), default=5, show_default=True)
-@click.option("--repeat", type=click.IntRange(1, 10000), default=20, show_default=True)
+@click.option("--warmup", type=click.IntRange(0, 1000), default=5, show_default=True, help="Untimed runs per candidate.")
+@click.option("--repeat", type=click.IntRange(1, 10000), default=20, show_default=True, help="Timed runs per candidate.")
 @click.option("--limit", type=click.IntRange(1, 10000), default=None, help="Try at most N candidates per key.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @handles_errors
 def tune(paths, target, shapes, out_dir, warmup, repeat, limit, as_json):
     """Time every legal tile of SPEC on the GPU; write the fastest per key to a tuned table."""

@@ -87,7 +87,7 @@ def test_corrupt_cache_entry_is_rebuilt_with_warning(tmp_path, toolchain, capsys
     cache = tmp_path / "c"
     run_build([SPECS / "llama3_8b.toml"], tmp_path / "o1", progress=False, cache_dir=cache,
               targets=["sm_80"])
-    entries = [p for p in cache.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    entries = [p for p in (cache / "v2").rglob("*") if p.is_file() and not p.name.startswith(".")]
     for p in entries:
         data = bytearray(p.read_bytes())
         data[-1] ^= 1

@@ -150,7 +150,7 @@ def test_truncated_and_foreign_cache_entries_are_rebuilt(tmp_path, monkeypatch, 
     from ptxc.pipeline.build import run_build
     cache = tmp_path / "c"
     run_build([SPECS / "gpt2_f32.toml"], tmp_path / "o1", verify=False, progress=False, cache_dir=cache)
-    entries = sorted(p for p in cache.rglob("*") if p.is_file() and not p.name.startswith("."))
+    entries = sorted(p for p in (cache / "v2").rglob("*") if p.is_file() and not p.name.startswith("."))
     entries[0].write_bytes(entries[0].read_bytes()[:40])        # truncated
     entries[1].write_bytes(b"somebody else's file\n")          # foreign
     run_build([SPECS / "gpt2_f32.toml"], tmp_path / "o2", verify=False, progress=False, cache_dir=cache)

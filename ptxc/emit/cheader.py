@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..pipeline import exprs
-from ..pipeline.artifacts import MANIFEST, read_manifest
+from ..pipeline.checked import read_manifest_checked
 from ..pipeline.cache import write_if_changed
 from ..errors import UserError
 from ..runtime import load
@@ -40,11 +40,11 @@ def _doc(source: dict) -> str:
 
 
 def render(out_dir: Path) -> str:
-    manifest = read_manifest(out_dir)
-    if manifest is None:
-        raise UserError(f"{out_dir}: no readable {MANIFEST}; emit-c-header takes a `ptxc build` output")
+    # Only checked metadata reaches the template: names are identifiers (schema) and every
+    # expression parsed (c_expr below), so nothing from the JSON can inject C.
+    manifest = read_manifest_checked(out_dir)
     artifacts = []
-    for name in sorted(manifest.get("artifacts", {})):
+    for name in sorted(manifest["artifacts"]):
         art = load(out_dir / name)
         meta, dims = art.meta, art.meta["dims"]
         _, first = art.target()
@@ -68,7 +68,7 @@ def render(out_dir: Path) -> str:
     env = jinja2.Environment(loader=jinja2.PackageLoader("ptxc", "templates"), keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined, autoescape=False)
     return env.get_template("kernels.h.j2").render(
-        version=__version__, manifest_name=MANIFEST, artifacts=artifacts, guard="PTXC_KERNELS_H")
+        version=__version__, manifest_name="manifest.json", artifacts=artifacts, guard="PTXC_KERNELS_H")
 
 
 def emit(out_dir: Path, dest: Path | None = None) -> Path:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
 import tarfile
 from pathlib import Path
 
-from ..pipeline.artifacts import MANIFEST, kernel_dir, read_manifest, update_manifest
+from ..pipeline.artifacts import MANIFEST, ensure_output_dir, kernel_dir, update_manifest
 from ..pipeline.cache import atomic_write, sha256, write_if_changed
+from ..pipeline.checked import read_artifact_file, read_manifest_checked, load_checked
 from ..errors import UserError, VerifyError
 
 
@@ -38,32 +38,28 @@ def merge(inputs: list[Path], out: Path) -> dict:
     """Copy every artifact of several output directories into one; the same name with
     different contents in two inputs (or already in `out`) is a conflict."""
     seen: dict[str, tuple[str, Path]] = {}
-    existing = (read_manifest(out) or {}).get("artifacts", {}) if out.exists() else {}
+    existing = read_manifest_checked(out)["artifacts"] if (out / MANIFEST).exists() else {}
+    checked: dict[tuple[Path, str], dict] = {}
     for src in inputs:
-        manifest = read_manifest(src)
-        if manifest is None:
-            raise UserError(f"{src}: no readable {MANIFEST}; is it a `ptxc build` output directory?")
-        for name, entry in sorted(manifest.get("artifacts", {}).items()):
-            meta_file = kernel_dir(src, name) / f"{name}.json"
-            try:
-                digest = sha256(meta_file.read_bytes())
-            except OSError:
-                raise VerifyError(f"{src}: manifest lists {name!r} but {meta_file} is missing") from None
-            if digest != entry.get("metadata_sha256"):
-                raise VerifyError(f"{meta_file}: sha256 differs from {src / MANIFEST}; run ptxc verify")
+        manifest = read_manifest_checked(src)
+        for name, entry in sorted(manifest["artifacts"].items()):
+            checked[(src, name)] = load_checked(kernel_dir(src, name))   # schema, hashes, files
+            digest = entry["metadata_sha256"]
             other = seen.get(name) or ((existing[name]["metadata_sha256"], out)
                                        if name in existing else None)
             if other and other[0] != digest:
                 raise UserError(f"conflict: artifact {name!r} differs between {other[1]} and {src}")
             seen[name] = (digest, src)
     metas = []
-    out.mkdir(parents=True, exist_ok=True)
+    ensure_output_dir(out)
     for name, (_, src) in sorted(seen.items()):
         d_src, d_out = kernel_dir(src, name), kernel_dir(out, name)
         d_out.mkdir(exist_ok=True)
-        meta = json.loads((d_src / f"{name}.json").read_bytes())
-        for f in sorted(p for p in d_src.iterdir() if p.is_file() and not p.name.startswith(".")):
-            write_if_changed(d_out / f.name, f.read_bytes())
+        meta = checked[(src, name)]
+        files = [f"{name}.json"] + [t[kind] for t in meta["targets"].values()
+                                    for kind in ("ptx", "cubin") if kind in t]
+        for f in files:   # exactly the files the metadata names, each a checked regular file
+            write_if_changed(d_out / f, read_artifact_file(d_src, f))
         metas.append(meta)
     update_manifest(out, metas)
     return {"out": str(out), "artifacts": len(seen), "inputs": [str(p) for p in inputs]}
@@ -72,15 +68,23 @@ def merge(inputs: list[Path], out: Path) -> dict:
 def pack(src: Path, dest: Path) -> dict:
     """A reproducible .tar.gz of an output directory: sorted entries, mtime 0, uid/gid 0, no
     user names, fixed modes, gzip header without a timestamp; dotfiles (locks, temps) left out."""
-    if read_manifest(src) is None:
-        raise UserError(f"{src}: no readable {MANIFEST}; pack takes a `ptxc build` output directory")
-    files = sorted(p for p in src.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(src).parts))
+    manifest = read_manifest_checked(src)
+    for name in manifest["artifacts"]:
+        load_checked(kernel_dir(src, name))
+    files = []
+    for p in sorted(src.rglob("*")):
+        rel = p.relative_to(src)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if p.is_symlink() or not (p.is_file() or p.is_dir()):
+            raise VerifyError(f"{p}: not a regular file (symlinks and special files are never packed)")
+        if p.is_file():
+            files.append(p)
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for p in files:
             info = tarfile.TarInfo(p.relative_to(src).as_posix())
-            data = p.read_bytes()
+            data = read_artifact_file(p.parent, p.name)
             info.size, info.mtime, info.mode = len(data), 0, 0o644
             info.uid = info.gid = 0
             info.uname = info.gname = ""

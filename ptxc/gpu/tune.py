@@ -85,7 +85,7 @@ def _time_variant(spec: KernelSpec, tile: dict, target: str, dims_of, device, ti
     from ..pipeline.compiler import build_all, check_resources
     from .timing import LaunchListTimer
     from ..errors import PtxcError
-    from ..runtime import load, prepare_buffers
+    from ..runtime import Artifact, prepare_buffers
     variant = dataclasses.replace(spec, name=f"{spec.name}__tune{index}", targets=(target,),
                                   tile=tuple(sorted(tile.items())))
     try:
@@ -94,8 +94,9 @@ def _time_variant(spec: KernelSpec, tile: dict, target: str, dims_of, device, ti
         return None
     if any(check_resources(variant, tb) for tb in build.targets):   # spills: not a candidate
         return None
-    write_kernel(workdir, build, verified=True)
-    art = load(workdir / variant.name)
+    # Metadata this process just made (never read back from disk), so no load_checked here.
+    meta, _ = write_kernel(workdir, build, verified=True)
+    art = Artifact(workdir / variant.name, meta)
     dims = dims_of(art.meta)
     buffers = prepare_buffers(art.meta, bench_inputs(art.meta, dims), dims)
     with LaunchListTimer(device, art, target, buffers, dims, timer_args["flush"](art.meta)) as timer:

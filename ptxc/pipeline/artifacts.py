@@ -4,13 +4,19 @@ target `<name>.<target>.ptx` and `.cubin`; plus `<out>/manifest.json` listing ev
 Every file is written to a temp path and `os.replace`d, and only when its bytes change, so a
 warm rebuild rewrites nothing (mtimes unchanged) and a reader never sees half a file. The
 manifest's read-modify-write holds an advisory lock so concurrent builds into one directory
-merge rather than overwrite each other.
+merge rather than overwrite each other; the same lock is held while a build writes its artifact
+directories, so two builds of one kernel name never interleave their files.
+
+Nothing here follows a symlink: an artifact directory or lock file that is a symlink is refused,
+and files are replaced (renamed over), never written through. Reading artifacts back is
+ptxc/pipeline/checked.py's job (`load_checked`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,7 +35,22 @@ def kernel_dir(out: Path, name: str) -> Path:
     path = (root / name).resolve()
     if path.parent != root or name in ("", ".", "..") or "/" in name or "\\" in name:
         raise UserError(f"artifact name {name!r} would escape the output directory {out}")
+    if (out / name).is_symlink():
+        raise UserError(f"{out / name}: is a symlink; ptxc writes artifacts only into real "
+                        f"directories inside the output directory")
     return out / name
+
+
+def ensure_output_dir(out: Path) -> None:
+    """Create `out` (and parents) or fail with one line saying why."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create ({e.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: directory is not writable")
 
 
 def write_kernel(out: Path, build, verified: bool) -> tuple[dict[str, Any], int]:
@@ -48,15 +69,33 @@ def write_kernel(out: Path, build, verified: bool) -> tuple[dict[str, Any], int]
     return meta, changed
 
 
+def ensure_output_file(path: Path, option: str) -> None:
+    """Before any work: `path` can be written (parent an existing writable directory, path
+    itself not a directory); otherwise one line naming the option."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UserError(f"{option} {path}: is a directory; give a file path")
+    if not parent.is_dir():
+        raise UserError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {path}: directory {parent} is not writable")
+
+
 @contextlib.contextmanager
-def _locked(out: Path) -> Iterator[None]:
+def locked(out: Path) -> Iterator[None]:
+    """An exclusive flock on `out/.manifest.lock` (re-entrant per thread is not needed: callers
+    take it once). O_NOFOLLOW: a planted symlink cannot make us create files elsewhere."""
     import fcntl
-    with open(out / ".manifest.lock", "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    try:
+        fd = os.open(out / ".manifest.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        raise UserError(f"{out / '.manifest.lock'}: cannot open the lock file ({e.strerror}; "
+                        f"it must be a regular file, not a symlink)") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)   # releases the lock
 
 
 def read_manifest(out: Path) -> dict[str, Any] | None:
@@ -66,9 +105,10 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
         return None
 
 
-def update_manifest(out: Path, metas: list[dict[str, Any]]) -> bool:
-    """Add/refresh the built artifacts; keep earlier entries whose metadata file still exists."""
-    with _locked(out):
+def update_manifest(out: Path, metas: list[dict[str, Any]], *, lock: bool = True) -> bool:
+    """Add/refresh the built artifacts; keep earlier entries whose metadata file still exists.
+    `lock=False` when the caller already holds `locked(out)`."""
+    with (locked(out) if lock else contextlib.nullcontext()):
         old = read_manifest(out) or {}
         entries = {}
         for name, e in (old.get("artifacts") or {}).items():

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .artifacts import update_manifest, write_kernel
+from .artifacts import ensure_output_dir, locked, update_manifest, write_kernel
 from .cache import Cache
 from .compiler import build_all, check_resources
 from ..errors import SpecError
@@ -60,6 +60,7 @@ def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: boo
     for s in specs:  # resolve tiles for every target before any work: config errors come first
         for t in s.targets:
             FAMILIES[s.family].resolve_tile(s, get_target(t))
+    ensure_output_dir(out)   # before any work: a bad --out is one line, not a late traceback
     tc = None
     if verify:
         from .ptxas import toolchain
@@ -71,16 +72,16 @@ def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: boo
     finally:
         if bar is not None:
             bar.stop()
-    out.mkdir(parents=True, exist_ok=True)
     metas, changed, problems, kernels = [], 0, [], []
-    for b in builds:
-        meta, n = write_kernel(out, b, verified=tc is not None)
-        metas.append(meta)
-        changed += n
-        problems += [p for tb in b.targets for p in check_resources(b.spec, tb)]
-        kernels.append({"name": b.spec.name, "family": b.spec.family, "dir": str(out / b.spec.name),
-                        "targets": {t: _target_summary(meta["targets"][t]) for t in meta["targets"]}})
-    changed += update_manifest(out, metas)
+    with locked(out):   # another build writing the same kernel names waits: no mixed artifacts
+        for b in builds:
+            meta, n = write_kernel(out, b, verified=tc is not None)
+            metas.append(meta)
+            changed += n
+            problems += [p for tb in b.targets for p in check_resources(b.spec, tb)]
+            kernels.append({"name": b.spec.name, "family": b.spec.family, "dir": str(out / b.spec.name),
+                            "targets": {t: _target_summary(meta["targets"][t]) for t in meta["targets"]}})
+        changed += update_manifest(out, metas, lock=False)
     return {"out": str(out), "kernels": kernels, "files_changed": changed, "problems": problems,
             "verified": tc is not None, "ptxas_version": tc.version if tc else None,
             "cache": {"path": str(cache.root), "enabled": cache.enabled, "hits": cache.hits,

@@ -1,12 +1,17 @@
-"""Content-addressed cache for stage outputs (PTX + launch list, cubin + resources).
+"""Content-addressed cache for stage outputs (PTX + launch list, cubin + resources, SASS mix).
 
 Key = sha256 of a canonical JSON of everything that changes the output: the normalised spec,
 the target, ptxc's version, a fingerprint of ptxc's own code-generation sources and, for cubins,
-the PTX text, ptxas version and options. An entry is one file
-`<root>/<stage>/<key[:2]>/<key>` holding a header line `ptxc-cache 1 <sha256 of payload>` and the
-payload; it is written to a unique temp file and `os.replace`d, so readers see a whole entry or
-none. On read the payload hash is re-checked: a corrupt or foreign entry is deleted, reported
-as a warning, and rebuilt by the caller.
+the PTX text, ptxas version and options.
+
+The cache only ever touches what it created. Its root holds a marker file (`CACHEDIR.TAG`, the
+standard tag backup tools honour, with a line naming ptxc) and one versioned subdirectory; an
+entry is the file `<root>/v2/<stage>/<key[:2]>/<key>`, and only names of exactly that shape are
+counted, read or removed — `cache clear` on a directory without the marker removes nothing.
+An entry starts with the header line `ptxc-cache 2 <stage> <key> <sha256 of payload>`, so an
+entry copied or renamed to another key or stage is recognised as foreign. Entries are written
+to a unique temp file and `os.replace`d; a corrupt, foreign or unreadable entry (or one whose
+payload does not decode) is deleted with a warning and rebuilt by the caller, never an error.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import stat
 import sys
 import tempfile
 from functools import lru_cache
@@ -21,8 +28,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import __version__
+from ..errors import UserError
 
-MAGIC = b"ptxc-cache 1 "
+FORMAT = 2
+MAGIC = b"ptxc-cache %d " % FORMAT
+ENTRIES = f"v{FORMAT}"                    # the versioned subdirectory holding every entry
+MARKER = "CACHEDIR.TAG"
+MARKER_TEXT = (b"Signature: 8a477f597d28d172789f06886806bc55\n"
+               b"# This directory is a ptxc compilation cache (created by ptxc; see `ptxc cache`).\n")
+MAX_ENTRY_BYTES = 256 << 20               # larger files are not ours; never read them whole
+STAGE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+KEY_NAME = re.compile(r"[0-9a-f]{64}")
+TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[A-Za-z0-9_]+\.tmp")
 # Sources whose change may change generated code; the CLI, docs and emulator are left out.
 CODEGEN_DIRS = ("ir", "kernels", "spec", "tuned")   # tuned/*.json steer the tile heuristics
 CODEGEN_FILES = ("targets.py", "pipeline/compiler.py", "pipeline/ptxas.py", "pipeline/metadata.py",
@@ -62,6 +79,25 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("ptxc"))
 
 
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """The bytes of `path` if it is a regular file (not a symlink, FIFO or device) of at most
+    `limit` bytes; OSError otherwise. Opening non-blocking means a FIFO cannot hang us."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(0, "not a regular file", str(path))
+        if st.st_size > limit:
+            raise OSError(0, f"larger than {limit} bytes", str(path))
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise OSError(0, f"larger than {limit} bytes", str(path))
+        return data
+    finally:
+        os.close(fd)
+
+
 class Cache:
     """A cache directory; `enabled=False` (or an unusable directory) makes every get a miss."""
 
@@ -75,70 +111,157 @@ class Cache:
     def _usable(self) -> bool:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=self.root, prefix=".probe-", delete=True)
+            if not self.is_ptxc_cache():
+                marker = self.root / MARKER
+                if marker.exists() or marker.is_symlink():
+                    self.warn(f"{marker} exists and was not written by ptxc; building without "
+                              f"the cache (set PTXC_CACHE_DIR to a directory of its own)")
+                    return False
+                atomic_write(marker, MARKER_TEXT)
+            (self.root / ENTRIES).mkdir(exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=self.root / ENTRIES, prefix=".probe-", delete=True)
             probe.close()
             return True
         except OSError as e:
-            self.warn(f"cache directory {self.root} is not writable ({e.strerror}); "
+            self.warn(f"cache directory {self.root} is not writable ({e.strerror or e}); "
                       f"building without the cache")
             return False
 
+    def is_ptxc_cache(self) -> bool:
+        try:
+            return read_regular_file(self.root / MARKER, 4096) == MARKER_TEXT
+        except OSError:
+            return False
+
     def _path(self, stage: str, key: str) -> Path:
-        return self.root / stage / key[:2] / key
+        if not STAGE_NAME.fullmatch(stage) or not KEY_NAME.fullmatch(key):
+            raise ValueError(f"bad cache stage/key {stage!r}/{key!r}")   # a bug in the caller
+        return self.root / ENTRIES / stage / key[:2] / key
+
+    def _discard(self, path: Path, why: str) -> None:
+        self.warn(f"cache entry {path} is {why}; discarding and rebuilding")
+        try:
+            if not stat.S_ISDIR(path.lstat().st_mode):   # our own entry name: file, link or FIFO
+                path.unlink()
+        except OSError:
+            pass
+        self.misses += 1
 
     def get(self, stage: str, key: str) -> bytes | None:
         if not self.enabled:
             return None
         path = self._path(stage, key)
-        try:
-            blob = path.read_bytes()
-        except OSError:
+        if not path.exists() and not path.is_symlink():
             self.misses += 1
             return None
-        head, _, payload = blob.partition(b"\n")
-        if not head.startswith(MAGIC) or head[len(MAGIC):].decode("ascii", "replace") != sha256(payload):
-            self.warn(f"cache entry {path} is corrupt (hash mismatch); discarding and rebuilding")
-            try:
-                path.unlink()
-            except OSError:
-                pass
-            self.misses += 1
+        try:
+            blob = read_regular_file(path, MAX_ENTRY_BYTES)
+        except OSError as e:
+            self._discard(path, f"unreadable ({e.strerror or e})")
+            return None
+        head, newline, payload = blob.partition(b"\n")
+        fields = head.split(b" ")
+        if not newline or len(fields) != 5 or not head.startswith(MAGIC):
+            self._discard(path, "corrupt (truncated, or no ptxc-cache header)")
+            return None
+        if fields[2:4] != [stage.encode(), key.encode()]:
+            self._discard(path, f"foreign (its header names another stage or key, not "
+                                f"{stage}/{key[:12]}...)")
+            return None
+        if fields[4].decode("ascii", "replace") != sha256(payload):
+            self._discard(path, "corrupt (hash mismatch)")
             return None
         self.hits += 1
         return payload
+
+    def get_json(self, stage: str, key: str, check: Callable[[Any], bool]) -> Any:
+        """The decoded JSON payload if it passes `check`; a payload that does not decode or
+        check is discarded with a warning (the caller rebuilds it), never an error."""
+        blob = self.get(stage, key)
+        if blob is None:
+            return None
+        try:
+            data = json.loads(blob)
+            ok = check(data)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            ok = False
+        if not ok:
+            self.hits -= 1
+            self._discard(self._path(stage, key), "malformed (its payload does not decode)")
+            return None
+        return data
 
     def put(self, stage: str, key: str, payload: bytes) -> None:
         if not self.enabled:
             return
         path = self._path(stage, key)
+        header = MAGIC + f"{stage} {key} {sha256(payload)}\n".encode()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, MAGIC + sha256(payload).encode() + b"\n" + payload)
+            atomic_write(path, header + payload)
         except OSError as e:
             self.warn(f"cannot write cache entry {path} ({e.strerror}); continuing without it")
 
+    def _own_files(self):
+        """(path, is_temp) for every file under the entries directory whose name the cache
+        itself would have made; nothing else is ever looked at, and symlinks are not followed."""
+        base = self.root / ENTRIES
+        if not self.is_ptxc_cache() or base.is_symlink() or not base.is_dir():
+            return
+        for stage in sorted(os.listdir(base)):
+            sdir = base / stage
+            if not STAGE_NAME.fullmatch(stage) or sdir.is_symlink() or not sdir.is_dir():
+                continue
+            for prefix in sorted(os.listdir(sdir)):
+                pdir = sdir / prefix
+                if not re.fullmatch(r"[0-9a-f]{2}", prefix) or pdir.is_symlink() or not pdir.is_dir():
+                    continue
+                for name in sorted(os.listdir(pdir)):
+                    p = pdir / name
+                    own = KEY_NAME.fullmatch(name) and name.startswith(prefix)
+                    temp = TEMP_NAME.fullmatch(name) and name[1:3] == prefix
+                    if (own or temp) and stat.S_ISREG(p.lstat().st_mode):
+                        yield p, bool(temp)
+
     def info(self) -> dict[str, Any]:
         entries, size = 0, 0
-        if self.root.is_dir():
-            for p in self.root.rglob("*"):
-                if p.is_file() and not p.name.startswith("."):
-                    entries += 1
-                    size += p.stat().st_size
-        return {"path": str(self.root), "entries": entries, "bytes": size}
+        for p, temp in self._own_files():
+            if not temp:
+                entries += 1
+                size += p.lstat().st_size
+        return {"path": str(self.root), "entries": entries, "bytes": size,
+                "is_ptxc_cache": self.is_ptxc_cache()}
 
     def clear(self) -> int:
-        import shutil
-        removed = self.info()["entries"]
-        for stage_dir in self.root.iterdir() if self.root.is_dir() else ():
-            if stage_dir.is_dir():
-                shutil.rmtree(stage_dir, ignore_errors=True)
+        """Remove every entry (and leftover temp file) this cache made; nothing else."""
+        if self.root.exists() and not self.is_ptxc_cache():
+            raise UserError(f"{self.root}: not a ptxc cache (no {MARKER} written by ptxc); "
+                            f"nothing removed")
+        removed = 0
+        for p, temp in list(self._own_files()):
+            try:
+                p.unlink()
+                removed += not temp
+            except OSError:
+                pass
+        base = self.root / ENTRIES
+        for stage in (os.listdir(base) if base.is_dir() and not base.is_symlink() else ()):
+            sdir = base / stage
+            if STAGE_NAME.fullmatch(stage) and sdir.is_dir() and not sdir.is_symlink():
+                for prefix in os.listdir(sdir):
+                    try:
+                        (sdir / prefix).rmdir()    # only succeeds when empty
+                    except OSError:
+                        pass
         return removed
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a unique temp file in the same directory and os.replace."""
+    """Write `data` to `path` via a unique temp file in the same directory and os.replace.
+    The file gets the usual permissions (0666 less the umask), not mkstemp's 0600."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -150,10 +273,20 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def _read_umask() -> int:
+    mask = os.umask(0o022)   # reading the umask means setting it; put it straight back at once
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()   # once, at import, before any worker threads exist
+
+
 def write_if_changed(path: Path, data: bytes) -> bool:
     """Atomically write `data` unless the file already holds exactly it (mtime then untouched)."""
     try:
-        if path.stat().st_size == len(data) and path.read_bytes() == data:
+        st = path.lstat()   # a symlink is never "unchanged": it is replaced, not followed
+        if stat.S_ISREG(st.st_mode) and st.st_size == len(data) and path.read_bytes() == data:
             return False
     except OSError:
         pass

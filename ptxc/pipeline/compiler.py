@@ -11,7 +11,6 @@ Each stage's output is kept: the normalised spec (in the metadata), the .ptx fil
 from __future__ import annotations
 
 import base64
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -70,9 +69,8 @@ def lower(spec: KernelSpec, target_name: str) -> tuple[str, list[dict], dict, li
 
 def compile_target(spec: KernelSpec, target: str, cache: Cache, tc: Toolchain | None) -> TargetBuild:
     key = make_key("ptx", {"spec": spec.for_target_key(target)})
-    blob = cache.get("ptx", key)
-    if blob is not None:
-        data = json.loads(blob)
+    data = cache.get_json("ptx", key, _ptx_entry_ok)
+    if data is not None:
         tb = TargetBuild(target, data["ptx"], data["launches"], data["config"], cached={"ptx": True})
     else:
         ptx, launches, config, _ = lower(spec, target)
@@ -83,12 +81,27 @@ def compile_target(spec: KernelSpec, target: str, cache: Cache, tc: Toolchain | 
     return tb
 
 
+def _ptx_entry_ok(data: Any) -> bool:
+    return (isinstance(data, dict) and isinstance(data.get("ptx"), str)
+            and isinstance(data.get("config"), dict) and isinstance(data.get("launches"), list)
+            and all(isinstance(l, dict) and isinstance(l.get("entry"), str) for l in data["launches"]))
+
+
+def _cubin_entry_ok(data: Any, launches: list[dict]) -> bool:
+    """A cubin entry must decode and report resources for every entry of the launch list
+    (otherwise it belongs to other PTX: discard and reassemble)."""
+    if not (isinstance(data, dict) and isinstance(data.get("cubin"), str)
+            and isinstance(data.get("resources"), dict)):
+        return False
+    base64.b64decode(data["cubin"], validate=True)
+    return all(isinstance(data["resources"].get(l["entry"]), dict) for l in launches)
+
+
 def _assemble_cached(spec: KernelSpec, tb: TargetBuild, cache: Cache, tc: Toolchain) -> None:
     key = make_key("cubin", {"ptx_sha256": sha256(tb.ptx.encode()), "target": tb.target,
                              "ptxas": tc.version, "options": list(tc.options)})
-    blob = cache.get("cubin", key)
-    if blob is not None:
-        data = json.loads(blob)
+    data = cache.get_json("cubin", key, lambda d: _cubin_entry_ok(d, tb.launches))
+    if data is not None:
         tb.cubin, tb.resources = base64.b64decode(data["cubin"]), data["resources"]
         tb.cached["cubin"] = True
     else:

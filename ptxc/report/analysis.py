@@ -41,11 +41,8 @@ def artifact_dirs(paths) -> list[Path]:
 
 
 def _load_meta(d: Path) -> dict:
-    path = d / f"{d.name}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable metadata ({e})") from None
+    from ..pipeline.checked import load_checked
+    return load_checked(d)
 
 
 def _sass_mixes(jobs: list[tuple[Path, str, dict]], enabled: bool) -> tuple[dict, dict]:
@@ -53,7 +50,9 @@ def _sass_mixes(jobs: list[tuple[Path, str, dict]], enabled: bool) -> tuple[dict
     parallel (nvdisasm is a process per cubin) and cached; plus the report-wide status."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from ..errors import VerifyError
     from ..pipeline.cache import Cache
+    from ..pipeline.checked import read_artifact_file
     from .sass import SassUnavailable, find_nvdisasm, instruction_mix
     status = {"available": False, "reason": None}
     if not enabled:
@@ -71,9 +70,9 @@ def _sass_mixes(jobs: list[tuple[Path, str, dict]], enabled: bool) -> tuple[dict
         if "cubin" not in tinfo:
             return None, "no cubin (built with --no-verify)"
         try:
-            return instruction_mix((d / tinfo["cubin"]).read_bytes(), cache), None
-        except OSError as e:
-            return None, f"cannot read {tinfo['cubin']}: {e.strerror}"
+            return instruction_mix(read_artifact_file(d, tinfo["cubin"]), cache), None
+        except VerifyError as e:
+            return None, f"cannot read {tinfo['cubin']}: {e}"
         except SassUnavailable as e:
             return None, str(e)
 

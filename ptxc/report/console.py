@@ -12,6 +12,11 @@ from rich.table import Table
 from ..errors import UserError
 
 
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """'1 kernel', '2 kernels', '0 kernels' (irregular plurals passed as `many`)."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
 def _console() -> Console:
     c = Console(highlight=False)
     if not c.is_terminal:  # logs and pipes: wide enough that tables are not truncated
@@ -31,8 +36,9 @@ def print_build_summary(summary: dict) -> None:
                           str(s["spill_bytes"]), str(s["smem_bytes"]), occ)
     c.print(table)
     cache = summary["cache"]
-    c.print(f"{len(summary['kernels'])} kernels, {summary['files_changed']} files written, "
-            f"cache {cache['hits']} hits / {cache['misses']} misses, "
+    c.print(f"{plural(len(summary['kernels']), 'kernel')}, "
+            f"{plural(summary['files_changed'], 'file')} written, "
+            f"cache {plural(cache['hits'], 'hit')} / {plural(cache['misses'], 'miss', 'misses')}, "
             f"{'verified with ptxas ' + summary['ptxas_version'] if summary['verified'] else 'NOT verified (--no-verify)'}"
             f", {summary['seconds']:.2f} s")
     for p in summary["problems"]:
@@ -54,15 +60,15 @@ def print_verify_report(report) -> None:
         c.print(table)
     for p in report.problems:
         c.print(f"[red]mismatch:[/red] {escape(p)}")
-    c.print("verify: OK" if report.ok else f"verify: FAILED ({len(report.problems)} problems)")
+    c.print("verify: OK" if report.ok else f"verify: FAILED ({plural(len(report.problems), 'problem')})")
 
 
-def print_inspect(d: Path) -> None:
-    path = d / f"{d.name}.json"
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{d}: not an artifact directory ({path} unreadable: {e})") from None
+def print_inspect(d: Path, as_json: bool = False) -> None:
+    from ..pipeline.checked import load_checked
+    meta = load_checked(d)
+    if as_json:   # the checked metadata itself: the documented contract (docs/metadata.md)
+        print(json.dumps(meta, indent=2, sort_keys=True))
+        return
     c = _console()
     spec = meta["spec"]
     c.print(f"[bold]{meta['name']}[/bold]  family={meta['family']}  ptxc {meta['ptxc_version']}  "
@@ -97,6 +103,22 @@ def print_inspect(d: Path) -> None:
                         "dim": f"dim {src.get('name')}", "const": f"= {src.get('value')}"}.get(src["kind"], str(src))
                 pt.add_row(str(p["offset"]), str(p["size"]), p["type"], p["name"], desc)
             c.print(pt)
+
+
+def families_data() -> dict:
+    """`ptxc list --json`: every family's keys with default, allowed values and meaning."""
+    from ..kernels import FAMILIES
+    from ..spec import COMMON_FIELDS
+    from ..spec.fields import REQUIRED
+
+    def fields(fs):
+        return [{"key": f.name, "required": f.default is REQUIRED,
+                 "default": None if f.default is REQUIRED else f.default,
+                 "allowed": f.describe_allowed() if f.name != "family" else " | ".join(FAMILIES),
+                 "meaning": f.doc} for f in fs]
+    return {"common": fields(COMMON_FIELDS),
+            "families": {fam.name: {"doc": fam.doc, "keys": fields(fam.fields.fields),
+                                    "tile": fields(fam.fields.tile)} for fam in FAMILIES.values()}}
 
 
 def print_families() -> None:
@@ -135,4 +157,4 @@ def print_launch_test(rows, rule: str) -> None:
                       f"{r.tol:.3e}", "[green]pass[/green]" if r.ok else "[red]FAIL[/red]", when)
     c.print(table)
     failed = sum(not r.ok for r in rows)
-    c.print(f"{len(rows) - failed} passed, {failed} failed")
+    c.print(f"{len(rows) - failed} passed, {failed} failed")   # "N passed" reads right for any N

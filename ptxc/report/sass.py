@@ -66,15 +66,13 @@ def instruction_mix(cubin: bytes, cache=None) -> dict[str, dict[str, int]]:
     """Per entry function: counts of the MIX_CLASSES and the total. Raises SassUnavailable.
     nvdisasm takes about half a second per cubin, so results are kept in the ptxc cache
     (stage "sass", keyed by the cubin's hash and the tool) when `cache` is given."""
-    import json
-
     from ..pipeline.cache import canonical_json, sha256
     tool = find_nvdisasm()
     key = sha256(canonical_json({"stage": "sass", "v": 1, "cubin": sha256(cubin), "tool": tool,
                                  "classes": list(MIX_CLASSES)}))
-    hit = cache.get("sass", key) if cache is not None else None
+    hit = cache.get_json("sass", key, lambda d: isinstance(d, dict)) if cache is not None else None
     if hit is not None:
-        return json.loads(hit)
+        return hit
     mix = _disassemble(tool, cubin)
     if cache is not None:
         cache.put("sass", key, canonical_json(mix))

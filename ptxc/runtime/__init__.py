@@ -10,7 +10,6 @@ numpy float32/float16 (bf16 as float32, rounded on the way in), i32 as int32.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +24,23 @@ NP_PARAM = {"u32": np.uint32, "s32": np.int32, "u64": np.uint64, "s64": np.int64
 HOST_DTYPES = {"f32": (np.float32, np.float64, np.float16), "f16": (np.float16, np.float32, np.float64),
                "bf16": (np.float32, np.float64), "i32": (np.int32, np.int64), "u64": (np.uint64,)}
 EMU_NUM_SMS = 108  # the SM count "auto" rules assume on the emulator (an A100's)
+INT_RANGE = {"i32": (-(1 << 31), (1 << 31) - 1), "u64": (0, (1 << 64) - 1)}
+PARAM_RANGE = {"u32": (0, (1 << 32) - 1), "s32": (-(1 << 31), (1 << 31) - 1),
+               "u64": (0, (1 << 64) - 1), "s64": (-(1 << 63), (1 << 63) - 1)}
+DIM_MAX = (1 << 31) - 1
+GRID_MAX = ((1 << 31) - 1, 65535, 65535)
+def _default_max_run_bytes() -> int:
+    """Refuse a launch whose buffers need more than 8 GiB or half the machine's memory,
+    whichever is less (PTXC_MAX_RUN_BYTES overrides)."""
+    import os
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 << 30
+    return min(8 << 30, ram // 2)
+
+
+DEFAULT_MAX_RUN_BYTES = _default_max_run_bytes()
 POISON = {"f32": np.float32(np.nan), "f16": np.float16(np.nan), "bf16": np.uint16(0x7FC0),
           "i32": np.int32(-0x7FFFFFFF), "u64": np.uint64(0)}
 
@@ -47,12 +63,23 @@ class Artifact:
         return name, targets[name]
 
     def ptx(self, target: str | None = None) -> str:
-        _, t = self.target(target)
-        return (self.path / t["ptx"]).read_text()
+        return self._image(target, "ptx").decode("utf-8", "replace")
 
     def cubin(self, target: str) -> bytes | None:
         _, t = self.target(target)
-        return (self.path / t["cubin"]).read_bytes() if "cubin" in t else None
+        return self._image(target, "cubin") if "cubin" in t else None
+
+    def _image(self, target: str | None, kind: str) -> bytes:
+        """A ptx/cubin file, re-read as a regular file and re-checked against its sha256
+        (it may have changed since load_checked looked at it)."""
+        from ..errors import VerifyError
+        from ..pipeline.cache import sha256
+        from ..pipeline.checked import read_artifact_file
+        _, t = self.target(target)
+        data = read_artifact_file(self.path, t[kind])
+        if sha256(data) != t[f"{kind}_sha256"]:
+            raise VerifyError(f"{self.path / t[kind]}: changed since it was checked (sha256 differs)")
+        return data
 
     def infer_dims(self, inputs: dict[str, np.ndarray], sets: dict[str, int] | None = None,
                    num_sms: int = EMU_NUM_SMS) -> dict[str, int]:
@@ -78,15 +105,11 @@ class Artifact:
 
 
 def load(path: str | Path) -> Artifact:
+    """An artifact whose metadata passed ptxc.pipeline.checked.load_checked (schema, manifest
+    hash, files, re-derivation from the recorded spec); VerifyError (exit 1) if tampered."""
+    from ..pipeline.checked import load_checked
     path = Path(path)
-    meta_path = path / f"{path.name}.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-    except OSError:
-        raise UserError(f"{path}: not an artifact directory (no {meta_path.name})") from None
-    except ValueError as e:
-        raise UserError(f"{meta_path}: not valid JSON ({e})") from None
-    return Artifact(path, meta)
+    return Artifact(path, load_checked(path))
 
 
 def apply_dim_rule(rule: dict, dims: dict[str, int], num_sms: int) -> int:
@@ -118,12 +141,19 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
             raise InputError(f"{meta['name']}: --set {name}: not a dimension of this kernel "
                              f"(dims: {', '.join(meta['dims'])})")
         dims[name] = int(value)
+        _check_dim(meta, name, dims[name], "--set")
     for name in sorted(expected):
         arr, info = np.asarray(inputs[name]), tensors[name]
         if arr.dtype.type not in HOST_DTYPES[info["dtype"]]:
             allowed = ", ".join(np.dtype(t).name for t in HOST_DTYPES[info["dtype"]])
             raise InputError(f"{meta['name']}: input {name} has dtype {arr.dtype}, expected "
                              f"{info['dtype']} (as numpy {allowed})")
+        if info["dtype"] in INT_RANGE and arr.size:   # range-check before narrowing (no wrap)
+            lo, hi = INT_RANGE[info["dtype"]]
+            if int(arr.min()) < lo or int(arr.max()) > hi:
+                bad = int(arr.max()) if int(arr.max()) > hi else int(arr.min())
+                raise InputError(f"{meta['name']}: input {name} holds {bad}, outside "
+                                 f"{info['dtype']}'s range [{lo}, {hi}]")
         if arr.ndim != len(info["shape"]):
             raise InputError(f"{meta['name']}: input {name} has shape {arr.shape}, expected "
                              f"{_shape_text(info)} ({len(info['shape'])} dimensions)")
@@ -142,7 +172,24 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
     if unknown:
         raise InputError(f"{meta['name']}: cannot infer {', '.join(unknown)} from the inputs; "
                          f"give --set {unknown[0]}=N")
+    for name, value in dims.items():
+        _check_dim(meta, name, value, "dim")
     return dims
+
+
+def _check_dim(meta: dict, name: str, value: int, what: str) -> None:
+    """A dim must fit the 32-bit parameters it becomes, and obey its rule: a fixed split count
+    is the one the kernel was built for, an automatic one lies in [1, max]."""
+    rule = (meta.get("dim_rules") or {}).get(name)
+    if rule and "value" in rule:
+        lo = hi = int(rule["value"])
+    elif rule:
+        lo, hi = 1, int(rule["auto"]["max"])
+    else:
+        lo, hi = 0, DIM_MAX
+    if not lo <= value <= hi:
+        allowed = f"{lo}" if lo == hi else f"{lo}..{hi}"
+        raise InputError(f"{meta['name']}: {what} {name}={value} is out of range (allowed: {allowed})")
 
 
 def _shape_text(info: dict) -> str:
@@ -151,7 +198,9 @@ def _shape_text(info: dict) -> str:
 
 def prepare_buffers(meta: dict, inputs: dict[str, np.ndarray], dims: dict[str, int]) -> dict[str, np.ndarray]:
     """Device-format contiguous arrays for every tensor; outputs and workspaces start poisoned
-    (NaN), so any element a kernel fails to write is visible."""
+    (NaN), so any element a kernel fails to write is visible. The total size is checked first:
+    absurd dims are refused with an estimate instead of an attempt to allocate them."""
+    check_buffer_budget(meta, inputs, dims)
     buffers = {}
     for name, info in meta["tensors"].items():
         if info.get("derived_from"):  # filled with device addresses by the backend
@@ -166,6 +215,32 @@ def prepare_buffers(meta: dict, inputs: dict[str, np.ndarray], dims: dict[str, i
     return buffers
 
 
+ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "u64": 8}
+
+
+def check_buffer_budget(meta: dict, inputs: dict[str, np.ndarray] | None, dims: dict[str, int]) -> int:
+    """Bytes of every buffer a launch at `dims` needs (inputs counted from `inputs` when given,
+    else from their shapes); InputError with the estimate when over the limit."""
+    import math
+    import os
+    limit = int(os.environ.get("PTXC_MAX_RUN_BYTES") or DEFAULT_MAX_RUN_BYTES)
+    dims = dict(dims)
+    for name, rule in (meta.get("dim_rules") or {}).items():
+        dims.setdefault(name, apply_dim_rule(rule, dims, EMU_NUM_SMS))
+    total = 0
+    for name, info in meta["tensors"].items():
+        if inputs is not None and info["role"] in ("input", "inout") and not info.get("derived_from"):
+            total += np.asarray(inputs[name]).size * ITEM_BYTES[info["dtype"]]
+        else:
+            shape = [exprs.evaluate(s, dims) if isinstance(s, str) else s for s in info["shape"]]
+            total += math.prod(shape) * (8 if info.get("derived_from") else ITEM_BYTES[info["dtype"]])
+    if total > limit:
+        raise InputError(f"{meta['name']}: these dims need about {total / 2**30:.1f} GiB of buffers "
+                         f"(limit {limit / 2**30:.1f} GiB; set PTXC_MAX_RUN_BYTES to raise it): "
+                         + ", ".join(f"{k}={v}" for k, v in sorted(dims.items())))
+    return total
+
+
 def pack_args(kernel: dict, buffers: dict[str, np.ndarray], dims: dict[str, int],
               pointer: Callable[[str, np.ndarray], Any]) -> list[Any]:
     """Values for a launch's parameters, in ABI order: `pointer(tensor, array)` for pointers,
@@ -178,18 +253,31 @@ def pack_args(kernel: dict, buffers: dict[str, np.ndarray], dims: dict[str, int]
             values.append(pointer(src["tensor"], buffers[src["tensor"]]))
         elif kind == "stride":
             arr = buffers[src["tensor"]]
-            values.append(np_type(arr.strides[src["axis"]] // arr.itemsize))
+            values.append(_narrow(arr.strides[src["axis"]] // arr.itemsize, p, kernel))
         elif kind == "dim":
-            values.append(np_type(dims[src["name"]]))
+            values.append(_narrow(dims[src["name"]], p, kernel))
         elif kind == "const":
-            values.append(np_type(src["value"]))
+            values.append(np_type(src["value"]) if p["type"] == "f32" else _narrow(src["value"], p, kernel))
         else:
             raise InputError(f"{kernel['entry']}: parameter {p['name']} has unknown source {kind!r}")
     return values
 
 
+def _narrow(value, p: dict, kernel: dict):
+    """`value` as the parameter's integer type, refusing (not wrapping) what does not fit."""
+    lo, hi = PARAM_RANGE[p["type"]]
+    if value != int(value) or not lo <= int(value) <= hi:
+        raise InputError(f"{kernel['entry']}: parameter {p['name']} = {value} does not fit "
+                         f"{p['type']} [{lo}, {hi}]")
+    return NP_PARAM[p["type"]](int(value))
+
+
 def launch_geometry(kernel: dict, dims: dict[str, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     grid = tuple(exprs.evaluate(g, dims) for g in kernel["grid"])
+    for axis, (g, hi) in enumerate(zip(grid, GRID_MAX)):
+        if not 0 <= g <= hi:
+            raise InputError(f"{kernel['entry']}: grid[{axis}] = {g} is outside [0, {hi}] at "
+                             + ", ".join(f"{k}={v}" for k, v in sorted(dims.items())))
     return grid, tuple(kernel["block"])
 
 

@@ -3,6 +3,7 @@ list on a backend, and a comparison with the fp64 reference under the tolerance 
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
 
     from ..kernels import FAMILIES
     from ..spec.model import KernelSpec
+    from . import DIM_MAX, check_buffer_budget
     spec = KernelSpec.from_dict(art.meta["spec"])
     family = FAMILIES[spec.family]
     dims = {**family.interface(spec).defaults, **shapes}
@@ -74,10 +76,24 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
     if unknown:
         raise InputError(f"{art.name}: --shape {', '.join(sorted(unknown))}: not a dimension "
                          f"(dims: {', '.join(art.meta['dims'])})")
+    for name, value in dims.items():
+        if name in art.meta["dims"] and not 1 <= value <= DIM_MAX:
+            raise InputError(f"{art.name}: --shape {name}={value} is out of range (allowed: 1..{DIM_MAX}; "
+                             f"launch-test needs non-empty tensors to compare)")
+    check_buffer_budget(art.meta, None, dims)   # before generating inputs of an absurd size
     rng = np.random.default_rng(seed)
     inputs = family.make_inputs(spec, dims, rng)
     ref = family.reference(spec, inputs)
-    naive = family.reference(spec, inputs, dtype=spec.dtype)
+    # Each output's tolerance comes from the naive computation in *that output's* dtype: o in the
+    # spec's dtype, but lse is an f32 output computed from f32 scores, so its naive baseline is
+    # the f32 computation (the spec-dtype one allowed ~10^4 times the error the kernel makes).
+    naive_by_dtype = {spec.dtype: family.reference(spec, inputs, dtype=spec.dtype)}
+    for name in ref:
+        out_dtype = art.meta["tensors"].get(name, {}).get("dtype", spec.dtype)
+        if out_dtype not in naive_by_dtype:
+            naive_by_dtype[out_dtype] = family.reference(spec, inputs, dtype=out_dtype)
+    naive = {name: naive_by_dtype[art.meta["tensors"].get(name, {}).get("dtype", spec.dtype)][name]
+             for name in ref}
     shape = ",".join(f"{k}={v}" for k, v in sorted(dims.items()))
     rows = []
     # on a GPU, every target the device can run: its own cubin and older targets' PTX (JIT)
@@ -88,7 +104,8 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
         t0 = time.perf_counter()
         if device is not None:
             device.last_ms.clear()
-        out = art.run(inputs, target=target, backend=backend, device=device)
+        with progress_notes(f"{backend}: {art.name} [{target}] at {shape}"):
+            out = art.run(inputs, target=target, backend=backend, device=device)
         secs = time.perf_counter() - t0
         ms = sum(device.last_ms) if device is not None and device.last_ms else None
         for name in sorted(ref):
@@ -96,6 +113,29 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
                                  max_abs_error(out[name], ref[name]), tolerance(naive[name], ref[name]),
                                  secs, ms))
     return rows
+
+
+@contextlib.contextmanager
+def progress_notes(label: str, first: float = 10.0, every: float = 20.0):
+    """A long emulation is not silent: after `first` seconds, and then every `every` seconds,
+    one line on stderr says what is still running (short runs print nothing)."""
+    import sys
+    import threading
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def note():
+        wait = first
+        while not done.wait(wait):
+            print(f"  still running {label} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            wait = every
+    thread = threading.Thread(target=note, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def launch_test(paths, *, backend: str = "auto", shapes: dict[str, int] | None = None,
@@ -138,11 +178,7 @@ def run_npz(artifact_dir: Path, inputs_path: Path, output_path: Path, *, target:
     from ..pipeline.cache import atomic_write
     from . import load
     art = load(artifact_dir)
-    try:
-        with np.load(inputs_path, allow_pickle=False) as npz:
-            inputs = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as e:
-        raise InputError(f"{inputs_path}: cannot read as .npz ({e})") from None
+    inputs = read_npz(inputs_path)
     backend = resolve_backend(backend)
     outputs = art.run(inputs, target=target, backend=backend, sets=sets)
     import io
@@ -150,6 +186,37 @@ def run_npz(artifact_dir: Path, inputs_path: Path, output_path: Path, *, target:
     np.savez(buf, **outputs)
     atomic_write(output_path, buf.getvalue())
     return {"backend": backend, "outputs": {k: list(v.shape) for k, v in outputs.items()}}
+
+
+def read_npz(path: Path) -> dict:
+    """The arrays of an .npz input file: a regular file, a valid zip whose members are .npy
+    arrays (no pickles), and whose declared uncompressed size fits the run budget — so a
+    truncated, empty, foreign or bomb-sized file is one InputError line."""
+    import io
+    import os
+    import zipfile
+
+    import numpy as np
+
+    from ..pipeline.cache import read_regular_file
+    from . import DEFAULT_MAX_RUN_BYTES
+    limit = int(os.environ.get("PTXC_MAX_RUN_BYTES") or DEFAULT_MAX_RUN_BYTES)
+    try:
+        raw = read_regular_file(Path(path), limit)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror or e}); --inputs takes a regular .npz file") from None
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            declared = sum(i.file_size for i in z.infolist())
+        if declared > limit:
+            raise InputError(f"{path}: arrays would take {declared / 2**30:.1f} GiB uncompressed "
+                             f"(limit {limit / 2**30:.1f} GiB; PTXC_MAX_RUN_BYTES raises it)")
+        with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except InputError:
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError, MemoryError) as e:
+        raise InputError(f"{path}: not a valid .npz ({type(e).__name__}: {str(e)[:120]})") from None
 
 
 __all__ = ["launch_test", "run_npz", "parse_assignments", "TOLERANCE_RULE", "CheckRow"]

@@ -26,6 +26,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MAX_EXPANSION = 4096  # kernels one [[kernel]] entry may expand to
+MAX_SPEC_BYTES = 16 << 20   # a spec file larger than this is not a spec (and /dev/zero never ends)
 TOP_LEVEL_KEYS = ("defaults", "kernel")
 
 _heads_check, _heads_allowed = int_range(1, 1024)
@@ -66,12 +67,12 @@ def load_paths(paths: Iterable[str | Path]) -> list[KernelSpec]:
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(p.rglob("*.toml"))
+            found = _toml_files(p)
             if not found:
                 raise SpecError("directory holds no *.toml spec files", file=str(p))
             files.extend(found)
-        elif p.is_file():
-            files.append(p)
+        elif p.exists():
+            files.append(p)   # load_file refuses anything but a regular file
         else:
             raise SpecError("no such file or directory", file=str(p))
     specs: list[KernelSpec] = []
@@ -86,12 +87,31 @@ def load_paths(paths: Iterable[str | Path]) -> list[KernelSpec]:
     return specs
 
 
+def _toml_files(root: Path) -> list[Path]:
+    """Every *.toml under `root`, sorted; a subdirectory that cannot be read is an error (a
+    silently skipped directory would silently drop kernels)."""
+    import os
+
+    def fail(e: OSError):
+        raise SpecError(f"cannot read directory: {e.strerror}", file=str(e.filename))
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, onerror=fail):
+        dirnames.sort()
+        found += [Path(dirpath, f) for f in filenames if f.endswith(".toml")]
+    return sorted(found)
+
+
 def load_file(path: str | Path) -> list[KernelSpec]:
+    from ..pipeline.cache import read_regular_file
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_regular_file(path, MAX_SPEC_BYTES)
     except OSError as e:
-        raise SpecError(f"cannot read: {e.strerror}", file=str(path)) from None
+        why = e.strerror or str(e)
+        if path.is_symlink() and path.resolve().is_file():   # a symlink to a spec is fine
+            return load_file(path.resolve())
+        raise SpecError(f"cannot read: {why} (spec files must be regular files of at most "
+                        f"{MAX_SPEC_BYTES >> 20} MiB)", file=str(path)) from None
     return load_text(data, str(path))
 
 
@@ -117,6 +137,8 @@ def load_text(data: bytes | str, filename: str = "<string>") -> list[KernelSpec]
         raise SpecError("no [[kernel]] entries", file=filename)
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise SpecError("expected an array of tables [[kernel]]", file=filename, key="kernel")
+    if not entries:
+        raise SpecError("no [[kernel]] entries (kernel = [] declares none)", file=filename, key="kernel")
     specs: list[KernelSpec] = []
     names: dict[str, int] = {}
     for index, entry in enumerate(entries):
@@ -211,8 +233,24 @@ def _expand_entry(entry: dict, source: str, index: int) -> list[KernelSpec]:
     return specs
 
 
+def _check_placeholders(template: str) -> None:
+    """Placeholders are plain field names: no attribute/index access, conversion or format spec
+    (`{dtype.foo}` or `{dtype:>2000000000}` would crash or allocate gigabytes)."""
+    import string
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise SpecError(f"bad placeholder in {template[:80]!r}: {e}", key="name") from None
+    for _, field, spec, conv in parts:
+        if field is not None and (not field.isidentifier() or spec or conv):
+            shown = "{" + field + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            raise SpecError(f"bad placeholder {shown[:60]!r}; placeholders are plain field names "
+                            f"such as {{dtype}} or {{tile_block_n}}", key="name")
+
+
 def _expanded_name(template: str, chosen: dict, flat: dict, tile: dict) -> str:
-    if "{" in template:
+    if "{" in template or "}" in template:
+        _check_placeholders(template)
         values = {**{k: _slug(v) for k, v in flat.items()},
                   **{"tile_" + k: _slug(v) for k, v in tile.items()}}
         try:
@@ -270,3 +308,22 @@ def _build_spec(family, fields: dict[str, Field], tile_fields: dict[str, Field],
         source=source)
     family.validate(spec)
     return spec
+
+
+def spec_from_record(data: Any, where: str = "<metadata>") -> KernelSpec:
+    """The KernelSpec a recorded normalised spec (metadata's `spec`) stands for, validated by
+    exactly the rules a spec file passes; SpecError unless it is valid and already normalised
+    (re-normalising it gives back the same record)."""
+    if not isinstance(data, dict):
+        raise SpecError("recorded spec is not a table", file=where)
+    entry = {k: v for k, v in data.items() if v is not None}   # None = "the default" in records
+    lists = [k for k, v in entry.items() if isinstance(v, list) and k != "targets"]
+    tile = entry.get("tile")
+    if lists or (isinstance(tile, dict) and any(isinstance(v, list) for v in tile.values())) \
+            or "{" in str(entry.get("name", "")):
+        raise SpecError("recorded spec is not normalised (lists or placeholders)", file=where)
+    specs = _expand_entry(entry, where, 0)
+    if len(specs) != 1 or specs[0].to_dict() != data:
+        raise SpecError("recorded spec is not in normalised form (defaults or values differ "
+                        "from what the spec rules give)", file=where)
+    return specs[0]

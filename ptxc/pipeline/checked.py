@@ -1,0 +1,306 @@
+"""Checked loading of artifacts: the one place that decides whether metadata may be used.
+
+Metadata files are input like any other: a crafted or edited `<name>.json` would otherwise make
+`run` launch out of bounds, `emit-c-header` paste code into C, and `report` crash. Every consumer
+(run, launch-test, inspect, report, emit-*, pack, merge, verify and `ptxc.runtime.load`) goes
+through `load_checked`, which accepts an artifact only when all of these hold:
+
+  * the artifact directory is a real directory (not a symlink) named like a kernel, and every
+    file read from it is a regular file directly inside it (no symlinks, no `/`, no `..`),
+    read with a size cap (so a FIFO or /dev/zero cannot hang or exhaust us);
+  * the metadata parses (bounded nesting) and matches the JSON Schema, which restricts every
+    name that reaches generated code to an identifier and every expression to the
+    launch-expression alphabet; every expression then parses under the bounded grammar and
+    names only declared dims;
+  * the output directory's manifest lists the artifact with the metadata's sha256;
+  * every ptx/cubin file has exactly the name ptxc gives it and the recorded sha256;
+  * the parameter ABI is self-consistent and each PTX declares exactly the recorded entries
+    and parameters;
+  * re-deriving from the recorded normalised spec (validated by the spec rules) gives the
+    same tensors, dims, dim rules, config and launch list (grid, block, shared memory and
+    every parameter's source) — so a swapped pointer or edited grid is refused.
+
+Anything else is a VerifyError (exit 1) naming the file and the first problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+from ..errors import PtxcError, SpecError, UserError, VerifyError
+from . import exprs
+from .cache import read_regular_file, sha256
+from .metadata import artifact_files, schema_errors
+
+MANIFEST = "manifest.json"
+MAX_METADATA_BYTES = 16 << 20
+MAX_IMAGE_BYTES = 512 << 20
+ARTIFACT_NAME = re.compile(r"[a-z][a-z0-9_]{0,127}")
+_ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(([^)]*)\)", re.S)
+_PARAM = re.compile(r"\.param\s+\.(\w+)\s+([\w$]+)")
+PARAM_SIZE = {"u32": 4, "s32": 4, "f32": 4, "u64": 8, "s64": 8}
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: error lines never echo unbounded input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def ptx_signatures(ptx: str) -> dict[str, list[tuple[str, str]]]:
+    """Entry name -> [(param type, param name)] as declared in the PTX text."""
+    return {m.group(1): [(t, n) for t, n in _PARAM.findall(m.group(2))] for m in _ENTRY.finditer(ptx)}
+
+
+def read_artifact_file(d: Path, name: str, limit: int = MAX_IMAGE_BYTES) -> bytes:
+    """The bytes of file `name` directly inside artifact directory `d`; VerifyError unless
+    `name` is a plain file name and the file a regular file (never a symlink)."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
+            or os.path.isabs(name) or "\0" in name:
+        raise VerifyError(f"{d}: file name {short(name)} is not a plain name inside the artifact directory")
+    path = d / name
+    try:
+        return read_regular_file(path, limit)
+    except FileNotFoundError:
+        raise VerifyError(f"{path}: missing") from None
+    except OSError as e:
+        why = "a symlink" if path.is_symlink() else (e.strerror or str(e))
+        raise VerifyError(f"{path}: not readable as a regular file ({why})") from None
+
+
+def _decode_json(data: bytes, where: Path) -> Any:
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise VerifyError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:
+        raise VerifyError(f"{where}: not valid JSON ({str(e)[:100]})") from None
+
+
+def read_manifest_checked(out: Path) -> dict[str, Any]:
+    """The output directory's manifest, with every listed name a valid artifact name and every
+    entry well-formed; UserError when there is none, VerifyError when it is malformed."""
+    path = out / MANIFEST
+    if not path.exists() and not path.is_symlink():
+        raise UserError(f"{out}: no {MANIFEST}; expected a `ptxc build` output directory")
+    manifest = _decode_json(read_artifact_file(out, MANIFEST, MAX_METADATA_BYTES), path)
+    arts = manifest.get("artifacts") if isinstance(manifest, dict) else None
+    if not isinstance(arts, dict):
+        raise VerifyError(f"{path}: malformed (no 'artifacts' table)")
+    for name, e in arts.items():
+        if not ARTIFACT_NAME.fullmatch(name):
+            raise VerifyError(f"{path}: artifact name {short(name)} is not a kernel name "
+                              f"([a-z][a-z0-9_]*)")
+        if not (isinstance(e, dict) and e.get("metadata") == f"{name}/{name}.json"
+                and isinstance(e.get("metadata_sha256"), str)):
+            raise VerifyError(f"{path}: entry {name!r} is malformed (metadata must be "
+                              f"'{name}/{name}.json' with its sha256)")
+    return manifest
+
+
+def check_artifact(d: Path, *, manifest: bool = True, rederive: bool = True) -> tuple[dict | None, list[str]]:
+    """(metadata, problems) for artifact directory `d`; metadata is None when it could not be
+    read or does not match the schema (then nothing else is checked)."""
+    d = Path(d)
+    try:
+        st = d.lstat()
+    except OSError:
+        raise UserError(f"{d}: no such artifact directory") from None
+    if stat.S_ISLNK(st.st_mode):
+        return None, [f"{d}: artifact directory is a symlink"]
+    if not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{d}: not an artifact directory")
+    name = d.resolve().name
+    if not ARTIFACT_NAME.fullmatch(name):
+        raise UserError(f"{d}: not an artifact directory (name {short(name)} is not a kernel name)")
+    meta_path = d / f"{name}.json"
+    if not meta_path.exists() and not meta_path.is_symlink():
+        raise UserError(f"{d}: not an artifact directory (no {name}.json)")
+    try:
+        raw = read_artifact_file(d, f"{name}.json", MAX_METADATA_BYTES)
+        meta = _decode_json(raw, meta_path)
+    except VerifyError as e:
+        return None, [str(e)]
+    errs = schema_errors(meta)
+    if errs:
+        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+        return None, [f"{meta_path}: schema: {errs[0][:200]}{more}"]
+    problems: list[str] = []
+    if meta["name"] != name:
+        problems.append(f"{meta_path}: name {meta['name']!r} does not match directory {name!r}")
+    if manifest:
+        problems += _manifest_problems(d.resolve().parent, name, raw)
+    problems += _reference_problems(meta, meta_path)
+    for target, t in meta["targets"].items():
+        problems += _file_problems(d, name, target, t)
+    if rederive and not problems:
+        problems += _rederive_problems(meta, meta_path)
+    return meta, problems
+
+
+def load_checked(artifact_dir: str | Path, *, manifest: bool = True) -> dict[str, Any]:
+    """The validated metadata of an artifact directory, or an error: UserError (exit 2) when
+    the path is not an artifact directory at all, VerifyError (exit 1) when it is tampered,
+    corrupt or inconsistent. `manifest=False` skips only the manifest-hash check (for an
+    output directory being verified as a whole, which checks the manifest itself)."""
+    meta, problems = check_artifact(Path(artifact_dir), manifest=manifest)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems; run `ptxc verify`)" if len(problems) > 1 else ""
+        raise VerifyError(f"refusing artifact: {problems[0]}{more}")
+    return meta
+
+
+def _manifest_problems(out: Path, name: str, raw: bytes) -> list[str]:
+    try:
+        manifest = read_manifest_checked(out)
+    except PtxcError as e:
+        return [f"cannot check {name}'s metadata hash: {e}"]
+    entry = manifest["artifacts"].get(name)
+    if entry is None:
+        return [f"{out / MANIFEST}: does not list artifact {name!r}"]
+    if entry["metadata_sha256"] != sha256(raw):
+        return [f"{out / name / (name + '.json')}: sha256 differs from {out / MANIFEST}"]
+    return []
+
+
+def _reference_problems(meta: dict, where: Path) -> list[str]:
+    """Every name an expression, shape or parameter uses must be declared; expressions parse."""
+    problems = []
+    dims, tensors = set(meta["dims"]), meta["tensors"]
+
+    def expr_ok(text, what):
+        try:
+            unknown = exprs.names(text) - dims
+        except PtxcError as e:
+            problems.append(f"{where}: {what}: {e}")
+            return
+        if unknown:
+            problems.append(f"{where}: {what} {short(text)} names {sorted(unknown)[0]!r}, not a dim")
+
+    for tname, info in tensors.items():
+        for axis, s in enumerate(info["shape"]):
+            if isinstance(s, str):
+                expr_ok(s, f"tensor {tname} shape[{axis}]")
+        for ref in ("passed_as", "derived_from"):
+            if ref in info and info[ref] not in tensors:
+                problems.append(f"{where}: tensor {tname} {ref} {info[ref]!r} is not a tensor")
+    for dname, rule in meta["dim_rules"].items():
+        if dname not in dims:
+            problems.append(f"{where}: dim_rules names {dname!r}, not a dim")
+        if "auto" in rule:
+            expr_ok(rule["auto"]["ctas"], f"dim_rules.{dname}.ctas")
+            try:   # documentation of the rule: an expression over max, ctas and num_sms only
+                if not exprs.names(rule["auto"]["rule"]) <= {"max", "ctas", "num_sms"}:
+                    problems.append(f"{where}: dim_rules.{dname}.rule names something other "
+                                    f"than max, ctas, num_sms")
+            except PtxcError as e:
+                problems.append(f"{where}: dim_rules.{dname}.rule: {e}")
+    for target, t in meta["targets"].items():
+        for k in t["kernels"]:
+            for i, g in enumerate(k["grid"]):
+                expr_ok(g, f"{target} {k['entry']} grid[{i}]")
+            offset = 0
+            for p in k["params"]:
+                src, label = p["source"], f"{target} {k['entry']} parameter {p['name']}"
+                if p["size"] != PARAM_SIZE[p["type"]]:
+                    problems.append(f"{where}: {label}: size {p['size']} for type {p['type']}")
+                offset = -(-offset // p["size"]) * p["size"]
+                if p["offset"] != offset:
+                    problems.append(f"{where}: {label}: offset {p['offset']}, expected {offset}")
+                offset += p["size"]
+                kind = src["kind"]
+                if kind in ("pointer", "workspace", "stride") and src.get("tensor") not in tensors:
+                    problems.append(f"{where}: {label}: source tensor {short(src.get('tensor'))} is not a tensor")
+                elif kind == "stride" and not 0 <= src.get("axis", -1) < len(tensors[src["tensor"]]["shape"]):
+                    problems.append(f"{where}: {label}: stride axis {short(src.get('axis'))} out of range")
+                elif kind == "dim" and src.get("name") not in dims:
+                    problems.append(f"{where}: {label}: source dim {short(src.get('name'))} is not a dim")
+                elif kind == "const" and not isinstance(src.get("value"), (int, float)):
+                    problems.append(f"{where}: {label}: const without a value")
+                if kind in ("pointer", "workspace") and p["type"] != "u64":
+                    problems.append(f"{where}: {label}: a pointer must be u64, not {p['type']}")
+            if k["param_bytes"] != offset:
+                problems.append(f"{where}: {target} {k['entry']}: param_bytes {k['param_bytes']} != {offset}")
+    return problems
+
+
+def _file_problems(d: Path, name: str, target: str, t: dict) -> list[str]:
+    problems = []
+    want = artifact_files(name, target)
+    for kind in ("ptx", "cubin"):
+        if kind in t and t[kind] != want[kind]:
+            problems.append(f"{d}: {target} {kind} file {short(t[kind])} is not {want[kind]!r}")
+    if problems:
+        return problems
+    texts = {}
+    for kind in ("ptx", "cubin"):
+        if kind not in t:
+            continue
+        try:
+            data = read_artifact_file(d, t[kind])
+        except VerifyError as e:
+            problems.append(str(e))
+            continue
+        if sha256(data) != t[f"{kind}_sha256"]:
+            problems.append(f"{d / t[kind]}: sha256 {sha256(data)[:16]}... differs from metadata "
+                            f"{t[kind + '_sha256'][:16]}...")
+        texts[kind] = data
+    if "ptx" in texts:
+        text = texts["ptx"].decode("utf-8", "replace")
+        if f".target {target}" not in text:
+            problems.append(f"{d / t['ptx']}: does not declare .target {target}")
+        sigs = ptx_signatures(text)
+        if sorted(sigs) != sorted(k["entry"] for k in t["kernels"]):
+            problems.append(f"{d / t['ptx']}: entries {sorted(sigs)} differ from metadata "
+                            f"{sorted(k['entry'] for k in t['kernels'])}")
+        for k in t["kernels"]:
+            have, want_sig = sigs.get(k["entry"]), [(p["type"], p["name"]) for p in k["params"]]
+            if have is not None and have != want_sig:
+                problems.append(f"{d / t['ptx']}: entry {k['entry']} parameters differ from metadata")
+    return problems
+
+
+def derived_launch_metadata(spec, target: str) -> dict[str, Any]:
+    """What the metadata of `spec` must say for one target, re-derived by lowering it."""
+    from .compiler import lower
+    _, launches, config, _ = lower(spec, target)
+    return {"config": config, "kernels": launches}
+
+
+def _rederive_problems(meta: dict, where: Path) -> list[str]:
+    from ..kernels import FAMILIES
+    from ..spec.loader import spec_from_record
+    from ..targets import TARGETS
+    try:
+        spec = spec_from_record(meta["spec"], f"{where}: spec")
+    except SpecError as e:
+        return [f"{where}: recorded spec is invalid: {str(e)[:200]}"]
+    if (spec.name, spec.family) != (meta["name"], meta["family"]):
+        return [f"{where}: spec names {spec.name!r}/{spec.family!r}, metadata {meta['name']!r}/{meta['family']!r}"]
+    iface = FAMILIES[spec.family].interface(spec)
+    derived = {"tensors": {t.name: t.to_dict() for t in iface.tensors}, "dims": list(iface.dims),
+               "dim_rules": iface.dim_rules}
+    problems = [f"{where}: {key} differ from what the recorded spec gives"
+                for key, value in derived.items() if meta[key] != json.loads(json.dumps(value))]
+    for target, t in meta["targets"].items():
+        if target not in TARGETS:
+            problems.append(f"{where}: unknown target {target!r}")
+            continue
+        try:
+            want = json.loads(json.dumps(derived_launch_metadata(spec, target)))
+        except PtxcError as e:
+            problems.append(f"{where}: {target}: the recorded spec does not lower: {str(e)[:200]}")
+            continue
+        if t["config"] != want["config"]:
+            problems.append(f"{where}: {target} config differs from what the recorded spec gives")
+        have = [{k: v for k, v in launch.items() if k not in ("resources", "occupancy")}
+                for launch in t["kernels"]]
+        if have != want["kernels"]:
+            problems.append(f"{where}: {target} launch list (grid, block, shared memory or "
+                            f"parameters) differs from what the recorded spec gives")
+    return problems

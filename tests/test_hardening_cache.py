@@ -1,0 +1,139 @@
+"""Issue 15, defects 1-2: the cache touches only what it created, and every entry carries and
+re-checks its own stage and key (a swapped, foreign or malformed entry is rebuilt with a warning)."""
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from conftest import SPECS
+from ptxc.cli import main
+from ptxc.pipeline.build import run_build
+from ptxc.pipeline.cache import ENTRIES, MARKER, Cache
+
+SPEC_TEXT = """
+[[kernel]]
+name = "{name}"
+family = "decode"
+dtype = "f32"
+head_dim = {d}
+num_heads = 2
+targets = ["sm_80"]
+"""
+
+
+def _tree(d: Path) -> dict:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
+            and not p.name.startswith(".")}
+
+
+def _entries(cache: Path, stage: str) -> list[Path]:
+    return sorted(p for p in (cache / ENTRIES / stage).rglob("*") if p.is_file())
+
+
+def test_clear_on_a_foreign_directory_removes_nothing(tmp_path, monkeypatch):
+    home_cache = tmp_path / "dot-cache"
+    (home_cache / "pip" / "wheels").mkdir(parents=True)
+    (home_cache / "pip" / "wheels" / "x.whl").write_bytes(b"precious")
+    (home_cache / "ab").mkdir()
+    (home_cache / "ab" / ("ab" + "0" * 62)).write_bytes(b"looks like a key, is not ours")
+    monkeypatch.setenv("PTXC_CACHE_DIR", str(home_cache))
+    r = CliRunner().invoke(main, ["cache", "clear"])
+    assert r.exit_code == 2 and "not a ptxc cache" in r.output and "Traceback" not in r.output
+    assert (home_cache / "pip" / "wheels" / "x.whl").read_bytes() == b"precious"
+    info = CliRunner().invoke(main, ["cache", "info", "--json"])
+    assert '"entries": 0' in info.output
+
+
+def test_clear_and_info_only_touch_own_entries(tmp_path, monkeypatch):
+    cache = tmp_path / "c"
+    monkeypatch.setenv("PTXC_CACHE_DIR", str(cache))
+    run_build([SPECS / "gpt2_f32.toml"], tmp_path / "o", verify=False, progress=False, cache_dir=cache)
+    assert (cache / MARKER).is_file()
+    own = len(_entries(cache, "ptx"))
+    assert own >= 1
+    # foreign files inside and beside the cache's own tree
+    (cache / "notes.txt").write_text("mine")
+    (cache / ENTRIES / "ptx" / "zz").mkdir()
+    (cache / ENTRIES / "ptx" / "zz" / "readme").write_text("mine")
+    prefix = _entries(cache, "ptx")[0].parent
+    (prefix / "not-a-key").write_text("mine")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / ("ab" + "1" * 62)).write_text("mine")
+    os.symlink(outside, cache / ENTRIES / "ptx" / "ab")
+    info = Cache(enabled=False).info()
+    assert info["entries"] == own
+    r = CliRunner().invoke(main, ["cache", "clear"])
+    assert r.exit_code == 0 and f"removed {own} entr" in r.output
+    assert (cache / "notes.txt").exists() and (cache / ENTRIES / "ptx" / "zz" / "readme").exists()
+    assert (prefix / "not-a-key").exists() and (outside / ("ab" + "1" * 62)).exists()
+    assert _entries(cache, "ptx") == sorted([prefix / "not-a-key", cache / ENTRIES / "ptx" / "zz" / "readme"])
+
+
+def test_removed_entry_is_singular(tmp_path, monkeypatch):
+    cache = tmp_path / "c"
+    monkeypatch.setenv("PTXC_CACHE_DIR", str(cache))
+    Cache().put("ptx", "ab" * 32, b"{}")
+    assert "removed 1 entry\n" == CliRunner().invoke(main, ["cache", "clear"]).output
+
+
+def test_swapped_ptx_entry_is_detected_and_rebuilt(tmp_path, capsys):
+    cache = tmp_path / "c"
+    for name, d in (("ka", 64), ("kb", 128)):
+        (tmp_path / f"{name}.toml").write_text(SPEC_TEXT.format(name=name, d=d))
+    run_build([tmp_path / "ka.toml", tmp_path / "kb.toml"], tmp_path / "o1", verify=False,
+              progress=False, cache_dir=cache)
+    a, b = _entries(cache, "ptx")
+    shutil.copyfile(a, b)                       # kernel A's entry now sits under B's key
+    capsys.readouterr()
+    run_build([tmp_path / "ka.toml", tmp_path / "kb.toml"], tmp_path / "o2", verify=False,
+              progress=False, cache_dir=cache)
+    err = capsys.readouterr().err
+    assert "foreign" in err and "rebuilding" in err
+    assert _tree(tmp_path / "o1") == _tree(tmp_path / "o2")
+
+
+def test_other_stage_and_malformed_entries_are_rebuilt(tmp_path, toolchain, capsys):
+    cache = tmp_path / "c"
+    spec = SPECS / "gpt2_f32.toml"
+    run_build([spec], tmp_path / "o1", targets=["sm_80"], progress=False, cache_dir=cache)
+    ptx, cubin = _entries(cache, "ptx"), _entries(cache, "cubin")
+    shutil.copyfile(ptx[0], cubin[0])           # a ptx-stage entry under a cubin key
+    c = Cache(cache)
+    key = ptx[0].name
+    c.put("ptx", key, b'{"not": "a ptx entry"}')  # well-formed entry, payload of the wrong shape
+    capsys.readouterr()
+    summary = run_build([spec], tmp_path / "o2", targets=["sm_80"], progress=False, cache_dir=cache)
+    err = capsys.readouterr().err
+    assert "foreign" in err and "malformed" in err and "Traceback" not in err
+    assert not summary["problems"]
+    assert _tree(tmp_path / "o1") == _tree(tmp_path / "o2")
+    # and the rebuilt entries are good again: a third build is all hits, silent
+    summary = run_build([spec], tmp_path / "o3", targets=["sm_80"], progress=False, cache_dir=cache)
+    assert summary["cache"]["misses"] == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_fifo_and_huge_entries_do_not_hang(tmp_path, capsys):
+    cache = Cache(tmp_path / "c")
+    key = "cd" * 32
+    path = tmp_path / "c" / ENTRIES / "ptx" / key[:2] / key
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    result = []
+    t = threading.Thread(target=lambda: result.append(cache.get("ptx", key)), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and result == [None]
+    assert "unreadable" in capsys.readouterr().err and not path.exists()
+    os.symlink("/dev/zero", path)
+    assert cache.get("ptx", key) is None and not path.is_symlink()
+
+
+def test_marker_written_by_someone_else_disables_the_cache(tmp_path, capsys):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / MARKER).write_text("Signature: 8a477f597d28d172789f06886806bc55\n# other tool\n")
+    c = Cache(tmp_path / "c")
+    assert not c.enabled and "not written by ptxc" in capsys.readouterr().err
