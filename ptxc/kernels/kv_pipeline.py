@@ -14,9 +14,11 @@ from ..ir import U32, KernelBuilder, Reg
 
 
 def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
-                    use_async: bool, n_tiles: Reg, n_full: Reg, key0_of, load_kv, math) -> None:
+                    use_async: bool, n_tiles: Reg, n_full: Reg, key0_of, load_kv, math,
+                    transform=None) -> None:
     """Prologue, loop over tiles [0, n_tiles) and drain. `key0_of(j)` is the first key of loop
-    tile j (what the mask compares against)."""
+    tile j (what the mask compares against); `transform(scores, key0)`, when given, modifies the
+    raw scores before the mask (the variant seam: soft-cap, ALiBi)."""
 
     def wait_and_sync():
         if use_async:
@@ -34,6 +36,8 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
         wait_and_sync()                                   # K(j) landed; V(j-1) no longer read
         load_kv("v", b.add(j, stages - 1), prev)
         s = math.scores(b.add(k_smem, stage) if stages > 1 else k_smem)
+        if transform is not None:
+            transform(s, key0_of(j))
         with b.if_then(b.setp("ge", j, n_full)):
             math.mask(s, key0_of(j))
         p = math.softmax(s)

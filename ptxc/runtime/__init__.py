@@ -113,6 +113,7 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
         raise InputError(f"{meta['name']}: unexpected input(s) {', '.join(extra)}; "
                          f"inputs are {', '.join(sorted(expected))}")
     dims: dict[str, int] = {}
+    derived: list = []
     for name, value in sets.items():
         if name not in meta["dims"]:
             raise InputError(f"{meta['name']}: --set {name}: not a dimension of this kernel "
@@ -128,21 +129,42 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
             raise InputError(f"{meta['name']}: input {name} has shape {arr.shape}, expected "
                              f"{_shape_text(info)} ({len(info['shape'])} dimensions)")
         for axis, (size, want) in enumerate(zip(arr.shape, info["shape"])):
-            if isinstance(want, int):
+            if isinstance(want, str) and not want.isidentifier():
+                derived.append((name, axis, size, want, arr.shape, info))   # e.g. "batch + 1"
+            elif isinstance(want, int):
                 if size != want:
                     raise InputError(f"{meta['name']}: input {name} has shape {arr.shape}; axis {axis} "
                                      f"must be {want} ({_shape_text(info)})")
             elif dims.setdefault(want, size) != size:
                 raise InputError(f"{meta['name']}: input {name} axis {axis} ({want}) is {size}, "
                                  f"but {want} = {dims[want]} from another input or --set")
+    for name, axis, size, want, shape, info in derived:
+        if exprs.evaluate(want, dims) != size:
+            raise InputError(f"{meta['name']}: input {name} has shape {shape}; axis {axis} must be "
+                             f"{want} = {exprs.evaluate(want, dims)} ({_shape_text(info)})")
     for name, rule in (meta.get("dim_rules") or {}).items():
-        if name not in dims:
+        if name not in dims and "prefix_sums" in rule:
+            dims[name] = max_prefix_step(meta["name"], rule["prefix_sums"], inputs, dims)
+        elif name not in dims:
             dims[name] = apply_dim_rule(rule, dims, num_sms)
     unknown = [d for d in meta["dims"] if d not in dims]
     if unknown:
         raise InputError(f"{meta['name']}: cannot infer {', '.join(unknown)} from the inputs; "
                          f"give --set {unknown[0]}=N")
     return dims
+
+
+def max_prefix_step(kernel: str, rule: dict, inputs: dict[str, np.ndarray], dims: dict[str, int]) -> int:
+    """A dim read from the values of a prefix-sum input (max_seqlen_q from cu_seqlens_q): the
+    largest step. The sums must start at 0, never decrease, and end at the `total` dim."""
+    name = rule["tensor"]
+    cu = np.asarray(inputs[name], dtype=np.int64)
+    total = dims.get(rule["total"])
+    if cu.size == 0 or cu[0] != 0 or np.any(np.diff(cu) < 0) or (total is not None and cu[-1] != total):
+        raise InputError(f"{kernel}: input {name} must be prefix sums: 0, non-decreasing, ending "
+                         f"at {rule['total']} = {total} (got {cu[:8].tolist()}"
+                         f"{' ...' if cu.size > 8 else ''})")
+    return int(np.diff(cu).max()) if cu.size > 1 else 0
 
 
 def _shape_text(info: dict) -> str:
