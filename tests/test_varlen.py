@@ -139,3 +139,17 @@ def test_turing_is_refused(tmp_path):
     with pytest.raises(SpecError, match="sm_80"):
         build_kernel(tmp_path, "varlen", 'dtype = "f16"\nhead_dim = 64\nnum_heads = 4',
                      targets=("sm_75",))
+
+
+@pytest.mark.parametrize("head_dim", [64, pytest.param(128, marks=pytest.mark.slow),
+                                      pytest.param(256, marks=pytest.mark.slow)])
+def test_zero_spills_on_every_target(tmp_path, toolchain, head_dim):
+    """ptxas on every tensor-core target (the example specs cover 128 and 256 by default)."""
+    from ptxc.pipeline.build import run_build
+    (tmp_path / "k.toml").write_text(
+        f'[[kernel]]\nname = "k"\nfamily = "varlen"\n{body(head_dim=head_dim, splits="auto")}\n'
+        f'targets = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"]\n')
+    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
+    assert summary["verified"] and not summary["problems"]
+    for t in summary["kernels"][0]["targets"].values():
+        assert t["spill_bytes"] == 0
