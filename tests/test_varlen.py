@@ -96,31 +96,52 @@ def test_batch_without_queries(tmp_path):
     assert out["o"].shape == (0, 8, 64) and out["lse"].shape == (0, 8)
 
 
-def test_dims_are_inferred_from_cu_seqlens(tmp_path):
+def test_dims_are_inferred_and_cu_seqlens_checked(tmp_path):
     art = build_kernel(tmp_path, "varlen", body())
     spec = _spec(art)
     inputs = FAMILIES["varlen"].make_inputs(spec, {"batch": 8, "max_pages_per_seq": 10,
                                                    "num_pages": 83}, np.random.default_rng(2))
     dims = art.infer_dims(inputs)
     cu = inputs["cu_seqlens_q"]
-    assert dims["batch"] == 8 and dims["total_q"] == cu[-1]
-    assert dims["max_seqlen_q"] == int(np.diff(cu).max())
-    bad = dict(inputs, cu_seqlens_q=cu[::-1].copy())
-    with pytest.raises(InputError, match="prefix sums"):
-        art.infer_dims(bad)
+    assert dims == {"batch": 8, "total_q": cu[-1], "max_pages_per_seq": 10, "num_pages": 83}
+    for bad in (cu[::-1].copy(), np.where(np.arange(9) == 8, cu[-1] - 1, cu).astype(np.int32)):
+        with pytest.raises(InputError, match="prefix sums"):
+            art.infer_dims(dict(inputs, cu_seqlens_q=bad))
     with pytest.raises(InputError, match="batch \\+ 1"):
         art.infer_dims(dict(inputs, cu_seqlens_q=cu[:-1].copy()))
 
 
 def test_launch_geometry_packs_gqa_and_bounds_the_grid(tmp_path):
     """One CTA row per KV head (not per query head): a K/V tile is read once for the whole GQA
-    group. The grid is (cdiv(max_seqlen_q * group, block_m), kv_heads * splits, batch)."""
+    group. grid.x counts packed tiles over the whole batch: at most useful tiles + batch."""
     art = build_kernel(tmp_path, "varlen", 'dtype = "bf16"\nhead_dim = 128\nnum_heads = 28\n'
                        'num_kv_heads = 4\nnum_splits = "auto"')
     kernels = art.target("sm_80")[1]["kernels"]
-    assert kernels[0]["grid"] == ["cdiv(max_seqlen_q * 7, 64)", "4 * num_splits", "batch"]
+    assert kernels[0]["grid"] == ["total_q * 7 // 64 + batch", "4 * num_splits", "1"]
     assert kernels[1]["grid"] == ["28", "total_q", "1"]   # split_reduce over (head, token)
-    assert art.meta["dim_rules"]["num_splits"]["auto"]["ctas"] == "4 * batch * cdiv(max_seqlen_q * 7, 64)"
+    assert art.meta["dim_rules"]["num_splits"]["auto"]["ctas"] == "4 * (total_q * 7 // 64 + batch)"
+    # 64 decodes + one 3000-token chunk: 7 * 3064 // 64 + 65 = 400 tiles per KV head, against
+    # 64 + cdiv(3000 * 7, 64) = 393 useful ones (FA2's grid would launch 65 * 329).
+    assert 3064 * 7 // 64 + 65 <= 64 + -(-3000 * 7 // 64) + 65
+
+
+def test_one_long_sequence_among_many_short_ones(tmp_path):
+    """Tiles of the long sequence land after many empty / one-token sequences: the search must
+    map every tile to the right sequence (and the tiles past each sequence exit)."""
+    art = build_kernel(tmp_path, "varlen", body(layout="contiguous", head_dim=16, gqa="mqa"))
+    spec = _spec(art)
+    rng = np.random.default_rng(9)
+    B, S = 13, 40
+    inputs = FAMILIES["varlen"].make_inputs(spec, {"batch": B, "max_seq_len": S}, rng)
+    q_lens = np.array([1, 0, 1, 1, 0, 0, 1, 37, 1, 0, 2, 1, 1], dtype=np.int32)
+    inputs["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    inputs["seq_lens"] = np.maximum(q_lens, rng.integers(0, S + 1, B)).astype(np.int32)
+    inputs["q"] = ref.round_to(rng.standard_normal((int(q_lens.sum()), 6, 16)), "f16").astype(np.float32)
+    out = art.run(inputs, target="sm_80")
+    want = FAMILIES["varlen"].reference(spec, inputs)
+    naive = FAMILIES["varlen"].reference(spec, inputs, dtype="f16")
+    for t in ("o", "lse"):
+        assert ref.max_abs_error(out[t], want[t]) <= ref.tolerance(naive[t], want[t])
 
 
 @pytest.mark.parametrize("text,key", [
@@ -153,3 +174,30 @@ def test_zero_spills_on_every_target(tmp_path, toolchain, head_dim):
     assert summary["verified"] and not summary["problems"]
     for t in summary["kernels"][0]["targets"].values():
         assert t["spill_bytes"] == 0
+
+
+def test_cli_run_and_launch_test(tmp_path):
+    """`ptxc run` takes nothing but the arrays (every dim comes from shapes); bad prefix sums
+    are one line, exit 2, and no output file; `ptxc launch-test` draws a mixed batch."""
+    from click.testing import CliRunner
+
+    from ptxc.cli import main
+    art = build_kernel(tmp_path, "varlen", body(splits=3, head_dim=32))
+    spec = _spec(art)
+    inputs = FAMILIES["varlen"].make_inputs(spec, {"batch": 5, "max_pages_per_seq": 4,
+                                                   "num_pages": 23}, np.random.default_rng(4))
+    np.savez(tmp_path / "in.npz", **inputs)
+    r = CliRunner().invoke(main, ["run", str(art.path), "--inputs", str(tmp_path / "in.npz"),
+                                  "--output", str(tmp_path / "o.npz"), "--backend", "emu"])
+    assert r.exit_code == 0, r.output
+    with np.load(tmp_path / "o.npz") as out:
+        want = FAMILIES["varlen"].reference(spec, inputs)
+        assert ref.max_abs_error(out["o"], want["o"]) < 5e-3
+    inputs["cu_seqlens_q"] = inputs["cu_seqlens_q"][::-1].copy()
+    np.savez(tmp_path / "bad.npz", **inputs)
+    r = CliRunner().invoke(main, ["run", str(art.path), "--inputs", str(tmp_path / "bad.npz"),
+                                  "--output", str(tmp_path / "o2.npz"), "--backend", "emu"])
+    assert r.exit_code == 2 and "prefix sums" in r.output and len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o2.npz").exists()
+    r = CliRunner().invoke(main, ["launch-test", str(art.path), "--backend", "emu", "--seed", "3"])
+    assert r.exit_code == 0 and "0 failed" in r.output, r.output

@@ -5,7 +5,8 @@ verifications. Sequence b owns query tokens [cu_seqlens_q[b], cu_seqlens_q[b+1])
 L = seq_lens[b] KV rows (this step's rows already appended); its query i sits at position
 L - q_len + i. The query heads of one KV head are packed into the rows of the tensor-core tile
 (row R = token R / g, head R % g of the group), so each K/V tile is read once per KV head. One
-CTA per (packed query tile, KV head x split, sequence); CTAs past a sequence's rows exit at once.
+CTA per (packed query tile, KV head x split); a CTA finds its sequence by a binary search of
+cu_seqlens_q, and the few tiles past a sequence's rows exit at once.
 The body (varlen_attend.py) reuses prefill's tile math and K/V pipeline and decode's KV row
 addressing; split-KV partials are merged by split_reduce.py. docs/kernels.md has the details.
 """
@@ -114,7 +115,10 @@ def kv_access(spec: KernelSpec) -> KVAccess:
 
 
 def query_tiles_expr(spec: KernelSpec) -> str:
-    return f"cdiv(max_seqlen_q * {spec.group_size}, {configure(spec, None).block_m})"
+    """Packed query tiles launched per (KV head, split): sequence b's tiles start at
+    cu[b] * g // block_m + b, so every sequence gets at least cdiv(q_len * g, block_m) of them
+    and the total is at most the useful tiles + batch (docs/kernels.md)."""
+    return f"total_q * {spec.group_size} // {configure(spec, None).block_m} + batch"
 
 
 def interface(spec: KernelSpec) -> Interface:
@@ -123,7 +127,7 @@ def interface(spec: KernelSpec) -> Interface:
     tensors = [
         TensorInfo("q", spec.dtype, ("total_q", H, d), "input", "query tokens of all sequences, packed"),
         TensorInfo("cu_seqlens_q", "i32", ("batch + 1",), "input", "prefix sums of the query "
-                   "lengths: 0, ..., total_q", device_resident_scalars=True),
+                   "lengths: 0, ..., total_q", device_resident_scalars=True, prefix_sums="total_q"),
         TensorInfo("seq_lens", "i32", ("batch",), "input", "KV rows per sequence after this "
                    "step's rows were appended (clamped to the cache's capacity)",
                    device_resident_scalars=True),
@@ -133,8 +137,8 @@ def interface(spec: KernelSpec) -> Interface:
     if spec.opt("return_lse"):
         tensors.append(TensorInfo("lse", "f32", ("total_q", H), "output",
                                   "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
-    dims = ["batch", "total_q", "max_seqlen_q", *kv.dims()]
-    rules: dict = {"max_seqlen_q": {"prefix_sums": {"tensor": "cu_seqlens_q", "total": "total_q"}}}
+    dims = ["batch", "total_q", *kv.dims()]
+    rules: dict = {}
     splits = spec.opt("num_splits")
     if splits != 1:
         tensors += [TensorInfo("o_part", "f32", ("total_q", H, "num_splits", d), "workspace",
@@ -143,7 +147,7 @@ def interface(spec: KernelSpec) -> Interface:
                                "per-split log2-sum-exp (-inf for an empty split)")]
         dims.append("num_splits")
         rules["num_splits"] = {"value": splits} if splits != "auto" else {"auto": {
-            "max": MAX_AUTO_SPLITS, "ctas": f"{Hk} * batch * {query_tiles_expr(spec)}",
+            "max": MAX_AUTO_SPLITS, "ctas": f"{Hk} * ({query_tiles_expr(spec)})",
             "rule": "min(max, max(1, cdiv(2 * num_sms, ctas)))"}}
     ps = page_size(spec)
     defaults = {"batch": 8, "max_seq_len": 150} if spec.opt("kv_layout") == "contiguous" else \
@@ -171,13 +175,14 @@ def build(spec: KernelSpec, target: Target) -> Program:
                for t in ("q",) + (() if split else ("o",)) for a in (0, 1)}
     kv.emit_strides(param)
     kv.emit_dims(param)
+    batch = param("batch", U32, ParamSource("dim", name="batch"))
     total_q = param("total_q", U32, ParamSource("dim", name="total_q"))
     split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None
-    emit_varlen(b, spec, cfg, kv, ptrs, strides, total_q, split_count)
+    emit_varlen(b, spec, cfg, kv, ptrs, strides, batch, total_q, split_count)
     b.ret()
     grid_y = f"{spec.num_kv_heads} * num_splits" if split else str(spec.num_kv_heads)
     launches = [Launch(entry=b.entry.name, params=tuple(params),
-                       grid=(query_tiles_expr(spec), grid_y, "batch"),
+                       grid=(query_tiles_expr(spec), grid_y, "1"),
                        block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes)]
     entries = [b.entry]
     if split:

@@ -1,11 +1,15 @@
 """The varlen kernel body: one CTA = one packed query tile of one (sequence, KV head, split).
 
+Work assignment: grid.x counts packed query tiles over the whole batch; sequence b's tiles start
+at cu[b] * g // block_m + b, so a CTA finds its sequence by a binary search of cu_seqlens_q
+(find_sequence) and at most `batch` tiles in all find no rows and exit.
+
 Packed rows: row R of a sequence's query block is token R / g, query head kv_head * g + R % g
 (g = group size), so a tile of block_m rows covers block_m / g tokens of all g heads and every
 K/V tile it loads serves all of them. Per CTA:
 
     q_len, L      from cu_seqlens_q (clamped into [0, total_q]) and seq_lens (clamped to the
-                  cache capacity); CTAs whose first row is >= q_len * g exit at once
+                  cache capacity); a tile whose first row is >= q_len * g exits at once
     tile range    keys visible to the tile's last token (variant.key_end) give the tiles to
                   visit; those visible to its first token, the tiles that need no mask; a split
                   takes an even share of the visited tiles
@@ -114,28 +118,58 @@ class VarlenMath(MmaMath):
                         b.st("global", B32, Addr(addr, jd * 16), [b.cvt_pack(self.pair, hi, lo)])
 
 
+SEARCH_STEPS = 31   # bits of the sequence index the binary search resolves (any u32 batch)
+
+
+def tile_start(b: KernelBuilder, cu_ptr: Reg, seq: Reg, g: int, bm: int, total_q: Reg) -> Reg:
+    """u32 first packed tile of sequence `seq`: cu[seq] * g // block_m + seq (cu clamped to
+    [0, total_q]). Non-decreasing in seq, and sequence seq's tiles fit before seq + 1's."""
+    t0 = _token(b, cu_ptr, seq, 0, total_q)
+    return b.add(b.div(b.mul(t0, g), bm), seq)
+
+
+def _token(b: KernelBuilder, cu_ptr: Reg, seq: Reg, offset: int, total_q: Reg) -> Reg:
+    addr = C.element_offset(b, cu_ptr, seq, b.mov(4, S64))
+    return b.min(b.bitcast(b.max(b.ld("global", S32, Addr(addr, offset), nc=True), 0), U32), total_q)
+
+
+def find_sequence(b: KernelBuilder, cu_ptr: Reg, tile: Reg, batch: Reg, g: int, bm: int,
+                  total_q: Reg) -> Reg:
+    """The last sequence whose first tile is <= `tile`: a branch-free binary search over the
+    bits of the index (a step's load is predicated off once it would pass `batch`)."""
+    seq = b.mov(0, U32)
+    for k in reversed(range(SEARCH_STEPS)):
+        mid = b.add(seq, 1 << k)
+        ok = b.setp("lt", mid, batch)
+        start = b.mov(0xFFFFFFFF, U32)
+        with b.predicate(ok):
+            b.mov(tile_start(b, cu_ptr, mid, g, bm, total_q), out=start)
+        b.mov(b.selp(mid, seq, b.setp("le", start, tile)), out=seq)
+    return seq
+
+
 def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
-                strides: dict, total_q: Reg, split_count: Reg | None) -> None:
+                strides: dict, batch: Reg, total_q: Reg, split_count: Reg | None) -> None:
     g, bm, bn, stages = spec.group_size, cfg.block_m, cfg.block_n, cfg.num_stages
     variant = AttentionVariant.from_spec(spec)
     tid = b.special("%tid.x")
     lane, warp = b.and_(tid, 31), b.shr(tid, 5)
-    m_blk, cy, seq = b.special("%ctaid.x"), b.special("%ctaid.y"), b.special("%ctaid.z")
+    tile, cy = b.special("%ctaid.x"), b.special("%ctaid.y")
     Hk = spec.num_kv_heads
     kv_head, split = (b.rem(cy, Hk), b.div(cy, Hk)) if split_count is not None else (cy, None)
 
-    # The sequence's query tokens [t0, t1) and keys [0, L), clamped so that corrupt prefix sums
-    # or lengths can never address outside q/o or the cache.
-    cu = C.element_offset(b, ptrs["cu_seqlens_q"], seq, b.mov(4, S64))
-    t0 = b.min(b.bitcast(b.max(b.ld("global", S32, Addr(cu), nc=True), 0), U32), total_q)
-    t1 = b.min(b.bitcast(b.max(b.ld("global", S32, Addr(cu, 4), nc=True), 0), U32), total_q)
-    t1 = b.max(t1, t0)
+    # Which sequence this tile belongs to; its query tokens [t0, t1) and keys [0, L), clamped
+    # so that corrupt prefix sums or lengths can never address outside q/o or the cache.
+    cu = ptrs["cu_seqlens_q"]
+    seq = find_sequence(b, cu, tile, batch, g, bm, total_q)
+    t0 = _token(b, cu, seq, 0, total_q)
+    t1 = b.max(_token(b, cu, seq, 4, total_q), t0)
     q_len = b.bitcast(b.sub(t1, t0), S32)
     lens = C.element_offset(b, ptrs["seq_lens"], seq, b.mov(4, S64))
     L = b.min(b.bitcast(b.max(b.ld("global", S32, Addr(lens), nc=True), 0), U32), kv.capacity(b))
     L = b.bitcast(L, S32)
     rows = b.mul(b.bitcast(q_len, U32), g)
-    m_start = b.mul(m_blk, bm)
+    m_start = b.mul(b.sub(tile, b.add(b.div(b.mul(t0, g), bm), seq)), bm)
     with b.if_then(b.setp("ge", m_start, rows)):
         b.ret()                                        # no query rows for this tile: exit
 

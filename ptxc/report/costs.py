@@ -14,7 +14,7 @@ decode     FLOPs = 4 * batch * H * L * d      (q.k and p.v: 2 FLOPs per multiply
 prefill    FLOPs = 4 * batch * seq_q * seq_k * d * H, halved when causal (the FlashAttention
                    convention; exact for seq_q == seq_k up to the diagonal blocks)
            bytes = q + k + v + o (+ lse), each once (K/V reuse across query blocks from L2)
-varlen     a uniform batch: every sequence has q = max_seqlen_q queries (total_q = batch * q)
+varlen     a uniform batch: every sequence has q = total_q / batch queries
            and L keys (the cache capacity), its queries the last q positions
            FLOPs = 4 * batch * H * d * keys, keys = q * L, or q * L - q * (q - 1) / 2 when
                    causal (query i sees L - q + i + 1 keys)
@@ -45,10 +45,10 @@ DEFAULT_DIMS = {
     "decode": {"batch": 16, "kv_len": 4096},
     "prefill": {"batch": 4, "seq_q": 4096, "seq_k": 4096},
     "kv_append": {"batch": 16, "num_new": 1, "kv_len": 4096},
-    "varlen": {"batch": 16, "max_seqlen_q": 4, "kv_len": 4096},
+    "varlen": {"batch": 16, "total_q": 64, "kv_len": 4096},
 }
 KNOWN_DIMS = {"batch", "max_seq_len", "seq_q", "seq_k", "num_pages", "max_pages_per_seq",
-              "num_splits", "num_new", "total_q", "max_seqlen_q"}
+              "num_splits", "num_new", "total_q"}
 REPORT_NUM_SMS = 108   # SM count assumed by "auto" dim rules in a static report (an A100's)
 
 
@@ -132,7 +132,8 @@ def kv_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
 
 def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
     spec = meta["spec"]
-    b, q, L = dims["batch"], dims["max_seqlen_q"], kv_length(meta, dims)
+    b, L = dims["batch"], kv_length(meta, dims)
+    q = dims["total_q"] // max(1, b)
     H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     e = ELEM_BYTES[spec["dtype"]]
     if not spec.get("causal"):
@@ -182,10 +183,8 @@ def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_S
         out["max_pages_per_seq"] = -(-kv // page_size(meta))
     if "num_pages" in dims and "num_pages" not in out and "max_pages_per_seq" in out and "batch" in out:
         out["num_pages"] = out["batch"] * out["max_pages_per_seq"]
-    if "total_q" in dims and "total_q" not in out and "max_seqlen_q" in out and "batch" in out:
-        out["total_q"] = out["batch"] * out["max_seqlen_q"]       # varlen: a uniform batch
     for name, rule in (meta.get("dim_rules") or {}).items():
-        if name in dims and name not in out and "prefix_sums" not in rule:
+        if name in dims and name not in out:
             from ..runtime import apply_dim_rule
             out[name] = apply_dim_rule(rule, out, num_sms)
     missing = [d for d in dims if d not in out]

@@ -142,10 +142,11 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
         if exprs.evaluate(want, dims) != size:
             raise InputError(f"{meta['name']}: input {name} has shape {shape}; axis {axis} must be "
                              f"{want} = {exprs.evaluate(want, dims)} ({_shape_text(info)})")
+    for name in sorted(expected):
+        if tensors[name].get("prefix_sums"):
+            check_prefix_sums(meta["name"], name, inputs[name], tensors[name]["prefix_sums"], dims)
     for name, rule in (meta.get("dim_rules") or {}).items():
-        if name not in dims and "prefix_sums" in rule:
-            dims[name] = max_prefix_step(meta["name"], rule["prefix_sums"], inputs, dims)
-        elif name not in dims:
+        if name not in dims:
             dims[name] = apply_dim_rule(rule, dims, num_sms)
     unknown = [d for d in meta["dims"] if d not in dims]
     if unknown:
@@ -154,17 +155,14 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
     return dims
 
 
-def max_prefix_step(kernel: str, rule: dict, inputs: dict[str, np.ndarray], dims: dict[str, int]) -> int:
-    """A dim read from the values of a prefix-sum input (max_seqlen_q from cu_seqlens_q): the
-    largest step. The sums must start at 0, never decrease, and end at the `total` dim."""
-    name = rule["tensor"]
-    cu = np.asarray(inputs[name], dtype=np.int64)
-    total = dims.get(rule["total"])
-    if cu.size == 0 or cu[0] != 0 or np.any(np.diff(cu) < 0) or (total is not None and cu[-1] != total):
+def check_prefix_sums(kernel: str, name: str, values, total: str, dims: dict[str, int]) -> None:
+    """An input of prefix sums (cu_seqlens_q) must start at 0, never decrease, and end at the
+    dim `total`: the kernel trusts the order to find each tile's sequence."""
+    cu = np.asarray(values, dtype=np.int64)
+    if cu.size == 0 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != dims.get(total, cu[-1]):
         raise InputError(f"{kernel}: input {name} must be prefix sums: 0, non-decreasing, ending "
-                         f"at {rule['total']} = {total} (got {cu[:8].tolist()}"
+                         f"at {total} = {dims.get(total)} (got {cu[:8].tolist()}"
                          f"{' ...' if cu.size > 8 else ''})")
-    return int(np.diff(cu).max()) if cu.size > 1 else 0
 
 
 def _shape_text(info: dict) -> str:
