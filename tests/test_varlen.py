@@ -201,3 +201,21 @@ def test_cli_run_and_launch_test(tmp_path):
     assert not (tmp_path / "o2.npz").exists()
     r = CliRunner().invoke(main, ["launch-test", str(art.path), "--backend", "emu", "--seed", "3"])
     assert r.exit_code == 0 and "0 failed" in r.output, r.output
+
+
+def test_page_ids_out_of_range_are_never_read(tmp_path):
+    """A corrupt block-table entry inside a sequence's length: the emulator faults on any read
+    outside a buffer, so finishing proves the id was never dereferenced; those rows read as
+    zero K/V rows (docs/kernels.md), the other sequences are untouched."""
+    art = build_kernel(tmp_path, "varlen", body(head_dim=16, gqa="mha"))
+    spec = _spec(art)
+    dims = {"batch": 8, "max_pages_per_seq": 3, "num_pages": 27}
+    inputs = FAMILIES["varlen"].make_inputs(spec, dims, np.random.default_rng(8))
+    corrupt = dict(inputs, block_table=inputs["block_table"].copy())
+    L0 = int(inputs["seq_lens"][0])
+    corrupt["block_table"][0, (L0 - 1) // 16] = -5 if L0 % 2 else 1 << 30
+    out = art.run(corrupt, target="sm_80")
+    want = FAMILIES["varlen"].reference(spec, inputs)
+    assert np.all(np.isfinite(out["o"]))
+    rest = slice(int(inputs["cu_seqlens_q"][1]), None)
+    assert ref.max_abs_error(out["o"][rest], want["o"][rest]) < 5e-3
