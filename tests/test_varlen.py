@@ -257,3 +257,20 @@ def test_gqa_packing_reads_each_kv_row_once(tmp_path, monkeypatch, layout):
     assert read["k_cache"] == read["v_cache"] == once
     want = FAMILIES["varlen"].reference(spec, inputs)
     assert ref.max_abs_error(out["o"], want["o"]) < 5e-3
+
+
+def test_report_cost_and_bench_inputs(tmp_path):
+    from ptxc.gpu.bench import bench_inputs
+    from ptxc.report.costs import launch_cost, resolve_dims
+    art = build_kernel(tmp_path, "varlen", 'dtype = "f16"\nhead_dim = 128\nnum_heads = 32\n'
+                       'num_kv_heads = 8\nnum_splits = "auto"')
+    dims = resolve_dims(art.meta, {})
+    assert dims["batch"] == 16 and dims["total_q"] == 64 and dims["max_pages_per_seq"] == 256
+    cost = launch_cost(art.meta, "sm_80", dims)
+    q, L = 4, 4096                                  # causal: query i sees L - q + i + 1 keys
+    assert cost.flops == 4 * 16 * 32 * 128 * (q * L - q * (q - 1) // 2) and cost.unit == "tensor"
+    assert cost.bytes > 2 * 16 * L * 8 * 128 * 2    # at least K and V once
+    small = resolve_dims(art.meta, {"batch": 3, "total_q": 12, "max_pages_per_seq": 2})
+    inputs = bench_inputs(art.meta, small)
+    assert list(inputs["cu_seqlens_q"]) == [0, 4, 8, 12] and list(inputs["seq_lens"]) == [32] * 3
+    assert art.infer_dims(inputs)["total_q"] == 12
