@@ -95,6 +95,9 @@ def bench_inputs(meta: dict, dims: dict[str, int], seed: int = 0) -> dict:
             out[name] = np.zeros(shape, dtype=np.uint64)
         elif name == "block_table":
             out[name] = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
+        elif name == "cu_seqlens_q":   # varlen: total_q queries spread evenly over the batch
+            b = np.arange(shape[0], dtype=np.int64)
+            out[name] = (b * dims["total_q"] // max(1, shape[0] - 1)).astype(np.int32)
         elif name == "positions":
             # the new rows are the last ones; a decode with append_kv appends exactly one
             out[name] = np.full(shape, max(0, capacity - dims.get("num_new", 1)), dtype=np.int32)

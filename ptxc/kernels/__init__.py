@@ -6,7 +6,8 @@ from .base import Family
 from .decode import FAMILY as _DECODE
 from .kv_append import FAMILY as _KV_APPEND
 from .prefill import FAMILY as _PREFILL
+from .varlen import FAMILY as _VARLEN
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (_DECODE, _PREFILL, _KV_APPEND)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (_DECODE, _PREFILL, _KV_APPEND, _VARLEN)}
 
 __all__ = ["FAMILIES", "Family"]

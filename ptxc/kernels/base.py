@@ -31,6 +31,7 @@ class TensorInfo:
     device_resident_scalars: bool = False   # per-step scalars (seq_lens, positions) read on device
     passed_as: str | None = None      # the kernel reaches this tensor through that pointer array
     derived_from: str | None = None   # built by the runtime: per-batch device pointers into it
+    prefix_sums: str | None = None    # values are prefix sums 0 .. <this dim> (cu_seqlens_q)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"dtype": self.dtype, "shape": list(self.shape), "role": self.role}
@@ -40,6 +41,8 @@ class TensorInfo:
             d["passed_as"] = self.passed_as
         if self.derived_from:
             d["derived_from"] = self.derived_from
+        if self.prefix_sums:
+            d["prefix_sums"] = self.prefix_sums
         if self.doc:
             d["doc"] = self.doc
         return d

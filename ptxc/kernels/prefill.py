@@ -19,6 +19,7 @@ from ..spec.model import KernelSpec
 from ..targets import KIB, MAX_REGS_PER_THREAD, TARGETS, Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
+from .kv_pipeline import run_kv_pipeline
 from .tiles import TileGeom, global_rows, load_tile, thread_slot
 
 _hd_check, _hd_allowed = int_range(8, 256, multiple_of=8)
@@ -294,62 +295,35 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     math = (MmaMath if cfg.tensor_cores else SimtMath)(b, ctx)
     use_async = cfg.cp_async
 
-    def commit():
-        if use_async:
-            b.cp_async_commit()
-
-    def wait_and_sync():
-        if use_async:
-            b.cp_async_wait(2 * stages - 2)
-        b.bar_sync(0)
-
-    def load_kv(t: str, tile: Reg | int, stage_off: Reg | int):
+    def load_kv(t: str, tile: Reg, stage_off: Reg | int):
         """K or V tile `tile` into buffer `stage_off` (a byte offset), if the tile exists."""
-        tile = tile if isinstance(tile, Reg) else b.mov(tile, U32)
         with b.if_then(b.setp("lt", tile, n_tiles)):
             row0 = b.mul(tile, bn)
             base = b.add(k_smem if t == "k" else v_smem, stage_off)
             load_tile(b, kv_slot, gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async)
-        commit()
+        if use_async:
+            b.cp_async_commit()
 
-    # Prologue. Commit groups in order: Q+K0, V0, K1, V1, ..., K(S-1); iteration j then waits
-    # for K(j) and V(j) with 2S-2 younger groups allowed in flight, and refills the buffers it
-    # has finished with: V(j+S-1) after the first barrier, K(j+S) after the second.
     load_tile(b, q_slot, gq, m_start, b.sub(sq, b.bitcast(m_start, S32)), smem, use_async)
-    for s in range(stages):
-        load_kv("k", s, s * kv_bytes)
-        if s < stages - 1:
-            load_kv("v", s, s * kv_bytes)
-
-    with b.for_range(0, n_tiles) as j:
-        stage = b.mul(b.rem(j, stages), kv_bytes) if stages > 1 else 0
-        prev = b.mul(b.rem(b.add(j, stages - 1), stages), kv_bytes) if stages > 1 else 0
-        wait_and_sync()                                   # K(j) landed; V(j-1) no longer read
-        load_kv("v", b.add(j, stages - 1), prev)
-        s = math.scores(b.add(k_smem, stage) if stages > 1 else k_smem)
-        with b.if_then(b.setp("ge", j, n_full)):
-            math.mask(s, b.mul(j, bn))
-        p = math.softmax(s)
-        wait_and_sync()                                   # V(j) landed; K(j) no longer read
-        load_kv("k", b.add(j, stages), stage)
-        math.pv(p, b.add(v_smem, stage) if stages > 1 else v_smem)
-    if use_async:
-        b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
-    b.bar_sync(0)
+    run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
+                    use_async=use_async, n_tiles=n_tiles, n_full=n_full,
+                    key0_of=lambda j: b.mul(j, bn), load_kv=load_kv, math=math)
     math.epilogue()
 
 
 def finish_rows(b: KernelBuilder, ctx: Ctx, m: list[Reg], l: list[Reg], rows: list[Reg],
-                lanes: tuple[int, ...], writer: Reg) -> list[Reg]:
+                lanes: tuple[int, ...], writer: Reg, lse_scale: float = C.LN2) -> list[Reg]:
     """Reduce l over the row's lanes; return 1/l per row (0 for a row that saw no key) and, with
-    return_lse, have the `writer` lanes store lse = (m + log2 l) * ln 2 for rows < seq_q."""
+    return_lse, have the `writer` lanes store lse = (m + log2 l) * lse_scale for rows < seq_q
+    (ln 2 gives the natural-log LSE; 1.0 keeps log2 units, as split-KV partials want)."""
     invs = []
     for r, row in enumerate(rows):
         total = C.warp_sum(b, l[r], lanes)
         has_keys = b.setp("gt", total, 0.0)
         invs.append(b.selp(b.rcp(total), 0.0, has_keys))
         if ctx.lse is not None:
-            lse = b.selp(b.mul(b.add(m[r], b.lg2(total)), C.LN2), C.NEG_INF, has_keys)
+            lse = b.add(m[r], b.lg2(total))
+            lse = b.selp(b.mul(lse, lse_scale) if lse_scale != 1.0 else lse, C.NEG_INF, has_keys)
             ok = b.and_(writer, b.setp("lt", row, ctx.seq_q))
             addr = ctx.lse_addr(b, row)
             with b.predicate(ok):

@@ -17,7 +17,9 @@ from . import common as C
 from .base import Launch, LaunchParam, ParamSource
 
 
-def build_reduce(spec, entry: str, has_lse: bool) -> tuple:
+def build_reduce(spec, entry: str, has_lse: bool, rows_dim: str = "batch") -> tuple:
+    """The merge kernel over o [rows, H, d] (rows = `rows_dim`: batch for decode, total_q for
+    varlen), o_part [rows, H, splits, d] and lse_part [rows, H, splits]."""
     fmt, d, H = C.FORMATS[spec.dtype], spec.head_dim, spec.num_heads
     b = KernelBuilder(entry)
     params: list[LaunchParam] = []
@@ -66,5 +68,5 @@ def build_reduce(spec, entry: str, has_lse: bool) -> tuple:
                 b.st("global", F32, Addr(C.element_offset(b, ptrs["lse"], idx, b.mov(4, S64))), [lse])
     b.ret()
     threads = max(32, -(-(d // 4) // 32) * 32)
-    launch = Launch(entry=entry, params=tuple(params), grid=(str(H), "batch", "1"), block=(threads, 1, 1))
+    launch = Launch(entry=entry, params=tuple(params), grid=(str(H), rows_dim, "1"), block=(threads, 1, 1))
     return b.entry, launch

@@ -114,9 +114,32 @@ def load_tile(b: KernelBuilder, slot: ThreadSlot, src: GlobalRows, row0: Reg, nv
     rem = b.sub(nvalid, b.bitcast(slot.r0, S32))      # valid rows left from this thread's r0
     dst = b.add(smem, slot.soff)
     addrs = _pass_addrs(b, src, row0, geom.passes)
-    staged = []
-    for i, a in enumerate(addrs):
+    _stage_chunks(b, slot, dst, lambda i: (addrs[i], b.setp("gt", rem, i * geom.rows_per_pass)),
+                  use_cp_async)
+
+
+def load_tile_rows(b: KernelBuilder, slot: ThreadSlot, row_address, row0: Reg, nvalid: Reg,
+                   smem: Reg, use_cp_async: bool) -> None:
+    """`load_tile` for rows that are not evenly strided (paged caches, GQA-packed query rows):
+    `row_address(row, valid)` gets a row number (u32, row0 + the row's index in the tile) and
+    returns (this thread's chunk address in that row, validity); invalid rows are zero-filled."""
+    geom = slot.geom
+    rem = b.sub(nvalid, b.bitcast(slot.r0, S32))
+    dst = b.add(smem, slot.soff)
+
+    def chunk(i: int) -> tuple[Reg, Reg]:
         valid = b.setp("gt", rem, i * geom.rows_per_pass)
+        return row_address(b.add(row0, b.add(slot.r0, i * geom.rows_per_pass)), valid)
+    _stage_chunks(b, slot, dst, chunk, use_cp_async)
+
+
+def _stage_chunks(b: KernelBuilder, slot: ThreadSlot, dst: Reg, chunk_at, use_cp_async: bool) -> None:
+    """Pass i copies this thread's 16-byte chunk from chunk_at(i) = (global address, valid) to
+    `dst` + the pass's row offset; invalid chunks become zeros (cp.async src-size 0 reads nothing)."""
+    geom = slot.geom
+    staged = []
+    for i in range(geom.passes):
+        a, valid = chunk_at(i)
         doff = i * geom.rows_per_pass * geom.stride
         guard = slot.guard(b, i)
         if use_cp_async:
@@ -170,5 +193,5 @@ def zero_regs(b: KernelBuilder, n: int, type=B32) -> list[Reg]:
     return [b.mov(0, type) if type.is_int or type.kind == "b" else b.mov(0.0, type) for _ in range(n)]
 
 
-__all__ = ["TileGeom", "ThreadSlot", "GlobalRows", "thread_slot", "global_rows", "load_tile",
+__all__ = ["TileGeom", "ThreadSlot", "GlobalRows", "thread_slot", "global_rows", "load_tile", "load_tile_rows",
            "store_tile", "ldmatrix_lane_offset", "padded_stride", "zero_regs", "U32", "U64"]

@@ -14,6 +14,13 @@ decode     FLOPs = 4 * batch * H * L * d      (q.k and p.v: 2 FLOPs per multiply
 prefill    FLOPs = 4 * batch * seq_q * seq_k * d * H, halved when causal (the FlashAttention
                    convention; exact for seq_q == seq_k up to the diagonal blocks)
            bytes = q + k + v + o (+ lse), each once (K/V reuse across query blocks from L2)
+varlen     a uniform batch: every sequence has q = total_q / batch queries
+           and L keys (the cache capacity), its queries the last q positions
+           FLOPs = 4 * batch * H * d * keys, keys = q * L, or q * L - q * (q - 1) / 2 when
+                   causal (query i sees L - q + i + 1 keys)
+           bytes = q + o (+ lse) + K + V once per sequence (GQA packing reads a K/V tile once
+                   per KV head; the query tiles of a long prefill re-read it from L2, as in
+                   prefill) + cu_seqlens_q + seq_lens (+ block_table) (+ split partials)
 kv_append  FLOPs = 0
            bytes = 2 * batch * num_new * Hk * d * e read (k_new, v_new) and the same written
                    into the cache, + positions (+ one block-table entry per row when paged)
@@ -38,9 +45,10 @@ DEFAULT_DIMS = {
     "decode": {"batch": 16, "kv_len": 4096},
     "prefill": {"batch": 4, "seq_q": 4096, "seq_k": 4096},
     "kv_append": {"batch": 16, "num_new": 1, "kv_len": 4096},
+    "varlen": {"batch": 16, "total_q": 64, "kv_len": 4096},
 }
 KNOWN_DIMS = {"batch", "max_seq_len", "seq_q", "seq_k", "num_pages", "max_pages_per_seq",
-              "num_splits", "num_new"}
+              "num_splits", "num_new", "total_q"}
 REPORT_NUM_SMS = 108   # SM count assumed by "auto" dim rules in a static report (an A100's)
 
 
@@ -122,10 +130,33 @@ def kv_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
     return Cost(0, 2 * rows + b * 4 + index, "simt", dict(dims))
 
 
+def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
+    spec = meta["spec"]
+    b, L = dims["batch"], kv_length(meta, dims)
+    q = dims["total_q"] // max(1, b)
+    H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
+    e = ELEM_BYTES[spec["dtype"]]
+    if not spec.get("causal"):
+        keys = q * L
+    elif q <= L:                             # query i sees L - q + i + 1 keys
+        keys = q * L - q * (q - 1) // 2
+    else:                                    # the first q - L queries see none
+        keys = L * (L + 1) // 2
+    tq = b * q
+    qo = 2 * tq * H * d * e
+    kv = 2 * b * L * Hk * d * e
+    lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
+    splits = dims.get("num_splits", 1)
+    parts = 2 * tq * H * splits * (d + 1) * PART_BYTES if splits > 1 else 0
+    index = (b + 1) * 4 + b * 4 + _layout_bytes(meta, dims, L)
+    return Cost(4 * b * H * d * keys, qo + kv + lse + parts + index, _unit(config), dict(dims))
+
+
 COST_MODELS: dict[str, Callable[[dict, dict, dict], Cost]] = {
     "decode": decode_cost,
     "prefill": prefill_cost,
     "kv_append": kv_append_cost,
+    "varlen": varlen_cost,
 }
 
 
@@ -196,5 +227,6 @@ __all__ = [
     "page_size",
     "prefill_cost",
     "resolve_dims",
+    "varlen_cost",
     "roofline",
 ]

@@ -136,6 +136,7 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
         raise InputError(f"{meta['name']}: unexpected input(s) {', '.join(extra)}; "
                          f"inputs are {', '.join(sorted(expected))}")
     dims: dict[str, int] = {}
+    derived: list = []
     for name, value in sets.items():
         if name not in meta["dims"]:
             raise InputError(f"{meta['name']}: --set {name}: not a dimension of this kernel "
@@ -158,13 +159,22 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
             raise InputError(f"{meta['name']}: input {name} has shape {arr.shape}, expected "
                              f"{_shape_text(info)} ({len(info['shape'])} dimensions)")
         for axis, (size, want) in enumerate(zip(arr.shape, info["shape"])):
-            if isinstance(want, int):
+            if isinstance(want, str) and not want.isidentifier():
+                derived.append((name, axis, size, want, arr.shape, info))   # e.g. "batch + 1"
+            elif isinstance(want, int):
                 if size != want:
                     raise InputError(f"{meta['name']}: input {name} has shape {arr.shape}; axis {axis} "
                                      f"must be {want} ({_shape_text(info)})")
             elif dims.setdefault(want, size) != size:
                 raise InputError(f"{meta['name']}: input {name} axis {axis} ({want}) is {size}, "
                                  f"but {want} = {dims[want]} from another input or --set")
+    for name, axis, size, want, shape, info in derived:
+        if exprs.evaluate(want, dims) != size:
+            raise InputError(f"{meta['name']}: input {name} has shape {shape}; axis {axis} must be "
+                             f"{want} = {exprs.evaluate(want, dims)} ({_shape_text(info)})")
+    for name in sorted(expected):
+        if tensors[name].get("prefix_sums"):
+            check_prefix_sums(meta["name"], name, inputs[name], tensors[name]["prefix_sums"], dims)
     for name, rule in (meta.get("dim_rules") or {}).items():
         if name not in dims:
             dims[name] = apply_dim_rule(rule, dims, num_sms)
@@ -190,6 +200,16 @@ def _check_dim(meta: dict, name: str, value: int, what: str) -> None:
     if not lo <= value <= hi:
         allowed = f"{lo}" if lo == hi else f"{lo}..{hi}"
         raise InputError(f"{meta['name']}: {what} {name}={value} is out of range (allowed: {allowed})")
+
+
+def check_prefix_sums(kernel: str, name: str, values, total: str, dims: dict[str, int]) -> None:
+    """An input of prefix sums (cu_seqlens_q) must start at 0, never decrease, and end at the
+    dim `total`: the kernel trusts the order to find each tile's sequence."""
+    cu = np.asarray(values, dtype=np.int64)
+    if cu.size == 0 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != dims.get(total, cu[-1]):
+        raise InputError(f"{kernel}: input {name} must be prefix sums: 0, non-decreasing, ending "
+                         f"at {total} = {dims.get(total)} (got {cu[:8].tolist()}"
+                         f"{' ...' if cu.size > 8 else ''})")
 
 
 def _shape_text(info: dict) -> str:

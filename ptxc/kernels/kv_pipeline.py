@@ -1,0 +1,49 @@
+"""The K/V tile loop shared by the tensor-core families (prefill, varlen): a `num_stages`-deep
+cp.async pipeline of K and V tiles around the per-tile math (scores, mask, softmax, P·V).
+
+Commit groups in order: Q+K0, V0, K1, V1, ..., K(S-1); iteration j then waits for K(j) and V(j)
+with 2S-2 younger groups allowed in flight, and refills the buffers it has finished with:
+V(j+S-1) after the first barrier, K(j+S) after the second. The family supplies how a tile is
+loaded (`load_kv(t, j, stage_offset)`, which must commit exactly one group, empty or not) and
+the math object; tiles j >= n_full get the mask.
+"""
+
+from __future__ import annotations
+
+from ..ir import U32, KernelBuilder, Reg
+
+
+def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
+                    use_async: bool, n_tiles: Reg, n_full: Reg, key0_of, load_kv, math,
+                    transform=None) -> None:
+    """Prologue, loop over tiles [0, n_tiles) and drain. `key0_of(j)` is the first key of loop
+    tile j (what the mask compares against); `transform(scores, key0)`, when given, modifies the
+    raw scores before the mask (the variant seam: soft-cap, ALiBi)."""
+
+    def wait_and_sync():
+        if use_async:
+            b.cp_async_wait(2 * stages - 2)
+        b.bar_sync(0)
+
+    for s in range(stages):
+        load_kv("k", b.mov(s, U32), s * kv_bytes)
+        if s < stages - 1:
+            load_kv("v", b.mov(s, U32), s * kv_bytes)
+
+    with b.for_range(0, n_tiles) as j:
+        stage = b.mul(b.rem(j, stages), kv_bytes) if stages > 1 else 0
+        prev = b.mul(b.rem(b.add(j, stages - 1), stages), kv_bytes) if stages > 1 else 0
+        wait_and_sync()                                   # K(j) landed; V(j-1) no longer read
+        load_kv("v", b.add(j, stages - 1), prev)
+        s = math.scores(b.add(k_smem, stage) if stages > 1 else k_smem)
+        if transform is not None:
+            transform(s, key0_of(j))
+        with b.if_then(b.setp("ge", j, n_full)):
+            math.mask(s, key0_of(j))
+        p = math.softmax(s)
+        wait_and_sync()                                   # V(j) landed; K(j) no longer read
+        load_kv("k", b.add(j, stages), stage)
+        math.pv(p, b.add(v_smem, stage) if stages > 1 else v_smem)
+    if use_async:
+        b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
+    b.bar_sync(0)

@@ -1,0 +1,215 @@
+"""Family "varlen": ragged query batches over paged or contiguous KV caches (serving attention).
+
+One launch list serves any mix of prefills, prefill chunks, decodes and speculative
+verifications. Sequence b owns query tokens [cu_seqlens_q[b], cu_seqlens_q[b+1]) and
+L = seq_lens[b] KV rows (this step's rows already appended); its query i sits at position
+L - q_len + i. The query heads of one KV head are packed into the rows of the tensor-core tile
+(row R = token R / g, head R % g of the group), so each K/V tile is read once per KV head. One
+CTA per (packed query tile, KV head x split); a CTA finds its sequence by a binary search of
+cu_seqlens_q, and the few tiles past a sequence's rows exit at once.
+The body (varlen_attend.py) reuses prefill's tile math and K/V pipeline and decode's KV row
+addressing; split-KV partials are merged by split_reduce.py. docs/kernels.md has the details.
+"""
+
+from __future__ import annotations
+
+from ..errors import SpecError
+from ..spec.fields import Field, FamilyFields, int_range
+from ..spec.model import KernelSpec
+from ..targets import TARGETS, Target
+from . import common as C
+from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
+from .kv_access import KVAccess, check_page_size
+from .prefill import PrefillConfig, _check_shape
+from .split_reduce import build_reduce
+
+_hd_check, _hd_allowed = int_range(8, 256, multiple_of=8)
+_page_check, _page_allowed = int_range(1, 256, power_of_two=True)
+_split_check, _split_allowed = int_range(1, 64)
+_POW2_TILE = (16, 32, 64, 128)
+MAX_AUTO_SPLITS = 16
+FIELDS = FamilyFields(
+    fields=(
+        Field("head_dim", "int", "elements per head", check=_hd_check, allowed=_hd_allowed),
+        Field("causal", "bool", "causal mask: query at position p = L - q_len + i sees key j "
+              "iff j <= p", default=True),
+        Field("return_lse", "bool", "also write lse [total_q, num_heads] (f32, natural log)",
+              default=False),
+        Field("kv_layout", "str", "KV cache layout (docs/kernels.md)", default="paged",
+              choices=("paged", "contiguous")),
+        Field("page_size", "int", "rows per page of a paged cache (paged only; default 16)",
+              default=None, check=_page_check, allowed=_page_allowed),
+        Field("num_splits", "int_or_auto", 'KV splits per query tile: 1, N, or "auto" (chosen '
+              'at launch from the CTA count vs. the SM count)', default=1,
+              check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
+    ),
+    tile=(
+        Field("block_m", "int", "packed query rows (token x group head) per CTA, 16 per warp",
+              default=None, choices=_POW2_TILE),
+        Field("block_n", "int", "keys per K/V tile", default=None, choices=_POW2_TILE),
+        Field("num_warps", "int", "warps per CTA (block_m / 16)", default=None, choices=(1, 2, 4, 8)),
+        Field("num_stages", "int", "K/V tiles in flight in the cp.async pipeline", default=None,
+              choices=(1, 2, 3, 4)),
+    ),
+)
+
+
+def page_size(spec: KernelSpec) -> int:
+    return spec.opt("page_size") or 16
+
+
+def validate(spec: KernelSpec) -> None:
+    if spec.dtype == "f32":
+        raise SpecError("dtype f32: the varlen family runs on tensor cores only; use f16 or "
+                        "bf16 (f32 serving batches: the decode or prefill family)", key="dtype")
+    C.check_dtype_target(spec.dtype, spec.targets)
+    old = [t for t in spec.targets if not TARGETS[t].has_mma_m16n8k16]
+    if old:
+        raise SpecError(f"varlen uses mma.m16n8k16 and cp.async (sm_80+), but targets include "
+                        f"{old[0]}; drop it", key="targets")
+    check_page_size(spec)
+    for t in spec.targets:
+        configure(spec, TARGETS[t])
+
+
+def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
+    """Tiles: block_m 64 (4 warps) whatever the target, so the grid and the "auto" split rule
+    are target-independent; block_n 64 (32 above head_dim 128); 2 stages, fewer to fit."""
+    given = spec.tile_dict()
+    bm = given.get("block_m") or 16 * given.get("num_warps", 4)
+    warps = given.get("num_warps") or bm // 16
+    bn = given.get("block_n") or (64 if spec.head_dim <= 128 else 32)
+    stages = given.get("num_stages") or 2
+    smem_limit = target.max_smem_per_cta if target is not None else 1 << 30
+    cp_async = target.has_cp_async if target is not None else True
+
+    def make():
+        return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async)
+
+    cfg = make()
+    while cfg.smem_bytes > smem_limit:
+        if "num_stages" not in given and stages > 1:
+            stages -= 1
+        elif "block_n" not in given and bn > 16:
+            bn //= 2
+        else:
+            raise SpecError(f"tile block_m={bm}, block_n={bn}, num_stages={stages} needs "
+                            f"{cfg.smem_bytes} bytes of shared memory; {target} allows "
+                            f"{smem_limit} per CTA: use a smaller tile", key="tile.block_n")
+        cfg = make()
+    if target is not None:
+        _check_shape(cfg, target)
+    return cfg
+
+
+def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    c = configure(spec, target)
+    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
+            "num_stages": c.num_stages, "path": "mma.m16n8k16", "gqa_packing": spec.group_size,
+            "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes}
+
+
+def kv_access(spec: KernelSpec) -> KVAccess:
+    layout = spec.opt("kv_layout")
+    return KVAccess(layout, C.FORMATS[spec.dtype], page_size(spec) if layout == "paged" else 0)
+
+
+def query_tiles_expr(spec: KernelSpec) -> str:
+    """Packed query tiles launched per (KV head, split): sequence b's tiles start at
+    cu[b] * g // block_m + b, so every sequence gets at least cdiv(q_len * g, block_m) of them
+    and the total is at most the useful tiles + batch (docs/kernels.md)."""
+    return f"total_q * {spec.group_size} // {configure(spec, None).block_m} + batch"
+
+
+def interface(spec: KernelSpec) -> Interface:
+    d, H, Hk = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    kv = kv_access(spec)
+    tensors = [
+        TensorInfo("q", spec.dtype, ("total_q", H, d), "input", "query tokens of all sequences, packed"),
+        TensorInfo("cu_seqlens_q", "i32", ("batch + 1",), "input", "prefix sums of the query "
+                   "lengths: 0, ..., total_q", device_resident_scalars=True, prefix_sums="total_q"),
+        TensorInfo("seq_lens", "i32", ("batch",), "input", "KV rows per sequence after this "
+                   "step's rows were appended (clamped to the cache's capacity)",
+                   device_resident_scalars=True),
+        *kv.tensors(spec.dtype, Hk, d, "input"),
+        TensorInfo("o", spec.dtype, ("total_q", H, d), "output"),
+    ]
+    if spec.opt("return_lse"):
+        tensors.append(TensorInfo("lse", "f32", ("total_q", H), "output",
+                                  "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
+    dims = ["batch", "total_q", *kv.dims()]
+    rules: dict = {}
+    splits = spec.opt("num_splits")
+    if splits != 1:
+        tensors += [TensorInfo("o_part", "f32", ("total_q", H, "num_splits", d), "workspace",
+                               "per-split normalised partial outputs"),
+                    TensorInfo("lse_part", "f32", ("total_q", H, "num_splits"), "workspace",
+                               "per-split log2-sum-exp (-inf for an empty split)")]
+        dims.append("num_splits")
+        rules["num_splits"] = {"value": splits} if splits != "auto" else {"auto": {
+            "max": MAX_AUTO_SPLITS, "ctas": f"{Hk} * ({query_tiles_expr(spec)})",
+            "rule": "min(max, max(1, cdiv(2 * num_sms, ctas)))"}}
+    ps = page_size(spec)
+    defaults = {"batch": 8, "max_seq_len": 150} if spec.opt("kv_layout") == "contiguous" else \
+        {"batch": 8, "max_pages_per_seq": -(-150 // ps), "num_pages": 8 * -(-150 // ps) + 3}
+    return Interface(tuple(tensors), tuple(dims), defaults, rules)
+
+
+def build(spec: KernelSpec, target: Target) -> Program:
+    from ..ir import S64, U32, KernelBuilder
+    from .varlen_attend import emit_varlen
+    cfg = configure(spec, target)
+    kv = kv_access(spec)
+    split = spec.opt("num_splits") != 1
+    b = KernelBuilder(f"ptxc_{spec.name}" + ("_split" if split else ""))
+    params: list[LaunchParam] = []
+
+    def param(name, type, source):
+        params.append(LaunchParam(name, type, source))
+        return b.load_param(b.param(name, type))
+
+    outs = ["o_part", "lse_part"] if split else ["o"] + (["lse"] if spec.opt("return_lse") else [])
+    names = ["q", "cu_seqlens_q", "seq_lens", *kv.pointer_tensors(), *outs]
+    ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t))) for t in names}
+    strides = {(t, a): C.byte_stride(b, param(f"{t}_stride{a}", S64, ParamSource("stride", t, a)), cfg.fmt)
+               for t in ("q",) + (() if split else ("o",)) for a in (0, 1)}
+    kv.emit_strides(param)
+    kv.emit_dims(param)
+    batch = param("batch", U32, ParamSource("dim", name="batch"))
+    total_q = param("total_q", U32, ParamSource("dim", name="total_q"))
+    split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None
+    emit_varlen(b, spec, cfg, kv, ptrs, strides, batch, total_q, split_count)
+    b.ret()
+    grid_y = f"{spec.num_kv_heads} * num_splits" if split else str(spec.num_kv_heads)
+    launches = [Launch(entry=b.entry.name, params=tuple(params),
+                       grid=(query_tiles_expr(spec), grid_y, "1"),
+                       block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes)]
+    entries = [b.entry]
+    if split:
+        entry, launch = build_reduce(spec, f"ptxc_{spec.name}_reduce", spec.opt("return_lse"),
+                                     rows_dim="total_q")
+        entries.append(entry)
+        launches.append(launch)
+    return Program(entries, launches, resolve_tile(spec, target))
+
+
+def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
+    """A random mixed batch cycling through the serving cases: decode (q_len 1), whole prefill
+    (q_len = L), prefill chunk (q_len < L), no queries, a 4-token verification, q_len > L (rows
+    that see nothing), L = 0, L at the cache capacity; paged caches get shuffled pages and
+    garbage ids (-1, num_pages + 7) past each sequence's last page, which must never be read."""
+    from .varlen_inputs import mixed_batch
+    return mixed_batch(spec, dims, rng, page_size(spec) if spec.opt("kv_layout") == "paged" else 0)
+
+
+def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
+    from .varlen_inputs import varlen_reference
+    return varlen_reference(spec, inputs, dtype,
+                            page_size(spec) if spec.opt("kv_layout") == "paged" else 0)
+
+
+FAMILY = Family(name="varlen", doc=__doc__.split("\n")[0], fields=FIELDS, validate=validate,
+                interface=interface, build=build, resolve_tile=resolve_tile,
+                make_inputs=make_inputs, reference=reference)
+
+__all__ = ["FAMILY", "configure"]

@@ -1,0 +1,229 @@
+"""The varlen kernel body: one CTA = one packed query tile of one (sequence, KV head, split).
+
+Work assignment: grid.x counts packed query tiles over the whole batch; sequence b's tiles start
+at cu[b] * g // block_m + b, so a CTA finds its sequence by a binary search of cu_seqlens_q
+(find_sequence) and at most `batch` tiles in all find no rows and exit.
+
+Packed rows: row R of a sequence's query block is token R / g, query head kv_head * g + R % g
+(g = group size), so a tile of block_m rows covers block_m / g tokens of all g heads and every
+K/V tile it loads serves all of them. Per CTA:
+
+    q_len, L      from cu_seqlens_q (clamped into [0, total_q]) and seq_lens (clamped to the
+                  cache capacity); a tile whose first row is >= q_len * g exits at once
+    tile range    keys visible to the tile's last token (variant.key_end) give the tiles to
+                  visit; those visible to its first token, the tiles that need no mask; a split
+                  takes an even share of the visited tiles
+    Q tile        GQA-packed rows through load_tile_rows (strided per token and per head)
+    K/V tiles     rows through KVAccess.row_address (the decode family's per-layout addressing:
+                  page-table lookups guarded by row < L and page ids checked against num_pages)
+    math          prefill's MmaMath (ldmatrix + mma.m16n8k16 + online softmax) and the shared
+                  K/V pipeline (kv_pipeline.py), with this family's key limit per packed row
+    epilogue      1/l per row (prefill.finish_rows), stores straight from the accumulators: o
+                  in the dtype, or f32 o_part + log2 lse_part for split_reduce.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import B32, F32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
+from . import common as C
+from .kv_access import KVAccess
+from .kv_pipeline import run_kv_pipeline
+from .prefill import PrefillConfig, finish_rows
+from .prefill_mma import MmaMath
+from .tiles import load_tile_rows, thread_slot
+from .variant import AttentionVariant
+
+
+@dataclass
+class VarlenCtx:
+    """What MmaMath and finish_rows read (the same names as prefill's Ctx), for packed rows."""
+
+    b: KernelBuilder
+    spec: object
+    cfg: PrefillConfig
+    variant: AttentionVariant
+    tid: Reg
+    lane: Reg
+    warp: Reg
+    m_start: Reg          # u32 first packed row of the tile
+    seq_q: Reg            # u32 packed rows of the sequence: q_len * g
+    q_len: Reg            # s32
+    kv_len: Reg           # s32 L after clamping
+    q_smem: Reg
+    kv_head: Reg
+    token0: Reg           # u32 cu_seqlens_q[b] after clamping
+    lse: Reg | None       # u64: lse, or lse_part with splits
+    split: Reg | None     # u32 split index (None without split-KV)
+    num_splits: Reg | None
+
+    def token(self, row: Reg) -> Reg:
+        g = self.spec.group_size
+        return self.b.div(row, g) if g > 1 else row
+
+    def head(self, row: Reg) -> Reg:
+        g = self.spec.group_size
+        if g == 1:
+            return self.kv_head
+        return self.b.mad(self.kv_head, g, self.b.rem(row, g))
+
+    def position(self, token: Reg) -> Reg:
+        """s32 absolute position of a query token: L - q_len + token."""
+        b = self.b
+        return b.add(b.sub(self.kv_len, self.q_len), b.bitcast(token, S32))
+
+    def key_limit(self, b: KernelBuilder, row: Reg) -> Reg:
+        return self.variant.key_end(b, self.position(self.token(row)), self.kv_len)
+
+    def out_index(self, row: Reg) -> Reg:
+        """u32 (token, head) index into [total_q, H] (times num_splits, plus split, for parts)."""
+        b = self.b
+        idx = b.mad(b.add(self.token0, self.token(row)), self.spec.num_heads, self.head(row))
+        return idx if self.split is None else b.mad(idx, self.num_splits, self.split)
+
+    def lse_addr(self, b: KernelBuilder, row: Reg) -> Reg:
+        return b.add(self.lse, b.mul_wide(self.out_index(row), 4))
+
+
+class VarlenMath(MmaMath):
+    """prefill's tensor-core tile math; only the epilogue differs (per-row output addresses)."""
+
+    def __init__(self, b: KernelBuilder, ctx: VarlenCtx, ptrs: dict, strides: dict):
+        super().__init__(b, ctx)
+        self.ptrs, self.strides = ptrs, strides
+
+    def epilogue(self) -> None:
+        b, ctx = self.b, self.ctx
+        split = ctx.split is not None
+        writer = b.setp("eq", self.t, 0)
+        invs = finish_rows(b, ctx, self.m, self.l, self.rows, (1, 2), writer,
+                           lse_scale=1.0 if split else C.LN2)
+        for r, row in enumerate(self.rows):
+            ok = b.setp("lt", row, ctx.seq_q)
+            if split:   # o_part [total_q, H, splits, d] f32: this lane's columns 2t, 2t+1
+                addr = b.add(self.ptrs["o_part"], b.mul_wide(ctx.out_index(row), self.d * 4))
+                addr = b.add(addr, b.cvt(U64, b.shl(self.t, 3)))
+            else:
+                tok = b.add(ctx.token0, ctx.token(row))
+                base = C.element_offset(b, self.ptrs["o"], tok, self.strides[("o", 0)])
+                base = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), self.strides[("o", 1)])
+                addr = b.bitcast(b.add(base, b.cvt(S64, b.shl(self.t, 2))), U64)
+            for jd, acc in enumerate(self.o):
+                lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
+                with b.predicate(ok):
+                    if split:
+                        b.st("global", F32, Addr(addr, jd * 32), [lo, hi])
+                    else:
+                        b.st("global", B32, Addr(addr, jd * 16), [b.cvt_pack(self.pair, hi, lo)])
+
+
+SEARCH_STEPS = 31   # bits of the sequence index the binary search resolves (any u32 batch)
+
+
+def tile_start(b: KernelBuilder, cu_ptr: Reg, seq: Reg, g: int, bm: int, total_q: Reg) -> Reg:
+    """u32 first packed tile of sequence `seq`: cu[seq] * g // block_m + seq (cu clamped to
+    [0, total_q]). Non-decreasing in seq, and sequence seq's tiles fit before seq + 1's."""
+    t0 = _token(b, cu_ptr, seq, 0, total_q)
+    return b.add(b.div(b.mul(t0, g), bm), seq)
+
+
+def _token(b: KernelBuilder, cu_ptr: Reg, seq: Reg, offset: int, total_q: Reg) -> Reg:
+    addr = C.element_offset(b, cu_ptr, seq, b.mov(4, S64))
+    return b.min(b.bitcast(b.max(b.ld("global", S32, Addr(addr, offset), nc=True), 0), U32), total_q)
+
+
+def find_sequence(b: KernelBuilder, cu_ptr: Reg, tile: Reg, batch: Reg, g: int, bm: int,
+                  total_q: Reg) -> Reg:
+    """The last sequence whose first tile is <= `tile`: a branch-free binary search over the
+    bits of the index (a step's load is predicated off once it would pass `batch`)."""
+    seq = b.mov(0, U32)
+    for k in reversed(range(SEARCH_STEPS)):
+        mid = b.add(seq, 1 << k)
+        ok = b.setp("lt", mid, batch)
+        start = b.mov(0xFFFFFFFF, U32)
+        with b.predicate(ok):
+            b.mov(tile_start(b, cu_ptr, mid, g, bm, total_q), out=start)
+        b.mov(b.selp(mid, seq, b.setp("le", start, tile)), out=seq)
+    return seq
+
+
+def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
+                strides: dict, batch: Reg, total_q: Reg, split_count: Reg | None) -> None:
+    g, bm, bn, stages = spec.group_size, cfg.block_m, cfg.block_n, cfg.num_stages
+    variant = AttentionVariant.from_spec(spec)
+    tid = b.special("%tid.x")
+    lane, warp = b.and_(tid, 31), b.shr(tid, 5)
+    tile, cy = b.special("%ctaid.x"), b.special("%ctaid.y")
+    Hk = spec.num_kv_heads
+    kv_head, split = (b.rem(cy, Hk), b.div(cy, Hk)) if split_count is not None else (cy, None)
+
+    # Which sequence this tile belongs to; its query tokens [t0, t1) and keys [0, L), clamped
+    # so that corrupt prefix sums or lengths can never address outside q/o or the cache.
+    cu = ptrs["cu_seqlens_q"]
+    seq = find_sequence(b, cu, tile, batch, g, bm, total_q)
+    t0 = _token(b, cu, seq, 0, total_q)
+    t1 = b.max(_token(b, cu, seq, 4, total_q), t0)
+    q_len = b.bitcast(b.sub(t1, t0), S32)
+    lens = C.element_offset(b, ptrs["seq_lens"], seq, b.mov(4, S64))
+    L = b.min(b.bitcast(b.max(b.ld("global", S32, Addr(lens), nc=True), 0), U32), kv.capacity(b))
+    L = b.bitcast(L, S32)
+    rows = b.mul(b.bitcast(q_len, U32), g)
+    m_start = b.mul(b.sub(tile, b.add(b.div(b.mul(t0, g), bm), seq)), bm)
+    with b.if_then(b.setp("ge", m_start, rows)):
+        b.ret()                                        # no query rows for this tile: exit
+
+    smem = b.address_of(b.shared("varlen_smem", 0))
+    kv_bytes = cfg.kv_geom.bytes
+    k_smem = b.add(smem, cfg.q_geom.bytes)
+    v_smem = b.add(k_smem, stages * kv_bytes)
+    ctx = VarlenCtx(b, spec, cfg, variant, tid, lane, warp, m_start, rows, q_len, L, smem, kv_head,
+                    t0, ptrs.get("lse_part" if split is not None else "lse"), split, split_count)
+
+    # KV tiles: [0, n_vis) visible to the tile's last token; [0, n_full) to its first as well.
+    last_row = b.sub(b.min(b.add(m_start, bm), rows), 1)
+    def keys_seen(row: Reg) -> Reg:
+        return b.bitcast(b.max(ctx.key_limit(b, row), 0), U32)
+    n_vis = b.div(b.add(keys_seen(last_row), bn - 1), bn)
+    n_full = b.div(keys_seen(m_start), bn)
+    first = b.mov(0, U32)
+    if split is not None:                               # split s of n: an even share of n_vis
+        per = b.div(b.add(n_vis, b.sub(split_count, 1)), split_count)
+        first = b.min(b.mul(split, per), n_vis)
+        n_vis = b.min(b.add(first, per), n_vis)
+    n_tiles = b.sub(n_vis, first)
+    n_full = b.sub(b.max(n_full, first), first)
+
+    q_slot, kv_slot = thread_slot(b, cfg.q_geom, tid), thread_slot(b, cfg.kv_geom, tid)
+    q_col = b.cvt(S64, q_slot.col)
+
+    def q_row(row: Reg, valid: Reg) -> tuple[Reg, Reg]:
+        tok = b.add(t0, ctx.token(row))
+        base = C.element_offset(b, ptrs["q"], tok, strides[("q", 0)])
+        addr = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), strides[("q", 1)])
+        return b.bitcast(b.add(addr, q_col), U64), valid
+
+    bases = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, kv_slot.col))
+
+    def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
+        with b.if_then(b.setp("lt", j, n_tiles)):
+            row0 = b.mul(b.add(first, j), bn)
+            dst = b.add(k_smem if t == "k" else v_smem, stage_off)
+            cache = "k_cache" if t == "k" else "v_cache"
+            load_tile_rows(b, kv_slot, lambda row, ok: _kv_row(b, kv, bases, cache, row, ok),
+                           row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
+        b.cp_async_commit()
+
+    load_tile_rows(b, q_slot, q_row, m_start, b.sub(b.bitcast(rows, S32), b.bitcast(m_start, S32)),
+                   smem, True)
+    math = VarlenMath(b, ctx, ptrs, strides)
+    run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
+                    use_async=True, n_tiles=n_tiles, n_full=n_full,
+                    key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
+                    transform=lambda s, key0: variant.transform_scores(b, s, key0))
+    math.epilogue()
+
+
+def _kv_row(b: KernelBuilder, kv: KVAccess, bases: dict, cache: str, row: Reg, ok: Reg):
+    addr, valid = kv.row_address(b, bases, cache, row, ok, {})
+    return b.bitcast(addr, U64) if addr.type != U64 else addr, valid
