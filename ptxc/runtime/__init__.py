@@ -246,12 +246,19 @@ def check_buffer_budget(meta: dict, inputs: dict[str, np.ndarray] | None, dims: 
     limit = int(os.environ.get("PTXC_MAX_RUN_BYTES") or DEFAULT_MAX_RUN_BYTES)
     dims = dict(dims)
     for name, rule in (meta.get("dim_rules") or {}).items():
-        dims.setdefault(name, apply_dim_rule(rule, dims, EMU_NUM_SMS))
+        try:
+            dims.setdefault(name, apply_dim_rule(rule, dims, EMU_NUM_SMS))
+        except InputError:
+            if inputs is not None:
+                raise   # before the inputs exist, a rule over a dim they carry waits for them
     total = 0
     for name, info in meta["tensors"].items():
         if inputs is not None and info["role"] in ("input", "inout") and not info.get("derived_from"):
             total += np.asarray(inputs[name]).size * ITEM_BYTES[info["dtype"]]
         else:
+            names = {n for s in info["shape"] if isinstance(s, str) for n in exprs.names(s)}
+            if inputs is None and not names <= set(dims):
+                continue   # sized by a dim the inputs will carry (varlen's total_q): checked with them
             shape = [exprs.evaluate(s, dims) if isinstance(s, str) else s for s in info["shape"]]
             total += math.prod(shape) * (8 if info.get("derived_from") else ITEM_BYTES[info["dtype"]])
     if total > limit:
