@@ -24,6 +24,7 @@ from .. import __version__
 from .cache import sha256, write_if_changed
 from ..errors import UserError
 from .metadata import SCHEMA_VERSION, artifact_files, dumps, make_metadata
+from .checked import load_checked, read_manifest_checked  # noqa: F401  (the checked read side)
 
 MANIFEST = "manifest.json"
 

@@ -18,15 +18,24 @@ def plural(n: int, one: str, many: str | None = None) -> str:
 
 
 def _console() -> Console:
+    """On a terminal: rich tables fitted to its width. Piped or logged: a plain form (no colour,
+    no box-drawing characters), wide enough that no cell is cut."""
     c = Console(highlight=False)
-    if not c.is_terminal:  # logs and pipes: wide enough that tables are not truncated
-        c = Console(highlight=False, width=200)
+    if not c.is_terminal:
+        c = Console(highlight=False, width=200, color_system=None)
     return c
+
+
+def _table(title: str, console: Console) -> Table:
+    if console.is_terminal:
+        return Table(title=title, title_justify="left")
+    return Table(title=title, title_justify="left", box=None, padding=(0, 2), header_style=None,
+                 title_style=None)
 
 
 def print_build_summary(summary: dict) -> None:
     c = _console()
-    table = Table(title=f"ptxc build -> {summary['out']}", title_justify="left")
+    table = _table(f"ptxc build -> {summary['out']}", c)
     for col in ("kernel", "target", "entries", "regs", "spill B", "smem B", "occupancy"):
         table.add_column(col, justify="right" if col not in ("kernel", "target", "entries") else "left")
     for k in summary["kernels"]:
@@ -48,7 +57,7 @@ def print_build_summary(summary: dict) -> None:
 def print_verify_report(report) -> None:
     c = _console()
     if report.rows:
-        table = Table(title="resources", title_justify="left")
+        table = _table("resources", c)
         for col in ("kernel", "target", "entry", "regs", "spill B", "stack", "smem B", "barriers",
                     "CTAs/SM", "occupancy", "limited by"):
             table.add_column(col)
@@ -74,7 +83,7 @@ def print_inspect(d: Path, as_json: bool = False) -> None:
     c.print(f"[bold]{meta['name']}[/bold]  family={meta['family']}  ptxc {meta['ptxc_version']}  "
             f"verified={meta['verified']}")
     c.print("spec: " + escape(", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("name", "family"))))
-    t = Table(title="tensors", title_justify="left")
+    t = _table("tensors", c)
     for col in ("name", "dtype", "shape", "role"):
         t.add_column(col)
     for name, info in meta["tensors"].items():
@@ -128,7 +137,7 @@ def print_families() -> None:
     c = _console()
 
     def fields_table(title, fields, prefix=""):
-        t = Table(title=title, title_justify="left")
+        t = _table(title, c)
         for col in ("key", "default", "allowed", "meaning"):
             t.add_column(col)
         for f in fields:
@@ -148,7 +157,7 @@ def print_families() -> None:
 
 def print_launch_test(rows, rule: str) -> None:
     c = _console()
-    table = Table(title=f"launch-test (pass: {rule})", title_justify="left")
+    table = _table(f"launch-test (pass: {rule})", c)
     for col in ("kernel", "target", "backend", "shape", "tensor", "max abs error", "tolerance", "result", "time"):
         table.add_column(col)
     for r in rows:

@@ -216,7 +216,7 @@ def read_npz(path: Path) -> dict:
     except InputError:
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError, MemoryError) as e:
-        raise InputError(f"{path}: not a valid .npz ({type(e).__name__}: {str(e)[:120]})") from None
+        raise InputError(f"{path}: cannot read as .npz ({type(e).__name__}: {str(e)[:120]})") from None
 
 
 __all__ = ["launch_test", "run_npz", "parse_assignments", "TOLERANCE_RULE", "CheckRow"]
