@@ -10,27 +10,15 @@ the math object; tiles j >= n_full get the mask.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 from ..ir import U32, KernelBuilder, Reg
 
 
 def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
                     use_async: bool, n_tiles: Reg, n_full: Reg, key0_of, load_kv, math,
-                    transform=None, warp_active: Reg | None = None) -> None:
+                    transform=None) -> None:
     """Prologue, loop over tiles [0, n_tiles) and drain. `key0_of(j)` is the first key of loop
     tile j (what the mask compares against); `transform(scores, key0)`, when given, modifies the
-    raw scores before the mask (the variant seam: soft-cap, ALiBi). With `warp_active` (a
-    warp-uniform predicate) a warp whose query rows are all padding skips the math, but still
-    copies tiles and meets every barrier."""
-
-    @contextmanager
-    def math_block():
-        if warp_active is None:
-            yield
-        else:
-            with b.if_then(warp_active):
-                yield
+    raw scores before the mask (the variant seam: soft-cap, ALiBi)."""
 
     def wait_and_sync():
         if use_async:
@@ -47,17 +35,15 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
         prev = b.mul(b.rem(b.add(j, stages - 1), stages), kv_bytes) if stages > 1 else 0
         wait_and_sync()                                   # K(j) landed; V(j-1) no longer read
         load_kv("v", b.add(j, stages - 1), prev)
-        with math_block():
-            s = math.scores(b.add(k_smem, stage) if stages > 1 else k_smem)
-            if transform is not None:
-                transform(s, key0_of(j))
-            with b.if_then(b.setp("ge", j, n_full)):
-                math.mask(s, key0_of(j))
-            p = math.softmax(s)
+        s = math.scores(b.add(k_smem, stage) if stages > 1 else k_smem)
+        if transform is not None:
+            transform(s, key0_of(j))
+        with b.if_then(b.setp("ge", j, n_full)):
+            math.mask(s, key0_of(j))
+        p = math.softmax(s)
         wait_and_sync()                                   # V(j) landed; K(j) no longer read
         load_kv("k", b.add(j, stages), stage)
-        with math_block():
-            math.pv(p, b.add(v_smem, stage) if stages > 1 else v_smem)
+        math.pv(p, b.add(v_smem, stage) if stages > 1 else v_smem)
     if use_async:
         b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
     b.bar_sync(0)

@@ -182,7 +182,6 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
 
     # KV tiles: [0, n_vis) visible to the tile's last token; [0, n_full) to its first as well.
     last_row = b.sub(b.min(b.add(m_start, bm), rows), 1)
-
     def keys_seen(row: Reg) -> Reg:
         return b.bitcast(b.max(ctx.key_limit(b, row), 0), U32)
     n_vis = b.div(b.add(keys_seen(last_row), bn - 1), bn)
@@ -221,8 +220,7 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
     run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                     use_async=True, n_tiles=n_tiles, n_full=n_full,
                     key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
-                    transform=lambda s, key0: variant.transform_scores(b, s, key0),
-                    warp_active=b.setp("lt", b.add(m_start, b.mul(warp, 16)), rows))
+                    transform=lambda s, key0: variant.transform_scores(b, s, key0))
     math.epilogue()
 
 
