@@ -2,7 +2,8 @@
 
 Warp w owns query rows [16w, 16w + 16) of the CTA's tile. Per KV tile:
   S = Q·Kᵀ   block_n/8 accumulator tiles (16 x 8 f32, 4 registers each); A = Q fragments by
-             ldmatrix.x4 from the Q tile, B = two n8 tiles of K per ldmatrix.x4 ([n][k] rows);
+             ldmatrix.x4 from the Q tile, B = two n8 tiles of K per ldmatrix.x4 ([n][k] rows,
+             matrices ordered so each B fragment is an adjacent register pair);
   softmax    lane (g = lane/4, t = lane%4) holds rows g and g+8, columns 2t, 2t+1 of every n8
              tile; row max by shfl.bfly 1 and 2, probabilities by one fma + ex2 each;
   O += P·V   the S accumulators of n8 tiles 2k, 2k+1, rounded to f16x2/bf16x2, are the A
@@ -17,7 +18,7 @@ from __future__ import annotations
 from ..ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, Addr, KernelBuilder, Reg
 from . import common as C
 from .prefill import Ctx, finish_rows
-from .tiles import ldmatrix_lane_offset, zero_regs
+from .tiles import ldmatrix_lane_offset, ldmatrix_lane_offset_nk, zero_regs
 
 
 class MmaMath:
@@ -32,6 +33,7 @@ class MmaMath:
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
         lane = ctx.lane
         self.lane_off = ldmatrix_lane_offset(b, lane, self.ss)
+        self.k_lane_off = ldmatrix_lane_offset_nk(b, lane, self.ss)
         warp_rows = b.mul(ctx.warp, 16)
         self.q_lane = b.add(b.mad(warp_rows, self.ss, ctx.q_smem), self.lane_off)
         g, t = b.shr(lane, 2), b.and_(lane, 3)
@@ -49,7 +51,8 @@ class MmaMath:
 
     def scores(self, k_tile: Reg) -> list[list[Reg]]:
         b, ss = self.b, self.ss
-        k_lane = b.add(k_tile, self.lane_off)
+        k_lane = b.add(k_tile, self.k_lane_off)
+        k_lane_half = b.add(k_tile, self.lane_off) if self.half_k else None
         s: list = [None] * (self.bn // 8)
         for kk in range(self.ksteps):
             half = self.half_k and kk == self.ksteps - 1
@@ -57,9 +60,10 @@ class MmaMath:
             if half:
                 a += [self.zero, self.zero]
             for pair in range(self.bn // 16):
-                kb = b.ldmatrix(Addr(k_lane, pair * 16 * ss + kk * 32), 2 if half else 4)
+                kb = b.ldmatrix(Addr(k_lane_half if half else k_lane, pair * 16 * ss + kk * 32),
+                                2 if half else 4)
                 frags = [(kb[0], self.zero), (kb[1], self.zero)] if half else \
-                    [(kb[0], kb[2]), (kb[1], kb[3])]
+                    [(kb[0], kb[1]), (kb[2], kb[3])]
                 for e, frag in enumerate(frags):
                     jn = 2 * pair + e
                     s[jn] = b.mma_m16n8k16(a, frag, s[jn] or self.fzero, self.in_type, out=s[jn])

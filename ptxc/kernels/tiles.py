@@ -166,9 +166,22 @@ def ldmatrix_lane_offset(b: KernelBuilder, lane: Reg, stride: int) -> Reg:
     return b.mad(b.and_(lane, 15), stride, b.mul(b.shr(lane, 4), CHUNK))
 
 
+def ldmatrix_lane_offset_nk(b: KernelBuilder, lane: Reg, stride: int) -> Reg:
+    """Lane l addresses row (l & 7) + 8 (l >> 4), 16-byte chunk (l >> 3) & 1 of a 16 x 16 block.
+
+    With .x4 on a [n][k] tile this gives the matrices (n 0-7, k 0-7), (n 0-7, k 8-15),
+    (n 8-15, k 0-7), (n 8-15, k 8-15): two n8 B fragments as (0, 1) and (2, 3), each landing in
+    an adjacent register pair, which is what HMMA's B operand needs (the (0, 2) / (1, 3) pairs of
+    ldmatrix_lane_offset cost ptxas a MOV per register, issue 13). Not for .x2.
+    """
+    row = b.add(b.and_(lane, 7), b.shl(b.shr(lane, 4), 3))
+    return b.mad(row, stride, b.mul(b.and_(b.shr(lane, 3), 1), CHUNK))
+
+
 def zero_regs(b: KernelBuilder, n: int, type=B32) -> list[Reg]:
     return [b.mov(0, type) if type.is_int or type.kind == "b" else b.mov(0.0, type) for _ in range(n)]
 
 
 __all__ = ["TileGeom", "ThreadSlot", "GlobalRows", "thread_slot", "global_rows", "load_tile",
+           "ldmatrix_lane_offset_nk",
            "store_tile", "ldmatrix_lane_offset", "padded_stride", "zero_regs", "U32", "U64"]
