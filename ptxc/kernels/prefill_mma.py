@@ -5,7 +5,8 @@ Warp w owns query rows [16w, 16w + 16) of the CTA's tile. Per KV tile:
              ldmatrix.x4 from the Q tile, B = two n8 tiles of K per ldmatrix.x4 ([n][k] rows,
              matrices ordered so each B fragment is an adjacent register pair);
   softmax    lane (g = lane/4, t = lane%4) holds rows g and g+8, columns 2t, 2t+1 of every n8
-             tile; row max by shfl.bfly 1 and 2, probabilities by one fma + ex2 each;
+             tile; row max by shfl.bfly 1 and 2, probabilities by one fma + ex2 each; row
+             sums by one extra mma per k-step of P·V against a fragment of ones;
   O += P·V   the S accumulators of n8 tiles 2k, 2k+1, rounded to f16x2/bf16x2, are the A
              fragment of k-step k (no shared-memory round trip); B = two n8 tiles of V per
              ldmatrix.x4.trans ([k][n] rows).
@@ -47,7 +48,11 @@ class MmaMath:
         self.fzero = zero_regs(b, 4, F32)
         self.o = [zero_regs(b, 4, F32) for _ in range(self.dtiles)]
         self.m = [b.mov(C.NEG_INF, F32) for _ in range(2)]
-        self.l = zero_regs(b, 2, F32)
+        # Row sums on the tensor cores: P times a B fragment of ones adds each row's probabilities
+        # of a k-step into every column of l_acc (rows g, g + 8 as for O), so no FADD chain and
+        # no cross-lane reduction at the end; rescaled by alpha like O.
+        self.l_acc = zero_regs(b, 4, F32)
+        self.ones = b.mov(0x3C003C00 if cfg.fmt.name == "f16" else 0x3F803F80, B32)
 
     def scores(self, k_tile: Reg) -> list[list[Reg]]:
         b, ss = self.b, self.ss
@@ -82,8 +87,8 @@ class MmaMath:
     def softmax(self, s: list[list[Reg]]) -> list[list[Reg]]:
         b = self.b
         rows = [[acc[2 * r + e] for acc in s for e in range(2)] for r in range(2)]
-        alphas, probs = C.online_softmax_rows(b, self.m, self.l, rows, self.scale_log2, (1, 2))
-        for acc in self.o:
+        alphas, probs = C.online_softmax_rows(b, self.m, None, rows, self.scale_log2, (1, 2))
+        for acc in self.o + [self.l_acc]:
             for i, x in enumerate(acc):
                 b.mul(x, alphas[i // 2], out=x)
         # probs[r][2 jn + e] is element (r, e) of n8 tile jn; k-step k packs tiles 2k, 2k+1.
@@ -95,6 +100,7 @@ class MmaMath:
         b, ss = self.b, self.ss
         v_lane = b.add(v_tile, self.lane_off)
         for kk, a in enumerate(a_frags):
+            b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
             for pair in range(-(-self.dtiles // 2)):
                 both = 2 * pair + 1 < self.dtiles
                 vb = b.ldmatrix(Addr(v_lane, kk * 16 * ss + pair * 32), 4 if both else 2, trans=True)
@@ -107,7 +113,8 @@ class MmaMath:
         """O / l rounded into this warp's rows of the Q tile, then 128-bit row stores by all."""
         from .tiles import global_rows, store_tile, thread_slot
         b, ctx = self.b, self.ctx
-        invs = finish_rows(b, ctx, self.m, self.l, self.rows, (1, 2), b.setp("eq", self.t, 0))
+        l_rows = [self.l_acc[0], self.l_acc[2]]   # complete row sums already: no lanes to reduce
+        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, (), b.setp("eq", self.t, 0))
         for jd, acc in enumerate(self.o):
             for r in range(2):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
