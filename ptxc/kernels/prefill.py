@@ -303,13 +303,21 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
             b.cp_async_wait(2 * stages - 2)
         b.bar_sync(0)
 
+    # Each of K and V is loaded tile 0, 1, 2, ... in order, so this thread's global address of
+    # the next tile is carried in a register and advanced by one tile's rows per load.
+    next_addr = {t: b.mov(b.bitcast(gkv[t].thr_base, S64)) for t in "kv"}
+    tile_step = {t: b.mul(gkv[t].row_stride, bn) for t in "kv"}
+
     def load_kv(t: str, tile: Reg | int, stage_off: Reg | int):
-        """K or V tile `tile` into buffer `stage_off` (a byte offset), if the tile exists."""
+        """K or V tile `tile` (the next one of `t`) into buffer `stage_off` (a byte offset), if
+        the tile exists."""
         tile = tile if isinstance(tile, Reg) else b.mov(tile, U32)
         with b.if_then(b.setp("lt", tile, n_tiles)):
             row0 = b.mul(tile, bn)
             base = b.add(k_smem if t == "k" else v_smem, stage_off)
-            load_tile(b, kv_slot, gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async)
+            load_tile(b, kv_slot, gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async,
+                      first_addr=next_addr[t])
+        b.add(next_addr[t], tile_step[t], out=next_addr[t])
         commit()
 
     # Prologue. Commit groups in order: Q+K0, V0, K1, V1, ..., K(S-1); iteration j then waits
@@ -321,9 +329,11 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
         if s < stages - 1:
             load_kv("v", s, s * kv_bytes)
 
+    # Buffer offsets of tile j (stage) and of tile j - 1 (prev, = stage of j + S - 1), carried in
+    # registers rather than recomputed from j % S each iteration.
+    stage = b.mov(0, U32) if stages > 1 else 0
+    prev = b.mov((stages - 1) * kv_bytes, U32) if stages > 1 else 0
     with b.for_range(0, n_tiles) as j:
-        stage = b.mul(b.rem(j, stages), kv_bytes) if stages > 1 else 0
-        prev = b.mul(b.rem(b.add(j, stages - 1), stages), kv_bytes) if stages > 1 else 0
         wait_and_sync()                                   # K(j) landed; V(j-1) no longer read
         load_kv("v", b.add(j, stages - 1), prev)
         s = math.scores(b.add(k_smem, stage) if stages > 1 else k_smem)
@@ -333,6 +343,11 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
         wait_and_sync()                                   # V(j) landed; K(j) no longer read
         load_kv("k", b.add(j, stages), stage)
         math.pv(p, b.add(v_smem, stage) if stages > 1 else v_smem)
+        if stages > 1:
+            nxt = b.add(stage, kv_bytes)
+            nxt = b.selp(0, nxt, b.setp("eq", nxt, stages * kv_bytes))
+            b.mov(stage, out=prev)
+            b.mov(nxt, out=stage)
     if use_async:
         b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
     b.bar_sync(0)

@@ -98,8 +98,9 @@ def global_rows(b: KernelBuilder, slot: ThreadSlot, head_base: Reg, row_stride: 
     return GlobalRows(b.bitcast(thr, U64), row_stride, b.mul(row_stride, slot.geom.rows_per_pass))
 
 
-def _pass_addrs(b: KernelBuilder, g: GlobalRows, row0: Reg, passes: int) -> list[Reg]:
-    addr = b.mad(b.cvt(S64, row0), g.row_stride, b.bitcast(g.thr_base, S64))
+def _pass_addrs(b: KernelBuilder, g: GlobalRows, row0: Reg, passes: int,
+                first: Reg | None = None) -> list[Reg]:
+    addr = first if first is not None else b.mad(b.cvt(S64, row0), g.row_stride, b.bitcast(g.thr_base, S64))
     out = [addr]
     for _ in range(1, passes):
         out.append(b.add(out[-1], g.pass_step))
@@ -107,13 +108,15 @@ def _pass_addrs(b: KernelBuilder, g: GlobalRows, row0: Reg, passes: int) -> list
 
 
 def load_tile(b: KernelBuilder, slot: ThreadSlot, src: GlobalRows, row0: Reg, nvalid: Reg,
-              smem: Reg, use_cp_async: bool) -> None:
+              smem: Reg, use_cp_async: bool, first_addr: Reg | None = None) -> None:
     """Copy rows [row0, row0 + rows) into the tile at shared address `smem`; rows at or past
-    `nvalid` (s32, may be <= 0) of the tile are zero-filled. With cp.async nothing is waited for."""
+    `nvalid` (s32, may be <= 0) of the tile are zero-filled. With cp.async nothing is waited for.
+    `first_addr` (s64), when the caller carries it, is this thread's address of row row0 + r0
+    (`src.thr_base + row0 * row_stride`), saving the 64-bit multiply in a loop."""
     geom = slot.geom
     rem = b.sub(nvalid, b.bitcast(slot.r0, S32))      # valid rows left from this thread's r0
     dst = b.add(smem, slot.soff)
-    addrs = _pass_addrs(b, src, row0, geom.passes)
+    addrs = _pass_addrs(b, src, row0, geom.passes, first_addr)
     staged = []
     for i, a in enumerate(addrs):
         valid = b.setp("gt", rem, i * geom.rows_per_pass)
