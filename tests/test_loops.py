@@ -52,8 +52,8 @@ def test_uniform_branches_are_conditional_and_main_loop_has_the_mma():
     result, loop = _main("uniform_branch.sass")
     first, second = result["loops"]
     assert result["main"] == 1 and loop is second
-    # BRA.U !UP0 is conditional: the path through the MUFU (more work) is the steady state
-    assert first["instructions"] == 6 and first["classes"]["mufu"] == 1
+    # BRA.U !UP0 is conditional: the path through the LDS (more work) is the steady state
+    assert first["instructions"] == 6 and first["classes"]["lds"] == 1
     # the early exit (@P0 BRA out of the loop) is never followed
     assert second["instructions"] == 4 and second["classes"]["tensor"] == 1
 

@@ -22,6 +22,11 @@ from .prefill import Ctx, finish_rows
 from .tiles import ldmatrix_lane_offset, ldmatrix_lane_offset_nk, zero_regs
 
 
+# log2 units the running max may lag the true one before O is rescaled (lazy rescaling, as in
+# FlashAttention 4): probabilities stay <= 2^8, far inside f16/bf16 range.
+RESCALE_SLACK = 8.0
+
+
 class MmaMath:
     def __init__(self, b: KernelBuilder, ctx: Ctx):
         self.b, self.ctx, cfg = b, ctx, ctx.cfg
@@ -85,12 +90,37 @@ class MmaMath:
                         b.mov(C.NEG_INF, F32, out=acc[2 * r + e])
 
     def softmax(self, s: list[list[Reg]]) -> list[list[Reg]]:
+        """Online softmax with a lazy rescale: the running max m (log2 units) moves, and O and
+        the row sums are rescaled, only when some row of the warp grew by more than
+        RESCALE_SLACK; otherwise probabilities are taken against the stale m, so they reach at
+        most 2^RESCALE_SLACK (exact all the same: O and l share the reference). The decision
+        is warp-uniform (a butterfly max over all lanes), so the branch never diverges, and in
+        steady state the 64 + 4 rescale multiplies per tile are skipped."""
         b = self.b
         rows = [[acc[2 * r + e] for acc in s for e in range(2)] for r in range(2)]
-        alphas, probs = C.online_softmax_rows(b, self.m, None, rows, self.scale_log2, (1, 2))
-        for acc in self.o + [self.l_acc]:
-            for i, x in enumerate(acc):
-                b.mul(x, alphas[i // 2], out=x)
+        cands = []
+        for r in range(2):
+            mx = rows[r][0]
+            for x in rows[r][1:]:
+                mx = b.max(mx, x)
+            for off in (1, 2):
+                mx = b.max(mx, b.shfl("bfly", mx, off))
+            cands.append(b.max(self.m[r], b.mul(mx, self.scale_log2)))
+        # -inf - -inf is NaN: max.f32 drops a NaN operand, and a NaN everywhere fails the test
+        grow = b.max(b.sub(cands[0], self.m[0]), b.sub(cands[1], self.m[1]))
+        for off in (4, 8, 16):
+            grow = b.max(grow, b.shfl("bfly", grow, off))
+        with b.if_then(b.setp("gt", grow, RESCALE_SLACK)):
+            for r in range(2):
+                alpha = C.rescale_factor(b, self.m[r], C.safe_max(b, cands[r]))
+                for acc in self.o + [self.l_acc]:
+                    for e in range(2):
+                        b.mul(acc[2 * r + e], alpha, out=acc[2 * r + e])
+                b.mov(cands[r], out=self.m[r])
+        probs = []
+        for r in range(2):
+            neg = b.neg(C.safe_max(b, self.m[r]))
+            probs.append([b.ex2(b.fma(x, self.scale_log2, neg)) for x in rows[r]])
         # probs[r][2 jn + e] is element (r, e) of n8 tile jn; k-step k packs tiles 2k, 2k+1.
         pk = [[b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn]) for r in range(2)]
               for jn in range(self.bn // 8)]

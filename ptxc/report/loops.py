@@ -3,9 +3,10 @@ loop issues, and how many global-load bytes it keeps in flight.
 
 A loop is a backward branch (`BRA` to an address at or before it). Its iteration is one path
 from the loop head to that back edge through the forward branches inside; the steady-state path
-is the one doing the most work (tensor-core, memory, MUFU and shuffle instructions) and, among
-those, the fewest instructions: that takes the prefetch of the next tile (`if j + 1 < n`) and
-skips masking and tail handling, i.e. an interior tile. A kernel's main loop is the one whose
+is the one doing the most work (tensor-core instructions and loads: HMMA, LDSM, LDGSTS, LDG,
+LDS, STS) and, among those, the fewest instructions: that takes the prefetch of the next tile
+(`if j + 1 < n`) and skips masking, tail handling and prefill's lazy softmax rescale, i.e. an
+interior tile whose running max did not jump. A kernel's main loop is the one whose
 iteration has the most HMMA, then the most global-load bytes, then the most instructions.
 
 Bytes in flight are simulated over the path run three times (the last pass is reported, so
@@ -173,7 +174,9 @@ def find_loops(instrs: list[Instr], labels: dict[str, int]) -> list[tuple[int, i
     return loops
 
 
-_WORK = {"tensor", "ldsm", "ldgsts", "ldg", "stg", "lds", "sts", "mufu", "shfl"}
+# What a steady-state iteration must do: tensor-core math and the loads feeding it. Branches
+# holding only arithmetic (masking, a lazy softmax rescale) or stores (tails) are off the path.
+_WORK = {"tensor", "ldsm", "ldgsts", "ldg", "lds", "sts"}
 
 
 def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> list[int]:
