@@ -81,15 +81,14 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
 def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred):
     fmt, lpr, hp = cfg.fmt, cfg.lanes_per_row, cfg.heads_per_cta
     rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
-    offsets = [b.add(first_row, u * cfg.rows_per_warp) for u in range(cfg.kv_unroll)]
     # Paged: the page ids of iteration i + 1 are loaded during iteration i (after its K/V loads
     # are issued), so no block-table round trip sits in front of the K/V loads.
     pages = None
     if kv.layout == "paged":
-        pages = [kv.load_page(b, bases, r, b.setp("lt", r, row_end))
-                 for r in (b.add(row_begin, o) for o in offsets)]
+        firsts = [b.add(row_begin, b.add(first_row, u * cfg.rows_per_warp)) for u in range(cfg.kv_unroll)]
+        pages = [kv.load_page(b, bases, r, b.setp("lt", r, row_end)) for r in firsts]
     with b.for_range(row_begin, row_end, rows_per_iter) as it:
-        rows = [b.add(it, o) for o in offsets]
+        rows = [b.add(it, b.add(first_row, u * cfg.rows_per_warp)) for u in range(cfg.kv_unroll)]
         valid = [b.setp("lt", r, row_end) for r in rows]
         tiles, page_cache = {}, {}
         for u in range(cfg.kv_unroll) if pages else ():
