@@ -69,3 +69,44 @@ def test_float_immediates_print_as_hex_bits():
     b.mov(1.0, F32)
     assert [render_instr(i) for i in b.entry.body] == ["\tmov.f32 %f1, 0fFF800000;",
                                                        "\tmov.f32 %f2, 0f3F800000;"]
+
+
+def _divrem_kernel():
+    """out[t] for t = tid: unsigned div/rem by powers of two and not, u64 too, and signed."""
+    b = KernelBuilder("divrem")
+    out = b.to_global(b.load_param(b.param("out", U64)))
+    t = b.special("%tid.x")
+    x = b.mad(t, 37, 5)
+    sx = b.sub(b.bitcast(x, S32), 600)
+    vals = [b.div(x, 8), b.rem(x, 8), b.div(x, 1), b.rem(x, 1), b.div(x, 6), b.rem(x, 6),
+            b.bitcast(b.cvt(U32, b.div(b.cvt(U64, x), 16)), U32), b.bitcast(b.div(sx, 4), U32),
+            b.bitcast(b.rem(sx, 4), U32)]
+    base = b.add(out, b.mul(b.cvt(U64, t), len(vals) * 4))
+    for n, v in enumerate(vals):
+        b.st("global", U32, Addr(base, 4 * n), [v])
+    b.ret()
+    return b.entry
+
+
+def test_strength_reduction_pass_on_power_of_two_unsigned_div_rem():
+    import numpy as np
+
+    from ptxc.emu import launch
+    from ptxc.ir import render_module
+    from ptxc.ir.passes import run_passes
+    entry = _divrem_kernel()
+    [reduced] = run_passes([entry])
+    text = "\n".join(render_instr(i) for i in reduced.body)
+    assert "div.u32" in text and "rem.u32" in text          # by 6: left for ptxas
+    assert text.count("shr.u32") == 2 and "and.b32" in text  # by 8 and by 1
+    assert "shr.u64" in text and "div.s32" in text and "rem.s32" in text  # u64 reduced, signed kept
+    before = "\n".join(render_instr(i) for i in entry.body)
+    assert "shr" not in before
+    ptx = render_module([reduced], kernel="divrem", family="test", target="sm_80", ptx_version="8.0")
+    got = np.zeros(64 * 9, np.uint32)
+    launch(ptx, "divrem", (1,), (64,), [got])
+    x = np.arange(64, dtype=np.int64) * 37 + 5
+    sx = x - 600
+    want = np.stack([x // 8, x % 8, x, 0 * x, x // 6, x % 6, x // 16,
+                     np.trunc(sx / 4).astype(np.int64), np.fmod(sx, 4)], axis=1)
+    assert (got.reshape(64, 9).astype(np.int64) == (want & 0xFFFFFFFF)).all()

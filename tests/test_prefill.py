@@ -45,11 +45,14 @@ def compiled(text: str, target: str):
 
 
 def run(text: str, seq_q: int, seq_k: int, *, batch: int = 2, target: str = "sm_80",
-        layout: str = "bshd", seed: int = 0):
-    """Run in the emulator; returns (outputs, launch stats, spec, inputs)."""
+        layout: str = "bshd", seed: int = 0, transform=None):
+    """Run in the emulator; returns (outputs, launch stats, spec, inputs). `transform(spec,
+    inputs)` may reshape the random inputs (kept representable in the dtype)."""
     spec, ptx, kernel, _ = compiled(text, target)
     dims = {"batch": batch, "seq_q": seq_q, "seq_k": seq_k}
     inputs = PREFILL.make_inputs(spec, dims, np.random.default_rng(seed))
+    if transform is not None:
+        inputs = transform(spec, inputs)
     views, bases = {}, {}
     for t in PREFILL.interface(spec).tensors:
         if t.role == "input":
@@ -82,6 +85,22 @@ def check(text: str, shapes, **kw):
 
 
 SHAPES = [(1, 17), (17, 113), (113, 17)]
+
+
+def growing_scores(spec, inputs):
+    """Scores whose scale grows along the keys (k row j times 1 + j/4, q times 3): the running
+    max keeps jumping by more than the lazy-rescale slack, and by less, from tile to tile."""
+    from ptxc.runtime.reference import round_to
+    j = np.arange(inputs["k"].shape[1])[None, :, None, None]
+    return {**inputs, "q": round_to(inputs["q"] * 3, spec.dtype).astype(np.float32),
+            "k": round_to(inputs["k"] * (1 + j / 4), spec.dtype).astype(np.float32)}
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lazy_rescale_with_growing_scores(dtype, causal):
+    check(spec_text(dtype, 64, "gqa4", causal, tile=SMALL_TILE[dtype]), [(17, 113), (3, 61)],
+          transform=growing_scores)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -171,7 +190,7 @@ def test_check_artifact_on_built_spec(tmp_path):
 
 # ---- configuration ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,head_dim,target,expect", [
-    ("f16", 64, "sm_80", (128, 128, 8, 2)), ("f16", 128, "sm_86", (128, 64, 8, 1)),
+    ("f16", 64, "sm_80", (128, 64, 8, 2)), ("f16", 128, "sm_86", (128, 64, 8, 1)),
     ("f16", 128, "sm_90", (128, 64, 8, 3)), ("bf16", 256, "sm_89", (64, 64, 4, 1)),
     ("bf16", 256, "sm_90", (128, 64, 8, 2)), ("bf16", 256, "sm_80", (64, 64, 4, 1)),
     ("f32", 64, "sm_75", (32, 32, 4, 1)), ("f32", 256, "sm_75", (16, 16, 2, 1)),

@@ -173,11 +173,13 @@ def test_report_every_example_spec_json_and_html(built, tmp_path, shared_cache):
                     assert row["sass"]["total"] > 0 and row["sass"]["LDL"] == row["sass"]["STL"] == 0
                     if t["config"].get("path") == "mma.m16n8k16":
                         assert row["sass"]["HMMA"] > 0 and row["sass"]["LDSM"] > 0
+                    _check_loop_row(k, t, row)
             assert t["cost"] is not None, t["cost_note"]
             want = launch_cost(meta, t["target"], k["dims"]).to_dict()
             assert t["cost"] == want
             assert [r["gpu"] for r in t["roofline"]] == [g.key for g in models_for_target(t["target"])]
     html = html_path.read_text()
+    assert ("Main loop: one steady-state iteration" in html) == has_nvdisasm
     assert html.count('<svg class="roofline"') == len(data["gpus"]) >= 4
     for needle in ("http:", "https:", "<script", "<link", "src=", "@import", "url("):
         assert needle not in html, needle
@@ -242,3 +244,18 @@ def test_html_report_headless_screenshot(built, tmp_path, shared_cache):
         Path(keep).mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, Path(keep) / "report.png")
         shutil.copy(html_path, Path(keep) / "report.html")
+
+
+def _check_loop_row(k: dict, t: dict, row: dict) -> None:
+    """Every attention launch has a main loop with per-KV-row figures and a bound per model."""
+    if k["family"] == "kv_append" or row["entry"].endswith(("_reduce", "_append")):
+        return
+    loop = row["loop"]
+    assert loop is not None and loop["instructions"] > 0, row["entry"]
+    assert loop["kv_rows_per_iteration"] > 0 and loop["instructions_per_kv_row"] > 0
+    assert loop["global_bytes_loaded"] > 0 and loop["inflight_bytes_per_sm"] > 0
+    if t["config"].get("path") == "mma.m16n8k16":
+        assert loop["classes"]["tensor"] > 0 and loop["instructions_per_mma"] > 1
+    assert [b["gpu"] for b in loop["bounds"]] == [g.key for g in models_for_target(t["target"])]
+    for b in loop["bounds"]:
+        assert b["seconds"] == max(b["times"].values()) > 0 and b["times"][b["bound"]] == b["seconds"]

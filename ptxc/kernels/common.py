@@ -118,12 +118,13 @@ def rescale_factor(b: KernelBuilder, m_old: Reg, m_use: Reg) -> Reg:
     return b.ex2(b.sub(m_old, m_use))
 
 
-def online_softmax_rows(b: KernelBuilder, m: list[Reg], l: list[Reg], rows: list[list[Reg]],
+def online_softmax_rows(b: KernelBuilder, m: list[Reg], l: list[Reg] | None, rows: list[list[Reg]],
                         scale_log2: float, lanes) -> tuple[list[Reg], list[list[Reg]]]:
     """One online-softmax step for each row a thread holds (`rows[r]`: its raw scores of row r,
     the rest of the row on the lanes that differ in `lanes`). m (running max, log2 units) and
     l (this lane's partial sum) are updated in place; returns per-row rescale factors alpha and
-    the probabilities 2^(s * scale_log2 - m)."""
+    the probabilities 2^(s * scale_log2 - m). With l None the caller keeps the sums itself (the
+    tensor-core path sums the rounded probabilities in an mma)."""
     alphas, probs = [], []
     for r, vals in enumerate(rows):
         mx = vals[0]
@@ -136,10 +137,11 @@ def online_softmax_rows(b: KernelBuilder, m: list[Reg], l: list[Reg], rows: list
         alphas.append(rescale_factor(b, m[r], m_use))
         neg = b.neg(m_use)
         p = [b.ex2(b.fma(x, scale_log2, neg)) for x in vals]
-        total = p[0]
-        for x in p[1:]:
-            total = b.add(total, x)
-        b.fma(l[r], alphas[-1], total, out=l[r])
+        if l is not None:
+            total = p[0]
+            for x in p[1:]:
+                total = b.add(total, x)
+            b.fma(l[r], alphas[-1], total, out=l[r])
         b.mov(m_new, out=m[r])
         probs.append(p)
     return alphas, probs

@@ -81,16 +81,27 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
 def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred):
     fmt, lpr, hp = cfg.fmt, cfg.lanes_per_row, cfg.heads_per_cta
     rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
+    # Paged: the page ids of iteration i + 1 are loaded during iteration i (after its K/V loads
+    # are issued), so no block-table round trip sits in front of the K/V loads.
+    pages = None
+    if kv.layout == "paged":
+        firsts = [b.add(row_begin, b.add(first_row, u * cfg.rows_per_warp)) for u in range(cfg.kv_unroll)]
+        pages = [kv.load_page(b, bases, r, b.setp("lt", r, row_end)) for r in firsts]
     with b.for_range(row_begin, row_end, rows_per_iter) as it:
         rows = [b.add(it, b.add(first_row, u * cfg.rows_per_warp)) for u in range(cfg.kv_unroll)]
         valid = [b.setp("lt", r, row_end) for r in rows]
         tiles, page_cache = {}, {}
+        for u in range(cfg.kv_unroll) if pages else ():
+            kv.use_page(b, page_cache, rows[u], valid[u], pages[u])
         for t in ("k_cache", "v_cache"):  # every load issued before any use: loads in flight
             tiles[t] = []
             for r, ok in zip(rows, valid):
                 addr, row_ok = kv.row_address(b, bases, t, r, ok, page_cache)
                 tiles[t].append([C.load_vec(b, fmt, Addr(addr, j * lpr * C.VEC_BYTES), chunk_pred(j, row_ok))
                                  for j in range(cfg.chunks_per_lane)])
+        if pages:
+            nxt = [b.add(r, rows_per_iter) for r in rows]
+            fresh = [kv.load_page(b, bases, r, b.setp("lt", r, row_end)) for r in nxt]
         scores = []  # [u][i]
         for u in range(cfg.kv_unroll):
             k = [C.to_f32(b, fmt, regs) for regs in tiles["k_cache"][u]]
@@ -121,6 +132,8 @@ def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, firs
                     for u in range(cfg.kv_unroll):
                         b.fma(p[u], v[u][j][e], a, out=a)
             b.mov(m_new, out=m[i])
+        for cur, new in zip(pages or (), fresh if pages else ()):
+            b.mov(new, out=cur)
 
 
 def _stage_warp_states(b, cfg, m, l, acc, warp, slot, sub) -> Reg:

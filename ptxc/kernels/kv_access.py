@@ -117,17 +117,29 @@ class KVAccess:
             return C.element_offset(b, base, row, stride[1]), valid
         key = (row.cls, row.index)
         if key not in page_cache:
-            shift = self.page_size.bit_length() - 1
-            entry = C.element_offset(b, bases["block_row"], b.shr(row, shift), b.mov(4, S64))
-            page = b.mov(-1, S32)
-            with b.predicate(valid):
-                b.ld("global", S32, Addr(entry), nc=True, out=[page])
-            in_range = b.and_(b.setp("ge", page, 0), b.setp("lt", page, b.bitcast(self.regs["num_pages"], S32)))
-            page_cache[key] = (page, b.and_(in_range, valid), b.and_(row, self.page_size - 1))
+            self.use_page(b, page_cache, row, valid, self.load_page(b, bases, row, valid))
         page, ok, offset = page_cache[key]
         addr = C.element_offset(b, C.element_offset(b, b.bitcast(base, U64), page_as_s64(b, page), stride[0]),
                                 offset, stride[1])
         return addr, ok
+
+
+    def load_page(self, b: KernelBuilder, bases: dict, row: Reg, valid: Reg,
+                  out: Reg | None = None) -> Reg:
+        """The block-table entry of `row` (s32; -1 where not `valid`), into `out` if given: a
+        loop can load the next iteration's page ids while this one's K/V rows are in flight."""
+        shift = self.page_size.bit_length() - 1
+        entry = C.element_offset(b, bases["block_row"], b.shr(row, shift), b.mov(4, S64))
+        page = b.mov(-1, S32, out=out)
+        with b.predicate(valid):
+            b.ld("global", S32, Addr(entry), nc=True, out=[page])
+        return page
+
+    def use_page(self, b: KernelBuilder, page_cache: dict, row: Reg, valid: Reg, page: Reg) -> None:
+        """Record `page` (from load_page) as row `row`'s page for row_address, with its range
+        check: ids outside [0, num_pages) make the row invalid."""
+        in_range = b.and_(b.setp("ge", page, 0), b.setp("lt", page, b.bitcast(self.regs["num_pages"], S32)))
+        page_cache[(row.cls, row.index)] = (page, b.and_(in_range, valid), b.and_(row, self.page_size - 1))
 
 
 def page_as_s64(b: KernelBuilder, page: Reg) -> Reg:

@@ -5,7 +5,8 @@ Commit groups in order: Q+K0, V0, K1, V1, ..., K(S-1); iteration j then waits fo
 with 2S-2 younger groups allowed in flight, and refills the buffers it has finished with:
 V(j+S-1) after the first barrier, K(j+S) after the second. The family supplies how a tile is
 loaded (`load_kv(t, j, stage_offset)`, which must commit exactly one group, empty or not) and
-the math object; tiles j >= n_full get the mask.
+the math object; tiles j >= n_full get the mask. Each of K and V is requested in tile order
+0, 1, 2, ..., so a family may carry its next global address in a register.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
         if s < stages - 1:
             load_kv("v", b.mov(s, U32), s * kv_bytes)
 
+    # Buffer offsets of tile j (stage) and of tile j - 1 (prev, = the stage of j + S - 1), carried
+    # in registers rather than recomputed from j % S every iteration.
+    stage = b.mov(0, U32) if stages > 1 else 0
+    prev = b.mov((stages - 1) * kv_bytes, U32) if stages > 1 else 0
     with b.for_range(0, n_tiles) as j:
-        stage = b.mul(b.rem(j, stages), kv_bytes) if stages > 1 else 0
-        prev = b.mul(b.rem(b.add(j, stages - 1), stages), kv_bytes) if stages > 1 else 0
         wait_and_sync()                                   # K(j) landed; V(j-1) no longer read
         load_kv("v", b.add(j, stages - 1), prev)
         s = math.scores(b.add(k_smem, stage) if stages > 1 else k_smem)
@@ -44,6 +47,11 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
         wait_and_sync()                                   # V(j) landed; K(j) no longer read
         load_kv("k", b.add(j, stages), stage)
         math.pv(p, b.add(v_smem, stage) if stages > 1 else v_smem)
+        if stages > 1:
+            nxt = b.add(stage, kv_bytes)
+            nxt = b.selp(0, nxt, b.setp("eq", nxt, stages * kv_bytes))
+            b.mov(stage, out=prev)
+            b.mov(nxt, out=stage)
     if use_async:
         b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
     b.bar_sync(0)

@@ -105,9 +105,7 @@ def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int
     if not tc:
         return 32, 32, 1
     large, medium = smem >= 200 * KIB, smem >= 160 * KIB      # sm_90/sm_100, sm_80/sm_87
-    if d <= 64:
-        bm, bn = 128, 128
-    elif d <= 128:
+    if d <= 128:   # d64 with block_n 128 took ~140 registers (1 CTA/SM); 64 keeps <= 128 (2)
         bm, bn = 128, 64
     else:
         bm, bn = (128 if large else 64), 64
@@ -295,14 +293,26 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     math = (MmaMath if cfg.tensor_cores else SimtMath)(b, ctx)
     use_async = cfg.cp_async
 
-    def load_kv(t: str, tile: Reg, stage_off: Reg | int):
-        """K or V tile `tile` into buffer `stage_off` (a byte offset), if the tile exists."""
+    def commit():
+        if use_async:
+            b.cp_async_commit()
+
+    # Each of K and V is loaded tile 0, 1, 2, ... in order, so this thread's global address of
+    # the next tile is carried in a register and advanced by one tile's rows per load.
+    next_addr = {t: b.mov(b.bitcast(gkv[t].thr_base, S64)) for t in "kv"}
+    tile_step = {t: b.mul(gkv[t].row_stride, bn) for t in "kv"}
+
+    def load_kv(t: str, tile: Reg | int, stage_off: Reg | int):
+        """K or V tile `tile` (the next one of `t`) into buffer `stage_off` (a byte offset), if
+        the tile exists."""
+        tile = tile if isinstance(tile, Reg) else b.mov(tile, U32)
         with b.if_then(b.setp("lt", tile, n_tiles)):
             row0 = b.mul(tile, bn)
             base = b.add(k_smem if t == "k" else v_smem, stage_off)
-            load_tile(b, kv_slot, gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async)
-        if use_async:
-            b.cp_async_commit()
+            load_tile(b, kv_slot, gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async,
+                      first_addr=next_addr[t])
+        b.add(next_addr[t], tile_step[t], out=next_addr[t])
+        commit()
 
     load_tile(b, q_slot, gq, m_start, b.sub(sq, b.bitcast(m_start, S32)), smem, use_async)
     run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,

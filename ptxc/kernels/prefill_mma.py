@@ -2,9 +2,11 @@
 
 Warp w owns query rows [16w, 16w + 16) of the CTA's tile. Per KV tile:
   S = Q·Kᵀ   block_n/8 accumulator tiles (16 x 8 f32, 4 registers each); A = Q fragments by
-             ldmatrix.x4 from the Q tile, B = two n8 tiles of K per ldmatrix.x4 ([n][k] rows);
+             ldmatrix.x4 from the Q tile, B = two n8 tiles of K per ldmatrix.x4 ([n][k] rows,
+             matrices ordered so each B fragment is an adjacent register pair);
   softmax    lane (g = lane/4, t = lane%4) holds rows g and g+8, columns 2t, 2t+1 of every n8
-             tile; row max by shfl.bfly 1 and 2, probabilities by one fma + ex2 each;
+             tile; row max by shfl.bfly 1 and 2, probabilities by one fma + ex2 each; row
+             sums by one extra mma per k-step of P·V against a fragment of ones;
   O += P·V   the S accumulators of n8 tiles 2k, 2k+1, rounded to f16x2/bf16x2, are the A
              fragment of k-step k (no shared-memory round trip); B = two n8 tiles of V per
              ldmatrix.x4.trans ([k][n] rows).
@@ -17,7 +19,12 @@ from __future__ import annotations
 from ..ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, Addr, KernelBuilder, Reg
 from . import common as C
 from .prefill import Ctx, finish_rows
-from .tiles import ldmatrix_lane_offset, zero_regs
+from .tiles import ldmatrix_lane_offset, ldmatrix_lane_offset_nk, zero_regs
+
+
+# log2 units the running max may lag the true one before O is rescaled (lazy rescaling, as in
+# FlashAttention 4): probabilities stay <= 2^8, far inside f16/bf16 range.
+RESCALE_SLACK = 8.0
 
 
 class MmaMath:
@@ -32,6 +39,7 @@ class MmaMath:
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
         lane = ctx.lane
         self.lane_off = ldmatrix_lane_offset(b, lane, self.ss)
+        self.k_lane_off = ldmatrix_lane_offset_nk(b, lane, self.ss)
         warp_rows = b.mul(ctx.warp, 16)
         self.q_lane = b.add(b.mad(warp_rows, self.ss, ctx.q_smem), self.lane_off)
         g, t = b.shr(lane, 2), b.and_(lane, 3)
@@ -45,11 +53,16 @@ class MmaMath:
         self.fzero = zero_regs(b, 4, F32)
         self.o = [zero_regs(b, 4, F32) for _ in range(self.dtiles)]
         self.m = [b.mov(C.NEG_INF, F32) for _ in range(2)]
-        self.l = zero_regs(b, 2, F32)
+        # Row sums on the tensor cores: P times a B fragment of ones adds each row's probabilities
+        # of a k-step into every column of l_acc (rows g, g + 8 as for O), so no FADD chain and
+        # no cross-lane reduction at the end; rescaled by alpha like O.
+        self.l_acc = zero_regs(b, 4, F32)
+        self.ones = b.mov(0x3C003C00 if cfg.fmt.name == "f16" else 0x3F803F80, B32)
 
     def scores(self, k_tile: Reg) -> list[list[Reg]]:
         b, ss = self.b, self.ss
-        k_lane = b.add(k_tile, self.lane_off)
+        k_lane = b.add(k_tile, self.k_lane_off)
+        k_lane_half = b.add(k_tile, self.lane_off) if self.half_k else None
         s: list = [None] * (self.bn // 8)
         for kk in range(self.ksteps):
             half = self.half_k and kk == self.ksteps - 1
@@ -57,9 +70,10 @@ class MmaMath:
             if half:
                 a += [self.zero, self.zero]
             for pair in range(self.bn // 16):
-                kb = b.ldmatrix(Addr(k_lane, pair * 16 * ss + kk * 32), 2 if half else 4)
+                kb = b.ldmatrix(Addr(k_lane_half if half else k_lane, pair * 16 * ss + kk * 32),
+                                2 if half else 4)
                 frags = [(kb[0], self.zero), (kb[1], self.zero)] if half else \
-                    [(kb[0], kb[2]), (kb[1], kb[3])]
+                    [(kb[0], kb[1]), (kb[2], kb[3])]
                 for e, frag in enumerate(frags):
                     jn = 2 * pair + e
                     s[jn] = b.mma_m16n8k16(a, frag, s[jn] or self.fzero, self.in_type, out=s[jn])
@@ -76,12 +90,37 @@ class MmaMath:
                         b.mov(C.NEG_INF, F32, out=acc[2 * r + e])
 
     def softmax(self, s: list[list[Reg]]) -> list[list[Reg]]:
+        """Online softmax with a lazy rescale: the running max m (log2 units) moves, and O and
+        the row sums are rescaled, only when some row of the warp grew by more than
+        RESCALE_SLACK; otherwise probabilities are taken against the stale m, so they reach at
+        most 2^RESCALE_SLACK (exact all the same: O and l share the reference). The decision
+        is warp-uniform (a butterfly max over all lanes), so the branch never diverges, and in
+        steady state the 64 + 4 rescale multiplies per tile are skipped."""
         b = self.b
         rows = [[acc[2 * r + e] for acc in s for e in range(2)] for r in range(2)]
-        alphas, probs = C.online_softmax_rows(b, self.m, self.l, rows, self.scale_log2, (1, 2))
-        for acc in self.o:
-            for i, x in enumerate(acc):
-                b.mul(x, alphas[i // 2], out=x)
+        cands = []
+        for r in range(2):
+            mx = rows[r][0]
+            for x in rows[r][1:]:
+                mx = b.max(mx, x)
+            for off in (1, 2):
+                mx = b.max(mx, b.shfl("bfly", mx, off))
+            cands.append(b.max(self.m[r], b.mul(mx, self.scale_log2)))
+        # -inf - -inf is NaN: max.f32 drops a NaN operand, and a NaN everywhere fails the test
+        grow = b.max(b.sub(cands[0], self.m[0]), b.sub(cands[1], self.m[1]))
+        for off in (4, 8, 16):
+            grow = b.max(grow, b.shfl("bfly", grow, off))
+        with b.if_then(b.setp("gt", grow, RESCALE_SLACK)):
+            for r in range(2):
+                alpha = C.rescale_factor(b, self.m[r], C.safe_max(b, cands[r]))
+                for acc in self.o + [self.l_acc]:
+                    for e in range(2):
+                        b.mul(acc[2 * r + e], alpha, out=acc[2 * r + e])
+                b.mov(cands[r], out=self.m[r])
+        probs = []
+        for r in range(2):
+            neg = b.neg(C.safe_max(b, self.m[r]))
+            probs.append([b.ex2(b.fma(x, self.scale_log2, neg)) for x in rows[r]])
         # probs[r][2 jn + e] is element (r, e) of n8 tile jn; k-step k packs tiles 2k, 2k+1.
         pk = [[b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn]) for r in range(2)]
               for jn in range(self.bn // 8)]
@@ -91,6 +130,7 @@ class MmaMath:
         b, ss = self.b, self.ss
         v_lane = b.add(v_tile, self.lane_off)
         for kk, a in enumerate(a_frags):
+            b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
             for pair in range(-(-self.dtiles // 2)):
                 both = 2 * pair + 1 < self.dtiles
                 vb = b.ldmatrix(Addr(v_lane, kk * 16 * ss + pair * 32), 4 if both else 2, trans=True)
@@ -103,7 +143,8 @@ class MmaMath:
         """O / l rounded into this warp's rows of the Q tile, then 128-bit row stores by all."""
         from .tiles import global_rows, store_tile, thread_slot
         b, ctx = self.b, self.ctx
-        invs = finish_rows(b, ctx, self.m, self.l, self.rows, (1, 2), b.setp("eq", self.t, 0))
+        l_rows = [self.l_acc[0], self.l_acc[2]]   # complete row sums already: no lanes to reduce
+        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, (), b.setp("eq", self.t, 0))
         for jd, acc in enumerate(self.o):
             for r in range(2):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))

@@ -98,8 +98,9 @@ def global_rows(b: KernelBuilder, slot: ThreadSlot, head_base: Reg, row_stride: 
     return GlobalRows(b.bitcast(thr, U64), row_stride, b.mul(row_stride, slot.geom.rows_per_pass))
 
 
-def _pass_addrs(b: KernelBuilder, g: GlobalRows, row0: Reg, passes: int) -> list[Reg]:
-    addr = b.mad(b.cvt(S64, row0), g.row_stride, b.bitcast(g.thr_base, S64))
+def _pass_addrs(b: KernelBuilder, g: GlobalRows, row0: Reg, passes: int,
+                first: Reg | None = None) -> list[Reg]:
+    addr = first if first is not None else b.mad(b.cvt(S64, row0), g.row_stride, b.bitcast(g.thr_base, S64))
     out = [addr]
     for _ in range(1, passes):
         out.append(b.add(out[-1], g.pass_step))
@@ -107,13 +108,15 @@ def _pass_addrs(b: KernelBuilder, g: GlobalRows, row0: Reg, passes: int) -> list
 
 
 def load_tile(b: KernelBuilder, slot: ThreadSlot, src: GlobalRows, row0: Reg, nvalid: Reg,
-              smem: Reg, use_cp_async: bool) -> None:
+              smem: Reg, use_cp_async: bool, first_addr: Reg | None = None) -> None:
     """Copy rows [row0, row0 + rows) into the tile at shared address `smem`; rows at or past
-    `nvalid` (s32, may be <= 0) of the tile are zero-filled. With cp.async nothing is waited for."""
+    `nvalid` (s32, may be <= 0) of the tile are zero-filled. With cp.async nothing is waited for.
+    `first_addr` (s64), when the caller carries it, is this thread's address of row row0 + r0
+    (`src.thr_base + row0 * row_stride`), saving the 64-bit multiply in a loop."""
     geom = slot.geom
     rem = b.sub(nvalid, b.bitcast(slot.r0, S32))      # valid rows left from this thread's r0
     dst = b.add(smem, slot.soff)
-    addrs = _pass_addrs(b, src, row0, geom.passes)
+    addrs = _pass_addrs(b, src, row0, geom.passes, first_addr)
     _stage_chunks(b, slot, dst, lambda i: (addrs[i], b.setp("gt", rem, i * geom.rows_per_pass)),
                   use_cp_async)
 
@@ -189,9 +192,22 @@ def ldmatrix_lane_offset(b: KernelBuilder, lane: Reg, stride: int) -> Reg:
     return b.mad(b.and_(lane, 15), stride, b.mul(b.shr(lane, 4), CHUNK))
 
 
+def ldmatrix_lane_offset_nk(b: KernelBuilder, lane: Reg, stride: int) -> Reg:
+    """Lane l addresses row (l & 7) + 8 (l >> 4), 16-byte chunk (l >> 3) & 1 of a 16 x 16 block.
+
+    With .x4 on a [n][k] tile this gives the matrices (n 0-7, k 0-7), (n 0-7, k 8-15),
+    (n 8-15, k 0-7), (n 8-15, k 8-15): two n8 B fragments as (0, 1) and (2, 3), each landing in
+    an adjacent register pair, which is what HMMA's B operand needs (the (0, 2) / (1, 3) pairs of
+    ldmatrix_lane_offset cost ptxas a MOV per register, issue 13). Not for .x2.
+    """
+    row = b.add(b.and_(lane, 7), b.shl(b.shr(lane, 4), 3))
+    return b.mad(row, stride, b.mul(b.and_(b.shr(lane, 3), 1), CHUNK))
+
+
 def zero_regs(b: KernelBuilder, n: int, type=B32) -> list[Reg]:
     return [b.mov(0, type) if type.is_int or type.kind == "b" else b.mov(0.0, type) for _ in range(n)]
 
 
 __all__ = ["TileGeom", "ThreadSlot", "GlobalRows", "thread_slot", "global_rows", "load_tile", "load_tile_rows",
+           "ldmatrix_lane_offset_nk",
            "store_tile", "ldmatrix_lane_offset", "padded_stride", "zero_regs", "U32", "U64"]

@@ -1,6 +1,6 @@
 """The compilation stages, in order, for one (spec, target):
 
-    spec --family.build--> IR --render_module--> PTX --ptxas--> cubin + resources
+    spec --family.build--> IR --ir.passes--> IR --render_module--> PTX --ptxas--> cubin + resources
 
 Stage 1+2 ("ptx") and stage 3 ("cubin") are cached separately: the PTX entry is keyed by the
 spec, target and code-generation sources; the cubin entry by the PTX text itself, the target and
@@ -19,6 +19,7 @@ from typing import Any, Callable
 from .cache import Cache, canonical_json, make_key, sha256
 from ..errors import PtxcError
 from ..ir import render_module
+from ..ir.passes import run_passes
 from ..kernels import FAMILIES
 from ..kernels.base import Launch
 from .ptxas import Resources, Toolchain, assemble
@@ -59,12 +60,13 @@ def lower(spec: KernelSpec, target_name: str) -> tuple[str, list[dict], dict, li
     target = get_target(target_name)
     family = FAMILIES[spec.family]
     program = family.build(spec, target)
-    ptx = render_module(program.entries, kernel=spec.name, family=spec.family, target=target.name,
+    entries = run_passes(program.entries)
+    ptx = render_module(entries, kernel=spec.name, family=spec.family, target=target.name,
                         ptx_version=target.ptx_version,
                         maxntid={l.entry: l.block[0] * l.block[1] * l.block[2] for l in program.launches})
-    smem = {e.name: e.static_smem_bytes for e in program.entries}
+    smem = {e.name: e.static_smem_bytes for e in entries}
     launches = [launch_to_dict(l, smem[l.entry]) for l in program.launches]
-    return ptx, launches, program.config, program.entries
+    return ptx, launches, program.config, entries
 
 
 def compile_target(spec: KernelSpec, target: str, cache: Cache, tc: Toolchain | None) -> TargetBuild:

@@ -3,8 +3,9 @@
 Per kernel and target: resources from ptxas (registers, spills, shared memory, barriers), the
 theoretical occupancy (ptxc.targets.occupancy over the per-SM limits table), FLOPs and bytes
 of one launch list at a shape (ptxc.report.costs), arithmetic intensity, the roofline-bound time on
-each GPU model of the target's SM (or the ones asked for), and the SASS instruction mix when
-nvdisasm is available. The result is plain JSON data; report_table.py prints it, report_html.py
+each GPU model of the target's SM (or the ones asked for), and, when nvdisasm is available,
+the SASS instruction mix and the main loop's steady-state iteration with its estimated bound
+(ptxc.report.loops, ptxc.report.loop_model). The result is plain JSON data; report_table.py prints it, report_html.py
 renders it as one self-contained HTML page.
 """
 
@@ -20,6 +21,7 @@ from ..pipeline import exprs
 from .costs import launch_cost, resolve_dims, roofline
 from ..errors import InputError, UserError
 from .gpus import GPUS, get_gpu, models_for_target, sm_of_target
+from .loop_model import kv_reuse, kv_rows_per_iteration, loop_figures
 from ..targets import get_target, occupancy
 
 
@@ -53,7 +55,7 @@ def _sass_mixes(jobs: list[tuple[Path, str, dict]], enabled: bool) -> tuple[dict
     from ..errors import VerifyError
     from ..pipeline.cache import Cache
     from ..pipeline.checked import read_artifact_file
-    from .sass import SassUnavailable, find_nvdisasm, instruction_mix
+    from .sass import SassUnavailable, find_nvdisasm, sass_profile
     status = {"available": False, "reason": None}
     if not enabled:
         status["reason"] = "skipped (--no-sass)"
@@ -70,7 +72,7 @@ def _sass_mixes(jobs: list[tuple[Path, str, dict]], enabled: bool) -> tuple[dict
         if "cubin" not in tinfo:
             return None, "no cubin (built with --no-verify)"
         try:
-            return instruction_mix(read_artifact_file(d, tinfo["cubin"]), cache), None
+            return sass_profile(read_artifact_file(d, tinfo["cubin"]), cache), None
         except VerifyError as e:
             return None, f"cannot read {tinfo['cubin']}: {e}"
         except SassUnavailable as e:
@@ -94,7 +96,21 @@ def _target_for_sm(targets: dict, sm: int) -> str | None:
     return older[-1] if older else None
 
 
-def _launch_row(k: dict, target: str, dims: dict, mix: dict | None, why: str | None) -> dict:
+def _loop_row(profile: dict | None, k: dict, meta: dict, config: dict, occ: dict | None,
+              gpus, dims: dict) -> dict | None:
+    """The main loop's figures (ptxc.report.loop_model) for one launch, or None without one."""
+    loops = (profile or {}).get("loops") or {}
+    if loops.get("main") is None:
+        return None
+    warps = -(-k["block"][0] * k["block"][1] * k["block"][2] // 32)
+    rows = kv_rows_per_iteration(meta["family"], config, k["entry"])
+    reuse = kv_reuse(meta["family"], config, meta["spec"], dims) if rows else 1
+    return loop_figures(loops["loops"][loops["main"]], warps, (occ or {}).get("ctas_per_sm", 0),
+                        rows, gpus, reuse)
+
+
+def _launch_row(k: dict, target: str, dims: dict, sass: dict | None, why: str | None,
+                meta: dict, config: dict, gpus) -> dict:
     res = k.get("resources") or {}
     threads = k["block"][0] * k["block"][1] * k["block"][2]
     smem = k["static_smem_bytes"] + k["dynamic_smem_bytes"]
@@ -110,7 +126,8 @@ def _launch_row(k: dict, target: str, dims: dict, mix: dict | None, why: str | N
         "registers": res.get("registers"), "spill_bytes":
             (res.get("spill_stores", 0) + res.get("spill_loads", 0)) if res else None,
         "stack": res.get("stack"), "smem_bytes": smem, "barriers": res.get("barriers"),
-        "occupancy": occ, "sass": (mix or {}).get(k["entry"]), "sass_note": why,
+        "occupancy": occ, "sass": ((sass or {}).get(k["entry"]) or {}).get("mix"), "sass_note": why,
+        "loop": _loop_row((sass or {}).get(k["entry"]), k, meta, config, occ, gpus, dims),
     }
 
 
@@ -136,13 +153,15 @@ def build_report(paths, shapes: dict[str, int] | None = None, gpus: list[str] | 
                 models = models_for_target(target)
             else:   # each chosen GPU runs the image a CUDA device would pick (runtime.cuda)
                 models = [g for g in chosen if _target_for_sm(meta["targets"], g.sm) == target]
-            models = models if cost else []
             for g in models:
                 used[g.key] = g
+            launches = [_launch_row(k, target, dims, mix, why, meta, tinfo.get("config", {}),
+                                    models) for k in tinfo["kernels"]]
+            models = models if cost else []
             targets.append({
                 "target": target, "config": tinfo.get("config", {}),
                 "cost": cost.to_dict() if cost else None, "cost_note": cost_note,
-                "launches": [_launch_row(k, target, dims, mix, why) for k in tinfo["kernels"]],
+                "launches": launches,
                 "roofline": [roofline(cost, g) for g in models],
                 "measured": [m for m in measured or [] if m.get("kernel") == meta["name"]
                              and m.get("target") == target],

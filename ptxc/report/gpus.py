@@ -38,6 +38,10 @@ class GpuModel:
     l2_bytes: int
     source: str              # where the numbers come from
     device_pattern: str      # regex over cuDeviceGetName(), for the bench harness
+    clock_mhz: float = 0.0   # the boost clock the peaks are computed at (loop model: issue rate)
+    # Loaded DRAM latency the loop model uses for Little's law (bytes in flight / latency): an
+    # assumption (~0.7 us under load on HBM parts, issue 13), not a vendor figure.
+    dram_latency_ns: float = 700.0
 
     def peak_flops(self, unit: str) -> float:
         """FLOP/s of the unit a kernel uses: "tensor" (mma) or "simt" (f32 FMA)."""
@@ -56,22 +60,26 @@ class GpuModel:
 GPUS: dict[str, GpuModel] = {g.key: g for g in (
     GpuModel("a100-sxm", "A100 SXM 80GB", 80, 108, 312.0, 19.5, 2039.0, 40 * MB,
              "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM column); NVIDIA Ampere GA100 "
-             "whitepaper for SM count", r"A100[- ]SXM4?-80GB"),
+             "whitepaper for SM count", r"A100[- ]SXM4?-80GB",
+             clock_mhz=1410),
     GpuModel("h100-sxm", "H100 SXM", 90, 132, 989.4, 66.9, 3350.0, 50 * MB,
              "NVIDIA H100 Tensor Core GPU datasheet (SXM column: 1979 sparse / 2 = 989.4, "
-             "67 f32, 3.35 TB/s); NVIDIA H100 (Hopper) architecture whitepaper", r"H100 (80GB HBM3|SXM)"),
+             "67 f32, 3.35 TB/s); NVIDIA H100 (Hopper) architecture whitepaper", r"H100 (80GB HBM3|SXM)",
+             clock_mhz=1830),
     GpuModel("h200", "H200 SXM", 90, 132, 989.4, 66.9, 4800.0, 50 * MB,
              "NVIDIA H200 Tensor Core GPU datasheet (SXM column: same compute as H100 SXM, "
-             "4.8 TB/s HBM3e)", r"H200"),
+             "4.8 TB/s HBM3e)", r"H200", clock_mhz=1830),
     GpuModel("l40s", "L40S", 89, 142, 362.05, 91.6, 864.0, 48 * MB,
              "NVIDIA L40S datasheet (FP16/BF16 tensor 362.05 dense / 733 sparse, FP32 91.6, "
-             "864 GB/s)", r"L40S"),
+             "864 GB/s)", r"L40S", clock_mhz=2520),
     GpuModel("rtx-4090", "GeForce RTX 4090", 89, 128, 165.2, 82.6, 1008.0, 72 * MB,
              "NVIDIA Ada Lovelace GPU architecture whitepaper, appendix (RTX 4090: FP16 tensor "
-             "with FP32 accumulate 165.2 dense, FP32 82.6, 1008 GB/s)", r"RTX 4090(?! D)"),
+             "with FP32 accumulate 165.2 dense, FP32 82.6, 1008 GB/s)", r"RTX 4090(?! D)",
+             clock_mhz=2520),
     GpuModel("rtx-5090", "GeForce RTX 5090", 120, 170, 209.5, 104.8, 1792.0, 96 * MB,
              "NVIDIA RTX Blackwell GPU architecture whitepaper (RTX 5090 table; tensor figure "
-             "with FP32 accumulate not confirmed against the whitepaper itself)", r"RTX 5090"),
+             "with FP32 accumulate not confirmed against the whitepaper itself)", r"RTX 5090",
+             clock_mhz=2407),
 )}
 
 

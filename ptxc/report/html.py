@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from .tables import fmt_count, fmt_seconds
+from .tables import LOOP_COLUMNS, fmt_bound, fmt_count, fmt_seconds
 from .sass import MIX_CLASSES
 
 WIDTH, HEIGHT = 560, 360
@@ -131,8 +131,9 @@ def render_html(report: dict) -> str:
                              autoescape=True, undefined=jinja2.StrictUndefined)
     env.filters["seconds"] = fmt_seconds
     env.filters["count"] = fmt_count
-    return env.get_template("report.html.j2").render(report=report, plots=plots_for(report),
-                                                     mix_classes=list(MIX_CLASSES))
+    return env.get_template("report.html.j2").render(
+        report=report, plots=plots_for(report), mix_classes=list(MIX_CLASSES),
+        loop_columns=LOOP_COLUMNS, bound_text=lambda b: fmt_bound(report, b))
 
 
 __all__ = ["plots_for", "render_html", "roofline_plot"]

@@ -79,7 +79,37 @@ def instruction_mix(cubin: bytes, cache=None) -> dict[str, dict[str, int]]:
     return mix
 
 
+def sass_profile(cubin: bytes, cache=None) -> dict[str, dict]:
+    """Per entry function: {"mix": instruction_mix's counts, "loops": ptxc.report.loops'
+    analysis (every loop's steady-state iteration, the main one's index)}, from one nvdisasm
+    run, cached like instruction_mix."""
+    import json
+
+    from ..pipeline.cache import canonical_json, sha256
+    from . import loops as loops_module
+    tool = find_nvdisasm()
+    # keyed by the analyser's own source, so a changed analysis never reads a stale result
+    analyser = sha256(Path(loops_module.__file__).read_bytes())
+    key = sha256(canonical_json({"stage": "sass", "v": 2, "cubin": sha256(cubin), "tool": tool,
+                                 "classes": list(MIX_CLASSES), "loops": analyser}))
+    hit = cache.get("sass", key) if cache is not None else None
+    if hit is not None:
+        return json.loads(hit)
+    text = _disassembly_text(tool, cubin)
+    loops = loops_module.analyze_disassembly(text)
+    out = {fn: {"mix": summarize(ops), "loops": loops.get(fn, {"loops": [], "main": None})}
+           for fn, ops in parse_disassembly(text).items()}
+    if cache is not None:
+        cache.put("sass", key, canonical_json(out))
+    return out
+
+
 def _disassemble(tool: str, cubin: bytes) -> dict[str, dict[str, int]]:
+    text = _disassembly_text(tool, cubin)
+    return {fn: summarize(ops) for fn, ops in parse_disassembly(text).items()}
+
+
+def _disassembly_text(tool: str, cubin: bytes) -> str:
     with tempfile.TemporaryDirectory(prefix="ptxc-sass-") as tmp:
         path = Path(tmp, "kernel.cubin")
         path.write_bytes(cubin)
@@ -92,8 +122,8 @@ def _disassemble(tool: str, cubin: bytes) -> dict[str, dict[str, int]]:
     if res.returncode != 0:
         first = (res.stderr or res.stdout).strip().splitlines()[:1]
         raise SassUnavailable(f"nvdisasm exited {res.returncode}: {first[0] if first else 'no message'}")
-    return {fn: summarize(ops) for fn, ops in parse_disassembly(res.stdout).items()}
+    return res.stdout
 
 
 __all__ = ["MIX_CLASSES", "SassUnavailable", "find_nvdisasm", "instruction_mix",
-           "parse_disassembly", "summarize"]
+           "parse_disassembly", "sass_profile", "summarize"]

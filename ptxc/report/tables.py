@@ -1,4 +1,4 @@
-"""`ptxc report` on a terminal: two rich tables (resources + SASS mix; cost + roofline)."""
+"""`ptxc report` on a terminal: rich tables (resources + SASS mix; main loop; cost + roofline)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ def print_report(report: dict) -> None:
     if not report["sass"]["available"]:
         c.print(f"SASS mix unavailable: {escape(report['sass']['reason'] or 'unknown reason')}")
 
+    print_loops(c, report)
+
     roof = Table(title="cost per launch list and roofline bound", title_justify="left")
     for col in ("kernel", "target", "shape", "FLOPs", "bytes", "FLOP/B", "unit", "GPU", "bound time",
                 "bound by"):
@@ -78,6 +80,37 @@ def print_report(report: dict) -> None:
     c.print("peaks: " + "; ".join(f"{g['name']} {g['tensor_tflops']:g} TFLOP/s tensor, "
                                    f"{g['f32_tflops']:g} f32, {g['bandwidth_gbs']:g} GB/s"
                                    for g in report["gpus"].values()))
+
+
+LOOP_COLUMNS = (("HMMA", "tensor"), ("LDSM", "ldsm"), ("LDGSTS", "ldgsts"), ("LDG", "ldg"),
+                ("STG", "stg"), ("LDS", "lds"), ("STS", "sts"), ("MUFU", "mufu"), ("FP32", "fp32"),
+                ("CVT", "cvt"), ("SHFL", "shfl"), ("BAR", "bar"), ("INT", "int"), ("MOV", "move"))
+
+
+def fmt_bound(report: dict, b: dict) -> str:
+    name = report["gpus"][b["gpu"]]["name"] if b["gpu"] in report["gpus"] else b["gpu"]
+    frac = f", {b['bandwidth_fraction']:.0%} BW" if b["bandwidth_fraction"] is not None else ""
+    return f"{name}: {b['bound']}{frac}"
+
+
+def print_loops(c: Console, report: dict) -> None:
+    rows = [(k, t, L) for k in report["kernels"] for t in k["targets"] for L in t["launches"] if L.get("loop")]
+    if not rows:
+        return
+    table = Table(title="main loop, one steady-state iteration per warp (SASS)", title_justify="left")
+    for col in ("kernel", "target", "entry", "instrs", *(h for h, _ in LOOP_COLUMNS), "LDG widths B",
+                "instr/HMMA", "instr/KV row", "KiB in flight /CTA", "/SM", "bound (estimate)"):
+        table.add_column(col, justify="left" if col in ("kernel", "target", "entry", "LDG widths B",
+                                                        "bound (estimate)") else "right")
+    for k, t, L in rows:
+        lp = L["loop"]
+        widths = " ".join(f"{w}x{n}" for w, n in lp["ldg_bytes"].items()) or "-"
+        table.add_row(k["name"], t["target"], L["entry"], str(lp["instructions"]),
+                      *(str(lp["classes"][c]) for _, c in LOOP_COLUMNS), widths,
+                      _num(lp["instructions_per_mma"]), _num(lp["instructions_per_kv_row"]),
+                      f"{lp['inflight_bytes_per_cta'] / 1024:.1f}", f"{lp['inflight_bytes_per_sm'] / 1024:.1f}",
+                      "; ".join(fmt_bound(report, b) for b in lp["bounds"]) or "-")
+    c.print(table)
 
 
 def print_bench(result: dict) -> None:
@@ -111,4 +144,4 @@ def print_tune(result: dict) -> None:
     c.print(t)
 
 
-__all__ = ["fmt_count", "fmt_seconds", "print_bench", "print_report", "print_tune"]
+__all__ = ["LOOP_COLUMNS", "fmt_bound", "fmt_count", "fmt_seconds", "print_loops", "print_bench", "print_report", "print_tune"]

@@ -1,0 +1,81 @@
+"""From one warp's steady-state loop iteration (ptxc.report.loops) to per-CTA and per-SM figures
+and an estimated bound on each GPU model.
+
+All resident CTAs of an SM (the launch's theoretical occupancy) run one iteration each; the
+time that takes is bounded below by each of:
+  issue      warp-instructions / 4 schedulers per SM, one instruction per clock each
+  tensor     mma FLOPs / the SM's share of the dense tensor peak (HMMA on sm_90 is counted at
+             the wgmma peak, so optimistic there)
+  fp32       FP32-pipe lane operations / the SM's f32 lanes per clock (f32 peak / 2 / clock)
+  bandwidth  DRAM bytes / the SM's share of DRAM bandwidth, where DRAM bytes = loaded bytes /
+             reuse: a K/V tile read by `reuse` CTAs (prefill's query blocks and GQA heads) comes
+             from DRAM once and from L2 otherwise (L2 bandwidth is not modelled)
+  latency    Little's law: DRAM bytes / (mean bytes in flight per SM / DRAM latency)
+The largest is the estimated bound; `bandwidth_fraction` = bandwidth time / that time, the
+fraction of DRAM bandwidth the loop can use. Warps of a CTA are assumed to run the same path.
+"""
+
+from __future__ import annotations
+
+BOUNDS = ("issue", "tensor", "fp32", "bandwidth", "latency")
+
+
+def kv_rows_per_iteration(family: str, config: dict, entry: str) -> int | None:
+    """K/V rows one CTA consumes per iteration of its main loop (None: not an attention loop)."""
+    if entry.endswith(("_reduce", "_append")) or family == "kv_append":
+        return None
+    if "block_n" in config:
+        return int(config["block_n"])
+    if {"num_warps", "lanes_per_row", "kv_unroll"} <= config.keys():
+        return config["num_warps"] * (32 // config["lanes_per_row"]) * config["kv_unroll"]
+    return None
+
+
+def kv_reuse(family: str, config: dict, spec: dict, dims: dict) -> int:
+    """How many CTAs read each K/V tile: prefill's query blocks of every query head of a KV head
+    (all but the first are assumed to hit L2), 1 for decode (one CTA per KV head's group)."""
+    if "block_m" in config and "seq_q" in dims:
+        group = max(1, spec.get("num_heads", 1) // max(1, spec.get("num_kv_heads") or spec.get("num_heads", 1)))
+        return max(1, -(-dims["seq_q"] // config["block_m"])) * group
+    return 1
+
+
+def bound_on(loop: dict, warps_per_sm: int, gpu, reuse: int = 1) -> dict:
+    """Seconds per iteration of every resident CTA under each bound, on one GPU model; only
+    1/`reuse` of the loaded bytes come from DRAM (the rest from L2, at no modelled cost)."""
+    clock = gpu.clock_mhz * 1e6
+    per_sm_bw = gpu.bandwidth / gpu.sm_count
+    loaded = loop["global_bytes_loaded"] * warps_per_sm / reuse
+    inflight = loop["inflight_bytes_mean"] * warps_per_sm
+    times = {
+        "issue": loop["instructions"] * warps_per_sm / 4 / clock,
+        "tensor": loop["mma_flops"] * warps_per_sm / (gpu.tensor_tflops * 1e12 / gpu.sm_count),
+        "fp32": loop["fp32_lane_ops"] * warps_per_sm / (gpu.f32_tflops * 1e12 / 2 / gpu.sm_count),
+        "bandwidth": loaded / per_sm_bw,
+        "latency": loaded * gpu.dram_latency_ns * 1e-9 / inflight if inflight else 0.0,
+    }
+    worst = max(BOUNDS, key=lambda k: times[k])
+    return {"gpu": gpu.key, "bound": worst, "seconds": times[worst],
+            "times": {k: times[k] for k in BOUNDS},
+            "bandwidth_fraction": round(times["bandwidth"] / times[worst], 3) if times[worst] else None}
+
+
+def loop_figures(loop: dict, warps_per_cta: int, ctas_per_sm: int, kv_rows: int | None,
+                 gpus, reuse: int = 1) -> dict:
+    """The report's loop row: the per-warp profile plus per-CTA/per-SM figures and bounds."""
+    warps_per_sm = warps_per_cta * ctas_per_sm
+    per_cta = loop["inflight_bytes_mean"] * warps_per_cta
+    return {
+        **loop,
+        "kv_rows_per_iteration": kv_rows,
+        "instructions_per_kv_row": round(loop["instructions"] * warps_per_cta / kv_rows, 2)
+        if kv_rows else None,
+        "inflight_bytes_per_cta": round(per_cta),
+        "inflight_bytes_per_sm": round(per_cta * ctas_per_sm),
+        "inflight_peak_bytes_per_sm": loop["inflight_bytes_peak"] * warps_per_sm,
+        "dram_share": round(1 / reuse, 6),
+        "bounds": [bound_on(loop, warps_per_sm, g, reuse) for g in gpus] if warps_per_sm else [],
+    }
+
+
+__all__ = ["BOUNDS", "bound_on", "kv_reuse", "kv_rows_per_iteration", "loop_figures"]

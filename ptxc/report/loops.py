@@ -1,0 +1,285 @@
+"""Loop analysis of SASS (nvdisasm output): what one steady-state iteration of a kernel's main
+loop issues, and how many global-load bytes it keeps in flight.
+
+A loop is a backward branch (`BRA` to an address at or before it). Its iteration is one path
+from the loop head to that back edge through the forward branches inside; the steady-state path
+is the one doing the most work (tensor-core instructions and loads: HMMA, LDSM, LDGSTS, LDG,
+LDS, STS) and, among those, the fewest instructions: that takes the prefetch of the next tile
+(`if j + 1 < n`) and skips masking, tail handling and prefill's lazy softmax rescale, i.e. an
+interior tile whose running max did not jump. A kernel's main loop is the one whose
+iteration has the most HMMA, then the most global-load bytes, then the most instructions.
+
+Bytes in flight are simulated over the path run three times (the last pass is reported, so
+loads issued for the next iteration count): a register load (LDG/LD) is outstanding from its
+issue until an instruction names one of its destination registers (the scoreboard wait); an
+asynchronous copy (LDGSTS) joins the open group, LDGDEPBAR commits it, and `DEPBAR.LE SB0, n`
+retires the oldest groups until n remain. Per warp figures are lanes x bytes (predicated-off
+lanes are not known statically and count as loading). Nothing here needs a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Instruction classes, in report order: name -> predicate on (base opcode, full opcode).
+CLASSES = ("tensor", "ldsm", "ldgsts", "ldg", "stg", "lds", "sts", "mufu", "fp32", "cvt",
+           "shfl", "bar", "int", "move", "control", "other")
+_TENSOR = {"HMMA", "HGMMA", "IMMA", "DMMA", "QGMMA", "IGMMA", "BMMA"}
+_FP = {"FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FSWZADD", "HADD2",
+       "HMUL2", "HFMA2", "HMNMX2", "HSET2", "HSETP2", "FMUL2", "FADD2", "FFMA2"}
+_CVT = {"F2F", "F2I", "I2F", "F2FP", "I2FP", "F2IP", "FRND", "I2I", "I2IP"}
+_BAR = {"BAR", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "MEMBAR", "SYNCS", "ARRIVES", "ERRBAR", "CCTL"}
+_INT = {"IADD3", "IADD", "IMAD", "LEA", "LOP3", "LOP", "SHF", "ISETP", "IMNMX", "IABS", "POPC",
+        "FLO", "BFE", "BFI", "PRMT", "SEL", "PLOP3", "P2R", "R2P", "VIADD", "VIMNMX", "IDP",
+        "BREV", "BMSK", "SGXT", "ISCADD", "XMAD", "LEA.HI", "IMUL", "FSETP.INT"}
+_MOVE = {"MOV", "MOV32I", "CS2R", "S2R", "S2UR", "R2UR", "LDC", "ULDC", "UMOV", "SHFL.IDX.MOVE"}
+_CONTROL = {"BRA", "BRX", "JMP", "BSSY", "BSYNC", "EXIT", "CALL", "RET", "NOP", "YIELD", "BPT",
+            "BMOV", "KILL", "ELECT", "VOTE", "VOTEU"}
+_GLOBAL_LOADS = {"LDG", "LD"}
+_GLOBAL_STORES = {"STG", "ST", "RED", "ATOMG", "ATOM"}
+
+_LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):")
+_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)"
+                   r"\s*([^;]*);")
+_SECTION = re.compile(r"^\s*\.section\s+\.text\.([\w$]+)")
+_REG = re.compile(r"\bR(\d+)(\.64)?\b")
+_TARGET = re.compile(r"`\((\.L\w+)\)")
+_DEPBAR = re.compile(r"SB0\s*,\s*(0x[0-9a-f]+|\d+)")
+_GMMA_SHAPE = re.compile(r"\.(\d+)x(\d+)x(\d+)")
+
+
+@dataclass(frozen=True)
+class Instr:
+    addr: int
+    guard: str          # "" or "@P0", "@!PT", ...
+    opcode: str         # full: "LDG.E.128"
+    operands: str       # text between the opcode and ';'
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".")[0]
+
+
+def parse_functions(text: str) -> dict[str, tuple[list[Instr], dict[str, int]]]:
+    """Per function of `nvdisasm -c` output: its instructions and label -> address."""
+    out: dict[str, tuple[list[Instr], dict[str, int]]] = {}
+    instrs: list[Instr] | None = None
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    for line in text.splitlines():
+        if m := _SECTION.match(line):
+            instrs, labels, pending = [], {}, []
+            out[m.group(1)] = (instrs, labels)
+        elif instrs is None:
+            continue
+        elif m := _LABEL.match(line):
+            pending.append(m.group(1))
+        elif m := _LINE.match(line):
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            instrs.append(Instr(addr, (m.group(2) or "").strip(), m.group(3), m.group(4).strip()))
+    return out
+
+
+def classify(opcode: str) -> str:
+    parts = opcode.split(".")
+    base = parts[0]
+    if base in _TENSOR:
+        return "tensor"
+    if base in ("LDSM", "LDGSTS", "LDS", "STS", "MUFU", "SHFL"):
+        return base.lower()
+    if base in _GLOBAL_LOADS:
+        return "ldg"
+    if base in _GLOBAL_STORES:
+        return "stg"
+    if base == "IMAD" and len(parts) > 1 and parts[1] == "MOV":
+        return "move"   # ptxas's register move on the integer pipe
+    if base in _MOVE:
+        return "move"
+    if base in _FP:
+        return "fp32"
+    if base in _CVT:
+        return "cvt"
+    if base in _BAR:
+        return "bar"
+    if base in _CONTROL:
+        return "control"
+    if base in _INT or (base.startswith("U") and base[1:] in _INT):
+        return "int"
+    if base.startswith("U") and base[1:] in _MOVE:
+        return "move"
+    return "other"
+
+
+def access_bytes(opcode: str) -> int:
+    """Bytes per lane of a memory instruction, from its width suffix (32-bit when none)."""
+    sizes = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+    for part in reversed(opcode.split(".")[1:]):
+        if part in sizes:
+            return sizes[part]
+    return 4
+
+
+def mma_flops(instr: Instr) -> int:
+    """FLOPs of one warp's tensor-core instruction (HGMMA: a quarter of the warpgroup's)."""
+    op = instr.opcode
+    if instr.base == "HMMA":
+        if ".16816" in op:
+            return 2 * 16 * 8 * 16
+        if ".1688" in op:
+            return 2 * 16 * 8 * 8
+        if ".884" in op:
+            return 2 * 8 * 8 * 4
+    if m := _GMMA_SHAPE.search(op):
+        mm, n, k = map(int, m.groups())
+        return 2 * mm * n * k // 4
+    return 0
+
+
+def _regs(operands: str) -> set[int]:
+    out: set[int] = set()
+    for m in _REG.finditer(operands):
+        n = int(m.group(1))
+        out.update((n, n + 1) if m.group(2) else (n,))
+    return out
+
+
+def _branch_target(i: Instr, labels: dict[str, int]) -> int | None:
+    if i.base not in ("BRA", "JMP"):
+        return None
+    m = _TARGET.search(i.operands)
+    return labels.get(m.group(1)) if m else None
+
+
+_BRANCH_PRED = re.compile(r"^!?U?P[0-9]")
+
+
+def _conditional(i: Instr) -> bool:
+    """Guarded (`@P0 BRA`) or, for uniform branches, predicated in the operands (`BRA.U !UP0, ...`)."""
+    return i.guard not in ("", "@PT") or bool(_BRANCH_PRED.match(i.operands))
+
+
+def find_loops(instrs: list[Instr], labels: dict[str, int]) -> list[tuple[int, int]]:
+    """(head index, back-edge index) of every backward branch (not the `BRA` to itself that
+    pads the end of a function)."""
+    index = {i.addr: n for n, i in enumerate(instrs)}
+    loops = []
+    for n, i in enumerate(instrs):
+        t = _branch_target(i, labels)
+        if t is not None and t < i.addr and t in index and i.guard != "@!PT":
+            loops.append((index[t], n))
+    return loops
+
+
+# What a steady-state iteration must do: tensor-core math and the loads feeding it. Branches
+# holding only arithmetic (masking, a lazy softmax rescale) or stores (tails) are off the path.
+_WORK = {"tensor", "ldsm", "ldgsts", "ldg", "lds", "sts"}
+
+
+def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> list[int]:
+    """Indices of the steady-state iteration: the most work, then the fewest instructions."""
+    index = {i.addr: n for n, i in enumerate(instrs)}
+    # best[n] = (score, path) of the best path from head reaching instruction n
+    best: dict[int, tuple[tuple[int, int], list[int]]] = {head: ((0, 0), [])}
+    for n in range(head, latch + 1):
+        if n not in best:
+            continue
+        (work, size), path = best.pop(n)
+        i = instrs[n]
+        work, size, path = work - (classify(i.opcode) in _WORK), size + 1, path + [n]
+        if n == latch:
+            return path
+        succ = []
+        t = _branch_target(i, labels)
+        if t is not None and i.guard != "@!PT":
+            if t in index and n < index[t] <= latch:
+                succ.append(index[t])
+        unconditional = not _conditional(i) and (t is not None or i.base in ("EXIT", "RET", "BRX", "JMP"))
+        if not unconditional:
+            succ.append(n + 1)
+        for s in succ:
+            if s not in best or (work, size) < best[s][0]:
+                best[s] = ((work, size), path)
+    return []
+
+
+def bytes_in_flight(path: list[Instr], lanes: int = 32) -> tuple[float, int]:
+    """(mean, peak) global-load bytes outstanding per warp over the steady-state path."""
+    loads: list[tuple[set[int], int]] = []
+    groups: list[int] = []
+    open_group = 0
+    samples: list[int] = []
+    for rep in range(3):
+        for i in path:
+            if i.guard == "@!PT":
+                continue
+            used = _regs(i.operands)
+            loads = [ld for ld in loads if not (ld[0] & used)]
+            if i.base in _GLOBAL_LOADS:
+                nbytes = access_bytes(i.opcode)
+                first = _REG.match(i.operands.split(",")[0].strip())
+                if first:
+                    r = int(first.group(1))
+                    loads.append((set(range(r, r + max(1, nbytes // 4))), nbytes * lanes))
+            elif i.base == "LDGSTS":
+                open_group += access_bytes(i.opcode) * lanes
+            elif i.base == "LDGDEPBAR":
+                groups.append(open_group)
+                open_group = 0
+            elif i.base == "DEPBAR" and (m := _DEPBAR.search(i.operands)):
+                keep = int(m.group(1), 0)
+                groups = groups[len(groups) - keep:] if keep else []
+            if rep == 2:
+                samples.append(sum(b for _, b in loads) + sum(groups) + open_group)
+    return (sum(samples) / len(samples) if samples else 0.0), max(samples, default=0)
+
+
+def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> dict:
+    """What one steady-state iteration of the loop [head, latch] issues, per warp."""
+    path = [instrs[n] for n in steady_path(instrs, labels, head, latch)]
+    classes = dict.fromkeys(CLASSES, 0)
+    ldg_widths: dict[str, int] = {}
+    stg_widths: dict[str, int] = {}
+    loaded = 0
+    flops = 0
+    for i in path:
+        c = classify(i.opcode)
+        classes[c] += 1
+        if c in ("ldg", "stg"):
+            w = str(access_bytes(i.opcode))
+            widths = ldg_widths if c == "ldg" else stg_widths
+            widths[w] = widths.get(w, 0) + 1
+        if c in ("ldg", "ldgsts"):
+            loaded += access_bytes(i.opcode) * 32
+        flops += mma_flops(i) if c == "tensor" else 0
+    mean, peak = bytes_in_flight(path)
+    total = len(path)
+    return {
+        "head": f"{instrs[head].addr:#06x}", "back_edge": f"{instrs[latch].addr:#06x}",
+        "body": latch - head + 1, "instructions": total, "classes": classes,
+        "ldg_bytes": dict(sorted(ldg_widths.items(), key=lambda kv: -int(kv[0]))),
+        "stg_bytes": dict(sorted(stg_widths.items(), key=lambda kv: -int(kv[0]))),
+        "mma_flops": flops, "fp32_lane_ops": classes["fp32"] * 32,
+        "instructions_per_mma": round(total / classes["tensor"], 2) if classes["tensor"] else None,
+        "global_bytes_loaded": loaded,
+        "inflight_bytes_mean": round(mean, 1), "inflight_bytes_peak": peak,
+    }
+
+
+def analyze_disassembly(text: str) -> dict[str, dict]:
+    """Per function: every loop's iteration profile (by address) and the index of the main one."""
+    out = {}
+    for fn, (instrs, labels) in parse_functions(text).items():
+        loops = [profile_loop(instrs, labels, h, t) for h, t in find_loops(instrs, labels)]
+        loops = [p for p in loops if p["instructions"]]
+        main = max(range(len(loops)), default=None, key=lambda n: (
+            loops[n]["classes"]["tensor"], loops[n]["global_bytes_loaded"], loops[n]["instructions"]))
+        out[fn] = {"loops": loops, "main": main}
+    return out
+
+
+__all__ = ["CLASSES", "Instr", "access_bytes", "analyze_disassembly", "bytes_in_flight", "classify",
+           "find_loops", "mma_flops", "parse_functions", "profile_loop", "steady_path"]

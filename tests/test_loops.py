@@ -1,0 +1,126 @@
+"""The SASS loop analyser (ptxc.report.loops) and loop model (ptxc.report.loop_model) on
+hand-written nvdisasm listings in tests/sass/, with answers worked out by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ptxc.report.gpus import GPUS
+from ptxc.report.loop_model import bound_on, kv_reuse, kv_rows_per_iteration, loop_figures
+from ptxc.report.loops import access_bytes, analyze_disassembly, classify, mma_flops, Instr
+
+SASS = Path(__file__).parent / "sass"
+
+
+def _main(name: str) -> tuple[dict, dict]:
+    [(fn, result)] = analyze_disassembly((SASS / name).read_text()).items()
+    return result, result["loops"][result["main"]]
+
+
+def test_pipelined_mma_loop_takes_prefetch_and_skips_masking():
+    result, loop = _main("pipelined_mma.sass")
+    assert len(result["loops"]) == 1          # the `BRA` to itself after EXIT is padding, not a loop
+    assert (loop["head"], loop["back_edge"], loop["body"]) == ("0x0020", "0x0120", 17)
+    # 17 in the body less the two masking FSELs the interior tile branches around
+    assert loop["instructions"] == 15
+    c = loop["classes"]
+    assert (c["tensor"], c["ldsm"], c["ldgsts"], c["mufu"], c["cvt"], c["fp32"]) == (2, 1, 2, 1, 1, 0)
+    assert (c["bar"], c["int"], c["control"], c["move"]) == (3, 2, 3, 0)
+    assert loop["instructions_per_mma"] == 7.5
+    assert loop["mma_flops"] == 2 * 4096
+    assert loop["global_bytes_loaded"] == 2 * 16 * 32
+    # DEPBAR.LE SB0, 1 leaves last iteration's group (1 KiB per warp) in flight all iteration;
+    # this iteration's copies add 512 B, then 1 KiB, for the last five instructions
+    assert loop["inflight_bytes_peak"] == 2048
+    assert loop["inflight_bytes_mean"] == round((10 * 1024 + 1536 + 4 * 2048) / 15, 1)
+
+
+def test_register_loads_are_in_flight_until_a_register_is_named():
+    _, loop = _main("register_loads.sass")
+    assert loop["instructions"] == 7 and loop["classes"]["ldg"] == 3 and loop["classes"]["fp32"] == 2
+    assert loop["ldg_bytes"] == {"16": 2, "4": 1}
+    assert loop["global_bytes_loaded"] == (16 + 16 + 4) * 32
+    # R12 is never read: it stays in flight until the next iteration's load overwrites it
+    samples = [128 + 512, 128 + 1024, 128 + 1024, 128 + 512, 128, 128, 128]
+    assert loop["inflight_bytes_peak"] == 1152
+    assert loop["inflight_bytes_mean"] == round(sum(samples) / 7, 1)
+
+
+def test_uniform_branches_are_conditional_and_main_loop_has_the_mma():
+    result, loop = _main("uniform_branch.sass")
+    first, second = result["loops"]
+    assert result["main"] == 1 and loop is second
+    # BRA.U !UP0 is conditional: the path through the LDS (more work) is the steady state
+    assert first["instructions"] == 6 and first["classes"]["lds"] == 1
+    # the early exit (@P0 BRA out of the loop) is never followed
+    assert second["instructions"] == 4 and second["classes"]["tensor"] == 1
+
+
+@pytest.mark.parametrize("opcode, cls", [
+    ("HMMA.16816.F32.BF16", "tensor"), ("HGMMA.64x128x16.F32", "tensor"), ("IMAD.MOV.U32", "move"),
+    ("IMAD.WIDE.U32", "int"), ("UIADD3", "int"), ("ULDC.64", "move"), ("CS2R", "move"),
+    ("F2FP.PACK_AB", "cvt"), ("I2F.U32.RP", "cvt"), ("FFMA", "fp32"), ("HFMA2.MMA", "fp32"),
+    ("MUFU.EX2", "mufu"), ("SHFL.BFLY", "shfl"), ("LDGDEPBAR", "bar"), ("DEPBAR.LE", "bar"),
+    ("BAR.SYNC.DEFER_BLOCKING", "bar"), ("LDG.E.128.CONSTANT", "ldg"), ("LD.E.64", "ldg"),
+    ("STG.E.128", "stg"), ("LDS.128", "lds"), ("STS.64", "sts"), ("LDSM.16.MT88.4", "ldsm"),
+    ("LDGSTS.E.BYPASS.128", "ldgsts"), ("BSSY", "control"), ("NOP", "control"), ("XYZZY", "other"),
+])
+def test_classify(opcode, cls):
+    assert classify(opcode) == cls
+
+
+def test_widths_and_mma_flops():
+    assert [access_bytes(o) for o in ("LDG.E.128.CONSTANT", "LDG.E.64", "LDG.E", "LDG.E.U16", "LDG.E.S8")] \
+        == [16, 8, 4, 2, 1]
+    assert mma_flops(Instr(0, "", "HMMA.16816.F32", "")) == 4096
+    assert mma_flops(Instr(0, "", "HMMA.1688.F32.TF32", "")) == 2048
+    assert mma_flops(Instr(0, "", "HGMMA.64x128x16.F32", "")) == 2 * 64 * 128 * 16 // 4
+
+
+def test_loop_model_bounds_by_hand():
+    _, loop = _main("register_loads.sass")
+    a100 = GPUS["a100-sxm"]
+    b = bound_on(loop, 8, a100)
+    bandwidth = 1152 * 8 / (a100.bandwidth / a100.sm_count)
+    latency = 1152 * 8 * 700e-9 / (loop["inflight_bytes_mean"] * 8)
+    assert b["times"]["bandwidth"] == pytest.approx(bandwidth)
+    assert b["times"]["latency"] == pytest.approx(latency)
+    assert b["times"]["issue"] == pytest.approx(7 * 8 / 4 / 1.41e9)
+    assert b["bound"] == "latency" and b["bandwidth_fraction"] == round(bandwidth / latency, 3)
+    fig = loop_figures(loop, 4, 2, 32, [a100])
+    assert fig["instructions_per_kv_row"] == round(7 * 4 / 32, 2)
+    assert fig["inflight_bytes_per_cta"] == round(loop["inflight_bytes_mean"] * 4)
+    assert fig["inflight_bytes_per_sm"] == round(loop["inflight_bytes_mean"] * 4 * 2)
+    assert fig["inflight_peak_bytes_per_sm"] == 1152 * 8
+
+
+def test_mma_loop_is_tensor_bound_when_loads_come_from_l2():
+    _, loop = _main("pipelined_mma.sass")
+    a100 = GPUS["a100-sxm"]
+    assert bound_on(loop, 8, a100, reuse=1)["bound"] in ("bandwidth", "latency")
+    b = bound_on(loop, 8, a100, reuse=64)
+    assert b["times"]["tensor"] == pytest.approx(2 * 4096 * 8 / (312e12 / 108))
+    # A100: one HMMA.16816 per 2 clocks per SM, 4 issue slots per clock: 7.5 instructions per
+    # HMMA (1.875 clocks) still fit under the tensor time
+    assert b["times"]["issue"] == pytest.approx(15 * 8 / 4 / 1.41e9)
+    assert b["bound"] == "tensor"
+
+
+def test_kv_rows_and_reuse():
+    decode = {"num_warps": 4, "lanes_per_row": 16, "kv_unroll": 4, "heads_per_cta": 4}
+    assert kv_rows_per_iteration("decode", decode, "ptxc_x_split") == 4 * 2 * 4
+    assert kv_rows_per_iteration("decode", decode, "ptxc_x_reduce") is None
+    assert kv_rows_per_iteration("prefill", {"block_m": 128, "block_n": 64}, "ptxc_p") == 64
+    assert kv_rows_per_iteration("kv_append", {"threads": 128}, "ptxc_a") is None
+    spec = {"num_heads": 32, "num_kv_heads": 8}
+    assert kv_reuse("prefill", {"block_m": 128}, spec, {"seq_q": 4096}) == 32 * 4
+    assert kv_reuse("decode", decode, spec, {"batch": 16}) == 1
+
+
+def test_gpu_clocks_match_their_tensor_peaks():
+    """tensor peak / (SMs x clock) is each architecture's dense f16 rate per SM per clock."""
+    for g in GPUS.values():
+        per_clock = g.tensor_tflops * 1e12 / (g.sm_count * g.clock_mhz * 1e6)
+        assert min(abs(per_clock / p - 1) for p in (512, 1024, 2048, 4096)) < 0.015, g.key
