@@ -114,3 +114,6 @@ class Family:
     make_inputs: Callable[[KernelSpec, dict[str, int], Any], dict[str, Any]] | None = None
     # ... and the outputs in float64; with dtype=..., the naive same-dtype computation instead.
     reference: Callable[..., dict[str, Any]] | None = None
+    # The dtype the kernel's row sums take the probabilities in (tensor-core row sums), if not f32:
+    # the lse tolerance's naive computation rounds them the same way (runtime/reference.py).
+    row_sum_dtype: Callable[[KernelSpec], str | None] | None = None

@@ -366,4 +366,5 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
 
 FAMILY = Family(name="prefill", doc=__doc__.split("\n")[0], fields=FIELDS, validate=validate,
                 interface=interface, build=build, resolve_tile=resolve_tile,
-                make_inputs=make_inputs, reference=reference)
+                make_inputs=make_inputs, reference=reference,
+                row_sum_dtype=lambda spec: None if spec.dtype == "f32" else spec.dtype)

@@ -139,12 +139,17 @@ class MmaMath:
                     acc = self.o[2 * pair + e]
                     b.mma_m16n8k16(a, frag, acc, self.in_type, out=acc)
 
+    def row_sums(self) -> tuple[list[Reg], tuple[int, ...]]:
+        """Each of this lane's rows' softmax denominators, and the lanes finish_rows must still
+        reduce over: none, the tensor-core row sums are complete in every lane."""
+        return [self.l_acc[0], self.l_acc[2]], ()
+
     def epilogue(self) -> None:
         """O / l rounded into this warp's rows of the Q tile, then 128-bit row stores by all."""
         from .tiles import global_rows, store_tile, thread_slot
         b, ctx = self.b, self.ctx
-        l_rows = [self.l_acc[0], self.l_acc[2]]   # complete row sums already: no lanes to reduce
-        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, (), b.setp("eq", self.t, 0))
+        l_rows, lanes = self.row_sums()
+        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, b.setp("eq", self.t, 0))
         for jd, acc in enumerate(self.o):
             for r in range(2):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))

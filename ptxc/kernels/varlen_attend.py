@@ -97,7 +97,8 @@ class VarlenMath(MmaMath):
         b, ctx = self.b, self.ctx
         split = ctx.split is not None
         writer = b.setp("eq", self.t, 0)
-        invs = finish_rows(b, ctx, self.m, self.l, self.rows, (1, 2), writer,
+        l_rows, lanes = self.row_sums()
+        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, writer,
                            lse_scale=1.0 if split else C.LN2)
         for r, row in enumerate(self.rows):
             ok = b.setp("lt", row, ctx.seq_q)

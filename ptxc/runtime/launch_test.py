@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, UserError
-from .reference import TOLERANCE_RULE, max_abs_error, tolerance
+from .reference import TOLERANCE_RULE, Precision, max_abs_error, tolerance
 
 
 @dataclass
@@ -88,10 +88,12 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
     # spec's dtype, but lse is an f32 output computed from f32 scores, so its naive baseline is
     # the f32 computation (the spec-dtype one allowed ~10^4 times the error the kernel makes).
     naive_by_dtype = {spec.dtype: family.reference(spec, inputs, dtype=spec.dtype)}
+    sums_in = family.row_sum_dtype(spec) if family.row_sum_dtype else None
     for name in ref:
         out_dtype = art.meta["tensors"].get(name, {}).get("dtype", spec.dtype)
         if out_dtype not in naive_by_dtype:
-            naive_by_dtype[out_dtype] = family.reference(spec, inputs, dtype=out_dtype)
+            prec = Precision(out_dtype, probs=sums_in) if out_dtype == "f32" else out_dtype
+            naive_by_dtype[out_dtype] = family.reference(spec, inputs, dtype=prec)
     naive = {name: naive_by_dtype[art.meta["tensors"].get(name, {}).get("dtype", spec.dtype)][name]
              for name in ref}
     shape = ",".join(f"{k}={v}" for k, v in sorted(dims.items()))
