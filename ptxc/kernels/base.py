@@ -87,6 +87,7 @@ class Program:
     entries: list[EntryIR]
     launches: list[Launch]
     config: dict[str, Any] = field(default_factory=dict)   # resolved tiles, recorded in metadata
+    ptx_version: str | None = None   # the module's PTX ISA version when newer than the target's
 
 
 @dataclass(frozen=True)
