@@ -167,13 +167,13 @@ def launch_test(paths, backend, shapes, targets, seed, as_json):
 @click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--target", default=None, help="Which target's PTX/cubin [default: oldest built].")
 @click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True)
-@click.option("--set", "sets", multiple=True, help="Runtime dims not inferable from inputs: name=value.")
+@click.option("--set", "sets", multiple=True, help="Runtime dims not inferable from inputs, or runtime scalars (k_scale): name=value.")
 @handles_errors
 def run(artifact_dir, inputs_path, output_path, target, backend, sets):
     """Run an artifact's launch list on the tensors in an .npz; write the outputs to an .npz."""
     from .runtime.launch_test import parse_assignments, run_npz
     info = run_npz(artifact_dir, inputs_path, output_path, target=target, backend=backend,
-                   sets=parse_assignments(sets, "--set"))
+                   sets=parse_assignments(sets, "--set", floats=True))
     click.echo(f"{output_path}: " + ", ".join(f"{k} {v}" for k, v in info["outputs"].items())
                + f" (backend {info['backend']})")
 

@@ -62,7 +62,7 @@ def make_metadata(build, verified: bool) -> dict[str, Any]:
         "tensors": {t.name: t.to_dict() for t in iface.tensors},
         "dims": list(iface.dims),
         "dim_rules": iface.dim_rules,
-        "scalars": {},
+        "scalars": iface.scalars,
         "verified": verified,
         "targets": targets,
     }

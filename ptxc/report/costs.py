@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ..errors import InputError, UserError
 
-ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "e4m3": 1, "e5m2": 1}
 LSE_BYTES = 4   # lse is always f32
 PART_BYTES = 4  # split-KV partials are f32
 # Shapes the report uses when --shape does not say: typical serving sizes, not launch-test's
@@ -117,9 +117,11 @@ def prefill_cost(meta: dict, config: dict, dims: dict) -> Cost:
 def kv_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
     spec = meta["spec"]
     b, n = dims["batch"], dims["num_new"]
-    rows = 2 * b * n * spec["num_kv_heads"] * spec["head_dim"] * ELEM_BYTES[spec["dtype"]]
+    elems = 2 * b * n * spec["num_kv_heads"] * spec["head_dim"]
+    kv_dtype = spec.get("kv_dtype") or spec["dtype"]        # FP8 caches: one byte per element
     index = b * n * 4 if "block_table" in meta["tensors"] else _layout_bytes(meta, dims, n)
-    return Cost(0, 2 * rows + b * 4 + index, "simt", dict(dims))
+    return Cost(0, elems * (ELEM_BYTES[spec["dtype"]] + ELEM_BYTES[kv_dtype]) + b * 4 + index,
+                "simt", dict(dims))
 
 
 COST_MODELS: dict[str, Callable[[dict, dict, dict], Cost]] = {
