@@ -21,7 +21,7 @@ Words: four FP8 bytes in one b32, element 0 in the low byte (the order of memory
 
 from __future__ import annotations
 
-from ..ir import B16, B32, F16, F16X2, F32, U32, Addr, KernelBuilder, Reg
+from ..ir import B16, B32, F16, F32, U32, Addr, KernelBuilder, Reg
 from ..targets import Target
 
 KINDS = ("e4m3", "e5m2")
@@ -116,7 +116,8 @@ def dequantize(b: KernelBuilder, words: list[Reg], kind: str, target: Target, to
         nan = b.bitcast(b.mov(0x7FFFFFFF, U32), F32)
         vals = [_e4m3_f32_sw(b, w, i, nan) for w in words for i in range(4)]
         if to == "f16x2":
-            return [b.cvt_pack(F16X2, vals[i + 1], vals[i]) for i in range(0, len(vals), 2)]
+            from .common import FORMATS, from_f32
+            return from_f32(b, FORMATS["f16"], vals, target)
     if to == "bf16x2":   # exact: the top half of each f32
         return [b.prmt(b.bitcast(vals[i], U32), b.bitcast(vals[i + 1], U32), 0x7632)
                 for i in range(0, len(vals), 2)]

@@ -122,8 +122,8 @@ def _load8(b: KernelBuilder, fmt: C.ElemFormat, addr: Reg) -> list[Reg]:
     return C.to_f32(b, fmt, regs)
 
 
-def _store8(b: KernelBuilder, fmt: C.ElemFormat, addr: Reg, vals: list[Reg]) -> None:
-    packed = C.from_f32(b, fmt, vals)
+def _store8(b: KernelBuilder, fmt: C.ElemFormat, addr: Reg, vals: list[Reg], target: Target) -> None:
+    packed = C.from_f32(b, fmt, vals, target)
     for i, off in enumerate(range(0, CHUNK * fmt.bytes, C.VEC_BYTES)):
         C.store_vec(b, fmt, Addr(addr, off), packed[4 * i:4 * i + 4])
 
@@ -199,7 +199,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
                             words = fp8.quantize(b, [b.div(v, scale) for v in vals], opts["fp8"], target)
                             b.st("global", B32, Addr(dst), words)
                         else:
-                            _store8(b, fmt, dst, vals)
+                            _store8(b, fmt, dst, vals, target)
     if rope:   # every token's queries: rotated, or copied unchanged when the token is skipped
         q_items = spec.num_heads * chunks
         for rnd in range(-(-q_items // threads)):
@@ -210,7 +210,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
                 q_row, out_row = source_row("q", head), source_row("q_rot", head)
                 vals = _load8(b, fmt, b.bitcast(b.add(b.bitcast(q_row, S64), offset), U64))
                 vals = rot.rotate(vals, b.mul(chunk, CHUNK), q_row, fmt, valid)
-                _store8(b, fmt, b.bitcast(b.add(b.bitcast(out_row, S64), offset), U64), vals)
+                _store8(b, fmt, b.bitcast(b.add(b.bitcast(out_row, S64), offset), U64), vals, target)
     b.ret()
     launch = Launch(entry=b.entry.name, params=tuple(params), grid=("num_new", "batch", "1"),
                     block=(threads, 1, 1))
