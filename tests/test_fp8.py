@@ -147,3 +147,39 @@ def test_hardware_path_uses_cvt_and_software_path_does_not():
     assert "e4m3x2" not in quantize_kernel("e4m3", "sm_80")
     assert "cvt.rn.f16x2.e5m2x2" in dequantize_kernel("e5m2", "sm_89")
     assert "e5m2x2" not in dequantize_kernel("e5m2", "sm_86")
+
+
+@pytest.mark.parametrize("target", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_kv_dequant_with_scale_and_predicate(kind, target):
+    """The attention kernels' block: 16 bytes -> 16 f32 values x scale; a false predicate reads 0."""
+    b = KernelBuilder("k")
+    src, dst = _thread_base(b, "codes", 16), _thread_base(b, "out", 64)
+    scale = b.load_param(b.param("scale", F32))
+    tid = b.special("%tid.x")
+    vals = fp8.load_kv_dequant(b, Addr(src), kind, TARGETS[target], scale=scale,
+                               pred=b.setp("lt", tid, 15))
+    for i in range(0, 16, 4):
+        b.st("global", F32, Addr(dst, 4 * i), vals[i:i + 4])
+    b.ret()
+    ptx = _ptx(b, target)
+    assert_assembles(ptx)
+    codes = np.arange(256, dtype=np.uint8)
+    out = np.zeros(256, np.float32)
+    emu.launch(ptx, "k", (1,), (16,), [codes, out, np.float32(0.375)])
+    want = (fp8_decode(codes, kind).astype(np.float32) * np.float32(0.375))
+    want[240:] = 0.0                                 # thread 15's predicate is false
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(out), nan) and np.array_equal(out[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("line,why", [("cvt.rn.e4m3x2.f32 %h, %a, %a;", "needs .satfinite"),
+                                      ("cvt.rz.satfinite.e5m2x2.f32 %h, %a, %a;", "takes .rn"),
+                                      ("cvt.rn.bf16x2.e4m3x2 %r, %h;", "unsupported FP8 cvt")])
+def test_emulator_rejects_unsupported_fp8_cvt(line, why):
+    from ptxc.errors import EmulationError
+    ptx = ("\n.version 8.1\n.target sm_89\n.address_size 64\n.visible .entry k()\n{\n"
+           "\t.reg .b16 %h;\n\t.reg .b32 %r;\n\t.reg .f32 %a;\n\tmov.f32 %a, 0f00000000;\n"
+           f"\t{line}\n\tret;\n}}\n")
+    with pytest.raises(EmulationError, match=why):
+        emu.launch(ptx, "k", (1,), (1,), [])

@@ -3,6 +3,8 @@
     prmt(a, b, selector)           prmt.b32: pick 4 of the 8 bytes of {b, a} (docs: PTX ISA "prmt")
     cvt_from_fp8x2(src, kind)      cvt.rn.f16x2.{e4m3x2,e5m2x2}: two FP8 bytes -> f16x2 (sm_89+)
     cvt_to_fp8x2(hi, lo, kind)     cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32: two f32 -> two bytes (sm_89+)
+    add_rn(a, b), mul_rn(a, b)     f32 add/mul with an explicit .rn, which ptxas may not contract
+                                   into an fma (for results a float32 model must reproduce exactly)
 
 The FP8 pairs live in 16-bit registers with element 0 in the low byte (the same order as
 f16x2). Whether a target has the instructions is the caller's decision (ptxc/kernels/fp8.py
@@ -25,6 +27,17 @@ class ConvertOps:
         d = self.reg(B32)
         self.emit("prmt", ("b32",), (d,), (self._operand(a, B32, "prmt"), self._operand(b, B32, "prmt"),
                                            self._operand(selector, U32, "prmt")))
+        return d
+
+    def add_rn(self, a, b) -> "Reg":  # noqa: F821
+        return self._float_rn("add", a, b)
+
+    def mul_rn(self, a, b) -> "Reg":  # noqa: F821
+        return self._float_rn("mul", a, b)
+
+    def _float_rn(self, op: str, a, b) -> "Reg":  # noqa: F821
+        d = self.reg(F32)
+        self.emit(op, ("rn", "f32"), (d,), (self._operand(a, F32, op), self._operand(b, F32, op)))
         return d
 
     def cvt_from_fp8x2(self, src, kind: str) -> "Reg":  # noqa: F821

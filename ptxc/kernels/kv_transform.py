@@ -52,13 +52,6 @@ def geometry(spec: KernelSpec) -> tuple[int, int, int]:
     return chunks, kv_items, threads
 
 
-def _rn(b: KernelBuilder, op: str, x: Reg, y) -> Reg:
-    """A float op with an explicit .rn, which forbids ptxas from contracting it into an fma."""
-    d = b.reg(F32)
-    b.emit(op, ("rn", "f32"), (d,), (b._operand(x, F32, op), b._operand(y, F32, op)))
-    return d
-
-
 class _Rope:
     """Per-token RoPE state: the cos/sin row of this token's position."""
 
@@ -87,16 +80,16 @@ class _Rope:
             if self.style == "gptj":
                 cos, sin = self._cs(b.shr(j, 1), ok)
                 partner, negate = vals[e ^ 1], e % 2 == 0
-                prod = _rn(b, "mul", partner, sin)
+                prod = b.mul_rn(partner, sin)
                 term = b.neg(prod) if negate else prod
             else:
                 low = b.setp("lt", j, self.half)
                 index = b.selp(j, b.sub(j, self.half), low)
                 cos, sin = self._cs(index, ok)
                 partner = self._load_elem(b.selp(b.add(j, self.half), index, low), row_addr, fmt, ok)
-                prod = _rn(b, "mul", partner, sin)
+                prod = b.mul_rn(partner, sin)
                 term = b.selp(b.neg(prod), prod, low)
-            out.append(b.selp(_rn(b, "add", _rn(b, "mul", x, cos), term), x, ok))
+            out.append(b.selp(b.add_rn(b.mul_rn(x, cos), term), x, ok))
         return out
 
     def _load_elem(self, index: Reg, row_addr: Reg, fmt: C.ElemFormat, ok: Reg) -> Reg:
