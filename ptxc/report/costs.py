@@ -40,7 +40,7 @@ DEFAULT_DIMS = {
     "kv_append": {"batch": 16, "num_new": 1, "kv_len": 4096},
 }
 KNOWN_DIMS = {"batch", "max_seq_len", "seq_q", "seq_k", "num_pages", "max_pages_per_seq",
-              "num_splits", "num_new"}
+              "num_splits", "num_new", "max_position"}
 REPORT_NUM_SMS = 108   # SM count assumed by "auto" dim rules in a static report (an A100's)
 
 
@@ -120,7 +120,11 @@ def kv_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
     elems = 2 * b * n * spec["num_kv_heads"] * spec["head_dim"]
     kv_dtype = spec.get("kv_dtype") or spec["dtype"]        # FP8 caches: one byte per element
     index = b * n * 4 if "block_table" in meta["tensors"] else _layout_bytes(meta, dims, n)
-    return Cost(0, elems * (ELEM_BYTES[spec["dtype"]] + ELEM_BYTES[kv_dtype]) + b * 4 + index,
+    rope = 0
+    if "q_rot" in meta["tensors"]:   # q read and written, one cos/sin row per token
+        rope = 2 * b * n * spec["num_heads"] * spec["head_dim"] * ELEM_BYTES[spec["dtype"]] + \
+            b * n * meta["tensors"]["cos_sin_cache"]["shape"][1] * 4
+    return Cost(0, elems * (ELEM_BYTES[spec["dtype"]] + ELEM_BYTES[kv_dtype]) + b * 4 + index + rope,
                 "simt", dict(dims))
 
 
@@ -154,6 +158,8 @@ def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_S
         out["max_pages_per_seq"] = -(-kv // page_size(meta))
     if "num_pages" in dims and "num_pages" not in out and "max_pages_per_seq" in out and "batch" in out:
         out["num_pages"] = out["batch"] * out["max_pages_per_seq"]
+    if "max_position" in dims and "max_position" not in out:   # RoPE table: one row per cache row
+        out["max_position"] = kv_length(meta, out)
     for name, rule in (meta.get("dim_rules") or {}).items():
         if name in dims and name not in out:
             from ..runtime import apply_dim_rule

@@ -136,7 +136,9 @@ def apply_dim_rule(rule: dict, dims: dict[str, int], num_sms: int) -> int:
 
 def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
                num_sms: int = EMU_NUM_SMS) -> dict[str, int]:
-    """Match every input's shape against its tensor's named shape; return the runtime dims."""
+    """Match every input's shape against its tensor's named shape; return the runtime dims
+    (runtime scalars among the inputs are not tensors and are passed over here)."""
+    inputs = {k: v for k, v in inputs.items() if k not in (meta.get("scalars") or {})}
     tensors = meta["tensors"]
     expected = {n for n, t in tensors.items() if t["role"] in ("input", "inout") and not t.get("derived_from")}
     missing = sorted(expected - set(inputs))
