@@ -17,7 +17,7 @@ from ptxc.targets import TARGETS
 
 from tests.emu.helpers import assert_assembles
 
-PATHS = ["sm_80", "sm_89"]        # software, hardware
+PATHS = ["sm_75", "sm_80", "sm_89", "sm_120"]        # software x2, hardware x2
 KINDS = list(fp8.KINDS)
 
 
@@ -136,10 +136,7 @@ def test_dequantizer_all_codes(kind, target):
 @pytest.mark.parametrize("kind", KINDS)
 def test_both_paths_assemble(kind, target):
     assert_assembles(quantize_kernel(kind, target))
-    if TARGETS[target].sm >= 80:   # bf16x2 needs sm_80
-        assert_assembles(dequantize_kernel(kind, target))
-    else:
-        assert_assembles(dequantize_kernel(kind, target, outs=("f32", "f16x2")))
+    assert_assembles(dequantize_kernel(kind, target))
 
 
 def test_hardware_path_uses_cvt_and_software_path_does_not():
