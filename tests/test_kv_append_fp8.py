@@ -40,6 +40,8 @@ CASES = [  # (dtype, kv_dtype, kv_scale, layout, rope, rotary_dim)
     ("bf16", "e4m3", "tensor", "paged", "gptj", None),
     ("f16", None, None, "paged", "neox", None),
     ("f32", None, None, "contiguous", "gptj", 18),
+    ("f16", "e5m2", "tensor", "contiguous", "neox", 32),     # neox by whole chunks (rd % 16 == 0)
+    ("f32", None, None, "paged", "neox", 16),
 ]
 
 
@@ -74,14 +76,15 @@ def _run(spec_body, tmp_path, layout, rng_seed=1, dims=None, cos_sin=None):
     return art, spec, inputs, {t: art.run(inputs, target=t) for t in TARGETS}
 
 
-@pytest.mark.parametrize("style", ["neox", "gptj"])
-def test_rope_fp64_with_llama3_scaling_across_a_page(tmp_path, style):
-    """Positions 2..4 of page size 4 cross a page; rotary_dim 24 of 40; llama3 frequencies."""
-    cs = rope_cos_sin_cache(40, 24, llama3=LLAMA3)
-    art, spec, inputs, outs = _run(body("f32", None, None, "paged", style, 24), tmp_path, "paged", cos_sin=cs)
+@pytest.mark.parametrize("style,rd", [("neox", 24), ("gptj", 24), ("neox", 32), ("gptj", 18)])
+def test_rope_fp64_with_llama3_scaling_across_a_page(tmp_path, style, rd):
+    """Positions 2..4 of page size 4 cross a page; rotary_dim rd of 40 (per element and by
+    whole chunks); llama3 frequencies."""
+    cs = rope_cos_sin_cache(40, rd, llama3=LLAMA3)
+    art, spec, inputs, outs = _run(body("f32", None, None, "paged", style, rd), tmp_path, "paged", cos_sin=cs)
     inputs["positions"][:] = [2, 5, 0, 9, 37][:len(inputs["positions"])]
     outs = {t: art.run(inputs, target=t) for t in TARGETS}
-    table, h = inputs["block_table"], 12
+    table, h = inputs["block_table"], rd // 2
     for t in TARGETS:
         for b in range(5):
             for n in range(3):
@@ -90,14 +93,14 @@ def test_rope_fp64_with_llama3_scaling_across_a_page(tmp_path, style):
                     assert np.array_equal(outs[t]["q_rot"][b, n], inputs["q"][b, n])
                     continue
                 cos, sin = cs[r, :h].astype(np.float64), cs[r, h:].astype(np.float64)
-                want_q = rotate(inputs["q"][b, n].astype(np.float64), cos, sin, style, 24)
-                want_k = rotate(inputs["k_new"][b, n].astype(np.float64), cos, sin, style, 24)
+                want_q = rotate(inputs["q"][b, n].astype(np.float64), cos, sin, style, rd)
+                want_k = rotate(inputs["k_new"][b, n].astype(np.float64), cos, sin, style, rd)
                 assert max_abs_error(outs[t]["q_rot"][b, n], want_q) < 2e-6
                 page = table[b, r // 4]
                 if 0 <= page < inputs["k_cache"].shape[0]:
                     assert max_abs_error(outs[t]["k_cache"][page, r % 4], want_k) < 2e-6
                     assert np.array_equal(outs[t]["v_cache"][page, r % 4], inputs["v_new"][b, n])
-                    assert np.array_equal(outs[t]["k_cache"][page, r % 4][:, 24:], inputs["k_new"][b, n][:, 24:])
+                    assert np.array_equal(outs[t]["k_cache"][page, r % 4][:, rd:], inputs["k_new"][b, n][:, rd:])
 
 
 @pytest.mark.parametrize("kind", ["e4m3", "e5m2"])

@@ -13,7 +13,8 @@ rotary_dim/2 + i] (vLLM's layout), pair index i and partner element:
     j >= rotary_dim: unchanged.
 Each product and the sum are separately rounded f32 operations (`.rn`: no contraction into an
 fma), so a numpy float32 model reproduces the kernel bit for bit (the FP8 bytes are checked
-exactly). A token whose row is outside the cache or at/past max_position is skipped entirely:
+exactly). Chunks that fall wholly on one side of rd (and rd/2 for neox) use vector loads of
+their cos/sin and partner chunk; other rotary_dims go element by element. A token whose row is outside the cache or at/past max_position is skipped entirely:
 no cache write, and q_rot gets its queries unrotated. Queries go to a separate `q_rot` output,
 not back into `q`: neox partners cross chunks, so rotating in place would race between threads.
 """
@@ -53,25 +54,40 @@ def geometry(spec: KernelSpec) -> tuple[int, int, int]:
 
 
 class _Rope:
-    """Per-token RoPE state: the cos/sin row of this token's position."""
+    """Per-token RoPE state: the cos/sin row of this token's position (f32, contiguous)."""
 
-    def __init__(self, b: KernelBuilder, style: str, rotary_dim: int, cs_row: Reg, cs_stride1: Reg):
+    def __init__(self, b: KernelBuilder, style: str, rotary_dim: int, cs_row: Reg):
         self.b, self.style, self.rd, self.half = b, style, rotary_dim, rotary_dim // 2
-        self.row, self.s1 = cs_row, cs_stride1
+        self.row, self.four = cs_row, b.mov(4, S64)
+        # Whole chunks fall on one side of every boundary (rd, and rd/2 for neox): rotate a
+        # chunk with vector loads of its cos/sin (and partner chunk) instead of per element.
+        self.by_chunk = (rotary_dim % 16 == 0) if style == "neox" else (rotary_dim % 8 == 0)
 
     def _cs(self, index: Reg, ok: Reg) -> tuple[Reg, Reg]:
         b = self.b
         cos, sin = b.mov(1.0, F32), b.mov(0.0, F32)
         with b.predicate(ok):
-            b.ld("global", F32, Addr(C.element_offset(b, self.row, index, self.s1)), nc=True, out=[cos])
-            b.ld("global", F32, Addr(C.element_offset(b, self.row, b.add(index, self.half), self.s1)),
+            b.ld("global", F32, Addr(C.element_offset(b, self.row, index, self.four)), nc=True, out=[cos])
+            b.ld("global", F32, Addr(C.element_offset(b, self.row, b.add(index, self.half), self.four)),
                  nc=True, out=[sin])
         return cos, sin
+
+    def _cs_vec(self, index: Reg, count: int, ok: Reg) -> tuple[list[Reg], list[Reg]]:
+        """cos/sin of `count` (4 or 8) consecutive frequencies from `index` (16-byte aligned)."""
+        b, f32 = self.b, C.FORMATS["f32"]
+        out = []
+        for base in (index, b.add(index, self.half)):
+            addr = C.element_offset(b, self.row, base, self.four)
+            out.append([v for off in range(0, 4 * count, C.VEC_BYTES)
+                        for v in C.load_vec(b, f32, Addr(b.bitcast(addr, U64), off), ok)])
+        return out[0], out[1]
 
     def rotate(self, vals: list[Reg], first: Reg, row_addr: Reg, fmt: C.ElemFormat,
                valid: Reg) -> list[Reg]:
         """Rotate the 8 f32 values of elements first..first+7 of a head row at `row_addr`
         (unchanged where `valid` is false)."""
+        if self.by_chunk:
+            return self._rotate_chunk(vals, first, row_addr, fmt, valid)
         b = self.b
         out = []
         for e, x in enumerate(vals):
@@ -91,6 +107,32 @@ class _Rope:
                 term = b.selp(b.neg(prod), prod, low)
             out.append(b.selp(b.add_rn(b.mul_rn(x, cos), term), x, ok))
         return out
+
+    def _rotate_chunk(self, vals, first, row_addr, fmt, valid) -> list[Reg]:
+        """The same arithmetic as `rotate`, with the chunk's cos/sin and partners as vectors."""
+        b = self.b
+        ok = b.and_(b.setp("lt", first, self.rd), valid)
+        if self.style == "gptj":
+            cos, sin = self._cs_vec(b.shr(first, 1), 4, ok)
+            terms = []
+            for e in range(CHUNK):
+                prod = b.mul_rn(vals[e ^ 1], sin[e // 2])
+                terms.append(b.neg(prod) if e % 2 == 0 else prod)
+            cos = [cos[e // 2] for e in range(CHUNK)]
+        else:
+            low = b.setp("lt", first, self.half)
+            index = b.selp(first, b.sub(first, self.half), low)
+            cos, sin = self._cs_vec(index, CHUNK, ok)
+            partner_first = b.selp(b.add(first, self.half), index, low)
+            addr = C.element_offset(b, row_addr, partner_first, b.mov(fmt.bytes, S64))
+            regs = [r for off in range(0, CHUNK * fmt.bytes, C.VEC_BYTES)
+                    for r in C.load_vec(b, fmt, Addr(b.bitcast(addr, U64), off), ok)]
+            partners = C.to_f32(b, fmt, regs)
+            terms = []
+            for e in range(CHUNK):
+                prod = b.mul_rn(partners[e], sin[e])
+                terms.append(b.selp(b.neg(prod), prod, low))
+        return [b.selp(b.add_rn(b.mul_rn(x, c), t), x, ok) for x, c, t in zip(vals, cos, terms)]
 
     def _load_elem(self, index: Reg, row_addr: Reg, fmt: C.ElemFormat, ok: Reg) -> Reg:
         b = self.b
@@ -145,8 +187,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
                for t in sources for a in (0, 1, 2)}
     kv.emit_strides(param)
     if rope:
-        cs_strides = [b.mul(param(f"cos_sin_cache_stride{a}", S64, ParamSource("stride", "cos_sin_cache", a)), 4)
-                      for a in (0, 1)]
+        cs_stride = b.mul(param("cos_sin_cache_stride0", S64, ParamSource("stride", "cos_sin_cache", 0)), 4)
     kv.emit_dims(param)
     if rope:
         max_position = param("max_position", U32, ParamSource("dim", name="max_position"))
@@ -162,8 +203,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
     rot = None
     if rope:
         valid = b.and_(valid, b.setp("lt", row, max_position))
-        cs_row = C.element_offset(b, ptrs["cos_sin_cache"], b.selp(row, 0, valid), cs_strides[0])
-        rot = _Rope(b, rope, opts["rotary_dim"], b.bitcast(cs_row, U64), cs_strides[1])
+        cs_row = C.element_offset(b, ptrs["cos_sin_cache"], b.selp(row, 0, valid), cs_stride)
+        rot = _Rope(b, rope, opts["rotary_dim"], b.bitcast(cs_row, U64))
 
     def source_row(name: str, head: Reg) -> Reg:
         src = C.element_offset(b, ptrs[name], batch, strides[(name, 0)])
