@@ -65,6 +65,29 @@ def test_launch_test_passes(tmp_path, case):
     assert all(r.max_error == 0 for r in fp8_rows)          # FP8 bytes are bit-exact
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_full_product_long(tmp_path, dtype, layout):
+    for kv_dtype, kv_scale, rope, rd in [(k, s, r, d) for k in ("e4m3", "e5m2") for s in ("tensor", "head")
+                                         for r, d in ((None, None), ("neox", 32), ("gptj", 22))] + \
+            [(None, None, "neox", 26), (None, None, "gptj", None)]:
+        sub = tmp_path / f"{kv_dtype}_{kv_scale}_{rope}"
+        art = build_kernel(sub, "kv_append", body(dtype, kv_dtype, kv_scale, layout, rope, rd), targets=TARGETS)
+        dims = {**shapes(layout), **({"max_position": 15} if rope else {})}
+        assert_pass(check_artifact(art, backend="emu", shapes=dims, seed=9))
+
+
+def test_scalar_input_must_be_0d_float32(tmp_path):
+    art = build_kernel(tmp_path, "kv_append", body("f16", "e5m2", "tensor", "contiguous", None, None))
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    inputs = FAMILIES["kv_append"].make_inputs(spec, shapes("contiguous"), np.random.default_rng(4))
+    from ptxc.errors import InputError
+    for bad in (np.float64(0.5), np.array([0.5], np.float32)):
+        with pytest.raises(InputError, match="k_scale must be a 0-d float32 array"):
+            art.run({**inputs, "k_scale": bad})
+
+
 def _run(spec_body, tmp_path, layout, rng_seed=1, dims=None, cos_sin=None):
     art = build_kernel(tmp_path, "kv_append", spec_body, targets=TARGETS)
     spec = KernelSpec.from_dict(art.meta["spec"])
