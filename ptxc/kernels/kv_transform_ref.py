@@ -64,12 +64,10 @@ def add_inputs(spec, dims: dict, inputs: dict, rng) -> None:
         else:
             for t in "kv":
                 inputs[f"{t}_scale"] = (np.exp(rng.uniform(-4, 1, Hk)) / top * 64).astype(np.float32)
-        v = inputs["v_new"]
-        flat = v.reshape(-1)
+        flat = inputs["v_new"].reshape(-1)        # a view: edits land in v_new
         if flat.size >= 4:
-            flat[:2] = [np.inf, np.nan] if not opts["rope"] else flat[:2]
+            flat[:2] = [np.inf, np.nan]            # -> max finite, NaN byte
             flat[2:4] *= 1e4                       # saturates to +-max finite
-        inputs["v_new"] = v
     if opts["rope"]:
         H = spec.num_heads
         inputs["q"] = round_to(rng.standard_normal((B, N, H, d)), spec.dtype).astype(np.float32)
