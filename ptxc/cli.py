@@ -201,7 +201,8 @@ def launch_test(paths, backend, shapes, targets, seed, as_json):
 @click.option("--target", default=None, help="Which target's PTX/cubin [default: oldest built].")
 @click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True,
               help="Where to run: the PTX emulator, a CUDA device, or CUDA when one is present.")
-@click.option("--set", "sets", multiple=True, help="Runtime dims not inferable from inputs: name=value.")
+@click.option("--set", "sets", multiple=True,
+              help="Runtime dims not inferable from inputs, or runtime scalars (k_scale): name=value.")
 @handles_errors
 def run(artifact_dir, inputs_path, output_path, target, backend, sets):
     """Run an artifact's launch list on the tensors in an .npz; write the outputs to an .npz."""
@@ -211,7 +212,7 @@ def run(artifact_dir, inputs_path, output_path, target, backend, sets):
     ensure_output_file(output_path, "--output")
     with progress_notes(f"{artifact_dir.name}"):
         info = run_npz(artifact_dir, inputs_path, output_path, target=target, backend=backend,
-                       sets=parse_assignments(sets, "--set"))
+                       sets=parse_assignments(sets, "--set", floats=True))
     click.echo(f"{output_path}: " + ", ".join(f"{k} {v}" for k, v in info["outputs"].items())
                + f" (backend {info['backend']})")
 

@@ -79,7 +79,8 @@ def test_bench_inputs_match_every_interface(metas):
     for meta in metas:
         dims = resolve_dims(meta, small)
         inputs = bench_inputs(meta, dims)
-        plain = {n: a for n, a in inputs.items() if not meta["tensors"][n].get("derived_from")}
+        plain = {n: a for n, a in inputs.items() if not meta["tensors"].get(n, {}).get("derived_from")}
+        assert set(meta["scalars"]) <= set(inputs)          # runtime scalars (FP8 scales) too
         # The runtime's own shape inference recovers exactly the dims the inputs were made for.
         assert infer_dims(meta, plain, {n: dims[n] for n in ("num_splits",) if n in dims}) == dims, meta["name"]
         if "seq_lens" in inputs:

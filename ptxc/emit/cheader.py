@@ -36,6 +36,7 @@ def _doc(source: dict) -> str:
     return {"pointer": f"device address of {source.get('tensor')}",
             "stride": f"{source.get('tensor')} stride along axis {source.get('axis')}, in elements",
             "dim": f"runtime dim {source.get('name')}",
+            "scalar": f"runtime scalar {source.get('name')} (f32)",
             "const": f"constant {source.get('value')}"}.get(kind, kind)
 
 

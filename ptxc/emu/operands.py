@@ -71,7 +71,9 @@ TYPES = {"pred": PtxType("pred", "p", 1), "f16": PtxType("f16", "f", 16),
          "f32": PtxType("f32", "f", 32), "f64": PtxType("f64", "f", 64),
          "bf16": PtxType("bf16", "bf", 16),
          # packed pairs are plain 32-bit containers for the ops that accept them
-         "f16x2": PtxType("f16x2", "b", 32), "bf16x2": PtxType("bf16x2", "b", 32)}
+         "f16x2": PtxType("f16x2", "b", 32), "bf16x2": PtxType("bf16x2", "b", 32),
+         # FP8 pairs (cvt only): two bytes in 16 bits, element 0 in the low byte
+         "e4m3x2": PtxType("e4m3x2", "b", 16), "e5m2x2": PtxType("e5m2x2", "b", 16)}
 for _k in "bus":
     for _b in (8, 16, 32, 64):
         TYPES[f"{_k}{_b}"] = PtxType(f"{_k}{_b}", _k, _b)

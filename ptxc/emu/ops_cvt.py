@@ -5,13 +5,15 @@ an exact float64 pair for 64-bit integers) and rounded once by fp.round_to_forma
 Float -> int rounds per .rni/.rzi/.rmi/.rpi and saturates to the destination range (NaN -> 0);
 int -> int truncates/extends, or clamps with .sat. A destination register wider than the
 destination type receives the value sign-extended (signed types) or zero-extended.
+FP8 pairs (sm_89+): cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 and cvt.rn.f16x2.{e4m3x2,e5m2x2},
+with the semantics of ptxc.emu.fp8.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ptxc.emu import fp
+from ptxc.emu import fp, fp8
 from ptxc.emu.decode import Mods, expect_operands, register
 from ptxc.emu.memory import GENERIC_SHARED_BASE, GENERIC_SHARED_END, _at
 from ptxc.emu.operands import TYPES, DecodeError, Fault
@@ -122,6 +124,8 @@ def decode_cvt(ins, env):
     if len(types) != 2:
         raise DecodeError("cvt needs a destination and a source type")
     dst, src = types
+    if dst.name in fp8.PAIR_TYPES or src.name in fp8.PAIR_TYPES:
+        return _decode_fp8(ins, env, dst, src, mode, relu or ftz or sat, satfinite)
     if dst.name in ("f16x2", "bf16x2"):
         return _decode_x2(ins, env, dst, src, mode, relu, satfinite, sat or ftz)
     expect_operands(ins, 2)
@@ -171,6 +175,38 @@ def _decode_x2(ins, env, dst, src, mode, relu, satfinite, bad):
         return (hi << np.uint32(16)) | lo        # a -> upper half, b -> lower half
     f32 = TYPES["f32"]
     return simple_op(ins, env, d, TYPES["b32"], [(a, f32), (b, f32)], fn)
+
+
+def _decode_fp8(ins, env, dst, src, mode, bad, satfinite):
+    if mode != "rn" or bad:
+        raise DecodeError("FP8 cvt takes .rn (and .satfinite when converting to FP8) only")
+    if dst.name in fp8.PAIR_TYPES and src.name == "f32":
+        if not satfinite:
+            raise DecodeError(f"cvt.rn.{dst.name}.f32 needs .satfinite")
+        expect_operands(ins, 3)
+        d, a, b = ins.operands
+        kind = dst.name[:4]
+
+        def pack(x, y):   # a -> upper byte, b -> lower byte
+            hi = fp8.quantize(x, kind).astype(np.uint16)
+            return (hi << np.uint16(8)) | fp8.quantize(y, kind).astype(np.uint16)
+        f32 = TYPES["f32"]
+        return simple_op(ins, env, d, TYPES["b16"], [(a, f32), (b, f32)], pack)
+    if dst.name == "f16x2" and src.name in fp8.PAIR_TYPES:
+        if satfinite:
+            raise DecodeError("cvt.rn.f16x2 from FP8 takes no .satfinite")
+        expect_operands(ins, 2)
+        d, a = ins.operands
+        kind = src.name[:4]
+
+        def unpack(x):
+            x = np.asarray(x, np.uint16)
+            lo = fp8.to_f16_bits(x & np.uint16(0xFF), kind).astype(np.uint32)
+            hi = fp8.to_f16_bits(x >> np.uint16(8), kind).astype(np.uint32)
+            return (hi << np.uint32(16)) | lo
+        return simple_op(ins, env, d, TYPES["b32"], [(a, TYPES["b16"])], unpack)
+    raise DecodeError(f"unsupported FP8 cvt .{dst.name}.{src.name}; supported: "
+                      f".rn.satfinite.{{e4m3x2,e5m2x2}}.f32 and .rn.f16x2.{{e4m3x2,e5m2x2}}")
 
 
 @register("cvta")

@@ -103,9 +103,16 @@ def bench_inputs(meta: dict, dims: dict[str, int], seed: int = 0) -> dict:
             out[name] = np.full(shape, max(0, capacity - dims.get("num_new", 1)), dtype=np.int32)
         elif info["dtype"] == "i32":   # seq_lens
             out[name] = np.full(shape, capacity, dtype=np.int32)
+        elif info["dtype"] in ("e4m3", "e5m2"):   # FP8 bytes: random finite codes
+            out[name] = rng.integers(0, 0x7B, shape, dtype=np.uint8) | rng.choice(
+                np.array([0, 0x80], np.uint8), shape)
+        elif name.endswith("_scale"):             # per-head FP8 scales
+            out[name] = np.full(shape, 0.05, np.float32)
         else:
             x = rng.standard_normal(shape, dtype=np.float32)
             out[name] = x.astype(np.float16) if info["dtype"] == "f16" else x
+    for name in meta.get("scalars") or {}:        # runtime scalars (FP8 k_scale / v_scale)
+        out[name] = np.float32(0.05)
     return out
 
 
@@ -132,7 +139,7 @@ def run_bench(paths, *, shapes: dict[str, int], target: str | None = None, warmu
               repeat: int = REPEAT, flush: bool | None = None, compare: bool = True) -> dict[str, Any]:
     from .timing import LaunchListTimer, l2_cache_bytes, sm_count
     from ..runtime.launch_test import artifacts_for
-    from ..runtime import prepare_buffers  # uploads bf16 as rounded f32 bits
+    from ..runtime import prepare_buffers, split_scalars  # uploads bf16 as rounded f32 bits
     device = require_device()
     gpu = match_device(device.name)
     l2, sms = l2_cache_bytes(device), sm_count(device)
@@ -145,7 +152,8 @@ def run_bench(paths, *, shapes: dict[str, int], target: str | None = None, warmu
             flushed = should_flush(meta["family"], flush)
             fbytes = l2_flush_bytes(l2) if flushed else 0
             buffers = prepare_buffers(meta, inputs, dims)
-            with LaunchListTimer(device, art, target, buffers, dims, fbytes) as timer:
+            launch_dims = {**dims, **split_scalars(meta, inputs, {})[1]}   # + runtime scalars
+            with LaunchListTimer(device, art, target, buffers, launch_dims, fbytes) as timer:
                 samples = timer.time(warmup, repeat)
                 tname = timer.target
             cost = launch_cost(meta, tname, dims)

@@ -85,7 +85,7 @@ def _time_variant(spec: KernelSpec, tile: dict, target: str, dims_of, device, ti
     from ..pipeline.compiler import build_all, check_resources
     from .timing import LaunchListTimer
     from ..errors import PtxcError
-    from ..runtime import Artifact, prepare_buffers
+    from ..runtime import Artifact, prepare_buffers, split_scalars
     variant = dataclasses.replace(spec, name=f"{spec.name}__tune{index}", targets=(target,),
                                   tile=tuple(sorted(tile.items())))
     try:
@@ -98,8 +98,10 @@ def _time_variant(spec: KernelSpec, tile: dict, target: str, dims_of, device, ti
     meta, _ = write_kernel(workdir, build, verified=True)
     art = Artifact(workdir / variant.name, meta)
     dims = dims_of(art.meta)
-    buffers = prepare_buffers(art.meta, bench_inputs(art.meta, dims), dims)
-    with LaunchListTimer(device, art, target, buffers, dims, timer_args["flush"](art.meta)) as timer:
+    inputs = bench_inputs(art.meta, dims)
+    buffers = prepare_buffers(art.meta, inputs, dims)
+    launch_dims = {**dims, **split_scalars(art.meta, inputs, {})[1]}   # + runtime scalars
+    with LaunchListTimer(device, art, target, buffers, launch_dims, timer_args["flush"](art.meta)) as timer:
         return timing_stats(timer.time(timer_args["warmup"], timer_args["repeat"]))["median_ms"], dims
 
 

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from ..errors import IRError
 from .control import ControlFlowOps
+from .convert import ConvertOps
 from .tensorcore import TensorCoreOps
 from .values import (F16, F16X2, F32, F64, B16, B32, B64, BF16, BF16X2, PRED, S32, S64, SPECIAL_REGS,
                      U32, U64, Addr, Imm, Label, PtxType, Reg, Special, Sym, Vec, storage_of)
@@ -66,8 +67,9 @@ class EntryIR:
 Value = Reg | Imm | Special | Sym | int | float
 
 
-class KernelBuilder(ControlFlowOps, TensorCoreOps):
-    """Typed instruction methods; tensor-core and cp.async ones come from `TensorCoreOps`."""
+class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps):
+    """Typed instruction methods; tensor-core and cp.async ones come from `TensorCoreOps`,
+    prmt and the FP8 conversions from `ConvertOps`."""
 
     def __init__(self, name: str):
         self.entry = EntryIR(name)

@@ -42,9 +42,11 @@ F16, BF16 = PtxType("f16", 16, "f"), PtxType("bf16", 16, "f")
 F32, F64 = PtxType("f32", 32, "f"), PtxType("f64", 64, "f")
 # A pair of halves packed in 32 bits: element 0 in bits [15:0].
 F16X2, BF16X2 = PtxType("f16x2", 32, "b"), PtxType("bf16x2", 32, "b")
+# A pair of FP8 bytes packed in 16 bits: element 0 in bits [7:0].
+E4M3X2, E5M2X2 = PtxType("e4m3x2", 16, "b"), PtxType("e5m2x2", 16, "b")
 
 TYPES = {t.name: t for t in (PRED, B16, B32, B64, U16, U32, U64, S16, S32, S64, F16, BF16, F32,
-                             F64, F16X2, BF16X2)}
+                             F64, F16X2, BF16X2, E4M3X2, E5M2X2)}
 
 # Storage class per IR type: (register prefix, declared PTX type).
 _STORAGE = {"pred": ("p", "pred"), 16: ("h", "b16"), 32: ("r", "b32"), 64: ("rd", "b64")}

@@ -16,7 +16,7 @@ from ..spec.model import KernelSpec
 from ..targets import Target
 
 # Element types of tensors, as written in metadata.
-TENSOR_DTYPES = ("f32", "f16", "bf16", "i32", "u64")
+TENSOR_DTYPES = ("f32", "f16", "bf16", "i32", "u64", "e4m3", "e5m2")   # FP8: raw bytes
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ class ParamSource:
     """Where the runtime gets a kernel parameter's value.
 
     kind: "pointer" (device address of `tensor`), "stride" (element stride of `tensor` along
-    `axis`), "dim" (the runtime dimension `name`), or "const" (`value`, fixed at build time).
+    `axis`), "dim" (the runtime dimension `name`), "scalar" (the runtime scalar argument `name`,
+    e.g. an FP8 cache's k_scale), or "const" (`value`, fixed at build time).
     """
 
     kind: str
@@ -90,6 +91,7 @@ class Program:
     entries: list[EntryIR]
     launches: list[Launch]
     config: dict[str, Any] = field(default_factory=dict)   # resolved tiles, recorded in metadata
+    ptx_version: str | None = None   # the module's PTX ISA version when newer than the target's
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class Interface:
     defaults: dict[str, int] = field(default_factory=dict)  # small odd shapes for launch-test
     # Dims not inferable from shapes: {"num_splits": {"value": 3}} or {"num_splits": {"auto": {...}}}
     dim_rules: dict[str, dict] = field(default_factory=dict)
+    # Runtime scalar arguments (kernel parameters, not dims): {"k_scale": {"dtype": "f32", "doc": ...}}
+    scalars: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

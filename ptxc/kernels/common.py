@@ -80,10 +80,14 @@ def fmt_half(fmt: ElemFormat):
     return {"f16": F16, "bf16": BF16}[fmt.name]
 
 
-def from_f32(b: KernelBuilder, fmt: ElemFormat, vals: list[Reg]) -> list[Reg]:
-    """Round f32 values to the storage format, packed for a vector store."""
+def from_f32(b: KernelBuilder, fmt: ElemFormat, vals: list[Reg], target=None) -> list[Reg]:
+    """Round f32 values to the storage format, packed for a vector store. With a `target`
+    below sm_80 (no cvt.rn.f16x2.f32), f16 pairs are rounded one by one and packed."""
     if fmt.name == "f32":
         return list(vals)
+    if target is not None and target.sm < 80 and fmt.name == "f16":
+        from ..ir import F16
+        return [b.pack(B32, [b.cvt(F16, vals[i]), b.cvt(F16, vals[i + 1])]) for i in range(0, len(vals), 2)]
     pair = F16X2 if fmt.name == "f16" else BF16X2
     return [b.cvt_pack(pair, vals[i + 1], vals[i]) for i in range(0, len(vals), 2)]
 

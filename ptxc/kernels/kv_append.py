@@ -5,26 +5,41 @@ so one captured launch serves every decoding step. A row outside the cache (nega
 max_seq_len / max_pages_per_seq * page_size, or on a page id outside [0, num_pages)) is the
 caller's bug and is skipped: the kernel never writes out of bounds. One CTA per (token, sequence);
 its threads copy 128-bit chunks of every KV head of that token.
+
+With an FP8 `kv_dtype` the append quantises (fp8 = satfinite(rne(x / scale)), scales per tensor
+as runtime scalars or per KV head as [num_kv_heads] tensors), and with `rope` it rotates the new
+keys and queries first: both in kv_transform.py.
 """
 
 from __future__ import annotations
 
-from ..errors import InputError
+from ..errors import InputError, SpecError
 from ..ir import S32, S64, U32, Addr, KernelBuilder
 from ..spec.fields import Field, FamilyFields, int_range
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
+from . import fp8, kv_transform
 from .kv_access import CACHES, KVAccess, check_page_size
 
 _hd_check, _hd_allowed = int_range(16, 256, multiple_of=8)
 _page_check, _page_allowed = int_range(1, 256, power_of_two=True)
+_rd_check, _rd_allowed = int_range(2, 256, multiple_of=2)
 FIELDS = FamilyFields(fields=(
     Field("head_dim", "int", "elements per head", check=_hd_check, allowed=_hd_allowed),
     Field("kv_layout", "str", "KV cache layout", default="contiguous", choices=("contiguous", "paged")),
     Field("page_size", "int", "rows per page (paged only; default 16)", default=None,
           check=_page_check, allowed=_page_allowed),
+    Field("kv_dtype", "str", "cache element type (default: dtype); FP8 caches are quantised on "
+          "append", default=None, choices=("f32", "f16", "bf16") + fp8.KINDS),
+    Field("kv_scale", "str", "FP8 scales: one f32 runtime scalar per cache (k_scale, v_scale) or "
+          "[num_kv_heads] f32 tensors (FP8 only; default \"tensor\")", default=None,
+          choices=("tensor", "head")),
+    Field("rope", "str", "rotate new keys and queries at their positions (default: none)",
+          default=None, choices=("neox", "gptj")),
+    Field("rotary_dim", "int", "leading elements of each head that RoPE rotates (default head_dim)",
+          default=None, check=_rd_check, allowed=_rd_allowed),
 ))
 MAX_THREADS = 256
 
@@ -32,6 +47,27 @@ MAX_THREADS = 256
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
     check_page_size(spec)
+    o = dict(spec.options)
+    kv_dtype = o.get("kv_dtype")
+    if kv_dtype is not None and kv_dtype not in fp8.KINDS and kv_dtype != spec.dtype:
+        raise SpecError(f"got {kv_dtype!r} with dtype {spec.dtype!r}; allowed: {spec.dtype!r} "
+                        f"(the dtype itself) or an FP8 type ({', '.join(fp8.KINDS)})", key="kv_dtype")
+    if o.get("kv_scale") is not None and kv_dtype not in fp8.KINDS:
+        raise SpecError(f"kv_scale = {o['kv_scale']!r} applies only to FP8 caches (kv_dtype is "
+                        f"{kv_dtype or spec.dtype!r}); allowed: kv_dtype = \"e4m3\" or \"e5m2\"",
+                        key="kv_scale")
+    rd = o.get("rotary_dim")
+    if rd is not None and o.get("rope") is None:
+        raise SpecError(f"rotary_dim = {rd} needs rope = \"neox\" or \"gptj\"", key="rotary_dim")
+    if rd is not None and rd > spec.head_dim:
+        raise SpecError(f"got {rd}, expected an even number <= head_dim = {spec.head_dim}",
+                        key="rotary_dim")
+
+
+def transforms(spec: KernelSpec) -> bool:
+    """Whether this append quantises or rotates (kv_transform.py) rather than copies."""
+    opts = kv_transform.options(spec)
+    return bool(opts["fp8"] or opts["rope"])
 
 
 def _kv(spec: KernelSpec) -> KVAccess:
@@ -47,6 +83,8 @@ def _geometry(spec: KernelSpec) -> tuple[int, int, int]:
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    if transforms(spec):
+        return {"threads": kv_transform.geometry(spec)[2], "chunk_elems": kv_transform.CHUNK}
     _, items, threads = _geometry(spec)
     return {"threads": threads, "chunks_per_thread": -(-items // threads)}
 
@@ -57,14 +95,33 @@ def interface(spec: KernelSpec) -> Interface:
     tensors = [TensorInfo(t, spec.dtype, ("batch", "num_new", Hk, d), "input") for t in ("k_new", "v_new")]
     tensors.append(TensorInfo("positions", "i32", ("batch",), "input", "cache row of each sequence's "
                               "first new token; out-of-range rows are skipped", device_resident_scalars=True))
-    tensors += kv.tensors(spec.dtype, Hk, d, "inout")
+    opts = kv_transform.options(spec)
+    tensors += kv.tensors(opts["kv_dtype"], Hk, d, "inout")
     defaults = {"batch": 6, "num_new": 3}
     defaults.update({"max_seq_len": 41} if kv.layout == "contiguous" else
                     {"max_pages_per_seq": 3, "num_pages": 6 * 3 + 2})
-    return Interface(tuple(tensors), ("batch", "num_new", *kv.dims()), defaults)
+    dims, scalars = ["batch", "num_new", *kv.dims()], {}
+    if opts["kv_scale"] == "tensor":
+        scalars = {f"{t}_scale": {"dtype": "f32", "doc": f"dequantised {t.upper()} = fp8 x {t}_scale "
+                                  "(the append stores x / scale)"} for t in "kv"}
+    elif opts["kv_scale"] == "head":
+        tensors += [TensorInfo(f"{t}_scale", "f32", (Hk,), "input", f"per-KV-head scale of the {t.upper()} "
+                               "cache: dequantised = fp8 x scale[head]") for t in "kv"]
+    if opts["rope"]:
+        tensors += [TensorInfo("q", spec.dtype, ("batch", "num_new", spec.num_heads, d), "input",
+                               "this step's queries, un-rotated"),
+                    TensorInfo("q_rot", spec.dtype, ("batch", "num_new", spec.num_heads, d), "output",
+                               "q rotated at each token's position (unrotated for skipped tokens)"),
+                    TensorInfo("cos_sin_cache", "f32", ("max_position", opts["rotary_dim"]), "input",
+                               "row p: cos of the rotary_dim/2 frequencies at position p, then their sin")]
+        dims.append("max_position")
+        defaults["max_position"] = 45
+    return Interface(tuple(tensors), tuple(dims), defaults, scalars=scalars)
 
 
 def build(spec: KernelSpec, target: Target) -> Program:
+    if transforms(spec):
+        return kv_transform.build(spec, target)
     kv = _kv(spec)
     fmt = kv.fmt
     chunks, items, threads = _geometry(spec)
@@ -121,6 +178,8 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
     rows = (dims["num_pages"], ps) if paged else (B, cap)
     k_new, v_new, k_cache, v_cache = (round_to(rng.standard_normal(s), spec.dtype).astype(np.float32)
                                       for s in ((B, N, Hk, d), (B, N, Hk, d), (*rows, Hk, d), (*rows, Hk, d)))
+    if kv_transform.options(spec)["fp8"]:   # FP8 caches hold raw bytes
+        k_cache, v_cache = (rng.integers(0, 256, (*rows, Hk, d), dtype=np.uint8) for _ in range(2))
     starts = [0, cap // 3, cap - 1, -1, cap + 2, max(0, cap - N)]
     inputs = {"k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
               "positions": np.array([starts[i % len(starts)] for i in range(B)], dtype=np.int32)}
@@ -132,29 +191,39 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
         if table.size:
             table[-1, -1] = dims["num_pages"] + 7   # a corrupt entry: rows on that page are skipped
         inputs["block_table"] = table
+    if transforms(spec):
+        from .kv_transform_ref import add_inputs
+        add_inputs(spec, dims, inputs, rng)
     return inputs
 
 
-def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
-    """The caches after the scatter (exact: this family only moves bits)."""
-    import numpy as np
-    k, v = inputs["k_cache"].astype(np.float64), inputs["v_cache"].astype(np.float64)
+def destinations(spec: KernelSpec, inputs: dict):
+    """(sequence, token, cache row, cache index) of every new row the append writes."""
     paged = spec.opt("kv_layout") == "paged"
     ps = spec.opt("page_size") or 16
     B, N = inputs["k_new"].shape[:2]
+    rows = inputs["k_cache"].shape[0 if paged else 1]
     for bi in range(B):
         for t in range(N):
             r = int(inputs["positions"][bi]) + t
             if paged:
                 table = inputs["block_table"]
-                if not (0 <= r < table.shape[1] * ps) or not (0 <= table[bi, r // ps] < k.shape[0]):
+                if not (0 <= r < table.shape[1] * ps) or not (0 <= table[bi, r // ps] < rows):
                     continue
-                dst = (table[bi, r // ps], r % ps)
-            else:
-                if not (0 <= r < k.shape[1]):
-                    continue
-                dst = (bi, r)
-            k[dst], v[dst] = inputs["k_new"][bi, t], inputs["v_new"][bi, t]
+                yield bi, t, r, (table[bi, r // ps], r % ps)
+            elif 0 <= r < rows:
+                yield bi, t, r, (bi, r)
+
+
+def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
+    """The caches after the scatter (exact: this family only moves bits)."""
+    import numpy as np
+    if transforms(spec):
+        from .kv_transform_ref import reference as transform_reference
+        return transform_reference(spec, inputs, dtype)
+    k, v = inputs["k_cache"].astype(np.float64), inputs["v_cache"].astype(np.float64)
+    for bi, t, _, dst in destinations(spec, inputs):
+        k[dst], v[dst] = inputs["k_new"][bi, t], inputs["v_new"][bi, t]
     return {"k_cache": k, "v_cache": v}
 
 

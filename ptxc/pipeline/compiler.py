@@ -62,11 +62,18 @@ def lower(spec: KernelSpec, target_name: str) -> tuple[str, list[dict], dict, li
     program = family.build(spec, target)
     entries = run_passes(program.entries)
     ptx = render_module(entries, kernel=spec.name, family=spec.family, target=target.name,
-                        ptx_version=target.ptx_version,
+                        ptx_version=program.ptx_version or target.ptx_version,
                         maxntid={l.entry: l.block[0] * l.block[1] * l.block[2] for l in program.launches})
     smem = {e.name: e.static_smem_bytes for e in entries}
     launches = [launch_to_dict(l, smem[l.entry]) for l in program.launches]
     return ptx, launches, program.config, entries
+
+
+def module_ptx_version(ptx: str) -> str:
+    """The `.version` a module declares (a family may need a newer one than its target's)."""
+    import re
+    found = re.search(r"^\.version\s+(\d+\.\d+)", ptx, re.M)
+    return found.group(1) if found else ""
 
 
 def compile_target(spec: KernelSpec, target: str, cache: Cache, tc: Toolchain | None) -> TargetBuild:

@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import __version__
 from .cache import sha256
+from .compiler import module_ptx_version
 from ..kernels import FAMILIES
 from ..targets import get_target, occupancy
 
@@ -47,7 +48,7 @@ def make_metadata(build, verified: bool) -> dict[str, Any]:
                                            launch["static_smem_bytes"] + launch["dynamic_smem_bytes"])
             kernels.append(k)
         entry = {"ptx": files["ptx"], "ptx_sha256": sha256(tb.ptx.encode()),
-                 "ptx_version": target.ptx_version, "config": tb.config, "kernels": kernels}
+                 "ptx_version": module_ptx_version(tb.ptx), "config": tb.config, "kernels": kernels}
         if tb.cubin is not None:
             entry.update(cubin=files["cubin"], cubin_sha256=sha256(tb.cubin),
                          ptxas_version=tb.ptxas_version)
@@ -61,7 +62,7 @@ def make_metadata(build, verified: bool) -> dict[str, Any]:
         "tensors": {t.name: t.to_dict() for t in iface.tensors},
         "dims": list(iface.dims),
         "dim_rules": iface.dim_rules,
-        "scalars": {},
+        "scalars": iface.scalars,
         "verified": verified,
         "targets": targets,
     }

@@ -89,6 +89,8 @@ def print_inspect(d: Path, as_json: bool = False) -> None:
     for name, info in meta["tensors"].items():
         t.add_row(name, info["dtype"], escape("[" + ", ".join(map(str, info["shape"])) + "]"),
                   info["role"] + (" (device-resident scalars)" if info.get("device_resident") else ""))
+    for name, info in (meta.get("scalars") or {}).items():   # runtime scalar parameters
+        t.add_row(name, info["dtype"], "scalar", "input (kernel parameter)")
     c.print(t)
     for target, tinfo in meta["targets"].items():
         c.print(f"\n[bold]{target}[/bold]  {tinfo['ptx']}  (PTX ISA {tinfo['ptx_version']})"

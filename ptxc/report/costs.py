@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from ..errors import InputError, UserError
 
-ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "e4m3": 1, "e5m2": 1}
 LSE_BYTES = 4   # lse is always f32
 PART_BYTES = 4  # split-KV partials are f32
 # Shapes the report uses when --shape does not say: typical serving sizes, not launch-test's
@@ -48,7 +48,7 @@ DEFAULT_DIMS = {
     "varlen": {"batch": 16, "total_q": 64, "kv_len": 4096},
 }
 KNOWN_DIMS = {"batch", "max_seq_len", "seq_q", "seq_k", "num_pages", "max_pages_per_seq",
-              "num_splits", "num_new", "total_q"}
+              "num_splits", "num_new", "total_q", "max_position"}
 REPORT_NUM_SMS = 108   # SM count assumed by "auto" dim rules in a static report (an A100's)
 
 
@@ -125,9 +125,15 @@ def prefill_cost(meta: dict, config: dict, dims: dict) -> Cost:
 def kv_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
     spec = meta["spec"]
     b, n = dims["batch"], dims["num_new"]
-    rows = 2 * b * n * spec["num_kv_heads"] * spec["head_dim"] * ELEM_BYTES[spec["dtype"]]
+    elems = 2 * b * n * spec["num_kv_heads"] * spec["head_dim"]
+    kv_dtype = spec.get("kv_dtype") or spec["dtype"]        # FP8 caches: one byte per element
     index = b * n * 4 if "block_table" in meta["tensors"] else _layout_bytes(meta, dims, n)
-    return Cost(0, 2 * rows + b * 4 + index, "simt", dict(dims))
+    rope = 0
+    if "q_rot" in meta["tensors"]:   # q read and written, one cos/sin row per token
+        rope = 2 * b * n * spec["num_heads"] * spec["head_dim"] * ELEM_BYTES[spec["dtype"]] + \
+            b * n * meta["tensors"]["cos_sin_cache"]["shape"][1] * 4
+    return Cost(0, elems * (ELEM_BYTES[spec["dtype"]] + ELEM_BYTES[kv_dtype]) + b * 4 + index + rope,
+                "simt", dict(dims))
 
 
 def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
@@ -183,6 +189,8 @@ def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_S
         out["max_pages_per_seq"] = -(-kv // page_size(meta))
     if "num_pages" in dims and "num_pages" not in out and "max_pages_per_seq" in out and "batch" in out:
         out["num_pages"] = out["batch"] * out["max_pages_per_seq"]
+    if "max_position" in dims and "max_position" not in out:   # RoPE table: one row per cache row
+        out["max_position"] = kv_length(meta, out)
     for name, rule in (meta.get("dim_rules") or {}).items():
         if name in dims and name not in out:
             from ..runtime import apply_dim_rule

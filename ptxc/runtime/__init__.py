@@ -5,7 +5,9 @@
 
 Used by `ptxc run`, `ptxc launch-test` and the test suite; the cuda backend (ptxc.runtime.cuda)
 is the same code path with device pointers instead of host arrays. Host arrays: f32/f16 as
-numpy float32/float16 (bf16 as float32, rounded on the way in), i32 as int32.
+numpy float32/float16 (bf16 as float32, rounded on the way in), i32 as int32, FP8 (e4m3, e5m2)
+as uint8 arrays of the raw bytes. Runtime scalars (metadata `scalars`, e.g. k_scale) are given
+among the inputs as 0-d float32 arrays, or as --set name=value.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from .reference import from_device, to_device
 
 NP_PARAM = {"u32": np.uint32, "s32": np.int32, "u64": np.uint64, "s64": np.int64, "f32": np.float32}
 HOST_DTYPES = {"f32": (np.float32, np.float64, np.float16), "f16": (np.float16, np.float32, np.float64),
-               "bf16": (np.float32, np.float64), "i32": (np.int32, np.int64), "u64": (np.uint64,)}
+               "bf16": (np.float32, np.float64), "i32": (np.int32, np.int64), "u64": (np.uint64,),
+               "e4m3": (np.uint8,), "e5m2": (np.uint8,)}
 EMU_NUM_SMS = 108  # the SM count "auto" rules assume on the emulator (an A100's)
 INT_RANGE = {"i32": (-(1 << 31), (1 << 31) - 1), "u64": (0, (1 << 64) - 1)}
 PARAM_RANGE = {"u32": (0, (1 << 32) - 1), "s32": (-(1 << 31), (1 << 31) - 1),
@@ -42,7 +45,8 @@ def _default_max_run_bytes() -> int:
 
 DEFAULT_MAX_RUN_BYTES = _default_max_run_bytes()
 POISON = {"f32": np.float32(np.nan), "f16": np.float16(np.nan), "bf16": np.uint16(0x7FC0),
-          "i32": np.int32(-0x7FFFFFFF), "u64": np.uint64(0)}
+          "i32": np.int32(-0x7FFFFFFF), "u64": np.uint64(0), "e4m3": np.uint8(0x7F),
+          "e5m2": np.uint8(0x7F)}
 
 
 @dataclass
@@ -83,13 +87,16 @@ class Artifact:
 
     def infer_dims(self, inputs: dict[str, np.ndarray], sets: dict[str, int] | None = None,
                    num_sms: int = EMU_NUM_SMS) -> dict[str, int]:
-        return infer_dims(self.meta, inputs, sets or {}, num_sms)
+        tensors, _ = split_scalars(self.meta, inputs, sets or {})
+        return infer_dims(self.meta, tensors, _dim_sets(self.meta, sets), num_sms)
 
     def run(self, inputs: dict[str, np.ndarray], *, target: str | None = None, backend: str = "emu",
-            sets: dict[str, int] | None = None, device=None) -> dict[str, np.ndarray]:
-        dims = self.infer_dims(inputs, sets)
+            sets: dict[str, int | float] | None = None, device=None) -> dict[str, np.ndarray]:
+        tensors, scalars = split_scalars(self.meta, inputs, sets or {})
+        dims = infer_dims(self.meta, tensors, _dim_sets(self.meta, sets), EMU_NUM_SMS)
+        dims.update(scalars)     # scalar parameters travel with the dims to pack_args
         tname, t = self.target(target)
-        buffers = prepare_buffers(self.meta, inputs, dims)
+        buffers = prepare_buffers(self.meta, tensors, dims)
         if backend == "emu":
             launch = _emu_launcher(self.ptx(tname), self.meta)
         elif backend == "cuda":
@@ -112,6 +119,34 @@ def load(path: str | Path) -> Artifact:
     return Artifact(path, load_checked(path))
 
 
+def _dim_sets(meta: dict, sets: dict | None) -> dict:
+    return {k: v for k, v in (sets or {}).items() if k not in (meta.get("scalars") or {})}
+
+
+def split_scalars(meta: dict, inputs: dict, sets: dict) -> tuple[dict, dict[str, float]]:
+    """(tensor inputs, runtime scalar values): each scalar of the metadata comes from `sets` or
+    from the inputs as a 0-d float32 array, and must be finite."""
+    declared = meta.get("scalars") or {}
+    tensors = {k: v for k, v in inputs.items() if k not in declared}
+    values: dict[str, float] = {}
+    for name in sorted(declared):
+        if name in sets:
+            value = sets[name]
+        elif name in inputs:
+            arr = np.asarray(inputs[name])
+            if arr.ndim != 0 or arr.dtype != np.float32:
+                raise InputError(f"{meta['name']}: scalar {name} must be a 0-d float32 array, got "
+                                 f"dtype {arr.dtype} shape {arr.shape}")
+            value = arr[()]
+        else:
+            raise InputError(f"{meta['name']}: missing scalar {name} ({declared[name].get('doc', 'f32')}); "
+                             f"give it in the inputs as a 0-d float32 array or as --set {name}=VALUE")
+        if not np.isfinite(np.float32(value)):
+            raise InputError(f"{meta['name']}: scalar {name} = {value} is not a finite f32")
+        values[name] = float(np.float32(value))
+    return tensors, values
+
+
 def apply_dim_rule(rule: dict, dims: dict[str, int], num_sms: int) -> int:
     """A dim the shapes do not determine: a fixed value, or an "auto" rule such as
     num_splits = min(max, max(1, cdiv(2 * num_sms, ctas))) (enough CTAs for two waves)."""
@@ -124,7 +159,9 @@ def apply_dim_rule(rule: dict, dims: dict[str, int], num_sms: int) -> int:
 
 def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
                num_sms: int = EMU_NUM_SMS) -> dict[str, int]:
-    """Match every input's shape against its tensor's named shape; return the runtime dims."""
+    """Match every input's shape against its tensor's named shape; return the runtime dims
+    (runtime scalars among the inputs are not tensors and are passed over here)."""
+    inputs = {k: v for k, v in inputs.items() if k not in (meta.get("scalars") or {})}
     tensors = meta["tensors"]
     expected = {n for n, t in tensors.items() if t["role"] in ("input", "inout") and not t.get("derived_from")}
     missing = sorted(expected - set(inputs))
@@ -139,8 +176,12 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
     derived: list = []
     for name, value in sets.items():
         if name not in meta["dims"]:
+            scalars = sorted(meta.get("scalars") or {})
             raise InputError(f"{meta['name']}: --set {name}: not a dimension of this kernel "
-                             f"(dims: {', '.join(meta['dims'])})")
+                             f"(dims: {', '.join(meta['dims'])}"
+                             + (f"; scalars: {', '.join(scalars)})" if scalars else ")"))
+        if not isinstance(value, (int, np.integer)):
+            raise InputError(f"{meta['name']}: --set {name}={value}: a dimension takes an integer")
         dims[name] = int(value)
         _check_dim(meta, name, dims[name], "--set")
     for name in sorted(expected):
@@ -285,6 +326,8 @@ def pack_args(kernel: dict, buffers: dict[str, np.ndarray], dims: dict[str, int]
             values.append(_narrow(dims[src["name"]], p, kernel))
         elif kind == "const":
             values.append(np_type(src["value"]) if p["type"] == "f32" else _narrow(src["value"], p, kernel))
+        elif kind == "scalar":
+            values.append(np_type(dims[src["name"]]))
         else:
             raise InputError(f"{kernel['entry']}: parameter {p['name']} has unknown source {kind!r}")
     return values

@@ -156,21 +156,34 @@ def launch_test(paths, *, backend: str = "auto", shapes: dict[str, int] | None =
     return backend, rows
 
 
-def parse_assignments(text_items, what: str) -> dict[str, int]:
-    """`name=value[,name=value]` items -> dict (for --shape and --set)."""
-    out: dict[str, int] = {}
+def parse_assignments(text_items, what: str, floats: bool = False) -> dict[str, int | float]:
+    """`name=value[,name=value]` items -> dict (for --shape, and --set, whose runtime scalars
+    such as k_scale=0.02 may be numbers: `floats`)."""
+    out: dict[str, int | float] = {}
     for item in text_items:
         for part in filter(None, item.split(",")):
             name, sep, value = part.partition("=")
             try:
                 if not sep:
                     raise ValueError
-                out[name.strip()] = int(value)
+                out[name.strip()] = _number(value, floats)
             except ValueError:
-                raise UserError(f"{what} {part!r}: expected name=integer") from None
+                raise UserError(f"{what} {part!r}: expected name=" + ("number" if floats else "integer")) from None
             if out[name.strip()] < 0:
                 raise UserError(f"{what} {part!r}: must not be negative")
     return out
+
+
+def _number(text: str, floats: bool) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        if not floats:
+            raise
+        value = float(text)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(text) from None
+        return value
 
 
 def run_npz(artifact_dir: Path, inputs_path: Path, output_path: Path, *, target: str | None,

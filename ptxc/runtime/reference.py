@@ -52,7 +52,8 @@ def to_device(x: np.ndarray, dtype: str) -> np.ndarray:
     """Host array -> a fresh contiguous copy in the bytes a kernel reads (bf16 exchanged as f32
     arrays, stored as bits). Always a copy: kernels write inout buffers in place, and the
     caller's arrays must stay untouched."""
-    np_type = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u64": np.uint64}
+    np_type = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u64": np.uint64,
+               "e4m3": np.uint8, "e5m2": np.uint8}   # FP8: the raw bytes
     if dtype == "bf16":
         return f32_to_bf16_bits(x)
     if dtype not in np_type:
@@ -72,6 +73,43 @@ class Precision:
 
     dtype: str
     probs: str | None = None
+
+
+# ---- FP8 (OCP E4M3 / E5M2) ------------------------------------------------------------------
+FP8_MAX_CODE = {"e4m3": 0x7E, "e5m2": 0x7B}       # largest finite: 448, 57344
+FP8_NAN_CODE = 0x7F
+
+
+def fp8_decode(codes: np.ndarray, kind: str) -> np.ndarray:
+    """FP8 bytes -> float64 values, from the bit fields (e4m3: bias 7, S.1111.111 is NaN, no
+    infinities; e5m2: bias 15, IEEE-style infinities and NaNs)."""
+    c = np.asarray(codes).astype(np.int64) & 0xFF
+    ebits, bias = (4, 7) if kind == "e4m3" else (5, 15)
+    mbits = 7 - ebits
+    e, m = (c >> mbits) & ((1 << ebits) - 1), c & ((1 << mbits) - 1)
+    mag = np.where(e == 0, m * 2.0 ** (1 - bias - mbits), (1 + m / 2 ** mbits) * np.exp2(e - bias))
+    if kind == "e4m3":
+        mag = np.where((c & 0x7F) == 0x7F, np.nan, mag)
+    else:
+        mag = np.where(e == 31, np.where(m == 0, np.inf, np.nan), mag)
+    return np.where(c & 0x80, -mag, mag)
+
+
+def fp8_quantize(x: np.ndarray, kind: str) -> np.ndarray:
+    """OCP "satfinite" round-to-nearest-even of float32 values to FP8 bytes, by search over the
+    format's value table (independent of the emulator's arithmetic rounding): NaN -> 0x7F,
+    +-inf and overflow -> +-max finite, ties to the even code, -0 -> 0x80."""
+    with np.errstate(invalid="ignore"):      # NaN payloads widen quietly
+        x = np.asarray(x, np.float32).astype(np.float64)
+    codes = np.arange(FP8_MAX_CODE[kind] + 1)
+    grid = fp8_decode(codes, kind)                 # 0 .. max finite, increasing
+    mag = np.minimum(np.abs(np.nan_to_num(x, nan=0.0)), grid[-1])
+    hi = np.clip(np.searchsorted(grid, mag, side="left"), 0, len(grid) - 1)
+    lo = np.maximum(hi - 1, 0)
+    d_lo, d_hi = mag - grid[lo], grid[hi] - mag
+    pick = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(lo % 2 == 0, lo, hi)))
+    out = pick | np.where(np.signbit(x), 0x80, 0)
+    return np.where(np.isnan(x), FP8_NAN_CODE, out).astype(np.uint8)
 
 
 # ---- attention ---------------------------------------------------------------------------

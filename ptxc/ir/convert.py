@@ -1,0 +1,63 @@
+"""Byte permutes and FP8 conversions of `KernelBuilder`, type-checked like the rest.
+
+    prmt(a, b, selector)           prmt.b32: pick 4 of the 8 bytes of {b, a} (docs: PTX ISA "prmt")
+    cvt_from_fp8x2(src, kind)      cvt.rn.f16x2.{e4m3x2,e5m2x2}: two FP8 bytes -> f16x2 (sm_89+)
+    cvt_to_fp8x2(hi, lo, kind)     cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32: two f32 -> two bytes (sm_89+)
+    add_rn(a, b), mul_rn(a, b)     f32 add/mul with an explicit .rn, which ptxas may not contract
+                                   into an fma (for results a float32 model must reproduce exactly)
+
+The FP8 pairs live in 16-bit registers with element 0 in the low byte (the same order as
+f16x2). Whether a target has the instructions is the caller's decision (ptxc/kernels/fp8.py
+emits an exact software path below sm_89); ptxas rejects them on older targets.
+"""
+
+from __future__ import annotations
+
+from ..errors import IRError
+from .values import B16, B32, E4M3X2, E5M2X2, F16X2, F32, U32
+
+FP8X2 = {"e4m3": E4M3X2, "e5m2": E5M2X2}
+
+
+class ConvertOps:
+    """Mixed into KernelBuilder (uses its reg/emit/_operand)."""
+
+    def prmt(self, a, b, selector) -> "Reg":  # noqa: F821
+        """Bytes of the result: byte i = byte (selector nibble i) of the 8-byte value {b, a}."""
+        d = self.reg(B32)
+        self.emit("prmt", ("b32",), (d,), (self._operand(a, B32, "prmt"), self._operand(b, B32, "prmt"),
+                                           self._operand(selector, U32, "prmt")))
+        return d
+
+    def add_rn(self, a, b) -> "Reg":  # noqa: F821
+        return self._float_rn("add", a, b)
+
+    def mul_rn(self, a, b) -> "Reg":  # noqa: F821
+        return self._float_rn("mul", a, b)
+
+    def _float_rn(self, op: str, a, b) -> "Reg":  # noqa: F821
+        d = self.reg(F32)
+        self.emit(op, ("rn", "f32"), (d,), (self._operand(a, F32, op), self._operand(b, F32, op)))
+        return d
+
+    def cvt_from_fp8x2(self, src, kind: str) -> "Reg":  # noqa: F821
+        """Two FP8 values (a 16-bit register, element 0 low) -> f16x2, exactly."""
+        t = _fp8x2(kind)
+        d = self.reg(F16X2)
+        self.emit("cvt", ("rn", "f16x2", t.name), (d,), (self._operand(src, B16, "cvt_from_fp8x2"),))
+        return d
+
+    def cvt_to_fp8x2(self, hi, lo, kind: str) -> "Reg":  # noqa: F821
+        """Round two f32 to FP8 (nearest-even, NaN kept, overflow and inf to max finite):
+        element 0 (low byte) = lo."""
+        t = _fp8x2(kind)
+        d = self.reg(t)
+        self.emit("cvt", ("rn", "satfinite", t.name, "f32"), (d,),
+                  (self._operand(hi, F32, "cvt_to_fp8x2"), self._operand(lo, F32, "cvt_to_fp8x2")))
+        return d
+
+
+def _fp8x2(kind: str):
+    if kind not in FP8X2:
+        raise IRError(f"FP8 kind {kind!r} is not one of {', '.join(FP8X2)}")
+    return FP8X2[kind]
