@@ -64,6 +64,8 @@ class Artifact:
         tname, t = self.target(target)
         buffers = prepare_buffers(self.meta, inputs, dims)
         if backend == "emu":
+            from .preconditions import check_buffers
+            check_buffers(self.meta, buffers, dims, lambda name, arr: arr.ctypes.data)
             launch = _emu_launcher(self.ptx(tname), self.meta)
         elif backend == "cuda":
             from .cuda import CudaDevice

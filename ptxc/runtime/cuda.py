@@ -114,6 +114,8 @@ class CudaDevice:
                 if arr.nbytes:
                     _check(drv.cuMemcpyHtoD(dptrs[name], arr.ctypes.data, arr.nbytes), "cuMemcpyHtoD")
             try:
+                from .preconditions import check_buffers
+                check_buffers(artifact.meta, buffers, dims, lambda name, arr: int(dptrs[name]))
                 values = pack_args(kernel, buffers, dims, pointer=lambda n, a: int(dptrs[n]))
                 cvals = [CTYPES[p["type"]](int(v) if p["type"] != "f32" else float(v))
                          for p, v in zip(kernel["params"], values)]

@@ -1,0 +1,134 @@
+"""One read-only view of an artifact set's metadata that every loader emitter (C, Rust, fatbin,
+dispatcher) renders from: targets in numeric order, each with its own launch list, the tensors
+with their shapes and preconditions, the dim rules, and the variant key of every artifact.
+
+Metadata is read through `ptxc.runtime.load`, the single artifact reader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+from ..pipeline import exprs
+from ..pipeline.artifacts import MANIFEST, read_manifest
+from ..pipeline.metadata import ELEMENT_BYTES
+from ..runtime import load
+
+# The spec keys that tell two variants apart (the dispatcher's key), in key order.
+VARIANT_KEYS = ("family", "dtype", "kv_dtype", "head_dim", "num_heads", "num_kv_heads", "causal",
+                "window", "kv_layout", "page_size", "num_splits", "append_kv", "return_lse")
+
+
+def sm_number(target: str) -> int:
+    """"sm_90a" -> 90: targets order and compare by this number."""
+    return int("".join(c for c in target[3:] if c.isdigit()))
+
+
+def target_order(target: str) -> tuple[int, bool, str]:
+    return sm_number(target), target[-1].isalpha(), target
+
+
+@dataclass(frozen=True)
+class KernelView:
+    entry: str
+    params: tuple          # the metadata param dicts, in ABI order
+    param_bytes: int
+    grid: tuple            # three launch expressions (str or int)
+    block: tuple
+    dynamic_smem: int
+    needs_opt_in: bool
+
+
+@dataclass(frozen=True)
+class TargetView:
+    name: str              # "sm_90"
+    sm: int                # 90
+    arch_specific: bool    # sm_90a: runs only on exactly that SM, no JIT to others
+    ptx: str               # file names in the artifact directory
+    cubin: str | None
+    fatbin: str | None
+    kernels: tuple
+
+
+@dataclass(frozen=True)
+class TensorView:
+    name: str
+    dtype: str
+    element_bytes: int
+    shape: tuple           # ints and launch expressions over dims
+    role: str
+    derived_from: str | None
+    align_bytes: int
+    stride_multiple: int
+    strided_axes: tuple
+
+
+@dataclass(frozen=True)
+class ArtifactView:
+    name: str
+    family: str
+    path: Path
+    dims: tuple
+    dim_rules: dict
+    tensors: tuple
+    targets: tuple         # numeric order
+    variant: tuple         # ((key, value), ...) over VARIANT_KEYS present in the spec
+
+    def tensor(self, name: str) -> TensorView:
+        return next(t for t in self.tensors if t.name == name)
+
+
+def artifact_view(path: Path) -> ArtifactView:
+    art = load(path)
+    meta = art.meta
+    targets = []
+    for name in sorted(meta["targets"], key=target_order):
+        t = meta["targets"][name]
+        kernels = tuple(KernelView(k["entry"], tuple(k["params"]), k["param_bytes"], tuple(k["grid"]),
+                                   tuple(k["block"]), k["dynamic_smem_bytes"], k["needs_smem_opt_in"])
+                        for k in t["kernels"])
+        targets.append(TargetView(name, sm_number(name), name[-1].isalpha(), t["ptx"], t.get("cubin"),
+                                  t.get("fatbin"), kernels))
+    tensors = []
+    for name, t in meta["tensors"].items():
+        pre = t.get("preconditions") or {"align_bytes": ELEMENT_BYTES[t["dtype"]], "stride_multiple": 1,
+                                          "strided_axes": []}
+        tensors.append(TensorView(name, t["dtype"], ELEMENT_BYTES[t["dtype"]], tuple(t["shape"]), t["role"],
+                                  t.get("derived_from"), pre["align_bytes"], pre["stride_multiple"],
+                                  tuple(pre["strided_axes"])))
+    spec = {"family": meta["family"], **meta["spec"]}
+    variant = tuple((k, spec[k]) for k in VARIANT_KEYS if k in spec)
+    return ArtifactView(meta["name"], meta["family"], Path(path), tuple(meta["dims"]),
+                        dict(meta.get("dim_rules") or {}), tuple(tensors), tuple(targets), variant)
+
+
+def output_view(out_dir: Path) -> list[ArtifactView]:
+    """Every artifact the manifest of a `ptxc build` output directory lists, by name."""
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        raise UserError(f"{out_dir}: no readable {MANIFEST}; loaders are emitted from a `ptxc build` output")
+    return [artifact_view(out_dir / name) for name in sorted(manifest.get("artifacts") or {})]
+
+
+def names_in(expr) -> set[str]:
+    """The dims a launch expression reads."""
+    if isinstance(expr, int):
+        return set()
+    found: set[str] = set()
+
+    def walk(node):
+        if node[0] == "name":
+            found.add(node[1])
+        elif node[0] == "call":
+            for a in node[2]:
+                walk(a)
+        elif node[0] != "int":
+            walk(node[1])
+            walk(node[2])
+    walk(exprs.parse(expr))
+    return found
+
+
+def variant_text(variant) -> str:
+    return ", ".join(f"{k}={v}" for k, v in variant)
