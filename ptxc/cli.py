@@ -73,11 +73,13 @@ def build(paths, out, targets, no_verify, jobs, as_json, no_cache, shard):
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--rebuild", is_flag=True,
+              help="Also rebuild every artifact from its recorded spec and compare byte for byte.")
 @handles_errors
-def verify(paths, as_json):
+def verify(paths, as_json, rebuild):
     """Re-check spec files, artifact directories or whole output directories (exit 1 on mismatch)."""
     from .pipeline.build import run_verify
-    report = run_verify(paths)
+    report = run_verify(paths, rebuild=rebuild)
     if as_json:
         click.echo(json.dumps({"ok": report.ok, "problems": report.problems, "rows": report.rows},
                               indent=2, sort_keys=True))

@@ -98,7 +98,7 @@ def _target_summary(t: dict) -> dict:
             "occupancy": min((k["occupancy"]["occupancy"] for k in ks if "occupancy" in k), default=None)}
 
 
-def run_verify(paths):
+def run_verify(paths, rebuild: bool = False):
     from .ptxas import toolchain
     from .verify import Report, is_artifact_dir, is_output_dir, verify_artifact, verify_output_dir
     tc = toolchain()
@@ -111,6 +111,22 @@ def run_verify(paths):
                 verify_output_dir(Path(tmp), report, tc)
         elif is_artifact_dir(p):
             verify_artifact(p, report, tc)
+            if rebuild:
+                _rebuild(p, report, tc)
         else:
             verify_output_dir(p, report, tc)
+            if rebuild:
+                for d in sorted(c for c in p.iterdir() if is_artifact_dir(c)):
+                    _rebuild(d, report, tc)
     return report
+
+
+def _rebuild(d: Path, report, tc) -> None:
+    from ..errors import UserError
+    from ..runtime import load
+    from .rebuild import rebuild_artifact
+    try:
+        meta = load(d).meta
+    except UserError:
+        return  # verify_artifact has reported it
+    rebuild_artifact(d, meta, tc, report.problems)
