@@ -208,8 +208,19 @@ def pack(src, output):
               help="Header path [default: OUT_DIR/ptxc_kernels.h].")
 @handles_errors
 def emit_c_header(out_dir, output):
-    """Write a C header (params structs, grid helpers, driver-API launchers) for an artifact set."""
+    """Write a C loader header (per-target launch lists, image choice at load, preconditions)."""
     from .emit.cheader import emit
+    click.echo(str(emit(out_dir, output)))
+
+
+@main.command(name="emit-rust")
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Module path [default: OUT_DIR/ptxc_kernels.rs]; images are embedded relative to it.")
+@handles_errors
+def emit_rust(out_dir, output):
+    """Write a self-contained Rust module (no crates; images embedded) for an artifact set."""
+    from .emit.rust import emit
     click.echo(str(emit(out_dir, output)))
 
 

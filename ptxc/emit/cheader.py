@@ -13,28 +13,16 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import UserError
-from ..pipeline import exprs
 from ..pipeline.artifacts import MANIFEST
 from ..pipeline.cache import write_if_changed
-from .view import ArtifactView, KernelView, TargetView, output_view, variant_text
+from .view import ArtifactView, KernelView, TargetView, expr_code, output_view, variant_text
 
 SIGNED = {"u32": 0, "s32": 1, "u64": 0, "s64": 1}
 
 
 def c_expr(text: str | int, dims) -> str:
     """A launch expression as C over the dims struct `d`."""
-    def emit(node) -> str:
-        kind = node[0]
-        if kind == "int":
-            return f"(int64_t){node[1]}"
-        if kind == "name":
-            if node[1] not in dims:
-                raise UserError(f"launch expression {text!r} names {node[1]!r}, which is not a dim")
-            return f"d->{node[1]}"
-        if kind == "call":
-            return f"ptxc_{node[1]}(" + ", ".join(emit(a) for a in node[2]) + ")"
-        return f"({emit(node[1])} {'/' if kind == '//' else kind} {emit(node[2])})"
-    return f"(int64_t){text}" if isinstance(text, int) else emit(exprs.parse(text))
+    return expr_code(text, dims, "d->{}", "(int64_t){}", "ptxc_{}")
 
 
 def c_string(text: str) -> str:
@@ -211,5 +199,6 @@ def render(out_dir: Path) -> str:
 
 def emit(out_dir: Path, dest: Path | None = None) -> Path:
     dest = dest or out_dir / "ptxc_kernels.h"
+    dest.parent.mkdir(parents=True, exist_ok=True)
     write_if_changed(dest, render(out_dir).encode())
     return dest

@@ -111,23 +111,20 @@ def output_view(out_dir: Path) -> list[ArtifactView]:
     return [artifact_view(out_dir / name) for name in sorted(manifest.get("artifacts") or {})]
 
 
-def names_in(expr) -> set[str]:
-    """The dims a launch expression reads."""
-    if isinstance(expr, int):
-        return set()
-    found: set[str] = set()
-
-    def walk(node):
-        if node[0] == "name":
-            found.add(node[1])
-        elif node[0] == "call":
-            for a in node[2]:
-                walk(a)
-        elif node[0] != "int":
-            walk(node[1])
-            walk(node[2])
-    walk(exprs.parse(expr))
-    return found
+def expr_code(text, dims, name_fmt: str, int_fmt: str, call_fmt: str) -> str:
+    """A launch expression (ptxc/pipeline/exprs.py) as source code of another language."""
+    def emit(node) -> str:
+        kind = node[0]
+        if kind == "int":
+            return int_fmt.format(node[1])
+        if kind == "name":
+            if node[1] not in dims:
+                raise UserError(f"launch expression {text!r} names {node[1]!r}, which is not a dim")
+            return name_fmt.format(node[1])
+        if kind == "call":
+            return call_fmt.format(node[1]) + "(" + ", ".join(emit(a) for a in node[2]) + ")"
+        return f"({emit(node[1])} {'/' if kind == '//' else kind} {emit(node[2])})"
+    return int_fmt.format(text) if isinstance(text, int) else emit(exprs.parse(text))
 
 
 def variant_text(variant) -> str:

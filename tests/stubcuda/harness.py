@@ -202,3 +202,51 @@ def read_tensor(memory: dict, address: int, size: int) -> np.ndarray:
         if base <= address < base + arr.size:
             return arr[address - base:address - base + size]
     raise AssertionError(f"no allocation at {address:#x}")
+
+
+def rust_main(meta: dict, module: Path, shape_dims: dict[str, int], perturb: str = "") -> str:
+    """The Rust twin of c_main: the module's images are embedded, argv[1] is the inputs file."""
+    A = meta["name"]
+    dims_fmt = " ".join(f"{d}={{}}" for d in meta["dims"])
+    lines = [f'#[path = "{module}"]', "mod kernels;", "use kernels::*;", "use std::ffi::c_void;",
+             '#[link(name = "cuda")]', 'extern "C" {',
+             "    fn cuInit(flags: u32) -> i32;", "    fn cuDeviceGet(d: *mut i32, ordinal: i32) -> i32;",
+             "    fn cuDeviceGetAttribute(v: *mut i32, a: i32, d: i32) -> i32;",
+             "    fn cuMemAlloc_v2(p: *mut u64, n: usize) -> i32;",
+             "    fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, n: usize) -> i32;", "}",
+             "fn main() {", "    let args: Vec<String> = std::env::args().collect();",
+             "    let mut dev = 0;", "    unsafe { cuInit(0); cuDeviceGet(&mut dev, 0); }",
+             f"    let kernel = match {A}::Kernel::load(dev) {{",
+             '        Ok(k) => { println!("load 0 {} {}|", k.loaded.target, k.loaded.image_kind); k }',
+             '        Err(e) => { println!("load {} -1 -|{}", e.code, e.message); return; }', "    };",
+             "    let mut sms = 0;", "    unsafe { cuDeviceGetAttribute(&mut sms, 16, dev); }",
+             f"    let mut d = {A}::Dims::default();"]
+    lines += [f"    d.{k} = {v};" for k, v in shape_dims.items()]
+    lines += [f'    if let Err(e) = {A}::resolve_dims(&mut d, sms) {{ println!("dims {{}} {{}}", e.code, e.message); return; }}',
+              f'    println!("dims {dims_fmt}", ' + ", ".join(f"d.{x}" for x in meta["dims"]) + ");",
+              "    let data = std::fs::read(&args[1]).expect(\"inputs\");", "    let mut pos = 0usize;",
+              f"    let mut t = {A}::Tensors::default();"]
+    for name, info in meta["tensors"].items():
+        if info["role"] != "workspace":
+            lines.append(f"    {{ let n = {A}::bytes_{name}(&d); if n > 0 {{ unsafe {{ cuMemAlloc_v2(&mut t.{name}.ptr, n); "
+                         f"cuMemcpyHtoD_v2(t.{name}.ptr, data[pos..pos + n].as_ptr() as *const c_void, n); }} }} pos += n; }}")
+    lines += ["    assert_eq!(pos, data.len());",
+              f"    let ws = {A}::workspace_bytes(&d);",
+              f"    if ws > 0 {{ let mut w = 0u64; unsafe {{ cuMemAlloc_v2(&mut w, ws); }} {A}::bind_workspace(&mut t, w, &d); }}",
+              f"    {A}::packed_strides(&mut t, &d);", f"    {perturb}",
+              f"    match launch_{A}(&kernel, &d, &t, std::ptr::null_mut()) {{",
+              '        Ok(()) => println!("run 0|"),', '        Err(e) => println!("run {}|{}", e.code, e.message),', "    }"]
+    lines += [f'    println!("tensor {name} {{}} {{}}", t.{name}.ptr, {A}::bytes_{name}(&d));' for name in meta["tensors"]]
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def compile_rust_and_run(src_text: str, workdir: Path, stub_dir: Path, *, args: list[str], env: dict[str, str]) -> str:
+    workdir.mkdir(parents=True, exist_ok=True)
+    src = workdir / "main.rs"
+    src.write_text(src_text)
+    exe = workdir / "main"
+    subprocess.run(["rustc", "--edition", "2021", "-D", "warnings", "-C", "opt-level=0", "-L", str(stub_dir),
+                    "-C", f"link-arg=-Wl,-rpath,{stub_dir}", str(src), "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    return run_program([str(exe), *args], workdir, env)
