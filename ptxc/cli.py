@@ -49,18 +49,19 @@ def main():
               help="Output directory for artifact sets.")
 @click.option("--target", "targets", multiple=True, help="Build for these targets instead of the specs' own.")
 @click.option("--no-verify", is_flag=True, help="Skip ptxas (no cubins; metadata says verified: false).")
+@click.option("--fatbin", is_flag=True, help="Also write <name>.fatbin per kernel: every target's cubin plus PTX.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 512), default=None, help="Parallel jobs [default: CPU count].")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @click.option("--no-cache", is_flag=True, help="Neither read nor write the compilation cache.")
 @click.option("--shard", default=None, metavar="I/N", help="Build only shard I of N (1-based; split by name hash).")
 @handles_errors
-def build(paths, out, targets, no_verify, jobs, as_json, no_cache, shard):
+def build(paths, out, targets, no_verify, fatbin, jobs, as_json, no_cache, shard):
     """Build every kernel in SPEC files / directories into OUT."""
     from .pipeline.build import run_build
     from .emit.distribute import parse_shard
     summary = run_build(paths, out, targets=list(targets), verify=not no_verify, jobs=jobs,
                         use_cache=not no_cache, progress=not as_json,
-                        shard=parse_shard(shard) if shard else None)
+                        shard=parse_shard(shard) if shard else None, fatbin=fatbin)
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
     else:

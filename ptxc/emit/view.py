@@ -88,8 +88,9 @@ def artifact_view(path: Path) -> ArtifactView:
         kernels = tuple(KernelView(k["entry"], tuple(k["params"]), k["param_bytes"], tuple(k["grid"]),
                                    tuple(k["block"]), k["dynamic_smem_bytes"], k["needs_smem_opt_in"])
                         for k in t["kernels"])
+        fatbin = (meta.get("fatbin") or {}).get("file")  # one file holding every target's images
         targets.append(TargetView(name, sm_number(name), name[-1].isalpha(), t["ptx"], t.get("cubin"),
-                                  t.get("fatbin"), kernels))
+                                  fatbin, kernels))
     tensors = []
     for name, t in meta["tensors"].items():
         pre = t.get("preconditions") or {"align_bytes": ELEMENT_BYTES[t["dtype"]], "stride_multiple": 1,

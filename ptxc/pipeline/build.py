@@ -49,7 +49,8 @@ def _progress(total: int, enabled: bool):
 
 def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: bool = True,
               jobs: int | None = None, use_cache: bool = True, progress: bool = True,
-              cache_dir: Path | None = None, shard: tuple[int, int] | None = None) -> dict[str, Any]:
+              cache_dir: Path | None = None, shard: tuple[int, int] | None = None,
+              fatbin: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     specs = load_paths(paths)
     if shard is not None:
@@ -57,6 +58,9 @@ def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: boo
         specs = [s for s in specs if in_shard(s.name, shard)]
     if targets:
         specs = _retarget(specs, targets)
+    if fatbin and not verify:
+        from ..errors import UserError
+        raise UserError("--fatbin packs the cubins, which --no-verify does not build")
     for s in specs:  # resolve tiles for every target before any work: config errors come first
         for t in s.targets:
             FAMILIES[s.family].resolve_tile(s, get_target(t))
@@ -74,7 +78,7 @@ def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: boo
     out.mkdir(parents=True, exist_ok=True)
     metas, changed, problems, kernels = [], 0, [], []
     for b in builds:
-        meta, n = write_kernel(out, b, verified=tc is not None)
+        meta, n = write_kernel(out, b, verified=tc is not None, fatbin=fatbin)
         metas.append(meta)
         changed += n
         problems += [p for tb in b.targets for p in check_resources(b.spec, tb)]

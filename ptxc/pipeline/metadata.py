@@ -29,7 +29,7 @@ def artifact_files(name: str, target: str) -> dict[str, str]:
     return {kind: f"{name}.{target}{suffix}" for kind, suffix in FILE_SUFFIX.items()}
 
 
-def make_metadata(build, verified: bool) -> dict[str, Any]:
+def make_metadata(build, verified: bool, fatbin: dict | None = None) -> dict[str, Any]:
     spec = build.spec
     iface = FAMILIES[spec.family].interface(spec)
     targets = {}
@@ -55,7 +55,7 @@ def make_metadata(build, verified: bool) -> dict[str, Any]:
     tensors = {t.name: t.to_dict() for t in iface.tensors}
     for name, t in tensors.items():
         t["preconditions"] = tensor_preconditions(name, t, tensors, targets)
-    return {
+    meta = {
         "schema_version": SCHEMA_VERSION,
         "ptxc_version": __version__,
         "name": spec.name,
@@ -68,6 +68,9 @@ def make_metadata(build, verified: bool) -> dict[str, Any]:
         "verified": verified,
         "targets": targets,
     }
+    if fatbin is not None:
+        meta["fatbin"] = fatbin
+    return meta
 
 
 ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "u64": 8}

@@ -53,13 +53,13 @@ def rebuild_artifact(d: Path, meta: dict, tc, problems: list[str]) -> None:
         problems.append(f"{d}: --rebuild: the recorded spec does not build ({e})")
         return
     with tempfile.TemporaryDirectory(prefix="ptxc-rebuild-") as tmp:
-        rebuilt_meta, _ = write_kernel(Path(tmp), build, verified=verified)
+        rebuilt_meta, _ = write_kernel(Path(tmp), build, verified=verified, fatbin="fatbin" in meta)
         rebuilt = Path(tmp) / name
         for f in sorted(rebuilt.iterdir()):
             mine = d / f.name
             if not mine.is_file():
                 problems.append(f"{mine}: missing (a rebuild from the recorded spec writes it)")
-            elif f.suffix == ".cubin" and not _same_ptxas(meta, f.name, tc):
+            elif f.suffix in (".cubin", ".fatbin") and not _same_ptxas(meta, f.name, tc):
                 continue  # another ptxas may legitimately emit other bytes
             elif mine.read_bytes() != f.read_bytes():
                 detail = ""
@@ -72,6 +72,8 @@ def rebuild_artifact(d: Path, meta: dict, tc, problems: list[str]) -> None:
 
 
 def _same_ptxas(meta: dict, cubin_file: str, tc) -> bool:
+    if cubin_file.endswith(".fatbin"):  # holds every target's cubin
+        return tc is not None and all(t.get("ptxas_version") == tc.version for t in meta.get("targets", {}).values())
     for t in meta.get("targets", {}).values():
         if t.get("cubin") == cubin_file:
             return tc is not None and t.get("ptxas_version") == tc.version

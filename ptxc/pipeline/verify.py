@@ -57,6 +57,8 @@ def verify_artifact(d: Path, report: Report, tc=None) -> None:
         return
     if meta["name"] != name:
         report.problems.append(f"{meta_path}: name {meta['name']!r} does not match directory {name!r}")
+    if "fatbin" in meta:
+        _checked_file(d / meta["fatbin"]["file"], meta["fatbin"]["sha256"], report)
     for target, t in meta["targets"].items():
         ptx = _checked_file(d / t["ptx"], t["ptx_sha256"], report)
         if "cubin" in t:

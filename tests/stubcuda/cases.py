@@ -55,7 +55,7 @@ CASES = {
 }
 
 
-def build_set(tmp_path_factory, emit, what: str):
+def build_set(tmp_path_factory, emit, what: str, fatbin: bool = False):
     """Build SPECS (with cubins), emit a loader with `emit(out)`, compile the stub libcuda."""
     missing = harness.toolchain_missing()
     if missing:
@@ -63,7 +63,7 @@ def build_set(tmp_path_factory, emit, what: str):
     root = tmp_path_factory.mktemp(f"loader_{what}")
     (root / "e2e.toml").write_text(SPECS)
     out = root / "out"
-    run_build([root / "e2e.toml"], out, verify=True, progress=False)
+    run_build([root / "e2e.toml"], out, verify=True, progress=False, fatbin=fatbin)
     return out, emit(out), harness.build_stub(root / "stub")
 
 
