@@ -77,3 +77,18 @@ def test_violated_precondition_is_an_error_not_a_launch(built, tmp_path, perturb
     assert code == 1  # CUDA_ERROR_INVALID_VALUE
     assert error == message.format(q=result["tensors"]["q"][0])
     assert log.launches == []
+
+
+def test_c_variant_dispatcher(built, tmp_path):
+    out, header, stub = built
+    src = (f'#include <stdio.h>\n#include "{header}"\n'
+           'int main(void) {\n    char e[4096];\n'
+           '    int i = ptxc_find_variant("family=decode,append_kv=true,dtype=f16", e, sizeof e);\n'
+           '    printf("%s\\n", i >= 0 ? ptxc_variant_names[i] : e);\n'
+           '    i = ptxc_find_variant("family=decode,head_dim=128", e, sizeof e);\n'
+           '    printf("%d|%s\\n", i, e);\n    return 0;\n}\n')
+    lines = harness.compile_and_run(src, tmp_path, stub, cxx=True, args=[], env={}).splitlines()
+    assert lines[0] == "e2e_paged_fused"
+    assert lines[1].startswith("-1|not built: family=decode,head_dim=128; built variants are e2e_paged_fused: "
+                               "family=decode,dtype=f16,head_dim=64,")
+    assert "; e2e_prefill: family=prefill,dtype=f16,head_dim=64,num_heads=4,num_kv_heads=2,causal=true" in lines[1]

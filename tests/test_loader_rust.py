@@ -50,3 +50,15 @@ def test_rust_checks_preconditions(built, tmp_path):
     _, _, result, log = run_loader(built, "e2e_prefill", tmp_path, sm=90, perturb="t.v.ptr += 8;")
     assert result["run"] == (1, f"e2e_prefill: tensor v: address {result['tensors']['v'][0]:#x} is not 16-byte aligned")
     assert log.launches == []
+
+
+def test_rust_variant_dispatcher(built, tmp_path):
+    out, module, stub = built
+    src = (f'#[path = "{module}"]\nmod kernels;\n'
+           'fn main() {\n'
+           '    println!("{}", kernels::find_variant("family=prefill, causal=true").unwrap());\n'
+           '    let e = kernels::find_variant("family=decode,dtype=f32").unwrap_err();\n'
+           '    println!("{}|{}", e.code, e.message);\n}\n')
+    lines = harness.compile_rust_and_run(src, tmp_path, stub, args=[], env={}).splitlines()
+    assert lines[0] == "e2e_prefill"
+    assert lines[1].startswith("500|not built: family=decode,dtype=f32; built variants are e2e_paged_fused: ")

@@ -29,6 +29,12 @@ def c_string(text: str) -> str:
     return json.dumps(text)  # a JSON string of ASCII identifiers is a valid C string literal
 
 
+def c_key(text: str) -> str:
+    if any(c in text for c in '"\\\n') or not text.isascii():
+        raise UserError(f"variant key {text!r} cannot be a C string literal")
+    return text
+
+
 def passed_tensors(a: ArtifactView) -> set[str]:
     """Tensors whose own address some launch receives (pointer-array sources are reached only
     through the per-row pointers the caller builds)."""
@@ -190,11 +196,13 @@ def render_artifact(a: ArtifactView) -> str:
 
 def render(out_dir: Path) -> str:
     import jinja2
-    sections = [render_artifact(a) for a in output_view(out_dir)]
+    views = output_view(out_dir)
+    sections = [render_artifact(a) for a in views]
     env = jinja2.Environment(loader=jinja2.PackageLoader("ptxc", "templates"), keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined, autoescape=False)
     return env.get_template("kernels.h.j2").render(
-        version=__version__, manifest_name=MANIFEST, artifacts=sections, guard="PTXC_KERNELS_H")
+        version=__version__, manifest_name=MANIFEST, artifacts=sections, guard="PTXC_KERNELS_H",
+        variants=[(a.name, c_key(variant_text(a.variant))) for a in views])
 
 
 def emit(out_dir: Path, dest: Path | None = None) -> Path:

@@ -189,8 +189,9 @@ def render(out_dir: Path, dest: Path) -> str:
     sections = [render_artifact(a, base) for a in views]
     env = jinja2.Environment(loader=jinja2.PackageLoader("ptxc", "templates"), keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined, autoescape=False)
-    return env.get_template("loaders.rs.j2").render(version=__version__, manifest_name=MANIFEST,
-                                                    count=len(views), artifacts=sections)
+    return env.get_template("loaders.rs.j2").render(
+        version=__version__, manifest_name=MANIFEST, count=len(views), artifacts=sections,
+        variants=[(a.name, rs_string(variant_text(a.variant))[1:-1]) for a in views])
 
 
 def emit(out_dir: Path, dest: Path | None = None) -> Path:

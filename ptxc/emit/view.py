@@ -14,11 +14,7 @@ from ..pipeline import exprs
 from ..pipeline.artifacts import MANIFEST, read_manifest
 from ..pipeline.metadata import ELEMENT_BYTES
 from ..runtime import load
-
-# The spec keys that tell two variants apart (the dispatcher's key), in key order.
-VARIANT_KEYS = ("family", "dtype", "kv_dtype", "head_dim", "num_heads", "num_kv_heads", "causal",
-                "window", "kv_layout", "page_size", "num_splits", "append_kv", "return_lse")
-
+from ..runtime.dispatch import key_text, variant_of
 
 def sm_number(target: str) -> int:
     """"sm_90a" -> 90: targets order and compare by this number."""
@@ -73,7 +69,7 @@ class ArtifactView:
     dim_rules: dict
     tensors: tuple
     targets: tuple         # numeric order
-    variant: tuple         # ((key, value), ...) over VARIANT_KEYS present in the spec
+    variant: tuple         # ((field, value text), ...): ptxc.runtime.dispatch.variant_of
 
     def tensor(self, name: str) -> TensorView:
         return next(t for t in self.tensors if t.name == name)
@@ -98,8 +94,7 @@ def artifact_view(path: Path) -> ArtifactView:
         tensors.append(TensorView(name, t["dtype"], ELEMENT_BYTES[t["dtype"]], tuple(t["shape"]), t["role"],
                                   t.get("derived_from"), pre["align_bytes"], pre["stride_multiple"],
                                   tuple(pre["strided_axes"])))
-    spec = {"family": meta["family"], **meta["spec"]}
-    variant = tuple((k, spec[k]) for k in VARIANT_KEYS if k in spec)
+    variant = variant_of(meta)
     return ArtifactView(meta["name"], meta["family"], Path(path), tuple(meta["dims"]),
                         dict(meta.get("dim_rules") or {}), tuple(tensors), tuple(targets), variant)
 
@@ -129,4 +124,4 @@ def expr_code(text, dims, name_fmt: str, int_fmt: str, call_fmt: str) -> str:
 
 
 def variant_text(variant) -> str:
-    return ", ".join(f"{k}={v}" for k, v in variant)
+    return key_text(variant)

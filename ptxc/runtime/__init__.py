@@ -219,3 +219,4 @@ def _emu_launcher(ptx: str, meta: dict):
         emu.launch(ptx, kernel["entry"], grid, block, args,
                    dynamic_smem_bytes=kernel["dynamic_smem_bytes"])
     return launch
+from .dispatch import find_variant  # noqa: E402  (re-exported: ptxc.runtime.find_variant)
