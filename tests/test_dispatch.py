@@ -61,3 +61,14 @@ def test_ambiguous_and_unknown_keys(out):
         find_variant(out, family="decode")
     with pytest.raises(InputError, match=r"unknown field 'heads'"):
         find_variant(out, "family=decode,heads=4")
+
+
+@pytest.mark.parametrize("sm,want", [
+    (75, None), (80, ("sm_80", "cubin")), (86, ("sm_80", "ptx")), (89, ("sm_89", "ptx")),
+    (90, ("sm_90a", "cubin")), (100, ("sm_90", "ptx")), (120, ("sm_90", "ptx"))])
+def test_image_choice_rule(sm, want):
+    """Newest target not newer than the device; arch-specific targets only on exactly their SM;
+    the cubin only for exactly the device's SM, else the PTX (JIT)."""
+    from ptxc.runtime import pick_target
+    targets = {"sm_90": {"cubin": "x"}, "sm_80": {"cubin": "x"}, "sm_90a": {"cubin": "x"}, "sm_89": {}}
+    assert pick_target(targets, sm) == want

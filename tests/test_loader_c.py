@@ -18,14 +18,14 @@ def built(tmp_path_factory):
     return build_set(tmp_path_factory, emit, "c")
 
 
-def run_loader(built, name, tmp_path, *, sm, cxx=False, perturb=""):
+def run_loader(built, name, tmp_path, *, sm, cxx=False, perturb="", env=None):
     out, header, stub = built
     art = load(out / name)
     prepared = prepare(art, CASES[name])
     (tmp_path / "inputs.bin").write_bytes(input_blob(art, prepared[4]))
     stdout = harness.compile_and_run(harness.c_main(art.meta, header, shape_dims(art, prepared[3]), perturb),
                                      tmp_path, stub, cxx=cxx, args=[str(out / name), str(tmp_path / "inputs.bin")],
-                                     env={"PTXC_STUB_SM": str(sm), "PTXC_STUB_SMS": str(STUB_SMS)})
+                                     env={"PTXC_STUB_SM": str(sm), "PTXC_STUB_SMS": str(STUB_SMS), **(env or {})})
     return art, prepared, harness.parse_output(stdout), harness.read_log(tmp_path / "log")
 
 
@@ -60,6 +60,19 @@ def test_device_older_than_every_target_is_a_clear_error(built, tmp_path):
     assert code == 209 and target == -1  # CUDA_ERROR_NO_BINARY_FOR_GPU
     assert error == "e2e_prefill: no image runs on sm_75 (CUDA_ERROR_NO_BINARY_FOR_GPU); built for sm_80, sm_90"
     assert log.modules == [] and log.launches == []
+
+
+def test_shared_memory_the_device_lacks_fails_at_load(built, tmp_path):
+    """An older target's configuration on a device with less shared memory (sm_80's tiles on a
+    99 KB sm_86): the opt-in attribute call fails at load, with the reason, before any launch."""
+    out, _, _ = built
+    k = load(out / "e2e_prefill").meta["targets"]["sm_80"]["kernels"][0]
+    assert k["needs_smem_opt_in"]
+    _, _, result, log = run_loader(built, "e2e_prefill", tmp_path, sm=86,
+                                   env={"PTXC_STUB_SMEM_OPTIN": str(k["dynamic_smem_bytes"] - 1)})
+    assert result["load"] == (1, -1, "-", f"e2e_prefill [sm_80]: ptxc_e2e_prefill: cuFuncSetAttribute failed "
+                                           f"(CUresult 1; {k['dynamic_smem_bytes']} bytes of dynamic shared memory)")
+    assert log.launches == []
 
 
 PERTURBATIONS = [

@@ -13,13 +13,8 @@ from ..errors import UserError
 from ..pipeline import exprs
 from ..pipeline.artifacts import MANIFEST, read_manifest
 from ..pipeline.metadata import ELEMENT_BYTES
-from ..runtime import load
+from ..runtime import load, sm_number
 from ..runtime.dispatch import key_text, variant_of
-
-def sm_number(target: str) -> int:
-    """"sm_90a" -> 90: targets order and compare by this number."""
-    return int("".join(c for c in target[3:] if c.isdigit()))
-
 
 def target_order(target: str) -> tuple[int, bool, str]:
     return sm_number(target), target[-1].isalpha(), target

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PtxcError, ToolchainError
-from . import launch_geometry, pack_args, row_pointer_offsets
+from . import launch_geometry, pack_args, pick_target, row_pointer_offsets
 
 CTYPES = {"u32": ctypes.c_uint32, "s32": ctypes.c_int32, "u64": ctypes.c_uint64,
           "s64": ctypes.c_int64, "f32": ctypes.c_float}
@@ -81,15 +81,11 @@ class CudaDevice:
         """The cubin built for exactly this SM, else the PTX of the newest target <= this SM."""
         targets = artifact.meta["targets"]
         if target is None:
-            exact = [t for t in targets if int("".join(filter(str.isdigit, t))) == self.sm and "cubin" in targets[t]]
-            if exact:
-                return exact[0], artifact.cubin(exact[0])
-            older = sorted((t for t in targets if int("".join(filter(str.isdigit, t))) <= self.sm),
-                           key=lambda t: int("".join(filter(str.isdigit, t))))
-            if not older:
+            picked = pick_target(targets, self.sm)
+            if picked is None:
                 raise ToolchainError(f"{artifact.name}: no target runs on sm_{self.sm} (built: {', '.join(targets)})")
-            target = older[-1]
-            return target, artifact.ptx(target).encode() + b"\0"
+            target, kind = picked
+            return target, artifact.cubin(target) if kind == "cubin" else artifact.ptx(target).encode() + b"\0"
         image = artifact.cubin(target)
         return target, image if image is not None else artifact.ptx(target).encode() + b"\0"
 
@@ -99,13 +95,21 @@ class CudaDevice:
         module = _check(drv.cuModuleLoadData(image), f"cuModuleLoadData({artifact.name} {tname})")
         self.modules[(artifact.name, tname)] = module
 
+        functions = {}
+
+        def function(kernel):  # looked up, and its shared-memory limit raised, once
+            if kernel["entry"] not in functions:
+                fn = _check(drv.cuModuleGetFunction(module, kernel["entry"].encode()), "cuModuleGetFunction")
+                if kernel["needs_smem_opt_in"]:
+                    _check(drv.cuFuncSetAttribute(
+                        fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        kernel["dynamic_smem_bytes"]), "cuFuncSetAttribute")
+                functions[kernel["entry"]] = fn
+            return functions[kernel["entry"]]
+
         def launch(kernel, buffers, dims):
-            fn = _check(drv.cuModuleGetFunction(module, kernel["entry"].encode()), "cuModuleGetFunction")
+            fn = function(kernel)
             smem = kernel["dynamic_smem_bytes"]
-            if kernel["needs_smem_opt_in"]:
-                _check(drv.cuFuncSetAttribute(
-                    fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
-                    "cuFuncSetAttribute")
             dptrs = {}
             for name, arr in buffers.items():
                 dptrs[name] = _check(drv.cuMemAlloc(max(arr.nbytes, 1)), "cuMemAlloc")
