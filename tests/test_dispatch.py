@@ -72,3 +72,9 @@ def test_image_choice_rule(sm, want):
     from ptxc.runtime import pick_target
     targets = {"sm_90": {"cubin": "x"}, "sm_80": {"cubin": "x"}, "sm_90a": {"cubin": "x"}, "sm_89": {}}
     assert pick_target(targets, sm) == want
+
+
+def test_targets_order_numerically():
+    from ptxc.emit.view import target_order
+    assert sorted(["sm_120", "sm_90a", "sm_100", "sm_80", "sm_90", "sm_89"], key=target_order) == \
+        ["sm_80", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120"]
