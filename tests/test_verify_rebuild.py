@@ -27,7 +27,9 @@ targets = ["sm_80"]
 def clean(tmp_path_factory):
     root = tmp_path_factory.mktemp("rebuild")
     (root / "rb.toml").write_text(SPEC)
-    run_build([root / "rb.toml"], root / "out", progress=False)
+    with pytest.MonkeyPatch.context() as mp:  # the ptxas the tests themselves see (conftest drops PTXAS)
+        mp.delenv("PTXAS", raising=False)
+        run_build([root / "rb.toml"], root / "out", progress=False)
     return root / "out"
 
 
@@ -90,3 +92,11 @@ def test_rebuild_catches_edit_that_plain_verify_misses(clean, tmp_path, edit_met
     report = run_verify([out], rebuild=True)
     assert not report.ok
     assert any(where in p for p in report.problems), report.problems
+
+
+def test_rebuild_needs_the_same_ptxas(clean, tmp_path):
+    def other_ptxas(meta):
+        meta["targets"]["sm_80"]["ptxas_version"] = "0.0.1"
+    out = tamper(clean, tmp_path, other_ptxas)
+    report = run_verify([out], rebuild=True)
+    assert any("built with ptxas 0.0.1, installed is" in p for p in report.problems), report.problems

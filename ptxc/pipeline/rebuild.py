@@ -45,9 +45,14 @@ def rebuild_artifact(d: Path, meta: dict, tc, problems: list[str]) -> None:
         problems.append(f"{d}: built by ptxc {meta.get('ptxc_version')}, this is {__version__}: "
                         f"--rebuild compares only builds of the same version")
         return
+    verified = bool(meta.get("verified"))
+    built_with = sorted({t.get("ptxas_version") for t in meta.get("targets", {}).values() if "cubin" in t})
+    if verified and tc is not None and built_with != [tc.version]:
+        problems.append(f"{d}: built with ptxas {', '.join(map(str, built_with))}, installed is {tc.version}: "
+                        f"--rebuild compares only builds by the same ptxas (set PTXAS=)")
+        return
     try:
         spec = KernelSpec.from_dict(meta["spec"])
-        verified = bool(meta.get("verified"))
         [build] = build_all([spec], Cache(None, enabled=False), tc if verified else None, jobs=1)
     except (PtxcError, KeyError, TypeError, ValueError) as e:
         problems.append(f"{d}: --rebuild: the recorded spec does not build ({e})")
@@ -59,8 +64,6 @@ def rebuild_artifact(d: Path, meta: dict, tc, problems: list[str]) -> None:
             mine = d / f.name
             if not mine.is_file():
                 problems.append(f"{mine}: missing (a rebuild from the recorded spec writes it)")
-            elif f.suffix in (".cubin", ".fatbin") and not _same_ptxas(meta, f.name, tc):
-                continue  # another ptxas may legitimately emit other bytes
             elif mine.read_bytes() != f.read_bytes():
                 detail = ""
                 if f.suffix == ".json":
@@ -70,11 +73,3 @@ def rebuild_artifact(d: Path, meta: dict, tc, problems: list[str]) -> None:
                         detail = "; not valid JSON"
                 problems.append(f"{mine}: differs from a rebuild of its recorded spec{detail}")
 
-
-def _same_ptxas(meta: dict, cubin_file: str, tc) -> bool:
-    if cubin_file.endswith(".fatbin"):  # holds every target's cubin
-        return tc is not None and all(t.get("ptxas_version") == tc.version for t in meta.get("targets", {}).values())
-    for t in meta.get("targets", {}).values():
-        if t.get("cubin") == cubin_file:
-            return tc is not None and t.get("ptxas_version") == tc.version
-    return False

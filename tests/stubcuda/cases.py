@@ -63,7 +63,9 @@ def build_set(tmp_path_factory, emit, what: str, fatbin: bool = False):
     root = tmp_path_factory.mktemp(f"loader_{what}")
     (root / "e2e.toml").write_text(SPECS)
     out = root / "out"
-    run_build([root / "e2e.toml"], out, verify=True, progress=False, fatbin=fatbin)
+    with pytest.MonkeyPatch.context() as mp:  # the ptxas the tests themselves see (conftest drops PTXAS)
+        mp.delenv("PTXAS", raising=False)
+        run_build([root / "e2e.toml"], out, verify=True, progress=False, fatbin=fatbin)
     return out, emit(out), harness.build_stub(root / "stub")
 
 
