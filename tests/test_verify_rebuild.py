@@ -1,6 +1,7 @@
 """`ptxc verify --rebuild` catches hand edits that a re-hashed manifest hides from plain verify."""
 
 import json
+import os
 import re
 import shutil
 
@@ -100,3 +101,21 @@ def test_rebuild_needs_the_same_ptxas(clean, tmp_path):
     out = tamper(clean, tmp_path, other_ptxas)
     report = run_verify([out], rebuild=True)
     assert any("built with ptxas 0.0.1, installed is" in p for p in report.problems), report.problems
+
+
+def test_cli_exit_codes(clean, tmp_path):
+    from click.testing import CliRunner
+    from ptxc.cli import main
+    runner = CliRunner()
+    assert runner.invoke(main, ["verify", "--rebuild", str(clean)]).exit_code == 0
+    bad = runner.invoke(main, ["verify", "--rebuild", str(tamper(clean, tmp_path, _set_smem))])
+    assert bad.exit_code == 1 and "dynamic_smem_bytes" in bad.output
+    no_cubins = runner.invoke(main, ["build", "--fatbin", "--no-verify", "--out", str(tmp_path / "o"),
+                                     str(clean.parent / "rb.toml")])
+    assert no_cubins.exit_code == 2 and "--fatbin packs the cubins" in no_cubins.output
+    rust = runner.invoke(main, ["emit-rust", str(clean), "-o", str(tmp_path / "rs" / "k.rs")])
+    text = (tmp_path / "rs" / "k.rs").read_text()
+    rel = os.path.relpath(clean / "rb" / "rb.sm_80.cubin", tmp_path / "rs")
+    assert rust.exit_code == 0 and f"include_bytes!(\"{rel}\")" in text
+    not_a_build = runner.invoke(main, ["emit-rust", str(tmp_path / "rs")])
+    assert not_a_build.exit_code == 2 and "no readable manifest.json" in not_a_build.output
