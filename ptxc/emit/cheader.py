@@ -131,6 +131,16 @@ def render_artifact(a: ArtifactView) -> str:
                    f"    ptxc_{A}_shape_{t.name}(d, shape);\n"
                    f"    for (int i = 0; i < {len(t.shape)}; i++) n *= shape[i] > 0 ? shape[i] : 0;\n"
                    "    return (size_t)n;\n}\n")
+    for t in a.tensors:
+        if t.derived_from:
+            src = a.tensor(t.derived_from)
+            out.append(f"/* {t.name}: entry b = device address of {src.name}[b] when {src.name} is one tensor; copy the\n"
+                       f" * table to t->{t.name}.ptr. (Rows in separate allocations: fill it yourself, 16-byte aligned.) */\n"
+                       f"static inline void ptxc_{A}_row_pointers_{t.name}(const ptxc_{A}_tensors_t *t, "
+                       f"const ptxc_{A}_dims_t *d, uint64_t *host) {{\n"
+                       f"    int64_t s[{len(t.shape)}];\n    ptxc_{A}_shape_{t.name}(d, s);\n"
+                       f"    for (int64_t b = 0; b < s[0]; b++)\n"
+                       f"        host[b] = (uint64_t)t->{src.name}.ptr + (uint64_t)(b * t->{src.name}.strides[0] * {src.element_bytes});\n}}\n")
     work = [t for t in a.tensors if t.role == "workspace"]
     out.append(f"/* Bytes of one allocation holding every workspace tensor, each 256-byte aligned. */\n"
                f"static inline size_t ptxc_{A}_workspace_bytes(const ptxc_{A}_dims_t *d) {{\n    size_t n = 0;\n"

@@ -90,6 +90,14 @@ def _helpers(a: ArtifactView) -> list[str]:
                    f"[{', '.join(rs_expr(s, a.dims) for s in t.shape)}] }}")
         out.append(f"    pub fn bytes_{t.name}(d: &Dims) -> usize {{ "
                    f"shape_{t.name}(d).iter().map(|&s| s.max(0)).product::<i64>() as usize * {t.element_bytes} }}")
+    for t in a.tensors:
+        if t.derived_from:
+            src = a.tensor(t.derived_from)
+            out.append(f"    /// {t.name}: entry b = device address of {src.name}[b] when {src.name} is one tensor; copy\n"
+                       f"    /// it to `{t.name}.ptr`. (Rows in separate allocations: build it yourself, 16-byte aligned.)\n"
+                       f"    pub fn row_pointers_{t.name}(t: &Tensors, d: &Dims) -> Vec<u64> {{\n"
+                       f"        (0..shape_{t.name}(d)[0].max(0)).map(|b| t.{src.name}.ptr + (b * t.{src.name}.strides[0] * "
+                       f"{src.element_bytes}) as u64).collect()\n    }}")
     work = [t for t in a.tensors if t.role == "workspace"]
     out.append("    /// Bytes of one allocation holding every workspace tensor, each 256-byte aligned.\n"
                "    pub fn workspace_bytes(d: &Dims) -> usize {\n        0"

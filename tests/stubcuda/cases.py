@@ -37,6 +37,12 @@ num_splits = "auto"
 return_lse = true
 
 [[kernel]]
+name = "e2e_ptr_decode"
+family = "decode"
+dtype = "bf16"
+kv_layout = "pointer_array"
+
+[[kernel]]
 name = "e2e_paged_fused"
 family = "decode"
 dtype = "f16"
@@ -52,6 +58,7 @@ CASES = {
     "e2e_prefill": {"batch": 1, "seq_q": 17, "seq_k": 33},
     "e2e_paged_split": {"batch": 2, "max_pages_per_seq": 3, "num_pages": 7},
     "e2e_paged_fused": {"batch": 2, "max_pages_per_seq": 3, "num_pages": 7},
+    "e2e_ptr_decode": {"batch": 3, "max_seq_len": 37},
 }
 
 

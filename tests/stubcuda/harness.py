@@ -121,8 +121,12 @@ def c_main(meta: dict, header: Path, shape_dims: dict[str, int], perturb: str = 
               "    fclose(in);",
               f"    size_t ws = ptxc_{A}_workspace_bytes(&d);",
               f"    if (ws) {{ CUdeviceptr w; cuMemAlloc(&w, ws); ptxc_{A}_bind_workspace(&t, w, &d); }}",
-              f"    ptxc_{A}_packed_strides(&t, &d);",
-              f"    {perturb}",
+              f"    ptxc_{A}_packed_strides(&t, &d);"]
+    for name, info in meta["tensors"].items():
+        if info.get("derived_from"):
+            lines.append(f"    {{ size_t n = ptxc_{A}_bytes_{name}(&d); uint64_t *h = (uint64_t *)malloc(n ? n : 8);\n"
+                         f"      ptxc_{A}_row_pointers_{name}(&t, &d, h); if (n) cuMemcpyHtoD(t.{name}.ptr, h, n); free(h); }}")
+    lines += [f"    {perturb}",
               f"    r = ptxc_{A}_run(&L, &d, &t, NULL);",
               '    printf("run %d|%s\\n", (int)r, r == CUDA_SUCCESS ? "" : L.error);']
     lines += [f'    printf("tensor {name} %llu %zu\\n", (unsigned long long)t.{name}.ptr, ptxc_{A}_bytes_{name}(&d));'
@@ -177,6 +181,15 @@ def replay(log: StubLog, meta: dict, target: str, ptx: str, tensors: dict) -> di
     memory = {addr: arr.copy() for addr, arr in log.memory.items()}
     by_entry = {k["entry"]: k for k in meta["targets"][target]["kernels"]}
     starts = {addr: size for addr, size in tensors.values()}
+    derived = {addr for name, (addr, _) in tensors.items() if meta["tensors"][name].get("derived_from")}
+
+    def pointer_table(address: int):
+        """A pointer array in stub memory -> an emulator PointerTable into the same allocations."""
+        entries = []
+        for value in view(address).view(np.uint64):
+            base = next(b for b, arr in memory.items() if b <= int(value) < b + arr.size)
+            entries.append((memory[base], int(value) - base))
+        return emu.PointerTable(tuple(entries))
 
     def view(address: int) -> np.ndarray:
         for base, arr in memory.items():
@@ -191,7 +204,10 @@ def replay(log: StubLog, meta: dict, target: str, ptx: str, tensors: dict) -> di
         args = []
         for p in k["params"]:
             value = np.frombuffer(launch.params[p["offset"]:p["offset"] + p["size"]], NP_PARAM[p["type"]])[0]
-            args.append(view(int(value)) if p["source"]["kind"] in ("pointer", "workspace") else value)
+            if p["source"]["kind"] not in ("pointer", "workspace"):
+                args.append(value)
+            else:
+                args.append(pointer_table(int(value)) if int(value) in derived else view(int(value)))
         if 0 not in launch.grid:
             emu.launch(ptx, launch.entry, launch.grid, launch.block, args, dynamic_smem_bytes=launch.smem)
     return memory
@@ -233,7 +249,12 @@ def rust_main(meta: dict, module: Path, shape_dims: dict[str, int], perturb: str
     lines += ["    assert_eq!(pos, data.len());",
               f"    let ws = {A}::workspace_bytes(&d);",
               f"    if ws > 0 {{ let mut w = 0u64; unsafe {{ cuMemAlloc_v2(&mut w, ws); }} {A}::bind_workspace(&mut t, w, &d); }}",
-              f"    {A}::packed_strides(&mut t, &d);", f"    {perturb}",
+              f"    {A}::packed_strides(&mut t, &d);"]
+    for name, info in meta["tensors"].items():
+        if info.get("derived_from"):
+            lines.append(f"    {{ let h = {A}::row_pointers_{name}(&t, &d); if !h.is_empty() {{ unsafe {{ "
+                         f"cuMemcpyHtoD_v2(t.{name}.ptr, h.as_ptr() as *const c_void, h.len() * 8); }} }} }}")
+    lines += [f"    {perturb}",
               f"    match launch_{A}(&kernel, &d, &t, std::ptr::null_mut()) {{",
               '        Ok(()) => println!("run 0|"),', '        Err(e) => println!("run {}|{}", e.code, e.message),', "    }"]
     lines += [f'    println!("tensor {name} {{}} {{}}", t.{name}.ptr, {A}::bytes_{name}(&d));' for name in meta["tensors"]]
