@@ -1,6 +1,7 @@
 """Run a generated loader for real against the stub libcuda, then replay what it launched in
-ptxc.emu: each recorded launch's parameter bytes are decoded with the loaded target's ABI, its
-pointers resolved into the recorded device memory, and the launch list run in order on that
+ptxc.emu: each recorded launch's parameter bytes are decoded by the PTX entry's own parameter
+layout (independently of the metadata the loader used), its pointers resolved into the recorded
+device memory (pointer arrays become emulator pointer tables), and the launch list run in order on that
 memory, so outputs come from exactly what the loader passed (grid, block, smem, parameters)."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 STUB_SOURCE = Path(__file__).with_name("libcuda_stub.c")
-NP_PARAM = {"u32": np.uint32, "s32": np.int32, "u64": np.uint64, "s64": np.int64, "f32": np.float32}
+PTX_SCALAR = {"u32": np.uint32, "s32": np.int32, "u64": np.uint64, "s64": np.int64, "f32": np.float32,
+              "b32": np.uint32, "b64": np.uint64}
 
 
 def cuda_include() -> Path | None:
@@ -198,13 +200,16 @@ def replay(log: StubLog, meta: dict, target: str, ptx: str, tensors: dict) -> di
                 return arr[address - base:address - base + size]
         raise AssertionError(f"launch passes {address:#x}, which is no device allocation")
 
+    from ptxc.emu.decode import decode_program
     for launch in log.launches:
-        k = by_entry[launch.entry]
-        assert len(launch.params) == k["param_bytes"]
+        # decode the bytes by the PTX's own parameter layout, not the metadata the loader used
+        env = decode_program(ptx, launch.entry).env
+        assert len(launch.params) == env.param_bytes, (launch.entry, len(launch.params), env.param_bytes)
+        kinds = {p["name"]: p["source"]["kind"] for p in by_entry[launch.entry]["params"]}
         args = []
-        for p in k["params"]:
-            value = np.frombuffer(launch.params[p["offset"]:p["offset"] + p["size"]], NP_PARAM[p["type"]])[0]
-            if p["source"]["kind"] not in ("pointer", "workspace"):
+        for name, (offset, ptype) in env.params.items():
+            value = np.frombuffer(launch.params[offset:offset + ptype.nbytes], PTX_SCALAR[ptype.name])[0]
+            if kinds[name] not in ("pointer", "workspace"):
                 args.append(value)
             else:
                 args.append(pointer_table(int(value)) if int(value) in derived else view(int(value)))
