@@ -69,18 +69,19 @@ def main():
               help="Output directory for artifact sets.")
 @click.option("--target", "targets", multiple=True, help="Build for these targets instead of the specs' own.")
 @click.option("--no-verify", is_flag=True, help="Skip ptxas (no cubins; metadata says verified: false).")
+@click.option("--fatbin", is_flag=True, help="Also write <name>.fatbin per kernel: every target's cubin plus PTX.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 512), default=None, help="Parallel jobs [default: CPU count].")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @click.option("--no-cache", is_flag=True, help="Neither read nor write the compilation cache.")
 @click.option("--shard", default=None, metavar="I/N", help="Build only shard I of N (1-based; split by name hash).")
 @handles_errors
-def build(paths, out, targets, no_verify, jobs, as_json, no_cache, shard):
+def build(paths, out, targets, no_verify, fatbin, jobs, as_json, no_cache, shard):
     """Build every kernel in SPEC files / directories into OUT."""
     from .pipeline.build import run_build
     from .emit.distribute import parse_shard
     summary = run_build(paths, out, targets=list(targets), verify=not no_verify, jobs=jobs,
                         use_cache=not no_cache, progress=not as_json,
-                        shard=parse_shard(shard) if shard else None)
+                        shard=parse_shard(shard) if shard else None, fatbin=fatbin)
     if as_json:
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
     else:
@@ -93,11 +94,13 @@ def build(paths, out, targets, no_verify, jobs, as_json, no_cache, shard):
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--rebuild", is_flag=True,
+              help="Also rebuild every artifact from its recorded spec and compare byte for byte.")
 @handles_errors
-def verify(paths, as_json):
+def verify(paths, as_json, rebuild):
     """Re-check spec files, artifact directories or whole output directories (exit 1 on mismatch)."""
     from .pipeline.build import run_verify
-    report = run_verify(paths)
+    report = run_verify(paths, rebuild=rebuild)
     if as_json:
         click.echo(json.dumps({"ok": report.ok, "problems": report.problems, "rows": report.rows},
                               indent=2, sort_keys=True))
@@ -249,11 +252,22 @@ def pack(src, output):
               help="Header path [default: OUT_DIR/ptxc_kernels.h].")
 @handles_errors
 def emit_c_header(out_dir, output):
-    """Write a C header (params structs, grid helpers, driver-API launchers) for an artifact set."""
+    """Write a C loader header (per-target launch lists, image choice at load, preconditions)."""
     from .emit.cheader import emit
     if output is not None:
         from .pipeline.artifacts import ensure_output_file
         ensure_output_file(output, "--output")
+    click.echo(str(emit(out_dir, output)))
+
+
+@main.command(name="emit-rust")
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Module path [default: OUT_DIR/ptxc_kernels.rs]; images are embedded relative to it.")
+@handles_errors
+def emit_rust(out_dir, output):
+    """Write a self-contained Rust module (no crates; images embedded) for an artifact set."""
+    from .emit.rust import emit
     click.echo(str(emit(out_dir, output)))
 
 

@@ -109,8 +109,11 @@ def test_pointer_array_metadata_says_runtime_builds_pointers(tmp_path):
     art = build_kernel(tmp_path, "decode", 'dtype = "f16"\nhead_dim = 64\nnum_heads = 4\nkv_layout = "pointer_array"')
     t = art.meta["tensors"]
     assert t["k_ptrs"] == {"dtype": "u64", "shape": ["batch"], "role": "input", "derived_from": "k_cache",
-                           "doc": t["k_ptrs"]["doc"]}
+                           "doc": t["k_ptrs"]["doc"],
+                           "preconditions": {"align_bytes": 8, "stride_multiple": 1, "strided_axes": []}}
     assert t["k_cache"]["passed_as"] == "k_ptrs"
+    # rows are reached through the per-sequence pointers, so axis 0 may be strided too
+    assert t["k_cache"]["preconditions"]["strided_axes"] == [0, 1, 2]
     params = [p["name"] for p in art.meta["targets"]["sm_80"]["kernels"][0]["params"]]
     assert "k_ptrs" in params and "k_cache" not in params and "k_cache_stride0" not in params
 

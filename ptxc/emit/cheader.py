@@ -1,78 +1,222 @@
-"""`ptxc emit-c-header`: a self-contained C header for an artifact set (params structs that are
-the exact parameter buffers, grid helpers from the launch expressions, driver-API launchers)."""
+"""`ptxc emit-c-header`: a self-contained C loader for an artifact set.
+
+Per artifact: the dims and tensors structs, one table row per target (numeric order) with that
+target's own entries and shared memory, and per target and launch a function that fills the
+exact parameter buffer (from the metadata ABI), evaluates that target's grid and launches;
+`load` picks the target for the device at load time, `run` checks the preconditions and runs the
+whole launch list. The fixed C helpers live in templates/kernels.h.j2."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .. import __version__
-from ..pipeline import exprs
-from ..pipeline.checked import read_manifest_checked
-from ..pipeline.cache import write_if_changed
 from ..errors import UserError
-from ..runtime import load
+from ..pipeline.artifacts import MANIFEST
+from ..pipeline.cache import write_if_changed
+from .view import ArtifactView, KernelView, TargetView, expr_code, output_view, variant_text
 
-CTYPES = {"u32": "uint32_t", "s32": "int32_t", "u64": "uint64_t", "s64": "int64_t", "f32": "float"}
+SIGNED = {"u32": 0, "s32": 1, "u64": 0, "s64": 1}
 
 
-def c_expr(text: str | int, dims: list[str]) -> str:
+def c_expr(text: str | int, dims) -> str:
     """A launch expression as C over the dims struct `d`."""
-    def emit(node) -> str:
-        kind = node[0]
-        if kind == "int":
-            return str(node[1])
-        if kind == "name":
-            if node[1] not in dims:
-                raise UserError(f"launch expression {text!r} names {node[1]!r}, which is not a dim")
-            return f"d->{node[1]}"
-        if kind == "call":
-            return f"ptxc_{node[1]}(" + ", ".join(emit(a) for a in node[2]) + ")"
-        return f"({emit(node[1])} {'/' if kind == '//' else kind} {emit(node[2])})"
-    return str(text) if isinstance(text, int) else emit(exprs.parse(text))
+    return expr_code(text, dims, "d->{}", "(int64_t){}", "ptxc_{}")
 
 
-def _doc(source: dict) -> str:
-    kind = source["kind"]
-    return {"pointer": f"device address of {source.get('tensor')}",
-            "stride": f"{source.get('tensor')} stride along axis {source.get('axis')}, in elements",
-            "dim": f"runtime dim {source.get('name')}",
-            "scalar": f"runtime scalar {source.get('name')} (f32)",
-            "const": f"constant {source.get('value')}"}.get(kind, kind)
+def c_string(text: str) -> str:
+    return json.dumps(text)  # a JSON string of ASCII identifiers is a valid C string literal
+
+
+def c_key(text: str) -> str:
+    if any(c in text for c in '"\\\n') or not text.isascii():
+        raise UserError(f"variant key {text!r} cannot be a C string literal")
+    return text
+
+
+def passed_tensors(a: ArtifactView) -> set[str]:
+    """Tensors whose own address some launch receives (pointer-array sources are reached only
+    through the per-row pointers the caller builds)."""
+    return {p["source"]["tensor"] for t in a.targets for k in t.kernels for p in k.params
+            if p["source"]["kind"] in ("pointer", "workspace")}
+
+
+def _param_line(a: ArtifactView, k: KernelView, p: dict) -> str:
+    src, kind = p["source"], p["source"]["kind"]
+    if p["type"] == "f32":
+        value = repr(float(src["value"])) if kind == "const" else f"(float)d->{src['name']}"
+        return f"    {{ float v = (float){value}; memcpy(p.bytes + {p['offset']}, &v, 4); }}"
+    if kind in ("pointer", "workspace"):
+        value = f"(int64_t)t->{src['tensor']}.ptr"
+    elif kind == "stride":
+        value = f"t->{src['tensor']}.strides[{src['axis']}]"
+    elif kind == "dim":
+        value = f"d->{src['name']}"
+    elif kind == "const":
+        value = f"(int64_t){int(src['value'])}"
+    else:
+        raise UserError(f"{a.name}: {k.entry} parameter {p['name']} has unknown source {kind!r}")
+    return (f"    if ((r = ptxc_put(L, p.bytes, {p['offset']}, {value}, {p['size']}, {SIGNED[p['type']]}, "
+            f"{c_string(k.entry)}, {c_string(p['name'])})) != CUDA_SUCCESS) return r;")
+
+
+def _launch_fn(a: ArtifactView, t: TargetView, i: int, k: KernelView) -> str:
+    n = max(k.param_bytes, 8)
+    lines = [f"/* {t.name} launch {i}: {k.entry}, block {list(k.block)}, {k.dynamic_smem} B dynamic shared memory */",
+             f"static inline CUresult ptxc_{a.name}_{t.name}_launch{i}(ptxc_loader_t *L, CUfunction f, "
+             f"const ptxc_{a.name}_dims_t *d, const ptxc_{a.name}_tensors_t *t, CUstream stream) {{",
+             f"    union {{ uint64_t align; unsigned char bytes[{n}]; }} p;",
+             "    CUresult r;",
+             "    memset(&p, 0, sizeof p);",
+             "    (void)d; (void)t; (void)r;"]
+    lines += [_param_line(a, k, p) for p in k.params]
+    lines.append("    int64_t grid[3] = {" + ", ".join(c_expr(g, a.dims) for g in k.grid) + "};")
+    lines.append("    const unsigned block[3] = {" + ", ".join(f"{b}u" for b in k.block) + "};")
+    lines.append(f"    return ptxc_launch(L, f, {c_string(k.entry)}, grid, block, {k.dynamic_smem}u, p.bytes, "
+                 f"{k.param_bytes}, stream);")
+    return "\n".join(lines) + "\n}\n"
+
+
+def _target_row(t: TargetView) -> str:
+    def opt(name):
+        return c_string(name) if name else "NULL"
+    ks = t.kernels
+    if len(ks) > 8:
+        raise UserError(f"target {t.name}: {len(ks)} launches, more than the C loader's PTXC_MAX_LAUNCHES (8)")
+    return (f"    {{{c_string(t.name)}, {t.sm}, {int(t.arch_specific)}, {opt(t.ptx)}, {opt(t.cubin)}, {opt(t.fatbin)}, "
+            f"{len(ks)}, {{{', '.join(c_string(k.entry) for k in ks)}}}, "
+            f"{{{', '.join(f'{k.dynamic_smem}u' for k in ks)}}}, {{{', '.join(str(int(k.needs_opt_in)) for k in ks)}}}}}")
+
+
+def _dim_rules(a: ArtifactView) -> list[str]:
+    lines = []
+    for name, rule in sorted(a.dim_rules.items()):
+        if "value" in rule:
+            lines.append(f"    d->{name} = {int(rule['value'])};")
+        else:  # "auto": enough CTAs for two waves (ptxc.runtime.apply_dim_rule)
+            auto = rule["auto"]
+            lines += [f"    if (d->{name} == 0) {{  /* auto: {auto['rule']} */",
+                      f"        int64_t ctas = ptxc_max(1, {c_expr(auto['ctas'], a.dims)});",
+                      f"        d->{name} = ptxc_min({int(auto['max'])}, ptxc_max(1, ptxc_cdiv(2 * (int64_t)num_sms, ctas)));",
+                      "    }"]
+    return lines
+
+
+def render_artifact(a: ArtifactView) -> str:
+    A = a.name
+    if not a.dims:
+        raise UserError(f"{A}: no runtime dims; nothing for a C loader to take")
+    out = [f"/* ==== {A} ({a.family}) ====",
+           f" * variant: {variant_text(a.variant)}",
+           " * targets: " + ", ".join(f"{t.name} ({'cubin' if t.cubin else 'ptx'})" for t in a.targets)]
+    for t in a.tensors:
+        out.append(f" * {t.name}: {t.dtype} [{', '.join(map(str, t.shape))}] {t.role}; {t.align_bytes}-byte aligned, "
+                   f"strided axes {list(t.strided_axes)} (multiples of {t.stride_multiple}), others packed")
+    out.append(" */")
+    out.append("typedef struct {\n" + "".join(f"    int64_t {d};\n" for d in a.dims) + f"}} ptxc_{A}_dims_t;\n")
+    out.append("typedef struct {\n" + "".join(f"    ptxc_tensor_t {t.name};\n" for t in a.tensors)
+               + f"}} ptxc_{A}_tensors_t;\n")
+    out.append(f"#define PTXC_{A.upper()}_NUM_TARGETS {len(a.targets)}")
+    out.append(f"static const ptxc_target_t ptxc_{A}_targets[{len(a.targets)}] = {{\n"
+               + ",\n".join(_target_row(t) for t in a.targets) + "\n};\n")
+    for t in a.tensors:
+        if len(t.shape) > 8:
+            raise UserError(f"{A}: tensor {t.name} has rank {len(t.shape)}, more than PTXC_MAX_RANK (8)")
+        out.append(f"static inline void ptxc_{A}_shape_{t.name}(const ptxc_{A}_dims_t *d, int64_t shape[]) {{\n"
+                   + "".join(f"    shape[{i}] = {c_expr(s, a.dims)};\n" for i, s in enumerate(t.shape))
+                   + "    (void)d;\n}\n")
+        out.append(f"static inline size_t ptxc_{A}_bytes_{t.name}(const ptxc_{A}_dims_t *d) {{\n"
+                   f"    int64_t shape[{len(t.shape)}], n = {t.element_bytes};\n"
+                   f"    ptxc_{A}_shape_{t.name}(d, shape);\n"
+                   f"    for (int i = 0; i < {len(t.shape)}; i++) n *= shape[i] > 0 ? shape[i] : 0;\n"
+                   "    return (size_t)n;\n}\n")
+    for t in a.tensors:
+        if t.derived_from:
+            src = a.tensor(t.derived_from)
+            out.append(f"/* {t.name}: entry b = device address of {src.name}[b] when {src.name} is one tensor; copy the\n"
+                       f" * table to t->{t.name}.ptr. (Rows in separate allocations: fill it yourself, 16-byte aligned.) */\n"
+                       f"static inline void ptxc_{A}_row_pointers_{t.name}(const ptxc_{A}_tensors_t *t, "
+                       f"const ptxc_{A}_dims_t *d, uint64_t *host) {{\n"
+                       f"    int64_t s[{len(t.shape)}];\n    ptxc_{A}_shape_{t.name}(d, s);\n"
+                       f"    for (int64_t b = 0; b < s[0]; b++)\n"
+                       f"        host[b] = (uint64_t)t->{src.name}.ptr + (uint64_t)(b * t->{src.name}.strides[0] * {src.element_bytes});\n}}\n")
+    work = [t for t in a.tensors if t.role == "workspace"]
+    out.append(f"/* Bytes of one allocation holding every workspace tensor, each 256-byte aligned. */\n"
+               f"static inline size_t ptxc_{A}_workspace_bytes(const ptxc_{A}_dims_t *d) {{\n    size_t n = 0;\n"
+               + "".join(f"    n += (ptxc_{A}_bytes_{t.name}(d) + 255) & ~(size_t)255;\n" for t in work)
+               + "    (void)d;\n    return n;\n}\n")
+    out.append(f"static inline void ptxc_{A}_bind_workspace(ptxc_{A}_tensors_t *t, CUdeviceptr base, "
+               f"const ptxc_{A}_dims_t *d) {{\n"
+               + "".join(f"    t->{w.name}.ptr = base;\n    base += (ptxc_{A}_bytes_{w.name}(d) + 255) & ~(size_t)255;\n"
+                         for w in work)
+               + "    (void)t; (void)base; (void)d;\n}\n")
+    out.append(f"/* Packed (C-order) strides for every tensor. */\n"
+               f"static inline void ptxc_{A}_packed_strides(ptxc_{A}_tensors_t *t, const ptxc_{A}_dims_t *d) {{\n"
+               + "".join(f"    {{ int64_t s[{len(t.shape)}]; ptxc_{A}_shape_{t.name}(d, s); "
+                         f"ptxc_packed(&t->{t.name}, {len(t.shape)}, s); }}\n" for t in a.tensors)
+               + "}\n")
+    out.append(f"/* Dims no tensor shape determines (0 = auto), and a check that every dim is >= 0. */\n"
+               f"static inline CUresult ptxc_{A}_resolve_dims(ptxc_loader_t *L, ptxc_{A}_dims_t *d, int num_sms) {{\n"
+               + "\n".join(_dim_rules(a) + [""])
+               + "".join(f"    if (d->{dim} < 0) return ptxc_fail(L, CUDA_ERROR_INVALID_VALUE, "
+                         f"{c_string(f'{A}: dim {dim} is negative')});\n" for dim in a.dims)
+               + "    (void)num_sms;\n    return CUDA_SUCCESS;\n}\n")
+    passed = passed_tensors(a)
+    checks = []
+    for t in a.tensors:
+        if t.name not in passed:
+            continue
+        mask = sum(1 << ax for ax in t.strided_axes)
+        checks.append(f"    {{ int64_t s[{len(t.shape)}]; int64_t n = 1; ptxc_{A}_shape_{t.name}(d, s);\n"
+                      f"      for (int i = 0; i < {len(t.shape)}; i++) n *= s[i];\n"
+                      f"      if (n > 0 && (r = ptxc_check_tensor(L, {c_string(A)}, {c_string(t.name)}, &t->{t.name}, "
+                      f"{len(t.shape)}, s, {t.align_bytes}u, {t.stride_multiple}, {mask}u)) != CUDA_SUCCESS) return r; }}")
+    out.append(f"/* The metadata's preconditions: alignment, packed/free strides. */\n"
+               f"static inline CUresult ptxc_{A}_check(ptxc_loader_t *L, const ptxc_{A}_dims_t *d, "
+               f"const ptxc_{A}_tensors_t *t) {{\n    CUresult r;\n" + "\n".join(checks)
+               + "\n    (void)r;\n    return CUDA_SUCCESS;\n}\n")
+    for t in a.targets:
+        for i, k in enumerate(t.kernels):
+            out.append(_launch_fn(a, t, i, k))
+    built = ", ".join(t.name for t in a.targets)
+    out.append(f"static inline CUresult ptxc_{A}_load(ptxc_loader_t *L, CUdevice device, const char *artifact_dir) {{\n"
+               f"    return ptxc_load_from_dir(L, {c_string(A)}, ptxc_{A}_targets, {len(a.targets)}, "
+               f"{c_string(built)}, device, artifact_dir);\n}}\n")
+    out.append(f"/* An image already in memory (cubin, NUL-terminated PTX or fatbin) built for targets[target]. */\n"
+               f"static inline CUresult ptxc_{A}_load_image(ptxc_loader_t *L, int target, const void *image, "
+               f"const char *kind) {{\n"
+               f"    if (target < 0 || target >= {len(a.targets)}) return ptxc_fail(L, CUDA_ERROR_INVALID_VALUE, "
+               f"{c_string(f'{A}: no such target index')});\n"
+               f"    return ptxc_load_target(L, {c_string(A)}, &ptxc_{A}_targets[target], target, image, kind);\n}}\n")
+    cases = []
+    for ti, t in enumerate(a.targets):
+        body = "".join(f"        if ((r = ptxc_{A}_{t.name}_launch{i}(L, L->functions[{i}], d, t, stream)) != "
+                       f"CUDA_SUCCESS) return r;\n" for i in range(len(t.kernels)))
+        cases.append(f"    case {ti}:\n{body}        return CUDA_SUCCESS;\n")
+    out.append(f"/* The whole launch list of the loaded target, in order, on one stream. */\n"
+               f"static inline CUresult ptxc_{A}_run(ptxc_loader_t *L, const ptxc_{A}_dims_t *d, "
+               f"const ptxc_{A}_tensors_t *t, CUstream stream) {{\n    CUresult r;\n"
+               f"    if ((r = ptxc_{A}_check(L, d, t)) != CUDA_SUCCESS) return r;\n"
+               f"    switch (L->target) {{\n" + "".join(cases)
+               + f"    default:\n        return ptxc_fail(L, CUDA_ERROR_NOT_INITIALIZED, "
+               f"{c_string(f'{A}: not loaded (call ptxc_{A}_load first)')});\n    }}\n}}\n")
+    return "\n".join(out)
 
 
 def render(out_dir: Path) -> str:
-    # Only checked metadata reaches the template: names are identifiers (schema) and every
-    # expression parsed (c_expr below), so nothing from the JSON can inject C.
-    manifest = read_manifest_checked(out_dir)
-    artifacts = []
-    for name in sorted(manifest["artifacts"]):
-        art = load(out_dir / name)
-        meta, dims = art.meta, art.meta["dims"]
-        _, first = art.target()
-        kernels = []
-        for k in first["kernels"]:
-            width = max(len(p["name"]) for p in k["params"]) if k["params"] else 0
-            kernels.append({
-                "entry": k["entry"], "cname": k["entry"].removeprefix("ptxc_"),
-                "macro": k["entry"].removeprefix("ptxc_").upper(), "param_bytes": k["param_bytes"],
-                "dynamic_smem": k["dynamic_smem_bytes"], "needs_opt_in": k["needs_smem_opt_in"],
-                "grid": [c_expr(g, dims) for g in k["grid"]], "block": k["block"],
-                "params": [{"name": p["name"], "ctype": CTYPES[p["type"]], "offset": p["offset"],
-                            "pad": width + 8 - len(p["name"]) - len(CTYPES[p["type"]]), "doc": _doc(p["source"])} for p in k["params"]]})
-        artifacts.append({
-            "name": name, "family": meta["family"], "dims": dims, "kernels": kernels,
-            "targets": [{"name": t, "ptx": f"{name}/{v['ptx']}", "cubin": f"{name}/{v['cubin']}" if "cubin" in v else None}
-                        for t, v in sorted(meta["targets"].items())],
-            "tensors": [{"name": t, "dtype": v["dtype"], "shape": ", ".join(map(str, v["shape"])),
-                         "role": v["role"]} for t, v in meta["tensors"].items()]})
     import jinja2
+    views = output_view(out_dir)
+    sections = [render_artifact(a) for a in views]
     env = jinja2.Environment(loader=jinja2.PackageLoader("ptxc", "templates"), keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined, autoescape=False)
     return env.get_template("kernels.h.j2").render(
-        version=__version__, manifest_name="manifest.json", artifacts=artifacts, guard="PTXC_KERNELS_H")
+        version=__version__, manifest_name=MANIFEST, artifacts=sections, guard="PTXC_KERNELS_H",
+        variants=[(a.name, c_key(variant_text(a.variant))) for a in views])
 
 
 def emit(out_dir: Path, dest: Path | None = None) -> Path:
     dest = dest or out_dir / "ptxc_kernels.h"
+    dest.parent.mkdir(parents=True, exist_ok=True)
     write_if_changed(dest, render(out_dir).encode())
     return dest

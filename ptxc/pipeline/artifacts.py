@@ -54,8 +54,9 @@ def ensure_output_dir(out: Path) -> None:
         raise UserError(f"--out {out}: directory is not writable")
 
 
-def write_kernel(out: Path, build, verified: bool) -> tuple[dict[str, Any], int]:
-    """Write one kernel's artifact directory; returns (metadata, number of files changed)."""
+def write_kernel(out: Path, build, verified: bool, fatbin: bool = False) -> tuple[dict[str, Any], int]:
+    """Write one kernel's artifact directory (with `fatbin`, also `<name>.fatbin` of every
+    target's cubin and PTX); returns (metadata, number of files changed)."""
     name = build.spec.name
     d = kernel_dir(out, name)
     d.mkdir(parents=True, exist_ok=True)
@@ -65,7 +66,12 @@ def write_kernel(out: Path, build, verified: bool) -> tuple[dict[str, Any], int]
         changed += write_if_changed(d / files["ptx"], tb.ptx.encode())
         if tb.cubin is not None:
             changed += write_if_changed(d / files["cubin"], tb.cubin)
-    meta = make_metadata(build, verified)
+    record = None
+    if fatbin:
+        from ..emit.fatbin import make_fatbin
+        data, record = make_fatbin(d, name, make_metadata(build, verified)["targets"])
+        changed += write_if_changed(d / record["file"], data)
+    meta = make_metadata(build, verified, record)
     changed += write_if_changed(d / f"{name}.json", dumps(meta))
     return meta, changed
 

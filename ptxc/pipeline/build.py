@@ -49,7 +49,8 @@ def _progress(total: int, enabled: bool):
 
 def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: bool = True,
               jobs: int | None = None, use_cache: bool = True, progress: bool = True,
-              cache_dir: Path | None = None, shard: tuple[int, int] | None = None) -> dict[str, Any]:
+              cache_dir: Path | None = None, shard: tuple[int, int] | None = None,
+              fatbin: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     specs = load_paths(paths)
     if shard is not None:
@@ -57,6 +58,9 @@ def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: boo
         specs = [s for s in specs if in_shard(s.name, shard)]
     if targets:
         specs = _retarget(specs, targets)
+    if fatbin and not verify:
+        from ..errors import UserError
+        raise UserError("--fatbin packs the cubins, which --no-verify does not build")
     for s in specs:  # resolve tiles for every target before any work: config errors come first
         for t in s.targets:
             FAMILIES[s.family].resolve_tile(s, get_target(t))
@@ -75,7 +79,7 @@ def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: boo
     metas, changed, problems, kernels = [], 0, [], []
     with locked(out):   # another build writing the same kernel names waits: no mixed artifacts
         for b in builds:
-            meta, n = write_kernel(out, b, verified=tc is not None)
+            meta, n = write_kernel(out, b, verified=tc is not None, fatbin=fatbin)
             metas.append(meta)
             changed += n
             problems += [p for tb in b.targets for p in check_resources(b.spec, tb)]
@@ -99,7 +103,7 @@ def _target_summary(t: dict) -> dict:
             "occupancy": min((k["occupancy"]["occupancy"] for k in ks if "occupancy" in k), default=None)}
 
 
-def run_verify(paths):
+def run_verify(paths, rebuild: bool = False):
     from .ptxas import toolchain
     from .verify import Report, is_artifact_dir, is_output_dir, verify_artifact, verify_output_dir
     tc = toolchain()
@@ -112,6 +116,22 @@ def run_verify(paths):
                 verify_output_dir(Path(tmp), report, tc)
         elif is_artifact_dir(p):
             verify_artifact(p, report, tc)
+            if rebuild:
+                _rebuild(p, report, tc)
         else:
             verify_output_dir(p, report, tc)
+            if rebuild:
+                for d in sorted(c for c in p.iterdir() if is_artifact_dir(c)):
+                    _rebuild(d, report, tc)
     return report
+
+
+def _rebuild(d: Path, report, tc) -> None:
+    from ..errors import UserError
+    from ..runtime import load
+    from .rebuild import rebuild_artifact
+    try:
+        meta = load(d).meta
+    except UserError:
+        return  # verify_artifact has reported it
+    rebuild_artifact(d, meta, tc, report.problems)

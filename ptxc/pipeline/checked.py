@@ -138,6 +138,8 @@ def check_artifact(d: Path, *, manifest: bool = True, rederive: bool = True) -> 
     problems += _reference_problems(meta, meta_path)
     for target, t in meta["targets"].items():
         problems += _file_problems(d, name, target, t)
+    if "fatbin" in meta:
+        problems += _fatbin_problems(d, name, meta["fatbin"])
     if rederive and not problems:
         problems += _rederive_problems(meta, meta_path)
     return meta, problems
@@ -263,6 +265,18 @@ def _file_problems(d: Path, name: str, target: str, t: dict) -> list[str]:
             if have is not None and have != want_sig:
                 problems.append(f"{d / t['ptx']}: entry {k['entry']} parameters differ from metadata")
     return problems
+
+
+def _fatbin_problems(d: Path, name: str, fatbin: dict) -> list[str]:
+    if fatbin["file"] != f"{name}.fatbin":
+        return [f"{d}: fatbin file {short(fatbin['file'])} is not {name + '.fatbin'!r}"]
+    try:
+        data = read_artifact_file(d, fatbin["file"])
+    except VerifyError as e:
+        return [str(e)]
+    if sha256(data) != fatbin["sha256"]:
+        return [f"{d / fatbin['file']}: sha256 {sha256(data)[:16]}... differs from metadata {fatbin['sha256'][:16]}..."]
+    return []
 
 
 def derived_launch_metadata(spec, target: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def artifact_files(name: str, target: str) -> dict[str, str]:
     return {kind: f"{name}.{target}{suffix}" for kind, suffix in FILE_SUFFIX.items()}
 
 
-def make_metadata(build, verified: bool) -> dict[str, Any]:
+def make_metadata(build, verified: bool, fatbin: dict | None = None) -> dict[str, Any]:
     spec = build.spec
     iface = FAMILIES[spec.family].interface(spec)
     targets = {}
@@ -53,19 +53,56 @@ def make_metadata(build, verified: bool) -> dict[str, Any]:
             entry.update(cubin=files["cubin"], cubin_sha256=sha256(tb.cubin),
                          ptxas_version=tb.ptxas_version)
         targets[tb.target] = entry
-    return {
+    tensors = {t.name: t.to_dict() for t in iface.tensors}
+    for name, t in tensors.items():
+        t["preconditions"] = tensor_preconditions(name, t, tensors, targets)
+    meta = {
         "schema_version": SCHEMA_VERSION,
         "ptxc_version": __version__,
         "name": spec.name,
         "family": spec.family,
         "spec": spec.to_dict(),
-        "tensors": {t.name: t.to_dict() for t in iface.tensors},
+        "tensors": tensors,
         "dims": list(iface.dims),
         "dim_rules": iface.dim_rules,
         "scalars": iface.scalars,
         "verified": verified,
         "targets": targets,
     }
+    if fatbin is not None:
+        meta["fatbin"] = fatbin
+    return meta
+
+
+ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "u64": 8}
+VECTOR_BYTES = 16  # the kernels move whole rows with 16-byte vector loads/stores and cp.async
+
+
+def tensor_preconditions(name: str, tensor: dict, tensors: dict, targets: dict) -> dict:
+    """What a launcher must guarantee about a tensor's address and strides.
+
+    Rows (the innermost axis) that are whole 16-byte vectors are moved with 16-byte vector
+    accesses, so the base address must be 16-byte aligned and every free stride a whole number
+    of vectors; other tensors need natural alignment. An axis is free (any stride) only when
+    every launch that reaches the tensor takes that axis's stride as a parameter; every other
+    axis, the innermost included, must have the packed stride (product of the inner sizes)."""
+    size = ELEMENT_BYTES[tensor["dtype"]]
+    row = tensor["shape"][-1] if tensor["shape"] else 1
+    vector = isinstance(row, int) and tensor["dtype"] != "u64" and (row * size) % VECTOR_BYTES == 0
+    handles = {name} | {n for n, t in tensors.items() if t.get("derived_from") == name}
+    free: set[int] | None = None
+    for t in targets.values():
+        for k in t["kernels"]:
+            sources = [p["source"] for p in k["params"]]
+            if not any(s.get("tensor") in handles and s["kind"] in ("pointer", "workspace") for s in sources):
+                continue
+            axes = {s["axis"] for s in sources if s["kind"] == "stride" and s.get("tensor") == name}
+            free = axes if free is None else free & axes
+    if tensor.get("passed_as") and free is not None:
+        free |= {0}  # reached through per-row pointers: rows may lie anywhere
+    return {"align_bytes": VECTOR_BYTES if vector else size,
+            "stride_multiple": VECTOR_BYTES // size if vector else 1,
+            "strided_axes": sorted(free or ())}
 
 
 @lru_cache(maxsize=1)

@@ -61,7 +61,7 @@ class Artifact:
     def target(self, name: str | None = None) -> tuple[str, dict]:
         targets = self.meta["targets"]
         if name is None:
-            name = next(iter(sorted(targets, key=lambda t: int("".join(c for c in t[3:] if c.isdigit())))))
+            name = min(targets, key=lambda t: (sm_number(t), t))
         if name not in targets:
             raise InputError(f"{self.path}: no target {name!r}; built for {', '.join(sorted(targets))}")
         return name, targets[name]
@@ -98,6 +98,8 @@ class Artifact:
         tname, t = self.target(target)
         buffers = prepare_buffers(self.meta, tensors, dims)
         if backend == "emu":
+            from .preconditions import check_buffers
+            check_buffers(self.meta, buffers, dims, lambda name, arr: arr.ctypes.data)
             launch = _emu_launcher(self.ptx(tname), self.meta)
         elif backend == "cuda":
             from .cuda import CudaDevice
@@ -109,6 +111,22 @@ class Artifact:
             launch(k, buffers, dims)
         return {name: from_device(buffers[name], info["dtype"])
                 for name, info in self.meta["tensors"].items() if info["role"] in ("output", "inout")}
+
+
+def sm_number(target: str) -> int:
+    """"sm_90a" -> 90."""
+    return int("".join(c for c in target[3:] if c.isdigit()))
+
+
+def pick_target(targets: dict[str, dict], sm: int) -> tuple[str, str] | None:
+    """The rule every ptxc loader (this runtime, the C and Rust ones) follows: the newest target
+    not newer than the device (an arch-specific one, sm_90a, only on exactly its SM); its cubin
+    when built for exactly this SM, else its PTX for the driver to JIT. None when no target runs."""
+    fits = [t for t in targets if sm_number(t) <= sm and not (t[-1].isalpha() and sm_number(t) != sm)]
+    if not fits:
+        return None
+    best = max(fits, key=lambda t: (sm_number(t), t[-1].isalpha()))
+    return best, "cubin" if "cubin" in targets[best] and sm_number(best) == sm else "ptx"
 
 
 def load(path: str | Path) -> Artifact:
@@ -375,3 +393,4 @@ def _emu_launcher(ptx: str, meta: dict):
         emu.launch(ptx, kernel["entry"], grid, block, args,
                    dynamic_smem_bytes=kernel["dynamic_smem_bytes"])
     return launch
+from .dispatch import find_variant  # noqa: E402  (re-exported: ptxc.runtime.find_variant)

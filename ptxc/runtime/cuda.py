@@ -14,15 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PtxcError, ToolchainError
-from . import launch_geometry, pack_args, row_pointer_offsets
+from . import launch_geometry, pack_args, pick_target, row_pointer_offsets, sm_number
 
 CTYPES = {"u32": ctypes.c_uint32, "s32": ctypes.c_int32, "u64": ctypes.c_uint64,
           "s64": ctypes.c_int64, "f32": ctypes.c_float}
-
-
-def target_sm(target: str) -> int:
-    """sm_90a -> 90."""
-    return int("".join(filter(str.isdigit, target)))
 
 
 def _driver():
@@ -85,7 +80,7 @@ class CudaDevice:
     def runnable_targets(self, artifact) -> list[str]:
         """The artifact's targets this device can run: its own SM's cubin, and the PTX of every
         older target (JIT-compiled by the driver). A cubin of another SM never loads."""
-        return [t for t in sorted(artifact.meta["targets"], key=target_sm) if target_sm(t) <= self.sm]
+        return sorted((t for t in artifact.meta["targets"] if pick_target({t: {}}, self.sm)), key=sm_number)
 
     def pick_image(self, artifact, target: str | None) -> tuple[str, bytes]:
         """The cubin built for exactly this SM, else the PTX of the newest target <= this SM.
@@ -93,14 +88,14 @@ class CudaDevice:
         a newer one is refused."""
         targets = artifact.meta["targets"]
         if target is None:
-            runnable = self.runnable_targets(artifact)
-            if not runnable:
+            picked = pick_target(targets, self.sm)
+            if picked is None:
                 raise ToolchainError(f"{artifact.name}: no target runs on sm_{self.sm} (built: {', '.join(targets)})")
-            exact = [t for t in runnable if target_sm(t) == self.sm and "cubin" in targets[t]]
-            target = exact[0] if exact else runnable[-1]
-        if target_sm(target) > self.sm:
+            target, kind = picked
+            return target, artifact.cubin(target) if kind == "cubin" else artifact.ptx(target).encode() + b"\0"
+        if pick_target({target: {}}, self.sm) is None:   # newer, or arch-specific for another SM
             raise ToolchainError(f"{artifact.name}: {target} cannot run on this sm_{self.sm} device")
-        image = artifact.cubin(target) if target_sm(target) == self.sm else None
+        image = artifact.cubin(target) if sm_number(target) == self.sm else None
         return target, image if image is not None else artifact.ptx(target).encode() + b"\0"
 
     def launcher(self, artifact, target: str | None, repeat: int = 1):
@@ -109,13 +104,21 @@ class CudaDevice:
         module = _check(drv.cuModuleLoadData(image), f"cuModuleLoadData({artifact.name} {tname})")
         self.modules[(artifact.name, tname)] = module
 
+        functions = {}
+
+        def function(kernel):  # looked up, and its shared-memory limit raised, once
+            if kernel["entry"] not in functions:
+                fn = _check(drv.cuModuleGetFunction(module, kernel["entry"].encode()), "cuModuleGetFunction")
+                if kernel["needs_smem_opt_in"]:
+                    _check(drv.cuFuncSetAttribute(
+                        fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        kernel["dynamic_smem_bytes"]), "cuFuncSetAttribute")
+                functions[kernel["entry"]] = fn
+            return functions[kernel["entry"]]
+
         def launch(kernel, buffers, dims):
-            fn = _check(drv.cuModuleGetFunction(module, kernel["entry"].encode()), "cuModuleGetFunction")
+            fn = function(kernel)
             smem = kernel["dynamic_smem_bytes"]
-            if kernel["needs_smem_opt_in"]:
-                _check(drv.cuFuncSetAttribute(
-                    fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
-                    "cuFuncSetAttribute")
             dptrs = {}
             for name, arr in buffers.items():
                 dptrs[name] = _check(drv.cuMemAlloc(max(arr.nbytes, 1)), "cuMemAlloc")
@@ -124,6 +127,8 @@ class CudaDevice:
                 if arr.nbytes:
                     _check(drv.cuMemcpyHtoD(dptrs[name], arr.ctypes.data, arr.nbytes), "cuMemcpyHtoD")
             try:
+                from .preconditions import check_buffers
+                check_buffers(artifact.meta, buffers, dims, lambda name, arr: int(dptrs[name]))
                 values = pack_args(kernel, buffers, dims, pointer=lambda n, a: int(dptrs[n]))
                 cvals = [CTYPES[p["type"]](int(v) if p["type"] != "f32" else float(v))
                          for p, v in zip(kernel["params"], values)]

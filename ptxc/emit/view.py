@@ -1,0 +1,120 @@
+"""One read-only view of an artifact set's metadata that every loader emitter (C, Rust, fatbin,
+dispatcher) renders from: targets in numeric order, each with its own launch list, the tensors
+with their shapes and preconditions, the dim rules, and the variant key of every artifact.
+
+Metadata is read through `ptxc.runtime.load`, the single artifact reader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+from ..pipeline import exprs
+from ..pipeline.checked import read_manifest_checked
+from ..pipeline.metadata import ELEMENT_BYTES
+from ..runtime import load, sm_number
+from ..runtime.dispatch import key_text, variant_of
+
+def target_order(target: str) -> tuple[int, bool, str]:
+    return sm_number(target), target[-1].isalpha(), target
+
+
+@dataclass(frozen=True)
+class KernelView:
+    entry: str
+    params: tuple          # the metadata param dicts, in ABI order
+    param_bytes: int
+    grid: tuple            # three launch expressions (str or int)
+    block: tuple
+    dynamic_smem: int
+    needs_opt_in: bool
+
+
+@dataclass(frozen=True)
+class TargetView:
+    name: str              # "sm_90"
+    sm: int                # 90
+    arch_specific: bool    # sm_90a: runs only on exactly that SM, no JIT to others
+    ptx: str               # file names in the artifact directory
+    cubin: str | None
+    fatbin: str | None
+    kernels: tuple
+
+
+@dataclass(frozen=True)
+class TensorView:
+    name: str
+    dtype: str
+    element_bytes: int
+    shape: tuple           # ints and launch expressions over dims
+    role: str
+    derived_from: str | None
+    align_bytes: int
+    stride_multiple: int
+    strided_axes: tuple
+
+
+@dataclass(frozen=True)
+class ArtifactView:
+    name: str
+    family: str
+    path: Path
+    dims: tuple
+    dim_rules: dict
+    tensors: tuple
+    targets: tuple         # numeric order
+    variant: tuple         # ((field, value text), ...): ptxc.runtime.dispatch.variant_of
+
+    def tensor(self, name: str) -> TensorView:
+        return next(t for t in self.tensors if t.name == name)
+
+
+def artifact_view(path: Path) -> ArtifactView:
+    art = load(path)
+    meta = art.meta
+    targets = []
+    for name in sorted(meta["targets"], key=target_order):
+        t = meta["targets"][name]
+        kernels = tuple(KernelView(k["entry"], tuple(k["params"]), k["param_bytes"], tuple(k["grid"]),
+                                   tuple(k["block"]), k["dynamic_smem_bytes"], k["needs_smem_opt_in"])
+                        for k in t["kernels"])
+        fatbin = (meta.get("fatbin") or {}).get("file")  # one file holding every target's images
+        targets.append(TargetView(name, sm_number(name), name[-1].isalpha(), t["ptx"], t.get("cubin"),
+                                  fatbin, kernels))
+    tensors = []
+    for name, t in meta["tensors"].items():
+        pre = t.get("preconditions") or {"align_bytes": ELEMENT_BYTES[t["dtype"]], "stride_multiple": 1,
+                                          "strided_axes": []}
+        tensors.append(TensorView(name, t["dtype"], ELEMENT_BYTES[t["dtype"]], tuple(t["shape"]), t["role"],
+                                  t.get("derived_from"), pre["align_bytes"], pre["stride_multiple"],
+                                  tuple(pre["strided_axes"])))
+    variant = variant_of(meta)
+    return ArtifactView(meta["name"], meta["family"], Path(path), tuple(meta["dims"]),
+                        dict(meta.get("dim_rules") or {}), tuple(tensors), tuple(targets), variant)
+
+
+def output_view(out_dir: Path) -> list[ArtifactView]:
+    """Every artifact the manifest of a `ptxc build` output directory lists, by name."""
+    manifest = read_manifest_checked(out_dir)   # names checked before they become paths
+    return [artifact_view(out_dir / name) for name in sorted(manifest["artifacts"])]
+
+
+def expr_code(text, dims, name_fmt: str, int_fmt: str, call_fmt: str) -> str:
+    """A launch expression (ptxc/pipeline/exprs.py) as source code of another language."""
+    def emit(node) -> str:
+        kind = node[0]
+        if kind == "int":
+            return int_fmt.format(node[1])
+        if kind == "name":
+            if node[1] not in dims:
+                raise UserError(f"launch expression {text!r} names {node[1]!r}, which is not a dim")
+            return name_fmt.format(node[1])
+        if kind == "call":
+            return call_fmt.format(node[1]) + "(" + ", ".join(emit(a) for a in node[2]) + ")"
+        return f"({emit(node[1])} {'/' if kind == '//' else kind} {emit(node[2])})"
+    return int_fmt.format(text) if isinstance(text, int) else emit(exprs.parse(text))
+
+
+def variant_text(variant) -> str:
+    return key_text(variant)

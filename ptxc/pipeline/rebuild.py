@@ -1,0 +1,75 @@
+"""`ptxc verify --rebuild`: rebuild each artifact from the normalised spec its metadata records
+and compare every file byte for byte. Builds are reproducible, so any difference is an edit —
+a grid, a shared-memory size, a PTX constant, a tensor shape — even when every sha256 in the
+metadata and the manifest was re-computed to match."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from .. import __version__
+from ..errors import PtxcError
+from .artifacts import write_kernel
+from .cache import Cache
+from .compiler import build_all
+
+
+def json_differences(old, new, path: str = "", limit: int = 3) -> list[str]:
+    """The first few JSON paths where two documents differ, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            if old.get(key, ...) != new.get(key, ...):
+                out += json_differences(old.get(key, "<absent>"), new.get(key, "<absent>"), f"{path}/{key}", limit)
+            if len(out) >= limit:
+                break
+        return out[:limit]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        out = []
+        for i, (a, b) in enumerate(zip(old, new)):
+            if a != b:
+                out += json_differences(a, b, f"{path}/{i}", limit)
+            if len(out) >= limit:
+                break
+        return out[:limit]
+    return [f"{path or '/'}: {json.dumps(old)[:60]} (rebuilt: {json.dumps(new)[:60]})"]
+
+
+def rebuild_artifact(d: Path, meta: dict, tc, problems: list[str]) -> None:
+    """Append a problem for every file of artifact directory `d` that a rebuild does not reproduce."""
+    from ..spec.model import KernelSpec
+    name = d.name
+    if meta.get("ptxc_version") != __version__:
+        problems.append(f"{d}: built by ptxc {meta.get('ptxc_version')}, this is {__version__}: "
+                        f"--rebuild compares only builds of the same version")
+        return
+    verified = bool(meta.get("verified"))
+    built_with = sorted({t.get("ptxas_version") for t in meta.get("targets", {}).values() if "cubin" in t})
+    if verified and tc is not None and built_with != [tc.version]:
+        problems.append(f"{d}: built with ptxas {', '.join(map(str, built_with))}, installed is {tc.version}: "
+                        f"--rebuild compares only builds by the same ptxas (set PTXAS=)")
+        return
+    try:
+        spec = KernelSpec.from_dict(meta["spec"])
+        [build] = build_all([spec], Cache(None, enabled=False), tc if verified else None, jobs=1)
+    except (PtxcError, KeyError, TypeError, ValueError) as e:
+        problems.append(f"{d}: --rebuild: the recorded spec does not build ({e})")
+        return
+    with tempfile.TemporaryDirectory(prefix="ptxc-rebuild-") as tmp:
+        rebuilt_meta, _ = write_kernel(Path(tmp), build, verified=verified, fatbin="fatbin" in meta)
+        rebuilt = Path(tmp) / name
+        for f in sorted(rebuilt.iterdir()):
+            mine = d / f.name
+            if not mine.is_file():
+                problems.append(f"{mine}: missing (a rebuild from the recorded spec writes it)")
+            elif mine.read_bytes() != f.read_bytes():
+                detail = ""
+                if f.suffix == ".json":
+                    try:
+                        detail = "; " + "; ".join(json_differences(json.loads(mine.read_text()), rebuilt_meta))
+                    except ValueError:
+                        detail = "; not valid JSON"
+                problems.append(f"{mine}: differs from a rebuild of its recorded spec{detail}")
+

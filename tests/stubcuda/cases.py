@@ -1,0 +1,123 @@
+"""The artifact set the loader end-to-end tests build, and the checks they share (C and Rust)."""
+
+import numpy as np
+import pytest
+
+from stubcuda import harness
+
+from ptxc.kernels import FAMILIES
+from ptxc.pipeline.build import run_build
+from ptxc.runtime import launch_geometry, prepare_buffers
+from ptxc.runtime.reference import from_device, max_abs_error, tolerance
+from ptxc.spec.model import KernelSpec
+
+TARGETS = ("sm_80", "sm_90")
+STUB_SMS = 6  # few SMs, so num_splits = "auto" picks several splits for a small batch
+
+SPECS = '''
+[defaults]
+targets = ["sm_80", "sm_90"]
+head_dim = 64
+num_heads = 4
+num_kv_heads = 2
+
+[[kernel]]
+name = "e2e_prefill"
+family = "prefill"
+dtype = "f16"
+causal = true
+
+[[kernel]]
+name = "e2e_paged_split"
+family = "decode"
+dtype = "bf16"
+kv_layout = "paged"
+page_size = 16
+num_splits = "auto"
+return_lse = true
+
+[[kernel]]
+name = "e2e_ptr_decode"
+family = "decode"
+dtype = "bf16"
+kv_layout = "pointer_array"
+
+[[kernel]]
+name = "e2e_paged_fused"
+family = "decode"
+dtype = "f16"
+kv_layout = "paged"
+page_size = 16
+num_splits = "auto"
+append_kv = true
+'''
+
+# One entry per family case: artifact name and small odd shapes. A new family (varlen) is one
+# more kernel in SPECS and one more entry here.
+CASES = {
+    "e2e_prefill": {"batch": 1, "seq_q": 17, "seq_k": 33},
+    "e2e_paged_split": {"batch": 2, "max_pages_per_seq": 3, "num_pages": 7},
+    "e2e_paged_fused": {"batch": 2, "max_pages_per_seq": 3, "num_pages": 7},
+    "e2e_ptr_decode": {"batch": 3, "max_seq_len": 37},
+}
+
+
+def build_set(tmp_path_factory, emit, what: str, fatbin: bool = False):
+    """Build SPECS (with cubins), emit a loader with `emit(out)`, compile the stub libcuda."""
+    missing = harness.toolchain_missing()
+    if missing:
+        pytest.skip(missing)
+    root = tmp_path_factory.mktemp(f"loader_{what}")
+    (root / "e2e.toml").write_text(SPECS)
+    out = root / "out"
+    with pytest.MonkeyPatch.context() as mp:  # the ptxas the tests themselves see (conftest drops PTXAS)
+        mp.delenv("PTXAS", raising=False)
+        run_build([root / "e2e.toml"], out, verify=True, progress=False, fatbin=fatbin)
+    return out, emit(out), harness.build_stub(root / "stub")
+
+
+def prepare(art, shapes, seed=0):
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    family = FAMILIES[spec.family]
+    dims = {**family.interface(spec).defaults, **shapes}
+    inputs = family.make_inputs(spec, dims, np.random.default_rng(seed))
+    full = art.infer_dims(inputs, num_sms=STUB_SMS)
+    buffers = prepare_buffers(art.meta, inputs, full)
+    return (spec, family, inputs, full, buffers)
+
+
+def input_blob(art, buffers) -> bytes:
+    return b"".join(buffers[n].tobytes() for n, t in art.meta["tensors"].items() if t["role"] != "workspace")
+
+
+def shape_dims(art, dims) -> dict:
+    return {d: dims[d] for d in art.meta["dims"] if d not in art.meta["dim_rules"]}
+
+
+def check_end_to_end(art, prepared, result, log, target: str, image_kind: str, image: bytes) -> None:
+    """What a correct loader run looks like in the stub's log, and the replayed outputs."""
+    spec, family, inputs, dims, buffers = prepared
+    t = art.meta["targets"][target]
+    assert result["load"] == (0, TARGETS.index(target), image_kind, "")
+    assert result["run"] == (0, "")
+    assert result["dims"] == dims
+    # the device's image, loaded once; the smem opt-in set once per function that needs it
+    assert log.modules == [(image_kind, image)]
+    entries = {fid: entry for fid, (_, entry) in log.functions.items()}
+    assert sorted(entries.values()) == sorted(k["entry"] for k in t["kernels"])
+    want_attrs = sorted((k["entry"], k["dynamic_smem_bytes"]) for k in t["kernels"] if k["needs_smem_opt_in"])
+    assert sorted((entries[f], v) for f, a, v in log.attributes) == want_attrs
+    # this target's launch list with this target's geometry and shared memory
+    assert [launch.entry for launch in log.launches] == [k["entry"] for k in t["kernels"]]
+    for launch, k in zip(log.launches, t["kernels"]):
+        grid, block = launch_geometry(k, dims)
+        assert (launch.grid, launch.block, launch.smem) == (grid, block, k["dynamic_smem_bytes"])
+    memory = harness.replay(log, art.meta, target, art.ptx(target), result["tensors"])
+    ref = family.reference(spec, inputs)
+    naive = family.reference(spec, inputs, dtype=spec.dtype)
+    for tensor in sorted(ref):
+        raw = harness.read_tensor(memory, *result["tensors"][tensor])
+        got = from_device(raw.view(buffers[tensor].dtype).reshape(buffers[tensor].shape),
+                          art.meta["tensors"][tensor]["dtype"])
+        err, tol = max_abs_error(got, ref[tensor]), tolerance(naive[tensor], ref[tensor])
+        assert err <= tol, f"{art.name} [{target}] {tensor}: max error {err:.3e} > {tol:.3e}"

@@ -1,0 +1,107 @@
+"""The generated C loader, run for real (C11 and C++17) against the stub libcuda: it must pick
+the device's image, raise the shared-memory limit once per function, launch every target's own
+geometry and parameter bytes, and the recorded launches — replayed in ptxc.emu on the recorded
+memory — must match the fp64 reference. Plus the mismatch cases: no image for the device, a
+misaligned pointer, a bad stride, a parameter out of range."""
+
+import pytest
+
+from stubcuda import harness
+from stubcuda.cases import CASES, STUB_SMS, TARGETS, build_set, check_end_to_end, input_blob, prepare, shape_dims
+
+from ptxc.emit.cheader import emit
+from ptxc.runtime import load
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_set(tmp_path_factory, emit, "c")
+
+
+def run_loader(built, name, tmp_path, *, sm, cxx=False, perturb="", env=None):
+    out, header, stub = built
+    art = load(out / name)
+    prepared = prepare(art, CASES[name])
+    (tmp_path / "inputs.bin").write_bytes(input_blob(art, prepared[4]))
+    stdout = harness.compile_and_run(harness.c_main(art.meta, header, shape_dims(art, prepared[3]), perturb),
+                                     tmp_path, stub, cxx=cxx, args=[str(out / name), str(tmp_path / "inputs.bin")],
+                                     env={"PTXC_STUB_SM": str(sm), "PTXC_STUB_SMS": str(STUB_SMS), **(env or {})})
+    return art, prepared, harness.parse_output(stdout), harness.read_log(tmp_path / "log")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("sm,cxx", [(80, False), (90, True)], ids=["sm_80-c11", "sm_90-cxx17"])
+def test_c_loader_end_to_end(built, tmp_path, name, sm, cxx):
+    art, prepared, result, log = run_loader(built, name, tmp_path, sm=sm, cxx=cxx)
+    target = f"sm_{sm}"
+    check_end_to_end(art, prepared, result, log, target, "cubin", art.cubin(target))
+
+
+def test_sm_90_and_sm_80_differ_where_it_matters(built):
+    """The case the old header got wrong: each target carries its own launch configuration."""
+    out, header, _ = built
+    text = header.read_text()
+    meta = load(out / "e2e_prefill").meta
+    k80, k90 = (meta["targets"][t]["kernels"][0] for t in TARGETS)
+    assert (k80["block"], k80["dynamic_smem_bytes"], k80["grid"]) != (k90["block"], k90["dynamic_smem_bytes"], k90["grid"])
+    assert f"{k90['dynamic_smem_bytes']}u, p.bytes" in text and f"{k80['dynamic_smem_bytes']}u, p.bytes" in text
+    assert text.index('{"sm_80", 80') < text.index('{"sm_90", 90')
+
+
+def test_newer_device_falls_back_to_newest_older_ptx(built, tmp_path):
+    art, prepared, result, log = run_loader(built, "e2e_paged_split", tmp_path, sm=86)
+    result["load"] = (result["load"][0], result["load"][1], result["load"][2], "")
+    check_end_to_end(art, prepared, result, log, "sm_80", "ptx", art.ptx("sm_80").encode())
+
+
+def test_device_older_than_every_target_is_a_clear_error(built, tmp_path):
+    _, _, result, log = run_loader(built, "e2e_prefill", tmp_path, sm=75)
+    code, target, _, error = result["load"]
+    assert code == 209 and target == -1  # CUDA_ERROR_NO_BINARY_FOR_GPU
+    assert error == "e2e_prefill: no image runs on sm_75 (CUDA_ERROR_NO_BINARY_FOR_GPU); built for sm_80, sm_90"
+    assert log.modules == [] and log.launches == []
+
+
+def test_shared_memory_the_device_lacks_fails_at_load(built, tmp_path):
+    """An older target's configuration on a device with less shared memory (sm_80's tiles on a
+    99 KB sm_86): the opt-in attribute call fails at load, with the reason, before any launch."""
+    out, _, _ = built
+    k = load(out / "e2e_prefill").meta["targets"]["sm_80"]["kernels"][0]
+    assert k["needs_smem_opt_in"]
+    _, _, result, log = run_loader(built, "e2e_prefill", tmp_path, sm=86,
+                                   env={"PTXC_STUB_SMEM_OPTIN": str(k["dynamic_smem_bytes"] - 1)})
+    assert result["load"] == (1, -1, "-", f"e2e_prefill [sm_80]: ptxc_e2e_prefill: cuFuncSetAttribute failed "
+                                           f"(CUresult 1; {k['dynamic_smem_bytes']} bytes of dynamic shared memory)")
+    assert log.launches == []
+
+
+PERTURBATIONS = [
+    ("t.q.ptr += 4;", "e2e_prefill: tensor q: address 0x{q:x} is not 16-byte aligned"),
+    ("t.k.strides[1] += 1;", "e2e_prefill: tensor k: stride 129 along axis 1 is not a multiple of 8 elements"),
+    ("t.o.strides[3] = 2;", "e2e_prefill: tensor o: stride 2 along axis 3 must be 1 (packed)"),
+    ("d.seq_q = 1LL << 40;", "ptxc_e2e_prefill: parameter seq_q = 1099511627776 does not fit its 32-bit type"),
+]
+
+
+@pytest.mark.parametrize("perturb,message", PERTURBATIONS, ids=["misaligned", "stride", "innermost", "range"])
+def test_violated_precondition_is_an_error_not_a_launch(built, tmp_path, perturb, message):
+    _, _, result, log = run_loader(built, "e2e_prefill", tmp_path, sm=90, perturb=perturb)
+    code, error = result["run"]
+    assert code == 1  # CUDA_ERROR_INVALID_VALUE
+    assert error == message.format(q=result["tensors"]["q"][0])
+    assert log.launches == []
+
+
+def test_c_variant_dispatcher(built, tmp_path):
+    out, header, stub = built
+    src = (f'#include <stdio.h>\n#include "{header}"\n'
+           'int main(void) {\n    char e[4096];\n'
+           '    int i = ptxc_find_variant("family=decode,append_kv=true,dtype=f16", e, sizeof e);\n'
+           '    printf("%s\\n", i >= 0 ? ptxc_variant_names[i] : e);\n'
+           '    i = ptxc_find_variant("family=decode,head_dim=128", e, sizeof e);\n'
+           '    printf("%d|%s\\n", i, e);\n    return 0;\n}\n')
+    lines = harness.compile_and_run(src, tmp_path, stub, cxx=True, args=[], env={}).splitlines()
+    assert lines[0] == "e2e_paged_fused"
+    assert lines[1].startswith("-1|not built: family=decode,head_dim=128; built variants are e2e_paged_fused: "
+                               "family=decode,dtype=f16,head_dim=64,")
+    assert "; e2e_prefill: family=prefill,dtype=f16,head_dim=64,num_heads=4,num_kv_heads=2,causal=true" in lines[1]
