@@ -114,7 +114,8 @@ def render_artifact(a: ArtifactView) -> str:
         out.append(f" * {t.name}: {t.dtype} [{', '.join(map(str, t.shape))}] {t.role}; {t.align_bytes}-byte aligned, "
                    f"strided axes {list(t.strided_axes)} (multiples of {t.stride_multiple}), others packed")
     out.append(" */")
-    out.append("typedef struct {\n" + "".join(f"    int64_t {d};\n" for d in a.dims) + f"}} ptxc_{A}_dims_t;\n")
+    out.append("typedef struct {\n" + "".join(f"    int64_t {d};\n" for d in a.dims)
+               + "".join(f"    float {s};   /* runtime scalar */\n" for s in a.scalars) + f"}} ptxc_{A}_dims_t;\n")
     out.append("typedef struct {\n" + "".join(f"    ptxc_tensor_t {t.name};\n" for t in a.tensors)
                + f"}} ptxc_{A}_tensors_t;\n")
     out.append(f"#define PTXC_{A.upper()}_NUM_TARGETS {len(a.targets)}")

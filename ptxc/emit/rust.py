@@ -135,8 +135,10 @@ def render_artifact(a: ArtifactView, base: Path) -> str:
     out = [f"/// {a.name} ({a.family}): {variant_text(a.variant)}", f"pub mod {a.name} {{", "    use super::*;",
            f"    pub const NAME: &str = {rs_string(a.name)};"]
     out += _targets(a, base)
-    out.append("    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]\n    pub struct Dims {\n"
-               + "".join(f"        pub {d}: i64,\n" for d in a.dims) + "    }")
+    eq = "" if a.scalars else ", Eq"   # f32 runtime scalars are not Eq
+    out.append(f"    #[derive(Debug, Clone, Copy, Default, PartialEq{eq})]\n    pub struct Dims {{\n"
+               + "".join(f"        pub {d}: i64,\n" for d in a.dims)
+               + "".join(f"        /// runtime scalar\n        pub {s}: f32,\n" for s in a.scalars) + "    }")
     out.append("    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]\n    pub struct Tensors {\n"
                + "".join(f"        /// {t.dtype} [{', '.join(map(str, t.shape))}] {t.role}\n        pub {t.name}: Tensor,\n"
                          for t in a.tensors) + "    }")

@@ -65,6 +65,7 @@ class ArtifactView:
     tensors: tuple
     targets: tuple         # numeric order
     variant: tuple         # ((field, value text), ...): ptxc.runtime.dispatch.variant_of
+    scalars: tuple = ()    # runtime f32 scalars (k_scale, v_scale): kernel parameters, not dims
 
     def tensor(self, name: str) -> TensorView:
         return next(t for t in self.tensors if t.name == name)
@@ -91,7 +92,8 @@ def artifact_view(path: Path) -> ArtifactView:
                                   tuple(pre["strided_axes"])))
     variant = variant_of(meta)
     return ArtifactView(meta["name"], meta["family"], Path(path), tuple(meta["dims"]),
-                        dict(meta.get("dim_rules") or {}), tuple(tensors), tuple(targets), variant)
+                        dict(meta.get("dim_rules") or {}), tuple(tensors), tuple(targets), variant,
+                        tuple(sorted(meta.get("scalars") or {})))
 
 
 def output_view(out_dir: Path) -> list[ArtifactView]:

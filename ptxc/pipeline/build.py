@@ -127,11 +127,15 @@ def run_verify(paths, rebuild: bool = False):
 
 
 def _rebuild(d: Path, report, tc) -> None:
-    from ..errors import UserError
-    from ..runtime import load
+    """Rebuild from the recorded spec even when the checks above refused the artifact: the
+    rebuild names the exact files and JSON paths that differ. Only metadata that could not be
+    read or fails the schema is skipped (verify_artifact has reported it)."""
+    from ..errors import PtxcError
+    from .checked import check_artifact
     from .rebuild import rebuild_artifact
     try:
-        meta = load(d).meta
-    except UserError:
-        return  # verify_artifact has reported it
-    rebuild_artifact(d, meta, tc, report.problems)
+        meta, _ = check_artifact(d, manifest=False, rederive=False)
+    except PtxcError:
+        return
+    if meta is not None:
+        rebuild_artifact(d, meta, tc, report.problems)

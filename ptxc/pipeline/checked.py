@@ -288,6 +288,7 @@ def derived_launch_metadata(spec, target: str) -> dict[str, Any]:
 
 def _rederive_problems(meta: dict, where: Path) -> list[str]:
     from ..kernels import FAMILIES
+    from .metadata import tensor_preconditions
     from ..spec.loader import spec_from_record
     from ..targets import TARGETS
     try:
@@ -297,8 +298,11 @@ def _rederive_problems(meta: dict, where: Path) -> list[str]:
     if (spec.name, spec.family) != (meta["name"], meta["family"]):
         return [f"{where}: spec names {spec.name!r}/{spec.family!r}, metadata {meta['name']!r}/{meta['family']!r}"]
     iface = FAMILIES[spec.family].interface(spec)
-    derived = {"tensors": {t.name: t.to_dict() for t in iface.tensors}, "dims": list(iface.dims),
-               "dim_rules": iface.dim_rules}
+    tensors = {t.name: t.to_dict() for t in iface.tensors}
+    # preconditions follow from the launch lists, which are re-derived and compared below
+    for name, tensor in tensors.items():
+        tensor["preconditions"] = tensor_preconditions(name, tensor, tensors, meta["targets"])
+    derived = {"tensors": tensors, "dims": list(iface.dims), "dim_rules": iface.dim_rules}
     problems = [f"{where}: {key} differ from what the recorded spec gives"
                 for key, value in derived.items() if meta[key] != json.loads(json.dumps(value))]
     for target, t in meta["targets"].items():

@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import InputError, UserError
+from ..pipeline.metadata import ELEMENT_BYTES
 
-ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "e4m3": 1, "e5m2": 1}
 LSE_BYTES = 4   # lse is always f32
 PART_BYTES = 4  # split-KV partials are f32
 # Shapes the report uses when --shape does not say: typical serving sizes, not launch-test's
@@ -96,7 +96,7 @@ def decode_cost(meta: dict, config: dict, dims: dict) -> Cost:
     spec = meta["spec"]
     b, L = dims["batch"], kv_length(meta, dims)
     H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
-    e = ELEM_BYTES[spec["dtype"]]
+    e = ELEMENT_BYTES[spec["dtype"]]
     group = H // Hk
     head_chunks = group // max(1, config.get("heads_per_cta", group))
     kv = 2 * b * L * Hk * d * e * head_chunks
@@ -112,7 +112,7 @@ def prefill_cost(meta: dict, config: dict, dims: dict) -> Cost:
     spec = meta["spec"]
     b, sq, sk = dims["batch"], dims["seq_q"], dims["seq_k"]
     H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
-    e = ELEM_BYTES[spec["dtype"]]
+    e = ELEMENT_BYTES[spec["dtype"]]
     flops = 4 * b * sq * sk * d * H
     if spec.get("causal"):
         flops //= 2
@@ -130,9 +130,9 @@ def kv_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
     index = b * n * 4 if "block_table" in meta["tensors"] else _layout_bytes(meta, dims, n)
     rope = 0
     if "q_rot" in meta["tensors"]:   # q read and written, one cos/sin row per token
-        rope = 2 * b * n * spec["num_heads"] * spec["head_dim"] * ELEM_BYTES[spec["dtype"]] + \
+        rope = 2 * b * n * spec["num_heads"] * spec["head_dim"] * ELEMENT_BYTES[spec["dtype"]] + \
             b * n * meta["tensors"]["cos_sin_cache"]["shape"][1] * 4
-    return Cost(0, elems * (ELEM_BYTES[spec["dtype"]] + ELEM_BYTES[kv_dtype]) + b * 4 + index + rope,
+    return Cost(0, elems * (ELEMENT_BYTES[spec["dtype"]] + ELEMENT_BYTES[kv_dtype]) + b * 4 + index + rope,
                 "simt", dict(dims))
 
 
@@ -141,7 +141,7 @@ def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
     b, L = dims["batch"], kv_length(meta, dims)
     q = dims["total_q"] // max(1, b)
     H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
-    e = ELEM_BYTES[spec["dtype"]]
+    e = ELEMENT_BYTES[spec["dtype"]]
     if not spec.get("causal"):
         keys = q * L
     elif q <= L:                             # query i sees L - q + i + 1 keys
@@ -226,7 +226,7 @@ def roofline(cost: Cost, gpu) -> dict:
 __all__ = [
     "COST_MODELS",
     "DEFAULT_DIMS",
-    "ELEM_BYTES",
+    "ELEMENT_BYTES",
     "Cost",
     "decode_cost",
     "kv_append_cost",

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..pipeline import exprs
+from ..pipeline.metadata import ELEMENT_BYTES
 from ..errors import InputError, UserError
 from .reference import from_device, to_device
 
@@ -294,7 +295,6 @@ def prepare_buffers(meta: dict, inputs: dict[str, np.ndarray], dims: dict[str, i
     return buffers
 
 
-ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "u64": 8, "e4m3": 1, "e5m2": 1}
 
 
 def check_buffer_budget(meta: dict, inputs: dict[str, np.ndarray] | None, dims: dict[str, int]) -> int:
@@ -313,13 +313,13 @@ def check_buffer_budget(meta: dict, inputs: dict[str, np.ndarray] | None, dims: 
     total = 0
     for name, info in meta["tensors"].items():
         if inputs is not None and info["role"] in ("input", "inout") and not info.get("derived_from"):
-            total += np.asarray(inputs[name]).size * ITEM_BYTES[info["dtype"]]
+            total += np.asarray(inputs[name]).size * ELEMENT_BYTES[info["dtype"]]
         else:
             names = {n for s in info["shape"] if isinstance(s, str) for n in exprs.names(s)}
             if inputs is None and not names <= set(dims):
                 continue   # sized by a dim the inputs will carry (varlen's total_q): checked with them
             shape = [exprs.evaluate(s, dims) if isinstance(s, str) else s for s in info["shape"]]
-            total += math.prod(shape) * (8 if info.get("derived_from") else ITEM_BYTES[info["dtype"]])
+            total += math.prod(shape) * (8 if info.get("derived_from") else ELEMENT_BYTES[info["dtype"]])
     if total > limit:
         raise InputError(f"{meta['name']}: these dims need about {total / 2**30:.1f} GiB of buffers "
                          f"(limit {limit / 2**30:.1f} GiB; set PTXC_MAX_RUN_BYTES to raise it): "

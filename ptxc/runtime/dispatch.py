@@ -62,12 +62,10 @@ def match(variants: dict[str, tuple], key) -> str:
 
 def find_variant(out_dir: str | Path, key: str | dict | None = None, **fields):
     """The Artifact of a `ptxc build` output directory that serves `key` (or the keyword fields)."""
-    from ..pipeline.artifacts import MANIFEST, read_manifest
+    from ..pipeline.checked import read_manifest_checked
     from . import load
     out_dir = Path(out_dir)
-    manifest = read_manifest(out_dir)
-    if manifest is None:
-        raise UserError(f"{out_dir}: no readable {MANIFEST}; find_variant takes a `ptxc build` output")
-    arts = {name: load(out_dir / name) for name in sorted(manifest.get("artifacts") or {})}
+    manifest = read_manifest_checked(out_dir)   # names checked before they become paths
+    arts = {name: load(out_dir / name) for name in sorted(manifest["artifacts"])}
     name = match({n: variant_of(a.meta) for n, a in arts.items()}, key if key is not None else fields)
     return arts[name]
