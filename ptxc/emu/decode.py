@@ -16,6 +16,7 @@ from typing import Callable
 from ptxc.emu.operands import TYPES, DecodeError, SHARED_BASE, ptype
 from ptxc.emu.parser import parse_module
 from ptxc.emu.ptx_ast import Entry, Instruction, Module
+from ptxc.emu.uninit import InitPlan, analyse as analyse_init
 from ptxc.errors import EmulationError
 
 NORMAL, BRANCH, EXIT, BARRIER = range(4)
@@ -40,6 +41,7 @@ class Op:
     uniform: bool = False        # BRANCH: bra.uni (the guard must be warp-uniform)
     bar_id: int = 0              # BARRIER
     bar_count: int | None = None  # BARRIER: thread count operand, None = whole CTA
+    aligned: bool = True         # BARRIER: every live lane of a warp must arrive together
 
 
 class Mods:
@@ -151,6 +153,20 @@ class Program:
     entry: Entry
     env: DecodeEnv
     ops: tuple
+    init: InitPlan              # uninitialised-register checks (ptxc/emu/uninit.py)
+
+
+def successors(ops) -> list:
+    """Per pc, the pcs that may run next (len(ops) stands for falling off the end)."""
+    succ = []
+    for pc, op in enumerate(ops):
+        if op.kind == BRANCH:
+            succ.append([op.target] + ([pc + 1] if op.ins.guard is not None else []))
+        elif op.kind == EXIT and op.ins.guard is None:
+            succ.append([])
+        else:
+            succ.append([pc + 1])
+    return succ
 
 
 def decode_error(entry: Entry, ins: Instruction, msg: str) -> EmulationError:
@@ -183,4 +199,4 @@ def decode_program(ptx: str, entry_name: str) -> Program:
         except DecodeError as exc:
             raise decode_error(entry, ins, str(exc)) from None
         ops.append(op)
-    return Program(module, entry, env, tuple(ops))
+    return Program(module, entry, env, tuple(ops), analyse_init(entry, successors(ops)))

@@ -27,6 +27,7 @@ from ptxc.emu.decode import BARRIER, BRANCH, EXIT, NORMAL
 from ptxc.emu.operands import ALL, Fault, RegStorage
 from ptxc.emu.memory import SharedMemory
 from ptxc.emu.ops_async import AsyncCopies
+from ptxc.emu.racecheck import RaceTracker
 from ptxc.errors import EmulationError
 
 BIG = np.iinfo(np.int64).max
@@ -35,7 +36,8 @@ BIG = np.iinfo(np.int64).max
 class BatchContext:
     """Per-batch storage seen by bound ops (registers, memories, special registers)."""
 
-    def __init__(self, program, grid, block, cta_start, nctas, gmem, param_bytes, smem_bytes):
+    def __init__(self, program, grid, block, cta_start, nctas, gmem, param_bytes, smem_bytes,
+                 racecheck: bool = True):
         self.grid, self.block = grid, block
         nthreads = block[0] * block[1] * block[2]
         self.tpad = -(-nthreads // 32) * 32
@@ -49,6 +51,11 @@ class BatchContext:
         self.regs = {name: RegStorage(t, n) for name, t in program.env.regs.items()}
         self.gmem, self.param_bytes = gmem, param_bytes
         self.smem = SharedMemory(nctas, smem_bytes)
+        self.smem.all_index = self.all_index
+        self.race = None
+        if racecheck:
+            lines = {ins.line: ins.text for ins in program.entry.body}
+            self.race = self.smem.race = RaceTracker(self, self.smem.data.size, lines)
         self.cp_async = AsyncCopies(n)
         self._special = {}
 
@@ -99,6 +106,7 @@ class BatchRun:
         self.program, self.ctx, self.step_limit = program, ctx, step_limit
         self.ops = program.ops
         self.bound = [op.bind(ctx) if op.kind == NORMAL else None for op in self.ops]
+        self.init_checks = self._bind_init_checks(program.init, ctx)
         self.kinds = [op.kind for op in self.ops]
         self.guards = [None if op.ins.guard is None else
                        (ctx.regs[op.ins.guard.name].bits, op.ins.guard.neg) for op in self.ops]
@@ -117,6 +125,26 @@ class BatchRun:
         self.thread_instructions = 0
         self.steps = 0
         self.cur_pc, self.cur_sel = 0, ALL
+
+    # ------------------------------------------------------------------ uninitialised registers
+    def _bind_init_checks(self, plan, ctx):
+        """Per-thread 'defined' flags for the tracked registers (usually none); wrap the ops
+        that write or check them. Returns {pc: checks} for branch/exit instructions."""
+        if not plan.tracked:
+            return {}
+        flags = {r: np.zeros(ctx.n, np.uint8) for r in plan.tracked}
+        control = {}
+        for pc, op in enumerate(self.ops):
+            checks = tuple((r, what, flags[r]) for r, what in plan.checks.get(pc, ()))
+            if op.kind != NORMAL:
+                if checks:
+                    control[pc] = checks
+                continue
+            defs = [flags[r] for r in plan.defs.get(pc, ())]
+            if checks or defs:
+                srcs = [flags[r] for r in plan.srcs.get(pc, ())]
+                self.bound[pc] = _with_init_flags(self.bound[pc], checks, defs, srcs)
+        return control
 
     # ------------------------------------------------------------------ helpers
     def _guard(self, pc, sel, nsel):
@@ -191,6 +219,9 @@ class BatchRun:
                     steps += 1
                     continue
                 if kind == BRANCH:
+                    if pc in self.init_checks:
+                        self.cur_pc, self.cur_sel = pc, sel
+                        _check_defined(self.init_checks[pc], sel)
                     taken = self._guard(pc, sel, nsel)
                     if taken is None:
                         pc += 1
@@ -212,6 +243,8 @@ class BatchRun:
                         ops[pc].bar_count is None:
                     pc += 1                       # every live thread of every CTA arrives
                     steps += 1
+                    if self.ctx.race is not None:
+                        self.ctx.race.cta_barrier()
                     continue
                 break
         finally:
@@ -233,6 +266,8 @@ class BatchRun:
             self._exit_threads(sel)
             return
         op = self.ops[pc]
+        if pc in self.init_checks:
+            _check_defined(self.init_checks[pc], sel)
         s2 = self._guard(pc, sel, sel.size)
         if op.kind == NORMAL:
             if s2 is not None:
@@ -252,6 +287,8 @@ class BatchRun:
         else:  # BARRIER
             pe[sel] = pc + 1
             if s2 is not None:
+                if op.aligned:
+                    self._check_aligned_barrier(pc, s2)
                 self.waiting[s2] = True
                 self.wait_pc[s2] = pc
                 pe[s2] = BIG
@@ -299,10 +336,51 @@ class BatchRun:
         if not done.any():
             return False
         rel = widx[done[inv]]
+        if self.ctx.race is not None:
+            self._barrier_sync_events(widx, inv, g_cta, g_pc, live, done)
         self.waiting[rel] = False
         self.pc_eff[rel] = self.wait_pc[rel] + 1
         self.n_waiting -= rel.size
         return True
+
+    def _barrier_sync_events(self, widx, inv, g_cta, g_pc, live, done):
+        race = self.ctx.race
+        for g in np.flatnonzero(done).tolist():
+            cta = int(g_cta[g])
+            count = self.ops[int(g_pc[g])].bar_count
+            if count is None or count >= live[cta]:
+                race.cta_barrier(cta)
+            else:
+                race.counted_barrier(cta, widx[inv == g])
+
+    def _check_aligned_barrier(self, pc, arriving):
+        """bar.sync / barrier.sync.aligned must be executed by every non-exited thread of a
+        warp together (PTX ISA, .aligned): lanes live elsewhere are barrier divergence."""
+        warps = np.unique(arriving >> 5)
+        lanes = (warps[:, None] * 32 + np.arange(32)).reshape(-1)
+        flag = self.ctx.scratch_flag
+        flag[arriving] = True
+        arrives = flag[lanes]
+        flag[arriving] = False
+        waits_here = self.waiting[lanes] & (self.wait_pc[lanes] == pc)
+        ok = (arrives | self.exited[lanes] | waits_here).reshape(-1, 32)
+        if ok.all():
+            return
+        w = int(np.flatnonzero(~ok.all(axis=1))[0])
+        warp_lanes, warp_arrives = lanes.reshape(-1, 32)[w], arrives.reshape(-1, 32)[w]
+        at = [int(t) for t in warp_lanes[warp_arrives]]
+        away = [int(t) for t in warp_lanes[~ok[w]]]
+        where = sorted({int(self.wait_pc[t]) if self.waiting[t] else int(self.pc_eff[t])
+                        for t in away})
+        places = ", ".join(f"line {self.ops[p].ins.line} (`{self.ops[p].ins.text}`)"
+                           if p < len(self.ops) else "the end of the kernel" for p in where)
+        tid_at, tid_away = self.ctx.coords(at[0])[1], self.ctx.coords(away[0])[1]
+        self.cur_pc = pc
+        raise Fault(f"barrier divergence: lanes {_lane_list(at)} of warp "
+                    f"{(at[0] % self.ctx.tpad) >> 5} (first thread tid={tid_at}) reached this "
+                    f".aligned barrier while lanes {_lane_list(away)} of the same warp (first "
+                    f"thread tid={tid_away}) are live elsewhere, at {places}; every non-exited "
+                    f"thread of a warp must execute the barrier together", at[0])
 
     def _report_stuck(self):
         widx, g_cta, g_pc, inv, counts = self._barrier_groups()
@@ -337,3 +415,43 @@ class BatchRun:
         err.kernel, err.ctaid, err.tid, err.address = entry, ctaid, tid, fault.address
         err.line, err.text = (ins.line, ins.text) if ins else (None, None)
         return err
+
+
+def _lane_list(threads) -> str:
+    lanes = [t & 31 for t in threads]
+    runs, start = [], lanes[0]
+    for a, b in zip(lanes, lanes[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(runs)
+
+
+def _check_defined(checks, sel):
+    """flags: 0 never written, 1 defined, 2 computed from a never-written value."""
+    for reg, what, flag in checks:
+        state = flag[sel]
+        bad = state != 1
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            thread = k if isinstance(sel, slice) else int(sel[k])
+            why = ("is read before any write (uninitialised)" if state[k] == 0 else
+                   "holds a value computed from a never-written (uninitialised) register")
+            raise Fault(f"register {reg} {why} and is {what}", thread)
+
+
+def _with_init_flags(run, checks, defs, srcs):
+    """`run` preceded by the checks of its uses; its tracked destinations become defined (1)
+    where all its tracked sources are, else tainted (2)."""
+    def checked(sel):
+        if checks:
+            _check_defined(checks, sel)
+        run(sel)
+        if defs:
+            ok = True
+            for f in srcs:
+                ok = ok & (f[sel] == 1)
+            value = np.where(ok, np.uint8(1), np.uint8(2))
+            for d in defs:
+                d[sel] = value
+    return checked

@@ -149,7 +149,7 @@ def _shared_bytes(kernel: str, env, target: str, dynamic: int) -> int:
 
 def launch(ptx: str, entry: str, grid: tuple, block: tuple, args: list,
            dynamic_smem_bytes: int = 0, *, batch_threads: int = 32768,
-           step_limit: int = 50_000_000) -> LaunchStats:
+           step_limit: int = 50_000_000, racecheck: bool = True) -> LaunchStats:
     """Emulate one kernel launch. See the package docstring for the full contract."""
     t0 = time.perf_counter()
     g, b = _dims("grid", grid), _dims("block", block)
@@ -177,7 +177,7 @@ def launch(ptx: str, entry: str, grid: tuple, block: tuple, args: list,
     thread_instructions = steps = 0
     for start in range(0, ctas, per_batch):
         nctas = min(per_batch, ctas - start)
-        ctx = BatchContext(program, g, b, start, nctas, gmem, param_bytes, smem)
+        ctx = BatchContext(program, g, b, start, nctas, gmem, param_bytes, smem, racecheck)
         run = BatchRun(program, ctx, step_limit)
         run.run()
         thread_instructions += run.thread_instructions

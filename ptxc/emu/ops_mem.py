@@ -80,15 +80,15 @@ def _count(ctx, sel) -> int:
 class MemAccess:
     """Routes an access to global or shared memory (generic addresses are split per thread)."""
 
-    def __init__(self, ctx, space):
-        self.ctx, self.space = ctx, space
+    def __init__(self, ctx, space, line: int = 0):
+        self.ctx, self.space, self.line = ctx, space, line
 
     def load(self, sel, addr, esize, nvec):
         ctx = self.ctx
         if self.space == "global":
             return ctx.gmem.load(addr, esize, nvec, sel)
         if self.space == "shared":
-            return ctx.smem.load(ctx.cta_of[sel], addr, esize, nvec, sel)
+            return ctx.smem.load(ctx.cta_of[sel], addr, esize, nvec, sel, self.line)
         return self._generic(sel, addr, esize, nvec, None)
 
     def store(self, sel, addr, esize, values):
@@ -96,7 +96,7 @@ class MemAccess:
         if self.space == "global":
             ctx.gmem.store(addr, esize, values, sel)
         elif self.space == "shared":
-            ctx.smem.store(ctx.cta_of[sel], addr, esize, values, sel)
+            ctx.smem.store(ctx.cta_of[sel], addr, esize, values, sel, self.line)
         else:
             self._generic(sel, addr, esize, values.shape[1], values)
 
@@ -114,9 +114,9 @@ class MemAccess:
             if is_sh:
                 a = (a - np.uint64(GENERIC_SHARED_BASE)).astype(np.int64)
                 if values is None:
-                    out[mask] = ctx.smem.load(ctx.cta_of[sub], a, esize, nvec, sub)
+                    out[mask] = ctx.smem.load(ctx.cta_of[sub], a, esize, nvec, sub, self.line)
                 else:
-                    ctx.smem.store(ctx.cta_of[sub], a, esize, values[mask], sub)
+                    ctx.smem.store(ctx.cta_of[sub], a, esize, values[mask], sub, self.line)
             elif values is None:
                 out[mask] = ctx.gmem.load(a, esize, nvec, sub)
             else:
@@ -146,7 +146,7 @@ def decode_ld(ins, env):
     def bind(ctx):
         writers = [p(ctx) for p in dplans]
         address = aplan(ctx)
-        mem = MemAccess(ctx, space)
+        mem = MemAccess(ctx, space, ins.line)
 
         def run(sel):
             words = mem.load(sel, address(sel), esize, nvec)
@@ -199,7 +199,7 @@ def decode_st(ins, env):
     def bind(ctx):
         readers = [p(ctx) for p in splans]
         address = aplan(ctx)
-        mem = MemAccess(ctx, space)
+        mem = MemAccess(ctx, space, ins.line)
 
         def run(sel):
             n = _count(ctx, sel)

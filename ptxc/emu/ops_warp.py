@@ -105,6 +105,8 @@ def decode_shfl(ins, env):
             if not (mask_full and (isinstance(sel, slice) or complete_warps(idx))):
                 _check_shfl(ctx, idx, ctx.lane[idx], src, np.asarray(rm(sel), np.int64))
             value = ra(src)
+            if ctx.race is not None:
+                ctx.race.warp_synced(sel)
             write(sel, value)
             if pwrite:
                 pwrite(sel, pval)
@@ -219,6 +221,8 @@ def decode_mma(ins, env):
         def run(sel):
             idx = whole_warps(ctx, sel, "mma.sync")
             nw = idx.size // 32
+            if ctx.race is not None:
+                ctx.race.warp_synced(sel)
 
             def frag(readers, dt):
                 cols = [np.broadcast_to(np.asarray(r(sel), dt), idx.shape) for r in readers]
@@ -261,6 +265,7 @@ def decode_ldmatrix(ins, env):
     aplan = address_plan(env, a, "shared" if space else None)
     lane = np.arange(32)
     row, col = lane >> 2, 2 * (lane & 3)
+    line = ins.line
 
     def bind(ctx):
         writers = [p(ctx) for p in dplans]
@@ -276,7 +281,11 @@ def decode_ldmatrix(ins, env):
             flat = ctx.smem.offsets(ctx.cta_of[who], addr.reshape(-1), 16, 16,
                                     "ldmatrix row load", who)
             rows = flat >> 4
-            ctx.smem.check_readable(rows, 16, who, lambda k: int(addr.reshape(-1)[k]))
+            addr_of = lambda k: int(addr.reshape(-1)[k])  # noqa: E731
+            ctx.smem.check_readable(rows, 16, who, addr_of)
+            if ctx.race is not None:     # converged on .sync.aligned: the warp is synchronised
+                ctx.race.warp_synced(sel)
+                ctx.race.check(rows, 16, who, line, "read", addr_of)
             M = ctx.smem.rows.gather(rows, 16, 2, 8).reshape(nw, nmat, 8, 8)  # [w, m, row, col]
             for i, w in enumerate(writers):
                 mat = M[:, i]
