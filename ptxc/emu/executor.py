@@ -37,7 +37,7 @@ class BatchContext:
     """Per-batch storage seen by bound ops (registers, memories, special registers)."""
 
     def __init__(self, program, grid, block, cta_start, nctas, gmem, param_bytes, smem_bytes,
-                 racecheck: bool = True):
+                 racecheck: bool = True, traffic=None):
         self.grid, self.block = grid, block
         nthreads = block[0] * block[1] * block[2]
         self.tpad = -(-nthreads // 32) * 32
@@ -52,6 +52,7 @@ class BatchContext:
         self.gmem, self.param_bytes = gmem, param_bytes
         self.smem = SharedMemory(nctas, smem_bytes)
         self.smem.all_index = self.all_index
+        self.traffic = traffic          # a TrafficCounter, or None when not counting
         self.race = None
         if racecheck:
             lines = {ins.line: ins.text for ins in program.entry.body}

@@ -10,6 +10,7 @@ import numpy as np
 from ptxc.emu.decode import decode_program
 from ptxc.emu.executor import BatchContext, BatchRun
 from ptxc.emu.memory import GlobalMemory
+from ptxc.emu.traffic import Traffic, TrafficCounter
 from ptxc.errors import InputError
 
 # Maximum shared memory per CTA (opt-in) by target; the default is the sm_90 value.
@@ -32,6 +33,7 @@ class LaunchStats:
     thread_instructions: int
     steps: int
     wall_time_s: float
+    traffic: Traffic | None = None      # with launch(..., traffic=True): see traffic.py
 
     @property
     def thread_instructions_per_s(self) -> float:
@@ -149,7 +151,8 @@ def _shared_bytes(kernel: str, env, target: str, dynamic: int) -> int:
 
 def launch(ptx: str, entry: str, grid: tuple, block: tuple, args: list,
            dynamic_smem_bytes: int = 0, *, batch_threads: int = 32768,
-           step_limit: int = 50_000_000, racecheck: bool = True) -> LaunchStats:
+           step_limit: int = 50_000_000, racecheck: bool = True,
+           traffic: bool = False) -> LaunchStats:
     """Emulate one kernel launch. See the package docstring for the full contract."""
     t0 = time.perf_counter()
     g, b = _dims("grid", grid), _dims("block", block)
@@ -171,13 +174,21 @@ def launch(ptx: str, entry: str, grid: tuple, block: tuple, args: list,
     param_bytes, buffers, gmem = _pack_params(entry, env, args)
     for k, (_, a) in enumerate(buffers):
         gmem.region(k)[:] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    counter = None
+    if traffic:
+        params = program.entry.params
+        n_args = sum(i is not None for i, _ in buffers)
+        names = [params[i].name if i is not None else f"pointer-table target {k - n_args}"
+                 for k, (i, _) in enumerate(buffers)]
+        counter = TrafficCounter(gmem, names, {ins.line: ins.text for ins in program.entry.body})
     tpad = -(-nthreads // 32) * 32
     ctas = g[0] * g[1] * g[2]
     per_batch = max(1, batch_threads // tpad)
     thread_instructions = steps = 0
     for start in range(0, ctas, per_batch):
         nctas = min(per_batch, ctas - start)
-        ctx = BatchContext(program, g, b, start, nctas, gmem, param_bytes, smem, racecheck)
+        ctx = BatchContext(program, g, b, start, nctas, gmem, param_bytes, smem, racecheck,
+                           counter)
         run = BatchRun(program, ctx, step_limit)
         run.run()
         thread_instructions += run.thread_instructions
@@ -190,4 +201,5 @@ def launch(ptx: str, entry: str, grid: tuple, block: tuple, args: list,
                                 np.ascontiguousarray(a).reshape(-1).view(np.uint8)):
             what = f"arg {i}" if i is not None else "a pointer-table target"
             raise InputError(f"kernel '{entry}' wrote to {what}, a read-only numpy array")
-    return LaunchStats(entry, g, b, thread_instructions, steps, time.perf_counter() - t0)
+    return LaunchStats(entry, g, b, thread_instructions, steps, time.perf_counter() - t0,
+                       counter.result() if counter else None)

@@ -139,6 +139,11 @@ def decode_cp(ins, env):
             ctx.smem.check_not_pending(dflat // size, size, idx, addr_of)
             if ctx.race is not None:
                 ctx.race.check(dflat // size, size, idx, line, "write", addr_of)
+            if ctx.traffic is not None:
+                live = src_size > 0
+                ctx.traffic.global_access(line, "cp.async", idx[live], sa[live], src_size[live],
+                                          False)
+                ctx.traffic.shared_access(line, "cp.async", idx, da, size)
             ctx.smem.state[dflat[:, None] + np.arange(size)] = CP_ASYNC_PENDING
             ctx.cp_async.issue(idx, dflat, soff, size, src_size, line)
         return run

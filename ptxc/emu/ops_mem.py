@@ -85,6 +85,8 @@ class MemAccess:
 
     def load(self, sel, addr, esize, nvec):
         ctx = self.ctx
+        if ctx.traffic is not None and self.space:
+            self._count(sel, addr, esize * nvec, self.space == "shared", False)
         if self.space == "global":
             return ctx.gmem.load(addr, esize, nvec, sel)
         if self.space == "shared":
@@ -93,12 +95,23 @@ class MemAccess:
 
     def store(self, sel, addr, esize, values):
         ctx = self.ctx
+        if ctx.traffic is not None and self.space:
+            self._count(sel, addr, esize * values.shape[1], self.space == "shared", True)
         if self.space == "global":
             ctx.gmem.store(addr, esize, values, sel)
         elif self.space == "shared":
             ctx.smem.store(ctx.cta_of[sel], addr, esize, values, sel, self.line)
         else:
             self._generic(sel, addr, esize, values.shape[1], values)
+
+    def _count(self, sel, addr, nbytes, shared: bool, write: bool):
+        idx = self.ctx.all_index if isinstance(sel, slice) else sel
+        if shared:
+            self.ctx.traffic.shared_access(self.line, "st.shared" if write else "ld.shared",
+                                           idx, addr, nbytes)
+        else:
+            self.ctx.traffic.global_access(self.line, "store" if write else "load", idx, addr,
+                                           nbytes, write)
 
     def _generic(self, sel, addr, esize, nvec, values):
         ctx = self.ctx
@@ -113,6 +126,8 @@ class MemAccess:
             sub, a = idx[mask], addr[mask]
             if is_sh:
                 a = (a - np.uint64(GENERIC_SHARED_BASE)).astype(np.int64)
+            if ctx.traffic is not None:
+                self._count(sub, a, esize * nvec, is_sh, values is not None)
                 if values is None:
                     out[mask] = ctx.smem.load(ctx.cta_of[sub], a, esize, nvec, sub, self.line)
                 else:
@@ -251,19 +266,23 @@ def decode_atom(ins, env):
         def run(sel):
             idx = sel if not isinstance(sel, slice) else ctx.all_index
             vals = [np.broadcast_to(np.asarray(r(sel), t.dtype), idx.shape) for r in readers]
-            old = _atomic(ctx, space, idx, address(sel), esize, t, fn, vals)
+            old = _atomic(ctx, space, idx, address(sel), esize, t, fn, vals, ins.line)
             if write:
                 write(sel, old)
         return run
     return Op(NORMAL, ins, bind)
 
 
-def _atomic(ctx, space, idx, addr, esize, t, fn, vals):
+def _atomic(ctx, space, idx, addr, esize, t, fn, vals, line):
     """Apply read-modify-writes in thread order, one 'round' per repeat of an address."""
     addr = np.broadcast_to(addr, idx.shape)
     if space == "global":
         off = ctx.gmem.offsets(addr, esize, esize, "atomic", idx)
         words = ctx.gmem.views[esize].view(t.dtype)
+        if ctx.traffic is not None:      # a read-modify-write: counted as read and written
+            ctx.traffic.global_access(line, "atomic", idx, addr, esize, False)
+            buf = np.searchsorted(ctx.gmem.starts, addr, side="right").astype(np.int64) - 1
+            np.add.at(ctx.traffic.written, buf, esize)
     else:
         off = ctx.smem.offsets(ctx.cta_of[idx], addr, esize, esize, "atomic", idx)
         ctx.smem.check_readable(off // esize, esize, idx, lambda k: int(addr[k]))

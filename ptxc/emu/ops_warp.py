@@ -278,6 +278,8 @@ def decode_ldmatrix(ins, env):
             if not space:   # generic address: must point into the shared window
                 addr = addr.astype(np.int64) - GENERIC_SHARED_BASE
             who = idx.reshape(nw, 32)[:, :8 * nmat].reshape(-1)
+            if ctx.traffic is not None:
+                ctx.traffic.ldmatrix(line, addr)
             flat = ctx.smem.offsets(ctx.cta_of[who], addr.reshape(-1), 16, 16,
                                     "ldmatrix row load", who)
             rows = flat >> 4
