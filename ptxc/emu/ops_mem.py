@@ -128,6 +128,7 @@ class MemAccess:
                 a = (a - np.uint64(GENERIC_SHARED_BASE)).astype(np.int64)
             if ctx.traffic is not None:
                 self._count(sub, a, esize * nvec, is_sh, values is not None)
+            if is_sh:
                 if values is None:
                     out[mask] = ctx.smem.load(ctx.cta_of[sub], a, esize, nvec, sub, self.line)
                 else:
