@@ -49,9 +49,11 @@ shfl reads of lanes that are not executing it. Registers start with a NaN-like p
 See docs/emulator.md for the execution model and numerical choices.
 """
 
-from ptxc.emu.launch import LaunchStats, PointerTable, launch
+from ptxc.emu.launch import LaunchStats, PointerTable, StructArg, launch
+from ptxc.emu.traffic import GlobalAccess, SharedAccess, Traffic
 from ptxc.emu.parser import parse_module
 from ptxc.emu.ptx_ast import Module
 from ptxc.errors import EmulationError
 
-__all__ = ["launch", "LaunchStats", "PointerTable", "parse_module", "Module", "EmulationError"]
+__all__ = ["launch", "LaunchStats", "PointerTable", "StructArg", "Traffic", "GlobalAccess",
+           "SharedAccess", "parse_module", "Module", "EmulationError"]

@@ -13,7 +13,9 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from ptxc.emu.operands import TYPES, DecodeError, SHARED_BASE, ptype
+import numpy as np
+
+from ptxc.emu.operands import TYPES, DecodeError, SHARED_BASE, imm_scalar, ptype
 from ptxc.emu.parser import parse_module
 from ptxc.emu.ptx_ast import Entry, Instruction, Module
 from ptxc.emu.uninit import InitPlan, analyse as analyse_init
@@ -117,16 +119,43 @@ class DecodeEnv:
             if var.nbytes is None:
                 self.shared_offsets[var.name] = self.dynamic_offset
         self.static_shared_bytes = offset
-        self.params, poff = {}, 0
+        self.params, self.param_sizes, poff = {}, {}, 0
         for p in entry.params:
             t = TYPES.get(p.ptype)
             if t is None or t.kind == "p":
                 raise EmulationError(f"kernel '{entry.name}': unsupported parameter type "
                                      f".{p.ptype} for {p.name} (line {p.line})")
-            poff = -(-poff // t.nbytes) * t.nbytes
+            size = p.nbytes if p.nbytes is not None else t.nbytes
+            align = max(p.align, t.nbytes)
+            poff = -(-poff // align) * align
             self.params[p.name] = (poff, t)
-            poff += t.nbytes
+            self.param_sizes[p.name] = size
+            poff += size
         self.param_bytes = poff
+        self._layout_globals(module)
+
+    def _layout_globals(self, module: Module):
+        """Module-scope .global/.const variables live in one buffer ("module globals") placed
+        after the launch's buffers; its address is known when a batch is bound."""
+        self.global_offsets, image, off = {}, bytearray(), 0
+        for var in module.globals:
+            t = TYPES[var.elem]
+            off = -(-off // var.align) * var.align
+            image.extend(bytes(off - len(image)))
+            self.global_offsets[var.name] = off
+            data = bytearray(t.nbytes * var.count)
+            for k, item in enumerate(var.init):
+                data[k * t.nbytes:(k + 1) * t.nbytes] = imm_scalar(item, t).tobytes()
+            image.extend(data)
+            off += len(data)
+        self.globals_image = bytes(image)
+
+    def global_address(self, name: str):
+        """bind(ctx) -> the uint64 address of a module-scope variable, or None."""
+        if name not in self.global_offsets:
+            return None
+        off = self.global_offsets[name]
+        return lambda ctx: np.uint64(ctx.gmem.globals_base + off)
 
     def reg_type(self, name: str):
         try:

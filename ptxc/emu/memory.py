@@ -72,6 +72,7 @@ class GlobalMemory:
             starts.append(addr)
             addr += -(-(nbytes + GLOBAL_GUARD) // GLOBAL_ALIGN) * GLOBAL_ALIGN
         self.labels = [label for label, _ in buffers]
+        self.globals_base = 0        # address of the module-scope variables' buffer, if any
         self.starts = np.array(starts, np.uint64)
         self.ends = np.array([s + n for s, (_, n) in zip(starts, buffers)], np.uint64)
         self.heap = np.zeros(max(addr - GLOBAL_BASE, 16), np.uint8)

@@ -23,8 +23,10 @@ _SPACES = ("global", "shared", "shared::cta", "param", "local", "const")
 
 def take_space(m: Mods):
     space = m.flag(*_SPACES)
-    if space in ("local", "const"):
-        raise DecodeError(f".{space} memory is not supported")
+    if space == "local":
+        raise DecodeError(".local memory is not supported")
+    if space == "const":     # module .const variables live in global memory (read-only use)
+        return "global"
     return "shared" if space == "shared::cta" else space
 
 
@@ -33,6 +35,11 @@ def address_plan(env, addr, space: str):
     if not isinstance(addr, Addr):
         raise DecodeError(f"expected an address operand [..], got {addr}")
     off = addr.offset
+    if isinstance(addr.base, Sym) and env.global_address(addr.base.name) is not None:
+        if space not in ("global", None):
+            raise DecodeError(f"[{addr.base.name}] names a module .global/.const variable")
+        glob, delta = env.global_address(addr.base.name), np.uint64(off & (2**64 - 1))
+        return lambda ctx: (lambda v: (lambda sel: v))(glob(ctx) + delta)
     if isinstance(addr.base, Sym):
         base = env.symbol_address(addr.base.name)   # a shared variable
         if space != "shared":
@@ -178,9 +185,9 @@ def _decode_ld_param(ins, env, t, a, dplans):
     poff, ptype = env.params[a.base.name]
     start = poff + a.offset
     nbytes = t.nbytes * len(dplans)
-    if a.offset < 0 or a.offset + nbytes > ptype.nbytes or start % t.nbytes:
+    if a.offset < 0 or a.offset + nbytes > env.param_sizes[a.base.name] or start % t.nbytes:
         raise DecodeError(f"ld.param of {nbytes} bytes at {a.base.name}+{a.offset} is outside "
-                          f"the .{ptype.name} parameter or misaligned")
+                          f"the parameter ({env.param_sizes[a.base.name]} bytes) or misaligned")
 
     def bind(ctx):
         values = [np.frombuffer(ctx.param_bytes, t.dtype, 1, start + i * t.nbytes)[0]

@@ -12,8 +12,8 @@ import bisect
 import functools
 import re
 
-from ptxc.emu.ptx_ast import (Addr, Entry, Imm, Instruction, Module, Operand, Pair, Param, Reg,
-                              SharedVar, Sink, Sym, Vec)
+from ptxc.emu.ptx_ast import (Addr, Entry, GlobalVar, Imm, Instruction, Module, Operand, Pair,
+                              Param, Reg, SharedVar, Sink, Sym, Vec)
 from ptxc.errors import EmulationError
 
 # ----------------------------------------------------------------------------- lexing helpers
@@ -22,7 +22,7 @@ _BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.S)
 _LINE_COMMENT = re.compile(r"//[^\n]*")
 _IDENT = r"[A-Za-z_$%][\w$]*"
 _LABEL = re.compile(r"([A-Za-z_$][\w$]*)\s*:(?!:)")
-_GUARD = re.compile(r"@(!?)(%[\w$]+)\s+")
+_GUARD = re.compile(r"@(!?)(%?[A-Za-z_$][\w$]*)\s+")
 _REG = re.compile(r"(!?)(%[\w$]+(?:\.[xyz])?)$")
 _RANGE_DECL = re.compile(r"(%?[\w$]+)<(\d+)>$")
 _SIZED_VAR = re.compile(r"([\w$]+)\s*\[\s*(\d*)\s*\]$")
@@ -254,8 +254,15 @@ def _parse_params(text: str, line: int) -> tuple:
             if not t.startswith(".ptr") and t not in (".global", ".shared", ".const", ".local"):
                 toks.append(t)
             k += 1
+        array = _SIZED_VAR.match(" ".join(toks[2:])) if len(toks) >= 3 else None
+        if array and toks[0] == ".param" and toks[1] == ".b8" and array.group(2):
+            align = re.search(r"\.align\s+(\d+)", p)
+            params.append(Param(array.group(1), "b8", line, int(array.group(2)),
+                                int(align.group(1)) if align else 1))
+            continue
         if len(toks) != 3 or toks[0] != ".param" or not toks[1].startswith(".") or "[" in toks[2]:
-            raise _fail(line, p, "unsupported kernel parameter (only scalar .param types)")
+            raise _fail(line, p, "unsupported kernel parameter (scalar .param types and "
+                        "`.param .align N .b8 name[size]` structs are supported)")
         params.append(Param(toks[2], toks[1][1:], line))
     return tuple(params)
 
@@ -286,7 +293,7 @@ def parse_module(ptx: str) -> Module:
         return bisect.bisect_left(newlines, pos) + 1
 
     info = {"version": "", "target": "", "address_size": "64"}
-    module_shared, entries = [], []
+    module_shared, module_globals, entries = [], [], []
     i = 0
     while i < len(text):
         while i < len(text) and text[i].isspace():
@@ -316,16 +323,70 @@ def parse_module(ptx: str) -> Module:
                                             tuple(module_shared)))
             i = body_close + 1   # .func bodies are skipped: `call` is not supported
             continue
+        if text.startswith(".section", i):            # DWARF debug sections: skipped
+            body_open = text.find("{", i)
+            body_close = _matching(text, body_open, "{", "}") if body_open >= 0 else -1
+            if body_close < 0:
+                raise _fail(line_of(i), text[i:i + 60], "unterminated .section")
+            i = body_close + 1
+            continue
         j = text.find(";", i)
         if j < 0:
             raise _fail(line_of(i), text[i:].splitlines()[0], "unexpected text")
         stmt = text[i:j].strip()
-        if stmt.startswith((".extern", ".shared")):
+        var = _GLOBAL_VAR.match(stmt)
+        if var:
+            module_globals.append(_parse_global(var, stmt, line_of(i)))
+        elif stmt.startswith((".extern", ".shared")):
             module_shared.append(_parse_decl(stmt, line_of(i))[1])
         elif not stmt.startswith(_IGNORED_DIRECTIVES):
             raise _fail(line_of(i), stmt, "unsupported module-scope statement")
         i = j + 1
-    return Module(info["version"], info["target"], int(info["address_size"]), tuple(entries))
+    return Module(info["version"], info["target"], int(info["address_size"]), tuple(entries),
+                  tuple(module_globals))
+
+
+_GLOBAL_VAR = re.compile(r"(?:\.(?:visible|weak|extern)\s+)*\.(global|const)\s+(?:\.align\s+(\d+)\s+)?"
+                         r"\.(\w+)\s+([A-Za-z_$][\w$]*)\s*(?:\[\s*(\d*)\s*\])?\s*(?:=\s*(.*))?$",
+                         re.S)
+
+
+def _parse_global(m, stmt: str, line: int) -> GlobalVar:
+    space, align, elem, name, count, init = m.groups()
+    if elem not in _TYPE_BYTES:
+        raise _fail(line, stmt, f"unsupported type .{elem} of a .{space} variable")
+    items = ()
+    if init is not None:
+        flat = init.replace("{", " ").replace("}", " ")
+        items = tuple(parse_operand(t, line, stmt) for t in flat.split(",") if t.strip())
+        if not all(isinstance(x, Imm) for x in items):
+            raise _fail(line, stmt, "only numeric initialisers are supported")
+    n = int(count) if count else (len(items) if count == "" else 1)
+    if len(items) > n:
+        raise _fail(line, stmt, f"{len(items)} initialisers for {n} elements")
+    return GlobalVar(name, space, int(align) if align else _TYPE_BYTES[elem], elem, n, items,
+                     line)
+
+
+def _rename_operand(op, names: dict):
+    if isinstance(op, (Reg, Sym)) and op.name in names:
+        return Reg(names[op.name], neg=getattr(op, "neg", False))
+    if isinstance(op, Vec):
+        return Vec(tuple(_rename_operand(x, names) for x in op.items))
+    if isinstance(op, Pair):
+        return Pair(_rename_operand(op.first, names), _rename_operand(op.second, names))
+    if isinstance(op, Addr) and op.base is not None and op.base.name in names:
+        return Addr(Reg(names[op.base.name]), op.offset)
+    return op
+
+
+def _rename(ins: Instruction, names: dict) -> Instruction:
+    """Scoped register names -> their unique names (bare names become registers)."""
+    guard = ins.guard
+    if guard is not None and guard.name in names:
+        guard = Reg(names[guard.name], guard.neg)
+    ops = tuple(_rename_operand(op, names) for op in ins.operands)
+    return Instruction(ins.line, ins.text, guard, ins.opcode, ins.mods, ops)
 
 
 def _parse_entry(text, m, close, body_open, body_close, line_of, module_shared) -> Entry:
@@ -340,17 +401,30 @@ def _parse_entry(text, m, close, body_open, body_close, line_of, module_shared) 
         else:
             maxntid = dims
     regs, shared, body, labels = [], list(module_shared), [], []
+    # Nested { } scopes (inline asm) may declare registers, often without '%' and again in
+    # every scope: each such declaration gets a unique name, used inside its scope only.
+    scopes, renamed = [{}], 0
     for kind, payload, ln in _statements(text, body_open + 1, body_close, line_of):
         if kind == "scope":
-            continue   # nested { } scopes: names are unique in ptxc output, so flatten
+            if payload == "{":
+                scopes.append(dict(scopes[-1]))
+            elif len(scopes) > 1:
+                scopes.pop()
+            continue
         if kind == "label":
             labels.append((payload, len(body)))
             continue
         stmt = payload.strip()
         if stmt.startswith((".reg", ".shared", ".extern")):
             k, val = _parse_decl(stmt, ln)
-            if k == "reg":
+            if k == "reg" and len(scopes) > 1:
+                for reg_name, reg_type in val:
+                    renamed += 1
+                    scopes[-1][reg_name] = f"{reg_name}${{{renamed}}}"
+                    regs.append((scopes[-1][reg_name], reg_type))
+            elif k == "reg":
                 regs.extend(val)
+                scopes[0].update((n, n) for n, _ in val if not n.startswith("%"))
             else:
                 shared.append(val)
         elif stmt.startswith(_IGNORED_DIRECTIVES):
@@ -358,6 +432,7 @@ def _parse_entry(text, m, close, body_open, body_close, line_of, module_shared) 
         elif stmt.startswith("."):
             raise _fail(ln, stmt, f"unsupported directive {stmt.split()[0]}")
         else:
-            body.append(parse_instruction(stmt, ln))
+            ins = parse_instruction(stmt, ln)
+            body.append(_rename(ins, scopes[-1]) if scopes[-1] else ins)
     return Entry(name, line, params, tuple(regs), tuple(shared), tuple(body), tuple(labels),
                  reqntid, maxntid)
