@@ -90,3 +90,14 @@ def decode_fence(ins, env):
     if bad:
         raise DecodeError("unsupported modifier " + ", ".join("." + b for b in bad))
     return Op(NORMAL, ins, lambda ctx: (lambda sel: None))
+
+
+@register("griddepcontrol")
+def decode_griddepcontrol(ins, env):
+    """sm_90 programmatic dependent launch: in a single emulated launch there is no
+    preceding/dependent grid, so launch_dependents and wait are no-ops."""
+    m = Mods(ins)
+    m.need("launch_dependents", "wait")
+    m.done()
+    expect_operands(ins, 0)
+    return Op(NORMAL, ins, lambda ctx: (lambda sel: None))
