@@ -17,6 +17,10 @@ barrier instructions (e.g. bar.sync inside an if/else), or a count is never reac
 launch fails with a "barrier divergence" / "barrier deadlock" error. Waiting at two different
 bar.sync instructions is reported even though sm_70+ hardware counts arrivals per barrier
 id: that pattern is a bug in CUDA's __syncthreads() contract and never intended by ptxc.
+An .aligned barrier (bar.sync, barrier.sync.aligned) reached by some lanes of a warp while
+other live lanes of that warp are elsewhere is reported at once, naming both sides.
+Completed barriers and warp syncs are sync events for the race tracker (racecheck.py);
+uninitialised-register checks are bound per op (uninit.py).
 """
 
 from __future__ import annotations
@@ -24,80 +28,11 @@ from __future__ import annotations
 import numpy as np
 
 from ptxc.emu.decode import BARRIER, BRANCH, EXIT, NORMAL
-from ptxc.emu.operands import ALL, Fault, RegStorage
-from ptxc.emu.memory import SharedMemory
-from ptxc.emu.ops_async import AsyncCopies
-from ptxc.emu.racecheck import RaceTracker
+from ptxc.emu.operands import ALL, Fault
+from ptxc.emu.uninit import bind_init_checks, check_defined
 from ptxc.errors import EmulationError
 
 BIG = np.iinfo(np.int64).max
-
-
-class BatchContext:
-    """Per-batch storage seen by bound ops (registers, memories, special registers)."""
-
-    def __init__(self, program, grid, block, cta_start, nctas, gmem, param_bytes, smem_bytes,
-                 racecheck: bool = True, traffic=None):
-        self.grid, self.block = grid, block
-        nthreads = block[0] * block[1] * block[2]
-        self.tpad = -(-nthreads // 32) * 32
-        self.nthreads, self.cta_start, self.nctas = nthreads, cta_start, nctas
-        n = self.n = nctas * self.tpad
-        self.all_index = np.arange(n, dtype=np.int64)
-        self.cta_of = self.all_index // self.tpad
-        self.lin = self.all_index % self.tpad
-        self.lane = self.lin & 31
-        self.scratch_flag = np.zeros(n, np.bool_)
-        self.regs = {name: RegStorage(t, n) for name, t in program.env.regs.items()}
-        self.gmem, self.param_bytes = gmem, param_bytes
-        self.smem = SharedMemory(nctas, smem_bytes)
-        self.smem.all_index = self.all_index
-        self.traffic = traffic          # a TrafficCounter, or None when not counting
-        self.race = None
-        if racecheck:
-            lines = {ins.line: ins.text for ins in program.entry.body}
-            self.race = self.smem.race = RaceTracker(self, self.smem.data.size, lines)
-        self.cp_async = AsyncCopies(n)
-        self._special = {}
-
-    def coords(self, thread: int):
-        """(ctaid, tid) tuples of a batch thread index."""
-        gx, gy, _ = self.grid
-        bx, by, _ = self.block
-        c = self.cta_start + thread // self.tpad
-        lin = thread % self.tpad
-        return ((c % gx, (c // gx) % gy, c // (gx * gy)),
-                (lin % bx, (lin // bx) % by, lin // (bx * by)))
-
-    def special(self, name: str):
-        arr = self._special.get(name)
-        if arr is None:
-            arr = self._special[name] = self._compute_special(name).astype(np.uint32)
-        return arr
-
-    def _compute_special(self, name: str):
-        gx, gy, gz = self.grid
-        bx, by, bz = self.block
-        c = self.cta_start + self.cta_of
-        lin, lane = self.lin, self.lane
-        table = {
-            "%tid.x": lambda: lin % bx, "%tid.y": lambda: (lin // bx) % by,
-            "%tid.z": lambda: lin // (bx * by),
-            "%ctaid.x": lambda: c % gx, "%ctaid.y": lambda: (c // gx) % gy,
-            "%ctaid.z": lambda: c // (gx * gy),
-            "%laneid": lambda: lane, "%warpid": lambda: lin // 32,
-            "%nwarpid": lambda: np.full(self.n, self.tpad // 32),
-            "%lanemask_eq": lambda: np.int64(1) << lane,
-            "%lanemask_lt": lambda: (np.int64(1) << lane) - 1,
-            "%lanemask_le": lambda: (np.int64(2) << lane) - 1,
-            "%lanemask_gt": lambda: 0xFFFFFFFF ^ ((np.int64(2) << lane) - 1),
-            "%lanemask_ge": lambda: 0xFFFFFFFF ^ ((np.int64(1) << lane) - 1),
-        }
-        for axis, v in zip("xyz", self.block):
-            table[f"%ntid.{axis}"] = lambda v=v: np.full(self.n, v)
-        for axis, v in zip("xyz", self.grid):
-            table[f"%nctaid.{axis}"] = lambda v=v: np.full(self.n, v)
-        return np.broadcast_to(table[name](), (self.n,))
 
 
 class BatchRun:
@@ -107,7 +42,7 @@ class BatchRun:
         self.program, self.ctx, self.step_limit = program, ctx, step_limit
         self.ops = program.ops
         self.bound = [op.bind(ctx) if op.kind == NORMAL else None for op in self.ops]
-        self.init_checks = self._bind_init_checks(program.init, ctx)
+        self.init_checks = bind_init_checks(program.init, ctx, self.ops, self.bound)
         self.kinds = [op.kind for op in self.ops]
         self.guards = [None if op.ins.guard is None else
                        (ctx.regs[op.ins.guard.name].bits, op.ins.guard.neg) for op in self.ops]
@@ -126,26 +61,6 @@ class BatchRun:
         self.thread_instructions = 0
         self.steps = 0
         self.cur_pc, self.cur_sel = 0, ALL
-
-    # ------------------------------------------------------------------ uninitialised registers
-    def _bind_init_checks(self, plan, ctx):
-        """Per-thread 'defined' flags for the tracked registers (usually none); wrap the ops
-        that write or check them. Returns {pc: checks} for branch/exit instructions."""
-        if not plan.tracked:
-            return {}
-        flags = {r: np.zeros(ctx.n, np.uint8) for r in plan.tracked}
-        control = {}
-        for pc, op in enumerate(self.ops):
-            checks = tuple((r, what, flags[r]) for r, what in plan.checks.get(pc, ()))
-            if op.kind != NORMAL:
-                if checks:
-                    control[pc] = checks
-                continue
-            defs = [flags[r] for r in plan.defs.get(pc, ())]
-            if checks or defs:
-                srcs = [flags[r] for r in plan.srcs.get(pc, ())]
-                self.bound[pc] = _with_init_flags(self.bound[pc], checks, defs, srcs)
-        return control
 
     # ------------------------------------------------------------------ helpers
     def _guard(self, pc, sel, nsel):
@@ -222,7 +137,7 @@ class BatchRun:
                 if kind == BRANCH:
                     if pc in self.init_checks:
                         self.cur_pc, self.cur_sel = pc, sel
-                        _check_defined(self.init_checks[pc], sel)
+                        check_defined(self.init_checks[pc], sel)
                     taken = self._guard(pc, sel, nsel)
                     if taken is None:
                         pc += 1
@@ -268,7 +183,7 @@ class BatchRun:
             return
         op = self.ops[pc]
         if pc in self.init_checks:
-            _check_defined(self.init_checks[pc], sel)
+            check_defined(self.init_checks[pc], sel)
         s2 = self._guard(pc, sel, sel.size)
         if op.kind == NORMAL:
             if s2 is not None:
@@ -427,32 +342,3 @@ def _lane_list(threads) -> str:
             start = b
     return ",".join(runs)
 
-
-def _check_defined(checks, sel):
-    """flags: 0 never written, 1 defined, 2 computed from a never-written value."""
-    for reg, what, flag in checks:
-        state = flag[sel]
-        bad = state != 1
-        if bad.any():
-            k = int(np.flatnonzero(bad)[0])
-            thread = k if isinstance(sel, slice) else int(sel[k])
-            why = ("is read before any write (uninitialised)" if state[k] == 0 else
-                   "holds a value computed from a never-written (uninitialised) register")
-            raise Fault(f"register {reg} {why} and is {what}", thread)
-
-
-def _with_init_flags(run, checks, defs, srcs):
-    """`run` preceded by the checks of its uses; its tracked destinations become defined (1)
-    where all its tracked sources are, else tainted (2)."""
-    def checked(sel):
-        if checks:
-            _check_defined(checks, sel)
-        run(sel)
-        if defs:
-            ok = True
-            for f in srcs:
-                ok = ok & (f[sel] == 1)
-            value = np.where(ok, np.uint8(1), np.uint8(2))
-            for d in defs:
-                d[sel] = value
-    return checked

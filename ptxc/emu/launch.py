@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ptxc.emu.decode import decode_program
-from ptxc.emu.executor import BatchContext, BatchRun
+from ptxc.emu.context import BatchContext
+from ptxc.emu.executor import BatchRun
 from ptxc.emu.memory import GlobalMemory
 from ptxc.emu.traffic import Traffic, TrafficCounter
 from ptxc.errors import InputError

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from ptxc.emu.operands import Fault
 from ptxc.emu.ptx_ast import Addr, Pair, Reg, Vec
 
 # Instructions whose first operand is not a register destination.
@@ -137,3 +140,55 @@ def analyse(entry, succ) -> InitPlan:
             defs[pc] = d
             srcs_of[pc] = tuple(r for r in srcs if r in tracked and state[pc] >> index[r] & 1)
     return InitPlan(checks, defs, srcs_of, frozenset(tracked))
+
+
+# ----------------------------------------------------------------------------- run time
+
+def bind_init_checks(plan, ctx, ops, bound):
+    """Per-thread 'defined' flags for the tracked registers (usually none); wrap the ops
+    that write or check them. Returns {pc: checks} for branch/exit instructions."""
+    if not plan.tracked:
+        return {}
+    flags = {r: np.zeros(ctx.n, np.uint8) for r in plan.tracked}
+    control = {}
+    for pc in range(len(ops)):
+        checks = tuple((r, what, flags[r]) for r, what in plan.checks.get(pc, ()))
+        if bound[pc] is None:                 # branch, exit or barrier
+            if checks:
+                control[pc] = checks
+            continue
+        defs = [flags[r] for r in plan.defs.get(pc, ())]
+        if checks or defs:
+            srcs = [flags[r] for r in plan.srcs.get(pc, ())]
+            bound[pc] = _with_init_flags(bound[pc], checks, defs, srcs)
+    return control
+
+
+def check_defined(checks, sel):
+    """flags: 0 never written, 1 defined, 2 computed from a never-written value."""
+    for reg, what, flag in checks:
+        state = flag[sel]
+        bad = state != 1
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            thread = k if isinstance(sel, slice) else int(sel[k])
+            why = ("is read before any write (uninitialised)" if state[k] == 0 else
+                   "holds a value computed from a never-written (uninitialised) register")
+            raise Fault(f"register {reg} {why} and is {what}", thread)
+
+
+def _with_init_flags(run, checks, defs, srcs):
+    """`run` preceded by the checks of its uses; its tracked destinations become defined (1)
+    where all its tracked sources are, else tainted (2)."""
+    def checked(sel):
+        if checks:
+            check_defined(checks, sel)
+        run(sel)
+        if defs:
+            ok = True
+            for f in srcs:
+                ok = ok & (f[sel] == 1)
+            value = np.where(ok, np.uint8(1), np.uint8(2))
+            for d in defs:
+                d[sel] = value
+    return checked
