@@ -4,8 +4,8 @@ Model: a cp.async validates its addresses when issued and marks its shared desti
 as pending; the copy itself (reading the global source, zero-filling past src-size) happens at
 the wait that completes its group. Until then a read or a write of the destination is an
 error, so a missing wait shows up as an error rather than as a lucky read of stale data.
-(Data copied by *another* thread also needs a bar.sync after that thread's wait; the emulator
-does not track that ordering, only the issuing thread's wait.)
+The bytes count as written by the issuing thread at its wait: another thread reading them
+needs a barrier after that wait, which the race tracker (racecheck.py) checks.
 """
 
 from __future__ import annotations
