@@ -5,6 +5,8 @@ cp.async)."""
 import numpy as np
 import pytest
 
+from ptxc.emu import launch
+
 from .helpers import HEADER, line_of, run
 
 STRIDED_COPY = HEADER + r"""
@@ -166,3 +168,14 @@ def test_cp_async_counts_global_sectors_and_shared_wavefronts():
         [s] = tr.shared_accesses
         assert (s.kind, s.wavefronts, s.ideal_wavefronts) == ("cp.async", wavefronts, 4)
         assert tr.bytes_read == {"src_p": 512}
+
+
+def test_ptxc_decode_reads_each_kv_row_once_per_kv_head_fully_coalesced():
+    from .test_bench import load_bench
+    ptx, entry, grid, block, args = load_bench().real_decode_launch(2, 33)
+    tr = launch(ptx, entry, grid, block, args, traffic=True).traffic
+    # GQA 32/8: every K/V row of the 8 KV heads is read exactly once, not once per query head
+    assert tr.bytes_read["k_cache"] == 2 * 8 * 33 * 128 * 2
+    assert tr.bytes_read["v_cache"] == tr.bytes_read["k_cache"]
+    assert all(a.coalesced for a in tr.global_accesses), \
+        [(a.line, a.sectors, a.ideal_sectors) for a in tr.global_accesses if not a.coalesced]
