@@ -201,7 +201,7 @@ class SharedMemory:
         self.check_readable(rows, total, sel, addr_of)
         if self.race is not None:
             idx = self.all_index if isinstance(sel, slice) else sel
-            self.race.check(rows, total, idx, line, "read", addr_of)
+            self.race.read(rows, total, idx, line, addr_of)
         return self.rows.gather(rows, total, esize, nvec)
 
     def store(self, cta, addr, esize: int, values, sel, line: int = 0):

@@ -321,7 +321,7 @@ def decode_ldmatrix(ins, env):
             ctx.smem.check_readable(rows, 16, who, addr_of)
             if ctx.race is not None:     # converged on .sync.aligned: the warp is synchronised
                 ctx.race.warp_synced(sel)
-                ctx.race.check(rows, 16, who, line, "read", addr_of)
+                ctx.race.read(rows, 16, who, line, addr_of)
             M = ctx.smem.rows.gather(rows, 16, 2, 8).reshape(nw, nmat, 8, 8)  # [w, m, row, col]
             for i, w in enumerate(writers):
                 mat = M[:, i]

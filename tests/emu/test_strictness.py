@@ -288,3 +288,51 @@ def test_error_is_an_emulation_error_with_attributes():
     with pytest.raises(EmulationError) as exc:
         launch(ptx, "uninit", (1,), (32,), [np.zeros(32, np.uint32)])
     assert exc.value.line == line_of(ptx, "st.global.u32 [%rd5]")
+
+
+def refill(sync: str, partner: str) -> str:
+    """Two rounds of exchange(): the second round overwrites sm[t] after `sync`, while the
+    partner may still be reading it (the missing barrier before refilling a buffer)."""
+    return exchange("bar.sync 0;", partner).replace(
+        "\tmul.wide.u32 %rd2, %r1, 4;",
+        f"\t{sync}\n\tst.shared.u32 [%r4], %r8;\n\tmul.wide.u32 %rd2, %r1, 4;")
+
+
+def test_overwriting_what_another_warp_may_still_read_is_a_race():
+    ptx = refill("", OTHER_WARP)
+    msg = expect_error(ptx, "exchange", (1,), (64,), [np.zeros(64, np.uint32)],
+                       "st.shared.u32 [%r4], %r8", "shared-memory race (write after read): "
+                       "write of shared address", (0, 0, 0), (0, 0, 0), 0x400)
+    assert f"tid=(32, 0, 0) (another warp) read at line " \
+           f"{line_of(ptx, 'ld.shared.u32 %r8, [%r7]')}" in msg, msg
+
+
+@pytest.mark.parametrize("sync, partner", [("bar.sync 0;", OTHER_WARP),
+                                           ("bar.warp.sync -1;", SAME_WARP)])
+def test_overwriting_after_the_readers_synchronised_passes(sync, partner):
+    out = np.zeros(64, np.uint32)
+    run(refill(sync, partner), "exchange", (1,), (64,), [out])
+    np.testing.assert_array_equal(out, np.arange(64) ^ (32 if partner == OTHER_WARP else 1))
+
+
+def test_a_warp_sync_does_not_order_reads_by_other_warps():
+    expect_error(refill("bar.warp.sync -1;", OTHER_WARP), "exchange", (1,), (64,),
+                 [np.zeros(64, np.uint32)], "st.shared.u32 [%r4], %r8",
+                 "write after read", (0, 0, 0), (0, 0, 0))
+
+
+BROADCAST_THEN_WRITE = exchange("bar.sync 0;", "mov.u32 %r5, 0;").replace(
+    "\tmul.wide.u32 %rd2, %r1, 4;",
+    "\tsetp.eq.u32 %p1, %r1, 0;\n\tSYNC\n\t@%p1 st.shared.u32 [%r2], %r8;\n"
+    "\tmul.wide.u32 %rd2, %r1, 4;").replace(".reg .b32 %r<12>;",
+                                             ".reg .b32 %r<12>;\n\t.reg .pred %p<2>;")
+
+
+def test_a_broadcast_read_then_one_writer_needs_a_barrier():
+    ptx = BROADCAST_THEN_WRITE.replace("SYNC", "")
+    msg = expect_error(ptx, "exchange", (1,), (64,), [np.zeros(64, np.uint32)],
+                       "@%p1 st.shared.u32 [%r2], %r8", "write after read", (0, 0, 0),
+                       (0, 0, 0), 0x400)
+    assert "and others" in msg or "other threads" in msg, msg
+    run(BROADCAST_THEN_WRITE.replace("SYNC", "bar.sync 0;"), "exchange", (1,), (64,),
+        [np.zeros(64, np.uint32)])
