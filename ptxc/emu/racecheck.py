@@ -18,11 +18,13 @@ a sync event that both took part in happened after it: ``cta_sync > stamp``, or 
 (WAW) that is not ordered is a race; the error names both accesses. The common case -- the
 last CTA-wide barrier is newer than every byte touched -- costs one gather and one compare.
 
-Reads are remembered too (the last reader, and whether other threads -- of the same warp or of
-others -- read the byte since the CTA's last barrier), so a write that is not ordered after
-another thread's read is a write-after-read race (WAR): the classic missing barrier before a
-shared buffer is refilled. Several readers count as ordered only by a CTA-wide barrier (or a
-warp sync when they all are in the writer's warp).
+Reads are remembered too, per 4-byte word (the last reader, and whether other threads -- of
+the same warp or of others -- read the word since the CTA's last barrier), so a write that is
+not ordered after another thread's read is a write-after-read race (WAR): the classic missing
+barrier before a shared buffer is refilled. Several readers count as ordered only by a
+CTA-wide barrier (or a warp sync when they all are in the writer's warp). Word granularity
+keeps reads cheap; its one imprecision: a thread writing some bytes of a word that another
+thread read *other* bytes of, with no barrier in between, is reported too.
 
 Not tracked: atomics (they never race with each other and are not checked against plain
 accesses), and several threads of ONE instruction storing to the same byte.
@@ -44,18 +46,46 @@ _READ_SHIFT = 32
 _MULTI, _CROSS = 1 << 30, 1 << 31
 
 
+def _scatter_items(arr, rows, total: int, values):
+    """arr viewed as `total`-element items: arr[item rows] = values (n, total) int64. Pairs of
+    int64 move as complex128 (numpy scatters wide void items slowly)."""
+    if total == 1:
+        arr[rows] = values.reshape(-1)
+        return
+    half = total // 2
+    idx = (rows[:, None] * half + np.arange(half)).reshape(-1)
+    arr.view(np.complex128)[idx] = np.ascontiguousarray(values).view(np.complex128).reshape(-1)
+
+
+def _words(rows, total: int):
+    """Items of `total` bytes -> (item rows, words per item) of the 4-byte reader shadow."""
+    if total >= 4:
+        return rows, total // 4
+    return (rows * total) >> 2, 1
+
+
+def _as_read_stamp(cta_sync, ndim: int):
+    """CTA barrier stamps in reader-word units: word >= this <=> read after the barrier."""
+    s = cta_sync << _READ_SHIFT
+    return s[:, None] if ndim == 2 else s
+
+
 class RaceTracker:
     """Shadow state of one batch's shared memory (see the module docstring)."""
 
     def __init__(self, ctx, nbytes: int, lines: dict):
         self.ctx, self.lines = ctx, lines          # lines: PTX line -> instruction text
         self.shadow = np.zeros(nbytes, np.int64)        # last write of each byte
-        self.readers = np.zeros(nbytes, np.int64)       # reads of each byte since then
+        self.readers = np.zeros(nbytes // 4, np.int64)  # reads of each 4-byte word since then
         self.views = {}
         self.serial = 1
         self.cta_sync = np.ones(ctx.nctas, np.int64)       # newer than every initial stamp 0
         self.warp_sync = np.zeros(ctx.n // 32, np.int64)
         self.pair_sync = None                              # (nctas, warps, warps) on demand
+        # serial of each CTA's last shared write / read: when older than its last barrier, no
+        # byte can be unordered and the per-byte checks are skipped
+        self.last_write = np.zeros(ctx.nctas, np.int64)
+        self.last_read = np.zeros(ctx.nctas, np.int64)
 
     # ------------------------------------------------------------------ sync events
     def _tick(self) -> int:
@@ -122,9 +152,17 @@ class RaceTracker:
         `idx` (batch indices) is not ordered after the last write of each byte (and, for a
         write, after the reads of it since then)."""
         cta = self.ctx.cta_of[idx]
+        fresh_writes = (self.last_write[cta] >= self.cta_sync[cta]).any()
+        if what == "write":
+            fresh_reads = (self.last_read[cta] >= self.cta_sync[cta]).any()
+            self.last_write[cta] = self.serial
+            if not (fresh_writes or fresh_reads):
+                return
+        elif not fresh_writes:
+            return
         sh = self._rows(total)[rows].view(np.int64).reshape(-1, total)
         stamp = sh >> _STAMP_SHIFT
-        if (stamp >= self.cta_sync[cta][:, None]).any():
+        if fresh_writes and (stamp >= self.cta_sync[cta][:, None]).any():
             me = (self.ctx.lin[idx])[:, None]
             race = self._unordered(stamp, cta, idx, me, sh & _LIN_MASK)
             if race.any():
@@ -132,7 +170,8 @@ class RaceTracker:
                 self._report(k, b, sh[k, b], idx, line, what, addr_of, "wrote")
         if what != "write":
             return
-        rd = self._rows(total, True)[rows].view(np.int64).reshape(-1, total)
+        wrows, wtotal = _words(rows, total)
+        rd = self._rows(wtotal, True)[wrows].view(np.int64).reshape(-1, wtotal)
         rstamp = rd >> _READ_SHIFT
         if not (rstamp >= self.cta_sync[cta][:, None]).any():
             return
@@ -140,39 +179,78 @@ class RaceTracker:
         race = self._unordered(rstamp, cta, idx, me, rd & _LIN_MASK,
                                multi=(rd & _MULTI) != 0, cross=(rd & _CROSS) != 0)
         if race.any():
-            k, b = (int(x[0]) for x in np.nonzero(race))
-            self._report(k, b, rd[k, b], idx, line, what, addr_of, "read")
+            k, w = (int(x[0]) for x in np.nonzero(race))
+            self._report(k, 4 * w, rd[k, w], idx, line, what, addr_of, "read")
 
     def read(self, rows, total: int, idx, line: int, addr_of):
         """A read: check it against the last writes, then remember the reader."""
         self.check(rows, total, idx, line, "read", addr_of)
-        cta, me = self.ctx.cta_of[idx], self.ctx.lin[idx][:, None]
-        view = self.readers.reshape(-1, total)
-        old = self._rows(total, True)[rows].view(np.int64).reshape(-1, total)
-        live = (old >> _READ_SHIFT) >= self.cta_sync[cta][:, None]    # reads since a barrier
+        cta, me = self.ctx.cta_of[idx], self.ctx.lin[idx]
+        rows, total = _words(rows, total)
+        items = self._rows(total, True)
+        if (self.last_read[cta] >= self.cta_sync[cta]).any():
+            old = items[rows].view(np.int64).reshape(-1, total)
+            first = old[:, 0]
+            if total > 1 and not (old == first[:, None]).all():
+                self.last_read[cta] = self.serial
+                self._read_bytes(rows, total, cta, me, line, old)
+                return
+            word = self._reader_word(first, cta, me, line)
+        else:                         # the CTA's first reads since its last barrier
+            word = (np.int64(self.serial) << _READ_SHIFT) | (line << _LIN_BITS) | me
+        self.last_read[cta] = self.serial
+        # Every item's bytes share one reader record (whole-item accesses).
+        full = np.empty((rows.size, total), np.int64)
+        full[:] = word[:, None]
+        _scatter_items(self.readers, rows, total, full)
+        back = self.readers[rows * total]
+        dup = (back & _LIN_MASK) != me                # lanes of this instruction reading the
+        if dup.any():                                 # same item: one record survived
+            cross = ((back & _LIN_MASK) >> 5) != (me >> 5)
+            val = (back | _MULTI) | np.where(cross, _CROSS, 0)
+            dups = np.flatnonzero(dup)
+            dups = dups[np.argsort(cross[dups], kind="stable")]   # CROSS writes land last
+            _scatter_items(self.readers, rows[dups], total,
+                           np.repeat(val[dups], total).reshape(-1, total))
+
+    def _reader_word(self, old, cta, me, line):
+        """New reader records (any shape broadcastable with me/cta) given the old ones."""
+        live = old >= _as_read_stamp(self.cta_sync[cta], old.ndim)     # reads since a barrier
+        if old.ndim == 2:
+            me, cta = me[:, None], cta
         word = (np.int64(self.serial) << _READ_SHIFT) | (line << _LIN_BITS) | me
         if live.any():
             other = old & _LIN_MASK
             several = live & ((other != me) | ((old & _MULTI) != 0))
             cross = several & (((old & _CROSS) != 0) | ((other >> 5) != (me >> 5)))
             word = word | np.where(several, _MULTI, 0) | np.where(cross, _CROSS, 0)
-        view[rows] = word
-        back = view[rows] & _LIN_MASK                 # lanes of this instruction reading the
-        dup = back != me                              # same byte: one record survives
+        return word
+
+    def _read_bytes(self, rows, total, cta, me, line, old):
+        """General path: word-wise reader records (items partly read before)."""
+        word = np.broadcast_to(self._reader_word(old, cta, me, line), old.shape)
+        flat = rows[:, None] * total + np.arange(total)
+        self.readers[flat] = word
+        back = self.readers[flat]
+        dup = (back & _LIN_MASK) != me[:, None]
         if dup.any():
-            extra = np.where(dup, _MULTI, 0) | np.where(dup & ((back >> 5) != (me >> 5)),
-                                                         _CROSS, 0)
-            np.bitwise_or.at(view, rows, extra)
+            cross = dup & (((back & _LIN_MASK) >> 5) != (me >> 5)[:, None])
+            self.readers[flat[dup]] = back[dup] | _MULTI
+            if cross.any():
+                self.readers[flat[cross]] = back[cross] | (_MULTI | _CROSS)
 
     def record(self, rows, total: int, idx, line: int):
         """The threads `idx` wrote `total`-byte items `rows` at PTX line `line`."""
         word = (np.int64(self.serial) << _STAMP_SHIFT) | (line << _LIN_BITS) | self.ctx.lin[idx]
-        self.shadow.reshape(-1, total)[rows] = word[:, None]
+        full = np.empty((word.size, total), np.int64)
+        full[:] = word[:, None]
+        _scatter_items(self.shadow, rows, total, full)
 
     def record_bytes(self, flat, idx, line: int):
         """Like record, for a (n, k) array of byte offsets written by thread idx[i] (row i)."""
         word = (np.int64(self.serial) << _STAMP_SHIFT) | (line << _LIN_BITS) | self.ctx.lin[idx]
         self.shadow[flat] = word[:, None]
+        self.last_write[self.ctx.cta_of[idx]] = self.serial
 
     def _report(self, k, b, word, idx, line, what, addr_of, did):
         ctx = self.ctx
