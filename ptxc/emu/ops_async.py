@@ -46,8 +46,7 @@ class AsyncCopies:
                 if done.any():
                     self._apply(ctx, dst[done], src[done], size, src_size[done])
                     if ctx.race is not None:   # written by the issuing thread, at its wait
-                        ctx.race.record_bytes(dst[done][:, None] + np.arange(size), thr[done],
-                                              line)
+                        ctx.race.record_copy(dst[done], size, thr[done], line)
                     rest = ~done
                     rec = tuple(a[rest] for a in (thr, dst, src)) + (size,) + \
                         (src_size[rest], gid[rest], line)

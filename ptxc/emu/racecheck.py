@@ -86,6 +86,7 @@ class RaceTracker:
         # byte can be unordered and the per-byte checks are skipped
         self.last_write = np.zeros(ctx.nctas, np.int64)
         self.last_read = np.zeros(ctx.nctas, np.int64)
+        self.scratch = self.scratch_flags = None          # per reader word, on demand
 
     # ------------------------------------------------------------------ sync events
     def _tick(self) -> int:
@@ -187,9 +188,8 @@ class RaceTracker:
         self.check(rows, total, idx, line, "read", addr_of)
         cta, me = self.ctx.cta_of[idx], self.ctx.lin[idx]
         rows, total = _words(rows, total)
-        items = self._rows(total, True)
         if (self.last_read[cta] >= self.cta_sync[cta]).any():
-            old = items[rows].view(np.int64).reshape(-1, total)
+            old = self._rows(total, True)[rows].view(np.int64).reshape(-1, total)
             first = old[:, 0]
             if total > 1 and not (old == first[:, None]).all():
                 self.last_read[cta] = self.serial
@@ -199,19 +199,32 @@ class RaceTracker:
         else:                         # the CTA's first reads since its last barrier
             word = (np.int64(self.serial) << _READ_SHIFT) | (line << _LIN_BITS) | me
         self.last_read[cta] = self.serial
-        # Every item's bytes share one reader record (whole-item accesses).
+        word = word | self._same_instruction_readers(rows, me)
+        # Every item's words share one reader record (whole-item accesses).
         full = np.empty((rows.size, total), np.int64)
         full[:] = word[:, None]
         _scatter_items(self.readers, rows, total, full)
-        back = self.readers[rows * total]
-        dup = (back & _LIN_MASK) != me                # lanes of this instruction reading the
-        if dup.any():                                 # same item: one record survived
-            cross = ((back & _LIN_MASK) >> 5) != (me >> 5)
-            val = (back | _MULTI) | np.where(cross, _CROSS, 0)
-            dups = np.flatnonzero(dup)
-            dups = dups[np.argsort(cross[dups], kind="stable")]   # CROSS writes land last
-            _scatter_items(self.readers, rows[dups], total,
-                           np.repeat(val[dups], total).reshape(-1, total))
+
+    def _same_instruction_readers(self, rows, me):
+        """MULTI/CROSS flags for items that several threads of this instruction read (numpy
+        keeps one of their records, so each record must already say so)."""
+        n = rows.size
+        if self.scratch is None:
+            self.scratch = np.zeros(self.readers.size, np.int32)
+            self.scratch_flags = np.zeros(self.readers.size, np.int8)
+        order = np.arange(n, dtype=np.int32)
+        self.scratch[rows] = order
+        winner = self.scratch[rows]
+        dup = winner != order
+        if not dup.any():
+            return 0
+        cross = (me >> 5) != (me[winner] >> 5)
+        flags = self.scratch_flags
+        flags[rows[dup]] = 1
+        flags[rows[cross]] = 3
+        got = flags[rows]
+        flags[rows] = 0
+        return np.where(got & 1, _MULTI, 0) | np.where(got & 2, _CROSS, 0)
 
     def _reader_word(self, old, cta, me, line):
         """New reader records (any shape broadcastable with me/cta) given the old ones."""
@@ -246,10 +259,13 @@ class RaceTracker:
         full[:] = word[:, None]
         _scatter_items(self.shadow, rows, total, full)
 
-    def record_bytes(self, flat, idx, line: int):
-        """Like record, for a (n, k) array of byte offsets written by thread idx[i] (row i)."""
+    def record_copy(self, dst, size: int, idx, line: int):
+        """Thread idx[i] wrote `size` bytes at flat shared offset dst[i] (a completed cp.async;
+        dst is aligned to size)."""
         word = (np.int64(self.serial) << _STAMP_SHIFT) | (line << _LIN_BITS) | self.ctx.lin[idx]
-        self.shadow[flat] = word[:, None]
+        full = np.empty((word.size, size), np.int64)
+        full[:] = word[:, None]
+        _scatter_items(self.shadow, dst // size, size, full)
         self.last_write[self.ctx.cta_of[idx]] = self.serial
 
     def _report(self, k, b, word, idx, line, what, addr_of, did):

@@ -111,7 +111,7 @@ def test_module_globals_const_debug_sections_and_griddepcontrol():
                                                                "table", "zeros"]
 
 
-def test_a_kernel_may_not_write_past_a_module_variable():
+def test_reading_past_a_module_variable_is_out_of_bounds():
     ptx = GLOBALS.replace("ld.global.f32 %f2, [zeros+4];", "ld.global.f32 %f2, [zeros+12];")
     with pytest.raises(EmulationError, match="out-of-bounds global load.*module globals"):
         launch(ptx, "globals", (1,), (4,), [np.zeros(4, np.uint32)])
