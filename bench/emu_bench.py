@@ -201,6 +201,33 @@ def real_decode_launch(batch: int, seq: int):
     return ptx, kernel["entry"], grid, block, pack_args(kernel, buffers, dims, pointer=lambda n, a: a)
 
 
+def real_prefill_launch(batch: int, seq: int):
+    """ptxc's prefill kernel (FA2: mma.sync, ldmatrix, cp.async pipeline; Llama-3-8B prefill
+    spec: f16 d128, GQA 32/8, causal) over `seq` queries and keys: (ptx, entry, grid, block,
+    args, dynamic shared memory)."""
+    from ptxc.pipeline.compiler import lower
+    from ptxc.kernels import FAMILIES
+    from ptxc.runtime import POISON, launch_geometry, pack_args
+    from ptxc.runtime.reference import to_device
+    from ptxc.spec import load_file
+    [spec] = load_file(Path(__file__).resolve().parents[1] / "specs" / "llama3_8b_prefill.toml")
+    ptx, launches, _, _ = lower(spec, "sm_80")
+    fam = FAMILIES["prefill"]
+    dims = {"batch": batch, "seq_q": seq, "seq_k": seq}
+    inputs = fam.make_inputs(spec, dims, np.random.default_rng(0))
+    arrays = {}
+    for t in fam.interface(spec).tensors:
+        if t.role == "input":
+            arrays[t.name] = to_device(inputs[t.name], t.dtype)
+        else:
+            shape = [dims[d] if isinstance(d, str) else d for d in t.shape]
+            arrays[t.name] = np.full(shape, POISON[t.dtype], dtype=type(POISON[t.dtype]))
+    kernel = launches[0]
+    grid, block = launch_geometry(kernel, dims)
+    args = pack_args(kernel, arrays, dims, pointer=lambda n, a: a)
+    return ptx, kernel["entry"], grid, block, args, kernel["dynamic_smem_bytes"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=1000, help="loop iterations per thread")
@@ -209,15 +236,22 @@ def main(argv=None) -> int:
                     help="run ptxc's real decode kernel (batch 4, 32 heads, d128, seq 1000) instead")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1000)
+    ap.add_argument("--prefill", action="store_true",
+                    help="run ptxc's prefill kernel (batch 1, 32 heads, d128, causal, --seq "
+                         "queries and keys) instead")
     ns = ap.parse_args(argv)
-    if ns.decode:
+    smem = 0
+    if ns.prefill:
+        ptx, entry, grid, block, args, smem = real_prefill_launch(1, ns.seq)
+        label = f"{entry} (llama3_8b_prefill, batch=1, seq={ns.seq})"
+    elif ns.decode:
         ptx, entry, grid, block, args = real_decode_launch(ns.batch, ns.seq)
         label = f"{entry} (llama3_8b_decode, batch={ns.batch}, seq={ns.seq})"
     else:
         ptx, entry, grid, block, args = (DECODE_LIKE_PTX, "decode_like", (8, 4), (128,),
                                          decode_like_args(ns.iters))
         label = f"decode_like iters={ns.iters}"
-    result = bench(ptx, entry, grid, block, args, repeat=ns.repeat)
+    result = bench(ptx, entry, grid, block, args, smem, repeat=ns.repeat)
     stats = result.stats
     print(f"kernel {label} grid={grid} block={block}")
     print(f"  thread-instructions : {stats.thread_instructions:,}")

@@ -3,7 +3,7 @@
 Public API
 ----------
 ``launch(ptx, entry, grid, block, args, dynamic_smem_bytes=0, *, batch_threads=32768,
-step_limit=50_000_000) -> LaunchStats``
+step_limit=50_000_000, racecheck=True, traffic=False) -> LaunchStats``
     Emulate launching ``.entry entry`` of the PTX module text ``ptx``.
 
     * ``grid`` / ``block``: tuples of 1-3 positive ints (missing dimensions are 1).
@@ -20,7 +20,12 @@ step_limit=50_000_000) -> LaunchStats``
       buffer of pointers into arrays that are not parameters themselves (pointer-array KV
       caches): the arrays are placed in global memory and entry k holds the address of array k
       plus its offset.
+    * A by-value struct parameter (``.param .align N .b8 name[size]``) takes ``bytes``, a numpy
+      structured scalar, or ``StructArg(data, {field name or byte offset: array})``: each
+      array is placed in global memory and its address written into the struct.
     * ``dynamic_smem_bytes``: size of the ``.extern .shared`` array(s).
+    * ``racecheck``: report shared-memory races (racecheck.py). ``traffic``: count memory
+      traffic into ``LaunchStats.traffic`` (traffic.py).
     * Returns a ``LaunchStats`` (thread_instructions, steps, wall_time_s,
       thread_instructions_per_s). CTAs run in batches of about ``batch_threads`` threads (all
       threads of a CTA are always in one batch); ``step_limit`` bounds instruction issues per
@@ -42,16 +47,20 @@ What is checked
 Global accesses outside the argument buffers (guard gaps separate them), shared accesses
 outside the CTA's shared memory, misaligned accesses (vectors: the whole vector size), reads
 of never-written shared memory, reads/writes of a cp.async destination before the wait that
-completes it, integer division by zero, barrier divergence/deadlock, warp collectives
-(shfl.sync, mma.sync, ldmatrix, bra.uni) executed by an incomplete or non-uniform warp, and
-shfl reads of lanes that are not executing it. Registers start with a NaN-like poison pattern.
+completes it, shared-memory races (RAW/WAW with no barrier or warp sync in between),
+integer division by zero, barrier divergence (inside a warp at an .aligned barrier, or across
+barrier instructions) and deadlock, warp collectives (shfl.sync, mma.sync, ldmatrix, bra.uni)
+executed by an incomplete or non-uniform warp, shfl reads of lanes that are not executing it,
+and never-written registers used as an address, a stored value or a branch condition.
 
 See docs/emulator.md for the execution model and numerical choices.
 """
 
-from ptxc.emu.launch import LaunchStats, PointerTable, launch
+from ptxc.emu.launch import LaunchStats, PointerTable, StructArg, launch
+from ptxc.emu.traffic import GlobalAccess, SharedAccess, Traffic
 from ptxc.emu.parser import parse_module
 from ptxc.emu.ptx_ast import Module
 from ptxc.errors import EmulationError
 
-__all__ = ["launch", "LaunchStats", "PointerTable", "parse_module", "Module", "EmulationError"]
+__all__ = ["launch", "LaunchStats", "PointerTable", "StructArg", "Traffic", "GlobalAccess",
+           "SharedAccess", "parse_module", "Module", "EmulationError"]

@@ -13,9 +13,12 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from ptxc.emu.operands import TYPES, DecodeError, SHARED_BASE, ptype
+import numpy as np
+
+from ptxc.emu.operands import TYPES, DecodeError, SHARED_BASE, imm_scalar, ptype
 from ptxc.emu.parser import parse_module
 from ptxc.emu.ptx_ast import Entry, Instruction, Module
+from ptxc.emu.uninit import InitPlan, analyse as analyse_init
 from ptxc.errors import EmulationError
 
 NORMAL, BRANCH, EXIT, BARRIER = range(4)
@@ -40,6 +43,7 @@ class Op:
     uniform: bool = False        # BRANCH: bra.uni (the guard must be warp-uniform)
     bar_id: int = 0              # BARRIER
     bar_count: int | None = None  # BARRIER: thread count operand, None = whole CTA
+    aligned: bool = True         # BARRIER: every live lane of a warp must arrive together
 
 
 class Mods:
@@ -115,16 +119,43 @@ class DecodeEnv:
             if var.nbytes is None:
                 self.shared_offsets[var.name] = self.dynamic_offset
         self.static_shared_bytes = offset
-        self.params, poff = {}, 0
+        self.params, self.param_sizes, poff = {}, {}, 0
         for p in entry.params:
             t = TYPES.get(p.ptype)
             if t is None or t.kind == "p":
                 raise EmulationError(f"kernel '{entry.name}': unsupported parameter type "
                                      f".{p.ptype} for {p.name} (line {p.line})")
-            poff = -(-poff // t.nbytes) * t.nbytes
+            size = p.nbytes if p.nbytes is not None else t.nbytes
+            align = max(p.align, t.nbytes)
+            poff = -(-poff // align) * align
             self.params[p.name] = (poff, t)
-            poff += t.nbytes
+            self.param_sizes[p.name] = size
+            poff += size
         self.param_bytes = poff
+        self._layout_globals(module)
+
+    def _layout_globals(self, module: Module):
+        """Module-scope .global/.const variables live in one buffer ("module globals") placed
+        after the launch's buffers; its address is known when a batch is bound."""
+        self.global_offsets, image, off = {}, bytearray(), 0
+        for var in module.globals:
+            t = TYPES[var.elem]
+            off = -(-off // var.align) * var.align
+            image.extend(bytes(off - len(image)))
+            self.global_offsets[var.name] = off
+            data = bytearray(t.nbytes * var.count)
+            for k, item in enumerate(var.init):
+                data[k * t.nbytes:(k + 1) * t.nbytes] = imm_scalar(item, t).tobytes()
+            image.extend(data)
+            off += len(data)
+        self.globals_image = bytes(image)
+
+    def global_address(self, name: str):
+        """bind(ctx) -> the uint64 address of a module-scope variable, or None."""
+        if name not in self.global_offsets:
+            return None
+        off = self.global_offsets[name]
+        return lambda ctx: np.uint64(ctx.gmem.globals_base + off)
 
     def reg_type(self, name: str):
         try:
@@ -151,6 +182,20 @@ class Program:
     entry: Entry
     env: DecodeEnv
     ops: tuple
+    init: InitPlan              # uninitialised-register checks (ptxc/emu/uninit.py)
+
+
+def successors(ops) -> list:
+    """Per pc, the pcs that may run next (len(ops) stands for falling off the end)."""
+    succ = []
+    for pc, op in enumerate(ops):
+        if op.kind == BRANCH:
+            succ.append([op.target] + ([pc + 1] if op.ins.guard is not None else []))
+        elif op.kind == EXIT and op.ins.guard is None:
+            succ.append([])
+        else:
+            succ.append([pc + 1])
+    return succ
 
 
 def decode_error(entry: Entry, ins: Instruction, msg: str) -> EmulationError:
@@ -183,4 +228,4 @@ def decode_program(ptx: str, entry_name: str) -> Program:
         except DecodeError as exc:
             raise decode_error(entry, ins, str(exc)) from None
         ops.append(op)
-    return Program(module, entry, env, tuple(ops))
+    return Program(module, entry, env, tuple(ops), analyse_init(entry, successors(ops)))

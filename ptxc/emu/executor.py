@@ -17,6 +17,10 @@ barrier instructions (e.g. bar.sync inside an if/else), or a count is never reac
 launch fails with a "barrier divergence" / "barrier deadlock" error. Waiting at two different
 bar.sync instructions is reported even though sm_70+ hardware counts arrivals per barrier
 id: that pattern is a bug in CUDA's __syncthreads() contract and never intended by ptxc.
+An .aligned barrier (bar.sync, barrier.sync.aligned) reached by some lanes of a warp while
+other live lanes of that warp are elsewhere is reported at once, naming both sides.
+Completed barriers and warp syncs are sync events for the race tracker (racecheck.py);
+uninitialised-register checks are bound per op (uninit.py).
 """
 
 from __future__ import annotations
@@ -24,72 +28,11 @@ from __future__ import annotations
 import numpy as np
 
 from ptxc.emu.decode import BARRIER, BRANCH, EXIT, NORMAL
-from ptxc.emu.operands import ALL, Fault, RegStorage
-from ptxc.emu.memory import SharedMemory
-from ptxc.emu.ops_async import AsyncCopies
+from ptxc.emu.operands import ALL, Fault
+from ptxc.emu.uninit import bind_init_checks, check_defined
 from ptxc.errors import EmulationError
 
 BIG = np.iinfo(np.int64).max
-
-
-class BatchContext:
-    """Per-batch storage seen by bound ops (registers, memories, special registers)."""
-
-    def __init__(self, program, grid, block, cta_start, nctas, gmem, param_bytes, smem_bytes):
-        self.grid, self.block = grid, block
-        nthreads = block[0] * block[1] * block[2]
-        self.tpad = -(-nthreads // 32) * 32
-        self.nthreads, self.cta_start, self.nctas = nthreads, cta_start, nctas
-        n = self.n = nctas * self.tpad
-        self.all_index = np.arange(n, dtype=np.int64)
-        self.cta_of = self.all_index // self.tpad
-        self.lin = self.all_index % self.tpad
-        self.lane = self.lin & 31
-        self.scratch_flag = np.zeros(n, np.bool_)
-        self.regs = {name: RegStorage(t, n) for name, t in program.env.regs.items()}
-        self.gmem, self.param_bytes = gmem, param_bytes
-        self.smem = SharedMemory(nctas, smem_bytes)
-        self.cp_async = AsyncCopies(n)
-        self._special = {}
-
-    def coords(self, thread: int):
-        """(ctaid, tid) tuples of a batch thread index."""
-        gx, gy, _ = self.grid
-        bx, by, _ = self.block
-        c = self.cta_start + thread // self.tpad
-        lin = thread % self.tpad
-        return ((c % gx, (c // gx) % gy, c // (gx * gy)),
-                (lin % bx, (lin // bx) % by, lin // (bx * by)))
-
-    def special(self, name: str):
-        arr = self._special.get(name)
-        if arr is None:
-            arr = self._special[name] = self._compute_special(name).astype(np.uint32)
-        return arr
-
-    def _compute_special(self, name: str):
-        gx, gy, gz = self.grid
-        bx, by, bz = self.block
-        c = self.cta_start + self.cta_of
-        lin, lane = self.lin, self.lane
-        table = {
-            "%tid.x": lambda: lin % bx, "%tid.y": lambda: (lin // bx) % by,
-            "%tid.z": lambda: lin // (bx * by),
-            "%ctaid.x": lambda: c % gx, "%ctaid.y": lambda: (c // gx) % gy,
-            "%ctaid.z": lambda: c // (gx * gy),
-            "%laneid": lambda: lane, "%warpid": lambda: lin // 32,
-            "%nwarpid": lambda: np.full(self.n, self.tpad // 32),
-            "%lanemask_eq": lambda: np.int64(1) << lane,
-            "%lanemask_lt": lambda: (np.int64(1) << lane) - 1,
-            "%lanemask_le": lambda: (np.int64(2) << lane) - 1,
-            "%lanemask_gt": lambda: 0xFFFFFFFF ^ ((np.int64(2) << lane) - 1),
-            "%lanemask_ge": lambda: 0xFFFFFFFF ^ ((np.int64(1) << lane) - 1),
-        }
-        for axis, v in zip("xyz", self.block):
-            table[f"%ntid.{axis}"] = lambda v=v: np.full(self.n, v)
-        for axis, v in zip("xyz", self.grid):
-            table[f"%nctaid.{axis}"] = lambda v=v: np.full(self.n, v)
-        return np.broadcast_to(table[name](), (self.n,))
 
 
 class BatchRun:
@@ -99,6 +42,7 @@ class BatchRun:
         self.program, self.ctx, self.step_limit = program, ctx, step_limit
         self.ops = program.ops
         self.bound = [op.bind(ctx) if op.kind == NORMAL else None for op in self.ops]
+        self.init_checks = bind_init_checks(program.init, ctx, self.ops, self.bound)
         self.kinds = [op.kind for op in self.ops]
         self.guards = [None if op.ins.guard is None else
                        (ctx.regs[op.ins.guard.name].bits, op.ins.guard.neg) for op in self.ops]
@@ -191,6 +135,9 @@ class BatchRun:
                     steps += 1
                     continue
                 if kind == BRANCH:
+                    if pc in self.init_checks:
+                        self.cur_pc, self.cur_sel = pc, sel
+                        check_defined(self.init_checks[pc], sel)
                     taken = self._guard(pc, sel, nsel)
                     if taken is None:
                         pc += 1
@@ -212,6 +159,8 @@ class BatchRun:
                         ops[pc].bar_count is None:
                     pc += 1                       # every live thread of every CTA arrives
                     steps += 1
+                    if self.ctx.race is not None:
+                        self.ctx.race.cta_barrier()
                     continue
                 break
         finally:
@@ -233,6 +182,8 @@ class BatchRun:
             self._exit_threads(sel)
             return
         op = self.ops[pc]
+        if pc in self.init_checks:
+            check_defined(self.init_checks[pc], sel)
         s2 = self._guard(pc, sel, sel.size)
         if op.kind == NORMAL:
             if s2 is not None:
@@ -252,6 +203,8 @@ class BatchRun:
         else:  # BARRIER
             pe[sel] = pc + 1
             if s2 is not None:
+                if op.aligned:
+                    self._check_aligned_barrier(pc, s2)
                 self.waiting[s2] = True
                 self.wait_pc[s2] = pc
                 pe[s2] = BIG
@@ -299,10 +252,51 @@ class BatchRun:
         if not done.any():
             return False
         rel = widx[done[inv]]
+        if self.ctx.race is not None:
+            self._barrier_sync_events(widx, inv, g_cta, g_pc, live, done)
         self.waiting[rel] = False
         self.pc_eff[rel] = self.wait_pc[rel] + 1
         self.n_waiting -= rel.size
         return True
+
+    def _barrier_sync_events(self, widx, inv, g_cta, g_pc, live, done):
+        race = self.ctx.race
+        for g in np.flatnonzero(done).tolist():
+            cta = int(g_cta[g])
+            count = self.ops[int(g_pc[g])].bar_count
+            if count is None or count >= live[cta]:
+                race.cta_barrier(cta)
+            else:
+                race.counted_barrier(cta, widx[inv == g])
+
+    def _check_aligned_barrier(self, pc, arriving):
+        """bar.sync / barrier.sync.aligned must be executed by every non-exited thread of a
+        warp together (PTX ISA, .aligned): lanes live elsewhere are barrier divergence."""
+        warps = np.unique(arriving >> 5)
+        lanes = (warps[:, None] * 32 + np.arange(32)).reshape(-1)
+        flag = self.ctx.scratch_flag
+        flag[arriving] = True
+        arrives = flag[lanes]
+        flag[arriving] = False
+        waits_here = self.waiting[lanes] & (self.wait_pc[lanes] == pc)
+        ok = (arrives | self.exited[lanes] | waits_here).reshape(-1, 32)
+        if ok.all():
+            return
+        w = int(np.flatnonzero(~ok.all(axis=1))[0])
+        warp_lanes, warp_arrives = lanes.reshape(-1, 32)[w], arrives.reshape(-1, 32)[w]
+        at = [int(t) for t in warp_lanes[warp_arrives]]
+        away = [int(t) for t in warp_lanes[~ok[w]]]
+        where = sorted({int(self.wait_pc[t]) if self.waiting[t] else int(self.pc_eff[t])
+                        for t in away})
+        places = ", ".join(f"line {self.ops[p].ins.line} (`{self.ops[p].ins.text}`)"
+                           if p < len(self.ops) else "the end of the kernel" for p in where)
+        tid_at, tid_away = self.ctx.coords(at[0])[1], self.ctx.coords(away[0])[1]
+        self.cur_pc = pc
+        raise Fault(f"barrier divergence: lanes {_lane_list(at)} of warp "
+                    f"{(at[0] % self.ctx.tpad) >> 5} (first thread tid={tid_at}) reached this "
+                    f".aligned barrier while lanes {_lane_list(away)} of the same warp (first "
+                    f"thread tid={tid_away}) are live elsewhere, at {places}; every non-exited "
+                    f"thread of a warp must execute the barrier together", at[0])
 
     def _report_stuck(self):
         widx, g_cta, g_pc, inv, counts = self._barrier_groups()
@@ -337,3 +331,14 @@ class BatchRun:
         err.kernel, err.ctaid, err.tid, err.address = entry, ctaid, tid, fault.address
         err.line, err.text = (ins.line, ins.text) if ins else (None, None)
         return err
+
+
+def _lane_list(threads) -> str:
+    lanes = [t & 31 for t in threads]
+    runs, start = [], lanes[0]
+    for a, b in zip(lanes, lanes[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(runs)
+

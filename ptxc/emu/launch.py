@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ptxc.emu.decode import decode_program
-from ptxc.emu.executor import BatchContext, BatchRun
+from ptxc.emu.context import BatchContext
+from ptxc.emu.executor import BatchRun
 from ptxc.emu.memory import GlobalMemory
+from ptxc.emu.traffic import Traffic, TrafficCounter
 from ptxc.errors import InputError
 
 # Maximum shared memory per CTA (opt-in) by target; the default is the sm_90 value.
@@ -32,6 +34,7 @@ class LaunchStats:
     thread_instructions: int
     steps: int
     wall_time_s: float
+    traffic: Traffic | None = None      # with launch(..., traffic=True): see traffic.py
 
     @property
     def thread_instructions_per_s(self) -> float:
@@ -70,8 +73,52 @@ class PointerTable:
                                  f"array and a byte offset within it")
 
 
+@dataclass(frozen=True)
+class StructArg:
+    """A by-value struct parameter (`.param .align N .b8 name[size]`, how nvcc passes a C++
+    struct). `data`: the struct's bytes -- `bytes`, or a numpy structured scalar / 0-d array
+    (build its dtype with `align=True` to get C layout). `buffers`: {byte offset or field name:
+    ndarray}; each array is placed in global memory like a buffer argument (and copied back
+    after the launch), and its device address is written as a u64 at that offset of the struct.
+    Plain `bytes` or a structured scalar may be passed directly when the struct holds no
+    pointers."""
+
+    data: object
+    buffers: object = ()
+
+    def __post_init__(self):
+        items = self.buffers.items() if isinstance(self.buffers, dict) else self.buffers
+        object.__setattr__(self, "buffers", tuple(items))
+
+
+def _struct_bytes(kernel, i, p, a):
+    """-> (bytes, ((offset, label, array), ...)) of a by-value struct argument."""
+    pointers = a.buffers if isinstance(a, StructArg) else ()
+    data = a.data if isinstance(a, StructArg) else a
+    if isinstance(data, np.ndarray) and data.shape == () and data.dtype.names:
+        data = data[()]
+    fields = data.dtype.fields if isinstance(data, np.void) and data.dtype.names else {}
+    raw = data.tobytes() if isinstance(data, np.void) else data
+    if not isinstance(raw, (bytes, bytearray)) or len(raw) != p.nbytes:
+        got = f"{len(raw)} bytes" if isinstance(raw, (bytes, bytearray)) else _describe(data)
+        raise InputError(f"kernel '{kernel}': param {i} '{p.name}' is a {p.nbytes}-byte struct "
+                         f"(.b8[{p.nbytes}]): expected bytes, a numpy structured scalar or a "
+                         f"StructArg of exactly {p.nbytes} bytes, got {got}")
+    out = []
+    for key, arr in pointers:
+        off = fields[key][1] if isinstance(key, str) and key in fields else key
+        if not isinstance(off, (int, np.integer)) or not 0 <= off <= p.nbytes - 8 or off % 8 \
+                or not isinstance(arr, np.ndarray) or arr.dtype.hasobject:
+            raise InputError(f"kernel '{kernel}': param {i} '{p.name}': StructArg buffer "
+                             f"{key!r} must be an aligned u64 field of the struct holding a "
+                             f"numpy array, got {_describe(arr)}")
+        out.append((int(off), f"{p.name}.{key}" if isinstance(key, str) else f"{p.name}+{off}",
+                    arr))
+    return bytes(raw), out
+
+
 def _pack_params(kernel: str, env, args: list):
-    """-> (param bytes, list of (arg index or None, array) device buffers, their GlobalMemory)."""
+    """-> (param bytes, [(arg index or None, array)] device buffers, their names, GlobalMemory)."""
     params = env.entry.params
     if not isinstance(args, (list, tuple)):
         raise InputError(f"kernel '{kernel}': args must be a list, got {type(args).__name__}")
@@ -79,14 +126,18 @@ def _pack_params(kernel: str, env, args: list):
         names = ", ".join(f"{p.name} (.{p.ptype})" for p in params) or "none"
         raise InputError(f"kernel '{kernel}' takes {len(params)} parameter(s) ({names}), "
                          f"got {len(args)} argument(s)")
-    buffers, tables, targets = [], {}, {}
+    buffers, names, tables, targets, structs = [], [], {}, {}, {}
     for i, (p, a) in enumerate(zip(params, args)):
+        if p.nbytes is not None:
+            structs[i] = _struct_bytes(kernel, i, p, a)
+            continue
         if isinstance(a, PointerTable):
             if p.ptype not in ("u64", "s64", "b64"):
                 raise InputError(f"kernel '{kernel}': param {i} '{p.name}' (.{p.ptype}) is not "
                                  f"a pointer (.u64) parameter, got a PointerTable")
             tables[i] = a
             buffers.append((i, np.zeros(len(a.targets), np.uint64)))
+            names.append(p.name)
             for arr, _ in a.targets:
                 targets.setdefault(id(arr), arr)
             continue
@@ -98,11 +149,25 @@ def _pack_params(kernel: str, env, args: list):
                 raise InputError(f"kernel '{kernel}': param {i} '{p.name}' (.{p.ptype}) is not "
                                  f"a pointer (.u64) parameter, got a {_describe(a)}")
             buffers.append((i, a))
+            names.append(p.name)
     first_target = len(buffers)
     buffers += [(None, arr) for arr in targets.values()]
-    gmem = GlobalMemory([(f"arg {i} '{params[i].name}'" if i is not None else
-                          f"pointer-table target {k - first_target}", a.nbytes)
-                         for k, (i, a) in enumerate(buffers)])
+    names += [f"pointer-table target {k}" for k in range(len(targets))]
+    struct_slot = {}
+    for i, (_, ptrs) in structs.items():
+        for off, label, arr in ptrs:
+            struct_slot[(i, off)] = len(buffers)
+            buffers.append((None, arr))
+            names.append(label)
+    globals_slot = None
+    if env.globals_image:
+        globals_slot = len(buffers)
+        buffers.append((None, np.frombuffer(env.globals_image, np.uint8).copy()))
+        names.append("module globals")
+    gmem = GlobalMemory([(f"arg {i} '{params[i].name}'" if i is not None else name, a.nbytes)
+                         for (i, a), name in zip(buffers, names)])
+    if globals_slot is not None:
+        gmem.globals_base = int(gmem.starts[globals_slot])
     address_of = {i: int(gmem.starts[k]) for k, (i, _) in enumerate(buffers) if i is not None}
     target_address = {key: int(gmem.starts[first_target + k]) for k, key in enumerate(targets)}
     for i, table in buffers[:first_target]:
@@ -111,12 +176,18 @@ def _pack_params(kernel: str, env, args: list):
     out = bytearray(env.param_bytes)
     for i, (p, a) in enumerate(zip(params, args)):
         off, ptype = env.params[p.name]
+        if i in structs:
+            raw = bytearray(structs[i][0])
+            for poff, _, _ in structs[i][1]:
+                raw[poff:poff + 8] = np.uint64(gmem.starts[struct_slot[(i, poff)]]).tobytes()
+            out[off:off + p.nbytes] = raw
+            continue
         if i in address_of:
             value = np.uint64(address_of[i])
         else:
             value = _check_scalar(kernel, i, p, ptype, a)
         out[off:off + ptype.nbytes] = value.tobytes()
-    return bytes(out), buffers, gmem
+    return bytes(out), buffers, names, gmem
 
 
 def _check_scalar(kernel, i, p, ptype, a):
@@ -149,7 +220,8 @@ def _shared_bytes(kernel: str, env, target: str, dynamic: int) -> int:
 
 def launch(ptx: str, entry: str, grid: tuple, block: tuple, args: list,
            dynamic_smem_bytes: int = 0, *, batch_threads: int = 32768,
-           step_limit: int = 50_000_000) -> LaunchStats:
+           step_limit: int = 50_000_000, racecheck: bool = True,
+           traffic: bool = False) -> LaunchStats:
     """Emulate one kernel launch. See the package docstring for the full contract."""
     t0 = time.perf_counter()
     g, b = _dims("grid", grid), _dims("block", block)
@@ -168,16 +240,20 @@ def launch(ptx: str, entry: str, grid: tuple, block: tuple, args: list,
             raise InputError(f"kernel '{entry}' allows at most {mx} threads (.maxntid), "
                              f"launched with {block}")
     smem = _shared_bytes(entry, env, program.module.target, dynamic_smem_bytes)
-    param_bytes, buffers, gmem = _pack_params(entry, env, args)
+    param_bytes, buffers, names, gmem = _pack_params(entry, env, args)
     for k, (_, a) in enumerate(buffers):
         gmem.region(k)[:] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    counter = None
+    if traffic:
+        counter = TrafficCounter(gmem, names, {ins.line: ins.text for ins in program.entry.body})
     tpad = -(-nthreads // 32) * 32
     ctas = g[0] * g[1] * g[2]
     per_batch = max(1, batch_threads // tpad)
     thread_instructions = steps = 0
     for start in range(0, ctas, per_batch):
         nctas = min(per_batch, ctas - start)
-        ctx = BatchContext(program, g, b, start, nctas, gmem, param_bytes, smem)
+        ctx = BatchContext(program, g, b, start, nctas, gmem, param_bytes, smem, racecheck,
+                           counter)
         run = BatchRun(program, ctx, step_limit)
         run.run()
         thread_instructions += run.thread_instructions
@@ -188,6 +264,7 @@ def launch(ptx: str, entry: str, grid: tuple, block: tuple, args: list,
             a[...] = result
         elif not np.array_equal(result.reshape(-1).view(np.uint8),
                                 np.ascontiguousarray(a).reshape(-1).view(np.uint8)):
-            what = f"arg {i}" if i is not None else "a pointer-table target"
+            what = f"arg {i}" if i is not None else f"'{names[k]}'"
             raise InputError(f"kernel '{entry}' wrote to {what}, a read-only numpy array")
-    return LaunchStats(entry, g, b, thread_instructions, steps, time.perf_counter() - t0)
+    return LaunchStats(entry, g, b, thread_instructions, steps, time.perf_counter() - t0,
+                       counter.result() if counter else None)

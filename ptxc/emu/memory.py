@@ -72,6 +72,7 @@ class GlobalMemory:
             starts.append(addr)
             addr += -(-(nbytes + GLOBAL_GUARD) // GLOBAL_ALIGN) * GLOBAL_ALIGN
         self.labels = [label for label, _ in buffers]
+        self.globals_base = 0        # address of the module-scope variables' buffer, if any
         self.starts = np.array(starts, np.uint64)
         self.ends = np.array([s + n for s, (_, n) in zip(starts, buffers)], np.uint64)
         self.heap = np.zeros(max(addr - GLOBAL_BASE, 16), np.uint8)
@@ -147,6 +148,8 @@ class SharedMemory:
         self.data = np.zeros(nctas * self.stride, np.uint8)
         self.state = np.zeros(nctas * self.stride, np.uint8)
         self.rows, self.state_rows = RowViews(self.data), RowViews(self.state)
+        self.race = None            # a RaceTracker when racecheck is on
+        self.all_index = None       # batch thread indices, for accesses by every thread
 
     def offsets(self, cta, addr, nbytes: int, align: int, what: str, sel):
         """Validate shared accesses (addr: shared-window addresses); return flat byte offsets."""
@@ -190,18 +193,27 @@ class SharedMemory:
             raise Fault(f"write to cp.async destination before cp.async.wait_group "
                         f"(shared address 0x{a:x})", _at(sel, k), a)
 
-    def load(self, cta, addr, esize: int, nvec: int, sel):
+    def load(self, cta, addr, esize: int, nvec: int, sel, line: int = 0):
         total = esize * nvec
         off = self.offsets(cta, addr, total, total, "load", sel)
         rows = off >> _SHIFT[total]
-        self.check_readable(rows, total, sel, lambda k: int(np.atleast_1d(addr)[k]))
+        addr_of = lambda k: int(np.atleast_1d(addr)[k])  # noqa: E731
+        self.check_readable(rows, total, sel, addr_of)
+        if self.race is not None:
+            idx = self.all_index if isinstance(sel, slice) else sel
+            self.race.read(rows, total, idx, line, addr_of)
         return self.rows.gather(rows, total, esize, nvec)
 
-    def store(self, cta, addr, esize: int, values, sel):
+    def store(self, cta, addr, esize: int, values, sel, line: int = 0):
         total = esize * values.shape[1]
         off = self.offsets(cta, addr, total, total, "store", sel)
         rows = off >> _SHIFT[total]
-        self.check_not_pending(rows, total, sel, lambda k: int(np.atleast_1d(addr)[k]))
+        addr_of = lambda k: int(np.atleast_1d(addr)[k])  # noqa: E731
+        self.check_not_pending(rows, total, sel, addr_of)
+        if self.race is not None:
+            idx = self.all_index if isinstance(sel, slice) else sel
+            self.race.check(rows, total, idx, line, "write", addr_of)
+            self.race.record(rows, total, idx, line)
         self.rows.scatter(rows, total, values)
         self.mark_written(rows, total)
 

@@ -149,6 +149,11 @@ def src_plan(env, operand, ty: PtxType):
         value = imm_scalar(operand, ty)
         return lambda ctx: (lambda sel: value)
     if isinstance(operand, Sym):
+        glob = env.global_address(operand.name)
+        if glob is not None:
+            if ty.kind not in "usb" or ty.bits != 64:
+                raise DecodeError(f"address of {operand.name} needs a 64-bit integer type")
+            return lambda ctx: (lambda v: (lambda sel: v.view(ty.dtype)))(glob(ctx))
         addr = env.symbol_address(operand.name)
         if ty.kind not in "usb" or ty.bits < 32:
             raise DecodeError(f"address of {operand.name} needs a 32/64-bit integer type")

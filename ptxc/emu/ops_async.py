@@ -4,8 +4,8 @@ Model: a cp.async validates its addresses when issued and marks its shared desti
 as pending; the copy itself (reading the global source, zero-filling past src-size) happens at
 the wait that completes its group. Until then a read or a write of the destination is an
 error, so a missing wait shows up as an error rather than as a lucky read of stale data.
-(Data copied by *another* thread also needs a bar.sync after that thread's wait; the emulator
-does not track that ordering, only the issuing thread's wait.)
+The bytes count as written by the issuing thread at its wait: another thread reading them
+needs a barrier after that wait, which the race tracker (racecheck.py) checks.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ class AsyncCopies:
 
     def __init__(self, n: int):
         self.commits = np.zeros(n, np.int64)     # groups committed so far, per thread
-        self.records = []                        # (threads, dst_flat, src_off, size, src_size, gid)
+        self.records = []            # (threads, dst_flat, src_off, size, src_size, gid, line)
 
     def commit(self, threads):
         self.commits[threads] += 1
 
-    def issue(self, threads, dst_flat, src_off, size, src_size):
-        self.records.append((threads, dst_flat, src_off, size, src_size, self.commits[threads]))
+    def issue(self, threads, dst_flat, src_off, size, src_size, line):
+        self.records.append((threads, dst_flat, src_off, size, src_size, self.commits[threads],
+                             line))
 
     def complete(self, ctx, threads, keep_groups: int):
         """Complete the copies of `threads` except those in their `keep_groups` most recent
@@ -40,13 +41,15 @@ class AsyncCopies:
         remaining = []
         try:
             for rec in self.records:
-                thr, dst, src, size, src_size, gid = rec
+                thr, dst, src, size, src_size, gid, line = rec
                 done = flag[thr] & (gid < self.commits[thr] - keep_groups)
                 if done.any():
                     self._apply(ctx, dst[done], src[done], size, src_size[done])
+                    if ctx.race is not None:   # written by the issuing thread, at its wait
+                        ctx.race.record_copy(dst[done], size, thr[done], line)
                     rest = ~done
                     rec = tuple(a[rest] for a in (thr, dst, src)) + (size,) + \
-                        (src_size[rest], gid[rest])
+                        (src_size[rest], gid[rest], line)
                 if rec[0].size:
                     remaining.append(rec)
         finally:
@@ -105,6 +108,7 @@ def decode_cp(ins, env):
         full = np.uint32(size)
         src_size_plan = lambda ctx: (lambda sel: full)  # noqa: E731
     dplan, splan = address_plan(env, dst, "shared"), address_plan(env, src, "global")
+    line = ins.line
 
     def bind(ctx):
         daddr, saddr, ssize = dplan(ctx), splan(ctx), src_size_plan(ctx)
@@ -130,9 +134,17 @@ def decode_cp(ins, env):
                                 _at(idx, k), int(sa[k]))
                 soff[rows] = ctx.gmem.offsets(sa[rows], int(nbytes), 1, "cp.async read",
                                               idx[rows])
-            ctx.smem.check_not_pending(dflat // size, size, idx, lambda k: int(da[k]))
+            addr_of = lambda k: int(da[k])  # noqa: E731
+            ctx.smem.check_not_pending(dflat // size, size, idx, addr_of)
+            if ctx.race is not None:
+                ctx.race.check(dflat // size, size, idx, line, "write", addr_of)
+            if ctx.traffic is not None:
+                live = src_size > 0
+                ctx.traffic.global_access(line, "cp.async", idx[live], sa[live], src_size[live],
+                                          False)
+                ctx.traffic.shared_access(line, "cp.async", idx, da, size)
             ctx.smem.state[dflat[:, None] + np.arange(size)] = CP_ASYNC_PENDING
-            ctx.cp_async.issue(idx, dflat, soff, size, src_size)
+            ctx.cp_async.issue(idx, dflat, soff, size, src_size, line)
         return run
     return Op(NORMAL, ins, bind)
 

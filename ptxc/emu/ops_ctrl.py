@@ -40,7 +40,7 @@ def decode_bar(ins, env):
     m.flag("cta")
     if not m.flag("sync"):
         raise DecodeError("only bar.sync / barrier.sync are supported (not arrive/red)")
-    m.flag("aligned")
+    aligned = ins.opcode == "bar" or bool(m.flag("aligned"))
     m.done()
     expect_operands(ins, 1, 2)
     ops = ins.operands
@@ -52,7 +52,7 @@ def decode_bar(ins, env):
     count = ops[1].value if len(ops) == 2 else None
     if count is not None and (count <= 0 or count % 32):
         raise DecodeError(f"barrier thread count {count} is not a positive multiple of 32")
-    return Op(BARRIER, ins, bar_id=bar_id, bar_count=count)
+    return Op(BARRIER, ins, bar_id=bar_id, bar_count=count, aligned=aligned)
 
 
 def _decode_warp_sync(ins, env, m):
@@ -75,6 +75,8 @@ def _decode_warp_sync(ins, env, m):
                 k = int(np.flatnonzero(bad)[0])
                 raise Fault(f"bar.warp.sync membermask 0x{int(mask[k]):08x} does not match the "
                             f"converged lanes 0x{int(here[k]):08x}", int(idx[k]))
+            if ctx.race is not None:
+                ctx.race.warp_synced(sel)
         return run
     return Op(NORMAL, ins, bind)
 
@@ -87,4 +89,15 @@ def decode_fence(ins, env):
     bad = [x for x in ins.mods if x not in allowed]
     if bad:
         raise DecodeError("unsupported modifier " + ", ".join("." + b for b in bad))
+    return Op(NORMAL, ins, lambda ctx: (lambda sel: None))
+
+
+@register("griddepcontrol")
+def decode_griddepcontrol(ins, env):
+    """sm_90 programmatic dependent launch: in a single emulated launch there is no
+    preceding/dependent grid, so launch_dependents and wait are no-ops."""
+    m = Mods(ins)
+    m.need("launch_dependents", "wait")
+    m.done()
+    expect_operands(ins, 0)
     return Op(NORMAL, ins, lambda ctx: (lambda sel: None))

@@ -23,8 +23,10 @@ _SPACES = ("global", "shared", "shared::cta", "param", "local", "const")
 
 def take_space(m: Mods):
     space = m.flag(*_SPACES)
-    if space in ("local", "const"):
-        raise DecodeError(f".{space} memory is not supported")
+    if space == "local":
+        raise DecodeError(".local memory is not supported")
+    if space == "const":     # module .const variables live in global memory (read-only use)
+        return "global"
     return "shared" if space == "shared::cta" else space
 
 
@@ -33,6 +35,11 @@ def address_plan(env, addr, space: str):
     if not isinstance(addr, Addr):
         raise DecodeError(f"expected an address operand [..], got {addr}")
     off = addr.offset
+    if isinstance(addr.base, Sym) and env.global_address(addr.base.name) is not None:
+        if space not in ("global", None):
+            raise DecodeError(f"[{addr.base.name}] names a module .global/.const variable")
+        glob, delta = env.global_address(addr.base.name), np.uint64(off & (2**64 - 1))
+        return lambda ctx: (lambda v: (lambda sel: v))(glob(ctx) + delta)
     if isinstance(addr.base, Sym):
         base = env.symbol_address(addr.base.name)   # a shared variable
         if space != "shared":
@@ -80,25 +87,38 @@ def _count(ctx, sel) -> int:
 class MemAccess:
     """Routes an access to global or shared memory (generic addresses are split per thread)."""
 
-    def __init__(self, ctx, space):
-        self.ctx, self.space = ctx, space
+    def __init__(self, ctx, space, line: int = 0):
+        self.ctx, self.space, self.line = ctx, space, line
 
     def load(self, sel, addr, esize, nvec):
         ctx = self.ctx
+        if ctx.traffic is not None and self.space:
+            self._count(sel, addr, esize * nvec, self.space == "shared", False)
         if self.space == "global":
             return ctx.gmem.load(addr, esize, nvec, sel)
         if self.space == "shared":
-            return ctx.smem.load(ctx.cta_of[sel], addr, esize, nvec, sel)
+            return ctx.smem.load(ctx.cta_of[sel], addr, esize, nvec, sel, self.line)
         return self._generic(sel, addr, esize, nvec, None)
 
     def store(self, sel, addr, esize, values):
         ctx = self.ctx
+        if ctx.traffic is not None and self.space:
+            self._count(sel, addr, esize * values.shape[1], self.space == "shared", True)
         if self.space == "global":
             ctx.gmem.store(addr, esize, values, sel)
         elif self.space == "shared":
-            ctx.smem.store(ctx.cta_of[sel], addr, esize, values, sel)
+            ctx.smem.store(ctx.cta_of[sel], addr, esize, values, sel, self.line)
         else:
             self._generic(sel, addr, esize, values.shape[1], values)
+
+    def _count(self, sel, addr, nbytes, shared: bool, write: bool):
+        idx = self.ctx.all_index if isinstance(sel, slice) else sel
+        if shared:
+            self.ctx.traffic.shared_access(self.line, "st.shared" if write else "ld.shared",
+                                           idx, addr, nbytes)
+        else:
+            self.ctx.traffic.global_access(self.line, "store" if write else "load", idx, addr,
+                                           nbytes, write)
 
     def _generic(self, sel, addr, esize, nvec, values):
         ctx = self.ctx
@@ -113,10 +133,13 @@ class MemAccess:
             sub, a = idx[mask], addr[mask]
             if is_sh:
                 a = (a - np.uint64(GENERIC_SHARED_BASE)).astype(np.int64)
+            if ctx.traffic is not None:
+                self._count(sub, a, esize * nvec, is_sh, values is not None)
+            if is_sh:
                 if values is None:
-                    out[mask] = ctx.smem.load(ctx.cta_of[sub], a, esize, nvec, sub)
+                    out[mask] = ctx.smem.load(ctx.cta_of[sub], a, esize, nvec, sub, self.line)
                 else:
-                    ctx.smem.store(ctx.cta_of[sub], a, esize, values[mask], sub)
+                    ctx.smem.store(ctx.cta_of[sub], a, esize, values[mask], sub, self.line)
             elif values is None:
                 out[mask] = ctx.gmem.load(a, esize, nvec, sub)
             else:
@@ -146,7 +169,7 @@ def decode_ld(ins, env):
     def bind(ctx):
         writers = [p(ctx) for p in dplans]
         address = aplan(ctx)
-        mem = MemAccess(ctx, space)
+        mem = MemAccess(ctx, space, ins.line)
 
         def run(sel):
             words = mem.load(sel, address(sel), esize, nvec)
@@ -162,9 +185,9 @@ def _decode_ld_param(ins, env, t, a, dplans):
     poff, ptype = env.params[a.base.name]
     start = poff + a.offset
     nbytes = t.nbytes * len(dplans)
-    if a.offset < 0 or a.offset + nbytes > ptype.nbytes or start % t.nbytes:
+    if a.offset < 0 or a.offset + nbytes > env.param_sizes[a.base.name] or start % t.nbytes:
         raise DecodeError(f"ld.param of {nbytes} bytes at {a.base.name}+{a.offset} is outside "
-                          f"the .{ptype.name} parameter or misaligned")
+                          f"the parameter ({env.param_sizes[a.base.name]} bytes) or misaligned")
 
     def bind(ctx):
         values = [np.frombuffer(ctx.param_bytes, t.dtype, 1, start + i * t.nbytes)[0]
@@ -199,7 +222,7 @@ def decode_st(ins, env):
     def bind(ctx):
         readers = [p(ctx) for p in splans]
         address = aplan(ctx)
-        mem = MemAccess(ctx, space)
+        mem = MemAccess(ctx, space, ins.line)
 
         def run(sel):
             n = _count(ctx, sel)
@@ -251,19 +274,23 @@ def decode_atom(ins, env):
         def run(sel):
             idx = sel if not isinstance(sel, slice) else ctx.all_index
             vals = [np.broadcast_to(np.asarray(r(sel), t.dtype), idx.shape) for r in readers]
-            old = _atomic(ctx, space, idx, address(sel), esize, t, fn, vals)
+            old = _atomic(ctx, space, idx, address(sel), esize, t, fn, vals, ins.line)
             if write:
                 write(sel, old)
         return run
     return Op(NORMAL, ins, bind)
 
 
-def _atomic(ctx, space, idx, addr, esize, t, fn, vals):
+def _atomic(ctx, space, idx, addr, esize, t, fn, vals, line):
     """Apply read-modify-writes in thread order, one 'round' per repeat of an address."""
     addr = np.broadcast_to(addr, idx.shape)
     if space == "global":
         off = ctx.gmem.offsets(addr, esize, esize, "atomic", idx)
         words = ctx.gmem.views[esize].view(t.dtype)
+        if ctx.traffic is not None:      # a read-modify-write: counted as read and written
+            ctx.traffic.global_access(line, "atomic", idx, addr, esize, False)
+            buf = np.searchsorted(ctx.gmem.starts, addr, side="right").astype(np.int64) - 1
+            np.add.at(ctx.traffic.written, buf, esize)
     else:
         off = ctx.smem.offsets(ctx.cta_of[idx], addr, esize, esize, "atomic", idx)
         ctx.smem.check_readable(off // esize, esize, idx, lambda k: int(addr[k]))

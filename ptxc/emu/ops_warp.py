@@ -8,6 +8,8 @@ behaviour in PTX and raises a Fault naming the first offending thread.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ptxc.emu.decode import NORMAL, Mods, Op, expect_operands, register
@@ -105,6 +107,8 @@ def decode_shfl(ins, env):
             if not (mask_full and (isinstance(sel, slice) or complete_warps(idx))):
                 _check_shfl(ctx, idx, ctx.lane[idx], src, np.asarray(rm(sel), np.int64))
             value = ra(src)
+            if ctx.race is not None:
+                ctx.race.warp_synced(sel)
             write(sel, value)
             if pwrite:
                 pwrite(sel, pval)
@@ -184,33 +188,65 @@ def _halves_to_f64(words, is_bf16: bool):
     return h.view(np.float16).astype(np.float64)
 
 
+def _tf32_maps(k: int):
+    """(lane, element) -> (row, col) maps of the tf32 shapes m16n8k8 / m16n8k4: one element
+    per register (PTX ISA, "Matrix fragments for mma.m16n8k8 / m16n8k4 with .tf32")."""
+    lane = np.arange(32)
+    g, t = lane >> 2, lane & 3
+    ia, ib, ic = np.arange(k // 2), np.arange(k // 4), np.arange(4)
+    a_row = g[:, None] + 8 * (ia[None, :] & 1)
+    a_col = t[:, None] + 4 * (ia[None, :] >> 1)
+    b_row = t[:, None] + 4 * ib[None, :]
+    b_col = np.broadcast_to(g[:, None], (32, k // 4))
+    c_row = g[:, None] + 8 * (ic[None, :] >> 1)
+    c_col = 2 * t[:, None] + (ic[None, :] & 1)
+    return [x.reshape(-1) for x in (a_row, a_col, b_row, b_col, c_row, c_col)]
+
+
+def _tf32_to_f64(words):
+    """tf32 operands: the upper 19 bits of each 32-bit register (the rest is ignored)."""
+    w = np.ascontiguousarray(words, np.uint32) & np.uint32(0xFFFFE000)
+    return w.view(np.float32).astype(np.float64)
+
+
 @register("mma")
 def decode_mma(ins, env):
     m = Mods(ins)
     if not (m.flag("sync") and m.flag("aligned")):
         raise DecodeError("needs .sync.aligned")
-    shape = m.need("m16n8k16", "m16n8k8")
+    shape = m.need("m16n8k16", "m16n8k8", "m16n8k4")
     if not (m.flag("row") and m.flag("col")):
         raise DecodeError("only the .row.col layout is supported")
+    tf32 = m.left.count("tf32")
+    m.left = [x for x in m.left if x != "tf32"]
     types = [t.name for t in m.types()]
     m.done()
-    if len(types) != 4 or types[0] != "f32" or types[3] != "f32" or types[1] != types[2] \
-            or types[1] not in ("f16", "bf16"):
-        raise DecodeError("only .f32.f16.f16.f32 and .f32.bf16.bf16.f32 are supported")
-    k = 16 if shape == "m16n8k16" else 8
+    k = {"m16n8k16": 16, "m16n8k8": 8, "m16n8k4": 4}[shape]
+    if tf32:
+        if tf32 != 2 or types != ["f32", "f32"] or k == 16:
+            raise DecodeError("tf32 mma is .m16n8k8/.m16n8k4 .f32.tf32.tf32.f32")
+        counts, maps, elem = (4, k // 2, k // 4, 4), _tf32_maps(k), "tf32"
+    else:
+        if len(types) != 4 or types[0] != "f32" or types[3] != "f32" or \
+                types[1] != types[2] or types[1] not in ("f16", "bf16") or k == 4:
+            raise DecodeError("supported: .m16n8k16/.m16n8k8 .f32.{f16,bf16}.{f16,bf16}.f32 "
+                              "and .m16n8k8/.m16n8k4 .f32.tf32.tf32.f32")
+        counts, maps, elem = (4, k // 4, k // 8, 4), _mma_maps(k), types[1]
     expect_operands(ins, 4)
-    counts = (4, k // 4, k // 8, 4)
     groups = []
     for op, n, ty in zip(ins.operands, counts, (F32, B32, B32, F32)):
         if not isinstance(op, Vec) or len(op.items) != n:
-            raise DecodeError(f"mma.{shape} fragments are {{4}}, {{{k // 4}}}, {{{k // 8}}}, {{4}} "
-                              "registers")
+            raise DecodeError(f"mma.{shape} fragments are {{{counts[0]}}}, {{{counts[1]}}}, "
+                              f"{{{counts[2]}}}, {{{counts[3]}}} registers")
         groups.append(op.items)
     dplans = [dst_plan(env, x, F32) for x in groups[0]]
     splans = [[src_plan(env, x, ty) for x in grp]
               for grp, ty in zip(groups[1:], (B32, B32, F32))]
-    a_row, a_col, b_row, b_col, c_row, c_col = _mma_maps(k)
-    is_bf16 = types[1] == "bf16"
+    a_row, a_col, b_row, b_col, c_row, c_col = maps
+    if elem == "tf32":
+        to_f64 = _tf32_to_f64
+    else:
+        to_f64 = functools.partial(_halves_to_f64, is_bf16=elem == "bf16")
 
     def bind(ctx):
         writers = [p(ctx) for p in dplans]
@@ -219,14 +255,16 @@ def decode_mma(ins, env):
         def run(sel):
             idx = whole_warps(ctx, sel, "mma.sync")
             nw = idx.size // 32
+            if ctx.race is not None:
+                ctx.race.warp_synced(sel)
 
             def frag(readers, dt):
                 cols = [np.broadcast_to(np.asarray(r(sel), dt), idx.shape) for r in readers]
                 return np.stack(cols, axis=1).reshape(nw, 32, len(readers))
             A = np.zeros((nw, 16, k))
-            A[:, a_row, a_col] = _halves_to_f64(frag(ra, np.uint32), is_bf16).reshape(nw, -1)
+            A[:, a_row, a_col] = to_f64(frag(ra, np.uint32)).reshape(nw, -1)
             B = np.zeros((nw, k, 8))
-            B[:, b_row, b_col] = _halves_to_f64(frag(rb, np.uint32), is_bf16).reshape(nw, -1)
+            B[:, b_row, b_col] = to_f64(frag(rb, np.uint32)).reshape(nw, -1)
             C = np.zeros((nw, 16, 8))
             C[:, c_row, c_col] = frag(rc, np.float32).astype(np.float64).reshape(nw, -1)
             # float64 accumulation of exact f16/bf16 products, rounded once to f32
@@ -261,6 +299,7 @@ def decode_ldmatrix(ins, env):
     aplan = address_plan(env, a, "shared" if space else None)
     lane = np.arange(32)
     row, col = lane >> 2, 2 * (lane & 3)
+    line = ins.line
 
     def bind(ctx):
         writers = [p(ctx) for p in dplans]
@@ -273,10 +312,16 @@ def decode_ldmatrix(ins, env):
             if not space:   # generic address: must point into the shared window
                 addr = addr.astype(np.int64) - GENERIC_SHARED_BASE
             who = idx.reshape(nw, 32)[:, :8 * nmat].reshape(-1)
+            if ctx.traffic is not None:
+                ctx.traffic.ldmatrix(line, addr)
             flat = ctx.smem.offsets(ctx.cta_of[who], addr.reshape(-1), 16, 16,
                                     "ldmatrix row load", who)
             rows = flat >> 4
-            ctx.smem.check_readable(rows, 16, who, lambda k: int(addr.reshape(-1)[k]))
+            addr_of = lambda k: int(addr.reshape(-1)[k])  # noqa: E731
+            ctx.smem.check_readable(rows, 16, who, addr_of)
+            if ctx.race is not None:     # converged on .sync.aligned: the warp is synchronised
+                ctx.race.warp_synced(sel)
+                ctx.race.read(rows, 16, who, line, addr_of)
             M = ctx.smem.rows.gather(rows, 16, 2, 8).reshape(nw, nmat, 8, 8)  # [w, m, row, col]
             for i, w in enumerate(writers):
                 mat = M[:, i]

@@ -12,49 +12,25 @@ import bisect
 import functools
 import re
 
-from ptxc.emu.ptx_ast import (Addr, Entry, Imm, Instruction, Module, Operand, Pair, Param, Reg,
-                              SharedVar, Sink, Sym, Vec)
-from ptxc.errors import EmulationError
+from ptxc.emu.declarations import TYPE_BYTES, fail, parse_decl, parse_params, split_top
+from ptxc.emu.ptx_ast import (Addr, Entry, GlobalVar, Imm, Instruction, Module, Operand, Pair,
+                              Reg, Sink, Sym, Vec)
 
 # ----------------------------------------------------------------------------- lexing helpers
 
 _BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.S)
 _LINE_COMMENT = re.compile(r"//[^\n]*")
-_IDENT = r"[A-Za-z_$%][\w$]*"
 _LABEL = re.compile(r"([A-Za-z_$][\w$]*)\s*:(?!:)")
-_GUARD = re.compile(r"@(!?)(%[\w$]+)\s+")
+_GUARD = re.compile(r"@(!?)(%?[A-Za-z_$][\w$]*)\s+")
 _REG = re.compile(r"(!?)(%[\w$]+(?:\.[xyz])?)$")
-_RANGE_DECL = re.compile(r"(%?[\w$]+)<(\d+)>$")
-_SIZED_VAR = re.compile(r"([\w$]+)\s*\[\s*(\d*)\s*\]$")
 _INT = re.compile(r"-?(0[xX][0-9a-fA-F]+|0[bB][01]+|0[0-7]*|[1-9]\d*)U?$")
 _FLOAT = re.compile(r"-?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
-
-
-def _fail(line: int, text: str, msg: str) -> EmulationError:
-    return EmulationError(f"PTX parse error at line {line}: {msg}: `{text.strip()}`")
 
 
 def _strip_comments(text: str) -> str:
     # Block comments may span lines: replace them by as many newlines to keep numbering.
     text = _BLOCK_COMMENT.sub(lambda m: "\n" * m.group(0).count("\n"), text)
     return _LINE_COMMENT.sub("", text)
-
-
-def _split_top(s: str, sep: str) -> list:
-    """Split on `sep` outside of [] and {}."""
-    out, depth, cur = [], 0, []
-    for ch in s:
-        if ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        if ch == sep and depth == 0:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    out.append("".join(cur))
-    return [p.strip() for p in out]
 
 
 def parse_int(tok: str) -> int:
@@ -75,19 +51,19 @@ def parse_int(tok: str) -> int:
 def parse_operand(tok: str, line: int, text: str) -> Operand:
     tok = tok.strip()
     if not tok:
-        raise _fail(line, text, "empty operand")
-    parts = _split_top(tok, "|")
+        raise fail(line, text, "empty operand")
+    parts = split_top(tok, "|")
     if len(parts) == 2:
         return Pair(parse_operand(parts[0], line, text), parse_operand(parts[1], line, text))
     if tok == "_":
         return Sink()
     if tok[0] == "{":
         if tok[-1] != "}":
-            raise _fail(line, text, f"unterminated vector operand {tok!r}")
-        return Vec(tuple(parse_operand(p, line, text) for p in _split_top(tok[1:-1], ",")))
+            raise fail(line, text, f"unterminated vector operand {tok!r}")
+        return Vec(tuple(parse_operand(p, line, text) for p in split_top(tok[1:-1], ",")))
     if tok[0] == "[":
         if tok[-1] != "]":
-            raise _fail(line, text, f"unterminated address operand {tok!r}")
+            raise fail(line, text, f"unterminated address operand {tok!r}")
         return _parse_address(tok[1:-1].strip(), line, text)
     m = _REG.match(tok)
     if m:
@@ -105,7 +81,7 @@ def parse_operand(tok: str, line: int, text: str) -> Operand:
         return Imm(float(tok), "float")
     if re.fullmatch(r"[A-Za-z_$][\w$]*", tok):
         return Sym(tok)
-    raise _fail(line, text, f"cannot parse operand {tok!r}")
+    raise fail(line, text, f"cannot parse operand {tok!r}")
 
 
 def _parse_address(inner: str, line: int, text: str) -> Addr:
@@ -118,11 +94,11 @@ def _parse_address(inner: str, line: int, text: str) -> Addr:
         try:
             off = parse_int(off_tok) if off_tok else 0
         except ValueError:
-            raise _fail(line, text, f"bad address offset {off_tok!r}") from None
+            raise fail(line, text, f"bad address offset {off_tok!r}") from None
         return Addr(base, off)
     if _INT.match(inner):
         return Addr(None, parse_int(inner))
-    raise _fail(line, text, f"cannot parse address [{inner}]")
+    raise fail(line, text, f"cannot parse address [{inner}]")
 
 
 def parse_instruction(stmt: str, line: int) -> Instruction:
@@ -139,9 +115,9 @@ def parse_instruction(stmt: str, line: int) -> Instruction:
     # `::` qualifiers (shared::cta, L2::128B) stay attached to their modifier.
     opcode, mods = parts[0], tuple(p for p in parts[1:])
     if not re.fullmatch(r"[a-z][a-z0-9_]*", opcode) or any(not p for p in mods):
-        raise _fail(line, text, f"malformed opcode {head!r}")
+        raise fail(line, text, f"malformed opcode {head!r}")
     ops = ops.strip()
-    operands = tuple(parse_operand(p, line, text) for p in _split_top(ops, ",")) if ops else ()
+    operands = tuple(parse_operand(p, line, text) for p in split_top(ops, ",")) if ops else ()
     return Instruction(line, text, guard, opcode, mods, operands)
 
 
@@ -172,92 +148,13 @@ def _statements(text: str, start: int, end: int, line_of):
             continue
         j = text.find(";", i, end)
         if j < 0:
-            raise _fail(line_of(i), text[i:end].splitlines()[0], "statement without ';'")
+            raise fail(line_of(i), text[i:end].splitlines()[0], "statement without ';'")
         yield "stmt", text[i:j], line_of(i)
         i = j + 1
 
 
-def _parse_decl(stmt: str, line: int):
-    """Parse `.reg`, `.shared` (incl. `.extern`) declarations. Returns ('reg', [...]) etc."""
-    toks = stmt.replace(",", " , ").split()
-    if toks[0] == ".reg":
-        ptype = toks[1].lstrip(".")
-        names = [n.strip() for n in " ".join(toks[2:]).split(",")]
-        regs = []
-        for n in names:
-            m = _RANGE_DECL.match(n)
-            if m:
-                regs.extend((f"{m.group(1)}{k}", ptype) for k in range(int(m.group(2))))
-            elif re.fullmatch(_IDENT, n):
-                regs.append((n, ptype))
-            else:
-                raise _fail(line, stmt, f"bad register declaration {n!r}")
-        return "reg", regs
-    extern = toks[0] == ".extern"
-    if extern:
-        toks = toks[1:]
-    if toks and toks[0] == ".shared":
-        align, elem, name_tok = 1, None, None
-        k = 1
-        while k < len(toks):
-            t = toks[k]
-            if t == ".align":
-                align = int(toks[k + 1])
-                k += 2
-                continue
-            if t.startswith("."):
-                elem = t[1:]
-            else:
-                name_tok = " ".join(toks[k:])
-                break
-            k += 1
-        esize = _TYPE_BYTES.get(elem)
-        m = _SIZED_VAR.match(name_tok or "") if name_tok else None
-        if esize is None:
-            raise _fail(line, stmt, f"unsupported shared variable type .{elem}")
-        if m:
-            name, count = m.group(1), m.group(2)
-            if extern:
-                nbytes = None
-            elif not count:
-                raise _fail(line, stmt, "shared array without a size (use .extern for dynamic)")
-            else:
-                nbytes = int(count) * esize
-        elif name_tok and re.fullmatch(r"[\w$]+", name_tok) and not extern:
-            name, nbytes = name_tok, esize
-        else:
-            raise _fail(line, stmt, "cannot parse shared variable declaration")
-        return "shared", SharedVar(name, max(align, esize), nbytes, line)
-    raise _fail(line, stmt, f"unsupported declaration {toks[0]}")
-
-
-_TYPE_BYTES = {f"{k}{n}": n // 8 for k in "bus" for n in (8, 16, 32, 64)}
-_TYPE_BYTES.update(f16=2, bf16=2, f32=4, f64=8, f16x2=4, bf16x2=4)
-
 _IGNORED_DIRECTIVES = (".pragma", ".loc", ".file")
 _LINE_DIRECTIVES = (".loc", ".file")
-
-
-def _parse_params(text: str, line: int) -> tuple:
-    params = []
-    for p in _split_top(text, ","):
-        if not p:
-            continue
-        # drop pointer attributes: `.ptr`, a state space, `.align N` (also `.ptr.global.align N`)
-        toks, raw = [], p.split()
-        k = 0
-        while k < len(raw):
-            t = raw[k]
-            if t == ".align" or (t.startswith(".ptr") and t.endswith(".align")):
-                k += 2
-                continue
-            if not t.startswith(".ptr") and t not in (".global", ".shared", ".const", ".local"):
-                toks.append(t)
-            k += 1
-        if len(toks) != 3 or toks[0] != ".param" or not toks[1].startswith(".") or "[" in toks[2]:
-            raise _fail(line, p, "unsupported kernel parameter (only scalar .param types)")
-        params.append(Param(toks[2], toks[1][1:], line))
-    return tuple(params)
 
 
 _ENTRY_HEAD = re.compile(r"(?:\.(?:visible|weak|extern)\s+)*\.(entry|func)\s+([\w$]+)\s*\(", re.S)
@@ -286,7 +183,7 @@ def parse_module(ptx: str) -> Module:
         return bisect.bisect_left(newlines, pos) + 1
 
     info = {"version": "", "target": "", "address_size": "64"}
-    module_shared, entries = [], []
+    module_shared, module_globals, entries = [], [], []
     i = 0
     while i < len(text):
         while i < len(text) and text[i].isspace():
@@ -307,30 +204,84 @@ def parse_module(ptx: str) -> Module:
             close = _matching(text, m.end() - 1, "(", ")")
             body_open = text.find("{", close)
             if close < 0 or body_open < 0:
-                raise _fail(line_of(i), text[i:i + 60], "unterminated entry header")
+                raise fail(line_of(i), text[i:i + 60], "unterminated entry header")
             body_close = _matching(text, body_open, "{", "}")
             if body_close < 0:
-                raise _fail(line_of(i), text[i:i + 60], "unterminated entry body")
+                raise fail(line_of(i), text[i:i + 60], "unterminated entry body")
             if m.group(1) == "entry":
                 entries.append(_parse_entry(text, m, close, body_open, body_close, line_of,
                                             tuple(module_shared)))
             i = body_close + 1   # .func bodies are skipped: `call` is not supported
             continue
+        if text.startswith(".section", i):            # DWARF debug sections: skipped
+            body_open = text.find("{", i)
+            body_close = _matching(text, body_open, "{", "}") if body_open >= 0 else -1
+            if body_close < 0:
+                raise fail(line_of(i), text[i:i + 60], "unterminated .section")
+            i = body_close + 1
+            continue
         j = text.find(";", i)
         if j < 0:
-            raise _fail(line_of(i), text[i:].splitlines()[0], "unexpected text")
+            raise fail(line_of(i), text[i:].splitlines()[0], "unexpected text")
         stmt = text[i:j].strip()
-        if stmt.startswith((".extern", ".shared")):
-            module_shared.append(_parse_decl(stmt, line_of(i))[1])
+        var = _GLOBAL_VAR.match(stmt)
+        if var:
+            module_globals.append(_parse_global(var, stmt, line_of(i)))
+        elif stmt.startswith((".extern", ".shared")):
+            module_shared.append(parse_decl(stmt, line_of(i))[1])
         elif not stmt.startswith(_IGNORED_DIRECTIVES):
-            raise _fail(line_of(i), stmt, "unsupported module-scope statement")
+            raise fail(line_of(i), stmt, "unsupported module-scope statement")
         i = j + 1
-    return Module(info["version"], info["target"], int(info["address_size"]), tuple(entries))
+    return Module(info["version"], info["target"], int(info["address_size"]), tuple(entries),
+                  tuple(module_globals))
+
+
+_GLOBAL_VAR = re.compile(r"(?:\.(?:visible|weak|extern)\s+)*\.(global|const)\s+(?:\.align\s+(\d+)\s+)?"
+                         r"\.(\w+)\s+([A-Za-z_$][\w$]*)\s*(?:\[\s*(\d*)\s*\])?\s*(?:=\s*(.*))?$",
+                         re.S)
+
+
+def _parse_global(m, stmt: str, line: int) -> GlobalVar:
+    space, align, elem, name, count, init = m.groups()
+    if elem not in TYPE_BYTES:
+        raise fail(line, stmt, f"unsupported type .{elem} of a .{space} variable")
+    items = ()
+    if init is not None:
+        flat = init.replace("{", " ").replace("}", " ")
+        items = tuple(parse_operand(t, line, stmt) for t in flat.split(",") if t.strip())
+        if not all(isinstance(x, Imm) for x in items):
+            raise fail(line, stmt, "only numeric initialisers are supported")
+    n = int(count) if count else (len(items) if count == "" else 1)
+    if len(items) > n:
+        raise fail(line, stmt, f"{len(items)} initialisers for {n} elements")
+    return GlobalVar(name, space, int(align) if align else TYPE_BYTES[elem], elem, n, items,
+                     line)
+
+
+def _rename_operand(op, names: dict):
+    if isinstance(op, (Reg, Sym)) and op.name in names:
+        return Reg(names[op.name], neg=getattr(op, "neg", False))
+    if isinstance(op, Vec):
+        return Vec(tuple(_rename_operand(x, names) for x in op.items))
+    if isinstance(op, Pair):
+        return Pair(_rename_operand(op.first, names), _rename_operand(op.second, names))
+    if isinstance(op, Addr) and op.base is not None and op.base.name in names:
+        return Addr(Reg(names[op.base.name]), op.offset)
+    return op
+
+
+def _rename(ins: Instruction, names: dict) -> Instruction:
+    """Scoped register names -> their unique names (bare names become registers)."""
+    guard = ins.guard
+    if guard is not None and guard.name in names:
+        guard = Reg(names[guard.name], guard.neg)
+    ops = tuple(_rename_operand(op, names) for op in ins.operands)
+    return Instruction(ins.line, ins.text, guard, ins.opcode, ins.mods, ops)
 
 
 def _parse_entry(text, m, close, body_open, body_close, line_of, module_shared) -> Entry:
     name, line = m.group(2), line_of(m.start())
-    params = _parse_params(text[m.end():close], line)
+    params = parse_params(text[m.end():close], line)
     perf = text[close + 1:body_open]
     reqntid = maxntid = None
     for d in re.finditer(r"\.(reqntid|maxntid)\s+([\d\s,]+)", perf):
@@ -340,24 +291,38 @@ def _parse_entry(text, m, close, body_open, body_close, line_of, module_shared) 
         else:
             maxntid = dims
     regs, shared, body, labels = [], list(module_shared), [], []
+    # Nested { } scopes (inline asm) may declare registers, often without '%' and again in
+    # every scope: each such declaration gets a unique name, used inside its scope only.
+    scopes, renamed = [{}], 0
     for kind, payload, ln in _statements(text, body_open + 1, body_close, line_of):
         if kind == "scope":
-            continue   # nested { } scopes: names are unique in ptxc output, so flatten
+            if payload == "{":
+                scopes.append(dict(scopes[-1]))
+            elif len(scopes) > 1:
+                scopes.pop()
+            continue
         if kind == "label":
             labels.append((payload, len(body)))
             continue
         stmt = payload.strip()
         if stmt.startswith((".reg", ".shared", ".extern")):
-            k, val = _parse_decl(stmt, ln)
-            if k == "reg":
+            k, val = parse_decl(stmt, ln)
+            if k == "reg" and len(scopes) > 1:
+                for reg_name, reg_type in val:
+                    renamed += 1
+                    scopes[-1][reg_name] = f"{reg_name}${{{renamed}}}"
+                    regs.append((scopes[-1][reg_name], reg_type))
+            elif k == "reg":
                 regs.extend(val)
+                scopes[0].update((n, n) for n, _ in val if not n.startswith("%"))
             else:
                 shared.append(val)
         elif stmt.startswith(_IGNORED_DIRECTIVES):
             continue
         elif stmt.startswith("."):
-            raise _fail(ln, stmt, f"unsupported directive {stmt.split()[0]}")
+            raise fail(ln, stmt, f"unsupported directive {stmt.split()[0]}")
         else:
-            body.append(parse_instruction(stmt, ln))
+            ins = parse_instruction(stmt, ln)
+            body.append(_rename(ins, scopes[-1]) if scopes[-1] else ins)
     return Entry(name, line, params, tuple(regs), tuple(shared), tuple(body), tuple(labels),
                  reqntid, maxntid)

@@ -73,7 +73,22 @@ class Instruction:
 @dataclass(frozen=True)
 class Param:
     name: str
-    ptype: str                  # 'u64', 'f32', ...
+    ptype: str                  # 'u64', 'f32', ...; 'b8' for a by-value struct (byte array)
+    line: int
+    nbytes: Union[int, None] = None    # by-value struct `.param .align A .b8 name[nbytes]`
+    align: int = 1
+
+
+@dataclass(frozen=True)
+class GlobalVar:
+    """A module-scope `.global` / `.const` variable; `init` holds the initialiser's items
+    (Imm operands, flattened) or is empty."""
+    name: str
+    space: str                  # 'global' or 'const'
+    align: int
+    elem: str                   # element type name ('b8', 'u32', 'f32', ...)
+    count: int
+    init: tuple
     line: int
 
 
@@ -104,6 +119,7 @@ class Module:
     target: str
     address_size: int
     entries: tuple              # of Entry
+    globals: tuple = ()         # of GlobalVar, in declaration order
 
     def entry(self, name: str) -> Entry:
         for e in self.entries:

@@ -97,7 +97,8 @@ SHARED = HEADER + r"""
 	add.s32 %r6, %r4, %r5;
 	st.shared.u32 [%r6], %r1;               // dyn[tid] = tid
 	add.u32 %r11, %r1, 1;
-	st.shared.u32 [%r6+4], %r11;            // dyn[tid + 1] = tid + 1 (same value, any order)
+	bar.sync 0;                             // thread tid + 1 wrote dyn[tid + 1] just now
+	st.shared.u32 [%r6+4], %r11;            // dyn[tid + 1] = tid + 1 (same value)
 	bar.sync 0;
 	mov.u64 %rd2, dyn;
 	cvta.shared.u64 %rd3, %rd2;             // generic address of dyn
@@ -105,6 +106,7 @@ SHARED = HEADER + r"""
 	add.s64 %rd5, %rd3, %rd4;
 	ld.u32 %r7, [%rd5+4];                   // generic load: dyn[tid + 1]
 	add.u32 %r7, %r7, 1000;
+	bar.sync 0;                             // thread tid - 1 has read dyn[tid]
 	st.u32 [%rd5], %r7;                     // generic store
 	cvta.to.shared.u64 %rd6, %rd5;
 	cvt.u32.u64 %r8, %rd6;
@@ -112,6 +114,7 @@ SHARED = HEADER + r"""
 	mul.wide.u32 %rd7, %r1, 32;
 	add.s64 %rd8, %rd1, %rd7;
 	st.global.v4.u32 [%rd8], {%r2, %r3, %r4, %r9};
+	bar.sync 0;                             // thread 1 wrote dyn[1]
 	ld.shared.u32 %r10, [dyn+4];
 	st.global.v2.u32 [%rd8+16], {%r7, %r10};
 	ret;

@@ -1,0 +1,292 @@
+"""Shared-memory race detection (what compute-sanitizer's racecheck does), cheap enough to be on
+by default.
+
+Every shared byte has a shadow word: who wrote it last and when,
+``stamp << 30 | line << 10 | writer`` (writer: the thread's linear index in its CTA, line: the
+PTX line of the write, stamp: the value of a batch-wide sync counter at the write). Every
+synchronisation event takes a fresh counter value and records it where it orders accesses:
+
+* a CTA-wide barrier completing (``bar.sync 0`` and friends) -> ``cta_sync[cta]``;
+* a barrier with a thread count completing -> ``pair_sync[cta, wa, wb]`` for every pair of
+  warps that took part;
+* a warp-level synchronisation (``bar.warp.sync``, and the warp collectives ``shfl.sync``,
+  ``mma.sync``, ``ldmatrix``) -> ``warp_sync[warp]``.
+
+An access by thread U of a byte last written by thread T != U is ordered after that write iff
+a sync event that both took part in happened after it: ``cta_sync > stamp``, or (same warp)
+``warp_sync > stamp``, or (counted barrier) ``pair_sync > stamp``. A read (RAW) or a write
+(WAW) that is not ordered is a race; the error names both accesses. The common case -- the
+last CTA-wide barrier is newer than every byte touched -- costs one gather and one compare.
+
+Reads are remembered too, per 4-byte word (the last reader, and whether other threads -- of
+the same warp or of others -- read the word since the CTA's last barrier), so a write that is
+not ordered after another thread's read is a write-after-read race (WAR): the classic missing
+barrier before a shared buffer is refilled. Several readers count as ordered only by a
+CTA-wide barrier (or a warp sync when they all are in the writer's warp). Word granularity
+keeps reads cheap; its one imprecision: a thread writing some bytes of a word that another
+thread read *other* bytes of, with no barrier in between, is reported too.
+
+Not tracked: atomics (they never race with each other and are not checked against plain
+accesses), and several threads of ONE instruction storing to the same byte.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ptxc.emu.operands import Fault
+
+_LINE_BITS, _LIN_BITS = 20, 10
+_STAMP_SHIFT = _LINE_BITS + _LIN_BITS
+_LIN_MASK = (1 << _LIN_BITS) - 1
+_LINE_MASK = (1 << _LINE_BITS) - 1
+# Reader words: stamp << 32 | CROSS | MULTI | line << 10 | reader (the last one). MULTI: other
+# threads read it too since the CTA's last barrier; CROSS: some of them in another warp.
+_READ_SHIFT = 32
+_MULTI, _CROSS = 1 << 30, 1 << 31
+
+
+def _scatter_items(arr, rows, total: int, values):
+    """arr viewed as `total`-element items: arr[item rows] = values (n, total) int64. Pairs of
+    int64 move as complex128 (numpy scatters wide void items slowly)."""
+    if total == 1:
+        arr[rows] = values.reshape(-1)
+        return
+    half = total // 2
+    idx = (rows[:, None] * half + np.arange(half)).reshape(-1)
+    arr.view(np.complex128)[idx] = np.ascontiguousarray(values).view(np.complex128).reshape(-1)
+
+
+def _words(rows, total: int):
+    """Items of `total` bytes -> (item rows, words per item) of the 4-byte reader shadow."""
+    if total >= 4:
+        return rows, total // 4
+    return (rows * total) >> 2, 1
+
+
+def _as_read_stamp(cta_sync, ndim: int):
+    """CTA barrier stamps in reader-word units: word >= this <=> read after the barrier."""
+    s = cta_sync << _READ_SHIFT
+    return s[:, None] if ndim == 2 else s
+
+
+class RaceTracker:
+    """Shadow state of one batch's shared memory (see the module docstring)."""
+
+    def __init__(self, ctx, nbytes: int, lines: dict):
+        self.ctx, self.lines = ctx, lines          # lines: PTX line -> instruction text
+        self.shadow = np.zeros(nbytes, np.int64)        # last write of each byte
+        self.readers = np.zeros(nbytes // 4, np.int64)  # reads of each 4-byte word since then
+        self.views = {}
+        self.serial = 1
+        self.cta_sync = np.ones(ctx.nctas, np.int64)       # newer than every initial stamp 0
+        self.warp_sync = np.zeros(ctx.n // 32, np.int64)
+        self.pair_sync = None                              # (nctas, warps, warps) on demand
+        # serial of each CTA's last shared write / read: when older than its last barrier, no
+        # byte can be unordered and the per-byte checks are skipped
+        self.last_write = np.zeros(ctx.nctas, np.int64)
+        self.last_read = np.zeros(ctx.nctas, np.int64)
+        self.scratch = self.scratch_flags = None          # per reader word, on demand
+
+    # ------------------------------------------------------------------ sync events
+    def _tick(self) -> int:
+        self.serial += 1
+        return self.serial
+
+    def cta_barrier(self, ctas=None):
+        """A CTA-wide barrier completed for `ctas` (None: every CTA of the batch)."""
+        s = self._tick()
+        if ctas is None:
+            self.cta_sync[:] = s
+        else:
+            self.cta_sync[ctas] = s
+
+    def counted_barrier(self, cta: int, threads):
+        """A barrier with a thread count completed for `threads` (batch indices) of `cta`."""
+        s = self._tick()
+        tpad = self.ctx.tpad
+        if self.pair_sync is None:
+            self.pair_sync = np.zeros((self.ctx.nctas, tpad // 32, tpad // 32), np.int64)
+        warps = np.unique((threads % tpad) >> 5)
+        self.pair_sync[cta][np.ix_(warps, warps)] = s
+
+    def warp_synced(self, sel):
+        """A warp-level sync (bar.warp.sync or a warp collective) by the threads `sel`."""
+        s = self._tick()
+        if isinstance(sel, slice):
+            self.warp_sync[:] = s
+        else:
+            self.warp_sync[sel >> 5] = s
+
+    # ------------------------------------------------------------------ accesses
+    def _rows(self, total: int, readers: bool = False):
+        key = (total, readers)
+        v = self.views.get(key)
+        if v is None:
+            base = self.readers if readers else self.shadow
+            v = self.views[key] = base.view(np.dtype((np.void, 8 * total)))
+        return v
+
+    def _unordered(self, stamp, cta, idx, me, other, multi=None, cross=None):
+        """Mask of accesses by `me` not ordered after the recorded access(es) of `other`
+        (multi: several threads did it; cross: some of them in another warp)."""
+        live = stamp >= self.cta_sync[cta][:, None]
+        race = live & (other != me)
+        if multi is not None:
+            race |= live & multi
+        if not race.any():
+            return race
+        warp = (idx >> 5)[:, None]
+        same_warp = (other >> 5) == (me >> 5)
+        if cross is not None:
+            same_warp &= ~cross
+        race &= ~(same_warp & (self.warp_sync[warp] > stamp))
+        if self.pair_sync is not None and race.any():
+            ordered = self.pair_sync[cta[:, None], other >> 5, me >> 5] > stamp
+            if multi is not None:
+                ordered &= ~multi
+            race &= ~ordered
+        return race
+
+    def check(self, rows, total: int, idx, line: int, what: str, addr_of):
+        """Raise if an access (`what`: 'read'/'write') of `total`-byte items `rows` by threads
+        `idx` (batch indices) is not ordered after the last write of each byte (and, for a
+        write, after the reads of it since then)."""
+        cta = self.ctx.cta_of[idx]
+        fresh_writes = (self.last_write[cta] >= self.cta_sync[cta]).any()
+        if what == "write":
+            fresh_reads = (self.last_read[cta] >= self.cta_sync[cta]).any()
+            self.last_write[cta] = self.serial
+            if not (fresh_writes or fresh_reads):
+                return
+        elif not fresh_writes:
+            return
+        sh = self._rows(total)[rows].view(np.int64).reshape(-1, total)
+        stamp = sh >> _STAMP_SHIFT
+        if fresh_writes and (stamp >= self.cta_sync[cta][:, None]).any():
+            me = (self.ctx.lin[idx])[:, None]
+            race = self._unordered(stamp, cta, idx, me, sh & _LIN_MASK)
+            if race.any():
+                k, b = (int(x[0]) for x in np.nonzero(race))
+                self._report(k, b, sh[k, b], idx, line, what, addr_of, "wrote")
+        if what != "write":
+            return
+        wrows, wtotal = _words(rows, total)
+        rd = self._rows(wtotal, True)[wrows].view(np.int64).reshape(-1, wtotal)
+        rstamp = rd >> _READ_SHIFT
+        if not (rstamp >= self.cta_sync[cta][:, None]).any():
+            return
+        me = (self.ctx.lin[idx])[:, None]
+        race = self._unordered(rstamp, cta, idx, me, rd & _LIN_MASK,
+                               multi=(rd & _MULTI) != 0, cross=(rd & _CROSS) != 0)
+        if race.any():
+            k, w = (int(x[0]) for x in np.nonzero(race))
+            self._report(k, 4 * w, rd[k, w], idx, line, what, addr_of, "read")
+
+    def read(self, rows, total: int, idx, line: int, addr_of):
+        """A read: check it against the last writes, then remember the reader."""
+        self.check(rows, total, idx, line, "read", addr_of)
+        cta, me = self.ctx.cta_of[idx], self.ctx.lin[idx]
+        rows, total = _words(rows, total)
+        if (self.last_read[cta] >= self.cta_sync[cta]).any():
+            old = self._rows(total, True)[rows].view(np.int64).reshape(-1, total)
+            first = old[:, 0]
+            if total > 1 and not (old == first[:, None]).all():
+                self.last_read[cta] = self.serial
+                self._read_bytes(rows, total, cta, me, line, old)
+                return
+            word = self._reader_word(first, cta, me, line)
+        else:                         # the CTA's first reads since its last barrier
+            word = (np.int64(self.serial) << _READ_SHIFT) | (line << _LIN_BITS) | me
+        self.last_read[cta] = self.serial
+        word = word | self._same_instruction_readers(rows, me)
+        # Every item's words share one reader record (whole-item accesses).
+        full = np.empty((rows.size, total), np.int64)
+        full[:] = word[:, None]
+        _scatter_items(self.readers, rows, total, full)
+
+    def _same_instruction_readers(self, rows, me):
+        """MULTI/CROSS flags for items that several threads of this instruction read (numpy
+        keeps one of their records, so each record must already say so)."""
+        n = rows.size
+        if self.scratch is None:
+            self.scratch = np.zeros(self.readers.size, np.int32)
+            self.scratch_flags = np.zeros(self.readers.size, np.int8)
+        order = np.arange(n, dtype=np.int32)
+        self.scratch[rows] = order
+        winner = self.scratch[rows]
+        dup = winner != order
+        if not dup.any():
+            return 0
+        cross = (me >> 5) != (me[winner] >> 5)
+        flags = self.scratch_flags
+        flags[rows[dup]] = 1
+        flags[rows[cross]] = 3
+        got = flags[rows]
+        flags[rows] = 0
+        return np.where(got & 1, _MULTI, 0) | np.where(got & 2, _CROSS, 0)
+
+    def _reader_word(self, old, cta, me, line):
+        """New reader records (any shape broadcastable with me/cta) given the old ones."""
+        live = old >= _as_read_stamp(self.cta_sync[cta], old.ndim)     # reads since a barrier
+        if old.ndim == 2:
+            me, cta = me[:, None], cta
+        word = (np.int64(self.serial) << _READ_SHIFT) | (line << _LIN_BITS) | me
+        if live.any():
+            other = old & _LIN_MASK
+            several = live & ((other != me) | ((old & _MULTI) != 0))
+            cross = several & (((old & _CROSS) != 0) | ((other >> 5) != (me >> 5)))
+            word = word | np.where(several, _MULTI, 0) | np.where(cross, _CROSS, 0)
+        return word
+
+    def _read_bytes(self, rows, total, cta, me, line, old):
+        """General path: word-wise reader records (items partly read before)."""
+        word = np.broadcast_to(self._reader_word(old, cta, me, line), old.shape)
+        flat = rows[:, None] * total + np.arange(total)
+        self.readers[flat] = word
+        back = self.readers[flat]
+        dup = (back & _LIN_MASK) != me[:, None]
+        if dup.any():
+            cross = dup & (((back & _LIN_MASK) >> 5) != (me >> 5)[:, None])
+            self.readers[flat[dup]] = back[dup] | _MULTI
+            if cross.any():
+                self.readers[flat[cross]] = back[cross] | (_MULTI | _CROSS)
+
+    def record(self, rows, total: int, idx, line: int):
+        """The threads `idx` wrote `total`-byte items `rows` at PTX line `line`."""
+        word = (np.int64(self.serial) << _STAMP_SHIFT) | (line << _LIN_BITS) | self.ctx.lin[idx]
+        full = np.empty((word.size, total), np.int64)
+        full[:] = word[:, None]
+        _scatter_items(self.shadow, rows, total, full)
+
+    def record_copy(self, dst, size: int, idx, line: int):
+        """Thread idx[i] wrote `size` bytes at flat shared offset dst[i] (a completed cp.async;
+        dst is aligned to size)."""
+        word = (np.int64(self.serial) << _STAMP_SHIFT) | (line << _LIN_BITS) | self.ctx.lin[idx]
+        full = np.empty((word.size, size), np.int64)
+        full[:] = word[:, None]
+        _scatter_items(self.shadow, dst // size, size, full)
+        self.last_write[self.ctx.cta_of[idx]] = self.serial
+
+    def _report(self, k, b, word, idx, line, what, addr_of, did):
+        ctx = self.ctx
+        me = int(idx[k])
+        other = me - int(ctx.lin[me]) + int(word & _LIN_MASK)
+        other_line = int((word >> _LIN_BITS) & _LINE_MASK)
+        _, tid = ctx.coords(other)
+        a = addr_of(k) + b
+        text = self.lines.get(other_line, "?")
+        same = "the same warp" if (other >> 5) == (me >> 5) else "another warp"
+        if did == "read" and other == me:           # this thread read it too; others did
+            who = "other threads"
+        else:
+            who = f"thread tid=({tid[0]}, {tid[1]}, {tid[2]}) ({same})"
+            if did == "read" and word & _MULTI:
+                who += " and others"
+        cross = did == "read" and word & _CROSS
+        sync = "barrier" if same == "another warp" or cross else \
+            "bar.warp.sync, warp collective or barrier"
+        hazard = " (write after read)" if did == "read" else ""
+        raise Fault(f"shared-memory race{hazard}: {what} of shared address 0x{a:x} that "
+                    f"{who} {did} at line {other_line} (`{text}`) with no {sync} in between",
+                    me, a)
