@@ -50,15 +50,25 @@ kv_layout = "paged"
 page_size = 16
 num_splits = "auto"
 append_kv = true
+
+[[kernel]]
+name = "e2e_varlen"
+family = "varlen"
+dtype = "f16"
+kv_layout = "paged"
+page_size = 16
+num_splits = "auto"
+return_lse = true
 '''
 
-# One entry per family case: artifact name and small odd shapes. A new family (varlen) is one
-# more kernel in SPECS and one more entry here.
+# One entry per family case: artifact name and small odd shapes. A new family is one more
+# kernel in SPECS and one more entry here.
 CASES = {
     "e2e_prefill": {"batch": 1, "seq_q": 17, "seq_k": 33},
     "e2e_paged_split": {"batch": 2, "max_pages_per_seq": 3, "num_pages": 7},
     "e2e_paged_fused": {"batch": 2, "max_pages_per_seq": 3, "num_pages": 7},
     "e2e_ptr_decode": {"batch": 3, "max_seq_len": 37},
+    "e2e_varlen": {"batch": 3, "max_pages_per_seq": 3, "num_pages": 9},
 }
 
 
