@@ -36,6 +36,7 @@ class BatchContext:
             lines = {ins.line: ins.text for ins in program.entry.body}
             self.race = self.smem.race = RaceTracker(self, self.smem.data.size, lines)
         self.cp_async = AsyncCopies(n)
+        self.wgmma = None               # a WgmmaState in kernels with wgmma (ops_wgmma.py)
         self._special = {}
 
     def coords(self, thread: int):

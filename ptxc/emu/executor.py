@@ -29,6 +29,7 @@ import numpy as np
 
 from ptxc.emu.decode import BARRIER, BRANCH, EXIT, NORMAL
 from ptxc.emu.operands import ALL, Fault
+from ptxc.emu.ops_wgmma import bind_wgmma_checks
 from ptxc.emu.uninit import bind_init_checks, check_defined
 from ptxc.errors import EmulationError
 
@@ -43,6 +44,7 @@ class BatchRun:
         self.ops = program.ops
         self.bound = [op.bind(ctx) if op.kind == NORMAL else None for op in self.ops]
         self.init_checks = bind_init_checks(program.init, ctx, self.ops, self.bound)
+        bind_wgmma_checks(program, ctx, self.ops, self.bound)
         self.kinds = [op.kind for op in self.ops]
         self.guards = [None if op.ins.guard is None else
                        (ctx.regs[op.ins.guard.name].bits, op.ins.guard.neg) for op in self.ops]

@@ -150,6 +150,8 @@ class SharedMemory:
         self.rows, self.state_rows = RowViews(self.data), RowViews(self.state)
         self.race = None            # a RaceTracker when racecheck is on
         self.all_index = None       # batch thread indices, for accesses by every thread
+        # wgmma operands in flight: per 16-byte chunk, how many in-flight operations read it
+        self.async_readers, self.async_live = None, 0
 
     def offsets(self, cta, addr, nbytes: int, align: int, what: str, sel):
         """Validate shared accesses (addr: shared-window addresses); return flat byte offsets."""
@@ -185,6 +187,8 @@ class SharedMemory:
                     _at(sel, k), a)
 
     def check_not_pending(self, rows, total: int, sel, addr_of):
+        if self.async_live:
+            self._check_no_async_reader(rows, total, sel, addr_of)
         st = self.state_rows.lanes(rows, total).astype(np.uint64)
         pending = ((st & _ANY_PENDING) != 0).any(axis=1)
         if pending.any():
@@ -192,6 +196,16 @@ class SharedMemory:
             a = addr_of(k)
             raise Fault(f"write to cp.async destination before cp.async.wait_group "
                         f"(shared address 0x{a:x})", _at(sel, k), a)
+
+    def _check_no_async_reader(self, rows, total: int, sel, addr_of):
+        chunks = (np.asarray(rows, np.int64) * total) >> 4     # aligned: one chunk each
+        hit = self.async_readers[chunks] > 0
+        if hit.any():
+            k = _first(hit)
+            a = addr_of(k)
+            raise Fault(f"write to shared memory that a wgmma.mma_async in flight reads, before "
+                        f"the wgmma.wait_group that retires it (shared address 0x{a:x})",
+                        _at(sel, k), a)
 
     def load(self, cta, addr, esize: int, nvec: int, sel, line: int = 0):
         total = esize * nvec

@@ -126,7 +126,9 @@ SPECIAL_REGS |= {"%laneid", "%warpid", "%nwarpid", "%lanemask_eq", "%lanemask_lt
 def imm_scalar(imm: Imm, ty: PtxType):
     """An immediate as a numpy scalar of `ty`'s compute dtype."""
     if ty.kind == "p":
-        raise DecodeError("an immediate cannot be a predicate operand")
+        if imm.kind != "int":
+            raise DecodeError("a predicate immediate must be an integer (0 false, else true)")
+        return np.bool_(imm.value != 0)         # e.g. `mov.pred %p, -1` (Triton sm_90a)
     if ty.kind == "f":
         if imm.kind == "f32bits":
             v = float(np.uint32(imm.value).view(np.float32))
