@@ -210,7 +210,7 @@ def decode_program(ptx: str, entry_name: str) -> Program:
     """Parse (cached) and decode one entry of a module (cached by text and entry)."""
     # The op families register their decoders on import.
     from ptxc.emu import ops_async, ops_cvt, ops_ctrl, ops_float, ops_int, ops_logic  # noqa
-    from ptxc.emu import ops_mem, ops_warp, ops_wgmma  # noqa: F401
+    from ptxc.emu import ops_hopper, ops_mem, ops_warp, ops_wgmma  # noqa: F401
     module = parse_module(ptx)
     entry = module.entry(entry_name)
     env = DecodeEnv(module, entry)
