@@ -23,6 +23,7 @@ GENERIC_SHARED_BASE = 0x7F00_0000_0000
 GENERIC_SHARED_END = GENERIC_SHARED_BASE + (1 << 32)
 
 UNWRITTEN, WRITTEN, CP_ASYNC_PENDING = 0, 1, 2
+BULK_PENDING = CP_ASYNC_PENDING | 4     # a cp.async.bulk destination (pending, and bit 2)
 _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _ROW_DTYPE = {**_UINTS, 16: np.dtype((np.void, 16))}
 _SHIFT = {1: 0, 2: 1, 4: 2, 8: 3, 16: 4}
@@ -181,6 +182,10 @@ class SharedMemory:
         k = _first(~ok.all(axis=1))
         a = addr_of(k)
         if ((st[k].astype(np.uint64) & _ANY_PENDING) != 0).any():
+            if ((st[k].astype(np.uint64) & (_ANY_PENDING << np.uint64(1))) != 0).any():
+                raise Fault(f"read of cp.async.bulk destination before a wait on its "
+                            f"mbarrier observed the phase complete (shared address 0x{a:x})",
+                            _at(sel, k), a)
             raise Fault(f"read of cp.async destination before cp.async.wait_group "
                         f"(shared address 0x{a:x})", _at(sel, k), a)
         raise Fault(f"read of never-written shared memory at shared address 0x{a:x}",
