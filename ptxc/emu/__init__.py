@@ -51,7 +51,10 @@ completes it, shared-memory races (RAW/WAW with no barrier or warp sync in betwe
 integer division by zero, barrier divergence (inside a warp at an .aligned barrier, or across
 barrier instructions) and deadlock, warp collectives (shfl.sync, mma.sync, ldmatrix, bra.uni)
 executed by an incomplete or non-uniform warp, shfl reads of lanes that are not executing it,
-and never-written registers used as an address, a stored value or a branch condition.
+never-written registers used as an address, a stored value or a branch condition, and the
+Hopper rules: wgmma warpgroup convergence, registers and shared operands of an in-flight wgmma,
+wgmma.fence, mbarrier initialisation/arrival counts/deadlock, cp.async.bulk data before its
+phase is observed.
 
 See docs/emulator.md for the execution model and numerical choices.
 """
