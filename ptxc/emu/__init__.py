@@ -23,6 +23,9 @@ step_limit=50_000_000, racecheck=True, traffic=False) -> LaunchStats``
     * A by-value struct parameter (``.param .align N .b8 name[size]``) takes ``bytes``, a numpy
       structured scalar, or ``StructArg(data, {field name or byte offset: array})``: each
       array is placed in global memory and its address written into the struct.
+    * A ``TensorMap(array, box, swizzle)`` (tensormap.py) for a ``.param .align 64 .b8
+      map[128]`` parameter stands for a driver CUtensorMap: the array is placed in global
+      memory and ``cp.async.bulk.tensor`` reads boxes of it.
     * ``dynamic_smem_bytes``: size of the ``.extern .shared`` array(s).
     * ``racecheck``: report shared-memory races (racecheck.py). ``traffic``: count memory
       traffic into ``LaunchStats.traffic`` (traffic.py).
@@ -62,8 +65,9 @@ See docs/emulator.md for the execution model and numerical choices.
 from ptxc.emu.launch import LaunchStats, PointerTable, StructArg, launch
 from ptxc.emu.traffic import GlobalAccess, SharedAccess, Traffic
 from ptxc.emu.parser import parse_module
+from ptxc.emu.tensormap import TensorMap
 from ptxc.emu.ptx_ast import Module
 from ptxc.errors import EmulationError
 
-__all__ = ["launch", "LaunchStats", "PointerTable", "StructArg", "Traffic", "GlobalAccess",
+__all__ = ["launch", "LaunchStats", "PointerTable", "StructArg", "TensorMap", "Traffic", "GlobalAccess",
            "SharedAccess", "parse_module", "Module", "EmulationError"]

@@ -156,6 +156,10 @@ def src_plan(env, operand, ty: PtxType):
             if ty.kind not in "usb" or ty.bits != 64:
                 raise DecodeError(f"address of {operand.name} needs a 64-bit integer type")
             return lambda ctx: (lambda v: (lambda sel: v.view(ty.dtype)))(glob(ctx))
+        if operand.name in env.params and ty.kind in "usb" and ty.bits == 64:
+            from ptxc.emu.memory import PARAM_BASE       # the address of a kernel parameter
+            value = imm_scalar(Imm(PARAM_BASE + env.params[operand.name][0], "int"), ty)
+            return lambda ctx: (lambda sel: value)
         addr = env.symbol_address(operand.name)
         if ty.kind not in "usb" or ty.bits < 32:
             raise DecodeError(f"address of {operand.name} needs a 32/64-bit integer type")

@@ -92,12 +92,11 @@ class Mbarriers:
         """The data of completed phases becomes visible when a wait first observes one (a
         reader that did not wait, directly or through a barrier after a wait, sees it
         pending)."""
-        for dst, src, size, thread, line in b.landed:
-            cols = dst + np.arange(size)
-            ctx.smem.data[cols] = ctx.gmem.heap[src:src + size]
+        for cols, data, thread, line in b.landed:
+            ctx.smem.data[cols] = data
             ctx.smem.state[cols] = WRITTEN
             if ctx.race is not None:
-                chunks = dst + 16 * np.arange(size // 16)
+                chunks = cols[::16]
                 ctx.race.record_copy(chunks, 16, np.full(chunks.size, thread), line)
         b.landed = []
 
@@ -228,6 +227,22 @@ def _wait(ctx, pwrite, address, state, parity, what):
     return run
 
 
+def issue_copy(ctx, thread, cols, data, dst_addr, bar_flat, bar_addr, line):
+    """An asynchronous copy of `data` into flat shared bytes `cols` (whole 16-byte chunks)
+    by `thread`, completing its byte count on the mbarrier at `bar_flat`."""
+    chunks = cols[::16] >> 4
+    who = np.full(chunks.size, thread)
+    addr_of = lambda j: dst_addr + 16 * j  # noqa: E731
+    ctx.smem.check_not_pending(chunks, 16, who, addr_of)
+    if ctx.race is not None:
+        ctx.race.check(chunks, 16, who, line, "write", addr_of)
+    b = ctx.mbar.get(bar_flat, thread, bar_addr)
+    ctx.smem.state[cols] = BULK_PENDING
+    b.copies.append((cols, data, thread, line))
+    b.parts.append(np.array([thread], np.int64))
+    ctx.mbar.complete_tx(ctx, b, cols.size)
+
+
 def decode_cp_bulk(ins, env):
     """cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], size,
     [mbar] (also .shared::cta destinations)."""
@@ -268,16 +283,8 @@ def decode_cp_bulk(ins, env):
                                 f"bytes)", t, int(sa[k]))
                 src = int(ctx.gmem.offsets(sa[k:k + 1], size, 1, "cp.async.bulk read",
                                            idx[k:k + 1])[0])
-                chunks = (dst + 16 * np.arange(size // 16)) >> 4
-                who = np.full(chunks.size, t)
-                addr_of = lambda j, a=int(da[k]): a + 16 * j  # noqa: E731
-                ctx.smem.check_not_pending(chunks, 16, who, addr_of)
-                if ctx.race is not None:
-                    ctx.race.check(chunks, 16, who, line, "write", addr_of)
-                b = ctx.mbar.get(int(bflat[k]), t, int(ba[k]))
-                ctx.smem.state[dst:dst + size] = BULK_PENDING
-                b.copies.append((dst, src, size, t, line))
-                b.parts.append(idx[k:k + 1])
-                ctx.mbar.complete_tx(ctx, b, size)
+                cols = dst + np.arange(size)
+                issue_copy(ctx, t, cols, ctx.gmem.heap[src:src + size].copy(),
+                           int(da[k]), int(bflat[k]), int(ba[k]), line)
         return run
     return Op(NORMAL, ins, bind)
