@@ -23,6 +23,9 @@ step_limit=50_000_000, racecheck=True, traffic=False) -> LaunchStats``
     * A by-value struct parameter (``.param .align N .b8 name[size]``) takes ``bytes``, a numpy
       structured scalar, or ``StructArg(data, {field name or byte offset: array})``: each
       array is placed in global memory and its address written into the struct.
+    * A ``TensorMap(array, box, swizzle)`` (tensormap.py) for a ``.param .align 64 .b8
+      map[128]`` parameter stands for a driver CUtensorMap: the array is placed in global
+      memory and ``cp.async.bulk.tensor`` reads boxes of it.
     * ``dynamic_smem_bytes``: size of the ``.extern .shared`` array(s).
     * ``racecheck``: report shared-memory races (racecheck.py). ``traffic``: count memory
       traffic into ``LaunchStats.traffic`` (traffic.py).
@@ -51,7 +54,10 @@ completes it, shared-memory races (RAW/WAW with no barrier or warp sync in betwe
 integer division by zero, barrier divergence (inside a warp at an .aligned barrier, or across
 barrier instructions) and deadlock, warp collectives (shfl.sync, mma.sync, ldmatrix, bra.uni)
 executed by an incomplete or non-uniform warp, shfl reads of lanes that are not executing it,
-and never-written registers used as an address, a stored value or a branch condition.
+never-written registers used as an address, a stored value or a branch condition, and the
+Hopper rules: wgmma warpgroup convergence, registers and shared operands of an in-flight wgmma,
+wgmma.fence, mbarrier initialisation/arrival counts/deadlock, cp.async.bulk data before its
+phase is observed.
 
 See docs/emulator.md for the execution model and numerical choices.
 """
@@ -59,8 +65,9 @@ See docs/emulator.md for the execution model and numerical choices.
 from ptxc.emu.launch import LaunchStats, PointerTable, StructArg, launch
 from ptxc.emu.traffic import GlobalAccess, SharedAccess, Traffic
 from ptxc.emu.parser import parse_module
+from ptxc.emu.tensormap import TensorMap
 from ptxc.emu.ptx_ast import Module
 from ptxc.errors import EmulationError
 
-__all__ = ["launch", "LaunchStats", "PointerTable", "StructArg", "Traffic", "GlobalAccess",
+__all__ = ["launch", "LaunchStats", "PointerTable", "StructArg", "TensorMap", "Traffic", "GlobalAccess",
            "SharedAccess", "parse_module", "Module", "EmulationError"]

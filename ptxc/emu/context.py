@@ -8,6 +8,7 @@ import numpy as np
 from ptxc.emu.memory import SharedMemory
 from ptxc.emu.operands import RegStorage
 from ptxc.emu.ops_async import AsyncCopies
+from ptxc.emu.ops_mbarrier import Mbarriers
 from ptxc.emu.racecheck import RaceTracker
 
 
@@ -36,6 +37,8 @@ class BatchContext:
             lines = {ins.line: ins.text for ins in program.entry.body}
             self.race = self.smem.race = RaceTracker(self, self.smem.data.size, lines)
         self.cp_async = AsyncCopies(n)
+        self.mbar = Mbarriers()           # mbarrier objects (ops_mbarrier.py)
+        self.wgmma = None               # a WgmmaState in kernels with wgmma (ops_wgmma.py)
         self._special = {}
 
     def coords(self, thread: int):

@@ -21,7 +21,7 @@ from ptxc.emu.ptx_ast import Entry, Instruction, Module
 from ptxc.emu.uninit import InitPlan, analyse as analyse_init
 from ptxc.errors import EmulationError
 
-NORMAL, BRANCH, EXIT, BARRIER = range(4)
+NORMAL, BRANCH, EXIT, BARRIER, PARK = range(5)   # PARK: a wait that may yield (mbarrier)
 
 DECODERS: dict = {}
 
@@ -38,12 +38,13 @@ def register(*opcodes: str):
 class Op:
     kind: int
     ins: Instruction
-    bind: Callable = None        # NORMAL: bind(ctx) -> run(sel)
+    bind: Callable = None        # NORMAL, PARK: bind(ctx) -> run(sel)
     target: int = -1             # BRANCH: pc of the label
     uniform: bool = False        # BRANCH: bra.uni (the guard must be warp-uniform)
     bar_id: int = 0              # BARRIER
     bar_count: int | None = None  # BARRIER: thread count operand, None = whole CTA
     aligned: bool = True         # BARRIER: every live lane of a warp must arrive together
+    park_reg: str = ""            # PARK: the predicate that is false for threads that yield
 
 
 class Mods:
@@ -210,7 +211,7 @@ def decode_program(ptx: str, entry_name: str) -> Program:
     """Parse (cached) and decode one entry of a module (cached by text and entry)."""
     # The op families register their decoders on import.
     from ptxc.emu import ops_async, ops_cvt, ops_ctrl, ops_float, ops_int, ops_logic  # noqa
-    from ptxc.emu import ops_mem, ops_warp  # noqa: F401
+    from ptxc.emu import ops_hopper, ops_mbarrier, ops_mem, ops_warp, ops_wgmma  # noqa: F401
     module = parse_module(ptx)
     entry = module.entry(entry_name)
     env = DecodeEnv(module, entry)

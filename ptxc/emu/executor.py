@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ptxc.emu.decode import BARRIER, BRANCH, EXIT, NORMAL
+from ptxc.emu.decode import BARRIER, BRANCH, EXIT, NORMAL, PARK
 from ptxc.emu.operands import ALL, Fault
+from ptxc.emu.ops_wgmma import bind_wgmma_checks
 from ptxc.emu.uninit import bind_init_checks, check_defined
 from ptxc.errors import EmulationError
 
@@ -41,8 +42,9 @@ class BatchRun:
     def __init__(self, program, ctx: BatchContext, step_limit: int):
         self.program, self.ctx, self.step_limit = program, ctx, step_limit
         self.ops = program.ops
-        self.bound = [op.bind(ctx) if op.kind == NORMAL else None for op in self.ops]
+        self.bound = [op.bind(ctx) if op.kind in (NORMAL, PARK) else None for op in self.ops]
         self.init_checks = bind_init_checks(program.init, ctx, self.ops, self.bound)
+        bind_wgmma_checks(program, ctx, self.ops, self.bound)
         self.kinds = [op.kind for op in self.ops]
         self.guards = [None if op.ins.guard is None else
                        (ctx.regs[op.ins.guard.name].bits, op.ins.guard.neg) for op in self.ops]
@@ -58,6 +60,9 @@ class BatchRun:
         self.waiting = np.zeros(n, np.bool_)
         self.wait_pc = np.zeros(n, np.int64)
         self.n_waiting = 0
+        # threads whose mbarrier wait failed yield until some mbarrier phase completes
+        self.parked = np.zeros(n, np.bool_)
+        self.park_version = np.zeros(n, np.int64)
         self.thread_instructions = 0
         self.steps = 0
         self.cur_pc, self.cur_sel = 0, ALL
@@ -103,6 +108,9 @@ class BatchRun:
         m = int(pe.min())
         if m == BIG:
             if self.n_waiting and self._release_barriers():
+                return
+            if self.parked.any():
+                self._unpark()
                 return
             self._report_stuck()
         at_m = pe == m
@@ -200,6 +208,16 @@ class BatchRun:
             pe[sel] = pc + 1
             if s2 is not None:
                 self._exit_threads(s2)
+        elif op.kind == PARK:
+            pe[sel] = pc + 1
+            if s2 is not None:
+                self.bound[pc](s2)
+                failed = s2[~self.ctx.regs[op.park_reg].bits[s2]]
+                if failed.size:              # yield: re-run the wait after a phase completes
+                    self.parked[failed] = True
+                    self.park_version[failed] = self.ctx.mbar.version
+                    self.wait_pc[failed] = pc
+                    pe[failed] = BIG
         else:  # BARRIER
             pe[sel] = pc + 1
             if s2 is not None:
@@ -210,6 +228,24 @@ class BatchRun:
                 pe[s2] = BIG
                 self.n_waiting += s2.size
                 self._release_barriers()
+
+    def _unpark(self):
+        """Every runnable thread is blocked: parked waiters retry if a phase completed since
+        they parked; otherwise nothing can ever complete their phase."""
+        parked = np.flatnonzero(self.parked)
+        retry = parked[self.park_version[parked] != self.ctx.mbar.version]
+        if retry.size == 0:
+            t = int(parked[0])
+            self.cur_pc = int(self._park_pc(t))
+            raise Fault("mbarrier deadlock: every thread waits on an mbarrier phase (or a "
+                        "barrier) and no arrival or copy can complete one", t)
+        self.parked[retry] = False
+        self.pc_eff[retry] = self._park_pc(retry)
+
+    def _park_pc(self, threads):
+        """Parked threads re-run the wait they parked at (the instruction before pc_eff's
+        resume point is recorded in wait_pc)."""
+        return self.wait_pc[threads]
 
     def _exit_threads(self, idx):
         self.exited[idx] = True

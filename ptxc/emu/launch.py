@@ -11,6 +11,7 @@ from ptxc.emu.decode import decode_program
 from ptxc.emu.context import BatchContext
 from ptxc.emu.executor import BatchRun
 from ptxc.emu.memory import GlobalMemory
+from ptxc.emu.tensormap import TensorMap
 from ptxc.emu.traffic import Traffic, TrafficCounter
 from ptxc.errors import InputError
 
@@ -93,6 +94,8 @@ class StructArg:
 
 def _struct_bytes(kernel, i, p, a):
     """-> (bytes, ((offset, label, array), ...)) of a by-value struct argument."""
+    if isinstance(a, TensorMap) and p.nbytes == 128:
+        a = a.struct_arg(f"kernel '{kernel}': param {i} '{p.name}'")
     pointers = a.buffers if isinstance(a, StructArg) else ()
     data = a.data if isinstance(a, StructArg) else a
     if isinstance(data, np.ndarray) and data.shape == () and data.dtype.names:

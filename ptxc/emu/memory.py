@@ -21,8 +21,11 @@ GLOBAL_ALIGN = 256
 GLOBAL_GUARD = 256
 GENERIC_SHARED_BASE = 0x7F00_0000_0000
 GENERIC_SHARED_END = GENERIC_SHARED_BASE + (1 << 32)
+# `mov.u64 %rd, param` / cvta.param: kernel parameters' addresses (only TMA reads through them)
+PARAM_BASE = 0x7E00_0000_0000
 
 UNWRITTEN, WRITTEN, CP_ASYNC_PENDING = 0, 1, 2
+BULK_PENDING = CP_ASYNC_PENDING | 4     # a cp.async.bulk destination (pending, and bit 2)
 _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _ROW_DTYPE = {**_UINTS, 16: np.dtype((np.void, 16))}
 _SHIFT = {1: 0, 2: 1, 4: 2, 8: 3, 16: 4}
@@ -150,6 +153,8 @@ class SharedMemory:
         self.rows, self.state_rows = RowViews(self.data), RowViews(self.state)
         self.race = None            # a RaceTracker when racecheck is on
         self.all_index = None       # batch thread indices, for accesses by every thread
+        # wgmma operands in flight: per 16-byte chunk, how many in-flight operations read it
+        self.async_readers, self.async_live = None, 0
 
     def offsets(self, cta, addr, nbytes: int, align: int, what: str, sel):
         """Validate shared accesses (addr: shared-window addresses); return flat byte offsets."""
@@ -179,12 +184,18 @@ class SharedMemory:
         k = _first(~ok.all(axis=1))
         a = addr_of(k)
         if ((st[k].astype(np.uint64) & _ANY_PENDING) != 0).any():
+            if ((st[k].astype(np.uint64) & (_ANY_PENDING << np.uint64(1))) != 0).any():
+                raise Fault(f"read of cp.async.bulk destination before a wait on its "
+                            f"mbarrier observed the phase complete (shared address 0x{a:x})",
+                            _at(sel, k), a)
             raise Fault(f"read of cp.async destination before cp.async.wait_group "
                         f"(shared address 0x{a:x})", _at(sel, k), a)
         raise Fault(f"read of never-written shared memory at shared address 0x{a:x}",
                     _at(sel, k), a)
 
     def check_not_pending(self, rows, total: int, sel, addr_of):
+        if self.async_live:
+            self._check_no_async_reader(rows, total, sel, addr_of)
         st = self.state_rows.lanes(rows, total).astype(np.uint64)
         pending = ((st & _ANY_PENDING) != 0).any(axis=1)
         if pending.any():
@@ -192,6 +203,16 @@ class SharedMemory:
             a = addr_of(k)
             raise Fault(f"write to cp.async destination before cp.async.wait_group "
                         f"(shared address 0x{a:x})", _at(sel, k), a)
+
+    def _check_no_async_reader(self, rows, total: int, sel, addr_of):
+        chunks = (np.asarray(rows, np.int64) * total) >> 4     # aligned: one chunk each
+        hit = self.async_readers[chunks] > 0
+        if hit.any():
+            k = _first(hit)
+            a = addr_of(k)
+            raise Fault(f"write to shared memory that a wgmma.mma_async in flight reads, before "
+                        f"the wgmma.wait_group that retires it (shared address 0x{a:x})",
+                        _at(sel, k), a)
 
     def load(self, cta, addr, esize: int, nvec: int, sel, line: int = 0):
         total = esize * nvec

@@ -126,7 +126,9 @@ SPECIAL_REGS |= {"%laneid", "%warpid", "%nwarpid", "%lanemask_eq", "%lanemask_lt
 def imm_scalar(imm: Imm, ty: PtxType):
     """An immediate as a numpy scalar of `ty`'s compute dtype."""
     if ty.kind == "p":
-        raise DecodeError("an immediate cannot be a predicate operand")
+        if imm.kind != "int":
+            raise DecodeError("a predicate immediate must be an integer (0 false, else true)")
+        return np.bool_(imm.value != 0)         # e.g. `mov.pred %p, -1` (Triton sm_90a)
     if ty.kind == "f":
         if imm.kind == "f32bits":
             v = float(np.uint32(imm.value).view(np.float32))
@@ -154,6 +156,10 @@ def src_plan(env, operand, ty: PtxType):
             if ty.kind not in "usb" or ty.bits != 64:
                 raise DecodeError(f"address of {operand.name} needs a 64-bit integer type")
             return lambda ctx: (lambda v: (lambda sel: v.view(ty.dtype)))(glob(ctx))
+        if operand.name in env.params and ty.kind in "usb" and ty.bits == 64:
+            from ptxc.emu.memory import PARAM_BASE       # the address of a kernel parameter
+            value = imm_scalar(Imm(PARAM_BASE + env.params[operand.name][0], "int"), ty)
+            return lambda ctx: (lambda sel: value)
         addr = env.symbol_address(operand.name)
         if ty.kind not in "usb" or ty.bits < 32:
             raise DecodeError(f"address of {operand.name} needs a 32/64-bit integer type")

@@ -67,6 +67,12 @@ class AsyncCopies:
 
 @register("cp")
 def decode_cp(ins, env):
+    if "tensor" in ins.mods:
+        from ptxc.emu.ops_tma import decode_cp_bulk_tensor
+        return decode_cp_bulk_tensor(ins, env)
+    if "bulk" in ins.mods:
+        from ptxc.emu.ops_mbarrier import decode_cp_bulk
+        return decode_cp_bulk(ins, env)
     m = Mods(ins)
     if not m.flag("async"):
         raise DecodeError("only cp.async is supported")

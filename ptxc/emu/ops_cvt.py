@@ -213,7 +213,7 @@ def _decode_fp8(ins, env, dst, src, mode, bad, satfinite):
 def decode_cvta(ins, env):
     m = Mods(ins)
     to = m.flag("to")
-    space = m.need("global", "shared")
+    space = m.need("global", "shared", "param")
     t = m.one_type()
     m.done()
     expect_operands(ins, 2)
@@ -221,6 +221,10 @@ def decode_cvta(ins, env):
         raise DecodeError("only the 64-bit form (.u64) of cvta is supported")
     d, a = ins.operands
     u64 = TYPES["u64"]
+    if space == "param" and not to:   # parameter addresses are their own generic ones
+        return simple_op(ins, env, d, u64, [(a, u64)], lambda x: x)
+    if space == "param":
+        raise DecodeError("cvta.to.param is not supported")
     if space == "global":   # global addresses are their own generic addresses
         return simple_op(ins, env, d, u64, [(a, u64)], lambda x: x)
     if not to:

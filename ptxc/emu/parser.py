@@ -14,7 +14,7 @@ import re
 
 from ptxc.emu.declarations import TYPE_BYTES, fail, parse_decl, parse_params, split_top
 from ptxc.emu.ptx_ast import (Addr, Entry, GlobalVar, Imm, Instruction, Module, Operand, Pair,
-                              Reg, Sink, Sym, Vec)
+                              Reg, Sink, Sym, TensorAddr, Vec)
 
 # ----------------------------------------------------------------------------- lexing helpers
 
@@ -64,6 +64,10 @@ def parse_operand(tok: str, line: int, text: str) -> Operand:
     if tok[0] == "[":
         if tok[-1] != "]":
             raise fail(line, text, f"unterminated address operand {tok!r}")
+        inner = split_top(tok[1:-1], ",")
+        if len(inner) == 2 and inner[1].strip().startswith("{"):     # [map, {c0, ...}]
+            coords = parse_operand(inner[1], line, text)
+            return TensorAddr(_parse_address(inner[0].strip(), line, text), coords.items)
         return _parse_address(tok[1:-1].strip(), line, text)
     m = _REG.match(tok)
     if m:

@@ -38,6 +38,13 @@ class Addr:
 
 
 @dataclass(frozen=True)
+class TensorAddr:
+    """``[map, {c0, c1, ...}]``: a tensor map's address and box coordinates (TMA)."""
+    map: Addr
+    coords: tuple
+
+
+@dataclass(frozen=True)
 class Vec:
     """``{a, b, ...}``: a vector operand (ld/st.v*, mov pack/unpack, mma fragments)."""
     items: tuple
@@ -55,7 +62,7 @@ class Sink:
     """``_``: a destination whose value is discarded."""
 
 
-Operand = Union[Reg, Imm, Sym, Addr, Vec, Pair, Sink]
+Operand = Union[Reg, Imm, Sym, Addr, TensorAddr, Vec, Pair, Sink]
 
 # ----------------------------------------------------------------------------- structure
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ptxc.emu.operands import Fault
-from ptxc.emu.ptx_ast import Addr, Pair, Reg, Vec
+from ptxc.emu.ptx_ast import Addr, Imm, Pair, Reg, TensorAddr, Vec
 
 # Instructions whose first operand is not a register destination.
 _NO_DEST = {"st", "red", "bar", "barrier", "bra", "exit", "ret", "cp", "membar", "fence",
@@ -54,6 +54,10 @@ def _regs(op, out: list):
         _regs(op.second, out)
     elif isinstance(op, Addr) and isinstance(op.base, Reg):
         out.append(op.base.name)
+    elif isinstance(op, TensorAddr):
+        _regs(op.map, out)
+        for c in op.coords:
+            _regs(c, out)
 
 
 def roles(ins, declared):
@@ -65,6 +69,9 @@ def roles(ins, declared):
         _regs(ops[0], dsts)
     for op in ops[1:] if has_dest else ops:
         _regs(op, srcs)
+    if ins.opcode == "wgmma" and len(ops) > 3 and not (isinstance(ops[3], Imm) and
+                                                       ops[3].value == 0):
+        _regs(ops[0], srcs)          # scale-d true: the accumulator is read as well
     checks = []
     for op in ops:
         if isinstance(op, Addr) and isinstance(op.base, Reg):

@@ -1,0 +1,143 @@
+"""sm_90 warp-level helpers: elect.sync, setmaxnreg, stmatrix.
+
+elect.sync elects the lowest lane of its membermask (PTX ISA: "the leader is the thread with the
+lowest lane id"; every lane of the mask must execute it, as for shfl.sync). setmaxnreg only
+changes the register budget of a warpgroup, which the emulator does not model: it checks its
+operand (24..256, a multiple of 8) and that whole warpgroups execute it. stmatrix is the store
+counterpart of ldmatrix: lanes 8i..8i+7 give the row addresses of matrix i, register i of lane l
+holds row l/4, columns 2(l%4) and 2(l%4)+1 (transposed with .trans).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ptxc.emu.decode import NORMAL, Mods, Op, expect_operands, register
+from ptxc.emu.memory import GENERIC_SHARED_BASE
+from ptxc.emu.operands import TYPES, DecodeError, Fault, dst_plan, src_plan
+from ptxc.emu.ops_mem import address_plan
+from ptxc.emu.ops_warp import executing_lanes, whole_warps
+from ptxc.emu.ops_wgmma import warpgroups
+from ptxc.emu.ptx_ast import Imm, Pair, Vec
+
+U32, B32, PRED = TYPES["u32"], TYPES["b32"], TYPES["pred"]
+
+
+@register("elect")
+def decode_elect(ins, env):
+    m = Mods(ins)
+    if not m.flag("sync"):
+        raise DecodeError("needs .sync")
+    m.done()
+    expect_operands(ins, 2)
+    d, mask = ins.operands
+    if not isinstance(d, Pair):
+        raise DecodeError("elect.sync's destination is d|p")
+    dp, pp = dst_plan(env, d.first, B32), dst_plan(env, d.second, PRED)
+    mp = src_plan(env, mask, U32)
+
+    def bind(ctx):
+        write, pwrite, rmask = dp(ctx), pp(ctx), mp(ctx)
+
+        def run(sel):
+            idx = ctx.all_index if isinstance(sel, slice) else sel
+            lane = ctx.lane[idx]
+            member = np.broadcast_to(np.asarray(rmask(sel), np.int64) & 0xFFFFFFFF, idx.shape)
+            if (member == 0).any():
+                raise Fault("elect.sync with an empty membermask", int(idx[0]))
+            outside = ((member >> lane) & 1) == 0
+            if outside.any():
+                k = int(np.flatnonzero(outside)[0])
+                raise Fault(f"elect.sync executed by lane {lane[k]}, which is not in its "
+                            f"membermask 0x{int(member[k]):08x}", int(idx[k]))
+            absent = member & ~executing_lanes(ctx, idx).astype(np.int64)
+            if absent.any():
+                k = int(np.flatnonzero(absent)[0])
+                raise Fault(f"elect.sync membermask 0x{int(member[k]):08x} names lanes that "
+                            f"are not executing it (exited or diverged)", int(idx[k]))
+            leader = np.log2(member & -member).astype(np.uint32)     # lowest set bit
+            if ctx.race is not None:
+                ctx.race.warp_synced(sel)
+            write(sel, leader)
+            pwrite(sel, lane == leader)
+        return run
+    return Op(NORMAL, ins, bind)
+
+
+@register("setmaxnreg")
+def decode_setmaxnreg(ins, env):
+    m = Mods(ins)
+    m.need("inc", "dec")
+    if not (m.flag("sync") and m.flag("aligned")):
+        raise DecodeError("needs .sync.aligned")
+    if m.one_type().name != "u32":
+        raise DecodeError("needs .u32")
+    m.done()
+    expect_operands(ins, 1)
+    count = ins.operands[0]
+    if not isinstance(count, Imm) or count.kind != "int" or not 24 <= count.value <= 256 \
+            or count.value % 8:
+        raise DecodeError("the register count must be a constant in 24..256, a multiple of 8")
+
+    def bind(ctx):
+        def run(sel):
+            warpgroups(ctx, sel, "setmaxnreg")
+        return run
+    return Op(NORMAL, ins, bind)
+
+
+@register("stmatrix")
+def decode_stmatrix(ins, env):
+    m = Mods(ins)
+    if not (m.flag("sync") and m.flag("aligned")):
+        raise DecodeError("needs .sync.aligned")
+    if not m.flag("m8n8"):
+        raise DecodeError("only .m8n8 is supported")
+    nmat = {"x1": 1, "x2": 2, "x4": 4}[m.need("x1", "x2", "x4")]
+    trans = bool(m.flag("trans"))
+    space = m.flag("shared", "shared::cta")
+    if m.one_type().name != "b16":
+        raise DecodeError("only .b16 is supported")
+    m.done()
+    expect_operands(ins, 2)
+    a, r = ins.operands
+    if not isinstance(r, Vec) or len(r.items) != nmat:
+        raise DecodeError(f"needs {{{nmat}}} source registers")
+    rplans = [src_plan(env, x, B32) for x in r.items]
+    aplan = address_plan(env, a, "shared" if space else None)
+    lane = np.arange(32)
+    row, col = lane >> 2, 2 * (lane & 3)
+    line = ins.line
+
+    def bind(ctx):
+        readers = [p(ctx) for p in rplans]
+        address = aplan(ctx)
+
+        def run(sel):
+            idx = whole_warps(ctx, sel, "stmatrix")
+            nw = idx.size // 32
+            addr = np.broadcast_to(address(sel), idx.shape).reshape(nw, 32)[:, :8 * nmat]
+            if not space:
+                addr = addr.astype(np.int64) - GENERIC_SHARED_BASE
+            who = idx.reshape(nw, 32)[:, :8 * nmat].reshape(-1)
+            flat = ctx.smem.offsets(ctx.cta_of[who], addr.reshape(-1), 16, 16,
+                                    "stmatrix row store", who)
+            rows = flat >> 4
+            addr_of = lambda k: int(addr.reshape(-1)[k])  # noqa: E731
+            ctx.smem.check_not_pending(rows, 16, who, addr_of)
+            if ctx.race is not None:
+                ctx.race.warp_synced(sel)
+                ctx.race.check(rows, 16, who, line, "write", addr_of)
+                ctx.race.record(rows, 16, who, line)
+            M = np.zeros((nw, nmat, 8, 8), np.uint16)              # [w, m, row, col]
+            for i, rd in enumerate(readers):
+                v = np.broadcast_to(np.asarray(rd(sel), np.uint32), idx.shape).reshape(nw, 32)
+                lo, hi = (v & 0xFFFF).astype(np.uint16), (v >> 16).astype(np.uint16)
+                if trans:
+                    M[:, i, col, row], M[:, i, col + 1, row] = lo, hi
+                else:
+                    M[:, i, row, col], M[:, i, row, col + 1] = lo, hi
+            ctx.smem.rows.scatter(rows, 16, M.reshape(-1, 8))
+            ctx.smem.mark_written(rows, 16)
+        return run
+    return Op(NORMAL, ins, bind)

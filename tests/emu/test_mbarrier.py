@@ -1,0 +1,124 @@
+"""mbarrier + cp.async.bulk: a tile copied global -> shared under an mbarrier's transaction
+count is visible after the phase completes, to threads that wait on the same code path and to
+consumer warps that spin at a lower pc than their producer (they yield); missing waits, wrong
+transaction counts and uninitialised barriers are errors."""
+
+import numpy as np
+import pytest
+
+from ptxc.errors import EmulationError
+
+from .helpers import run
+
+HEADER = ".version 8.0\n.target sm_90a\n.address_size 64\n"
+
+PRODUCE = r"""
+	@%p1 mbarrier.arrive.expect_tx.shared::cta.b64 %rd2, [%r2], %r9;
+	@%p1 cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r3], [%rd1], %r4, [%r2];
+"""
+
+
+def kernel(specialised=False, wait=True, init=True):
+    produce = "" if specialised else PRODUCE
+    tail = ("PRODUCE:\n" + PRODUCE + "\tbra.uni WAIT;\n") if specialised else ""
+    return HEADER + f"""
+.visible .entry bulk_k(.param .u64 in_p, .param .u64 out_p, .param .u32 bytes_p,
+                       .param .u32 tx_p)
+{{
+	.reg .b32 %r<16>;
+	.reg .b64 %rd<8>;
+	.reg .pred %p<4>;
+	.shared .align 128 .b8 buf[512];
+	.shared .align 8 .b64 bar;
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, bar;
+	mov.u32 %r3, buf;
+	ld.param.u32 %r4, [bytes_p];
+	ld.param.u32 %r9, [tx_p];
+	ld.param.u64 %rd1, [in_p];
+	setp.eq.u32 %p1, %r1, 0;
+	{"@%p1 mbarrier.init.shared::cta.b64 [%r2], 1;" if init else ""}
+	bar.sync 0;
+	setp.lt.u32 %p3, %r1, 32;
+	{"@%p3 bra PRODUCE;" if specialised else ""}
+{produce}
+WAIT:
+	{"mbarrier.try_wait.parity.shared::cta.b64 %p2, [%r2], 0;" if wait else ""}
+	{"@!%p2 bra WAIT;" if wait else ""}
+	shl.b32 %r5, %r1, 2;
+	add.u32 %r6, %r3, %r5;
+	ld.shared.u32 %r7, [%r6];
+	ld.param.u64 %rd3, [out_p];
+	mul.wide.u32 %rd4, %r1, 4;
+	add.s64 %rd5, %rd3, %rd4;
+	st.global.u32 [%rd5], %r7;
+	ret;
+{tail}}}
+"""
+
+
+def launch_bulk(ptx, tx=512):
+    src = np.arange(128, dtype=np.uint32) * 3 + 1
+    out = np.zeros(128, np.uint32)
+    run(ptx, "bulk_k", (2,), (128,), [src, out, np.uint32(512), np.uint32(tx)])
+    return src, out
+
+
+@pytest.mark.parametrize("specialised", [False, True])
+def test_bulk_copy_visible_after_the_phase(specialised):
+    src, out = launch_bulk(kernel(specialised))
+    np.testing.assert_array_equal(out, src)
+
+
+def test_read_before_the_wait_is_an_error():
+    with pytest.raises(EmulationError, match="cp.async.bulk destination before a wait"):
+        launch_bulk(kernel(wait=False))
+
+
+def test_transaction_count_never_reached_is_a_deadlock():
+    with pytest.raises(EmulationError, match="mbarrier deadlock"):
+        launch_bulk(kernel(specialised=True), tx=528)
+
+
+def test_uninitialised_mbarrier_is_an_error():
+    with pytest.raises(EmulationError, match="no initialised mbarrier"):
+        launch_bulk(kernel(init=False))
+
+
+ARRIVE = HEADER + r"""
+.visible .entry arrive_k(.param .u64 out_p)
+{
+	.reg .b32 %r<8>;
+	.reg .b64 %rd<8>;
+	.reg .pred %p<4>;
+	.shared .align 8 .b64 bar;
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, bar;
+	setp.eq.u32 %p1, %r1, 0;
+	@%p1 mbarrier.init.shared::cta.b64 [%r2], 64;
+	bar.sync 0;
+	mbarrier.arrive.shared::cta.b64 %rd1, [%r2];
+	mbarrier.test_wait.shared::cta.b64 %p2, [%r2], %rd1;
+	mbarrier.test_wait.parity.shared::cta.b64 %p3, [%r2], 1;
+	selp.u32 %r3, 1, 0, %p2;
+	selp.u32 %r4, 2, 0, %p3;
+	add.u32 %r3, %r3, %r4;
+	ld.param.u64 %rd2, [out_p];
+	mul.wide.u32 %rd3, %r1, 4;
+	add.s64 %rd4, %rd2, %rd3;
+	st.global.u32 [%rd4], %r3;
+	ret;
+}
+"""
+
+
+def test_arrivals_complete_a_phase_and_tokens_and_parity_see_it():
+    out = np.zeros(64, np.uint32)
+    run(ARRIVE, "arrive_k", (1,), (64,), [out])
+    # 64 arrivals complete phase 0: the token (phase 0) and parity 1 (phase 1 is current,
+    # not completed) -> test_wait true, test_wait.parity 1 false
+    np.testing.assert_array_equal(out, np.full(64, 1))
+    with pytest.raises(EmulationError, match="arrivals on an mbarrier phase expecting"):
+        run(ARRIVE.replace("[%r2], 64;", "[%r2], 32;").replace(
+            "mbarrier.test_wait.shared", "mbarrier.arrive.shared::cta.b64 %rd5, [%r2];\n\t"
+            "mbarrier.test_wait.shared"), "arrive_k", (1,), (64,), [out])

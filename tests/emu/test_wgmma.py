@@ -1,0 +1,244 @@
+"""wgmma.mma_async (sm_90a): shared-memory images are laid out by the test from the PTX ISA's
+description of the canonical layouts (core matrices, swizzle atoms, LBO/SBO, the address-bit
+XOR of each swizzle mode), written per element independently of ptxc/emu/wgmma_layout.py;
+results are compared with numpy. Every kernel is assembled by ptxas for sm_90a."""
+
+import numpy as np
+import pytest
+
+from ptxc.emu.wgmma_layout import encode_descriptor
+from ptxc.errors import EmulationError
+
+from .helpers import run
+
+HEADER = ".version 8.0\n.target sm_90a\n.address_size 64\n"
+RNG = np.random.default_rng(17)
+
+
+def element_address(r, k, mn_major, swizzle, lbo, sbo):
+    """Byte offset (from a 1024-aligned base) of element (r, k) of an R x 16 operand."""
+    if not mn_major:
+        if swizzle == 0:    # 8 x 16-byte core matrices: rows 16 B apart, K halves LBO apart
+            a = (r // 8) * sbo + (k // 8) * lbo + (r % 8) * 16 + (k % 8) * 2
+        else:               # atom: 8 rows of `swizzle` bytes, 8-row groups SBO apart
+            a = (r // 8) * sbo + (r % 8) * swizzle + k * 2
+    else:
+        if swizzle == 0:    # core matrices hold 8 k-rows of 8 consecutive r
+            a = (r // 8) * sbo + (k // 8) * lbo + (k % 8) * 16 + (r % 8) * 2
+        else:               # atom: 8 k-rows of swizzle/2 consecutive r; atoms LBO apart in r
+            per = swizzle // 2
+            a = (r // per) * lbo + (k // 8) * sbo + (k % 8) * swizzle + (r % per) * 2
+    if swizzle:             # 16-byte chunk index ^= (address / 128) mod (swizzle / 16)
+        a ^= ((a >> 7) % (swizzle // 16)) << 4
+    return a
+
+
+def place(image, base, bits, mn_major, swizzle, lbo, sbo):
+    rows = bits.shape[0]
+    for r in range(rows):
+        for k in range(16):
+            a = base + element_address(r, k, mn_major, swizzle, lbo, sbo)
+            image[a:a + 2] = np.frombuffer(np.uint16(bits[r, k]).tobytes(), np.uint8)
+
+
+def strides(rows, mn_major, swizzle):
+    """(LBO, SBO, bytes) of a packed layout with a 128-byte gap between row groups."""
+    if not mn_major:
+        if swizzle == 0:
+            return 128, 384, (rows // 8) * 384
+        return 16, 8 * swizzle + 8 * swizzle, (rows // 8) * 16 * swizzle
+    if swizzle == 0:
+        return (rows // 8) * 128 + 128, 128, 2 * ((rows // 8) * 128 + 128)
+    atoms = -(-rows // (swizzle // 2))
+    return 16 * swizzle, 8 * swizzle, atoms * 16 * swizzle
+
+
+def halves(x, kind):
+    if kind == "f16":
+        h = x.astype(np.float16)
+        return h.view(np.uint16), h.astype(np.float64)
+    b = (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return b, (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def acc_position(n):
+    """(row, col) of accumulator register i of thread tid (PTX ISA, wgmma D fragments)."""
+    tid, i = np.meshgrid(np.arange(128), np.arange(n // 2), indexing="ij")
+    warp, lane = tid // 32, tid % 32
+    row = 16 * warp + lane // 4 + 8 * ((i % 4) // 2)
+    col = 8 * (i // 4) + 2 * (lane % 4) + i % 2
+    return row, col
+
+
+def a_position():
+    """(row, col) of 16-bit element e (register e // 2, low half first) of A in registers."""
+    tid, e = np.meshgrid(np.arange(128), np.arange(8), indexing="ij")
+    warp, lane = tid // 32, tid % 32
+    return 16 * warp + lane // 4 + 8 * ((e // 2) % 2), 2 * (lane % 4) + e % 2 + 8 * (e // 4)
+
+
+def kernel(n, kind, a_regs, trans_a, trans_b, image_bytes, scale_a=1, between="",
+           fence=True, block_guard=""):
+    nd = n // 2
+    dregs = ",".join(f"%d{i}" for i in range(nd))
+    if a_regs:
+        a_op, trans = "{%a0,%a1,%a2,%a3}", f"{trans_b}"
+    else:
+        a_op, trans = "%rd4", f"{trans_a}, {trans_b}"
+    loads_c = "\n".join(f"\tld.global.f32 %d{i}, [%rd8+{4 * i}];" for i in range(nd))
+    stores = "\n".join(f"\tst.global.f32 [%rd11+{4 * i}], %d{i};" for i in range(nd))
+    loads_a = "\n".join(f"\tld.global.b32 %a{i}, [%rd14+{4 * i}];" for i in range(4))
+    return HEADER + f"""
+.visible .entry wg(.param .u64 img_p, .param .u32 nchunks_p, .param .u64 adesc_p,
+                   .param .u64 bdesc_p, .param .u64 afrag_p, .param .u64 c_p, .param .u64 d_p,
+                   .param .u32 scale_p)
+{{
+	.reg .b32 %r<16>;
+	.reg .b32 %a<4>;
+	.reg .f32 %d<{nd}>;
+	.reg .f32 %f<2>;
+	.reg .b64 %rd<20>;
+	.reg .pred %p<4>;
+	.shared .align 1024 .b8 smem[{image_bytes}];
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, smem;
+	ld.param.u64 %rd1, [img_p];
+	ld.param.u32 %r3, [nchunks_p];
+	mov.u32 %r4, %r1;
+COPY:
+	setp.ge.u32 %p1, %r4, %r3;
+	@%p1 bra COPIED;
+	mul.wide.u32 %rd2, %r4, 16;
+	add.s64 %rd3, %rd1, %rd2;
+	ld.global.v4.u32 {{%r5, %r6, %r7, %r8}}, [%rd3];
+	shl.b32 %r9, %r4, 4;
+	add.u32 %r10, %r2, %r9;
+	st.shared.v4.u32 [%r10], {{%r5, %r6, %r7, %r8}};
+	add.u32 %r4, %r4, 128;
+	bra COPY;
+COPIED:
+	bar.sync 0;
+	fence.proxy.async.shared::cta;
+	cvt.u64.u32 %rd5, %r2;
+	shr.u64 %rd5, %rd5, 4;
+	and.b64 %rd5, %rd5, 16383;
+	ld.param.u64 %rd4, [adesc_p];
+	add.s64 %rd4, %rd4, %rd5;
+	ld.param.u64 %rd9, [bdesc_p];
+	add.s64 %rd9, %rd9, %rd5;
+	ld.param.u64 %rd6, [c_p];
+	mul.wide.u32 %rd7, %r1, {4 * nd};
+	add.s64 %rd8, %rd6, %rd7;
+{loads_c}
+	ld.param.u64 %rd12, [afrag_p];
+	mul.wide.u32 %rd13, %r1, 16;
+	add.s64 %rd14, %rd12, %rd13;
+{loads_a}
+	ld.param.u32 %r11, [scale_p];
+	setp.ne.u32 %p2, %r11, 0;
+{block_guard}
+{"	wgmma.fence.sync.aligned;" if fence else ""}
+	wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{dregs}}}, {a_op}, %rd9, %p2, {scale_a}, 1, {trans};
+	wgmma.commit_group.sync.aligned;
+{between}
+	wgmma.wait_group.sync.aligned 0;
+	ld.param.u64 %rd10, [d_p];
+	add.s64 %rd11, %rd10, %rd7;
+{stores}
+	ret;
+}}
+"""
+
+
+def build_case(n, kind, a_regs, trans_a, trans_b, swizzle_a, swizzle_b):
+    a_bits, a_val = halves(RNG.standard_normal((64, 16)), kind)
+    bt_bits, bt_val = halves(RNG.standard_normal((n, 16)), kind)     # B^T: n x k
+    lbo_a, sbo_a, size_a = strides(64, trans_a, swizzle_a)
+    lbo_b, sbo_b, size_b = strides(n, trans_b, swizzle_b)
+    b_base = -(-size_a // 1024) * 1024
+    total = -(-(b_base + size_b) // 1024) * 1024
+    image = RNG.integers(0, 256, total, dtype=np.uint8)      # padding holds garbage
+    if not a_regs:
+        place(image, 0, a_bits, trans_a, swizzle_a, lbo_a, sbo_a)
+    place(image, b_base, bt_bits, trans_b, swizzle_b, lbo_b, sbo_b)
+    adesc = encode_descriptor(0, lbo_a, sbo_a, swizzle_a)
+    bdesc = encode_descriptor(b_base, lbo_b, sbo_b, swizzle_b)
+    ar, ac = a_position()
+    lo, hi = a_bits[ar, ac][:, 0::2].astype(np.uint32), a_bits[ar, ac][:, 1::2].astype(np.uint32)
+    afrag = (lo | (hi << 16)).astype(np.uint32)
+    return image, adesc, bdesc, afrag, a_val, bt_val, total
+
+
+def launch_case(n, kind, a_regs, trans_a, trans_b, swizzle_a, swizzle_b, scale_d=True,
+                scale_a=1, **kernel_kw):
+    image, adesc, bdesc, afrag, a_val, bt_val, total = build_case(
+        n, kind, a_regs, trans_a, trans_b, swizzle_a, swizzle_b)
+    c = RNG.standard_normal((64, n)).astype(np.float32)
+    row, col = acc_position(n)
+    cfrag = np.ascontiguousarray(c[row, col])
+    dfrag = np.zeros_like(cfrag)
+    ptx = kernel(n, kind, a_regs, trans_a, trans_b, total, scale_a, **kernel_kw)
+    run(ptx, "wg", (1,), (128,), [image, np.uint32(total // 16), np.uint64(adesc),
+                                   np.uint64(bdesc), afrag, cfrag, dfrag, np.uint32(scale_d)])
+    expect = scale_a * (a_val @ bt_val.T) + (c.astype(np.float64) if scale_d else 0)
+    got = np.zeros((64, n), np.float32)
+    got[row, col] = dfrag
+    return got, expect.astype(np.float32)
+
+
+@pytest.mark.parametrize("swizzle", [0, 32, 64, 128])
+@pytest.mark.parametrize("trans_a, trans_b", [(0, 0), (1, 1), (0, 1)])
+def test_descriptor_operands_every_swizzle(swizzle, trans_a, trans_b):
+    got, expect = launch_case(16, "f16", False, trans_a, trans_b, swizzle, swizzle)
+    np.testing.assert_array_equal(got, expect)
+
+
+@pytest.mark.parametrize("swizzle_b, trans_b", [(0, 0), (32, 1), (64, 0), (128, 1)])
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_register_a(swizzle_b, trans_b, kind):
+    got, expect = launch_case(24, kind, True, 0, trans_b, 0, swizzle_b)
+    np.testing.assert_array_equal(got, expect)
+
+
+@pytest.mark.parametrize("n", [8, 72, 256])
+def test_n_sizes_scale_d_and_negated_a(n):
+    got, expect = launch_case(n, "bf16", False, 0, 1, 128, 64, scale_d=False, scale_a=-1)
+    np.testing.assert_array_equal(got, expect)
+
+
+def _error(match, **kw):
+    with pytest.raises(EmulationError, match=match):
+        launch_case(16, "f16", False, 0, 0, 64, 64, **kw)
+
+
+def test_accumulator_read_before_wait_is_an_error():
+    _error("belongs to a wgmma.mma_async still in flight", between="\tmov.f32 %f0, %d3;")
+
+
+def test_accumulator_written_before_wait_is_an_error():
+    _error("still in flight", between="\tmov.f32 %d1, 0f00000000;")
+
+
+def test_missing_fence_is_an_error():
+    _error("accessed since the last wgmma.fence", fence=False)
+
+
+def test_operand_overwritten_before_wait_is_an_error():
+    _error("wgmma.mma_async in flight reads", between="\tst.shared.u32 [%r2+16], %r1;")
+
+
+def test_diverged_warpgroup_is_an_error():
+    guard = "\tsetp.ge.u32 %p3, %r1, 96;\n\t@%p3 bra SKIP;"
+    with pytest.raises(EmulationError, match="all 128 threads of the warpgroup"):
+        launch_case(16, "f16", False, 0, 0, 0, 0, block_guard=guard,
+                    between="SKIP:")
+
+
+def test_non_zero_base_offset_is_refused():
+    image, adesc, bdesc, afrag, *_ , total = build_case(8, "f16", False, 0, 0, 128, 128)
+    ptx = kernel(8, "f16", False, 0, 0, total)
+    z = np.zeros((128, 4), np.float32)
+    with pytest.raises(EmulationError, match="non-zero base offset"):
+        run(ptx, "wg", (1,), (128,), [image, np.uint32(total // 16),
+                                       np.uint64(adesc | (3 << 49)), np.uint64(bdesc), afrag,
+                                       z, z.copy(), np.uint32(1)])
