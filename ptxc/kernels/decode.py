@@ -188,7 +188,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     kv.emit_dims(param)
     split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None
     quant = kv_fp8.emit_params(spec, target, b, param)
-    emit_attention(b, spec, cfg, kv, ptrs, strides, split_count, quant)
+    emit_attention(b, spec, cfg, kv, ptrs, strides, split_count, quant, target)
     b.ret()
     grid = (str(spec.num_kv_heads * cfg.head_chunks), "batch", "num_splits" if split else "1")
     launches = [Launch(entry=b.entry.name, params=tuple(params), grid=grid, block=(cfg.num_warps * 32, 1, 1))]

@@ -16,12 +16,12 @@ from .kv_access import KVAccess
 
 
 def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
-                   split_count: Reg | None, quant=None) -> None:
+                   split_count: Reg | None, quant=None, target=None) -> None:
     """Emit the whole body. `strides[(t, axis)]` are byte strides of q and o; with
     `split_count`, CTA z handles the z-th of `split_count` row ranges and writes partials.
     With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: a lane's chunk of `per_vec`
     elements is one 8- or 4-byte load, k_scale folds into the query multiplier and v_scale
-    into the final normalisation."""
+    into the final normalisation. `target` picks the f16 rounding below sm_80."""
     fmt, lpr, hp = cfg.fmt, cfg.lanes_per_row, cfg.heads_per_cta
     tid = b.special("%tid.x")
     lane, warp = b.and_(tid, 31), b.shr(tid, 5)
@@ -85,7 +85,7 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
                                    b.shfl("bfly", l[i], off), [b.shfl("bfly", x, off) for x in flat])
         off *= 2
     smem = _stage_warp_states(b, cfg, m, l, acc, warp, slot, sub)
-    _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count, v_scale)
+    _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count, v_scale, target)
 
 
 def _plain_io(b, fmt):
@@ -183,7 +183,7 @@ def _store_f32_row(b, lane_off, base, vals):
         b.st("shared", F32, Addr(lane_off, base + q * 4), vals[q:q + 4])
 
 
-def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count, v_scale=None):
+def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count, v_scale=None, target=None):
     """Every thread takes 128-bit output chunks (head i, chunk c): merge the warps' states,
     then write the final O (and LSE) or, for a split, the partial O and its log2-sum-exp."""
     fmt, d, hp, nw = cfg.fmt, cfg.head_dim, cfg.heads_per_cta, cfg.num_warps
@@ -220,7 +220,7 @@ def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count,
             if split_count is None:
                 base = C.element_offset(b, ptrs["o"], batch, strides[("o", 0)])
                 row = C.element_offset(b, b.bitcast(base, C.U64), head, strides[("o", 1)])
-                C.store_vec(b, fmt, Addr(b.add(row, b.cvt(S64, b.mul(c, C.VEC_BYTES)))), C.from_f32(b, fmt, out))
+                C.store_vec(b, fmt, Addr(b.add(row, b.cvt(S64, b.mul(c, C.VEC_BYTES)))), C.from_f32(b, fmt, out, target))
                 if spec.opt("return_lse"):
                     with b.if_then(b.setp("eq", c, 0)):
                         idx = b.mad(batch, spec.num_heads, head)
