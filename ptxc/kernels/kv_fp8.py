@@ -119,6 +119,33 @@ def emit_params(spec: KernelSpec, target: Target, b: KernelBuilder, param) -> KV
     return KVDequant(k, target, mode, *regs)
 
 
+def stage_rows_dequant(b: KernelBuilder, slot, row_address, row0: Reg, nvalid: Reg, smem: Reg,
+                       quant: KVDequant, pair: str) -> None:
+    """tiles.load_tile_rows for an FP8 cache feeding an f16/bf16 shared-memory tile (the
+    tensor-core families): each 16-byte chunk of the tile is 8 FP8 bytes in global memory, one
+    ld.global.nc.v2 into registers; every pass's load is issued before any is converted
+    (`pair`: "f16x2" | "bf16x2", exact) and stored with st.shared.v4. Rows at or past `nvalid`
+    are zeros. `row_address(row, valid)` gives the FP8 chunk address (column col / 2)."""
+    from ..ir import B32, S32
+    geom = slot.geom
+    rem = b.sub(nvalid, b.bitcast(slot.r0, S32))
+    dst = b.add(smem, slot.soff)
+    loaded = []
+    for i in range(geom.passes):
+        valid = b.setp("gt", rem, i * geom.rows_per_pass)
+        addr, ok = row_address(b.add(row0, b.add(slot.r0, i * geom.rows_per_pass)), valid)
+        loaded.append(fp8.load_words(b, Addr(addr), 8, ok))
+    for i, words in enumerate(loaded):
+        vals = fp8.dequantize(b, words, quant.kind, quant.target, to=pair)
+        guard = slot.guard(b, i)
+        doff = i * geom.rows_per_pass * geom.stride
+        if guard is None:
+            b.st("shared", B32, Addr(dst, doff), vals)
+        else:
+            with b.predicate(guard):
+                b.st("shared", B32, Addr(dst, doff), vals)
+
+
 # ---- inputs and reference --------------------------------------------------------------------
 def add_inputs(spec: KernelSpec, inputs: dict, rng) -> None:
     """Replace float caches by FP8 bytes of the same values over a scale (the bytes a
@@ -157,4 +184,4 @@ def dequantized(spec: KernelSpec, inputs: dict, k_cache, v_cache) -> tuple:
 
 
 __all__ = ["FIELDS", "KVDequant", "kind", "scale_mode", "kv_dtype", "validate", "kv_format",
-           "interface_extras", "emit_params", "add_inputs", "dequantized"]
+           "interface_extras", "emit_params", "stage_rows_dequant", "add_inputs", "dequantized"]
