@@ -18,6 +18,7 @@ from ..spec.fields import Field, FamilyFields, int_range
 from ..spec.model import KernelSpec
 from ..targets import DEFAULT_SMEM_PER_CTA, Target
 from . import common as C
+from . import fp8, kv_fp8
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .decode_attend import emit_attention
 from .kv_access import LAYOUTS, KVAccess, check_page_size
@@ -41,6 +42,7 @@ FIELDS = FamilyFields(
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
         Field("append_kv", "bool", "launch kv_append first: write this step's k_new/v_new at row "
               "seq_lens - 1, then attend (caches become inout)", default=False),
+        *kv_fp8.FIELDS,
     ),
     tile=(
         Field("num_warps", "int", "warps per CTA (default 4)", default=None, choices=(1, 2, 4, 8)),
@@ -84,6 +86,7 @@ class DecodeConfig:
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
     check_page_size(spec)
+    kv_fp8.validate(spec)
     if spec.opt("append_kv") and spec.opt("kv_layout") == "pointer_array":
         raise SpecError("append_kv supports kv_layout \"contiguous\" and \"paged\", not "
                         "\"pointer_array\"", key="append_kv")
@@ -122,7 +125,7 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
 
 def _kv(spec: KernelSpec) -> KVAccess:
     layout = spec.opt("kv_layout")
-    return KVAccess(layout, C.FORMATS[spec.dtype], page_size(spec) if layout == "paged" else 0)
+    return KVAccess(layout, kv_fp8.kv_format(spec), page_size(spec) if layout == "paged" else 0)
 
 
 def _splits(spec: KernelSpec):
@@ -134,7 +137,7 @@ def interface(spec: KernelSpec) -> Interface:
     kv = _kv(spec)
     append = spec.opt("append_kv")
     tensors = [TensorInfo("q", spec.dtype, ("batch", H, d), "input"),
-               *kv.tensors(spec.dtype, Hk, d, "inout" if append else "input"),
+               *kv.tensors(kv_fp8.kv_dtype(spec), Hk, d, "inout" if append else "input"),
                TensorInfo("seq_lens", "i32", ("batch",), "input", "KV rows used per sequence "
                           "(0 allowed; clamped to the cache's capacity)", device_resident_scalars=True),
                TensorInfo("o", spec.dtype, ("batch", H, d), "output")]
@@ -143,6 +146,8 @@ def interface(spec: KernelSpec) -> Interface:
                                   "log-sum-exp of the scaled scores; -inf for an empty sequence"))
     if append:
         tensors += _append_inputs(spec)
+    scale_tensors, scalars = kv_fp8.interface_extras(spec)
+    tensors += scale_tensors
     dims = ["batch", *kv.dims()]
     defaults = {"batch": 5, "max_seq_len": 203} if spec.opt("kv_layout") != "paged" else \
         {"batch": 5, "max_pages_per_seq": -(-203 // page_size(spec)), "num_pages": 5 * -(-203 // page_size(spec)) + 3}
@@ -157,7 +162,7 @@ def interface(spec: KernelSpec) -> Interface:
         rules["num_splits"] = {"value": splits} if splits != "auto" else {"auto": {
             "max": MAX_AUTO_SPLITS, "ctas": f"{Hk * configure(spec, None).head_chunks} * batch",
             "rule": "min(max, max(1, cdiv(2 * num_sms, ctas)))"}}
-    return Interface(tuple(tensors), tuple(dims), defaults, rules)
+    return Interface(tuple(tensors), tuple(dims), defaults, rules, scalars=scalars)
 
 
 def build(spec: KernelSpec, target: Target) -> Program:
@@ -182,7 +187,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
                         for a in (0, 1)})
     kv.emit_dims(param)
     split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None
-    emit_attention(b, spec, cfg, kv, ptrs, strides, split_count)
+    quant = kv_fp8.emit_params(spec, target, b, param)
+    emit_attention(b, spec, cfg, kv, ptrs, strides, split_count, quant, target)
     b.ret()
     grid = (str(spec.num_kv_heads * cfg.head_chunks), "batch", "num_splits" if split else "1")
     launches = [Launch(entry=b.entry.name, params=tuple(params), grid=grid, block=(cfg.num_warps * 32, 1, 1))]
@@ -197,12 +203,13 @@ def build(spec: KernelSpec, target: Target) -> Program:
         entry, launch = build_reduce(spec, f"ptxc_{spec.name}_reduce", spec.opt("return_lse"))
         entries.append(entry)
         launches.append(launch)
-    return Program(entries, launches, resolve_tile(spec, target))
+    return Program(entries, launches, resolve_tile(spec, target),
+                   ptx_version=fp8.ptx_version(target) if quant is not None else None)
 
 
 def append_spec(spec: KernelSpec) -> KernelSpec:
     """The kv_append kernel fused in front of decode (entry `ptxc_<name>_append`)."""
-    keep = {"kv_layout", "page_size"}
+    keep = {"kv_layout", "page_size", "kv_dtype", "kv_scale"}   # FP8: the append quantises
     return dataclasses.replace(spec, name=f"{spec.name}_append", family="kv_append",
                                options=tuple((k, v) for k, v in spec.options if k in keep))
 
@@ -239,6 +246,7 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
         inputs["k_new"], inputs["v_new"] = (round_to(rng.standard_normal((B, 1, Hk, d)), spec.dtype)
                                             .astype(np.float32) for _ in range(2))
         inputs["positions"] = (lens - 1).astype(np.int32)
+    kv_fp8.add_inputs(spec, inputs, rng)
     return inputs
 
 
@@ -260,7 +268,9 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
         from .kv_append import reference as append_reference
         out = append_reference(append_spec(spec), inputs)
         inputs = {**inputs, **out}
-    k, v = dense_caches(spec, inputs)
+    k, v = kv_fp8.dequantized(spec, inputs, *dense_caches(spec, inputs))
+    if dtype in fp8.KINDS:   # the naive baseline of FP8 cache outputs: bytes, compared exactly
+        dtype = None
     o, lse = ref.decode(inputs["q"], k, v, inputs["seq_lens"], spec.softmax_scale, dtype=dtype)
     out["o"] = o
     if spec.opt("return_lse"):

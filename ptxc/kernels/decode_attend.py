@@ -16,9 +16,12 @@ from .kv_access import KVAccess
 
 
 def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
-                   split_count: Reg | None) -> None:
+                   split_count: Reg | None, quant=None, target=None) -> None:
     """Emit the whole body. `strides[(t, axis)]` are byte strides of q and o; with
-    `split_count`, CTA z handles the z-th of `split_count` row ranges and writes partials."""
+    `split_count`, CTA z handles the z-th of `split_count` row ranges and writes partials.
+    With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: a lane's chunk of `per_vec`
+    elements is one 8- or 4-byte load, k_scale folds into the query multiplier and v_scale
+    into the final normalisation. `target` picks the f16 rounding below sm_80."""
     fmt, lpr, hp = cfg.fmt, cfg.lanes_per_row, cfg.heads_per_cta
     tid = b.special("%tid.x")
     lane, warp = b.and_(tid, 31), b.shr(tid, 5)
@@ -52,6 +55,13 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
         return b.add(C.element_offset(b, b.bitcast(base, C.U64), head, strides[(t, 1)]), lane_byte)
 
     qscale = spec.softmax_scale * C.LOG2E  # scores come out in log2 units
+    v_scale, kv_lane_byte, kv_io = None, lane_byte, _plain_io(b, fmt)
+    if quant is not None:
+        k_scale, v_scale = quant.scales(b, kv_head)
+        qscale = b.mul(k_scale, qscale)
+        kv_lane_byte = b.cvt(S64, b.mul(sub, fmt.per_vec))     # one byte per element
+        kv_io = (fmt.per_vec, lambda addr, pred: quant.load(b, addr, fmt.per_vec, pred),
+                 lambda regs: quant.widen(b, regs))
     q_regs = []
     for i in range(hp):
         qb = head_row("q", b.add(head0, i))
@@ -63,9 +73,9 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
     l = [b.mov(0.0, F32) for _ in range(hp)]
     acc = [[[b.mov(0.0, F32) for _ in range(fmt.per_vec)] for _ in range(cfg.chunks_per_lane)]
            for _ in range(hp)]
-    bases = kv.bases(b, ptrs, batch, kv_head, lane_byte)
+    bases = kv.bases(b, ptrs, batch, kv_head, kv_lane_byte)
     first_row = b.mad(warp, cfg.rows_per_warp * cfg.kv_unroll, slot)
-    _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred)
+    _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred, kv_io)
 
     off = lpr  # merge row slots: lanes that differ in the slot bits
     while off < 32:
@@ -75,11 +85,18 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
                                    b.shfl("bfly", l[i], off), [b.shfl("bfly", x, off) for x in flat])
         off *= 2
     smem = _stage_warp_states(b, cfg, m, l, acc, warp, slot, sub)
-    _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count)
+    _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count, v_scale, target)
 
 
-def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred):
+def _plain_io(b, fmt):
+    """(bytes per lane chunk, load, widen to f32) for a cache of the dtype itself."""
+    return (C.VEC_BYTES, lambda addr, pred: C.load_vec(b, fmt, addr, pred),
+            lambda regs: C.to_f32(b, fmt, regs))
+
+
+def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred, kv_io):
     fmt, lpr, hp = cfg.fmt, cfg.lanes_per_row, cfg.heads_per_cta
+    chunk_bytes, load_chunk, widen = kv_io
     rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
     # Paged: the page ids of iteration i + 1 are loaded during iteration i (after its K/V loads
     # are issued), so no block-table round trip sits in front of the K/V loads.
@@ -97,14 +114,14 @@ def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, firs
             tiles[t] = []
             for r, ok in zip(rows, valid):
                 addr, row_ok = kv.row_address(b, bases, t, r, ok, page_cache)
-                tiles[t].append([C.load_vec(b, fmt, Addr(addr, j * lpr * C.VEC_BYTES), chunk_pred(j, row_ok))
+                tiles[t].append([load_chunk(Addr(addr, j * lpr * chunk_bytes), chunk_pred(j, row_ok))
                                  for j in range(cfg.chunks_per_lane)])
         if pages:
             nxt = [b.add(r, rows_per_iter) for r in rows]
             fresh = [kv.load_page(b, bases, r, b.setp("lt", r, row_end)) for r in nxt]
         scores = []  # [u][i]
         for u in range(cfg.kv_unroll):
-            k = [C.to_f32(b, fmt, regs) for regs in tiles["k_cache"][u]]
+            k = [widen(regs) for regs in tiles["k_cache"][u]]
             row_scores = []
             for i in range(hp):
                 s = b.mov(0.0, F32)
@@ -114,7 +131,7 @@ def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, firs
                 s = C.warp_sum(b, s, [lpr >> n for n in range(1, lpr.bit_length())])
                 row_scores.append(b.selp(s, C.NEG_INF, valid[u]))
             scores.append(row_scores)
-        v = [[C.to_f32(b, fmt, regs) for regs in tiles["v_cache"][u]] for u in range(cfg.kv_unroll)]
+        v = [[widen(regs) for regs in tiles["v_cache"][u]] for u in range(cfg.kv_unroll)]
         for i in range(hp):
             m_new = m[i]
             for u in range(cfg.kv_unroll):
@@ -166,7 +183,7 @@ def _store_f32_row(b, lane_off, base, vals):
         b.st("shared", F32, Addr(lane_off, base + q * 4), vals[q:q + 4])
 
 
-def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count):
+def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count, v_scale=None, target=None):
     """Every thread takes 128-bit output chunks (head i, chunk c): merge the warps' states,
     then write the final O (and LSE) or, for a split, the partial O and its log2-sum-exp."""
     fmt, d, hp, nw = cfg.fmt, cfg.head_dim, cfg.heads_per_cta, cfg.num_warps
@@ -188,6 +205,8 @@ def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count)
                 l_tot = b.fma(x, w, l_tot)
             has_keys = b.setp("gt", l_tot, 0.0)
             inv = b.selp(b.rcp(l_tot), 0.0, has_keys)
+            if v_scale is not None:     # FP8 V: its scale rides on the normalisation
+                inv = b.mul(inv, v_scale)
             src = b.mad(b.mad(i, d, b.mul(c, fmt.per_vec)), 4, acc_all)
             out = [b.mov(0.0, F32) for _ in range(fmt.per_vec)]
             for w in range(nw):
@@ -201,7 +220,7 @@ def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count)
             if split_count is None:
                 base = C.element_offset(b, ptrs["o"], batch, strides[("o", 0)])
                 row = C.element_offset(b, b.bitcast(base, C.U64), head, strides[("o", 1)])
-                C.store_vec(b, fmt, Addr(b.add(row, b.cvt(S64, b.mul(c, C.VEC_BYTES)))), C.from_f32(b, fmt, out))
+                C.store_vec(b, fmt, Addr(b.add(row, b.cvt(S64, b.mul(c, C.VEC_BYTES)))), C.from_f32(b, fmt, out, target))
                 if spec.opt("return_lse"):
                     with b.if_then(b.setp("eq", c, 0)):
                         idx = b.mad(batch, spec.num_heads, head)

@@ -124,11 +124,10 @@ def dequantize(b: KernelBuilder, words: list[Reg], kind: str, target: Target, to
     return vals
 
 
-def load_kv_dequant(b: KernelBuilder, addr: Addr, kind: str, target: Target, *, elems: int = 16,
-                    scale: Reg | None = None, pred: Reg | None = None) -> list[Reg]:
-    """Load `elems` (16, 8 or 4) FP8 values at a 16/8/4-byte aligned address with one
-    ld.global.nc and return them as f32, times `scale` when given (the "tensor" scale register
-    or this head's "head" scale). With `pred`, lanes where it is false read zeros."""
+def load_words(b: KernelBuilder, addr: Addr, elems: int, pred: Reg | None = None) -> list[Reg]:
+    """`elems` (16, 8 or 4) FP8 bytes at a 16/8/4-byte aligned address as b32 words, one
+    ld.global.nc; with `pred`, lanes where it is false read zeros. A kernel that keeps several
+    loads in flight issues these first and calls `dequantize` when it uses the values."""
     vec = {16: 4, 8: 2, 4: 1}[elems]
     if pred is None:
         words = b.ld("global", B32, addr, vec=vec, nc=True)
@@ -136,9 +135,16 @@ def load_kv_dequant(b: KernelBuilder, addr: Addr, kind: str, target: Target, *, 
         words = [b.mov(0, B32) for _ in range(vec)]
         with b.predicate(pred):
             b.ld("global", B32, addr, vec=vec, nc=True, out=words)
-    words = words if isinstance(words, list) else [words]
-    vals = dequantize(b, words, kind, target)
+    return words if isinstance(words, list) else [words]
+
+
+def load_kv_dequant(b: KernelBuilder, addr: Addr, kind: str, target: Target, *, elems: int = 16,
+                    scale: Reg | None = None, pred: Reg | None = None) -> list[Reg]:
+    """Load `elems` (16, 8 or 4) FP8 values at a 16/8/4-byte aligned address with one
+    ld.global.nc and return them as f32, times `scale` when given (the "tensor" scale register
+    or this head's "head" scale). With `pred`, lanes where it is false read zeros."""
+    vals = dequantize(b, load_words(b, addr, elems, pred), kind, target)
     return [b.mul(v, scale) for v in vals] if scale is not None else vals
 
 
-__all__ = ["KINDS", "MAX_FINITE", "has_fp8_cvt", "ptx_version", "quantize", "dequantize", "load_kv_dequant"]
+__all__ = ["KINDS", "MAX_FINITE", "has_fp8_cvt", "ptx_version", "quantize", "dequantize", "load_words", "load_kv_dequant"]

@@ -18,6 +18,7 @@ from ..spec.fields import Field, FamilyFields, int_range
 from ..spec.model import KernelSpec
 from ..targets import TARGETS, Target
 from . import common as C
+from . import fp8, kv_fp8
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_access import KVAccess, check_page_size
 from .prefill import PrefillConfig, _check_shape
@@ -42,6 +43,7 @@ FIELDS = FamilyFields(
         Field("num_splits", "int_or_auto", 'KV splits per query tile: 1, N, or "auto" (chosen '
               'at launch from the CTA count vs. the SM count)', default=1,
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
+        *kv_fp8.FIELDS,
     ),
     tile=(
         Field("block_m", "int", "packed query rows (token x group head) per CTA, 16 per warp",
@@ -68,6 +70,7 @@ def validate(spec: KernelSpec) -> None:
         raise SpecError(f"varlen uses mma.m16n8k16 and cp.async (sm_80+), but targets include "
                         f"{old[0]}; drop it", key="targets")
     check_page_size(spec)
+    kv_fp8.validate(spec)
     for t in spec.targets:
         configure(spec, TARGETS[t])
 
@@ -111,7 +114,7 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
 
 def kv_access(spec: KernelSpec) -> KVAccess:
     layout = spec.opt("kv_layout")
-    return KVAccess(layout, C.FORMATS[spec.dtype], page_size(spec) if layout == "paged" else 0)
+    return KVAccess(layout, kv_fp8.kv_format(spec), page_size(spec) if layout == "paged" else 0)
 
 
 def query_tiles_expr(spec: KernelSpec) -> str:
@@ -131,7 +134,7 @@ def interface(spec: KernelSpec) -> Interface:
         TensorInfo("seq_lens", "i32", ("batch",), "input", "KV rows per sequence after this "
                    "step's rows were appended (clamped to the cache's capacity)",
                    device_resident_scalars=True),
-        *kv.tensors(spec.dtype, Hk, d, "input"),
+        *kv.tensors(kv_fp8.kv_dtype(spec), Hk, d, "input"),
         TensorInfo("o", spec.dtype, ("total_q", H, d), "output"),
     ]
     if spec.opt("return_lse"):
@@ -149,10 +152,12 @@ def interface(spec: KernelSpec) -> Interface:
         rules["num_splits"] = {"value": splits} if splits != "auto" else {"auto": {
             "max": MAX_AUTO_SPLITS, "ctas": f"{Hk} * ({query_tiles_expr(spec)})",
             "rule": "min(max, max(1, cdiv(2 * num_sms, ctas)))"}}
+    scale_tensors, scalars = kv_fp8.interface_extras(spec)
+    tensors += scale_tensors
     ps = page_size(spec)
     defaults = {"batch": 8, "max_seq_len": 150} if spec.opt("kv_layout") == "contiguous" else \
         {"batch": 8, "max_pages_per_seq": -(-150 // ps), "num_pages": 8 * -(-150 // ps) + 3}
-    return Interface(tuple(tensors), tuple(dims), defaults, rules)
+    return Interface(tuple(tensors), tuple(dims), defaults, rules, scalars=scalars)
 
 
 def build(spec: KernelSpec, target: Target) -> Program:
@@ -178,7 +183,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
     batch = param("batch", U32, ParamSource("dim", name="batch"))
     total_q = param("total_q", U32, ParamSource("dim", name="total_q"))
     split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None
-    emit_varlen(b, spec, cfg, kv, ptrs, strides, batch, total_q, split_count)
+    quant = kv_fp8.emit_params(spec, target, b, param)
+    emit_varlen(b, spec, cfg, kv, ptrs, strides, batch, total_q, split_count, quant)
     b.ret()
     grid_y = f"{spec.num_kv_heads} * num_splits" if split else str(spec.num_kv_heads)
     launches = [Launch(entry=b.entry.name, params=tuple(params),
@@ -190,7 +196,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
                                      rows_dim="total_q")
         entries.append(entry)
         launches.append(launch)
-    return Program(entries, launches, resolve_tile(spec, target))
+    return Program(entries, launches, resolve_tile(spec, target),
+                   ptx_version=fp8.ptx_version(target) if quant is not None else None)
 
 
 def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
@@ -199,12 +206,15 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
     that see nothing), L = 0, L at the cache capacity; paged caches get shuffled pages and
     garbage ids (-1, num_pages + 7) past each sequence's last page, which must never be read."""
     from .varlen_inputs import mixed_batch
-    return mixed_batch(spec, dims, rng, page_size(spec) if spec.opt("kv_layout") == "paged" else 0)
+    inputs = mixed_batch(spec, dims, rng, page_size(spec) if spec.opt("kv_layout") == "paged" else 0)
+    kv_fp8.add_inputs(spec, inputs, rng)    # FP8 caches: bytes of the values over their scales
+    return inputs
 
 
 def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
     from .varlen_inputs import varlen_reference
-    return varlen_reference(spec, inputs, dtype,
+    k, v = kv_fp8.dequantized(spec, inputs, inputs["k_cache"], inputs["v_cache"])
+    return varlen_reference(spec, {**inputs, "k_cache": k, "v_cache": v}, dtype,
                             page_size(spec) if spec.opt("kv_layout") == "paged" else 0)
 
 

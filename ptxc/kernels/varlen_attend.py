@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from ..ir import B32, F32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
+from .kv_fp8 import stage_rows_dequant
 from .kv_pipeline import run_kv_pipeline
 from .prefill import PrefillConfig, finish_rows
 from .prefill_mma import MmaMath
@@ -92,6 +93,7 @@ class VarlenMath(MmaMath):
     def __init__(self, b: KernelBuilder, ctx: VarlenCtx, ptrs: dict, strides: dict):
         super().__init__(b, ctx)
         self.ptrs, self.strides = ptrs, strides
+        self.v_scale: Reg | None = None    # FP8 V: multiplies 1/l (set by emit_varlen)
 
     def epilogue(self) -> None:
         b, ctx = self.b, self.ctx
@@ -100,6 +102,8 @@ class VarlenMath(MmaMath):
         l_rows, lanes = self.row_sums()
         invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, writer,
                            lse_scale=1.0 if split else C.LN2)
+        if self.v_scale is not None:
+            invs = [b.mul(inv, self.v_scale) for inv in invs]
         for r, row in enumerate(self.rows):
             ok = b.setp("lt", row, ctx.seq_q)
             if split:   # o_part [total_q, H, splits, d] f32: this lane's columns 2t, 2t+1
@@ -150,7 +154,11 @@ def find_sequence(b: KernelBuilder, cu_ptr: Reg, tile: Reg, batch: Reg, g: int, 
 
 
 def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
-                strides: dict, batch: Reg, total_q: Reg, split_count: Reg | None) -> None:
+                strides: dict, batch: Reg, total_q: Reg, split_count: Reg | None, quant=None) -> None:
+    """With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: K/V tiles are staged by a
+    dequantising copy (kv_fp8.stage_rows_dequant: FP8 bytes -> registers -> exact f16/bf16 ->
+    st.shared) instead of cp.async, so the tile math is unchanged; k_scale joins the softmax
+    scale (MmaMath.scale_log2 becomes a register) and v_scale the final 1/l."""
     g, bm, bn, stages = spec.group_size, cfg.block_m, cfg.block_n, cfg.num_stages
     variant = AttentionVariant.from_spec(spec)
     tid = b.special("%tid.x")
@@ -204,20 +212,28 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
         addr = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), strides[("q", 1)])
         return b.bitcast(b.add(addr, q_col), U64), valid
 
-    bases = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, kv_slot.col))
+    kv_col = kv_slot.col if quant is None else b.shr(kv_slot.col, 1)   # FP8: a byte per element
+    bases = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, kv_col))
 
     def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
         with b.if_then(b.setp("lt", j, n_tiles)):
             row0 = b.mul(b.add(first, j), bn)
             dst = b.add(k_smem if t == "k" else v_smem, stage_off)
             cache = "k_cache" if t == "k" else "v_cache"
-            load_tile_rows(b, kv_slot, lambda row, ok: _kv_row(b, kv, bases, cache, row, ok),
-                           row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
+            rows_of = lambda row, ok: _kv_row(b, kv, bases, cache, row, ok)
+            if quant is None:
+                load_tile_rows(b, kv_slot, rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
+            else:
+                stage_rows_dequant(b, kv_slot, rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst,
+                                   quant, "f16x2" if cfg.fmt.name == "f16" else "bf16x2")
         b.cp_async_commit()
 
     load_tile_rows(b, q_slot, q_row, m_start, b.sub(b.bitcast(rows, S32), b.bitcast(m_start, S32)),
                    smem, True)
     math = VarlenMath(b, ctx, ptrs, strides)
+    if quant is not None:
+        k_scale, math.v_scale = quant.scales(b, kv_head)
+        math.scale_log2 = b.mul(k_scale, math.scale_log2)
     run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                     use_async=True, n_tiles=n_tiles, n_full=n_full,
                     key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,

@@ -6,7 +6,8 @@ max_pages_per_seq * page_size when paged): the cost of a batch whose sequences a
 
 decode     FLOPs = 4 * batch * H * L * d      (q.k and p.v: 2 FLOPs per multiply-add)
            bytes = (K + V) * head_chunks + q + o (+ lse) + seq_lens (+ block_table | k/v_ptrs)
-                   (+ split partials), with K + V = 2 * batch * L * Hk * d * e. Each CTA serves
+                   (+ split partials), with K + V = 2 * batch * L * Hk * d * e_kv (e_kv = 1 for
+                   an FP8 kv_dtype: the cache is read as bytes, half a 16-bit cache). Each CTA serves
                    `heads_per_cta` query heads of one KV head, so a K/V row is read once per
                    chunk of its GQA group: head_chunks = group_size / heads_per_cta (from the
                    resolved tile config). With num_splits > 1 the split kernel writes f32
@@ -18,9 +19,9 @@ varlen     a uniform batch: every sequence has q = total_q / batch queries
            and L keys (the cache capacity), its queries the last q positions
            FLOPs = 4 * batch * H * d * keys, keys = q * L, or q * L - q * (q - 1) / 2 when
                    causal (query i sees L - q + i + 1 keys)
-           bytes = q + o (+ lse) + K + V once per sequence (GQA packing reads a K/V tile once
-                   per KV head; the query tiles of a long prefill re-read it from L2, as in
-                   prefill) + cu_seqlens_q + seq_lens (+ block_table) (+ split partials)
+           bytes = q + o (+ lse) + K + V (e_kv bytes per element) once per sequence (GQA
+                   packing reads a K/V tile once per KV head; the query tiles of a long
+                   prefill re-read it from L2, as in prefill) + cu_seqlens_q + seq_lens (+ block_table) (+ split partials)
 kv_append  FLOPs = 0
            bytes = 2 * batch * num_new * Hk * d * e read (k_new, v_new) and the same written
                    into the cache, + positions (+ one block-table entry per row when paged)
@@ -99,7 +100,7 @@ def decode_cost(meta: dict, config: dict, dims: dict) -> Cost:
     e = ELEMENT_BYTES[spec["dtype"]]
     group = H // Hk
     head_chunks = group // max(1, config.get("heads_per_cta", group))
-    kv = 2 * b * L * Hk * d * e * head_chunks
+    kv = 2 * b * L * Hk * d * ELEM_BYTES[spec.get("kv_dtype") or spec["dtype"]] * head_chunks
     qo = 2 * b * H * d * e
     lse = b * H * LSE_BYTES if spec.get("return_lse") else 0
     splits = dims.get("num_splits", 1)
@@ -150,7 +151,7 @@ def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
         keys = L * (L + 1) // 2
     tq = b * q
     qo = 2 * tq * H * d * e
-    kv = 2 * b * L * Hk * d * e
+    kv = 2 * b * L * Hk * d * ELEM_BYTES[spec.get("kv_dtype") or spec["dtype"]]
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
     splits = dims.get("num_splits", 1)
     parts = 2 * tq * H * splits * (d + 1) * PART_BYTES if splits > 1 else 0

@@ -1,0 +1,119 @@
+"""varlen over FP8 KV caches (kv_dtype e4m3/e5m2, kv_scale tensor/head) in the emulator on the
+software (sm_80) and hardware (sm_89) dequantisation paths, over mixed serving batches (decode,
+prefill, chunks, empty, q_len > L, L = 0, full cache) with odd lengths, paged and contiguous,
+split-KV, GQA packing. The reference dequantises the same FP8 bytes in fp64. Also: zero spills
+on every target, at most one SASS conversion per 2 cache elements in the main loop, halved K/V
+bytes in the cost model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import assert_pass, build_kernel
+from ptxc.kernels import FAMILIES
+from ptxc.runtime.launch_test import check_artifact
+from ptxc.spec import load_text
+
+TARGETS = ("sm_80", "sm_89")
+ALL_TARGETS = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"]
+
+
+def shapes(layout: str) -> dict:
+    return ({"batch": 9, "max_pages_per_seq": 5, "num_pages": 47} if layout == "paged" else
+            {"batch": 9, "max_seq_len": 37})
+
+
+def body(dtype, kind, scale, layout, *, heads=(6, 2), head_dim=40, extra="") -> str:
+    text = (f'dtype = "{dtype}"\nhead_dim = {head_dim}\nnum_heads = {heads[0]}\nnum_kv_heads = {heads[1]}\n'
+            f'kv_dtype = "{kind}"\nkv_scale = "{scale}"\nkv_layout = "{layout}"\n')
+    return text + ('page_size = 8\n' if layout == "paged" else "") + extra
+
+
+CASES = [  # (dtype, kv_dtype, kv_scale, layout, extra)
+    ("f16", "e4m3", "tensor", "paged", "return_lse = true\n"),
+    ("bf16", "e5m2", "head", "contiguous", "num_splits = 3\ncausal = false\n"),
+    ("bf16", "e4m3", "head", "paged", "num_splits = 2\nreturn_lse = true\n"),
+    ("f16", "e5m2", "tensor", "contiguous", ""),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c[:4]))
+def test_fp8_varlen_matches_reference(tmp_path, case):
+    dtype, kind, scale, layout, extra = case
+    art = build_kernel(tmp_path, "varlen", body(dtype, kind, scale, layout, extra=extra), targets=TARGETS)
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes(layout), seed=13))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_fp8_varlen_full_product_long(tmp_path, dtype, layout):
+    for kind in ("e4m3", "e5m2"):
+        for scale in ("tensor", "head"):
+            for extra in ("return_lse = true\n", "num_splits = 2\ncausal = false\n"):
+                for heads, d in (((4, 4), 64), ((8, 2), 128), ((3, 1), 24)):
+                    sub = tmp_path / f"{kind}_{scale}_{len(extra)}_{d}"
+                    art = build_kernel(sub, "varlen", body(dtype, kind, scale, layout, heads=heads,
+                                                           head_dim=d, extra=extra), targets=TARGETS)
+                    assert_pass(check_artifact(art, backend="emu", shapes=shapes(layout), seed=17))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from ptxc.pipeline.build import run_build
+    tmp = tmp_path_factory.mktemp("fp8_varlen")
+    text = "".join(
+        f'[[kernel]]\nname = "v_{kind}_{dtype}_{d}"\nfamily = "varlen"\ndtype = "{dtype}"\nnum_heads = 32\n'
+        f'num_kv_heads = 8\nhead_dim = {d}\nkv_dtype = "{kind}"\nkv_scale = "head"\nnum_splits = "auto"\n'
+        f'return_lse = true\ntargets = {json.dumps(ALL_TARGETS)}\n'
+        for kind, dtype, d in (("e4m3", "f16", 128), ("e5m2", "bf16", 128), ("e4m3", "bf16", 256)))
+    (tmp / "s.toml").write_text(text)
+    return tmp / "out", run_build([tmp / "s.toml"], tmp / "out", progress=False)
+
+
+def test_every_target_assembles_without_spills(built):
+    _, summary = built
+    assert summary["verified"] and not summary["problems"]
+    assert len(summary["kernels"]) == 3
+    for k in summary["kernels"]:
+        assert all(t["spill_bytes"] == 0 for t in k["targets"].values()), k["name"]
+
+
+@pytest.mark.parametrize("name", ["v_e4m3_f16_128", "v_e5m2_bf16_128", "v_e4m3_bf16_256"])
+def test_sass_loop_converts_at_most_once_per_two_elements(built, name):
+    """Conversions in the main loop beyond the non-FP8 loop's own (the f32 -> f16x2/bf16x2
+    packing of the probabilities) are at most half the cache elements the loop loads."""
+    from ptxc.report.analysis import build_report
+    out, _ = built
+    for t in build_report([out / name])["kernels"][0]["targets"]:
+        loop = t["launches"][0]["loop"]
+        cfg = t["config"]
+        prob_packs = cfg["block_n"] // 8 * 2             # MmaMath.softmax: 2 rows per n8 tile
+        elems = loop["ldg_bytes"].get("8", 0) * 8        # 8-byte loads of FP8 bytes per lane
+        assert elems > 0, loop
+        assert (loop["classes"]["cvt"] - prob_packs) * 2 <= elems, (t["target"], loop["classes"])
+
+
+def test_cost_model_counts_one_byte_per_fp8_element():
+    from ptxc.report.costs import varlen_cost
+    base = ('[[kernel]]\nname = "k"\nfamily = "varlen"\ndtype = "bf16"\nhead_dim = 128\nnum_heads = 32\n'
+            'num_kv_heads = 8\n')
+
+    def cost(text):
+        spec = load_text(text, "x.toml")[0]
+        meta = {"spec": spec.to_dict(), "tensors": {t.name: t.to_dict() for t in FAMILIES["varlen"].interface(spec).tensors}}
+        return varlen_cost(meta, {}, {"batch": 16, "total_q": 64, "max_pages_per_seq": 256, "num_pages": 4096})
+    wide, narrow = cost(base), cost(base + 'kv_dtype = "e4m3"\n')
+    assert wide.bytes - narrow.bytes == 2 * 16 * 4096 * 8 * 128
+    assert wide.flops == narrow.flops
+
+
+def test_interface_lists_fp8_cache_and_scales():
+    spec = load_text('[[kernel]]\nname = "k"\nfamily = "varlen"\n' + body("f16", "e4m3", "head", "paged"), "x.toml")[0]
+    iface = FAMILIES["varlen"].interface(spec)
+    t = {x.name: x for x in iface.tensors}
+    assert t["k_cache"].dtype == "e4m3" and t["k_scale"].shape == (2,) and not iface.scalars
+    spec = load_text('[[kernel]]\nname = "k"\nfamily = "varlen"\n' + body("f16", "e5m2", "tensor", "paged"), "x.toml")[0]
+    assert sorted(FAMILIES["varlen"].interface(spec).scalars) == ["k_scale", "v_scale"]
