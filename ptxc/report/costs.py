@@ -100,7 +100,7 @@ def decode_cost(meta: dict, config: dict, dims: dict) -> Cost:
     e = ELEMENT_BYTES[spec["dtype"]]
     group = H // Hk
     head_chunks = group // max(1, config.get("heads_per_cta", group))
-    kv = 2 * b * L * Hk * d * ELEM_BYTES[spec.get("kv_dtype") or spec["dtype"]] * head_chunks
+    kv = 2 * b * L * Hk * d * ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]] * head_chunks
     qo = 2 * b * H * d * e
     lse = b * H * LSE_BYTES if spec.get("return_lse") else 0
     splits = dims.get("num_splits", 1)
@@ -151,7 +151,7 @@ def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
         keys = L * (L + 1) // 2
     tq = b * q
     qo = 2 * tq * H * d * e
-    kv = 2 * b * L * Hk * d * ELEM_BYTES[spec.get("kv_dtype") or spec["dtype"]]
+    kv = 2 * b * L * Hk * d * ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]]
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
     splits = dims.get("num_splits", 1)
     parts = 2 * tq * H * splits * (d + 1) * PART_BYTES if splits > 1 else 0
