@@ -295,6 +295,10 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps):
         """2**a (ex2.approx.ftz: <= 2 ulp; -inf -> +0)."""
         return self._unary("ex2", ("approx", "ftz", "f32"), a, F32, out)
 
+    def tanh(self, a, out=None):
+        """tanh(a) (tanh.approx.f32, sm_75+: relative error about 2^-11)."""
+        return self._unary("tanh", ("approx", "f32"), a, F32, out)
+
     def lg2(self, a, out=None):
         return self._unary("lg2", ("approx", "ftz", "f32"), a, F32, out)
 

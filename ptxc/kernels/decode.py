@@ -20,6 +20,7 @@ from ..targets import DEFAULT_SMEM_PER_CTA, Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .decode_attend import emit_attention
+from .variant import VARIANT_FIELDS, validate_variant, variant_reference_args
 from .kv_access import LAYOUTS, KVAccess, check_page_size
 from .split_reduce import build_reduce
 
@@ -41,6 +42,7 @@ FIELDS = FamilyFields(
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
         Field("append_kv", "bool", "launch kv_append first: write this step's k_new/v_new at row "
               "seq_lens - 1, then attend (caches become inout)", default=False),
+        *VARIANT_FIELDS,
     ),
     tile=(
         Field("num_warps", "int", "warps per CTA (default 4)", default=None, choices=(1, 2, 4, 8)),
@@ -84,6 +86,7 @@ class DecodeConfig:
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
     check_page_size(spec)
+    validate_variant(spec, causal_option=False)
     if spec.opt("append_kv") and spec.opt("kv_layout") == "pointer_array":
         raise SpecError("append_kv supports kv_layout \"contiguous\" and \"paged\", not "
                         "\"pointer_array\"", key="append_kv")
@@ -261,7 +264,8 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
         out = append_reference(append_spec(spec), inputs)
         inputs = {**inputs, **out}
     k, v = dense_caches(spec, inputs)
-    o, lse = ref.decode(inputs["q"], k, v, inputs["seq_lens"], spec.softmax_scale, dtype=dtype)
+    o, lse = ref.decode(inputs["q"], k, v, inputs["seq_lens"], spec.softmax_scale, dtype=dtype,
+                        **variant_reference_args(spec))
     out["o"] = o
     if spec.opt("return_lse"):
         out["lse"] = lse

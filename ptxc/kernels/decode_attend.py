@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..ir import F32, S32, S64, U32, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
+from .variant import AttentionVariant
 
 
 def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
@@ -30,12 +31,21 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
 
     seq_len = b.ld("global", U32, Addr(C.element_offset(b, ptrs["seq_lens"], batch, b.mov(4, S64))))
     seq_len = b.min(b.bitcast(b.max(b.bitcast(seq_len, S32), 0), U32), kv.capacity(b))
-    row_begin, row_end = b.mov(0, U32), seq_len
+    variant = AttentionVariant.from_spec(spec)
+    # The query sits at position L - 1: a sliding window starts the rows at its first key, so
+    # rows (and pages) before it are never read and no row of the loop needs a window mask.
+    win_begin = None
+    if variant.window is not None:
+        pos = b.sub(b.bitcast(seq_len, S32), 1)
+        win_begin = b.bitcast(b.max(variant.key_begin(b, pos), 0), U32)
+    row_begin, row_end = (b.mov(0, U32) if win_begin is None else win_begin), seq_len
     if split_count is not None:  # split z of n: rows [z*chunk, min((z+1)*chunk, len))
         rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
-        per_split = b.div(b.add(seq_len, b.sub(split_count, 1)), split_count)
+        span = seq_len if win_begin is None else b.sub(seq_len, win_begin)
+        per_split = b.div(b.add(span, b.sub(split_count, 1)), split_count)
         per_split = b.mul(b.div(b.add(per_split, rows_per_iter - 1), rows_per_iter), rows_per_iter)
-        row_begin = b.min(b.mul(b.special("%ctaid.z"), per_split), seq_len)
+        row_begin = b.min(b.mul(b.special("%ctaid.z"), per_split), seq_len) if win_begin is None \
+            else b.min(b.mad(b.special("%ctaid.z"), per_split, win_begin), seq_len)
         row_end = b.min(b.add(row_begin, per_split), seq_len)
 
     lane_byte = b.cvt(S64, b.mul(sub, C.VEC_BYTES))
@@ -65,7 +75,11 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
            for _ in range(hp)]
     bases = kv.bases(b, ptrs, batch, kv_head, lane_byte)
     first_row = b.mad(warp, cfg.rows_per_warp * cfg.kv_unroll, slot)
-    _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred)
+    transform = None
+    if variant.transforms:   # scores are in log2 units (q was scaled by softmax_scale * log2 e)
+        transform = lambda s: variant.transform_scores(b, s, None, C.LOG2E)
+    _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred,
+                  transform)
 
     off = lpr  # merge row slots: lanes that differ in the slot bits
     while off < 32:
@@ -78,7 +92,8 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
     _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count)
 
 
-def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred):
+def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred,
+                  transform=None):
     fmt, lpr, hp = cfg.fmt, cfg.lanes_per_row, cfg.heads_per_cta
     rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
     # Paged: the page ids of iteration i + 1 are loaded during iteration i (after its K/V loads
@@ -112,6 +127,8 @@ def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, firs
                     for e in range(fmt.per_vec):
                         s = b.fma(q_regs[i][j][e], k[j][e], s)
                 s = C.warp_sum(b, s, [lpr >> n for n in range(1, lpr.bit_length())])
+                if transform is not None:   # the variant's score transform (soft-cap)
+                    transform(s)
                 row_scores.append(b.selp(s, C.NEG_INF, valid[u]))
             scores.append(row_scores)
         v = [[C.to_f32(b, fmt, regs) for regs in tiles["v_cache"][u]] for u in range(cfg.kv_unroll)]

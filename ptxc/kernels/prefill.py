@@ -21,6 +21,7 @@ from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_pipeline import run_kv_pipeline
 from .tiles import TileGeom, global_rows, load_tile, thread_slot
+from .variant import VARIANT_FIELDS, AttentionVariant, validate_variant, variant_reference_args
 
 _hd_check, _hd_allowed = int_range(8, 256, multiple_of=8)
 _POW2_TILE = (16, 32, 64, 128, 256)
@@ -31,6 +32,7 @@ FIELDS = FamilyFields(
               "j <= i + seq_k - seq_q", default=False),
         Field("return_lse", "bool", "also write lse [batch, num_heads, seq_q] (f32, natural log)",
               default=False),
+        *VARIANT_FIELDS,
     ),
     tile=(
         Field("block_m", "int", "query rows per CTA (tensor cores: 16 per warp)", default=None,
@@ -89,6 +91,7 @@ class PrefillConfig:
 
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
+    validate_variant(spec)
     if spec.dtype != "f32":
         old = [t for t in spec.targets if not TARGETS[t].has_mma_m16n8k16]
         if old:
@@ -218,6 +221,7 @@ class Ctx:
     o_base: Reg           # u64: o[batch, 0, head, 0]
     o_row_stride: Reg     # s64 bytes
     lse: Reg | None       # u64 or None
+    variant: AttentionVariant
 
     def key_limit(self, b: KernelBuilder, row: Reg) -> Reg:
         """s32 number of keys query `row` sees (before clamping to >= 0)."""
@@ -225,6 +229,12 @@ class Ctx:
         if not self.spec.opt("causal"):
             return sk
         return b.min(sk, b.add(b.add(b.bitcast(row, S32), self.key_offset), 1))
+
+    def key_begin(self, b: KernelBuilder, row: Reg) -> Reg | None:
+        """s32 first key query `row` sees (sliding window), or None."""
+        if self.variant.window is None:
+            return None
+        return self.variant.key_begin(b, b.add(b.bitcast(row, S32), self.key_offset))
 
     def lse_addr(self, b: KernelBuilder, row: Reg) -> Reg:
         bh = b.mad(self.batch, self.spec.num_heads, self.head)
@@ -280,6 +290,16 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     else:
         visible = full = seq_k
     n_tiles, n_full = b.div(b.add(visible, bn - 1), bn), b.div(full, bn)
+    # A sliding window starts the loop at the first tile the first row sees (earlier tiles are
+    # never read) and masks the tiles before the first one wholly inside the last row's window.
+    variant = AttentionVariant.from_spec(spec)
+    first_tile = lo_full = None
+    if variant.window is not None:
+        first_tile = variant.first_tile(b, b.add(b.bitcast(m_start, S32), key_offset), bn)
+        lo_full = variant.first_unmasked_tile(b, b.add(b.bitcast(last_row, S32), key_offset), bn)
+        n_tiles = b.sub(b.max(n_tiles, first_tile), first_tile)
+        n_full = b.sub(b.max(n_full, first_tile), first_tile)
+        lo_full = b.sub(b.max(lo_full, first_tile), first_tile)
 
     smem = b.address_of(b.shared("prefill_smem", 0))
     kv_bytes = cfg.kv_geom.bytes
@@ -289,7 +309,7 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     gq = global_rows(b, q_slot, head_base("q", head), strides[("q", 1)])
     gkv = {t: global_rows(b, kv_slot, head_base(t, kv_head), strides[(t, 1)]) for t in "kv"}
     ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
-              head_base("o", head), strides[("o", 1)], ptrs.get("lse"))
+              head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant)
     math = (MmaMath if cfg.tensor_cores else SimtMath)(b, ctx)
     use_async = cfg.cp_async
 
@@ -301,23 +321,34 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     # the next tile is carried in a register and advanced by one tile's rows per load.
     next_addr = {t: b.mov(b.bitcast(gkv[t].thr_base, S64)) for t in "kv"}
     tile_step = {t: b.mul(gkv[t].row_stride, bn) for t in "kv"}
+    if first_tile is not None:
+        for t in "kv":
+            b.mad(b.cvt(S64, first_tile), tile_step[t], next_addr[t], out=next_addr[t])
 
     def load_kv(t: str, tile: Reg | int, stage_off: Reg | int):
         """K or V tile `tile` (the next one of `t`) into buffer `stage_off` (a byte offset), if
         the tile exists."""
         tile = tile if isinstance(tile, Reg) else b.mov(tile, U32)
         with b.if_then(b.setp("lt", tile, n_tiles)):
-            row0 = b.mul(tile, bn)
+            row0 = b.mul(tile if first_tile is None else b.add(tile, first_tile), bn)
             base = b.add(k_smem if t == "k" else v_smem, stage_off)
             load_tile(b, kv_slot, gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async,
                       first_addr=next_addr[t])
         b.add(next_addr[t], tile_step[t], out=next_addr[t])
         commit()
 
+    def key0_of(j: Reg) -> Reg:
+        return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
+
+    transform = None
+    if variant.transforms:
+        unit = 1.0 / spec.softmax_scale   # MmaMath/SimtMath scores are raw q·k
+        transform = lambda s, key0: variant.transform_scores(b, s, key0, unit)
     load_tile(b, q_slot, gq, m_start, b.sub(sq, b.bitcast(m_start, S32)), smem, use_async)
     run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                     use_async=use_async, n_tiles=n_tiles, n_full=n_full,
-                    key0_of=lambda j: b.mul(j, bn), load_kv=load_kv, math=math)
+                    key0_of=key0_of, load_kv=load_kv, math=math, lo_full=lo_full,
+                    transform=transform)
     math.epilogue()
 
 
@@ -359,7 +390,8 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
 
     from ..runtime import reference as ref
     q, k, v = (np.swapaxes(np.asarray(inputs[t]), 1, 2) for t in "qkv")
-    o, lse = ref.attention(q, k, v, spec.softmax_scale, causal=spec.opt("causal"), dtype=dtype)
+    o, lse = ref.attention(q, k, v, spec.softmax_scale, causal=spec.opt("causal"), dtype=dtype,
+                           **variant_reference_args(spec))
     o = np.swapaxes(o, 1, 2)
     return {"o": o, "lse": lse} if spec.opt("return_lse") else {"o": o}
 

@@ -48,6 +48,8 @@ class MmaMath:
         self.rows = [row0, b.add(row0, 8)]
         two_t = b.bitcast(b.shl(t, 1), S32)
         self.limits = [b.sub(ctx.key_limit(b, r), two_t) for r in self.rows]   # keys < limit - 2t
+        begins = [ctx.key_begin(b, r) for r in self.rows]                     # keys >= begin - 2t
+        self.begins = None if begins[0] is None else [b.sub(x, two_t) for x in begins]
         self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.ss, ctx.q_smem), b.shl(t, 2))
         self.zero = b.mov(0, B32)
         self.fzero = zero_regs(b, 4, F32)
@@ -80,13 +82,18 @@ class MmaMath:
         return s
 
     def mask(self, s: list[list[Reg]], key0: Reg) -> None:
-        """-inf where key (key0 + 8 jn + 2t + e) >= the row's key limit."""
+        """-inf where key (key0 + 8 jn + 2t + e) >= the row's key limit (or, with a sliding
+        window, < the row's first key)."""
         b = self.b
         for r in range(2):
             rel = b.sub(self.limits[r], b.bitcast(key0, S32))
+            rel_begin = None if self.begins is None else b.sub(self.begins[r], b.bitcast(key0, S32))
             for jn, acc in enumerate(s):
                 for e in range(2):
-                    with b.predicate(b.setp("le", rel, 8 * jn + e)):
+                    out = b.setp("le", rel, 8 * jn + e)
+                    if rel_begin is not None:
+                        out = b.or_(out, b.setp("gt", rel_begin, 8 * jn + e))
+                    with b.predicate(out):
                         b.mov(C.NEG_INF, F32, out=acc[2 * r + e])
 
     def softmax(self, s: list[list[Reg]]) -> list[list[Reg]]:

@@ -36,6 +36,8 @@ class SimtMath:
         self.rows = [b.add(first, i) if i else first for i in range(self.tm)]
         tx_s = b.bitcast(self.tx, S32)
         self.limits = [b.sub(ctx.key_limit(b, r), tx_s) for r in self.rows]   # keys < limit - tx
+        begins = [ctx.key_begin(b, r) for r in self.rows]                    # keys >= begin - tx
+        self.begins = None if begins[0] is None else [b.sub(x, tx_s) for x in begins]
         group = b.and_(lane, 32 - X)
         self.src = [b.or_(group, n) if n else group for n in range(X)]
         self.chunk_ok = b.setp("lt", self.tx, self.c4 - (self.u - 1) * X) if self.c4 % X else None
@@ -59,12 +61,17 @@ class SimtMath:
         return s
 
     def mask(self, s: list[list[Reg]], key0: Reg) -> None:
-        """-inf where key (key0 + tx + 8 jj) >= the row's key limit."""
+        """-inf where key (key0 + tx + 8 jj) >= the row's key limit (or, with a sliding
+        window, < the row's first key)."""
         b = self.b
         for i, row in enumerate(s):
             rel = b.sub(self.limits[i], b.bitcast(key0, S32))
+            rel_begin = None if self.begins is None else b.sub(self.begins[i], b.bitcast(key0, S32))
             for jj, x in enumerate(row):
-                with b.predicate(b.setp("le", rel, jj * X)):
+                out = b.setp("le", rel, jj * X)
+                if rel_begin is not None:
+                    out = b.or_(out, b.setp("gt", rel_begin, jj * X))
+                with b.predicate(out):
                     b.mov(C.NEG_INF, F32, out=x)
 
     def softmax(self, s: list[list[Reg]]) -> list[list[Reg]]:

@@ -19,6 +19,7 @@ from ..spec.model import KernelSpec
 from ..targets import TARGETS, Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
+from .variant import VARIANT_FIELDS, validate_variant
 from .kv_access import KVAccess, check_page_size
 from .prefill import PrefillConfig, _check_shape
 from .split_reduce import build_reduce
@@ -42,6 +43,7 @@ FIELDS = FamilyFields(
         Field("num_splits", "int_or_auto", 'KV splits per query tile: 1, N, or "auto" (chosen '
               'at launch from the CTA count vs. the SM count)', default=1,
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
+        *VARIANT_FIELDS,
     ),
     tile=(
         Field("block_m", "int", "packed query rows (token x group head) per CTA, 16 per warp",
@@ -68,6 +70,7 @@ def validate(spec: KernelSpec) -> None:
         raise SpecError(f"varlen uses mma.m16n8k16 and cp.async (sm_80+), but targets include "
                         f"{old[0]}; drop it", key="targets")
     check_page_size(spec)
+    validate_variant(spec, causal_option=True)
     for t in spec.targets:
         configure(spec, TARGETS[t])
 

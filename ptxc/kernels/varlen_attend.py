@@ -76,6 +76,11 @@ class VarlenCtx:
     def key_limit(self, b: KernelBuilder, row: Reg) -> Reg:
         return self.variant.key_end(b, self.position(self.token(row)), self.kv_len)
 
+    def key_begin(self, b: KernelBuilder, row: Reg) -> Reg | None:
+        if self.variant.window is None:
+            return None
+        return self.variant.key_begin(b, self.position(self.token(row)))
+
     def out_index(self, row: Reg) -> Reg:
         """u32 (token, head) index into [total_q, H] (times num_splits, plus split, for parts)."""
         b = self.b
@@ -187,13 +192,23 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
         return b.bitcast(b.max(ctx.key_limit(b, row), 0), U32)
     n_vis = b.div(b.add(keys_seen(last_row), bn - 1), bn)
     n_full = b.div(keys_seen(m_start), bn)
-    first = b.mov(0, U32)
+    # A sliding window: tiles before the first token's window are never read; tiles before
+    # the first one wholly inside the last token's window cross its left edge (masked).
+    w_first = lo_full = None
+    if variant.window is not None:
+        w_first = b.min(variant.first_tile(b, ctx.position(ctx.token(m_start)), bn), n_vis)
+        lo_full = variant.first_unmasked_tile(b, ctx.position(ctx.token(last_row)), bn)
+    first = b.mov(0, U32) if w_first is None else w_first
     if split is not None:                               # split s of n: an even share of n_vis
-        per = b.div(b.add(n_vis, b.sub(split_count, 1)), split_count)
-        first = b.min(b.mul(split, per), n_vis)
+        span = n_vis if w_first is None else b.sub(n_vis, w_first)
+        per = b.div(b.add(span, b.sub(split_count, 1)), split_count)
+        first = b.min(b.mul(split, per), n_vis) if w_first is None else \
+            b.min(b.mad(split, per, w_first), n_vis)
         n_vis = b.min(b.add(first, per), n_vis)
     n_tiles = b.sub(n_vis, first)
     n_full = b.sub(b.max(n_full, first), first)
+    if lo_full is not None:
+        lo_full = b.sub(b.max(lo_full, first), first)
 
     q_slot, kv_slot = thread_slot(b, cfg.q_geom, tid), thread_slot(b, cfg.kv_geom, tid)
     q_col = b.cvt(S64, q_slot.col)
@@ -218,10 +233,12 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
     load_tile_rows(b, q_slot, q_row, m_start, b.sub(b.bitcast(rows, S32), b.bitcast(m_start, S32)),
                    smem, True)
     math = VarlenMath(b, ctx, ptrs, strides)
+    unit = 1.0 / spec.softmax_scale                    # MmaMath's scores are raw q·k
     run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                     use_async=True, n_tiles=n_tiles, n_full=n_full,
                     key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
-                    transform=lambda s, key0: variant.transform_scores(b, s, key0))
+                    transform=lambda s, key0: variant.transform_scores(b, s, key0, unit),
+                    lo_full=lo_full)
     math.epilogue()
 
 

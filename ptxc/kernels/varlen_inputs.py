@@ -72,6 +72,7 @@ def dense_sequence(inputs: dict, b: int, L: int, page_size: int) -> tuple[np.nda
 
 def varlen_reference(spec, inputs: dict, dtype: str | None, page_size: int) -> dict:
     from ..runtime import reference as ref
+    from .variant import variant_reference_args
     q, cu = np.asarray(inputs["q"], dtype=np.float64), np.asarray(inputs["cu_seqlens_q"])
     H, d = spec.num_heads, spec.head_dim
     S = inputs["block_table"].shape[1] * page_size if page_size else inputs["k_cache"].shape[1]
@@ -85,6 +86,7 @@ def varlen_reference(spec, inputs: dict, dtype: str | None, page_size: int) -> d
         k, v = dense_sequence(inputs, b, L, page_size)
         qs = np.swapaxes(q[lo:hi], 0, 1)[None]              # [1, H, q_len, d]
         kh, vh = (np.swapaxes(np.asarray(x, dtype=np.float64), 0, 1)[None] for x in (k, v))
-        ob, lb = ref.attention(qs, kh, vh, spec.softmax_scale, causal=spec.opt("causal"), dtype=dtype)
+        ob, lb = ref.attention(qs, kh, vh, spec.softmax_scale, causal=spec.opt("causal"), dtype=dtype,
+                               **variant_reference_args(spec))
         o[lo:hi], lse[lo:hi] = np.swapaxes(ob[0], 0, 1), np.swapaxes(lb[0], 0, 1)
     return {"o": o, "lse": lse} if spec.opt("return_lse") else {"o": o}

@@ -113,12 +113,15 @@ def fp8_quantize(x: np.ndarray, kind: str) -> np.ndarray:
 
 
 # ---- attention ---------------------------------------------------------------------------
-def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype: str | None = None):
+def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype: str | None = None,
+              window: int | None = None, soft_cap: float | None = None):
     """softmax(scale * q k^T + mask) v over the last two axes of [..., heads, seq, d] arrays.
 
     q: [B, H, Sq, D]; k, v: [B, Hk, Sk, D] (GQA: query head h uses KV head h // (H / Hk)).
-    kv_len: optional [B] valid key counts. Causal masks align bottom-right: query i sees key j
-    iff j <= i + Sk - Sq. Rows that see no key give 0 output and lse = -inf.
+    kv_len: optional [B] valid key counts. Queries align bottom-right: query i sits at position
+    p = i + L - Sq (L = kv_len[b], or Sk); causal: it sees key j iff j <= p; a sliding `window`
+    W: iff p - j < W (with or without causal). Rows that see no key give 0 output and
+    lse = -inf. Variant order (docs/spec.md): score -> soft-cap c*tanh(s/c) -> masks -> softmax.
     With `dtype`, every intermediate is rounded to it (the naive same-dtype computation).
     Returns (o [B, H, Sq, D], lse [B, H, Sq]) in float64.
     """
@@ -130,11 +133,18 @@ def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype
     k = np.repeat(k, H // Hk, axis=1)
     v = np.repeat(v, H // Hk, axis=1)
     s = rnd(np.einsum("bhqd,bhkd->bhqk", q, k) * scale)
+    if soft_cap is not None:
+        s = rnd(soft_cap * np.tanh(s / soft_cap))
     mask = np.ones((B, 1, Sq, Sk), dtype=bool)
+    lens = np.full(B, Sk) if kv_len is None else np.asarray(kv_len)
+    pos = (np.arange(Sq)[None, :] + lens[:, None] - Sq)[:, None, :, None]      # [B, 1, Sq, 1]
+    j = np.arange(Sk)[None, None, None, :]
     if kv_len is not None:
-        mask &= (np.arange(Sk)[None, :] < np.asarray(kv_len)[:, None])[:, None, None, :]
+        mask &= j < lens[:, None, None, None]
     if causal:
-        mask &= (np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + Sk - Sq)[None, None]
+        mask &= j <= pos
+    if window is not None:
+        mask &= pos - j < window
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -146,14 +156,14 @@ def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype
     return o, lse
 
 
-def decode(q, k_cache, v_cache, seq_lens, scale: float, dtype: str | None = None):
-    """Single-token decode: q [B, H, D], caches [B, S, Hk, D], seq_lens [B].
-    Returns (o [B, H, D], lse [B, H])."""
+def decode(q, k_cache, v_cache, seq_lens, scale: float, dtype: str | None = None, **variant):
+    """Single-token decode: q [B, H, D], caches [B, S, Hk, D], seq_lens [B]; the query sits at
+    position L - 1. `variant`: attention()'s window / soft_cap. Returns (o [B, H, D], lse [B, H])."""
     qh = np.asarray(q)[:, :, None, :]
     kh = np.swapaxes(np.asarray(k_cache), 1, 2)
     vh = np.swapaxes(np.asarray(v_cache), 1, 2)
     lens = np.minimum(np.maximum(np.asarray(seq_lens), 0), kh.shape[2])
-    o, lse = attention(qh, kh, vh, scale, kv_len=lens, dtype=dtype)
+    o, lse = attention(qh, kh, vh, scale, kv_len=lens, dtype=dtype, **variant)
     return o[:, :, 0, :], lse[:, :, 0]
 
 
