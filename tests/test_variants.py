@@ -193,3 +193,41 @@ def test_soft_cap_reference_bends_scores():
     o, _ = ref.attention(q, k, v, 1.0, causal=True, soft_cap=1e-6)
     want = np.cumsum(v[0, 0], axis=0) / np.arange(1, 4)[:, None]
     assert np.allclose(o[0, 0], want, atol=1e-5)
+
+
+# Sinks and ALiBi (runtime [num_heads] tensors), alone and with the other options.
+SINK_ALIBI = {
+    "prefill": [("f16", "gqa4", "attention_sinks = true\n", True),
+                ("bf16", "mqa", "alibi = true\n", False),
+                ("f32", "mha", "attention_sinks = true\nalibi = true\nsliding_window = 9\nlogits_soft_cap = 2.0\n", True)],
+    "decode": [("f16", "gqa4", "attention_sinks = true\nnum_splits = 3\n", None),
+               ("bf16", "mqa", "alibi = true\nkv_layout = \"paged\"\npage_size = 8\n", None),
+               ("f32", "mha", "attention_sinks = true\nalibi = true\nsliding_window = 9\nlogits_soft_cap = 2.0\n", None)],
+    "varlen": [("f16", "gqa4", "attention_sinks = true\nnum_splits = 3\n", True),
+               ("bf16", "mqa", "alibi = true\n", False),
+               ("bf16", "mha", "attention_sinks = true\nalibi = true\nsliding_window = 9\nlogits_soft_cap = 2.0\n", True)],
+}
+SINK_SHAPES = {"prefill": PREFILL_SHAPES[:2], "decode": [{"batch": 5, "max_seq_len": 37}],
+               "varlen": [{"batch": 9}]}
+SINK_TILES = {"prefill": None, "decode": "", "varlen": "block_m = 32\nblock_n = 16"}
+
+
+@pytest.mark.parametrize("family,case", [(f, c) for f, cases in SINK_ALIBI.items() for c in cases],
+                         ids=lambda x: x if isinstance(x, str) else "-".join(str(v).split("\n")[0] for v in x))
+def test_sinks_and_alibi(tmp_path, family, case):
+    dtype, heads, extra, causal = case
+    if "paged" in extra:
+        shapes = [{"batch": 5, "max_pages_per_seq": 5, "num_pages": 30}]
+    else:
+        shapes = SINK_SHAPES[family]
+    tile = SINK_TILES[family] if family != "prefill" else SMALL[dtype]
+    _check(tmp_path, family, _body(dtype, 40 if family != "decode" else 64, heads, extra, causal=causal),
+           shapes, tile)
+
+
+def test_sink_alone_when_no_key_is_seen():
+    """A row that sees no key: o = 0 and lse = the sink (the reference; the kernels are held
+    to it by the empty rows of the mixed batches above)."""
+    q, k, v = np.ones((1, 2, 3, 4)), np.ones((1, 2, 5, 4)), np.ones((1, 2, 5, 4))
+    o, lse = ref.attention(q, k, v, 1.0, kv_len=[0], sinks=[0.5, -2.0])
+    assert np.all(o == 0) and np.allclose(lse[0], [[0.5] * 3, [-2.0] * 3])

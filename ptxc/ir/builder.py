@@ -287,6 +287,10 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps):
         t = self._type_of(a, what="neg")
         return self._unary("neg", (t.name,), a, t, out)
 
+    def abs(self, a, out=None):
+        t = self._type_of(a, what="abs")
+        return self._unary("abs", (t.name,), a, t, out)
+
     def not_(self, a, out=None):
         t = self._type_of(a, what="not")
         return self._unary("not", ("pred" if t == PRED else f"b{t.bits}",), a, t, out)

@@ -20,7 +20,8 @@ from ..targets import DEFAULT_SMEM_PER_CTA, Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .decode_attend import emit_attention
-from .variant import VARIANT_FIELDS, validate_variant, variant_reference_args
+from .variant import (VARIANT_FIELDS, validate_variant, variant_inputs, variant_reference_args,
+                      variant_tensors)
 from .kv_access import LAYOUTS, KVAccess, check_page_size
 from .split_reduce import build_reduce
 
@@ -144,6 +145,7 @@ def interface(spec: KernelSpec) -> Interface:
     if spec.opt("return_lse"):
         tensors.append(TensorInfo("lse", "f32", ("batch", H), "output",
                                   "log-sum-exp of the scaled scores; -inf for an empty sequence"))
+    tensors += variant_tensors(spec)
     if append:
         tensors += _append_inputs(spec)
     dims = ["batch", *kv.dims()]
@@ -175,7 +177,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
         return b.load_param(b.param(name, type))
 
     names = ["q", *kv.pointer_tensors(), "seq_lens"] + \
-        (["o_part", "lse_part"] if split else ["o"] + (["lse"] if spec.opt("return_lse") else []))
+        (["o_part", "lse_part"] if split else ["o"] + (["lse"] if spec.opt("return_lse") else [])) + \
+        [t.name for t in variant_tensors(spec)]
     ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t))) for t in names}
     strides = {("q", a): C.byte_stride(b, param(f"q_stride{a}", S64, ParamSource("stride", "q", a)), cfg.fmt)
                for a in (0, 1)}
@@ -242,6 +245,7 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
         inputs["k_new"], inputs["v_new"] = (round_to(rng.standard_normal((B, 1, Hk, d)), spec.dtype)
                                             .astype(np.float32) for _ in range(2))
         inputs["positions"] = (lens - 1).astype(np.int32)
+    inputs.update(variant_inputs(spec, rng))
     return inputs
 
 
@@ -265,7 +269,7 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
         inputs = {**inputs, **out}
     k, v = dense_caches(spec, inputs)
     o, lse = ref.decode(inputs["q"], k, v, inputs["seq_lens"], spec.softmax_scale, dtype=dtype,
-                        **variant_reference_args(spec))
+                        **variant_reference_args(spec, inputs))
     out["o"] = o
     if spec.opt("return_lse"):
         out["lse"] = lse

@@ -13,7 +13,8 @@ from __future__ import annotations
 from ..ir import F32, S32, S64, U32, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
-from .variant import AttentionVariant
+from .prefill import load_head_f32
+from .variant import AttentionVariant, join_sink
 
 
 def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
@@ -77,7 +78,7 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
     first_row = b.mad(warp, cfg.rows_per_warp * cfg.kv_unroll, slot)
     transform = None
     if variant.transforms:   # scores are in log2 units (q was scaled by softmax_scale * log2 e)
-        transform = lambda s: variant.transform_scores(b, s, None, C.LOG2E)
+        transform = _score_transform(b, variant, ptrs, head0, hp, seq_len)
     _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred,
                   transform)
 
@@ -127,8 +128,8 @@ def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, firs
                     for e in range(fmt.per_vec):
                         s = b.fma(q_regs[i][j][e], k[j][e], s)
                 s = C.warp_sum(b, s, [lpr >> n for n in range(1, lpr.bit_length())])
-                if transform is not None:   # the variant's score transform (soft-cap)
-                    transform(s)
+                if transform is not None:   # the variant's score transforms (soft-cap, ALiBi)
+                    transform(s, rows[u], i)
                 row_scores.append(b.selp(s, C.NEG_INF, valid[u]))
             scores.append(row_scores)
         v = [[C.to_f32(b, fmt, regs) for regs in tiles["v_cache"][u]] for u in range(cfg.kv_unroll)]
@@ -151,6 +152,21 @@ def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, firs
             b.mov(m_new, out=m[i])
         for cur, new in zip(pages or (), fresh if pages else ()):
             b.mov(new, out=cur)
+
+
+def _score_transform(b, variant, ptrs, head0, hp, seq_len):
+    """transform(score, key row, head i) for the variant: the query sits at p = L - 1, so
+    |p - j| = L - 1 - j; ALiBi slopes of the CTA's heads are loaded once, in log2 units."""
+    from .prefill import load_head_f32
+    if not variant.alibi:
+        return lambda s, row, i: variant.transform_scores(b, s, None, C.LOG2E)
+    slopes = [b.mul(load_head_f32(b, ptrs["alibi_slopes"], b.add(head0, i)), -C.LOG2E) for i in range(hp)]
+    last = b.sub(b.bitcast(seq_len, S32), 1)
+
+    def transform(s, row, i):
+        rel = b.sub(last, b.bitcast(row, S32))
+        variant.transform_scores(b, [[(s, 0)]], None, C.LOG2E, [(rel, slopes[i])])
+    return transform
 
 
 def _stage_warp_states(b, cfg, m, l, acc, warp, slot, sub) -> Reg:
@@ -203,6 +219,13 @@ def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count)
             l_tot = b.mul(ls[0], weights[0])
             for x, w in zip(ls[1:], weights[1:]):
                 l_tot = b.fma(x, w, l_tot)
+            if "sinks" in ptrs:   # the sink joins the denominator; split-KV: split 0 only
+                head = b.add(head0, i)
+                sink = b.mul(load_head_f32(b, ptrs["sinks"], head), C.LOG2E)
+                if split_count is not None:
+                    sink = b.selp(sink, C.NEG_INF, b.setp("eq", b.special("%ctaid.z"), 0))
+                l_tot, alpha, m_tot = join_sink(b, m_tot, l_tot, sink)
+                weights = [b.mul(w, alpha) for w in weights]
             has_keys = b.setp("gt", l_tot, 0.0)
             inv = b.selp(b.rcp(l_tot), 0.0, has_keys)
             src = b.mad(b.mad(i, d, b.mul(c, fmt.per_vec)), 4, acc_all)
@@ -213,7 +236,7 @@ def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count)
                 for e in range(fmt.per_vec):
                     b.fma(part[e], weights[w], out[e], out=out[e])
             out = [b.mul(x, inv) for x in out]
-            head = b.add(head0, i)
+            head = b.add(head0, i) if "sinks" not in ptrs else head
             lse2 = b.selp(b.add(m_tot, b.lg2(l_tot)), C.NEG_INF, has_keys)  # log2-sum-exp
             if split_count is None:
                 base = C.element_offset(b, ptrs["o"], batch, strides[("o", 0)])

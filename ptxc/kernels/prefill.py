@@ -21,7 +21,8 @@ from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_pipeline import run_kv_pipeline
 from .tiles import TileGeom, global_rows, load_tile, thread_slot
-from .variant import VARIANT_FIELDS, AttentionVariant, validate_variant, variant_reference_args
+from .variant import (VARIANT_FIELDS, AttentionVariant, join_sink, validate_variant, variant_inputs,
+                      variant_reference_args, variant_tensors)
 
 _hd_check, _hd_allowed = int_range(8, 256, multiple_of=8)
 _POW2_TILE = (16, 32, 64, 128, 256)
@@ -198,6 +199,7 @@ def interface(spec: KernelSpec) -> Interface:
     if spec.opt("return_lse"):
         tensors.append(TensorInfo("lse", "f32", ("batch", H, "seq_q"), "output",
                                   "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
+    tensors += variant_tensors(spec)
     return Interface(tuple(tensors), ("batch", "seq_q", "seq_k"),
                      {"batch": 2, "seq_q": 17, "seq_k": 113})
 
@@ -222,6 +224,8 @@ class Ctx:
     o_row_stride: Reg     # s64 bytes
     lse: Reg | None       # u64 or None
     variant: AttentionVariant
+    sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
+    slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
 
     def key_limit(self, b: KernelBuilder, row: Reg) -> Reg:
         """s32 number of keys query `row` sees (before clamping to >= 0)."""
@@ -235,6 +239,17 @@ class Ctx:
         if self.variant.window is None:
             return None
         return self.variant.key_begin(b, b.add(b.bitcast(row, S32), self.key_offset))
+
+    def sink_log2(self, b: KernelBuilder, row: Reg) -> Reg | None:
+        """The row's sink logit in log2 units (attention_sinks), or None."""
+        if self.sinks is None:
+            return None
+        return b.mul(load_head_f32(b, self.sinks, self.head), C.LOG2E)
+
+    def alibi_row(self, b: KernelBuilder, row: Reg, lane_key: Reg, unit: float) -> tuple[Reg, Reg]:
+        """(p - lane_key (s32), -unit · slope) of query `row` for variant.transform_scores."""
+        pos = b.add(b.bitcast(row, S32), self.key_offset)
+        return b.sub(pos, lane_key), b.mul(load_head_f32(b, self.slopes, self.head), -unit)
 
     def lse_addr(self, b: KernelBuilder, row: Reg) -> Reg:
         bh = b.mad(self.batch, self.spec.num_heads, self.head)
@@ -309,7 +324,8 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     gq = global_rows(b, q_slot, head_base("q", head), strides[("q", 1)])
     gkv = {t: global_rows(b, kv_slot, head_base(t, kv_head), strides[(t, 1)]) for t in "kv"}
     ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
-              head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant)
+              head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant,
+              ptrs.get("sinks"), ptrs.get("alibi_slopes"))
     math = (MmaMath if cfg.tensor_cores else SimtMath)(b, ctx)
     use_async = cfg.cp_async
 
@@ -340,16 +356,18 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     def key0_of(j: Reg) -> Reg:
         return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
 
-    transform = None
-    if variant.transforms:
-        unit = 1.0 / spec.softmax_scale   # MmaMath/SimtMath scores are raw q·k
-        transform = lambda s, key0: variant.transform_scores(b, s, key0, unit)
+    transform = math.transform if variant.transforms else None
     load_tile(b, q_slot, gq, m_start, b.sub(sq, b.bitcast(m_start, S32)), smem, use_async)
     run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                     use_async=use_async, n_tiles=n_tiles, n_full=n_full,
                     key0_of=key0_of, load_kv=load_kv, math=math, lo_full=lo_full,
                     transform=transform)
     math.epilogue()
+
+
+def load_head_f32(b: KernelBuilder, ptr: Reg, head: Reg) -> Reg:
+    """ptr[head] of a [num_heads] f32 tensor (sinks, alibi_slopes)."""
+    return b.ld("global", F32, Addr(b.add(ptr, b.mul_wide(head, 4))), nc=True)
 
 
 def finish_rows(b: KernelBuilder, ctx: Ctx, m: list[Reg], l: list[Reg], rows: list[Reg],
@@ -360,10 +378,15 @@ def finish_rows(b: KernelBuilder, ctx: Ctx, m: list[Reg], l: list[Reg], rows: li
     invs = []
     for r, row in enumerate(rows):
         total = C.warp_sum(b, l[r], lanes)
+        sink = ctx.sink_log2(b, row)
+        m_ref = m[r]
+        if sink is not None:   # the sink joins the denominator (attention_sinks)
+            total, alpha, m_ref = join_sink(b, m[r], total, sink)
         has_keys = b.setp("gt", total, 0.0)
-        invs.append(b.selp(b.rcp(total), 0.0, has_keys))
+        inv = b.rcp(total) if sink is None else b.mul(b.rcp(total), alpha)
+        invs.append(b.selp(inv, 0.0, has_keys))
         if ctx.lse is not None:
-            lse = b.add(m[r], b.lg2(total))
+            lse = b.add(m_ref, b.lg2(total))
             lse = b.selp(b.mul(lse, lse_scale) if lse_scale != 1.0 else lse, C.NEG_INF, has_keys)
             ok = b.and_(writer, b.setp("lt", row, ctx.seq_q))
             addr = ctx.lse_addr(b, row)
@@ -381,7 +404,7 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
     H, Hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     q, k, v = (round_to(rng.standard_normal(shape), spec.dtype).astype(np.float32)
                for shape in ((B, Sq, H, d), (B, Sk, Hk, d), (B, Sk, Hk, d)))
-    return {"q": q, "k": k, "v": v}
+    return {"q": q, "k": k, "v": v, **variant_inputs(spec, rng)}
 
 
 def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
@@ -391,7 +414,7 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
     from ..runtime import reference as ref
     q, k, v = (np.swapaxes(np.asarray(inputs[t]), 1, 2) for t in "qkv")
     o, lse = ref.attention(q, k, v, spec.softmax_scale, causal=spec.opt("causal"), dtype=dtype,
-                           **variant_reference_args(spec))
+                           **variant_reference_args(spec, inputs))
     o = np.swapaxes(o, 1, 2)
     return {"o": o, "lse": lse} if spec.opt("return_lse") else {"o": o}
 

@@ -50,6 +50,9 @@ class MmaMath:
         self.limits = [b.sub(ctx.key_limit(b, r), two_t) for r in self.rows]   # keys < limit - 2t
         begins = [ctx.key_begin(b, r) for r in self.rows]                     # keys >= begin - 2t
         self.begins = None if begins[0] is None else [b.sub(x, two_t) for x in begins]
+        self.unit = 1.0 / ctx.spec.softmax_scale        # scores are raw q·k (variant transforms)
+        self.alibi = [ctx.alibi_row(b, r, two_t, self.unit) for r in self.rows] \
+            if ctx.variant.alibi else None
         self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.ss, ctx.q_smem), b.shl(t, 2))
         self.zero = b.mov(0, B32)
         self.fzero = zero_regs(b, 4, F32)
@@ -80,6 +83,16 @@ class MmaMath:
                     jn = 2 * pair + e
                     s[jn] = b.mma_m16n8k16(a, frag, s[jn] or self.fzero, self.in_type, out=s[jn])
         return s
+
+    def transform(self, s: list[list[Reg]], key0: Reg) -> None:
+        """The variant's score transforms (soft-cap, ALiBi); score (r, e) of n8 tile jn is key
+        key0 + 2t + 8 jn + e of row r."""
+        b, v = self.b, self.ctx.variant
+        rows = [[(acc[2 * r + e], 8 * jn + e) for jn, acc in enumerate(s) for e in range(2)]
+                for r in range(2)]
+        alibi = None if self.alibi is None else \
+            [(b.sub(rel, b.bitcast(key0, S32)), slope) for rel, slope in self.alibi]
+        v.transform_scores(b, rows if v.alibi else s, key0, self.unit, alibi)
 
     def mask(self, s: list[list[Reg]], key0: Reg) -> None:
         """-inf where key (key0 + 8 jn + 2t + e) >= the row's key limit (or, with a sliding

@@ -38,6 +38,9 @@ class SimtMath:
         self.limits = [b.sub(ctx.key_limit(b, r), tx_s) for r in self.rows]   # keys < limit - tx
         begins = [ctx.key_begin(b, r) for r in self.rows]                    # keys >= begin - tx
         self.begins = None if begins[0] is None else [b.sub(x, tx_s) for x in begins]
+        self.unit = 1.0 / ctx.spec.softmax_scale        # scores are raw q·k (variant transforms)
+        self.alibi = [ctx.alibi_row(b, r, tx_s, self.unit) for r in self.rows] \
+            if ctx.variant.alibi else None
         group = b.and_(lane, 32 - X)
         self.src = [b.or_(group, n) if n else group for n in range(X)]
         self.chunk_ok = b.setp("lt", self.tx, self.c4 - (self.u - 1) * X) if self.c4 % X else None
@@ -59,6 +62,15 @@ class SimtMath:
                         s[i][jj] = b.mul(q[i][e], k[jj][e]) if prev is None else \
                             b.fma(q[i][e], k[jj][e], prev, out=prev)
         return s
+
+    def transform(self, s: list[list[Reg]], key0: Reg) -> None:
+        """The variant's score transforms (soft-cap, ALiBi); score (i, jj) is key
+        key0 + tx + 8 jj of row i."""
+        b, v = self.b, self.ctx.variant
+        rows = [[(x, jj * X) for jj, x in enumerate(row)] for row in s]
+        alibi = None if self.alibi is None else \
+            [(b.sub(rel, b.bitcast(key0, S32)), slope) for rel, slope in self.alibi]
+        v.transform_scores(b, rows if v.alibi else s, key0, self.unit, alibi)
 
     def mask(self, s: list[list[Reg]], key0: Reg) -> None:
         """-inf where key (key0 + tx + 8 jj) >= the row's key limit (or, with a sliding

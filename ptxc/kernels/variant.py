@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SpecError
-from ..ir import U32, KernelBuilder, Reg
+from ..ir import F32, U32, KernelBuilder, Reg
 from ..spec.fields import Field, int_range
 
 MAX_WINDOW = 1 << 30
@@ -34,6 +34,10 @@ VARIANT_FIELDS = (
           default=None, check=_win_check, allowed=_win_allowed),
     Field("logits_soft_cap", "float", "soft-cap c: s <- c * tanh(s / c) after the softmax scale "
           "(Gemma 2: 50)", default=None, check=_positive, allowed="a number > 0"),
+    Field("attention_sinks", "bool", "a runtime sinks [num_heads] f32 logit per query head joins "
+          "every row's softmax denominator (gpt-oss)", default=False),
+    Field("alibi", "bool", "a runtime alibi_slopes [num_heads] f32: s <- s - slope_h * |p - j| "
+          "after the soft-cap", default=False),
 )
 
 
@@ -50,10 +54,44 @@ def spec_option(spec, key: str):
     return dict(spec.options).get(key)
 
 
-def variant_reference_args(spec) -> dict:
-    """The keyword arguments of runtime.reference.attention for this spec's variant options."""
+def variant_reference_args(spec, inputs: dict | None = None) -> dict:
+    """The keyword arguments of runtime.reference.attention for this spec's variant options
+    (runtime tensors from `inputs`)."""
+    inputs = inputs or {}
     return {"window": spec_option(spec, "sliding_window"),
-            "soft_cap": spec_option(spec, "logits_soft_cap")}
+            "soft_cap": spec_option(spec, "logits_soft_cap"),
+            "sinks": inputs.get("sinks") if spec_option(spec, "attention_sinks") else None,
+            "alibi_slopes": inputs.get("alibi_slopes") if spec_option(spec, "alibi") else None}
+
+
+def variant_tensors(spec) -> list:
+    """The runtime inputs of the spec's variant options (after the family's own tensors)."""
+    from .base import TensorInfo
+    out = []
+    if spec_option(spec, "attention_sinks"):
+        out.append(TensorInfo("sinks", "f32", (spec.num_heads,), "input",
+                              "one logit per query head, joins each row's softmax denominator"))
+    if spec_option(spec, "alibi"):
+        out.append(TensorInfo("alibi_slopes", "f32", (spec.num_heads,), "input",
+                              "ALiBi slope per query head: s <- s - slope * |p - j|"))
+    return out
+
+
+def variant_inputs(spec, rng) -> dict:
+    """Random sinks (natural-log logits around the scores' range) and ALiBi slopes (the
+    BLOOM geometric series 2^(-8 (h + 1) / H), shuffled so heads differ in order)."""
+    import numpy as np
+    out = {}
+    if spec_option(spec, "attention_sinks"):
+        out["sinks"] = (rng.standard_normal(spec.num_heads) * 2.0).astype(np.float32)
+    if spec_option(spec, "alibi"):
+        h = rng.permutation(spec.num_heads)
+        out["alibi_slopes"] = np.exp2(-8.0 * (h + 1) / spec.num_heads).astype(np.float32)
+    return out
+
+
+def variant_pointer_names(spec) -> list[str]:
+    return [t.name for t in variant_tensors(spec)]
 
 
 @dataclass(frozen=True)
@@ -61,15 +99,18 @@ class AttentionVariant:
     causal: bool
     window: int | None = None
     soft_cap: float | None = None
+    sinks: bool = False
+    alibi: bool = False
 
     @classmethod
     def from_spec(cls, spec) -> "AttentionVariant":
         return cls(causal=bool(spec_option(spec, "causal")), window=spec_option(spec, "sliding_window"),
-                   soft_cap=spec_option(spec, "logits_soft_cap"))
+                   soft_cap=spec_option(spec, "logits_soft_cap"),
+                   sinks=bool(spec_option(spec, "attention_sinks")), alibi=bool(spec_option(spec, "alibi")))
 
     @property
     def transforms(self) -> bool:
-        return self.soft_cap is not None
+        return self.soft_cap is not None or self.alibi
 
     def key_end(self, b: KernelBuilder, pos: Reg, kv_len: Reg) -> Reg:
         """s32 end of the keys a query at position `pos` (s32) sees; may be <= 0 (sees none)."""
@@ -100,15 +141,37 @@ class AttentionVariant:
             return None
         return b.div(b.add(b.bitcast(b.max(begin, 0), U32), block - 1), block)
 
-    def transform_scores(self, b: KernelBuilder, scores: list, key0: Reg, unit: float = 1.0) -> None:
+    def transform_scores(self, b: KernelBuilder, scores: list, key0: Reg, unit: float = 1.0,
+                         alibi_rows: list | None = None) -> None:
         """Per-score modifiers before the masks, in place on `unit`-scaled scores (see the
-        module doc): soft-cap x <- (c·unit) · tanh(x / (c·unit)). Without one: emits nothing."""
-        if self.soft_cap is None:
-            return None
-        cap = self.soft_cap * unit
-        for x in _flat(scores):
-            b.mul(b.tanh(b.mul(x, 1.0 / cap)), cap, out=x)
+        module doc), in the documented order:
+          soft-cap  x <- (c·unit) · tanh(x / (c·unit))
+          ALiBi     x <- x - unit · slope · |p - j|
+        For ALiBi, `scores` are rows of (score, k) pairs and `alibi_rows[r]` = (rel, neg_slope):
+        rel (s32) = p - (the lane's key offset) - key0, so |p - j| = |rel - k|; neg_slope (f32)
+        = -unit · slope of the row's head. Without an option: emits nothing."""
+        if self.soft_cap is not None:
+            cap = self.soft_cap * unit
+            for x in _flat([x for row in scores for x, _ in row] if self.alibi else scores):
+                b.mul(b.tanh(b.mul(x, 1.0 / cap)), cap, out=x)
+        if self.alibi:
+            for row, (rel, neg_slope) in zip(scores, alibi_rows):
+                rel_f = b.cvt(F32, rel)
+                for x, k in row:
+                    dist = b.abs(b.sub(rel_f, float(k)) if k else rel_f)
+                    b.fma(neg_slope, dist, x, out=x)
         return None
+
+
+def join_sink(b: KernelBuilder, m: Reg, total: Reg, sink: Reg) -> tuple[Reg, Reg, Reg]:
+    """A row's softmax state (running max m and sum `total` of 2^(s - m), log2 units) with the
+    sink logit (log2 units) joined to the denominator: returns (total', alpha, m') with
+    total' = total · 2^(m - m') + 2^(sink - m') and alpha = 2^(m - m') the factor that O
+    (accumulated against m) needs; m' = max(m, sink), 0 when both are -inf (no NaN)."""
+    from . import common as C
+    m_ref = C.safe_max(b, b.max(m, sink))
+    alpha = C.rescale_factor(b, m, m_ref)
+    return b.fma(total, alpha, b.ex2(b.sub(sink, m_ref))), alpha, m_ref
 
 
 def _flat(scores) -> list[Reg]:
@@ -118,4 +181,4 @@ def _flat(scores) -> list[Reg]:
 
 
 __all__ = ["AttentionVariant", "VARIANT_FIELDS", "validate_variant", "spec_option",
-           "variant_reference_args"]
+           "variant_reference_args", "variant_tensors", "variant_inputs", "join_sink"]

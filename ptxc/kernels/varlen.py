@@ -19,7 +19,7 @@ from ..spec.model import KernelSpec
 from ..targets import TARGETS, Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
-from .variant import VARIANT_FIELDS, validate_variant
+from .variant import VARIANT_FIELDS, validate_variant, variant_tensors
 from .kv_access import KVAccess, check_page_size
 from .prefill import PrefillConfig, _check_shape
 from .split_reduce import build_reduce
@@ -140,6 +140,7 @@ def interface(spec: KernelSpec) -> Interface:
     if spec.opt("return_lse"):
         tensors.append(TensorInfo("lse", "f32", ("total_q", H), "output",
                                   "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
+    tensors += variant_tensors(spec)
     dims = ["batch", "total_q", *kv.dims()]
     rules: dict = {}
     splits = spec.opt("num_splits")
@@ -172,7 +173,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
         return b.load_param(b.param(name, type))
 
     outs = ["o_part", "lse_part"] if split else ["o"] + (["lse"] if spec.opt("return_lse") else [])
-    names = ["q", "cu_seqlens_q", "seq_lens", *kv.pointer_tensors(), *outs]
+    names = ["q", "cu_seqlens_q", "seq_lens", *kv.pointer_tensors(), *outs,
+             *(t.name for t in variant_tensors(spec))]
     ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t))) for t in names}
     strides = {(t, a): C.byte_stride(b, param(f"{t}_stride{a}", S64, ParamSource("stride", t, a)), cfg.fmt)
                for t in ("q",) + (() if split else ("o",)) for a in (0, 1)}

@@ -30,7 +30,7 @@ from ..ir import B32, F32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
 from .kv_pipeline import run_kv_pipeline
-from .prefill import PrefillConfig, finish_rows
+from .prefill import PrefillConfig, finish_rows, load_head_f32
 from .prefill_mma import MmaMath
 from .tiles import load_tile_rows, thread_slot
 from .variant import AttentionVariant
@@ -57,6 +57,8 @@ class VarlenCtx:
     lse: Reg | None       # u64: lse, or lse_part with splits
     split: Reg | None     # u32 split index (None without split-KV)
     num_splits: Reg | None
+    sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
+    slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
 
     def token(self, row: Reg) -> Reg:
         g = self.spec.group_size
@@ -80,6 +82,21 @@ class VarlenCtx:
         if self.variant.window is None:
             return None
         return self.variant.key_begin(b, self.position(self.token(row)))
+
+    def sink_log2(self, b: KernelBuilder, row: Reg) -> Reg | None:
+        """The row's sink logit in log2 units; with split-KV only split 0 adds it (the partial
+        LSEs then merge to log(e^sink + sum e^s) in split_reduce), the others get -inf."""
+        if self.sinks is None:
+            return None
+        sink = b.mul(load_head_f32(b, self.sinks, self.head(row)), C.LOG2E)
+        if self.split is not None:
+            sink = b.selp(sink, C.NEG_INF, b.setp("eq", self.split, 0))
+        return sink
+
+    def alibi_row(self, b: KernelBuilder, row: Reg, lane_key: Reg, unit: float) -> tuple[Reg, Reg]:
+        """(p - lane_key (s32), -unit · slope of the row's head) for variant.transform_scores."""
+        pos = self.position(self.token(row))
+        return b.sub(pos, lane_key), b.mul(load_head_f32(b, self.slopes, self.head(row)), -unit)
 
     def out_index(self, row: Reg) -> Reg:
         """u32 (token, head) index into [total_q, H] (times num_splits, plus split, for parts)."""
@@ -184,7 +201,8 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
     k_smem = b.add(smem, cfg.q_geom.bytes)
     v_smem = b.add(k_smem, stages * kv_bytes)
     ctx = VarlenCtx(b, spec, cfg, variant, tid, lane, warp, m_start, rows, q_len, L, smem, kv_head,
-                    t0, ptrs.get("lse_part" if split is not None else "lse"), split, split_count)
+                    t0, ptrs.get("lse_part" if split is not None else "lse"), split, split_count,
+                    ptrs.get("sinks"), ptrs.get("alibi_slopes"))
 
     # KV tiles: [0, n_vis) visible to the tile's last token; [0, n_full) to its first as well.
     last_row = b.sub(b.min(b.add(m_start, bm), rows), 1)
@@ -237,8 +255,8 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
     run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                     use_async=True, n_tiles=n_tiles, n_full=n_full,
                     key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
-                    transform=lambda s, key0: variant.transform_scores(b, s, key0, unit),
-                    lo_full=lo_full)
+                    transform=math.transform if variant.transforms else
+                    lambda s, key0: variant.transform_scores(b, s, key0, unit), lo_full=lo_full)
     math.epilogue()
 
 

@@ -47,6 +47,8 @@ def mixed_batch(spec, dims: dict[str, int], rng, page_size: int) -> dict:
     inputs = {"q": rnd((int(cu[-1]), H, d)), "cu_seqlens_q": cu,
               "seq_lens": np.array(lens, dtype=np.int32),
               "k_cache": rnd((*rows, Hk, d)), "v_cache": rnd((*rows, Hk, d))}
+    from .variant import variant_inputs
+    inputs.update(variant_inputs(spec, rng))
     if page_size:
         from ..errors import InputError
         P, used = dims["max_pages_per_seq"], [-(-L // page_size) for L in lens]
@@ -81,12 +83,16 @@ def varlen_reference(spec, inputs: dict, dtype: str | None, page_size: int) -> d
     for b, L in enumerate(np.asarray(inputs["seq_lens"])):
         lo, hi = int(cu[b]), int(cu[b + 1])
         L = int(min(max(int(L), 0), S))
-        if hi <= lo or L == 0:
+        if hi <= lo:
+            continue
+        if L == 0:   # no keys: o = 0, lse = -inf (or the sink: e^sink alone is the denominator)
+            if spec.opt("attention_sinks"):
+                lse[lo:hi] = np.asarray(inputs["sinks"], dtype=np.float64)[None, :]
             continue
         k, v = dense_sequence(inputs, b, L, page_size)
         qs = np.swapaxes(q[lo:hi], 0, 1)[None]              # [1, H, q_len, d]
         kh, vh = (np.swapaxes(np.asarray(x, dtype=np.float64), 0, 1)[None] for x in (k, v))
         ob, lb = ref.attention(qs, kh, vh, spec.softmax_scale, causal=spec.opt("causal"), dtype=dtype,
-                               **variant_reference_args(spec))
+                               **variant_reference_args(spec, inputs))
         o[lo:hi], lse[lo:hi] = np.swapaxes(ob[0], 0, 1), np.swapaxes(lb[0], 0, 1)
     return {"o": o, "lse": lse} if spec.opt("return_lse") else {"o": o}

@@ -114,14 +114,17 @@ def fp8_quantize(x: np.ndarray, kind: str) -> np.ndarray:
 
 # ---- attention ---------------------------------------------------------------------------
 def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype: str | None = None,
-              window: int | None = None, soft_cap: float | None = None):
+              window: int | None = None, soft_cap: float | None = None, sinks=None,
+              alibi_slopes=None):
     """softmax(scale * q k^T + mask) v over the last two axes of [..., heads, seq, d] arrays.
 
     q: [B, H, Sq, D]; k, v: [B, Hk, Sk, D] (GQA: query head h uses KV head h // (H / Hk)).
     kv_len: optional [B] valid key counts. Queries align bottom-right: query i sits at position
     p = i + L - Sq (L = kv_len[b], or Sk); causal: it sees key j iff j <= p; a sliding `window`
-    W: iff p - j < W (with or without causal). Rows that see no key give 0 output and
-    lse = -inf. Variant order (docs/spec.md): score -> soft-cap c*tanh(s/c) -> masks -> softmax.
+    W: iff p - j < W (with or without causal). Variant order (docs/spec.md): score -> soft-cap
+    c*tanh(s/c) -> ALiBi s - slope_h*|p - j| -> masks -> softmax, where `sinks` [H] (natural-log
+    logits) join each row's denominator: o = sum e^s v / (e^sink + sum e^s), lse = log(e^sink +
+    sum e^s). Rows that see no key give 0 output and lse = -inf (= sink with sinks).
     With `dtype`, every intermediate is rounded to it (the naive same-dtype computation).
     Returns (o [B, H, Sq, D], lse [B, H, Sq]) in float64.
     """
@@ -135,10 +138,13 @@ def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype
     s = rnd(np.einsum("bhqd,bhkd->bhqk", q, k) * scale)
     if soft_cap is not None:
         s = rnd(soft_cap * np.tanh(s / soft_cap))
-    mask = np.ones((B, 1, Sq, Sk), dtype=bool)
     lens = np.full(B, Sk) if kv_len is None else np.asarray(kv_len)
     pos = (np.arange(Sq)[None, :] + lens[:, None] - Sq)[:, None, :, None]      # [B, 1, Sq, 1]
     j = np.arange(Sk)[None, None, None, :]
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, dtype=np.float64)[None, :, None, None]
+        s = rnd(s - slopes * np.abs(pos - j))
+    mask = np.ones((B, 1, Sq, Sk), dtype=bool)
     if kv_len is not None:
         mask &= j < lens[:, None, None, None]
     if causal:
@@ -147,9 +153,15 @@ def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype
         mask &= pos - j < window
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
+    sink = None if sinks is None else np.broadcast_to(
+        np.asarray(sinks, dtype=np.float64)[None, :, None, None], m.shape)
+    if sink is not None:
+        m = np.maximum(m, sink)
     m_safe = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m_safe)
     l = (round_to(p, prec.probs) if prec and prec.probs else p).sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + np.exp(sink - m_safe)
     with np.errstate(divide="ignore", invalid="ignore"):
         o = rnd(np.einsum("bhqk,bhkd->bhqd", rnd(p / np.where(l > 0, l, 1.0)), v))
         lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l[..., 0]), -np.inf)
