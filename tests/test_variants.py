@@ -231,3 +231,32 @@ def test_sink_alone_when_no_key_is_seen():
     q, k, v = np.ones((1, 2, 3, 4)), np.ones((1, 2, 5, 4)), np.ones((1, 2, 5, 4))
     o, lse = ref.attention(q, k, v, 1.0, kv_len=[0], sinks=[0.5, -2.0])
     assert np.all(o == 0) and np.allclose(lse[0], [[0.5] * 3, [-2.0] * 3])
+
+
+# head_dim_v: V and O narrower than Q/K (DeepSeek-V3 prefill: 192 / 128).
+@pytest.mark.parametrize("family,dtype,heads,d,dv,extra", [
+    ("prefill", "f16", "gqa4", 40, 24, "causal = true\n"),
+    ("prefill", "bf16", "mha", 64, 40, "causal = false\nattention_sinks = true\n"),
+    ("prefill", "f32", "mqa", 24, 16, "causal = true\nsliding_window = 7\n"),
+    ("varlen", "f16", "gqa4", 48, 32, "num_splits = 3\n"),
+    ("varlen", "bf16", "mqa", 40, 16, 'kv_layout = "contiguous"\n'),
+])
+def test_head_dim_v(tmp_path, family, dtype, heads, d, dv, extra):
+    tile = SMALL[dtype] if family == "prefill" else "block_m = 32\nblock_n = 16"
+    shapes = PREFILL_SHAPES[:2] if family == "prefill" else [{"batch": 9}]
+    _check(tmp_path, family, _body(dtype, d, heads, f"head_dim_v = {dv}\n" + extra, causal=None),
+           shapes, tile)
+
+
+@pytest.mark.parametrize("family,text", [
+    ("decode", "head_dim_v = 32"),
+    ("prefill", "head_dim_v = 128"),
+    ("varlen", "head_dim_v = 12"),
+])
+def test_head_dim_v_errors(family, text):
+    body = (f'[[kernel]]\nname = "k"\nfamily = "{family}"\ndtype = "f16"\nhead_dim = 64\n'
+            f'num_heads = 4\nnum_kv_heads = 1\ntargets = ["sm_80"]\n{text}\n')
+    with pytest.raises(SpecError) as e:
+        for spec in load_text(body):
+            FAMILIES[family].validate(spec)
+    assert e.value.key == "head_dim_v" and "\n" not in str(e.value)

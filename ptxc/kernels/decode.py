@@ -87,7 +87,7 @@ class DecodeConfig:
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
     check_page_size(spec)
-    validate_variant(spec, causal_option=False)
+    validate_variant(spec, causal_option=False, separate_v=False)
     if spec.opt("append_kv") and spec.opt("kv_layout") == "pointer_array":
         raise SpecError("append_kv supports kv_layout \"contiguous\" and \"paged\", not "
                         "\"pointer_array\"", key="append_kv")

@@ -21,7 +21,8 @@ from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_pipeline import run_kv_pipeline
 from .tiles import TileGeom, global_rows, load_tile, thread_slot
-from .variant import (VARIANT_FIELDS, AttentionVariant, join_sink, validate_variant, variant_inputs,
+from .variant import (VARIANT_FIELDS, AttentionVariant, head_dim_v, join_sink, validate_variant,
+                      variant_inputs,
                       variant_reference_args, variant_tensors)
 
 _hd_check, _hd_allowed = int_range(8, 256, multiple_of=8)
@@ -59,6 +60,21 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     cp_async: bool
+    head_dim_v: int = 0      # V/O head size; 0: head_dim
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def v_geom(self) -> TileGeom:
+        """V tiles (block_n x head_dim_v), in stage buffers sized for K (head_dim_v <= head_dim)."""
+        return TileGeom(self.block_n, self.dv * self.fmt.bytes, self.threads)
+
+    @property
+    def o_geom(self) -> TileGeom:
+        """The output tile staged in the Q tile's shared memory (block_m x head_dim_v)."""
+        return TileGeom(self.block_m, self.dv * self.fmt.bytes, self.threads)
 
     @property
     def threads(self) -> int:
@@ -84,8 +100,8 @@ class PrefillConfig:
     @property
     def registers_estimate(self) -> int:
         if self.tensor_cores:   # O and S accumulators: 16 x head_dim and 16 x block_n f32 per warp
-            return self.head_dim // 2 + self.block_n // 2 + REG_OVERHEAD
-        chunks = -(-self.head_dim // 4 // SIMT_LANES_PER_ROW)
+            return self.dv // 2 + self.block_n // 2 + REG_OVERHEAD
+        chunks = -(-self.dv // 4 // SIMT_LANES_PER_ROW)
         tm = self.rows_per_thread
         return tm * chunks * 4 + tm * self.block_n // SIMT_LANES_PER_ROW + REG_OVERHEAD
 
@@ -138,7 +154,7 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
 
     def make():
         return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, tc, bm, bn, warps, stages,
-                             target.has_cp_async)
+                             target.has_cp_async, head_dim_v(spec))
 
     cfg = make()
     while cfg.smem_bytes > target.max_smem_per_cta:   # shrink what the spec left to us
@@ -189,12 +205,12 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
 
 
 def interface(spec: KernelSpec) -> Interface:
-    d, H, Hk = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    d, dv, H, Hk = spec.head_dim, head_dim_v(spec), spec.num_heads, spec.num_kv_heads
     tensors = [
         TensorInfo("q", spec.dtype, ("batch", "seq_q", H, d), "input"),
         TensorInfo("k", spec.dtype, ("batch", "seq_k", Hk, d), "input"),
-        TensorInfo("v", spec.dtype, ("batch", "seq_k", Hk, d), "input"),
-        TensorInfo("o", spec.dtype, ("batch", "seq_q", H, d), "output"),
+        TensorInfo("v", spec.dtype, ("batch", "seq_k", Hk, dv), "input"),
+        TensorInfo("o", spec.dtype, ("batch", "seq_q", H, dv), "output"),
     ]
     if spec.opt("return_lse"):
         tensors.append(TensorInfo("lse", "f32", ("batch", H, "seq_q"), "output",
@@ -321,8 +337,9 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     k_smem = b.add(smem, cfg.q_geom.bytes)
     v_smem = b.add(k_smem, stages * kv_bytes)
     q_slot, kv_slot = thread_slot(b, cfg.q_geom, tid), thread_slot(b, cfg.kv_geom, tid)
+    slots = {"k": kv_slot, "v": kv_slot if cfg.dv == cfg.head_dim else thread_slot(b, cfg.v_geom, tid)}
     gq = global_rows(b, q_slot, head_base("q", head), strides[("q", 1)])
-    gkv = {t: global_rows(b, kv_slot, head_base(t, kv_head), strides[(t, 1)]) for t in "kv"}
+    gkv = {t: global_rows(b, slots[t], head_base(t, kv_head), strides[(t, 1)]) for t in "kv"}
     ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
               head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant,
               ptrs.get("sinks"), ptrs.get("alibi_slopes"))
@@ -348,7 +365,7 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
         with b.if_then(b.setp("lt", tile, n_tiles)):
             row0 = b.mul(tile if first_tile is None else b.add(tile, first_tile), bn)
             base = b.add(k_smem if t == "k" else v_smem, stage_off)
-            load_tile(b, kv_slot, gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async,
+            load_tile(b, slots[t], gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async,
                       first_addr=next_addr[t])
         b.add(next_addr[t], tile_step[t], out=next_addr[t])
         commit()
@@ -401,9 +418,9 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
 
     from ..runtime.reference import round_to
     B, Sq, Sk = dims["batch"], dims["seq_q"], dims["seq_k"]
-    H, Hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    H, Hk, d, dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, head_dim_v(spec)
     q, k, v = (round_to(rng.standard_normal(shape), spec.dtype).astype(np.float32)
-               for shape in ((B, Sq, H, d), (B, Sk, Hk, d), (B, Sk, Hk, d)))
+               for shape in ((B, Sq, H, d), (B, Sk, Hk, d), (B, Sk, Hk, dv)))
     return {"q": q, "k": k, "v": v, **variant_inputs(spec, rng)}
 
 

@@ -35,11 +35,13 @@ class MmaMath:
         self.ss = cfg.q_geom.stride
         self.d, self.bn = cfg.head_dim, cfg.block_n
         self.ksteps, self.half_k = -(-self.d // 16), self.d % 16 == 8
-        self.dtiles = self.d // 8
+        self.dtiles = cfg.dv // 8                 # n8 tiles of O (head_dim_v)
+        self.vs, self.os = cfg.v_geom.stride, cfg.o_geom.stride   # == ss unless head_dim_v < d
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
         lane = ctx.lane
         self.lane_off = ldmatrix_lane_offset(b, lane, self.ss)
         self.k_lane_off = ldmatrix_lane_offset_nk(b, lane, self.ss)
+        self.v_lane_off = self.lane_off if self.vs == self.ss else ldmatrix_lane_offset(b, lane, self.vs)
         warp_rows = b.mul(ctx.warp, 16)
         self.q_lane = b.add(b.mad(warp_rows, self.ss, ctx.q_smem), self.lane_off)
         g, t = b.shr(lane, 2), b.and_(lane, 3)
@@ -53,7 +55,7 @@ class MmaMath:
         self.unit = 1.0 / ctx.spec.softmax_scale        # scores are raw q·k (variant transforms)
         self.alibi = [ctx.alibi_row(b, r, two_t, self.unit) for r in self.rows] \
             if ctx.variant.alibi else None
-        self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.ss, ctx.q_smem), b.shl(t, 2))
+        self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.os, ctx.q_smem), b.shl(t, 2))
         self.zero = b.mov(0, B32)
         self.fzero = zero_regs(b, 4, F32)
         self.o = [zero_regs(b, 4, F32) for _ in range(self.dtiles)]
@@ -147,8 +149,8 @@ class MmaMath:
         return [pk[2 * k] + pk[2 * k + 1] for k in range(self.bn // 16)]
 
     def pv(self, a_frags: list[list[Reg]], v_tile: Reg) -> None:
-        b, ss = self.b, self.ss
-        v_lane = b.add(v_tile, self.lane_off)
+        b, ss = self.b, self.vs
+        v_lane = b.add(v_tile, self.v_lane_off)
         for kk, a in enumerate(a_frags):
             b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
             for pair in range(-(-self.dtiles // 2)):
@@ -173,10 +175,10 @@ class MmaMath:
         for jd, acc in enumerate(self.o):
             for r in range(2):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
-                b.st("shared", B32, Addr(self.o_smem, r * 8 * self.ss + jd * 16),
+                b.st("shared", B32, Addr(self.o_smem, r * 8 * self.os + jd * 16),
                      [b.cvt_pack(self.pair, hi, lo)])
         b.bar_sync(0)
-        slot = thread_slot(b, ctx.cfg.q_geom, ctx.tid)
+        slot = thread_slot(b, ctx.cfg.o_geom, ctx.tid)
         go = global_rows(b, slot, ctx.o_base, ctx.o_row_stride)
         nvalid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
         store_tile(b, slot, go, ctx.m_start, nvalid, ctx.q_smem)

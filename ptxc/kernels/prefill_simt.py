@@ -25,7 +25,9 @@ class SimtMath:
         self.ss, self.bn = cfg.q_geom.stride, cfg.block_n
         self.tm, self.jn = cfg.rows_per_thread, cfg.block_n // X
         self.c4 = cfg.head_dim // 4
-        self.u = -(-self.c4 // X)
+        self.c4v = cfg.dv // 4                       # O / V chunks (head_dim_v)
+        self.vs = cfg.v_geom.stride
+        self.u = -(-self.c4v // X)
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
         lane = ctx.lane
         ry, self.tx = b.shr(lane, 3), b.and_(lane, X - 1)
@@ -43,7 +45,7 @@ class SimtMath:
             if ctx.variant.alibi else None
         group = b.and_(lane, 32 - X)
         self.src = [b.or_(group, n) if n else group for n in range(X)]
-        self.chunk_ok = b.setp("lt", self.tx, self.c4 - (self.u - 1) * X) if self.c4 % X else None
+        self.chunk_ok = b.setp("lt", self.tx, self.c4v - (self.u - 1) * X) if self.c4v % X else None
         self.o = [[zero_regs(b, 4, F32) for _ in range(self.u)] for _ in range(self.tm)]
         self.m = [b.mov(C.NEG_INF, F32) for _ in range(self.tm)]
         self.l = zero_regs(b, self.tm, F32)
@@ -97,7 +99,7 @@ class SimtMath:
 
     def _v_chunk(self, v_thr: Reg, n: int, u: int) -> list[Reg]:
         b = self.b
-        addr = Addr(v_thr, n * self.ss + u * X * 16)
+        addr = Addr(v_thr, n * self.vs + u * X * 16)
         if self.chunk_ok is None or u < self.u - 1:
             return b.ld("shared", F32, addr, vec=4)
         regs = zero_regs(b, 4, F32)

@@ -22,6 +22,7 @@ from ..spec.fields import Field, int_range
 
 MAX_WINDOW = 1 << 30
 _win_check, _win_allowed = int_range(1, MAX_WINDOW)
+_hdv_check, _hdv_allowed = int_range(8, 256, multiple_of=8)
 
 
 def _positive(v: float) -> str | None:
@@ -34,6 +35,9 @@ VARIANT_FIELDS = (
           default=None, check=_win_check, allowed=_win_allowed),
     Field("logits_soft_cap", "float", "soft-cap c: s <- c * tanh(s / c) after the softmax scale "
           "(Gemma 2: 50)", default=None, check=_positive, allowed="a number > 0"),
+    Field("head_dim_v", "int", "head size of V and O when it differs from Q/K's head_dim "
+          "(DeepSeek-V3 prefill: 192 / 128); prefill and varlen, <= head_dim", default=None,
+          check=_hdv_check, allowed=_hdv_allowed),
     Field("attention_sinks", "bool", "a runtime sinks [num_heads] f32 logit per query head joins "
           "every row's softmax denominator (gpt-oss)", default=False),
     Field("alibi", "bool", "a runtime alibi_slopes [num_heads] f32: s <- s - slope_h * |p - j| "
@@ -41,9 +45,25 @@ VARIANT_FIELDS = (
 )
 
 
-def validate_variant(spec, causal_option: bool = True) -> None:
+def head_dim_v(spec) -> int:
+    """V's and O's head size: head_dim_v, or head_dim when not given."""
+    return spec_option(spec, "head_dim_v") or spec.head_dim
+
+
+def validate_variant(spec, causal_option: bool = True, separate_v: bool = True) -> None:
     """Cross-key checks shared by the families: a window looks back from the query's own
-    position, so prefill and varlen need causal = true (decode's query is the last position)."""
+    position, so prefill and varlen need causal = true (decode's query is the last position);
+    head_dim_v must not exceed head_dim (O is staged in the Q tile), and only families with
+    `separate_v` take it."""
+    dv = spec_option(spec, "head_dim_v")
+    if dv is not None and dv != spec.head_dim:
+        if not separate_v:
+            raise SpecError(f"head_dim_v = {dv}: the {spec.family} family needs V's head size "
+                            f"equal to head_dim ({spec.head_dim}); separate V head sizes are "
+                            f"supported by prefill and varlen", key="head_dim_v")
+        if dv > spec.head_dim:
+            raise SpecError(f"head_dim_v = {dv} > head_dim = {spec.head_dim}: the value head "
+                            f"may be at most the query/key head size", key="head_dim_v")
     window = spec_option(spec, "sliding_window")
     if window is not None and causal_option and not spec.opt("causal"):
         raise SpecError(f"sliding_window = {window} needs causal = true (the window is the last "
@@ -181,4 +201,4 @@ def _flat(scores) -> list[Reg]:
 
 
 __all__ = ["AttentionVariant", "VARIANT_FIELDS", "validate_variant", "spec_option",
-           "variant_reference_args", "variant_tensors", "variant_inputs", "join_sink"]
+           "variant_reference_args", "variant_tensors", "variant_inputs", "join_sink", "head_dim_v"]

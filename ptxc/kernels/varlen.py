@@ -13,13 +13,15 @@ addressing; split-KV partials are merged by split_reduce.py. docs/kernels.md has
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import SpecError
 from ..spec.fields import Field, FamilyFields, int_range
 from ..spec.model import KernelSpec
 from ..targets import TARGETS, Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
-from .variant import VARIANT_FIELDS, validate_variant, variant_tensors
+from .variant import VARIANT_FIELDS, head_dim_v, validate_variant, variant_tensors
 from .kv_access import KVAccess, check_page_size
 from .prefill import PrefillConfig, _check_shape
 from .split_reduce import build_reduce
@@ -87,7 +89,8 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     cp_async = target.has_cp_async if target is not None else True
 
     def make():
-        return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async)
+        return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,
+                             head_dim_v(spec))
 
     cfg = make()
     while cfg.smem_bytes > smem_limit:
@@ -125,8 +128,10 @@ def query_tiles_expr(spec: KernelSpec) -> str:
 
 
 def interface(spec: KernelSpec) -> Interface:
-    d, H, Hk = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    d, dv, H, Hk = spec.head_dim, head_dim_v(spec), spec.num_heads, spec.num_kv_heads
     kv = kv_access(spec)
+    caches = [dataclasses.replace(t, shape=t.shape[:-1] + (dv,)) if t.name == "v_cache" else t
+              for t in kv.tensors(spec.dtype, Hk, d, "input")]      # V rows: head_dim_v
     tensors = [
         TensorInfo("q", spec.dtype, ("total_q", H, d), "input", "query tokens of all sequences, packed"),
         TensorInfo("cu_seqlens_q", "i32", ("batch + 1",), "input", "prefix sums of the query "
@@ -134,8 +139,8 @@ def interface(spec: KernelSpec) -> Interface:
         TensorInfo("seq_lens", "i32", ("batch",), "input", "KV rows per sequence after this "
                    "step's rows were appended (clamped to the cache's capacity)",
                    device_resident_scalars=True),
-        *kv.tensors(spec.dtype, Hk, d, "input"),
-        TensorInfo("o", spec.dtype, ("total_q", H, d), "output"),
+        *caches,
+        TensorInfo("o", spec.dtype, ("total_q", H, dv), "output"),
     ]
     if spec.opt("return_lse"):
         tensors.append(TensorInfo("lse", "f32", ("total_q", H), "output",
@@ -145,7 +150,7 @@ def interface(spec: KernelSpec) -> Interface:
     rules: dict = {}
     splits = spec.opt("num_splits")
     if splits != 1:
-        tensors += [TensorInfo("o_part", "f32", ("total_q", H, "num_splits", d), "workspace",
+        tensors += [TensorInfo("o_part", "f32", ("total_q", H, "num_splits", dv), "workspace",
                                "per-split normalised partial outputs"),
                     TensorInfo("lse_part", "f32", ("total_q", H, "num_splits"), "workspace",
                                "per-split log2-sum-exp (-inf for an empty split)")]

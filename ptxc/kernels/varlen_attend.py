@@ -125,7 +125,7 @@ class VarlenMath(MmaMath):
         for r, row in enumerate(self.rows):
             ok = b.setp("lt", row, ctx.seq_q)
             if split:   # o_part [total_q, H, splits, d] f32: this lane's columns 2t, 2t+1
-                addr = b.add(self.ptrs["o_part"], b.mul_wide(ctx.out_index(row), self.d * 4))
+                addr = b.add(self.ptrs["o_part"], b.mul_wide(ctx.out_index(row), ctx.cfg.dv * 4))
                 addr = b.add(addr, b.cvt(U64, b.shl(self.t, 3)))
             else:
                 tok = b.add(ctx.token0, ctx.token(row))
@@ -238,13 +238,17 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
         return b.bitcast(b.add(addr, q_col), U64), valid
 
     bases = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, kv_slot.col))
+    slots = {"k_cache": kv_slot, "v_cache": kv_slot}
+    if cfg.dv != cfg.head_dim:   # head_dim_v: V rows are narrower, so a thread's chunk differs
+        slots["v_cache"] = thread_slot(b, cfg.v_geom, tid)
+        bases["v_cache"] = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, slots["v_cache"].col))["v_cache"]
 
     def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
         with b.if_then(b.setp("lt", j, n_tiles)):
             row0 = b.mul(b.add(first, j), bn)
             dst = b.add(k_smem if t == "k" else v_smem, stage_off)
             cache = "k_cache" if t == "k" else "v_cache"
-            load_tile_rows(b, kv_slot, lambda row, ok: _kv_row(b, kv, bases, cache, row, ok),
+            load_tile_rows(b, slots[cache], lambda row, ok: _kv_row(b, kv, bases, cache, row, ok),
                            row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
         b.cp_async_commit()
 
