@@ -260,3 +260,17 @@ def test_head_dim_v_errors(family, text):
         for spec in load_text(body):
             FAMILIES[family].validate(spec)
     assert e.value.key == "head_dim_v" and "\n" not in str(e.value)
+
+
+# head_dim above 256: the value dimension is split over 4 warps per 16 query rows (each warp
+# keeps a 16 x dv/4 f32 accumulator) in prefill and varlen; decode needs no split.
+@pytest.mark.parametrize("family,dtype,heads,d,extra,tile", [
+    ("prefill", "bf16", "gqa4", 512, "causal = true\n", "block_m = 16\nblock_n = 16"),
+    ("prefill", "f16", "mqa", 384, "head_dim_v = 320\nsliding_window = 9\ncausal = true\n", ""),
+    ("varlen", "bf16", "gqa4", 512, "num_splits = 2\nattention_sinks = true\n", "block_n = 16"),
+    ("decode", "bf16", "gqa4", 512, 'kv_layout = "paged"\nlogits_soft_cap = 5.0\n', ""),
+])
+def test_head_dim_above_256(tmp_path, family, dtype, heads, d, extra, tile):
+    shapes = {"prefill": [{"batch": 1, "seq_q": 17, "seq_k": 40}], "varlen": [{"batch": 5}],
+              "decode": [{"batch": 3, "max_pages_per_seq": 3, "num_pages": 12}]}[family]
+    _check(tmp_path, family, _body(dtype, d, heads, extra, causal=None), shapes, tile)

@@ -25,7 +25,7 @@ from .variant import (VARIANT_FIELDS, validate_variant, variant_inputs, variant_
 from .kv_access import LAYOUTS, KVAccess, check_page_size
 from .split_reduce import build_reduce
 
-_hd_check, _hd_allowed = int_range(16, 256, multiple_of=8)
+_hd_check, _hd_allowed = int_range(16, 512, multiple_of=8)
 _page_check, _page_allowed = int_range(1, 256, power_of_two=True)
 _split_check, _split_allowed = int_range(1, 64)
 MAX_AUTO_SPLITS = 16

@@ -25,7 +25,8 @@ from .variant import (VARIANT_FIELDS, AttentionVariant, head_dim_v, join_sink, v
                       variant_inputs,
                       variant_reference_args, variant_tensors)
 
-_hd_check, _hd_allowed = int_range(8, 256, multiple_of=8)
+_hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
+MAX_SIMT_HEAD_DIM = 256   # f32 path: a 2 KiB row would not fit Q + K/V tiles in shared memory
 _POW2_TILE = (16, 32, 64, 128, 256)
 FIELDS = FamilyFields(
     fields=(
@@ -61,6 +62,7 @@ class PrefillConfig:
     num_stages: int
     cp_async: bool
     head_dim_v: int = 0      # V/O head size; 0: head_dim
+    v_split: int = 1         # warps sharing 16 query rows, each owning dv / v_split O columns
 
     @property
     def dv(self) -> int:
@@ -100,7 +102,7 @@ class PrefillConfig:
     @property
     def registers_estimate(self) -> int:
         if self.tensor_cores:   # O and S accumulators: 16 x head_dim and 16 x block_n f32 per warp
-            return self.dv // 2 + self.block_n // 2 + REG_OVERHEAD
+            return self.dv // 2 // self.v_split + self.block_n // 2 + REG_OVERHEAD
         chunks = -(-self.dv // 4 // SIMT_LANES_PER_ROW)
         tm = self.rows_per_thread
         return tm * chunks * 4 + tm * self.block_n // SIMT_LANES_PER_ROW + REG_OVERHEAD
@@ -109,6 +111,9 @@ class PrefillConfig:
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
     validate_variant(spec)
+    if spec.dtype == "f32" and spec.head_dim > MAX_SIMT_HEAD_DIM:
+        raise SpecError(f"head_dim = {spec.head_dim} with dtype f32: the SIMT path supports "
+                        f"head_dim up to {MAX_SIMT_HEAD_DIM}; use f16 or bf16", key="head_dim")
     if spec.dtype != "f32":
         old = [t for t in spec.targets if not TARGETS[t].has_mma_m16n8k16]
         if old:
@@ -125,6 +130,8 @@ def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int
     if not tc:
         return 32, 32, 1
     large, medium = smem >= 200 * KIB, smem >= 160 * KIB      # sm_90/sm_100, sm_80/sm_87
+    if d > 256:    # 4 warps per 16 rows (value_split): 32 rows = 8 warps; 1 KiB rows
+        return (32 if smem >= 160 * KIB else 16), 32, 2 if smem >= 160 * KIB else 1
     if d <= 128:   # d64 with block_n 128 took ~140 registers (1 CTA/SM); 64 keeps <= 128 (2)
         bm, bn = 128, 64
     else:
@@ -133,8 +140,15 @@ def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int
     return bm, bn, stages
 
 
-def _warps_for(bm: int, tc: bool) -> int:
-    return bm // 16 if tc else max(1, min(8, bm // 8))
+def _warps_for(bm: int, tc: bool, v_split: int = 1) -> int:
+    return bm // 16 * v_split if tc else max(1, min(8, bm // 8))
+
+
+def value_split(dv: int, tc: bool) -> int:
+    """Warps that share a 16-row query slice, each accumulating dv / v_split columns of O: 1
+    up to head_dim_v 256; above, 4 (a 16 x 512 f32 accumulator would need 256 registers per
+    thread; 16 x 128 needs 64). The scores and softmax are computed by each of them alike."""
+    return 4 if tc and dv > 256 else 1
 
 
 def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
@@ -147,14 +161,15 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                          causal=spec.opt("causal"))
     bm, bn, stages = tuned.get("block_m", bm), tuned.get("block_n", bn), tuned.get("num_stages", stages)
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
+    vsplit = value_split(head_dim_v(spec), tc)
     if "num_warps" in given and "block_m" not in given:
-        bm = 16 * given["num_warps"] if tc else 8 * given["num_warps"]
+        bm = 16 * given["num_warps"] // vsplit if tc else 8 * given["num_warps"]
     tuned_warps = tuned.get("num_warps") if bm == tuned.get("block_m") else None
-    warps = given.get("num_warps") or tuned_warps or _warps_for(bm, tc)
+    warps = given.get("num_warps") or tuned_warps or _warps_for(bm, tc, vsplit)
 
     def make():
         return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, tc, bm, bn, warps, stages,
-                             target.has_cp_async, head_dim_v(spec))
+                             target.has_cp_async, head_dim_v(spec), vsplit)
 
     cfg = make()
     while cfg.smem_bytes > target.max_smem_per_cta:   # shrink what the spec left to us
@@ -164,7 +179,7 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
             bn //= 2
         elif "block_m" not in given and "num_warps" not in given and bm > 16:
             bm //= 2
-            warps = _warps_for(bm, tc)
+            warps = _warps_for(bm, tc, vsplit)
         else:
             key = next((k for k in ("block_n", "num_stages", "block_m", "num_warps") if k in given),
                        "block_n")
@@ -178,9 +193,11 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
 
 
 def _check_shape(cfg: PrefillConfig, target: Target) -> None:
-    if cfg.tensor_cores and cfg.block_m != 16 * cfg.num_warps:
+    if cfg.tensor_cores and cfg.block_m * cfg.v_split != 16 * cfg.num_warps:
+        split = f" / {cfg.v_split} (head_dim_v {cfg.dv}: {cfg.v_split} warps share 16 rows)" \
+            if cfg.v_split > 1 else ""
         raise SpecError(f"block_m = {cfg.block_m} with num_warps = {cfg.num_warps}: on tensor cores "
-                        f"each warp owns 16 query rows, so block_m must be 16 * num_warps",
+                        f"each warp owns 16 query rows, so block_m must be 16 * num_warps{split}",
                         key="tile.block_m")
     if not cfg.tensor_cores and (cfg.block_m % (4 * cfg.num_warps) or cfg.rows_per_thread > 8):
         raise SpecError(f"block_m = {cfg.block_m} with num_warps = {cfg.num_warps}: the f32 path "

@@ -35,14 +35,15 @@ class MmaMath:
         self.ss = cfg.q_geom.stride
         self.d, self.bn = cfg.head_dim, cfg.block_n
         self.ksteps, self.half_k = -(-self.d // 16), self.d % 16 == 8
-        self.dtiles = cfg.dv // 8                 # n8 tiles of O (head_dim_v)
+        self.dtiles = cfg.dv // 8 // cfg.v_split  # n8 tiles of O (head_dim_v) this warp owns
         self.vs, self.os = cfg.v_geom.stride, cfg.o_geom.stride   # == ss unless head_dim_v < d
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
         lane = ctx.lane
         self.lane_off = ldmatrix_lane_offset(b, lane, self.ss)
         self.k_lane_off = ldmatrix_lane_offset_nk(b, lane, self.ss)
         self.v_lane_off = self.lane_off if self.vs == self.ss else ldmatrix_lane_offset(b, lane, self.vs)
-        warp_rows = b.mul(ctx.warp, 16)
+        vs = cfg.v_split   # warps sharing 16 rows; warp w owns O columns slice w % vs
+        warp_rows = b.mul(b.div(ctx.warp, vs) if vs > 1 else ctx.warp, 16)
         self.q_lane = b.add(b.mad(warp_rows, self.ss, ctx.q_smem), self.lane_off)
         g, t = b.shr(lane, 2), b.and_(lane, 3)
         self.t = t
@@ -56,6 +57,12 @@ class MmaMath:
         self.alibi = [ctx.alibi_row(b, r, two_t, self.unit) for r in self.rows] \
             if ctx.variant.alibi else None
         self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.os, ctx.q_smem), b.shl(t, 2))
+        self.col0 = None   # first O column of this warp's slice (u32), when the value is split
+        if vs > 1:
+            self.col0 = b.mul(b.rem(ctx.warp, vs), cfg.dv // vs)
+            col_bytes = b.mul(self.col0, cfg.fmt.bytes)
+            self.o_smem = b.add(self.o_smem, col_bytes)
+            self.v_lane_off = b.add(self.v_lane_off, col_bytes)
         self.zero = b.mov(0, B32)
         self.fzero = zero_regs(b, 4, F32)
         self.o = [zero_regs(b, 4, F32) for _ in range(self.dtiles)]
@@ -161,6 +168,12 @@ class MmaMath:
                     acc = self.o[2 * pair + e]
                     b.mma_m16n8k16(a, frag, acc, self.in_type, out=acc)
 
+    def writer(self) -> Reg:
+        """The lanes that write a row's LSE: t == 0, of the first warp sharing the row."""
+        b = self.b
+        w = b.setp("eq", self.t, 0)
+        return w if self.col0 is None else b.and_(w, b.setp("eq", self.col0, 0))
+
     def row_sums(self) -> tuple[list[Reg], tuple[int, ...]]:
         """Each of this lane's rows' softmax denominators, and the lanes finish_rows must still
         reduce over: none, the tensor-core row sums are complete in every lane."""
@@ -171,7 +184,7 @@ class MmaMath:
         from .tiles import global_rows, store_tile, thread_slot
         b, ctx = self.b, self.ctx
         l_rows, lanes = self.row_sums()
-        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, b.setp("eq", self.t, 0))
+        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, self.writer())
         for jd, acc in enumerate(self.o):
             for r in range(2):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))

@@ -22,7 +22,7 @@ from ..spec.fields import Field, int_range
 
 MAX_WINDOW = 1 << 30
 _win_check, _win_allowed = int_range(1, MAX_WINDOW)
-_hdv_check, _hdv_allowed = int_range(8, 256, multiple_of=8)
+_hdv_check, _hdv_allowed = int_range(8, 512, multiple_of=8)
 
 
 def _positive(v: float) -> str | None:
@@ -56,6 +56,10 @@ def validate_variant(spec, causal_option: bool = True, separate_v: bool = True) 
     head_dim_v must not exceed head_dim (O is staged in the Q tile), and only families with
     `separate_v` take it."""
     dv = spec_option(spec, "head_dim_v")
+    if separate_v and (dv or spec.head_dim) > 256 and (dv or spec.head_dim) % 32:
+        key = "head_dim_v" if dv else "head_dim"
+        raise SpecError(f"{key} = {dv or spec.head_dim}: above 256 the value head is split over "
+                        f"4 warps in multiples of 8, so it must be a multiple of 32", key=key)
     if dv is not None and dv != spec.head_dim:
         if not separate_v:
             raise SpecError(f"head_dim_v = {dv}: the {spec.family} family needs V's head size "

@@ -23,10 +23,10 @@ from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .variant import VARIANT_FIELDS, head_dim_v, validate_variant, variant_tensors
 from .kv_access import KVAccess, check_page_size
-from .prefill import PrefillConfig, _check_shape
+from .prefill import PrefillConfig, _check_shape, value_split
 from .split_reduce import build_reduce
 
-_hd_check, _hd_allowed = int_range(8, 256, multiple_of=8)
+_hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
 _page_check, _page_allowed = int_range(1, 256, power_of_two=True)
 _split_check, _split_allowed = int_range(1, 64)
 _POW2_TILE = (16, 32, 64, 128)
@@ -79,18 +79,20 @@ def validate(spec: KernelSpec) -> None:
 
 def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     """Tiles: block_m 64 (4 warps) whatever the target, so the grid and the "auto" split rule
-    are target-independent; block_n 64 (32 above head_dim 128); 2 stages, fewer to fit."""
+    are target-independent (above head_dim 256 four warps share 16 rows: value_split); block_n
+    64 (32 above head_dim 128, 16 above 256: 32 spilled on sm_80); 2 stages, fewer to fit."""
     given = spec.tile_dict()
-    bm = given.get("block_m") or 16 * given.get("num_warps", 4)
-    warps = given.get("num_warps") or bm // 16
-    bn = given.get("block_n") or (64 if spec.head_dim <= 128 else 32)
+    vsplit = value_split(head_dim_v(spec), True)
+    bm = given.get("block_m") or 16 * given.get("num_warps", 4) // vsplit
+    warps = given.get("num_warps") or bm // 16 * vsplit
+    bn = given.get("block_n") or (64 if spec.head_dim <= 128 else 32 if spec.head_dim <= 256 else 16)
     stages = given.get("num_stages") or 2
     smem_limit = target.max_smem_per_cta if target is not None else 1 << 30
     cp_async = target.has_cp_async if target is not None else True
 
     def make():
         return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,
-                             head_dim_v(spec))
+                             head_dim_v(spec), vsplit)
 
     cfg = make()
     while cfg.smem_bytes > smem_limit:

@@ -118,7 +118,7 @@ class VarlenMath(MmaMath):
     def epilogue(self) -> None:
         b, ctx = self.b, self.ctx
         split = ctx.split is not None
-        writer = b.setp("eq", self.t, 0)
+        writer = self.writer()
         l_rows, lanes = self.row_sums()
         invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, writer,
                            lse_scale=1.0 if split else C.LN2)
@@ -127,11 +127,15 @@ class VarlenMath(MmaMath):
             if split:   # o_part [total_q, H, splits, d] f32: this lane's columns 2t, 2t+1
                 addr = b.add(self.ptrs["o_part"], b.mul_wide(ctx.out_index(row), ctx.cfg.dv * 4))
                 addr = b.add(addr, b.cvt(U64, b.shl(self.t, 3)))
+                if self.col0 is not None:   # this warp's slice of the value columns
+                    addr = b.add(addr, b.mul_wide(self.col0, 4))
             else:
                 tok = b.add(ctx.token0, ctx.token(row))
                 base = C.element_offset(b, self.ptrs["o"], tok, self.strides[("o", 0)])
                 base = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), self.strides[("o", 1)])
                 addr = b.bitcast(b.add(base, b.cvt(S64, b.shl(self.t, 2))), U64)
+                if self.col0 is not None:
+                    addr = b.add(addr, b.mul_wide(self.col0, ctx.cfg.fmt.bytes))
             for jd, acc in enumerate(self.o):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
                 with b.predicate(ok):
