@@ -1,4 +1,5 @@
-"""Model variants (issue 11) in every attention family: sliding window, logits soft-cap.
+"""Model variants (issue 11) in every attention family: sliding window, logits soft-cap,
+attention sinks, ALiBi, a separate V head size, head_dim above 256.
 
 Each option runs the real PTX in the emulator against the fp64 reference (FA2 tolerance rule)
 on prefill, decode and varlen, f16 and bf16 (f32 where the family has it), GQA and MQA, odd
@@ -42,9 +43,11 @@ SMALL = {"f32": "block_m = 16\nblock_n = 16", "f16": "block_m = 32\nblock_n = 16
 
 # (dtype, heads, window, soft cap): windows below a 16-key tile, equal to one, spanning several,
 # larger than every sequence; soft-caps small enough to bend the scores.
-PREFILL_CASES = [("f16", "gqa4", 5, None), ("bf16", "mqa", 16, None), ("f32", "mha", 40, None),
-                 ("f16", "mha", 1000, None), ("bf16", "gqa4", None, 2.0), ("f32", "mqa", 7, 1.5),
-                 ("f16", "mqa", 33, 3.0)]
+SLOW = pytest.mark.slow
+PREFILL_CASES = [("f16", "gqa4", 5, None), pytest.param("bf16", "mqa", 16, None, marks=SLOW),
+                 pytest.param("f32", "mha", 40, None, marks=SLOW), ("f16", "mha", 1000, None),
+                 pytest.param("bf16", "gqa4", None, 2.0, marks=SLOW), ("f32", "mqa", 7, 1.5),
+                 pytest.param("f16", "mqa", 33, 3.0, marks=SLOW)]
 
 
 def _variant_keys(window, cap):
@@ -61,8 +64,9 @@ def test_prefill_variants(tmp_path, dtype, heads, window, cap):
 
 DECODE_CASES = [("f16", "gqa4", 5, None, 'kv_layout = "paged"\npage_size = 4\n'),
                 ("bf16", "mqa", 16, 2.0, 'num_splits = 3\n'),
-                ("f32", "mha", 40, None, 'kv_layout = "paged"\npage_size = 16\nnum_splits = 2\n'),
-                ("f32", "gqa4", None, 1.5, ''), ("f16", "mqa", 1000, None, '')]
+                pytest.param("f32", "mha", 40, None, 'kv_layout = "paged"\npage_size = 16\nnum_splits = 2\n',
+                             marks=SLOW),
+                ("f32", "gqa4", None, 1.5, ''), pytest.param("f16", "mqa", 1000, None, '', marks=SLOW)]
 
 
 @pytest.mark.parametrize("dtype,heads,window,cap,layout", DECODE_CASES)
@@ -74,8 +78,10 @@ def test_decode_variants(tmp_path, dtype, heads, window, cap, layout):
              "num_pages": 60}])
 
 
-VARLEN_CASES = [("f16", "gqa4", 5, None, "page_size = 16\n"), ("bf16", "mqa", 16, None, "page_size = 4\nnum_splits = 3\n"),
-                ("f16", "mha", 40, 3.0, 'kv_layout = "contiguous"\n'), ("bf16", "gqa4", None, 2.0, "")]
+VARLEN_CASES = [("f16", "gqa4", 5, None, "page_size = 16\n"),
+                ("bf16", "mqa", 16, None, "page_size = 4\nnum_splits = 3\n"),
+                pytest.param("f16", "mha", 40, 3.0, 'kv_layout = "contiguous"\n', marks=SLOW),
+                pytest.param("bf16", "gqa4", None, 2.0, "", marks=SLOW)]
 
 
 @pytest.mark.parametrize("dtype,heads,window,cap,layout", VARLEN_CASES)
@@ -133,7 +139,7 @@ def _nan_pages_outside_window(spec, inputs, window, page):
     return {**inputs, "k_cache": k, "v_cache": v}
 
 
-@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("splits", [1, pytest.param(2, marks=SLOW)])
 def test_decode_window_never_reads_pages_before_it(tmp_path, splits):
     art = build_kernel(tmp_path, "decode", _body("f16", 64, "gqa4", 'sliding_window = 9\nkv_layout = "paged"\n'
                                                  f'page_size = 4\nnum_splits = {splits}\n', causal=None))
@@ -212,7 +218,8 @@ SINK_SHAPES = {"prefill": PREFILL_SHAPES[:2], "decode": [{"batch": 5, "max_seq_l
 SINK_TILES = {"prefill": None, "decode": "", "varlen": "block_m = 32\nblock_n = 16"}
 
 
-@pytest.mark.parametrize("family,case", [(f, c) for f, cases in SINK_ALIBI.items() for c in cases],
+@pytest.mark.parametrize("family,case", [(f, c) if "window" in c[2] else pytest.param(f, c, marks=SLOW)
+                                         for f, cases in SINK_ALIBI.items() for c in cases],
                          ids=lambda x: x if isinstance(x, str) else "-".join(str(v).split("\n")[0] for v in x))
 def test_sinks_and_alibi(tmp_path, family, case):
     dtype, heads, extra, causal = case
@@ -236,9 +243,9 @@ def test_sink_alone_when_no_key_is_seen():
 # head_dim_v: V and O narrower than Q/K (DeepSeek-V3 prefill: 192 / 128).
 @pytest.mark.parametrize("family,dtype,heads,d,dv,extra", [
     ("prefill", "f16", "gqa4", 40, 24, "causal = true\n"),
-    ("prefill", "bf16", "mha", 64, 40, "causal = false\nattention_sinks = true\n"),
+    pytest.param("prefill", "bf16", "mha", 64, 40, "causal = false\nattention_sinks = true\n", marks=SLOW),
     ("prefill", "f32", "mqa", 24, 16, "causal = true\nsliding_window = 7\n"),
-    ("varlen", "f16", "gqa4", 48, 32, "num_splits = 3\n"),
+    pytest.param("varlen", "f16", "gqa4", 48, 32, "num_splits = 3\n", marks=SLOW),
     ("varlen", "bf16", "mqa", 40, 16, 'kv_layout = "contiguous"\n'),
 ])
 def test_head_dim_v(tmp_path, family, dtype, heads, d, dv, extra):
@@ -266,7 +273,8 @@ def test_head_dim_v_errors(family, text):
 # keeps a 16 x dv/4 f32 accumulator) in prefill and varlen; decode needs no split.
 @pytest.mark.parametrize("family,dtype,heads,d,extra,tile", [
     ("prefill", "bf16", "gqa4", 512, "causal = true\n", "block_m = 16\nblock_n = 16"),
-    ("prefill", "f16", "mqa", 384, "head_dim_v = 320\nsliding_window = 9\ncausal = true\n", ""),
+    pytest.param("prefill", "f16", "mqa", 384, "head_dim_v = 320\nsliding_window = 9\ncausal = true\n", "",
+                 marks=SLOW),
     ("varlen", "bf16", "gqa4", 512, "num_splits = 2\nattention_sinks = true\n", "block_n = 16"),
     ("decode", "bf16", "gqa4", 512, 'kv_layout = "paged"\nlogits_soft_cap = 5.0\n', ""),
 ])

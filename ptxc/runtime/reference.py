@@ -66,6 +66,18 @@ def from_device(x: np.ndarray, dtype: str) -> np.ndarray:
     return bf16_bits_to_f32(x) if dtype == "bf16" else x
 
 
+# tanh.approx.f32's maximum relative error is about 2^-11 (PTX ISA): the naive same-dtype
+# computation rounds tanh to 11 mantissa bits, so a soft-capped f32 kernel is held to what its
+# hardware primitive can give (f16/bf16 score rounding dominates anyway).
+TANH_APPROX_BITS = 11
+
+
+def round_mantissa(x: np.ndarray, bits: int) -> np.ndarray:
+    """x rounded to `bits` significant bits (relative error <= 2^-bits)."""
+    m, e = np.frexp(np.asarray(x, dtype=np.float64))
+    return np.ldexp(np.round(m * 2.0 ** bits) / 2.0 ** bits, e)
+
+
 @dataclass(frozen=True)
 class Precision:
     """A naive computation's rounding points: `scores` and the output in `dtype`; with `probs`,
@@ -136,8 +148,9 @@ def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype
     k = np.repeat(k, H // Hk, axis=1)
     v = np.repeat(v, H // Hk, axis=1)
     s = rnd(np.einsum("bhqd,bhkd->bhqk", q, k) * scale)
-    if soft_cap is not None:
-        s = rnd(soft_cap * np.tanh(s / soft_cap))
+    if soft_cap is not None:   # the naive path takes tanh at tanh.approx.f32's precision
+        t = np.tanh(s / soft_cap)
+        s = rnd(soft_cap * (round_mantissa(t, TANH_APPROX_BITS) if prec else t))
     lens = np.full(B, Sk) if kv_len is None else np.asarray(kv_len)
     pos = (np.arange(Sq)[None, :] + lens[:, None] - Sq)[:, None, :, None]      # [B, 1, Sq, 1]
     j = np.arange(Sk)[None, None, None, :]
