@@ -276,7 +276,7 @@ def prepare_buffers(meta: dict, inputs: dict[str, np.ndarray], dims: dict[str, i
     return buffers
 
 
-ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "u64": 8}
+ITEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "u64": 8, "e4m3": 1, "e5m2": 1}
 
 
 def check_buffer_budget(meta: dict, inputs: dict[str, np.ndarray] | None, dims: dict[str, int]) -> int:
