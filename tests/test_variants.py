@@ -282,3 +282,36 @@ def test_head_dim_above_256(tmp_path, family, dtype, heads, d, extra, tile):
     shapes = {"prefill": [{"batch": 1, "seq_q": 17, "seq_k": 40}], "varlen": [{"batch": 5}],
               "decode": [{"batch": 3, "max_pages_per_seq": 3, "num_pages": 12}]}[family]
     _check(tmp_path, family, _body(dtype, d, heads, extra, causal=None), shapes, tile)
+
+
+# The option combinations real models use, at their head sizes and GQA ratios (fewer heads),
+# with sequences long enough for the 128-token window to skip tiles and pages.
+MODELS = {
+    "gpt-oss-prefill": ("prefill", 'dtype = "bf16"\nhead_dim = 64\nnum_heads = 16\nnum_kv_heads = 2\n'
+                        "causal = true\nsliding_window = 128\nattention_sinks = true\nreturn_lse = true\n",
+                        {"batch": 1, "seq_q": 37, "seq_k": 300}),
+    "gpt-oss-decode": ("decode", 'dtype = "bf16"\nhead_dim = 64\nnum_heads = 16\nnum_kv_heads = 2\n'
+                       'sliding_window = 128\nattention_sinks = true\nkv_layout = "paged"\nreturn_lse = true\n',
+                       {"batch": 5, "max_pages_per_seq": 20, "num_pages": 110}),
+    "gpt-oss-serve": ("varlen", 'dtype = "bf16"\nhead_dim = 64\nnum_heads = 16\nnum_kv_heads = 2\n'
+                      "sliding_window = 128\nattention_sinks = true\nreturn_lse = true\n",
+                      {"batch": 8, "max_pages_per_seq": 20, "num_pages": 170}),
+    "gemma2-local-prefill": ("prefill", 'dtype = "bf16"\nhead_dim = 256\nnum_heads = 4\nnum_kv_heads = 2\n'
+                             "causal = true\nsliding_window = 4096\nlogits_soft_cap = 50.0\n",
+                             {"batch": 1, "seq_q": 33, "seq_k": 90}),
+    "mistral-serve": ("varlen", 'dtype = "bf16"\nhead_dim = 128\nnum_heads = 8\nnum_kv_heads = 2\n'
+                      "sliding_window = 4096\nnum_splits = 2\n", {"batch": 8}),
+    "deepseek-v3-prefill": ("prefill", 'dtype = "bf16"\nhead_dim = 192\nhead_dim_v = 128\nnum_heads = 4\n'
+                            "num_kv_heads = 4\ncausal = true\nreturn_lse = true\n",
+                            {"batch": 1, "seq_q": 33, "seq_k": 70}),
+    "bloom-alibi-prefill": ("prefill", 'dtype = "f16"\nhead_dim = 128\nnum_heads = 4\nnum_kv_heads = 4\n'
+                            "causal = true\nalibi = true\n", {"batch": 1, "seq_q": 40, "seq_k": 70}),
+    "gemma-d512-decode": ("decode", 'dtype = "bf16"\nhead_dim = 512\nnum_heads = 4\nnum_kv_heads = 2\n'
+                          'kv_layout = "paged"\nnum_splits = 2\n', {"batch": 5, "max_pages_per_seq": 3, "num_pages": 20}),
+}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_model_combinations(tmp_path, model):
+    family, body, shape = MODELS[model]
+    _check(tmp_path, family, body, [shape])
