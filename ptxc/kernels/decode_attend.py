@@ -13,8 +13,7 @@ from __future__ import annotations
 from ..ir import F32, S32, S64, U32, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
-from .prefill import load_head_f32
-from .variant import AttentionVariant, join_sink
+from .variant import AttentionVariant, join_sink, load_head_f32
 
 
 def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
@@ -157,7 +156,6 @@ def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, firs
 def _score_transform(b, variant, ptrs, head0, hp, seq_len):
     """transform(score, key row, head i) for the variant: the query sits at p = L - 1, so
     |p - j| = L - 1 - j; ALiBi slopes of the CTA's heads are loaded once, in log2 units."""
-    from .prefill import load_head_f32
     if not variant.alibi:
         return lambda s, row, i: variant.transform_scores(b, s, None, C.LOG2E)
     slopes = [b.mul(load_head_f32(b, ptrs["alibi_slopes"], b.add(head0, i)), -C.LOG2E) for i in range(hp)]

@@ -21,8 +21,8 @@ from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_pipeline import run_kv_pipeline
 from .tiles import TileGeom, global_rows, load_tile, thread_slot
-from .variant import (VARIANT_FIELDS, AttentionVariant, head_dim_v, join_sink, validate_variant,
-                      variant_inputs,
+from .variant import (VARIANT_FIELDS, AttentionVariant, finish_rows, head_dim_v, load_head_f32,
+                      validate_variant, variant_inputs,
                       variant_reference_args, variant_tensors)
 
 _hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
@@ -397,36 +397,6 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
                     key0_of=key0_of, load_kv=load_kv, math=math, lo_full=lo_full,
                     transform=transform)
     math.epilogue()
-
-
-def load_head_f32(b: KernelBuilder, ptr: Reg, head: Reg) -> Reg:
-    """ptr[head] of a [num_heads] f32 tensor (sinks, alibi_slopes)."""
-    return b.ld("global", F32, Addr(b.add(ptr, b.mul_wide(head, 4))), nc=True)
-
-
-def finish_rows(b: KernelBuilder, ctx: Ctx, m: list[Reg], l: list[Reg], rows: list[Reg],
-                lanes: tuple[int, ...], writer: Reg, lse_scale: float = C.LN2) -> list[Reg]:
-    """Reduce l over the row's lanes; return 1/l per row (0 for a row that saw no key) and, with
-    return_lse, have the `writer` lanes store lse = (m + log2 l) * lse_scale for rows < seq_q
-    (ln 2 gives the natural-log LSE; 1.0 keeps log2 units, as split-KV partials want)."""
-    invs = []
-    for r, row in enumerate(rows):
-        total = C.warp_sum(b, l[r], lanes)
-        sink = ctx.sink_log2(b, row)
-        m_ref = m[r]
-        if sink is not None:   # the sink joins the denominator (attention_sinks)
-            total, alpha, m_ref = join_sink(b, m[r], total, sink)
-        has_keys = b.setp("gt", total, 0.0)
-        inv = b.rcp(total) if sink is None else b.mul(b.rcp(total), alpha)
-        invs.append(b.selp(inv, 0.0, has_keys))
-        if ctx.lse is not None:
-            lse = b.add(m_ref, b.lg2(total))
-            lse = b.selp(b.mul(lse, lse_scale) if lse_scale != 1.0 else lse, C.NEG_INF, has_keys)
-            ok = b.and_(writer, b.setp("lt", row, ctx.seq_q))
-            addr = ctx.lse_addr(b, row)
-            with b.predicate(ok):
-                b.st("global", F32, Addr(addr), [lse])
-    return invs
 
 
 def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SpecError
-from ..ir import F32, U32, KernelBuilder, Reg
+from ..ir import F32, U32, U64, Addr, KernelBuilder, Reg
+from . import common as C
 from ..spec.fields import Field, int_range
 
 MAX_WINDOW = 1 << 30
@@ -192,10 +193,39 @@ def join_sink(b: KernelBuilder, m: Reg, total: Reg, sink: Reg) -> tuple[Reg, Reg
     sink logit (log2 units) joined to the denominator: returns (total', alpha, m') with
     total' = total · 2^(m - m') + 2^(sink - m') and alpha = 2^(m - m') the factor that O
     (accumulated against m) needs; m' = max(m, sink), 0 when both are -inf (no NaN)."""
-    from . import common as C
     m_ref = C.safe_max(b, b.max(m, sink))
     alpha = C.rescale_factor(b, m, m_ref)
     return b.fma(total, alpha, b.ex2(b.sub(sink, m_ref))), alpha, m_ref
+
+
+def load_head_f32(b: KernelBuilder, ptr: Reg, head: Reg) -> Reg:
+    """ptr[head] of a [num_heads] f32 tensor (sinks, alibi_slopes)."""
+    return b.ld("global", F32, Addr(b.add(ptr, b.mul_wide(head, 4))), nc=True)
+
+
+def finish_rows(b: KernelBuilder, ctx, m: list[Reg], l: list[Reg], rows: list[Reg],
+                lanes: tuple[int, ...], writer: Reg, lse_scale: float = C.LN2) -> list[Reg]:
+    """Reduce l over the row's lanes; return 1/l per row (0 for a row that saw no key) and, with
+    return_lse, have the `writer` lanes store lse = (m + log2 l) * lse_scale for rows < seq_q
+    (ln 2 gives the natural-log LSE; 1.0 keeps log2 units, as split-KV partials want)."""
+    invs = []
+    for r, row in enumerate(rows):
+        total = C.warp_sum(b, l[r], lanes)
+        sink = ctx.sink_log2(b, row)
+        m_ref = m[r]
+        if sink is not None:   # the sink joins the denominator (attention_sinks)
+            total, alpha, m_ref = join_sink(b, m[r], total, sink)
+        has_keys = b.setp("gt", total, 0.0)
+        inv = b.rcp(total) if sink is None else b.mul(b.rcp(total), alpha)
+        invs.append(b.selp(inv, 0.0, has_keys))
+        if ctx.lse is not None:
+            lse = b.add(m_ref, b.lg2(total))
+            lse = b.selp(b.mul(lse, lse_scale) if lse_scale != 1.0 else lse, C.NEG_INF, has_keys)
+            ok = b.and_(writer, b.setp("lt", row, ctx.seq_q))
+            addr = ctx.lse_addr(b, row)
+            with b.predicate(ok):
+                b.st("global", F32, Addr(addr), [lse])
+    return invs
 
 
 def _flat(scores) -> list[Reg]:
@@ -205,4 +235,5 @@ def _flat(scores) -> list[Reg]:
 
 
 __all__ = ["AttentionVariant", "VARIANT_FIELDS", "validate_variant", "spec_option",
-           "variant_reference_args", "variant_tensors", "variant_inputs", "join_sink", "head_dim_v"]
+           "variant_reference_args", "variant_tensors", "variant_inputs", "join_sink", "head_dim_v",
+           "finish_rows", "load_head_f32"]
