@@ -130,8 +130,8 @@ def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int
     if not tc:
         return 32, 32, 1
     large, medium = smem >= 200 * KIB, smem >= 160 * KIB      # sm_90/sm_100, sm_80/sm_87
-    if d > 256:    # 4 warps per 16 rows (value_split): 32 rows = 8 warps; 1 KiB rows
-        return (32 if smem >= 160 * KIB else 16), 32, 2 if smem >= 160 * KIB else 1
+    if d > 256:    # 4 warps per 16 rows (value_split); the same block on every target
+        return 16, 32, 2 if smem >= 160 * KIB else 1
     if d <= 128:   # d64 with block_n 128 took ~140 registers (1 CTA/SM); 64 keeps <= 128 (2)
         bm, bn = 128, 64
     else:
@@ -218,7 +218,8 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     c = configure(spec, target)
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "mma.m16n8k16" if c.tensor_cores else "simt",
-            "cp_async": c.cp_async, "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes}
+            "cp_async": c.cp_async, "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
+            **({"value_split": c.v_split} if c.v_split > 1 else {})}
 
 
 def interface(spec: KernelSpec) -> Interface:

@@ -114,7 +114,8 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     c = configure(spec, target)
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "mma.m16n8k16", "gqa_packing": spec.group_size,
-            "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes}
+            "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
+            **({"value_split": c.v_split} if c.v_split > 1 else {})}
 
 
 def kv_access(spec: KernelSpec) -> KVAccess:
