@@ -18,7 +18,7 @@ CASES = {
     "bool for int": (BASE.replace("num_heads = 8", "num_heads = true"),
                      ["key 'num_heads'", "got true (boolean)"]),
     "out of range": (BASE.replace("head_dim = 64", "head_dim = 100"),
-                     ["key 'head_dim'", "got 100", "a multiple of 8 from 16 to 256"]),
+                     ["key 'head_dim'", "got 100", "a multiple of 8 from 16 to 512"]),
     "negative": (BASE.replace("num_heads = 8", "num_heads = -8"),
                  ["key 'num_heads'", "got -8", "from 1 to 1024"]),
     "gqa divisibility": (BASE + "num_kv_heads = 3\n",

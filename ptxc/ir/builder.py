@@ -287,6 +287,10 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps):
         t = self._type_of(a, what="neg")
         return self._unary("neg", (t.name,), a, t, out)
 
+    def abs(self, a, out=None):
+        t = self._type_of(a, what="abs")
+        return self._unary("abs", (t.name,), a, t, out)
+
     def not_(self, a, out=None):
         t = self._type_of(a, what="not")
         return self._unary("not", ("pred" if t == PRED else f"b{t.bits}",), a, t, out)
@@ -294,6 +298,10 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps):
     def ex2(self, a, out=None):
         """2**a (ex2.approx.ftz: <= 2 ulp; -inf -> +0)."""
         return self._unary("ex2", ("approx", "ftz", "f32"), a, F32, out)
+
+    def tanh(self, a, out=None):
+        """tanh(a) (tanh.approx.f32, sm_75+: relative error about 2^-11)."""
+        return self._unary("tanh", ("approx", "f32"), a, F32, out)
 
     def lg2(self, a, out=None):
         return self._unary("lg2", ("approx", "ftz", "f32"), a, F32, out)

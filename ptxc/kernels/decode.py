@@ -21,10 +21,12 @@ from . import common as C
 from . import fp8, kv_fp8
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .decode_attend import emit_attention
+from .variant import (VARIANT_FIELDS, validate_variant, variant_inputs, variant_reference_args,
+                      variant_tensors)
 from .kv_access import LAYOUTS, KVAccess, check_page_size
 from .split_reduce import build_reduce
 
-_hd_check, _hd_allowed = int_range(16, 256, multiple_of=8)
+_hd_check, _hd_allowed = int_range(16, 512, multiple_of=8)
 _page_check, _page_allowed = int_range(1, 256, power_of_two=True)
 _split_check, _split_allowed = int_range(1, 64)
 MAX_AUTO_SPLITS = 16
@@ -43,6 +45,7 @@ FIELDS = FamilyFields(
         Field("append_kv", "bool", "launch kv_append first: write this step's k_new/v_new at row "
               "seq_lens - 1, then attend (caches become inout)", default=False),
         *kv_fp8.FIELDS,
+        *VARIANT_FIELDS,
     ),
     tile=(
         Field("num_warps", "int", "warps per CTA (default 4)", default=None, choices=(1, 2, 4, 8)),
@@ -87,6 +90,7 @@ def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
     check_page_size(spec)
     kv_fp8.validate(spec)
+    validate_variant(spec, causal_option=False, separate_v=False)
     if spec.opt("append_kv") and spec.opt("kv_layout") == "pointer_array":
         raise SpecError("append_kv supports kv_layout \"contiguous\" and \"paged\", not "
                         "\"pointer_array\"", key="append_kv")
@@ -144,6 +148,7 @@ def interface(spec: KernelSpec) -> Interface:
     if spec.opt("return_lse"):
         tensors.append(TensorInfo("lse", "f32", ("batch", H), "output",
                                   "log-sum-exp of the scaled scores; -inf for an empty sequence"))
+    tensors += variant_tensors(spec)
     if append:
         tensors += _append_inputs(spec)
     scale_tensors, scalars = kv_fp8.interface_extras(spec)
@@ -177,7 +182,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
         return b.load_param(b.param(name, type))
 
     names = ["q", *kv.pointer_tensors(), "seq_lens"] + \
-        (["o_part", "lse_part"] if split else ["o"] + (["lse"] if spec.opt("return_lse") else []))
+        (["o_part", "lse_part"] if split else ["o"] + (["lse"] if spec.opt("return_lse") else [])) + \
+        [t.name for t in variant_tensors(spec)]
     ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t))) for t in names}
     strides = {("q", a): C.byte_stride(b, param(f"q_stride{a}", S64, ParamSource("stride", "q", a)), cfg.fmt)
                for a in (0, 1)}
@@ -247,6 +253,7 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
                                             .astype(np.float32) for _ in range(2))
         inputs["positions"] = (lens - 1).astype(np.int32)
     kv_fp8.add_inputs(spec, inputs, rng)
+    inputs.update(variant_inputs(spec, rng))
     return inputs
 
 
@@ -271,7 +278,8 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
     k, v = kv_fp8.dequantized(spec, inputs, *dense_caches(spec, inputs))
     if dtype in fp8.KINDS:   # the naive baseline of FP8 cache outputs: bytes, compared exactly
         dtype = None
-    o, lse = ref.decode(inputs["q"], k, v, inputs["seq_lens"], spec.softmax_scale, dtype=dtype)
+    o, lse = ref.decode(inputs["q"], k, v, inputs["seq_lens"], spec.softmax_scale, dtype=dtype,
+                        **variant_reference_args(spec, inputs))
     out["o"] = o
     if spec.opt("return_lse"):
         out["lse"] = lse

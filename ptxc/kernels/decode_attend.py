@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..ir import F32, S32, S64, U32, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
+from .variant import AttentionVariant, join_sink, load_head_f32
 
 
 def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
@@ -33,12 +34,21 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
 
     seq_len = b.ld("global", U32, Addr(C.element_offset(b, ptrs["seq_lens"], batch, b.mov(4, S64))))
     seq_len = b.min(b.bitcast(b.max(b.bitcast(seq_len, S32), 0), U32), kv.capacity(b))
-    row_begin, row_end = b.mov(0, U32), seq_len
+    variant = AttentionVariant.from_spec(spec)
+    # The query sits at position L - 1: a sliding window starts the rows at its first key, so
+    # rows (and pages) before it are never read and no row of the loop needs a window mask.
+    win_begin = None
+    if variant.window is not None:
+        pos = b.sub(b.bitcast(seq_len, S32), 1)
+        win_begin = b.bitcast(b.max(variant.key_begin(b, pos), 0), U32)
+    row_begin, row_end = (b.mov(0, U32) if win_begin is None else win_begin), seq_len
     if split_count is not None:  # split z of n: rows [z*chunk, min((z+1)*chunk, len))
         rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
-        per_split = b.div(b.add(seq_len, b.sub(split_count, 1)), split_count)
+        span = seq_len if win_begin is None else b.sub(seq_len, win_begin)
+        per_split = b.div(b.add(span, b.sub(split_count, 1)), split_count)
         per_split = b.mul(b.div(b.add(per_split, rows_per_iter - 1), rows_per_iter), rows_per_iter)
-        row_begin = b.min(b.mul(b.special("%ctaid.z"), per_split), seq_len)
+        row_begin = b.min(b.mul(b.special("%ctaid.z"), per_split), seq_len) if win_begin is None \
+            else b.min(b.mad(b.special("%ctaid.z"), per_split, win_begin), seq_len)
         row_end = b.min(b.add(row_begin, per_split), seq_len)
 
     lane_byte = b.cvt(S64, b.mul(sub, C.VEC_BYTES))
@@ -75,7 +85,11 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
            for _ in range(hp)]
     bases = kv.bases(b, ptrs, batch, kv_head, kv_lane_byte)
     first_row = b.mad(warp, cfg.rows_per_warp * cfg.kv_unroll, slot)
-    _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred, kv_io)
+    transform = None
+    if variant.transforms:   # scores are in log2 units (q was scaled by softmax_scale * log2 e)
+        transform = _score_transform(b, variant, ptrs, head0, hp, seq_len)
+    _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred,
+                  kv_io, transform)
 
     off = lpr  # merge row slots: lanes that differ in the slot bits
     while off < 32:
@@ -94,7 +108,8 @@ def _plain_io(b, fmt):
             lambda regs: C.to_f32(b, fmt, regs))
 
 
-def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred, kv_io):
+def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred, kv_io,
+                  transform=None):
     fmt, lpr, hp = cfg.fmt, cfg.lanes_per_row, cfg.heads_per_cta
     chunk_bytes, load_chunk, widen = kv_io
     rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
@@ -129,6 +144,8 @@ def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, firs
                     for e in range(fmt.per_vec):
                         s = b.fma(q_regs[i][j][e], k[j][e], s)
                 s = C.warp_sum(b, s, [lpr >> n for n in range(1, lpr.bit_length())])
+                if transform is not None:   # the variant's score transforms (soft-cap, ALiBi)
+                    transform(s, rows[u], i)
                 row_scores.append(b.selp(s, C.NEG_INF, valid[u]))
             scores.append(row_scores)
         v = [[widen(regs) for regs in tiles["v_cache"][u]] for u in range(cfg.kv_unroll)]
@@ -151,6 +168,20 @@ def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, firs
             b.mov(m_new, out=m[i])
         for cur, new in zip(pages or (), fresh if pages else ()):
             b.mov(new, out=cur)
+
+
+def _score_transform(b, variant, ptrs, head0, hp, seq_len):
+    """transform(score, key row, head i) for the variant: the query sits at p = L - 1, so
+    |p - j| = L - 1 - j; ALiBi slopes of the CTA's heads are loaded once, in log2 units."""
+    if not variant.alibi:
+        return lambda s, row, i: variant.transform_scores(b, s, None, C.LOG2E)
+    slopes = [b.mul(load_head_f32(b, ptrs["alibi_slopes"], b.add(head0, i)), -C.LOG2E) for i in range(hp)]
+    last = b.sub(b.bitcast(seq_len, S32), 1)
+
+    def transform(s, row, i):
+        rel = b.sub(last, b.bitcast(row, S32))
+        variant.transform_scores(b, [[(s, 0)]], None, C.LOG2E, [(rel, slopes[i])])
+    return transform
 
 
 def _stage_warp_states(b, cfg, m, l, acc, warp, slot, sub) -> Reg:
@@ -203,6 +234,13 @@ def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count,
             l_tot = b.mul(ls[0], weights[0])
             for x, w in zip(ls[1:], weights[1:]):
                 l_tot = b.fma(x, w, l_tot)
+            if "sinks" in ptrs:   # the sink joins the denominator; split-KV: split 0 only
+                head = b.add(head0, i)
+                sink = b.mul(load_head_f32(b, ptrs["sinks"], head), C.LOG2E)
+                if split_count is not None:
+                    sink = b.selp(sink, C.NEG_INF, b.setp("eq", b.special("%ctaid.z"), 0))
+                l_tot, alpha, m_tot = join_sink(b, m_tot, l_tot, sink)
+                weights = [b.mul(w, alpha) for w in weights]
             has_keys = b.setp("gt", l_tot, 0.0)
             inv = b.selp(b.rcp(l_tot), 0.0, has_keys)
             if v_scale is not None:     # FP8 V: its scale rides on the normalisation
@@ -215,7 +253,7 @@ def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count,
                 for e in range(fmt.per_vec):
                     b.fma(part[e], weights[w], out[e], out=out[e])
             out = [b.mul(x, inv) for x in out]
-            head = b.add(head0, i)
+            head = b.add(head0, i) if "sinks" not in ptrs else head
             lse2 = b.selp(b.add(m_tot, b.lg2(l_tot)), C.NEG_INF, has_keys)  # log2-sum-exp
             if split_count is None:
                 base = C.element_offset(b, ptrs["o"], batch, strides[("o", 0)])

@@ -16,10 +16,11 @@ from ..ir import U32, KernelBuilder, Reg
 
 def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
                     use_async: bool, n_tiles: Reg, n_full: Reg, key0_of, load_kv, math,
-                    transform=None) -> None:
+                    transform=None, lo_full: Reg | None = None) -> None:
     """Prologue, loop over tiles [0, n_tiles) and drain. `key0_of(j)` is the first key of loop
     tile j (what the mask compares against); `transform(scores, key0)`, when given, modifies the
-    raw scores before the mask (the variant seam: soft-cap, ALiBi)."""
+    raw scores before the mask (the variant seam: soft-cap, ALiBi). With `lo_full` (a sliding
+    window), loop tiles j < lo_full cross a window's left edge and get the mask too."""
 
     def wait_and_sync():
         if use_async:
@@ -41,7 +42,10 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
         s = math.scores(b.add(k_smem, stage) if stages > 1 else k_smem)
         if transform is not None:
             transform(s, key0_of(j))
-        with b.if_then(b.setp("ge", j, n_full)):
+        needs_mask = b.setp("ge", j, n_full)
+        if lo_full is not None:
+            needs_mask = b.or_(needs_mask, b.setp("lt", j, lo_full))
+        with b.if_then(needs_mask):
             math.mask(s, key0_of(j))
         p = math.softmax(s)
         wait_and_sync()                                   # V(j) landed; K(j) no longer read

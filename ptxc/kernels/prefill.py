@@ -21,8 +21,12 @@ from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_pipeline import run_kv_pipeline
 from .tiles import TileGeom, global_rows, load_tile, thread_slot
+from .variant import (VARIANT_FIELDS, AttentionVariant, finish_rows, head_dim_v, load_head_f32,
+                      validate_variant, variant_inputs,
+                      variant_reference_args, variant_tensors)
 
-_hd_check, _hd_allowed = int_range(8, 256, multiple_of=8)
+_hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
+MAX_SIMT_HEAD_DIM = 256   # f32 path: a 2 KiB row would not fit Q + K/V tiles in shared memory
 _POW2_TILE = (16, 32, 64, 128, 256)
 FIELDS = FamilyFields(
     fields=(
@@ -31,6 +35,7 @@ FIELDS = FamilyFields(
               "j <= i + seq_k - seq_q", default=False),
         Field("return_lse", "bool", "also write lse [batch, num_heads, seq_q] (f32, natural log)",
               default=False),
+        *VARIANT_FIELDS,
     ),
     tile=(
         Field("block_m", "int", "query rows per CTA (tensor cores: 16 per warp)", default=None,
@@ -56,6 +61,22 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     cp_async: bool
+    head_dim_v: int = 0      # V/O head size; 0: head_dim
+    v_split: int = 1         # warps sharing 16 query rows, each owning dv / v_split O columns
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def v_geom(self) -> TileGeom:
+        """V tiles (block_n x head_dim_v), in stage buffers sized for K (head_dim_v <= head_dim)."""
+        return TileGeom(self.block_n, self.dv * self.fmt.bytes, self.threads)
+
+    @property
+    def o_geom(self) -> TileGeom:
+        """The output tile staged in the Q tile's shared memory (block_m x head_dim_v)."""
+        return TileGeom(self.block_m, self.dv * self.fmt.bytes, self.threads)
 
     @property
     def threads(self) -> int:
@@ -81,14 +102,18 @@ class PrefillConfig:
     @property
     def registers_estimate(self) -> int:
         if self.tensor_cores:   # O and S accumulators: 16 x head_dim and 16 x block_n f32 per warp
-            return self.head_dim // 2 + self.block_n // 2 + REG_OVERHEAD
-        chunks = -(-self.head_dim // 4 // SIMT_LANES_PER_ROW)
+            return self.dv // 2 // self.v_split + self.block_n // 2 + REG_OVERHEAD
+        chunks = -(-self.dv // 4 // SIMT_LANES_PER_ROW)
         tm = self.rows_per_thread
         return tm * chunks * 4 + tm * self.block_n // SIMT_LANES_PER_ROW + REG_OVERHEAD
 
 
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
+    validate_variant(spec)
+    if spec.dtype == "f32" and spec.head_dim > MAX_SIMT_HEAD_DIM:
+        raise SpecError(f"head_dim = {spec.head_dim} with dtype f32: the SIMT path supports "
+                        f"head_dim up to {MAX_SIMT_HEAD_DIM}; use f16 or bf16", key="head_dim")
     if spec.dtype != "f32":
         old = [t for t in spec.targets if not TARGETS[t].has_mma_m16n8k16]
         if old:
@@ -105,6 +130,8 @@ def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int
     if not tc:
         return 32, 32, 1
     large, medium = smem >= 200 * KIB, smem >= 160 * KIB      # sm_90/sm_100, sm_80/sm_87
+    if d > 256:    # 4 warps per 16 rows (value_split); the same block on every target
+        return 16, 32, 2 if smem >= 160 * KIB else 1
     if d <= 128:   # d64 with block_n 128 took ~140 registers (1 CTA/SM); 64 keeps <= 128 (2)
         bm, bn = 128, 64
     else:
@@ -113,8 +140,15 @@ def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int
     return bm, bn, stages
 
 
-def _warps_for(bm: int, tc: bool) -> int:
-    return bm // 16 if tc else max(1, min(8, bm // 8))
+def _warps_for(bm: int, tc: bool, v_split: int = 1) -> int:
+    return bm // 16 * v_split if tc else max(1, min(8, bm // 8))
+
+
+def value_split(dv: int, tc: bool) -> int:
+    """Warps that share a 16-row query slice, each accumulating dv / v_split columns of O: 1
+    up to head_dim_v 256; above, 4 (a 16 x 512 f32 accumulator would need 256 registers per
+    thread; 16 x 128 needs 64). The scores and softmax are computed by each of them alike."""
+    return 4 if tc and dv > 256 else 1
 
 
 def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
@@ -127,14 +161,15 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                          causal=spec.opt("causal"))
     bm, bn, stages = tuned.get("block_m", bm), tuned.get("block_n", bn), tuned.get("num_stages", stages)
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
+    vsplit = value_split(head_dim_v(spec), tc)
     if "num_warps" in given and "block_m" not in given:
-        bm = 16 * given["num_warps"] if tc else 8 * given["num_warps"]
+        bm = 16 * given["num_warps"] // vsplit if tc else 8 * given["num_warps"]
     tuned_warps = tuned.get("num_warps") if bm == tuned.get("block_m") else None
-    warps = given.get("num_warps") or tuned_warps or _warps_for(bm, tc)
+    warps = given.get("num_warps") or tuned_warps or _warps_for(bm, tc, vsplit)
 
     def make():
         return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, tc, bm, bn, warps, stages,
-                             target.has_cp_async)
+                             target.has_cp_async, head_dim_v(spec), vsplit)
 
     cfg = make()
     while cfg.smem_bytes > target.max_smem_per_cta:   # shrink what the spec left to us
@@ -144,7 +179,7 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
             bn //= 2
         elif "block_m" not in given and "num_warps" not in given and bm > 16:
             bm //= 2
-            warps = _warps_for(bm, tc)
+            warps = _warps_for(bm, tc, vsplit)
         else:
             key = next((k for k in ("block_n", "num_stages", "block_m", "num_warps") if k in given),
                        "block_n")
@@ -158,9 +193,11 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
 
 
 def _check_shape(cfg: PrefillConfig, target: Target) -> None:
-    if cfg.tensor_cores and cfg.block_m != 16 * cfg.num_warps:
+    if cfg.tensor_cores and cfg.block_m * cfg.v_split != 16 * cfg.num_warps:
+        split = f" / {cfg.v_split} (head_dim_v {cfg.dv}: {cfg.v_split} warps share 16 rows)" \
+            if cfg.v_split > 1 else ""
         raise SpecError(f"block_m = {cfg.block_m} with num_warps = {cfg.num_warps}: on tensor cores "
-                        f"each warp owns 16 query rows, so block_m must be 16 * num_warps",
+                        f"each warp owns 16 query rows, so block_m must be 16 * num_warps{split}",
                         key="tile.block_m")
     if not cfg.tensor_cores and (cfg.block_m % (4 * cfg.num_warps) or cfg.rows_per_thread > 8):
         raise SpecError(f"block_m = {cfg.block_m} with num_warps = {cfg.num_warps}: the f32 path "
@@ -181,20 +218,22 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     c = configure(spec, target)
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "mma.m16n8k16" if c.tensor_cores else "simt",
-            "cp_async": c.cp_async, "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes}
+            "cp_async": c.cp_async, "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
+            **({"value_split": c.v_split} if c.v_split > 1 else {})}
 
 
 def interface(spec: KernelSpec) -> Interface:
-    d, H, Hk = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    d, dv, H, Hk = spec.head_dim, head_dim_v(spec), spec.num_heads, spec.num_kv_heads
     tensors = [
         TensorInfo("q", spec.dtype, ("batch", "seq_q", H, d), "input"),
         TensorInfo("k", spec.dtype, ("batch", "seq_k", Hk, d), "input"),
-        TensorInfo("v", spec.dtype, ("batch", "seq_k", Hk, d), "input"),
-        TensorInfo("o", spec.dtype, ("batch", "seq_q", H, d), "output"),
+        TensorInfo("v", spec.dtype, ("batch", "seq_k", Hk, dv), "input"),
+        TensorInfo("o", spec.dtype, ("batch", "seq_q", H, dv), "output"),
     ]
     if spec.opt("return_lse"):
         tensors.append(TensorInfo("lse", "f32", ("batch", H, "seq_q"), "output",
                                   "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
+    tensors += variant_tensors(spec)
     return Interface(tuple(tensors), ("batch", "seq_q", "seq_k"),
                      {"batch": 2, "seq_q": 17, "seq_k": 113})
 
@@ -218,6 +257,9 @@ class Ctx:
     o_base: Reg           # u64: o[batch, 0, head, 0]
     o_row_stride: Reg     # s64 bytes
     lse: Reg | None       # u64 or None
+    variant: AttentionVariant
+    sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
+    slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
 
     def key_limit(self, b: KernelBuilder, row: Reg) -> Reg:
         """s32 number of keys query `row` sees (before clamping to >= 0)."""
@@ -225,6 +267,23 @@ class Ctx:
         if not self.spec.opt("causal"):
             return sk
         return b.min(sk, b.add(b.add(b.bitcast(row, S32), self.key_offset), 1))
+
+    def key_begin(self, b: KernelBuilder, row: Reg) -> Reg | None:
+        """s32 first key query `row` sees (sliding window), or None."""
+        if self.variant.window is None:
+            return None
+        return self.variant.key_begin(b, b.add(b.bitcast(row, S32), self.key_offset))
+
+    def sink_log2(self, b: KernelBuilder, row: Reg) -> Reg | None:
+        """The row's sink logit in log2 units (attention_sinks), or None."""
+        if self.sinks is None:
+            return None
+        return b.mul(load_head_f32(b, self.sinks, self.head), C.LOG2E)
+
+    def alibi_row(self, b: KernelBuilder, row: Reg, lane_key: Reg, unit: float) -> tuple[Reg, Reg]:
+        """(p - lane_key (s32), -unit · slope) of query `row` for variant.transform_scores."""
+        pos = b.add(b.bitcast(row, S32), self.key_offset)
+        return b.sub(pos, lane_key), b.mul(load_head_f32(b, self.slopes, self.head), -unit)
 
     def lse_addr(self, b: KernelBuilder, row: Reg) -> Reg:
         bh = b.mad(self.batch, self.spec.num_heads, self.head)
@@ -280,16 +339,28 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     else:
         visible = full = seq_k
     n_tiles, n_full = b.div(b.add(visible, bn - 1), bn), b.div(full, bn)
+    # A sliding window starts the loop at the first tile the first row sees (earlier tiles are
+    # never read) and masks the tiles before the first one wholly inside the last row's window.
+    variant = AttentionVariant.from_spec(spec)
+    first_tile = lo_full = None
+    if variant.window is not None:
+        first_tile = variant.first_tile(b, b.add(b.bitcast(m_start, S32), key_offset), bn)
+        lo_full = variant.first_unmasked_tile(b, b.add(b.bitcast(last_row, S32), key_offset), bn)
+        n_tiles = b.sub(b.max(n_tiles, first_tile), first_tile)
+        n_full = b.sub(b.max(n_full, first_tile), first_tile)
+        lo_full = b.sub(b.max(lo_full, first_tile), first_tile)
 
     smem = b.address_of(b.shared("prefill_smem", 0))
     kv_bytes = cfg.kv_geom.bytes
     k_smem = b.add(smem, cfg.q_geom.bytes)
     v_smem = b.add(k_smem, stages * kv_bytes)
     q_slot, kv_slot = thread_slot(b, cfg.q_geom, tid), thread_slot(b, cfg.kv_geom, tid)
+    slots = {"k": kv_slot, "v": kv_slot if cfg.dv == cfg.head_dim else thread_slot(b, cfg.v_geom, tid)}
     gq = global_rows(b, q_slot, head_base("q", head), strides[("q", 1)])
-    gkv = {t: global_rows(b, kv_slot, head_base(t, kv_head), strides[(t, 1)]) for t in "kv"}
+    gkv = {t: global_rows(b, slots[t], head_base(t, kv_head), strides[(t, 1)]) for t in "kv"}
     ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
-              head_base("o", head), strides[("o", 1)], ptrs.get("lse"))
+              head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant,
+              ptrs.get("sinks"), ptrs.get("alibi_slopes"))
     math = (MmaMath if cfg.tensor_cores else SimtMath)(b, ctx)
     use_async = cfg.cp_async
 
@@ -301,44 +372,32 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     # the next tile is carried in a register and advanced by one tile's rows per load.
     next_addr = {t: b.mov(b.bitcast(gkv[t].thr_base, S64)) for t in "kv"}
     tile_step = {t: b.mul(gkv[t].row_stride, bn) for t in "kv"}
+    if first_tile is not None:
+        for t in "kv":
+            b.mad(b.cvt(S64, first_tile), tile_step[t], next_addr[t], out=next_addr[t])
 
     def load_kv(t: str, tile: Reg | int, stage_off: Reg | int):
         """K or V tile `tile` (the next one of `t`) into buffer `stage_off` (a byte offset), if
         the tile exists."""
         tile = tile if isinstance(tile, Reg) else b.mov(tile, U32)
         with b.if_then(b.setp("lt", tile, n_tiles)):
-            row0 = b.mul(tile, bn)
+            row0 = b.mul(tile if first_tile is None else b.add(tile, first_tile), bn)
             base = b.add(k_smem if t == "k" else v_smem, stage_off)
-            load_tile(b, kv_slot, gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async,
+            load_tile(b, slots[t], gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async,
                       first_addr=next_addr[t])
         b.add(next_addr[t], tile_step[t], out=next_addr[t])
         commit()
 
+    def key0_of(j: Reg) -> Reg:
+        return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
+
+    transform = math.transform if variant.transforms else None
     load_tile(b, q_slot, gq, m_start, b.sub(sq, b.bitcast(m_start, S32)), smem, use_async)
     run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                     use_async=use_async, n_tiles=n_tiles, n_full=n_full,
-                    key0_of=lambda j: b.mul(j, bn), load_kv=load_kv, math=math)
+                    key0_of=key0_of, load_kv=load_kv, math=math, lo_full=lo_full,
+                    transform=transform)
     math.epilogue()
-
-
-def finish_rows(b: KernelBuilder, ctx: Ctx, m: list[Reg], l: list[Reg], rows: list[Reg],
-                lanes: tuple[int, ...], writer: Reg, lse_scale: float = C.LN2) -> list[Reg]:
-    """Reduce l over the row's lanes; return 1/l per row (0 for a row that saw no key) and, with
-    return_lse, have the `writer` lanes store lse = (m + log2 l) * lse_scale for rows < seq_q
-    (ln 2 gives the natural-log LSE; 1.0 keeps log2 units, as split-KV partials want)."""
-    invs = []
-    for r, row in enumerate(rows):
-        total = C.warp_sum(b, l[r], lanes)
-        has_keys = b.setp("gt", total, 0.0)
-        invs.append(b.selp(b.rcp(total), 0.0, has_keys))
-        if ctx.lse is not None:
-            lse = b.add(m[r], b.lg2(total))
-            lse = b.selp(b.mul(lse, lse_scale) if lse_scale != 1.0 else lse, C.NEG_INF, has_keys)
-            ok = b.and_(writer, b.setp("lt", row, ctx.seq_q))
-            addr = ctx.lse_addr(b, row)
-            with b.predicate(ok):
-                b.st("global", F32, Addr(addr), [lse])
-    return invs
 
 
 def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
@@ -347,10 +406,10 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
 
     from ..runtime.reference import round_to
     B, Sq, Sk = dims["batch"], dims["seq_q"], dims["seq_k"]
-    H, Hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    H, Hk, d, dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, head_dim_v(spec)
     q, k, v = (round_to(rng.standard_normal(shape), spec.dtype).astype(np.float32)
-               for shape in ((B, Sq, H, d), (B, Sk, Hk, d), (B, Sk, Hk, d)))
-    return {"q": q, "k": k, "v": v}
+               for shape in ((B, Sq, H, d), (B, Sk, Hk, d), (B, Sk, Hk, dv)))
+    return {"q": q, "k": k, "v": v, **variant_inputs(spec, rng)}
 
 
 def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
@@ -359,7 +418,8 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
 
     from ..runtime import reference as ref
     q, k, v = (np.swapaxes(np.asarray(inputs[t]), 1, 2) for t in "qkv")
-    o, lse = ref.attention(q, k, v, spec.softmax_scale, causal=spec.opt("causal"), dtype=dtype)
+    o, lse = ref.attention(q, k, v, spec.softmax_scale, causal=spec.opt("causal"), dtype=dtype,
+                           **variant_reference_args(spec, inputs))
     o = np.swapaxes(o, 1, 2)
     return {"o": o, "lse": lse} if spec.opt("return_lse") else {"o": o}
 

@@ -35,12 +35,15 @@ class MmaMath:
         self.ss = cfg.q_geom.stride
         self.d, self.bn = cfg.head_dim, cfg.block_n
         self.ksteps, self.half_k = -(-self.d // 16), self.d % 16 == 8
-        self.dtiles = self.d // 8
+        self.dtiles = cfg.dv // 8 // cfg.v_split  # n8 tiles of O (head_dim_v) this warp owns
+        self.vs, self.os = cfg.v_geom.stride, cfg.o_geom.stride   # == ss unless head_dim_v < d
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
         lane = ctx.lane
         self.lane_off = ldmatrix_lane_offset(b, lane, self.ss)
         self.k_lane_off = ldmatrix_lane_offset_nk(b, lane, self.ss)
-        warp_rows = b.mul(ctx.warp, 16)
+        self.v_lane_off = self.lane_off if self.vs == self.ss else ldmatrix_lane_offset(b, lane, self.vs)
+        vs = cfg.v_split   # warps sharing 16 rows; warp w owns O columns slice w % vs
+        warp_rows = b.mul(b.div(ctx.warp, vs) if vs > 1 else ctx.warp, 16)
         self.q_lane = b.add(b.mad(warp_rows, self.ss, ctx.q_smem), self.lane_off)
         g, t = b.shr(lane, 2), b.and_(lane, 3)
         self.t = t
@@ -48,7 +51,18 @@ class MmaMath:
         self.rows = [row0, b.add(row0, 8)]
         two_t = b.bitcast(b.shl(t, 1), S32)
         self.limits = [b.sub(ctx.key_limit(b, r), two_t) for r in self.rows]   # keys < limit - 2t
-        self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.ss, ctx.q_smem), b.shl(t, 2))
+        begins = [ctx.key_begin(b, r) for r in self.rows]                     # keys >= begin - 2t
+        self.begins = None if begins[0] is None else [b.sub(x, two_t) for x in begins]
+        self.unit = 1.0 / ctx.spec.softmax_scale        # scores are raw q·k (variant transforms)
+        self.alibi = [ctx.alibi_row(b, r, two_t, self.unit) for r in self.rows] \
+            if ctx.variant.alibi else None
+        self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.os, ctx.q_smem), b.shl(t, 2))
+        self.col0 = None   # first O column of this warp's slice (u32), when the value is split
+        if vs > 1:
+            self.col0 = b.mul(b.rem(ctx.warp, vs), cfg.dv // vs)
+            col_bytes = b.mul(self.col0, cfg.fmt.bytes)
+            self.o_smem = b.add(self.o_smem, col_bytes)
+            self.v_lane_off = b.add(self.v_lane_off, col_bytes)
         self.zero = b.mov(0, B32)
         self.fzero = zero_regs(b, 4, F32)
         self.o = [zero_regs(b, 4, F32) for _ in range(self.dtiles)]
@@ -79,14 +93,29 @@ class MmaMath:
                     s[jn] = b.mma_m16n8k16(a, frag, s[jn] or self.fzero, self.in_type, out=s[jn])
         return s
 
+    def transform(self, s: list[list[Reg]], key0: Reg) -> None:
+        """The variant's score transforms (soft-cap, ALiBi); score (r, e) of n8 tile jn is key
+        key0 + 2t + 8 jn + e of row r."""
+        b, v = self.b, self.ctx.variant
+        rows = [[(acc[2 * r + e], 8 * jn + e) for jn, acc in enumerate(s) for e in range(2)]
+                for r in range(2)]
+        alibi = None if self.alibi is None else \
+            [(b.sub(rel, b.bitcast(key0, S32)), slope) for rel, slope in self.alibi]
+        v.transform_scores(b, rows if v.alibi else s, key0, self.unit, alibi)
+
     def mask(self, s: list[list[Reg]], key0: Reg) -> None:
-        """-inf where key (key0 + 8 jn + 2t + e) >= the row's key limit."""
+        """-inf where key (key0 + 8 jn + 2t + e) >= the row's key limit (or, with a sliding
+        window, < the row's first key)."""
         b = self.b
         for r in range(2):
             rel = b.sub(self.limits[r], b.bitcast(key0, S32))
+            rel_begin = None if self.begins is None else b.sub(self.begins[r], b.bitcast(key0, S32))
             for jn, acc in enumerate(s):
                 for e in range(2):
-                    with b.predicate(b.setp("le", rel, 8 * jn + e)):
+                    out = b.setp("le", rel, 8 * jn + e)
+                    if rel_begin is not None:
+                        out = b.or_(out, b.setp("gt", rel_begin, 8 * jn + e))
+                    with b.predicate(out):
                         b.mov(C.NEG_INF, F32, out=acc[2 * r + e])
 
     def softmax(self, s: list[list[Reg]]) -> list[list[Reg]]:
@@ -127,8 +156,8 @@ class MmaMath:
         return [pk[2 * k] + pk[2 * k + 1] for k in range(self.bn // 16)]
 
     def pv(self, a_frags: list[list[Reg]], v_tile: Reg) -> None:
-        b, ss = self.b, self.ss
-        v_lane = b.add(v_tile, self.lane_off)
+        b, ss = self.b, self.vs
+        v_lane = b.add(v_tile, self.v_lane_off)
         for kk, a in enumerate(a_frags):
             b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
             for pair in range(-(-self.dtiles // 2)):
@@ -138,6 +167,12 @@ class MmaMath:
                 for e, frag in enumerate(frags):
                     acc = self.o[2 * pair + e]
                     b.mma_m16n8k16(a, frag, acc, self.in_type, out=acc)
+
+    def writer(self) -> Reg:
+        """The lanes that write a row's LSE: t == 0, of the first warp sharing the row."""
+        b = self.b
+        w = b.setp("eq", self.t, 0)
+        return w if self.col0 is None else b.and_(w, b.setp("eq", self.col0, 0))
 
     def row_sums(self) -> tuple[list[Reg], tuple[int, ...]]:
         """Each of this lane's rows' softmax denominators, and the lanes finish_rows must still
@@ -149,14 +184,14 @@ class MmaMath:
         from .tiles import global_rows, store_tile, thread_slot
         b, ctx = self.b, self.ctx
         l_rows, lanes = self.row_sums()
-        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, b.setp("eq", self.t, 0))
+        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, self.writer())
         for jd, acc in enumerate(self.o):
             for r in range(2):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
-                b.st("shared", B32, Addr(self.o_smem, r * 8 * self.ss + jd * 16),
+                b.st("shared", B32, Addr(self.o_smem, r * 8 * self.os + jd * 16),
                      [b.cvt_pack(self.pair, hi, lo)])
         b.bar_sync(0)
-        slot = thread_slot(b, ctx.cfg.q_geom, ctx.tid)
+        slot = thread_slot(b, ctx.cfg.o_geom, ctx.tid)
         go = global_rows(b, slot, ctx.o_base, ctx.o_row_stride)
         nvalid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
         store_tile(b, slot, go, ctx.m_start, nvalid, ctx.q_smem)

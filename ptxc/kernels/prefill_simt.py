@@ -25,7 +25,9 @@ class SimtMath:
         self.ss, self.bn = cfg.q_geom.stride, cfg.block_n
         self.tm, self.jn = cfg.rows_per_thread, cfg.block_n // X
         self.c4 = cfg.head_dim // 4
-        self.u = -(-self.c4 // X)
+        self.c4v = cfg.dv // 4                       # O / V chunks (head_dim_v)
+        self.vs = cfg.v_geom.stride
+        self.u = -(-self.c4v // X)
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
         lane = ctx.lane
         ry, self.tx = b.shr(lane, 3), b.and_(lane, X - 1)
@@ -36,9 +38,14 @@ class SimtMath:
         self.rows = [b.add(first, i) if i else first for i in range(self.tm)]
         tx_s = b.bitcast(self.tx, S32)
         self.limits = [b.sub(ctx.key_limit(b, r), tx_s) for r in self.rows]   # keys < limit - tx
+        begins = [ctx.key_begin(b, r) for r in self.rows]                    # keys >= begin - tx
+        self.begins = None if begins[0] is None else [b.sub(x, tx_s) for x in begins]
+        self.unit = 1.0 / ctx.spec.softmax_scale        # scores are raw q·k (variant transforms)
+        self.alibi = [ctx.alibi_row(b, r, tx_s, self.unit) for r in self.rows] \
+            if ctx.variant.alibi else None
         group = b.and_(lane, 32 - X)
         self.src = [b.or_(group, n) if n else group for n in range(X)]
-        self.chunk_ok = b.setp("lt", self.tx, self.c4 - (self.u - 1) * X) if self.c4 % X else None
+        self.chunk_ok = b.setp("lt", self.tx, self.c4v - (self.u - 1) * X) if self.c4v % X else None
         self.o = [[zero_regs(b, 4, F32) for _ in range(self.u)] for _ in range(self.tm)]
         self.m = [b.mov(C.NEG_INF, F32) for _ in range(self.tm)]
         self.l = zero_regs(b, self.tm, F32)
@@ -58,13 +65,27 @@ class SimtMath:
                             b.fma(q[i][e], k[jj][e], prev, out=prev)
         return s
 
+    def transform(self, s: list[list[Reg]], key0: Reg) -> None:
+        """The variant's score transforms (soft-cap, ALiBi); score (i, jj) is key
+        key0 + tx + 8 jj of row i."""
+        b, v = self.b, self.ctx.variant
+        rows = [[(x, jj * X) for jj, x in enumerate(row)] for row in s]
+        alibi = None if self.alibi is None else \
+            [(b.sub(rel, b.bitcast(key0, S32)), slope) for rel, slope in self.alibi]
+        v.transform_scores(b, rows if v.alibi else s, key0, self.unit, alibi)
+
     def mask(self, s: list[list[Reg]], key0: Reg) -> None:
-        """-inf where key (key0 + tx + 8 jj) >= the row's key limit."""
+        """-inf where key (key0 + tx + 8 jj) >= the row's key limit (or, with a sliding
+        window, < the row's first key)."""
         b = self.b
         for i, row in enumerate(s):
             rel = b.sub(self.limits[i], b.bitcast(key0, S32))
+            rel_begin = None if self.begins is None else b.sub(self.begins[i], b.bitcast(key0, S32))
             for jj, x in enumerate(row):
-                with b.predicate(b.setp("le", rel, jj * X)):
+                out = b.setp("le", rel, jj * X)
+                if rel_begin is not None:
+                    out = b.or_(out, b.setp("gt", rel_begin, jj * X))
+                with b.predicate(out):
                     b.mov(C.NEG_INF, F32, out=x)
 
     def softmax(self, s: list[list[Reg]]) -> list[list[Reg]]:
@@ -78,7 +99,7 @@ class SimtMath:
 
     def _v_chunk(self, v_thr: Reg, n: int, u: int) -> list[Reg]:
         b = self.b
-        addr = Addr(v_thr, n * self.ss + u * X * 16)
+        addr = Addr(v_thr, n * self.vs + u * X * 16)
         if self.chunk_ok is None or u < self.u - 1:
             return b.ld("shared", F32, addr, vec=4)
         regs = zero_regs(b, 4, F32)

@@ -20,7 +20,8 @@ from .base import Launch, LaunchParam, ParamSource
 def build_reduce(spec, entry: str, has_lse: bool, rows_dim: str = "batch") -> tuple:
     """The merge kernel over o [rows, H, d] (rows = `rows_dim`: batch for decode, total_q for
     varlen), o_part [rows, H, splits, d] and lse_part [rows, H, splits]."""
-    fmt, d, H = C.FORMATS[spec.dtype], spec.head_dim, spec.num_heads
+    from .variant import head_dim_v
+    fmt, d, H = C.FORMATS[spec.dtype], head_dim_v(spec), spec.num_heads   # O's head size
     b = KernelBuilder(entry)
     params: list[LaunchParam] = []
 

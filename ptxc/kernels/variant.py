@@ -1,27 +1,141 @@
 """The attention variant seam: which keys a query row sees, how a visible score is transformed,
 and how a row's softmax is finished — each answered in one place, for every family that uses it
-(today: varlen; see /work/shared/notes/attention-variants.md and docs/kernels.md).
+(prefill, decode, varlen; see /work/shared/notes/attention-variants.md and docs/kernels.md).
 
 Coordinates are a sequence's own: a query at absolute position `pos` (0-based, bottom-right
 aligned: the queries are the last q_len positions of a sequence of kv_len keys) sees the keys
-[0, key_end(pos, kv_len)). A later sliding window adds a key_begin; soft-cap and ALiBi fill
-`transform_scores`; attention sinks join in `finish` (today prefill.finish_rows).
+[key_begin(pos), key_end(pos, kv_len)). Order of operations (docs/spec.md): score → soft-cap →
+ALiBi → masks (causal, window, sequence end) → online softmax → P·V.
+
+Scores reach `transform_scores` in the family's own units: `unit · s` where s = softmax_scale ·
+q·k is the score of the spec (prefill/varlen keep raw q·k, unit = 1 / softmax_scale; decode
+pre-scales q into log2 units, unit = log2 e), so a transform is written once for all of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import KernelBuilder, Reg
+from ..errors import SpecError
+from ..ir import F32, U32, U64, Addr, KernelBuilder, Reg
+from . import common as C
+from ..spec.fields import Field, int_range
+
+MAX_WINDOW = 1 << 30
+_win_check, _win_allowed = int_range(1, MAX_WINDOW)
+_hdv_check, _hdv_allowed = int_range(8, 512, multiple_of=8)
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else "a number > 0"
+
+
+VARIANT_FIELDS = (
+    Field("sliding_window", "int", "sliding-window attention: a query at position p sees key j "
+          "iff p - j < sliding_window (the last W keys up to its own; needs causal)",
+          default=None, check=_win_check, allowed=_win_allowed),
+    Field("logits_soft_cap", "float", "soft-cap c: s <- c * tanh(s / c) after the softmax scale "
+          "(Gemma 2: 50)", default=None, check=_positive, allowed="a number > 0"),
+    Field("head_dim_v", "int", "head size of V and O when it differs from Q/K's head_dim "
+          "(DeepSeek-V3 prefill: 192 / 128); prefill and varlen, <= head_dim", default=None,
+          check=_hdv_check, allowed=_hdv_allowed),
+    Field("attention_sinks", "bool", "a runtime sinks [num_heads] f32 logit per query head joins "
+          "every row's softmax denominator (gpt-oss)", default=False),
+    Field("alibi", "bool", "a runtime alibi_slopes [num_heads] f32: s <- s - slope_h * |p - j| "
+          "after the soft-cap", default=False),
+)
+
+
+def head_dim_v(spec) -> int:
+    """V's and O's head size: head_dim_v, or head_dim when not given."""
+    return spec_option(spec, "head_dim_v") or spec.head_dim
+
+
+def validate_variant(spec, causal_option: bool = True, separate_v: bool = True) -> None:
+    """Cross-key checks shared by the families: a window looks back from the query's own
+    position, so prefill and varlen need causal = true (decode's query is the last position);
+    head_dim_v must not exceed head_dim (O is staged in the Q tile), and only families with
+    `separate_v` take it."""
+    dv = spec_option(spec, "head_dim_v")
+    if separate_v and (dv or spec.head_dim) > 256 and (dv or spec.head_dim) % 32:
+        key = "head_dim_v" if dv else "head_dim"
+        raise SpecError(f"{key} = {dv or spec.head_dim}: above 256 the value head is split over "
+                        f"4 warps in multiples of 8, so it must be a multiple of 32", key=key)
+    if dv is not None and dv != spec.head_dim:
+        if not separate_v:
+            raise SpecError(f"head_dim_v = {dv}: the {spec.family} family needs V's head size "
+                            f"equal to head_dim ({spec.head_dim}); separate V head sizes are "
+                            f"supported by prefill and varlen", key="head_dim_v")
+        if dv > spec.head_dim:
+            raise SpecError(f"head_dim_v = {dv} > head_dim = {spec.head_dim}: the value head "
+                            f"may be at most the query/key head size", key="head_dim_v")
+    window = spec_option(spec, "sliding_window")
+    if window is not None and causal_option and not spec.opt("causal"):
+        raise SpecError(f"sliding_window = {window} needs causal = true (the window is the last "
+                        f"{window} keys up to the query's own position)", key="sliding_window")
+
+
+def spec_option(spec, key: str):
+    return dict(spec.options).get(key)
+
+
+def variant_reference_args(spec, inputs: dict | None = None) -> dict:
+    """The keyword arguments of runtime.reference.attention for this spec's variant options
+    (runtime tensors from `inputs`)."""
+    inputs = inputs or {}
+    return {"window": spec_option(spec, "sliding_window"),
+            "soft_cap": spec_option(spec, "logits_soft_cap"),
+            "sinks": inputs.get("sinks") if spec_option(spec, "attention_sinks") else None,
+            "alibi_slopes": inputs.get("alibi_slopes") if spec_option(spec, "alibi") else None}
+
+
+def variant_tensors(spec) -> list:
+    """The runtime inputs of the spec's variant options (after the family's own tensors)."""
+    from .base import TensorInfo
+    out = []
+    if spec_option(spec, "attention_sinks"):
+        out.append(TensorInfo("sinks", "f32", (spec.num_heads,), "input",
+                              "one logit per query head, joins each row's softmax denominator"))
+    if spec_option(spec, "alibi"):
+        out.append(TensorInfo("alibi_slopes", "f32", (spec.num_heads,), "input",
+                              "ALiBi slope per query head: s <- s - slope * |p - j|"))
+    return out
+
+
+def variant_inputs(spec, rng) -> dict:
+    """Random sinks (natural-log logits around the scores' range) and ALiBi slopes (the
+    BLOOM geometric series 2^(-8 (h + 1) / H), shuffled so heads differ in order)."""
+    import numpy as np
+    out = {}
+    if spec_option(spec, "attention_sinks"):
+        out["sinks"] = (rng.standard_normal(spec.num_heads) * 2.0).astype(np.float32)
+    if spec_option(spec, "alibi"):
+        h = rng.permutation(spec.num_heads)
+        out["alibi_slopes"] = np.exp2(-8.0 * (h + 1) / spec.num_heads).astype(np.float32)
+    return out
+
+
+def variant_pointer_names(spec) -> list[str]:
+    return [t.name for t in variant_tensors(spec)]
 
 
 @dataclass(frozen=True)
 class AttentionVariant:
     causal: bool
+    window: int | None = None
+    soft_cap: float | None = None
+    sinks: bool = False
+    alibi: bool = False
 
     @classmethod
     def from_spec(cls, spec) -> "AttentionVariant":
-        return cls(causal=bool(spec.opt("causal")))
+        return cls(causal=bool(spec_option(spec, "causal")), window=spec_option(spec, "sliding_window"),
+                   soft_cap=spec_option(spec, "logits_soft_cap"),
+                   sinks=bool(spec_option(spec, "attention_sinks")), alibi=bool(spec_option(spec, "alibi")))
+
+    @property
+    def transforms(self) -> bool:
+        return self.soft_cap is not None or self.alibi
 
     def key_end(self, b: KernelBuilder, pos: Reg, kv_len: Reg) -> Reg:
         """s32 end of the keys a query at position `pos` (s32) sees; may be <= 0 (sees none)."""
@@ -29,9 +143,97 @@ class AttentionVariant:
             return kv_len
         return b.min(kv_len, b.add(pos, 1))
 
-    def transform_scores(self, b: KernelBuilder, scores: list, key0: Reg) -> None:
-        """Per-score modifiers (soft-cap, ALiBi) before the row max; none yet: emits nothing."""
+    def key_begin(self, b: KernelBuilder, pos: Reg) -> Reg | None:
+        """s32 first key a query at position `pos` sees (may be < 0), or None: no lower bound."""
+        if self.window is None:
+            return None
+        return b.sub(pos, self.window - 1)
+
+    def first_tile(self, b: KernelBuilder, first_pos: Reg, block: int) -> Reg | None:
+        """u32 first KV tile of `block` keys that the query at `first_pos` (the tile's earliest
+        position) can see: tiles before it are never read. None without a window."""
+        begin = self.key_begin(b, first_pos)
+        if begin is None:
+            return None
+        return b.div(b.bitcast(b.max(begin, 0), U32), block)
+
+    def first_unmasked_tile(self, b: KernelBuilder, last_pos: Reg, block: int) -> Reg | None:
+        """u32 first tile wholly inside the window of the query at `last_pos` (the tile's
+        latest position, whose window starts last): earlier visited tiles cross a window's left
+        edge and run the mask. None without a window."""
+        begin = self.key_begin(b, last_pos)
+        if begin is None:
+            return None
+        return b.div(b.add(b.bitcast(b.max(begin, 0), U32), block - 1), block)
+
+    def transform_scores(self, b: KernelBuilder, scores: list, key0: Reg, unit: float = 1.0,
+                         alibi_rows: list | None = None) -> None:
+        """Per-score modifiers before the masks, in place on `unit`-scaled scores (see the
+        module doc), in the documented order:
+          soft-cap  x <- (c·unit) · tanh(x / (c·unit))
+          ALiBi     x <- x - unit · slope · |p - j|
+        For ALiBi, `scores` are rows of (score, k) pairs and `alibi_rows[r]` = (rel, neg_slope):
+        rel (s32) = p - (the lane's key offset) - key0, so |p - j| = |rel - k|; neg_slope (f32)
+        = -unit · slope of the row's head. Without an option: emits nothing."""
+        if self.soft_cap is not None:
+            cap = self.soft_cap * unit
+            for x in _flat([x for row in scores for x, _ in row] if self.alibi else scores):
+                b.mul(b.tanh(b.mul(x, 1.0 / cap)), cap, out=x)
+        if self.alibi:
+            for row, (rel, neg_slope) in zip(scores, alibi_rows):
+                rel_f = b.cvt(F32, rel)
+                for x, k in row:
+                    dist = b.abs(b.sub(rel_f, float(k)) if k else rel_f)
+                    b.fma(neg_slope, dist, x, out=x)
         return None
 
 
-__all__ = ["AttentionVariant"]
+def join_sink(b: KernelBuilder, m: Reg, total: Reg, sink: Reg) -> tuple[Reg, Reg, Reg]:
+    """A row's softmax state (running max m and sum `total` of 2^(s - m), log2 units) with the
+    sink logit (log2 units) joined to the denominator: returns (total', alpha, m') with
+    total' = total · 2^(m - m') + 2^(sink - m') and alpha = 2^(m - m') the factor that O
+    (accumulated against m) needs; m' = max(m, sink), 0 when both are -inf (no NaN)."""
+    m_ref = C.safe_max(b, b.max(m, sink))
+    alpha = C.rescale_factor(b, m, m_ref)
+    return b.fma(total, alpha, b.ex2(b.sub(sink, m_ref))), alpha, m_ref
+
+
+def load_head_f32(b: KernelBuilder, ptr: Reg, head: Reg) -> Reg:
+    """ptr[head] of a [num_heads] f32 tensor (sinks, alibi_slopes)."""
+    return b.ld("global", F32, Addr(b.add(ptr, b.mul_wide(head, 4))), nc=True)
+
+
+def finish_rows(b: KernelBuilder, ctx, m: list[Reg], l: list[Reg], rows: list[Reg],
+                lanes: tuple[int, ...], writer: Reg, lse_scale: float = C.LN2) -> list[Reg]:
+    """Reduce l over the row's lanes; return 1/l per row (0 for a row that saw no key) and, with
+    return_lse, have the `writer` lanes store lse = (m + log2 l) * lse_scale for rows < seq_q
+    (ln 2 gives the natural-log LSE; 1.0 keeps log2 units, as split-KV partials want)."""
+    invs = []
+    for r, row in enumerate(rows):
+        total = C.warp_sum(b, l[r], lanes)
+        sink = ctx.sink_log2(b, row)
+        m_ref = m[r]
+        if sink is not None:   # the sink joins the denominator (attention_sinks)
+            total, alpha, m_ref = join_sink(b, m[r], total, sink)
+        has_keys = b.setp("gt", total, 0.0)
+        inv = b.rcp(total) if sink is None else b.mul(b.rcp(total), alpha)
+        invs.append(b.selp(inv, 0.0, has_keys))
+        if ctx.lse is not None:
+            lse = b.add(m_ref, b.lg2(total))
+            lse = b.selp(b.mul(lse, lse_scale) if lse_scale != 1.0 else lse, C.NEG_INF, has_keys)
+            ok = b.and_(writer, b.setp("lt", row, ctx.seq_q))
+            addr = ctx.lse_addr(b, row)
+            with b.predicate(ok):
+                b.st("global", F32, Addr(addr), [lse])
+    return invs
+
+
+def _flat(scores) -> list[Reg]:
+    if isinstance(scores, Reg):
+        return [scores]
+    return [x for s in scores for x in _flat(s)]
+
+
+__all__ = ["AttentionVariant", "VARIANT_FIELDS", "validate_variant", "spec_option",
+           "variant_reference_args", "variant_tensors", "variant_inputs", "join_sink", "head_dim_v",
+           "finish_rows", "load_head_f32"]

@@ -13,6 +13,8 @@ addressing; split-KV partials are merged by split_reduce.py. docs/kernels.md has
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import SpecError
 from ..spec.fields import Field, FamilyFields, int_range
 from ..spec.model import KernelSpec
@@ -20,11 +22,12 @@ from ..targets import TARGETS, Target
 from . import common as C
 from . import fp8, kv_fp8
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
+from .variant import VARIANT_FIELDS, head_dim_v, validate_variant, variant_tensors
 from .kv_access import KVAccess, check_page_size
-from .prefill import PrefillConfig, _check_shape
+from .prefill import PrefillConfig, _check_shape, value_split
 from .split_reduce import build_reduce
 
-_hd_check, _hd_allowed = int_range(8, 256, multiple_of=8)
+_hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
 _page_check, _page_allowed = int_range(1, 256, power_of_two=True)
 _split_check, _split_allowed = int_range(1, 64)
 _POW2_TILE = (16, 32, 64, 128)
@@ -44,6 +47,7 @@ FIELDS = FamilyFields(
               'at launch from the CTA count vs. the SM count)', default=1,
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
         *kv_fp8.FIELDS,
+        *VARIANT_FIELDS,
     ),
     tile=(
         Field("block_m", "int", "packed query rows (token x group head) per CTA, 16 per warp",
@@ -71,23 +75,34 @@ def validate(spec: KernelSpec) -> None:
                         f"{old[0]}; drop it", key="targets")
     check_page_size(spec)
     kv_fp8.validate(spec)
+    validate_variant(spec, causal_option=True)
+    if kv_fp8.kv_dtype(spec) != spec.dtype:
+        # FP8 scores reach the variant's transforms without k_scale (it is folded into the
+        # exp2 scale), so soft-cap and ALiBi would need a runtime unit: not wired yet
+        for key in ("logits_soft_cap", "alibi"):
+            if spec.opt(key):
+                raise SpecError(f"{key} with an FP8 kv_dtype is not supported by varlen yet "
+                                f"(decode supports it)", key=key)
     for t in spec.targets:
         configure(spec, TARGETS[t])
 
 
 def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     """Tiles: block_m 64 (4 warps) whatever the target, so the grid and the "auto" split rule
-    are target-independent; block_n 64 (32 above head_dim 128); 2 stages, fewer to fit."""
+    are target-independent (above head_dim 256 four warps share 16 rows: value_split); block_n
+    64 (32 above head_dim 128, 16 above 256: 32 spilled on sm_80); 2 stages, fewer to fit."""
     given = spec.tile_dict()
-    bm = given.get("block_m") or 16 * given.get("num_warps", 4)
-    warps = given.get("num_warps") or bm // 16
-    bn = given.get("block_n") or (64 if spec.head_dim <= 128 else 32)
+    vsplit = value_split(head_dim_v(spec), True)
+    bm = given.get("block_m") or 16 * given.get("num_warps", 4) // vsplit
+    warps = given.get("num_warps") or bm // 16 * vsplit
+    bn = given.get("block_n") or (64 if spec.head_dim <= 128 else 32 if spec.head_dim <= 256 else 16)
     stages = given.get("num_stages") or 2
     smem_limit = target.max_smem_per_cta if target is not None else 1 << 30
     cp_async = target.has_cp_async if target is not None else True
 
     def make():
-        return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async)
+        return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,
+                             head_dim_v(spec), vsplit)
 
     cfg = make()
     while cfg.smem_bytes > smem_limit:
@@ -109,7 +124,8 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     c = configure(spec, target)
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "mma.m16n8k16", "gqa_packing": spec.group_size,
-            "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes}
+            "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
+            **({"value_split": c.v_split} if c.v_split > 1 else {})}
 
 
 def kv_access(spec: KernelSpec) -> KVAccess:
@@ -125,8 +141,10 @@ def query_tiles_expr(spec: KernelSpec) -> str:
 
 
 def interface(spec: KernelSpec) -> Interface:
-    d, H, Hk = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    d, dv, H, Hk = spec.head_dim, head_dim_v(spec), spec.num_heads, spec.num_kv_heads
     kv = kv_access(spec)
+    caches = [dataclasses.replace(t, shape=t.shape[:-1] + (dv,)) if t.name == "v_cache" else t
+              for t in kv.tensors(kv_fp8.kv_dtype(spec), Hk, d, "input")]   # V rows: head_dim_v
     tensors = [
         TensorInfo("q", spec.dtype, ("total_q", H, d), "input", "query tokens of all sequences, packed"),
         TensorInfo("cu_seqlens_q", "i32", ("batch + 1",), "input", "prefix sums of the query "
@@ -134,17 +152,18 @@ def interface(spec: KernelSpec) -> Interface:
         TensorInfo("seq_lens", "i32", ("batch",), "input", "KV rows per sequence after this "
                    "step's rows were appended (clamped to the cache's capacity)",
                    device_resident_scalars=True),
-        *kv.tensors(kv_fp8.kv_dtype(spec), Hk, d, "input"),
-        TensorInfo("o", spec.dtype, ("total_q", H, d), "output"),
+        *caches,
+        TensorInfo("o", spec.dtype, ("total_q", H, dv), "output"),
     ]
     if spec.opt("return_lse"):
         tensors.append(TensorInfo("lse", "f32", ("total_q", H), "output",
                                   "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
+    tensors += variant_tensors(spec)
     dims = ["batch", "total_q", *kv.dims()]
     rules: dict = {}
     splits = spec.opt("num_splits")
     if splits != 1:
-        tensors += [TensorInfo("o_part", "f32", ("total_q", H, "num_splits", d), "workspace",
+        tensors += [TensorInfo("o_part", "f32", ("total_q", H, "num_splits", dv), "workspace",
                                "per-split normalised partial outputs"),
                     TensorInfo("lse_part", "f32", ("total_q", H, "num_splits"), "workspace",
                                "per-split log2-sum-exp (-inf for an empty split)")]
@@ -174,7 +193,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
         return b.load_param(b.param(name, type))
 
     outs = ["o_part", "lse_part"] if split else ["o"] + (["lse"] if spec.opt("return_lse") else [])
-    names = ["q", "cu_seqlens_q", "seq_lens", *kv.pointer_tensors(), *outs]
+    names = ["q", "cu_seqlens_q", "seq_lens", *kv.pointer_tensors(), *outs,
+             *(t.name for t in variant_tensors(spec))]
     ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t))) for t in names}
     strides = {(t, a): C.byte_stride(b, param(f"{t}_stride{a}", S64, ParamSource("stride", t, a)), cfg.fmt)
                for t in ("q",) + (() if split else ("o",)) for a in (0, 1)}

@@ -31,7 +31,7 @@ from . import common as C
 from .kv_access import KVAccess
 from .kv_fp8 import stage_rows_dequant
 from .kv_pipeline import run_kv_pipeline
-from .prefill import PrefillConfig, finish_rows
+from .prefill import PrefillConfig, finish_rows, load_head_f32
 from .prefill_mma import MmaMath
 from .tiles import load_tile_rows, thread_slot
 from .variant import AttentionVariant
@@ -58,6 +58,8 @@ class VarlenCtx:
     lse: Reg | None       # u64: lse, or lse_part with splits
     split: Reg | None     # u32 split index (None without split-KV)
     num_splits: Reg | None
+    sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
+    slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
 
     def token(self, row: Reg) -> Reg:
         g = self.spec.group_size
@@ -76,6 +78,26 @@ class VarlenCtx:
 
     def key_limit(self, b: KernelBuilder, row: Reg) -> Reg:
         return self.variant.key_end(b, self.position(self.token(row)), self.kv_len)
+
+    def key_begin(self, b: KernelBuilder, row: Reg) -> Reg | None:
+        if self.variant.window is None:
+            return None
+        return self.variant.key_begin(b, self.position(self.token(row)))
+
+    def sink_log2(self, b: KernelBuilder, row: Reg) -> Reg | None:
+        """The row's sink logit in log2 units; with split-KV only split 0 adds it (the partial
+        LSEs then merge to log(e^sink + sum e^s) in split_reduce), the others get -inf."""
+        if self.sinks is None:
+            return None
+        sink = b.mul(load_head_f32(b, self.sinks, self.head(row)), C.LOG2E)
+        if self.split is not None:
+            sink = b.selp(sink, C.NEG_INF, b.setp("eq", self.split, 0))
+        return sink
+
+    def alibi_row(self, b: KernelBuilder, row: Reg, lane_key: Reg, unit: float) -> tuple[Reg, Reg]:
+        """(p - lane_key (s32), -unit · slope of the row's head) for variant.transform_scores."""
+        pos = self.position(self.token(row))
+        return b.sub(pos, lane_key), b.mul(load_head_f32(b, self.slopes, self.head(row)), -unit)
 
     def out_index(self, row: Reg) -> Reg:
         """u32 (token, head) index into [total_q, H] (times num_splits, plus split, for parts)."""
@@ -98,7 +120,7 @@ class VarlenMath(MmaMath):
     def epilogue(self) -> None:
         b, ctx = self.b, self.ctx
         split = ctx.split is not None
-        writer = b.setp("eq", self.t, 0)
+        writer = self.writer()
         l_rows, lanes = self.row_sums()
         invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, writer,
                            lse_scale=1.0 if split else C.LN2)
@@ -107,13 +129,17 @@ class VarlenMath(MmaMath):
         for r, row in enumerate(self.rows):
             ok = b.setp("lt", row, ctx.seq_q)
             if split:   # o_part [total_q, H, splits, d] f32: this lane's columns 2t, 2t+1
-                addr = b.add(self.ptrs["o_part"], b.mul_wide(ctx.out_index(row), self.d * 4))
+                addr = b.add(self.ptrs["o_part"], b.mul_wide(ctx.out_index(row), ctx.cfg.dv * 4))
                 addr = b.add(addr, b.cvt(U64, b.shl(self.t, 3)))
+                if self.col0 is not None:   # this warp's slice of the value columns
+                    addr = b.add(addr, b.mul_wide(self.col0, 4))
             else:
                 tok = b.add(ctx.token0, ctx.token(row))
                 base = C.element_offset(b, self.ptrs["o"], tok, self.strides[("o", 0)])
                 base = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), self.strides[("o", 1)])
                 addr = b.bitcast(b.add(base, b.cvt(S64, b.shl(self.t, 2))), U64)
+                if self.col0 is not None:
+                    addr = b.add(addr, b.mul_wide(self.col0, ctx.cfg.fmt.bytes))
             for jd, acc in enumerate(self.o):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
                 with b.predicate(ok):
@@ -187,7 +213,8 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
     k_smem = b.add(smem, cfg.q_geom.bytes)
     v_smem = b.add(k_smem, stages * kv_bytes)
     ctx = VarlenCtx(b, spec, cfg, variant, tid, lane, warp, m_start, rows, q_len, L, smem, kv_head,
-                    t0, ptrs.get("lse_part" if split is not None else "lse"), split, split_count)
+                    t0, ptrs.get("lse_part" if split is not None else "lse"), split, split_count,
+                    ptrs.get("sinks"), ptrs.get("alibi_slopes"))
 
     # KV tiles: [0, n_vis) visible to the tile's last token; [0, n_full) to its first as well.
     last_row = b.sub(b.min(b.add(m_start, bm), rows), 1)
@@ -195,13 +222,23 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
         return b.bitcast(b.max(ctx.key_limit(b, row), 0), U32)
     n_vis = b.div(b.add(keys_seen(last_row), bn - 1), bn)
     n_full = b.div(keys_seen(m_start), bn)
-    first = b.mov(0, U32)
+    # A sliding window: tiles before the first token's window are never read; tiles before
+    # the first one wholly inside the last token's window cross its left edge (masked).
+    w_first = lo_full = None
+    if variant.window is not None:
+        w_first = b.min(variant.first_tile(b, ctx.position(ctx.token(m_start)), bn), n_vis)
+        lo_full = variant.first_unmasked_tile(b, ctx.position(ctx.token(last_row)), bn)
+    first = b.mov(0, U32) if w_first is None else w_first
     if split is not None:                               # split s of n: an even share of n_vis
-        per = b.div(b.add(n_vis, b.sub(split_count, 1)), split_count)
-        first = b.min(b.mul(split, per), n_vis)
+        span = n_vis if w_first is None else b.sub(n_vis, w_first)
+        per = b.div(b.add(span, b.sub(split_count, 1)), split_count)
+        first = b.min(b.mul(split, per), n_vis) if w_first is None else \
+            b.min(b.mad(split, per, w_first), n_vis)
         n_vis = b.min(b.add(first, per), n_vis)
     n_tiles = b.sub(n_vis, first)
     n_full = b.sub(b.max(n_full, first), first)
+    if lo_full is not None:
+        lo_full = b.sub(b.max(lo_full, first), first)
 
     q_slot, kv_slot = thread_slot(b, cfg.q_geom, tid), thread_slot(b, cfg.kv_geom, tid)
     q_col = b.cvt(S64, q_slot.col)
@@ -212,8 +249,13 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
         addr = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), strides[("q", 1)])
         return b.bitcast(b.add(addr, q_col), U64), valid
 
-    kv_col = kv_slot.col if quant is None else b.shr(kv_slot.col, 1)   # FP8: a byte per element
-    bases = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, kv_col))
+    def chunk_col(slot):   # FP8 caches hold a byte per element
+        return slot.col if quant is None else b.shr(slot.col, 1)
+    bases = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, chunk_col(kv_slot)))
+    slots = {"k_cache": kv_slot, "v_cache": kv_slot}
+    if cfg.dv != cfg.head_dim:   # head_dim_v: V rows are narrower, so a thread's chunk differs
+        slots["v_cache"] = thread_slot(b, cfg.v_geom, tid)
+        bases["v_cache"] = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, chunk_col(slots["v_cache"])))["v_cache"]
 
     def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
         with b.if_then(b.setp("lt", j, n_tiles)):
@@ -222,9 +264,9 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
             cache = "k_cache" if t == "k" else "v_cache"
             rows_of = lambda row, ok: _kv_row(b, kv, bases, cache, row, ok)
             if quant is None:
-                load_tile_rows(b, kv_slot, rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
+                load_tile_rows(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
             else:
-                stage_rows_dequant(b, kv_slot, rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst,
+                stage_rows_dequant(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst,
                                    quant, "f16x2" if cfg.fmt.name == "f16" else "bf16x2")
         b.cp_async_commit()
 
@@ -234,10 +276,12 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
     if quant is not None:
         k_scale, math.v_scale = quant.scales(b, kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
+    unit = 1.0 / spec.softmax_scale                    # MmaMath's scores are raw q·k
     run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                     use_async=True, n_tiles=n_tiles, n_full=n_full,
                     key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
-                    transform=lambda s, key0: variant.transform_scores(b, s, key0))
+                    transform=math.transform if variant.transforms else
+                    lambda s, key0: variant.transform_scores(b, s, key0, unit), lo_full=lo_full)
     math.epilogue()
 
 

@@ -38,6 +38,7 @@ def _case(kind: str, S: int, rng) -> tuple[int, int]:
 
 def mixed_batch(spec, dims: dict[str, int], rng, page_size: int) -> dict:
     from ..runtime.reference import round_to
+    from .variant import head_dim_v
     B, H, Hk, d = dims["batch"], spec.num_heads, spec.num_kv_heads, spec.head_dim
     S = dims["max_pages_per_seq"] * page_size if page_size else dims["max_seq_len"]
     q_lens, lens = zip(*(_case(CASES[i % len(CASES)], S, rng) for i in range(B))) if B else ((), ())
@@ -46,7 +47,9 @@ def mixed_batch(spec, dims: dict[str, int], rng, page_size: int) -> dict:
     rnd = lambda shape: round_to(rng.standard_normal(shape), spec.dtype).astype(np.float32)
     inputs = {"q": rnd((int(cu[-1]), H, d)), "cu_seqlens_q": cu,
               "seq_lens": np.array(lens, dtype=np.int32),
-              "k_cache": rnd((*rows, Hk, d)), "v_cache": rnd((*rows, Hk, d))}
+              "k_cache": rnd((*rows, Hk, d)), "v_cache": rnd((*rows, Hk, head_dim_v(spec)))}
+    from .variant import variant_inputs
+    inputs.update(variant_inputs(spec, rng))
     if page_size:
         from ..errors import InputError
         P, used = dims["max_pages_per_seq"], [-(-L // page_size) for L in lens]
@@ -72,19 +75,25 @@ def dense_sequence(inputs: dict, b: int, L: int, page_size: int) -> tuple[np.nda
 
 def varlen_reference(spec, inputs: dict, dtype: str | None, page_size: int) -> dict:
     from ..runtime import reference as ref
+    from .variant import head_dim_v, variant_reference_args
     q, cu = np.asarray(inputs["q"], dtype=np.float64), np.asarray(inputs["cu_seqlens_q"])
-    H, d = spec.num_heads, spec.head_dim
+    H, d = spec.num_heads, head_dim_v(spec)      # o's head size
     S = inputs["block_table"].shape[1] * page_size if page_size else inputs["k_cache"].shape[1]
     o = np.zeros((q.shape[0], H, d))
     lse = np.full((q.shape[0], H), -np.inf)
     for b, L in enumerate(np.asarray(inputs["seq_lens"])):
         lo, hi = int(cu[b]), int(cu[b + 1])
         L = int(min(max(int(L), 0), S))
-        if hi <= lo or L == 0:
+        if hi <= lo:
+            continue
+        if L == 0:   # no keys: o = 0, lse = -inf (or the sink: e^sink alone is the denominator)
+            if spec.opt("attention_sinks"):
+                lse[lo:hi] = np.asarray(inputs["sinks"], dtype=np.float64)[None, :]
             continue
         k, v = dense_sequence(inputs, b, L, page_size)
         qs = np.swapaxes(q[lo:hi], 0, 1)[None]              # [1, H, q_len, d]
         kh, vh = (np.swapaxes(np.asarray(x, dtype=np.float64), 0, 1)[None] for x in (k, v))
-        ob, lb = ref.attention(qs, kh, vh, spec.softmax_scale, causal=spec.opt("causal"), dtype=dtype)
+        ob, lb = ref.attention(qs, kh, vh, spec.softmax_scale, causal=spec.opt("causal"), dtype=dtype,
+                               **variant_reference_args(spec, inputs))
         o[lo:hi], lse[lo:hi] = np.swapaxes(ob[0], 0, 1), np.swapaxes(lb[0], 0, 1)
     return {"o": o, "lse": lse} if spec.opt("return_lse") else {"o": o}

@@ -66,6 +66,18 @@ def from_device(x: np.ndarray, dtype: str) -> np.ndarray:
     return bf16_bits_to_f32(x) if dtype == "bf16" else x
 
 
+# tanh.approx.f32's maximum relative error is about 2^-11 (PTX ISA): the naive same-dtype
+# computation rounds tanh to 11 mantissa bits, so a soft-capped f32 kernel is held to what its
+# hardware primitive can give (f16/bf16 score rounding dominates anyway).
+TANH_APPROX_BITS = 11
+
+
+def round_mantissa(x: np.ndarray, bits: int) -> np.ndarray:
+    """x rounded to `bits` significant bits (relative error <= 2^-bits)."""
+    m, e = np.frexp(np.asarray(x, dtype=np.float64))
+    return np.ldexp(np.round(m * 2.0 ** bits) / 2.0 ** bits, e)
+
+
 @dataclass(frozen=True)
 class Precision:
     """A naive computation's rounding points: `scores` and the output in `dtype`; with `probs`,
@@ -113,12 +125,18 @@ def fp8_quantize(x: np.ndarray, kind: str) -> np.ndarray:
 
 
 # ---- attention ---------------------------------------------------------------------------
-def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype: str | None = None):
+def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype: str | None = None,
+              window: int | None = None, soft_cap: float | None = None, sinks=None,
+              alibi_slopes=None):
     """softmax(scale * q k^T + mask) v over the last two axes of [..., heads, seq, d] arrays.
 
     q: [B, H, Sq, D]; k, v: [B, Hk, Sk, D] (GQA: query head h uses KV head h // (H / Hk)).
-    kv_len: optional [B] valid key counts. Causal masks align bottom-right: query i sees key j
-    iff j <= i + Sk - Sq. Rows that see no key give 0 output and lse = -inf.
+    kv_len: optional [B] valid key counts. Queries align bottom-right: query i sits at position
+    p = i + L - Sq (L = kv_len[b], or Sk); causal: it sees key j iff j <= p; a sliding `window`
+    W: iff p - j < W (with or without causal). Variant order (docs/spec.md): score -> soft-cap
+    c*tanh(s/c) -> ALiBi s - slope_h*|p - j| -> masks -> softmax, where `sinks` [H] (natural-log
+    logits) join each row's denominator: o = sum e^s v / (e^sink + sum e^s), lse = log(e^sink +
+    sum e^s). Rows that see no key give 0 output and lse = -inf (= sink with sinks).
     With `dtype`, every intermediate is rounded to it (the naive same-dtype computation).
     Returns (o [B, H, Sq, D], lse [B, H, Sq]) in float64.
     """
@@ -130,30 +148,47 @@ def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype
     k = np.repeat(k, H // Hk, axis=1)
     v = np.repeat(v, H // Hk, axis=1)
     s = rnd(np.einsum("bhqd,bhkd->bhqk", q, k) * scale)
+    if soft_cap is not None:   # the naive path takes tanh at tanh.approx.f32's precision
+        t = np.tanh(s / soft_cap)
+        s = rnd(soft_cap * (round_mantissa(t, TANH_APPROX_BITS) if prec else t))
+    lens = np.full(B, Sk) if kv_len is None else np.asarray(kv_len)
+    pos = (np.arange(Sq)[None, :] + lens[:, None] - Sq)[:, None, :, None]      # [B, 1, Sq, 1]
+    j = np.arange(Sk)[None, None, None, :]
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, dtype=np.float64)[None, :, None, None]
+        s = rnd(s - slopes * np.abs(pos - j))
     mask = np.ones((B, 1, Sq, Sk), dtype=bool)
     if kv_len is not None:
-        mask &= (np.arange(Sk)[None, :] < np.asarray(kv_len)[:, None])[:, None, None, :]
+        mask &= j < lens[:, None, None, None]
     if causal:
-        mask &= (np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + Sk - Sq)[None, None]
+        mask &= j <= pos
+    if window is not None:
+        mask &= pos - j < window
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
+    sink = None if sinks is None else np.broadcast_to(
+        np.asarray(sinks, dtype=np.float64)[None, :, None, None], m.shape)
+    if sink is not None:
+        m = np.maximum(m, sink)
     m_safe = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m_safe)
     l = (round_to(p, prec.probs) if prec and prec.probs else p).sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + np.exp(sink - m_safe)
     with np.errstate(divide="ignore", invalid="ignore"):
         o = rnd(np.einsum("bhqk,bhkd->bhqd", rnd(p / np.where(l > 0, l, 1.0)), v))
         lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l[..., 0]), -np.inf)
     return o, lse
 
 
-def decode(q, k_cache, v_cache, seq_lens, scale: float, dtype: str | None = None):
-    """Single-token decode: q [B, H, D], caches [B, S, Hk, D], seq_lens [B].
-    Returns (o [B, H, D], lse [B, H])."""
+def decode(q, k_cache, v_cache, seq_lens, scale: float, dtype: str | None = None, **variant):
+    """Single-token decode: q [B, H, D], caches [B, S, Hk, D], seq_lens [B]; the query sits at
+    position L - 1. `variant`: attention()'s window / soft_cap. Returns (o [B, H, D], lse [B, H])."""
     qh = np.asarray(q)[:, :, None, :]
     kh = np.swapaxes(np.asarray(k_cache), 1, 2)
     vh = np.swapaxes(np.asarray(v_cache), 1, 2)
     lens = np.minimum(np.maximum(np.asarray(seq_lens), 0), kh.shape[2])
-    o, lse = attention(qh, kh, vh, scale, kv_len=lens, dtype=dtype)
+    o, lse = attention(qh, kh, vh, scale, kv_len=lens, dtype=dtype, **variant)
     return o[:, :, 0, :], lse[:, :, 0]
 
 
