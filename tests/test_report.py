@@ -81,6 +81,22 @@ def test_decode_cost_by_hand():
     assert split.bytes == 1576 + 2 * (1024 + 128) and split.flops == 2560
 
 
+def test_sliding_window_costs_count_only_the_window():
+    # decode: L 10, W 4 -> the 4 last rows; everything else as in test_decode_cost_by_hand
+    meta = _decode_meta(heads_per_cta=2)
+    meta["spec"]["sliding_window"] = 4
+    c = decode_cost(meta, {"heads_per_cta": 2}, {"batch": 2, "max_seq_len": 10})
+    assert c.flops == 4 * 2 * 4 * 4 * 8 and c.bytes == 2 * 2 * 4 * 2 * 8 * 2 + 256 + 32 + 8
+    # prefill 6 x 6 causal, W 2: query i sees min(i + 1, 2) keys -> 1 + 2 * 5 = 11 (not 36 / 2)
+    pmeta = {"spec": {"dtype": "f16", "head_dim": 8, "num_heads": 2, "num_kv_heads": 1, "causal": True,
+                      "sliding_window": 2}}
+    assert prefill_cost(pmeta, {"path": "mma.m16n8k16"}, {"batch": 1, "seq_q": 6, "seq_k": 6}).flops \
+        == 4 * 2 * 8 * 11
+    from ptxc.report.costs import keys_seen
+    assert keys_seen(3, 10, True, None) == 8 + 9 + 10 and keys_seen(3, 10, True, 4) == 12
+    assert keys_seen(12, 10, True, None) == 55 and keys_seen(4, 10, False, None) == 40
+
+
 def test_prefill_cost_by_hand():
     meta = {"spec": {"dtype": "f16", "head_dim": 8, "num_heads": 2, "num_kv_heads": 1, "causal": True}}
     c = prefill_cost(meta, {"path": "mma.m16n8k16"}, {"batch": 1, "seq_q": 4, "seq_k": 4})

@@ -22,6 +22,8 @@ varlen     a uniform batch: every sequence has q = total_q / batch queries
            bytes = q + o (+ lse) + K + V (e_kv bytes per element) once per sequence (GQA
                    packing reads a K/V tile once per KV head; the query tiles of a long
                    prefill re-read it from L2, as in prefill) + cu_seqlens_q + seq_lens (+ block_table) (+ split partials)
+sliding_window = W: decode reads min(L, W) rows; prefill and varlen count each query's keys
+           exactly (at most W) and varlen reads the min(L, q + W - 1) rows its queries see
 kv_append  FLOPs = 0
            bytes = 2 * batch * num_new * Hk * d * e read (k_new, v_new) and the same written
                    into the cache, + positions (+ one block-table entry per row when paged)
@@ -85,6 +87,19 @@ def kv_length(meta: dict, dims: dict) -> int:
     return dims["max_pages_per_seq"] * ps if ps else dims["max_seq_len"]
 
 
+def keys_seen(q: int, L: int, causal: bool, window: int | None) -> int:
+    """Keys summed over q queries that sit at the last q positions of L keys (p = L - q + i):
+    all L without causal; with causal, p + 1 (none for p < 0); with a sliding window W, at most
+    the last W of those."""
+    if not causal:
+        return q * L
+    total = 0
+    first = L - q                                      # position of query 0
+    for p in range(max(first, 0), L):                  # queries before position 0 see nothing
+        total += min(p + 1, window) if window else p + 1
+    return total
+
+
 def _layout_bytes(meta: dict, dims: dict, rows_per_seq: int) -> int:
     """Indirection the kernel reads: block-table entries (paged) or per-sequence pointers."""
     t = meta["tensors"]
@@ -96,6 +111,8 @@ def _layout_bytes(meta: dict, dims: dict, rows_per_seq: int) -> int:
 def decode_cost(meta: dict, config: dict, dims: dict) -> Cost:
     spec = meta["spec"]
     b, L = dims["batch"], kv_length(meta, dims)
+    if spec.get("sliding_window"):                     # only the last W rows are read
+        L = min(L, spec["sliding_window"])
     H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     e = ELEMENT_BYTES[spec["dtype"]]
     group = H // Hk
@@ -115,7 +132,9 @@ def prefill_cost(meta: dict, config: dict, dims: dict) -> Cost:
     H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     e = ELEMENT_BYTES[spec["dtype"]]
     flops = 4 * b * sq * sk * d * H
-    if spec.get("causal"):
+    if spec.get("sliding_window"):                     # exact count: each query sees <= W keys
+        flops = 4 * b * H * d * keys_seen(sq, sk, True, spec["sliding_window"])
+    elif spec.get("causal"):
         flops //= 2
     qo = 2 * b * sq * H * d * e
     kv = 2 * b * sk * Hk * d * e
@@ -143,19 +162,16 @@ def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
     q = dims["total_q"] // max(1, b)
     H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     e = ELEMENT_BYTES[spec["dtype"]]
-    if not spec.get("causal"):
-        keys = q * L
-    elif q <= L:                             # query i sees L - q + i + 1 keys
-        keys = q * L - q * (q - 1) // 2
-    else:                                    # the first q - L queries see none
-        keys = L * (L + 1) // 2
+    window = spec.get("sliding_window")
+    keys = keys_seen(q, L, bool(spec.get("causal")), window)
+    rows = min(L, q + window - 1) if window else L     # K/V rows any query of a sequence sees
     tq = b * q
     qo = 2 * tq * H * d * e
-    kv = 2 * b * L * Hk * d * ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]]
+    kv = 2 * b * rows * Hk * d * ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]]
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
     splits = dims.get("num_splits", 1)
     parts = 2 * tq * H * splits * (d + 1) * PART_BYTES if splits > 1 else 0
-    index = (b + 1) * 4 + b * 4 + _layout_bytes(meta, dims, L)
+    index = (b + 1) * 4 + b * 4 + _layout_bytes(meta, dims, rows)
     return Cost(4 * b * H * d * keys, qo + kv + lse + parts + index, _unit(config), dict(dims))
 
 
@@ -231,6 +247,7 @@ __all__ = [
     "Cost",
     "decode_cost",
     "kv_append_cost",
+    "keys_seen",
     "kv_length",
     "launch_cost",
     "page_size",
