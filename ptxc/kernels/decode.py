@@ -24,12 +24,11 @@ from .decode_attend import emit_attention
 from .variant import (VARIANT_FIELDS, validate_variant, variant_inputs, variant_reference_args,
                       variant_tensors)
 from .kv_access import LAYOUTS, KVAccess, check_page_size
-from .split_reduce import build_reduce
+from .split_reduce import build_reduce, split_interface
 
 _hd_check, _hd_allowed = int_range(16, 512, multiple_of=8)
 _page_check, _page_allowed = int_range(1, 256, power_of_two=True)
 _split_check, _split_allowed = int_range(1, 64)
-MAX_AUTO_SPLITS = 16
 FIELDS = FamilyFields(
     fields=(
         Field("head_dim", "int", "elements per head", check=_hd_check, allowed=_hd_allowed),
@@ -159,14 +158,10 @@ def interface(spec: KernelSpec) -> Interface:
     rules = {}
     splits = _splits(spec)
     if splits != 1:
-        tensors += [TensorInfo("o_part", "f32", ("batch", H, "num_splits", d), "workspace",
-                               "per-split normalised partial outputs"),
-                    TensorInfo("lse_part", "f32", ("batch", H, "num_splits"), "workspace",
-                               "per-split log2-sum-exp (-inf for an empty split)")]
+        ctas = f"{Hk * configure(spec, None).head_chunks} * batch"
+        work, rules["num_splits"] = split_interface("batch", H, d, splits, ctas)
+        tensors += work
         dims.append("num_splits")
-        rules["num_splits"] = {"value": splits} if splits != "auto" else {"auto": {
-            "max": MAX_AUTO_SPLITS, "ctas": f"{Hk * configure(spec, None).head_chunks} * batch",
-            "rule": "min(max, max(1, cdiv(2 * num_sms, ctas)))"}}
     return Interface(tuple(tensors), tuple(dims), defaults, rules, scalars=scalars)
 
 

@@ -14,7 +14,22 @@ from __future__ import annotations
 
 from ..ir import F32, S64, U32, Addr, KernelBuilder
 from . import common as C
-from .base import Launch, LaunchParam, ParamSource
+from .base import Launch, LaunchParam, ParamSource, TensorInfo
+
+MAX_AUTO_SPLITS = 16
+
+
+def split_interface(rows_dim: str, num_heads: int, head_dim: int, splits, ctas: str) -> tuple[list, dict]:
+    """The split-KV workspace of a family whose rows (`rows_dim`: batch for decode, total_q for
+    varlen) are split `splits` ways (an int > 1 or "auto"), and the num_splits dim rule: the
+    built count, or "auto" = enough CTAs for two waves, from the launch's `ctas` expression."""
+    tensors = [TensorInfo("o_part", "f32", (rows_dim, num_heads, "num_splits", head_dim), "workspace",
+                          "per-split normalised partial outputs"),
+               TensorInfo("lse_part", "f32", (rows_dim, num_heads, "num_splits"), "workspace",
+                          "per-split log2-sum-exp (-inf for an empty split)")]
+    rule = {"value": splits} if splits != "auto" else {"auto": {
+        "max": MAX_AUTO_SPLITS, "ctas": ctas, "rule": "min(max, max(1, cdiv(2 * num_sms, ctas)))"}}
+    return tensors, rule
 
 
 def build_reduce(spec, entry: str, has_lse: bool, rows_dim: str = "batch") -> tuple:

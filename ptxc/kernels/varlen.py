@@ -25,13 +25,12 @@ from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, 
 from .variant import VARIANT_FIELDS, head_dim_v, validate_variant, variant_tensors
 from .kv_access import KVAccess, check_page_size
 from .prefill import PrefillConfig, _check_shape, value_split
-from .split_reduce import build_reduce
+from .split_reduce import build_reduce, split_interface
 
 _hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
 _page_check, _page_allowed = int_range(1, 256, power_of_two=True)
 _split_check, _split_allowed = int_range(1, 64)
 _POW2_TILE = (16, 32, 64, 128)
-MAX_AUTO_SPLITS = 16
 FIELDS = FamilyFields(
     fields=(
         Field("head_dim", "int", "elements per head", check=_hd_check, allowed=_hd_allowed),
@@ -163,14 +162,10 @@ def interface(spec: KernelSpec) -> Interface:
     rules: dict = {}
     splits = spec.opt("num_splits")
     if splits != 1:
-        tensors += [TensorInfo("o_part", "f32", ("total_q", H, "num_splits", dv), "workspace",
-                               "per-split normalised partial outputs"),
-                    TensorInfo("lse_part", "f32", ("total_q", H, "num_splits"), "workspace",
-                               "per-split log2-sum-exp (-inf for an empty split)")]
+        ctas = f"{Hk} * ({query_tiles_expr(spec)})"
+        work, rules["num_splits"] = split_interface("total_q", H, dv, splits, ctas)
+        tensors += work
         dims.append("num_splits")
-        rules["num_splits"] = {"value": splits} if splits != "auto" else {"auto": {
-            "max": MAX_AUTO_SPLITS, "ctas": f"{Hk} * ({query_tiles_expr(spec)})",
-            "rule": "min(max, max(1, cdiv(2 * num_sms, ctas)))"}}
     scale_tensors, scalars = kv_fp8.interface_extras(spec)
     tensors += scale_tensors
     ps = page_size(spec)
