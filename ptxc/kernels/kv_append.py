@@ -20,7 +20,7 @@ from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
-from . import fp8, kv_transform
+from . import fp8, kv_fp8, kv_transform
 from .kv_access import CACHES, KVAccess, check_page_size
 
 _hd_check, _hd_allowed = int_range(16, 256, multiple_of=8)
@@ -47,15 +47,8 @@ MAX_THREADS = 256
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
     check_page_size(spec)
+    kv_fp8.validate(spec)   # kv_dtype / kv_scale: the same rules as decode and varlen
     o = dict(spec.options)
-    kv_dtype = o.get("kv_dtype")
-    if kv_dtype is not None and kv_dtype not in fp8.KINDS and kv_dtype != spec.dtype:
-        raise SpecError(f"got {kv_dtype!r} with dtype {spec.dtype!r}; allowed: {spec.dtype!r} "
-                        f"(the dtype itself) or an FP8 type ({', '.join(fp8.KINDS)})", key="kv_dtype")
-    if o.get("kv_scale") is not None and kv_dtype not in fp8.KINDS:
-        raise SpecError(f"kv_scale = {o['kv_scale']!r} applies only to FP8 caches (kv_dtype is "
-                        f"{kv_dtype or spec.dtype!r}); allowed: kv_dtype = \"e4m3\" or \"e5m2\"",
-                        key="kv_scale")
     rd = o.get("rotary_dim")
     if rd is not None and o.get("rope") is None:
         raise SpecError(f"rotary_dim = {rd} needs rope = \"neox\" or \"gptj\"", key="rotary_dim")
