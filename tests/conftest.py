@@ -46,3 +46,17 @@ def assert_pass(rows) -> None:
     assert rows
     for r in rows:
         assert r.ok, f"{r.kernel} {r.tensor} {r.shape}: max error {r.max_error:.3e} > tolerance {r.tol:.3e}"
+
+
+def fp8_cache_body(dtype, kind, scale, layout, *, heads=(6, 2), head_dim=40, extra="") -> str:
+    """Spec keys of an attention kernel over an FP8 KV cache (decode and varlen tests)."""
+    text = (f'dtype = "{dtype}"\nhead_dim = {head_dim}\nnum_heads = {heads[0]}\n'
+            f'num_kv_heads = {heads[1]}\nkv_dtype = "{kind}"\nkv_scale = "{scale}"\n'
+            f'kv_layout = "{layout}"\n')
+    return text + ('page_size = 8\n' if layout == "paged" else "") + extra
+
+
+def cache_shapes(layout: str, batch: int, num_pages: int) -> dict:
+    """launch-test shapes for a batch over a paged (5 pages per sequence) or contiguous cache."""
+    return ({"batch": batch, "max_pages_per_seq": 5, "num_pages": num_pages}
+            if layout == "paged" else {"batch": batch, "max_seq_len": 37})

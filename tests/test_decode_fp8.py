@@ -12,7 +12,8 @@ import json
 import numpy as np
 import pytest
 
-from conftest import assert_pass, build_kernel
+from conftest import assert_pass, build_kernel, cache_shapes
+from conftest import fp8_cache_body as body
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.launch_test import check_artifact
@@ -24,14 +25,7 @@ ALL_TARGETS = ["sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_120"]
 
 
 def shapes(layout: str) -> dict:
-    return ({"batch": 5, "max_pages_per_seq": 5, "num_pages": 29} if layout == "paged" else
-            {"batch": 5, "max_seq_len": 37})
-
-
-def body(dtype, kind, scale, layout, *, heads=(6, 2), head_dim=40, extra="") -> str:
-    text = (f'dtype = "{dtype}"\nhead_dim = {head_dim}\nnum_heads = {heads[0]}\nnum_kv_heads = {heads[1]}\n'
-            f'kv_dtype = "{kind}"\nkv_scale = "{scale}"\nkv_layout = "{layout}"\n')
-    return text + ('page_size = 8\n' if layout == "paged" else "") + extra
+    return cache_shapes(layout, batch=5, num_pages=29)
 
 
 CASES = [  # (dtype, kv_dtype, kv_scale, layout, extra)

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from conftest import assert_pass, build_kernel
+from conftest import assert_pass, build_kernel, cache_shapes
+from conftest import fp8_cache_body as body
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.launch_test import check_artifact
 from ptxc.spec import load_text
@@ -21,14 +22,7 @@ ALL_TARGETS = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"]
 
 
 def shapes(layout: str) -> dict:
-    return ({"batch": 9, "max_pages_per_seq": 5, "num_pages": 47} if layout == "paged" else
-            {"batch": 9, "max_seq_len": 37})
-
-
-def body(dtype, kind, scale, layout, *, heads=(6, 2), head_dim=40, extra="") -> str:
-    text = (f'dtype = "{dtype}"\nhead_dim = {head_dim}\nnum_heads = {heads[0]}\nnum_kv_heads = {heads[1]}\n'
-            f'kv_dtype = "{kind}"\nkv_scale = "{scale}"\nkv_layout = "{layout}"\n')
-    return text + ('page_size = 8\n' if layout == "paged" else "") + extra
+    return cache_shapes(layout, batch=9, num_pages=47)
 
 
 CASES = [  # (dtype, kv_dtype, kv_scale, layout, extra)
