@@ -71,7 +71,7 @@ def test_flashinfer_paged_decode_loop():
     assert (c["tensor"], c["ldg"], c["sts"], c["ldgsts"], c["lds"], c["mufu"], c["shfl"], c["bar"]) \
         == (0, 0, 0, 4, 24, 10, 32, 16)
     assert c["fp32"] == 348 and c["other"] == 0
-    assert loop["global_bytes_loaded"] == 4 * 16 * 32
+    assert loop["global_bytes_loaded"] == 4 * 16 * 32 and loop["ldgsts_bytes"] == {"16": 4}
     # wait_group<3> after each of the 4 commits per iteration: 3-4 groups of 512 B per warp
     assert loop["inflight_bytes_peak"] == 4 * 512
     assert 3 * 512 <= loop["inflight_bytes_mean"] <= 4 * 512

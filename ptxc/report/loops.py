@@ -271,17 +271,15 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
     """What one steady-state iteration of the loop [head, latch] issues, per warp."""
     path = [instrs[n] for n in steady_path(instrs, labels, head, latch)]
     classes = dict.fromkeys(CLASSES, 0)
-    ldg_widths: dict[str, int] = {}
-    stg_widths: dict[str, int] = {}
+    widths_of: dict[str, dict[str, int]] = {"ldg": {}, "stg": {}, "ldgsts": {}}
     loaded = 0
     flops = 0
     for i in path:
         c = classify(i.opcode)
         classes[c] += 1
-        if c in ("ldg", "stg"):
+        if c in widths_of:
             w = str(access_bytes(i.opcode))
-            widths = ldg_widths if c == "ldg" else stg_widths
-            widths[w] = widths.get(w, 0) + 1
+            widths_of[c][w] = widths_of[c].get(w, 0) + 1
         if c in ("ldg", "ldgsts"):
             loaded += access_bytes(i.opcode) * 32
         flops += mma_flops(i) if c == "tensor" else 0
@@ -290,8 +288,7 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
     return {
         "head": f"{instrs[head].addr:#06x}", "back_edge": f"{instrs[latch].addr:#06x}",
         "body": latch - head + 1, "instructions": total, "classes": classes,
-        "ldg_bytes": dict(sorted(ldg_widths.items(), key=lambda kv: -int(kv[0]))),
-        "stg_bytes": dict(sorted(stg_widths.items(), key=lambda kv: -int(kv[0]))),
+        **{f"{c}_bytes": dict(sorted(w.items(), key=lambda kv: -int(kv[0]))) for c, w in widths_of.items()},
         "mma_flops": flops, "fp32_lane_ops": classes["fp32"] * 32,
         "instructions_per_mma": round(total / classes["tensor"], 2) if classes["tensor"] else None,
         "global_bytes_loaded": loaded,

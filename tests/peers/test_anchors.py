@@ -1,0 +1,52 @@
+"""bench/anchors.py end to end (slow: four nvcc compiles of FlashInfer's templates, ~1-2 min on
+2 cores): FlashInfer 0.7.2 and Triton kernels compiled without a GPU and read by ptxc's own loop
+analysis, next to ptxc's. Skips, saying why, without nvcc, the FlashInfer wheel (the
+flashinfer-python wheel is not a test dependency: installing it pulls in torch; point
+FLASHINFER_WHEEL at a downloaded wheel), Triton or nvdisasm."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_anchor_table(tmp_path, monkeypatch):
+    sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "bench" / "peers")]
+    import fi_build
+    try:
+        fi_build.find_nvcc()
+        fi_build.find_source(None)
+    except fi_build.Unavailable as e:
+        pytest.skip(str(e))
+    pytest.importorskip("triton", reason="triton not installed (the `test` extra)")
+    from ptxc.report.sass import SassUnavailable, find_nvdisasm
+    try:
+        find_nvdisasm()
+    except SassUnavailable as e:
+        pytest.skip(str(e))
+    import anchors
+    args = anchors.argparse.Namespace(targets=["sm_80", "sm_90"], flashinfer=None, work=tmp_path,
+                                      ptxc_out=None, json=True)
+    rows, notes = anchors.collect(args)
+    assert notes == []
+    got = {(r["impl"], r["job"], r["target"]): r for r in rows}
+    for impl in ("ptxc", "flashinfer", "triton"):
+        for job in ("decode", "prefill"):
+            for t in ("sm_80", "sm_90"):
+                r = got[(impl, job, t)]
+                assert r["per_kv_row"] > 0 and r["inflight_kib_sm"] > 0 and r["ctas_per_sm"] >= 1
+    fi_decode, fi_prefill = got[("flashinfer", "decode", "sm_80")], got[("flashinfer", "prefill", "sm_80")]
+    # the dispatcher's configuration: 128 threads, 2 cp.async stages (9 KiB), SIMT; 64 KiB, 2 CTAs/SM
+    assert (fi_decode["smem_kib"], fi_decode["tensor"], fi_decode["kv_rows"]) == (9.0, 0, 16)
+    assert fi_decode["registers"] <= 64 and fi_decode["ctas_per_sm"] >= 8
+    assert 100 <= fi_decode["per_kv_row"] <= 150
+    assert (fi_prefill["smem_kib"], fi_prefill["ctas_per_sm"], fi_prefill["tensor"]) == (64.0, 2, 264)
+    assert 3.0 <= fi_prefill["per_hmma"] <= 4.0
+    # Triton's decode and prefill put their math on tensor cores (wgmma for prefill on sm_90)
+    assert all(got[("triton", j, t)]["tensor"] > 0 for j in ("decode", "prefill") for t in ("sm_80", "sm_90"))
+    assert got[("triton", "prefill", "sm_90")]["per_hmma"] is not None
