@@ -54,6 +54,10 @@ class Peer:
     job: str              # "decode" | "prefill"
     threads: int          # per CTA
     kv_rows: int          # K/V rows one CTA consumes per iteration of the SASS main loop
+    driver: str = ""      # FlashInfer: bench/peers/fi_build.DRIVERS key (default: job)
+    targets: tuple[str, ...] = ("sm_80", "sm_90")
+    loop_warps: int = 0   # warps running the main loop (0: all; warp-specialised kernels fewer)
+    tma: bool = False     # K/V arrive by TMA (not modelled: no bytes in flight, no row check)
 
 
 PEERS = (
@@ -61,6 +65,9 @@ PEERS = (
     Peer("flashinfer", "BatchDecodeWithPagedKVCacheKernel", "decode", 128, 16),
     # CTA_TILE_Q 128 (4 warps x 2 x 16 rows), NUM_MMA_KV 4 x 16 = 64 K/V rows per tile
     Peer("flashinfer", "SinglePrefillWithKVCacheKernel", "prefill", 128, 64),
+    # FA3 (sm_90a): 1 producer warpgroup (TMA) + 2 consumer warpgroups (wgmma), 128 x 128 tiles
+    Peer("flashinfer", "PrefillWithKVCacheKernel (FA3)", "prefill", 384, 128, "prefill_fa3",
+         ("sm_90",), loop_warps=8, tma=True),
     Peer("triton", "gqa_paged_decode", "decode", 4 * 32, 32),          # BLOCK_N 32, 4 warps
     Peer("triton", "attn_fwd (tutorial)", "prefill", 8 * 32, 64),      # BLOCK_N 64, 8 warps
 )
@@ -73,12 +80,15 @@ def _disassemble(cubin: bytes) -> str:
 
 def _flashinfer(peer: Peer, arch: str, args) -> dict:
     import fi_build
-    kind = peer.job
+    kind = peer.driver or peer.job
+    arch = "sm_90a" if kind == "prefill_fa3" else arch    # TMA and wgmma need the a-variant
     got = fi_build.compile_kernel(kind, arch, fi_build.find_source(args.flashinfer), args.work)
-    # dynamic shared memory as the dispatchers size it (decode.cuh / prefill.cuh):
+    # dynamic shared memory as the dispatchers size it (static_asserts in the .cu files):
     # decode  max(2 stages x (K+V) x 8 rows x 128 x 2 B, 8 x 128 x 4 B) + 128 row offsets x 8 B
-    # prefill sizeof(SharedStorage): Q 128 x 128 + K, V 64 x 128, f16 (static_assert in the .cu)
-    smem = 2 * 2 * 8 * HEAD_DIM * KV_BYTES + 128 * 8 if kind == "decode" else 64 * 1024
+    # prefill sizeof(SharedStorage): Q 128 x 128 + K, V 64 x 128, f16
+    # FA3     sizeof(SharedStorage): Q 128 x 128 + K 2 x 128 x 128 + (V 2 x 128 x 128 | O) + barriers
+    smem = {"decode": 2 * 2 * 8 * HEAD_DIM * KV_BYTES + 128 * 8, "prefill": 64 * 1024,
+            "prefill_fa3": 163920}[kind]
     return {"cubin": got["cubin"], "entry": got["entry"], "dynamic_smem": smem,
             "how": f"nvcc -arch={arch} -O3 -use_fast_math, {got['version']}"}
 
@@ -114,12 +124,12 @@ def peer_row(peer: Peer, arch: str, args) -> dict:
     regs = registers(got["cubin"])[entry]
     occ = occupancy(get_target(arch), peer.threads, regs, got["dynamic_smem"])
     loop = loops["loops"][loops["main"]]
-    warps = peer.threads // 32
+    warps = peer.loop_warps or peer.threads // 32
     # the declared K/V rows must be what the iteration loads: its vector (>= 8-byte) global
     # loads and copies are K and V (page ids and indices are 4-byte)
     loaded = 32 * sum(n * int(w) for kind in ("ldg_bytes", "ldgsts_bytes")
                       for w, n in loop[kind].items() if int(w) >= 8)
-    assert loaded * warps == peer.kv_rows * 2 * HEAD_DIM * KV_BYTES, (peer, loaded)
+    assert loaded * warps == (0 if peer.tma else peer.kv_rows * 2 * HEAD_DIM * KV_BYTES), (peer, loaded)
     fig = loop_figures(loop, warps, occ["ctas_per_sm"], peer.kv_rows, models_for_target(arch),
                        PREFILL_REUSE if peer.job == "prefill" else 1)
     return _row(peer.impl, peer.kernel, peer.job, arch, regs, occ, got["dynamic_smem"], fig, got["how"])
@@ -165,12 +175,13 @@ def ptxc_rows(targets: list[str], out: Path | None) -> list[dict]:
 def collect(args) -> tuple[list[dict], list[str]]:
     from fi_build import Unavailable
     rows, notes = ptxc_rows(args.targets, args.ptxc_out), []
-    for impl in ("flashinfer", "triton"):
-        try:
-            for arch in args.targets:
-                rows.extend(peer_row(p, arch, args) for p in PEERS if p.impl == impl)
-        except (ImportError, Unavailable) as e:   # no triton; no nvcc, no wheel, nvcc failed
-            notes.append(f"{impl}: skipped ({e})")
+    for peer in PEERS:
+        for arch in (t for t in args.targets if t in peer.targets):
+            try:
+                rows.append(peer_row(peer, arch, args))
+            except (ImportError, Unavailable) as e:   # no triton; no nvcc, wheel or curand
+                note = f"{peer.impl}: skipped ({e})"
+                notes += [note] if note not in notes else []
     order = {"decode": 0, "prefill": 1}
     rows.sort(key=lambda r: (order[r["job"]], r["target"], r["impl"] != "ptxc", r["impl"], r["kernel"]))
     return rows, notes

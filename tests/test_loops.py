@@ -109,6 +109,8 @@ def test_uniform_branches_are_conditional_and_main_loop_has_the_mma():
     # seen in peers' sm_90 SASS (Triton 3.9): stmatrix, fused add-min/max, wgmma fences
     ("STSM.16.M88.2", "sts"), ("VIADDMNMX", "int"), ("WARPGROUP.ARRIVE", "bar"),
     ("WARPGROUP.DEPBAR.LE", "bar"), ("FENCE.VIEW.ASYNC.S", "bar"),
+    # FlashInfer's FA3 (sm_90a): mbarrier back-off, warpgroup register reallocation; TMA is "other"
+    ("NANOSLEEP.SYNCS", "control"), ("USETMAXREG.DEALLOC.CTAPOOL", "control"), ("UTMALDG.3D", "other"),
 ])
 def test_classify(opcode, cls):
     assert classify(opcode) == cls

@@ -18,9 +18,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_WHEEL = Path("/tmp/fi/flashinfer_python-0.7.2.post1-py3-none-any.whl")
-DRIVERS = {"decode": HERE / "flashinfer_decode.cu", "prefill": HERE / "flashinfer_prefill.cu"}
-# flashinfer/data/... members the drivers need: its headers and the CCCL it vendors
-_MEMBERS = ("include/", "cccl/cub/cub/", "cccl/libcudacxx/include/", "cccl/thrust/thrust/")
+DRIVERS = {"decode": HERE / "flashinfer_decode.cu", "prefill": HERE / "flashinfer_prefill.cu",
+           "prefill_fa3": HERE / "flashinfer_prefill_sm90.cu"}
+# flashinfer/data/... members the drivers need: its headers, the CCCL and CUTLASS it vendors
+_MEMBERS = ("include/", "cccl/cub/cub/", "cccl/libcudacxx/include/", "cccl/thrust/thrust/",
+            "cutlass/include/", "cutlass/tools/util/include/")
 FLAGS = ("-std=c++17", "-O3", "-DNDEBUG", "-use_fast_math", "--expt-relaxed-constexpr",
          "-DFLASHINFER_ENABLE_F16", "-DFLASHINFER_ENABLE_BF16", "-DFLASHINFER_ENABLE_FP8_E4M3",
          "-DFLASHINFER_ENABLE_FP8_E5M2", "-diag-suppress", "177")
@@ -37,11 +39,30 @@ def find_nvcc() -> str:
         return os.environ["NVCC"]
     if cand := shutil.which("nvcc"):
         return cand
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for p in sorted(Path(root).glob("cu*/bin/nvcc")):
-            return str(p)
+    for inc in _nvidia_includes():
+        if (inc.parent / "bin" / "nvcc").exists():
+            return str(inc.parent / "bin" / "nvcc")
     raise Unavailable("nvcc not found (install nvidia-cuda-nvcc, or set NVCC=/path)")
+
+
+def _nvidia_includes() -> list[Path]:
+    spec = importlib.util.find_spec("nvidia")
+    return [inc for root in ((spec.submodule_search_locations or []) if spec else [])
+            for inc in sorted(Path(root).glob("cu*/include"))]
+
+
+def find_curand() -> Path:
+    """The directory with curand_kernel.h: the FA3 prefill includes CUTLASS's utility headers,
+    which include it (FlashInfer's JIT finds it in the CUDA toolkit). CURAND_INCLUDE=/dir, the
+    nvidia-curand wheel, or /usr/local/cuda/include."""
+    cands = [Path(os.environ["CURAND_INCLUDE"])] if os.environ.get("CURAND_INCLUDE") else []
+    cands += _nvidia_includes() + [Path("/usr/local/cuda/include")]
+    for c in cands:
+        if (c / "curand_kernel.h").exists():
+            return c
+    raise Unavailable("curand_kernel.h not found for the FA3 prefill (its CUTLASS utility headers"
+                      " include it): set CURAND_INCLUDE to the include directory of the"
+                      " nvidia-curand wheel (`pip download nvidia-curand --no-deps`)")
 
 
 def find_source(given: str | None) -> Path:
@@ -76,7 +97,7 @@ def data_dir(source: Path, work: Path) -> tuple[Path, str]:
     needed members of a wheel once into the work directory."""
     if not source.is_file():
         return source, source.parent.name
-    tag = _digest(source)[:16]
+    tag = _digest(source)[:12] + hashlib.sha256(repr(_MEMBERS).encode()).hexdigest()[:4]
     out = work / f"flashinfer-{tag}"
     if not (out / ".complete").exists():
         with zipfile.ZipFile(source) as z:
@@ -97,7 +118,10 @@ def compile_kernel(kind: str, arch: str, source: Path, work: Path) -> dict:
            f"-I{data / 'cccl/thrust'}", f"-I{data / 'include'}"]
     nvcc_inc = Path(nvcc).resolve().parent.parent / "include"
     if (nvcc_inc / "cuda_runtime.h").exists():
-        inc.append(f"-isystem{nvcc_inc}")
+        inc += ["-isystem", str(nvcc_inc)]
+    if kind == "prefill_fa3":
+        inc += [f"-I{data / 'cutlass/include'}", f"-I{data / 'cutlass/tools/util/include'}",
+                "-isystem", str(find_curand())]
     driver = DRIVERS[kind]
     key = hashlib.sha256(repr((driver.read_bytes(), version, _digest(source), FLAGS, arch,
                                _digest(Path(nvcc)))).encode()).hexdigest()[:24]

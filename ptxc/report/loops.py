@@ -38,7 +38,7 @@ _INT = {"IADD3", "IADD", "IMAD", "LEA", "LOP3", "LOP", "SHF", "ISETP", "IMNMX", 
         "BREV", "BMSK", "SGXT", "ISCADD", "XMAD", "LEA.HI", "IMUL", "FSETP.INT", "VIADDMNMX"}
 _MOVE = {"MOV", "MOV32I", "CS2R", "S2R", "S2UR", "R2UR", "LDC", "ULDC", "UMOV", "SHFL.IDX.MOVE"}
 _CONTROL = {"BRA", "BRX", "JMP", "BSSY", "BSYNC", "EXIT", "CALL", "RET", "NOP", "YIELD", "BPT",
-            "BMOV", "KILL", "ELECT", "VOTE", "VOTEU"}
+            "BMOV", "KILL", "ELECT", "VOTE", "VOTEU", "NANOSLEEP", "USETMAXREG"}
 _GLOBAL_LOADS = {"LDG", "LD"}
 _GLOBAL_STORES = {"STG", "ST", "RED", "ATOMG", "ATOM"}
 

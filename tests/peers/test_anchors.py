@@ -2,7 +2,8 @@
 2 cores): FlashInfer 0.7.2 and Triton kernels compiled without a GPU and read by ptxc's own loop
 analysis, next to ptxc's. Skips, saying why, without nvcc, the FlashInfer wheel (the
 flashinfer-python wheel is not a test dependency: installing it pulls in torch; point
-FLASHINFER_WHEEL at a downloaded wheel), Triton or nvdisasm."""
+FLASHINFER_WHEEL at a downloaded wheel), Triton or nvdisasm; FlashInfer's FA3 prefill (sm_90a,
+another ~2 min) also needs curand's headers (CURAND_INCLUDE) and is checked when they are found."""
 
 from __future__ import annotations
 
@@ -32,9 +33,17 @@ def test_anchor_table(tmp_path, monkeypatch):
     import anchors
     args = anchors.argparse.Namespace(targets=["sm_80", "sm_90"], flashinfer=None, work=tmp_path,
                                       ptxc_out=None, json=True)
+    try:
+        fi_build.find_curand()
+        has_curand = True
+    except fi_build.Unavailable:
+        has_curand = False
     rows, notes = anchors.collect(args)
-    assert notes == []
-    got = {(r["impl"], r["job"], r["target"]): r for r in rows}
+    # only FlashInfer's FA3 prefill needs curand's headers; without them it alone is skipped
+    assert notes == ([] if has_curand else [n for n in notes if "curand_kernel.h" in n]) and \
+        len(notes) == (0 if has_curand else 1)
+    fa3 = [r for r in rows if "FA3" in r["kernel"]]
+    got = {(r["impl"], r["job"], r["target"]): r for r in rows if r not in fa3}
     for impl in ("ptxc", "flashinfer", "triton"):
         for job in ("decode", "prefill"):
             for t in ("sm_80", "sm_90"):
@@ -50,3 +59,7 @@ def test_anchor_table(tmp_path, monkeypatch):
     # Triton's decode and prefill put their math on tensor cores (wgmma for prefill on sm_90)
     assert all(got[("triton", j, t)]["tensor"] > 0 for j in ("decode", "prefill") for t in ("sm_80", "sm_90"))
     assert got[("triton", "prefill", "sm_90")]["per_hmma"] is not None
+    if has_curand:   # FA3 on sm_90a: warp-specialised, HGMMA in the consumers' loop, TMA loads
+        [r] = fa3
+        assert (r["target"], r["smem_kib"], r["ctas_per_sm"], r["kv_rows"]) == ("sm_90", 160.1, 1, 128)
+        assert r["tensor"] == 16 and 1.0 <= r["per_hmma"] <= 3.0
