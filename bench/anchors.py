@@ -180,8 +180,10 @@ def collect(args) -> tuple[list[dict], list[str]]:
             try:
                 rows.append(peer_row(peer, arch, args))
             except (ImportError, Unavailable) as e:   # no triton; no nvcc, wheel or curand
-                note = f"{peer.impl}: skipped ({e})"
-                notes += [note] if note not in notes else []
+                # one line per reason: a whole peer's, or one kernel's (FA3 without curand)
+                if not any(n.endswith(f"skipped ({e})") for n in notes):
+                    who = f"{peer.impl} {peer.kernel}" if peer.driver else peer.impl
+                    notes.append(f"{who}: skipped ({e})")
     order = {"decode": 0, "prefill": 1}
     rows.sort(key=lambda r: (order[r["job"]], r["target"], r["impl"] != "ptxc", r["impl"], r["kernel"]))
     return rows, notes
