@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench" / "peers"))
 
 from ptxc.report.gpus import models_for_target  # noqa: E402
 from ptxc.report.loop_model import loop_figures  # noqa: E402
-from ptxc.report.loops import analyze_disassembly  # noqa: E402
+from ptxc.report.sass import sass_profile  # noqa: E402
 from ptxc.targets import get_target, occupancy  # noqa: E402
 
 HEAD_DIM, KV_BYTES = 128, 2
@@ -71,11 +71,6 @@ PEERS = (
     Peer("triton", "gqa_paged_decode", "decode", 4 * 32, 32),          # BLOCK_N 32, 4 warps
     Peer("triton", "attn_fwd (tutorial)", "prefill", 8 * 32, 64),      # BLOCK_N 64, 8 warps
 )
-
-
-def _disassemble(cubin: bytes) -> str:
-    from ptxc.report.sass import _disassembly_text, find_nvdisasm
-    return _disassembly_text(find_nvdisasm(), cubin)
 
 
 def _flashinfer(peer: Peer, arch: str, args) -> dict:
@@ -119,8 +114,9 @@ def _triton(peer: Peer, arch: str, args) -> dict:
 def peer_row(peer: Peer, arch: str, args) -> dict:
     from cubin_info import registers
     got = (_flashinfer if peer.impl == "flashinfer" else _triton)(peer, arch, args)
-    analysis = analyze_disassembly(_disassemble(got["cubin"]))
-    [(entry, loops)] = [(fn, a) for fn, a in analysis.items() if fn == got["entry"] or got["entry"] is None]
+    profile = sass_profile(got["cubin"])       # nvdisasm + ptxc.report.loops, per function
+    [(entry, loops)] = [(fn, a["loops"]) for fn, a in profile.items()
+                        if fn == got["entry"] or got["entry"] is None]
     regs = registers(got["cubin"])[entry]
     occ = occupancy(get_target(arch), peer.threads, regs, got["dynamic_smem"])
     loop = loops["loops"][loops["main"]]
@@ -129,7 +125,9 @@ def peer_row(peer: Peer, arch: str, args) -> dict:
     # loads and copies are K and V (page ids and indices are 4-byte)
     loaded = 32 * sum(n * int(w) for kind in ("ldg_bytes", "ldgsts_bytes")
                       for w, n in loop[kind].items() if int(w) >= 8)
-    assert loaded * warps == (0 if peer.tma else peer.kv_rows * 2 * HEAD_DIM * KV_BYTES), (peer, loaded)
+    if loaded * warps != (0 if peer.tma else peer.kv_rows * 2 * HEAD_DIM * KV_BYTES):
+        raise SystemExit(f"{peer.impl} {peer.kernel} {arch}: declared {peer.kv_rows} K/V rows per "
+                         f"iteration, but its loop loads {loaded * warps} bytes of K and V per CTA")
     fig = loop_figures(loop, warps, occ["ctas_per_sm"], peer.kv_rows, models_for_target(arch),
                        PREFILL_REUSE if peer.job == "prefill" else 1)
     return _row(peer.impl, peer.kernel, peer.job, arch, regs, occ, got["dynamic_smem"], fig, got["how"])
