@@ -7,7 +7,6 @@ another ~2 min) also needs curand's headers (CURAND_INCLUDE) and is checked when
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_anchor_table(tmp_path, monkeypatch):
-    sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "bench" / "peers")]
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "peers"))
     import fi_build
     try:
         fi_build.find_nvcc()
@@ -63,3 +63,22 @@ def test_anchor_table(tmp_path, monkeypatch):
         [r] = fa3
         assert (r["target"], r["smem_kib"], r["ctas_per_sm"], r["kv_rows"]) == ("sm_90", 160.1, 1, 128)
         assert r["tensor"] == 16 and 1.0 <= r["per_hmma"] <= 3.0
+
+
+def test_cubin_registers_match_ptxas(tmp_path, toolchain, monkeypatch):
+    """bench/peers/cubin_info.py reads a kernel's register count from the cubin's .nv.info (how
+    the anchors get the peers'): the same number ptxas reported into ptxc's metadata, on sm_80
+    and sm_90 (where the section header no longer carries it)."""
+    import json
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "peers"))
+    from cubin_info import registers
+    from ptxc.pipeline.build import run_build
+    spec = tmp_path / "k.toml"
+    spec.write_text('[[kernel]]\nname = "k"\nfamily = "decode"\ndtype = "f16"\nhead_dim = 64\n'
+                    'num_heads = 4\nnum_kv_heads = 2\ntargets = ["sm_80", "sm_90"]\n')
+    run_build([spec], tmp_path / "out", progress=False)
+    meta = json.loads((tmp_path / "out" / "k" / "k.json").read_text())
+    for target, t in meta["targets"].items():
+        cubin = (tmp_path / "out" / "k" / f"k.{target}.cubin").read_bytes()
+        got = registers(cubin)
+        assert got and {L["entry"]: L["resources"]["registers"] for L in t["kernels"]} == got
