@@ -21,6 +21,9 @@ import time
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # silence 3.9's default-change warning
 
 HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 128, 64, 8, 3
+SIGNATURE = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "sm_scale": "fp32",
+             "stride_h": "i32", "stride_m": "i32", "N_CTX": "i32"}
+CONSTEXPRS = {"HEAD_DIM": HEAD_DIM, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "CAUSAL": True}
 
 
 def available() -> str | None:
@@ -85,10 +88,8 @@ def compile_once(arch: int = 80) -> dict:
     from triton.compiler import ASTSource
 
     fn = _kernel()
-    sig = {"Q": "*fp16", "K": "*fp16", "V": "*fp16", "Out": "*fp16", "sm_scale": "fp32",
-           "stride_h": "i32", "stride_m": "i32", "N_CTX": "i32", "HEAD_DIM": "constexpr",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "CAUSAL": "constexpr"}
-    consts = {"HEAD_DIM": HEAD_DIM, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "CAUSAL": True}
+    sig = {**SIGNATURE, **{k: "constexpr" for k in CONSTEXPRS}}
+    consts = CONSTEXPRS
     stage_times: dict = {}
 
     def listener(*, times, **_):

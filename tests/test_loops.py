@@ -9,9 +9,11 @@ import pytest
 
 from ptxc.report.gpus import GPUS
 from ptxc.report.loop_model import bound_on, kv_reuse, kv_rows_per_iteration, loop_figures
-from ptxc.report.loops import access_bytes, analyze_disassembly, classify, mma_flops, Instr
+from ptxc.report.loops import (Instr, access_bytes, analyze_disassembly, classify, find_loops, mma_flops,
+                               parse_functions, table_refills)
 
 SASS = Path(__file__).parent / "sass"
+PEER_SASS = Path(__file__).parent / "data"
 
 
 def _main(name: str) -> tuple[dict, dict]:
@@ -35,6 +37,44 @@ def test_pipelined_mma_loop_takes_prefetch_and_skips_masking():
     # this iteration's copies add 512 B, then 1 KiB, for the last five instructions
     assert loop["inflight_bytes_peak"] == 2048
     assert loop["inflight_bytes_mean"] == round((10 * 1024 + 1536 + 4 * 2048) / 15, 1)
+
+
+def test_depbar_keeps_groups_when_fewer_than_n_are_open():
+    # 4 commit groups outstanding after each commit, DEPBAR.LE SB0, 3 retires one: 3-4 groups of
+    # 512 B per warp stay in flight (a wait for n with fewer than n groups open retires none)
+    _, loop = _main("deep_pipeline.sass")
+    assert loop["instructions"] == 8 and loop["global_bytes_loaded"] == 2 * 512
+    assert loop["inflight_bytes_peak"] == 2048
+    assert loop["inflight_bytes_mean"] == (4 * 2048 + 4 * 1536) / 8
+
+
+def test_flashinfer_paged_decode_loop():
+    """A peer's SASS (tests/data: FlashInfer 0.7.2's paged decode, nvcc 13, sm_80): the main loop
+    is found, its K/V row-offset table refill (taken once every 16 tiles) is off the steady path,
+    and the counts are those of two 8-row tiles (the loop is unrolled twice)."""
+    text = (PEER_SASS / "flashinfer_decode_sm80.sass").read_text()
+    [(fn, (instrs, labels))] = parse_functions(text).items()
+    assert "BatchDecodeWithPagedKVCacheKernel" in fn
+    [(head, latch)] = find_loops(instrs, labels)
+    refill = sorted(table_refills(instrs, labels, head, latch))
+    # the 26 instructions between `@P0 BRA .L_x_3` and .L_x_3: page-id LDG.32, offset math, STS.64
+    assert (instrs[refill[0]].addr, instrs[refill[-1]].addr, len(refill)) == (0x0b00, 0x0c90, 26)
+    assert {instrs[n].base for n in refill} >= {"LDG", "STS", "IMAD"}
+    [(fn2, result)] = analyze_disassembly(text).items()
+    loop = result["loops"][result["main"]]
+    assert (loop["head"], loop["back_edge"], loop["body"]) == ("0x0ac0", "0x2b10", 518)
+    assert loop["instructions"] == 518 - 26
+    c = loop["classes"]
+    # per tile: one 16-byte K and one V cp.async per lane, 4 + 4 LDS.128 of K/V rows, the
+    # row-offset table read (LDS.64) and 3 LDS; SIMT math on the FP32 pipe (the f16 -> f32
+    # unpacks are 128 HADD2.F32 of the 348)
+    assert (c["tensor"], c["ldg"], c["sts"], c["ldgsts"], c["lds"], c["mufu"], c["shfl"], c["bar"]) \
+        == (0, 0, 0, 4, 24, 10, 32, 16)
+    assert c["fp32"] == 348 and c["other"] == 0
+    assert loop["global_bytes_loaded"] == 4 * 16 * 32 and loop["ldgsts_bytes"] == {"16": 4}
+    # wait_group<3> after each of the 4 commits per iteration: 3-4 groups of 512 B per warp
+    assert loop["inflight_bytes_peak"] == 4 * 512
+    assert 3 * 512 <= loop["inflight_bytes_mean"] <= 4 * 512
 
 
 def test_register_loads_are_in_flight_until_a_register_is_named():
@@ -66,9 +106,23 @@ def test_uniform_branches_are_conditional_and_main_loop_has_the_mma():
     ("BAR.SYNC.DEFER_BLOCKING", "bar"), ("LDG.E.128.CONSTANT", "ldg"), ("LD.E.64", "ldg"),
     ("STG.E.128", "stg"), ("LDS.128", "lds"), ("STS.64", "sts"), ("LDSM.16.MT88.4", "ldsm"),
     ("LDGSTS.E.BYPASS.128", "ldgsts"), ("BSSY", "control"), ("NOP", "control"), ("XYZZY", "other"),
+    # seen in peers' sm_90 SASS (Triton 3.9): stmatrix, fused add-min/max, wgmma fences
+    ("STSM.16.M88.2", "sts"), ("VIADDMNMX", "int"), ("WARPGROUP.ARRIVE", "bar"),
+    ("WARPGROUP.DEPBAR.LE", "bar"), ("FENCE.VIEW.ASYNC.S", "bar"),
+    # FlashInfer's FA3 (sm_90a): mbarrier back-off, warpgroup register reallocation; TMA is "other"
+    ("NANOSLEEP.SYNCS", "control"), ("USETMAXREG.DEALLOC.CTAPOOL", "control"), ("UTMALDG.3D", "other"),
 ])
 def test_classify(opcode, cls):
     assert classify(opcode) == cls
+
+
+def test_wgmma_shape_is_part_of_the_opcode():
+    text = """\t.section\t.text.k,"ax",@progbits
+        /*1180*/                   HGMMA.64x64x16.F32 R88, gdesc[UR12], RZ, !UPT ;
+"""
+    [(_, (instrs, _))] = parse_functions(text).items()
+    assert (instrs[0].opcode, instrs[0].operands) == ("HGMMA.64x64x16.F32", "R88, gdesc[UR12], RZ, !UPT")
+    assert mma_flops(instrs[0]) == 2 * 64 * 64 * 16 // 4
 
 
 def test_widths_and_mma_flops():

@@ -6,14 +6,16 @@ from the loop head to that back edge through the forward branches inside; the st
 is the one doing the most work (tensor-core instructions and loads: HMMA, LDSM, LDGSTS, LDG,
 LDS, STS) and, among those, the fewest instructions: that takes the prefetch of the next tile
 (`if j + 1 < n`) and skips masking, tail handling and prefill's lazy softmax rescale, i.e. an
-interior tile whose running max did not jump. A kernel's main loop is the one whose
+interior tile whose running max did not jump. A branch region that only refills an index table
+(scalar global loads, no tile work: FlashInfer's K/V row offsets, once every 16 tiles) counts as
+no work, so the steady path skips it too. A kernel's main loop is the one whose
 iteration has the most HMMA, then the most global-load bytes, then the most instructions.
 
 Bytes in flight are simulated over the path run three times (the last pass is reported, so
 loads issued for the next iteration count): a register load (LDG/LD) is outstanding from its
 issue until an instruction names one of its destination registers (the scoreboard wait); an
 asynchronous copy (LDGSTS) joins the open group, LDGDEPBAR commits it, and `DEPBAR.LE SB0, n`
-retires the oldest groups until n remain. Per warp figures are lanes x bytes (predicated-off
+retires the oldest groups until at most n remain. Per warp figures are lanes x bytes (predicated-off
 lanes are not known statically and count as loading). Nothing here needs a GPU.
 """
 
@@ -29,18 +31,20 @@ _TENSOR = {"HMMA", "HGMMA", "IMMA", "DMMA", "QGMMA", "IGMMA", "BMMA"}
 _FP = {"FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FSWZADD", "HADD2",
        "HMUL2", "HFMA2", "HMNMX2", "HSET2", "HSETP2", "FMUL2", "FADD2", "FFMA2"}
 _CVT = {"F2F", "F2I", "I2F", "F2FP", "I2FP", "F2IP", "FRND", "I2I", "I2IP"}
-_BAR = {"BAR", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "MEMBAR", "SYNCS", "ARRIVES", "ERRBAR", "CCTL"}
+_BAR = {"BAR", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "MEMBAR", "SYNCS", "ARRIVES", "ERRBAR", "CCTL",
+        "WARPGROUP", "FENCE"}
 _INT = {"IADD3", "IADD", "IMAD", "LEA", "LOP3", "LOP", "SHF", "ISETP", "IMNMX", "IABS", "POPC",
         "FLO", "BFE", "BFI", "PRMT", "SEL", "PLOP3", "P2R", "R2P", "VIADD", "VIMNMX", "IDP",
-        "BREV", "BMSK", "SGXT", "ISCADD", "XMAD", "LEA.HI", "IMUL", "FSETP.INT"}
+        "BREV", "BMSK", "SGXT", "ISCADD", "XMAD", "LEA.HI", "IMUL", "FSETP.INT", "VIADDMNMX"}
 _MOVE = {"MOV", "MOV32I", "CS2R", "S2R", "S2UR", "R2UR", "LDC", "ULDC", "UMOV", "SHFL.IDX.MOVE"}
 _CONTROL = {"BRA", "BRX", "JMP", "BSSY", "BSYNC", "EXIT", "CALL", "RET", "NOP", "YIELD", "BPT",
-            "BMOV", "KILL", "ELECT", "VOTE", "VOTEU"}
+            "BMOV", "KILL", "ELECT", "VOTE", "VOTEU", "NANOSLEEP", "USETMAXREG"}
 _GLOBAL_LOADS = {"LDG", "LD"}
 _GLOBAL_STORES = {"STG", "ST", "RED", "ATOMG", "ATOM"}
 
 _LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):")
-_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)"
+# opcode modifiers may hold lower case: HGMMA.64x128x16.F32
+_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)"
                    r"\s*([^;]*);")
 _SECTION = re.compile(r"^\s*\.section\s+\.text\.([\w$]+)")
 _REG = re.compile(r"\bR(\d+)(\.64)?\b")
@@ -91,6 +95,8 @@ def classify(opcode: str) -> str:
         return "tensor"
     if base in ("LDSM", "LDGSTS", "LDS", "STS", "MUFU", "SHFL"):
         return base.lower()
+    if base == "STSM":
+        return "sts"    # sm_90 stmatrix: a store to shared memory
     if base in _GLOBAL_LOADS:
         return "ldg"
     if base in _GLOBAL_STORES:
@@ -179,9 +185,33 @@ def find_loops(instrs: list[Instr], labels: dict[str, int]) -> list[tuple[int, i
 _WORK = {"tensor", "ldsm", "ldgsts", "ldg", "lds", "sts"}
 
 
-def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> list[int]:
-    """Indices of the steady-state iteration: the most work, then the fewest instructions."""
+def table_refills(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> set[int]:
+    """Indices of the loop's table refills: regions a conditional forward branch skips whose
+    global loads are all scalar (<= 4 bytes per lane: page ids, indices) and which feed no tile
+    (no HMMA, LDSM, LDGSTS or LDS). FlashInfer's paged decode refills its shared-memory table of
+    K/V row offsets there once every 16 tiles; such a region is not part of the steady state,
+    however much it loads and stores."""
     index = {i.addr: n for n, i in enumerate(instrs)}
+    out: set[int] = set()
+    for n in range(head, latch):
+        i = instrs[n]
+        t = _branch_target(i, labels)
+        if t is None or i.guard == "@!PT" or not _conditional(i) or not (n < index.get(t, -1) <= latch):
+            continue
+        region = range(n + 1, index[t])
+        classes = {classify(instrs[k].opcode) for k in region}
+        loads = [instrs[k] for k in region if classify(instrs[k].opcode) == "ldg"]
+        if loads and all(access_bytes(ld.opcode) <= 4 for ld in loads) \
+                and not classes & {"tensor", "ldsm", "ldgsts", "lds"}:
+            out.update(region)
+    return out
+
+
+def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> list[int]:
+    """Indices of the steady-state iteration: the most work (table refills count as none), then
+    the fewest instructions."""
+    index = {i.addr: n for n, i in enumerate(instrs)}
+    refills = table_refills(instrs, labels, head, latch)
     # best[n] = (score, path) of the best path from head reaching instruction n
     best: dict[int, tuple[tuple[int, int], list[int]]] = {head: ((0, 0), [])}
     for n in range(head, latch + 1):
@@ -189,7 +219,7 @@ def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: i
             continue
         (work, size), path = best.pop(n)
         i = instrs[n]
-        work, size, path = work - (classify(i.opcode) in _WORK), size + 1, path + [n]
+        work, size, path = work - (classify(i.opcode) in _WORK and n not in refills), size + 1, path + [n]
         if n == latch:
             return path
         succ = []
@@ -231,7 +261,7 @@ def bytes_in_flight(path: list[Instr], lanes: int = 32) -> tuple[float, int]:
                 open_group = 0
             elif i.base == "DEPBAR" and (m := _DEPBAR.search(i.operands)):
                 keep = int(m.group(1), 0)
-                groups = groups[len(groups) - keep:] if keep else []
+                groups = groups[max(0, len(groups) - keep):] if keep else []   # n or fewer stay
             if rep == 2:
                 samples.append(sum(b for _, b in loads) + sum(groups) + open_group)
     return (sum(samples) / len(samples) if samples else 0.0), max(samples, default=0)
@@ -241,17 +271,15 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
     """What one steady-state iteration of the loop [head, latch] issues, per warp."""
     path = [instrs[n] for n in steady_path(instrs, labels, head, latch)]
     classes = dict.fromkeys(CLASSES, 0)
-    ldg_widths: dict[str, int] = {}
-    stg_widths: dict[str, int] = {}
+    widths_of: dict[str, dict[str, int]] = {"ldg": {}, "stg": {}, "ldgsts": {}}
     loaded = 0
     flops = 0
     for i in path:
         c = classify(i.opcode)
         classes[c] += 1
-        if c in ("ldg", "stg"):
+        if c in widths_of:
             w = str(access_bytes(i.opcode))
-            widths = ldg_widths if c == "ldg" else stg_widths
-            widths[w] = widths.get(w, 0) + 1
+            widths_of[c][w] = widths_of[c].get(w, 0) + 1
         if c in ("ldg", "ldgsts"):
             loaded += access_bytes(i.opcode) * 32
         flops += mma_flops(i) if c == "tensor" else 0
@@ -260,8 +288,7 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
     return {
         "head": f"{instrs[head].addr:#06x}", "back_edge": f"{instrs[latch].addr:#06x}",
         "body": latch - head + 1, "instructions": total, "classes": classes,
-        "ldg_bytes": dict(sorted(ldg_widths.items(), key=lambda kv: -int(kv[0]))),
-        "stg_bytes": dict(sorted(stg_widths.items(), key=lambda kv: -int(kv[0]))),
+        **{f"{c}_bytes": dict(sorted(w.items(), key=lambda kv: -int(kv[0]))) for c, w in widths_of.items()},
         "mma_flops": flops, "fp32_lane_ops": classes["fp32"] * 32,
         "instructions_per_mma": round(total / classes["tensor"], 2) if classes["tensor"] else None,
         "global_bytes_loaded": loaded,
@@ -282,4 +309,4 @@ def analyze_disassembly(text: str) -> dict[str, dict]:
 
 
 __all__ = ["CLASSES", "Instr", "access_bytes", "analyze_disassembly", "bytes_in_flight", "classify",
-           "find_loops", "mma_flops", "parse_functions", "profile_loop", "steady_path"]
+           "find_loops", "mma_flops", "parse_functions", "profile_loop", "steady_path", "table_refills"]
