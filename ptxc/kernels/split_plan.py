@@ -12,11 +12,14 @@ where `longest` is the most units of any row, `total` the units of the whole bat
 CTA's own row (== longest's bound normally; it keeps the cover exact even if the two disagree).
 Row r then uses cdiv(units_r, chunk) <= S splits, split z covering units [z*chunk, (z+1)*chunk);
 the CTAs of unused split indices see an empty range and write an empty partial (lse = -inf),
-which split_reduce's exact merge weighs 0. "auto" sizes S = SPLIT_HEADROOM x the resident CTA
+which split_reduce's exact merge weighs 0 (without reading its o_part). Since chunk >=
+cdiv(own, S), a CTA with z * cdiv(own, S) >= own knows it is unused from its own length alone and
+exits before the batch pass (emit_idle_exit): the many spare split indices of short rows cost a
+load and a store. "auto" sizes S = SPLIT_HEADROOM x the resident CTA
 slots / (CTAs per split index) (split_interface), so the `total` term aims the busy CTAs at
 about one per resident slot, and the headroom lets a long row take up to SPLIT_HEADROOM x its
 even share of splits. Each CTA computes `longest` and `total` with a warp-parallel pass over the
-batch (one lane per row, a butterfly reduction): every warp does it redundantly, so there is no
+batch (one lane per row, a shuffle reduction): every warp does it redundantly, so there is no
 barrier and no shared memory. `plan` is the same arithmetic in Python (tests, docs).
 """
 
@@ -26,7 +29,7 @@ from typing import Callable
 
 from ..ir import U32, KernelBuilder, Reg
 
-SPLIT_HEADROOM = 2    # "auto": split indices per resident CTA slot (see the module docstring)
+SPLIT_HEADROOM = 4    # "auto": split indices per resident CTA slot (see the module docstring)
 MAX_AUTO_SPLITS = 64
 
 
@@ -43,10 +46,26 @@ def emit_batch_units(b: KernelBuilder, lane: Reg, n_rows: Reg,
         work, span = units_of(i)
         b.add(total, work, out=total)
         b.max(longest, span, out=longest)
+    # A tree into lane 0, then a broadcast: with a butterfly instead ptxas (13.0, sm_90) spills
+    # in the varlen split kernel.
     for off in (16, 8, 4, 2, 1):
-        b.add(total, b.shfl("bfly", total, off), out=total)
-        b.max(longest, b.shfl("bfly", longest, off), out=longest)
-    return total, longest
+        b.add(total, b.shfl("down", total, off), out=total)
+        b.max(longest, b.shfl("down", longest, off), out=longest)
+    return b.shfl("idx", total, 0), b.shfl("idx", longest, 0)
+
+
+def emit_idle_exit(b: KernelBuilder, split: Reg, own: Reg, num_splits: Reg, keep_split0: bool,
+                   write_empty: Callable[[], None]) -> None:
+    """Leave at once, before the batch pass, when the uniform chunk (>= cdiv(own, S)) cannot
+    give split `split` any of its row's `own` units; `write_empty()` first stores the empty
+    partials (lse = -inf: split_reduce then never reads their o_part). `keep_split0`: split 0
+    stays (it carries the attention sink)."""
+    idle = b.setp("ge", b.mul(split, b.max(_cdiv(b, own, num_splits), 1)), own)
+    if keep_split0:
+        idle = b.and_(idle, b.setp("ne", split, 0))
+    with b.if_then(idle):
+        write_empty()
+        b.ret()
 
 
 def emit_chunk(b: KernelBuilder, *, total: Reg, longest: Reg, own: Reg, num_splits: Reg,

@@ -33,7 +33,7 @@ from .kv_fp8 import stage_rows_dequant
 from .kv_pipeline import run_kv_pipeline
 from .prefill import PrefillConfig, finish_rows, load_head_f32
 from .prefill_mma import MmaMath
-from .split_plan import emit_batch_units, emit_chunk, emit_split_range
+from .split_plan import emit_batch_units, emit_chunk, emit_idle_exit, emit_split_range
 from .tiles import load_tile_rows, thread_slot
 from .variant import AttentionVariant
 
@@ -241,6 +241,10 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
             kv_tiles = b.div(b.add(n, bn - 1), bn)
             work = b.mul(q_tiles, kv_tiles)
             return work, b.min(kv_tiles, work)            # a sequence without queries has no span
+        def write_empty():   # lse_part of every packed row of this tile
+            with b.for_range(tid, b.min(b.sub(rows, m_start), bm), cfg.threads) as r:
+                b.st("global", F32, Addr(ctx.lse_addr(b, b.add(m_start, r))), [b.mov(C.NEG_INF, F32)])
+        emit_idle_exit(b, split, span, split_count, "sinks" in ptrs, write_empty)
         total, longest = emit_batch_units(b, lane, batch, seq_units)
         chunk = emit_chunk(b, total=total, longest=longest, own=span, num_splits=split_count,
                            rows=b.special("%nctaid.x"), auto=spec.opt("num_splits") == "auto")
