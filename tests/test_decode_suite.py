@@ -60,13 +60,19 @@ def test_splits_with_no_keys_merge_correctly(tmp_path):
 
 
 def test_auto_splits_follow_the_rule(tmp_path):
-    from ptxc.runtime import apply_dim_rule
+    """auto = 4 split indices per resident CTA slot (SMs x the split kernel's own CTAs/SM on
+    the launched target) over the CTAs per split index, in [1, 64]."""
+    from ptxc.runtime import apply_dim_rule, rule_ctas_per_sm
     art = build_kernel(tmp_path, "decode", 'dtype = "f16"\nhead_dim = 128\nnum_heads = 32\nnum_kv_heads = 8\nnum_splits = "auto"')
     rule = art.meta["dim_rules"]["num_splits"]
-    assert rule["auto"]["ctas"] == "8 * batch" and rule["auto"]["max"] == 16
-    assert apply_dim_rule(rule, {"batch": 1}, 132) == 16      # 8 CTAs on 132 SMs: split a lot
-    assert apply_dim_rule(rule, {"batch": 64}, 132) == 1      # 512 CTAs already fill the GPU
-    assert apply_dim_rule(rule, {"batch": 4}, 108) == 7       # cdiv(216, 32)
+    assert rule["auto"] == {"ctas": "8 * batch", "max": 64, "occupancy_of": "ptxc_k_split",
+                            "rule": "min(max, max(1, cdiv(4 * num_sms * ctas_per_sm, ctas)))"}
+    assert apply_dim_rule(rule, {"batch": 1}, 132, 4) == 64     # 8 CTAs, 528 slots: capped
+    assert apply_dim_rule(rule, {"batch": 64}, 132, 4) == 5     # cdiv(2112, 512)
+    assert apply_dim_rule(rule, {"batch": 4}, 108, 4) == 54     # cdiv(1728, 32)
+    assert apply_dim_rule(rule, {"batch": 4096}, 108, 4) == 1   # the batch alone fills every slot
+    [split] = [k for k in art.meta["targets"]["sm_80"]["kernels"] if k["entry"] == "ptxc_k_split"]
+    assert "occupancy" not in split and rule_ctas_per_sm(art.meta, rule, "sm_80") == 1  # unverified build
     [reduce] = [k for k in art.meta["targets"]["sm_80"]["kernels"] if k["entry"].endswith("_reduce")]
     assert art.meta["targets"]["sm_80"]["kernels"][0]["grid"] == ["8", "batch", "num_splits"]
     assert reduce["grid"] == ["32", "batch", "1"]

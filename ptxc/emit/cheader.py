@@ -15,7 +15,7 @@ from .. import __version__
 from ..errors import UserError
 from ..pipeline.artifacts import MANIFEST
 from ..pipeline.cache import write_if_changed
-from .view import ArtifactView, KernelView, TargetView, expr_code, output_view, variant_text
+from .view import ctas_per_sm, rule_code, ArtifactView, KernelView, TargetView, expr_code, output_view, variant_text
 
 SIGNED = {"u32": 0, "s32": 1, "u64": 0, "s64": 1}
 
@@ -94,11 +94,17 @@ def _dim_rules(a: ArtifactView) -> list[str]:
     for name, rule in sorted(a.dim_rules.items()):
         if "value" in rule:
             lines.append(f"    d->{name} = {int(rule['value'])};")
-        else:  # "auto": enough CTAs for two waves (ptxc.runtime.apply_dim_rule)
+        else:  # "auto": the metadata's rule over AUTO_RULE_NAMES (ptxc.runtime.apply_dim_rule)
             auto = rule["auto"]
+            per_target = ", ".join(str(ctas_per_sm(a, t, rule)) for t in a.targets)
             lines += [f"    if (d->{name} == 0) {{  /* auto: {auto['rule']} */",
-                      f"        int64_t ctas = ptxc_max(1, {c_expr(auto['ctas'], a.dims)});",
-                      f"        d->{name} = ptxc_min({int(auto['max'])}, ptxc_max(1, ptxc_cdiv(2 * (int64_t)num_sms, ctas)));",
+                      f"        static const int64_t ctas_per_sm[{len(a.targets)}] = {{{per_target}}};"
+                      f"  /* of {auto.get('occupancy_of', 'the launch')} per target */",
+                      f"        int64_t rule_max = {int(auto['max'])}, rule_num_sms = ptxc_max(1, num_sms);",
+                      f"        int64_t rule_ctas = ptxc_max(1, {c_expr(auto['ctas'], a.dims)});",
+                      f"        int64_t rule_ctas_per_sm = (L->target >= 0 && L->target < {len(a.targets)}) ? "
+                      f"ctas_per_sm[L->target] : 1;",
+                      f"        d->{name} = ptxc_min(rule_max, ptxc_max(1, {rule_code(auto['rule'], 'rule_{}', '(int64_t){}', 'ptxc_{}')}));",
                       "    }"]
     return lines
 

@@ -12,7 +12,7 @@ from .. import __version__
 from ..errors import UserError
 from ..pipeline.artifacts import MANIFEST
 from ..pipeline.cache import write_if_changed
-from .view import ArtifactView, KernelView, TargetView, expr_code, output_view, variant_text
+from .view import ArtifactView, ctas_per_sm, rule_code, KernelView, TargetView, expr_code, output_view, variant_text
 
 SIGNED = {"u32": "false", "s32": "true", "u64": "false", "s64": "true"}
 
@@ -111,17 +111,25 @@ def _helpers(a: ArtifactView) -> list[str]:
     for name, rule in sorted(a.dim_rules.items()):
         if "value" in rule:
             rules.append(f"        d.{name} = {int(rule['value'])};")
-        else:
+        else:   # the metadata's rule over AUTO_RULE_NAMES (ptxc.runtime.apply_dim_rule)
             auto = rule["auto"]
+            per_target = ", ".join(f"{ctas_per_sm(a, t, rule)}i64" for t in a.targets)
             rules.append(f"        if d.{name} == 0 {{  // auto: {auto['rule']}\n"
-                         f"            let ctas = ptxc_max(1, {rs_expr(auto['ctas'], a.dims)});\n"
-                         f"            d.{name} = ptxc_min({int(auto['max'])}, ptxc_max(1, ptxc_cdiv(2 * num_sms as i64, ctas)));\n"
+                         f"            // CTAs per SM of {auto.get('occupancy_of', 'the launch')} on each target\n"
+                         f"            const CTAS_PER_SM: [i64; {len(a.targets)}] = [{per_target}];\n"
+                         f"            let rule_max = {int(auto['max'])}i64;\n"
+                         f"            let rule_num_sms = ptxc_max(1, num_sms as i64);\n"
+                         f"            let rule_ctas = ptxc_max(1, {rs_expr(auto['ctas'], a.dims)});\n"
+                         f"            let rule_ctas_per_sm = CTAS_PER_SM.get(target).copied().unwrap_or(1);\n"
+                         f"            d.{name} = ptxc_min(rule_max, ptxc_max(1, "
+                         f"{rule_code(auto['rule'], 'rule_{}', '{}i64', 'ptxc_{}')}));\n"
                          "        }")
     negative = "".join(f"        if d.{dim} < 0 {{ return fail(CUDA_ERROR_INVALID_VALUE, "
                        f"\"{a.name}: dim {dim} is negative\".into()); }}\n" for dim in a.dims)
-    out.append("    /// Dims no tensor shape determines (0 = auto), and a check that every dim is >= 0.\n"
-               "    pub fn resolve_dims(d: &mut Dims, num_sms: i32) -> Result<(), Error> {\n"
-               + "\n".join(rules + [""]) + negative + "        Ok(())\n    }")
+    out.append("    /// Dims no tensor shape determines (0 = auto) for the target at index `target` (see\n"
+               "    /// Kernel::resolve_dims), and a check that every dim is >= 0.\n"
+               "    pub fn resolve_dims(d: &mut Dims, num_sms: i32, target: usize) -> Result<(), Error> {\n"
+               + "\n".join(rules + [""]) + negative + "        let _ = (num_sms, target);\n        Ok(())\n    }")
     from .cheader import passed_tensors
     passed = passed_tensors(a)
     checks = "".join(f"        check_tensor(NAME, {rs_string(t.name)}, &t.{t.name}, &shape_{t.name}(d), {t.align_bytes}, "
@@ -170,6 +178,11 @@ def render_artifact(a: ArtifactView, base: Path) -> str:
         }}
 
         pub fn target(&self) -> &'static str {{ TARGETS[self.loaded.target].name }}
+
+        /// resolve_dims for the loaded target ("auto" rules use its occupancy).
+        pub fn resolve_dims(&self, d: &mut Dims, num_sms: i32) -> Result<(), Error> {{
+            resolve_dims(d, num_sms, self.loaded.target)
+        }}
 
         /// Check the preconditions, then launch the loaded target's whole launch list on `stream`.
         pub fn run(&self, d: &Dims, t: &Tensors, stream: CUstream) -> Result<(), Error> {{

@@ -40,6 +40,7 @@ class TargetView:
     cubin: str | None
     fatbin: str | None
     kernels: tuple
+    ctas_per_sm: tuple = ()   # (entry, ptxas CTAs per SM) of every launch whose occupancy is recorded
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,9 @@ def artifact_view(path: Path) -> ArtifactView:
                                    tuple(k["block"]), k["dynamic_smem_bytes"], k["needs_smem_opt_in"])
                         for k in t["kernels"])
         fatbin = (meta.get("fatbin") or {}).get("file")  # one file holding every target's images
+        occ = tuple((k["entry"], int(k["occupancy"]["ctas_per_sm"])) for k in t["kernels"] if "occupancy" in k)
         targets.append(TargetView(name, sm_number(name), name[-1].isalpha(), t["ptx"], t.get("cubin"),
-                                  fatbin, kernels))
+                                  fatbin, kernels, occ))
     tensors = []
     for name, t in meta["tensors"].items():
         pre = t.get("preconditions") or {"align_bytes": ELEMENT_BYTES[t["dtype"]], "stride_multiple": 1,
@@ -116,6 +118,19 @@ def expr_code(text, dims, name_fmt: str, int_fmt: str, call_fmt: str) -> str:
             return call_fmt.format(node[1]) + "(" + ", ".join(emit(a) for a in node[2]) + ")"
         return f"({emit(node[1])} {'/' if kind == '//' else kind} {emit(node[2])})"
     return int_fmt.format(text) if isinstance(text, int) else emit(exprs.parse(text))
+
+
+def ctas_per_sm(a: ArtifactView, t: TargetView, rule: dict) -> int:
+    """What ptxc.runtime.rule_ctas_per_sm gives for target `t`: the CTAs per SM of the launch
+    an "auto" dim rule names, 1 without one or without a recorded occupancy."""
+    entry = rule["auto"].get("occupancy_of")
+    return max(1, dict(t.ctas_per_sm).get(entry, 1)) if entry else 1
+
+
+def rule_code(text: str, name_fmt: str, int_fmt: str, call_fmt: str) -> str:
+    """An "auto" dim rule (an expression over ptxc.runtime.AUTO_RULE_NAMES) as source code."""
+    from ..runtime import AUTO_RULE_NAMES
+    return expr_code(text, AUTO_RULE_NAMES, name_fmt, int_fmt, call_fmt)
 
 
 def variant_text(variant) -> str:

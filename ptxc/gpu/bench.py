@@ -24,6 +24,7 @@ from typing import Any
 
 from ..report.costs import Cost, launch_cost, resolve_dims
 from ..report.gpus import GpuModel, match_device
+from ..runtime import pick_target
 
 WARMUP, REPEAT = 10, 50
 MIN_FLUSH_BYTES = 64 * 1024 * 1024   # when the device does not report its L2 size
@@ -147,7 +148,8 @@ def run_bench(paths, *, shapes: dict[str, int], target: str | None = None, warmu
     with tempfile.TemporaryDirectory(prefix="ptxc-bench-") as tmp:
         for art in artifacts_for(paths, Path(tmp), verify=True):
             meta = art.meta
-            dims = resolve_dims(meta, shapes, num_sms=sms)
+            picked = target or (pick_target(meta["targets"], device.sm) or (None,))[0]
+            dims = resolve_dims(meta, shapes, num_sms=sms, target=picked)   # auto splits: its occupancy
             inputs = bench_inputs(meta, dims)
             flushed = should_flush(meta["family"], flush)
             fbytes = l2_flush_bytes(l2) if flushed else 0

@@ -122,7 +122,7 @@ def run_tune(paths, *, shapes: dict[str, int], target: str | None = None, out_di
     timer_args = {"warmup": warmup, "repeat": repeat,
                   "flush": lambda meta: l2_flush_bytes(l2) if should_flush(meta["family"], None) else 0}
     def dims_of(meta):
-        return resolve_dims(meta, shapes, num_sms=sms)
+        return resolve_dims(meta, shapes, num_sms=sms, target=tname)
 
     entries, log = [], []
     with tempfile.TemporaryDirectory(prefix="ptxc-tune-") as tmp:

@@ -39,7 +39,7 @@ FIELDS = FamilyFields(
         Field("page_size", "int", "rows per page of a paged cache (paged only; default 16)",
               default=None, check=_page_check, allowed=_page_allowed),
         Field("num_splits", "int_or_auto", 'KV splits per sequence (flash-decoding): 1, N, or '
-              '"auto" (chosen at launch from batch x heads vs. the SM count)', default=1,
+              '"auto" (chosen at launch: resident CTA slots of the split kernel vs. batch x heads)', default=1,
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
         Field("append_kv", "bool", "launch kv_append first: write this step's k_new/v_new at row "
               "seq_lens - 1, then attend (caches become inout)", default=False),
@@ -159,7 +159,7 @@ def interface(spec: KernelSpec) -> Interface:
     splits = _splits(spec)
     if splits != 1:
         ctas = f"{Hk * configure(spec, None).head_chunks} * batch"
-        work, rules["num_splits"] = split_interface("batch", H, d, splits, ctas)
+        work, rules["num_splits"] = split_interface("batch", H, d, splits, ctas, f"ptxc_{spec.name}_split")
         tensors += work
         dims.append("num_splits")
     return Interface(tuple(tensors), tuple(dims), defaults, rules, scalars=scalars)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..ir import F32, S32, S64, U32, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
+from .split_plan import emit_batch_units, emit_chunk, emit_idle_exit, emit_split_range
 from .variant import AttentionVariant, join_sink, load_head_f32
 
 
@@ -42,14 +43,29 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
         pos = b.sub(b.bitcast(seq_len, S32), 1)
         win_begin = b.bitcast(b.max(variant.key_begin(b, pos), 0), U32)
     row_begin, row_end = (b.mov(0, U32) if win_begin is None else win_begin), seq_len
-    if split_count is not None:  # split z of n: rows [z*chunk, min((z+1)*chunk, len))
+    if split_count is not None:  # a uniform, length-balanced chunk of the batch (split_plan.py)
         rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
         span = seq_len if win_begin is None else b.sub(seq_len, win_begin)
-        per_split = b.div(b.add(span, b.sub(split_count, 1)), split_count)
-        per_split = b.mul(b.div(b.add(per_split, rows_per_iter - 1), rows_per_iter), rows_per_iter)
-        row_begin = b.min(b.mul(b.special("%ctaid.z"), per_split), seq_len) if win_begin is None \
-            else b.min(b.mad(b.special("%ctaid.z"), per_split, win_begin), seq_len)
-        row_end = b.min(b.add(row_begin, per_split), seq_len)
+        units = lambda rows: b.div(b.add(rows, rows_per_iter - 1), rows_per_iter)
+
+        def seq_units(i):   # another sequence's clamped length: an upper bound of its span
+            n = b.ld("global", U32, Addr(C.element_offset(b, ptrs["seq_lens"], i, b.mov(4, S64))))
+            n = units(b.min(b.bitcast(b.max(b.bitcast(n, S32), 0), U32), kv.capacity(b)))
+            return n, n
+        z, own = b.special("%ctaid.z"), units(span)
+
+        def write_empty():   # lse_part [batch, H, splits] of this chunk's heads
+            with b.if_then(b.setp("lt", tid, hp)):
+                row = b.mad(b.mad(batch, spec.num_heads, b.add(head0, tid)), split_count, z)
+                b.st("global", F32, Addr(C.element_offset(b, ptrs["lse_part"], row, b.mov(4, S64))),
+                     [b.mov(C.NEG_INF, F32)])
+        emit_idle_exit(b, z, own, split_count, "sinks" in ptrs, write_empty)
+        n_seqs = b.special("%nctaid.y")
+        total, longest = emit_batch_units(b, lane, n_seqs, seq_units)
+        chunk = emit_chunk(b, total=total, longest=longest, own=own, num_splits=split_count,
+                           rows=n_seqs, auto=spec.opt("num_splits") == "auto")
+        row_begin, row_end = emit_split_range(b, z, b.mul(chunk, rows_per_iter),
+                                              row_begin, seq_len)
 
     lane_byte = b.cvt(S64, b.mul(sub, C.VEC_BYTES))
     last_ok = b.setp("lt", sub, cfg.chunks - (cfg.chunks_per_lane - 1) * lpr) if cfg.chunks % lpr else None

@@ -5,7 +5,8 @@ the split saw no key). With M = max_s λ_s and w_s = 2^(λ_s − M):
 
     o = Σ_s w_s o_s / Σ_s w_s,        lse = (M + log2 Σ_s w_s) · ln 2
 
-which is exactly softmax over the union of the splits; empty splits have w_s = 0, and a
+which is exactly softmax over the union of the splits; empty splits have w_s = 0 (their o_s is
+not read: split_plan.emit_idle_exit leaves it unwritten), and a
 sequence with no keys at all gives o = 0, lse = −inf. One CTA per (head, sequence); each thread
 owns 4 consecutive elements of the head.
 """
@@ -15,20 +16,25 @@ from __future__ import annotations
 from ..ir import F32, S64, U32, Addr, KernelBuilder
 from . import common as C
 from .base import Launch, LaunchParam, ParamSource, TensorInfo
+from .split_plan import MAX_AUTO_SPLITS, SPLIT_HEADROOM
 
-MAX_AUTO_SPLITS = 16
+AUTO_RULE = f"min(max, max(1, cdiv({SPLIT_HEADROOM} * num_sms * ctas_per_sm, ctas)))"
 
 
-def split_interface(rows_dim: str, num_heads: int, head_dim: int, splits, ctas: str) -> tuple[list, dict]:
+def split_interface(rows_dim: str, num_heads: int, head_dim: int, splits, ctas: str,
+                    entry: str) -> tuple[list, dict]:
     """The split-KV workspace of a family whose rows (`rows_dim`: batch for decode, total_q for
     varlen) are split `splits` ways (an int > 1 or "auto"), and the num_splits dim rule: the
-    built count, or "auto" = enough CTAs for two waves, from the launch's `ctas` expression."""
+    built count, or "auto" = SPLIT_HEADROOM split indices per resident CTA slot (num_sms x the
+    split kernel `entry`'s CTAs per SM on the launched target) over the launch's `ctas`
+    expression, capped at MAX_AUTO_SPLITS (split_plan.py). The workspace needs no cap of its
+    own: rows x num_splits stays near SPLIT_HEADROOM x slots x rows / ctas, whatever the batch."""
     tensors = [TensorInfo("o_part", "f32", (rows_dim, num_heads, "num_splits", head_dim), "workspace",
                           "per-split normalised partial outputs"),
                TensorInfo("lse_part", "f32", (rows_dim, num_heads, "num_splits"), "workspace",
                           "per-split log2-sum-exp (-inf for an empty split)")]
     rule = {"value": splits} if splits != "auto" else {"auto": {
-        "max": MAX_AUTO_SPLITS, "ctas": ctas, "rule": "min(max, max(1, cdiv(2 * num_sms, ctas)))"}}
+        "max": MAX_AUTO_SPLITS, "ctas": ctas, "occupancy_of": entry, "rule": AUTO_RULE}}
     return tensors, rule
 
 
@@ -67,7 +73,10 @@ def build_reduce(spec, entry: str, has_lse: bool, rows_dim: str = "batch") -> tu
             w = C.rescale_factor(b, b.ld("global", F32, Addr(C.element_offset(b, lse_row, s, b.mov(4, S64)))), m_use)
             b.add(total, w, out=total)
             src = C.element_offset(b, ptrs["o_part"], b.mad(b.add(part_row0, s), d, elem), b.mov(4, S64))
-            for x, y in zip(acc, b.ld("global", F32, Addr(src), vec=4)):
+            part = [b.mov(0.0, F32) for _ in range(4)]
+            with b.predicate(b.setp("gt", w, 0.0)):   # an empty split may have left o_part unwritten
+                b.ld("global", F32, Addr(src), vec=4, out=part)
+            for x, y in zip(acc, part):
                 b.fma(y, w, x, out=x)
         has_keys = b.setp("gt", total, 0.0)
         inv = b.selp(b.rcp(total), 0.0, has_keys)

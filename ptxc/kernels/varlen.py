@@ -43,7 +43,7 @@ FIELDS = FamilyFields(
         Field("page_size", "int", "rows per page of a paged cache (paged only; default 16)",
               default=None, check=_page_check, allowed=_page_allowed),
         Field("num_splits", "int_or_auto", 'KV splits per query tile: 1, N, or "auto" (chosen '
-              'at launch from the CTA count vs. the SM count)', default=1,
+              'at launch from the CTA count vs. the resident CTA slots)', default=1,
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
         *kv_fp8.FIELDS,
         *VARIANT_FIELDS,
@@ -163,7 +163,8 @@ def interface(spec: KernelSpec) -> Interface:
     splits = spec.opt("num_splits")
     if splits != 1:
         ctas = f"{Hk} * ({query_tiles_expr(spec)})"
-        work, rules["num_splits"] = split_interface("total_q", H, dv, splits, ctas)
+        work, rules["num_splits"] = split_interface("total_q", H, dv, splits, ctas,
+                                                    f"ptxc_{spec.name}_split")
         tensors += work
         dims.append("num_splits")
     scale_tensors, scalars = kv_fp8.interface_extras(spec)

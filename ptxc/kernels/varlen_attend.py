@@ -33,6 +33,7 @@ from .kv_fp8 import stage_rows_dequant
 from .kv_pipeline import run_kv_pipeline
 from .prefill import PrefillConfig, finish_rows, load_head_f32
 from .prefill_mma import MmaMath
+from .split_plan import emit_batch_units, emit_chunk, emit_idle_exit, emit_split_range
 from .tiles import load_tile_rows, thread_slot
 from .variant import AttentionVariant
 
@@ -229,12 +230,25 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
         w_first = b.min(variant.first_tile(b, ctx.position(ctx.token(m_start)), bn), n_vis)
         lo_full = variant.first_unmasked_tile(b, ctx.position(ctx.token(last_row)), bn)
     first = b.mov(0, U32) if w_first is None else w_first
-    if split is not None:                               # split s of n: an even share of n_vis
+    if split is not None:                 # a uniform, length-balanced chunk (split_plan.py)
         span = n_vis if w_first is None else b.sub(n_vis, w_first)
-        per = b.div(b.add(span, b.sub(split_count, 1)), split_count)
-        first = b.min(b.mul(split, per), n_vis) if w_first is None else \
-            b.min(b.mad(split, per, w_first), n_vis)
-        n_vis = b.min(b.add(first, per), n_vis)
+
+        def seq_units(i):   # (query tiles x KV tiles, KV tiles) of sequence i: upper bounds
+            a = _token(b, cu, i, 0, total_q)
+            q_tiles = b.div(b.add(b.mul(b.sub(b.max(_token(b, cu, i, 4, total_q), a), a), g), bm - 1), bm)
+            n = b.ld("global", S32, Addr(C.element_offset(b, ptrs["seq_lens"], i, b.mov(4, S64))), nc=True)
+            n = b.min(b.bitcast(b.max(n, 0), U32), kv.capacity(b))
+            kv_tiles = b.div(b.add(n, bn - 1), bn)
+            work = b.mul(q_tiles, kv_tiles)
+            return work, b.min(kv_tiles, work)            # a sequence without queries has no span
+        def write_empty():   # lse_part of every packed row of this tile
+            with b.for_range(tid, b.min(b.sub(rows, m_start), bm), cfg.threads) as r:
+                b.st("global", F32, Addr(ctx.lse_addr(b, b.add(m_start, r))), [b.mov(C.NEG_INF, F32)])
+        emit_idle_exit(b, split, span, split_count, "sinks" in ptrs, write_empty)
+        total, longest = emit_batch_units(b, lane, batch, seq_units)
+        chunk = emit_chunk(b, total=total, longest=longest, own=span, num_splits=split_count,
+                           rows=b.special("%nctaid.x"), auto=spec.opt("num_splits") == "auto")
+        first, n_vis = emit_split_range(b, split, chunk, first, n_vis)
     n_tiles = b.sub(n_vis, first)
     n_full = b.sub(b.max(n_full, first), first)
     if lo_full is not None:

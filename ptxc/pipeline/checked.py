@@ -196,12 +196,18 @@ def _reference_problems(meta: dict, where: Path) -> list[str]:
             problems.append(f"{where}: dim_rules names {dname!r}, not a dim")
         if "auto" in rule:
             expr_ok(rule["auto"]["ctas"], f"dim_rules.{dname}.ctas")
-            try:   # documentation of the rule: an expression over max, ctas and num_sms only
-                if not exprs.names(rule["auto"]["rule"]) <= {"max", "ctas", "num_sms"}:
+            try:   # the rule every loader evaluates: an expression over AUTO_RULE_NAMES only
+                from ..runtime import AUTO_RULE_NAMES
+                if not exprs.names(rule["auto"]["rule"]) <= set(AUTO_RULE_NAMES):
                     problems.append(f"{where}: dim_rules.{dname}.rule names something other "
-                                    f"than max, ctas, num_sms")
+                                    f"than {', '.join(AUTO_RULE_NAMES)}")
             except PtxcError as e:
                 problems.append(f"{where}: dim_rules.{dname}.rule: {e}")
+            entry = rule["auto"].get("occupancy_of")
+            for target, t in meta["targets"].items():
+                if entry is not None and entry not in {k["entry"] for k in t["kernels"]}:
+                    problems.append(f"{where}: dim_rules.{dname}.occupancy_of {entry!r} is not a "
+                                    f"launch of {target}")
     for target, t in meta["targets"].items():
         for k in t["kernels"]:
             for i, g in enumerate(k["grid"]):

@@ -183,7 +183,8 @@ COST_MODELS: dict[str, Callable[[dict, dict, dict], Cost]] = {
 }
 
 
-def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_SMS) -> dict[str, int]:
+def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_SMS,
+                 target: str | None = None) -> dict[str, int]:
     """The artifact's runtime dims: --shape values first, then the family's report defaults
     (kv_len becomes max_seq_len, or max_pages_per_seq = kv_len / page_size with every
     sequence owning its pages: num_pages = batch * max_pages_per_seq), then the artifact's dim rules (num_splits).
@@ -210,8 +211,8 @@ def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_S
         out["max_position"] = kv_length(meta, out)
     for name, rule in (meta.get("dim_rules") or {}).items():
         if name in dims and name not in out:
-            from ..runtime import apply_dim_rule
-            out[name] = apply_dim_rule(rule, out, num_sms)
+            from ..runtime import apply_dim_rule, rule_ctas_per_sm
+            out[name] = apply_dim_rule(rule, out, num_sms, rule_ctas_per_sm(meta, rule, target))
     missing = [d for d in dims if d not in out]
     if missing:
         raise InputError(f"{meta['name']}: give --shape {missing[0]}=N (no default for {family})")

@@ -22,6 +22,7 @@ from ..pipeline import exprs
 from ..pipeline.metadata import ELEMENT_BYTES
 from ..errors import InputError, UserError
 from .reference import from_device, to_device
+from .dim_rules import AUTO_RULE_NAMES, apply_dim_rule, rule_ctas_per_sm  # noqa: F401  (re-exported)
 
 NP_PARAM = {"u32": np.uint32, "s32": np.int32, "u64": np.uint64, "s64": np.int64, "f32": np.float32}
 HOST_DTYPES = {"f32": (np.float32, np.float64, np.float16), "f16": (np.float16, np.float32, np.float64),
@@ -87,16 +88,16 @@ class Artifact:
         return data
 
     def infer_dims(self, inputs: dict[str, np.ndarray], sets: dict[str, int] | None = None,
-                   num_sms: int = EMU_NUM_SMS) -> dict[str, int]:
+                   num_sms: int = EMU_NUM_SMS, target: str | None = None) -> dict[str, int]:
         tensors, _ = split_scalars(self.meta, inputs, sets or {})
-        return infer_dims(self.meta, tensors, _dim_sets(self.meta, sets), num_sms)
+        return infer_dims(self.meta, tensors, _dim_sets(self.meta, sets), num_sms, target)
 
     def run(self, inputs: dict[str, np.ndarray], *, target: str | None = None, backend: str = "emu",
             sets: dict[str, int | float] | None = None, device=None) -> dict[str, np.ndarray]:
         tensors, scalars = split_scalars(self.meta, inputs, sets or {})
-        dims = infer_dims(self.meta, tensors, _dim_sets(self.meta, sets), EMU_NUM_SMS)
-        dims.update(scalars)     # scalar parameters travel with the dims to pack_args
         tname, t = self.target(target)
+        dims = infer_dims(self.meta, tensors, _dim_sets(self.meta, sets), EMU_NUM_SMS, tname)
+        dims.update(scalars)     # scalar parameters travel with the dims to pack_args
         buffers = prepare_buffers(self.meta, tensors, dims)
         if backend == "emu":
             from .preconditions import check_buffers
@@ -166,18 +167,8 @@ def split_scalars(meta: dict, inputs: dict, sets: dict) -> tuple[dict, dict[str,
     return tensors, values
 
 
-def apply_dim_rule(rule: dict, dims: dict[str, int], num_sms: int) -> int:
-    """A dim the shapes do not determine: a fixed value, or an "auto" rule such as
-    num_splits = min(max, max(1, cdiv(2 * num_sms, ctas))) (enough CTAs for two waves)."""
-    if "value" in rule:
-        return int(rule["value"])
-    auto = rule["auto"]
-    ctas = max(1, exprs.evaluate(auto["ctas"], dims))
-    return int(min(auto["max"], max(1, -(-2 * num_sms // ctas))))
-
-
 def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
-               num_sms: int = EMU_NUM_SMS) -> dict[str, int]:
+               num_sms: int = EMU_NUM_SMS, target: str | None = None) -> dict[str, int]:
     """Match every input's shape against its tensor's named shape; return the runtime dims
     (runtime scalars among the inputs are not tensors and are passed over here)."""
     inputs = {k: v for k, v in inputs.items() if k not in (meta.get("scalars") or {})}
@@ -237,7 +228,7 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
             check_prefix_sums(meta["name"], name, inputs[name], tensors[name]["prefix_sums"], dims)
     for name, rule in (meta.get("dim_rules") or {}).items():
         if name not in dims:
-            dims[name] = apply_dim_rule(rule, dims, num_sms)
+            dims[name] = apply_dim_rule(rule, dims, num_sms, rule_ctas_per_sm(meta, rule, target))
     unknown = [d for d in meta["dims"] if d not in dims]
     if unknown:
         raise InputError(f"{meta['name']}: cannot infer {', '.join(unknown)} from the inputs; "
@@ -306,7 +297,7 @@ def check_buffer_budget(meta: dict, inputs: dict[str, np.ndarray] | None, dims: 
     dims = dict(dims)
     for name, rule in (meta.get("dim_rules") or {}).items():
         try:
-            dims.setdefault(name, apply_dim_rule(rule, dims, EMU_NUM_SMS))
+            dims.setdefault(name, apply_dim_rule(rule, dims, EMU_NUM_SMS, rule_ctas_per_sm(meta, rule)))
         except InputError:
             if inputs is not None:
                 raise   # before the inputs exist, a rule over a dim they carry waits for them

@@ -243,7 +243,7 @@ def rust_main(meta: dict, module: Path, shape_dims: dict[str, int], perturb: str
              "    let mut sms = 0;", "    unsafe { cuDeviceGetAttribute(&mut sms, 16, dev); }",
              f"    let mut d = {A}::Dims::default();"]
     lines += [f"    d.{k} = {v};" for k, v in shape_dims.items()]
-    lines += [f'    if let Err(e) = {A}::resolve_dims(&mut d, sms) {{ println!("dims {{}} {{}}", e.code, e.message); return; }}',
+    lines += [f'    if let Err(e) = kernel.resolve_dims(&mut d, sms) {{ println!("dims {{}} {{}}", e.code, e.message); return; }}',
               f'    println!("dims {dims_fmt}", ' + ", ".join(f"d.{x}" for x in meta["dims"]) + ");",
               "    let data = std::fs::read(&args[1]).expect(\"inputs\");", "    let mut pos = 0usize;",
               f"    let mut t = {A}::Tensors::default();"]
