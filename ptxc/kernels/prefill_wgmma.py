@@ -157,7 +157,9 @@ class WgmmaMath(MmaMath):
         super().__init__(b, ctx)
         cfg = ctx.cfg
         self.bm = cfg.block_m
-        warpgroup = b.shr(ctx.warp, 2)
+        # lane 0's warp index: the same value, but one ptxas can prove warp-uniform, so the Q
+        # descriptors live in uniform registers (no R2UR per wgmma; Triton does the same)
+        warpgroup = b.shr(b.shfl("idx", ctx.warp, 0), 2)
         q_rows = b.mad(warpgroup, ROWS_PER_WARPGROUP * SWIZZLE, ctx.q_smem)
         self.q_desc = b.matrix_descriptor(q_rows, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
         self.s_acc = zero_regs(b, self.bn // 2, F32)   # written before use: scale_d = 0 at k 0
