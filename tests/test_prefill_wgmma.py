@@ -120,11 +120,20 @@ def built(tmp_path_factory, toolchain):
 
 
 def test_ptxas_accepts_sm90a_without_spills(built):
-    _, summary = built
+    import json
+    from ptxc.report.costs import launch_cost
+    out, summary = built
     assert summary["verified"] and not summary["problems"]
     for k in summary["kernels"]:
         assert list(k["targets"]) == ["sm_90a"]
         assert all(t["spill_bytes"] == 0 for t in k["targets"].values())
+        meta = json.loads((out / k["name"] / f"{k['name']}.json").read_text())
+        [kern] = meta["targets"]["sm_90a"]["kernels"]
+        assert kern["dynamic_smem_bytes"] == meta["targets"]["sm_90a"]["config"]["smem_bytes"]
+        assert kern["block"] == [256, 1, 1] and kern["needs_smem_opt_in"]
+        # the roofline counts the wgmma kernel at the tensor-core peak
+        cost = launch_cost(meta, "sm_90a", {"batch": 1, "seq_q": 128, "seq_k": 128})
+        assert cost.unit == "tensor"
 
 
 def test_sass_uses_hgmma_and_the_loop_figure(built):
