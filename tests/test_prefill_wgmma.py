@@ -37,13 +37,13 @@ def test_matrix(dtype, head_dim, heads, causal):
     wg_check(dtype, head_dim, heads, causal)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_default_tiles_two_warpgroups(head_dim):
-    """The default 128 x 128 tile (two warpgroups, two K/V stages), q_len > L and a tail tile."""
-    text = spec_text("bf16", head_dim, "gqa4", True, targets=SM90A)
+@pytest.mark.parametrize("head_dim,block_n", [(64, 128), (128, 128), (256, 64)])
+def test_default_tiles_two_warpgroups(head_dim, block_n):
+    """The default tiles (two warpgroups, two K/V stages), q_len > L and a tail tile."""
+    text = spec_text("bf16", head_dim, "gqa4" if head_dim < 256 else "mqa", True, targets=SM90A)
     c = compiled(text, "sm_90a")[3]
-    assert (c["block_m"], c["block_n"], c["num_warps"], c["num_stages"]) == (128, 128, 8, 2)
-    check(text, [(150, 131)], batch=1, target="sm_90a")
+    assert (c["block_m"], c["block_n"], c["num_warps"], c["num_stages"]) == (128, block_n, 8, 2)
+    check(text, [(150, 131)] if head_dim < 256 else [(130, 70)], batch=1, target="sm_90a")
 
 
 def test_bhsd_strides_and_growing_scores():
@@ -73,7 +73,8 @@ def test_variants_through_the_mma_seam(extra):
 @pytest.mark.parametrize("dtype,head_dim,target,path", [
     ("f16", 64, "sm_90a", "wgmma.m64nNk16"), ("bf16", 128, "sm_90a", "wgmma.m64nNk16"),
     ("f16", 128, "sm_90", "mma.m16n8k16"), ("f32", 64, "sm_90a", "simt"),
-    ("f16", 96, "sm_90a", "mma.m16n8k16"), ("bf16", 256, "sm_90a", "mma.m16n8k16"),
+    ("f16", 96, "sm_90a", "mma.m16n8k16"), ("bf16", 256, "sm_90a", "wgmma.m64nNk16"),
+    ("bf16", 512, "sm_90a", "mma.m16n8k16"),
 ])
 def test_dispatch(dtype, head_dim, target, path):
     [spec] = load_text(spec_text(dtype, head_dim, targets=(target,)))
@@ -86,12 +87,12 @@ def test_other_head_dims_fall_back_to_mma_sync():
     check(text, [(23, 9)], target="sm_90a")
 
 
-@pytest.mark.parametrize("tile,key", [({"block_m": 32}, "tile.block_m"),
-                                      ({"block_m": 64, "num_warps": 8}, "tile.num_warps"),
-                                      ({"block_n": 256, "num_stages": 4}, "tile.num_stages")])
-def test_tile_errors_are_one_line(tile, key):
+@pytest.mark.parametrize("head_dim,tile,key", [
+    (128, {"block_m": 32}, "tile.block_m"), (128, {"block_m": 64, "num_warps": 8}, "tile.num_warps"),
+    (128, {"block_n": 256, "num_stages": 4}, "tile.num_stages"), (256, {"block_m": 64}, "tile.block_m")])
+def test_tile_errors_are_one_line(head_dim, tile, key):
     with pytest.raises(SpecError) as e:
-        load_text(spec_text("f16", 128, tile=tile, targets=SM90A))
+        load_text(spec_text("f16", head_dim, tile=tile, targets=SM90A))
     assert e.value.key == key and "\n" not in str(e.value) and "sm_90a" in str(e.value)
 
 
@@ -109,7 +110,7 @@ def built(tmp_path_factory, toolchain):
     from ptxc.pipeline.build import run_build
     tmp = tmp_path_factory.mktemp("wgmma")
     paths = []
-    for name in ("llama3_8b_prefill", "mha_d64_prefill"):
+    for name in ("llama3_8b_prefill", "mha_d64_prefill", "mqa_d256_prefill"):
         text = (SPECS / f"{name}.toml").read_text()
         p = tmp / f"{name}.toml"
         p.write_text("\n".join('targets = ["sm_90a"]' if line.startswith("targets") else line
@@ -142,9 +143,11 @@ def test_sass_uses_hgmma_and_the_loop_figure(built):
     out, _ = built
     # per warp and iteration: S = d/16 HGMMA.64x{block_n}x16, P·V = block_n/16 HGMMA.64x{d}x16
     # (an HGMMA.64xNx16 is N/8 HMMA-equivalents per warp) and block_n/16 row-sum HMMA.16816
-    expect = {"llama3_8b_prefill": (8 + 8 + 8, 8 * 16 + 8 * 16 + 8, 3.0),
-              "mha_d64_bf16_prefill": (4 + 8 + 8, 4 * 16 + 8 * 8 + 8, 3.5)}
-    for name, (tensor, eq, bound) in expect.items():
+    # (tensor instructions, HMMA-equivalents, row-sum HMMA, bound on instructions per HMMA-eq)
+    expect = {"llama3_8b_prefill": (8 + 8 + 8, 8 * 16 + 8 * 16 + 8, 8, 3.0),
+              "mha_d64_bf16_prefill": (4 + 8 + 8, 4 * 16 + 8 * 8 + 8, 8, 3.5),
+              "mqa_d256_prefill": (16 + 4 + 4, 16 * 8 + 4 * 32 + 4, 4, 3.0)}
+    for name, (tensor, eq, hmma, bound) in expect.items():
         meta = json.loads((out / name / f"{name}.json").read_text())
         cubin = (out / name / meta["targets"]["sm_90a"]["cubin"]).read_bytes()
         try:
@@ -152,7 +155,8 @@ def test_sass_uses_hgmma_and_the_loop_figure(built):
         except SassUnavailable as e:
             pytest.skip(f"SASS unavailable: {e}")
         mix, result = prof["mix"], prof["loops"]
-        assert mix["HMMA"] == 8 and mix["LDSM"] == 0 and mix["LDL"] == 0 and mix["STL"] == 0
         loop = result["loops"][result["main"]]
+        # the only HMMA in the kernel are the loop's block_n/16 row sums
+        assert mix["HMMA"] == hmma and mix["LDSM"] == mix["LDL"] == mix["STL"] == 0
         assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (tensor, eq)
         assert loop["instructions_per_mma_equivalent"] <= bound

@@ -44,7 +44,7 @@ from .tiles import CHUNK, ThreadSlot, TileGeom, global_rows, load_tile, zero_reg
 from .variant import AttentionVariant, head_dim_v
 
 WGMMA_TARGETS = ("sm_90a",)
-WGMMA_HEAD_DIMS = (64, 128)
+WGMMA_HEAD_DIMS = (64, 128, 256)
 SWIZZLE = 128            # bytes per swizzled row of a slab (the 128-byte swizzle mode)
 SWIZZLE_PERIOD = 1024    # 8 rows x 128 B: the pattern repeats, descriptors' SBO
 ROWS_PER_WARPGROUP = 64
@@ -106,7 +106,7 @@ class WgmmaConfig(PrefillConfig):
 def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
     given = spec.tile_dict()
     d = spec.head_dim
-    bm, bn, stages = 128, 128, 2
+    bm, bn, stages = 128, (64 if d > 128 else 128), 2   # d256: O alone is 128 registers
     if "num_warps" in given and "block_m" not in given:
         bm = 16 * given["num_warps"]
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
@@ -114,6 +114,10 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
         raise SpecError(f"block_m = {bm} on {target}: the wgmma prefill kernel gives each "
                         f"warpgroup 64 query rows, so block_m must be 64 or 128",
                         key="tile.block_m")
+    if (2 * bm) // (d // 8) % 8:   # threads / 16-byte chunks per row = rows per copy pass
+        raise SpecError(f"block_m = {bm} with head_dim {d} on {target}: the swizzled tile copy "
+                        f"moves whole 8-row groups per pass, which needs block_m = 128 (256 "
+                        f"threads) for head_dim {d}", key="tile.block_m")
     if given.get("num_warps", bm // 16) != bm // 16:
         raise SpecError(f"num_warps = {given['num_warps']} with block_m = {bm} on {target}: the "
                         f"wgmma prefill kernel needs num_warps = block_m / 16 = {bm // 16}",
