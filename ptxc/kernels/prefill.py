@@ -297,7 +297,7 @@ class Ctx:
 
 def build(spec: KernelSpec, target: Target) -> Program:
     from . import prefill_wgmma as wg
-    wgmma = wg.uses_wgmma(spec, target)     # sm_90a f16/bf16 d64/d128: prefill_wgmma.py
+    wgmma = wg.uses_wgmma(spec, target)     # sm_90a f16/bf16 d64/128/256: prefill_wgmma.py
     cfg = (wg.configure if wgmma else configure)(spec, target)
     b = KernelBuilder(f"ptxc_{spec.name}")
     params: list[LaunchParam] = []

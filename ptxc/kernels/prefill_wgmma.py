@@ -1,4 +1,4 @@
-"""Prefill on Hopper warpgroup MMA (target sm_90a, f16/bf16, head_dim 64 or 128).
+"""Prefill on Hopper warpgroup MMA (target sm_90a, f16/bf16, head_dim 64, 128 or 256).
 
 The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mma_async`:
 
