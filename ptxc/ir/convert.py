@@ -36,11 +36,11 @@ class ConvertOps:
         self.emit("cvt", mods, (d,), (self._operand(a, src, "cvt"),))
         return d
 
-    def cvt_pack(self, to: PtxType, hi: Value, lo: Value) -> Reg:
+    def cvt_pack(self, to: PtxType, hi: Value, lo: Value, out: Reg | None = None) -> Reg:
         """Round two f32 into one f16x2/bf16x2 register: element 0 (low bits) = lo."""
         if to not in (F16X2, BF16X2):
             raise IRError(f"cvt_pack: target {to} is not f16x2 or bf16x2")
-        d = self.reg(to)
+        d = self._out(to, out, "cvt_pack")
         self.emit("cvt", ("rn", to.name, "f32"), (d,),
                   (self._operand(hi, F32, "cvt_pack"), self._operand(lo, F32, "cvt_pack")))
         return d

@@ -37,11 +37,11 @@ from ..ir import F32, S32, S64, U32, U64, Imm, KernelBuilder, Reg
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
-from .kv_pipeline import run_kv_pipeline
 from .prefill import Ctx, PrefillConfig
-from .prefill_mma import MmaMath
+from .prefill_mma import RESCALE_SLACK, MmaMath
 from .tiles import CHUNK, ThreadSlot, TileGeom, global_rows, load_tile, zero_regs
 from .variant import AttentionVariant, head_dim_v
+from .wgmma_pipeline import run_wgmma_pipeline
 
 WGMMA_TARGETS = ("sm_90a",)
 WGMMA_HEAD_DIMS = (64, 128, 256)
@@ -167,6 +167,9 @@ class WgmmaMath(MmaMath):
         q_rows = b.mad(warpgroup, ROWS_PER_WARPGROUP * SWIZZLE, ctx.q_smem)
         self.q_desc = b.matrix_descriptor(q_rows, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
         self.s_acc = zero_regs(b, self.bn // 2, F32)   # written before use: scale_d = 0 at k 0
+        # P of the last softmax, kept for the P·V of the next iteration (A fragments per k16)
+        self.p_frags = [[b.mov(0, self.pair) for _ in range(4)] for _ in range(self.bn // 16)]
+        self.alpha = [b.mov(1.0, F32) for _ in range(2)]
 
     def _k_step(self, desc: Reg, kk: int, rows: int) -> Reg:
         """Descriptor of k16 step kk of a K-major operand of `rows` rows: +32 B per step inside
@@ -174,31 +177,74 @@ class WgmmaMath(MmaMath):
         off = (kk % 4) * 32 + (kk // 4) * rows * SWIZZLE
         return desc if off == 0 else self.b.add(desc, Imm(off >> 4, U64))
 
-    def scores(self, k_tile: Reg) -> list[list[Reg]]:
+    def issue_scores(self, k_tile: Reg) -> list[list[Reg]]:
+        """Issue S = Q·Kᵀ as one commit group (not waited); returns S as n8 accumulator tiles."""
         b = self.b
         k_desc = b.matrix_descriptor(k_tile, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
-        b.fence_proxy_async()      # the cp.async-written tiles, for the async proxy's reads
         b.wgmma_fence()
         for kk in range(self.d // 16):
             b.wgmma(self.s_acc, self._k_step(self.q_desc, kk, self.bm),
                     self._k_step(k_desc, kk, self.bn), self.in_type, scale_d=kk > 0)
         b.wgmma_commit()
-        b.wgmma_wait(0)
         return [self.s_acc[4 * j:4 * j + 4] for j in range(self.bn // 8)]
 
-    def pv(self, a_frags: list[list[Reg]], v_tile: Reg) -> None:
+    def issue_pv(self, v_tile: Reg) -> None:
+        """Issue O += P·V with the packed P of the previous softmax as one commit group."""
         b = self.b
-        for a in a_frags:
-            b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
         v_desc = b.matrix_descriptor(v_tile, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
         acc = [r for tile in self.o for r in tile]
-        b.fence_proxy_async()
         b.wgmma_fence()
-        for kk, a in enumerate(a_frags):   # keys 16kk..16kk+15: 2 swizzle periods further
+        for kk, a in enumerate(self.p_frags):   # keys 16kk..16kk+15: 2 swizzle periods further
             desc = v_desc if kk == 0 else b.add(v_desc, Imm(kk * 2 * SWIZZLE_PERIOD >> 4, U64))
             b.wgmma(acc, a, desc, self.in_type, scale_d=True, trans_b=1)
         b.wgmma_commit()
-        b.wgmma_wait(0)
+
+    def softmax_early(self, s: list[list[Reg]]) -> tuple[list[list[Reg]], Reg]:
+        """MmaMath.softmax up to the probabilities, touching neither O nor P (a P·V that reads
+        them may still be in flight): row max, the warp-uniform lazy-rescale vote, the new m
+        and alpha, the row sums' rescale, the exponentials. Returns (probs, rescale)."""
+        b = self.b
+        rows = [[acc[2 * r + e] for acc in s for e in range(2)] for r in range(2)]
+        cands = []
+        for r in range(2):
+            mx = rows[r][0]
+            for x in rows[r][1:]:
+                mx = b.max(mx, x)
+            for off in (1, 2):
+                mx = b.max(mx, b.shfl("bfly", mx, off))
+            cands.append(b.max(self.m[r], b.mul(mx, self.scale_log2)))
+        grow = b.max(b.sub(cands[0], self.m[0]), b.sub(cands[1], self.m[1]))
+        for off in (4, 8, 16):
+            grow = b.max(grow, b.shfl("bfly", grow, off))
+        rescale = b.setp("gt", grow, RESCALE_SLACK)
+        with b.if_then(rescale):
+            for r in range(2):
+                b.mov(C.rescale_factor(b, self.m[r], C.safe_max(b, cands[r])), out=self.alpha[r])
+                for e in range(2):
+                    b.mul(self.l_acc[2 * r + e], self.alpha[r], out=self.l_acc[2 * r + e])
+                b.mov(cands[r], out=self.m[r])
+        probs = []
+        for r in range(2):
+            neg = b.neg(C.safe_max(b, self.m[r]))
+            probs.append([b.ex2(b.fma(x, self.scale_log2, neg)) for x in rows[r]])
+        return probs, rescale
+
+    def softmax_late(self, probs: list[list[Reg]], rescale: Reg) -> None:
+        """After the previous P·V retired: O *= alpha (when rescaling), P packed into the
+        registers the next P·V reads, the row sums by mma.sync against ones."""
+        b = self.b
+        with b.if_then(rescale):
+            for r in range(2):
+                for acc in self.o:
+                    for e in range(2):
+                        b.mul(acc[2 * r + e], self.alpha[r], out=acc[2 * r + e])
+        for jn in range(self.bn // 8):   # n8 tile jn is half of k-step jn // 2
+            frag = self.p_frags[jn // 2]
+            for r in range(2):
+                b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn],
+                           out=frag[2 * (jn % 2) + r])
+        for a in self.p_frags:
+            b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
 
 
 def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides, seq_q, seq_k):
@@ -264,8 +310,8 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
         return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
 
     load_tile(b, q_slot, gq, m_start, b.sub(sq, b.bitcast(m_start, S32)), smem, True)
-    run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
-                    use_async=True, n_tiles=n_tiles, n_full=n_full, key0_of=key0_of,
-                    load_kv=load_kv, math=math, lo_full=lo_full,
-                    transform=math.transform if variant.transforms else None)
+    run_wgmma_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
+                       n_tiles=n_tiles, n_full=n_full, key0_of=key0_of, load_kv=load_kv,
+                       math=math, lo_full=lo_full,
+                       transform=math.transform if variant.transforms else None)
     math.epilogue()
