@@ -46,6 +46,12 @@ def test_default_tiles_two_warpgroups(head_dim, block_n):
     check(text, [(150, 131)] if head_dim < 256 else [(130, 70)], batch=1, target="sm_90a")
 
 
+@pytest.mark.parametrize("stages", [1, 3])
+def test_pipeline_depths(stages):
+    """The commit-group arithmetic of wgmma_pipeline.py at other depths (2 is the default)."""
+    wg_check("bf16", 64, "mqa", True, [(40, 100)], tile={**SMALL, "num_stages": stages}, batch=1)
+
+
 def test_bhsd_strides_and_growing_scores():
     from tests.test_prefill import growing_scores
     wg_check("f16", 64, "gqa4", True, [(17, 45)], layout="bhsd")
