@@ -164,5 +164,8 @@ def test_sass_uses_hgmma_and_the_loop_figure(built):
         loop = result["loops"][result["main"]]
         # the only HMMA in the kernel are the loop's block_n/16 row sums
         assert mix["HMMA"] == hmma and mix["LDSM"] == mix["LDL"] == mix["STL"] == 0
+        # the loop's S and P·V chains (tensor - hmma), the P·V after the loop (block_n/16, as
+        # many as the row sums) and the one HGMMA ptxas emits for iteration 0's empty group
+        assert mix["HGMMA"] == (tensor - hmma) + hmma + 1
         assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (tensor, eq)
         assert loop["instructions_per_mma_equivalent"] <= bound
