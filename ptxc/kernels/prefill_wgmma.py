@@ -201,8 +201,9 @@ class WgmmaMath(MmaMath):
 
     def softmax_early(self, s: list[list[Reg]]) -> tuple[list[list[Reg]], Reg]:
         """MmaMath.softmax up to the probabilities, touching neither O nor P (a P·V that reads
-        them may still be in flight): row max, the warp-uniform lazy-rescale vote, the new m
-        and alpha, the row sums' rescale, the exponentials. Returns (probs, rescale)."""
+        them may still be in flight): row max, the warp-uniform lazy-rescale vote, the
+        exponentials, then (in a branch) the new m, alpha and the row sums' rescale. Returns
+        (probs, rescale)."""
         b = self.b
         rows = [[acc[2 * r + e] for acc in s for e in range(2)] for r in range(2)]
         cands = []
@@ -217,16 +218,19 @@ class WgmmaMath(MmaMath):
         for off in (4, 8, 16):
             grow = b.max(grow, b.shfl("bfly", grow, off))
         rescale = b.setp("gt", grow, RESCALE_SLACK)
+        # the exponentials first, against the max this tile will use (branch-free), so that
+        # they sit in the basic block before the rescale branch and the wait that follows it
+        m_use = [b.selp(cands[r], self.m[r], rescale) for r in range(2)]
+        probs = []
+        for r in range(2):
+            neg = b.neg(C.safe_max(b, m_use[r]))
+            probs.append([b.ex2(b.fma(x, self.scale_log2, neg)) for x in rows[r]])
         with b.if_then(rescale):
             for r in range(2):
                 b.mov(C.rescale_factor(b, self.m[r], C.safe_max(b, cands[r])), out=self.alpha[r])
                 for e in range(2):
                     b.mul(self.l_acc[2 * r + e], self.alpha[r], out=self.l_acc[2 * r + e])
                 b.mov(cands[r], out=self.m[r])
-        probs = []
-        for r in range(2):
-            neg = b.neg(C.safe_max(b, self.m[r]))
-            probs.append([b.ex2(b.fma(x, self.scale_log2, neg)) for x in rows[r]])
         return probs, rescale
 
     def softmax_late(self, probs: list[list[Reg]], rescale: Reg) -> None:
