@@ -169,3 +169,29 @@ def test_sass_uses_hgmma_and_the_loop_figure(built):
         assert mix["HGMMA"] == (tensor - hmma) + hmma + 1
         assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (tensor, eq)
         assert loop["instructions_per_mma_equivalent"] <= bound
+
+
+def test_sass_softmax_runs_under_the_previous_pv(built):
+    """In the main loop, most of the 64 exponentials per thread (block_n 128) sit between the
+    wait for S(j) (WARPGROUP.DEPBAR.LE gsb0, 0x1) and the wait for P·V(j-1) (0x0), i.e. under
+    the in-flight P·V (ptxas 13.5: 40; none when the wait shared their basic block)."""
+    import json
+    import subprocess
+    from ptxc.report.loops import find_loops, parse_functions
+    from ptxc.report.sass import SassUnavailable, find_nvdisasm
+    out, _ = built
+    name = "llama3_8b_prefill"
+    meta = json.loads((out / name / f"{name}.json").read_text())
+    try:
+        tool = find_nvdisasm()
+    except SassUnavailable as e:
+        pytest.skip(f"SASS unavailable: {e}")
+    cubin = out / name / meta["targets"]["sm_90a"]["cubin"]
+    text = subprocess.run([tool, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    [(instrs, labels)] = parse_functions(text).values()
+    head, latch = max(find_loops(instrs, labels), key=lambda hl: hl[1] - hl[0])
+    body = instrs[head:latch + 1]
+    waits = [n for n, i in enumerate(body) if i.opcode == "WARPGROUP.DEPBAR.LE"]
+    assert [body[n].operands for n in waits] == ["gsb0, 0x1", "gsb0, 0x0"]
+    between = sum(i.opcode == "MUFU.EX2" for i in body[waits[0]:waits[1]])
+    assert between >= 32
