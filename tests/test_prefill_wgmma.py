@@ -58,6 +58,13 @@ def test_bhsd_strides_and_growing_scores():
     wg_check("bf16", 64, "mqa", False, [(3, 97)], transform=growing_scores)
 
 
+def test_zero_keys():
+    import numpy as np
+    outs = run(spec_text("bf16", 128, "gqa4", False, tile=SMALL, targets=SM90A), 9, 0,
+               target="sm_90a")[0]
+    assert np.all(outs["o"] == 0) and np.all(np.isneginf(outs["lse"]))
+
+
 def test_no_lse_and_empty_rows():
     import numpy as np
     text = spec_text("f16", 64, "mha", True, lse=False, tile=SMALL, targets=SM90A)
