@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import IRError
-from .values import B32, B64, BF16, F16, F32, PRED, U32, U64, Addr, Imm, PtxType, Reg, Vec
+from .values import B64, BF16, F16, F32, PRED, U32, U64, Addr, Imm, PtxType, Reg, Vec
 
 SWIZZLE_MODE = {0: 0, 128: 1, 64: 2, 32: 3}   # swizzle width in bytes -> descriptor bits [63:62]
 
@@ -164,4 +164,4 @@ class HopperOps:
                   (Imm(count, U32),))
 
 
-__all__ = ["HopperOps", "SWIZZLE_MODE", "B32", "F32"]
+__all__ = ["HopperOps", "SWIZZLE_MODE"]
