@@ -5,7 +5,8 @@
 
 Builds specs/ into a temporary directory (or reads the artifacts already in --out) and prints,
 per attention launch: registers, CTAs/SM, shared memory, the main loop's steady-state
-instructions per warp, HMMA, instructions per HMMA, warp-instructions per KV row, KV bytes in
+instructions per warp, HMMA-equivalents (mma.m16n8k16 units: an HGMMA.64xNx16 is N/8 per
+warp), instructions per HMMA-equivalent, warp-instructions per KV row, KV bytes in
 flight per CTA and per SM (mean over the iteration), and the estimated bound with the fraction
 of DRAM bandwidth on each GPU model of the target. Needs ptxas and nvdisasm (PTXAS, NVDISASM).
 """
@@ -39,8 +40,8 @@ def rows_of(report: dict, targets: list[str]) -> list[dict]:
                     "registers": L["registers"], "spill_bytes": L["spill_bytes"],
                     "ctas_per_sm": (L["occupancy"] or {}).get("ctas_per_sm"),
                     "smem_kib": round(L["smem_bytes"] / 1024, 1),
-                    "instructions": lp["instructions"], "hmma": lp["classes"]["tensor"],
-                    "per_hmma": lp["instructions_per_mma"], "per_kv_row": lp["instructions_per_kv_row"],
+                    "instructions": lp["instructions"], "hmma": lp["mma_equivalents"],
+                    "per_hmma": lp["instructions_per_mma_equivalent"], "per_kv_row": lp["instructions_per_kv_row"],
                     "inflight_kib_cta": round(lp["inflight_bytes_per_cta"] / 1024, 1),
                     "inflight_kib_sm": round(lp["inflight_bytes_per_sm"] / 1024, 1),
                     "bounds": {b["gpu"]: {"bound": b["bound"], "bandwidth_fraction": b["bandwidth_fraction"]}
@@ -50,7 +51,7 @@ def rows_of(report: dict, targets: list[str]) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ("kernel", "target", "regs", "CTA/SM", "smem KiB", "instr", "HMMA", "instr/HMMA",
+    head = ("kernel", "target", "regs", "CTA/SM", "smem KiB", "instr", "HMMA-eq", "instr/HMMA-eq",
             "instr/KV row", "KiB fly/CTA", "KiB fly/SM", "bound (DRAM BW share)")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))

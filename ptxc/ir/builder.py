@@ -14,8 +14,9 @@ from typing import Sequence
 from ..errors import IRError
 from .control import ControlFlowOps
 from .convert import ConvertOps
+from .hopper import HopperOps
 from .tensorcore import TensorCoreOps
-from .values import (F16, F16X2, F32, F64, B16, B32, B64, BF16, BF16X2, PRED, S32, S64, SPECIAL_REGS,
+from .values import (F16, F32, F64, B16, B32, B64, BF16, PRED, S32, S64, SPECIAL_REGS,
                      U32, U64, Addr, Imm, Label, PtxType, Reg, Special, Sym, Vec, storage_of)
 
 INT_CMPS = ("eq", "ne", "lt", "le", "gt", "ge")
@@ -67,9 +68,10 @@ class EntryIR:
 Value = Reg | Imm | Special | Sym | int | float
 
 
-class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps):
+class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
     """Typed instruction methods; tensor-core and cp.async ones come from `TensorCoreOps`,
-    prmt and the FP8 conversions from `ConvertOps`."""
+    cvt, prmt and the FP8 conversions from `ConvertOps`, wgmma and mbarriers (sm_90a) from
+    `HopperOps`."""
 
     def __init__(self, name: str):
         self.entry = EntryIR(name)
@@ -308,28 +310,6 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps):
 
     def rcp(self, a, out=None):
         return self._unary("rcp", ("rn", "f32"), a, F32, out)
-
-    def cvt(self, to: PtxType, a: Value, rnd: str | None = None, out=None) -> Reg:
-        src = self._type_of(a, what="cvt")
-        if rnd is None and to.is_float and src.is_float and to.bits < src.bits:
-            rnd = "rn"  # narrowing float conversions require a rounding mode
-        if rnd is None and to.is_int and src.is_float:
-            rnd = "rzi"
-        if rnd is None and to.is_float and src.is_int:
-            rnd = "rn"
-        mods = ((rnd,) if rnd else ()) + (to.name, src.name)
-        d = self._out(to, out, "cvt")
-        self.emit("cvt", mods, (d,), (self._operand(a, src, "cvt"),))
-        return d
-
-    def cvt_pack(self, to: PtxType, hi: Value, lo: Value) -> Reg:
-        """Round two f32 into one f16x2/bf16x2 register: element 0 (low bits) = lo."""
-        if to not in (F16X2, BF16X2):
-            raise IRError(f"cvt_pack: target {to} is not f16x2 or bf16x2")
-        d = self.reg(to)
-        self.emit("cvt", ("rn", to.name, "f32"), (d,),
-                  (self._operand(hi, F32, "cvt_pack"), self._operand(lo, F32, "cvt_pack")))
-        return d
 
     # ---- predicates ---------------------------------------------------------------------
     def setp(self, cmp: str, a: Value, b: Value) -> Reg:

@@ -1,5 +1,6 @@
-"""Byte permutes and FP8 conversions of `KernelBuilder`, type-checked like the rest.
+"""Conversions, byte permutes and FP8 conversions of `KernelBuilder`, type-checked like the rest.
 
+    cvt(to, a, rnd), cvt_pack(to, hi, lo)   type conversions (float narrowing rounds to nearest)
     prmt(a, b, selector)           prmt.b32: pick 4 of the 8 bytes of {b, a} (docs: PTX ISA "prmt")
     cvt_from_fp8x2(src, kind)      cvt.rn.f16x2.{e4m3x2,e5m2x2}: two FP8 bytes -> f16x2 (sm_89+)
     cvt_to_fp8x2(hi, lo, kind)     cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32: two f32 -> two bytes (sm_89+)
@@ -14,13 +15,35 @@ emits an exact software path below sm_89); ptxas rejects them on older targets.
 from __future__ import annotations
 
 from ..errors import IRError
-from .values import B16, B32, E4M3X2, E5M2X2, F16X2, F32, U32
+from .values import B16, B32, BF16X2, E4M3X2, E5M2X2, F16X2, F32, U32, PtxType
 
 FP8X2 = {"e4m3": E4M3X2, "e5m2": E5M2X2}
 
 
 class ConvertOps:
-    """Mixed into KernelBuilder (uses its reg/emit/_operand)."""
+    """Mixed into KernelBuilder (uses its reg/emit/_out/_operand/_type_of)."""
+
+    def cvt(self, to: PtxType, a: Value, rnd: str | None = None, out=None) -> Reg:
+        src = self._type_of(a, what="cvt")
+        if rnd is None and to.is_float and src.is_float and to.bits < src.bits:
+            rnd = "rn"  # narrowing float conversions require a rounding mode
+        if rnd is None and to.is_int and src.is_float:
+            rnd = "rzi"
+        if rnd is None and to.is_float and src.is_int:
+            rnd = "rn"
+        mods = ((rnd,) if rnd else ()) + (to.name, src.name)
+        d = self._out(to, out, "cvt")
+        self.emit("cvt", mods, (d,), (self._operand(a, src, "cvt"),))
+        return d
+
+    def cvt_pack(self, to: PtxType, hi: Value, lo: Value, out: Reg | None = None) -> Reg:
+        """Round two f32 into one f16x2/bf16x2 register: element 0 (low bits) = lo."""
+        if to not in (F16X2, BF16X2):
+            raise IRError(f"cvt_pack: target {to} is not f16x2 or bf16x2")
+        d = self._out(to, out, "cvt_pack")
+        self.emit("cvt", ("rn", to.name, "f32"), (d,),
+                  (self._operand(hi, F32, "cvt_pack"), self._operand(lo, F32, "cvt_pack")))
+        return d
 
     def prmt(self, a, b, selector) -> "Reg":  # noqa: F821
         """Bytes of the result: byte i = byte (selector nibble i) of the 8-byte value {b, a}."""

@@ -120,8 +120,9 @@ def validate(spec: KernelSpec) -> None:
             raise SpecError(f"dtype {spec.dtype} prefill uses mma.m16n8k16 and cp.async (sm_80+), "
                             f"but targets include {old[0]}; use dtype f32 for {old[0]} or drop it",
                             key="targets")
+    from .prefill_wgmma import configure as configure_wgmma, uses_wgmma
     for t in spec.targets:
-        configure(spec, TARGETS[t])
+        (configure_wgmma if uses_wgmma(spec, TARGETS[t]) else configure)(spec, TARGETS[t])
 
 
 def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int]:
@@ -215,6 +216,9 @@ def _check_shape(cfg: PrefillConfig, target: Target) -> None:
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    from . import prefill_wgmma as wg
+    if wg.uses_wgmma(spec, target):
+        return wg.resolve_tile(spec, target)
     c = configure(spec, target)
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "mma.m16n8k16" if c.tensor_cores else "simt",
@@ -292,7 +296,9 @@ class Ctx:
 
 
 def build(spec: KernelSpec, target: Target) -> Program:
-    cfg = configure(spec, target)
+    from . import prefill_wgmma as wg
+    wgmma = wg.uses_wgmma(spec, target)     # sm_90a f16/bf16 d64/128/256: prefill_wgmma.py
+    cfg = (wg.configure if wgmma else configure)(spec, target)
     b = KernelBuilder(f"ptxc_{spec.name}")
     params: list[LaunchParam] = []
 
@@ -306,7 +312,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
                for t in "qkvo" for a in (0, 1, 2)}
     seq_q = param("seq_q", U32, ParamSource("dim", name="seq_q"))
     seq_k = param("seq_k", U32, ParamSource("dim", name="seq_k"))
-    _emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k)
+    (wg.emit_body if wgmma else _emit_body)(b, spec, cfg, ptrs, strides, seq_q, seq_k)
     b.ret()
     launch = Launch(entry=b.entry.name, params=tuple(params),
                     grid=(f"cdiv(seq_q, {cfg.block_m})", str(spec.num_heads), "batch"),

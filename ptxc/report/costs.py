@@ -73,7 +73,7 @@ class Cost:
 
 
 def _unit(config: dict) -> str:
-    return "tensor" if str(config.get("path", "")).startswith("mma") else "simt"
+    return "tensor" if str(config.get("path", "")).startswith(("mma", "wgmma")) else "simt"
 
 
 def page_size(meta: dict) -> int:

@@ -43,14 +43,17 @@ _GLOBAL_LOADS = {"LDG", "LD"}
 _GLOBAL_STORES = {"STG", "ST", "RED", "ATOMG", "ATOM"}
 
 _LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):")
-# opcode modifiers may hold lower case: HGMMA.64x128x16.F32
-_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)"
+# (opcode parts may hold a lower-case shape: HGMMA.64x128x16.F32)
+_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_][A-Za-z0-9_]*)*)"
                    r"\s*([^;]*);")
 _SECTION = re.compile(r"^\s*\.section\s+\.text\.([\w$]+)")
 _REG = re.compile(r"\bR(\d+)(\.64)?\b")
 _TARGET = re.compile(r"`\((\.L\w+)\)")
 _DEPBAR = re.compile(r"SB0\s*,\s*(0x[0-9a-f]+|\d+)")
 _GMMA_SHAPE = re.compile(r"\.(\d+)x(\d+)x(\d+)")
+# One warp's mma.m16n8k16 (HMMA.16816): the unit "instructions per HMMA-equivalent" counts in,
+# so a warp's quarter of an HGMMA.64xNx16 is N/8 of them (64*N*16 / (16*8*16) per warpgroup).
+HMMA_16816_FLOPS = 2 * 16 * 8 * 16
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ def mma_flops(instr: Instr) -> int:
     op = instr.opcode
     if instr.base == "HMMA":
         if ".16816" in op:
-            return 2 * 16 * 8 * 16
+            return HMMA_16816_FLOPS
         if ".1688" in op:
             return 2 * 16 * 8 * 8
         if ".884" in op:
@@ -291,6 +294,8 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
         **{f"{c}_bytes": dict(sorted(w.items(), key=lambda kv: -int(kv[0]))) for c, w in widths_of.items()},
         "mma_flops": flops, "fp32_lane_ops": classes["fp32"] * 32,
         "instructions_per_mma": round(total / classes["tensor"], 2) if classes["tensor"] else None,
+        "mma_equivalents": round(flops / HMMA_16816_FLOPS, 2),
+        "instructions_per_mma_equivalent": round(total * HMMA_16816_FLOPS / flops, 2) if flops else None,
         "global_bytes_loaded": loaded,
         "inflight_bytes_mean": round(mean, 1), "inflight_bytes_peak": peak,
     }
@@ -308,5 +313,6 @@ def analyze_disassembly(text: str) -> dict[str, dict]:
     return out
 
 
-__all__ = ["CLASSES", "Instr", "access_bytes", "analyze_disassembly", "bytes_in_flight", "classify",
-           "find_loops", "mma_flops", "parse_functions", "profile_loop", "steady_path", "table_refills"]
+__all__ = ["CLASSES", "HMMA_16816_FLOPS", "Instr", "access_bytes", "analyze_disassembly",
+           "bytes_in_flight", "classify", "find_loops", "mma_flops", "parse_functions",
+           "profile_loop", "steady_path", "table_refills"]

@@ -19,6 +19,7 @@ from pathlib import Path
 # Column name -> predicate on the full opcode ("HMMA.16816.F32", "MUFU.EX2", ...).
 MIX_CLASSES = {
     "HMMA": lambda op: op.split(".")[0] == "HMMA",
+    "HGMMA": lambda op: op.split(".")[0] == "HGMMA",
     "LDSM": lambda op: op.split(".")[0] == "LDSM",
     "LDGSTS": lambda op: op.split(".")[0] == "LDGSTS",
     "MUFU.EX2": lambda op: op.startswith("MUFU.EX2"),

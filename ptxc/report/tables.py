@@ -99,7 +99,7 @@ def print_loops(c: Console, report: dict) -> None:
         return
     table = Table(title="main loop, one steady-state iteration per warp (SASS)", title_justify="left")
     for col in ("kernel", "target", "entry", "instrs", *(h for h, _ in LOOP_COLUMNS), "LDG widths B",
-                "instr/HMMA", "instr/KV row", "KiB in flight /CTA", "/SM", "bound (estimate)"):
+                "instr/HMMA-eq", "instr/KV row", "KiB in flight /CTA", "/SM", "bound (estimate)"):
         table.add_column(col, justify="left" if col in ("kernel", "target", "entry", "LDG widths B",
                                                         "bound (estimate)") else "right")
     for k, t, L in rows:
@@ -107,7 +107,7 @@ def print_loops(c: Console, report: dict) -> None:
         widths = " ".join(f"{w}x{n}" for w, n in lp["ldg_bytes"].items()) or "-"
         table.add_row(k["name"], t["target"], L["entry"], str(lp["instructions"]),
                       *(str(lp["classes"][c]) for _, c in LOOP_COLUMNS), widths,
-                      _num(lp["instructions_per_mma"]), _num(lp["instructions_per_kv_row"]),
+                      _num(lp["instructions_per_mma_equivalent"]), _num(lp["instructions_per_kv_row"]),
                       f"{lp['inflight_bytes_per_cta'] / 1024:.1f}", f"{lp['inflight_bytes_per_sm'] / 1024:.1f}",
                       "; ".join(fmt_bound(report, b) for b in lp["bounds"]) or "-")
     c.print(table)

@@ -1,0 +1,167 @@
+"""sm_90a instructions of `KernelBuilder`: warpgroup MMA (wgmma), the async-proxy fence and
+mbarriers, type-checked like the rest of the builder (PTX ISA: "Asynchronous Warpgroup Level
+Matrix Multiply-Accumulate", "mbarrier", "Parallel Synchronization: fence").
+
+    wgmma_fence(), wgmma_commit(), wgmma_wait(n)
+    wgmma(acc, a, b_desc, in_type, scale_d, trans_a, trans_b)   D (+)= A·B on m64nNk16
+    matrix_descriptor(addr, lbo, sbo, swizzle)                   a 64-bit shared-memory descriptor
+    fence_proxy_async()                                          generic -> async proxy (shared)
+    mbarrier_init / mbarrier_arrive / mbarrier_arrive_expect_tx / mbarrier_try_wait_parity
+    setmaxnreg(inc, count)
+
+Every wgmma instruction is warpgroup-wide (all 128 threads converged), so none may be placed
+under a predicate block. The accumulator is named once as the destination: wgmma reads it as C
+(when scale_d is true) and writes D in place.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import IRError
+from .values import B64, BF16, F16, F32, PRED, U32, U64, Addr, Imm, PtxType, Reg, Vec
+
+SWIZZLE_MODE = {0: 0, 128: 1, 64: 2, 32: 3}   # swizzle width in bytes -> descriptor bits [63:62]
+
+
+class HopperOps:
+    """Mixed into KernelBuilder (uses its reg/emit/_operand/_guard)."""
+
+    def _warpgroup_wide(self, what: str) -> None:
+        if self._guard is not None:
+            raise IRError(f"{what} under a predicate: all 128 threads of the warpgroup must "
+                          f"execute it")
+
+    # ---- wgmma --------------------------------------------------------------------------
+    def wgmma_fence(self) -> None:
+        """Orders register (and shared) accesses before the next wgmma.mma_async."""
+        self._warpgroup_wide("wgmma.fence")
+        self.emit("wgmma", ("fence", "sync", "aligned"))
+
+    def wgmma_commit(self) -> None:
+        self._warpgroup_wide("wgmma.commit_group")
+        self.emit("wgmma", ("commit_group", "sync", "aligned"))
+
+    def wgmma_wait(self, n: int) -> None:
+        """Wait until at most `n` of this warpgroup's committed wgmma groups are pending."""
+        self._warpgroup_wide("wgmma.wait_group")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise IRError(f"wgmma.wait_group: {n!r} is not a non-negative integer")
+        self.emit("wgmma", ("wait_group", "sync", "aligned"), (), (Imm(n, U32),))
+
+    def wgmma(self, acc: Sequence[Reg], a, b_desc, in_type: PtxType, scale_d=True,
+              trans_a: int = 0, trans_b: int = 0) -> list[Reg]:
+        """acc = A·B (+ acc when scale_d) on wgmma.mma_async.m64nNk16.f32, N = 2 * len(acc):
+        `a` is 4 b32 registers (the mma.m16n8k16 A fragment per warp) or a u64 descriptor,
+        `b_desc` a u64 descriptor; trans_* = 1 reads that operand MN-major (not for register A).
+        scale_d: a Python bool (an immediate) or a predicate register."""
+        what = "wgmma.mma_async"
+        self._warpgroup_wide(what)
+        if in_type not in (F16, BF16):
+            raise IRError(f"{what}: input type {in_type} is not f16 or bf16")
+        acc = list(acc)
+        n = 2 * len(acc)
+        if not 8 <= n <= 256 or n % 8:
+            raise IRError(f"{what}: {len(acc)} accumulator registers give N = {n}; N must be a "
+                          f"multiple of 8 in 8..256")
+        for i, r in enumerate(acc):
+            if not isinstance(r, Reg) or r.type != F32:
+                raise IRError(f"{what}: accumulator[{i}] {r} is not an f32 register")
+        for t in (trans_a, trans_b):
+            if t not in (0, 1) or isinstance(t, bool):
+                raise IRError(f"{what}: transpose flag {t!r} is not 0 or 1")
+        if isinstance(a, (list, tuple)):
+            if len(a) != 4 or any(not isinstance(r, Reg) or r.type.bits != 32 for r in a):
+                raise IRError(f"{what}: register operand A is 4 32-bit registers, got {a}")
+            if trans_a:
+                raise IRError(f"{what}: operand A from registers cannot be transposed")
+            a_op = Vec(tuple(a))
+        else:
+            a_op = self._operand(a, U64, f"{what} A descriptor")
+        b_op = self._operand(b_desc, U64, f"{what} B descriptor")
+        if isinstance(scale_d, bool):
+            sd = Imm(int(scale_d), U32)
+        elif isinstance(scale_d, Reg) and scale_d.type == PRED:
+            sd = scale_d
+        else:
+            raise IRError(f"{what}: scale_d {scale_d!r} is not a bool or a predicate register")
+        flags = (Imm(1, U32), Imm(1, U32)) + \
+            ((Imm(trans_b, U32),) if isinstance(a_op, Vec) else (Imm(trans_a, U32), Imm(trans_b, U32)))
+        self.emit("wgmma", ("mma_async", "sync", "aligned", f"m64n{n}k16", "f32", in_type.name,
+                            in_type.name), (Vec(tuple(acc)),), (a_op, b_op, sd) + flags)
+        return acc
+
+    def matrix_descriptor(self, addr: Reg, lbo: int, sbo: int, swizzle: int) -> Reg:
+        """The u64 wgmma matrix descriptor of the operand at shared address `addr` (u32):
+        start address >> 4 in bits [13:0], LBO >> 4 in [29:16], SBO >> 4 in [45:32], swizzle
+        mode in [63:62]; base offset 0 (tiles start 1024-byte aligned). Adding k << 4 bytes to
+        the result later moves the start address by k bytes (the field cannot overflow below
+        the 228 KiB shared window)."""
+        if swizzle not in SWIZZLE_MODE:
+            raise IRError(f"matrix descriptor: swizzle {swizzle} is not one of 0, 32, 64, 128 bytes")
+        for name, v in (("lbo", lbo), ("sbo", sbo)):
+            if v % 16 or not 0 <= v >> 4 < 1 << 14:
+                raise IRError(f"matrix descriptor: {name} {v} is not a multiple of 16 below 256 KiB")
+        const = ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (SWIZZLE_MODE[swizzle] << 62)
+        start = self.cvt(U64, self.and_(self.shr(addr, 4), 0x3FFF))
+        return self.bitcast(self.or_(self.bitcast(start, B64), Imm(const, B64)), U64)
+
+    # ---- proxies and mbarriers ------------------------------------------------------------
+    def fence_proxy_async(self) -> None:
+        """Makes this thread's generic-proxy shared-memory writes (st.shared, cp.async) visible
+        to later async-proxy reads (wgmma operands, TMA stores) and vice versa."""
+        self.emit("fence", ("proxy", "async", "shared::cta"))
+
+    def mbarrier_init(self, bar: Addr, count) -> None:
+        self._mbar_addr(bar, "mbarrier.init")
+        self.emit("mbarrier", ("init", "shared::cta", "b64"), (),
+                  (bar, self._operand(count, U32, "mbarrier.init count")))
+
+    def mbarrier_arrive(self, bar: Addr) -> Reg:
+        """Arrive once; returns the b64 state token."""
+        self._mbar_addr(bar, "mbarrier.arrive")
+        d = self.reg(B64)
+        self.emit("mbarrier", ("arrive", "shared::cta", "b64"), (d,), (bar,))
+        return d
+
+    def mbarrier_arrive_expect_tx(self, bar: Addr, tx_bytes) -> Reg:
+        """Arrive once and add `tx_bytes` to the current phase's expected transaction count."""
+        self._mbar_addr(bar, "mbarrier.arrive.expect_tx")
+        d = self.reg(B64)
+        self.emit("mbarrier", ("arrive", "expect_tx", "shared::cta", "b64"), (d,),
+                  (bar, self._operand(tx_bytes, U32, "mbarrier.arrive.expect_tx bytes")))
+        return d
+
+    def mbarrier_try_wait_parity(self, bar: Addr, parity) -> Reg:
+        """Predicate 'the phase with this parity has completed' (may return false spuriously:
+        callers loop)."""
+        self._mbar_addr(bar, "mbarrier.try_wait.parity")
+        p = self.reg(PRED)
+        self.emit("mbarrier", ("try_wait", "parity", "shared::cta", "b64"), (p,),
+                  (bar, self._operand(parity, U32, "mbarrier.try_wait parity")))
+        return p
+
+    def mbarrier_wait_parity(self, bar: Addr, parity) -> None:
+        """Spin on try_wait.parity until the phase completes (a structured loop)."""
+        head = self.label("mbar_wait")
+        self.place(head)
+        self.bra(head, self.mbarrier_try_wait_parity(bar, parity), negate=True)
+
+    def _mbar_addr(self, bar: Addr, what: str) -> None:
+        if not isinstance(bar, Addr):
+            raise IRError(f"{what}: {bar!r} is not an Addr")
+        if isinstance(bar.base, Reg) and bar.base.type.bits != 32:
+            raise IRError(f"{what}: shared address register {bar.base} is {bar.base.type}, "
+                          f"expected 32-bit")
+
+    def setmaxnreg(self, inc: bool, count: int) -> None:
+        """Raise (inc) or lower this warpgroup's per-thread register budget to `count`."""
+        self._warpgroup_wide("setmaxnreg")
+        if isinstance(count, bool) or not isinstance(count, int) or not 24 <= count <= 256 \
+                or count % 8:
+            raise IRError(f"setmaxnreg: {count!r} is not a multiple of 8 in 24..256")
+        self.emit("setmaxnreg", ("inc" if inc else "dec", "sync", "aligned", "u32"), (),
+                  (Imm(count, U32),))
+
+
+__all__ = ["HopperOps", "SWIZZLE_MODE"]

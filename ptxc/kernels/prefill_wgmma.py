@@ -1,0 +1,321 @@
+"""Prefill on Hopper warpgroup MMA (target sm_90a, f16/bf16, head_dim 64, 128 or 256).
+
+The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mma_async`:
+
+  CTA        block_m / 64 warpgroups (4 warps each); warpgroup g owns query rows [64g, 64g + 64),
+             warp w of the CTA rows [16w, 16w + 16) -- exactly the rows the mma.sync path gives
+             warp w, so the per-row softmax, masks, variants and epilogue of `MmaMath` apply as
+             they are (the wgmma m64nN accumulator is N/8 mma.m16n8 C fragments per warp).
+  shared     Q (block_m rows), then `num_stages` K tiles and `num_stages` V tiles (block_n rows),
+             each split along d into 128-byte column slabs (64 elements; d = 128 has two) of
+             rows x 128 B with the 128-byte swizzle: 16-byte chunk c of row r sits at chunk
+             c ^ (r % 8). Every slab starts 1024-byte aligned (one swizzle period).
+  loads      per-thread cp.async 16-byte chunks at the swizzled addresses (the loader of
+             tiles.py with a swizzled thread slot), K/V stages tracked by cp.async groups in the
+             shared pipeline of kv_pipeline.py; a `fence.proxy.async` after each barrier makes
+             the landed tiles visible to the tensor cores' (async-proxy) reads.
+  S = Q·Kᵀ   d/16 `wgmma m64n{block_n}k16` with A = Q and B = K from K-major descriptors
+             (SBO 1024 = 8 rows; a k16 step moves the start 32 B inside a slab, the next slab
+             by rows x 128 B), one commit group, waited at once.
+  O += P·V   P rounded to f16x2/bf16x2 is the register-A fragment of `wgmma m64n{d}k16`
+             (block_n/16 of them); B = V read MN-major (transpose bit) from the same swizzled
+             rows: SBO 1024 = 8 keys, LBO = the slab distance (block_n x 128 B).
+  row sums   one mma.sync m16n8k16 per k16 step against ones, issued before the P·V chain
+             (its A registers may not be read while a wgmma holding them is in flight).
+
+Not here (docs/kernels.md "Hopper"): TMA, mbarrier pipelines, warp specialisation, and the
+overlap of the softmax with the next tile's Q·Kᵀ. Other head dims, head_dim_v != head_dim and
+f32 take the mma.sync / SIMT kernels on sm_90a as on sm_90.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import SpecError
+from ..ir import F32, S32, S64, U32, U64, Imm, KernelBuilder, Reg
+from ..spec.model import KernelSpec
+from ..targets import Target
+from . import common as C
+from .prefill import Ctx, PrefillConfig
+from .prefill_mma import RESCALE_SLACK, MmaMath
+from .tiles import CHUNK, ThreadSlot, TileGeom, global_rows, load_tile, zero_regs
+from .variant import AttentionVariant, head_dim_v
+from .wgmma_pipeline import run_wgmma_pipeline
+
+WGMMA_TARGETS = ("sm_90a",)
+WGMMA_HEAD_DIMS = (64, 128, 256)
+SWIZZLE = 128            # bytes per swizzled row of a slab (the 128-byte swizzle mode)
+SWIZZLE_PERIOD = 1024    # 8 rows x 128 B: the pattern repeats, descriptors' SBO
+ROWS_PER_WARPGROUP = 64
+
+
+def uses_wgmma(spec: KernelSpec, target: Target) -> bool:
+    """Whether prefill for `target` is this kernel (else the mma.sync / SIMT one)."""
+    return (target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
+            and spec.head_dim in WGMMA_HEAD_DIMS and head_dim_v(spec) == spec.head_dim)
+
+
+@dataclass(frozen=True)
+class SwizzledGeom(TileGeom):
+    """`rows` rows of `row_bytes` stored as row_bytes / 128 slabs of rows x 128 B (swizzled).
+    `stride` is the distance between rows inside a slab, which is what the copy passes step."""
+
+    @property
+    def stride(self) -> int:
+        return SWIZZLE
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.rows * SWIZZLE
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+@dataclass(frozen=True)
+class WgmmaConfig(PrefillConfig):
+    @property
+    def q_geom(self) -> TileGeom:
+        return SwizzledGeom(self.block_m, self.head_dim * self.fmt.bytes, self.threads)
+
+    @property
+    def kv_geom(self) -> TileGeom:
+        return SwizzledGeom(self.block_n, self.head_dim * self.fmt.bytes, self.threads)
+
+    @property
+    def v_geom(self) -> TileGeom:
+        return self.kv_geom
+
+    @property
+    def q_region_bytes(self) -> int:
+        """Q, and after the loop the padded O staging tile of the epilogue, 1024-aligned."""
+        need = max(self.q_geom.bytes, self.o_geom.bytes)
+        return -(-need // SWIZZLE_PERIOD) * SWIZZLE_PERIOD
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.q_region_bytes + 2 * self.num_stages * self.kv_geom.bytes
+
+    @property
+    def registers_estimate(self) -> int:   # S and O accumulators, P, per thread
+        return self.block_n // 2 + self.head_dim // 2 + self.block_n // 4 + 40
+
+
+def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
+    given = spec.tile_dict()
+    d = spec.head_dim
+    bm, bn, stages = 128, (64 if d > 128 else 128), 2   # d256: O alone is 128 registers
+    if "num_warps" in given and "block_m" not in given:
+        bm = 16 * given["num_warps"]
+    bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
+    if bm % ROWS_PER_WARPGROUP or bm > 128:
+        raise SpecError(f"block_m = {bm} on {target}: the wgmma prefill kernel gives each "
+                        f"warpgroup 64 query rows, so block_m must be 64 or 128",
+                        key="tile.block_m")
+    if (2 * bm) // (d // 8) % 8:   # threads / 16-byte chunks per row = rows per copy pass
+        raise SpecError(f"block_m = {bm} with head_dim {d} on {target}: the swizzled tile copy "
+                        f"moves whole 8-row groups per pass, which needs block_m = 128 (256 "
+                        f"threads) for head_dim {d}", key="tile.block_m")
+    if given.get("num_warps", bm // 16) != bm // 16:
+        raise SpecError(f"num_warps = {given['num_warps']} with block_m = {bm} on {target}: the "
+                        f"wgmma prefill kernel needs num_warps = block_m / 16 = {bm // 16}",
+                        key="tile.num_warps")
+    cfg = WgmmaConfig(C.FORMATS[spec.dtype], d, True, bm, bn, bm // 16, stages, True, d, 1)
+    if cfg.smem_bytes > target.max_smem_per_cta:
+        raise SpecError(f"tile block_m={bm}, block_n={bn}, num_stages={stages} needs "
+                        f"{cfg.smem_bytes} bytes of shared memory; {target} allows "
+                        f"{target.max_smem_per_cta} per CTA: use fewer stages or a smaller tile",
+                        key="tile.num_stages" if "num_stages" in given else "tile.block_n")
+    return cfg
+
+
+def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    c = configure(spec, target)
+    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
+            "num_stages": c.num_stages, "path": "wgmma.m64nNk16", "cp_async": True,
+            "smem_swizzle": SWIZZLE, "smem_bytes": c.smem_bytes}
+
+
+def swizzled_slot(b: KernelBuilder, geom: SwizzledGeom, tid: Reg) -> ThreadSlot:
+    """Thread `tid` copies chunk c = tid % chunks of rows tid // chunks + i * rows_per_pass:
+    slab c // 8, swizzled chunk (c % 8) ^ (row % 8). rows_per_pass is a multiple of 8, so the
+    swizzle of every pass is the first one's and the pass offsets stay immediates."""
+    if geom.rows_per_pass % 8 or geom.idle_threads:
+        raise AssertionError(f"swizzled copy needs whole 8-row groups per pass: {geom}")
+    per_slab = SWIZZLE // CHUNK
+    r0 = b.div(tid, geom.chunks)
+    c = b.rem(tid, geom.chunks)
+    swz = b.xor(b.rem(c, per_slab), b.rem(r0, 8))
+    soff = b.mad(r0, SWIZZLE, b.shl(swz, 4))
+    if geom.chunks > per_slab:
+        soff = b.mad(b.div(c, per_slab), geom.slab_bytes, soff)
+    return ThreadSlot(geom, r0, b.mul(c, CHUNK), soff)
+
+
+class WgmmaMath(MmaMath):
+    """MmaMath with S = Q·Kᵀ and O += P·V on wgmma (see the module docstring)."""
+
+    def __init__(self, b: KernelBuilder, ctx: Ctx):
+        super().__init__(b, ctx)
+        cfg = ctx.cfg
+        self.bm = cfg.block_m
+        # lane 0's warp index: the same value, but one ptxas can prove warp-uniform, so the Q
+        # descriptors live in uniform registers (no R2UR per wgmma; Triton does the same)
+        warpgroup = b.shr(b.shfl("idx", ctx.warp, 0), 2)
+        q_rows = b.mad(warpgroup, ROWS_PER_WARPGROUP * SWIZZLE, ctx.q_smem)
+        self.q_desc = b.matrix_descriptor(q_rows, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        self.s_acc = zero_regs(b, self.bn // 2, F32)   # written before use: scale_d = 0 at k 0
+        # P of the last softmax, kept for the P·V of the next iteration (A fragments per k16)
+        self.p_frags = [[b.mov(0, self.pair) for _ in range(4)] for _ in range(self.bn // 16)]
+        self.alpha = [b.mov(1.0, F32) for _ in range(2)]
+
+    def _k_step(self, desc: Reg, kk: int, rows: int) -> Reg:
+        """Descriptor of k16 step kk of a K-major operand of `rows` rows: +32 B per step inside
+        a slab, + rows x 128 B per slab (the start field counts 16-byte units)."""
+        off = (kk % 4) * 32 + (kk // 4) * rows * SWIZZLE
+        return desc if off == 0 else self.b.add(desc, Imm(off >> 4, U64))
+
+    def issue_scores(self, k_tile: Reg) -> list[list[Reg]]:
+        """Issue S = Q·Kᵀ as one commit group (not waited); returns S as n8 accumulator tiles."""
+        b = self.b
+        k_desc = b.matrix_descriptor(k_tile, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        b.wgmma_fence()
+        for kk in range(self.d // 16):
+            b.wgmma(self.s_acc, self._k_step(self.q_desc, kk, self.bm),
+                    self._k_step(k_desc, kk, self.bn), self.in_type, scale_d=kk > 0)
+        b.wgmma_commit()
+        return [self.s_acc[4 * j:4 * j + 4] for j in range(self.bn // 8)]
+
+    def issue_pv(self, v_tile: Reg) -> None:
+        """Issue O += P·V with the packed P of the previous softmax as one commit group."""
+        b = self.b
+        v_desc = b.matrix_descriptor(v_tile, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
+        acc = [r for tile in self.o for r in tile]
+        b.wgmma_fence()
+        for kk, a in enumerate(self.p_frags):   # keys 16kk..16kk+15: 2 swizzle periods further
+            desc = v_desc if kk == 0 else b.add(v_desc, Imm(kk * 2 * SWIZZLE_PERIOD >> 4, U64))
+            b.wgmma(acc, a, desc, self.in_type, scale_d=True, trans_b=1)
+        b.wgmma_commit()
+
+    def softmax_early(self, s: list[list[Reg]]) -> tuple[list[list[Reg]], Reg]:
+        """MmaMath.softmax up to the probabilities, touching neither O nor P (a P·V that reads
+        them may still be in flight): row max, the warp-uniform lazy-rescale vote, the
+        exponentials, then (in a branch) the new m, alpha and the row sums' rescale. Returns
+        (probs, rescale)."""
+        b = self.b
+        rows = [[acc[2 * r + e] for acc in s for e in range(2)] for r in range(2)]
+        cands = []
+        for r in range(2):
+            mx = rows[r][0]
+            for x in rows[r][1:]:
+                mx = b.max(mx, x)
+            for off in (1, 2):
+                mx = b.max(mx, b.shfl("bfly", mx, off))
+            cands.append(b.max(self.m[r], b.mul(mx, self.scale_log2)))
+        grow = b.max(b.sub(cands[0], self.m[0]), b.sub(cands[1], self.m[1]))
+        for off in (4, 8, 16):
+            grow = b.max(grow, b.shfl("bfly", grow, off))
+        rescale = b.setp("gt", grow, RESCALE_SLACK)
+        # the exponentials first, against the max this tile will use (branch-free), so that
+        # they sit in the basic block before the rescale branch and the wait that follows it
+        m_use = [b.selp(cands[r], self.m[r], rescale) for r in range(2)]
+        probs = []
+        for r in range(2):
+            neg = b.neg(C.safe_max(b, m_use[r]))
+            probs.append([b.ex2(b.fma(x, self.scale_log2, neg)) for x in rows[r]])
+        with b.if_then(rescale):
+            for r in range(2):
+                b.mov(C.rescale_factor(b, self.m[r], C.safe_max(b, cands[r])), out=self.alpha[r])
+                for e in range(2):
+                    b.mul(self.l_acc[2 * r + e], self.alpha[r], out=self.l_acc[2 * r + e])
+                b.mov(cands[r], out=self.m[r])
+        return probs, rescale
+
+    def softmax_late(self, probs: list[list[Reg]], rescale: Reg) -> None:
+        """After the previous P·V retired: O *= alpha (when rescaling), P packed into the
+        registers the next P·V reads, the row sums by mma.sync against ones."""
+        b = self.b
+        with b.if_then(rescale):
+            for r in range(2):
+                for acc in self.o:
+                    for e in range(2):
+                        b.mul(acc[2 * r + e], self.alpha[r], out=acc[2 * r + e])
+        for jn in range(self.bn // 8):   # n8 tile jn is half of k-step jn // 2
+            frag = self.p_frags[jn // 2]
+            for r in range(2):
+                b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn],
+                           out=frag[2 * (jn % 2) + r])
+        for a in self.p_frags:
+            b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
+
+
+def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides, seq_q, seq_k):
+    """prefill.py's body with the swizzled tiles and WgmmaMath (same tile range and masks)."""
+    bm, bn, stages = cfg.block_m, cfg.block_n, cfg.num_stages
+    tid = b.special("%tid.x")
+    lane, warp = b.and_(tid, 31), b.shr(tid, 5)
+    m_blk, head, batch = b.special("%ctaid.x"), b.special("%ctaid.y"), b.special("%ctaid.z")
+    kv_head = b.div(head, spec.group_size) if spec.group_size > 1 else head
+    m_start = b.mul(m_blk, bm)
+
+    def head_base(t: str, h: Reg) -> Reg:
+        base = b.bitcast(C.element_offset(b, ptrs[t], batch, strides[(t, 0)]), U64)
+        return b.bitcast(C.element_offset(b, base, h, strides[(t, 2)]), U64)
+
+    sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
+    key_offset = b.sub(sk, sq)
+    last_row = b.sub(b.min(b.add(m_start, bm), seq_q), 1)
+    if spec.opt("causal"):
+        visible = b.add(b.add(b.bitcast(last_row, S32), key_offset), 1)
+        full = b.add(b.add(b.bitcast(m_start, S32), key_offset), 1)
+        visible, full = (b.bitcast(b.min(b.max(x, 0), sk), U32) for x in (visible, full))
+    else:
+        visible = full = seq_k
+    n_tiles, n_full = b.div(b.add(visible, bn - 1), bn), b.div(full, bn)
+    variant = AttentionVariant.from_spec(spec)
+    first_tile = lo_full = None
+    if variant.window is not None:
+        first_tile = variant.first_tile(b, b.add(b.bitcast(m_start, S32), key_offset), bn)
+        lo_full = variant.first_unmasked_tile(b, b.add(b.bitcast(last_row, S32), key_offset), bn)
+        n_tiles = b.sub(b.max(n_tiles, first_tile), first_tile)
+        n_full = b.sub(b.max(n_full, first_tile), first_tile)
+        lo_full = b.sub(b.max(lo_full, first_tile), first_tile)
+
+    smem = b.address_of(b.shared("prefill_smem", 0, align=SWIZZLE_PERIOD))
+    kv_bytes = cfg.kv_geom.bytes
+    k_smem = b.add(smem, cfg.q_region_bytes)
+    v_smem = b.add(k_smem, stages * kv_bytes)
+    q_slot, kv_slot = swizzled_slot(b, cfg.q_geom, tid), swizzled_slot(b, cfg.kv_geom, tid)
+    gq = global_rows(b, q_slot, head_base("q", head), strides[("q", 1)])
+    gkv = {t: global_rows(b, kv_slot, head_base(t, kv_head), strides[(t, 1)]) for t in "kv"}
+    ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
+              head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant,
+              ptrs.get("sinks"), ptrs.get("alibi_slopes"))
+    math = WgmmaMath(b, ctx)
+
+    next_addr = {t: b.mov(b.bitcast(gkv[t].thr_base, S64)) for t in "kv"}
+    tile_step = {t: b.mul(gkv[t].row_stride, bn) for t in "kv"}
+    if first_tile is not None:
+        for t in "kv":
+            b.mad(b.cvt(S64, first_tile), tile_step[t], next_addr[t], out=next_addr[t])
+
+    def load_kv(t: str, tile: Reg, stage_off):
+        with b.if_then(b.setp("lt", tile, n_tiles)):
+            row0 = b.mul(tile if first_tile is None else b.add(tile, first_tile), bn)
+            base = b.add(k_smem if t == "k" else v_smem, stage_off)
+            load_tile(b, kv_slot, gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, True,
+                      first_addr=next_addr[t])
+        b.add(next_addr[t], tile_step[t], out=next_addr[t])
+        b.cp_async_commit()
+
+    def key0_of(j: Reg) -> Reg:
+        return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
+
+    load_tile(b, q_slot, gq, m_start, b.sub(sq, b.bitcast(m_start, S32)), smem, True)
+    run_wgmma_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
+                       n_tiles=n_tiles, n_full=n_full, key0_of=key0_of, load_kv=load_kv,
+                       math=math, lo_full=lo_full,
+                       transform=math.transform if variant.transforms else None)
+    math.epilogue()

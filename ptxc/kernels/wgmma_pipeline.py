@@ -1,0 +1,80 @@
+"""The K/V tile loop of the sm_90a wgmma prefill: cp.async stages as in kv_pipeline.py, with
+the tensor cores overlapped with the softmax inside each warpgroup (FlashAttention-3's
+intra-warpgroup pipelining).
+
+Iteration j (all warpgroups of the CTA in step, as the copies are shared):
+
+  A(j)   cp.async.wait (K(j) and V(j-1) landed), bar.sync, fence.proxy.async
+         issue S(j) = Q·K(j)ᵀ                    (commit group 1)
+         issue O += P(j-1)·V(j-1), when j > 0      (commit group 2; empty for j = 0)
+         wgmma.wait_group 1: S(j) is done, P·V(j-1) may still run on the tensor cores
+         mask / variant transforms, row max, the lazy-rescale vote and the exponentials of
+         S(j)  -- overlapping P·V(j-1)
+         wgmma.wait_group 0; O *= alpha (when rescaling), P(j) packed, row sums (mma.sync)
+  B(j)   bar.sync (every warpgroup is done reading K(j) and V(j-1)), then the copies of
+         K(j+S) into K(j)'s buffer and V(j+S-1) into V(j-1)'s, two commit groups.
+
+After the loop, O += P(n-1)·V(n-1). The copies of B(i) are K(i+S), V(i+S-1), so K(j+1) and
+V(j) share the commit pair of B(j+1-S) and A(j) waits with 2S-2 younger groups in flight; the
+prologue is B(-S)..B(-1) (V(-1) an empty group; the Q tile joins K(0)'s group). Only one
+fence per tile: the generic-proxy writes of K(j) and V(j-1) both precede A(j)'s barrier.
+"""
+
+from __future__ import annotations
+
+from ..ir import U32, KernelBuilder, Reg
+
+
+def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
+                       n_tiles: Reg, n_full: Reg, key0_of, load_kv, math, transform=None,
+                       lo_full: Reg | None = None) -> None:
+    """`load_kv(t, tile, stage_offset)` copies one K or V tile (if it exists) and commits exactly
+    one group; `math` is a WgmmaMath."""
+    S = stages
+    for s in range(S):                                  # B(-S) .. B(-1)
+        load_kv("k", b.mov(s, U32), s * kv_bytes)
+        if s == 0:
+            b.cp_async_commit()                         # V(-1): an empty group
+        else:
+            load_kv("v", b.mov(s - 1, U32), (s - 1) * kv_bytes)
+
+    # buffer offsets of tile j (stage) and of tile j - 1 (prev), carried in registers
+    stage = b.mov(0, U32)
+    prev = b.mov((S - 1) * kv_bytes, U32)
+
+    def landed_and_fenced():
+        b.cp_async_wait(2 * S - 2)
+        b.bar_sync(0)
+        b.fence_proxy_async()
+
+    with b.for_range(0, n_tiles) as j:
+        landed_and_fenced()                                                   # A(j)
+        s = math.issue_scores(b.add(k_smem, stage))
+        with b.if_then(b.setp("gt", j, 0)):
+            math.issue_pv(b.add(v_smem, prev))
+        with b.else_():
+            b.wgmma_commit()     # an empty group, so that wait_group 1 below retires S(0)
+        b.wgmma_wait(1)
+        if transform is not None:
+            transform(s, key0_of(j))
+        needs_mask = b.setp("ge", j, n_full)
+        if lo_full is not None:
+            needs_mask = b.or_(needs_mask, b.setp("lt", j, lo_full))
+        with b.if_then(needs_mask):
+            math.mask(s, key0_of(j))
+        early = math.softmax_early(s)
+        b.wgmma_wait(0)
+        math.softmax_late(*early)
+        b.bar_sync(0)                                                         # B(j)
+        load_kv("k", b.add(j, S), stage)
+        load_kv("v", b.add(j, S - 1), prev)
+        nxt = b.add(stage, kv_bytes)
+        nxt = b.selp(0, nxt, b.setp("eq", nxt, S * kv_bytes))
+        b.mov(stage, out=prev)
+        b.mov(nxt, out=stage)
+    with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
+        landed_and_fenced()
+        math.issue_pv(b.add(v_smem, prev))
+        b.wgmma_wait(0)
+    b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
+    b.bar_sync(0)
