@@ -22,7 +22,7 @@ from .kv_pipeline import run_kv_pipeline
 # (varlen and prefill_simt import them, and finish_rows / load_head_f32, from this module).
 from .prefill_config import (FIELDS, SIMT_LANES_PER_ROW, PrefillConfig, _check_shape, configure,
                              resolve_tile, validate, value_split)
-from .tiles import global_rows, load_tile, thread_slot
+from .tiles import SWIZZLE_ALIGN, global_rows, load_tile, thread_slot
 from .variant import (AttentionVariant, finish_rows, head_dim_v, load_head_f32, variant_inputs,
                       variant_reference_args, variant_tensors)
 
@@ -115,7 +115,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
     b.ret()
     launch = Launch(entry=b.entry.name, params=tuple(params),
                     grid=(f"cdiv(seq_q, {cfg.block_m})", str(spec.num_heads), "batch"),
-                    block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes)
+                    block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
+                    min_ctas_per_sm=cfg.min_ctas_per_sm)
     return Program([b.entry], [launch], resolve_tile(spec, target))
 
 
@@ -155,7 +156,8 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
         n_full = b.sub(b.max(n_full, first_tile), first_tile)
         lo_full = b.sub(b.max(lo_full, first_tile), first_tile)
 
-    smem = b.address_of(b.shared("prefill_smem", 0))
+    swizzled = cfg.q_geom.swizzled or cfg.v_geom.swizzled   # their ldmatrix XORs need 128-B tiles
+    smem = b.address_of(b.shared("prefill_smem", 0, align=SWIZZLE_ALIGN if swizzled else 16))
     kv_bytes = cfg.kv_geom.bytes
     k_smem = b.add(smem, cfg.q_geom.bytes)
     v_smem = b.add(k_smem, stages * kv_bytes)

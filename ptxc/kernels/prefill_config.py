@@ -12,7 +12,7 @@ from ..spec.fields import Field, FamilyFields, int_range
 from ..spec.model import KernelSpec
 from ..targets import KIB, MAX_REGS_PER_THREAD, TARGETS, Target
 from . import common as C
-from .tiles import TileGeom
+from .tiles import TileGeom, swizzle_fits
 from .variant import VARIANT_FIELDS, head_dim_v, validate_variant
 
 _hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
@@ -35,6 +35,10 @@ FIELDS = FamilyFields(
               choices=(1, 2, 4, 8, 16)),
         Field("num_stages", "int", "K/V tiles in flight in the cp.async pipeline", default=None,
               choices=(1, 2, 3, 4)),
+        Field("smem_layout", "str", "shared-memory tiles (tensor cores): rows padded to an odd "
+              "number of 16-byte chunks, or XOR-swizzled chunks without padding (docs/kernels.md; "
+              "default: padded unless only swizzled tiles fit)", default=None,
+              choices=("padded", "swizzled")),
     ),
 )
 SIMT_LANES_PER_ROW = 8    # f32 path: lanes sharing a query row (its keys and its head_dim chunks)
@@ -53,20 +57,27 @@ class PrefillConfig:
     cp_async: bool
     head_dim_v: int = 0      # V/O head size; 0: head_dim
     v_split: int = 1         # warps sharing 16 query rows, each owning dv / v_split O columns
+    min_ctas_per_sm: int = 0  # .minnctapersm: registers capped so this many CTAs fit (0: no cap)
+    swizzle: bool = False     # XOR-swizzled tiles (tiles.py) wherever their geometry allows
 
     @property
     def dv(self) -> int:
         return self.head_dim_v or self.head_dim
 
+    def _geom(self, rows: int, elems: int) -> TileGeom:
+        row_bytes = elems * self.fmt.bytes
+        return TileGeom(rows, row_bytes, self.threads,
+                        self.swizzle and swizzle_fits(rows, row_bytes, self.threads))
+
     @property
     def v_geom(self) -> TileGeom:
         """V tiles (block_n x head_dim_v), in stage buffers sized for K (head_dim_v <= head_dim)."""
-        return TileGeom(self.block_n, self.dv * self.fmt.bytes, self.threads)
+        return self._geom(self.block_n, self.dv)
 
     @property
     def o_geom(self) -> TileGeom:
         """The output tile staged in the Q tile's shared memory (block_m x head_dim_v)."""
-        return TileGeom(self.block_m, self.dv * self.fmt.bytes, self.threads)
+        return self._geom(self.block_m, self.dv)
 
     @property
     def threads(self) -> int:
@@ -74,11 +85,11 @@ class PrefillConfig:
 
     @property
     def q_geom(self) -> TileGeom:
-        return TileGeom(self.block_m, self.head_dim * self.fmt.bytes, self.threads)
+        return self._geom(self.block_m, self.head_dim)
 
     @property
     def kv_geom(self) -> TileGeom:
-        return TileGeom(self.block_n, self.head_dim * self.fmt.bytes, self.threads)
+        return self._geom(self.block_n, self.head_dim)
 
     @property
     def smem_bytes(self) -> int:
@@ -157,13 +168,24 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
     tuned_warps = tuned.get("num_warps") if bm == tuned.get("block_m") else None
     warps = given.get("num_warps") or tuned_warps or _warps_for(bm, tc, vsplit)
 
+    min_ctas = 0
+
+    # Swizzled tiles save the padding but cost ptxas ~4-9 registers of ldmatrix addresses (a
+    # lane's XOR per k-step): padded by default, swizzled when asked or when only that fits.
+    swizzle = given.get("smem_layout") == "swizzled"
+    if swizzle:
+        _check_swizzle(spec, tc, vsplit, bm, bn, warps)
+    can_swizzle = "smem_layout" not in given and tc and vsplit == 1
+
     def make():
         return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, tc, bm, bn, warps, stages,
-                             target.has_cp_async, head_dim_v(spec), vsplit)
+                             target.has_cp_async, head_dim_v(spec), vsplit, min_ctas, swizzle)
 
     cfg = make()
     while cfg.smem_bytes > target.max_smem_per_cta:   # shrink what the spec left to us
-        if "num_stages" not in given and stages > 1:
+        if can_swizzle and _swizzled(cfg).smem_bytes <= target.max_smem_per_cta:
+            swizzle = True      # what makes this tile fit: keep the tile, drop the padding
+        elif "num_stages" not in given and stages > 1:
             stages -= 1
         elif "block_n" not in given and bn > 16:
             bn //= 2
@@ -178,8 +200,48 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                             f"{stages} x K/V {2 * cfg.kv_geom.bytes}); {target} allows "
                             f"{target.max_smem_per_cta} per CTA: use a smaller tile", key=f"tile.{key}")
         cfg = make()
+    shape_given = given.keys() - {"smem_layout"}
+    if tc and not shape_given and not tuned and _two_ctas_target(spec, target):
+        # Two CTAs per SM (docs/kernels.md "Prefill tiles"): the most stages (<= the default)
+        # with which two fit the SM's shared memory, and ptxas told to stay within the 128
+        # registers per thread two 8-warp CTAs leave (it needs 130 unconstrained, no spills at 128).
+        while stages > 1 and not _fits_per_sm(cfg, target, 2):
+            stages -= 1
+            cfg = make()
+        if _fits_per_sm(cfg, target, 2):
+            min_ctas = 2
+            cfg = make()
     _check_shape(cfg, target)
     return cfg
+
+
+def _two_ctas_target(spec: KernelSpec, target: Target) -> bool:
+    """Head dims 65..128 on sm_80/sm_87 (164 KiB of shared memory per SM): the 128 x 64 tile
+    with two K/V stages takes 102 KiB at d128 and so ran one CTA (8 warps) per SM. d <= 64
+    already gets two without a cap; sm_86/sm_89 (100 KiB per SM) cannot hold two 64 KiB tiles;
+    sm_90 keeps its three stages at one CTA per SM (not re-evaluated here)."""
+    return 64 < spec.head_dim <= 128 and 160 * KIB <= target.max_smem_per_cta < 200 * KIB
+
+
+def _swizzled(cfg: PrefillConfig) -> PrefillConfig:
+    from dataclasses import replace
+    return replace(cfg, swizzle=True)
+
+
+def _check_swizzle(spec: KernelSpec, tc: bool, vsplit: int, bm: int, bn: int, warps: int) -> None:
+    threads, row_bytes = 32 * warps, spec.head_dim * C.FORMATS[spec.dtype].bytes
+    why = "it needs the tensor-core path (dtype f16 or bf16)" if not tc else \
+        f"head_dim_v {head_dim_v(spec)} splits the value columns over warps" if vsplit > 1 else \
+        None if all(swizzle_fits(rows, row_bytes, threads) for rows in (bm, bn)) else \
+        (f"it needs head_dim a multiple of 64 and copy passes of a multiple of 8 rows "
+         f"({threads} threads / {row_bytes // 16} chunks per row)")
+    if why:
+        raise SpecError(f"smem_layout = \"swizzled\" with head_dim {spec.head_dim}, block_m {bm}, "
+                        f"block_n {bn}: {why}; use \"padded\"", key="tile.smem_layout")
+
+
+def _fits_per_sm(cfg: PrefillConfig, target: Target, ctas: int) -> bool:
+    return ctas * (cfg.smem_bytes + target.reserved_smem_per_cta) <= target.smem_per_sm
 
 
 def _check_shape(cfg: PrefillConfig, target: Target) -> None:
@@ -209,4 +271,6 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "mma.m16n8k16" if c.tensor_cores else "simt",
             "cp_async": c.cp_async, "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
+            **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {}),
+            **({"smem_swizzle": True} if c.q_geom.swizzled else {}),
             **({"value_split": c.v_split} if c.v_split > 1 else {})}

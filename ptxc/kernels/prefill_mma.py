@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, Addr, KernelBuilder, Reg
 from . import common as C
 from .prefill import Ctx, finish_rows
-from .tiles import ldmatrix_lane_offset, ldmatrix_lane_offset_nk, zero_regs
+from .tiles import ldmatrix_lanes_mk, ldmatrix_lanes_nk, zero_regs
 
 
 # log2 units the running max may lag the true one before O is rescaled (lazy rescaling, as in
@@ -39,12 +39,15 @@ class MmaMath:
         self.vs, self.os = cfg.v_geom.stride, cfg.o_geom.stride   # == ss unless head_dim_v < d
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
         lane = ctx.lane
-        self.lane_off = ldmatrix_lane_offset(b, lane, self.ss)
-        self.k_lane_off = ldmatrix_lane_offset_nk(b, lane, self.ss)
-        self.v_lane_off = self.lane_off if self.vs == self.ss else ldmatrix_lane_offset(b, lane, self.vs)
+        # ldmatrix lane addresses (tiles.LdmatrixLanes: padded or swizzled): Q and K's .x2 tail
+        # by rows (l & 15), K by the adjacent-pair order, V (.trans) by k rows (l & 15).
+        self.mk_lanes = ldmatrix_lanes_mk(b, lane, cfg.q_geom)
+        self.k_lanes = ldmatrix_lanes_nk(b, lane, cfg.kv_geom)
+        self.v_lanes = self.mk_lanes if cfg.v_geom.stride == self.ss and \
+            cfg.v_geom.swizzled == cfg.q_geom.swizzled else ldmatrix_lanes_mk(b, lane, cfg.v_geom)
         vs = cfg.v_split   # warps sharing 16 rows; warp w owns O columns slice w % vs
         warp_rows = b.mul(b.div(ctx.warp, vs) if vs > 1 else ctx.warp, 16)
-        self.q_lane = b.add(b.mad(warp_rows, self.ss, ctx.q_smem), self.lane_off)
+        self.q_lanes = self.mk_lanes.bind(b.mad(warp_rows, self.ss, ctx.q_smem))
         g, t = b.shr(lane, 2), b.and_(lane, 3)
         self.t = t
         row0 = b.add(ctx.m_start, b.add(warp_rows, g))
@@ -57,12 +60,16 @@ class MmaMath:
         self.alibi = [ctx.alibi_row(b, r, two_t, self.unit) for r in self.rows] \
             if ctx.variant.alibi else None
         self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.os, ctx.q_smem), b.shl(t, 2))
+        # swizzled O tile: the lane's rows are g and g + 8 (row & 7 = g), so n8 tile jd (chunk
+        # jd) sits at chunk jd ^ g: one register per jd % 8, the 128-byte group immediate
+        self.o_lanes = [b.add(self.o_smem, b.shl(b.xor(g, j), 4)) for j in range(8)] \
+            if cfg.o_geom.swizzled else None
         self.col0 = None   # first O column of this warp's slice (u32), when the value is split
         if vs > 1:
             self.col0 = b.mul(b.rem(ctx.warp, vs), cfg.dv // vs)
             col_bytes = b.mul(self.col0, cfg.fmt.bytes)
             self.o_smem = b.add(self.o_smem, col_bytes)
-            self.v_lane_off = b.add(self.v_lane_off, col_bytes)
+            self.v_lanes = self.v_lanes.shifted(col_bytes)
         self.zero = b.mov(0, B32)
         self.fzero = zero_regs(b, 4, F32)
         self.o = [zero_regs(b, 4, F32) for _ in range(self.dtiles)]
@@ -74,17 +81,17 @@ class MmaMath:
         self.ones = b.mov(0x3C003C00 if cfg.fmt.name == "f16" else 0x3F803F80, B32)
 
     def scores(self, k_tile: Reg) -> list[list[Reg]]:
-        b, ss = self.b, self.ss
-        k_lane = b.add(k_tile, self.k_lane_off)
-        k_lane_half = b.add(k_tile, self.lane_off) if self.half_k else None
+        b = self.b
+        k_lanes = self.k_lanes.bind(k_tile)
+        k_lanes_half = self.mk_lanes.bind(k_tile) if self.half_k else None
         s: list = [None] * (self.bn // 8)
         for kk in range(self.ksteps):
             half = self.half_k and kk == self.ksteps - 1
-            a = b.ldmatrix(Addr(self.q_lane, kk * 32), 2 if half else 4)
+            a = b.ldmatrix(self.q_lanes.at(0, 2 * kk), 2 if half else 4)
             if half:
                 a += [self.zero, self.zero]
             for pair in range(self.bn // 16):
-                kb = b.ldmatrix(Addr(k_lane_half if half else k_lane, pair * 16 * ss + kk * 32),
+                kb = b.ldmatrix((k_lanes_half if half else k_lanes).at(pair * 16, 2 * kk),
                                 2 if half else 4)
                 frags = [(kb[0], self.zero), (kb[1], self.zero)] if half else \
                     [(kb[0], kb[1]), (kb[2], kb[3])]
@@ -156,13 +163,13 @@ class MmaMath:
         return [pk[2 * k] + pk[2 * k + 1] for k in range(self.bn // 16)]
 
     def pv(self, a_frags: list[list[Reg]], v_tile: Reg) -> None:
-        b, ss = self.b, self.vs
-        v_lane = b.add(v_tile, self.v_lane_off)
+        b = self.b
+        v_lanes = self.v_lanes.bind(v_tile)
         for kk, a in enumerate(a_frags):
             b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
             for pair in range(-(-self.dtiles // 2)):
                 both = 2 * pair + 1 < self.dtiles
-                vb = b.ldmatrix(Addr(v_lane, kk * 16 * ss + pair * 32), 4 if both else 2, trans=True)
+                vb = b.ldmatrix(v_lanes.at(kk * 16, 2 * pair), 4 if both else 2, trans=True)
                 frags = [(vb[0], vb[1]), (vb[2], vb[3])] if both else [(vb[0], vb[1])]
                 for e, frag in enumerate(frags):
                     acc = self.o[2 * pair + e]
@@ -188,8 +195,9 @@ class MmaMath:
         for jd, acc in enumerate(self.o):
             for r in range(2):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
-                b.st("shared", B32, Addr(self.o_smem, r * 8 * self.os + jd * 16),
-                     [b.cvt_pack(self.pair, hi, lo)])
+                at = Addr(self.o_smem, r * 8 * self.os + jd * 16) if self.o_lanes is None else \
+                    Addr(self.o_lanes[jd % 8], r * 8 * self.os + jd // 8 * 128)
+                b.st("shared", B32, at, [b.cvt_pack(self.pair, hi, lo)])
         b.bar_sync(0)
         slot = thread_slot(b, ctx.cfg.o_geom, ctx.tid)
         go = global_rows(b, slot, ctx.o_base, ctx.o_row_stride)
