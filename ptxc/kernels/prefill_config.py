@@ -35,6 +35,8 @@ FIELDS = FamilyFields(
               choices=(1, 2, 4, 8, 16)),
         Field("num_stages", "int", "K/V tiles in flight in the cp.async pipeline", default=None,
               choices=(1, 2, 3, 4)),
+        Field("warp_rows", "int", "query rows per warp on tensor cores: 16, or 32 as two m16 "
+              "tiles sharing each K/V fragment (docs/kernels.md)", default=None, choices=(16, 32)),
         Field("smem_layout", "str", "shared-memory tiles (tensor cores): rows padded to an odd "
               "number of 16-byte chunks, or XOR-swizzled chunks without padding (docs/kernels.md; "
               "default: padded unless only swizzled tiles fit)", default=None,
@@ -59,6 +61,7 @@ class PrefillConfig:
     v_split: int = 1         # warps sharing 16 query rows, each owning dv / v_split O columns
     min_ctas_per_sm: int = 0  # .minnctapersm: registers capped so this many CTAs fit (0: no cap)
     swizzle: bool = False     # XOR-swizzled tiles (tiles.py) wherever their geometry allows
+    warp_rows: int = 16       # tensor cores: query rows per warp (16, or 32 = two m16 tiles)
 
     @property
     def dv(self) -> int:
@@ -102,8 +105,9 @@ class PrefillConfig:
 
     @property
     def registers_estimate(self) -> int:
-        if self.tensor_cores:   # O and S accumulators: 16 x head_dim and 16 x block_n f32 per warp
-            return self.dv // 2 // self.v_split + self.block_n // 2 + REG_OVERHEAD
+        if self.tensor_cores:   # O and S accumulators: 16 x head_dim and 16 x block_n f32 per m16 tile
+            mt = self.warp_rows // 16
+            return mt * (self.dv // 2 // self.v_split + self.block_n // 2) + REG_OVERHEAD
         chunks = -(-self.dv // 4 // SIMT_LANES_PER_ROW)
         tm = self.rows_per_thread
         return tm * chunks * 4 + tm * self.block_n // SIMT_LANES_PER_ROW + REG_OVERHEAD
@@ -141,8 +145,8 @@ def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int
     return bm, bn, stages
 
 
-def _warps_for(bm: int, tc: bool, v_split: int = 1) -> int:
-    return bm // 16 * v_split if tc else max(1, min(8, bm // 8))
+def _warps_for(bm: int, tc: bool, v_split: int = 1, warp_rows: int = 16) -> int:
+    return max(1, bm // warp_rows) * v_split if tc else max(1, min(8, bm // 8))
 
 
 def value_split(dv: int, tc: bool) -> int:
@@ -163,10 +167,22 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
     bm, bn, stages = tuned.get("block_m", bm), tuned.get("block_n", bn), tuned.get("num_stages", stages)
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
     vsplit = value_split(head_dim_v(spec), tc)
+    wrows = given.get("warp_rows", 16)
+    if wrows != 16:
+        _check_warp_rows(spec, tc, vsplit, wrows)
+        if head_dim_v(spec) > 64 and bn > 32:
+            # two m16 tiles of O (d128: 128 f32) plus their scores over 64 keys (64) came to
+            # 254-255 registers, spilling 8-124 bytes on most targets; 32 keys: 234-245, none
+            if "block_n" in given:
+                raise SpecError(f"warp_rows = 32 with head_dim_v {head_dim_v(spec)} and block_n = "
+                                f"{bn}: two 16-row tiles of O and scores need more than the 255 "
+                                f"registers a thread has (ptxas spills); use block_n = 32 or "
+                                f"warp_rows = 16", key="tile.block_n")
+            bn = 32
     if "num_warps" in given and "block_m" not in given:
-        bm = 16 * given["num_warps"] // vsplit if tc else 8 * given["num_warps"]
-    tuned_warps = tuned.get("num_warps") if bm == tuned.get("block_m") else None
-    warps = given.get("num_warps") or tuned_warps or _warps_for(bm, tc, vsplit)
+        bm = wrows * given["num_warps"] // vsplit if tc else 8 * given["num_warps"]
+    tuned_warps = tuned.get("num_warps") if bm == tuned.get("block_m") and wrows == 16 else None
+    warps = given.get("num_warps") or tuned_warps or _warps_for(bm, tc, vsplit, wrows)
 
     min_ctas = 0
 
@@ -179,7 +195,8 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
 
     def make():
         return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, tc, bm, bn, warps, stages,
-                             target.has_cp_async, head_dim_v(spec), vsplit, min_ctas, swizzle)
+                             target.has_cp_async, head_dim_v(spec), vsplit, min_ctas, swizzle,
+                             wrows)
 
     cfg = make()
     while cfg.smem_bytes > target.max_smem_per_cta:   # shrink what the spec left to us
@@ -191,7 +208,7 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
             bn //= 2
         elif "block_m" not in given and "num_warps" not in given and bm > 16:
             bm //= 2
-            warps = _warps_for(bm, tc, vsplit)
+            warps = _warps_for(bm, tc, vsplit, wrows)
         else:
             key = next((k for k in ("block_n", "num_stages", "block_m", "num_warps") if k in given),
                        "block_n")
@@ -200,7 +217,7 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                             f"{stages} x K/V {2 * cfg.kv_geom.bytes}); {target} allows "
                             f"{target.max_smem_per_cta} per CTA: use a smaller tile", key=f"tile.{key}")
         cfg = make()
-    shape_given = given.keys() - {"smem_layout"}
+    shape_given = given.keys() - {"smem_layout", "warp_rows"}
     if tc and not shape_given and not tuned and _two_ctas_target(spec, target):
         # Two CTAs per SM (docs/kernels.md "Prefill tiles"): the most stages (<= the default)
         # with which two fit the SM's shared memory, and ptxas told to stay within the 128
@@ -211,6 +228,11 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
         if _fits_per_sm(cfg, target, 2):
             min_ctas = 2
             cfg = make()
+    if wrows == 32 and not min_ctas:
+        # Left alone, ptxas caps a 4-warp CTA's registers to fit three per SM (168 on sm_90)
+        # and spills the 32-row accumulators; .minnctapersm 1 lets it use what they need.
+        min_ctas = 1
+        cfg = make()
     _check_shape(cfg, target)
     return cfg
 
@@ -240,16 +262,27 @@ def _check_swizzle(spec: KernelSpec, tc: bool, vsplit: int, bm: int, bn: int, wa
                         f"block_n {bn}: {why}; use \"padded\"", key="tile.smem_layout")
 
 
+def _check_warp_rows(spec: KernelSpec, tc: bool, vsplit: int, wrows: int) -> None:
+    from .variant import AttentionVariant
+    why = "it needs the tensor-core path (dtype f16 or bf16)" if not tc else \
+        f"head_dim_v {head_dim_v(spec)} splits the value columns over warps" if vsplit > 1 else \
+        "score transforms (softcap, alibi) address 16-row score tiles" \
+        if AttentionVariant.from_spec(spec).transforms else None
+    if why:
+        raise SpecError(f"warp_rows = {wrows}: {why}; use 16", key="tile.warp_rows")
+
+
 def _fits_per_sm(cfg: PrefillConfig, target: Target, ctas: int) -> bool:
     return ctas * (cfg.smem_bytes + target.reserved_smem_per_cta) <= target.smem_per_sm
 
 
 def _check_shape(cfg: PrefillConfig, target: Target) -> None:
-    if cfg.tensor_cores and cfg.block_m * cfg.v_split != 16 * cfg.num_warps:
+    if cfg.tensor_cores and cfg.block_m * cfg.v_split != cfg.warp_rows * cfg.num_warps:
         split = f" / {cfg.v_split} (head_dim_v {cfg.dv}: {cfg.v_split} warps share 16 rows)" \
             if cfg.v_split > 1 else ""
+        w = cfg.warp_rows
         raise SpecError(f"block_m = {cfg.block_m} with num_warps = {cfg.num_warps}: on tensor cores "
-                        f"each warp owns 16 query rows, so block_m must be 16 * num_warps{split}",
+                        f"each warp owns {w} query rows, so block_m must be {w} * num_warps{split}",
                         key="tile.block_m")
     if not cfg.tensor_cores and (cfg.block_m % (4 * cfg.num_warps) or cfg.rows_per_thread > 8):
         raise SpecError(f"block_m = {cfg.block_m} with num_warps = {cfg.num_warps}: the f32 path "
@@ -273,4 +306,5 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
             "cp_async": c.cp_async, "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
             **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {}),
             **({"smem_swizzle": True} if c.q_geom.swizzled else {}),
+            **({"warp_rows": c.warp_rows} if c.warp_rows != 16 else {}),
             **({"value_split": c.v_split} if c.v_split > 1 else {})}
