@@ -206,7 +206,7 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
             stages -= 1
         elif "block_n" not in given and bn > 16:
             bn //= 2
-        elif "block_m" not in given and "num_warps" not in given and bm > 16:
+        elif "block_m" not in given and "num_warps" not in given and bm > max(16, wrows):
             bm //= 2
             warps = _warps_for(bm, tc, vsplit, wrows)
         else:
@@ -292,6 +292,11 @@ def _check_shape(cfg: PrefillConfig, target: Target) -> None:
         raise SpecError(f"num_warps = {cfg.num_warps}: a {cfg.q_geom.row_bytes}-byte row needs at "
                         f"least {cfg.q_geom.chunks} threads to copy; use more warps",
                         key="tile.num_warps")
+    if cfg.registers_estimate > MAX_REGS_PER_THREAD and cfg.warp_rows > 16:
+        raise SpecError(f"warp_rows = {cfg.warp_rows} with head_dim_v {cfg.dv} needs about "
+                        f"{cfg.registers_estimate} registers per thread (limit "
+                        f"{MAX_REGS_PER_THREAD} on {target}); use warp_rows = 16",
+                        key="tile.warp_rows")
     if cfg.registers_estimate > MAX_REGS_PER_THREAD:
         raise SpecError(f"block_m = {cfg.block_m}, block_n = {cfg.block_n} needs about "
                         f"{cfg.registers_estimate} registers per thread for head_dim "
