@@ -13,7 +13,8 @@ three bits, so it stays in its 128-byte group). The 8 rows an ldmatrix matrix re
 of a 128-bit copy write, are 8 consecutive rows at one logical chunk, or one row at 8 chunks of
 a group: either way 8 different 16-byte bank groups, conflict-free. Addresses: a lane's chunk
 (c0 + its own chunk) ^ (r & 7) = (lane's (chunk ^ r & 7)) ^ c0 for the even c0 of a k-step, so
-the lane keeps four offsets (c0 % 8 = 0, 2, 4, 6, an XOR each) and the rest is immediate.
+each tile needs four lane addresses (c0 % 8 = 0, 2, 4, 6: the first XOR 32, 64, 96, which
+needs the tile 128-byte aligned) and the rest is immediate (LdmatrixLanes).
 
 Copies: thread `tid` moves 16-byte chunk `tid % chunks` of rows `tid // chunks + i * rows_per_pass`
 for each pass i. Rows at or past the number of valid rows are zero-filled: `cp.async` with
@@ -242,13 +243,15 @@ class LdmatrixLanes:
     start at multiples of 128 in a shared block declared .align 128), and costs one
     instruction where a per-k-step offset would cost an add, or a register held across the loop."""
 
-    def __init__(self, b: KernelBuilder, geom: TileGeom, row: Reg, chunk: Reg):
-        self.b, self.geom = b, geom
+    def __init__(self, b: KernelBuilder, geom: TileGeom, offset: Reg):
+        self.b, self.geom, self.offset = b, geom, offset   # the lane's offset at chunk0 = 0
+
+    @classmethod
+    def at_lane(cls, b: KernelBuilder, geom: TileGeom, row: Reg, chunk: Reg) -> "LdmatrixLanes":
         if geom.swizzled:   # (chunk ^ row & 7) of the lane; chunk0 is XORed in by bind
             chunk = b.xor(chunk, b.and_(row, SWIZZLE_ROWS - 1))
-            self.offsets = [b.mad(row, geom.stride, b.shl(chunk, 4))]
-        else:
-            self.offsets = [b.mad(row, geom.stride, b.mul(chunk, CHUNK))]
+            return cls(b, geom, b.mad(row, geom.stride, b.shl(chunk, 4)))
+        return cls(b, geom, b.mad(row, geom.stride, b.mul(chunk, CHUNK)))
 
     def bind(self, base: Reg) -> "BoundLanes":
         """The addresses in the tile at `base` (registers made here, used where bound)."""
@@ -256,16 +259,13 @@ class LdmatrixLanes:
 
     def shifted(self, nbytes: Reg) -> "LdmatrixLanes":
         """The same lanes `nbytes` further on (a whole number of 128-byte groups if swizzled)."""
-        out = object.__new__(LdmatrixLanes)
-        out.b, out.geom = self.b, self.geom
-        out.offsets = [self.b.add(o, nbytes) for o in self.offsets]
-        return out
+        return LdmatrixLanes(self.b, self.geom, self.b.add(self.offset, nbytes))
 
 
 class BoundLanes:
     def __init__(self, lanes: LdmatrixLanes, base: Reg):
         self.geom = lanes.geom
-        self.regs = [lanes.b.add(base, off) for off in lanes.offsets]
+        self.regs = [lanes.b.add(base, lanes.offset)]
         if self.geom.swizzled:
             self.regs += [lanes.b.xor(self.regs[0], 2 * k * CHUNK) for k in range(1, 4)]
 
@@ -277,19 +277,20 @@ class BoundLanes:
 
 def ldmatrix_lanes_mk(b: KernelBuilder, lane: Reg, geom: TileGeom) -> LdmatrixLanes:
     """ldmatrix_lane_offset's pattern: row (l & 15), chunk (l >> 4)."""
-    return LdmatrixLanes(b, geom, b.and_(lane, 15), b.shr(lane, 4))
+    return LdmatrixLanes.at_lane(b, geom, b.and_(lane, 15), b.shr(lane, 4))
 
 
 def ldmatrix_lanes_nk(b: KernelBuilder, lane: Reg, geom: TileGeom) -> LdmatrixLanes:
     """ldmatrix_lane_offset_nk's pattern: row (l & 7) + 8 (l >> 4), chunk (l >> 3) & 1."""
-    return LdmatrixLanes(b, geom, b.add(b.and_(lane, 7), b.shl(b.shr(lane, 4), 3)),
-                         b.and_(b.shr(lane, 3), 1))
+    return LdmatrixLanes.at_lane(b, geom, b.add(b.and_(lane, 7), b.shl(b.shr(lane, 4), 3)),
+                                 b.and_(b.shr(lane, 3), 1))
 
 
 def zero_regs(b: KernelBuilder, n: int, type=B32) -> list[Reg]:
     return [b.mov(0, type) if type.is_int or type.kind == "b" else b.mov(0.0, type) for _ in range(n)]
 
 
-__all__ = ["TileGeom", "LdmatrixLanes", "ldmatrix_lanes_mk", "ldmatrix_lanes_nk", "swizzle_fits", "ThreadSlot", "GlobalRows", "thread_slot", "global_rows", "load_tile", "load_tile_rows",
-           "ldmatrix_lane_offset_nk",
+__all__ = ["TileGeom", "ThreadSlot", "GlobalRows", "thread_slot", "global_rows", "load_tile", "load_tile_rows",
+           "LdmatrixLanes", "ldmatrix_lanes_mk", "ldmatrix_lanes_nk", "swizzle_fits",
+           "SWIZZLE_ALIGN", "ldmatrix_lane_offset_nk",
            "store_tile", "ldmatrix_lane_offset", "padded_stride", "zero_regs", "U32", "U64"]
