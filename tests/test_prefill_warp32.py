@@ -83,3 +83,15 @@ def test_assembles_without_spills(toolchain, dtype, head_dim, causal, target):
         assert occ["ctas_per_sm"] == 2
     else:
         assert ".minnctapersm 1" in ptx
+
+
+def test_tune_candidates_keep_the_spec_rows_per_warp():
+    """`ptxc tune` varies the tile shape only; a spec's warp_rows stays in every candidate (the
+    tuned tables record and apply the shape keys alone; a shape that fits only swizzled gets the
+    swizzled layout from the same rule when the table is applied)."""
+    from ptxc.gpu.tune import candidate_tiles
+    [spec] = load_text(spec_text("f16", 128, "gqa4", True, tile=W32))
+    cands = candidate_tiles(spec, "sm_80")
+    assert len(cands) > 1 and all(c["resolved"].get("warp_rows") == 32 for c in cands)
+    [plain] = load_text(spec_text("f16", 128, "gqa4", True))
+    assert not any("warp_rows" in c["resolved"] for c in candidate_tiles(plain, "sm_80"))
