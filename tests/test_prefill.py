@@ -30,7 +30,7 @@ SMALL_TILE = {"f32": {"block_m": 16, "block_n": 16},
 def spec_text(dtype="f16", head_dim=64, heads="mha", causal=False, lse=True, tile=None,
               targets=("sm_80",)) -> str:
     h, hk = HEADS[heads]
-    tile_text = "".join(f"{k} = {v}\n" for k, v in (tile or {}).items())
+    tile_text = "".join(f"{k} = {v!r}\n" for k, v in (tile or {}).items())
     return (f'[[kernel]]\nname = "p"\nfamily = "prefill"\ndtype = "{dtype}"\nhead_dim = {head_dim}\n'
             f"num_heads = {h}\nnum_kv_heads = {hk}\ncausal = {str(causal).lower()}\n"
             f"return_lse = {str(lse).lower()}\ntargets = {list(targets)!r}\n"
@@ -45,7 +45,7 @@ def compiled(text: str, target: str):
 
 
 def run(text: str, seq_q: int, seq_k: int, *, batch: int = 2, target: str = "sm_80",
-        layout: str = "bshd", seed: int = 0, transform=None):
+        layout: str = "bshd", seed: int = 0, transform=None, traffic: bool = False):
     """Run in the emulator; returns (outputs, launch stats, spec, inputs). `transform(spec,
     inputs)` may reshape the random inputs (kept representable in the dtype)."""
     spec, ptx, kernel, _ = compiled(text, target)
@@ -68,7 +68,7 @@ def run(text: str, seq_q: int, seq_k: int, *, batch: int = 2, target: str = "sm_
     args = pack_args(kernel, views, dims, pointer=lambda name, arr: bases[name])
     grid, block = launch_geometry(kernel, dims)
     stats = emu.launch(ptx, kernel["entry"], grid, block, args,
-                       dynamic_smem_bytes=kernel["dynamic_smem_bytes"])
+                       dynamic_smem_bytes=kernel["dynamic_smem_bytes"], traffic=traffic)
     outs = {t.name: from_device(views[t.name], t.dtype)
             for t in PREFILL.interface(spec).tensors if t.role == "output"}
     return outs, stats, spec, inputs
@@ -191,6 +191,7 @@ def test_check_artifact_on_built_spec(tmp_path):
 # ---- configuration ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,head_dim,target,expect", [
     ("f16", 64, "sm_80", (128, 64, 8, 2)), ("f16", 128, "sm_86", (128, 64, 8, 1)),
+    ("f16", 128, "sm_80", (128, 64, 8, 1)), ("bf16", 96, "sm_80", (128, 64, 8, 2)),
     ("f16", 128, "sm_90", (128, 64, 8, 3)), ("bf16", 256, "sm_89", (64, 64, 4, 1)),
     ("bf16", 256, "sm_90", (128, 64, 8, 2)), ("bf16", 256, "sm_80", (64, 64, 4, 1)),
     ("f32", 64, "sm_75", (32, 32, 4, 1)), ("f32", 256, "sm_75", (16, 16, 2, 1)),

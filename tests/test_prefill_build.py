@@ -44,6 +44,19 @@ def test_every_prefill_spec_assembles_without_spills(built):
             assert k["grid"] == [f"cdiv(seq_q, {t['config']['block_m']})", str(meta["spec"]["num_heads"]), "batch"]
 
 
+def test_d128_runs_two_ctas_per_sm_on_sm80(built):
+    """Issue 13: f16 d128 prefill fits two 8-warp CTAs per SM on sm_80 (one K/V stage, ptxas
+    capped at 128 registers by .minnctapersm 2), without spills; sm_90 keeps its tile."""
+    out, _, metas = built
+    t = metas["llama3_8b_prefill"]["targets"]["sm_80"]
+    [k] = t["kernels"]
+    assert (t["config"]["block_m"], t["config"]["block_n"], t["config"]["num_stages"]) == (128, 64, 1)
+    assert t["config"]["min_ctas_per_sm"] == 2 and k["occupancy"]["ctas_per_sm"] == 2
+    assert k["resources"]["registers"] <= 128 and k["resources"]["spill_stores"] == 0
+    assert ".minnctapersm 2" in (out / "llama3_8b_prefill" / t["ptx"]).read_text()
+    assert "min_ctas_per_sm" not in metas["llama3_8b_prefill"]["targets"]["sm_90"]["config"]
+
+
 def test_f32_example_builds_for_sm75(tmp_path, toolchain):
     summary = run_build([SPECS / "gpt2_prefill_f32.toml"], tmp_path, progress=False, cache_dir=tmp_path / "c")
     assert not summary["problems"]

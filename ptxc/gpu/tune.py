@@ -23,6 +23,10 @@ from ..spec import KernelSpec
 from ..targets import get_target
 
 MAX_CANDIDATES = 400   # the prefill product is 500 raw combinations; legal ones are far fewer
+# Tile keys every candidate keeps at the spec's value: prefill's warp_rows and smem_layout change the
+# kernel's structure, not its tile, and tuned tables record (and apply) only the tile shape
+# (kernels.common.tuned_tile); a tuned 32-row tile would be applied as a 16-row one.
+NOT_TUNED = frozenset({"warp_rows", "smem_layout"})
 
 
 def tune_key(spec: KernelSpec) -> dict[str, Any]:
@@ -36,7 +40,7 @@ def candidate_tiles(spec: KernelSpec, target: str) -> list[dict[str, Any]]:
     distinct resolved configuration, the spec's default first."""
     family = FAMILIES[spec.family]
     t = get_target(target)
-    fields = [f for f in family.fields.tile if f.choices]
+    fields = [f for f in family.fields.tile if f.choices and f.name not in NOT_TUNED]
     base = dataclasses.replace(spec, targets=(target,), tile=())
     out, seen = [], set()
 
@@ -53,8 +57,9 @@ def candidate_tiles(spec: KernelSpec, target: str) -> list[dict[str, Any]]:
             out.append({"tile": dict(tile), "resolved": resolved})
 
     consider(spec.tile_dict())     # the spec's own choice (usually the heuristic default)
+    fixed = {k: v for k, v in spec.tile_dict().items() if k in NOT_TUNED}
     for combo in itertools.product(*(f.choices for f in fields)):
-        consider(dict(zip((f.name for f in fields), combo)))
+        consider({**fixed, **dict(zip((f.name for f in fields), combo))})
     return out[:MAX_CANDIDATES]
 
 

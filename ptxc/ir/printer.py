@@ -59,7 +59,8 @@ def _template():
 
 
 def render_module(entries: list[EntryIR], *, kernel: str, family: str, target: str,
-                  ptx_version: str, maxntid: dict[str, int] | None = None) -> str:
+                  ptx_version: str, maxntid: dict[str, int] | None = None,
+                  minnctapersm: dict[str, int] | None = None) -> str:
     views = []
     for e in entries:
         decls = [_RegDecl(c, STORAGE_DECL[c], e.reg_counts[c] + 1)
@@ -67,6 +68,7 @@ def render_module(entries: list[EntryIR], *, kernel: str, family: str, target: s
         views.append({"name": e.name, "params": [{"type": p.type.name, "name": p.name} for p in e.params],
                       "reg_decls": decls, "shared": e.shared,
                       "lines": [render_instr(i) for i in e.body],
-                      "maxntid": (maxntid or {}).get(e.name)})
+                      "maxntid": (maxntid or {}).get(e.name),
+                      "minnctapersm": (minnctapersm or {}).get(e.name)})
     return _template().render(ptxc_version=__version__, kernel=kernel, family=family, target=target,
                                ptx_version=ptx_version, entries=views)

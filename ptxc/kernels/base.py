@@ -82,6 +82,9 @@ class Launch:
     grid: tuple[str, str, str]       # expressions over runtime dims (see ptxc.pipeline.exprs)
     block: tuple[int, int, int]
     dynamic_smem_bytes: int = 0
+    # PTX .minnctapersm: ptxas keeps the registers within what this many resident CTAs per SM
+    # leave (with .maxntid); 0 leaves the directive out.
+    min_ctas_per_sm: int = 0
 
 
 @dataclass

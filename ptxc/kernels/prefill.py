@@ -12,218 +12,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import SpecError
-from ..ir import F32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
-from ..spec.fields import Field, FamilyFields, int_range
+from ..ir import S32, S64, U32, U64, KernelBuilder, Reg
 from ..spec.model import KernelSpec
-from ..targets import KIB, MAX_REGS_PER_THREAD, TARGETS, Target
+from ..targets import Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_pipeline import run_kv_pipeline
-from .tiles import TileGeom, global_rows, load_tile, thread_slot
-from .variant import (VARIANT_FIELDS, AttentionVariant, finish_rows, head_dim_v, load_head_f32,
-                      validate_variant, variant_inputs,
+# The tile configuration lives in prefill_config.py; its names stay importable from here
+# (varlen and prefill_simt import them, and finish_rows / load_head_f32, from this module).
+from .prefill_config import (FIELDS, SIMT_LANES_PER_ROW, PrefillConfig, _check_shape, configure,
+                             resolve_tile, validate, value_split)
+from .tiles import SWIZZLE_ALIGN, global_rows, load_tile, thread_slot
+from .variant import (AttentionVariant, finish_rows, head_dim_v, load_head_f32, variant_inputs,
                       variant_reference_args, variant_tensors)
-
-_hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
-MAX_SIMT_HEAD_DIM = 256   # f32 path: a 2 KiB row would not fit Q + K/V tiles in shared memory
-_POW2_TILE = (16, 32, 64, 128, 256)
-FIELDS = FamilyFields(
-    fields=(
-        Field("head_dim", "int", "elements per head", check=_hd_check, allowed=_hd_allowed),
-        Field("causal", "bool", "causal mask, aligned bottom-right: query i sees key j iff "
-              "j <= i + seq_k - seq_q", default=False),
-        Field("return_lse", "bool", "also write lse [batch, num_heads, seq_q] (f32, natural log)",
-              default=False),
-        *VARIANT_FIELDS,
-    ),
-    tile=(
-        Field("block_m", "int", "query rows per CTA (tensor cores: 16 per warp)", default=None,
-              choices=_POW2_TILE),
-        Field("block_n", "int", "keys per K/V tile", default=None, choices=_POW2_TILE),
-        Field("num_warps", "int", "warps per CTA (tensor cores: block_m / 16)", default=None,
-              choices=(1, 2, 4, 8, 16)),
-        Field("num_stages", "int", "K/V tiles in flight in the cp.async pipeline", default=None,
-              choices=(1, 2, 3, 4)),
-    ),
-)
-SIMT_LANES_PER_ROW = 8    # f32 path: lanes sharing a query row (its keys and its head_dim chunks)
-REG_OVERHEAD = 40         # addresses, loop state, softmax temporaries (register estimate)
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    fmt: C.ElemFormat
-    head_dim: int
-    tensor_cores: bool
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    cp_async: bool
-    head_dim_v: int = 0      # V/O head size; 0: head_dim
-    v_split: int = 1         # warps sharing 16 query rows, each owning dv / v_split O columns
-
-    @property
-    def dv(self) -> int:
-        return self.head_dim_v or self.head_dim
-
-    @property
-    def v_geom(self) -> TileGeom:
-        """V tiles (block_n x head_dim_v), in stage buffers sized for K (head_dim_v <= head_dim)."""
-        return TileGeom(self.block_n, self.dv * self.fmt.bytes, self.threads)
-
-    @property
-    def o_geom(self) -> TileGeom:
-        """The output tile staged in the Q tile's shared memory (block_m x head_dim_v)."""
-        return TileGeom(self.block_m, self.dv * self.fmt.bytes, self.threads)
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.num_warps
-
-    @property
-    def q_geom(self) -> TileGeom:
-        return TileGeom(self.block_m, self.head_dim * self.fmt.bytes, self.threads)
-
-    @property
-    def kv_geom(self) -> TileGeom:
-        return TileGeom(self.block_n, self.head_dim * self.fmt.bytes, self.threads)
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.q_geom.bytes + 2 * self.num_stages * self.kv_geom.bytes
-
-    @property
-    def rows_per_thread(self) -> int:
-        """f32 path: query rows per lane (a warp holds 32 / SIMT_LANES_PER_ROW row groups)."""
-        return self.block_m // (self.num_warps * 32 // SIMT_LANES_PER_ROW)
-
-    @property
-    def registers_estimate(self) -> int:
-        if self.tensor_cores:   # O and S accumulators: 16 x head_dim and 16 x block_n f32 per warp
-            return self.dv // 2 // self.v_split + self.block_n // 2 + REG_OVERHEAD
-        chunks = -(-self.dv // 4 // SIMT_LANES_PER_ROW)
-        tm = self.rows_per_thread
-        return tm * chunks * 4 + tm * self.block_n // SIMT_LANES_PER_ROW + REG_OVERHEAD
-
-
-def validate(spec: KernelSpec) -> None:
-    C.check_dtype_target(spec.dtype, spec.targets)
-    validate_variant(spec)
-    if spec.dtype == "f32" and spec.head_dim > MAX_SIMT_HEAD_DIM:
-        raise SpecError(f"head_dim = {spec.head_dim} with dtype f32: the SIMT path supports "
-                        f"head_dim up to {MAX_SIMT_HEAD_DIM}; use f16 or bf16", key="head_dim")
-    if spec.dtype != "f32":
-        old = [t for t in spec.targets if not TARGETS[t].has_mma_m16n8k16]
-        if old:
-            raise SpecError(f"dtype {spec.dtype} prefill uses mma.m16n8k16 and cp.async (sm_80+), "
-                            f"but targets include {old[0]}; use dtype f32 for {old[0]} or drop it",
-                            key="targets")
-    from .prefill_wgmma import configure as configure_wgmma, uses_wgmma
-    for t in spec.targets:
-        (configure_wgmma if uses_wgmma(spec, TARGETS[t]) else configure)(spec, TARGETS[t])
-
-
-def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int]:
-    """(block_m, block_n, num_stages) before the shared-memory fit (docs/kernels.md)."""
-    d, smem = spec.head_dim, target.max_smem_per_cta
-    if not tc:
-        return 32, 32, 1
-    large, medium = smem >= 200 * KIB, smem >= 160 * KIB      # sm_90/sm_100, sm_80/sm_87
-    if d > 256:    # 4 warps per 16 rows (value_split); the same block on every target
-        return 16, 32, 2 if smem >= 160 * KIB else 1
-    if d <= 128:   # d64 with block_n 128 took ~140 registers (1 CTA/SM); 64 keeps <= 128 (2)
-        bm, bn = 128, 64
-    else:
-        bm, bn = (128 if large else 64), 64
-    stages = (3 if d <= 128 else 2) if large else 2 if medium else 1
-    return bm, bn, stages
-
-
-def _warps_for(bm: int, tc: bool, v_split: int = 1) -> int:
-    return bm // 16 * v_split if tc else max(1, min(8, bm // 8))
-
-
-def value_split(dv: int, tc: bool) -> int:
-    """Warps that share a 16-row query slice, each accumulating dv / v_split columns of O: 1
-    up to head_dim_v 256; above, 4 (a 16 x 512 f32 accumulator would need 256 registers per
-    thread; 16 x 128 needs 64). The scores and softmax are computed by each of them alike."""
-    return 4 if tc and dv > 256 else 1
-
-
-def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
-    tc = spec.dtype != "f32"
-    given = spec.tile_dict()
-    bm, bn, stages = _defaults(spec, target, tc)
-    # A tile `ptxc tune` measured on this target replaces the heuristic's defaults (it may
-    # still shrink to fit below); keys the spec gives win over both.
-    tuned = C.tuned_tile("prefill", spec, target, ("block_m", "block_n", "num_stages", "num_warps"),
-                         causal=spec.opt("causal"))
-    bm, bn, stages = tuned.get("block_m", bm), tuned.get("block_n", bn), tuned.get("num_stages", stages)
-    bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
-    vsplit = value_split(head_dim_v(spec), tc)
-    if "num_warps" in given and "block_m" not in given:
-        bm = 16 * given["num_warps"] // vsplit if tc else 8 * given["num_warps"]
-    tuned_warps = tuned.get("num_warps") if bm == tuned.get("block_m") else None
-    warps = given.get("num_warps") or tuned_warps or _warps_for(bm, tc, vsplit)
-
-    def make():
-        return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, tc, bm, bn, warps, stages,
-                             target.has_cp_async, head_dim_v(spec), vsplit)
-
-    cfg = make()
-    while cfg.smem_bytes > target.max_smem_per_cta:   # shrink what the spec left to us
-        if "num_stages" not in given and stages > 1:
-            stages -= 1
-        elif "block_n" not in given and bn > 16:
-            bn //= 2
-        elif "block_m" not in given and "num_warps" not in given and bm > 16:
-            bm //= 2
-            warps = _warps_for(bm, tc, vsplit)
-        else:
-            key = next((k for k in ("block_n", "num_stages", "block_m", "num_warps") if k in given),
-                       "block_n")
-            raise SpecError(f"tile block_m={bm}, block_n={bn}, num_stages={stages} needs "
-                            f"{cfg.smem_bytes} bytes of shared memory (Q {cfg.q_geom.bytes} + "
-                            f"{stages} x K/V {2 * cfg.kv_geom.bytes}); {target} allows "
-                            f"{target.max_smem_per_cta} per CTA: use a smaller tile", key=f"tile.{key}")
-        cfg = make()
-    _check_shape(cfg, target)
-    return cfg
-
-
-def _check_shape(cfg: PrefillConfig, target: Target) -> None:
-    if cfg.tensor_cores and cfg.block_m * cfg.v_split != 16 * cfg.num_warps:
-        split = f" / {cfg.v_split} (head_dim_v {cfg.dv}: {cfg.v_split} warps share 16 rows)" \
-            if cfg.v_split > 1 else ""
-        raise SpecError(f"block_m = {cfg.block_m} with num_warps = {cfg.num_warps}: on tensor cores "
-                        f"each warp owns 16 query rows, so block_m must be 16 * num_warps{split}",
-                        key="tile.block_m")
-    if not cfg.tensor_cores and (cfg.block_m % (4 * cfg.num_warps) or cfg.rows_per_thread > 8):
-        raise SpecError(f"block_m = {cfg.block_m} with num_warps = {cfg.num_warps}: the f32 path "
-                        f"needs block_m = 4 * num_warps * r with r in 1..8 rows per lane",
-                        key="tile.block_m")
-    if cfg.q_geom.chunks > cfg.threads:
-        raise SpecError(f"num_warps = {cfg.num_warps}: a {cfg.q_geom.row_bytes}-byte row needs at "
-                        f"least {cfg.q_geom.chunks} threads to copy; use more warps",
-                        key="tile.num_warps")
-    if cfg.registers_estimate > MAX_REGS_PER_THREAD:
-        raise SpecError(f"block_m = {cfg.block_m}, block_n = {cfg.block_n} needs about "
-                        f"{cfg.registers_estimate} registers per thread for head_dim "
-                        f"{cfg.head_dim} (limit {MAX_REGS_PER_THREAD} on {target}); use a smaller "
-                        f"tile", key="tile.block_n")
-
-
-def resolve_tile(spec: KernelSpec, target: Target) -> dict:
-    from . import prefill_wgmma as wg
-    if wg.uses_wgmma(spec, target):
-        return wg.resolve_tile(spec, target)
-    c = configure(spec, target)
-    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
-            "num_stages": c.num_stages, "path": "mma.m16n8k16" if c.tensor_cores else "simt",
-            "cp_async": c.cp_async, "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
-            **({"value_split": c.v_split} if c.v_split > 1 else {})}
 
 
 def interface(spec: KernelSpec) -> Interface:
@@ -316,7 +117,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
     b.ret()
     launch = Launch(entry=b.entry.name, params=tuple(params),
                     grid=(f"cdiv(seq_q, {cfg.block_m})", str(spec.num_heads), "batch"),
-                    block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes)
+                    block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
+                    min_ctas_per_sm=cfg.min_ctas_per_sm)
     return Program([b.entry], [launch], resolve_tile(spec, target))
 
 
@@ -356,7 +158,8 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
         n_full = b.sub(b.max(n_full, first_tile), first_tile)
         lo_full = b.sub(b.max(lo_full, first_tile), first_tile)
 
-    smem = b.address_of(b.shared("prefill_smem", 0))
+    swizzled = cfg.q_geom.swizzled or cfg.v_geom.swizzled   # their ldmatrix XORs need 128-B tiles
+    smem = b.address_of(b.shared("prefill_smem", 0, align=SWIZZLE_ALIGN if swizzled else 16))
     kv_bytes = cfg.kv_geom.bytes
     k_smem = b.add(smem, cfg.q_geom.bytes)
     v_smem = b.add(k_smem, stages * kv_bytes)

@@ -1,6 +1,9 @@
 """Tensor-core tile math of the prefill kernel (f16/bf16, mma.sync.m16n8k16, f32 accumulate).
 
-Warp w owns query rows [16w, 16w + 16) of the CTA's tile. Per KV tile:
+Warp w owns query rows [16w, 16w + 16) of the CTA's tile -- or, with warp_rows = 32, rows
+[32w, 32w + 32) as two m16 tiles that share every K and V fragment (each ldmatrix of K or V
+feeds two mma; score and P lists are then m-tile-major: n8 tile jn of m-tile mt at
+mt * (block_n / 8) + jn). Per KV tile:
   S = Q·Kᵀ   block_n/8 accumulator tiles (16 x 8 f32, 4 registers each); A = Q fragments by
              ldmatrix.x4 from the Q tile, B = two n8 tiles of K per ldmatrix.x4 ([n][k] rows,
              matrices ordered so each B fragment is an adjacent register pair);
@@ -19,7 +22,7 @@ from __future__ import annotations
 from ..ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, Addr, KernelBuilder, Reg
 from . import common as C
 from .prefill import Ctx, finish_rows
-from .tiles import ldmatrix_lane_offset, ldmatrix_lane_offset_nk, zero_regs
+from .tiles import ldmatrix_lanes_mk, ldmatrix_lanes_nk, zero_regs
 
 
 # log2 units the running max may lag the true one before O is rescaled (lazy rescaling, as in
@@ -34,21 +37,25 @@ class MmaMath:
         self.pair = F16X2 if cfg.fmt.name == "f16" else BF16X2
         self.ss = cfg.q_geom.stride
         self.d, self.bn = cfg.head_dim, cfg.block_n
+        self.mt = cfg.warp_rows // 16   # m16 tiles per warp
         self.ksteps, self.half_k = -(-self.d // 16), self.d % 16 == 8
         self.dtiles = cfg.dv // 8 // cfg.v_split  # n8 tiles of O (head_dim_v) this warp owns
         self.vs, self.os = cfg.v_geom.stride, cfg.o_geom.stride   # == ss unless head_dim_v < d
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
         lane = ctx.lane
-        self.lane_off = ldmatrix_lane_offset(b, lane, self.ss)
-        self.k_lane_off = ldmatrix_lane_offset_nk(b, lane, self.ss)
-        self.v_lane_off = self.lane_off if self.vs == self.ss else ldmatrix_lane_offset(b, lane, self.vs)
+        # ldmatrix lane addresses (tiles.LdmatrixLanes: padded or swizzled): Q and K's .x2 tail
+        # by rows (l & 15), K by the adjacent-pair order, V (.trans) by k rows (l & 15).
+        self.mk_lanes = ldmatrix_lanes_mk(b, lane, cfg.q_geom)
+        self.k_lanes = ldmatrix_lanes_nk(b, lane, cfg.kv_geom)
+        self.v_lanes = self.mk_lanes if cfg.v_geom.stride == self.ss and \
+            cfg.v_geom.swizzled == cfg.q_geom.swizzled else ldmatrix_lanes_mk(b, lane, cfg.v_geom)
         vs = cfg.v_split   # warps sharing 16 rows; warp w owns O columns slice w % vs
-        warp_rows = b.mul(b.div(ctx.warp, vs) if vs > 1 else ctx.warp, 16)
-        self.q_lane = b.add(b.mad(warp_rows, self.ss, ctx.q_smem), self.lane_off)
+        warp_rows = b.mul(b.div(ctx.warp, vs) if vs > 1 else ctx.warp, cfg.warp_rows)
+        self.q_lanes = self.mk_lanes.bind(b.mad(warp_rows, self.ss, ctx.q_smem))
         g, t = b.shr(lane, 2), b.and_(lane, 3)
         self.t = t
         row0 = b.add(ctx.m_start, b.add(warp_rows, g))
-        self.rows = [row0, b.add(row0, 8)]
+        self.rows = [row0] + [b.add(row0, 8 * i) for i in range(1, 2 * self.mt)]  # i = 2 mt + r
         two_t = b.bitcast(b.shl(t, 1), S32)
         self.limits = [b.sub(ctx.key_limit(b, r), two_t) for r in self.rows]   # keys < limit - 2t
         begins = [ctx.key_begin(b, r) for r in self.rows]                     # keys >= begin - 2t
@@ -57,45 +64,55 @@ class MmaMath:
         self.alibi = [ctx.alibi_row(b, r, two_t, self.unit) for r in self.rows] \
             if ctx.variant.alibi else None
         self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.os, ctx.q_smem), b.shl(t, 2))
+        # swizzled O tile: the lane's rows are g and g + 8 (row & 7 = g), so n8 tile jd (chunk
+        # jd) sits at chunk jd ^ g: one register per jd % 8, the 128-byte group immediate
+        self.o_lanes = [b.add(self.o_smem, b.shl(b.xor(g, j), 4)) for j in range(8)] \
+            if cfg.o_geom.swizzled else None
         self.col0 = None   # first O column of this warp's slice (u32), when the value is split
         if vs > 1:
             self.col0 = b.mul(b.rem(ctx.warp, vs), cfg.dv // vs)
             col_bytes = b.mul(self.col0, cfg.fmt.bytes)
             self.o_smem = b.add(self.o_smem, col_bytes)
-            self.v_lane_off = b.add(self.v_lane_off, col_bytes)
+            self.v_lanes = self.v_lanes.shifted(col_bytes)
         self.zero = b.mov(0, B32)
         self.fzero = zero_regs(b, 4, F32)
-        self.o = [zero_regs(b, 4, F32) for _ in range(self.dtiles)]
-        self.m = [b.mov(C.NEG_INF, F32) for _ in range(2)]
+        self.o_tiles = [[zero_regs(b, 4, F32) for _ in range(self.dtiles)] for _ in range(self.mt)]
+        self.o = self.o_tiles[0]    # the first m-tile's (all of them with 16 rows per warp)
+        self.m = [b.mov(C.NEG_INF, F32) for _ in range(2 * self.mt)]
         # Row sums on the tensor cores: P times a B fragment of ones adds each row's probabilities
         # of a k-step into every column of l_acc (rows g, g + 8 as for O), so no FADD chain and
-        # no cross-lane reduction at the end; rescaled by alpha like O.
-        self.l_acc = zero_regs(b, 4, F32)
+        # no cross-lane reduction at the end; rescaled by alpha like O. One per m-tile.
+        self.l_accs = [zero_regs(b, 4, F32) for _ in range(self.mt)]
+        self.l_acc = self.l_accs[0]
         self.ones = b.mov(0x3C003C00 if cfg.fmt.name == "f16" else 0x3F803F80, B32)
 
     def scores(self, k_tile: Reg) -> list[list[Reg]]:
-        b, ss = self.b, self.ss
-        k_lane = b.add(k_tile, self.k_lane_off)
-        k_lane_half = b.add(k_tile, self.lane_off) if self.half_k else None
-        s: list = [None] * (self.bn // 8)
+        b = self.b
+        k_lanes = self.k_lanes.bind(k_tile)
+        k_lanes_half = self.mk_lanes.bind(k_tile) if self.half_k else None
+        nt = self.bn // 8
+        s: list = [None] * (self.mt * nt)
         for kk in range(self.ksteps):
             half = self.half_k and kk == self.ksteps - 1
-            a = b.ldmatrix(Addr(self.q_lane, kk * 32), 2 if half else 4)
+            a = [b.ldmatrix(self.q_lanes.at(16 * mt, 2 * kk), 2 if half else 4)
+                 for mt in range(self.mt)]
             if half:
-                a += [self.zero, self.zero]
+                a = [x + [self.zero, self.zero] for x in a]
             for pair in range(self.bn // 16):
-                kb = b.ldmatrix(Addr(k_lane_half if half else k_lane, pair * 16 * ss + kk * 32),
+                kb = b.ldmatrix((k_lanes_half if half else k_lanes).at(pair * 16, 2 * kk),
                                 2 if half else 4)
                 frags = [(kb[0], self.zero), (kb[1], self.zero)] if half else \
                     [(kb[0], kb[1]), (kb[2], kb[3])]
                 for e, frag in enumerate(frags):
-                    jn = 2 * pair + e
-                    s[jn] = b.mma_m16n8k16(a, frag, s[jn] or self.fzero, self.in_type, out=s[jn])
+                    for mt in range(self.mt):
+                        jn = mt * nt + 2 * pair + e
+                        s[jn] = b.mma_m16n8k16(a[mt], frag, s[jn] or self.fzero, self.in_type,
+                                               out=s[jn])
         return s
 
     def transform(self, s: list[list[Reg]], key0: Reg) -> None:
         """The variant's score transforms (soft-cap, ALiBi); score (r, e) of n8 tile jn is key
-        key0 + 2t + 8 jn + e of row r."""
+        key0 + 2t + 8 jn + e of row r. (16 rows per warp: prefill_config refuses the others.)"""
         b, v = self.b, self.ctx.variant
         rows = [[(acc[2 * r + e], 8 * jn + e) for jn, acc in enumerate(s) for e in range(2)]
                 for r in range(2)]
@@ -106,11 +123,12 @@ class MmaMath:
     def mask(self, s: list[list[Reg]], key0: Reg) -> None:
         """-inf where key (key0 + 8 jn + 2t + e) >= the row's key limit (or, with a sliding
         window, < the row's first key)."""
-        b = self.b
-        for r in range(2):
-            rel = b.sub(self.limits[r], b.bitcast(key0, S32))
-            rel_begin = None if self.begins is None else b.sub(self.begins[r], b.bitcast(key0, S32))
-            for jn, acc in enumerate(s):
+        b, nt = self.b, self.bn // 8
+        for i in range(2 * self.mt):
+            mt, r = divmod(i, 2)
+            rel = b.sub(self.limits[i], b.bitcast(key0, S32))
+            rel_begin = None if self.begins is None else b.sub(self.begins[i], b.bitcast(key0, S32))
+            for jn, acc in enumerate(s[mt * nt:(mt + 1) * nt]):
                 for e in range(2):
                     out = b.setp("le", rel, 8 * jn + e)
                     if rel_begin is not None:
@@ -125,48 +143,60 @@ class MmaMath:
         most 2^RESCALE_SLACK (exact all the same: O and l share the reference). The decision
         is warp-uniform (a butterfly max over all lanes), so the branch never diverges, and in
         steady state the 64 + 4 rescale multiplies per tile are skipped."""
-        b = self.b
-        rows = [[acc[2 * r + e] for acc in s for e in range(2)] for r in range(2)]
+        b, nt, n_rows = self.b, self.bn // 8, 2 * self.mt
+        # rows[i]: row i = 2 mt + r of this lane (r = 0: g, 1: g + 8 of m-tile mt)
+        rows = [[acc[2 * (i % 2) + e] for acc in s[i // 2 * nt:(i // 2 + 1) * nt] for e in range(2)]
+                for i in range(n_rows)]
         cands = []
-        for r in range(2):
-            mx = rows[r][0]
-            for x in rows[r][1:]:
+        for i in range(n_rows):
+            mx = rows[i][0]
+            for x in rows[i][1:]:
                 mx = b.max(mx, x)
             for off in (1, 2):
                 mx = b.max(mx, b.shfl("bfly", mx, off))
-            cands.append(b.max(self.m[r], b.mul(mx, self.scale_log2)))
+            cands.append(b.max(self.m[i], b.mul(mx, self.scale_log2)))
         # -inf - -inf is NaN: max.f32 drops a NaN operand, and a NaN everywhere fails the test
-        grow = b.max(b.sub(cands[0], self.m[0]), b.sub(cands[1], self.m[1]))
+        grows = [b.sub(cands[i], self.m[i]) for i in range(n_rows)]
+        grow = b.max(grows[0], grows[1])
+        for x in grows[2:]:
+            grow = b.max(grow, x)
         for off in (4, 8, 16):
             grow = b.max(grow, b.shfl("bfly", grow, off))
         with b.if_then(b.setp("gt", grow, RESCALE_SLACK)):
-            for r in range(2):
-                alpha = C.rescale_factor(b, self.m[r], C.safe_max(b, cands[r]))
-                for acc in self.o + [self.l_acc]:
+            for i in range(n_rows):
+                mt, r = divmod(i, 2)
+                alpha = C.rescale_factor(b, self.m[i], C.safe_max(b, cands[i]))
+                for acc in self.o_tiles[mt] + [self.l_accs[mt]]:
                     for e in range(2):
                         b.mul(acc[2 * r + e], alpha, out=acc[2 * r + e])
-                b.mov(cands[r], out=self.m[r])
-        probs = []
-        for r in range(2):
-            neg = b.neg(C.safe_max(b, self.m[r]))
-            probs.append([b.ex2(b.fma(x, self.scale_log2, neg)) for x in rows[r]])
-        # probs[r][2 jn + e] is element (r, e) of n8 tile jn; k-step k packs tiles 2k, 2k+1.
-        pk = [[b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn]) for r in range(2)]
-              for jn in range(self.bn // 8)]
-        return [pk[2 * k] + pk[2 * k + 1] for k in range(self.bn // 16)]
+                b.mov(cands[i], out=self.m[i])
+        a_frags = []
+        for mt in range(self.mt):
+            probs = []
+            for r in range(2):
+                neg = b.neg(C.safe_max(b, self.m[2 * mt + r]))
+                probs.append([b.ex2(b.fma(x, self.scale_log2, neg)) for x in rows[2 * mt + r]])
+            # probs[r][2 jn + e] is element (r, e) of n8 tile jn; k-step k packs tiles 2k, 2k+1.
+            pk = [[b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn]) for r in range(2)]
+                  for jn in range(nt)]
+            a_frags += [pk[2 * k] + pk[2 * k + 1] for k in range(self.bn // 16)]
+        return a_frags
 
     def pv(self, a_frags: list[list[Reg]], v_tile: Reg) -> None:
-        b, ss = self.b, self.vs
-        v_lane = b.add(v_tile, self.v_lane_off)
-        for kk, a in enumerate(a_frags):
-            b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
+        b, kt = self.b, self.bn // 16
+        v_lanes = self.v_lanes.bind(v_tile)
+        for kk in range(kt):
+            a = [a_frags[mt * kt + kk] for mt in range(self.mt)]   # this k-step of each m-tile
+            for mt, l_acc in enumerate(self.l_accs):
+                b.mma_m16n8k16(a[mt], (self.ones, self.ones), l_acc, self.in_type, out=l_acc)
             for pair in range(-(-self.dtiles // 2)):
                 both = 2 * pair + 1 < self.dtiles
-                vb = b.ldmatrix(Addr(v_lane, kk * 16 * ss + pair * 32), 4 if both else 2, trans=True)
+                vb = b.ldmatrix(v_lanes.at(kk * 16, 2 * pair), 4 if both else 2, trans=True)
                 frags = [(vb[0], vb[1]), (vb[2], vb[3])] if both else [(vb[0], vb[1])]
                 for e, frag in enumerate(frags):
-                    acc = self.o[2 * pair + e]
-                    b.mma_m16n8k16(a, frag, acc, self.in_type, out=acc)
+                    for mt in range(self.mt):
+                        acc = self.o_tiles[mt][2 * pair + e]
+                        b.mma_m16n8k16(a[mt], frag, acc, self.in_type, out=acc)
 
     def writer(self) -> Reg:
         """The lanes that write a row's LSE: t == 0, of the first warp sharing the row."""
@@ -177,7 +207,7 @@ class MmaMath:
     def row_sums(self) -> tuple[list[Reg], tuple[int, ...]]:
         """Each of this lane's rows' softmax denominators, and the lanes finish_rows must still
         reduce over: none, the tensor-core row sums are complete in every lane."""
-        return [self.l_acc[0], self.l_acc[2]], ()
+        return [l_acc[2 * r] for l_acc in self.l_accs for r in range(2)], ()
 
     def epilogue(self) -> None:
         """O / l rounded into this warp's rows of the Q tile, then 128-bit row stores by all."""
@@ -185,11 +215,14 @@ class MmaMath:
         b, ctx = self.b, self.ctx
         l_rows, lanes = self.row_sums()
         invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, self.writer())
-        for jd, acc in enumerate(self.o):
-            for r in range(2):
-                lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
-                b.st("shared", B32, Addr(self.o_smem, r * 8 * self.os + jd * 16),
-                     [b.cvt_pack(self.pair, hi, lo)])
+        for mt, o in enumerate(self.o_tiles):
+            for jd, acc in enumerate(o):
+                for r in range(2):
+                    lo, hi = (b.mul(acc[2 * r + e], invs[2 * mt + r]) for e in range(2))
+                    row_off = (16 * mt + 8 * r) * self.os
+                    at = Addr(self.o_smem, row_off + jd * 16) if self.o_lanes is None else \
+                        Addr(self.o_lanes[jd % 8], row_off + jd // 8 * 128)
+                    b.st("shared", B32, at, [b.cvt_pack(self.pair, hi, lo)])
         b.bar_sync(0)
         slot = thread_slot(b, ctx.cfg.o_geom, ctx.tid)
         go = global_rows(b, slot, ctx.o_base, ctx.o_row_stride)

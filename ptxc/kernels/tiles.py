@@ -1,11 +1,20 @@
-"""Row tiles staged in shared memory: padded layout, global <-> shared copies with bounds, and
-the ldmatrix lane addresses over that layout.
+"""Row tiles staged in shared memory: padded or swizzled layout, global <-> shared copies with
+bounds, and the ldmatrix lane addresses over either layout.
 
-Layout: a tile of `rows` rows of `row_bytes` each, row stride padded to an odd number of 16-byte
-chunks. Eight consecutive rows then start in eight different 16-byte bank groups (an odd stride
-permutes them mod 8), so ldmatrix (8 rows x 16 bytes per matrix) and row-parallel 128-bit loads
-run without bank conflicts; the cost is one 16-byte chunk per row when the row is an even
+Padded layout: a tile of `rows` rows of `row_bytes` each, row stride padded to an odd number of
+16-byte chunks. Eight consecutive rows then start in eight different 16-byte bank groups (an odd
+stride permutes them mod 8), so ldmatrix (8 rows x 16 bytes per matrix) and row-parallel 128-bit
+loads run without bank conflicts; the cost is one 16-byte chunk per row when the row is an even
 number of chunks, and no address arithmetic (a k-step is an immediate offset).
+
+Swizzled layout (`TileGeom.swizzled`, rows a multiple of 8 chunks = 128 bytes): no padding;
+logical chunk c of row r sits at chunk c ^ (r & 7) of the row (the XOR touches the chunk's low
+three bits, so it stays in its 128-byte group). The 8 rows an ldmatrix matrix reads, or 8 lanes
+of a 128-bit copy write, are 8 consecutive rows at one logical chunk, or one row at 8 chunks of
+a group: either way 8 different 16-byte bank groups, conflict-free. Addresses: a lane's chunk
+(c0 + its own chunk) ^ (r & 7) = (lane's (chunk ^ r & 7)) ^ c0 for the even c0 of a k-step, so
+each tile needs four lane addresses (c0 % 8 = 0, 2, 4, 6: the first XOR 32, 64, 96, which
+needs the tile 128-byte aligned) and the rest is immediate (LdmatrixLanes).
 
 Copies: thread `tid` moves 16-byte chunk `tid % chunks` of rows `tid // chunks + i * rows_per_pass`
 for each pass i. Rows at or past the number of valid rows are zero-filled: `cp.async` with
@@ -26,11 +35,27 @@ def padded_stride(row_bytes: int) -> int:
     return (chunks | 1) * CHUNK
 
 
+SWIZZLE_ROWS = 8   # rows whose chunks the XOR permutes (one 128-byte group of bank columns)
+SWIZZLE_ALIGN = 128   # shared-memory alignment a swizzled tile's base needs (LdmatrixLanes)
+
+
+def swizzle_fits(rows: int, row_bytes: int, threads: int) -> bool:
+    """The swizzled layout needs whole 128-byte chunk groups, rows in groups of 8, and copy
+    passes that advance by a multiple of 8 rows (so each thread's XOR is the same every pass)."""
+    chunks = row_bytes // CHUNK
+    return (row_bytes % (CHUNK * SWIZZLE_ROWS) == 0 and rows % SWIZZLE_ROWS == 0
+            and threads % chunks == 0 and (threads // chunks) % SWIZZLE_ROWS == 0)
+
+
 @dataclass(frozen=True)
 class TileGeom:
     rows: int
     row_bytes: int
     threads: int
+    swizzled: bool = False    # see the module docstring; only where swizzle_fits
+
+    def __post_init__(self):
+        assert not self.swizzled or swizzle_fits(self.rows, self.row_bytes, self.threads), self
 
     @property
     def chunks(self) -> int:
@@ -38,7 +63,7 @@ class TileGeom:
 
     @property
     def stride(self) -> int:
-        return padded_stride(self.row_bytes)
+        return self.row_bytes if self.swizzled else padded_stride(self.row_bytes)
 
     @property
     def bytes(self) -> int:
@@ -79,7 +104,11 @@ def thread_slot(b: KernelBuilder, geom: TileGeom, tid: Reg) -> ThreadSlot:
     if geom.idle_threads:
         r0 = b.selp(r0, geom.rows, b.setp("lt", tid, geom.rows_per_pass * geom.chunks))
     col = b.mul(b.rem(tid, geom.chunks), CHUNK)
-    return ThreadSlot(geom, r0, col, b.mad(r0, geom.stride, col))
+    if not geom.swizzled:
+        return ThreadSlot(geom, r0, col, b.mad(r0, geom.stride, col))
+    # every pass moves rows_per_pass (a multiple of 8) rows on, so r & 7 is r0 & 7 in all passes
+    phys = b.xor(col, b.shl(b.and_(r0, SWIZZLE_ROWS - 1), 4))
+    return ThreadSlot(geom, r0, col, b.mad(r0, geom.stride, phys))
 
 
 @dataclass(frozen=True)
@@ -204,10 +233,64 @@ def ldmatrix_lane_offset_nk(b: KernelBuilder, lane: Reg, stride: int) -> Reg:
     return b.mad(row, stride, b.mul(b.and_(b.shr(lane, 3), 1), CHUNK))
 
 
+class LdmatrixLanes:
+    """One lane's ldmatrix addresses in a tile of `geom`: the lane reads row `row` and chunk
+    `chunk` (0 or 1) of each 16 x 16 block, from the ldmatrix_lane_* helpers' pattern.
+    `bind(base).at(row0, chunk0)` is the address for the block at rows row0.. (a multiple of 8)
+    and chunks chunk0.. (even) of the tile at `base`; the padded layout needs one register per
+    tile base, the swizzled one four (chunk0 % 8 = 0, 2, 4, 6), made by bind as the lane's
+    address XOR 32, 64, 96. That XOR on the address needs `base` 128-byte aligned (the tiles
+    start at multiples of 128 in a shared block declared .align 128), and costs one
+    instruction where a per-k-step offset would cost an add, or a register held across the loop."""
+
+    def __init__(self, b: KernelBuilder, geom: TileGeom, offset: Reg):
+        self.b, self.geom, self.offset = b, geom, offset   # the lane's offset at chunk0 = 0
+
+    @classmethod
+    def at_lane(cls, b: KernelBuilder, geom: TileGeom, row: Reg, chunk: Reg) -> "LdmatrixLanes":
+        if geom.swizzled:   # (chunk ^ row & 7) of the lane; chunk0 is XORed in by bind
+            chunk = b.xor(chunk, b.and_(row, SWIZZLE_ROWS - 1))
+            return cls(b, geom, b.mad(row, geom.stride, b.shl(chunk, 4)))
+        return cls(b, geom, b.mad(row, geom.stride, b.mul(chunk, CHUNK)))
+
+    def bind(self, base: Reg) -> "BoundLanes":
+        """The addresses in the tile at `base` (registers made here, used where bound)."""
+        return BoundLanes(self, base)
+
+    def shifted(self, nbytes: Reg) -> "LdmatrixLanes":
+        """The same lanes `nbytes` further on (a whole number of 128-byte groups if swizzled)."""
+        return LdmatrixLanes(self.b, self.geom, self.b.add(self.offset, nbytes))
+
+
+class BoundLanes:
+    def __init__(self, lanes: LdmatrixLanes, base: Reg):
+        self.geom = lanes.geom
+        self.regs = [lanes.b.add(base, lanes.offset)]
+        if self.geom.swizzled:
+            self.regs += [lanes.b.xor(self.regs[0], 2 * k * CHUNK) for k in range(1, 4)]
+
+    def at(self, row0: int, chunk0: int) -> Addr:
+        assert row0 % SWIZZLE_ROWS == 0 and chunk0 % 2 == 0
+        k = (chunk0 % SWIZZLE_ROWS) // 2 if self.geom.swizzled else 0
+        return Addr(self.regs[k], row0 * self.geom.stride + (chunk0 - 2 * k) * CHUNK)
+
+
+def ldmatrix_lanes_mk(b: KernelBuilder, lane: Reg, geom: TileGeom) -> LdmatrixLanes:
+    """ldmatrix_lane_offset's pattern: row (l & 15), chunk (l >> 4)."""
+    return LdmatrixLanes.at_lane(b, geom, b.and_(lane, 15), b.shr(lane, 4))
+
+
+def ldmatrix_lanes_nk(b: KernelBuilder, lane: Reg, geom: TileGeom) -> LdmatrixLanes:
+    """ldmatrix_lane_offset_nk's pattern: row (l & 7) + 8 (l >> 4), chunk (l >> 3) & 1."""
+    return LdmatrixLanes.at_lane(b, geom, b.add(b.and_(lane, 7), b.shl(b.shr(lane, 4), 3)),
+                                 b.and_(b.shr(lane, 3), 1))
+
+
 def zero_regs(b: KernelBuilder, n: int, type=B32) -> list[Reg]:
     return [b.mov(0, type) if type.is_int or type.kind == "b" else b.mov(0.0, type) for _ in range(n)]
 
 
 __all__ = ["TileGeom", "ThreadSlot", "GlobalRows", "thread_slot", "global_rows", "load_tile", "load_tile_rows",
-           "ldmatrix_lane_offset_nk",
+           "LdmatrixLanes", "ldmatrix_lanes_mk", "ldmatrix_lanes_nk", "swizzle_fits",
+           "SWIZZLE_ALIGN", "ldmatrix_lane_offset_nk",
            "store_tile", "ldmatrix_lane_offset", "padded_stride", "zero_regs", "U32", "U64"]

@@ -63,7 +63,8 @@ def lower(spec: KernelSpec, target_name: str) -> tuple[str, list[dict], dict, li
     entries = run_passes(program.entries)
     ptx = render_module(entries, kernel=spec.name, family=spec.family, target=target.name,
                         ptx_version=program.ptx_version or target.ptx_version,
-                        maxntid={l.entry: l.block[0] * l.block[1] * l.block[2] for l in program.launches})
+                        maxntid={l.entry: l.block[0] * l.block[1] * l.block[2] for l in program.launches},
+                        minnctapersm={l.entry: l.min_ctas_per_sm for l in program.launches})
     smem = {e.name: e.static_smem_bytes for e in entries}
     launches = [launch_to_dict(l, smem[l.entry]) for l in program.launches]
     return ptx, launches, program.config, entries
