@@ -15,10 +15,11 @@ the CTAs of unused split indices see an empty range and write an empty partial (
 which split_reduce's exact merge weighs 0 (without reading its o_part). Since chunk >=
 cdiv(own, S), a CTA with z * cdiv(own, S) >= own knows it is unused from its own length alone and
 exits before the batch pass (emit_idle_exit; decode does, varlen does not: there ptxas spilled):
-the many spare split indices of short rows then cost a load and a store. "auto" sizes S = SPLIT_HEADROOM x the resident CTA
-slots / (CTAs per split index) (split_interface), so the `total` term aims the busy CTAs at
-about one per resident slot, and the headroom lets a long row take up to SPLIT_HEADROOM x its
-even share of splits. Each CTA computes `longest` and `total` with a warp-parallel pass over the
+the many spare split indices of short rows then cost a load and a store. "auto" sizes
+S = SPLIT_HEADROOM x the resident CTA slots / (CTAs per split index) (split_interface), so the
+`total` term aims the busy CTAs at about one per resident slot, and the headroom lets a long
+row take up to SPLIT_HEADROOM x its even share of splits. Exactness rests on the `longest` and
+`own` terms alone (S chunks cover every row), so even a wrapped u32 `total` only unbalances. Each CTA computes `longest` and `total` with a warp-parallel pass over the
 batch (one lane per row, a shuffle reduction): every warp does it redundantly, so there is no
 barrier and no shared memory. `plan` is the same arithmetic in Python (tests, docs).
 """
