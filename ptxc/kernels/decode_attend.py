@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..ir import F32, S32, S64, U32, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
-from .split_plan import emit_batch_units, emit_chunk, emit_idle_exit, emit_split_range
+from .split_plan import emit_balanced_split
 from .variant import AttentionVariant, join_sink, load_head_f32
 
 
@@ -52,20 +52,19 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
             n = b.ld("global", U32, Addr(C.element_offset(b, ptrs["seq_lens"], i, b.mov(4, S64))))
             n = units(b.min(b.bitcast(b.max(b.bitcast(n, S32), 0), U32), kv.capacity(b)))
             return n, n
-        z, own = b.special("%ctaid.z"), units(span)
+        z = b.special("%ctaid.z")
 
         def write_empty():   # lse_part [batch, H, splits] of this chunk's heads
             with b.if_then(b.setp("lt", tid, hp)):
                 row = b.mad(b.mad(batch, spec.num_heads, b.add(head0, tid)), split_count, z)
                 b.st("global", F32, Addr(C.element_offset(b, ptrs["lse_part"], row, b.mov(4, S64))),
                      [b.mov(C.NEG_INF, F32)])
-        emit_idle_exit(b, z, own, split_count, "sinks" in ptrs, write_empty)
         n_seqs = b.special("%nctaid.y")
-        total, longest = emit_batch_units(b, lane, n_seqs, seq_units)
-        chunk = emit_chunk(b, total=total, longest=longest, own=own, num_splits=split_count,
-                           rows=n_seqs, auto=spec.opt("num_splits") == "auto")
-        row_begin, row_end = emit_split_range(b, z, b.mul(chunk, rows_per_iter),
-                                              row_begin, seq_len)
+        row_begin, row_end = emit_balanced_split(
+            b, split=z, num_splits=split_count, lane=lane, n_seqs=n_seqs, seq_units=seq_units,
+            own=units(span), begin=row_begin, end=seq_len, rows=n_seqs,
+            auto=spec.opt("num_splits") == "auto", keep_split0="sinks" in ptrs,
+            write_empty=write_empty, unit=rows_per_iter)
 
     lane_byte = b.cvt(S64, b.mul(sub, C.VEC_BYTES))
     last_ok = b.setp("lt", sub, cfg.chunks - (cfg.chunks_per_lane - 1) * lpr) if cfg.chunks % lpr else None

@@ -14,11 +14,12 @@ Row r then uses cdiv(units_r, chunk) <= S splits, split z covering units [z*chun
 the CTAs of unused split indices see an empty range and write an empty partial (lse = -inf),
 which split_reduce's exact merge weighs 0 (without reading its o_part). Since chunk >=
 cdiv(own, S), a CTA with z * cdiv(own, S) >= own knows it is unused from its own length alone and
-exits before the batch pass (emit_idle_exit): the many spare split indices of short rows cost a
-load and a store. "auto" sizes S = SPLIT_HEADROOM x the resident CTA
-slots / (CTAs per split index) (split_interface), so the `total` term aims the busy CTAs at
-about one per resident slot, and the headroom lets a long row take up to SPLIT_HEADROOM x its
-even share of splits. Each CTA computes `longest` and `total` with a warp-parallel pass over the
+exits before the batch pass (emit_idle_exit; decode does, varlen does not: there ptxas spilled):
+the many spare split indices of short rows then cost a load and a store. "auto" sizes
+S = SPLIT_HEADROOM x the resident CTA slots / (CTAs per split index) (split_interface), so the
+`total` term aims the busy CTAs at about one per resident slot, and the headroom lets a long
+row take up to SPLIT_HEADROOM x its even share of splits. Exactness rests on the `longest` and
+`own` terms alone (S chunks cover every row), so even a wrapped u32 `total` only unbalances. Each CTA computes `longest` and `total` with a warp-parallel pass over the
 batch (one lane per row, a shuffle reduction): every warp does it redundantly, so there is no
 barrier and no shared memory. `plan` is the same arithmetic in Python (tests, docs).
 """
@@ -54,16 +55,20 @@ def emit_batch_units(b: KernelBuilder, lane: Reg, n_rows: Reg,
     return b.shfl("idx", total, 0), b.shfl("idx", longest, 0)
 
 
+def idle_split(b: KernelBuilder, split: Reg, own: Reg, num_splits: Reg, keep_split0: bool) -> Reg:
+    """Predicate: split `split` of a row of (at most) `own` units gets nothing from any chunk
+    the batch can pick (chunk >= cdiv(own, S)); never split 0 with `keep_split0`."""
+    idle = b.setp("ge", b.mul(split, b.max(_cdiv(b, own, num_splits), 1)), own)
+    return b.and_(idle, b.setp("ne", split, 0)) if keep_split0 else idle
+
+
 def emit_idle_exit(b: KernelBuilder, split: Reg, own: Reg, num_splits: Reg, keep_split0: bool,
                    write_empty: Callable[[], None]) -> None:
     """Leave at once, before the batch pass, when the uniform chunk (>= cdiv(own, S)) cannot
     give split `split` any of its row's `own` units; `write_empty()` first stores the empty
     partials (lse = -inf: split_reduce then never reads their o_part). `keep_split0`: split 0
     stays (it carries the attention sink)."""
-    idle = b.setp("ge", b.mul(split, b.max(_cdiv(b, own, num_splits), 1)), own)
-    if keep_split0:
-        idle = b.and_(idle, b.setp("ne", split, 0))
-    with b.if_then(idle):
+    with b.if_then(idle_split(b, split, own, num_splits, keep_split0)):
         write_empty()
         b.ret()
 
@@ -82,6 +87,22 @@ def emit_split_range(b: KernelBuilder, split: Reg, chunk: Reg, begin: Reg, end: 
     """Split `split`'s part [first, last) of [begin, end) for a chunk in the same units."""
     first = b.min(b.mad(split, chunk, begin), end)
     return first, b.min(b.add(first, chunk), end)
+
+
+def emit_balanced_split(b: KernelBuilder, *, split: Reg, num_splits: Reg, lane: Reg, n_seqs: Reg,
+                        seq_units: Callable[[Reg], tuple[Reg, Reg]], own: Reg, begin: Reg, end: Reg,
+                        rows: Reg, auto: bool, keep_split0: bool,
+                        write_empty: Callable[[], None] | None, unit: int = 1) -> tuple[Reg, Reg]:
+    """The whole assignment for one split CTA, in order: the idle exit (skipped when
+    `write_empty` is None: the caller already placed it), the batch pass, the chunk, and this
+    split's [first, last) of [begin, end) (begin/end in units of `unit`: a chunk of c units
+    covers c * unit of them). Decode, varlen and anything built on varlen's body call this."""
+    if write_empty is not None:
+        emit_idle_exit(b, split, own, num_splits, keep_split0, write_empty)
+    total, longest = emit_batch_units(b, lane, n_seqs, seq_units)
+    chunk = emit_chunk(b, total=total, longest=longest, own=own, num_splits=num_splits, rows=rows,
+                       auto=auto)
+    return emit_split_range(b, split, b.mul(chunk, unit) if unit != 1 else chunk, begin, end)
 
 
 def plan(units: list[int], num_splits: int, auto: bool, work: list[int] | None = None,

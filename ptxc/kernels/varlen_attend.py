@@ -33,7 +33,7 @@ from .kv_fp8 import stage_rows_dequant
 from .kv_pipeline import run_kv_pipeline
 from .prefill import PrefillConfig, finish_rows, load_head_f32
 from .prefill_mma import MmaMath
-from .split_plan import emit_batch_units, emit_chunk, emit_idle_exit, emit_split_range
+from .split_plan import emit_balanced_split
 from .tiles import load_tile_rows, thread_slot
 from .variant import AttentionVariant
 
@@ -231,6 +231,9 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
         lo_full = variant.first_unmasked_tile(b, ctx.position(ctx.token(last_row)), bn)
     first = b.mov(0, U32) if w_first is None else w_first
     if split is not None:                 # a uniform, length-balanced chunk (split_plan.py)
+        # No early exit for idle split indices here (decode has one: split_plan.emit_idle_exit):
+        # with it ptxas 13.0 caps the d64 split kernel on sm_120 at 128 registers and spills.
+        # An idle split runs the batch pass and an empty KV loop, then writes an empty partial.
         span = n_vis if w_first is None else b.sub(n_vis, w_first)
 
         def seq_units(i):   # (query tiles x KV tiles, KV tiles) of sequence i: upper bounds
@@ -241,14 +244,10 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
             kv_tiles = b.div(b.add(n, bn - 1), bn)
             work = b.mul(q_tiles, kv_tiles)
             return work, b.min(kv_tiles, work)            # a sequence without queries has no span
-        def write_empty():   # lse_part of every packed row of this tile
-            with b.for_range(tid, b.min(b.sub(rows, m_start), bm), cfg.threads) as r:
-                b.st("global", F32, Addr(ctx.lse_addr(b, b.add(m_start, r))), [b.mov(C.NEG_INF, F32)])
-        emit_idle_exit(b, split, span, split_count, "sinks" in ptrs, write_empty)
-        total, longest = emit_batch_units(b, lane, batch, seq_units)
-        chunk = emit_chunk(b, total=total, longest=longest, own=span, num_splits=split_count,
-                           rows=b.special("%nctaid.x"), auto=spec.opt("num_splits") == "auto")
-        first, n_vis = emit_split_range(b, split, chunk, first, n_vis)
+        first, n_vis = emit_balanced_split(
+            b, split=split, num_splits=split_count, lane=lane, n_seqs=batch, seq_units=seq_units,
+            own=span, begin=first, end=n_vis, rows=b.special("%nctaid.x"),
+            auto=spec.opt("num_splits") == "auto", keep_split0="sinks" in ptrs, write_empty=None)
     n_tiles = b.sub(n_vis, first)
     n_full = b.sub(b.max(n_full, first), first)
     if lo_full is not None:
