@@ -39,7 +39,10 @@ def test_head_dims_that_leave_lanes_idle(tmp_path, head_dim):
 
 
 def test_large_gqa_group_is_split_over_ctas(tmp_path):
-    art = build_kernel(tmp_path, "decode", 'dtype = "f16"\nhead_dim = 128\nnum_heads = 32\nnum_kv_heads = 1\nreturn_lse = true')
+    """The SIMT path (math = "simt"; "auto" takes tensor cores here) splits a group of 32
+    query heads into chunks of 4 per CTA."""
+    art = build_kernel(tmp_path, "decode", 'dtype = "f16"\nhead_dim = 128\nnum_heads = 32\nnum_kv_heads = 1\n'
+                                           'return_lse = true\nmath = "simt"')
     _, t = art.target("sm_80")
     assert t["config"]["heads_per_cta"] == 4 and t["kernels"][0]["grid"][0] == "8"
     assert_pass(check_artifact(art, backend="emu", shapes={"batch": 2, "max_seq_len": 19}, seed=4))
