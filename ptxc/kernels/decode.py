@@ -19,7 +19,7 @@ from ..errors import InputError, SpecError
 from ..ir import S64, U32, KernelBuilder
 from ..spec.fields import Field, FamilyFields, int_range
 from ..spec.model import KernelSpec
-from ..targets import DEFAULT_SMEM_PER_CTA, Target
+from ..targets import DEFAULT_SMEM_PER_CTA, TARGETS, Target
 from . import common as C
 from . import decode_mma, fp8, kv_fp8
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
@@ -63,6 +63,7 @@ FIELDS = FamilyFields(
               "(default 2)", default=None, choices=(1, 2, 3, 4)),
     ),
 )
+SIMT_STAGES = 2     # K/V row sets in the SIMT path's cp.async pipeline (one in flight while computing)
 MAX_HEAD_REGS = 32  # f32 registers per lane for the query chunk (same again for the accumulator): ~128 regs total
 
 
@@ -77,6 +78,7 @@ class DecodeConfig:
     kv_unroll: int
     heads_per_cta: int
     group_size: int
+    kv_stages: int = 0     # >= 2: K/V through a cp.async pipeline in shared memory (see kv_stage_bytes)
 
     @property
     def rows_per_warp(self) -> int:
@@ -94,6 +96,10 @@ class DecodeConfig:
     @property
     def merge_smem_bytes(self) -> int:
         return self.ml_smem_bytes + self.num_warps * self.heads_per_cta * self.head_dim * 4
+
+    def kv_stage_bytes(self, stages: int) -> int:
+        """Shared memory of a `stages`-deep K/V pipeline: every thread's chunks, K and V."""
+        return stages * 2 * self.kv_unroll * self.chunks_per_lane * self.num_warps * 32 * C.VEC_BYTES
 
 
 def validate(spec: KernelSpec) -> None:
@@ -125,6 +131,12 @@ def configure(spec: KernelSpec, target: Target) -> DecodeConfig:
              and nw * h * (4 + spec.head_dim) * 4 <= DEFAULT_SMEM_PER_CTA)
     unroll = tile.get("kv_unroll") or (4 if hp * per_head <= 32 else 2)
     cfg = DecodeConfig(fmt, spec.head_dim, chunks, lpr, cpl, nw, unroll, hp, spec.group_size)
+    # Plain caches on cp.async targets (every target of the spec, so the launch list is one)
+    # take a 2-stage pipeline when it fits the static shared-memory limit beside the merge area.
+    cp_async = all(TARGETS[t].has_cp_async for t in spec.targets)
+    if cp_async and kv_fp8.kv_dtype(spec) == spec.dtype and \
+            cfg.merge_smem_bytes + cfg.kv_stage_bytes(SIMT_STAGES) <= DEFAULT_SMEM_PER_CTA:
+        cfg = dataclasses.replace(cfg, kv_stages=SIMT_STAGES)
     if cfg.merge_smem_bytes > DEFAULT_SMEM_PER_CTA:
         raise SpecError(f"num_warps = {nw} needs {cfg.merge_smem_bytes} bytes of shared memory for "
                         f"the cross-warp merge; at most {DEFAULT_SMEM_PER_CTA}: use fewer warps",
@@ -137,7 +149,7 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
         return decode_mma.resolve_tile(spec, target)
     c = configure(spec, target)
     return {"num_warps": c.num_warps, "kv_unroll": c.kv_unroll, "heads_per_cta": c.heads_per_cta,
-            "lanes_per_row": c.lanes_per_row}
+            "lanes_per_row": c.lanes_per_row, "kv_stages": c.kv_stages}
 
 
 def _kv(spec: KernelSpec) -> KVAccess:
