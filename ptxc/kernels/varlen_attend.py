@@ -1,8 +1,10 @@
 """The varlen kernel body: one CTA = one packed query tile of one (sequence, KV head, split).
 
-Work assignment: grid.x counts packed query tiles over the whole batch; sequence b's tiles start
-at cu[b] * g // block_m + b, so a CTA finds its sequence by a binary search of cu_seqlens_q
-(find_sequence) and at most `batch` tiles in all find no rows and exit.
+Work assignment is a policy in front of the shared body (emit_packed_tile, given a TileWork):
+varlen's grid.x counts packed query tiles over the whole batch; sequence b's tiles start at
+cu[b] * g // block_m + b, so a CTA finds its sequence by a binary search of cu_seqlens_q
+(find_sequence) and at most `batch` tiles in all find no rows and exit. decode's tensor-core
+path (decode_mma.py) gives one token per sequence straight from the grid instead.
 
 Packed rows: row R of a sequence's query block is token R / g, query head kv_head * g + R % g
 (g = group size), so a tile of block_m rows covers block_m / g tokens of all g heads and every
