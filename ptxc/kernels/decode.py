@@ -19,7 +19,7 @@ from ..errors import InputError, SpecError
 from ..ir import S64, U32, KernelBuilder
 from ..spec.fields import Field, FamilyFields, int_range
 from ..spec.model import KernelSpec
-from ..targets import DEFAULT_SMEM_PER_CTA, TARGETS, Target
+from ..targets import DEFAULT_SMEM_PER_CTA, Target
 from . import common as C
 from . import decode_mma, fp8, kv_fp8
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
@@ -131,10 +131,9 @@ def configure(spec: KernelSpec, target: Target) -> DecodeConfig:
              and nw * h * (4 + spec.head_dim) * 4 <= DEFAULT_SMEM_PER_CTA)
     unroll = tile.get("kv_unroll") or (4 if hp * per_head <= 32 else 2)
     cfg = DecodeConfig(fmt, spec.head_dim, chunks, lpr, cpl, nw, unroll, hp, spec.group_size)
-    # Plain caches on cp.async targets (every target of the spec, so the launch list is one)
-    # take a 2-stage pipeline when it fits the static shared-memory limit beside the merge area.
-    cp_async = all(TARGETS[t].has_cp_async for t in spec.targets)
-    if cp_async and kv_fp8.kv_dtype(spec) == spec.dtype and \
+    # Plain caches on cp.async targets take a 2-stage pipeline when it fits the static
+    # shared-memory limit beside the merge area (per target: grid and block do not change).
+    if target is not None and target.has_cp_async and kv_fp8.kv_dtype(spec) == spec.dtype and \
             cfg.merge_smem_bytes + cfg.kv_stage_bytes(SIMT_STAGES) <= DEFAULT_SMEM_PER_CTA:
         cfg = dataclasses.replace(cfg, kv_stages=SIMT_STAGES)
     if cfg.merge_smem_bytes > DEFAULT_SMEM_PER_CTA:
