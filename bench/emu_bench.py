@@ -181,8 +181,9 @@ def decode_like_args(iters: int):
 
 
 def real_decode_launch(batch: int, seq: int):
-    """ptxc's own decode kernel (Llama-3-8B shape: 32 heads, 8 KV heads, d128, f16) with every
-    sequence `seq` keys long: (ptx, entry, grid, block, args)."""
+    """ptxc's own decode kernel (Llama-3-8B shape: 32 heads, 8 KV heads, d128, f16: the
+    tensor-core path) with every sequence `seq` keys long: (ptx, entry, grid, block, args,
+    dynamic shared memory)."""
     from ptxc.pipeline.compiler import lower
     from ptxc.kernels import FAMILIES
     from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
@@ -198,7 +199,8 @@ def real_decode_launch(batch: int, seq: int):
     buffers = prepare_buffers(meta, inputs, dims)
     [kernel] = launches
     grid, block = launch_geometry(kernel, dims)
-    return ptx, kernel["entry"], grid, block, pack_args(kernel, buffers, dims, pointer=lambda n, a: a)
+    return (ptx, kernel["entry"], grid, block, pack_args(kernel, buffers, dims, pointer=lambda n, a: a),
+            kernel["dynamic_smem_bytes"])
 
 
 def real_prefill_launch(batch: int, seq: int):
@@ -245,7 +247,7 @@ def main(argv=None) -> int:
         ptx, entry, grid, block, args, smem = real_prefill_launch(1, ns.seq)
         label = f"{entry} (llama3_8b_prefill, batch=1, seq={ns.seq})"
     elif ns.decode:
-        ptx, entry, grid, block, args = real_decode_launch(ns.batch, ns.seq)
+        ptx, entry, grid, block, args, smem = real_decode_launch(ns.batch, ns.seq)
         label = f"{entry} (llama3_8b_decode, batch={ns.batch}, seq={ns.seq})"
     else:
         ptx, entry, grid, block, args = (DECODE_LIKE_PTX, "decode_like", (8, 4), (128,),

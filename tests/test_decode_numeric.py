@@ -39,7 +39,10 @@ def test_head_dims_that_leave_lanes_idle(tmp_path, head_dim):
 
 
 def test_large_gqa_group_is_split_over_ctas(tmp_path):
-    art = build_kernel(tmp_path, "decode", 'dtype = "f16"\nhead_dim = 128\nnum_heads = 32\nnum_kv_heads = 1\nreturn_lse = true')
+    """The SIMT path (math = "simt"; "auto" takes tensor cores here) splits a group of 32
+    query heads into chunks of 4 per CTA."""
+    art = build_kernel(tmp_path, "decode", 'dtype = "f16"\nhead_dim = 128\nnum_heads = 32\nnum_kv_heads = 1\n'
+                                           'return_lse = true\nmath = "simt"')
     _, t = art.target("sm_80")
     assert t["config"]["heads_per_cta"] == 4 and t["kernels"][0]["grid"][0] == "8"
     assert_pass(check_artifact(art, backend="emu", shapes={"batch": 2, "max_seq_len": 19}, seed=4))
@@ -81,7 +84,8 @@ def test_seq_lens_beyond_cache_are_clamped(tmp_path):
 
 
 def test_kv_rows_are_loaded_once_per_head_group():
-    """The loop's K/V loads do not grow with the GQA group: 2 x kv_unroll 128-bit loads."""
+    """The loop's K/V loads do not grow with the GQA group: 2 x kv_unroll 128-bit copies
+    (cp.async into the thread's pipeline slots on sm_80)."""
     from ptxc.pipeline.compiler import lower
     counts = {}
     for heads in (8, 16):
@@ -91,7 +95,8 @@ def test_kv_rows_are_loaded_once_per_head_group():
         import re
         start = re.search(r"^\$L__loop_\d+:$", ptx, re.M).end()
         loop = ptx[start:re.search(r"^\$L__endloop_\d+:$", ptx, re.M).start()]
-        counts[heads] = loop.count("ld.global.nc.v4")
+        counts[heads] = loop.count("cp.async.cg.shared.global")
+        assert "ld.global" not in loop.replace("ld.global.nc.s32", "")   # only page ids (none here)
     assert counts[8] == counts[16] == 8
 
 

@@ -114,10 +114,15 @@ def test_candidate_tiles_are_legal_and_distinct():
 def test_decode_candidates_cover_the_tile_product():
     (spec,) = load_paths([SPECS / "llama3_8b.toml"])
     cands = candidate_tiles(spec, "sm_90")
-    # num_warps in (1, 2, 4, 8) x kv_unroll in (1, 2, 4, 8), all legal for d128 f16.
-    assert len(cands) == 16
-    assert {(c["resolved"]["num_warps"], c["resolved"]["kv_unroll"]) for c in cands} == \
-        {(w, u) for w in (1, 2, 4, 8) for u in (1, 2, 4, 8)}
+    # GQA 4 f16: the tensor-core default first, then the SIMT product num_warps in (1, 2, 4, 8)
+    # x kv_unroll in (1, 2, 4, 8), all legal for d128 f16, then the tensor-core product
+    # block_n x num_stages that fits sm_90's shared memory (one CTA of 128 x 4 stages does not).
+    assert cands[0]["resolved"]["path"] == "mma.m16n8k16"
+    simt = [c for c in cands if "kv_unroll" in c["resolved"]]
+    assert {(c["resolved"]["num_warps"], c["resolved"]["kv_unroll"]) for c in simt} == \
+        {(w, u) for w in (1, 2, 4, 8) for u in (1, 2, 4, 8)} and len(simt) == 16
+    mma = {(c["resolved"]["block_n"], c["resolved"]["num_stages"]) for c in cands if c not in simt}
+    assert (64, 2) in mma and (16, 1) in mma and (128, 4) not in mma
 
 
 def test_tune_keys_and_target_choice():
@@ -292,7 +297,7 @@ def test_bench_orchestration_on_fake_driver(fake_gpu, toolchain, capsys):
     assert len(flushes) == 7 and all(calls[i][1] == 100 * MIB for i in flushes)
     assert all(calls[i + 1] == ("record",) for i in flushes)   # flush, then start the clock
     launches = [c for c in calls if c[0] == "launch"]
-    assert len(launches) == 7 and launches[0][2] == (8, 2, 1) and launches[0][3] == (128, 1, 1)
+    assert len(launches) == 7 and launches[0][2] == (8, 2, 1) and launches[0][3] == (32, 1, 1)
     assert set(fake_gpu.freed) == set(fake_gpu.allocs)         # every buffer and the scratch freed
     from ptxc.report.tables import print_bench
     print_bench(result)
@@ -310,12 +315,13 @@ def test_tune_orchestration_on_fake_driver(fake_gpu, toolchain, tmp_path, capsys
     assert entry["candidates"] == 3 and entry["specs"] == ["llama3_8b_decode"]
     # Fake times only grow, so the first candidate (the spec's default tile) wins.
     assert entry["median_ms"] == entry["default_ms"]
-    assert entry["tile"] == {"num_warps": 4, "kv_unroll": 4}
+    # GQA 4 f16 takes the tensor-core path: its tile keys only (not the derived num_warps)
+    assert entry["tile"] == {"block_n": 64, "num_stages": 2}
     assert table["device"] == "NVIDIA H100 80GB HBM3" and table["gpu_model"] == "h100-sxm"
     assert entry["dims"] == {"batch": 2, "max_seq_len": 64}
     from ptxc.report.tables import print_tune
     print_tune(result)
-    assert "kv_unroll=4" in capsys.readouterr().out
+    assert "block_n=64" in capsys.readouterr().out
 
 
 def test_derived_pointer_arrays_get_device_addresses():

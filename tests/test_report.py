@@ -187,8 +187,10 @@ def test_report_every_example_spec_json_and_html(built, tmp_path, shared_cache):
                 assert row["occupancy"] == occupancy(TARGETS[t["target"]], threads, res["registers"], smem)
                 if has_nvdisasm:
                     assert row["sass"]["total"] > 0 and row["sass"]["LDL"] == row["sass"]["STL"] == 0
-                    # the attention launch of a tensor-core kernel (not its split-merge reduce)
-                    if t["config"].get("path") == "mma.m16n8k16" and not launch["entry"].endswith("_reduce"):
+                    # the attention launch of a tensor-core kernel (not its split-merge
+                    # reduce, nor the kv_append copy fused in front of a decode)
+                    if t["config"].get("path") == "mma.m16n8k16" and \
+                            not launch["entry"].endswith(("_reduce", "_append")):
                         assert row["sass"]["HMMA"] > 0 and row["sass"]["LDSM"] > 0
                     _check_loop_row(k, t, row)
             assert t["cost"] is not None, t["cost_note"]

@@ -60,7 +60,7 @@ def test_pack_args_follows_the_abi(mistral):
     assert by_name["k_cache_stride2"] == 128 and by_name["q_stride1"] == 128
     assert by_name["max_seq_len"] == np.uint32(7) and type(by_name["max_seq_len"]) is np.uint32
     assert [type(v) for v in values[6:16]] == [np.int64] * 10
-    assert launch_geometry(kernel, dims) == ((8, 2, 1), (128, 1, 1))
+    assert launch_geometry(kernel, dims) == ((8, 2, 1), (32, 1, 1))   # GQA 4: one-warp mma CTAs
 
 
 def test_cuda_backend_without_driver_is_one_line_exit_2(mistral, tmp_path):

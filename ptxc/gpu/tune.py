@@ -58,8 +58,10 @@ def candidate_tiles(spec: KernelSpec, target: str) -> list[dict[str, Any]]:
 
     consider(spec.tile_dict())     # the spec's own choice (usually the heuristic default)
     fixed = {k: v for k, v in spec.tile_dict().items() if k in NOT_TUNED}
-    for combo in itertools.product(*(f.choices for f in fields)):
-        consider({**fixed, **dict(zip((f.name for f in fields), combo))})
+    for group in family.tile_groups or (tuple(f.name for f in fields),):
+        chosen = [f for f in fields if f.name in group]
+        for combo in itertools.product(*(f.choices for f in chosen)):
+            consider({**fixed, **dict(zip((f.name for f in chosen), combo))})
     return out[:MAX_CANDIDATES]
 
 
@@ -159,8 +161,14 @@ def run_tune(paths, *, shapes: dict[str, int], target: str | None = None, out_di
 
 
 def _tile_keys(spec: KernelSpec, resolved: dict) -> dict:
-    """The spec-settable tile keys of a resolved config (drops derived fields like `path`)."""
-    names = {f.name for f in FAMILIES[spec.family].fields.tile}
+    """The spec-settable tile keys of a resolved config (drops derived fields like `path`); for
+    a family with tile groups, only the keys of the group (code path) the config belongs to."""
+    family = FAMILIES[spec.family]
+    names = {f.name for f in family.fields.tile}
+    for group in family.tile_groups:
+        if set(group) <= resolved.keys():
+            names = set(group)
+            break
     return {k: v for k, v in resolved.items() if k in names}
 
 

@@ -3,8 +3,11 @@
 KV caches may be contiguous, per-sequence pointer arrays or paged (`kv_layout`; addressing in
 kv_access.py). With `num_splits` > 1 (or "auto") the launch list is flash-decoding: a chunk
 kernel writes per-split partial outputs to a workspace, and split_reduce.py merges them exactly.
-One CTA handles one (sequence, KV head, chunk of `heads_per_cta` query heads of that KV head's
-GQA group) — so each K/V row is loaded once for the whole chunk; the body is decode_attend.py.
+Two paths, one interface and launch list (option `math`): for a GQA group >= 4 with f16/bf16
+caches on sm_80+, tensor cores — varlen's GQA-packed body with one token per sequence
+(decode_mma.py); otherwise SIMT, where one CTA handles one (sequence, KV head, chunk of
+`heads_per_cta` query heads of that KV head's group), so each K/V row is loaded once for the
+whole chunk (decode_attend.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from ..spec.fields import Field, FamilyFields, int_range
 from ..spec.model import KernelSpec
 from ..targets import DEFAULT_SMEM_PER_CTA, Target
 from . import common as C
-from . import fp8, kv_fp8
+from . import decode_mma, fp8, kv_fp8
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .decode_attend import emit_attention
 from .variant import (VARIANT_FIELDS, validate_variant, variant_inputs, variant_reference_args,
@@ -43,15 +46,24 @@ FIELDS = FamilyFields(
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
         Field("append_kv", "bool", "launch kv_append first: write this step's k_new/v_new at row "
               "seq_lens - 1, then attend (caches become inout)", default=False),
+        Field("math", "str", 'GQA math: "mma" (tensor cores, query heads of a KV head packed '
+              'into the tile rows), "simt", or "auto" (mma for a group >= 4 with f16/bf16 caches '
+              'on sm_80+, docs/kernels.md)', default="auto", choices=("auto", "mma", "simt")),
         *kv_fp8.FIELDS,
         *VARIANT_FIELDS,
     ),
     tile=(
-        Field("num_warps", "int", "warps per CTA (default 4)", default=None, choices=(1, 2, 4, 8)),
-        Field("kv_unroll", "int", "KV rows each lane loads per iteration (default 4)",
+        Field("num_warps", "int", "SIMT path: warps per CTA (default 4)", default=None,
+              choices=(1, 2, 4, 8)),
+        Field("kv_unroll", "int", "SIMT path: KV rows each lane loads per iteration (default 4)",
               default=None, choices=(1, 2, 4, 8)),
+        Field("block_n", "int", "tensor-core path: keys per K/V tile (default 64, 32 above "
+              "head_dim 128)", default=None, choices=(16, 32, 64, 128)),
+        Field("num_stages", "int", "tensor-core path: K/V tiles in the cp.async pipeline "
+              "(default 2)", default=None, choices=(1, 2, 3, 4)),
     ),
 )
+SIMT_STAGES = 2     # K/V row sets in the SIMT path's cp.async pipeline (one in flight while computing)
 MAX_HEAD_REGS = 32  # f32 registers per lane for the query chunk (same again for the accumulator): ~128 regs total
 
 
@@ -66,6 +78,7 @@ class DecodeConfig:
     kv_unroll: int
     heads_per_cta: int
     group_size: int
+    kv_stages: int = 0     # >= 2: K/V through a cp.async pipeline in shared memory (see kv_stage_bytes)
 
     @property
     def rows_per_warp(self) -> int:
@@ -84,12 +97,17 @@ class DecodeConfig:
     def merge_smem_bytes(self) -> int:
         return self.ml_smem_bytes + self.num_warps * self.heads_per_cta * self.head_dim * 4
 
+    def kv_stage_bytes(self, stages: int) -> int:
+        """Shared memory of a `stages`-deep K/V pipeline: every thread's chunks, K and V."""
+        return stages * 2 * self.kv_unroll * self.chunks_per_lane * self.num_warps * 32 * C.VEC_BYTES
+
 
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
     check_page_size(spec)
     kv_fp8.validate(spec)
     validate_variant(spec, causal_option=False, separate_v=False)
+    decode_mma.validate(spec)
     if spec.opt("append_kv") and spec.opt("kv_layout") == "pointer_array":
         raise SpecError("append_kv supports kv_layout \"contiguous\" and \"paged\", not "
                         "\"pointer_array\"", key="append_kv")
@@ -113,6 +131,11 @@ def configure(spec: KernelSpec, target: Target) -> DecodeConfig:
              and nw * h * (4 + spec.head_dim) * 4 <= DEFAULT_SMEM_PER_CTA)
     unroll = tile.get("kv_unroll") or (4 if hp * per_head <= 32 else 2)
     cfg = DecodeConfig(fmt, spec.head_dim, chunks, lpr, cpl, nw, unroll, hp, spec.group_size)
+    # Plain caches on cp.async targets take a 2-stage pipeline when it fits the static
+    # shared-memory limit beside the merge area (per target: grid and block do not change).
+    if target is not None and target.has_cp_async and kv_fp8.kv_dtype(spec) == spec.dtype and \
+            cfg.merge_smem_bytes + cfg.kv_stage_bytes(SIMT_STAGES) <= DEFAULT_SMEM_PER_CTA:
+        cfg = dataclasses.replace(cfg, kv_stages=SIMT_STAGES)
     if cfg.merge_smem_bytes > DEFAULT_SMEM_PER_CTA:
         raise SpecError(f"num_warps = {nw} needs {cfg.merge_smem_bytes} bytes of shared memory for "
                         f"the cross-warp merge; at most {DEFAULT_SMEM_PER_CTA}: use fewer warps",
@@ -121,9 +144,11 @@ def configure(spec: KernelSpec, target: Target) -> DecodeConfig:
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    if decode_mma.uses_mma(spec):
+        return decode_mma.resolve_tile(spec, target)
     c = configure(spec, target)
     return {"num_warps": c.num_warps, "kv_unroll": c.kv_unroll, "heads_per_cta": c.heads_per_cta,
-            "lanes_per_row": c.lanes_per_row}
+            "lanes_per_row": c.lanes_per_row, "kv_stages": c.kv_stages}
 
 
 def _kv(spec: KernelSpec) -> KVAccess:
@@ -158,15 +183,22 @@ def interface(spec: KernelSpec) -> Interface:
     rules = {}
     splits = _splits(spec)
     if splits != 1:
-        ctas = f"{Hk * configure(spec, None).head_chunks} * batch"
+        ctas = f"{Hk * _ctas_per_kv_head(spec)} * batch"
         work, rules["num_splits"] = split_interface("batch", H, d, splits, ctas, f"ptxc_{spec.name}_split")
         tensors += work
         dims.append("num_splits")
     return Interface(tuple(tensors), tuple(dims), defaults, rules, scalars=scalars)
 
 
+def _ctas_per_kv_head(spec: KernelSpec) -> int:
+    """CTAs per (sequence, KV head, split): query tiles (mma) or head chunks (SIMT)."""
+    return decode_mma.tiles_per_seq(spec) if decode_mma.uses_mma(spec) else \
+        configure(spec, None).head_chunks
+
+
 def build(spec: KernelSpec, target: Target) -> Program:
-    cfg = configure(spec, target)
+    mma = decode_mma.uses_mma(spec)
+    cfg = decode_mma.configure(spec, target) if mma else configure(spec, target)
     kv = _kv(spec)
     split = _splits(spec) != 1
     b = KernelBuilder(f"ptxc_{spec.name}" + ("_split" if split else ""))
@@ -189,10 +221,14 @@ def build(spec: KernelSpec, target: Target) -> Program:
     kv.emit_dims(param)
     split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None
     quant = kv_fp8.emit_params(spec, target, b, param)
-    emit_attention(b, spec, cfg, kv, ptrs, strides, split_count, quant, target)
+    if mma:
+        decode_mma.emit_attention(b, spec, cfg, kv, ptrs, strides, split_count)
+    else:
+        emit_attention(b, spec, cfg, kv, ptrs, strides, split_count, quant, target)
     b.ret()
-    grid = (str(spec.num_kv_heads * cfg.head_chunks), "batch", "num_splits" if split else "1")
-    launches = [Launch(entry=b.entry.name, params=tuple(params), grid=grid, block=(cfg.num_warps * 32, 1, 1))]
+    grid = (str(spec.num_kv_heads * _ctas_per_kv_head(spec)), "batch", "num_splits" if split else "1")
+    launches = [Launch(entry=b.entry.name, params=tuple(params), grid=grid, block=(cfg.num_warps * 32, 1, 1),
+                       dynamic_smem_bytes=cfg.smem_bytes if mma else 0)]
     entries = [b.entry]
     if spec.opt("append_kv"):
         from .kv_append import build as build_append
@@ -283,4 +319,6 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
 
 FAMILY = Family(name="decode", doc=__doc__.split("\n")[0], fields=FIELDS, validate=validate,
                 interface=interface, build=build, resolve_tile=resolve_tile,
-                make_inputs=make_inputs, reference=reference)
+                make_inputs=make_inputs, reference=reference,
+                row_sum_dtype=lambda spec: spec.dtype if decode_mma.uses_mma(spec) else None,
+                tile_groups=(decode_mma.SIMT_TILE_KEYS, decode_mma.MMA_TILE_KEYS))

@@ -104,7 +104,7 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
     if variant.transforms:   # scores are in log2 units (q was scaled by softmax_scale * log2 e)
         transform = _score_transform(b, variant, ptrs, head0, hp, seq_len)
     _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred,
-                  kv_io, transform)
+                  kv_io, transform, tid)
 
     off = lpr  # merge row slots: lanes that differ in the slot bits
     while off < 32:
@@ -124,65 +124,131 @@ def _plain_io(b, fmt):
 
 
 def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred, kv_io,
-                  transform=None):
-    fmt, lpr, hp = cfg.fmt, cfg.lanes_per_row, cfg.heads_per_cta
-    chunk_bytes, load_chunk, widen = kv_io
+                  transform=None, tid=None):
+    """The loop over the CTA's rows, `rows_per_iter` per iteration. With `cfg.kv_stages` >= 2
+    (plain caches on cp.async targets) each thread's K/V chunks go global -> its own shared
+    memory slots by cp.async, `kv_stages - 1` iterations ahead, so loads stay in flight while
+    the current rows are multiplied; otherwise they are register loads issued before any use."""
     rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
-    # Paged: the page ids of iteration i + 1 are loaded during iteration i (after its K/V loads
-    # are issued), so no block-table round trip sits in front of the K/V loads.
+    stages = cfg.kv_stages
+
+    def rows_at(it):
+        return [b.add(it, b.add(first_row, u * cfg.rows_per_warp)) for u in range(cfg.kv_unroll)]
+
+    # Paged: the page ids of the rows fetched next are loaded while the current ones are in
+    # flight (after their loads are issued), so no block-table round trip precedes a fetch.
     pages = None
     if kv.layout == "paged":
-        firsts = [b.add(row_begin, b.add(first_row, u * cfg.rows_per_warp)) for u in range(cfg.kv_unroll)]
-        pages = [kv.load_page(b, bases, r, b.setp("lt", r, row_end)) for r in firsts]
-    with b.for_range(row_begin, row_end, rows_per_iter) as it:
-        rows = [b.add(it, b.add(first_row, u * cfg.rows_per_warp)) for u in range(cfg.kv_unroll)]
+        pages = [kv.load_page(b, bases, r, b.setp("lt", r, row_end)) for r in rows_at(row_begin)]
+
+    def fetch(rows, put):
+        """Addresses of `rows` (pages from `pages`), put(t, u, j, addr, pred) per chunk; returns
+        the rows' validity and the page ids of the rows rows_per_iter further on (or None)."""
         valid = [b.setp("lt", r, row_end) for r in rows]
-        tiles, page_cache = {}, {}
+        page_cache = {}
         for u in range(cfg.kv_unroll) if pages else ():
             kv.use_page(b, page_cache, rows[u], valid[u], pages[u])
-        for t in ("k_cache", "v_cache"):  # every load issued before any use: loads in flight
-            tiles[t] = []
-            for r, ok in zip(rows, valid):
+        for t in ("k_cache", "v_cache"):
+            for u, (r, ok) in enumerate(zip(rows, valid)):
                 addr, row_ok = kv.row_address(b, bases, t, r, ok, page_cache)
-                tiles[t].append([load_chunk(Addr(addr, j * lpr * chunk_bytes), chunk_pred(j, row_ok))
-                                 for j in range(cfg.chunks_per_lane)])
-        if pages:
-            nxt = [b.add(r, rows_per_iter) for r in rows]
-            fresh = [kv.load_page(b, bases, r, b.setp("lt", r, row_end)) for r in nxt]
-        scores = []  # [u][i]
-        for u in range(cfg.kv_unroll):
-            k = [widen(regs) for regs in tiles["k_cache"][u]]
-            row_scores = []
-            for i in range(hp):
-                s = b.mov(0.0, F32)
                 for j in range(cfg.chunks_per_lane):
-                    for e in range(fmt.per_vec):
-                        s = b.fma(q_regs[i][j][e], k[j][e], s)
-                s = C.warp_sum(b, s, [lpr >> n for n in range(1, lpr.bit_length())])
-                if transform is not None:   # the variant's score transforms (soft-cap, ALiBi)
-                    transform(s, rows[u], i)
-                row_scores.append(b.selp(s, C.NEG_INF, valid[u]))
-            scores.append(row_scores)
-        v = [[widen(regs) for regs in tiles["v_cache"][u]] for u in range(cfg.kv_unroll)]
+                    put(t, u, j, Addr(addr, j * cfg.lanes_per_row * kv_io[0]), chunk_pred(j, row_ok))
+        if not pages:
+            return valid, None
+        nxt = [b.add(r, rows_per_iter) for r in rows]
+        return valid, [kv.load_page(b, bases, r, b.setp("lt", r, row_end)) for r in nxt]
+
+    if stages < 2:
+        with b.for_range(row_begin, row_end, rows_per_iter) as it:
+            rows = rows_at(it)
+            tiles = {"k_cache": [[None] * cfg.chunks_per_lane for _ in rows],
+                     "v_cache": [[None] * cfg.chunks_per_lane for _ in rows]}
+
+            def put(t, u, j, addr, pred):
+                tiles[t][u][j] = kv_io[1](addr, pred)
+            valid, fresh = fetch(rows, put)
+            _attend_rows(b, cfg, tiles, rows, valid, q_regs, m, l, acc, kv_io[2], transform)
+            for cur, new in zip(pages or (), fresh or ()):
+                b.mov(new, out=cur)
+        return
+
+    threads = cfg.num_warps * 32
+    slots = 2 * cfg.kv_unroll * cfg.chunks_per_lane
+    smem = b.address_of(b.shared("kv_stage_smem", stages * slots * threads * C.VEC_BYTES))
+    mine = b.mad(tid, C.VEC_BYTES, smem)      # a thread's slots: 16 B apart per thread, no conflicts
+
+    def slot_off(t, u, j):
+        return (((t == "v_cache") * cfg.kv_unroll + u) * cfg.chunks_per_lane + j) * threads * C.VEC_BYTES
+
+    stage_bytes = slots * threads * C.VEC_BYTES
+
+    def issue(rows, stage_off):
+        dst = b.add(mine, stage_off) if not isinstance(stage_off, int) else mine
+
+        def put(t, u, j, addr, pred):
+            off = slot_off(t, u, j) + (stage_off if isinstance(stage_off, int) else 0)
+            size = C.VEC_BYTES if pred is None else b.selp(C.VEC_BYTES, 0, pred, type=U32)
+            b.cp_async(Addr(dst, off), addr, C.VEC_BYTES, size)
+        _, fresh = fetch(rows, put)
+        b.cp_async_commit()
+        for cur, new in zip(pages or (), fresh or ()):
+            b.mov(new, out=cur)
+
+    for s in range(stages - 1):
+        issue(rows_at(b.add(row_begin, s * rows_per_iter)), s * stage_bytes)
+    read = b.mov(0, U32)
+    write = b.mov((stages - 1) * stage_bytes, U32)
+    with b.for_range(row_begin, row_end, rows_per_iter) as it:
+        issue(rows_at(b.add(it, (stages - 1) * rows_per_iter)), write)
+        b.cp_async_wait(stages - 1)          # this thread's copies of the current rows landed
+        rows = rows_at(it)
+        src = b.add(mine, read)
+        tiles = {t: [[b.ld("shared", cfg.fmt.load_type, Addr(src, slot_off(t, u, j)), vec=4)
+                      for j in range(cfg.chunks_per_lane)] for u in range(cfg.kv_unroll)]
+                 for t in ("k_cache", "v_cache")}
+        _attend_rows(b, cfg, tiles, rows, [b.setp("lt", r, row_end) for r in rows], q_regs, m, l, acc,
+                     kv_io[2], transform)
+        for reg in (read, write):   # stage offsets rotate in registers (no rem in the loop)
+            nxt = b.add(reg, stage_bytes)
+            b.mov(b.selp(0, nxt, b.setp("eq", nxt, stages * stage_bytes)), out=reg)
+    b.cp_async_wait(0)
+
+
+def _attend_rows(b, cfg, tiles, rows, valid, q_regs, m, l, acc, widen, transform):
+    """Scores of the rows against every head, then the online-softmax update of m, l, acc."""
+    fmt, lpr, hp = cfg.fmt, cfg.lanes_per_row, cfg.heads_per_cta
+    scores = []  # [u][i]
+    for u in range(cfg.kv_unroll):
+        k = [widen(regs) for regs in tiles["k_cache"][u]]
+        row_scores = []
         for i in range(hp):
-            m_new = m[i]
-            for u in range(cfg.kv_unroll):
-                m_new = b.max(m_new, scores[u][i])
-            m_use = C.safe_max(b, m_new)
-            alpha = C.rescale_factor(b, m[i], m_use)
-            p = [b.ex2(b.sub(scores[u][i], m_use)) for u in range(cfg.kv_unroll)]
-            psum = p[0]
-            for x in p[1:]:
-                psum = b.add(psum, x)
-            b.mad(l[i], alpha, psum, out=l[i])
+            s = b.mov(0.0, F32)
             for j in range(cfg.chunks_per_lane):
                 for e in range(fmt.per_vec):
-                    a = b.mul(acc[i][j][e], alpha, out=acc[i][j][e])
-                    for u in range(cfg.kv_unroll):
-                        b.fma(p[u], v[u][j][e], a, out=a)
-            b.mov(m_new, out=m[i])
-        for cur, new in zip(pages or (), fresh if pages else ()):
-            b.mov(new, out=cur)
+                    s = b.fma(q_regs[i][j][e], k[j][e], s)
+            s = C.warp_sum(b, s, [lpr >> n for n in range(1, lpr.bit_length())])
+            if transform is not None:   # the variant's score transforms (soft-cap, ALiBi)
+                transform(s, rows[u], i)
+            row_scores.append(b.selp(s, C.NEG_INF, valid[u]))
+        scores.append(row_scores)
+    v = [[widen(regs) for regs in tiles["v_cache"][u]] for u in range(cfg.kv_unroll)]
+    for i in range(hp):
+        m_new = m[i]
+        for u in range(cfg.kv_unroll):
+            m_new = b.max(m_new, scores[u][i])
+        m_use = C.safe_max(b, m_new)
+        alpha = C.rescale_factor(b, m[i], m_use)
+        p = [b.ex2(b.sub(scores[u][i], m_use)) for u in range(cfg.kv_unroll)]
+        psum = p[0]
+        for x in p[1:]:
+            psum = b.add(psum, x)
+        b.mad(l[i], alpha, psum, out=l[i])
+        for j in range(cfg.chunks_per_lane):
+            for e in range(fmt.per_vec):
+                a = b.mul(acc[i][j][e], alpha, out=acc[i][j][e])
+                for u in range(cfg.kv_unroll):
+                    b.fma(p[u], v[u][j][e], a, out=a)
+        b.mov(m_new, out=m[i])
 
 
 def _score_transform(b, variant, ptrs, head0, hp, seq_len):

@@ -165,6 +165,21 @@ def load_tile_rows(b: KernelBuilder, slot: ThreadSlot, row_address, row0: Reg, n
     _stage_chunks(b, slot, dst, chunk, use_cp_async)
 
 
+def load_tile_passes(b: KernelBuilder, slot: ThreadSlot, pass_address, nvalid: Reg, smem: Reg,
+                     use_cp_async: bool) -> None:
+    """`load_tile_rows` when the caller computes each pass's address: `pass_address(i)` gives
+    (this thread's chunk address for pass i, extra validity); rows at or past `nvalid` (s32) of
+    the tile, or whose validity is false, are zero-filled."""
+    geom = slot.geom
+    rem = b.sub(nvalid, b.bitcast(slot.r0, S32))
+    dst = b.add(smem, slot.soff)
+
+    def chunk(i: int) -> tuple[Reg, Reg]:
+        addr, ok = pass_address(i)
+        return addr, b.and_(b.setp("gt", rem, i * geom.rows_per_pass), ok)
+    _stage_chunks(b, slot, dst, chunk, use_cp_async)
+
+
 def _stage_chunks(b: KernelBuilder, slot: ThreadSlot, dst: Reg, chunk_at, use_cp_async: bool) -> None:
     """Pass i copies this thread's 16-byte chunk from chunk_at(i) = (global address, valid) to
     `dst` + the pass's row offset; invalid chunks become zeros (cp.async src-size 0 reads nothing)."""
@@ -292,5 +307,5 @@ def zero_regs(b: KernelBuilder, n: int, type=B32) -> list[Reg]:
 
 __all__ = ["TileGeom", "ThreadSlot", "GlobalRows", "thread_slot", "global_rows", "load_tile", "load_tile_rows",
            "LdmatrixLanes", "ldmatrix_lanes_mk", "ldmatrix_lanes_nk", "swizzle_fits",
-           "SWIZZLE_ALIGN", "ldmatrix_lane_offset_nk",
+           "SWIZZLE_ALIGN", "ldmatrix_lane_offset_nk", "load_tile_passes",
            "store_tile", "ldmatrix_lane_offset", "padded_stride", "zero_regs", "U32", "U64"]

@@ -1,8 +1,10 @@
 """The varlen kernel body: one CTA = one packed query tile of one (sequence, KV head, split).
 
-Work assignment: grid.x counts packed query tiles over the whole batch; sequence b's tiles start
-at cu[b] * g // block_m + b, so a CTA finds its sequence by a binary search of cu_seqlens_q
-(find_sequence) and at most `batch` tiles in all find no rows and exit.
+Work assignment is a policy in front of the shared body (emit_packed_tile, given a TileWork):
+varlen's grid.x counts packed query tiles over the whole batch; sequence b's tiles start at
+cu[b] * g // block_m + b, so a CTA finds its sequence by a binary search of cu_seqlens_q
+(find_sequence) and at most `batch` tiles in all find no rows and exit. decode's tensor-core
+path (decode_mma.py) gives one token per sequence straight from the grid instead.
 
 Packed rows: row R of a sequence's query block is token R / g, query head kv_head * g + R % g
 (g = group size), so a tile of block_m rows covers block_m / g tokens of all g heads and every
@@ -25,11 +27,13 @@ K/V tile it loads serves all of them. Per CTA:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..ir import B32, F32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
 from .kv_fp8 import stage_rows_dequant
+from .kv_pages import PagedTiles, prefetch_applies
 from .kv_pipeline import run_kv_pipeline
 from .prefill import PrefillConfig, finish_rows, load_head_f32
 from .prefill_mma import MmaMath
@@ -165,6 +169,13 @@ def _token(b: KernelBuilder, cu_ptr: Reg, seq: Reg, offset: int, total_q: Reg) -
     return b.min(b.bitcast(b.max(b.ld("global", S32, Addr(addr, offset), nc=True), 0), U32), total_q)
 
 
+def kv_tiles_of(b: KernelBuilder, kv: KVAccess, ptrs: dict, seq: Reg, bn: int) -> Reg:
+    """u32 KV tiles of `bn` keys sequence `seq` holds (seq_lens clamped to the capacity)."""
+    n = b.ld("global", S32, Addr(C.element_offset(b, ptrs["seq_lens"], seq, b.mov(4, S64))), nc=True)
+    n = b.min(b.bitcast(b.max(n, 0), U32), kv.capacity(b))
+    return b.div(b.add(n, bn - 1), bn)
+
+
 def find_sequence(b: KernelBuilder, cu_ptr: Reg, tile: Reg, batch: Reg, g: int, bm: int,
                   total_q: Reg) -> Reg:
     """The last sequence whose first tile is <= `tile`: a branch-free binary search over the
@@ -180,9 +191,57 @@ def find_sequence(b: KernelBuilder, cu_ptr: Reg, tile: Reg, batch: Reg, g: int, 
     return seq
 
 
+@dataclass(frozen=True)
+class TileWork:
+    """What a CTA works on, from the family's work-assignment policy: packed rows
+    [m_start, m_start + block_m) of sequence `seq`'s query block (q_len tokens from `token0`),
+    for KV head `kv_head` and, with split-KV, split `split`."""
+
+    seq: Reg            # u32 sequence index (seq_lens, block_table / caches)
+    kv_head: Reg        # u32
+    split: Reg | None   # u32 split index (None without split-KV)
+    token0: Reg         # u32 first query token of the sequence in q / o
+    q_len: Reg          # s32 query tokens of the sequence
+    m_start: Reg        # u32 first packed row of this CTA's tile
+    # Split-KV only (split_plan.emit_balanced_split): the batch the chunk is balanced over,
+    # the split rows of the grid, and (work, KV span) in KV tiles of sequence i, per KV head.
+    n_seqs: Reg | None = None
+    split_rows: Reg | None = None
+    seq_units: Callable[[Reg], tuple[Reg, Reg]] | None = None
+
+
 def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
                 strides: dict, batch: Reg, total_q: Reg, split_count: Reg | None, quant=None) -> None:
-    """With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: K/V tiles are staged by a
+    """varlen's policy: grid.x counts packed query tiles over the whole batch (a binary search
+    of cu_seqlens_q finds the tile's sequence), grid.y = KV head (x split)."""
+    g, bm = spec.group_size, cfg.block_m
+    tile, cy = b.special("%ctaid.x"), b.special("%ctaid.y")
+    Hk = spec.num_kv_heads
+    kv_head, split = (b.rem(cy, Hk), b.div(cy, Hk)) if split_count is not None else (cy, None)
+    # Which sequence this tile belongs to; its query tokens [t0, t1), clamped so that corrupt
+    # prefix sums can never address outside q/o.
+    cu = ptrs["cu_seqlens_q"]
+    seq = find_sequence(b, cu, tile, batch, g, bm, total_q)
+    t0 = _token(b, cu, seq, 0, total_q)
+    t1 = b.max(_token(b, cu, seq, 4, total_q), t0)
+    m_start = b.mul(b.sub(tile, b.add(b.div(b.mul(t0, g), bm), seq)), bm)
+
+    def seq_units(i):   # (query tiles x KV tiles, KV tiles) of sequence i: upper bounds
+        a = _token(b, cu, i, 0, total_q)
+        q_tiles = b.div(b.add(b.mul(b.sub(b.max(_token(b, cu, i, 4, total_q), a), a), g), bm - 1), bm)
+        kv_tiles = kv_tiles_of(b, kv, ptrs, i, cfg.block_n)
+        work = b.mul(q_tiles, kv_tiles)
+        return work, b.min(kv_tiles, work)            # a sequence without queries has no span
+    work = TileWork(seq, kv_head, split, t0, b.bitcast(b.sub(t1, t0), S32), m_start,
+                    batch, b.special("%nctaid.x"), seq_units)
+    emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant)
+
+
+def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
+                     strides: dict, work: TileWork, split_count: Reg | None, quant=None) -> None:
+    """The body shared by varlen and decode's tensor-core path: one GQA-packed query tile of
+    one (sequence, KV head, split) over its keys [0, L), L = seq_lens[seq] clamped.
+    With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: K/V tiles are staged by a
     dequantising copy (kv_fp8.stage_rows_dequant: FP8 bytes -> registers -> exact f16/bf16 ->
     st.shared) instead of cp.async, so the tile math is unchanged; k_scale joins the softmax
     scale (MmaMath.scale_log2 becomes a register) and v_scale the final 1/l."""
@@ -190,22 +249,13 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
     variant = AttentionVariant.from_spec(spec)
     tid = b.special("%tid.x")
     lane, warp = b.and_(tid, 31), b.shr(tid, 5)
-    tile, cy = b.special("%ctaid.x"), b.special("%ctaid.y")
-    Hk = spec.num_kv_heads
-    kv_head, split = (b.rem(cy, Hk), b.div(cy, Hk)) if split_count is not None else (cy, None)
-
-    # Which sequence this tile belongs to; its query tokens [t0, t1) and keys [0, L), clamped
-    # so that corrupt prefix sums or lengths can never address outside q/o or the cache.
-    cu = ptrs["cu_seqlens_q"]
-    seq = find_sequence(b, cu, tile, batch, g, bm, total_q)
-    t0 = _token(b, cu, seq, 0, total_q)
-    t1 = b.max(_token(b, cu, seq, 4, total_q), t0)
-    q_len = b.bitcast(b.sub(t1, t0), S32)
+    seq, kv_head, split, t0, q_len, m_start = (work.seq, work.kv_head, work.split, work.token0,
+                                               work.q_len, work.m_start)
+    # keys [0, L), clamped so that a corrupt length can never address outside the cache
     lens = C.element_offset(b, ptrs["seq_lens"], seq, b.mov(4, S64))
     L = b.min(b.bitcast(b.max(b.ld("global", S32, Addr(lens), nc=True), 0), U32), kv.capacity(b))
     L = b.bitcast(L, S32)
     rows = b.mul(b.bitcast(q_len, U32), g)
-    m_start = b.mul(b.sub(tile, b.add(b.div(b.mul(t0, g), bm), seq)), bm)
     with b.if_then(b.setp("ge", m_start, rows)):
         b.ret()                                        # no query rows for this tile: exit
 
@@ -235,18 +285,9 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
         # with it ptxas 13.0 caps the d64 split kernel on sm_120 at 128 registers and spills.
         # An idle split runs the batch pass and an empty KV loop, then writes an empty partial.
         span = n_vis if w_first is None else b.sub(n_vis, w_first)
-
-        def seq_units(i):   # (query tiles x KV tiles, KV tiles) of sequence i: upper bounds
-            a = _token(b, cu, i, 0, total_q)
-            q_tiles = b.div(b.add(b.mul(b.sub(b.max(_token(b, cu, i, 4, total_q), a), a), g), bm - 1), bm)
-            n = b.ld("global", S32, Addr(C.element_offset(b, ptrs["seq_lens"], i, b.mov(4, S64))), nc=True)
-            n = b.min(b.bitcast(b.max(n, 0), U32), kv.capacity(b))
-            kv_tiles = b.div(b.add(n, bn - 1), bn)
-            work = b.mul(q_tiles, kv_tiles)
-            return work, b.min(kv_tiles, work)            # a sequence without queries has no span
         first, n_vis = emit_balanced_split(
-            b, split=split, num_splits=split_count, lane=lane, n_seqs=batch, seq_units=seq_units,
-            own=span, begin=first, end=n_vis, rows=b.special("%nctaid.x"),
+            b, split=split, num_splits=split_count, lane=lane, n_seqs=work.n_seqs,
+            seq_units=work.seq_units, own=span, begin=first, end=n_vis, rows=work.split_rows,
             auto=spec.opt("num_splits") == "auto", keep_split0="sinks" in ptrs, write_empty=None)
     n_tiles = b.sub(n_vis, first)
     n_full = b.sub(b.max(n_full, first), first)
@@ -270,13 +311,28 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
         slots["v_cache"] = thread_slot(b, cfg.v_geom, tid)
         bases["v_cache"] = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, chunk_col(slots["v_cache"])))["v_cache"]
 
+    # Paged caches: a tile's few page ids are loaded with the previous tile (kv_pages.py)
+    pages = None
+    if quant is None and cfg.dv == cfg.head_dim and prefetch_applies(kv, kv_slot, bn):
+        pages = PagedTiles(b, kv, bases, kv_slot, bn, L)
+
+    # A sliding window: keys before the first token's window are needed by no row of the
+    # tile, so they are zero-filled rather than read (the first tile may start before it).
+    key_lo = None if variant.window is None else b.max(ctx.key_begin(b, m_start), 0)
+
     def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
         with b.if_then(b.setp("lt", j, n_tiles)):
             row0 = b.mul(b.add(first, j), bn)
             dst = b.add(k_smem if t == "k" else v_smem, stage_off)
             cache = "k_cache" if t == "k" else "v_cache"
-            rows_of = lambda row, ok: _kv_row(b, kv, bases, cache, row, ok)
-            if quant is None:
+
+            def rows_of(row, ok):
+                if key_lo is not None:
+                    ok = b.and_(ok, b.setp("ge", b.bitcast(row, S32), key_lo))
+                return _kv_row(b, kv, bases, cache, row, ok)
+            if pages is not None:
+                pages.issue(cache, row0, b.sub(L, b.bitcast(row0, S32)), dst, key_lo)
+            elif quant is None:
                 load_tile_rows(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
             else:
                 stage_rows_dequant(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst,
@@ -285,6 +341,8 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
 
     load_tile_rows(b, q_slot, q_row, m_start, b.sub(b.bitcast(rows, S32), b.bitcast(m_start, S32)),
                    smem, True)
+    if pages is not None:
+        pages.load_ahead(b.mul(first, bn))
     math = VarlenMath(b, ctx, ptrs, strides)
     if quant is not None:
         k_scale, math.v_scale = quant.scales(b, kv_head)

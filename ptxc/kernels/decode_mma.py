@@ -1,0 +1,132 @@
+"""decode on tensor cores: the GQA math of a group of g >= 4 query heads as mma tiles.
+
+A decode step is varlen with q_len = 1 for every sequence, so this path is varlen's GQA-packed
+body (varlen_attend.emit_packed_tile: Q tile -> cp.async K/V pipeline -> MmaMath -> epilogue,
+split-KV share of the tiles included) with decode's own work assignment: one CTA per
+(KV head x query tile, sequence, split), the same grid as the SIMT path with a query tile in
+place of a head chunk. The g query heads of the KV head are the packed rows of the tile
+(row R = head kv_head * g + R), padded to 16 rows per warp; each K/V row is read once per KV
+head and is the mma operand (B of S = Q K^T, of O += P V).
+
+When (math = "auto"): g >= 4, f16/bf16 with a cache of the same dtype (FP8 caches keep the
+SIMT path, whose 8-byte loads and in-register dequantisation beat a dequantising staging copy),
+head_dim <= 256 (one warp copies a row of Q), every target sm_80+ (mma.m16n8k16 and cp.async),
+and no SIMT tile keys (num_warps, kv_unroll) in the spec. docs/kernels.md, "decode".
+"""
+
+from __future__ import annotations
+
+from ..errors import SpecError
+from ..ir import S32, U32, KernelBuilder, Reg
+from ..spec.model import KernelSpec
+from ..targets import TARGETS, Target
+from . import common as C
+from . import kv_fp8
+from .kv_access import KVAccess
+
+MIN_GROUP = 4
+MAX_HEAD_DIM = 256
+MAX_BLOCK_M = 128            # 8 warps of 16 packed rows; larger groups take several CTAs
+SIMT_TILE_KEYS = ("num_warps", "kv_unroll")
+MMA_TILE_KEYS = ("block_n", "num_stages")
+DEFAULT_STAGES = 2
+
+
+def mma_blocker(spec: KernelSpec) -> str | None:
+    """Why this spec cannot take the tensor-core path (None: it can)."""
+    if spec.group_size < MIN_GROUP:
+        return f"the GQA group is {spec.group_size} query heads per KV head (needs >= {MIN_GROUP})"
+    if spec.dtype == "f32":
+        return "dtype is f32 (tensor cores need f16 or bf16)"
+    if kv_fp8.kv_dtype(spec) != spec.dtype:
+        return f"kv_dtype is {kv_fp8.kv_dtype(spec)} (FP8 caches use the SIMT path)"
+    if spec.head_dim > MAX_HEAD_DIM:
+        return f"head_dim = {spec.head_dim} > {MAX_HEAD_DIM}"
+    old = [t for t in spec.targets if not (TARGETS[t].has_mma_m16n8k16 and TARGETS[t].has_cp_async)]
+    if old:
+        return f"target {old[0]} has no mma.m16n8k16 / cp.async (sm_80+)"
+    return None
+
+
+def uses_mma(spec: KernelSpec) -> bool:
+    math = spec.opt("math")
+    if math == "simt":
+        return False
+    if math == "mma":
+        return True          # validate() rejected it where mma_blocker says no
+    tile = spec.tile_dict()
+    return mma_blocker(spec) is None and not any(k in tile for k in SIMT_TILE_KEYS)
+
+
+def validate(spec: KernelSpec) -> None:
+    """math = "mma" must be possible, and the tile keys must belong to the path taken."""
+    tile = spec.tile_dict()
+    if spec.opt("math") == "mma":
+        why = mma_blocker(spec)
+        if why is not None:
+            raise SpecError(f'math = "mma": {why}; use math = "auto" or "simt"', key="math")
+        for k in SIMT_TILE_KEYS:
+            if k in tile:
+                raise SpecError(f'tile.{k} belongs to the SIMT path, but math = "mma"; use '
+                                f'tile.block_n / tile.num_stages', key=f"tile.{k}")
+    if not uses_mma(spec):
+        for k in MMA_TILE_KEYS:
+            if k in tile:
+                raise SpecError(f"tile.{k} belongs to the tensor-core path, which this kernel does "
+                                f"not take ({mma_blocker(spec) or 'SIMT tile keys or math = simt'})",
+                                key=f"tile.{k}")
+
+
+def block_m(spec: KernelSpec) -> int:
+    """Packed rows per CTA: the group padded to 16 rows per warp, at most MAX_BLOCK_M."""
+    return min(MAX_BLOCK_M, 16 * -(-spec.group_size // 16))
+
+
+def tiles_per_seq(spec: KernelSpec) -> int:
+    """Query tiles (CTAs) per (sequence, KV head): 1 unless the group exceeds MAX_BLOCK_M."""
+    return -(-spec.group_size // block_m(spec))
+
+
+def configure(spec: KernelSpec, target: Target | None):
+    """block_m = the padded group (1 warp up to g = 16); block_n 64 (32 above head_dim 128), two
+    stages: one K/V tile pair in flight while the previous one is multiplied."""
+    from .prefill import PrefillConfig, _check_shape
+    tile = {**C.tuned_tile("decode", spec, target, MMA_TILE_KEYS), **spec.tile_dict()}   # user wins
+    bm = block_m(spec)
+    bn = tile.get("block_n") or (64 if spec.head_dim <= 128 else 32)
+    stages = tile.get("num_stages") or DEFAULT_STAGES
+    cfg = PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, bm // 16, stages, True)
+    if target is not None:
+        if cfg.smem_bytes > target.max_smem_per_cta:
+            raise SpecError(f"tile block_n={bn}, num_stages={stages} needs {cfg.smem_bytes} bytes of "
+                            f"shared memory; {target} allows {target.max_smem_per_cta} per CTA: use "
+                            f"a smaller tile", key="tile.block_n")
+        _check_shape(cfg, target)
+    return cfg
+
+
+def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    c = configure(spec, target)
+    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
+            "num_stages": c.num_stages, "path": "mma.m16n8k16", "gqa_packing": spec.group_size,
+            "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes}
+
+
+def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
+                   split_count: Reg | None) -> None:
+    """decode's work assignment for the packed body: ctaid.x = KV head x query tile,
+    ctaid.y = sequence (its one token is q[seq]), ctaid.z = split."""
+    from .varlen_attend import TileWork, emit_packed_tile, kv_tiles_of
+    tps = tiles_per_seq(spec)
+    cx, seq = b.special("%ctaid.x"), b.special("%ctaid.y")
+    kv_head = b.div(cx, tps) if tps > 1 else cx
+    m_start = b.mul(b.rem(cx, tps), cfg.block_m) if tps > 1 else b.mov(0, U32)
+    split = b.special("%ctaid.z") if split_count is not None else None
+
+    def seq_units(i):   # (query tiles x KV tiles, KV tiles) of sequence i per KV head
+        kv_tiles = kv_tiles_of(b, kv, ptrs, i, cfg.block_n)
+        return (b.mul(kv_tiles, tps) if tps > 1 else kv_tiles), kv_tiles
+    batch = b.special("%nctaid.y")
+    work = TileWork(seq, kv_head, split, seq, b.mov(1, S32), m_start, batch,
+                    b.mul(batch, tps) if tps > 1 else batch, seq_units)
+    emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count)

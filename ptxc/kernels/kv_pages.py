@@ -1,0 +1,81 @@
+"""Paged K/V tiles for the cp.async pipeline with the page ids loaded one tile ahead.
+
+A K/V tile of `block_n` rows starting at a multiple of block_n covers max(1, block_n / page_size)
+whole pages (both powers of two). When a thread's rows (r0 + i * rows_per_pass, r0 <
+rows_per_pass) stay inside one page per pass (rows_per_pass divides page_size, or the tile sits
+in one page), the page of pass i is a compile-time slot, so a tile needs only those few
+block-table entries instead of one lookup per row. They are loaded with the previous tile:
+K(t) is issued with the ids of tile t (loaded while K(t-1) was issued) and loads tile t + 1's;
+V(t), which kv_pipeline always issues right after K(t), reuses K(t)'s ids. So no block-table
+round trip sits between the pipeline and its cp.async requests.
+"""
+
+from __future__ import annotations
+
+from ..ir import S32, S64, KernelBuilder, Reg
+from . import common as C
+from .kv_access import KVAccess
+from .tiles import ThreadSlot, load_tile_passes
+
+
+def prefetch_applies(kv: KVAccess, slot: ThreadSlot, block_n: int) -> bool:
+    ps, rpp = kv.page_size, slot.geom.rows_per_pass
+    return kv.layout == "paged" and (ps % block_n == 0 or (block_n % ps == 0 and ps % rpp == 0))
+
+
+class PagedTiles:
+    """Page ids of the next K tile (`ahead`) and of the last K tile issued (`current`, V's)."""
+
+    def __init__(self, b: KernelBuilder, kv: KVAccess, bases: dict, slot: ThreadSlot,
+                 block_n: int, L: Reg):
+        self.b, self.kv, self.bases, self.slot, self.bn, self.L = b, kv, bases, slot, block_n, L
+        ps = kv.page_size
+        self.pages = max(1, block_n // ps)
+        self.ahead = [b.mov(-1, S32) for _ in range(self.pages)]
+        self.current = [b.mov(-1, S32) for _ in range(self.pages)]
+        rpp = slot.geom.rows_per_pass
+        # byte offset of this thread's first row in its page, and between passes of one page
+        self.row_off = {t: b.mul(b.cvt(S64, slot.r0), bases[t][1][1]) for t in ("k_cache", "v_cache")}
+        self.pass_step = {t: b.mul(bases[t][1][1], rpp) for t in ("k_cache", "v_cache")}
+
+    def load_ahead(self, row0: Reg) -> None:
+        """Block-table entries of the tile starting at key row0 (-1 for pages past L)."""
+        b = self.b
+        for p, reg in enumerate(self.ahead):
+            row = b.add(row0, p * self.kv.page_size)
+            self.kv.load_page(b, self.bases, row, b.setp("lt", b.bitcast(row, S32), self.L), out=reg)
+
+    def issue(self, cache: str, row0: Reg, nvalid: Reg, dst: Reg, key_lo: Reg | None = None) -> None:
+        """cp.async the tile at row0 of `cache` (K: with the ids in `ahead`, then load the next
+        tile's; V: with K's ids of the same tile). Rows below `key_lo` (s32) are zero-filled."""
+        b, kv = self.b, self.kv
+        ids = self.ahead if cache == "k_cache" else self.current
+        base, stride = self.bases[cache]
+        rpp, ps = self.slot.geom.rows_per_pass, kv.page_size
+        num_pages = b.bitcast(kv.regs["num_pages"], S32)
+        addrs, oks = [], []
+        for i in range(self.slot.geom.passes):   # pass i's page slot, then rows within it
+            p = i * rpp // ps if self.pages > 1 else 0
+            if i == 0 or (self.pages > 1 and i * rpp % ps == 0):
+                page = ids[p]
+                start = C.element_offset(b, b.bitcast(base, C.U64), b.cvt(S64, page), stride[0])
+                addr = b.add(start, self.row_off[cache])
+                if self.pages == 1:   # the tile sits inside one page, row0 % ps rows in
+                    addr = b.add(addr, b.mul(b.cvt(S64, b.and_(row0, ps - 1)), stride[1]))
+                ok = b.and_(b.setp("ge", page, 0), b.setp("lt", page, num_pages))
+            else:
+                addr = b.add(addrs[-1], self.pass_step[cache])
+            addrs.append(addr)
+            if key_lo is None:
+                oks.append(ok)
+            else:
+                row = b.add(row0, b.add(self.slot.r0, i * rpp))
+                oks.append(b.and_(ok, b.setp("ge", b.bitcast(row, S32), key_lo)))
+        load_tile_passes(b, self.slot, lambda i: (b.bitcast(addrs[i], C.U64), oks[i]), nvalid, dst, True)
+        if cache == "k_cache":
+            for cur, nxt in zip(self.current, self.ahead):
+                b.mov(nxt, out=cur)
+            self.load_ahead(b.add(row0, self.bn))
+
+
+__all__ = ["PagedTiles", "prefetch_applies"]
