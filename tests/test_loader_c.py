@@ -21,7 +21,7 @@ def built(tmp_path_factory):
 def run_loader(built, name, tmp_path, *, sm, cxx=False, perturb="", env=None):
     out, header, stub = built
     art = load(out / name)
-    prepared = prepare(art, CASES[name])
+    prepared = prepare(art, CASES[name], sm)
     (tmp_path / "inputs.bin").write_bytes(input_blob(art, prepared[4]))
     stdout = harness.compile_and_run(harness.c_main(art.meta, header, shape_dims(art, prepared[3]), perturb),
                                      tmp_path, stub, cxx=cxx, args=[str(out / name), str(tmp_path / "inputs.bin")],

@@ -43,7 +43,7 @@ def test_fatbin_is_recorded_and_verified(built, tmp_path):
 def test_loaders_load_the_fatbin(built, tmp_path, language, sm, target):
     out, (header, module), stub = built
     art = load(out / NAME)
-    prepared = prepare(art, CASES[NAME])
+    prepared = prepare(art, CASES[NAME], sm)
     (tmp_path / "inputs.bin").write_bytes(input_blob(art, prepared[4]))
     env = {"PTXC_STUB_SM": str(sm), "PTXC_STUB_SMS": str(STUB_SMS)}
     if language == "c":

@@ -23,7 +23,7 @@ def run_loader(built, name, tmp_path, *, sm, perturb=""):
     out, module, stub = built
     art = load(out / name)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    prepared = prepare(art, CASES[name])
+    prepared = prepare(art, CASES[name], sm)
     (tmp_path / "inputs.bin").write_bytes(input_blob(art, prepared[4]))
     src = harness.rust_main(art.meta, module, shape_dims(art, prepared[3]), perturb)
     stdout = harness.compile_rust_and_run(src, tmp_path, stub, args=[str(tmp_path / "inputs.bin")],

@@ -86,12 +86,20 @@ def build_set(tmp_path_factory, emit, what: str, fatbin: bool = False):
     return out, emit(out), harness.build_stub(root / "stub")
 
 
-def prepare(art, shapes, seed=0):
+def device_target(art, sm: int) -> str | None:
+    """The target a loader picks on an sm_<sm> device: the newest one it can run (None: none)."""
+    number = lambda t: int(t[3:].rstrip("a"))
+    return max((t for t in art.meta["targets"] if number(t) <= sm), key=number, default=None)
+
+
+def prepare(art, shapes, sm: int, seed=0):
+    """Inputs and the dims the loader must resolve on an sm_<sm> device ("auto" num_splits
+    follows the occupancy of the target it runs, which differs per target)."""
     spec = KernelSpec.from_dict(art.meta["spec"])
     family = FAMILIES[spec.family]
     dims = {**family.interface(spec).defaults, **shapes}
     inputs = family.make_inputs(spec, dims, np.random.default_rng(seed))
-    full = art.infer_dims(inputs, num_sms=STUB_SMS)
+    full = art.infer_dims(inputs, num_sms=STUB_SMS, target=device_target(art, sm))
     buffers = prepare_buffers(art.meta, inputs, full)
     return (spec, family, inputs, full, buffers)
 
