@@ -122,6 +122,36 @@ def build(spec: KernelSpec, target: Target) -> Program:
     return Program([b.entry], [launch], resolve_tile(spec, target))
 
 
+def tile_range(b: KernelBuilder, spec: KernelSpec, bm: int, bn: int, m_start: Reg, seq_q: Reg,
+               seq_k: Reg):
+    """The K/V tiles of query rows [m_start, m_start + bm) (the mma.sync and wgmma bodies alike):
+    (key_offset = seq_k - seq_q, n_tiles visited, n_full needing no mask, and with a sliding
+    window first_tile, where the loop starts: earlier tiles are never read, and lo_full: loop
+    tiles before it cross the window's left edge and get the mask; then the variant)."""
+    sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
+    key_offset = b.sub(sk, sq)
+    last_row = None
+    if spec.opt("causal"):
+        last_row = b.sub(b.min(b.add(m_start, bm), seq_q), 1)
+        visible = b.add(b.add(b.bitcast(last_row, S32), key_offset), 1)
+        full = b.add(b.add(b.bitcast(m_start, S32), key_offset), 1)
+        visible, full = (b.bitcast(b.min(b.max(x, 0), sk), U32) for x in (visible, full))
+    else:
+        visible = full = seq_k
+    n_tiles, n_full = b.div(b.add(visible, bn - 1), bn), b.div(full, bn)
+    variant = AttentionVariant.from_spec(spec)
+    first_tile = lo_full = None
+    if variant.window is not None:
+        if last_row is None:
+            last_row = b.sub(b.min(b.add(m_start, bm), seq_q), 1)
+        first_tile = variant.first_tile(b, b.add(b.bitcast(m_start, S32), key_offset), bn)
+        lo_full = variant.first_unmasked_tile(b, b.add(b.bitcast(last_row, S32), key_offset), bn)
+        n_tiles = b.sub(b.max(n_tiles, first_tile), first_tile)
+        n_full = b.sub(b.max(n_full, first_tile), first_tile)
+        lo_full = b.sub(b.max(lo_full, first_tile), first_tile)
+    return key_offset, n_tiles, n_full, first_tile, lo_full, variant
+
+
 def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k):
     from .prefill_mma import MmaMath
     from .prefill_simt import SimtMath
@@ -136,27 +166,9 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
         base = b.bitcast(C.element_offset(b, ptrs[t], batch, strides[(t, 0)]), U64)
         return b.bitcast(C.element_offset(b, base, h, strides[(t, 2)]), U64)
 
-    # KV tiles [0, n_tiles) are visited; tiles >= n_full need the mask (seq_k end or diagonal).
+    key_offset, n_tiles, n_full, first_tile, lo_full, variant = tile_range(
+        b, spec, bm, bn, m_start, seq_q, seq_k)
     sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
-    key_offset = b.sub(sk, sq)
-    if spec.opt("causal"):
-        last_row = b.sub(b.min(b.add(m_start, bm), seq_q), 1)
-        visible = b.add(b.add(b.bitcast(last_row, S32), key_offset), 1)
-        full = b.add(b.add(b.bitcast(m_start, S32), key_offset), 1)
-        visible, full = (b.bitcast(b.min(b.max(x, 0), sk), U32) for x in (visible, full))
-    else:
-        visible = full = seq_k
-    n_tiles, n_full = b.div(b.add(visible, bn - 1), bn), b.div(full, bn)
-    # A sliding window starts the loop at the first tile the first row sees (earlier tiles are
-    # never read) and masks the tiles before the first one wholly inside the last row's window.
-    variant = AttentionVariant.from_spec(spec)
-    first_tile = lo_full = None
-    if variant.window is not None:
-        first_tile = variant.first_tile(b, b.add(b.bitcast(m_start, S32), key_offset), bn)
-        lo_full = variant.first_unmasked_tile(b, b.add(b.bitcast(last_row, S32), key_offset), bn)
-        n_tiles = b.sub(b.max(n_tiles, first_tile), first_tile)
-        n_full = b.sub(b.max(n_full, first_tile), first_tile)
-        lo_full = b.sub(b.max(lo_full, first_tile), first_tile)
 
     swizzled = cfg.q_geom.swizzled or cfg.v_geom.swizzled   # their ldmatrix XORs need 128-B tiles
     smem = b.address_of(b.shared("prefill_smem", 0, align=SWIZZLE_ALIGN if swizzled else 16))

@@ -37,10 +37,10 @@ from ..ir import F32, S32, S64, U32, U64, Imm, KernelBuilder, Reg
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
-from .prefill import Ctx, PrefillConfig
+from .prefill import Ctx, PrefillConfig, tile_range
 from .prefill_mma import RESCALE_SLACK, MmaMath
 from .tiles import CHUNK, ThreadSlot, TileGeom, global_rows, load_tile, zero_regs
-from .variant import AttentionVariant, head_dim_v
+from .variant import head_dim_v
 from .wgmma_pipeline import run_wgmma_pipeline
 
 WGMMA_TARGETS = ("sm_90a",)
@@ -264,24 +264,9 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
         base = b.bitcast(C.element_offset(b, ptrs[t], batch, strides[(t, 0)]), U64)
         return b.bitcast(C.element_offset(b, base, h, strides[(t, 2)]), U64)
 
+    key_offset, n_tiles, n_full, first_tile, lo_full, variant = tile_range(
+        b, spec, bm, bn, m_start, seq_q, seq_k)
     sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
-    key_offset = b.sub(sk, sq)
-    last_row = b.sub(b.min(b.add(m_start, bm), seq_q), 1)
-    if spec.opt("causal"):
-        visible = b.add(b.add(b.bitcast(last_row, S32), key_offset), 1)
-        full = b.add(b.add(b.bitcast(m_start, S32), key_offset), 1)
-        visible, full = (b.bitcast(b.min(b.max(x, 0), sk), U32) for x in (visible, full))
-    else:
-        visible = full = seq_k
-    n_tiles, n_full = b.div(b.add(visible, bn - 1), bn), b.div(full, bn)
-    variant = AttentionVariant.from_spec(spec)
-    first_tile = lo_full = None
-    if variant.window is not None:
-        first_tile = variant.first_tile(b, b.add(b.bitcast(m_start, S32), key_offset), bn)
-        lo_full = variant.first_unmasked_tile(b, b.add(b.bitcast(last_row, S32), key_offset), bn)
-        n_tiles = b.sub(b.max(n_tiles, first_tile), first_tile)
-        n_full = b.sub(b.max(n_full, first_tile), first_tile)
-        lo_full = b.sub(b.max(lo_full, first_tile), first_tile)
 
     smem = b.address_of(b.shared("prefill_smem", 0, align=SWIZZLE_PERIOD))
     kv_bytes = cfg.kv_geom.bytes
