@@ -106,10 +106,8 @@ def configure(spec: KernelSpec, target: Target | None):
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
-    c = configure(spec, target)
-    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
-            "num_stages": c.num_stages, "path": "mma.m16n8k16", "gqa_packing": spec.group_size,
-            "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes}
+    from .varlen_attend import packed_tile_config
+    return packed_tile_config(spec, configure(spec, target))
 
 
 def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,

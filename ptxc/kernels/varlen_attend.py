@@ -154,6 +154,14 @@ class VarlenMath(MmaMath):
                         b.st("global", B32, Addr(addr, jd * 16), [b.cvt_pack(self.pair, hi, lo)])
 
 
+def packed_tile_config(spec, c: PrefillConfig) -> dict:
+    """The metadata `config` of a GQA-packed tile (varlen, and decode on tensor cores)."""
+    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
+            "num_stages": c.num_stages, "path": "mma.m16n8k16", "gqa_packing": spec.group_size,
+            "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
+            **({"value_split": c.v_split} if c.v_split > 1 else {})}
+
+
 SEARCH_STEPS = 31   # bits of the sequence index the binary search resolves (any u32 batch)
 
 
