@@ -40,22 +40,34 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
         wait_and_sync()                                   # K(j) landed; V(j-1) no longer read
         load_kv("v", b.add(j, stages - 1), prev)
         s = math.scores(b.add(k_smem, stage) if stages > 1 else k_smem)
-        if transform is not None:
-            transform(s, key0_of(j))
-        needs_mask = b.setp("ge", j, n_full)
-        if lo_full is not None:
-            needs_mask = b.or_(needs_mask, b.setp("lt", j, lo_full))
-        with b.if_then(needs_mask):
-            math.mask(s, key0_of(j))
+        modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
         p = math.softmax(s)
         wait_and_sync()                                   # V(j) landed; K(j) no longer read
         load_kv("k", b.add(j, stages), stage)
         math.pv(p, b.add(v_smem, stage) if stages > 1 else v_smem)
         if stages > 1:
-            nxt = b.add(stage, kv_bytes)
-            nxt = b.selp(0, nxt, b.setp("eq", nxt, stages * kv_bytes))
-            b.mov(stage, out=prev)
-            b.mov(nxt, out=stage)
+            advance_stage(b, stage, prev, kv_bytes, stages)
     if use_async:
         b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
     b.bar_sync(0)
+
+
+def modify_scores(b: KernelBuilder, math, s, j: Reg, key0_of, transform, n_full: Reg,
+                  lo_full: Reg | None) -> None:
+    """Loop tile j's raw scores -> the variant's transform, then the mask where the tile needs
+    one (past n_full: the sequence end or the diagonal; before lo_full: a window's left edge)."""
+    if transform is not None:
+        transform(s, key0_of(j))
+    needs_mask = b.setp("ge", j, n_full)
+    if lo_full is not None:
+        needs_mask = b.or_(needs_mask, b.setp("lt", j, lo_full))
+    with b.if_then(needs_mask):
+        math.mask(s, key0_of(j))
+
+
+def advance_stage(b: KernelBuilder, stage: Reg, prev: Reg, kv_bytes: int, stages: int) -> None:
+    """prev <- stage, stage <- the next buffer offset (wrapping after `stages` buffers)."""
+    nxt = b.add(stage, kv_bytes)
+    nxt = b.selp(0, nxt, b.setp("eq", nxt, stages * kv_bytes))
+    b.mov(stage, out=prev)
+    b.mov(nxt, out=stage)

@@ -122,6 +122,21 @@ def build(spec: KernelSpec, target: Target) -> Program:
     return Program([b.entry], [launch], resolve_tile(spec, target))
 
 
+def cta_coords(b: KernelBuilder, spec: KernelSpec, bm: int, ptrs: dict, strides: dict):
+    """A prefill CTA's place (grid: query block, head, batch): (tid, lane, warp, head, batch,
+    kv_head, m_start, head_base), head_base(t, h) being tensor t's u64 address of (batch, h)."""
+    tid = b.special("%tid.x")
+    lane, warp = b.and_(tid, 31), b.shr(tid, 5)
+    m_blk, head, batch = b.special("%ctaid.x"), b.special("%ctaid.y"), b.special("%ctaid.z")
+    kv_head = b.div(head, spec.group_size) if spec.group_size > 1 else head
+    m_start = b.mul(m_blk, bm)
+
+    def head_base(t: str, h: Reg) -> Reg:
+        base = b.bitcast(C.element_offset(b, ptrs[t], batch, strides[(t, 0)]), U64)
+        return b.bitcast(C.element_offset(b, base, h, strides[(t, 2)]), U64)
+    return tid, lane, warp, head, batch, kv_head, m_start, head_base
+
+
 def tile_range(b: KernelBuilder, spec: KernelSpec, bm: int, bn: int, m_start: Reg, seq_q: Reg,
                seq_k: Reg):
     """The K/V tiles of query rows [m_start, m_start + bm) (the mma.sync and wgmma bodies alike):
@@ -156,16 +171,7 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     from .prefill_mma import MmaMath
     from .prefill_simt import SimtMath
     bm, bn, stages = cfg.block_m, cfg.block_n, cfg.num_stages
-    tid = b.special("%tid.x")
-    lane, warp = b.and_(tid, 31), b.shr(tid, 5)
-    m_blk, head, batch = b.special("%ctaid.x"), b.special("%ctaid.y"), b.special("%ctaid.z")
-    kv_head = b.div(head, spec.group_size) if spec.group_size > 1 else head
-    m_start = b.mul(m_blk, bm)
-
-    def head_base(t: str, h: Reg) -> Reg:
-        base = b.bitcast(C.element_offset(b, ptrs[t], batch, strides[(t, 0)]), U64)
-        return b.bitcast(C.element_offset(b, base, h, strides[(t, 2)]), U64)
-
+    tid, lane, warp, head, batch, kv_head, m_start, head_base = cta_coords(b, spec, bm, ptrs, strides)
     key_offset, n_tiles, n_full, first_tile, lo_full, variant = tile_range(
         b, spec, bm, bn, m_start, seq_q, seq_k)
     sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)

@@ -37,7 +37,7 @@ from ..ir import F32, S32, S64, U32, U64, Imm, KernelBuilder, Reg
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
-from .prefill import Ctx, PrefillConfig, tile_range
+from .prefill import Ctx, PrefillConfig, cta_coords, tile_range
 from .prefill_mma import RESCALE_SLACK, MmaMath
 from .tiles import CHUNK, ThreadSlot, TileGeom, global_rows, load_tile, zero_regs
 from .variant import head_dim_v
@@ -254,16 +254,7 @@ class WgmmaMath(MmaMath):
 def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides, seq_q, seq_k):
     """prefill.py's body with the swizzled tiles and WgmmaMath (same tile range and masks)."""
     bm, bn, stages = cfg.block_m, cfg.block_n, cfg.num_stages
-    tid = b.special("%tid.x")
-    lane, warp = b.and_(tid, 31), b.shr(tid, 5)
-    m_blk, head, batch = b.special("%ctaid.x"), b.special("%ctaid.y"), b.special("%ctaid.z")
-    kv_head = b.div(head, spec.group_size) if spec.group_size > 1 else head
-    m_start = b.mul(m_blk, bm)
-
-    def head_base(t: str, h: Reg) -> Reg:
-        base = b.bitcast(C.element_offset(b, ptrs[t], batch, strides[(t, 0)]), U64)
-        return b.bitcast(C.element_offset(b, base, h, strides[(t, 2)]), U64)
-
+    tid, lane, warp, head, batch, kv_head, m_start, head_base = cta_coords(b, spec, bm, ptrs, strides)
     key_offset, n_tiles, n_full, first_tile, lo_full, variant = tile_range(
         b, spec, bm, bn, m_start, seq_q, seq_k)
     sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)

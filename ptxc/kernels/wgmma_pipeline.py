@@ -23,6 +23,7 @@ fence per tile: the generic-proxy writes of K(j) and V(j-1) both precede A(j)'s 
 from __future__ import annotations
 
 from ..ir import U32, KernelBuilder, Reg
+from .kv_pipeline import advance_stage, modify_scores
 
 
 def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
@@ -55,23 +56,14 @@ def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: 
         with b.else_():
             b.wgmma_commit()     # an empty group, so that wait_group 1 below retires S(0)
         b.wgmma_wait(1)
-        if transform is not None:
-            transform(s, key0_of(j))
-        needs_mask = b.setp("ge", j, n_full)
-        if lo_full is not None:
-            needs_mask = b.or_(needs_mask, b.setp("lt", j, lo_full))
-        with b.if_then(needs_mask):
-            math.mask(s, key0_of(j))
+        modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
         early = math.softmax_early(s)
         b.wgmma_wait(0)
         math.softmax_late(*early)
         b.bar_sync(0)                                                         # B(j)
         load_kv("k", b.add(j, S), stage)
         load_kv("v", b.add(j, S - 1), prev)
-        nxt = b.add(stage, kv_bytes)
-        nxt = b.selp(0, nxt, b.setp("eq", nxt, S * kv_bytes))
-        b.mov(stage, out=prev)
-        b.mov(nxt, out=stage)
+        advance_stage(b, stage, prev, kv_bytes, S)
     with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
         landed_and_fenced()
         math.issue_pv(b.add(v_smem, prev))
