@@ -12,8 +12,8 @@ causal, 4096 x 4096, GQA 4. Peers, all compiled without a GPU:
   Triton            GQA paged decode with tl.dot (bench/peers/triton_decode.py) and the fused-
                     attention tutorial's forward (bench/triton_attention.py), with the 16-byte
                     divisibility hints a real launch specialises on
-ptxc's rows: llama3_8b_paged_decode (SIMT split kernel), llama3_8b_serve (varlen, GQA-packed on
-tensor cores: the decode job with 4 queries per sequence) and llama3_8b_prefill, built from
+ptxc's rows: llama3_8b_paged_decode (its split kernel, GQA-packed on tensor cores),
+llama3_8b_serve (varlen: the decode job with 4 queries per sequence) and llama3_8b_prefill, built from
 specs/ (or read from --ptxc-out). A peer whose compiler is missing is skipped with one line.
 Needs PTXAS and NVDISASM like bench/loop_quality.py.
 """
