@@ -88,8 +88,9 @@ def main() -> None:
             for target, t in sorted(meta["targets"].items()):
                 occ = rule_ctas_per_sm(meta, rule, target)
                 cfg = t["config"]
-                if fam == "decode":
-                    unit = cfg["num_warps"] * (32 // cfg["lanes_per_row"]) * cfg["kv_unroll"]
+                if fam == "decode":   # tensor-core path: block_n-key tiles; SIMT: rows per iteration
+                    unit = (cfg["block_n"] if "block_n" in cfg else
+                            cfg["num_warps"] * (32 // cfg["lanes_per_row"]) * cfg["kv_unroll"])
                     dims = {"batch": len(LENS)}
                     columns = evaluate(rule["auto"]["ctas"], {"batch": 1})
                 else:   # varlen, one query per sequence: one query tile each
