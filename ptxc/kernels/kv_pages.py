@@ -48,8 +48,28 @@ class PagedTiles:
     def issue(self, cache: str, row0: Reg, nvalid: Reg, dst: Reg, key_lo: Reg | None = None) -> None:
         """cp.async the tile at row0 of `cache` (K: with the ids in `ahead`, then load the next
         tile's; V: with K's ids of the same tile). Rows below `key_lo` (s32) are zero-filled."""
+        chunks = self.pass_chunks(cache, self.ids_of(cache), row0, key_lo)
+        b = self.b
+        load_tile_passes(b, self.slot, lambda i: (b.bitcast(chunks[i][0], C.U64), chunks[i][1]),
+                         nvalid, dst, True)
+        if cache == "k_cache":
+            self.advance(row0)
+
+    def ids_of(self, cache: str) -> list[Reg]:
+        """The page ids a K or V tile request uses (a pipeline that issues V later may differ)."""
+        return self.ahead if cache == "k_cache" else self.current
+
+    def advance(self, row0: Reg) -> None:
+        """After K of the tile at row0: its ids become V's, the next tile's are loaded."""
+        for cur, nxt in zip(self.current, self.ahead):
+            self.b.mov(nxt, out=cur)
+        self.load_ahead(self.b.add(row0, self.bn))
+
+    def pass_chunks(self, cache: str, ids: list[Reg], row0: Reg,
+                    key_lo: Reg | None) -> list[tuple[Reg, Reg]]:
+        """(this thread's chunk address (s64), page validity) of every copy pass of the tile at
+        row0 of `cache` with page ids `ids`; rows below `key_lo` (s32) are invalid."""
         b, kv = self.b, self.kv
-        ids = self.ahead if cache == "k_cache" else self.current
         base, stride = self.bases[cache]
         rpp, ps = self.slot.geom.rows_per_pass, kv.page_size
         num_pages = b.bitcast(kv.regs["num_pages"], S32)
@@ -71,11 +91,7 @@ class PagedTiles:
             else:
                 row = b.add(row0, b.add(self.slot.r0, i * rpp))
                 oks.append(b.and_(ok, b.setp("ge", b.bitcast(row, S32), key_lo)))
-        load_tile_passes(b, self.slot, lambda i: (b.bitcast(addrs[i], C.U64), oks[i]), nvalid, dst, True)
-        if cache == "k_cache":
-            for cur, nxt in zip(self.current, self.ahead):
-                b.mov(nxt, out=cur)
-            self.load_ahead(b.add(row0, self.bn))
+        return list(zip(addrs, oks))
 
 
 __all__ = ["PagedTiles", "prefetch_applies"]

@@ -116,12 +116,18 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
         cfg = make()
     if target is not None:
         _check_shape(cfg, target)
+        from . import varlen_wgmma as wg   # sm_90a f16/bf16 d64/128/256: the same tile on wgmma
+        if wg.applies(spec, target, cfg):
+            return wg.configure(spec, cfg)
     return cfg
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     from .varlen_attend import packed_tile_config
-    return packed_tile_config(spec, configure(spec, target))
+    from .varlen_wgmma import WgmmaTileConfig, tile_config
+    cfg = configure(spec, target)
+    conf = packed_tile_config(spec, cfg)
+    return tile_config(conf) if isinstance(cfg, WgmmaTileConfig) else conf
 
 
 def kv_access(spec: KernelSpec) -> KVAccess:

@@ -245,14 +245,56 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
     emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant)
 
 
-def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
-                     strides: dict, work: TileWork, split_count: Reg | None, quant=None) -> None:
-    """The body shared by varlen and decode's tensor-core path: one GQA-packed query tile of
-    one (sequence, KV head, split) over its keys [0, L), L = seq_lens[seq] clamped.
-    With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: K/V tiles are staged by a
-    dequantising copy (kv_fp8.stage_rows_dequant: FP8 bytes -> registers -> exact f16/bf16 ->
-    st.shared) instead of cp.async, so the tile math is unchanged; k_scale joins the softmax
-    scale (MmaMath.scale_log2 becomes a register) and v_scale the final 1/l."""
+@dataclass
+class PackedTile:
+    """One CTA's GQA-packed tile after packed_tile_setup: the context of the tile math, the
+    shared-memory regions (Q, then num_stages K and num_stages V tiles) and the KV tiles to
+    visit: loop tile j is KV tile first + j for j < n_tiles; j >= n_full (or < lo_full with a
+    sliding window) needs the mask. Shared by the mma.sync body below and varlen_wgmma.py."""
+
+    ctx: VarlenCtx
+    L: Reg                # s32 keys of the sequence (clamped)
+    smem: Reg
+    k_smem: Reg
+    v_smem: Reg
+    first: Reg            # u32 first KV tile
+    n_tiles: Reg          # u32
+    n_full: Reg           # u32
+    lo_full: Reg | None   # u32 (sliding window only)
+
+    def q_row(self, ptrs: dict, strides: dict, q_col: Reg):
+        """load_tile_rows' row_address for packed Q rows: (token, head) of row R -> this
+        thread's chunk at byte column `q_col` (s64)."""
+        b, ctx = self.ctx.b, self.ctx
+
+        def q_row(row: Reg, valid: Reg) -> tuple[Reg, Reg]:
+            tok = b.add(ctx.token0, ctx.token(row))
+            base = C.element_offset(b, ptrs["q"], tok, strides[("q", 0)])
+            addr = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), strides[("q", 1)])
+            return b.bitcast(b.add(addr, q_col), U64), valid
+        return q_row
+
+    def key_lo(self) -> Reg | None:
+        """A sliding window: keys before the first token's window are needed by no row of the
+        tile, so they are zero-filled rather than read (the first tile may start before it)."""
+        ctx = self.ctx
+        return None if ctx.variant.window is None else ctx.b.max(ctx.key_begin(ctx.b, ctx.m_start), 0)
+
+    def kv_rows(self, kv: KVAccess, bases: dict, cache: str, key_lo: Reg | None):
+        """load_tile_rows' row_address for K/V rows through the layout's per-row addressing."""
+        b = self.ctx.b
+
+        def rows_of(row, ok):
+            if key_lo is not None:
+                ok = b.and_(ok, b.setp("ge", b.bitcast(row, S32), key_lo))
+            return _kv_row(b, kv, bases, cache, row, ok)
+        return rows_of
+
+
+def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
+                      work: TileWork, split_count: Reg | None, smem_align: int = 16) -> PackedTile:
+    """The sequence's key count, the early exit of a tile without rows, the shared memory, the
+    context, and the range of KV tiles (causal / window / split-KV share) of one packed tile."""
     g, bm, bn, stages = spec.group_size, cfg.block_m, cfg.block_n, cfg.num_stages
     variant = AttentionVariant.from_spec(spec)
     tid = b.special("%tid.x")
@@ -267,7 +309,7 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     with b.if_then(b.setp("ge", m_start, rows)):
         b.ret()                                        # no query rows for this tile: exit
 
-    smem = b.address_of(b.shared("varlen_smem", 0))
+    smem = b.address_of(b.shared("varlen_smem", 0, align=smem_align))
     kv_bytes = cfg.kv_geom.bytes
     k_smem = b.add(smem, cfg.q_geom.bytes)
     v_smem = b.add(k_smem, stages * kv_bytes)
@@ -301,15 +343,30 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     n_full = b.sub(b.max(n_full, first), first)
     if lo_full is not None:
         lo_full = b.sub(b.max(lo_full, first), first)
+    return PackedTile(ctx, L, smem, k_smem, v_smem, first, n_tiles, n_full, lo_full)
+
+
+def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
+                     strides: dict, work: TileWork, split_count: Reg | None, quant=None) -> None:
+    """The body shared by varlen and decode's tensor-core path: one GQA-packed query tile of
+    one (sequence, KV head, split) over its keys [0, L), L = seq_lens[seq] clamped.
+    With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: K/V tiles are staged by a
+    dequantising copy (kv_fp8.stage_rows_dequant: FP8 bytes -> registers -> exact f16/bf16 ->
+    st.shared) instead of cp.async, so the tile math is unchanged; k_scale joins the softmax
+    scale (MmaMath.scale_log2 becomes a register) and v_scale the final 1/l.
+    A varlen_wgmma.WgmmaTileConfig (sm_90a) runs varlen_wgmma.py's body instead."""
+    from .varlen_wgmma import WgmmaTileConfig, emit_wgmma_tile
+    if isinstance(cfg, WgmmaTileConfig):
+        emit_wgmma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count)
+        return
+    bn, stages = cfg.block_n, cfg.num_stages
+    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count)
+    ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
+    variant, tid, seq, kv_head = ctx.variant, ctx.tid, work.seq, work.kv_head
+    kv_bytes = cfg.kv_geom.bytes
 
     q_slot, kv_slot = thread_slot(b, cfg.q_geom, tid), thread_slot(b, cfg.kv_geom, tid)
-    q_col = b.cvt(S64, q_slot.col)
-
-    def q_row(row: Reg, valid: Reg) -> tuple[Reg, Reg]:
-        tok = b.add(t0, ctx.token(row))
-        base = C.element_offset(b, ptrs["q"], tok, strides[("q", 0)])
-        addr = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), strides[("q", 1)])
-        return b.bitcast(b.add(addr, q_col), U64), valid
+    q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
 
     def chunk_col(slot):   # FP8 caches hold a byte per element
         return slot.col if quant is None else b.shr(slot.col, 1)
@@ -323,21 +380,14 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     pages = None
     if quant is None and cfg.dv == cfg.head_dim and prefetch_applies(kv, kv_slot, bn):
         pages = PagedTiles(b, kv, bases, kv_slot, bn, L)
-
-    # A sliding window: keys before the first token's window are needed by no row of the
-    # tile, so they are zero-filled rather than read (the first tile may start before it).
-    key_lo = None if variant.window is None else b.max(ctx.key_begin(b, m_start), 0)
+    key_lo = tile.key_lo()
 
     def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
         with b.if_then(b.setp("lt", j, n_tiles)):
             row0 = b.mul(b.add(first, j), bn)
-            dst = b.add(k_smem if t == "k" else v_smem, stage_off)
+            dst = b.add(tile.k_smem if t == "k" else tile.v_smem, stage_off)
             cache = "k_cache" if t == "k" else "v_cache"
-
-            def rows_of(row, ok):
-                if key_lo is not None:
-                    ok = b.and_(ok, b.setp("ge", b.bitcast(row, S32), key_lo))
-                return _kv_row(b, kv, bases, cache, row, ok)
+            rows_of = tile.kv_rows(kv, bases, cache, key_lo)
             if pages is not None:
                 pages.issue(cache, row0, b.sub(L, b.bitcast(row0, S32)), dst, key_lo)
             elif quant is None:
@@ -347,21 +397,28 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
                                    quant, "f16x2" if cfg.fmt.name == "f16" else "bf16x2")
         b.cp_async_commit()
 
-    load_tile_rows(b, q_slot, q_row, m_start, b.sub(b.bitcast(rows, S32), b.bitcast(m_start, S32)),
-                   smem, True)
+    load_tile_rows(b, q_slot, q_row, ctx.m_start,
+                   b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32)), tile.smem, True)
     if pages is not None:
         pages.load_ahead(b.mul(first, bn))
     math = VarlenMath(b, ctx, ptrs, strides)
     if quant is not None:
         k_scale, math.v_scale = quant.scales(b, kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
-    unit = 1.0 / spec.softmax_scale                    # MmaMath's scores are raw q·k
-    run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
-                    use_async=True, n_tiles=n_tiles, n_full=n_full,
+    run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=tile.k_smem, v_smem=tile.v_smem,
+                    use_async=True, n_tiles=n_tiles, n_full=tile.n_full,
                     key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
-                    transform=math.transform if variant.transforms else
-                    lambda s, key0: variant.transform_scores(b, s, key0, unit), lo_full=lo_full)
+                    transform=score_transform(b, spec, math), lo_full=tile.lo_full)
     math.epilogue()
+
+
+def score_transform(b: KernelBuilder, spec, math: MmaMath):
+    """The pipeline's transform hook: the variant's (soft-cap, ALiBi) through the math's
+    fragment layout, else variant.transform_scores (which emits nothing without an option)."""
+    variant = math.ctx.variant
+    unit = 1.0 / spec.softmax_scale                    # MmaMath's scores are raw q·k
+    return math.transform if variant.transforms else \
+        lambda s, key0: variant.transform_scores(b, s, key0, unit)
 
 
 def _kv_row(b: KernelBuilder, kv: KVAccess, bases: dict, cache: str, row: Reg, ok: Reg):

@@ -1,0 +1,179 @@
+"""varlen (and any GQA-packed tile) on Hopper warpgroup MMA: target sm_90a, f16/bf16 caches,
+head_dim 64, 128 or 256 with head_dim_v == head_dim.
+
+The packed tile of varlen_attend.py (row R = token R / g, head R % g of the group; the same
+sequence search, key range, split-KV share, per-row masks, variants and per-row epilogue) with
+the tile math and K/V loop of the wgmma prefill (prefill_wgmma.py, wgmma_pipeline.py):
+
+  tile       block_m 64 (one warpgroup of 4 warps) by default, the mma.sync path's tile, so the
+             grid and the "auto" split rule stay target-independent (varlen.configure); a given
+             block_m of 128 gives two warpgroups; 16 or 32 keep the mma.sync kernel.
+  shared     Q (block_m rows), num_stages K and num_stages V tiles (block_n rows), each split
+             along d into 128-byte slabs of rows x 128 B with the 128-byte swizzle, 1024-aligned
+             (prefill_wgmma's layout, so WgmmaMath's descriptors apply unchanged).
+  copies     per-thread cp.async 16-byte chunks at the swizzled addresses (swizzled_slot). A
+             copy pass must cover whole 8-row groups, so a row wider than 2 x threads bytes
+             (head_dim 256 with one warpgroup: 512 B, 128 threads) is copied as column groups of
+             2 x threads bytes: the same thread slot, +group bytes in global memory and +group
+             slabs in shared memory per group (immediates), one row address for all groups.
+             Q rows are gathered per packed row (token, head); K/V rows through KVAccess
+             (paged or contiguous), paged tiles with their page ids loaded one tile ahead
+             (kv_pages.py) -- the wgmma pipeline requests V(t) after K(t + 1), so V takes the
+             ids one K request older (LaggedPages).
+  math       VarlenWgmmaMath = VarlenMath (per-row epilogue: packed rows -> o / lse / split
+             workspace) over WgmmaMath (S = Q·Kᵀ and O += P·V on wgmma, softmax overlapped with
+             the previous P·V); the m64nN accumulator is the mma.sync fragment layout per warp,
+             so masks, variants and the epilogue read it as they are.
+
+FP8 caches, other head dims and head_dim_v != head_dim keep the mma.sync kernel on sm_90a.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import S32, S64, U64, Imm, KernelBuilder, Reg
+from .kv_access import KVAccess
+from .kv_fp8 import kv_dtype
+from .kv_pages import PagedTiles, prefetch_applies
+from .prefill_config import PrefillConfig
+from .prefill_wgmma import (ROWS_PER_WARPGROUP, SWIZZLE, SWIZZLE_PERIOD, SwizzledGeom, WgmmaConfig,
+                            WgmmaMath, swizzled_slot, uses_wgmma)
+from .tiles import CHUNK, ThreadSlot, load_tile_passes
+from .varlen_attend import TileWork, VarlenMath, packed_tile_setup, score_transform
+from .wgmma_pipeline import run_wgmma_pipeline
+
+PATH = "wgmma.m64nNk16"
+
+
+@dataclass(frozen=True)
+class WgmmaTileConfig(WgmmaConfig):
+    """WgmmaConfig without the O staging region (the packed epilogue stores from registers)."""
+
+    @property
+    def q_region_bytes(self) -> int:
+        return self.q_geom.bytes
+
+    @property
+    def group_bytes(self) -> int:
+        """Bytes of a row one copy pass covers: 8 rows x (group / 16) chunks = threads."""
+        return min(self.head_dim * self.fmt.bytes, self.threads * CHUNK // 8)
+
+    @property
+    def groups(self) -> int:
+        return self.head_dim * self.fmt.bytes // self.group_bytes
+
+    def copy_geom(self, rows: int) -> SwizzledGeom:
+        return SwizzledGeom(rows, self.group_bytes, self.threads)
+
+
+def applies(spec, target, cfg: PrefillConfig) -> bool:
+    """Whether the packed tile `cfg` (the mma.sync one) runs on wgmma for `target`."""
+    return (uses_wgmma(spec, target) and kv_dtype(spec) == spec.dtype and cfg.v_split == 1
+            and cfg.block_m in (ROWS_PER_WARPGROUP, 2 * ROWS_PER_WARPGROUP)
+            and cfg.num_warps == cfg.block_m // 16)
+
+
+def configure(spec, cfg: PrefillConfig) -> WgmmaTileConfig:
+    """The mma.sync tile (block_m, block_n, stages) on swizzled tiles: never more shared memory
+    than the padded layout, so it fits wherever that one did."""
+    return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
+                           cfg.num_stages, True, cfg.head_dim, 1)
+
+
+def tile_config(base: dict) -> dict:
+    """The metadata config: the packed tile's, with the path and the swizzle (as prefill)."""
+    out = {**base, "path": PATH, "smem_swizzle": SWIZZLE}
+    out.pop("smem_row_stride")
+    return out
+
+
+class VarlenWgmmaMath(VarlenMath, WgmmaMath):
+    """WgmmaMath's tile math with VarlenMath's per-row epilogue (the MRO composes them:
+    VarlenMath -> WgmmaMath -> MmaMath)."""
+
+
+class LaggedPages(PagedTiles):
+    """PagedTiles for wgmma_pipeline's request order (K(t+1) before V(t)): V uses the ids of
+    the K request before the last one, and `advance` runs after every K request, issued or not,
+    so the ids stay one tile per K request apart."""
+
+    def __init__(self, b: KernelBuilder, kv: KVAccess, bases: dict, slot: ThreadSlot,
+                 block_n: int, L: Reg):
+        super().__init__(b, kv, bases, slot, block_n, L)
+        self.previous = [b.mov(-1, p.type) for p in self.current]
+
+    def ids_of(self, cache: str) -> list[Reg]:
+        return self.ahead if cache == "k_cache" else self.previous
+
+    def advance(self, row0: Reg) -> None:
+        for prev, cur in zip(self.previous, self.current):
+            self.b.mov(cur, out=prev)
+        super().advance(row0)
+
+
+def stage_groups(b: KernelBuilder, cfg: WgmmaTileConfig, slot: ThreadSlot, chunks: list,
+                 nvalid: Reg, dst: Reg) -> None:
+    """cp.async every pass's chunk (address, validity) into the swizzled tile at `dst`, once
+    per column group: +group_bytes in the row, +group_bytes x rows in shared memory."""
+    geom = slot.geom
+    for h in range(cfg.groups):
+        def at(i: int, h=h) -> tuple[Reg, Reg]:
+            addr, ok = chunks[i]
+            addr = b.bitcast(addr, U64) if addr.type != U64 else addr
+            return (addr if h == 0 else b.add(addr, Imm(h * geom.row_bytes, U64))), ok
+        load_tile_passes(b, slot, at, nvalid, dst if h == 0 else b.add(dst, h * geom.rows * geom.row_bytes),
+                         True)
+
+
+def row_chunks(b: KernelBuilder, slot: ThreadSlot, row_address, row0: Reg, nvalid: Reg) -> list:
+    """Each pass's (chunk address, validity) from `row_address(row, valid)` (load_tile_rows'
+    callback), computed once for all column groups."""
+    geom = slot.geom
+    rem = b.sub(nvalid, b.bitcast(slot.r0, S32))
+    return [row_address(b.add(row0, b.add(slot.r0, i * geom.rows_per_pass)),
+                        b.setp("gt", rem, i * geom.rows_per_pass)) for i in range(geom.passes)]
+
+
+def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,
+                    strides: dict, work: TileWork, split_count: Reg | None) -> None:
+    """varlen_attend.emit_packed_tile on wgmma (see the module docstring)."""
+    bn = cfg.block_n
+    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD)
+    ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
+    q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
+    kv_slot = swizzled_slot(b, cfg.copy_geom(bn), ctx.tid)
+    q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
+    bases = kv.bases(b, ptrs, work.seq, work.kv_head, b.cvt(S64, kv_slot.col))
+    pages = LaggedPages(b, kv, bases, kv_slot, bn, L) if prefetch_applies(kv, kv_slot, bn) else None
+    key_lo = tile.key_lo()
+
+    def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
+        cache = "k_cache" if t == "k" else "v_cache"
+        row0 = b.mul(b.add(first, j), bn)
+        with b.if_then(b.setp("lt", j, n_tiles)):
+            dst = b.add(tile.k_smem if t == "k" else tile.v_smem, stage_off)
+            nvalid = b.sub(L, b.bitcast(row0, S32))
+            if pages is not None:
+                chunks = pages.pass_chunks(cache, pages.ids_of(cache), row0, key_lo)
+            else:
+                chunks = row_chunks(b, kv_slot, tile.kv_rows(kv, bases, cache, key_lo), row0, nvalid)
+            stage_groups(b, cfg, kv_slot, chunks, nvalid, dst)
+        if pages is not None and t == "k":
+            pages.advance(row0)
+        b.cp_async_commit()
+
+    q_valid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
+    stage_groups(b, cfg, q_slot, row_chunks(b, q_slot, q_row, ctx.m_start, q_valid), q_valid,
+                 tile.smem)
+    if pages is not None:
+        pages.load_ahead(b.mul(first, bn))
+    math = VarlenWgmmaMath(b, ctx, ptrs, strides)
+    run_wgmma_pipeline(b, stages=cfg.num_stages, kv_bytes=cfg.kv_geom.bytes, k_smem=tile.k_smem,
+                       v_smem=tile.v_smem, n_tiles=n_tiles, n_full=tile.n_full,
+                       key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
+                       transform=score_transform(b, spec, math), lo_full=tile.lo_full)
+    math.epilogue()
+
+
+__all__ = ["PATH", "WgmmaTileConfig", "applies", "configure", "emit_wgmma_tile", "tile_config"]
