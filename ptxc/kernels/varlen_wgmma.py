@@ -40,7 +40,8 @@ from .prefill_config import PrefillConfig
 from .prefill_wgmma import (ROWS_PER_WARPGROUP, SWIZZLE, SWIZZLE_PERIOD, SwizzledGeom, WgmmaConfig,
                             WgmmaMath, swizzled_slot, uses_wgmma)
 from .tiles import CHUNK, ThreadSlot, load_tile_passes
-from .varlen_attend import TileWork, VarlenMath, packed_tile_setup, score_transform
+from .packed_tile import TileWork, packed_tile_setup
+from .varlen_attend import VarlenMath, score_transform
 from .wgmma_pipeline import run_wgmma_pipeline
 
 PATH = "wgmma.m64nNk16"
