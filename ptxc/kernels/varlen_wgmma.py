@@ -16,8 +16,9 @@ the tile math and K/V loop of the wgmma prefill (prefill_wgmma.py, wgmma_pipelin
              (head_dim 256 with one warpgroup: 512 B, 128 threads) is copied as column groups of
              2 x threads bytes: the same thread slot, +group bytes in global memory and +group
              slabs in shared memory per group (immediates), one row address for all groups.
-             Q rows are gathered per packed row (token, head); K/V rows through KVAccess
-             (paged or contiguous), paged tiles with their page ids loaded one tile ahead
+             Q rows are gathered per packed row (token, head); contiguous K/V tiles carry
+             their next address (StridedTiles); paged ones go through KVAccess, with their
+             page ids loaded one tile ahead where a pass stays inside a page
              (kv_pages.py) -- the wgmma pipeline requests V(t) after K(t + 1), so V takes the
              ids one K request older (LaggedPages).
   math       VarlenWgmmaMath = VarlenMath (per-row epilogue: packed rows -> o / lse / split
@@ -113,6 +114,40 @@ class LaggedPages(PagedTiles):
         super().advance(row0)
 
 
+class StridedTiles:
+    """Contiguous caches: a sequence's K/V rows are evenly strided and each of K and V is
+    requested in tile order, so each carries this thread's address in its next tile (as the
+    prefill's loader does) instead of a 64-bit multiply per row and pass."""
+
+    def __init__(self, b: KernelBuilder, bases: dict, slot: ThreadSlot, block_n: int, first: Reg):
+        self.b, self.slot = b, slot
+        self.next, self.tile_step, self.pass_step = {}, {}, {}
+        row0 = b.cvt(S64, b.add(b.mul(first, block_n), slot.r0))
+        for t in ("k_cache", "v_cache"):
+            base, stride = bases[t]
+            self.next[t] = b.mad(row0, stride[1], b.bitcast(base, S64))
+            self.tile_step[t] = b.mul(stride[1], block_n)
+            self.pass_step[t] = b.mul(stride[1], slot.geom.rows_per_pass)
+
+    def chunks(self, cache: str, row0: Reg, nvalid: Reg, key_lo: Reg | None) -> list:
+        """(address, validity) of every pass of the tile at row0 (the next one requested)."""
+        b, rpp = self.b, self.slot.geom.rows_per_pass
+        rem = b.sub(nvalid, b.bitcast(self.slot.r0, S32))
+        out, addr = [], self.next[cache]
+        for i in range(self.slot.geom.passes):
+            if i:
+                addr = b.add(addr, self.pass_step[cache])
+            ok = b.setp("gt", rem, i * rpp)
+            if key_lo is not None:
+                row = b.add(row0, b.add(self.slot.r0, i * rpp))
+                ok = b.and_(ok, b.setp("ge", b.bitcast(row, S32), key_lo))
+            out.append((addr, ok))
+        return out
+
+    def advance(self, cache: str) -> None:
+        self.b.add(self.next[cache], self.tile_step[cache], out=self.next[cache])
+
+
 def stage_groups(b: KernelBuilder, cfg: WgmmaTileConfig, slot: ThreadSlot, chunks: list,
                  nvalid: Reg, dst: Reg) -> None:
     """cp.async every pass's chunk (address, validity) into the swizzled tile at `dst`, once
@@ -147,6 +182,7 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
     bases = kv.bases(b, ptrs, work.seq, work.kv_head, b.cvt(S64, kv_slot.col))
     pages = LaggedPages(b, kv, bases, kv_slot, bn, L) if prefetch_applies(kv, kv_slot, bn) else None
+    strided = StridedTiles(b, bases, kv_slot, bn, first) if kv.layout == "contiguous" else None
     key_lo = tile.key_lo()
 
     def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
@@ -157,11 +193,15 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
             nvalid = b.sub(L, b.bitcast(row0, S32))
             if pages is not None:
                 chunks = pages.pass_chunks(cache, pages.ids_of(cache), row0, key_lo)
+            elif strided is not None:
+                chunks = strided.chunks(cache, row0, nvalid, key_lo)
             else:
                 chunks = row_chunks(b, kv_slot, tile.kv_rows(kv, bases, cache, key_lo), row0, nvalid)
             stage_groups(b, cfg, kv_slot, chunks, nvalid, dst)
         if pages is not None and t == "k":
             pages.advance(row0)
+        if strided is not None:
+            strided.advance(cache)
         b.cp_async_commit()
 
     q_valid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
