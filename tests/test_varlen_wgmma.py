@@ -30,8 +30,10 @@ LENGTHS = [(0, 0), (1, 1), (17, 17), (5, 113), (1, 113), (4, 40), (2, 0), (3, 2)
 
 def build(tmp_path, tile="", **case):
     art = build_kernel(tmp_path, "varlen", body(**case), tile=tile, targets=SM90A)
-    config = art.meta["targets"]["sm_90a"]["config"]
-    assert config["path"] == "wgmma.m64nNk16"
+    target = art.meta["targets"]["sm_90a"]
+    ptx = (art.path / target["ptx"]).read_text()
+    assert target["config"]["path"] == "wgmma.m64nNk16"
+    assert "wgmma.mma_async" in ptx and "ldmatrix" not in ptx and ".target sm_90a" in ptx
     return art, KernelSpec.from_dict(art.meta["spec"])
 
 
@@ -93,17 +95,18 @@ def test_ragged_batch(tmp_path, case, tile):
         assert np.all(np.isneginf(out["lse"][cu[6]:cu[7]]))
 
 
-@pytest.mark.parametrize("case", [
-    dict(dtype="f16", head_dim=64, gqa="gqa4", causal=True, layout="page16", splits=1),
-    dict(dtype="bf16", head_dim=256, gqa="mqa", causal=False, layout="page1", splits="auto"),
+@pytest.mark.parametrize("case,shapes", [
+    (dict(dtype="f16", head_dim=64, gqa="gqa4", causal=True, layout="page16", splits=1), {}),
+    (dict(dtype="bf16", head_dim=256, gqa="mqa", causal=False, layout="page1", splits="auto"),
+     {"max_pages_per_seq": 70, "num_pages": 8 * 70 + 3}),
     pytest.param(dict(dtype="bf16", head_dim=128, gqa="mha", causal=True, layout="contiguous",
-                      splits=2), marks=SLOW),
-], ids=lambda c: "-".join(str(v) for v in c.values()))
-def test_mixed_batch(tmp_path, case):
+                      splits=2), {}, marks=SLOW),
+], ids=lambda c: "-".join(str(v) for v in c.values()) if "dtype" in c else "")
+def test_mixed_batch(tmp_path, case, shapes):
     """make_inputs' serving mix (decode, prefill, chunk, empty, verify, q_len > L, L = 0, L at
     the capacity) through the launch-test harness; head_dim 256 copies in two column groups."""
     art, _ = build(tmp_path, **case)
-    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 8}, seed=3))
+    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 8, **shapes}, seed=3))
 
 
 @pytest.mark.parametrize("extra", [
