@@ -37,11 +37,11 @@ from ..ir import S32, S64, U64, Imm, KernelBuilder, Reg
 from .kv_access import KVAccess
 from .kv_fp8 import kv_dtype
 from .kv_pages import PagedTiles, prefetch_applies
+from .packed_tile import TileWork, packed_tile_setup
 from .prefill_config import PrefillConfig
 from .prefill_wgmma import (ROWS_PER_WARPGROUP, SWIZZLE, SWIZZLE_PERIOD, SwizzledGeom, WgmmaConfig,
                             WgmmaMath, swizzled_slot, uses_wgmma)
 from .tiles import CHUNK, ThreadSlot, load_tile_passes
-from .packed_tile import TileWork, packed_tile_setup
 from .varlen_attend import VarlenMath, score_transform
 from .wgmma_pipeline import run_wgmma_pipeline
 
@@ -58,7 +58,8 @@ class WgmmaTileConfig(WgmmaConfig):
 
     @property
     def group_bytes(self) -> int:
-        """Bytes of a row one copy pass covers: 8 rows x (group / 16) chunks = threads."""
+        """Bytes of a row one copy pass covers: at most 2 x threads, so that a pass moves
+        threads / (bytes / 16) >= 8 rows (whole swizzle groups)."""
         return min(self.head_dim * self.fmt.bytes, self.threads * CHUNK // 8)
 
     @property
