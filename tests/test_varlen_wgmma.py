@@ -195,3 +195,13 @@ def test_ptxas_sm90a_zero_spills_and_hgmma(tmp_path, toolchain):
     # HGMMA.64x128x16 (4 x 16), 4 row-sum HMMA.16816
     assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (8 + 4 + 4, 64 + 64 + 4)
     assert loop["instructions_per_mma_equivalent"] <= 3.5
+
+
+def test_tile_inside_one_page(tmp_path):
+    """page_size 64 >= block_n: a K/V tile sits inside one page (the lagged page id plus the
+    tile's row offset in it), sliding window zero-filling keys before the first token's."""
+    text = body(dtype="bf16", head_dim=64, gqa="gqa4", causal=True, layout="page16", splits=2)
+    art = build_kernel(tmp_path, "varlen", text.replace("page_size = 16", "page_size = 64") +
+                       "\nsliding_window = 40", targets=SM90A)
+    assert art.meta["targets"]["sm_90a"]["config"]["path"] == "wgmma.m64nNk16"
+    check_ragged(art, KernelSpec.from_dict(art.meta["spec"]), "page64", seed=2)
