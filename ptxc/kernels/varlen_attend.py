@@ -33,6 +33,7 @@ from ..ir import B32, F32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
 from .kv_fp8 import stage_rows_dequant
+from .kv_fp8_stage import FP8Staging, StagedFP8Config
 from .kv_pages import PagedTiles, prefetch_applies
 from .kv_pipeline import run_kv_pipeline
 from .prefill import PrefillConfig, finish_rows, load_head_f32
@@ -159,7 +160,9 @@ def packed_tile_config(spec, c: PrefillConfig) -> dict:
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "mma.m16n8k16", "gqa_packing": spec.group_size,
             "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
-            **({"value_split": c.v_split} if c.v_split > 1 else {})}
+            **({"value_split": c.v_split} if c.v_split > 1 else {}),
+            **({"fp8_staging_bytes": c.staging_bytes} if isinstance(c, StagedFP8Config) else {}),
+            **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {})}
 
 
 SEARCH_STEPS = 31   # bits of the sequence index the binary search resolves (any u32 batch)
@@ -249,10 +252,12 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
                      strides: dict, work: TileWork, split_count: Reg | None, quant=None) -> None:
     """The body shared by varlen and decode's tensor-core path: one GQA-packed query tile of
     one (sequence, KV head, split) over its keys [0, L), L = seq_lens[seq] clamped.
-    With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: K/V tiles are staged by a
-    dequantising copy (kv_fp8.stage_rows_dequant: FP8 bytes -> registers -> exact f16/bf16 ->
-    st.shared) instead of cp.async, so the tile math is unchanged; k_scale joins the softmax
-    scale (MmaMath.scale_log2 becomes a register) and v_scale the final 1/l."""
+    With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: with a StagedFP8Config they
+    travel by cp.async through the pipeline and are dequantised into f16/bf16 tiles after their
+    wait (kv_fp8_stage.py); otherwise (head dims not a multiple of 16) a dequantising copy
+    (kv_fp8.stage_rows_dequant: FP8 bytes -> registers -> exact f16/bf16 -> st.shared) stages
+    them. Either way the tile math is unchanged; k_scale joins the softmax scale
+    (MmaMath.scale_log2 becomes a register) and v_scale the final 1/l."""
     g, bm, bn, stages = spec.group_size, cfg.block_m, cfg.block_n, cfg.num_stages
     variant = AttentionVariant.from_spec(spec)
     tid = b.special("%tid.x")
@@ -268,9 +273,14 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
         b.ret()                                        # no query rows for this tile: exit
 
     smem = b.address_of(b.shared("varlen_smem", 0))
-    kv_bytes = cfg.kv_geom.bytes
-    k_smem = b.add(smem, cfg.q_geom.bytes)
-    v_smem = b.add(k_smem, stages * kv_bytes)
+    staging = None
+    if isinstance(cfg, StagedFP8Config):   # FP8 bytes through the pipeline (kv_fp8_stage.py)
+        staging = FP8Staging(b, cfg, tid, b.add(smem, cfg.q_geom.bytes), quant)
+        kv_bytes, k_smem, v_smem = staging.stage_bytes, staging.k_stage, staging.v_stage
+    else:
+        kv_bytes = cfg.kv_geom.bytes
+        k_smem = b.add(smem, cfg.q_geom.bytes)
+        v_smem = b.add(k_smem, stages * kv_bytes)
     ctx = VarlenCtx(b, spec, cfg, variant, tid, lane, warp, m_start, rows, q_len, L, smem, kv_head,
                     t0, ptrs.get("lse_part" if split is not None else "lse"), split, split_count,
                     ptrs.get("sinks"), ptrs.get("alibi_slopes"))
@@ -302,7 +312,8 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     if lo_full is not None:
         lo_full = b.sub(b.max(lo_full, first), first)
 
-    q_slot, kv_slot = thread_slot(b, cfg.q_geom, tid), thread_slot(b, cfg.kv_geom, tid)
+    q_slot = thread_slot(b, cfg.q_geom, tid)
+    kv_slot = thread_slot(b, cfg.kv_geom, tid) if staging is None else staging.slots["k_cache"]
     q_col = b.cvt(S64, q_slot.col)
 
     def q_row(row: Reg, valid: Reg) -> tuple[Reg, Reg]:
@@ -311,17 +322,18 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
         addr = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), strides[("q", 1)])
         return b.bitcast(b.add(addr, q_col), U64), valid
 
-    def chunk_col(slot):   # FP8 caches hold a byte per element
-        return slot.col if quant is None else b.shr(slot.col, 1)
+    def chunk_col(slot):   # FP8 caches hold a byte per element (staged: slots of FP8 rows)
+        return slot.col if quant is None or staging is not None else b.shr(slot.col, 1)
     bases = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, chunk_col(kv_slot)))
     slots = {"k_cache": kv_slot, "v_cache": kv_slot}
     if cfg.dv != cfg.head_dim:   # head_dim_v: V rows are narrower, so a thread's chunk differs
-        slots["v_cache"] = thread_slot(b, cfg.v_geom, tid)
+        slots["v_cache"] = thread_slot(b, cfg.v_geom, tid) if staging is None else staging.slots["v_cache"]
         bases["v_cache"] = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, chunk_col(slots["v_cache"])))["v_cache"]
 
     # Paged caches: a tile's few page ids are loaded with the previous tile (kv_pages.py)
     pages = None
-    if quant is None and cfg.dv == cfg.head_dim and prefetch_applies(kv, kv_slot, bn):
+    if (quant is None or staging is not None) and cfg.dv == cfg.head_dim and \
+            prefetch_applies(kv, kv_slot, bn):
         pages = PagedTiles(b, kv, bases, kv_slot, bn, L)
 
     # A sliding window: keys before the first token's window are needed by no row of the
@@ -340,7 +352,7 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
                 return _kv_row(b, kv, bases, cache, row, ok)
             if pages is not None:
                 pages.issue(cache, row0, b.sub(L, b.bitcast(row0, S32)), dst, key_lo)
-            elif quant is None:
+            elif quant is None or staging is not None:
                 load_tile_rows(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
             else:
                 stage_rows_dequant(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst,
@@ -360,7 +372,8 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
                     use_async=True, n_tiles=n_tiles, n_full=n_full,
                     key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
                     transform=math.transform if variant.transforms else
-                    lambda s, key0: variant.transform_scores(b, s, key0, unit), lo_full=lo_full)
+                    lambda s, key0: variant.transform_scores(b, s, key0, unit), lo_full=lo_full,
+                    landed=None if staging is None else staging.landed)
     math.epilogue()
 
 
