@@ -77,17 +77,34 @@ def test_every_target_assembles_without_spills(built):
 
 @pytest.mark.parametrize("name", ["v_e4m3_f16_128", "v_e5m2_bf16_128", "v_e4m3_bf16_256"])
 def test_sass_loop_converts_at_most_once_per_two_elements(built, name):
-    """Conversions in the main loop beyond the non-FP8 loop's own (the f32 -> f16x2/bf16x2
-    packing of the probabilities) are at most half the cache elements the loop loads."""
+    """The FP8 bytes reach the main loop by cp.async (kv_fp8_stage.py: 16-byte LDGSTS, no
+    register loads of cache bytes); its conversions beyond the non-FP8 loop's own (the f32 ->
+    f16x2/bf16x2 packing of the probabilities) are at most half the cache elements it copies."""
     from ptxc.report.analysis import build_report
     out, _ = built
     for t in build_report([out / name])["kernels"][0]["targets"]:
         loop = t["launches"][0]["loop"]
         cfg = t["config"]
         prob_packs = cfg["block_n"] // 8 * 2             # MmaMath.softmax: 2 rows per n8 tile
-        elems = loop["ldg_bytes"].get("8", 0) * 8        # 8-byte loads of FP8 bytes per lane
-        assert elems > 0, loop
+        elems = loop["ldgsts_bytes"].get("16", 0) * 16   # 16-byte copies of FP8 bytes per lane
+        assert elems > 0 and not set(loop["ldg_bytes"]) - {"4"}, (t["target"], loop)   # 4: page ids
         assert (loop["classes"]["cvt"] - prob_packs) * 2 <= elems, (t["target"], loop["classes"])
+
+
+def test_fp8_bytes_stay_in_flight(built):
+    """Issue 13: the staged FP8 pipeline (kv_fp8_stage.py) keeps at least 32 KiB of K/V in
+    flight per SM on sm_80 (2.4 KiB with the synchronous dequantising copy it replaced), and
+    its stages follow the shared memory (4 on sm_80, 3 on sm_90 at head_dim 128)."""
+    from ptxc.report.analysis import build_report
+    out, _ = built
+    targets = {t["target"]: t for t in build_report([out / "v_e4m3_f16_128"])["kernels"][0]["targets"]}
+    stages = {"sm_80": 4, "sm_90": 3}
+    for target, floor in (("sm_80", 32 * 1024), ("sm_90", 64 * 1024)):
+        t = targets[target]
+        assert t["config"]["num_stages"] == stages[target] and t["config"]["fp8_staging_bytes"] == 64 * 128
+        loop = t["launches"][0]["loop"]
+        assert loop["classes"]["ldgsts"] > 0, loop
+        assert loop["inflight_bytes_per_sm"] >= floor, (target, loop["inflight_bytes_per_sm"])
 
 
 def test_cost_model_counts_one_byte_per_fp8_element():
