@@ -25,19 +25,38 @@ def shapes(layout: str) -> dict:
     return cache_shapes(layout, batch=9, num_pages=47)
 
 
-CASES = [  # (dtype, kv_dtype, kv_scale, layout, extra)
-    ("f16", "e4m3", "tensor", "paged", "return_lse = true\n"),
-    ("bf16", "e5m2", "head", "contiguous", "num_splits = 3\ncausal = false\n"),
-    ("bf16", "e4m3", "head", "paged", "num_splits = 2\nreturn_lse = true\n"),
-    ("f16", "e5m2", "tensor", "contiguous", ""),
+CASES = [  # (dtype, kv_dtype, kv_scale, layout, head_dim, extra)
+    # head_dim 40: rows of 2.5 16-byte FP8 chunks, the synchronous dequantising copy
+    ("f16", "e4m3", "tensor", "paged", 40, "return_lse = true\n"),
+    ("bf16", "e5m2", "head", "contiguous", 40, "num_splits = 3\ncausal = false\n"),
+    # multiples of 16: FP8 bytes by cp.async, dequantised after the wait (kv_fp8_stage.py);
+    # 48 = 3 chunks per row, so 2 of 128 threads copy nothing and the last pass is partial
+    ("bf16", "e4m3", "head", "paged", 48, "num_splits = 2\nreturn_lse = true\n"),
+    ("f16", "e5m2", "tensor", "contiguous", 48, ""),
+    ("f16", "e4m3", "head", "contiguous", 64, "num_splits = 2\ncausal = false\n"),
+    ("bf16", "e5m2", "tensor", "paged", 32, "return_lse = true\n"),
+    ("f16", "e4m3", "tensor", "paged", 80, "head_dim_v = 32\n"),   # V rows narrower than K's
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c[:4]))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c[:5]))
 def test_fp8_varlen_matches_reference(tmp_path, case):
-    dtype, kind, scale, layout, extra = case
-    art = build_kernel(tmp_path, "varlen", body(dtype, kind, scale, layout, extra=extra), targets=TARGETS)
+    dtype, kind, scale, layout, d, extra = case
+    art = build_kernel(tmp_path, "varlen", body(dtype, kind, scale, layout, head_dim=d, extra=extra),
+                       targets=TARGETS)
     assert_pass(check_artifact(art, backend="emu", shapes=shapes(layout), seed=13))
+
+
+@pytest.mark.parametrize("kind", ["e4m3", "e5m2"])
+def test_fp8_varlen_staged_pages_loaded_ahead(tmp_path, kind):
+    """head_dim 128 over 16-row pages: the staged FP8 copy takes kv_pages' page ids loaded one
+    tile ahead (16 rows per copy pass, one page each), causal, GQA 4, 4 K/V stages on sm_80."""
+    text = body("f16", kind, "head", "paged", heads=(8, 2), head_dim=128).replace(
+        "page_size = 8", "page_size = 16")
+    art = build_kernel(tmp_path, "varlen", text, targets=TARGETS)
+    assert art.meta["targets"]["sm_80"]["config"]["num_stages"] == 4
+    assert_pass(check_artifact(art, backend="emu", shapes=cache_shapes("paged", batch=7, num_pages=40),
+                               seed=5))
 
 
 @pytest.mark.slow
