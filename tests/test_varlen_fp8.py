@@ -147,3 +147,28 @@ def test_interface_lists_fp8_cache_and_scales():
     assert t["k_cache"].dtype == "e4m3" and t["k_scale"].shape == (2,) and not iface.scalars
     spec = load_text('[[kernel]]\nname = "k"\nfamily = "varlen"\n' + body("f16", "e5m2", "tensor", "paged"), "x.toml")[0]
     assert sorted(FAMILIES["varlen"].interface(spec).scalars) == ["k_scale", "v_scale"]
+
+
+def test_staged_fp8_copy_and_conversion_are_bank_conflict_free(tmp_path):
+    """Traffic counters of the staged d128 kernel: cp.async into the staging buffers (thread
+    order), their read-back and the converted f16 stores (kv_fp8_stage.staging_slot: two rows
+    per quarter-warp) take no more shared-memory wavefronts than their bytes need."""
+    import numpy as np
+
+    from ptxc import emu
+    from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
+    from ptxc.spec.model import KernelSpec
+    art = build_kernel(tmp_path, "varlen", body("f16", "e4m3", "tensor", "contiguous", heads=(8, 2),
+                                                head_dim=128), targets=("sm_80",))
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    inputs = FAMILIES["varlen"].make_inputs(spec, {"batch": 3, "max_seq_len": 150}, np.random.default_rng(3))
+    dims = {**infer_dims(art.meta, inputs, {}), "k_scale": inputs["k_scale"], "v_scale": inputs["v_scale"]}
+    buffers = prepare_buffers(art.meta, inputs, dims)
+    [kernel] = art.target("sm_80")[1]["kernels"]
+    grid, block = launch_geometry(kernel, dims)
+    stats = emu.launch(art.ptx("sm_80"), kernel["entry"], grid, block,
+                       pack_args(kernel, buffers, dims, pointer=lambda n, a: a),
+                       dynamic_smem_bytes=kernel["dynamic_smem_bytes"], traffic=True)
+    t = stats.traffic
+    assert sum(a.requests for a in t.shared_accesses if a.kind == "cp.async") > 0
+    assert t.bank_conflicts == 0, [a for a in t.shared_accesses if a.bank_conflicts]

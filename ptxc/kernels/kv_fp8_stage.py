@@ -35,7 +35,7 @@ from ..ir import B32, Addr, KernelBuilder, Reg
 from ..targets import Target, occupancy
 from . import fp8, kv_fp8
 from .prefill_config import PrefillConfig
-from .tiles import TileGeom, thread_slot, zero_regs
+from .tiles import ThreadSlot, TileGeom, thread_slot, zero_regs
 from .variant import head_dim_v
 
 MAX_STAGES = 4    # the num_stages tile key's largest choice
@@ -87,6 +87,27 @@ def default_stages(make, target: Target) -> int:
     return 2
 
 
+def staging_slot(b: KernelBuilder, geom: StagingGeom, tid: Reg) -> ThreadSlot:
+    """Which chunk of the staging tile thread `tid` copies and converts. The conversion writes
+    16 FP8 bytes as f16 chunks 2c and 2c + 1 of its row, so with tiles.thread_slot's order (8
+    consecutive threads = 8 chunks of one row) the stores of a quarter-warp would fall in 4 of
+    the 8 16-byte bank groups, a 2-way conflict. Here 8 consecutive threads take 4 chunks of two
+    adjacent rows instead (quad q of a row pair: row 2p + (q & 1), chunks 4 (q >> 1) ..): the
+    padded f16 row stride is an odd number of chunks, so the two rows' stores land in the even
+    and the odd bank groups -- conflict-free. The staging bytes themselves are laid out in
+    thread order (offset 16 tid per pass), so the cp.async writes and the ld.shared reads of a
+    quarter-warp cover 128 contiguous bytes whatever the (row, chunk) order.
+    Applies when the rows are a multiple of 4 chunks and every thread copies (else thread_slot)."""
+    chunks, threads = geom.chunks, geom.threads
+    if geom.idle_threads or chunks % 4 or (threads // chunks) % 2:
+        return thread_slot(b, geom, tid)
+    quad, quads_per_pair = b.shr(tid, 2), chunks // 2
+    j = b.rem(quad, quads_per_pair)
+    r0 = b.add(b.shl(b.div(quad, quads_per_pair), 1), b.and_(j, 1))
+    col = b.shl(b.add(b.shl(b.shr(j, 1), 2), b.and_(tid, 3)), 4)
+    return ThreadSlot(geom, r0, col, b.shl(tid, 4))
+
+
 class FP8Staging:
     """One CTA's staged FP8 K/V: the shared-memory regions, each thread's chunk of the staging
     tiles (`slots`, tiles.ThreadSlot over StagingGeom: r0, FP8 byte column) and the conversion
@@ -101,8 +122,8 @@ class FP8Staging:
         self.stage_bytes = cfg.staging_bytes
         self.k_stage = b.add(tiles_base, 2 * kv_bytes)
         self.v_stage = b.add(self.k_stage, cfg.num_stages * self.stage_bytes)
-        k_slot = thread_slot(b, cfg.staging_geom(cfg.head_dim), tid)
-        v_slot = k_slot if cfg.dv == cfg.head_dim else thread_slot(b, cfg.staging_geom(cfg.dv), tid)
+        k_slot = staging_slot(b, cfg.staging_geom(cfg.head_dim), tid)
+        v_slot = k_slot if cfg.dv == cfg.head_dim else staging_slot(b, cfg.staging_geom(cfg.dv), tid)
         self.slots = {"k_cache": k_slot, "v_cache": v_slot}
         # this thread's two f16 chunks (element columns 2 x the FP8 byte column) in each tile
         self.geoms = {"k": cfg.kv_geom, "v": cfg.v_geom}
