@@ -172,3 +172,13 @@ def test_staged_fp8_copy_and_conversion_are_bank_conflict_free(tmp_path):
     t = stats.traffic
     assert sum(a.requests for a in t.shared_accesses if a.kind == "cp.async") > 0
     assert t.bank_conflicts == 0, [a for a in t.shared_accesses if a.bank_conflicts]
+
+
+@pytest.mark.parametrize("tile", ["num_stages = 1\nblock_n = 32", "num_stages = 3\nblock_n = 16"])
+def test_fp8_varlen_staged_given_tiles(tmp_path, tile):
+    """Given stage counts and tiles on the staged path (one stage: no refill overlaps a read)."""
+    art = build_kernel(tmp_path, "varlen", body("bf16", "e4m3", "tensor", "paged", head_dim=64,
+                                                extra="num_splits = 2\n"), tile=tile, targets=TARGETS)
+    cfg = art.meta["targets"]["sm_80"]["config"]
+    assert cfg["fp8_staging_bytes"] == cfg["block_n"] * 64 and f"num_stages = {cfg['num_stages']}" in tile
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes("paged"), seed=21))
