@@ -159,4 +159,5 @@ class FP8Staging:
         return self.tile[t]
 
 
-__all__ = ["applies", "StagingGeom", "StagedFP8Config", "default_stages", "FP8Staging", "MAX_STAGES"]
+__all__ = ["applies", "StagingGeom", "StagedFP8Config", "default_stages", "staging_slot", "FP8Staging",
+           "MAX_STAGES"]
