@@ -25,19 +25,38 @@ def shapes(layout: str) -> dict:
     return cache_shapes(layout, batch=9, num_pages=47)
 
 
-CASES = [  # (dtype, kv_dtype, kv_scale, layout, extra)
-    ("f16", "e4m3", "tensor", "paged", "return_lse = true\n"),
-    ("bf16", "e5m2", "head", "contiguous", "num_splits = 3\ncausal = false\n"),
-    ("bf16", "e4m3", "head", "paged", "num_splits = 2\nreturn_lse = true\n"),
-    ("f16", "e5m2", "tensor", "contiguous", ""),
+CASES = [  # (dtype, kv_dtype, kv_scale, layout, head_dim, extra)
+    # head_dim 40: rows of 2.5 16-byte FP8 chunks, the synchronous dequantising copy
+    ("f16", "e4m3", "tensor", "paged", 40, "return_lse = true\n"),
+    ("bf16", "e5m2", "head", "contiguous", 40, "num_splits = 3\ncausal = false\n"),
+    # multiples of 16: FP8 bytes by cp.async, dequantised after the wait (kv_fp8_stage.py);
+    # 48 = 3 chunks per row, so 2 of 128 threads copy nothing and the last pass is partial
+    ("bf16", "e4m3", "head", "paged", 48, "num_splits = 2\nreturn_lse = true\n"),
+    ("f16", "e5m2", "tensor", "contiguous", 48, ""),
+    ("f16", "e4m3", "head", "contiguous", 64, "num_splits = 2\ncausal = false\n"),
+    ("bf16", "e5m2", "tensor", "paged", 32, "return_lse = true\n"),
+    ("f16", "e4m3", "tensor", "paged", 80, "head_dim_v = 32\n"),   # V rows narrower than K's
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c[:4]))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c[:5]))
 def test_fp8_varlen_matches_reference(tmp_path, case):
-    dtype, kind, scale, layout, extra = case
-    art = build_kernel(tmp_path, "varlen", body(dtype, kind, scale, layout, extra=extra), targets=TARGETS)
+    dtype, kind, scale, layout, d, extra = case
+    art = build_kernel(tmp_path, "varlen", body(dtype, kind, scale, layout, head_dim=d, extra=extra),
+                       targets=TARGETS)
     assert_pass(check_artifact(art, backend="emu", shapes=shapes(layout), seed=13))
+
+
+@pytest.mark.parametrize("kind", ["e4m3", "e5m2"])
+def test_fp8_varlen_staged_pages_loaded_ahead(tmp_path, kind):
+    """head_dim 128 over 16-row pages: the staged FP8 copy takes kv_pages' page ids loaded one
+    tile ahead (16 rows per copy pass, one page each), causal, GQA 4, 4 K/V stages on sm_80."""
+    text = body("f16", kind, "head", "paged", heads=(8, 2), head_dim=128).replace(
+        "page_size = 8", "page_size = 16")
+    art = build_kernel(tmp_path, "varlen", text, targets=TARGETS)
+    assert art.meta["targets"]["sm_80"]["config"]["num_stages"] == 4
+    assert_pass(check_artifact(art, backend="emu", shapes=cache_shapes("paged", batch=7, num_pages=40),
+                               seed=5))
 
 
 @pytest.mark.slow
@@ -77,17 +96,34 @@ def test_every_target_assembles_without_spills(built):
 
 @pytest.mark.parametrize("name", ["v_e4m3_f16_128", "v_e5m2_bf16_128", "v_e4m3_bf16_256"])
 def test_sass_loop_converts_at_most_once_per_two_elements(built, name):
-    """Conversions in the main loop beyond the non-FP8 loop's own (the f32 -> f16x2/bf16x2
-    packing of the probabilities) are at most half the cache elements the loop loads."""
+    """The FP8 bytes reach the main loop by cp.async (kv_fp8_stage.py: 16-byte LDGSTS, no
+    register loads of cache bytes); its conversions beyond the non-FP8 loop's own (the f32 ->
+    f16x2/bf16x2 packing of the probabilities) are at most half the cache elements it copies."""
     from ptxc.report.analysis import build_report
     out, _ = built
     for t in build_report([out / name])["kernels"][0]["targets"]:
         loop = t["launches"][0]["loop"]
         cfg = t["config"]
         prob_packs = cfg["block_n"] // 8 * 2             # MmaMath.softmax: 2 rows per n8 tile
-        elems = loop["ldg_bytes"].get("8", 0) * 8        # 8-byte loads of FP8 bytes per lane
-        assert elems > 0, loop
+        elems = loop["ldgsts_bytes"].get("16", 0) * 16   # 16-byte copies of FP8 bytes per lane
+        assert elems > 0 and not set(loop["ldg_bytes"]) - {"4"}, (t["target"], loop)   # 4: page ids
         assert (loop["classes"]["cvt"] - prob_packs) * 2 <= elems, (t["target"], loop["classes"])
+
+
+def test_fp8_bytes_stay_in_flight(built):
+    """Issue 13: the staged FP8 pipeline (kv_fp8_stage.py) keeps at least 32 KiB of K/V in
+    flight per SM on sm_80 (2.4 KiB with the synchronous dequantising copy it replaced), and
+    its stages follow the shared memory (4 on sm_80, 3 on sm_90 at head_dim 128)."""
+    from ptxc.report.analysis import build_report
+    out, _ = built
+    targets = {t["target"]: t for t in build_report([out / "v_e4m3_f16_128"])["kernels"][0]["targets"]}
+    stages = {"sm_80": 4, "sm_90": 3}
+    for target, floor in (("sm_80", 32 * 1024), ("sm_90", 64 * 1024)):
+        t = targets[target]
+        assert t["config"]["num_stages"] == stages[target] and t["config"]["fp8_staging_bytes"] == 64 * 128
+        loop = t["launches"][0]["loop"]
+        assert loop["classes"]["ldgsts"] > 0, loop
+        assert loop["inflight_bytes_per_sm"] >= floor, (target, loop["inflight_bytes_per_sm"])
 
 
 def test_cost_model_counts_one_byte_per_fp8_element():
@@ -111,3 +147,38 @@ def test_interface_lists_fp8_cache_and_scales():
     assert t["k_cache"].dtype == "e4m3" and t["k_scale"].shape == (2,) and not iface.scalars
     spec = load_text('[[kernel]]\nname = "k"\nfamily = "varlen"\n' + body("f16", "e5m2", "tensor", "paged"), "x.toml")[0]
     assert sorted(FAMILIES["varlen"].interface(spec).scalars) == ["k_scale", "v_scale"]
+
+
+def test_staged_fp8_copy_and_conversion_are_bank_conflict_free(tmp_path):
+    """Traffic counters of the staged d128 kernel: cp.async into the staging buffers (thread
+    order), their read-back and the converted f16 stores (kv_fp8_stage.staging_slot: two rows
+    per quarter-warp) take no more shared-memory wavefronts than their bytes need."""
+    import numpy as np
+
+    from ptxc import emu
+    from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
+    from ptxc.spec.model import KernelSpec
+    art = build_kernel(tmp_path, "varlen", body("f16", "e4m3", "tensor", "contiguous", heads=(8, 2),
+                                                head_dim=128), targets=("sm_80",))
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    inputs = FAMILIES["varlen"].make_inputs(spec, {"batch": 3, "max_seq_len": 150}, np.random.default_rng(3))
+    dims = {**infer_dims(art.meta, inputs, {}), "k_scale": inputs["k_scale"], "v_scale": inputs["v_scale"]}
+    buffers = prepare_buffers(art.meta, inputs, dims)
+    [kernel] = art.target("sm_80")[1]["kernels"]
+    grid, block = launch_geometry(kernel, dims)
+    stats = emu.launch(art.ptx("sm_80"), kernel["entry"], grid, block,
+                       pack_args(kernel, buffers, dims, pointer=lambda n, a: a),
+                       dynamic_smem_bytes=kernel["dynamic_smem_bytes"], traffic=True)
+    t = stats.traffic
+    assert sum(a.requests for a in t.shared_accesses if a.kind == "cp.async") > 0
+    assert t.bank_conflicts == 0, [a for a in t.shared_accesses if a.bank_conflicts]
+
+
+@pytest.mark.parametrize("tile", ["num_stages = 1\nblock_n = 32", "num_stages = 3\nblock_n = 16"])
+def test_fp8_varlen_staged_given_tiles(tmp_path, tile):
+    """Given stage counts and tiles on the staged path (one stage: no refill overlaps a read)."""
+    art = build_kernel(tmp_path, "varlen", body("bf16", "e4m3", "tensor", "paged", head_dim=64,
+                                                extra="num_splits = 2\n"), tile=tile, targets=TARGETS)
+    cfg = art.meta["targets"]["sm_80"]["config"]
+    assert cfg["fp8_staging_bytes"] == cfg["block_n"] * 64 and f"num_stages = {cfg['num_stages']}" in tile
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes("paged"), seed=21))

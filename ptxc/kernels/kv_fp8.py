@@ -121,8 +121,9 @@ def emit_params(spec: KernelSpec, target: Target, b: KernelBuilder, param) -> KV
 
 def stage_rows_dequant(b: KernelBuilder, slot, row_address, row0: Reg, nvalid: Reg, smem: Reg,
                        quant: KVDequant, pair: str) -> None:
-    """tiles.load_tile_rows for an FP8 cache feeding an f16/bf16 shared-memory tile (the
-    tensor-core families): each 16-byte chunk of the tile is 8 FP8 bytes in global memory, one
+    """tiles.load_tile_rows for an FP8 cache feeding an f16/bf16 shared-memory tile (varlen
+    when head_dim or head_dim_v is not a multiple of 16; otherwise kv_fp8_stage.py moves the
+    bytes by cp.async): each 16-byte chunk of the tile is 8 FP8 bytes in global memory, one
     ld.global.nc.v2 into registers; every pass's load is issued before any is converted
     (`pair`: "f16x2" | "bf16x2", exact) and stored with st.shared.v4. Rows at or past `nvalid`
     are zeros. `row_address(row, valid)` gives the FP8 chunk address (column col / 2)."""

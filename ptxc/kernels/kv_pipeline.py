@@ -16,16 +16,21 @@ from ..ir import U32, KernelBuilder, Reg
 
 def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
                     use_async: bool, n_tiles: Reg, n_full: Reg, key0_of, load_kv, math,
-                    transform=None, lo_full: Reg | None = None) -> None:
+                    transform=None, lo_full: Reg | None = None, landed=None) -> None:
     """Prologue, loop over tiles [0, n_tiles) and drain. `key0_of(j)` is the first key of loop
     tile j (what the mask compares against); `transform(scores, key0)`, when given, modifies the
     raw scores before the mask (the variant seam: soft-cap, ALiBi). With `lo_full` (a sliding
-    window), loop tiles j < lo_full cross a window's left edge and get the mask too."""
+    window), loop tiles j < lo_full cross a window's left edge and get the mask too.
+    With `landed(t, stage)` the stage buffers hold raw tiles (kv_fp8_stage.py: FP8 bytes):
+    after tile t's ("k" | "v") wait and before the barrier, it converts this thread's share of
+    the tile at buffer offset `stage` and returns the address the math reads instead."""
 
-    def wait_and_sync():
+    def wait_and_sync(t: str):
         if use_async:
             b.cp_async_wait(2 * stages - 2)
+        tile = landed(t, stage) if landed is not None else None
         b.bar_sync(0)
+        return tile
 
     for s in range(stages):
         load_kv("k", b.mov(s, U32), s * kv_bytes)
@@ -37,14 +42,18 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
     stage = b.mov(0, U32) if stages > 1 else 0
     prev = b.mov((stages - 1) * kv_bytes, U32) if stages > 1 else 0
     with b.for_range(0, n_tiles) as j:
-        wait_and_sync()                                   # K(j) landed; V(j-1) no longer read
+        k_tile = wait_and_sync("k")                       # K(j) landed; V(j-1) no longer read
         load_kv("v", b.add(j, stages - 1), prev)
-        s = math.scores(b.add(k_smem, stage) if stages > 1 else k_smem)
+        if k_tile is None:
+            k_tile = b.add(k_smem, stage) if stages > 1 else k_smem
+        s = math.scores(k_tile)
         modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
         p = math.softmax(s)
-        wait_and_sync()                                   # V(j) landed; K(j) no longer read
+        v_tile = wait_and_sync("v")                       # V(j) landed; K(j) no longer read
         load_kv("k", b.add(j, stages), stage)
-        math.pv(p, b.add(v_smem, stage) if stages > 1 else v_smem)
+        if v_tile is None:
+            v_tile = b.add(v_smem, stage) if stages > 1 else v_smem
+        math.pv(p, v_tile)
         if stages > 1:
             advance_stage(b, stage, prev, kv_bytes, stages)
     if use_async:

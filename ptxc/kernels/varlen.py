@@ -20,7 +20,7 @@ from ..spec.fields import Field, FamilyFields, int_range
 from ..spec.model import KernelSpec
 from ..targets import TARGETS, Target
 from . import common as C
-from . import fp8, kv_fp8
+from . import fp8, kv_fp8, kv_fp8_stage
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .variant import VARIANT_FIELDS, head_dim_v, validate_variant, variant_tensors
 from .kv_access import KVAccess, check_page_size
@@ -89,21 +89,29 @@ def validate(spec: KernelSpec) -> None:
 def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     """Tiles: block_m 64 (4 warps) whatever the target, so the grid and the "auto" split rule
     are target-independent (above head_dim 256 four warps share 16 rows: value_split); block_n
-    64 (32 above head_dim 128, 16 above 256: 32 spilled on sm_80); 2 stages, fewer to fit."""
+    64 (32 above head_dim 128, 16 above 256: 32 spilled on sm_80); 2 stages (FP8 caches
+    staged by cp.async: kv_fp8_stage.default_stages), fewer to fit."""
     given = spec.tile_dict()
     vsplit = value_split(head_dim_v(spec), True)
     bm = given.get("block_m") or 16 * given.get("num_warps", 4) // vsplit
     warps = given.get("num_warps") or bm // 16 * vsplit
     bn = given.get("block_n") or (64 if spec.head_dim <= 128 else 32 if spec.head_dim <= 256 else 16)
-    stages = given.get("num_stages") or 2
     smem_limit = target.max_smem_per_cta if target is not None else 1 << 30
     cp_async = target.has_cp_async if target is not None else True
+    # FP8 caches staged by cp.async (kv_fp8_stage.py) take the most stages that keep the CTAs
+    # per SM two stages allow (their stages are half an f16 tile each), and .minnctapersm 1:
+    # left alone, ptxas caps 4-warp CTAs at 168 registers (three per SM, which shared memory
+    # never allows them) and spills the dequantisation
+    staged = kv_fp8_stage.applies(spec)
+    config_type = kv_fp8_stage.StagedFP8Config if staged else PrefillConfig
 
-    def make():
-        return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,
-                             head_dim_v(spec), vsplit)
+    def make(stages=None):
+        return config_type(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,
+                           head_dim_v(spec), vsplit, min_ctas_per_sm=1 if staged else 0)
 
-    cfg = make()
+    stages = given.get("num_stages") or (
+        kv_fp8_stage.default_stages(make, target) if staged and target is not None else 2)
+    cfg = make(stages)
     while cfg.smem_bytes > smem_limit:
         if "num_stages" not in given and stages > 1:
             stages -= 1
@@ -113,7 +121,7 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
             raise SpecError(f"tile block_m={bm}, block_n={bn}, num_stages={stages} needs "
                             f"{cfg.smem_bytes} bytes of shared memory; {target} allows "
                             f"{smem_limit} per CTA: use a smaller tile", key="tile.block_n")
-        cfg = make()
+        cfg = make(stages)
     if target is not None:
         _check_shape(cfg, target)
         from . import varlen_wgmma as wg   # sm_90a f16/bf16 d64/128/256: the same tile on wgmma
@@ -208,7 +216,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
     grid_y = f"{spec.num_kv_heads} * num_splits" if split else str(spec.num_kv_heads)
     launches = [Launch(entry=b.entry.name, params=tuple(params),
                        grid=(query_tiles_expr(spec), grid_y, "1"),
-                       block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes)]
+                       block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
+                       min_ctas_per_sm=cfg.min_ctas_per_sm)]
     entries = [b.entry]
     if split:
         entry, launch = build_reduce(spec, f"ptxc_{spec.name}_reduce", spec.opt("return_lse"),

@@ -31,6 +31,7 @@ from ..ir import B32, F32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
 from .kv_fp8 import stage_rows_dequant
+from .kv_fp8_stage import FP8Staging, StagedFP8Config
 from .kv_pages import PagedTiles, prefetch_applies
 from .kv_pipeline import run_kv_pipeline
 from .packed_tile import TileWork, VarlenCtx, packed_tile_setup
@@ -84,7 +85,9 @@ def packed_tile_config(spec, c: PrefillConfig) -> dict:
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "mma.m16n8k16", "gqa_packing": spec.group_size,
             "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
-            **({"value_split": c.v_split} if c.v_split > 1 else {})}
+            **({"value_split": c.v_split} if c.v_split > 1 else {}),
+            **({"fp8_staging_bytes": c.staging_bytes} if isinstance(c, StagedFP8Config) else {}),
+            **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {})}
 
 
 SEARCH_STEPS = 31   # bits of the sequence index the binary search resolves (any u32 batch)
@@ -155,10 +158,12 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
                      strides: dict, work: TileWork, split_count: Reg | None, quant=None) -> None:
     """The body shared by varlen and decode's tensor-core path: one GQA-packed query tile of
     one (sequence, KV head, split) over its keys [0, L), L = seq_lens[seq] clamped.
-    With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: K/V tiles are staged by a
-    dequantising copy (kv_fp8.stage_rows_dequant: FP8 bytes -> registers -> exact f16/bf16 ->
-    st.shared) instead of cp.async, so the tile math is unchanged; k_scale joins the softmax
-    scale (MmaMath.scale_log2 becomes a register) and v_scale the final 1/l.
+    With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: with a StagedFP8Config they
+    travel by cp.async through the pipeline and are dequantised into f16/bf16 tiles after their
+    wait (kv_fp8_stage.py); otherwise (head dims not a multiple of 16) a dequantising copy
+    (kv_fp8.stage_rows_dequant: FP8 bytes -> registers -> exact f16/bf16 -> st.shared) stages
+    them. Either way the tile math is unchanged; k_scale joins the softmax scale
+    (MmaMath.scale_log2 becomes a register) and v_scale the final 1/l.
     A varlen_wgmma.WgmmaTileConfig (sm_90a) runs varlen_wgmma.py's body instead."""
     from .varlen_wgmma import WgmmaTileConfig, emit_wgmma_tile
     if isinstance(cfg, WgmmaTileConfig):
@@ -170,21 +175,27 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     smem, k_smem, v_smem, m_start, rows = tile.smem, tile.k_smem, tile.v_smem, ctx.m_start, ctx.seq_q
     tid, seq, kv_head = ctx.tid, work.seq, work.kv_head
     kv_bytes = cfg.kv_geom.bytes
+    staging = None
+    if isinstance(cfg, StagedFP8Config):   # FP8 bytes through the pipeline (kv_fp8_stage.py)
+        staging = FP8Staging(b, cfg, tid, k_smem, quant)
+        kv_bytes, k_smem, v_smem = staging.stage_bytes, staging.k_stage, staging.v_stage
 
-    q_slot, kv_slot = thread_slot(b, cfg.q_geom, tid), thread_slot(b, cfg.kv_geom, tid)
+    q_slot = thread_slot(b, cfg.q_geom, tid)
+    kv_slot = thread_slot(b, cfg.kv_geom, tid) if staging is None else staging.slots["k_cache"]
     q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
 
-    def chunk_col(slot):   # FP8 caches hold a byte per element
-        return slot.col if quant is None else b.shr(slot.col, 1)
+    def chunk_col(slot):   # FP8 caches hold a byte per element (staged: slots of FP8 rows)
+        return slot.col if quant is None or staging is not None else b.shr(slot.col, 1)
     bases = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, chunk_col(kv_slot)))
     slots = {"k_cache": kv_slot, "v_cache": kv_slot}
     if cfg.dv != cfg.head_dim:   # head_dim_v: V rows are narrower, so a thread's chunk differs
-        slots["v_cache"] = thread_slot(b, cfg.v_geom, tid)
+        slots["v_cache"] = thread_slot(b, cfg.v_geom, tid) if staging is None else staging.slots["v_cache"]
         bases["v_cache"] = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, chunk_col(slots["v_cache"])))["v_cache"]
 
     # Paged caches: a tile's few page ids are loaded with the previous tile (kv_pages.py)
     pages = None
-    if quant is None and cfg.dv == cfg.head_dim and prefetch_applies(kv, kv_slot, bn):
+    if (quant is None or staging is not None) and cfg.dv == cfg.head_dim and \
+            prefetch_applies(kv, kv_slot, bn):
         pages = PagedTiles(b, kv, bases, kv_slot, bn, L)
 
     key_lo = tile.key_lo()   # a sliding window: keys no row of the tile sees are zero-filled
@@ -197,7 +208,7 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
             rows_of = tile.kv_rows(kv, bases, cache, key_lo)
             if pages is not None:
                 pages.issue(cache, row0, b.sub(L, b.bitcast(row0, S32)), dst, key_lo)
-            elif quant is None:
+            elif quant is None or staging is not None:
                 load_tile_rows(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
             else:
                 stage_rows_dequant(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst,
@@ -215,7 +226,8 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                     use_async=True, n_tiles=n_tiles, n_full=tile.n_full,
                     key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
-                    transform=score_transform(b, spec, math), lo_full=tile.lo_full)
+                    transform=score_transform(b, spec, math), lo_full=tile.lo_full,
+                    landed=None if staging is None else staging.landed)
     math.epilogue()
 
 
