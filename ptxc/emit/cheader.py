@@ -15,7 +15,7 @@ from .. import __version__
 from ..errors import UserError
 from ..pipeline.artifacts import MANIFEST
 from ..pipeline.cache import write_if_changed
-from .view import ctas_per_sm, rule_code, ArtifactView, KernelView, TargetView, expr_code, output_view, variant_text
+from .view import refuse_tensor_maps, ctas_per_sm, rule_code, ArtifactView, KernelView, TargetView, expr_code, output_view, variant_text
 
 SIGNED = {"u32": 0, "s32": 1, "u64": 0, "s64": 1}
 
@@ -110,6 +110,7 @@ def _dim_rules(a: ArtifactView) -> list[str]:
 
 
 def render_artifact(a: ArtifactView) -> str:
+    refuse_tensor_maps(a, "C")
     A = a.name
     if not a.dims:
         raise UserError(f"{A}: no runtime dims; nothing for a C loader to take")

@@ -12,7 +12,7 @@ from .. import __version__
 from ..errors import UserError
 from ..pipeline.artifacts import MANIFEST
 from ..pipeline.cache import write_if_changed
-from .view import ArtifactView, ctas_per_sm, rule_code, KernelView, TargetView, expr_code, output_view, variant_text
+from .view import refuse_tensor_maps, ArtifactView, ctas_per_sm, rule_code, KernelView, TargetView, expr_code, output_view, variant_text
 
 SIGNED = {"u32": "false", "s32": "true", "u64": "false", "s64": "true"}
 
@@ -140,6 +140,7 @@ def _helpers(a: ArtifactView) -> list[str]:
 
 
 def render_artifact(a: ArtifactView, base: Path) -> str:
+    refuse_tensor_maps(a, "Rust")
     out = [f"/// {a.name} ({a.family}): {variant_text(a.variant)}", f"pub mod {a.name} {{", "    use super::*;",
            f"    pub const NAME: &str = {rs_string(a.name)};"]
     out += _targets(a, base)

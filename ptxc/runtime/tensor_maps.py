@@ -54,6 +54,7 @@ def encode_tensor_map(where: str, dtype: str, shape, byte_strides, address: int,
     cannot describe it. A dim of size 0 is encoded as 1 (the driver refuses 0; a kernel visits
     no tile of an empty sequence), and the stride of a dim of size <= 1 as the packed one (it
     is never stepped)."""
+    import numpy as np
     shape, byte_strides, box = list(shape), list(byte_strides), [int(x) for x in box]
     rank, esize = len(shape), ELEMENT_BYTES[dtype]
     if not 1 <= rank <= 5 or len(box) != rank:
@@ -65,10 +66,13 @@ def encode_tensor_map(where: str, dtype: str, shape, byte_strides, address: int,
                          f"the innermost a multiple of 16 bytes and at most the swizzle width")
     if address % ALIGN:
         raise InputError(f"{where}: address {address:#x} is not 16-byte aligned (TMA)")
+    if 0 in shape:             # an empty tensor: numpy's strides are arbitrary, none is stepped
+        shape = [x if x else 1 for x in shape]
+        byte_strides = [esize * int(np.prod(shape[a + 1:])) for a in range(rank)]
     if shape[-1] > 1 and byte_strides[-1] != esize:
         raise InputError(f"{where}: the innermost axis must be packed (stride {esize} bytes), "
                          f"got {byte_strides[-1]}")
-    dims = tuple(max(int(x), 1) for x in reversed(shape))
+    dims = tuple(int(x) for x in reversed(shape))
     packed, strides = esize, []
     for axis in range(rank - 2, -1, -1):          # dims 1.. innermost first
         packed *= dims[rank - 2 - axis]
