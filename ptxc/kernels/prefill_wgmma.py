@@ -14,6 +14,8 @@ The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mm
              tiles.py with a swizzled thread slot), K/V stages tracked by cp.async groups in the
              shared pipeline of kv_pipeline.py; a `fence.proxy.async` after each barrier makes
              the landed tiles visible to the tensor cores' (async-proxy) reads.
+             With tile.kv_loads = "tma": one TMA box per slab from q/k/v tensor-map parameters
+             under mbarriers instead (tma_pipeline.py).
   S = Q·Kᵀ   d/16 `wgmma m64n{block_n}k16` with A = Q and B = K from K-major descriptors
              (SBO 1024 = 8 rows; a k16 step moves the start 32 B inside a slab, the next slab
              by rows x 128 B), one commit group, waited at once.
@@ -23,8 +25,9 @@ The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mm
   row sums   one mma.sync m16n8k16 per k16 step against ones, issued before the P·V chain
              (its A registers may not be read while a wgmma holding them is in flight).
 
-Not here (docs/kernels.md "Hopper"): TMA, mbarrier pipelines, warp specialisation, and the
-overlap of the softmax with the next tile's Q·Kᵀ. Other head dims, head_dim_v != head_dim and
+Not here (docs/kernels.md "Hopper"): warp specialisation (a producer warpgroup, empty[]
+mbarriers), the consumer warpgroups' ping-pong, and the overlap of the softmax with the next
+tile's Q·Kᵀ. Other head dims, head_dim_v != head_dim and
 f32 take the mma.sync / SIMT kernels on sm_90a as on sm_90.
 """
 
