@@ -98,19 +98,6 @@ def artifact_view(path: Path) -> ArtifactView:
                         tuple(sorted(meta.get("scalars") or {})))
 
 
-def refuse_tensor_maps(a: ArtifactView, loader: str) -> None:
-    """The generated loaders do not encode CUtensorMap parameters (tile.kv_loads = "tma"):
-    refuse such an artifact with one line rather than emit a launch that passes garbage."""
-    for t in a.targets:
-        for k in t.kernels:
-            for p in k.params:
-                if p["source"]["kind"] == "tensor_map":
-                    raise UserError(f"{a.path}: {a.name} [{t.name}] {k.entry}: parameter {p['name']} "
-                                    f"is a TMA tensor map (tile.kv_loads = \"tma\"), which the "
-                                    f"{loader} loader does not encode; build it with kv_loads = "
-                                    f"\"cp_async\" for this loader, or run it with ptxc.runtime")
-
-
 def output_view(out_dir: Path) -> list[ArtifactView]:
     """Every artifact the manifest of a `ptxc build` output directory lists, by name."""
     manifest = read_manifest_checked(out_dir)   # names checked before they become paths
