@@ -1,4 +1,4 @@
-"""sm_90a wgmma prefill fed by TMA (tile.kv_loads = "tma", ptxc/kernels/tma_pipeline.py):
+"""sm_90a wgmma prefill fed by TMA (tile.kv_loads = "tma", the default; tma_pipeline.py):
 numerical checks in the emulator against the fp64 reference on the wgmma test shapes (odd
 lengths, causal bottom-right, q_len > L, GQA/MQA, LSE, variants, bhsd strides, empty inputs),
 the tile key's rules, the tensor-map launch parameters (metadata, checked loading refuses a
@@ -95,16 +95,19 @@ def test_kv_loads_needs_a_wgmma_target():
         load_text(spec_text("f16", 64, tile={"kv_loads": "bulk"}, targets=SM90A))
 
 
-def test_other_targets_ignore_the_key():
-    """In a multi-target spec only sm_90a's kernel changes; the others stay byte-identical."""
-    tma = spec_text("f16", 64, "gqa4", True, tile={"kv_loads": "tma"},
-                    targets=("sm_80", "sm_90", "sm_90a"))
-    plain = spec_text("f16", 64, "gqa4", True, targets=("sm_80", "sm_90", "sm_90a"))
+def test_default_on_sm90a_and_other_targets_ignore_the_key():
+    """TMA is the sm_90a default; `kv_loads` changes nothing on the other targets of a
+    multi-target spec, and "cp_async" gives the per-thread kernel."""
+    targets = ("sm_80", "sm_90", "sm_90a")
+    tma = spec_text("f16", 64, "gqa4", True, tile={"kv_loads": "tma"}, targets=targets)
+    plain = spec_text("f16", 64, "gqa4", True, targets=targets)
+    cp = spec_text("f16", 64, "gqa4", True, tile={"kv_loads": "cp_async"}, targets=targets)
     for target in ("sm_80", "sm_90"):
-        assert compiled(tma, target)[1:] == compiled(plain, target)[1:]
-    assert compiled(tma, "sm_90a")[1] != compiled(plain, "sm_90a")[1]
-    cp = spec_text("f16", 64, "gqa4", True, tile={"kv_loads": "cp_async"}, targets=SM90A)
-    assert compiled(cp, "sm_90a")[1] == compiled(plain.replace('"sm_80", "sm_90", ', ""), "sm_90a")[1]
+        assert compiled(tma, target)[1:] == compiled(plain, target)[1:] == compiled(cp, target)[1:]
+    assert compiled(tma, "sm_90a")[1:] == compiled(plain, "sm_90a")[1:]
+    assert compiled(plain, "sm_90a")[3]["kv_loads"] == "tma"
+    ptx, _, config = compiled(cp, "sm_90a")[1:]
+    assert "kv_loads" not in config and config["cp_async"] and "cp.async.bulk" not in ptx
 
 
 # ---- the tensor-map encoding (pure) ------------------------------------------------------------

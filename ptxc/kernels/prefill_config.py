@@ -41,9 +41,9 @@ FIELDS = FamilyFields(
               "number of 16-byte chunks, or XOR-swizzled chunks without padding (docs/kernels.md; "
               "default: padded unless only swizzled tiles fit)", default=None,
               choices=("padded", "swizzled")),
-        Field("kv_loads", "str", "how the sm_90a wgmma kernel loads Q/K/V tiles: per-thread "
-              "cp.async, or TMA boxes under mbarriers (tensor-map parameters; docs/kernels.md "
-              "\"Hopper\")", default=None, choices=("cp_async", "tma")),
+        Field("kv_loads", "str", "how the sm_90a wgmma kernel loads Q/K/V tiles: TMA boxes under "
+              "mbarriers (tensor-map parameters; the default), or per-thread cp.async "
+              "(docs/kernels.md \"Hopper\")", default=None, choices=("tma", "cp_async")),
     ),
 )
 SIMT_LANES_PER_ROW = 8    # f32 path: lanes sharing a query row (its keys and its head_dim chunks)

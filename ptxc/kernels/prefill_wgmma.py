@@ -14,8 +14,8 @@ The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mm
              tiles.py with a swizzled thread slot), K/V stages tracked by cp.async groups in the
              shared pipeline of kv_pipeline.py; a `fence.proxy.async` after each barrier makes
              the landed tiles visible to the tensor cores' (async-proxy) reads.
-             With tile.kv_loads = "tma": one TMA box per slab from q/k/v tensor-map parameters
-             under mbarriers instead (tma_pipeline.py).
+             That is tile.kv_loads = "cp_async"; the default, "tma", loads one TMA box per slab
+             from q/k/v tensor-map parameters under mbarriers instead (tma_pipeline.py).
   S = Q·Kᵀ   d/16 `wgmma m64n{block_n}k16` with A = Q and B = K from K-major descriptors
              (SBO 1024 = 8 rows; a k16 step moves the start 32 B inside a slab, the next slab
              by rows x 128 B), one commit group, waited at once.
@@ -80,7 +80,7 @@ class SwizzledGeom(TileGeom):
 
 @dataclass(frozen=True)
 class WgmmaConfig(PrefillConfig):
-    kv_loads: str = "cp_async"    # "cp_async" (per-thread copies) or "tma" (tma_pipeline.py)
+    kv_loads: str = "tma"         # "tma" (tma_pipeline.py) or "cp_async" (per-thread copies)
 
     @property
     def tma(self) -> bool:
@@ -125,7 +125,7 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
         raise SpecError(f"block_m = {bm} on {target}: the wgmma prefill kernel gives each "
                         f"warpgroup 64 query rows, so block_m must be 64 or 128",
                         key="tile.block_m")
-    loads = given.get("kv_loads", "cp_async")
+    loads = given.get("kv_loads", "tma")
     if loads == "cp_async" and (2 * bm) // (d // 8) % 8:   # threads / chunks per row = rows per pass
         raise SpecError(f"block_m = {bm} with head_dim {d} on {target}: the swizzled tile copy "
                         f"moves whole 8-row groups per pass, which needs block_m = 128 (256 "
