@@ -80,7 +80,9 @@ class SwizzledGeom(TileGeom):
 
 @dataclass(frozen=True)
 class WgmmaConfig(PrefillConfig):
-    kv_loads: str = "tma"         # "tma" (tma_pipeline.py) or "cp_async" (per-thread copies)
+    # "tma" (tma_pipeline.py; prefill's default, set by configure) or "cp_async" (per-thread
+    # copies; the dataclass default, so other builders of a WgmmaConfig keep their layout)
+    kv_loads: str = "cp_async"
 
     @property
     def tma(self) -> bool:

@@ -44,9 +44,8 @@ def barrier_bytes(stages: int) -> int:
 
 
 def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: int, q_smem: Reg,
-                     k_smem: Reg,
-                     v_smem: Reg, bars: Reg, leader: Reg, n_tiles: Reg, n_full: Reg, key0_of,
-                     copy_tile, math, transform=None, lo_full: Reg | None = None) -> None:
+                     k_smem: Reg, v_smem: Reg, bars: Reg, leader: Reg, n_tiles: Reg, n_full: Reg,
+                     key0_of, copy_tile, math, transform=None, lo_full: Reg | None = None) -> None:
     """`copy_tile(t, tile, smem_addr, bar)` issues the TMA boxes of tile `tile` of t ("q", "k"
     or "v"; the Q tile's index is unused) into `smem_addr` on mbarrier `bar` (called by the
     elected thread only, for tiles that exist); `bars` is the 8-byte-aligned shared address of

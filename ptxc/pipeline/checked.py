@@ -36,6 +36,7 @@ from ..errors import PtxcError, SpecError, UserError, VerifyError
 from . import exprs
 from .cache import read_regular_file, sha256
 from .metadata import artifact_files, schema_errors
+from ..ir.values import PARAM_ALIGN
 
 MANIFEST = "manifest.json"
 MAX_METADATA_BYTES = 16 << 20
@@ -45,7 +46,6 @@ _ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(([^)]*)\)", re.S)
 # `.param .u64 name`, or a tensor map `.param .align 64 .b8 name[128]` (read as type "tmap")
 _PARAM = re.compile(r"\.param\s+(?:\.align\s+64\s+\.b8\s+([\w$]+)\[128\]|\.(\w+)\s+([\w$]+))")
 PARAM_SIZE = {"u32": 4, "s32": 4, "f32": 4, "u64": 8, "s64": 8, "tmap": 128}
-PARAM_ALIGN = {"tmap": 64}
 
 
 def short(value: Any, limit: int = 80) -> str:
