@@ -16,6 +16,7 @@ from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.reference import from_device, max_abs_error, to_device, tolerance
 from ptxc.runtime import POISON, launch_geometry, pack_args
+from ptxc.runtime.tensor_maps import emu_tensor_map
 from ptxc.spec import load_text
 from ptxc.targets import TARGETS
 
@@ -65,7 +66,10 @@ def run(text: str, seq_q: int, seq_k: int, *, batch: int = 2, target: str = "sm_
             views[t.name] = bases[t.name].transpose(0, 2, 1, 3)
         else:
             bases[t.name] = views[t.name] = arr
-    args = pack_args(kernel, views, dims, pointer=lambda name, arr: bases[name])
+    tensor_maps = emu_tensor_map({"name": spec.name, "tensors": {
+        t.name: {"dtype": t.dtype} for t in PREFILL.interface(spec).tensors}})
+    args = pack_args(kernel, views, dims, pointer=lambda name, arr: bases[name],
+                     tensor_map=tensor_maps)
     grid, block = launch_geometry(kernel, dims)
     stats = emu.launch(ptx, kernel["entry"], grid, block, args,
                        dynamic_smem_bytes=kernel["dynamic_smem_bytes"], traffic=traffic)

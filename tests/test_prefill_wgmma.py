@@ -2,7 +2,9 @@
 against the fp64 reference (FA2 error rule) on odd shapes, the dispatch rule (which specs take
 the wgmma kernel, which stay on mma.sync / SIMT), one-line tile errors, ptxas acceptance with 0
 spills and SASS evidence (HGMMA, no LDSM, no local memory), and the loop figure per
-HMMA-equivalent. The default subset keeps emulated shapes small; `-m slow` runs the sweep."""
+HMMA-equivalent. These pin tile.kv_loads = "cp_async" (the per-thread loads and their
+pipeline, wgmma_pipeline.py); the TMA-fed default is tests/test_prefill_tma.py. The default
+subset keeps emulated shapes small; `-m slow` runs the sweep."""
 
 import pytest
 
@@ -15,7 +17,8 @@ from tests.test_prefill import check, compiled, run, spec_text
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 PREFILL = FAMILIES["prefill"]
 SM90A = ("sm_90a",)
-SMALL = {"block_m": 64, "block_n": 32}      # 4 warps (one warpgroup), several K/V tiles
+CP_ASYNC = {"kv_loads": "cp_async"}
+SMALL = {"block_m": 64, "block_n": 32, **CP_ASYNC}   # 4 warps (one warpgroup), several K/V tiles
 SHAPES = [(1, 17), (17, 113), (113, 17)]
 SLOW = pytest.mark.slow
 
@@ -40,7 +43,8 @@ def test_matrix(dtype, head_dim, heads, causal):
 @pytest.mark.parametrize("head_dim,block_n", [(64, 128), (128, 128), (256, 64)])
 def test_default_tiles_two_warpgroups(head_dim, block_n):
     """The default tiles (two warpgroups, two K/V stages), q_len > L and a tail tile."""
-    text = spec_text("bf16", head_dim, "gqa4" if head_dim < 256 else "mqa", True, targets=SM90A)
+    text = spec_text("bf16", head_dim, "gqa4" if head_dim < 256 else "mqa", True, tile=CP_ASYNC,
+                     targets=SM90A)
     c = compiled(text, "sm_90a")[3]
     assert (c["block_m"], c["block_n"], c["num_warps"], c["num_stages"]) == (128, block_n, 8, 2)
     check(text, [(150, 131)] if head_dim < 256 else [(130, 70)], batch=1, target="sm_90a")
@@ -102,7 +106,8 @@ def test_other_head_dims_fall_back_to_mma_sync():
 
 @pytest.mark.parametrize("head_dim,tile,key", [
     (128, {"block_m": 32}, "tile.block_m"), (128, {"block_m": 64, "num_warps": 8}, "tile.num_warps"),
-    (128, {"block_n": 256, "num_stages": 4}, "tile.num_stages"), (256, {"block_m": 64}, "tile.block_m")])
+    (128, {"block_n": 256, "num_stages": 4}, "tile.num_stages"),
+    (256, {"block_m": 64, **CP_ASYNC}, "tile.block_m")])
 def test_tile_errors_are_one_line(head_dim, tile, key):
     with pytest.raises(SpecError) as e:
         load_text(spec_text("f16", head_dim, tile=tile, targets=SM90A))
@@ -127,7 +132,7 @@ def built(tmp_path_factory, toolchain):
         text = (SPECS / f"{name}.toml").read_text()
         p = tmp / f"{name}.toml"
         p.write_text("\n".join('targets = ["sm_90a"]' if line.startswith("targets") else line
-                               for line in text.splitlines()))
+                               for line in text.splitlines()) + '\n[kernel.tile]\nkv_loads = "cp_async"\n')
         paths.append(p)
     summary = run_build(paths, tmp / "out", progress=False, cache_dir=tmp / "cache")
     return tmp / "out", summary

@@ -42,8 +42,28 @@ def passed_tensors(a: ArtifactView) -> set[str]:
             if p["source"]["kind"] in ("pointer", "workspace")}
 
 
+C_TMAP_DTYPE = {"f16": "FLOAT16", "bf16": "BFLOAT16", "f32": "FLOAT32", "i32": "INT32", "u64": "UINT64",
+                "e4m3": "UINT8", "e5m2": "UINT8"}   # as ptxc/runtime/tensor_maps.py
+
+
+def _tensor_map_line(a: ArtifactView, k: KernelView, p: dict) -> str:
+    """Encode a tensor_map parameter (ptxc_put_tensor_map) from the tensor's pointer, strides
+    and shape (its dims evaluated over `d`)."""
+    src = p["source"]
+    t = a.tensor(src["tensor"])
+    shape = ", ".join(c_expr(s, a.dims) if isinstance(s, str) else f"(int64_t){int(s)}" for s in t.shape)
+    box = ", ".join(f"{int(b)}u" for b in src["box"])
+    swizzle = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}[src["swizzle"]]
+    return (f"    {{ const int64_t shape[{len(t.shape)}] = {{{shape}}}; const cuuint32_t box[{len(src['box'])}] = {{{box}}};\n"
+            f"      if ((r = ptxc_put_tensor_map(L, p.bytes, {p['offset']}, t->{t.name}.ptr, t->{t.name}.strides, shape, "
+            f"{len(t.shape)}, {t.element_bytes}, CU_TENSOR_MAP_DATA_TYPE_{C_TMAP_DTYPE[t.dtype]}, box, "
+            f"CU_TENSOR_MAP_SWIZZLE_{swizzle}, {c_string(k.entry)}, {c_string(p['name'])})) != CUDA_SUCCESS) return r; }}")
+
+
 def _param_line(a: ArtifactView, k: KernelView, p: dict) -> str:
     src, kind = p["source"], p["source"]["kind"]
+    if kind == "tensor_map":
+        return _tensor_map_line(a, k, p)
     if p["type"] == "f32":
         value = repr(float(src["value"])) if kind == "const" else f"(float)d->{src['name']}"
         return f"    {{ float v = (float){value}; memcpy(p.bytes + {p['offset']}, &v, 4); }}"

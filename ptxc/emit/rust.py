@@ -27,8 +27,26 @@ def rs_string(text: str) -> str:
     return f'"{text}"'
 
 
-def _param_line(k: KernelView, p: dict) -> str:
+TMAP_DTYPE = {"f16": 6, "bf16": 9, "f32": 7, "i32": 3, "u64": 4, "e4m3": 0, "e5m2": 0}  # CU_TENSOR_MAP_DATA_TYPE_*
+TMAP_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}                                                # CU_TENSOR_MAP_SWIZZLE_*
+
+
+def _tensor_map_line(a: ArtifactView, k: KernelView, p: dict) -> str:
+    """Encode a tensor_map parameter (put_tensor_map) from the tensor's pointer, strides and
+    shape (its dims evaluated over `d`); the enums as cuda.h numbers them."""
+    src = p["source"]
+    t = a.tensor(src["tensor"])
+    shape = ", ".join(rs_expr(s, a.dims) if isinstance(s, str) else f"{int(s)}i64" for s in t.shape)
+    box = ", ".join(f"{int(b)}u32" for b in src["box"])
+    return (f"    put_tensor_map(&mut p, {p['offset']}, t.{t.name}.ptr, &t.{t.name}.strides, &[{shape}], "
+            f"{t.element_bytes}, {TMAP_DTYPE[t.dtype]}, &[{box}], {TMAP_SWIZZLE[src['swizzle']]}, "
+            f"{rs_string(k.entry)}, {rs_string(p['name'])})?;")
+
+
+def _param_line(k: KernelView, p: dict, a: ArtifactView | None = None) -> str:
     src, kind = p["source"], p["source"]["kind"]
+    if kind == "tensor_map":
+        return _tensor_map_line(a, k, p)
     if p["type"] == "f32":
         value = f"{float(src['value'])!r}f32" if kind == "const" else f"d.{src['name']} as f32"
         return f"    p[{p['offset']}..{p['offset'] + 4}].copy_from_slice(&({value}).to_le_bytes());"
@@ -50,7 +68,7 @@ def _launch_fn(a: ArtifactView, t: TargetView, i: int, k: KernelView) -> str:
     lines = [f"    /// {t.name} launch {i}: {k.entry}, block {list(k.block)}, {k.dynamic_smem} B dynamic shared memory",
              f"    fn {t.name}_launch{i}(f: CUfunction, d: &Dims, t: &Tensors, stream: CUstream) -> Result<(), Error> {{",
              f"        let mut p = [0u8; {k.param_bytes}];"]
-    lines += ["    " + _param_line(k, p) for p in k.params]
+    lines += ["    " + _param_line(k, p, a) for p in k.params]
     lines.append("        let grid = [" + ", ".join(rs_expr(g, a.dims) for g in k.grid) + "];")
     lines.append(f"        launch(f, {rs_string(k.entry)}, grid, [{', '.join(f'{b}u32' for b in k.block)}], "
                  f"{k.dynamic_smem}, &mut p, stream)")

@@ -25,8 +25,9 @@ from ..targets import get_target
 MAX_CANDIDATES = 400   # the prefill product is 500 raw combinations; legal ones are far fewer
 # Tile keys every candidate keeps at the spec's value: prefill's warp_rows and smem_layout change the
 # kernel's structure, not its tile, and tuned tables record (and apply) only the tile shape
-# (kernels.common.tuned_tile); a tuned 32-row tile would be applied as a 16-row one.
-NOT_TUNED = frozenset({"warp_rows", "smem_layout"})
+# (kernels.common.tuned_tile); a tuned 32-row tile would be applied as a 16-row one. kv_loads
+# (sm_90a's TMA or cp.async loads) is structural in the same way.
+NOT_TUNED = frozenset({"warp_rows", "smem_layout", "kv_loads"})
 
 
 def tune_key(spec: KernelSpec) -> dict[str, Any]:

@@ -91,6 +91,8 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
         return Sym(name, U32)
 
     def reg(self, type: PtxType) -> Reg:
+        if type.kind == "tmap":
+            raise IRError(f"{self.entry.name}: a tensor map is a parameter, not a register value")
         cls = storage_of(type)
         n = self.entry.reg_counts.get(cls, 0) + 1  # index 0 unused, like nvcc's output
         self.entry.reg_counts[cls] = n

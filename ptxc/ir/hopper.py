@@ -8,6 +8,9 @@ Matrix Multiply-Accumulate", "mbarrier", "Parallel Synchronization: fence").
     fence_proxy_async()                                          generic -> async proxy (shared)
     mbarrier_init / mbarrier_arrive / mbarrier_arrive_expect_tx / mbarrier_try_wait_parity
     setmaxnreg(inc, count)
+    tensor_map_address(tmap)                                     generic address of a map param
+    tma_load(dst, tmap_addr, coords, bar)                        TMA box copy global -> shared
+    prefetch_tensormap(tmap_addr)                                the descriptor into the cache
 
 Every wgmma instruction is warpgroup-wide (all 128 threads converged), so none may be placed
 under a predicate block. The accumulator is named once as the destination: wgmma reads it as C
@@ -19,7 +22,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import IRError
-from .values import B64, BF16, F16, F32, PRED, U32, U64, Addr, Imm, PtxType, Reg, Vec
+from .values import (B64, BF16, F16, F32, PRED, S32, TMAP, U32, U64, Addr, Imm, PtxType, Reg,
+                     Sym, TensorCoords, Vec)
 
 SWIZZLE_MODE = {0: 0, 128: 1, 64: 2, 32: 3}   # swizzle width in bytes -> descriptor bits [63:62]
 
@@ -163,5 +167,43 @@ class HopperOps:
         self.emit("setmaxnreg", ("inc" if inc else "dec", "sync", "aligned", "u32"), (),
                   (Imm(count, U32),))
 
+    # ---- TMA ------------------------------------------------------------------------------
+    def tensor_map_address(self, tmap: Sym) -> Reg:
+        """The generic address of a tensor-map parameter (mov + cvta.param), the form ptxas
+        takes in cp.async.bulk.tensor and prefetch.tensormap (naming the parameter directly is
+        refused: "state space mismatch")."""
+        if not isinstance(tmap, Sym) or tmap.type != TMAP:
+            raise IRError(f"tensor map address: {tmap!r} is not a tensor-map parameter")
+        d = self.reg(U64)
+        self.emit("mov", ("u64",), (d,), (tmap,))
+        self.emit("cvta", ("param", "u64"), (d,), (d,))
+        return d
+
+    def tma_load(self, dst: Addr, tmap_addr: Reg, coords: Sequence, bar: Addr) -> None:
+        """One box of the tensor behind the map at `tmap_addr` (from tensor_map_address) at
+        `coords` (s32, innermost first) into shared memory at `dst` (128-byte aligned for a
+        swizzled map), completing `bar`'s transaction count by the box's bytes:
+        cp.async.bulk.tensor.Nd.shared::cluster.global.tile.mbarrier::complete_tx::bytes.
+        Issued by every thread that executes it (callers elect one)."""
+        what = "cp.async.bulk.tensor"
+        self._operand(tmap_addr, U64, f"{what} tensor map")
+        if not isinstance(tmap_addr, Reg):
+            raise IRError(f"{what}: the tensor map is a u64 register from tensor_map_address")
+        coords = list(coords)
+        if not 1 <= len(coords) <= 5:
+            raise IRError(f"{what}: {len(coords)} coordinates; a tensor map has 1 to 5 dimensions")
+        ops = tuple(self._operand(c, S32, f"{what} coordinate {i}") for i, c in enumerate(coords))
+        self._mbar_addr(dst, f"{what} destination")
+        self._mbar_addr(bar, f"{what} mbarrier")
+        self.emit("cp", ("async", "bulk", "tensor", f"{len(coords)}d", "shared::cluster", "global",
+                         "tile", "mbarrier::complete_tx::bytes"), (),
+                  (dst, TensorCoords(tmap_addr, ops), bar))
+
+    def prefetch_tensormap(self, tmap_addr: Reg) -> None:
+        """Bring the tensor map's 128 bytes into the descriptor cache ahead of the first copy."""
+        if not isinstance(tmap_addr, Reg) or tmap_addr.type != U64:
+            raise IRError(f"prefetch.tensormap: {tmap_addr!r} is not a u64 register from "
+                          f"tensor_map_address")
+        self.emit("prefetch", ("tensormap",), (), (Addr(tmap_addr),))
 
 __all__ = ["HopperOps", "SWIZZLE_MODE"]

@@ -13,7 +13,7 @@ from typing import Callable
 
 from .. import __version__
 from .builder import EntryIR, Instr
-from .values import STORAGE_DECL, STORAGE_ORDER
+from .values import STORAGE_DECL, STORAGE_ORDER, param_decl
 
 
 def _generic(i: Instr) -> str:
@@ -65,7 +65,7 @@ def render_module(entries: list[EntryIR], *, kernel: str, family: str, target: s
     for e in entries:
         decls = [_RegDecl(c, STORAGE_DECL[c], e.reg_counts[c] + 1)
                  for c in STORAGE_ORDER if e.reg_counts.get(c)]
-        views.append({"name": e.name, "params": [{"type": p.type.name, "name": p.name} for p in e.params],
+        views.append({"name": e.name, "params": [param_decl(p.type, p.name) for p in e.params],
                       "reg_decls": decls, "shared": e.shared,
                       "lines": [render_instr(i) for i in e.body],
                       "maxntid": (maxntid or {}).get(e.name),

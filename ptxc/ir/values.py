@@ -44,6 +44,17 @@ F32, F64 = PtxType("f32", 32, "f"), PtxType("f64", 64, "f")
 F16X2, BF16X2 = PtxType("f16x2", 32, "b"), PtxType("bf16x2", 32, "b")
 # A pair of FP8 bytes packed in 16 bits: element 0 in bits [7:0].
 E4M3X2, E5M2X2 = PtxType("e4m3x2", 16, "b"), PtxType("e5m2x2", 16, "b")
+# A CUtensorMap kernel parameter (TMA descriptor): 128 opaque bytes, 64-byte aligned, declared
+# `.param .align 64 .b8 NAME[128]`. Only a parameter has this type (never a register).
+TMAP = PtxType("tmap", 1024, "tmap")
+PARAM_ALIGN = {"tmap": 64}   # parameter alignment where it is not the size
+
+
+def param_decl(type: PtxType, name: str) -> str:
+    """A kernel parameter's declaration text after `.param`."""
+    if type is TMAP:
+        return f".align 64 .b8 {name}[{TMAP.bytes}]"
+    return f".{type.name} {name}"
 
 TYPES = {t.name: t for t in (PRED, B16, B32, B64, U16, U32, U64, S16, S32, S64, F16, BF16, F32,
                              F64, F16X2, BF16X2, E4M3X2, E5M2X2)}
@@ -105,6 +116,18 @@ class Sym:
 
     def __str__(self) -> str:
         return self.name
+
+
+@dataclass(frozen=True)
+class TensorCoords:
+    """The source of a TMA copy `[tmap, {c0, c1, ...}]`: the tensor map's generic address (a
+    u64 register) and s32 coordinates, innermost dimension first."""
+
+    tmap: Reg
+    coords: tuple
+
+    def __str__(self) -> str:
+        return f"[{self.tmap}, {{{', '.join(map(str, self.coords))}}}]"
 
 
 @dataclass(frozen=True)

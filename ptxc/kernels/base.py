@@ -54,7 +54,9 @@ class ParamSource:
 
     kind: "pointer" (device address of `tensor`), "stride" (element stride of `tensor` along
     `axis`), "dim" (the runtime dimension `name`), "scalar" (the runtime scalar argument `name`,
-    e.g. an FP8 cache's k_scale), or "const" (`value`, fixed at build time).
+    e.g. an FP8 cache's k_scale), "const" (`value`, fixed at build time), or "tensor_map" (a
+    CUtensorMap of `tensor` encoded at launch: dims = the tensor's shape innermost first, its
+    byte strides, box `box` innermost first, `swizzle` bytes; docs/metadata.md).
     """
 
     kind: str
@@ -62,10 +64,14 @@ class ParamSource:
     axis: int | None = None
     name: str | None = None
     value: int | float | None = None
+    box: tuple[int, ...] | None = None
+    swizzle: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        box = list(self.box) if self.box is not None else None
         return {k: v for k, v in (("kind", self.kind), ("tensor", self.tensor), ("axis", self.axis),
-                                  ("name", self.name), ("value", self.value)) if v is not None}
+                                  ("name", self.name), ("value", self.value), ("box", box),
+                                  ("swizzle", self.swizzle)) if v is not None}
 
 
 @dataclass(frozen=True)

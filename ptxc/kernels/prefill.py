@@ -113,7 +113,11 @@ def build(spec: KernelSpec, target: Target) -> Program:
                for t in "qkvo" for a in (0, 1, 2)}
     seq_q = param("seq_q", U32, ParamSource("dim", name="seq_q"))
     seq_k = param("seq_k", U32, ParamSource("dim", name="seq_k"))
-    (wg.emit_body if wgmma else _emit_body)(b, spec, cfg, ptrs, strides, seq_q, seq_k)
+    if wgmma and cfg.tma:    # tile.kv_loads = "tma": q/k/v tensor maps after the other params
+        wg.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k,
+                     wg.tensor_map_params(b, spec, cfg, params))
+    else:
+        (wg.emit_body if wgmma else _emit_body)(b, spec, cfg, ptrs, strides, seq_q, seq_k)
     b.ret()
     launch = Launch(entry=b.entry.name, params=tuple(params),
                     grid=(f"cdiv(seq_q, {cfg.block_m})", str(spec.num_heads), "batch"),

@@ -41,6 +41,9 @@ FIELDS = FamilyFields(
               "number of 16-byte chunks, or XOR-swizzled chunks without padding (docs/kernels.md; "
               "default: padded unless only swizzled tiles fit)", default=None,
               choices=("padded", "swizzled")),
+        Field("kv_loads", "str", "how the sm_90a wgmma kernel loads Q/K/V tiles: TMA boxes under "
+              "mbarriers (tensor-map parameters; the default), or per-thread cp.async "
+              "(docs/kernels.md \"Hopper\")", default=None, choices=("tma", "cp_async")),
     ),
 )
 SIMT_LANES_PER_ROW = 8    # f32 path: lanes sharing a query row (its keys and its head_dim chunks)
@@ -128,6 +131,12 @@ def validate(spec: KernelSpec) -> None:
     from .prefill_wgmma import configure as configure_wgmma, uses_wgmma
     for t in spec.targets:
         (configure_wgmma if uses_wgmma(spec, TARGETS[t]) else configure)(spec, TARGETS[t])
+    if spec.tile_dict().get("kv_loads") == "tma" and \
+            not any(uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
+        raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim {spec.head_dim}, "
+                        f"targets {', '.join(spec.targets)}: TMA feeds only the sm_90a wgmma "
+                        f"kernel (f16/bf16, head_dim 64, 128 or 256, head_dim_v = head_dim); "
+                        f"add sm_90a or drop the key", key="tile.kv_loads")
 
 
 def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int]:
@@ -218,7 +227,7 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                             f"{stages} x K/V {2 * cfg.kv_geom.bytes}); {target} allows "
                             f"{target.max_smem_per_cta} per CTA: use a smaller tile", key=f"tile.{key}")
         cfg = make()
-    shape_given = given.keys() - {"smem_layout", "warp_rows"}
+    shape_given = given.keys() - {"smem_layout", "warp_rows", "kv_loads"}   # kv_loads: sm_90a wgmma only
     if tc and not shape_given and not tuned and _two_ctas_target(spec, target):
         # Two CTAs per SM (docs/kernels.md "Prefill tiles"): the most stages (<= the default)
         # with which two fit the SM's shared memory, and ptxas told to stay within the 128

@@ -14,6 +14,8 @@ The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mm
              tiles.py with a swizzled thread slot), K/V stages tracked by cp.async groups in the
              shared pipeline of kv_pipeline.py; a `fence.proxy.async` after each barrier makes
              the landed tiles visible to the tensor cores' (async-proxy) reads.
+             That is tile.kv_loads = "cp_async"; the default, "tma", loads one TMA box per slab
+             from q/k/v tensor-map parameters under mbarriers instead (tma_pipeline.py).
   S = Q·Kᵀ   d/16 `wgmma m64n{block_n}k16` with A = Q and B = K from K-major descriptors
              (SBO 1024 = 8 rows; a k16 step moves the start 32 B inside a slab, the next slab
              by rows x 128 B), one commit group, waited at once.
@@ -23,8 +25,9 @@ The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mm
   row sums   one mma.sync m16n8k16 per k16 step against ones, issued before the P·V chain
              (its A registers may not be read while a wgmma holding them is in flight).
 
-Not here (docs/kernels.md "Hopper"): TMA, mbarrier pipelines, warp specialisation, and the
-overlap of the softmax with the next tile's Q·Kᵀ. Other head dims, head_dim_v != head_dim and
+Not here (docs/kernels.md "Hopper"): warp specialisation (a producer warpgroup, empty[]
+mbarriers), the consumer warpgroups' ping-pong, and the overlap of the softmax with the next
+tile's Q·Kᵀ. Other head dims, head_dim_v != head_dim and
 f32 take the mma.sync / SIMT kernels on sm_90a as on sm_90.
 """
 
@@ -33,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SpecError
-from ..ir import F32, S32, S64, U32, U64, Imm, KernelBuilder, Reg
+from ..ir import F32, S32, S64, U32, U64, Addr, Imm, KernelBuilder, Reg
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
@@ -41,6 +44,7 @@ from .prefill import Ctx, PrefillConfig, cta_coords, tile_range
 from .prefill_mma import RESCALE_SLACK, MmaMath
 from .tiles import CHUNK, ThreadSlot, TileGeom, global_rows, load_tile, zero_regs
 from .variant import head_dim_v
+from .tma_pipeline import barrier_bytes, run_tma_pipeline
 from .wgmma_pipeline import run_wgmma_pipeline
 
 WGMMA_TARGETS = ("sm_90a",)
@@ -76,6 +80,14 @@ class SwizzledGeom(TileGeom):
 
 @dataclass(frozen=True)
 class WgmmaConfig(PrefillConfig):
+    # "tma" (tma_pipeline.py; prefill's default, set by configure) or "cp_async" (per-thread
+    # copies; the dataclass default, so other builders of a WgmmaConfig keep their layout)
+    kv_loads: str = "cp_async"
+
+    @property
+    def tma(self) -> bool:
+        return self.kv_loads == "tma"
+
     @property
     def q_geom(self) -> TileGeom:
         return SwizzledGeom(self.block_m, self.head_dim * self.fmt.bytes, self.threads)
@@ -96,7 +108,8 @@ class WgmmaConfig(PrefillConfig):
 
     @property
     def smem_bytes(self) -> int:
-        return self.q_region_bytes + 2 * self.num_stages * self.kv_geom.bytes
+        bars = barrier_bytes(self.num_stages) if self.tma else 0
+        return self.q_region_bytes + 2 * self.num_stages * self.kv_geom.bytes + bars
 
     @property
     def registers_estimate(self) -> int:   # S and O accumulators, P, per thread
@@ -114,7 +127,8 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
         raise SpecError(f"block_m = {bm} on {target}: the wgmma prefill kernel gives each "
                         f"warpgroup 64 query rows, so block_m must be 64 or 128",
                         key="tile.block_m")
-    if (2 * bm) // (d // 8) % 8:   # threads / 16-byte chunks per row = rows per copy pass
+    loads = given.get("kv_loads", "tma")
+    if loads == "cp_async" and (2 * bm) // (d // 8) % 8:   # threads / chunks per row = rows per pass
         raise SpecError(f"block_m = {bm} with head_dim {d} on {target}: the swizzled tile copy "
                         f"moves whole 8-row groups per pass, which needs block_m = 128 (256 "
                         f"threads) for head_dim {d}", key="tile.block_m")
@@ -122,7 +136,8 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
         raise SpecError(f"num_warps = {given['num_warps']} with block_m = {bm} on {target}: the "
                         f"wgmma prefill kernel needs num_warps = block_m / 16 = {bm // 16}",
                         key="tile.num_warps")
-    cfg = WgmmaConfig(C.FORMATS[spec.dtype], d, True, bm, bn, bm // 16, stages, True, d, 1)
+    cfg = WgmmaConfig(C.FORMATS[spec.dtype], d, True, bm, bn, bm // 16, stages, loads != "tma", d,
+                      1, kv_loads=loads)
     if cfg.smem_bytes > target.max_smem_per_cta:
         raise SpecError(f"tile block_m={bm}, block_n={bn}, num_stages={stages} needs "
                         f"{cfg.smem_bytes} bytes of shared memory; {target} allows "
@@ -134,8 +149,9 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     c = configure(spec, target)
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
-            "num_stages": c.num_stages, "path": "wgmma.m64nNk16", "cp_async": True,
-            "smem_swizzle": SWIZZLE, "smem_bytes": c.smem_bytes}
+            "num_stages": c.num_stages, "path": "wgmma.m64nNk16", "cp_async": c.cp_async,
+            "smem_swizzle": SWIZZLE, "smem_bytes": c.smem_bytes,
+            **({"kv_loads": "tma"} if c.tma else {})}
 
 
 def swizzled_slot(b: KernelBuilder, geom: SwizzledGeom, tid: Reg) -> ThreadSlot:
@@ -251,8 +267,24 @@ class WgmmaMath(MmaMath):
             b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
 
 
-def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides, seq_q, seq_k):
-    """prefill.py's body with the swizzled tiles and WgmmaMath (same tile range and masks)."""
+def tensor_map_params(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, params: list) -> dict:
+    """The q/k/v tensor-map parameters of the TMA loads (appended to `params`): one box is a
+    64-element (128-byte) column slab of block_m (Q) or block_n (K, V) rows of one head."""
+    from ..ir import TMAP
+    from .base import LaunchParam, ParamSource
+    maps = {}
+    for t, rows in (("q", cfg.block_m), ("k", cfg.block_n), ("v", cfg.block_n)):
+        box = (SWIZZLE // cfg.fmt.bytes, 1, rows, 1)    # innermost first: d, head, seq, batch
+        src = ParamSource("tensor_map", tensor=t, box=box, swizzle=SWIZZLE)
+        params.append(LaunchParam(f"{t}_tmap", TMAP, src))
+        maps[t] = b.param(f"{t}_tmap", TMAP)
+    return maps
+
+
+def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides, seq_q, seq_k,
+              tmaps: dict | None = None):
+    """prefill.py's body with the swizzled tiles and WgmmaMath (same tile range and masks);
+    `tmaps` (tile.kv_loads = "tma"): the tensor-map parameters of tensor_map_params."""
     bm, bn, stages = cfg.block_m, cfg.block_n, cfg.num_stages
     tid, lane, warp, head, batch, kv_head, m_start, head_base = cta_coords(b, spec, bm, ptrs, strides)
     key_offset, n_tiles, n_full, first_tile, lo_full, variant = tile_range(
@@ -263,6 +295,11 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
     kv_bytes = cfg.kv_geom.bytes
     k_smem = b.add(smem, cfg.q_region_bytes)
     v_smem = b.add(k_smem, stages * kv_bytes)
+    if cfg.tma:
+        _tma_body(b, spec, cfg, tmaps, smem, k_smem, v_smem, tid, lane, warp, head, batch,
+                  kv_head, m_start, head_base, strides, ptrs, seq_q, seq_k, key_offset, n_tiles,
+                  n_full, first_tile, lo_full, variant)
+        return
     q_slot, kv_slot = swizzled_slot(b, cfg.q_geom, tid), swizzled_slot(b, cfg.kv_geom, tid)
     gq = global_rows(b, q_slot, head_base("q", head), strides[("q", 1)])
     gkv = {t: global_rows(b, kv_slot, head_base(t, kv_head), strides[(t, 1)]) for t in "kv"}
@@ -294,4 +331,41 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
                        n_tiles=n_tiles, n_full=n_full, key0_of=key0_of, load_kv=load_kv,
                        math=math, lo_full=lo_full,
                        transform=math.transform if variant.transforms else None)
+    math.epilogue()
+
+
+def _tma_body(b, spec, cfg, tmaps, smem, k_smem, v_smem, tid, lane, warp, head, batch, kv_head,
+              m_start, head_base, strides, ptrs, seq_q, seq_k, key_offset, n_tiles, n_full,
+              first_tile, lo_full, variant):
+    """emit_body with the tiles fed by TMA (tma_pipeline.py): one elected thread, one box per
+    128-byte column slab, coordinates {64 s, head, row, batch} (innermost first)."""
+    bn, stages = cfg.block_n, cfg.num_stages
+    ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
+              head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant,
+              ptrs.get("sinks"), ptrs.get("alibi_slopes"))
+    math = WgmmaMath(b, ctx)
+    addr = {t: b.tensor_map_address(tmaps[t]) for t in "qkv"}
+    coords = {t: (b.bitcast(head if t == "q" else kv_head, S32), b.bitcast(batch, S32))
+              for t in "qkv"}
+    slab_cols = SWIZZLE // cfg.fmt.bytes
+
+    def copy_tile(t: str, tile, dst: Reg, bar) -> None:
+        if t == "q":
+            row0, rows = m_start, cfg.block_m
+        else:
+            row0, rows = b.mul(tile if first_tile is None else b.add(tile, first_tile), bn), bn
+        h, n = coords[t]
+        row0 = b.bitcast(row0, S32)
+        for s in range(cfg.head_dim // slab_cols):   # slab s: rows x 128 B, 1024-B aligned
+            b.tma_load(Addr(dst, s * rows * SWIZZLE), addr[t], [s * slab_cols, h, row0, n], bar)
+
+    def key0_of(j: Reg) -> Reg:
+        return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
+
+    run_tma_pipeline(b, stages=stages, kv_bytes=cfg.kv_geom.bytes, q_bytes=cfg.q_geom.bytes,
+                     q_smem=smem, k_smem=k_smem, v_smem=v_smem,
+                     bars=b.add(k_smem, 2 * stages * cfg.kv_geom.bytes),
+                     leader=b.setp("eq", tid, 0), n_tiles=n_tiles, n_full=n_full,
+                     key0_of=key0_of, copy_tile=copy_tile, math=math, lo_full=lo_full,
+                     transform=math.transform if variant.transforms else None)
     math.epilogue()

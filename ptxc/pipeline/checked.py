@@ -36,14 +36,16 @@ from ..errors import PtxcError, SpecError, UserError, VerifyError
 from . import exprs
 from .cache import read_regular_file, sha256
 from .metadata import artifact_files, schema_errors
+from ..ir.values import PARAM_ALIGN
 
 MANIFEST = "manifest.json"
 MAX_METADATA_BYTES = 16 << 20
 MAX_IMAGE_BYTES = 512 << 20
 ARTIFACT_NAME = re.compile(r"[a-z][a-z0-9_]{0,127}")
 _ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(([^)]*)\)", re.S)
-_PARAM = re.compile(r"\.param\s+\.(\w+)\s+([\w$]+)")
-PARAM_SIZE = {"u32": 4, "s32": 4, "f32": 4, "u64": 8, "s64": 8}
+# `.param .u64 name`, or a tensor map `.param .align 64 .b8 name[128]` (read as type "tmap")
+_PARAM = re.compile(r"\.param\s+(?:\.align\s+64\s+\.b8\s+([\w$]+)\[128\]|\.(\w+)\s+([\w$]+))")
+PARAM_SIZE = {"u32": 4, "s32": 4, "f32": 4, "u64": 8, "s64": 8, "tmap": 128}
 
 
 def short(value: Any, limit: int = 80) -> str:
@@ -54,7 +56,8 @@ def short(value: Any, limit: int = 80) -> str:
 
 def ptx_signatures(ptx: str) -> dict[str, list[tuple[str, str]]]:
     """Entry name -> [(param type, param name)] as declared in the PTX text."""
-    return {m.group(1): [(t, n) for t, n in _PARAM.findall(m.group(2))] for m in _ENTRY.finditer(ptx)}
+    return {m.group(1): [("tmap", tm) if tm else (t, n) for tm, t, n in _PARAM.findall(m.group(2))]
+            for m in _ENTRY.finditer(ptx)}
 
 
 def read_artifact_file(d: Path, name: str, limit: int = MAX_IMAGE_BYTES) -> bytes:
@@ -217,17 +220,25 @@ def _reference_problems(meta: dict, where: Path) -> list[str]:
                 src, label = p["source"], f"{target} {k['entry']} parameter {p['name']}"
                 if p["size"] != PARAM_SIZE[p["type"]]:
                     problems.append(f"{where}: {label}: size {p['size']} for type {p['type']}")
-                offset = -(-offset // p["size"]) * p["size"]
+                align = PARAM_ALIGN.get(p["type"], p["size"])
+                offset = -(-offset // align) * align
                 if p["offset"] != offset:
                     problems.append(f"{where}: {label}: offset {p['offset']}, expected {offset}")
                 offset += p["size"]
                 kind = src["kind"]
-                if kind in ("pointer", "workspace", "stride") and src.get("tensor") not in tensors:
+                if (kind == "tensor_map") != (p["type"] == "tmap"):
+                    problems.append(f"{where}: {label}: a tensor_map source needs type tmap and "
+                                    f"type tmap a tensor_map source")
+                if kind in ("pointer", "workspace", "stride", "tensor_map") and src.get("tensor") not in tensors:
                     problems.append(f"{where}: {label}: source tensor {short(src.get('tensor'))} is not a tensor")
                 elif kind == "stride" and not 0 <= src.get("axis", -1) < len(tensors[src["tensor"]]["shape"]):
                     problems.append(f"{where}: {label}: stride axis {short(src.get('axis'))} out of range")
                 elif kind == "dim" and src.get("name") not in dims:
                     problems.append(f"{where}: {label}: source dim {short(src.get('name'))} is not a dim")
+                elif kind == "tensor_map" and (len(src.get("box", ())) != len(tensors[src["tensor"]]["shape"])
+                                               or "swizzle" not in src):
+                    problems.append(f"{where}: {label}: box {short(src.get('box'))} needs one size "
+                                    f"per axis of {src['tensor']} and a swizzle")
                 elif kind == "const" and not isinstance(src.get("value"), (int, float)):
                     problems.append(f"{where}: {label}: const without a value")
                 if kind in ("pointer", "workspace") and p["type"] != "u64":

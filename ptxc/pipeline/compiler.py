@@ -19,6 +19,7 @@ from typing import Any, Callable
 from .cache import Cache, canonical_json, make_key, sha256
 from ..errors import PtxcError
 from ..ir import render_module
+from ..ir.values import PARAM_ALIGN
 from ..ir.passes import run_passes
 from ..kernels import FAMILIES
 from ..kernels.base import Launch
@@ -40,11 +41,13 @@ class TargetBuild:
 
 
 def launch_to_dict(launch: Launch, static_smem: int) -> dict[str, Any]:
-    """The exact parameter ABI: each parameter aligned to its own size, offsets in bytes."""
+    """The exact parameter ABI: each parameter aligned to its own size (a tensor map: 64),
+    offsets in bytes."""
     params, offset = [], 0
     for p in launch.params:
         size = p.type.bytes
-        offset = -(-offset // size) * size
+        align = PARAM_ALIGN.get(p.type.name, size)
+        offset = -(-offset // align) * align
         params.append({"name": p.name, "type": p.type.name, "size": size, "offset": offset,
                        "source": p.source.to_dict()})
         offset += size

@@ -319,13 +319,22 @@ def check_buffer_budget(meta: dict, inputs: dict[str, np.ndarray] | None, dims: 
 
 
 def pack_args(kernel: dict, buffers: dict[str, np.ndarray], dims: dict[str, int],
-              pointer: Callable[[str, np.ndarray], Any]) -> list[Any]:
+              pointer: Callable[[str, np.ndarray], Any],
+              tensor_map: Callable[[str, np.ndarray, dict], Any] | None = None) -> list[Any]:
     """Values for a launch's parameters, in ABI order: `pointer(tensor, array)` for pointers,
-    numpy scalars of the parameter's type for strides, dims and constants."""
+    `tensor_map(tensor, array, source)` for tensor maps (the backend's encoding; the emulator's:
+    tensor_maps.emu_tensor_map), numpy scalars of the parameter's type for strides, dims and
+    constants."""
     values = []
     for p in kernel["params"]:
-        src, np_type = p["source"], NP_PARAM[p["type"]]
-        kind = src["kind"]
+        src, kind = p["source"], p["source"]["kind"]
+        if kind == "tensor_map":
+            if tensor_map is None:
+                raise InputError(f"{kernel['entry']}: parameter {p['name']} is a tensor map, and "
+                                 f"this launcher encodes none")
+            values.append(tensor_map(src["tensor"], buffers[src["tensor"]], src))
+            continue
+        np_type = NP_PARAM[p["type"]]
         if kind in ("pointer", "workspace"):
             values.append(pointer(src["tensor"], buffers[src["tensor"]]))
         elif kind == "stride":
@@ -380,7 +389,8 @@ def _emu_launcher(ptx: str, meta: dict):
             return emu.PointerTable(tuple((buffers[source], off)
                                           for off in row_pointer_offsets(buffers[source])))
 
-        args = pack_args(kernel, buffers, dims, pointer=pointer)
+        from .tensor_maps import emu_tensor_map
+        args = pack_args(kernel, buffers, dims, pointer=pointer, tensor_map=emu_tensor_map(meta))
         emu.launch(ptx, kernel["entry"], grid, block, args,
                    dynamic_smem_bytes=kernel["dynamic_smem_bytes"])
     return launch

@@ -38,6 +38,33 @@ def _check(result, what: str):
     return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
 
 
+def tensor_map_call(enc) -> tuple:
+    """The positional arguments of cuda-python's cuTensorMapEncodeTiled for a TensorMapEncoding
+    (after the output map, which cuda-python returns): data type, rank, address, dims, strides,
+    box, element strides, interleave, swizzle, L2 promotion, OOB fill."""
+    drv = _driver()
+    enum = lambda cls, prefix, name: getattr(cls, f"CU_TENSOR_MAP_{prefix}_{name}")
+    return (enum(drv.CUtensorMapDataType, "DATA_TYPE", enc.data_type), enc.rank, enc.address,
+            list(enc.dims), list(enc.strides), list(enc.box), list(enc.element_strides),
+            enum(drv.CUtensorMapInterleave, "INTERLEAVE", enc.interleave),
+            enum(drv.CUtensorMapSwizzle, "SWIZZLE", enc.swizzle),
+            enum(drv.CUtensorMapL2promotion, "L2_PROMOTION", enc.l2_promotion),
+            enum(drv.CUtensorMapFloatOOBfill, "FLOAT_OOB_FILL", enc.oob_fill))
+
+
+def encode_on_device(meta: dict, name: str, arr, source: dict, address: int):
+    """A tensor-map parameter's 128 bytes (64-byte aligned ctypes buffer) for the device buffer
+    of `name` at `address` (tensor_maps.encode_tensor_map, then cuTensorMapEncodeTiled)."""
+    from .tensor_maps import encode_tensor_map
+    enc = encode_tensor_map(f"{meta['name']}: tensor map of {name}", meta["tensors"][name]["dtype"],
+                            arr.shape, arr.strides, address, source["box"], source["swizzle"])
+    tmap = _check(_driver().cuTensorMapEncodeTiled(*tensor_map_call(enc)), "cuTensorMapEncodeTiled")
+    raw = (ctypes.c_uint64 * 24)()                    # 192 bytes: a 64-aligned 128-byte window
+    start = -ctypes.addressof(raw) % 64
+    ctypes.memmove(ctypes.addressof(raw) + start, tmap.getPtr(), 128)
+    return (ctypes.c_uint8 * 128).from_buffer(raw, start)
+
+
 def fill_derived_pointers(meta: dict, buffers: dict, dptrs: dict) -> None:
     """Per-sequence pointer arrays (tensors `derived_from` a cache, the pointer_array layout):
     entry b = device address of slice b of the source tensor's first axis."""
@@ -129,8 +156,11 @@ class CudaDevice:
             try:
                 from .preconditions import check_buffers
                 check_buffers(artifact.meta, buffers, dims, lambda name, arr: int(dptrs[name]))
-                values = pack_args(kernel, buffers, dims, pointer=lambda n, a: int(dptrs[n]))
-                cvals = [CTYPES[p["type"]](int(v) if p["type"] != "f32" else float(v))
+                values = pack_args(kernel, buffers, dims, pointer=lambda n, a: int(dptrs[n]),
+                                   tensor_map=lambda n, a, src: encode_on_device(
+                                       artifact.meta, n, a, src, int(dptrs[n])))
+                cvals = [v if p["type"] == "tmap" else
+                         CTYPES[p["type"]](int(v) if p["type"] != "f32" else float(v))
                          for p, v in zip(kernel["params"], values)]
                 ptrs = (ctypes.c_void_p * len(cvals))(*[ctypes.addressof(c) for c in cvals])
                 grid, block = launch_geometry(kernel, dims)

@@ -208,6 +208,11 @@ def replay(log: StubLog, meta: dict, target: str, ptx: str, tensors: dict) -> di
         kinds = {p["name"]: p["source"]["kind"] for p in by_entry[launch.entry]["params"]}
         args = []
         for name, (offset, ptype) in env.params.items():
+            if kinds[name] == "tensor_map":   # the stub wrote the emulator's layout: rebase it
+                raw = launch.params[offset:offset + 128]
+                address = int(np.frombuffer(raw[16:24], np.uint64)[0])
+                args.append(emu.StructArg(raw, {16: view(address)}))
+                continue
             value = np.frombuffer(launch.params[offset:offset + ptype.nbytes], PTX_SCALAR[ptype.name])[0]
             if kinds[name] not in ("pointer", "workspace"):
                 args.append(value)

@@ -232,3 +232,47 @@ CUresult cuGetErrorName(CUresult e, const char **s) {
 }
 
 CUresult cuGetErrorString(CUresult e, const char **s) { return cuGetErrorName(e, s); }
+
+/* A tensor map in the emulator's own 128-byte layout (ptxc/emu/tensormap.py): magic "PTXCTMAP",
+ * u32 rank, u32 element bytes, u64 global address, u32 swizzle bytes, u32 dims[5], u32 box[5],
+ * u64 byte strides of dims 1..4 -- so a replay can hand the recorded parameter bytes to the
+ * emulator (after rebasing the address). Checks the driver's documented rules for tiled maps. */
+CUresult cuTensorMapEncodeTiled(CUtensorMap *map, CUtensorMapDataType dtype, cuuint32_t rank, void *address,
+                                const cuuint64_t *dims, const cuuint64_t *strides, const cuuint32_t *box,
+                                const cuuint32_t *element_strides, CUtensorMapInterleave interleave,
+                                CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2, CUtensorMapFloatOOBfill oob) {
+    static const int elem_bytes[] = {1, 2, 4, 4, 8, 8, 2, 4, 8, 2};
+    static const unsigned swizzle_bytes[] = {0, 32, 64, 128};
+    (void)l2;
+    if (!map || rank < 1 || rank > 5 || (unsigned)dtype > CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 ||
+        (uintptr_t)address % 16 || interleave != CU_TENSOR_MAP_INTERLEAVE_NONE ||
+        (unsigned)swizzle > CU_TENSOR_MAP_SWIZZLE_128B || oob != CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        return CUDA_ERROR_INVALID_VALUE;
+    int esize = elem_bytes[dtype];
+    for (unsigned i = 0; i < rank; i++) {
+        if (dims[i] == 0 || dims[i] > (1ull << 32) || box[i] == 0 || box[i] > 256 || element_strides[i] != 1)
+            return CUDA_ERROR_INVALID_VALUE;
+        if (i > 0 && (strides[i - 1] % 16 || strides[i - 1] >= (1ull << 40))) return CUDA_ERROR_INVALID_VALUE;
+    }
+    if ((box[0] * esize) % 16 || (swizzle && box[0] * esize > swizzle_bytes[swizzle])) return CUDA_ERROR_INVALID_VALUE;
+    unsigned char *raw = (unsigned char *)map;
+    memset(raw, 0, 128);
+    memcpy(raw, "PTXCTMAP", 8);
+    uint32_t u32[2] = {rank, (uint32_t)esize};
+    memcpy(raw + 8, u32, 8);
+    uint64_t gaddr = (uint64_t)(uintptr_t)address;
+    memcpy(raw + 16, &gaddr, 8);
+    uint32_t sw = swizzle_bytes[swizzle];
+    memcpy(raw + 24, &sw, 4);
+    for (unsigned i = 0; i < 5; i++) {
+        uint32_t d = i < rank ? (uint32_t)dims[i] : 1, b = i < rank ? box[i] : 1;
+        memcpy(raw + 32 + 4 * i, &d, 4);
+        memcpy(raw + 52 + 4 * i, &b, 4);
+        if (i < 4) {
+            uint64_t s = i + 1 < rank ? strides[i] : 0;
+            memcpy(raw + 72 + 8 * i, &s, 8);
+        }
+    }
+    event("tensor_map %u %#llx", rank, (unsigned long long)gaddr);
+    return CUDA_SUCCESS;
+}

@@ -1,0 +1,114 @@
+"""The K/V tile loop of the sm_90a wgmma prefill with its tiles fed by TMA (tile.kv_loads =
+"tma"): the schedule of wgmma_pipeline.py, with cp.async groups replaced by mbarriers.
+
+One elected thread (tid 0) issues every copy: per 64-column slab of a tile one
+`cp.async.bulk.tensor` box (64 elements x rows), landing in the same 128-byte-swizzled slabs the
+per-thread loader writes (the TMA's 128-byte swizzle is the wgmma operand's: the 16-byte chunk
+index XOR address bits [7, 10), slabs 1024-byte aligned). Rows past the sequence end lie outside
+the tensor map and are filled with zeros, so tail tiles need no predicate (the score mask still
+applies).
+
+Barriers (8 bytes each, after the K/V stages): `full[s]` for s < S and one for Q, each with
+arrival count 1. Refill B(i) = {K(i+S), V(i+S-1)} is one phase of full[i mod S]: the elected
+thread arrives with expect_tx = the bytes of the tiles that exist (0 when none: the phase then
+completes at once), so every B(i) completes exactly one phase and A(j) waits on full[j mod S]
+with parity (j / S) & 1 -- the pair K(j), V(j-1) -- without a CTA barrier:
+
+  A(j)   wait full[j mod S]                       (each thread; K(j), V(j-1) landed)
+         the wgmma / softmax body of wgmma_pipeline.py
+  B(j)   bar.sync (every warpgroup is done reading K(j) and V(j-1): wgmma.wait_group 0 came
+         first), then the elected thread refills the same buffers and the same barrier
+
+Memory model (PTX ISA, "Memory Consistency Model" / "Async proxy"): the TMA writes are
+async-proxy writes whose completion the mbarrier's complete_tx performs; a thread that observes
+the phase completing (try_wait.parity) may then read the data, and wgmma's shared-memory operand
+reads are async-proxy reads too, so no fence.proxy.async is needed between a copy and the
+wgmma that reads it (FlashAttention-3 and CUTLASS's PipelineTmaAsync place none). The WAR side
+(a refill overwriting a buffer wgmma read) is ordered by wgmma.wait_group 0 (the reads are
+complete) and the bar.sync before the elected thread issues the copy. The barriers' init is
+made visible to the async proxy with fence.proxy.async before the CTA barrier that publishes it
+(the CUDA programming guide's TMA example).
+"""
+
+from __future__ import annotations
+
+from ..ir import U32, Addr, KernelBuilder, Reg
+from .kv_pipeline import advance_stage, modify_scores
+
+MBARRIER_BYTES = 8
+
+
+def barrier_bytes(stages: int) -> int:
+    """full[0 .. stages) and the Q barrier."""
+    return (stages + 1) * MBARRIER_BYTES
+
+
+def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: int, q_smem: Reg,
+                     k_smem: Reg, v_smem: Reg, bars: Reg, leader: Reg, n_tiles: Reg, n_full: Reg,
+                     key0_of, copy_tile, math, transform=None, lo_full: Reg | None = None) -> None:
+    """`copy_tile(t, tile, smem_addr, bar)` issues the TMA boxes of tile `tile` of t ("q", "k"
+    or "v"; the Q tile's index is unused) into `smem_addr` on mbarrier `bar` (called by the
+    elected thread only, for tiles that exist); `bars` is the 8-byte-aligned shared address of
+    barrier_bytes(stages) bytes; `leader` the predicate of the elected thread; `math` is a
+    WgmmaMath."""
+    S = stages
+    q_bar = Addr(bars, S * MBARRIER_BYTES)
+    with b.if_then(leader):
+        for s in range(S + 1):
+            b.mbarrier_init(Addr(bars, s * MBARRIER_BYTES), 1)
+        b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
+    b.bar_sync(0)
+
+    def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
+        """One phase of `bar`: K(k_tile) into k_off, V(v_tile) into v_off, those that exist."""
+        with b.if_then(leader):
+            has_k = b.setp("lt", k_tile, n_tiles)
+            nbytes = b.selp(kv_bytes, 0, has_k, U32)
+            if v_tile is not None:
+                has_v = b.setp("lt", v_tile, n_tiles)
+                nbytes = b.add(nbytes, b.selp(kv_bytes, 0, has_v, U32))
+            b.mbarrier_arrive_expect_tx(bar, nbytes)
+            with b.if_then(has_k):
+                copy_tile("k", k_tile, b.add(k_smem, k_off), bar)
+            if v_tile is not None:
+                with b.if_then(has_v):
+                    copy_tile("v", v_tile, b.add(v_smem, v_off), bar)
+
+    with b.if_then(leader):                              # Q, on its own barrier
+        b.mbarrier_arrive_expect_tx(q_bar, q_bytes)
+        copy_tile("q", None, q_smem, q_bar)
+    for s in range(S):                                   # B(-S) .. B(-1)
+        refill(b.mov(s, U32), s * kv_bytes, b.mov(s - 1, U32) if s else None,
+               (s - 1) * kv_bytes, Addr(bars, s * MBARRIER_BYTES))
+
+    stage = b.mov(0, U32)                    # buffer offsets of tile j and of tile j - 1
+    prev = b.mov((S - 1) * kv_bytes, U32)
+    bar_off = b.mov(0, U32)                  # full[j mod S] and the parity of its phase j / S
+    parity = b.mov(0, U32)
+    b.mbarrier_wait_parity(q_bar, 0)
+
+    with b.for_range(0, n_tiles) as j:
+        bar = Addr(b.add(bars, bar_off))
+        b.mbarrier_wait_parity(bar, parity)                                 # A(j)
+        s = math.issue_scores(b.add(k_smem, stage))
+        with b.if_then(b.setp("gt", j, 0)):
+            math.issue_pv(b.add(v_smem, prev))
+        with b.else_():
+            b.wgmma_commit()     # an empty group, so that wait_group 1 below retires S(0)
+        b.wgmma_wait(1)
+        modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
+        early = math.softmax_early(s)
+        b.wgmma_wait(0)
+        math.softmax_late(*early)
+        b.bar_sync(0)                                                       # B(j)
+        refill(b.add(j, S), stage, b.add(j, S - 1), prev, bar)
+        advance_stage(b, stage, prev, kv_bytes, S)
+        nxt = b.add(bar_off, MBARRIER_BYTES)
+        wrap = b.setp("eq", nxt, S * MBARRIER_BYTES)
+        b.mov(b.selp(0, nxt, wrap, U32), out=bar_off)
+        b.xor(parity, b.selp(1, 0, wrap, U32), out=parity)
+    with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
+        b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
+        math.issue_pv(b.add(v_smem, prev))
+        b.wgmma_wait(0)
+    b.bar_sync(0)        # every warpgroup done with Q before the epilogue stages O over it
