@@ -100,8 +100,8 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
     with b.for_range(0, n_tiles) as j:
         bar = Addr(b.add(bars, bar_off))
         b.mbarrier_wait_parity(bar, parity)                                 # A(j)
-        attend_tile(b, math, b.add(k_smem, stage), b.add(v_smem, prev), j, key0_of, transform,
-                    n_full, lo_full)
+        attend_tile(b, math, k_smem, stage, v_smem, prev, j, key0_of, transform, n_full,
+                    lo_full)
         b.bar_sync(0)                                                       # B(j)
         refill(b.add(j, S), stage, b.add(j, S - 1), prev, bar)
         advance_stage(b, stage, prev, kv_bytes, S)
@@ -113,14 +113,15 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
     b.bar_sync(0)        # every warpgroup done with Q before the epilogue stages O over it
 
 
-def attend_tile(b: KernelBuilder, math, k_addr: Reg, v_addr: Reg, j: Reg, key0_of, transform,
-                n_full: Reg, lo_full: Reg | None, reads_done=None) -> None:
-    """The wgmma / softmax body of tile j (K(j) at k_addr landed, V(j-1) at v_addr): S(j) and
-    O += P(j-1)·V(j-1) in flight together, the score-side softmax under them, the rest after
-    wgmma.wait_group 0 -- after which `reads_done()` (if given) runs: both tiles are read."""
-    s = math.issue_scores(k_addr)
+def attend_tile(b: KernelBuilder, math, k_smem: Reg, stage: Reg, v_smem: Reg, prev: Reg, j: Reg,
+                key0_of, transform, n_full: Reg, lo_full: Reg | None, reads_done=None) -> None:
+    """The wgmma / softmax body of tile j (K(j) landed at k_smem + stage, V(j-1) at v_smem +
+    prev): S(j) and O += P(j-1)·V(j-1) in flight together, the score-side softmax under them,
+    the rest after wgmma.wait_group 0 -- after which `reads_done()` (if given) runs: both tiles
+    are read."""
+    s = math.issue_scores(b.add(k_smem, stage))
     with b.if_then(b.setp("gt", j, 0)):
-        math.issue_pv(v_addr)
+        math.issue_pv(b.add(v_smem, prev))
     with b.else_():
         b.wgmma_commit()     # an empty group, so that wait_group 1 below retires S(0)
     b.wgmma_wait(1)

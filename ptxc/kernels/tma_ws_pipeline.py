@@ -113,8 +113,8 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
                 with b.if_then(first_lane):
                     b.mbarrier_arrive(Addr(b.add(bars, b.add(bar_off, empty0))))
 
-            attend_tile(b, math, b.add(k_smem, stage), b.add(v_smem, prev), j, key0_of,
-                        transform, n_full, lo_full, reads_done=release)
+            attend_tile(b, math, k_smem, stage, v_smem, prev, j, key0_of, transform, n_full,
+                        lo_full, reads_done=release)
             advance_stage(b, stage, prev, kv_bytes, S)
             advance_barrier(b, bar_off, parity, S)
         with b.if_then(b.setp("gt", n_tiles, 0)):       # O += P(n-1)·V(n-1)
