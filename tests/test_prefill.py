@@ -31,7 +31,8 @@ SMALL_TILE = {"f32": {"block_m": 16, "block_n": 16},
 def spec_text(dtype="f16", head_dim=64, heads="mha", causal=False, lse=True, tile=None,
               targets=("sm_80",)) -> str:
     h, hk = HEADS[heads]
-    tile_text = "".join(f"{k} = {v!r}\n" for k, v in (tile or {}).items())
+    tile_text = "".join(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}\n"
+                        for k, v in (tile or {}).items())
     return (f'[[kernel]]\nname = "p"\nfamily = "prefill"\ndtype = "{dtype}"\nhead_dim = {head_dim}\n'
             f"num_heads = {h}\nnum_kv_heads = {hk}\ncausal = {str(causal).lower()}\n"
             f"return_lse = {str(lse).lower()}\ntargets = {list(targets)!r}\n"

@@ -21,8 +21,11 @@ last CTA-wide barrier is newer than every byte touched -- costs one gather and o
 Reads are remembered too, per 4-byte word (the last reader, and whether other threads -- of
 the same warp or of others -- read the word since the CTA's last barrier), so a write that is
 not ordered after another thread's read is a write-after-read race (WAR): the classic missing
-barrier before a shared buffer is refilled. Several readers count as ordered only by a
-CTA-wide barrier (or a warp sync when they all are in the writer's warp). Word granularity
+barrier before a shared buffer is refilled. Several readers count as ordered by a CTA-wide
+barrier, by a warp sync when they all are in the writer's warp, or by counted-barrier events
+(an mbarrier phase, a named barrier) that paired the writer's warp with every warp that read
+the word since the CTA's last barrier (a per-word mask of reader warps: a producer refilling a
+buffer that several consumer warpgroups read, once each has released it). Word granularity
 keeps reads cheap; its one imprecision: a thread writing some bytes of a word that another
 thread read *other* bytes of, with no barrier in between, is reported too.
 
@@ -77,6 +80,7 @@ class RaceTracker:
         self.ctx, self.lines = ctx, lines          # lines: PTX line -> instruction text
         self.shadow = np.zeros(nbytes, np.int64)        # last write of each byte
         self.readers = np.zeros(nbytes // 4, np.int64)  # reads of each 4-byte word since then
+        self.reader_warps = np.zeros(nbytes // 4, np.int64)  # bit w: warp w read it, since then
         self.views = {}
         self.serial = 1
         self.cta_sync = np.ones(ctx.nctas, np.int64)       # newer than every initial stamp 0
@@ -127,9 +131,10 @@ class RaceTracker:
             v = self.views[key] = base.view(np.dtype((np.void, 8 * total)))
         return v
 
-    def _unordered(self, stamp, cta, idx, me, other, multi=None, cross=None):
+    def _unordered(self, stamp, cta, idx, me, other, multi=None, cross=None, warps=None):
         """Mask of accesses by `me` not ordered after the recorded access(es) of `other`
-        (multi: several threads did it; cross: some of them in another warp)."""
+        (multi: several threads did it; cross: some of them in another warp; warps: the mask
+        of the warps that did)."""
         live = stamp >= self.cta_sync[cta][:, None]
         race = live & (other != me)
         if multi is not None:
@@ -144,9 +149,19 @@ class RaceTracker:
         if self.pair_sync is not None and race.any():
             ordered = self.pair_sync[cta[:, None], other >> 5, me >> 5] > stamp
             if multi is not None:
-                ordered &= ~multi
+                ordered = np.where(multi, self._paired_with_all(stamp, cta, me, warps), ordered)
             race &= ~ordered
         return race
+
+    def _paired_with_all(self, stamp, cta, me, warps):
+        """Whether a counted-barrier event newer than `stamp` paired `me`'s warp with every
+        warp of the mask `warps` (n, k each)."""
+        nw = self.pair_sync.shape[1]
+        w = np.arange(nw)
+        pairs = self.pair_sync[cta[:, None], w[None, :], (me >> 5)]          # (n, nw)
+        bits = ((warps[..., None] >> w) & 1) != 0                           # (n, k, nw)
+        newest_needed = np.where(bits, pairs[:, None, :], np.iinfo(np.int64).max).min(axis=2)
+        return newest_needed > stamp
 
     def check(self, rows, total: int, idx, line: int, what: str, addr_of):
         """Raise if an access (`what`: 'read'/'write') of `total`-byte items `rows` by threads
@@ -177,8 +192,9 @@ class RaceTracker:
         if not (rstamp >= self.cta_sync[cta][:, None]).any():
             return
         me = (self.ctx.lin[idx])[:, None]
+        warps = self.reader_warps[(wrows[:, None] * wtotal + np.arange(wtotal))]
         race = self._unordered(rstamp, cta, idx, me, rd & _LIN_MASK,
-                               multi=(rd & _MULTI) != 0, cross=(rd & _CROSS) != 0)
+                               multi=(rd & _MULTI) != 0, cross=(rd & _CROSS) != 0, warps=warps)
         if race.any():
             k, w = (int(x[0]) for x in np.nonzero(race))
             self._report(k, 4 * w, rd[k, w], idx, line, what, addr_of, "read")
@@ -188,6 +204,7 @@ class RaceTracker:
         self.check(rows, total, idx, line, "read", addr_of)
         cta, me = self.ctx.cta_of[idx], self.ctx.lin[idx]
         rows, total = _words(rows, total)
+        self._note_reader_warps(rows, total, cta, me)
         if (self.last_read[cta] >= self.cta_sync[cta]).any():
             old = self._rows(total, True)[rows].view(np.int64).reshape(-1, total)
             first = old[:, 0]
@@ -204,6 +221,19 @@ class RaceTracker:
         full = np.empty((rows.size, total), np.int64)
         full[:] = word[:, None]
         _scatter_items(self.readers, rows, total, full)
+
+    def _note_reader_warps(self, rows, total, cta, me):
+        """Add the readers' warps to each word's mask (reset where its reads predate the CTA's
+        last barrier), before the reader records are replaced."""
+        flat = (rows[:, None] * total + np.arange(total)).reshape(-1)
+        if (self.last_read[cta] >= self.cta_sync[cta]).any():
+            old = self.readers[flat].reshape(-1, total)
+            stale = (old < _as_read_stamp(self.cta_sync[cta], 2)).reshape(-1)
+            self.reader_warps[flat[stale]] = 0
+        else:
+            self.reader_warps[flat] = 0
+        bits = np.left_shift(np.int64(1), (me >> 5).astype(np.int64))
+        np.bitwise_or.at(self.reader_warps, flat, np.repeat(bits, total))
 
     def _same_instruction_readers(self, rows, me):
         """MULTI/CROSS flags for items that several threads of this instruction read (numpy

@@ -26,8 +26,8 @@ MAX_CANDIDATES = 400   # the prefill product is 500 raw combinations; legal ones
 # Tile keys every candidate keeps at the spec's value: prefill's warp_rows and smem_layout change the
 # kernel's structure, not its tile, and tuned tables record (and apply) only the tile shape
 # (kernels.common.tuned_tile); a tuned 32-row tile would be applied as a 16-row one. kv_loads
-# (sm_90a's TMA or cp.async loads) is structural in the same way.
-NOT_TUNED = frozenset({"warp_rows", "smem_layout", "kv_loads"})
+# (sm_90a's TMA or cp.async loads) and warp_specialize are structural in the same way.
+NOT_TUNED = frozenset({"warp_rows", "smem_layout", "kv_loads", "warp_specialize"})
 
 
 def tune_key(spec: KernelSpec) -> dict[str, Any]:

@@ -346,10 +346,19 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
                    Imm(-1 if mask == 0xFFFFFFFF else mask, S32)))
         return d
 
-    def bar_sync(self, barrier: int = 0) -> None:
+    def bar_sync(self, barrier: int = 0, threads: int | None = None) -> None:
+        """bar.sync barrier (every thread of the CTA), or bar.sync barrier, threads: a named
+        barrier that completes when `threads` (a multiple of 32) have arrived."""
         if self._guard is not None:
             raise IRError("bar.sync under a predicate: every thread must reach the barrier")
-        self.emit("bar", ("sync",), (), (Imm(barrier, U32),))
+        if not 0 <= barrier <= 15:
+            raise IRError(f"bar.sync: barrier {barrier} is not in 0..15")
+        if threads is None:
+            self.emit("bar", ("sync",), (), (Imm(barrier, U32),))
+            return
+        if threads <= 0 or threads % 32:
+            raise IRError(f"bar.sync: thread count {threads} is not a positive multiple of 32")
+        self.emit("bar", ("sync",), (), (Imm(barrier, U32), Imm(threads, U32)))
 
     # ---- control flow -------------------------------------------------------------------
 

@@ -121,7 +121,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     b.ret()
     launch = Launch(entry=b.entry.name, params=tuple(params),
                     grid=(f"cdiv(seq_q, {cfg.block_m})", str(spec.num_heads), "batch"),
-                    block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
+                    block=(cfg.launch_threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
                     min_ctas_per_sm=cfg.min_ctas_per_sm)
     return Program([b.entry], [launch], resolve_tile(spec, target))
 

@@ -44,6 +44,9 @@ FIELDS = FamilyFields(
         Field("kv_loads", "str", "how the sm_90a wgmma kernel loads Q/K/V tiles: TMA boxes under "
               "mbarriers (tensor-map parameters; the default), or per-thread cp.async "
               "(docs/kernels.md \"Hopper\")", default=None, choices=("tma", "cp_async")),
+        Field("warp_specialize", "bool", "sm_90a TMA kernel: one producer warpgroup issues the "
+              "loads under full/empty mbarriers, the block_m / 64 consumer warpgroups compute "
+              "(setmaxnreg; docs/kernels.md \"Hopper\")", default=False),
     ),
 )
 SIMT_LANES_PER_ROW = 8    # f32 path: lanes sharing a query row (its keys and its head_dim chunks)
@@ -88,6 +91,11 @@ class PrefillConfig:
     @property
     def threads(self) -> int:
         return 32 * self.num_warps
+
+    @property
+    def launch_threads(self) -> int:
+        """The CTA's threads (the block of the launch): the computing warps."""
+        return self.threads
 
     @property
     def q_geom(self) -> TileGeom:
@@ -137,6 +145,13 @@ def validate(spec: KernelSpec) -> None:
                         f"targets {', '.join(spec.targets)}: TMA feeds only the sm_90a wgmma "
                         f"kernel (f16/bf16, head_dim 64, 128 or 256, head_dim_v = head_dim); "
                         f"add sm_90a or drop the key", key="tile.kv_loads")
+    if spec.tile_dict().get("warp_specialize") and \
+            not any(uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
+        raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "
+                        f"{spec.head_dim}, targets {', '.join(spec.targets)}: only the sm_90a TMA "
+                        f"kernel (f16/bf16, head_dim 64, 128 or 256, head_dim_v = head_dim) has a "
+                        f"producer warpgroup; add sm_90a or drop the key",
+                        key="tile.warp_specialize")
 
 
 def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int]:
@@ -227,7 +242,7 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                             f"{stages} x K/V {2 * cfg.kv_geom.bytes}); {target} allows "
                             f"{target.max_smem_per_cta} per CTA: use a smaller tile", key=f"tile.{key}")
         cfg = make()
-    shape_given = given.keys() - {"smem_layout", "warp_rows", "kv_loads"}   # kv_loads: sm_90a wgmma only
+    shape_given = given.keys() - {"smem_layout", "warp_rows", "kv_loads", "warp_specialize"}   # sm_90a wgmma only
     if tc and not shape_given and not tuned and _two_ctas_target(spec, target):
         # Two CTAs per SM (docs/kernels.md "Prefill tiles"): the most stages (<= the default)
         # with which two fit the SM's shared memory, and ptxas told to stay within the 128

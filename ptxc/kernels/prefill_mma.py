@@ -209,6 +209,10 @@ class MmaMath:
         reduce over: none, the tensor-core row sums are complete in every lane."""
         return [l_acc[2 * r] for l_acc in self.l_accs for r in range(2)], ()
 
+    def cta_sync(self) -> None:
+        """A barrier of every thread that computes (the whole CTA here)."""
+        self.b.bar_sync(0)
+
     def epilogue(self) -> None:
         """O / l rounded into this warp's rows of the Q tile, then 128-bit row stores by all."""
         from .tiles import global_rows, store_tile, thread_slot
@@ -223,7 +227,7 @@ class MmaMath:
                     at = Addr(self.o_smem, row_off + jd * 16) if self.o_lanes is None else \
                         Addr(self.o_lanes[jd % 8], row_off + jd // 8 * 128)
                     b.st("shared", B32, at, [b.cvt_pack(self.pair, hi, lo)])
-        b.bar_sync(0)
+        self.cta_sync()
         slot = thread_slot(b, ctx.cfg.o_geom, ctx.tid)
         go = global_rows(b, slot, ctx.o_base, ctx.o_row_stride)
         nvalid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))

@@ -25,9 +25,10 @@ The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mm
   row sums   one mma.sync m16n8k16 per k16 step against ones, issued before the P·V chain
              (its A registers may not be read while a wgmma holding them is in flight).
 
-Not here (docs/kernels.md "Hopper"): warp specialisation (a producer warpgroup, empty[]
-mbarriers), the consumer warpgroups' ping-pong, and the overlap of the softmax with the next
-tile's Q·Kᵀ. Other head dims, head_dim_v != head_dim and
+With tile.warp_specialize (TMA only) a producer warpgroup issues the loads under full/empty
+mbarriers and the warpgroups above only compute (tma_ws_pipeline.py; prefill_tma.py builds
+both TMA bodies). Not here (docs/kernels.md "Hopper"): the consumer warpgroups' ping-pong, and
+the overlap of the softmax with the next tile's Q·Kᵀ. Other head dims, head_dim_v != head_dim and
 f32 take the mma.sync / SIMT kernels on sm_90a as on sm_90.
 """
 
@@ -44,7 +45,8 @@ from .prefill import Ctx, PrefillConfig, cta_coords, tile_range
 from .prefill_mma import RESCALE_SLACK, MmaMath
 from .tiles import CHUNK, ThreadSlot, TileGeom, global_rows, load_tile, zero_regs
 from .variant import head_dim_v
-from .tma_pipeline import barrier_bytes, run_tma_pipeline
+from .tma_pipeline import barrier_bytes
+from .tma_ws_pipeline import CONSUMER_BARRIER, PRODUCER_THREADS, consumer_regs, producer_regs
 from .wgmma_pipeline import run_wgmma_pipeline
 
 WGMMA_TARGETS = ("sm_90a",)
@@ -83,10 +85,23 @@ class WgmmaConfig(PrefillConfig):
     # "tma" (tma_pipeline.py; prefill's default, set by configure) or "cp_async" (per-thread
     # copies; the dataclass default, so other builders of a WgmmaConfig keep their layout)
     kv_loads: str = "cp_async"
+    warp_specialize: bool = False   # tma only: + a producer warpgroup (tma_ws_pipeline.py)
 
     @property
     def tma(self) -> bool:
         return self.kv_loads == "tma"
+
+    @property
+    def launch_threads(self) -> int:
+        return self.threads + (PRODUCER_THREADS if self.warp_specialize else 0)
+
+    @property
+    def producer_regs(self) -> int:
+        return producer_regs(self.block_m // ROWS_PER_WARPGROUP)
+
+    @property
+    def consumer_regs(self) -> int:
+        return consumer_regs(self.block_m // ROWS_PER_WARPGROUP)
 
     @property
     def q_geom(self) -> TileGeom:
@@ -108,7 +123,7 @@ class WgmmaConfig(PrefillConfig):
 
     @property
     def smem_bytes(self) -> int:
-        bars = barrier_bytes(self.num_stages) if self.tma else 0
+        bars = barrier_bytes(self.num_stages, self.warp_specialize) if self.tma else 0
         return self.q_region_bytes + 2 * self.num_stages * self.kv_geom.bytes + bars
 
     @property
@@ -136,8 +151,17 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
         raise SpecError(f"num_warps = {given['num_warps']} with block_m = {bm} on {target}: the "
                         f"wgmma prefill kernel needs num_warps = block_m / 16 = {bm // 16}",
                         key="tile.num_warps")
+    ws = given.get("warp_specialize", False)
+    if ws and loads != "tma":
+        raise SpecError(f"warp_specialize = true with kv_loads = \"{loads}\" on {target}: the "
+                        f"producer warpgroup issues TMA loads; use kv_loads = \"tma\" or drop "
+                        f"warp_specialize", key="tile.warp_specialize")
     cfg = WgmmaConfig(C.FORMATS[spec.dtype], d, True, bm, bn, bm // 16, stages, loads != "tma", d,
-                      1, kv_loads=loads)
+                      1, kv_loads=loads, warp_specialize=ws,
+                      # .minnctapersm 1 pins the register count at entry (65536 / threads),
+                      # without which ptxas drops setmaxnreg (C7508, "unable to determine
+                      # register count at entry") -- and setmaxnreg's budgets assume it
+                      min_ctas_per_sm=1 if ws else 0)
     if cfg.smem_bytes > target.max_smem_per_cta:
         raise SpecError(f"tile block_m={bm}, block_n={bn}, num_stages={stages} needs "
                         f"{cfg.smem_bytes} bytes of shared memory; {target} allows "
@@ -151,7 +175,9 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "wgmma.m64nNk16", "cp_async": c.cp_async,
             "smem_swizzle": SWIZZLE, "smem_bytes": c.smem_bytes,
-            **({"kv_loads": "tma"} if c.tma else {})}
+            **({"kv_loads": "tma"} if c.tma else {}),
+            **({"warp_specialize": True, "threads": c.launch_threads, "min_ctas_per_sm": 1,
+                "setmaxnreg": [c.producer_regs, c.consumer_regs]} if c.warp_specialize else {})}
 
 
 def swizzled_slot(b: KernelBuilder, geom: SwizzledGeom, tid: Reg) -> ThreadSlot:
@@ -186,6 +212,14 @@ class WgmmaMath(MmaMath):
         # P of the last softmax, kept for the P·V of the next iteration (A fragments per k16)
         self.p_frags = [[b.mov(0, self.pair) for _ in range(4)] for _ in range(self.bn // 16)]
         self.alpha = [b.mov(1.0, F32) for _ in range(2)]
+
+    def cta_sync(self) -> None:
+        """The epilogue's barrier: the consumer warpgroups' named barrier when a producer
+        warpgroup (which never reaches it) shares the CTA."""
+        if getattr(self.ctx.cfg, "warp_specialize", False):
+            self.b.bar_sync(CONSUMER_BARRIER, self.ctx.cfg.threads)
+        else:
+            self.b.bar_sync(0)
 
     def _k_step(self, desc: Reg, kk: int, rows: int) -> Reg:
         """Descriptor of k16 step kk of a K-major operand of `rows` rows: +32 B per step inside
@@ -296,7 +330,8 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
     k_smem = b.add(smem, cfg.q_region_bytes)
     v_smem = b.add(k_smem, stages * kv_bytes)
     if cfg.tma:
-        _tma_body(b, spec, cfg, tmaps, smem, k_smem, v_smem, tid, lane, warp, head, batch,
+        from .prefill_tma import emit_tma_body
+        emit_tma_body(b, spec, cfg, tmaps, smem, k_smem, v_smem, tid, lane, warp, head, batch,
                   kv_head, m_start, head_base, strides, ptrs, seq_q, seq_k, key_offset, n_tiles,
                   n_full, first_tile, lo_full, variant)
         return
@@ -331,41 +366,4 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
                        n_tiles=n_tiles, n_full=n_full, key0_of=key0_of, load_kv=load_kv,
                        math=math, lo_full=lo_full,
                        transform=math.transform if variant.transforms else None)
-    math.epilogue()
-
-
-def _tma_body(b, spec, cfg, tmaps, smem, k_smem, v_smem, tid, lane, warp, head, batch, kv_head,
-              m_start, head_base, strides, ptrs, seq_q, seq_k, key_offset, n_tiles, n_full,
-              first_tile, lo_full, variant):
-    """emit_body with the tiles fed by TMA (tma_pipeline.py): one elected thread, one box per
-    128-byte column slab, coordinates {64 s, head, row, batch} (innermost first)."""
-    bn, stages = cfg.block_n, cfg.num_stages
-    ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
-              head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant,
-              ptrs.get("sinks"), ptrs.get("alibi_slopes"))
-    math = WgmmaMath(b, ctx)
-    addr = {t: b.tensor_map_address(tmaps[t]) for t in "qkv"}
-    coords = {t: (b.bitcast(head if t == "q" else kv_head, S32), b.bitcast(batch, S32))
-              for t in "qkv"}
-    slab_cols = SWIZZLE // cfg.fmt.bytes
-
-    def copy_tile(t: str, tile, dst: Reg, bar) -> None:
-        if t == "q":
-            row0, rows = m_start, cfg.block_m
-        else:
-            row0, rows = b.mul(tile if first_tile is None else b.add(tile, first_tile), bn), bn
-        h, n = coords[t]
-        row0 = b.bitcast(row0, S32)
-        for s in range(cfg.head_dim // slab_cols):   # slab s: rows x 128 B, 1024-B aligned
-            b.tma_load(Addr(dst, s * rows * SWIZZLE), addr[t], [s * slab_cols, h, row0, n], bar)
-
-    def key0_of(j: Reg) -> Reg:
-        return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
-
-    run_tma_pipeline(b, stages=stages, kv_bytes=cfg.kv_geom.bytes, q_bytes=cfg.q_geom.bytes,
-                     q_smem=smem, k_smem=k_smem, v_smem=v_smem,
-                     bars=b.add(k_smem, 2 * stages * cfg.kv_geom.bytes),
-                     leader=b.setp("eq", tid, 0), n_tiles=n_tiles, n_full=n_full,
-                     key0_of=key0_of, copy_tile=copy_tile, math=math, lo_full=lo_full,
-                     transform=math.transform if variant.transforms else None)
     math.epilogue()

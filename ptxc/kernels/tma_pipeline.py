@@ -38,9 +38,27 @@ from .kv_pipeline import advance_stage, modify_scores
 MBARRIER_BYTES = 8
 
 
-def barrier_bytes(stages: int) -> int:
-    """full[0 .. stages) and the Q barrier."""
-    return (stages + 1) * MBARRIER_BYTES
+def barrier_bytes(stages: int, warp_specialized: bool = False) -> int:
+    """full[0 .. stages) and the Q barrier (then empty[0 .. stages) when warp-specialised)."""
+    return (2 * stages + 1 if warp_specialized else stages + 1) * MBARRIER_BYTES
+
+
+def issue_refill(b: KernelBuilder, *, kv_bytes: int, k_smem: Reg, v_smem: Reg, n_tiles: Reg,
+                 copy_tile, k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
+    """One phase of `bar` (by the one thread that issues copies): K(k_tile) into k_off,
+    V(v_tile) into v_off, those that exist, with expect_tx their bytes (0: the phase completes
+    at the arrive)."""
+    has_k = b.setp("lt", k_tile, n_tiles)
+    nbytes = b.selp(kv_bytes, 0, has_k, U32)
+    if v_tile is not None:
+        has_v = b.setp("lt", v_tile, n_tiles)
+        nbytes = b.add(nbytes, b.selp(kv_bytes, 0, has_v, U32))
+    b.mbarrier_arrive_expect_tx(bar, nbytes)
+    with b.if_then(has_k):
+        copy_tile("k", k_tile, b.add(k_smem, k_off), bar)
+    if v_tile is not None:
+        with b.if_then(has_v):
+            copy_tile("v", v_tile, b.add(v_smem, v_off), bar)
 
 
 def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: int, q_smem: Reg,
@@ -62,17 +80,9 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
     def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
         """One phase of `bar`: K(k_tile) into k_off, V(v_tile) into v_off, those that exist."""
         with b.if_then(leader):
-            has_k = b.setp("lt", k_tile, n_tiles)
-            nbytes = b.selp(kv_bytes, 0, has_k, U32)
-            if v_tile is not None:
-                has_v = b.setp("lt", v_tile, n_tiles)
-                nbytes = b.add(nbytes, b.selp(kv_bytes, 0, has_v, U32))
-            b.mbarrier_arrive_expect_tx(bar, nbytes)
-            with b.if_then(has_k):
-                copy_tile("k", k_tile, b.add(k_smem, k_off), bar)
-            if v_tile is not None:
-                with b.if_then(has_v):
-                    copy_tile("v", v_tile, b.add(v_smem, v_off), bar)
+            issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
+                         copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
+                         v_off=v_off, bar=bar)
 
     with b.if_then(leader):                              # Q, on its own barrier
         b.mbarrier_arrive_expect_tx(q_bar, q_bytes)
@@ -90,25 +100,42 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
     with b.for_range(0, n_tiles) as j:
         bar = Addr(b.add(bars, bar_off))
         b.mbarrier_wait_parity(bar, parity)                                 # A(j)
-        s = math.issue_scores(b.add(k_smem, stage))
-        with b.if_then(b.setp("gt", j, 0)):
-            math.issue_pv(b.add(v_smem, prev))
-        with b.else_():
-            b.wgmma_commit()     # an empty group, so that wait_group 1 below retires S(0)
-        b.wgmma_wait(1)
-        modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
-        early = math.softmax_early(s)
-        b.wgmma_wait(0)
-        math.softmax_late(*early)
+        attend_tile(b, math, k_smem, stage, v_smem, prev, j, key0_of, transform, n_full,
+                    lo_full)
         b.bar_sync(0)                                                       # B(j)
         refill(b.add(j, S), stage, b.add(j, S - 1), prev, bar)
         advance_stage(b, stage, prev, kv_bytes, S)
-        nxt = b.add(bar_off, MBARRIER_BYTES)
-        wrap = b.setp("eq", nxt, S * MBARRIER_BYTES)
-        b.mov(b.selp(0, nxt, wrap, U32), out=bar_off)
-        b.xor(parity, b.selp(1, 0, wrap, U32), out=parity)
+        advance_barrier(b, bar_off, parity, S)
     with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
         b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
         math.issue_pv(b.add(v_smem, prev))
         b.wgmma_wait(0)
     b.bar_sync(0)        # every warpgroup done with Q before the epilogue stages O over it
+
+
+def attend_tile(b: KernelBuilder, math, k_smem: Reg, stage: Reg, v_smem: Reg, prev: Reg, j: Reg,
+                key0_of, transform, n_full: Reg, lo_full: Reg | None, reads_done=None) -> None:
+    """The wgmma / softmax body of tile j (K(j) landed at k_smem + stage, V(j-1) at v_smem +
+    prev): S(j) and O += P(j-1)·V(j-1) in flight together, the score-side softmax under them,
+    the rest after wgmma.wait_group 0 -- after which `reads_done()` (if given) runs: both tiles
+    are read."""
+    s = math.issue_scores(b.add(k_smem, stage))
+    with b.if_then(b.setp("gt", j, 0)):
+        math.issue_pv(b.add(v_smem, prev))
+    with b.else_():
+        b.wgmma_commit()     # an empty group, so that wait_group 1 below retires S(0)
+    b.wgmma_wait(1)
+    modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
+    early = math.softmax_early(s)
+    b.wgmma_wait(0)
+    if reads_done is not None:
+        reads_done()
+    math.softmax_late(*early)
+
+
+def advance_barrier(b: KernelBuilder, bar_off: Reg, parity: Reg, stages: int) -> None:
+    """bar_off <- the next of `stages` barriers (8 bytes apart); the parity flips on the wrap."""
+    nxt = b.add(bar_off, MBARRIER_BYTES)
+    wrap = b.setp("eq", nxt, stages * MBARRIER_BYTES)
+    b.mov(b.selp(0, nxt, wrap, U32), out=bar_off)
+    b.xor(parity, b.selp(1, 0, wrap, U32), out=parity)

@@ -122,3 +122,46 @@ def test_arrivals_complete_a_phase_and_tokens_and_parity_see_it():
         run(ARRIVE.replace("[%r2], 64;", "[%r2], 32;").replace(
             "mbarrier.test_wait.shared", "mbarrier.arrive.shared::cta.b64 %rd5, [%r2];\n\t"
             "mbarrier.test_wait.shared"), "arrive_k", (1,), (64,), [out])
+
+
+RELEASE = HEADER + r"""
+.visible .entry release_k()
+{
+	.reg .b32 %r<8>;
+	.reg .b64 %rd<4>;
+	.reg .pred %p<8>;
+	.shared .align 4 .b8 buf[16];
+	.shared .align 8 .b64 bar;
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, bar;
+	mov.u32 %r3, buf;
+	setp.eq.u32 %p1, %r1, 0;
+	@%p1 mbarrier.init.shared::cta.b64 [%r2], COUNT;
+	@%p1 st.shared.u32 [%r3], 7;
+	bar.sync 0;
+	setp.ge.u32 %p2, %r1, 64;
+	@%p2 bra WRITER;
+	ld.shared.u32 %r4, [%r3];
+	and.b32 %r5, %r1, 31;
+	setp.eq.u32 %p3, %r5, 0;
+	setp.lt.u32 %p4, %r1, LIMIT;
+	and.pred %p3, %p3, %p4;
+	@%p3 mbarrier.arrive.shared::cta.b64 %rd1, [%r2];
+	ret;
+WRITER:
+	mbarrier.try_wait.parity.shared::cta.b64 %p5, [%r2], 0;
+	@!%p5 bra WRITER;
+	setp.eq.u32 %p6, %r1, 64;
+	@%p6 st.shared.u32 [%r3], 9;
+	ret;
+}
+"""
+
+
+def test_a_buffer_read_by_several_warps_is_free_once_each_released_it():
+    """Warps 0 and 1 read a word, lane 0 of each arrives on an mbarrier, warp 2 waits on it and
+    overwrites the word (a producer refilling a stage two consumer warpgroups read): ordered
+    when both reader warps arrived; a write-after-read race when only warp 0 did."""
+    run(RELEASE.replace("COUNT", "2").replace("LIMIT", "64"), "release_k", (1,), (96,), [])
+    with pytest.raises(EmulationError, match=r"race \(write after read\)"):
+        run(RELEASE.replace("COUNT", "1").replace("LIMIT", "32"), "release_k", (1,), (96,), [])
