@@ -45,12 +45,16 @@ def barrier_bytes(stages: int) -> int:
 
 def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: int, q_smem: Reg,
                      k_smem: Reg, v_smem: Reg, bars: Reg, leader: Reg, n_tiles: Reg, n_full: Reg,
-                     key0_of, copy_tile, math, transform=None, lo_full: Reg | None = None) -> None:
+                     key0_of, copy_tile, math, transform=None, lo_full: Reg | None = None,
+                     q_landed=None, last_v_landed=None) -> None:
     """`copy_tile(t, tile, smem_addr, bar)` issues the TMA boxes of tile `tile` of t ("q", "k"
     or "v"; the Q tile's index is unused) into `smem_addr` on mbarrier `bar` (called by the
     elected thread only, for tiles that exist); `bars` is the 8-byte-aligned shared address of
     barrier_bytes(stages) bytes; `leader` the predicate of the elected thread; `math` is a
-    WgmmaMath."""
+    WgmmaMath. Optional hooks (None: nothing emitted): `q_landed()` runs after the prologue's
+    copies are issued, before the loop (a Q tile loaded another way: q_bytes 0 and a copy_tile
+    that issues nothing for "q"); `last_v_landed(v_addr)` runs once the last V tile has landed,
+    before the P·V that reads it (every thread; it may rewrite the tile in shared memory)."""
     S = stages
     q_bar = Addr(bars, S * MBARRIER_BYTES)
     with b.if_then(leader):
@@ -85,6 +89,8 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
     prev = b.mov((S - 1) * kv_bytes, U32)
     bar_off = b.mov(0, U32)                  # full[j mod S] and the parity of its phase j / S
     parity = b.mov(0, U32)
+    if q_landed is not None:
+        q_landed()
     b.mbarrier_wait_parity(q_bar, 0)
 
     with b.for_range(0, n_tiles) as j:
@@ -109,6 +115,8 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
         b.xor(parity, b.selp(1, 0, wrap, U32), out=parity)
     with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
         b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
+        if last_v_landed is not None:
+            last_v_landed(b.add(v_smem, prev))
         math.issue_pv(b.add(v_smem, prev))
         b.wgmma_wait(0)
     b.bar_sync(0)        # every warpgroup done with Q before the epilogue stages O over it

@@ -1,0 +1,148 @@
+"""varlen's sm_90a wgmma body with its K/V tiles fed by TMA (tile.kv_loads = "tma"): the packed
+tile of varlen_wgmma.py on the mbarrier pipeline of tma_pipeline.py (one elected thread issues
+every box; full[stage] mbarriers; the same swizzled slabs, so WgmmaMath is unchanged).
+
+  Q          GQA-packed (token, head) rows are a gather, not a box: per-thread cp.async into
+             the swizzled Q tile as the cp.async body does, issued before the K/V prologue and
+             waited once before the loop (wait_group 0, fence.proxy.async, bar.sync).
+  contiguous k_cache / v_cache [batch, max_seq_len, Hk, d] as 4D tensor maps (innermost first
+             d, Hk, max_seq_len, batch), box [64, 1, block_n, 1] per 128-byte slab at
+             {64 s, kv_head, row0, seq}. Rows past max_seq_len are the TMA's zeros.
+  paged      [num_pages, page_size, Hk, d], box [64, 1, min(page_size, block_n), 1] per slab
+             and page at {64 s, kv_head, row % page_size, page id}, landing at the page's row
+             offset in the slab. The 128-byte swizzle is a function of the shared address
+             (chunk ^ address bits [7, 10)), so a box starting at a multiple of 8 rows of a
+             1024-aligned slab is itself 1024-aligned and lands exactly as the whole tile
+             would: pages of >= 8 rows (page_size is a power of two) take TMA, smaller ones
+             keep the cp.async body (tma_applies). The elected thread reads the tile's page
+             ids when it issues the boxes; a row at or past L uses id -1, and an id outside
+             [0, num_pages) (a corrupt table, or -1) lies outside the map's page dimension
+             (num_pages, the cache's own extent), so the TMA fills the box with zeros and still
+             counts its bytes: no bad id is dereferenced and expect_tx stays the full tile.
+  rows >= L  cache rows at or past the sequence's L may hold anything (NaN included). K rows
+             there are masked to -inf before the softmax (P = 0 exactly, selp drops the NaN),
+             but 0 x NaN in P·V would poison O, so the last V tile's rows [L - row0, block_n)
+             are zeroed in shared memory after it lands (st.shared by every thread, then
+             fence.proxy.async and bar.sync before the wgmma reads it; run_tma_pipeline's
+             last_v_landed hook). Only the sequence's last tile holds such rows and it is
+             always the loop's last V tile (the P·V after the loop), so the loop is untouched.
+             Clamping boxes instead would need a box size per tail length.
+"""
+
+from __future__ import annotations
+
+from ..ir import S32, S64, U32, Addr, KernelBuilder, Reg
+from . import common as C
+from .base import LaunchParam, ParamSource
+from .kv_access import KVAccess
+from .packed_tile import TileWork, packed_tile_setup
+from .prefill_wgmma import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
+from .tiles import CHUNK
+from .tma_pipeline import run_tma_pipeline
+
+MIN_PAGE_ROWS = 8    # one swizzle period: a box must start 1024-byte aligned in its slab
+
+
+def tma_applies(kv: KVAccess) -> bool:
+    """Whether the layout's K/V tiles can be TMA boxes (else the cp.async body runs)."""
+    return kv.layout == "contiguous" or (kv.layout == "paged" and kv.page_size >= MIN_PAGE_ROWS)
+
+
+def box_rows(kv: KVAccess, block_n: int) -> int:
+    return block_n if kv.layout == "contiguous" else min(kv.page_size, block_n)
+
+
+def tensor_map_params(b: KernelBuilder, cfg, kv: KVAccess, params: list) -> dict:
+    """k_cache / v_cache tensor-map parameters (appended to `params`)."""
+    from ..ir import TMAP
+    box = (SWIZZLE // cfg.fmt.bytes, 1, box_rows(kv, cfg.block_n), 1)   # d, head, row, seq/page
+    maps = {}
+    for t in ("k_cache", "v_cache"):
+        params.append(LaunchParam(f"{t[0]}_tmap", TMAP,
+                                  ParamSource("tensor_map", tensor=t, box=box, swizzle=SWIZZLE)))
+        maps[t] = b.param(f"{t[0]}_tmap", TMAP)
+    return maps
+
+
+def zero_tail_rows(b: KernelBuilder, cfg, tid: Reg, v_tile: Reg, nvalid: Reg) -> None:
+    """Zero rows [nvalid, block_n) of the swizzled V tile at `v_tile` (every slab): chunk c of
+    the tile is row (c / 8) % block_n of slab c / (8 block_n), at byte 16 c (the swizzle only
+    permutes chunks inside a row, so whole rows need no swizzle)."""
+    bn, threads = cfg.block_n, cfg.threads
+    chunks = cfg.kv_geom.bytes // CHUNK
+    zero = b.mov(0, U32)
+    row0, mine = b.shr(tid, 3), b.add(v_tile, b.shl(tid, 4))
+    for i in range(-(-chunks // threads)):
+        row = b.and_(b.add(row0, i * threads // 8), bn - 1)
+        dead = b.setp("ge", b.bitcast(row, S32), nvalid)
+        if (i + 1) * threads > chunks:        # a partial last pass (small tiles, 256 threads)
+            dead = b.and_(dead, b.setp("lt", tid, chunks - i * threads))
+        with b.predicate(dead):
+            b.st("shared", U32, Addr(mine, i * threads * CHUNK), [zero] * 4)
+
+
+def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
+                  work: TileWork, split_count: Reg | None, tmaps: dict) -> None:
+    """varlen_wgmma.emit_wgmma_tile with TMA K/V loads (see the module docstring)."""
+    from .varlen_attend import score_transform
+    from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
+    bn, stages = cfg.block_n, cfg.num_stages
+    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD)
+    ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
+    q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
+    q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
+    q_valid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
+    stage_groups(b, cfg, q_slot, row_chunks(b, q_slot, q_row, ctx.m_start, q_valid), q_valid,
+                 tile.smem)
+    b.cp_async_commit()
+
+    addr = {t: b.tensor_map_address(tmaps[t]) for t in tmaps}
+    head, seq = b.bitcast(work.kv_head, S32), b.bitcast(work.seq, S32)
+    slab_cols, slabs = SWIZZLE // cfg.fmt.bytes, cfg.head_dim * cfg.fmt.bytes // SWIZZLE
+    rows = box_rows(kv, bn)
+    block_row = None
+    if kv.layout == "paged":
+        block_row = {"block_row": C.element_offset(b, ptrs["block_table"], work.seq,
+                                                   b.mul(kv.regs["bt_stride"], 4))}
+
+    def copy_tile(t: str, j, dst: Reg, bar: Addr) -> None:
+        if t == "q":
+            return                                   # Q came by cp.async (q_bytes 0)
+        cache = "k_cache" if t == "k" else "v_cache"
+        row0 = b.mul(b.add(first, j), bn)
+        for p in range(bn // rows):                  # one box per slab and page
+            row = row0 if p == 0 else b.add(row0, p * rows)
+            if block_row is None:
+                coords = (head, b.bitcast(row, S32), seq)
+            else:
+                page = kv.load_page(b, block_row, row, b.setp("lt", b.bitcast(row, S32), L))
+                coords = (head, b.bitcast(b.and_(row, kv.page_size - 1), S32), page)
+            for s in range(slabs):
+                b.tma_load(Addr(dst, s * bn * SWIZZLE + p * rows * SWIZZLE), addr[cache],
+                           [s * slab_cols, *coords], bar)
+
+    def q_landed() -> None:
+        b.cp_async_wait(0)
+        b.fence_proxy_async()     # the cp.async-written Q, for wgmma's async-proxy reads
+        b.bar_sync(0)
+
+    def last_v_landed(v_tile: Reg) -> None:
+        nvalid = b.sub(L, b.bitcast(b.mul(b.add(first, b.sub(n_tiles, 1)), bn), S32))
+        with b.if_then(b.setp("lt", nvalid, bn)):          # CTA-uniform
+            zero_tail_rows(b, cfg, ctx.tid, v_tile, nvalid)
+            b.fence_proxy_async()
+            b.bar_sync(0)
+
+    math = VarlenWgmmaMath(b, ctx, ptrs, strides)
+    kv_bytes = cfg.kv_geom.bytes
+    run_tma_pipeline(b, stages=stages, kv_bytes=kv_bytes, q_bytes=0, q_smem=tile.smem,
+                     k_smem=tile.k_smem, v_smem=tile.v_smem,
+                     bars=b.add(tile.v_smem, stages * kv_bytes), leader=b.setp("eq", ctx.tid, 0),
+                     n_tiles=n_tiles, n_full=tile.n_full,
+                     key0_of=lambda j: b.mul(b.add(first, j), bn), copy_tile=copy_tile, math=math,
+                     transform=score_transform(b, spec, math), lo_full=tile.lo_full,
+                     q_landed=q_landed, last_v_landed=last_v_landed)
+    math.epilogue()
+
+
+__all__ = ["emit_tma_tile", "tensor_map_params", "tma_applies"]
