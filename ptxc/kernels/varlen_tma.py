@@ -81,6 +81,40 @@ def zero_tail_rows(b: KernelBuilder, cfg, tid: Reg, v_tile: Reg, nvalid: Reg) ->
             b.st("shared", U32, Addr(mine, i * threads * CHUNK), [zero] * 4)
 
 
+class LeaderPages:
+    """The elected thread's page ids, loaded one K request ahead so that no block-table load
+    sits between a refill's barrier and its boxes: `cur` holds the ids of the next K tile to
+    request, `last` those of the last K requested, `prev` the one before. tma_pipeline requests
+    V(t) right after K(t + 1) when that tile exists (ids in `prev`), else alone (ids in
+    `last`). A row at or past L gets id -1 (no block-table entry is read for it)."""
+
+    def __init__(self, b: KernelBuilder, kv: KVAccess, block_row: Reg, first: Reg, bn: int,
+                 rows: int, L: Reg, n_tiles: Reg):
+        self.b, self.kv, self.block_row, self.first, self.bn, self.rows = b, kv, block_row, first, bn, rows
+        self.L, self.n_tiles = L, n_tiles
+        self.cur, self.last, self.prev = ([b.mov(-1, S32) for _ in range(bn // rows)] for _ in range(3))
+
+    def load(self, j: Reg, out: list[Reg]) -> None:
+        b = self.b
+        row0 = b.mul(b.add(self.first, j), self.bn)
+        for p, reg in enumerate(out):
+            row = row0 if p == 0 else b.add(row0, p * self.rows)
+            self.kv.load_page(b, {"block_row": self.block_row}, row,
+                              b.setp("lt", b.bitcast(row, S32), self.L), out=reg)
+
+    def k_ids(self, j: Reg) -> list[Reg]:
+        """K(j)'s ids (loaded at the previous K request), shifted into `last`."""
+        for prev, last, cur in zip(self.prev, self.last, self.cur):
+            self.b.mov(last, out=prev)
+            self.b.mov(cur, out=last)
+        return self.last
+
+    def v_ids(self, j: Reg) -> list[Reg]:
+        b = self.b
+        after_k = b.setp("lt", b.add(j, 1), self.n_tiles)     # K(j + 1) was requested first
+        return [b.selp(p, l, after_k, S32) for p, l in zip(self.prev, self.last)]
+
+
 def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
                   work: TileWork, split_count: Reg | None, tmaps: dict) -> None:
     """varlen_wgmma.emit_wgmma_tile with TMA K/V loads (see the module docstring)."""
@@ -100,26 +134,32 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     head, seq = b.bitcast(work.kv_head, S32), b.bitcast(work.seq, S32)
     slab_cols, slabs = SWIZZLE // cfg.fmt.bytes, cfg.head_dim * cfg.fmt.bytes // SWIZZLE
     rows = box_rows(kv, bn)
-    block_row = None
+    leader = b.setp("eq", ctx.tid, 0)
+    pages = None
     if kv.layout == "paged":
-        block_row = {"block_row": C.element_offset(b, ptrs["block_table"], work.seq,
-                                                   b.mul(kv.regs["bt_stride"], 4))}
+        pages = LeaderPages(b, kv, C.element_offset(b, ptrs["block_table"], work.seq,
+                                                    b.mul(kv.regs["bt_stride"], 4)),
+                            first, bn, rows, L, n_tiles)
+        with b.if_then(leader):
+            pages.load(b.mov(0, U32), pages.cur)
 
     def copy_tile(t: str, j, dst: Reg, bar: Addr) -> None:
         if t == "q":
             return                                   # Q came by cp.async (q_bytes 0)
         cache = "k_cache" if t == "k" else "v_cache"
         row0 = b.mul(b.add(first, j), bn)
+        ids = None if pages is None else pages.k_ids(j) if t == "k" else pages.v_ids(j)
         for p in range(bn // rows):                  # one box per slab and page
             row = row0 if p == 0 else b.add(row0, p * rows)
-            if block_row is None:
+            if ids is None:
                 coords = (head, b.bitcast(row, S32), seq)
             else:
-                page = kv.load_page(b, block_row, row, b.setp("lt", b.bitcast(row, S32), L))
-                coords = (head, b.bitcast(b.and_(row, kv.page_size - 1), S32), page)
+                coords = (head, b.bitcast(b.and_(row, kv.page_size - 1), S32), ids[p])
             for s in range(slabs):
                 b.tma_load(Addr(dst, s * bn * SWIZZLE + p * rows * SWIZZLE), addr[cache],
                            [s * slab_cols, *coords], bar)
+        if pages is not None and t == "k":
+            pages.load(b.add(j, 1), pages.cur)      # K(j+1)'s ids, used at the next refill
 
     def q_landed() -> None:
         b.cp_async_wait(0)
@@ -137,7 +177,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     kv_bytes = cfg.kv_geom.bytes
     run_tma_pipeline(b, stages=stages, kv_bytes=kv_bytes, q_bytes=0, q_smem=tile.smem,
                      k_smem=tile.k_smem, v_smem=tile.v_smem,
-                     bars=b.add(tile.v_smem, stages * kv_bytes), leader=b.setp("eq", ctx.tid, 0),
+                     bars=b.add(tile.v_smem, stages * kv_bytes), leader=leader,
                      n_tiles=n_tiles, n_full=tile.n_full,
                      key0_of=lambda j: b.mul(b.add(first, j), bn), copy_tile=copy_tile, math=math,
                      transform=score_transform(b, spec, math), lo_full=tile.lo_full,
