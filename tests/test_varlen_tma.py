@@ -94,3 +94,129 @@ def test_ragged_batch_with_nan_garbage(tmp_path, layout, tile, case):
     cu = inputs["cu_seqlens_q"]
     assert np.all(out["o"][cu[6]:cu[7]] == 0)                 # L = 0
     assert np.all(np.isneginf(out["lse"][cu[6]:cu[7]]))
+
+
+def test_two_warpgroups_small_tile_page8(tmp_path):
+    """block_m 128 (256 threads) with block_n 16 at head_dim 64: the tail zeroing's one pass
+    is partial (128 chunks for 256 threads); 8-row pages, the smallest TMA takes (two boxes of
+    one swizzle period per slab and tile)."""
+    art, spec = build(tmp_path, "page8", "block_m = 128\nnum_warps = 8\nblock_n = 16",
+                      dtype="bf16", head_dim=64, gqa="gqa4", causal=True, splits=2)
+    assert art.meta["targets"]["sm_90a"]["kernels"][0]["block"] == [256, 1, 1]
+    check_poisoned(art, spec, "page8", seed=1)
+
+
+@pytest.mark.parametrize("extra", ["sliding_window = 40", "logits_soft_cap = 2.0",
+                                   pytest.param("attention_sinks = true", marks=SLOW),
+                                   pytest.param("alibi = true", marks=SLOW)])
+def test_variants(tmp_path, extra):
+    """The variant seam on the TMA body; a sliding window reads (and masks) the keys before
+    the first token's window instead of zero-filling them."""
+    art, spec = build(tmp_path, "page64", "block_n = 32", "\n" + extra, dtype="f16",
+                      head_dim=64, gqa="gqa4", causal=True, splits=2)
+    check_poisoned(art, spec, "page64", seed=2)
+
+
+def test_mixed_batch(tmp_path):
+    """make_inputs' serving mix through the launch-test harness (its tensor maps encoded by
+    runtime.tensor_maps), garbage block-table ids (-1, num_pages + 7) past each sequence."""
+    from conftest import assert_pass
+    from ptxc.runtime.launch_test import check_artifact
+    art, _ = build(tmp_path, "page16", dtype="f16", head_dim=64, gqa="gqa4", causal=True,
+                   splits="auto")
+    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 8}, seed=3))
+
+
+# ---- configuration, metadata, errors -----------------------------------------------------------
+def _config(text: str, targets=SM90A, tile: str = "") -> dict:
+    [spec] = load_text(f'[[kernel]]\nname = "k"\nfamily = "varlen"\ntargets = {list(targets)!r}\n'
+                       .replace("'", '"') + text + (f"\n[kernel.tile]\n{tile}\n" if tile else ""))
+    return {t: VARLEN.resolve_tile(spec, TARGETS[t]) for t in targets}
+
+
+def test_default_and_loader_rule():
+    """cp.async stays the default (no kv_loads in the config); kv_loads = "tma" takes TMA where
+    it applies -- contiguous caches and pages of >= 8 rows -- and keeps cp.async for smaller
+    pages. The barriers are the only extra shared memory."""
+    for layout in ("contiguous", "page8", "page16", "page256"):
+        assert "kv_loads" not in _config(spec_body(layout, head_dim=128))["sm_90a"], layout
+        assert _config(spec_body(layout, head_dim=128), tile=TMA)["sm_90a"]["kv_loads"] == "tma"
+    for layout in ("page1", "page4"):
+        assert "kv_loads" not in _config(spec_body(layout, head_dim=128), tile=TMA)["sm_90a"]
+    cp = _config(spec_body("page16", head_dim=128))["sm_90a"]
+    tma = _config(spec_body("page16", head_dim=128), tile=TMA)["sm_90a"]
+    assert tma["smem_bytes"] == cp["smem_bytes"] + 3 * 8   # full[2 stages] and the Q barrier
+
+
+def test_kv_loads_needs_a_wgmma_target():
+    for text, targets in ((spec_body("page16"), ("sm_80", "sm_90")),
+                          (spec_body("page16", head_dim=96), SM90A),
+                          (spec_body("page16", head_dim=128) + '\nkv_dtype = "e4m3"\nkv_scale = "tensor"', SM90A)):
+        with pytest.raises(SpecError) as e:
+            _config(text, targets, TMA)
+        assert e.value.key == "tile.kv_loads" and "\n" not in str(e.value)
+    with pytest.raises(SpecError, match="kv_loads"):
+        _config(spec_body("page16"), SM90A, 'kv_loads = "bulk"')
+
+
+def test_metadata_and_other_targets(tmp_path):
+    """k_tmap / v_tmap after the other parameters: tensor maps over k_cache / v_cache with one
+    box per 128-byte slab of a page (or a tile); the other targets of the spec keep their PTX
+    byte for byte (the key changes only the sm_90a kernel)."""
+    targets = ("sm_80", "sm_90", "sm_90a")
+    text = spec_body("page16", dtype="bf16", head_dim=128, splits=3)
+    arts = {tile: build_kernel(tmp_path / tile.split('"')[1], "varlen", text, tile=tile, targets=targets)
+            for tile in (TMA, 'kv_loads = "cp_async"')}
+    tma, cp = arts[TMA], arts['kv_loads = "cp_async"']
+    for t in ("sm_80", "sm_90"):
+        assert tma.ptx(t) == cp.ptx(t)
+    kern = tma.meta["targets"]["sm_90a"]["kernels"][0]
+    names = [p["name"] for p in kern["params"]]
+    assert names[-2:] == ["k_tmap", "v_tmap"]
+    assert names[:-2] == [p["name"] for p in cp.meta["targets"]["sm_90a"]["kernels"][0]["params"]]
+    for p in kern["params"][-2:]:
+        assert p["type"] == "tmap" and p["source"] == {
+            "kind": "tensor_map", "tensor": f"{p['name'][0]}_cache", "box": [64, 1, 16, 1],
+            "swizzle": 128}
+    [spec] = load_text(f'[[kernel]]\nname = "k"\nfamily = "varlen"\ntargets = ["sm_90a"]\n'
+                       f'{spec_body("contiguous", head_dim=64)}\n[kernel.tile]\nblock_n = 32\n{TMA}\n')
+    params = FAMILIES["varlen"].build(spec, TARGETS["sm_90a"]).launches[0].params
+    assert [dict(p.source.box and {"box": p.source.box}) for p in params if p.name.endswith("_tmap")] == \
+        [{"box": (64, 1, 32, 1)}] * 2
+
+
+# ---- ptxas and SASS ----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtypes", [("f16", "bf16"), pytest.param(("bf16", "f16"), marks=SLOW)])
+def test_ptxas_sm90a_zero_spills(tmp_path, toolchain, dtypes):
+    """head_dim 64 / 128 / 256 x paged (16-row pages) / contiguous, causal split-KV and not
+    (the default run alternates f16 / bf16; -m slow the other way round): 0 spills; the d128
+    paged loop issues UTMALDG and no LDGSTS, with the tensor work of the cp.async kernel."""
+    from ptxc.pipeline.build import run_build
+    from ptxc.report.sass import SassUnavailable, sass_profile
+    kernels = []
+    for i, d in enumerate((64, 128, 256)):
+        for j, (lay, splits, causal) in enumerate((("page16", "auto", True), ("contiguous", 1, False))):
+            kernels.append(f'[[kernel]]\nname = "v_d{d}_{lay}"\nfamily = "varlen"\n'
+                           f'targets = ["sm_90a"]\n'
+                           f'{spec_body(lay, dtype=dtypes[(i + j) % 2], head_dim=d, causal=causal, splits=splits)}\n'
+                           f'[kernel.tile]\n{TMA}\n')
+    (tmp_path / "k.toml").write_text("\n".join(kernels))
+    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
+    assert summary["verified"] and not summary["problems"] and len(summary["kernels"]) == 6
+    for k in summary["kernels"]:
+        assert k["targets"]["sm_90a"]["spill_bytes"] == 0, k["name"]
+    import json
+    name = "v_d128_page16"
+    meta = json.loads((tmp_path / "out" / name / f"{name}.json").read_text())
+    assert meta["targets"]["sm_90a"]["config"]["kv_loads"] == "tma"
+    cubin = (tmp_path / "out" / name / meta["targets"]["sm_90a"]["cubin"]).read_bytes()
+    try:
+        prof = sass_profile(cubin)[f"ptxc_{name}_split"]
+    except SassUnavailable as e:
+        pytest.skip(f"SASS unavailable: {e}")
+    loop = prof["loops"]["loops"][prof["loops"]["main"]]
+    assert prof["mix"]["LDGSTS"] > 0          # the Q gather, before the loop
+    assert loop["classes"]["ldgsts"] == 0
+    assert prof["mix"]["LDL"] == prof["mix"]["STL"] == 0
+    assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (8 + 4 + 4, 64 + 64 + 4)
+    assert loop["instructions_per_mma_equivalent"] <= 2.0     # cp.async: 3.13

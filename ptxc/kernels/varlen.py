@@ -57,7 +57,8 @@ FIELDS = FamilyFields(
               choices=(1, 2, 3, 4)),
         Field("kv_loads", "str", "how the sm_90a wgmma kernel loads K/V tiles: per-thread "
               "cp.async (the default), or TMA boxes under mbarriers (tensor-map parameters; "
-              "contiguous caches and pages of >= 8 rows; docs/kernels.md \"Hopper\")",
+              "contiguous caches and pages of >= 8 rows, else cp.async; docs/kernels.md "
+              "\"Hopper: varlen on wgmma\")",
               default=None, choices=("cp_async", "tma")),
     ),
 )
