@@ -86,12 +86,14 @@ class LeaderPages:
     sits between a refill's barrier and its boxes: `cur` holds the ids of the next K tile to
     request, `last` those of the last K requested, `prev` the one before. tma_pipeline requests
     V(t) right after K(t + 1) when that tile exists (ids in `prev`), else alone (ids in
-    `last`). A row at or past L gets id -1 (no block-table entry is read for it)."""
+    `last`). A row at or past L, or a page wholly before a sliding window's first key (pages
+    an engine may have freed; the cp.async body zero-fills those rows too), gets id -1 (no
+    block-table entry is read for it)."""
 
     def __init__(self, b: KernelBuilder, kv: KVAccess, block_row: Reg, first: Reg, bn: int,
-                 rows: int, L: Reg, n_tiles: Reg):
+                 rows: int, L: Reg, n_tiles: Reg, key_lo: Reg | None):
         self.b, self.kv, self.block_row, self.first, self.bn, self.rows = b, kv, block_row, first, bn, rows
-        self.L, self.n_tiles = L, n_tiles
+        self.L, self.n_tiles, self.key_lo = L, n_tiles, key_lo
         self.cur, self.last, self.prev = ([b.mov(-1, S32) for _ in range(bn // rows)] for _ in range(3))
 
     def load(self, j: Reg, out: list[Reg]) -> None:
@@ -99,8 +101,10 @@ class LeaderPages:
         row0 = b.mul(b.add(self.first, j), self.bn)
         for p, reg in enumerate(out):
             row = row0 if p == 0 else b.add(row0, p * self.rows)
-            self.kv.load_page(b, {"block_row": self.block_row}, row,
-                              b.setp("lt", b.bitcast(row, S32), self.L), out=reg)
+            valid = b.setp("lt", b.bitcast(row, S32), self.L)
+            if self.key_lo is not None:     # a page wholly before the window: never read
+                valid = b.and_(valid, b.setp("gt", b.bitcast(b.add(row, self.rows), S32), self.key_lo))
+            self.kv.load_page(b, {"block_row": self.block_row}, row, valid, out=reg)
 
     def k_ids(self, j: Reg) -> list[Reg]:
         """K(j)'s ids (loaded at the previous K request), shifted into `last`."""
@@ -139,7 +143,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     if kv.layout == "paged":
         pages = LeaderPages(b, kv, C.element_offset(b, ptrs["block_table"], work.seq,
                                                     b.mul(kv.regs["bt_stride"], 4)),
-                            first, bn, rows, L, n_tiles)
+                            first, bn, rows, L, n_tiles, tile.key_lo())
         with b.if_then(leader):
             pages.load(b.mov(0, U32), pages.cur)
 
