@@ -186,6 +186,12 @@ def test_metadata_and_other_targets(tmp_path):
         assert p["type"] == "tmap" and p["source"] == {
             "kind": "tensor_map", "tensor": f"{p['name'][0]}_cache", "box": [64, 1, 16, 1],
             "swizzle": 128}
+    from ptxc.emit import cheader, rust     # the loaders encode both maps
+    header = cheader.emit(tmp_path / "tma" / "out", tmp_path / "k.h").read_text()
+    assert header.count("ptxc_put_tensor_map(L, p.bytes, ") == 2
+    assert "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, box, CU_TENSOR_MAP_SWIZZLE_128B" in header
+    assert rust.emit(tmp_path / "tma" / "out", tmp_path / "k.rs").read_text().count(
+        "put_tensor_map(&mut p, ") == 2
     [spec] = load_text(f'[[kernel]]\nname = "k"\nfamily = "varlen"\ntargets = ["sm_90a"]\n'
                        f'{spec_body("contiguous", head_dim=64)}\n[kernel.tile]\nblock_n = 32\n{TMA}\n')
     params = FAMILIES["varlen"].build(spec, TARGETS["sm_90a"]).launches[0].params
