@@ -46,7 +46,7 @@ def barrier_bytes(stages: int) -> int:
 def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: int, q_smem: Reg,
                      k_smem: Reg, v_smem: Reg, bars: Reg, leader: Reg, n_tiles: Reg, n_full: Reg,
                      key0_of, copy_tile, math, transform=None, lo_full: Reg | None = None,
-                     q_landed=None, last_v_landed=None) -> None:
+                     q_landed=None, last_v_landed=None, issuer: Reg | None = None) -> None:
     """`copy_tile(t, tile, smem_addr, bar)` issues the TMA boxes of tile `tile` of t ("q", "k"
     or "v"; the Q tile's index is unused) into `smem_addr` on mbarrier `bar` (called by the
     elected thread only, for tiles that exist); `bars` is the 8-byte-aligned shared address of
@@ -54,7 +54,11 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
     WgmmaMath. Optional hooks (None: nothing emitted): `q_landed()` runs after the prologue's
     copies are issued, before the loop (a Q tile loaded another way: q_bytes 0 and a copy_tile
     that issues nothing for "q"); `last_v_landed(v_addr)` runs once the last V tile has landed,
-    before the P·V that reads it (every thread; it may rewrite the tile in shared memory)."""
+    before the P·V that reads it (every thread; it may rewrite the tile in shared memory);
+    `issuer`: the predicate of the threads that call copy_tile for K/V (each issues its share
+    of the boxes; the elected thread alone still arrives with the whole expect_tx, and a copy
+    completing before that arrival leaves the transaction count transiently negative, which
+    the mbarrier allows) instead of the elected thread."""
     S = stages
     q_bar = Addr(bars, S * MBARRIER_BYTES)
     with b.if_then(leader):
@@ -72,11 +76,19 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
                 has_v = b.setp("lt", v_tile, n_tiles)
                 nbytes = b.add(nbytes, b.selp(kv_bytes, 0, has_v, U32))
             b.mbarrier_arrive_expect_tx(bar, nbytes)
-            with b.if_then(has_k):
-                copy_tile("k", k_tile, b.add(k_smem, k_off), bar)
-            if v_tile is not None:
-                with b.if_then(has_v):
-                    copy_tile("v", v_tile, b.add(v_smem, v_off), bar)
+            if issuer is None:
+                copies(k_tile, k_off, v_tile, v_off, bar, has_k, has_v if v_tile is not None else None)
+        if issuer is not None:
+            with b.if_then(issuer):
+                copies(k_tile, k_off, v_tile, v_off, bar, b.setp("lt", k_tile, n_tiles),
+                       None if v_tile is None else b.setp("lt", v_tile, n_tiles))
+
+    def copies(k_tile, k_off, v_tile, v_off, bar, has_k, has_v) -> None:
+        with b.if_then(has_k):
+            copy_tile("k", k_tile, b.add(k_smem, k_off), bar)
+        if v_tile is not None:
+            with b.if_then(has_v):
+                copy_tile("v", v_tile, b.add(v_smem, v_off), bar)
 
     with b.if_then(leader):                              # Q, on its own barrier
         b.mbarrier_arrive_expect_tx(q_bar, q_bytes)

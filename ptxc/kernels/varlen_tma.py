@@ -81,14 +81,15 @@ def zero_tail_rows(b: KernelBuilder, cfg, tid: Reg, v_tile: Reg, nvalid: Reg) ->
             b.st("shared", U32, Addr(mine, i * threads * CHUNK), [zero] * 4)
 
 
-class LeaderPages:
-    """The elected thread's page ids, loaded one K request ahead so that no block-table load
-    sits between a refill's barrier and its boxes: `cur` holds the ids of the next K tile to
-    request, `last` those of the last K requested, `prev` the one before. tma_pipeline requests
-    V(t) right after K(t + 1) when that tile exists (ids in `prev`), else alone (ids in
-    `last`). A row at or past L, or a page wholly before a sliding window's first key (pages
-    an engine may have freed; the cp.async body zero-fills those rows too), gets id -1 (no
-    block-table entry is read for it)."""
+class IssuerPages:
+    """The page ids of the threads that issue the boxes (lane 0 of each warp, for the pages its
+    boxes cover), loaded one K request ahead so that no block-table load sits between a
+    refill's barrier and its boxes: `cur[p]` holds page p's id in the next K tile to request,
+    `last[p]` in the last K requested, `prev[p]` in the one before. tma_pipeline requests V(t)
+    right after K(t + 1) when that tile exists (ids in `prev`), else alone (in `last`). A row
+    at or past L, or a page wholly before a sliding window's first key (pages an engine may
+    have freed; the cp.async body zero-fills those rows too), gets id -1 (no block-table entry
+    is read for it)."""
 
     def __init__(self, b: KernelBuilder, kv: KVAccess, block_row: Reg, first: Reg, bn: int,
                  rows: int, L: Reg, n_tiles: Reg, key_lo: Reg | None):
@@ -96,27 +97,28 @@ class LeaderPages:
         self.L, self.n_tiles, self.key_lo = L, n_tiles, key_lo
         self.cur, self.last, self.prev = ([b.mov(-1, S32) for _ in range(bn // rows)] for _ in range(3))
 
-    def load(self, j: Reg, out: list[Reg]) -> None:
+    def load(self, j: Reg, pages: list[int]) -> None:
+        """cur[p] for p in `pages` <- page p's id in tile j."""
         b = self.b
         row0 = b.mul(b.add(self.first, j), self.bn)
-        for p, reg in enumerate(out):
+        for p in pages:
             row = row0 if p == 0 else b.add(row0, p * self.rows)
             valid = b.setp("lt", b.bitcast(row, S32), self.L)
             if self.key_lo is not None:     # a page wholly before the window: never read
                 valid = b.and_(valid, b.setp("gt", b.bitcast(b.add(row, self.rows), S32), self.key_lo))
-            self.kv.load_page(b, {"block_row": self.block_row}, row, valid, out=reg)
+            self.kv.load_page(b, {"block_row": self.block_row}, row, valid, out=self.cur[p])
 
-    def k_ids(self, j: Reg) -> list[Reg]:
+    def k_ids(self, pages: list[int]) -> dict:
         """K(j)'s ids (loaded at the previous K request), shifted into `last`."""
-        for prev, last, cur in zip(self.prev, self.last, self.cur):
-            self.b.mov(last, out=prev)
-            self.b.mov(cur, out=last)
-        return self.last
+        for p in pages:
+            self.b.mov(self.last[p], out=self.prev[p])
+            self.b.mov(self.cur[p], out=self.last[p])
+        return {p: self.last[p] for p in pages}
 
-    def v_ids(self, j: Reg) -> list[Reg]:
+    def v_ids(self, j: Reg, pages: list[int]) -> dict:
         b = self.b
         after_k = b.setp("lt", b.add(j, 1), self.n_tiles)     # K(j + 1) was requested first
-        return [b.selp(p, l, after_k, S32) for p, l in zip(self.prev, self.last)]
+        return {p: b.selp(self.prev[p], self.last[p], after_k, S32) for p in pages}
 
 
 def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
@@ -138,32 +140,47 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     head, seq = b.bitcast(work.kv_head, S32), b.bitcast(work.seq, S32)
     slab_cols, slabs = SWIZZLE // cfg.fmt.bytes, cfg.head_dim * cfg.fmt.bytes // SWIZZLE
     rows = box_rows(kv, bn)
-    leader = b.setp("eq", ctx.tid, 0)
+    # box (page p, slab s) of a tile is issued by lane 0 of warp (p * slabs + s) % num_warps,
+    # so that no warp carries the whole issue block (ptxas wraps each box in an issue loop)
+    boxes = [[(p, s) for p in range(bn // rows) for s in range(slabs)
+              if (p * slabs + s) % cfg.num_warps == w] for w in range(cfg.num_warps)]
+    pages_of = [sorted({p for p, _ in bw}) for bw in boxes]
+    issuer = b.setp("eq", ctx.lane, 0)
+
+    def per_warp(body) -> None:
+        for w, bw in enumerate(boxes):
+            if bw:
+                with b.if_then(b.setp("eq", ctx.warp, w)):
+                    body(w, bw)
+
     pages = None
     if kv.layout == "paged":
-        pages = LeaderPages(b, kv, C.element_offset(b, ptrs["block_table"], work.seq,
+        pages = IssuerPages(b, kv, C.element_offset(b, ptrs["block_table"], work.seq,
                                                     b.mul(kv.regs["bt_stride"], 4)),
                             first, bn, rows, L, n_tiles, tile.key_lo())
-        with b.if_then(leader):
-            pages.load(b.mov(0, U32), pages.cur)
+        with b.if_then(issuer):
+            per_warp(lambda w, bw: pages.load(b.mov(0, U32), pages_of[w]))
 
     def copy_tile(t: str, j, dst: Reg, bar: Addr) -> None:
         if t == "q":
             return                                   # Q came by cp.async (q_bytes 0)
         cache = "k_cache" if t == "k" else "v_cache"
         row0 = b.mul(b.add(first, j), bn)
-        ids = None if pages is None else pages.k_ids(j) if t == "k" else pages.v_ids(j)
-        for p in range(bn // rows):                  # one box per slab and page
-            row = row0 if p == 0 else b.add(row0, p * rows)
-            if ids is None:
-                coords = (head, b.bitcast(row, S32), seq)
-            else:
-                coords = (head, b.bitcast(b.and_(row, kv.page_size - 1), S32), ids[p])
-            for s in range(slabs):
+
+        def issue(w: int, bw: list) -> None:
+            ids = None if pages is None else \
+                pages.k_ids(pages_of[w]) if t == "k" else pages.v_ids(j, pages_of[w])
+            for p, s in bw:
+                row = row0 if p == 0 else b.add(row0, p * rows)
+                if ids is None:
+                    coords = (head, b.bitcast(row, S32), seq)
+                else:
+                    coords = (head, b.bitcast(b.and_(row, kv.page_size - 1), S32), ids[p])
                 b.tma_load(Addr(dst, s * bn * SWIZZLE + p * rows * SWIZZLE), addr[cache],
                            [s * slab_cols, *coords], bar)
-        if pages is not None and t == "k":
-            pages.load(b.add(j, 1), pages.cur)      # K(j+1)'s ids, used at the next refill
+            if pages is not None and t == "k":
+                pages.load(b.add(j, 1), pages_of[w])   # K(j+1)'s ids, for the next refill
+        per_warp(issue)
 
     def q_landed() -> None:
         b.cp_async_wait(0)
@@ -181,11 +198,11 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     kv_bytes = cfg.kv_geom.bytes
     run_tma_pipeline(b, stages=stages, kv_bytes=kv_bytes, q_bytes=0, q_smem=tile.smem,
                      k_smem=tile.k_smem, v_smem=tile.v_smem,
-                     bars=b.add(tile.v_smem, stages * kv_bytes), leader=leader,
+                     bars=b.add(tile.v_smem, stages * kv_bytes), leader=b.setp("eq", ctx.tid, 0),
                      n_tiles=n_tiles, n_full=tile.n_full,
                      key0_of=lambda j: b.mul(b.add(first, j), bn), copy_tile=copy_tile, math=math,
                      transform=score_transform(b, spec, math), lo_full=tile.lo_full,
-                     q_landed=q_landed, last_v_landed=last_v_landed)
+                     q_landed=q_landed, last_v_landed=last_v_landed, issuer=issuer)
     math.epilogue()
 
 
