@@ -143,16 +143,18 @@ def _config(text: str, targets=SM90A, tile: str = "") -> dict:
 
 
 def test_default_and_loader_rule():
-    """cp.async stays the default (no kv_loads in the config); kv_loads = "tma" takes TMA where
-    it applies -- contiguous caches and pages of >= 8 rows -- and keeps cp.async for smaller
-    pages. The barriers are the only extra shared memory."""
+    """TMA is the sm_90a default where it applies: contiguous caches and pages of >= 8 rows;
+    smaller pages, and kv_loads = "cp_async", keep the per-thread loads (no kv_loads in the
+    config). The barriers are the only extra shared memory."""
     for layout in ("contiguous", "page8", "page16", "page256"):
-        assert "kv_loads" not in _config(spec_body(layout, head_dim=128))["sm_90a"], layout
-        assert _config(spec_body(layout, head_dim=128), tile=TMA)["sm_90a"]["kv_loads"] == "tma"
+        assert _config(spec_body(layout, head_dim=128))["sm_90a"]["kv_loads"] == "tma", layout
+        assert "kv_loads" not in _config(spec_body(layout, head_dim=128),
+                                         tile='kv_loads = "cp_async"')["sm_90a"]
     for layout in ("page1", "page4"):
-        assert "kv_loads" not in _config(spec_body(layout, head_dim=128), tile=TMA)["sm_90a"]
-    cp = _config(spec_body("page16", head_dim=128))["sm_90a"]
-    tma = _config(spec_body("page16", head_dim=128), tile=TMA)["sm_90a"]
+        for tile in ("", TMA):
+            assert "kv_loads" not in _config(spec_body(layout, head_dim=128), tile=tile)["sm_90a"]
+    cp = _config(spec_body("page16", head_dim=128), tile='kv_loads = "cp_async"')["sm_90a"]
+    tma = _config(spec_body("page16", head_dim=128))["sm_90a"]
     assert tma["smem_bytes"] == cp["smem_bytes"] + 3 * 8   # full[2 stages] and the Q barrier
 
 

@@ -55,9 +55,9 @@ FIELDS = FamilyFields(
         Field("num_warps", "int", "warps per CTA (block_m / 16)", default=None, choices=(1, 2, 4, 8)),
         Field("num_stages", "int", "K/V tiles in flight in the cp.async pipeline", default=None,
               choices=(1, 2, 3, 4)),
-        Field("kv_loads", "str", "how the sm_90a wgmma kernel loads K/V tiles: per-thread "
-              "cp.async (the default), or TMA boxes under mbarriers (tensor-map parameters; "
-              "contiguous caches and pages of >= 8 rows, else cp.async; docs/kernels.md "
+        Field("kv_loads", "str", "how the sm_90a wgmma kernel loads K/V tiles: TMA boxes under "
+              "mbarriers (tensor-map parameters; the default where it applies: contiguous "
+              "caches and pages of >= 8 rows), or per-thread cp.async (docs/kernels.md "
               "\"Hopper: varlen on wgmma\")",
               default=None, choices=("cp_async", "tma")),
     ),

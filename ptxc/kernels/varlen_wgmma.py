@@ -80,12 +80,12 @@ def applies(spec, target, cfg: PrefillConfig) -> bool:
 def configure(spec, cfg: PrefillConfig) -> WgmmaTileConfig:
     """The mma.sync tile (block_m, block_n, stages) on swizzled tiles: never more shared memory
     than the padded layout (whose padding exceeds the TMA path's barrier bytes), so it fits
-    wherever that one did. K/V tiles come by per-thread cp.async (the default) or, with
-    tile.kv_loads = "tma", by TMA where the layout allows (varlen_tma.tma_applies: contiguous,
-    or pages of >= 8 rows; docs/performance.md says why it is not the default)."""
+    wherever that one did. K/V tiles come by TMA (tile.kv_loads = "tma", the default) where
+    the layout allows (varlen_tma.tma_applies: contiguous, or pages of >= 8 rows), else, or
+    with kv_loads = "cp_async", by per-thread cp.async."""
     from .varlen import kv_access
     from .varlen_tma import tma_applies
-    tma = spec.tile_dict().get("kv_loads") == "tma" and tma_applies(kv_access(spec))
+    tma = spec.tile_dict().get("kv_loads", "tma") == "tma" and tma_applies(kv_access(spec))
     return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
                            cfg.num_stages, True, cfg.head_dim, 1,
                            kv_loads="tma" if tma else "cp_async")
