@@ -1,6 +1,12 @@
-"""varlen's sm_90a wgmma body with its K/V tiles fed by TMA (tile.kv_loads = "tma"): the packed
-tile of varlen_wgmma.py on the mbarrier pipeline of tma_pipeline.py (one elected thread issues
-every box; full[stage] mbarriers; the same swizzled slabs, so WgmmaMath is unchanged).
+"""varlen's sm_90a wgmma body with its K/V tiles fed by TMA (tile.kv_loads = "tma", the default
+where tma_applies): the packed tile of varlen_wgmma.py on the mbarrier pipeline of
+tma_pipeline.py (full[stage] mbarriers, the elected thread arriving with each phase's
+expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
+
+  issuers    box (page p, slab s) of a tile is issued by lane 0 of warp (p * slabs + s) %
+             num_warps (run_tma_pipeline's issuer hook): ptxas wraps every box in an ELECT
+             issue loop of ~7 instructions, and one issuing thread made warp 0's iteration
+             longer than the cp.async kernel's (docs/performance.md).
 
   Q          GQA-packed (token, head) rows are a gather, not a box: per-thread cp.async into
              the swizzled Q tile as the cp.async body does, issued before the K/V prologue and
@@ -14,8 +20,8 @@ every box; full[stage] mbarriers; the same swizzled slabs, so WgmmaMath is uncha
              (chunk ^ address bits [7, 10)), so a box starting at a multiple of 8 rows of a
              1024-aligned slab is itself 1024-aligned and lands exactly as the whole tile
              would: pages of >= 8 rows (page_size is a power of two) take TMA, smaller ones
-             keep the cp.async body (tma_applies). The elected thread reads the tile's page
-             ids when it issues the boxes; a row at or past L uses id -1, and an id outside
+             keep the cp.async body (tma_applies). The issuing lanes read their pages' ids one
+             K request ahead (IssuerPages); a row at or past L uses id -1, and an id outside
              [0, num_pages) (a corrupt table, or -1) lies outside the map's page dimension
              (num_pages, the cache's own extent), so the TMA fills the box with zeros and still
              counts its bytes: no bad id is dereferenced and expect_tx stays the full tile.
