@@ -3,7 +3,8 @@ sm_90a PTX in the emulator against the fp64 reference (FA2 tolerance rule) on ex
 batches (sequence lengths 0 / 1 / 17 / 113, q_len > 1 chunks, pages crossed, rows past L) and
 on make_inputs' mixed batches, causal and not, GQA 4 / 8 / MQA, split-KV with empty splits, LSE
 and the variants; the dispatch rule (which specs take wgmma on sm_90a, which keep mma.sync);
-ptxas sm_90a with 0 spills and SASS evidence (HGMMA, no LDSM, no local memory). The default
+ptxas sm_90a with 0 spills and SASS evidence (HGMMA, no LDSM, no local memory). These pin
+tile.kv_loads = "cp_async" (the per-thread loads; TMA, the default: test_varlen_tma.py). The default
 subset keeps the emulated shapes small; `-m slow` runs the sweep."""
 
 import numpy as np
@@ -28,12 +29,17 @@ SLOW = pytest.mark.slow
 LENGTHS = [(0, 0), (1, 1), (17, 17), (5, 113), (1, 113), (4, 40), (2, 0), (3, 2), (9, 17), (0, 50)]
 
 
+CP_ASYNC = 'kv_loads = "cp_async"'    # these pin the per-thread loads (TMA: test_varlen_tma.py)
+
+
 def build(tmp_path, tile="", **case):
-    art = build_kernel(tmp_path, "varlen", body(**case), tile=tile, targets=SM90A)
+    art = build_kernel(tmp_path, "varlen", body(**case), tile="\n".join(x for x in (tile, CP_ASYNC) if x),
+                       targets=SM90A)
     target = art.meta["targets"]["sm_90a"]
     ptx = (art.path / target["ptx"]).read_text()
     assert target["config"]["path"] == "wgmma.m64nNk16"
     assert "wgmma.mma_async" in ptx and "ldmatrix" not in ptx and ".target sm_90a" in ptx
+    assert "kv_loads" not in target["config"] and "cp.async.bulk" not in ptx
     return art, KernelSpec.from_dict(art.meta["spec"])
 
 
@@ -115,8 +121,8 @@ def test_mixed_batch(tmp_path, case, shapes):
 def test_variants(tmp_path, extra):
     """The variant seam (MmaMath's transform / mask / finish_rows) on the wgmma fragments."""
     case = dict(dtype="f16", head_dim=64, gqa="gqa4", causal=True, layout="page16", splits=3)
-    art = build_kernel(tmp_path, "varlen", body(**case) + "\n" + extra, tile="block_n = 32",
-                       targets=SM90A)
+    art = build_kernel(tmp_path, "varlen", body(**case) + "\n" + extra,
+                       tile="block_n = 32\n" + CP_ASYNC, targets=SM90A)
     assert art.meta["targets"]["sm_90a"]["config"]["path"] == "wgmma.m64nNk16"
     check_ragged(art, KernelSpec.from_dict(art.meta["spec"]), "page16")
 
@@ -152,7 +158,7 @@ def test_config_records_the_swizzle_and_keeps_the_grid():
     """Same tile as mma.sync (so grid.x and the split rule are target-independent), swizzled
     tiles without padding: smem_swizzle instead of smem_row_stride."""
     text = body(head_dim=128, gqa="gqa4", splits="auto")
-    wg, mma = _config(text, "sm_90a"), _config(text, "sm_90")
+    wg, mma = _config(text + "\n[kernel.tile]\n" + CP_ASYNC, "sm_90a"), _config(text, "sm_90")
     assert {k: wg[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "gqa_packing")} == \
         {k: mma[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "gqa_packing")}
     assert wg["smem_swizzle"] == 128 and "smem_row_stride" not in wg
@@ -172,7 +178,8 @@ def test_ptxas_sm90a_zero_spills_and_hgmma(tmp_path, toolchain):
                 heads, kv = GQA["gqa4"]
                 kernels.append(
                     f'[[kernel]]\nname = "v_d{d}_{int(causal)}_{lay}"\nfamily = "varlen"\n'
-                    f'targets = ["sm_90a"]\n{body(dtype="f16" if d != 128 else "bf16", head_dim=d, causal=causal, layout=lay, splits=splits)}\n')
+                    f'targets = ["sm_90a"]\n{body(dtype="f16" if d != 128 else "bf16", head_dim=d, causal=causal, layout=lay, splits=splits)}\n'
+                    f'[kernel.tile]\n{CP_ASYNC}\n')
     (tmp_path / "k.toml").write_text("\n".join(kernels))
     summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
     assert summary["verified"] and not summary["problems"]
@@ -202,6 +209,6 @@ def test_tile_inside_one_page(tmp_path):
     tile's row offset in it), sliding window zero-filling keys before the first token's."""
     text = body(dtype="bf16", head_dim=64, gqa="gqa4", causal=True, layout="page16", splits=2)
     art = build_kernel(tmp_path, "varlen", text.replace("page_size = 16", "page_size = 64") +
-                       "\nsliding_window = 40", targets=SM90A)
+                       "\nsliding_window = 40", tile=CP_ASYNC, targets=SM90A)
     assert art.meta["targets"]["sm_90a"]["config"]["path"] == "wgmma.m64nNk16"
     check_ragged(art, KernelSpec.from_dict(art.meta["spec"]), "page64", seed=2)

@@ -44,31 +44,55 @@ def barrier_bytes(stages: int, warp_specialized: bool = False) -> int:
 
 
 def issue_refill(b: KernelBuilder, *, kv_bytes: int, k_smem: Reg, v_smem: Reg, n_tiles: Reg,
-                 copy_tile, k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
-    """One phase of `bar` (by the one thread that issues copies): K(k_tile) into k_off,
+                 copy_tile, k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr,
+                 copies: bool = True) -> None:
+    """One phase of `bar` (by the one thread that arrives on it): K(k_tile) into k_off,
     V(v_tile) into v_off, those that exist, with expect_tx their bytes (0: the phase completes
-    at the arrive)."""
+    at the arrive). With copies=False the copies are left to refill_copies (other threads)."""
     has_k = b.setp("lt", k_tile, n_tiles)
     nbytes = b.selp(kv_bytes, 0, has_k, U32)
+    has_v = None
     if v_tile is not None:
         has_v = b.setp("lt", v_tile, n_tiles)
         nbytes = b.add(nbytes, b.selp(kv_bytes, 0, has_v, U32))
     b.mbarrier_arrive_expect_tx(bar, nbytes)
+    if copies:
+        refill_copies(b, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles, copy_tile=copy_tile,
+                      k_tile=k_tile, k_off=k_off, v_tile=v_tile, v_off=v_off, bar=bar,
+                      has_k=has_k, has_v=has_v)
+
+
+def refill_copies(b: KernelBuilder, *, k_smem: Reg, v_smem: Reg, n_tiles: Reg, copy_tile,
+                  k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr,
+                  has_k: Reg | None = None, has_v: Reg | None = None) -> None:
+    """The copies of one refill phase: K(k_tile), V(v_tile), those that exist."""
+    if has_k is None:
+        has_k = b.setp("lt", k_tile, n_tiles)
     with b.if_then(has_k):
         copy_tile("k", k_tile, b.add(k_smem, k_off), bar)
     if v_tile is not None:
+        if has_v is None:
+            has_v = b.setp("lt", v_tile, n_tiles)
         with b.if_then(has_v):
             copy_tile("v", v_tile, b.add(v_smem, v_off), bar)
 
 
 def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: int, q_smem: Reg,
                      k_smem: Reg, v_smem: Reg, bars: Reg, leader: Reg, n_tiles: Reg, n_full: Reg,
-                     key0_of, copy_tile, math, transform=None, lo_full: Reg | None = None) -> None:
+                     key0_of, copy_tile, math, transform=None, lo_full: Reg | None = None,
+                     q_landed=None, last_v_landed=None, issuer: Reg | None = None) -> None:
     """`copy_tile(t, tile, smem_addr, bar)` issues the TMA boxes of tile `tile` of t ("q", "k"
     or "v"; the Q tile's index is unused) into `smem_addr` on mbarrier `bar` (called by the
     elected thread only, for tiles that exist); `bars` is the 8-byte-aligned shared address of
     barrier_bytes(stages) bytes; `leader` the predicate of the elected thread; `math` is a
-    WgmmaMath."""
+    WgmmaMath. Optional hooks (None: nothing emitted): `q_landed()` runs after the prologue's
+    copies are issued, before the loop (a Q tile loaded another way: q_bytes 0 and a copy_tile
+    that issues nothing for "q"); `last_v_landed(v_addr)` runs once the last V tile has landed,
+    before the P·V that reads it (every thread; it may rewrite the tile in shared memory);
+    `issuer`: the predicate of the threads that call copy_tile for K/V (each issues its share
+    of the boxes; the elected thread alone still arrives with the whole expect_tx, and a copy
+    completing before that arrival leaves the transaction count transiently negative, which
+    the mbarrier allows) instead of the elected thread."""
     S = stages
     q_bar = Addr(bars, S * MBARRIER_BYTES)
     with b.if_then(leader):
@@ -82,7 +106,12 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
         with b.if_then(leader):
             issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
                          copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
-                         v_off=v_off, bar=bar)
+                         v_off=v_off, bar=bar, copies=issuer is None)
+        if issuer is not None:
+            with b.if_then(issuer):
+                refill_copies(b, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
+                              copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
+                              v_off=v_off, bar=bar)
 
     with b.if_then(leader):                              # Q, on its own barrier
         b.mbarrier_arrive_expect_tx(q_bar, q_bytes)
@@ -95,6 +124,8 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
     prev = b.mov((S - 1) * kv_bytes, U32)
     bar_off = b.mov(0, U32)                  # full[j mod S] and the parity of its phase j / S
     parity = b.mov(0, U32)
+    if q_landed is not None:
+        q_landed()
     b.mbarrier_wait_parity(q_bar, 0)
 
     with b.for_range(0, n_tiles) as j:
@@ -108,6 +139,8 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
         advance_barrier(b, bar_off, parity, S)
     with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
         b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
+        if last_v_landed is not None:
+            last_v_landed(b.add(v_smem, prev))
         math.issue_pv(b.add(v_smem, prev))
         b.wgmma_wait(0)
     b.bar_sync(0)        # every warpgroup done with Q before the epilogue stages O over it

@@ -55,6 +55,11 @@ FIELDS = FamilyFields(
         Field("num_warps", "int", "warps per CTA (block_m / 16)", default=None, choices=(1, 2, 4, 8)),
         Field("num_stages", "int", "K/V tiles in flight in the cp.async pipeline", default=None,
               choices=(1, 2, 3, 4)),
+        Field("kv_loads", "str", "how the sm_90a wgmma kernel loads K/V tiles: TMA boxes under "
+              "mbarriers (tensor-map parameters; the default where it applies: contiguous "
+              "caches and pages of >= 8 rows), or per-thread cp.async (docs/kernels.md "
+              "\"Hopper: varlen on wgmma\")",
+              default=None, choices=("cp_async", "tma")),
     ),
 )
 
@@ -84,6 +89,14 @@ def validate(spec: KernelSpec) -> None:
                                 f"(decode supports it)", key=key)
     for t in spec.targets:
         configure(spec, TARGETS[t])
+    if spec.tile_dict().get("kv_loads") == "tma":
+        from .varlen_wgmma import WgmmaTileConfig
+        if not any(isinstance(configure(spec, TARGETS[t]), WgmmaTileConfig) for t in spec.targets):
+            raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim "
+                            f"{spec.head_dim}, targets {', '.join(spec.targets)}: TMA feeds only "
+                            f"the sm_90a wgmma kernel (f16/bf16 caches, head_dim 64, 128 or 256, "
+                            f"head_dim_v = head_dim, block_m 64 or 128); add sm_90a or drop the "
+                            f"key", key="tile.kv_loads")
 
 
 def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
@@ -135,7 +148,7 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     from .varlen_wgmma import WgmmaTileConfig, tile_config
     cfg = configure(spec, target)
     conf = packed_tile_config(spec, cfg)
-    return tile_config(conf) if isinstance(cfg, WgmmaTileConfig) else conf
+    return tile_config(conf, cfg) if isinstance(cfg, WgmmaTileConfig) else conf
 
 
 def kv_access(spec: KernelSpec) -> KVAccess:
@@ -211,7 +224,11 @@ def build(spec: KernelSpec, target: Target) -> Program:
     total_q = param("total_q", U32, ParamSource("dim", name="total_q"))
     split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None
     quant = kv_fp8.emit_params(spec, target, b, param)
-    emit_varlen(b, spec, cfg, kv, ptrs, strides, batch, total_q, split_count, quant)
+    tmaps = None
+    if getattr(cfg, "tma", False):   # tile.kv_loads = "tma": k/v tensor maps after the other params
+        from .varlen_tma import tensor_map_params
+        tmaps = tensor_map_params(b, cfg, kv, params)
+    emit_varlen(b, spec, cfg, kv, ptrs, strides, batch, total_q, split_count, quant, tmaps)
     b.ret()
     grid_y = f"{spec.num_kv_heads} * num_splits" if split else str(spec.num_kv_heads)
     launches = [Launch(entry=b.entry.name, params=tuple(params),

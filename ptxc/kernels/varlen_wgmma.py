@@ -79,14 +79,22 @@ def applies(spec, target, cfg: PrefillConfig) -> bool:
 
 def configure(spec, cfg: PrefillConfig) -> WgmmaTileConfig:
     """The mma.sync tile (block_m, block_n, stages) on swizzled tiles: never more shared memory
-    than the padded layout, so it fits wherever that one did."""
+    than the padded layout (whose padding exceeds the TMA path's barrier bytes), so it fits
+    wherever that one did. K/V tiles come by TMA (tile.kv_loads = "tma", the default) where
+    the layout allows (varlen_tma.tma_applies: contiguous, or pages of >= 8 rows), else, or
+    with kv_loads = "cp_async", by per-thread cp.async."""
+    from .varlen import kv_access
+    from .varlen_tma import tma_applies
+    tma = spec.tile_dict().get("kv_loads", "tma") == "tma" and tma_applies(kv_access(spec))
     return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
-                           cfg.num_stages, True, cfg.head_dim, 1)
+                           cfg.num_stages, True, cfg.head_dim, 1,
+                           kv_loads="tma" if tma else "cp_async")
 
 
-def tile_config(base: dict) -> dict:
-    """The metadata config: the packed tile's, with the path and the swizzle (as prefill)."""
-    out = {**base, "path": PATH, "smem_swizzle": SWIZZLE}
+def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
+    """The metadata config: the packed tile's, with the path and the swizzle (as prefill), and
+    kv_loads = "tma" when TMA loads the K/V tiles (absent: per-thread cp.async)."""
+    out = {**base, "path": PATH, "smem_swizzle": SWIZZLE, **({"kv_loads": "tma"} if cfg.tma else {})}
     out.pop("smem_row_stride")
     return out
 
@@ -173,8 +181,14 @@ def row_chunks(b: KernelBuilder, slot: ThreadSlot, row_address, row0: Reg, nvali
 
 
 def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,
-                    strides: dict, work: TileWork, split_count: Reg | None) -> None:
-    """varlen_attend.emit_packed_tile on wgmma (see the module docstring)."""
+                    strides: dict, work: TileWork, split_count: Reg | None,
+                    tmaps: dict | None = None) -> None:
+    """varlen_attend.emit_packed_tile on wgmma (see the module docstring); with `tmaps`
+    (tile.kv_loads = "tma") varlen_tma.py's body."""
+    if cfg.tma:
+        from .varlen_tma import emit_tma_tile
+        emit_tma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps)
+        return
     bn = cfg.block_n
     tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD)
     ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
