@@ -33,7 +33,8 @@ made visible to the async proxy with fence.proxy.async before the CTA barrier th
 from __future__ import annotations
 
 from ..ir import U32, Addr, KernelBuilder, Reg
-from .kv_pipeline import advance_stage, modify_scores
+from .kv_pipeline import advance_stage
+from .wgmma_pipeline import attend_tile
 
 MBARRIER_BYTES = 8
 
@@ -144,26 +145,6 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
         math.issue_pv(b.add(v_smem, prev))
         b.wgmma_wait(0)
     b.bar_sync(0)        # every warpgroup done with Q before the epilogue stages O over it
-
-
-def attend_tile(b: KernelBuilder, math, k_smem: Reg, stage: Reg, v_smem: Reg, prev: Reg, j: Reg,
-                key0_of, transform, n_full: Reg, lo_full: Reg | None, reads_done=None) -> None:
-    """The wgmma / softmax body of tile j (K(j) landed at k_smem + stage, V(j-1) at v_smem +
-    prev): S(j) and O += P(j-1)·V(j-1) in flight together, the score-side softmax under them,
-    the rest after wgmma.wait_group 0 -- after which `reads_done()` (if given) runs: both tiles
-    are read."""
-    s = math.issue_scores(b.add(k_smem, stage))
-    with b.if_then(b.setp("gt", j, 0)):
-        math.issue_pv(b.add(v_smem, prev))
-    with b.else_():
-        b.wgmma_commit()     # an empty group, so that wait_group 1 below retires S(0)
-    b.wgmma_wait(1)
-    modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
-    early = math.softmax_early(s)
-    b.wgmma_wait(0)
-    if reads_done is not None:
-        reads_done()
-    math.softmax_late(*early)
 
 
 def advance_barrier(b: KernelBuilder, bar_off: Reg, parity: Reg, stages: int) -> None:

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from ..ir import U32, Addr, KernelBuilder, Reg
 from .kv_pipeline import advance_stage
-from .tma_pipeline import MBARRIER_BYTES, advance_barrier, attend_tile, issue_refill
+from .tma_pipeline import MBARRIER_BYTES, advance_barrier, issue_refill
+from .wgmma_pipeline import attend_tile
 
 PRODUCER_THREADS = 128
 CONSUMER_BARRIER = 1      # named barrier of the consumer warpgroups (0 is the whole CTA's)

@@ -50,16 +50,8 @@ def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: 
 
     with b.for_range(0, n_tiles) as j:
         landed_and_fenced()                                                   # A(j)
-        s = math.issue_scores(b.add(k_smem, stage))
-        with b.if_then(b.setp("gt", j, 0)):
-            math.issue_pv(b.add(v_smem, prev))
-        with b.else_():
-            b.wgmma_commit()     # an empty group, so that wait_group 1 below retires S(0)
-        b.wgmma_wait(1)
-        modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
-        early = math.softmax_early(s)
-        b.wgmma_wait(0)
-        math.softmax_late(*early)
+        attend_tile(b, math, k_smem, stage, v_smem, prev, j, key0_of, transform, n_full,
+                    lo_full)
         b.bar_sync(0)                                                         # B(j)
         load_kv("k", b.add(j, S), stage)
         load_kv("v", b.add(j, S - 1), prev)
@@ -70,3 +62,23 @@ def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: 
         b.wgmma_wait(0)
     b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
     b.bar_sync(0)
+
+
+def attend_tile(b: KernelBuilder, math, k_smem: Reg, stage: Reg, v_smem: Reg, prev: Reg, j: Reg,
+                key0_of, transform, n_full: Reg, lo_full: Reg | None, reads_done=None) -> None:
+    """The wgmma / softmax body of tile j (K(j) landed at k_smem + stage, V(j-1) at v_smem +
+    prev): S(j) and O += P(j-1)·V(j-1) in flight together, the score-side softmax under them,
+    the rest after wgmma.wait_group 0 -- after which `reads_done()` (if given) runs: both tiles
+    are read."""
+    s = math.issue_scores(b.add(k_smem, stage))
+    with b.if_then(b.setp("gt", j, 0)):
+        math.issue_pv(b.add(v_smem, prev))
+    with b.else_():
+        b.wgmma_commit()     # an empty group, so that wait_group 1 below retires S(0)
+    b.wgmma_wait(1)
+    modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
+    early = math.softmax_early(s)
+    b.wgmma_wait(0)
+    if reads_done is not None:
+        reads_done()
+    math.softmax_late(*early)
