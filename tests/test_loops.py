@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ptxc.report.gpus import GPUS
-from ptxc.report.loop_model import bound_on, kv_reuse, kv_rows_per_iteration, loop_figures
+from ptxc.report.loop_model import bound_on, kv_reuse, kv_rows_per_iteration, loop_figures, with_tma_loads
 from ptxc.report.loops import (Instr, access_bytes, analyze_disassembly, classify, find_loops, mma_flops,
                                parse_functions, table_refills)
 
@@ -178,3 +178,24 @@ def test_gpu_clocks_match_their_tensor_peaks():
     for g in GPUS.values():
         per_clock = g.tensor_tflops * 1e12 / (g.sm_count * g.clock_mhz * 1e6)
         assert min(abs(per_clock / p - 1) for p in (512, 1024, 2048, 4096)) < 0.015, g.key
+
+
+def test_tma_loads_are_modelled_from_the_tensor_maps():
+    """UTMALDG carries no size in the SASS: a loop fed by TMA gets its K/V bytes from the
+    launch's tensor_map parameters (Q's map is loaded before the loop and not counted), spread
+    over the loop's warps, with num_stages refills in flight."""
+    loop = {"global_bytes_loaded": 0, "inflight_bytes_mean": 0.0, "inflight_bytes_peak": 0,
+            "instructions": 351, "mma_flops": 264 * 4096, "fp32_lane_ops": 0}
+    launch = {"params": [{"name": "q", "source": {"kind": "pointer", "tensor": "q"}}] + [
+        {"name": f"{t}_tmap", "source": {"kind": "tensor_map", "tensor": t, "box": [64, 1, 128, 1],
+                                         "swizzle": 128}} for t in ("q", "k", "v")]}
+    tensors = {t: {"dtype": "f16", "shape": ["batch", "seq", 8, 128]} for t in ("q", "k", "v")}
+    got = with_tma_loads(loop, launch, tensors, {"num_stages": 2}, 128, 8)
+    per_iter = 2 * 128 * 128 * 2                       # K and V: 128 rows x 128 x f16
+    assert got["tma_bytes_per_iteration"] == per_iter
+    assert got["global_bytes_loaded"] == per_iter // 8
+    assert got["inflight_bytes_mean"] == 2 * per_iter / 8
+    fig = loop_figures(got, 8, 1, 128, [GPUS["h100-sxm"]])
+    assert fig["inflight_bytes_per_cta"] == 2 * per_iter == 128 * 1024
+    # without tensor maps (cp.async / LDG loops) nothing changes
+    assert with_tma_loads(loop, {"params": launch["params"][:1]}, tensors, {"num_stages": 2}, 128, 8) is loop

@@ -21,7 +21,7 @@ from ..pipeline import exprs
 from .costs import launch_cost, resolve_dims, roofline
 from ..errors import InputError, UserError
 from .gpus import GPUS, get_gpu, models_for_target, sm_of_target
-from .loop_model import kv_reuse, kv_rows_per_iteration, loop_figures
+from .loop_model import kv_reuse, kv_rows_per_iteration, loop_figures, with_tma_loads
 from ..targets import get_target, occupancy
 
 
@@ -107,8 +107,8 @@ def _loop_row(profile: dict | None, k: dict, meta: dict, config: dict, occ: dict
         warps = config["num_warps"]
     rows = kv_rows_per_iteration(meta["family"], config, k["entry"])
     reuse = kv_reuse(meta["family"], config, meta["spec"], dims) if rows else 1
-    return loop_figures(loops["loops"][loops["main"]], warps, (occ or {}).get("ctas_per_sm", 0),
-                        rows, gpus, reuse)
+    loop = with_tma_loads(loops["loops"][loops["main"]], k, meta["tensors"], config, rows, warps)
+    return loop_figures(loop, warps, (occ or {}).get("ctas_per_sm", 0), rows, gpus, reuse)
 
 
 def _launch_row(k: dict, target: str, dims: dict, sass: dict | None, why: str | None,

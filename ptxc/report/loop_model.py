@@ -40,6 +40,36 @@ def kv_reuse(family: str, config: dict, spec: dict, dims: dict) -> int:
     return 1
 
 
+ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "e4m3": 1, "e5m2": 1}
+
+
+def with_tma_loads(loop: dict, launch: dict, tensors: dict, config: dict, kv_rows: int | None,
+                   warps_per_cta: int) -> dict:
+    """A loop whose K/V tiles arrive by TMA shows no load bytes in its SASS (a box's size lives
+    in the tensor map), so they are modelled from the launch instead: per iteration the CTA
+    loads kv_rows rows of every tensor a `tensor_map` parameter maps inside the loop (K and V;
+    Q is loaded once, before it), and each refill is outstanding from its issue after tile j's
+    barrier to the wait of tile j + num_stages, i.e. num_stages iterations' worth in flight.
+    Spread over the warps that run the loop (the per-warp figures are what the model scales)."""
+    maps = [p["source"]["tensor"] for p in launch.get("params", [])
+            if p.get("source", {}).get("kind") == "tensor_map"]
+    per_iter = 0
+    for t in maps:
+        info = tensors.get(t) or {}
+        width = (info.get("shape") or [None])[-1]
+        if t in ("q",) or not isinstance(width, int) or info.get("dtype") not in ELEMENT_BYTES:
+            continue
+        per_iter += (kv_rows or 0) * width * ELEMENT_BYTES[info["dtype"]]
+    if not per_iter or not warps_per_cta:
+        return loop
+    stages = int(config.get("num_stages", 1))
+    share = per_iter / warps_per_cta
+    return {**loop, "global_bytes_loaded": loop["global_bytes_loaded"] + round(share),
+            "inflight_bytes_mean": round(loop["inflight_bytes_mean"] + stages * share, 1),
+            "inflight_bytes_peak": loop["inflight_bytes_peak"] + round(stages * share),
+            "tma_bytes_per_iteration": per_iter}
+
+
 def bound_on(loop: dict, warps_per_sm: int, gpu, reuse: int = 1) -> dict:
     """Seconds per iteration of every resident CTA under each bound, on one GPU model; only
     1/`reuse` of the loaded bytes come from DRAM (the rest from L2, at no modelled cost)."""
@@ -78,4 +108,5 @@ def loop_figures(loop: dict, warps_per_cta: int, ctas_per_sm: int, kv_rows: int 
     }
 
 
-__all__ = ["BOUNDS", "bound_on", "kv_reuse", "kv_rows_per_iteration", "loop_figures"]
+__all__ = ["BOUNDS", "ELEMENT_BYTES", "bound_on", "kv_reuse", "kv_rows_per_iteration", "loop_figures",
+           "with_tma_loads"]
