@@ -17,6 +17,8 @@ fraction of DRAM bandwidth the loop can use. Warps of a CTA are assumed to run t
 
 from __future__ import annotations
 
+from ..pipeline.metadata import ELEMENT_BYTES
+
 BOUNDS = ("issue", "tensor", "fp32", "bandwidth", "latency")
 
 
@@ -40,9 +42,6 @@ def kv_reuse(family: str, config: dict, spec: dict, dims: dict) -> int:
     return 1
 
 
-ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "e4m3": 1, "e5m2": 1}
-
-
 def with_tma_loads(loop: dict, launch: dict, tensors: dict, config: dict, kv_rows: int | None,
                    warps_per_cta: int) -> dict:
     """A loop whose K/V tiles arrive by TMA shows no load bytes in its SASS (a box's size lives
@@ -57,7 +56,7 @@ def with_tma_loads(loop: dict, launch: dict, tensors: dict, config: dict, kv_row
     for t in maps:
         info = tensors.get(t) or {}
         width = (info.get("shape") or [None])[-1]
-        if t in ("q",) or not isinstance(width, int) or info.get("dtype") not in ELEMENT_BYTES:
+        if t == "q" or not isinstance(width, int) or info.get("dtype") not in ELEMENT_BYTES:
             continue
         per_iter += (kv_rows or 0) * width * ELEMENT_BYTES[info["dtype"]]
     if not per_iter or not warps_per_cta:
@@ -108,5 +107,5 @@ def loop_figures(loop: dict, warps_per_cta: int, ctas_per_sm: int, kv_rows: int 
     }
 
 
-__all__ = ["BOUNDS", "ELEMENT_BYTES", "bound_on", "kv_reuse", "kv_rows_per_iteration", "loop_figures",
+__all__ = ["BOUNDS", "bound_on", "kv_reuse", "kv_rows_per_iteration", "loop_figures",
            "with_tma_loads"]
