@@ -35,6 +35,8 @@ accesses), and several threads of ONE instruction storing to the same byte.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from ptxc.emu.operands import Fault
@@ -47,6 +49,10 @@ _LINE_MASK = (1 << _LINE_BITS) - 1
 # threads read it too since the CTA's last barrier; CROSS: some of them in another warp.
 _READ_SHIFT = 32
 _MULTI, _CROSS = 1 << 30, 1 << 31
+# Instructions that can complete a counted barrier (pair_sync events): any mbarrier operation
+# (incl. cp.async.mbarrier.arrive and the bulk copies' complete_tx) and a bar / barrier with a
+# thread count (matched loosely: any operand list with a comma; a false match only costs time).
+_COUNTED = re.compile(r"mbarrier|\b(?:bar|barrier)(?:\.[\w:]+)*\s[^;]*,")
 
 
 def _scatter_items(arr, rows, total: int, values):
@@ -80,7 +86,10 @@ class RaceTracker:
         self.ctx, self.lines = ctx, lines          # lines: PTX line -> instruction text
         self.shadow = np.zeros(nbytes, np.int64)        # last write of each byte
         self.readers = np.zeros(nbytes // 4, np.int64)  # reads of each 4-byte word since then
-        self.reader_warps = np.zeros(nbytes // 4, np.int64)  # bit w: warp w read it, since then
+        # bit w: warp w read the word since then -- only what counted barriers need, so kept
+        # only in programs that have one (the bookkeeping costs every shared read)
+        counted = any(_COUNTED.search(t) for t in lines.values())
+        self.reader_warps = np.zeros(nbytes // 4, np.int64) if counted else None
         self.views = {}
         self.serial = 1
         self.cta_sync = np.ones(ctx.nctas, np.int64)       # newer than every initial stamp 0
@@ -149,7 +158,8 @@ class RaceTracker:
         if self.pair_sync is not None and race.any():
             ordered = self.pair_sync[cta[:, None], other >> 5, me >> 5] > stamp
             if multi is not None:
-                ordered = np.where(multi, self._paired_with_all(stamp, cta, me, warps), ordered)
+                ordered = np.where(multi, self._paired_with_all(stamp, cta, me, warps), ordered) \
+                    if warps is not None else ordered & ~multi
             race &= ~ordered
         return race
 
@@ -192,7 +202,8 @@ class RaceTracker:
         if not (rstamp >= self.cta_sync[cta][:, None]).any():
             return
         me = (self.ctx.lin[idx])[:, None]
-        warps = self.reader_warps[(wrows[:, None] * wtotal + np.arange(wtotal))]
+        warps = None if self.reader_warps is None else \
+            self.reader_warps[(wrows[:, None] * wtotal + np.arange(wtotal))]
         race = self._unordered(rstamp, cta, idx, me, rd & _LIN_MASK,
                                multi=(rd & _MULTI) != 0, cross=(rd & _CROSS) != 0, warps=warps)
         if race.any():
@@ -204,7 +215,8 @@ class RaceTracker:
         self.check(rows, total, idx, line, "read", addr_of)
         cta, me = self.ctx.cta_of[idx], self.ctx.lin[idx]
         rows, total = _words(rows, total)
-        self._note_reader_warps(rows, total, cta, me)
+        if self.reader_warps is not None:
+            self._note_reader_warps(rows, total, cta, me)
         if (self.last_read[cta] >= self.cta_sync[cta]).any():
             old = self._rows(total, True)[rows].view(np.int64).reshape(-1, total)
             first = old[:, 0]
