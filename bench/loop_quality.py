@@ -41,6 +41,9 @@ def rows_of(report: dict, targets: list[str]) -> list[dict]:
                     "ctas_per_sm": (L["occupancy"] or {}).get("ctas_per_sm"),
                     "smem_kib": round(L["smem_bytes"] / 1024, 1),
                     "instructions": lp["instructions"], "hmma": lp["mma_equivalents"],
+                    # where warps take different paths (TMA issue blocks): every warp's count;
+                    # "instructions" and the ratios are the worst warp's
+                    "warp_instructions": lp.get("warp_instructions"),
                     "per_hmma": lp["instructions_per_mma_equivalent"], "per_kv_row": lp["instructions_per_kv_row"],
                     "inflight_kib_cta": round(lp["inflight_bytes_per_cta"] / 1024, 1),
                     "inflight_kib_sm": round(lp["inflight_bytes_per_sm"] / 1024, 1),
@@ -50,8 +53,14 @@ def rows_of(report: dict, targets: list[str]) -> list[dict]:
     return out
 
 
+def _instructions(r: dict) -> str:
+    """The worst warp's count, and the range over the warps where their paths differ."""
+    counts = (r.get("warp_instructions") or {}).values()
+    return f"{r['instructions']} ({min(counts)}-{max(counts)})" if counts else str(r["instructions"])
+
+
 def print_table(rows: list[dict]) -> None:
-    head = ("kernel", "target", "regs", "CTA/SM", "smem KiB", "instr", "HMMA-eq", "instr/HMMA-eq",
+    head = ("kernel", "target", "regs", "CTA/SM", "smem KiB", "instr (worst warp)", "HMMA-eq", "instr/HMMA-eq",
             "instr/KV row", "KiB fly/CTA", "KiB fly/SM", "bound (DRAM BW share)")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -60,7 +69,7 @@ def print_table(rows: list[dict]) -> None:
                                                     if b["bandwidth_fraction"] is not None else "")
                            for g, b in r["bounds"].items()) or "-"
         cells = (r["kernel"], r["target"], r["registers"], r["ctas_per_sm"], r["smem_kib"],
-                 r["instructions"], r["hmma"], r["per_hmma"] or "-", r["per_kv_row"],
+                 _instructions(r), r["hmma"], r["per_hmma"] or "-", r["per_kv_row"],
                  r["inflight_kib_cta"], r["inflight_kib_sm"], bounds)
         print("| " + " | ".join(map(str, cells)) + " |")
 

@@ -199,3 +199,27 @@ def test_tma_loads_are_modelled_from_the_tensor_maps():
     assert fig["inflight_bytes_per_cta"] == 2 * per_iter == 128 * 1024
     # without tensor maps (cp.async / LDG loops) nothing changes
     assert with_tma_loads(loop, {"params": launch["params"][:1]}, tensors, {"num_stages": 2}, 128, 8) is loop
+
+
+def test_tma_issue_blocks_count_for_the_warp_that_runs_them():
+    """varlen's TMA boxes are issued by lane 0 of every warp, each warp its own block chosen by
+    `ISETP.NE Rwarp, c; @P BRA`, with the page ids loaded by scalar LDGs inside. Such a block is
+    not a table refill (it issues TMA every iteration): every warp's path is followed and the
+    figures are the worst warp's."""
+    result, loop = _main("tma_issue_per_warp.sass")
+    # the loop body is 0x20..0x140: 19 instructions; warp 0 skips warp 1's 4-instruction block
+    # and its branch target is BSYNC, warp 1 skips warp 0's 4 (LDG, R2UR, 2 UTMALDG)
+    assert loop["warp_instructions"] == {"R9=0": 15, "R9=1": 15, "R9=other": 11}
+    assert loop["instructions"] == 15 and loop["worst_warp"] in ("R9=0", "R9=1")
+    assert loop["classes"]["tensor"] == 2
+    instrs, labels = parse_functions((SASS / "tma_issue_per_warp.sass").read_text())["tma_issue_per_warp"]
+    [(head, latch)] = find_loops(instrs, labels)
+    assert not table_refills(instrs, labels, head, latch)
+
+
+def test_single_tma_issuer_is_the_worst_warp():
+    """Prefill's boxes are issued by one thread under a predicate set before the loop: the
+    issuing warp's path holds the issue block, the others' does not; the figure is the issuer's."""
+    _, loop = _main("tma_single_issuer.sass")
+    assert loop["warp_instructions"] == {"issuer": 9, "others": 5}
+    assert loop["instructions"] == 9 and loop["worst_warp"] == "issuer"

@@ -40,6 +40,10 @@ _MOVE = {"MOV", "MOV32I", "CS2R", "S2R", "S2UR", "R2UR", "LDC", "ULDC", "UMOV", 
 _CONTROL = {"BRA", "BRX", "JMP", "BSSY", "BSYNC", "EXIT", "CALL", "RET", "NOP", "YIELD", "BPT",
             "BMOV", "KILL", "ELECT", "VOTE", "VOTEU", "NANOSLEEP", "USETMAXREG"}
 _GLOBAL_LOADS = {"LDG", "LD"}
+# Bulk-copy issue (TMA boxes, bulk copies, their prefetches): the instruction that feeds a tile
+# whose bytes are not in the SASS (the box lives in the tensor map). It is tile work wherever it
+# stands, so a region holding one is never a table refill and the steady path keeps it.
+_BULK_ISSUE = {"UTMALDG", "UBLKCP", "UTMAPF", "UBLKPF"}
 _GLOBAL_STORES = {"STG", "ST", "RED", "ATOMG", "ATOM"}
 
 _LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):")
@@ -188,12 +192,17 @@ def find_loops(instrs: list[Instr], labels: dict[str, int]) -> list[tuple[int, i
 _WORK = {"tensor", "ldsm", "ldgsts", "ldg", "lds", "sts"}
 
 
+def _is_work(i: Instr) -> bool:
+    return classify(i.opcode) in _WORK or i.base in _BULK_ISSUE
+
+
 def table_refills(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> set[int]:
     """Indices of the loop's table refills: regions a conditional forward branch skips whose
     global loads are all scalar (<= 4 bytes per lane: page ids, indices) and which feed no tile
-    (no HMMA, LDSM, LDGSTS or LDS). FlashInfer's paged decode refills its shared-memory table of
-    K/V row offsets there once every 16 tiles; such a region is not part of the steady state,
-    however much it loads and stores."""
+    (no HMMA, LDSM, LDGSTS, LDS or TMA issue). FlashInfer's paged decode refills its shared-memory
+    table of K/V row offsets there once every 16 tiles; such a region is not part of the steady
+    state, however much it loads and stores. A warp's TMA issue block loads its page ids the same
+    way but runs every iteration: the box issue in it makes it work."""
     index = {i.addr: n for n, i in enumerate(instrs)}
     out: set[int] = set()
     for n in range(head, latch):
@@ -205,16 +214,57 @@ def table_refills(instrs: list[Instr], labels: dict[str, int], head: int, latch:
         classes = {classify(instrs[k].opcode) for k in region}
         loads = [instrs[k] for k in region if classify(instrs[k].opcode) == "ldg"]
         if loads and all(access_bytes(ld.opcode) <= 4 for ld in loads) \
-                and not classes & {"tensor", "ldsm", "ldgsts", "lds"}:
+                and not classes & {"tensor", "ldsm", "ldgsts", "lds"} \
+                and not any(instrs[k].base in _BULK_ISSUE for k in region):
             out.update(region)
     return out
 
 
-def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> list[int]:
+_ISETP_NE = re.compile(r"^(U?P\d)\s*,\s*U?PT\s*,\s*(U?R\d+)\s*,\s*(U?RZ|0x[0-9a-f]+|\d+)\s*,")
+
+
+def warp_selectors(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> dict[int, tuple[str, int]]:
+    """Branches that pick a block by the value of one register: `ISETP.NE Px, Rw, c` then
+    `@Px BRA` over the block, for two or more constants c of the same Rw -- the per-warp TMA issue
+    blocks of varlen (warp w issues its own boxes), or any role split by warp index -- or for one
+    constant when the block it guards issues TMA (prefill's single issuing thread). Returns
+    branch index -> (register, c): the branch is taken iff the register differs from c."""
+    found: dict[int, tuple[str, int]] = {}
+    for n in range(head, latch + 1):
+        i = instrs[n]
+        if i.base != "BRA" or not i.guard.startswith("@P"):
+            continue
+        pred = i.guard[1:]
+        for k in range(n - 1, max(head, n - 8) - 1, -1):   # the predicate's writer, same block
+            d = instrs[k]
+            m = _ISETP_NE.match(d.operands) if d.base in ("ISETP", "UISETP") else None
+            if m and ".NE." in d.opcode + "." and m.group(1) == pred and not d.guard:
+                c = m.group(3)
+                found[n] = (m.group(2), 0 if c.endswith("RZ") else int(c, 0))
+                break
+            if pred in d.operands.split(",")[0] or d.base in ("BRA", "BSYNC"):
+                break
+    index = {i.addr: n for n, i in enumerate(instrs)}
+    labels_of = {n: _TARGET.search(instrs[n].operands) for n in found}
+    by_reg: dict[str, set[int]] = {}
+    issuing: set[str] = set()   # registers whose block issues TMA: one issuer is a role too
+    for n, (reg, c) in found.items():
+        by_reg.setdefault(reg, set()).add(c)
+        end = index.get(labels.get(labels_of[n].group(1), -1), n) if labels_of[n] else n
+        if any(instrs[k].base in _BULK_ISSUE for k in range(n + 1, end)):
+            issuing.add(reg)
+    return {n: rc for n, rc in found.items() if len(by_reg[rc[0]]) >= 2 or rc[0] in issuing}
+
+
+def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: int,
+                assume: dict[str, int] | None = None, bulk_work: bool = True) -> list[int]:
     """Indices of the steady-state iteration: the most work (table refills count as none), then
-    the fewest instructions."""
+    the fewest instructions. `assume` fixes registers of warp-selector branches (register ->
+    value), so the path is one warp's: it takes that warp's block and skips the others'.
+    `bulk_work=False` counts TMA issue as no work: the path of a warp that issues none."""
     index = {i.addr: n for n, i in enumerate(instrs)}
     refills = table_refills(instrs, labels, head, latch)
+    selectors = warp_selectors(instrs, labels, head, latch) if assume else {}
     # best[n] = (score, path) of the best path from head reaching instruction n
     best: dict[int, tuple[tuple[int, int], list[int]]] = {head: ((0, 0), [])}
     for n in range(head, latch + 1):
@@ -222,21 +272,44 @@ def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: i
             continue
         (work, size), path = best.pop(n)
         i = instrs[n]
-        work, size, path = work - (classify(i.opcode) in _WORK and n not in refills), size + 1, path + [n]
+        counts = _is_work(i) if bulk_work else classify(i.opcode) in _WORK
+        work, size, path = work - (counts and n not in refills), size + 1, path + [n]
         if n == latch:
             return path
         succ = []
         t = _branch_target(i, labels)
-        if t is not None and i.guard != "@!PT":
+        taken = None
+        if n in selectors and selectors[n][0] in assume:
+            reg, c = selectors[n]
+            taken = assume[reg] != c
+        if t is not None and i.guard != "@!PT" and taken is not False:
             if t in index and n < index[t] <= latch:
                 succ.append(index[t])
-        unconditional = not _conditional(i) and (t is not None or i.base in ("EXIT", "RET", "BRX", "JMP"))
+        unconditional = taken is True or \
+            (not _conditional(i) and (t is not None or i.base in ("EXIT", "RET", "BRX", "JMP")))
         if not unconditional:
             succ.append(n + 1)
         for s in succ:
             if s not in best or (work, size) < best[s][0]:
                 best[s] = ((work, size), path)
     return []
+
+
+def warp_paths(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> dict[str, list[int]]:
+    """Every warp's steady-state path where warp-selector branches split the loop by warp (one
+    path per selector value, and one for a warp matching none), keyed "R136=1"-style; else, where
+    one thread issues the TMA boxes under a predicate set before the loop, the issuing warp's path
+    and the others' ("issuer", "others"); else the one steady path, keyed ""."""
+    selectors = warp_selectors(instrs, labels, head, latch)
+    regs = sorted({r for r, _ in selectors.values()})
+    if len(regs) != 1:   # none, or several selector registers (not modelled)
+        issuer = steady_path(instrs, labels, head, latch)
+        others = steady_path(instrs, labels, head, latch, bulk_work=False)
+        return {"issuer": issuer, "others": others} if others != issuer else {"": issuer}
+    values = sorted({c for _, c in selectors.values()})
+    out = {f"{regs[0]}={v}": steady_path(instrs, labels, head, latch, {regs[0]: v}) for v in values}
+    out[f"{regs[0]}=other"] = steady_path(instrs, labels, head, latch, {regs[0]: -1})
+    return out
 
 
 def bytes_in_flight(path: list[Instr], lanes: int = 32) -> tuple[float, int]:
@@ -271,8 +344,12 @@ def bytes_in_flight(path: list[Instr], lanes: int = 32) -> tuple[float, int]:
 
 
 def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> dict:
-    """What one steady-state iteration of the loop [head, latch] issues, per warp."""
-    path = [instrs[n] for n in steady_path(instrs, labels, head, latch)]
+    """What one steady-state iteration of the loop [head, latch] issues, per warp. Where warps
+    take different paths (warp-selector branches), the figures are the worst warp's (the most
+    instructions), and `warp_instructions` lists every warp's count."""
+    paths = warp_paths(instrs, labels, head, latch)
+    worst = max(paths, key=lambda k: (len(paths[k]), k))
+    path = [instrs[n] for n in paths[worst]]
     classes = dict.fromkeys(CLASSES, 0)
     widths_of: dict[str, dict[str, int]] = {"ldg": {}, "stg": {}, "ldgsts": {}}
     loaded = 0
@@ -298,6 +375,8 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
         "instructions_per_mma_equivalent": round(total * HMMA_16816_FLOPS / flops, 2) if flops else None,
         "global_bytes_loaded": loaded,
         "inflight_bytes_mean": round(mean, 1), "inflight_bytes_peak": peak,
+        **({"warp_instructions": {k: len(v) for k, v in paths.items()}, "worst_warp": worst}
+           if len(paths) > 1 else {}),
     }
 
 
@@ -315,4 +394,4 @@ def analyze_disassembly(text: str) -> dict[str, dict]:
 
 __all__ = ["CLASSES", "HMMA_16816_FLOPS", "Instr", "access_bytes", "analyze_disassembly",
            "bytes_in_flight", "classify", "find_loops", "mma_flops", "parse_functions",
-           "profile_loop", "steady_path", "table_refills"]
+           "profile_loop", "steady_path", "table_refills", "warp_paths", "warp_selectors"]
