@@ -1,5 +1,7 @@
 """decode over FP8 KV caches (kv_dtype e4m3/e5m2, kv_scale tensor/head) in the emulator on the
-software (sm_80) and hardware (sm_89) dequantisation paths: every layout, split-KV and the fused
+software (sm_80) and hardware (sm_89) dequantisation paths, on the SIMT path (GQA groups < 4,
+f32, head dims not a multiple of 16) and on tensor cores (groups >= 4: the FP8 bytes staged by
+cp.async and dequantised after their wait, as in varlen): every layout, split-KV and the fused
 quantising append, on ragged lengths (0, 1, odd, full). The reference dequantises the same FP8
 bytes in fp64, so the attention tolerance rule is unchanged. Also: PTX forms per target, halved
 DRAM bytes in the cost model, at most one SASS conversion per 2 elements in the main loop, zero
@@ -44,6 +46,27 @@ def test_fp8_decode_matches_reference(tmp_path, case):
     rows = check_artifact(art, backend="emu", shapes=shapes(layout), seed=7)
     assert_pass(rows)
     assert all(r.max_error == 0 for r in rows if r.tensor.endswith("cache"))   # appended bytes exact
+
+
+MMA_CASES = [  # (dtype, kv_dtype, kv_scale, layout, (heads, kv heads), head_dim, extra): groups >= 4
+    ("f16", "e4m3", "head", "paged", (8, 2), 64, "num_splits = 3\nreturn_lse = true\n"),
+    ("bf16", "e5m2", "tensor", "contiguous", (16, 2), 48, ""),
+    ("bf16", "e4m3", "head", "pointer_array", (8, 1), 32, "num_splits = 2\n"),
+    ("f16", "e5m2", "tensor", "paged", (4, 1), 64, "append_kv = true\n"),
+]
+
+
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: "-".join(str(x) for x in c[:4]))
+def test_fp8_decode_on_tensor_cores_matches_reference(tmp_path, case):
+    dtype, kind, scale, layout, heads, d, extra = case
+    art = build_kernel(tmp_path, "decode", body(dtype, kind, scale, layout, heads=heads, head_dim=d,
+                                                extra=extra), targets=TARGETS)
+    meta = art.meta
+    assert {t["config"]["path"] for t in meta["targets"].values()} == {"mma.m16n8k16"}
+    assert all(t["config"]["fp8_staging_bytes"] > 0 for t in meta["targets"].values())
+    rows = check_artifact(art, backend="emu", shapes=shapes(layout), seed=5)
+    assert_pass(rows)
+    assert all(r.max_error == 0 for r in rows if r.tensor.endswith("cache"))
 
 
 @pytest.mark.slow
@@ -115,6 +138,10 @@ def built(tmp_path_factory):
             'num_heads = 32\nnum_kv_heads = 8\nhead_dim = 128\nkv_layout = ["paged", "pointer_array"]\n'
             'kv_dtype = ["e4m3", "e5m2"]\nkv_scale = "head"\nnum_splits = "auto"\n'
             f'targets = {json.dumps(ALL_TARGETS[1:])}\n'
+            '[[kernel]]\nname = "s_{kv_dtype}_paged"\nfamily = "decode"\ndtype = "bf16"\nmath = "simt"\n'
+            'num_heads = 32\nnum_kv_heads = 8\nhead_dim = 128\nkv_layout = "paged"\n'
+            'kv_dtype = ["e4m3", "e5m2"]\nkv_scale = "head"\nnum_splits = "auto"\n'
+            f'targets = {json.dumps(ALL_TARGETS[1:])}\n'
             '[[kernel]]\nname = "d_append_{head_dim}"\nfamily = "decode"\ndtype = "f16"\nnum_heads = 8\n'
             'num_kv_heads = 1\nhead_dim = [64, 256]\nkv_layout = "paged"\nkv_dtype = "e4m3"\nappend_kv = true\n'
             f'targets = {json.dumps(ALL_TARGETS)}\n'
@@ -128,22 +155,30 @@ def built(tmp_path_factory):
 def test_every_target_assembles_without_spills(built):
     out, summary = built
     assert summary["verified"] and not summary["problems"]
-    assert len(summary["kernels"]) == 7
+    assert len(summary["kernels"]) == 9
     for k in summary["kernels"]:
         assert all(t["spill_bytes"] == 0 for t in k["targets"].values()), k["name"]
 
 
 @pytest.mark.parametrize("kind", ["e4m3", "e5m2"])
-def test_sass_loop_converts_at_most_once_per_two_elements(built, kind):
+@pytest.mark.parametrize("path", ["simt", "mma"])
+def test_sass_loop_converts_at_most_once_per_two_elements(built, kind, path):
+    """SIMT: every conversion of the loop is a dequantisation. Tensor cores: the loop also packs
+    the probabilities P into f16/bf16 pairs for P·V (F2FP, one per two of a warp's 16 x block_n
+    scores per lane), which are not dequantisation and are counted out exactly."""
     from ptxc.report.analysis import build_report
     out, _ = built
-    report = build_report([out / f"d_{kind}_paged"])
+    report = build_report([out / f"{'s' if path == 'simt' else 'd'}_{kind}_paged"])
     seen = set()
     for t in report["kernels"][0]["targets"]:
-        loop = t["launches"][0]["loop"]
+        launch = t["launches"][0]
+        loop = launch["loop"]
+        assert launch["config"]["path"] == ("simt" if path == "simt" else "mma.m16n8k16") \
+            if "path" in launch.get("config", {}) else True
         elems_per_lane = loop["global_bytes_loaded"] // 32     # FP8: one byte per element
         assert elems_per_lane > 0
-        assert loop["classes"]["cvt"] * 2 <= elems_per_lane, (t["target"], loop["classes"])
+        p_packs = 16 * loop["kv_rows_per_iteration"] // 32 // 2 if path == "mma" else 0
+        assert (loop["classes"]["cvt"] - p_packs) * 2 <= elems_per_lane, (t["target"], loop["classes"])
         seen.add(t["target"])
     assert {"sm_80", "sm_89", "sm_90"} <= seen
 

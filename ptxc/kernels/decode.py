@@ -222,13 +222,14 @@ def build(spec: KernelSpec, target: Target) -> Program:
     split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None
     quant = kv_fp8.emit_params(spec, target, b, param)
     if mma:
-        decode_mma.emit_attention(b, spec, cfg, kv, ptrs, strides, split_count)
+        decode_mma.emit_attention(b, spec, cfg, kv, ptrs, strides, split_count, quant)
     else:
         emit_attention(b, spec, cfg, kv, ptrs, strides, split_count, quant, target)
     b.ret()
     grid = (str(spec.num_kv_heads * _ctas_per_kv_head(spec)), "batch", "num_splits" if split else "1")
     launches = [Launch(entry=b.entry.name, params=tuple(params), grid=grid, block=(cfg.num_warps * 32, 1, 1),
-                       dynamic_smem_bytes=cfg.smem_bytes if mma else 0)]
+                       dynamic_smem_bytes=cfg.smem_bytes if mma else 0,
+                       min_ctas_per_sm=getattr(cfg, "min_ctas_per_sm", 0))]
     entries = [b.entry]
     if spec.opt("append_kv"):
         from .kv_append import build as build_append

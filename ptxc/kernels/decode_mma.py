@@ -8,10 +8,13 @@ place of a head chunk. The g query heads of the KV head are the packed rows of t
 (row R = head kv_head * g + R), padded to 16 rows per warp; each K/V row is read once per KV
 head and is the mma operand (B of S = Q K^T, of O += P V).
 
-When (math = "auto"): g >= 4, f16/bf16 with a cache of the same dtype (FP8 caches keep the
-SIMT path, whose 8-byte loads and in-register dequantisation beat a dequantising staging copy),
-head_dim <= 256 (one warp copies a row of Q), every target sm_80+ (mma.m16n8k16 and cp.async),
-and no SIMT tile keys (num_warps, kv_unroll) in the spec. docs/kernels.md, "decode".
+When (math = "auto"): g >= 4, f16/bf16 queries over a cache of the same dtype or an FP8 cache
+whose rows are whole 16-byte chunks (head_dim a multiple of 16: the bytes travel by cp.async
+through the pipeline and are dequantised after their wait, kv_fp8_stage.py, as in varlen;
+other FP8 head dims keep the SIMT path, whose in-register dequantisation beats the synchronous
+dequantising copy), head_dim <= 256 (one warp copies a row of Q), every target sm_80+
+(mma.m16n8k16 and cp.async), and no SIMT tile keys (num_warps, kv_unroll) in the spec.
+docs/kernels.md, "decode".
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from ..ir import S32, U32, KernelBuilder, Reg
 from ..spec.model import KernelSpec
 from ..targets import TARGETS, Target
 from . import common as C
-from . import kv_fp8
+from . import kv_fp8, kv_fp8_stage
 from .kv_access import KVAccess
 
 MIN_GROUP = 4
@@ -38,8 +41,9 @@ def mma_blocker(spec: KernelSpec) -> str | None:
         return f"the GQA group is {spec.group_size} query heads per KV head (needs >= {MIN_GROUP})"
     if spec.dtype == "f32":
         return "dtype is f32 (tensor cores need f16 or bf16)"
-    if kv_fp8.kv_dtype(spec) != spec.dtype:
-        return f"kv_dtype is {kv_fp8.kv_dtype(spec)} (FP8 caches use the SIMT path)"
+    if kv_fp8.kv_dtype(spec) != spec.dtype and not kv_fp8_stage.applies(spec):
+        return (f"kv_dtype is {kv_fp8.kv_dtype(spec)} with head_dim {spec.head_dim} (FP8 caches "
+                f"need head_dim a multiple of 16 on tensor cores)")
     if spec.head_dim > MAX_HEAD_DIM:
         return f"head_dim = {spec.head_dim} > {MAX_HEAD_DIM}"
     old = [t for t in spec.targets if not (TARGETS[t].has_mma_m16n8k16 and TARGETS[t].has_cp_async)]
@@ -89,13 +93,24 @@ def tiles_per_seq(spec: KernelSpec) -> int:
 
 def configure(spec: KernelSpec, target: Target | None):
     """block_m = the padded group (1 warp up to g = 16); block_n 64 (32 above head_dim 128), two
-    stages: one K/V tile pair in flight while the previous one is multiplied."""
+    stages: one K/V tile pair in flight while the previous one is multiplied. FP8 caches
+    (kv_fp8_stage.StagedFP8Config) take varlen's rule: the most stages that keep the CTAs per SM
+    two stages allow (a stage is half an f16 tile), and .minnctapersm 1 so ptxas does not cap
+    the registers at the occupancy shared memory never allows and spill the dequantisation."""
     from .prefill import PrefillConfig, _check_shape
     tile = {**C.tuned_tile("decode", spec, target, MMA_TILE_KEYS), **spec.tile_dict()}   # user wins
     bm = block_m(spec)
     bn = tile.get("block_n") or (64 if spec.head_dim <= 128 else 32)
-    stages = tile.get("num_stages") or DEFAULT_STAGES
-    cfg = PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, bm // 16, stages, True)
+    if kv_fp8_stage.applies(spec):
+        def make(stages):
+            return kv_fp8_stage.StagedFP8Config(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn,
+                                                bm // 16, stages, True, min_ctas_per_sm=1)
+        stages = tile.get("num_stages") or (
+            kv_fp8_stage.default_stages(make, target) if target is not None else DEFAULT_STAGES)
+        cfg = make(stages)
+    else:
+        stages = tile.get("num_stages") or DEFAULT_STAGES
+        cfg = PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, bm // 16, stages, True)
     if target is not None:
         if cfg.smem_bytes > target.max_smem_per_cta:
             raise SpecError(f"tile block_n={bn}, num_stages={stages} needs {cfg.smem_bytes} bytes of "
@@ -111,7 +126,7 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
 
 
 def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
-                   split_count: Reg | None) -> None:
+                   split_count: Reg | None, quant=None) -> None:
     """decode's work assignment for the packed body: ctaid.x = KV head x query tile,
     ctaid.y = sequence (its one token is q[seq]), ctaid.z = split."""
     from .varlen_attend import TileWork, emit_packed_tile, kv_tiles_of
@@ -127,4 +142,4 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
     batch = b.special("%nctaid.y")
     work = TileWork(seq, kv_head, split, seq, b.mov(1, S32), m_start, batch,
                     b.mul(batch, tps) if tps > 1 else batch, seq_units)
-    emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count)
+    emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant)
