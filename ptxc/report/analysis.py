@@ -22,6 +22,7 @@ from .costs import launch_cost, resolve_dims, roofline
 from ..errors import InputError, UserError
 from .gpus import GPUS, get_gpu, models_for_target, sm_of_target
 from .loop_model import kv_reuse, kv_rows_per_iteration, loop_figures, with_tma_loads
+from .launch_model import CALIBRATION_ERROR, CALIBRATIONS, launch_list_seconds
 from ..targets import get_target, occupancy
 
 
@@ -133,6 +134,32 @@ def _launch_row(k: dict, target: str, dims: dict, sass: dict | None, why: str | 
     }
 
 
+def _estimates(meta: dict, tinfo: dict, launches: list[dict], dims: dict, models, sass) -> list[dict]:
+    """The calibrated whole-launch estimate (ptxc.report.launch_model) on every GPU model that has
+    a calibration, for the paths it was calibrated on (mma.sync and SIMT; not wgmma/TMA, which
+    never ran on hardware), with the calibration's measured error."""
+    if not sass or str(tinfo.get("config", {}).get("path", "")).startswith("wgmma"):
+        return []
+    loops = {}
+    for k in tinfo["kernels"]:
+        fn = ((sass.get(k["entry"]) or {}).get("loops")) or {}
+        loops[k["entry"]] = fn["loops"][fn["main"]] if fn.get("main") is not None else None
+    kernels = [{**k, "occupancy": L["occupancy"] or {"ctas_per_sm": 1}} for k, L in zip(tinfo["kernels"], launches)]
+    out = []
+    for g in models:
+        cal = CALIBRATIONS.get(g.key)
+        if cal is None:
+            continue
+        try:
+            got = launch_list_seconds(meta["family"], meta["spec"], tinfo.get("config", {}), kernels,
+                                      loops, dims, g, cal)
+        except (InputError, KeyError, ZeroDivisionError):
+            continue
+        out.append({"gpu": g.key, "seconds": got["seconds"], "launches": got["launches"],
+                    "calibration": cal.source, "error": CALIBRATION_ERROR})
+    return out
+
+
 def build_report(paths, shapes: dict[str, int] | None = None, gpus: list[str] | None = None,
                  measured: list[dict] | None = None, sass: bool = True) -> dict[str, Any]:
     shapes = shapes or {}
@@ -161,6 +188,7 @@ def build_report(paths, shapes: dict[str, int] | None = None, gpus: list[str] | 
                                     models) for k in tinfo["kernels"]]
             models = models if cost else []
             targets.append({
+                "estimate": _estimates(meta, tinfo, launches, dims, models, mix),
                 "target": target, "config": tinfo.get("config", {}),
                 "cost": cost.to_dict() if cost else None, "cost_note": cost_note,
                 "launches": launches,

@@ -136,6 +136,21 @@ def access_bytes(opcode: str) -> int:
     return 4
 
 
+def shared_bytes(instr: Instr) -> int:
+    """Bytes one warp's instruction moves through the shared-memory pipe (128 B per clock per
+    SM): LDS/STS/STSM and the landing of an LDGSTS by width x 32 lanes, LDSM by its matrix
+    count (.x1/.x2/.x4: 128/256/512 B)."""
+    if instr.base == "LDSM":
+        n = instr.opcode.rsplit(".", 1)[-1]
+        return 128 * (int(n) if n in ("2", "4") else 1)
+    if instr.base in ("LDS", "STS", "LDGSTS"):
+        return access_bytes(instr.opcode) * 32
+    if instr.base == "STSM":
+        n = instr.opcode.rsplit(".", 1)[-1]
+        return 128 * (int(n) if n in ("2", "4") else 1)
+    return 0
+
+
 def mma_flops(instr: Instr) -> int:
     """FLOPs of one warp's tensor-core instruction (HGMMA: a quarter of the warpgroup's)."""
     op = instr.opcode
@@ -351,8 +366,8 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
     worst = max(paths, key=lambda k: (len(paths[k]), k))
     path = [instrs[n] for n in paths[worst]]
     classes = dict.fromkeys(CLASSES, 0)
-    widths_of: dict[str, dict[str, int]] = {"ldg": {}, "stg": {}, "ldgsts": {}}
-    loaded = 0
+    widths_of: dict[str, dict[str, int]] = {"ldg": {}, "stg": {}, "ldgsts": {}, "lds": {}, "sts": {}}
+    loaded = shared = 0
     flops = 0
     for i in path:
         c = classify(i.opcode)
@@ -362,6 +377,7 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
             widths_of[c][w] = widths_of[c].get(w, 0) + 1
         if c in ("ldg", "ldgsts"):
             loaded += access_bytes(i.opcode) * 32
+        shared += shared_bytes(i)
         flops += mma_flops(i) if c == "tensor" else 0
     mean, peak = bytes_in_flight(path)
     total = len(path)
@@ -373,7 +389,7 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
         "instructions_per_mma": round(total / classes["tensor"], 2) if classes["tensor"] else None,
         "mma_equivalents": round(flops / HMMA_16816_FLOPS, 2),
         "instructions_per_mma_equivalent": round(total * HMMA_16816_FLOPS / flops, 2) if flops else None,
-        "global_bytes_loaded": loaded,
+        "global_bytes_loaded": loaded, "shared_bytes": shared,
         "inflight_bytes_mean": round(mean, 1), "inflight_bytes_peak": peak,
         **({"warp_instructions": {k: len(v) for k, v in paths.items()}, "worst_warp": worst}
            if len(paths) > 1 else {}),
@@ -394,4 +410,4 @@ def analyze_disassembly(text: str) -> dict[str, dict]:
 
 __all__ = ["CLASSES", "HMMA_16816_FLOPS", "Instr", "access_bytes", "analyze_disassembly",
            "bytes_in_flight", "classify", "find_loops", "mma_flops", "parse_functions",
-           "profile_loop", "steady_path", "table_refills", "warp_paths", "warp_selectors"]
+           "profile_loop", "shared_bytes", "steady_path", "table_refills", "warp_paths", "warp_selectors"]

@@ -77,6 +77,19 @@ def print_report(report: dict) -> None:
                 roof.add_row(*(first if i == 0 else [""] * len(first)), name,
                              fmt_seconds(r["seconds"]), r["bound"])
     c.print(roof)
+    estimates = [(k["name"], t["target"], e) for k in report["kernels"] for t in k["targets"]
+                 for e in t.get("estimate") or []]
+    if estimates:
+        est = Table(title="whole launch list, calibrated estimate (ptxc.report.launch_model)",
+                    title_justify="left")
+        for col in ("kernel", "target", "GPU", "estimate", "binding term"):
+            est.add_column(col, justify="right" if col == "estimate" else "left")
+        for name, target, e in estimates:
+            bound = max(e["launches"], key=lambda x: x["seconds"])["bound"]
+            gpu = report["gpus"][e["gpu"]]["name"] if e["gpu"] in report["gpus"] else e["gpu"]
+            est.add_row(name, target, gpu, fmt_seconds(e["seconds"]), bound)
+        c.print(est)
+        c.print(f"estimate error: {estimates[0][2]['error']} ({estimates[0][2]['calibration']})")
     c.print("peaks: " + "; ".join(f"{g['name']} {g['tensor_tflops']:g} TFLOP/s tensor, "
                                    f"{g['f32_tflops']:g} f32, {g['bandwidth_gbs']:g} GB/s"
                                    for g in report["gpus"].values()))

@@ -1,0 +1,160 @@
+"""Whole-launch time of an attention launch list on a GPU model, from the SASS loop analysis,
+with constants fitted to the H100 timings in bench/calibration/ -- an estimate with a stated
+error, never a forecast past what it was checked on.
+
+Per launch with an attention main loop:
+  1. the work: every CTA's number of main-loop iterations at the shape (prefill: its query
+     block's visible key tiles, causal and window included; decode: its split of the keys;
+     varlen: the real (sequence, KV head, split) tiles -- the grid's spare CTAs exit at once),
+  2. one iteration's time with r CTAs resident per SM (r = min(occupancy, CTAs per SM the
+     launch can fill)), the largest of
+       issue       warp-instructions / 4 schedulers per clock
+       warp        one warp's own dependent chain: non-tensor instructions / `ipc` + tensor
+                   instructions x `hmma_cycles` (the latency no other warp hides when few are
+                   resident: what made 1-CTA/SM prefill slow on the H100)
+       tensor      mma FLOPs / (`tensor_fraction` x the SM's share of the dense tensor peak):
+                   mma.sync on an H100 does not reach the wgmma peak the GPU model states
+       fp32, smem  FP32 lane operations, and bytes through the shared-memory pipe (128 B/clock)
+       bandwidth   DRAM bytes (loaded bytes / reuse: prefill tiles re-read from L2) over
+                   `bandwidth_fraction` of the DRAM bandwidth shared by the active SMs
+       latency     Little's law: loaded bytes / bytes in flight x `dram_latency_ns`
+  3. CTAs list-scheduled in launch order onto SMs x r slots, each taking iterations x that time.
+Launches without an attention loop (split reduce, appends) cost `launch_s` each, which also
+stands for the per-launch overhead of the others.
+
+The constants are fitted (a grid search, bench/calibration/README.md) to the 45 medians of three
+H100 runs of ptxc's mma.sync / SIMT kernels (sm_90 cubins): in-sample, 41 land within ±35 %
+and all within ±45 % (tests/test_calibration.py pins this). They say nothing yet about wgmma or
+TMA kernels (sm_90a), which have never run on hardware: the report labels this estimate
+"mma.sync-calibrated" and gives none for other paths.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from ..pipeline.exprs import evaluate
+from .gpus import GpuModel
+from .loop_model import kv_reuse, kv_rows_per_iteration
+
+
+@dataclass(frozen=True)
+class Calibration:
+    gpu: str                    # GpuModel key the constants were fitted on
+    tensor_fraction: float      # mma.sync throughput / the GPU model's dense tensor peak
+    hmma_cycles: float          # clocks one warp's HMMA costs on its own dependent chain
+    ipc: float                  # one warp's issue rate for everything else (instructions/clock)
+    dram_latency_ns: float      # Little's-law latency of a DRAM load
+    bandwidth_fraction: float   # achievable share of the DRAM bandwidth
+    launch_s: float             # a launch without a modelled loop, and per-launch overhead
+    source: str
+
+
+H100_MMA_SYNC = Calibration(
+    gpu="h100-sxm", tensor_fraction=0.30, hmma_cycles=20, ipc=0.30, dram_latency_ns=300,
+    bandwidth_fraction=0.80, launch_s=5e-6,
+    source="bench/calibration: 45 medians, H100 SXM, commits b26fd24 / c889eb4 / 3357c2c")
+
+CALIBRATIONS = {H100_MMA_SYNC.gpu: H100_MMA_SYNC}
+# What the report quotes with every estimate (tests/test_calibration.py keeps it true).
+CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 41 within ±35 %, all within ±45 %; "
+                     "mma.sync and SIMT kernels only")
+
+
+def _opt(spec: dict, key: str, default=None):
+    return spec.get(key, (spec.get("options") or {}).get(key, default))
+
+
+def kv_length(spec: dict, dims: dict) -> int:
+    """Keys per sequence at the shape: max_seq_len, or max_pages_per_seq x page_size."""
+    if "max_seq_len" in dims:
+        return dims["max_seq_len"]
+    return dims.get("max_pages_per_seq", 0) * int(_opt(spec, "page_size", 16) or 16)
+
+
+def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list[int],
+                   kv_rows: int) -> list[int]:
+    """Main-loop iterations of every CTA that does work, in launch order."""
+    window = _opt(spec, "sliding_window") or _opt(spec, "window") or None
+    n = grid[0] * grid[1] * grid[2]
+    if family == "prefill":
+        bm, sq, sk = config["block_m"], dims["seq_q"], dims["seq_k"]
+        causal = _opt(spec, "causal", True)
+        out = []
+        for mb in range(grid[0]):
+            end = min(sk, (mb + 1) * bm + sk - sq) if causal else sk
+            start = max(0, mb * bm + sk - sq - window + 1) if window else 0
+            out += [max(0, math.ceil(end / kv_rows) - start // kv_rows)] * (grid[1] * grid[2])
+        return out
+    L = kv_length(spec, dims)
+    keys = min(L, window) if window else L
+    splits = max(1, dims.get("num_splits", 1))
+    if family == "decode":
+        return [math.ceil(math.ceil(keys / splits) / kv_rows)] * n
+    if family == "varlen":
+        group = spec["num_heads"] // spec["num_kv_heads"]
+        q = max(1, dims["total_q"] // max(1, dims["batch"]))
+        real = min(n, dims["batch"] * math.ceil(q * group / config["block_m"]) * grid[1])
+        return [math.ceil(math.ceil((keys + q) / splits) / kv_rows)] * real
+    return []
+
+
+def iteration_seconds(loop: dict, warps_per_sm: int, active_sms: int, gpu: GpuModel,
+                      cal: Calibration, reuse: int = 1) -> tuple[float, str, dict]:
+    """Time of one main-loop iteration of every resident CTA of an SM, its binding term, all terms."""
+    clock = gpu.clock_mhz * 1e6
+    tensor = loop["classes"].get("tensor", 0)
+    inflight = loop["inflight_bytes_mean"]
+    terms = {
+        "issue": loop["instructions"] * warps_per_sm / 4 / clock,
+        "warp": ((loop["instructions"] - tensor) / cal.ipc + tensor * cal.hmma_cycles) / clock,
+        "tensor": loop["mma_flops"] * warps_per_sm
+        / (cal.tensor_fraction * gpu.tensor_tflops * 1e12 / gpu.sm_count),
+        "fp32": loop["fp32_lane_ops"] * warps_per_sm / (gpu.f32_tflops * 1e12 / 2 / gpu.sm_count),
+        "smem": loop.get("shared_bytes", 0) * warps_per_sm / (128 * clock),
+        "bandwidth": loop["global_bytes_loaded"] * warps_per_sm / reuse
+        / (cal.bandwidth_fraction * gpu.bandwidth / active_sms),
+        "latency": loop["global_bytes_loaded"] / inflight * cal.dram_latency_ns * 1e-9 if inflight else 0.0,
+    }
+    worst = max(terms, key=lambda k: terms[k])
+    return terms[worst], worst, terms
+
+
+def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[dict],
+                        loops: dict[str, dict | None], dims: dict, gpu: GpuModel,
+                        cal: Calibration) -> dict:
+    """The whole launch list's modelled time. `launches`: metadata launch dicts (entry, grid
+    expressions, block, occupancy); `loops`: entry -> main-loop profile (or None)."""
+    total, parts = 0.0, []
+    for launch in launches:
+        entry, loop = launch["entry"], loops.get(launch["entry"])
+        kv_rows = kv_rows_per_iteration(family, config, entry) if loop else None
+        if not loop or not kv_rows:
+            total += cal.launch_s
+            parts.append({"entry": entry, "bound": "fixed", "seconds": cal.launch_s})
+            continue
+        grid = [evaluate(g, dims) for g in launch["grid"]]
+        work = cta_iterations(family, spec, config, dims, grid, kv_rows)
+        if not work:
+            total += cal.launch_s
+            parts.append({"entry": entry, "bound": "fixed", "seconds": cal.launch_s})
+            continue
+        warps = launch["block"][0] * launch["block"][1] * launch["block"][2] // 32
+        resident = max(1, min(launch["occupancy"]["ctas_per_sm"], math.ceil(len(work) / gpu.sm_count)))
+        active = min(gpu.sm_count, len(work))
+        per_iter, bound, _ = iteration_seconds(loop, warps * resident, active, gpu, cal,
+                                               kv_reuse(family, config, spec, dims))
+        slots = [0.0] * (gpu.sm_count * resident)
+        for iters in work:      # list scheduling in launch order: the next CTA takes the first free slot
+            heapq.heappush(slots, heapq.heappop(slots) + iters * per_iter)
+        seconds = max(slots) + cal.launch_s
+        total += seconds
+        parts.append({"entry": entry, "bound": bound, "seconds": seconds, "ctas": len(work),
+                      "resident": resident})
+    return {"seconds": total, "launches": parts, "calibration": cal.source}
+
+
+__all__ = ["CALIBRATION_ERROR", "CALIBRATIONS", "Calibration", "H100_MMA_SYNC", "cta_iterations", "iteration_seconds",
+           "kv_length", "launch_list_seconds"]
