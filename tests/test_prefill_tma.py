@@ -259,7 +259,9 @@ def test_ptxas_zero_spills(toolchain):
 def test_sass_loop(built):
     """The TMA loop at d128: the same tensor work as the cp.async one (24 tensor instructions,
     264 HMMA-equivalents per warp) in fewer instructions -- no per-thread copies or address
-    arithmetic (ptxas 13.5: 351 against 454, 1.33 per HMMA-equivalent against 1.72)."""
+    arithmetic (ptxas 13.5: 351 against 454, 1.33 per HMMA-equivalent against 1.72, for the
+    warps that issue no box; the issuing warp's ELECT issue loops make it 408, 1.55, and the
+    loop analysis reports that worst warp)."""
     from ptxc.report.sass import SassUnavailable, sass_profile
     out, _ = built
     meta = json.loads((out / "llama3_8b_prefill" / "llama3_8b_prefill.json").read_text())
@@ -271,4 +273,6 @@ def test_sass_loop(built):
     loop = prof["loops"]["loops"][prof["loops"]["main"]]
     assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (24, 264)
     assert loop["classes"]["ldgsts"] == 0 and prof["mix"]["LDGSTS"] == 0
-    assert loop["instructions_per_mma_equivalent"] <= 1.5
+    per_eq = loop["mma_flops"] / 4096
+    assert loop["warp_instructions"]["others"] / per_eq <= 1.5
+    assert loop["worst_warp"] == "issuer" and loop["instructions_per_mma_equivalent"] < 1.72
