@@ -107,7 +107,7 @@ MUTATIONS = {
     # a scalar the spec does not have would let `--set num_pages=...` override a dim
     "extra scalar": lambda m: m["scalars"].__setitem__("num_pages", {"dtype": "f32"}),
     "softmax_scale": lambda m: m["spec"].__setitem__("softmax_scale", m["spec"]["softmax_scale"] * 2),
-    "spec not in normal form": lambda m: m["spec"].__setitem__("sliding_window", 0),
+    "spec not in normal form": lambda m: m["spec"].pop("alibi"),
     "targets": lambda m: m["targets"].pop("sm_86"),
     "occupancy": lambda m: m["targets"]["sm_80"]["kernels"][0]["occupancy"].__setitem__("ctas_per_sm", 99),
     "ptx_version": lambda m: m["targets"]["sm_80"].__setitem__("ptx_version", "9.9"),
@@ -318,3 +318,17 @@ def test_swapped_fatbin_is_refused(tmp_path):
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 1 and "image for sm_" in r.output, (args, r.output)
     assert not (tmp_path / "k.h").exists() and not (tmp_path / "k.rs").exists()
+
+
+def test_a_scalar_shadowing_a_dim_is_refused_before_run(built, tmp_path):
+    """The issue's attack: a scalar named like a dim would let `--set` override the dim after
+    its range checks (a kernel then writes past its buffers)."""
+    out = copy_out(built, tmp_path)
+    tamper(out, lambda m: m["scalars"].__setitem__("batch", {"dtype": "f32"}))
+    args = consumers(out, built, tmp_path)["run"] + ["--set", "batch=100000"]
+    r = CliRunner().invoke(main, args)
+    lines = assert_one_line_failure(r, 1)
+    assert len(lines) == 1 and "scalar 'batch' is also a dim" in lines[0], r.output
+    assert not (tmp_path / "r.npz").exists()
+    r = CliRunner().invoke(main, consumers(out, built, tmp_path)["emit-c-header"])
+    assert r.exit_code == 1 and not (tmp_path / "k.h").exists()

@@ -237,6 +237,9 @@ def _reference_problems(meta: dict, where: Path) -> list[str]:
         for ref in ("passed_as", "derived_from"):
             if ref in info and info[ref] not in tensors:
                 problems.append(f"{where}: tensor {tname} {ref} {info[ref]!r} is not a tensor")
+    for sname in meta["scalars"]:   # one name, one meaning: a scalar never shadows a dim or tensor
+        if sname in dims or sname in tensors:
+            problems.append(f"{where}: scalar {sname!r} is also a {'dim' if sname in dims else 'tensor'}")
     for dname, rule in meta["dim_rules"].items():
         if dname not in dims:
             problems.append(f"{where}: dim_rules names {dname!r}, not a dim")
