@@ -9,8 +9,9 @@ the ptxas installed now, whatever the metadata records: when the recorded `ptxas
 differs from it, the cubin cannot be byte-compared and verify FAILS, unless the user passes
 `--allow-other-ptxas` (then the PTX is still re-assembled and checked for spills and entries, and
 the report says which cubins were not compared). An editable field never turns a check off.
-A fatbin is checked by checked.py: its entries must be exactly the verified cubins and PTX. For an output directory, the manifest must list exactly the artifact
-directories present, each with its metadata's sha256.
+A fatbin is checked by checked.py: its images must be exactly the verified cubins and PTX.
+For an output directory, the manifest must list exactly the artifact directories present, each
+with its metadata's sha256.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Any
 
 from ..errors import PtxcError
 from .cache import sha256
-from .checked import (MANIFEST, short, check_artifact, ptx_signatures, read_artifact_file,  # noqa: F401
-                      read_manifest_checked)
+from .checked import (MANIFEST, check_artifact, ptx_signatures, read_artifact_file,  # noqa: F401
+                      read_manifest_checked, short)
 
 
 @dataclass
