@@ -96,13 +96,17 @@ def build(paths, out, targets, no_verify, fatbin, jobs, as_json, no_cache, shard
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--rebuild", is_flag=True,
               help="Also rebuild every artifact from its recorded spec and compare byte for byte.")
+@click.option("--allow-other-ptxas", is_flag=True,
+              help="Accept cubins recorded as made by another ptxas than the installed one "
+                   "without byte-comparing them (by default that fails: they cannot be compared).")
 @handles_errors
-def verify(paths, as_json, rebuild):
+def verify(paths, as_json, rebuild, allow_other_ptxas):
     """Re-check spec files, artifact directories or whole output directories (exit 1 on mismatch)."""
     from .pipeline.build import run_verify
-    report = run_verify(paths, rebuild=rebuild)
+    report = run_verify(paths, rebuild=rebuild, allow_other_ptxas=allow_other_ptxas)
     if as_json:
-        click.echo(json.dumps({"ok": report.ok, "problems": report.problems, "rows": report.rows},
+        click.echo(json.dumps({"ok": report.ok, "problems": report.problems, "rows": report.rows,
+                               "notes": report.notes},
                               indent=2, sort_keys=True))
     else:
         from .report.console import print_verify_report

@@ -78,3 +78,60 @@ def test_targets_order_numerically():
     from ptxc.emit.view import target_order
     assert sorted(["sm_120", "sm_90a", "sm_100", "sm_80", "sm_90", "sm_89"], key=target_order) == \
         ["sm_80", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120"]
+
+
+WINDOWED = '''
+[defaults]
+targets = ["sm_80"]
+family = "prefill"
+dtype = "bf16"
+head_dim = 64
+num_heads = 4
+causal = true
+
+[[kernel]]
+name = "p_global"
+
+[[kernel]]
+name = "p_local"
+sliding_window = 1024
+logits_soft_cap = 50.0
+'''
+
+
+def test_semantic_fields_are_part_of_every_key(tmp_path):
+    """A Gemma-style sliding-window kernel and a global kernel of the same shape are told apart,
+    under the spec's own field names, in Python and in the C and Rust dispatch tables."""
+    from click.testing import CliRunner
+    from ptxc.cli import main
+    (tmp_path / "w.toml").write_text(WINDOWED)
+    out = tmp_path / "out"
+    run_build([tmp_path / "w.toml"], out, verify=False, progress=False)
+    assert find_variant(out, family="prefill", sliding_window=1024).name == "p_local"
+    assert find_variant(out, family="prefill", sliding_window=None).name == "p_global"
+    assert find_variant(out, "head_dim=64,logits_soft_cap=none").name == "p_global"
+    with pytest.raises(InputError, match=r"^ambiguous variant head_dim=64"):
+        find_variant(out, head_dim=64)
+    with pytest.raises(InputError, match=r"unknown field 'window'.*sliding_window"):
+        find_variant(out, window=1024)
+    assert CliRunner().invoke(main, ["emit-c-header", str(out), "-o", str(tmp_path / "k.h")]).exit_code == 0
+    assert CliRunner().invoke(main, ["emit-rust", str(out), "-o", str(tmp_path / "k.rs")]).exit_code == 0
+    for f in ("k.h", "k.rs"):
+        text = (tmp_path / f).read_text()
+        assert "sliding_window=1024" in text and "sliding_window=none" in text, f
+        assert "logits_soft_cap=50.0" in text and "causal=true" in text, f
+
+
+def test_variant_keys_come_from_the_field_tables():
+    """Every non-tile spec field of every family is a key field (a new field is picked up)."""
+    from ptxc.kernels import FAMILIES
+    from ptxc.runtime.dispatch import variant_keys
+    from ptxc.spec.loader import COMMON_FIELDS
+    want = {f.name for f in COMMON_FIELDS} - {"name", "targets"}
+    for fam in FAMILIES.values():
+        want |= {f.name for f in fam.fields.fields}
+        assert not {f.name for f in fam.fields.tile} & set(variant_keys()) - want
+    assert want == set(variant_keys())
+    for name in ("sliding_window", "logits_soft_cap", "attention_sinks", "alibi", "head_dim_v",
+                 "kv_dtype", "kv_scale", "causal", "return_lse", "softmax_scale"):
+        assert name in variant_keys()

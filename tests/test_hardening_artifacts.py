@@ -104,6 +104,14 @@ MUTATIONS = {
     "path escape": lambda m: m["targets"]["sm_80"].__setitem__("ptx", "/etc/passwd"),
     "parent path": lambda m: m["targets"]["sm_80"].__setitem__("ptx", "../../x.ptx"),
     "spec": lambda m: m["spec"].__setitem__("head_dim", 64),
+    # a scalar the spec does not have would let `--set num_pages=...` override a dim
+    "extra scalar": lambda m: m["scalars"].__setitem__("num_pages", {"dtype": "f32"}),
+    "softmax_scale": lambda m: m["spec"].__setitem__("softmax_scale", m["spec"]["softmax_scale"] * 2),
+    "spec not in normal form": lambda m: m["spec"].pop("alibi"),
+    "targets": lambda m: m["targets"].pop("sm_86"),
+    "occupancy": lambda m: m["targets"]["sm_80"]["kernels"][0]["occupancy"].__setitem__("ctas_per_sm", 99),
+    "ptx_version": lambda m: m["targets"]["sm_80"].__setitem__("ptx_version", "9.9"),
+    "verified": lambda m: m.__setitem__("verified", False),
 }
 
 
@@ -220,3 +228,107 @@ def test_concurrent_builds_of_one_name_from_two_specs_never_mix(tmp_path):
         assert all(p.wait(timeout=300) == 0 for p in procs)
         meta = load_checked(out / "dup")   # consistent: files, hashes, manifest and spec agree
         assert meta["spec"]["head_dim"] in (64, 128)
+
+
+# --- every metadata field a consumer reads is re-derived, checked or declared not trusted ---
+
+def _schema_paths(node, schema, prefix=""):
+    """Every field path of the metadata schema (`*` for any key or list index)."""
+    if "$ref" in node:
+        node = schema["$defs"][node["$ref"].split("/")[-1]]
+    paths = []
+    for key, sub in node.get("properties", {}).items():
+        path = f"{prefix}{key}"
+        paths.append(path)
+        if path == "spec":
+            continue    # the spec is re-derived as a whole (normal form, validated by the spec rules)
+        paths += _schema_paths(sub, schema, path + ".")
+    for key in ("additionalProperties", "items"):
+        sub = node.get(key)
+        if isinstance(sub, dict) and prefix and ("properties" in sub or "$ref" in sub or "items" in sub):
+            paths += _schema_paths(sub, schema, prefix + "*.")
+    return paths
+
+
+def test_every_schema_field_is_rederived_or_declared_not_trusted():
+    from ptxc.pipeline.checked import TRUST
+    from ptxc.pipeline.metadata import schema
+    paths = set(_schema_paths(schema(), schema()))
+    undecided = sorted(p for p in paths if p not in TRUST)
+    assert not undecided, f"metadata fields with no trust decision in checked.TRUST: {undecided}"
+    assert set(TRUST.values()) <= {"re-derived", "checked", "not trusted"}
+    assert not sorted(set(TRUST) - paths), "TRUST names fields the schema no longer has"
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "reliability.md").read_text()
+    missing = sorted(p for p in TRUST if f"`{p}`" not in doc)
+    assert not missing, f"docs/reliability.md's metadata table lacks {missing}"
+
+
+def test_empty_scalars_are_named_as_scalars(tmp_path):
+    """An FP8 kernel whose metadata says `scalars = {}`: refused naming `scalars`, not v_scale."""
+    spec = tmp_path / "f.toml"
+    spec.write_text(SPEC.replace('dtype = "f32"', 'dtype = "f16"\nkv_dtype = "e4m3"').replace(
+        ', "sm_86"', ""))
+    run_build([spec], tmp_path / "out", progress=False, verify=False, cache_dir=tmp_path / "cache")
+    out = tmp_path / "out"
+    assert json.loads((out / NAME / f"{NAME}.json").read_text())["scalars"]
+    tamper(out, lambda m: m.__setitem__("scalars", {}))
+    r = CliRunner().invoke(main, ["inspect", str(out / NAME)])
+    lines = assert_one_line_failure(r, 1)
+    assert len(lines) == 1 and "scalars differ" in lines[0] and "v_scale" in lines[0], r.output
+    assert "unexpected input" not in r.output
+
+
+def test_recorded_ptxas_version_never_turns_the_cubin_compare_off(built, tmp_path):
+    out = copy_out(built, tmp_path)
+    d = out / NAME
+    other = (d / f"{NAME}.sm_86.cubin").read_bytes()
+    (d / f"{NAME}.sm_80.cubin").write_bytes(other)
+
+    def edit(m):
+        m["targets"]["sm_80"]["cubin_sha256"] = sha256(other)
+        m["targets"]["sm_80"]["ptxas_version"] = "0.0.1"
+    tamper(out, edit)
+    r = CliRunner().invoke(main, ["verify", str(out)])
+    assert r.exit_code == 1 and "cannot be byte-compared" in r.output, r.output
+    # an untouched artifact whose version string alone is edited: still no silent pass
+    out2 = tmp_path / "o2"
+    shutil.copytree(built / "out", out2)
+    tamper(out2, lambda m: m["targets"]["sm_80"].__setitem__("ptxas_version", "0.0.1"))
+    r = CliRunner().invoke(main, ["verify", str(out2)])
+    assert r.exit_code == 1 and "cannot be byte-compared" in r.output, r.output
+    r = CliRunner().invoke(main, ["verify", "--allow-other-ptxas", str(out2)])
+    assert r.exit_code == 0 and "not checked" in r.output and "--allow-other-ptxas" in r.output, r.output
+
+
+def test_swapped_fatbin_is_refused(tmp_path):
+    """Another build's fatbin copied in, its hash refreshed and the manifest re-signed."""
+    spec = tmp_path / "k.toml"
+    spec.write_text(SPEC)
+    other = tmp_path / "other.toml"
+    other.write_text(SPEC.replace("return_lse = true", "return_lse = false"))
+    run_build([spec], tmp_path / "out", progress=False, fatbin=True, cache_dir=tmp_path / "cache")
+    run_build([other], tmp_path / "o2", progress=False, fatbin=True, cache_dir=tmp_path / "cache")
+    out = tmp_path / "out"
+    assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 0
+    data = (tmp_path / "o2" / NAME / f"{NAME}.fatbin").read_bytes()
+    (out / NAME / f"{NAME}.fatbin").write_bytes(data)
+    tamper(out, lambda m: m["fatbin"].__setitem__("sha256", sha256(data)))
+    for args in (["verify", str(out)], ["emit-c-header", str(out), "-o", str(tmp_path / "k.h")],
+                 ["emit-rust", str(out), "-o", str(tmp_path / "k.rs")]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and "image for sm_" in r.output, (args, r.output)
+    assert not (tmp_path / "k.h").exists() and not (tmp_path / "k.rs").exists()
+
+
+def test_a_scalar_shadowing_a_dim_is_refused_before_run(built, tmp_path):
+    """The issue's attack: a scalar named like a dim would let `--set` override the dim after
+    its range checks (a kernel then writes past its buffers)."""
+    out = copy_out(built, tmp_path)
+    tamper(out, lambda m: m["scalars"].__setitem__("batch", {"dtype": "f32"}))
+    args = consumers(out, built, tmp_path)["run"] + ["--set", "batch=100000"]
+    r = CliRunner().invoke(main, args)
+    lines = assert_one_line_failure(r, 1)
+    assert len(lines) == 1 and "scalar 'batch' is also a dim" in lines[0], r.output
+    assert not (tmp_path / "r.npz").exists()
+    r = CliRunner().invoke(main, consumers(out, built, tmp_path)["emit-c-header"])
+    assert r.exit_code == 1 and not (tmp_path / "k.h").exists()

@@ -137,3 +137,23 @@ def test_marker_written_by_someone_else_disables_the_cache(tmp_path, capsys):
     (tmp_path / "c" / MARKER).write_text("Signature: 8a477f597d28d172789f06886806bc55\n# other tool\n")
     c = Cache(tmp_path / "c")
     assert not c.enabled and "not written by ptxc" in capsys.readouterr().err
+
+
+def test_symlinked_stage_or_prefix_directory_is_never_written_through(tmp_path, capsys):
+    """A stage directory (`v2/ptx -> /elsewhere`) or key-prefix directory that is a symlink is
+    replaced by a real directory with a warning: entries never land outside the cache."""
+    cache = Cache(tmp_path / "c")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, tmp_path / "c" / ENTRIES / "ptx")
+    key = "ab" * 32
+    assert cache.get("ptx", key) is None           # nothing is read through the link either
+    cache.put("ptx", key, b"payload")
+    assert list(outside.iterdir()) == []
+    assert "symlink" in capsys.readouterr().err
+    stage = tmp_path / "c" / ENTRIES / "ptx"
+    assert stage.is_dir() and not stage.is_symlink() and cache.get("ptx", key) == b"payload"
+    key2 = "ef" * 32
+    os.symlink(outside, stage / key2[:2])
+    cache.put("ptx", key2, b"other")
+    assert list(outside.iterdir()) == [] and cache.get("ptx", key2) == b"other"

@@ -119,3 +119,28 @@ def test_cli_exit_codes(clean, tmp_path):
     assert rust.exit_code == 0 and f"include_bytes!(\"{rel}\")" in text
     not_a_build = runner.invoke(main, ["emit-rust", str(tmp_path / "rs")])
     assert not_a_build.exit_code == 2 and "no manifest.json" in not_a_build.output
+
+
+def test_rebuild_never_reads_through_a_symlink(clean, tmp_path, monkeypatch):
+    """A cubin replaced by a symlink to a huge (sparse) file outside: reported, never read."""
+    out = tmp_path / "out"
+    shutil.copytree(clean, out)
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(3 << 30)          # 3 GiB sparse: reading it would take 3 GiB of memory
+    cubin = out / "rb" / "rb.sm_80.cubin"
+    cubin.unlink()
+    os.symlink(big, cubin)
+    from pathlib import Path
+    real_read_bytes = Path.read_bytes
+    opened = []
+
+    def guarded(self):
+        if self.resolve() == big.resolve():
+            opened.append(self)
+            raise AssertionError(f"read through the symlink {self}")
+        return real_read_bytes(self)
+    monkeypatch.setattr(Path, "read_bytes", guarded)
+    report = run_verify([out], rebuild=True)
+    assert not opened
+    assert any("rb.sm_80.cubin" in p and "symlink" in p for p in report.problems), report.problems

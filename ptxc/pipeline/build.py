@@ -103,11 +103,11 @@ def _target_summary(t: dict) -> dict:
             "occupancy": min((k["occupancy"]["occupancy"] for k in ks if "occupancy" in k), default=None)}
 
 
-def run_verify(paths, rebuild: bool = False):
+def run_verify(paths, rebuild: bool = False, allow_other_ptxas: bool = False):
     from .ptxas import toolchain
     from .verify import Report, is_artifact_dir, is_output_dir, verify_artifact, verify_output_dir
     tc = toolchain()
-    report = Report()
+    report = Report(allow_other_ptxas=allow_other_ptxas)
     for p in map(Path, paths):
         if p.is_file() or (p.is_dir() and not is_artifact_dir(p) and not is_output_dir(p)):
             with tempfile.TemporaryDirectory(prefix="ptxc-verify-") as tmp:

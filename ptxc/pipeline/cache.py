@@ -138,6 +138,34 @@ class Cache:
             raise ValueError(f"bad cache stage/key {stage!r}/{key!r}")   # a bug in the caller
         return self.root / ENTRIES / stage / key[:2] / key
 
+    def _entry_dir_ok(self, path: Path, create: bool) -> bool:
+        """Whether every directory between the cache root and entry `path` (`v2`, the stage,
+        the key prefix) is a real directory, so an entry is never read or written outside the
+        cache. A symlink there (`v2/ptx -> /elsewhere`) is removed with a warning (the link,
+        never what it points to) and, when `create`, replaced by a real directory; anything
+        else that is not a directory makes the entry unusable (False, with a warning)."""
+        d = self.root
+        for part in path.relative_to(self.root).parts[:-1]:
+            d = d / part
+            try:
+                mode = d.lstat().st_mode
+            except FileNotFoundError:
+                if not create:
+                    return False
+                d.mkdir(exist_ok=True)
+                continue
+            if stat.S_ISLNK(mode):
+                self.warn(f"cache directory {d} is a symlink; removing the link (not its target) "
+                          f"so no entry is read or written outside the cache")
+                d.unlink()
+                if not create:
+                    return False
+                d.mkdir()
+            elif not stat.S_ISDIR(mode):
+                self.warn(f"cache path {d} is not a directory; not using the cache entry below it")
+                return False
+        return True
+
     def _discard(self, path: Path, why: str) -> None:
         self.warn(f"cache entry {path} is {why}; discarding and rebuilding")
         try:
@@ -151,7 +179,11 @@ class Cache:
         if not self.enabled:
             return None
         path = self._path(stage, key)
-        if not path.exists() and not path.is_symlink():
+        try:
+            usable = self._entry_dir_ok(path, create=False)
+        except OSError:
+            usable = False
+        if not usable or (not path.exists() and not path.is_symlink()):
             self.misses += 1
             return None
         try:
@@ -197,7 +229,8 @@ class Cache:
         path = self._path(stage, key)
         header = MAGIC + f"{stage} {key} {sha256(payload)}\n".encode()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            if not self._entry_dir_ok(path, create=True):
+                return
             atomic_write(path, header + payload)
         except OSError as e:
             self.warn(f"cannot write cache entry {path} ({e.strerror}); continuing without it")

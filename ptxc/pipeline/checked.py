@@ -16,9 +16,18 @@ through `load_checked`, which accepts an artifact only when all of these hold:
   * every ptx/cubin file has exactly the name ptxc gives it and the recorded sha256;
   * the parameter ABI is self-consistent and each PTX declares exactly the recorded entries
     and parameters;
-  * re-deriving from the recorded normalised spec (validated by the spec rules) gives the
-    same tensors, dims, dim rules, config and launch list (grid, block, shared memory and
-    every parameter's source) — so a swapped pointer or edited grid is refused.
+  * re-deriving from the recorded normalised spec (validated by the spec rules, and recorded
+    in normal form) gives the same tensors, dims, dim rules, scalars, target list, config,
+    launch list (grid, block, shared memory and every parameter's source) and PTX (so an edited
+    `softmax_scale`, window or any other value compiled into the kernel is refused); `verified`
+    agrees with the cubins present, each `occupancy` with its `resources`;
+  * a fatbin holds exactly one ELF image per target, byte-identical to that target's (hash-
+    checked) cubin, and one PTX image per target equal to its PTX up to comments and
+    indentation (which `fatbinary` strips) — nothing else.
+
+Every field of the schema is in TRUST below: re-derived, checked, or not trusted (read only for
+display, or checked by `ptxc verify` against ptxas); tests/test_hardening_artifacts.py walks the
+schema so a new field cannot be added without deciding which.
 
 Anything else is a VerifyError (exit 1) naming the file and the first problem.
 """
@@ -46,6 +55,40 @@ _ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(([^)]*)\)", re.S)
 # `.param .u64 name`, or a tensor map `.param .align 64 .b8 name[128]` (read as type "tmap")
 _PARAM = re.compile(r"\.param\s+(?:\.align\s+64\s+\.b8\s+([\w$]+)\[128\]|\.(\w+)\s+([\w$]+))")
 PARAM_SIZE = {"u32": 4, "s32": 4, "f32": 4, "u64": 8, "s64": 8, "tmap": 128}
+
+# Every metadata field (a path through the schema; `*` is any key or list index) and why a
+# consumer may rely on it. "re-derived": recomputed from the recorded spec (or from other
+# checked fields) and compared; "checked": validated against the files or by the schema's own
+# constraints; "not trusted": read only for display or by `ptxc verify`, which re-derives it with
+# ptxas, and never used to size, launch or skip anything. docs/reliability.md has the table.
+TRUST = {
+    "schema_version": "checked", "ptxc_version": "not trusted", "name": "re-derived",
+    "family": "re-derived", "spec": "re-derived", "tensors": "re-derived", "dims": "re-derived",
+    "dim_rules": "re-derived", "scalars": "re-derived", "verified": "re-derived",
+    "fatbin.file": "checked", "fatbin.sha256": "checked", "fatbin.fatbinary_version": "not trusted",
+    "targets": "re-derived",
+    "targets.*.ptx": "checked", "targets.*.ptx_sha256": "re-derived",
+    "targets.*.ptx_version": "re-derived", "targets.*.cubin": "checked",
+    "targets.*.cubin_sha256": "checked", "targets.*.ptxas_version": "not trusted",
+    "targets.*.config": "re-derived", "targets.*.kernels": "re-derived",
+    "targets.*.kernels.*.entry": "re-derived", "targets.*.kernels.*.params": "re-derived",
+    "targets.*.kernels.*.params.*.name": "re-derived", "targets.*.kernels.*.params.*.type": "re-derived",
+    "targets.*.kernels.*.params.*.size": "re-derived", "targets.*.kernels.*.params.*.offset": "re-derived",
+    "targets.*.kernels.*.params.*.source": "re-derived",
+    "targets.*.kernels.*.param_bytes": "re-derived", "targets.*.kernels.*.grid": "re-derived",
+    "targets.*.kernels.*.block": "re-derived", "targets.*.kernels.*.dynamic_smem_bytes": "re-derived",
+    "targets.*.kernels.*.static_smem_bytes": "re-derived",
+    "targets.*.kernels.*.needs_smem_opt_in": "re-derived",
+    "targets.*.kernels.*.resources": "not trusted", "targets.*.kernels.*.occupancy": "re-derived",
+    "fatbin": "checked",
+    **{f"targets.*.kernels.*.params.*.source.{k}": "re-derived"
+       for k in ("kind", "tensor", "axis", "name", "value", "box", "swizzle")},
+    "scalars.*.dtype": "re-derived", "scalars.*.doc": "re-derived",
+    **{f"tensors.*.{k}": "re-derived"
+       for k in ("shape", "dtype", "role", "doc", "passed_as", "derived_from", "device_resident",
+                 "prefix_sums", "preconditions", "preconditions.align_bytes",
+                 "preconditions.stride_multiple", "preconditions.strided_axes")},
+}
 
 
 def short(value: Any, limit: int = 80) -> str:
@@ -141,8 +184,8 @@ def check_artifact(d: Path, *, manifest: bool = True, rederive: bool = True) -> 
     problems += _reference_problems(meta, meta_path)
     for target, t in meta["targets"].items():
         problems += _file_problems(d, name, target, t)
-    if "fatbin" in meta:
-        problems += _fatbin_problems(d, name, meta["fatbin"])
+    if "fatbin" in meta and not problems:
+        problems += _fatbin_problems(d, name, meta["fatbin"], meta["targets"])
     if rederive and not problems:
         problems += _rederive_problems(meta, meta_path)
     return meta, problems
@@ -194,6 +237,9 @@ def _reference_problems(meta: dict, where: Path) -> list[str]:
         for ref in ("passed_as", "derived_from"):
             if ref in info and info[ref] not in tensors:
                 problems.append(f"{where}: tensor {tname} {ref} {info[ref]!r} is not a tensor")
+    for sname in meta["scalars"]:   # one name, one meaning: a scalar never shadows a dim or tensor
+        if sname in dims or sname in tensors:
+            problems.append(f"{where}: scalar {sname!r} is also a {'dim' if sname in dims else 'tensor'}")
     for dname, rule in meta["dim_rules"].items():
         if dname not in dims:
             problems.append(f"{where}: dim_rules names {dname!r}, not a dim")
@@ -284,7 +330,7 @@ def _file_problems(d: Path, name: str, target: str, t: dict) -> list[str]:
     return problems
 
 
-def _fatbin_problems(d: Path, name: str, fatbin: dict) -> list[str]:
+def _fatbin_problems(d: Path, name: str, fatbin: dict, targets: dict) -> list[str]:
     if fatbin["file"] != f"{name}.fatbin":
         return [f"{d}: fatbin file {short(fatbin['file'])} is not {name + '.fatbin'!r}"]
     try:
@@ -293,35 +339,126 @@ def _fatbin_problems(d: Path, name: str, fatbin: dict) -> list[str]:
         return [str(e)]
     if sha256(data) != fatbin["sha256"]:
         return [f"{d / fatbin['file']}: sha256 {sha256(data)[:16]}... differs from metadata {fatbin['sha256'][:16]}..."]
+    # The hash only says the file is the one the metadata names, and both are editable: the
+    # loaders prefer the fatbin, so its images must be the (checked) per-target files.
+    where = d / fatbin["file"]
+    try:
+        images = fatbin_images(data)
+    except ValueError as e:
+        return [f"{where}: not a fatbin ptxc makes ({e})"]
+    want = {}
+    for target, t in targets.items():
+        sm = int("".join(c for c in target[3:] if c.isdigit()))
+        if "cubin" not in t:
+            return [f"{where}: the metadata records no cubin for {target}; a fatbin packs cubins"]
+        want[("elf", sm)] = read_artifact_file(d, t["cubin"])
+        want[("ptx", sm)] = _ptx_tokens(read_artifact_file(d, t["ptx"]))
+    have = {}
+    for kind, sm, payload in images:
+        if (kind, sm) in have:
+            return [f"{where}: two {kind} images for sm_{sm}"]
+        have[(kind, sm)] = payload if kind == "elf" else _ptx_tokens(payload)
+    if sorted(have) != sorted(want):
+        return [f"{where}: holds images {sorted(have)}, the metadata's targets give {sorted(want)}"]
+    for key in sorted(want):
+        got, cubin = have[key], want[key]
+        if key[0] == "elf":   # the cubin, then at most alignment padding of NULs
+            same = got[:len(cubin)] == cubin and len(got) - len(cubin) < 64 and not got[len(cubin):].strip(b"\0")
+        else:
+            same = got == cubin
+        if not same:
+            what = "cubin" if key[0] == "elf" else "PTX"
+            return [f"{where}: its {key[0]} image for sm_{key[1]} is not the artifact's {what} for "
+                    f"that target (a fatbin from another build?)"]
     return []
+
+
+FATBIN_MAGIC = 0xBA55ED50
+FATBIN_KINDS = {1: "ptx", 2: "elf"}
+
+
+def fatbin_images(data: bytes) -> list[tuple[str, int, bytes]]:
+    """(kind, sm, payload) for every image of an uncompressed fatbin (`fatbinary --compress=false`
+    layout: a 16-byte header {magic u32, version u16, header size u16, body size u64}, then per
+    image {kind u16, version u16, header size u32, padded payload size u64, ..., sm u32 at byte
+    28}); ValueError on anything else. Padding (NULs) after a payload is dropped from PTX
+    (an ELF payload keeps it: the caller compares it with the cubin plus padding)."""
+    import struct
+    if len(data) < 16:
+        raise ValueError("shorter than a fatbin header")
+    magic, _, head, body = struct.unpack_from("<IHHQ", data, 0)
+    if magic != FATBIN_MAGIC or head < 16 or head + body != len(data):
+        raise ValueError("bad header or size")
+    images, off = [], head
+    while off < len(data):
+        if off + 32 > len(data):
+            raise ValueError("truncated image header")
+        kind, _, ihead, size = struct.unpack_from("<HHIQ", data, off)
+        (sm,) = struct.unpack_from("<I", data, off + 28)
+        if kind not in FATBIN_KINDS or ihead < 32 or off + ihead + size > len(data):
+            raise ValueError(f"bad image header at byte {off}")
+        payload = data[off + ihead: off + ihead + size]
+        if FATBIN_KINDS[kind] == "ptx":
+            payload = payload.rstrip(b"\0")
+        images.append((FATBIN_KINDS[kind], sm, payload))
+        off += ihead + size
+    return images
+
+
+def _ptx_tokens(ptx: bytes) -> list[str]:
+    """PTX text without comments and indentation: what `fatbinary` keeps of a module."""
+    text = re.sub(r"/\*.*?\*/", " ", ptx.decode("utf-8", "replace"), flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def derived_launch_metadata(spec, target: str) -> dict[str, Any]:
     """What the metadata of `spec` must say for one target, re-derived by lowering it."""
-    from .compiler import lower
-    _, launches, config, _ = lower(spec, target)
-    return {"config": config, "kernels": launches}
+    from .compiler import lower, module_ptx_version
+    ptx, launches, config, _ = lower(spec, target)
+    return {"config": config, "kernels": launches, "ptx_sha256": sha256(ptx.encode()),
+            "ptx_version": module_ptx_version(ptx)}
+
+
+def _differs(where: Path, field: str, recorded: Any, derived: Any) -> str:
+    """The one line naming a field whose recorded value is not what the spec gives."""
+    if isinstance(recorded, dict) and isinstance(derived, dict) and set(recorded) != set(derived):
+        recorded, derived = sorted(recorded), sorted(derived)   # the names say most
+    return (f"{where}: {field} differ from what the recorded spec gives "
+            f"(recorded {short(recorded, 60)}, derived {short(derived, 60)})")
 
 
 def _rederive_problems(meta: dict, where: Path) -> list[str]:
     from ..kernels import FAMILIES
     from .metadata import tensor_preconditions
     from ..spec.loader import spec_from_record
-    from ..targets import TARGETS
+    from ..targets import TARGETS, get_target, occupancy
     try:
         spec = spec_from_record(meta["spec"], f"{where}: spec")
     except SpecError as e:
         return [f"{where}: recorded spec is invalid: {str(e)[:200]}"]
     if (spec.name, spec.family) != (meta["name"], meta["family"]):
         return [f"{where}: spec names {spec.name!r}/{spec.family!r}, metadata {meta['name']!r}/{meta['family']!r}"]
+    normal = json.loads(json.dumps(spec.to_dict()))
+    if meta["spec"] != normal:   # what consumers read is the normal form the build records
+        diff = next(k for k in sorted(set(normal) | set(meta["spec"]))
+                    if normal.get(k, "<absent>") != meta["spec"].get(k, "<absent>"))
+        return [_differs(where, f"spec.{diff}", meta["spec"].get(diff, "<absent>"), normal.get(diff, "<absent>"))]
+    if sorted(meta["targets"]) != sorted(spec.targets):
+        return [_differs(where, "targets", sorted(meta["targets"]), sorted(spec.targets))]
     iface = FAMILIES[spec.family].interface(spec)
     tensors = {t.name: t.to_dict() for t in iface.tensors}
     # preconditions follow from the launch lists, which are re-derived and compared below
     for name, tensor in tensors.items():
         tensor["preconditions"] = tensor_preconditions(name, tensor, tensors, meta["targets"])
-    derived = {"tensors": tensors, "dims": list(iface.dims), "dim_rules": iface.dim_rules}
-    problems = [f"{where}: {key} differ from what the recorded spec gives"
+    derived = {"tensors": tensors, "dims": list(iface.dims), "dim_rules": iface.dim_rules,
+               "scalars": iface.scalars}
+    problems = [_differs(where, key, meta[key], value)
                 for key, value in derived.items() if meta[key] != json.loads(json.dumps(value))]
+    cubins = {target: "cubin" in t for target, t in meta["targets"].items()}
+    if meta["verified"] != all(cubins.values()) or len(set(cubins.values())) > 1:
+        problems.append(f"{where}: verified is {meta['verified']}, but cubins are recorded for "
+                        f"{sorted(k for k, v in cubins.items() if v) or 'no target'}")
     for target, t in meta["targets"].items():
         if target not in TARGETS:
             problems.append(f"{where}: unknown target {target!r}")
@@ -332,10 +469,27 @@ def _rederive_problems(meta: dict, where: Path) -> list[str]:
             problems.append(f"{where}: {target}: the recorded spec does not lower: {str(e)[:200]}")
             continue
         if t["config"] != want["config"]:
-            problems.append(f"{where}: {target} config differs from what the recorded spec gives")
+            problems.append(_differs(where, f"{target} config", t["config"], want["config"]))
+        for key in ("ptx_sha256", "ptx_version"):   # the PTX file matches ptx_sha256 (checked above)
+            if t[key] != want[key]:
+                problems.append(f"{where}: {target} PTX is not what the recorded spec compiles to "
+                                f"({key} recorded {short(t[key], 24)}, derived {short(want[key], 24)}): "
+                                f"an edited spec value (softmax_scale, window, ...) or PTX")
         have = [{k: v for k, v in launch.items() if k not in ("resources", "occupancy")}
                 for launch in t["kernels"]]
         if have != want["kernels"]:
             problems.append(f"{where}: {target} launch list (grid, block, shared memory or "
                             f"parameters) differs from what the recorded spec gives")
+            continue
+        for k in t["kernels"]:   # occupancy follows from resources (which verify checks with ptxas)
+            if ("resources" in k) != ("occupancy" in k) or ("resources" in k) != cubins[target]:
+                problems.append(f"{where}: {target} {k['entry']}: resources and occupancy are "
+                                f"recorded exactly when a cubin is")
+            elif "resources" in k:
+                threads = k["block"][0] * k["block"][1] * k["block"][2]
+                occ = occupancy(get_target(target), threads, k["resources"]["registers"],
+                                k["static_smem_bytes"] + k["dynamic_smem_bytes"])
+                if k["occupancy"] != json.loads(json.dumps(occ)):
+                    problems.append(_differs(where, f"{target} {k['entry']} occupancy",
+                                             k["occupancy"], occ))
     return problems

@@ -10,9 +10,10 @@ import tempfile
 from pathlib import Path
 
 from .. import __version__
-from ..errors import PtxcError
+from ..errors import PtxcError, VerifyError
 from .artifacts import write_kernel
 from .cache import Cache
+from .checked import read_artifact_file
 from .compiler import build_all
 
 
@@ -62,14 +63,23 @@ def rebuild_artifact(d: Path, meta: dict, tc, problems: list[str]) -> None:
         rebuilt = Path(tmp) / name
         for f in sorted(rebuilt.iterdir()):
             mine = d / f.name
-            if not mine.is_file():
-                problems.append(f"{mine}: missing (a rebuild from the recorded spec writes it)")
-            elif mine.read_bytes() != f.read_bytes():
+            want = f.read_bytes()
+            try:   # never through a symlink, never a FIFO/device, never more than a rebuild is
+                data = read_artifact_file(d, f.name, limit=2 * len(want) + (1 << 20))
+            except VerifyError as e:
+                if "missing" in str(e):
+                    problems.append(f"{mine}: missing (a rebuild from the recorded spec writes it)")
+                elif "larger than" in str(e):
+                    problems.append(f"{mine}: differs from a rebuild of its recorded spec (far larger)")
+                else:
+                    problems.append(str(e))
+                continue
+            if data != want:
                 detail = ""
                 if f.suffix == ".json":
                     try:
-                        detail = "; " + "; ".join(json_differences(json.loads(mine.read_text()), rebuilt_meta))
-                    except ValueError:
+                        detail = "; " + "; ".join(json_differences(json.loads(data), rebuilt_meta))
+                    except (ValueError, RecursionError):
                         detail = "; not valid JSON"
                 problems.append(f"{mine}: differs from a rebuild of its recorded spec{detail}")
 

@@ -4,10 +4,14 @@ For each artifact directory, everything `load_checked` checks (ptxc/pipeline/che
 files inside the directory, schema, manifest hash, file hashes, parameter ABI, PTX signatures,
 and the tensors/dims/config/launch list re-derived from the recorded normalised spec) — every
 problem is reported, not just the first. Then ptxas (re-run) must accept every PTX with no
-spills and its cubin must equal the recorded one byte for byte when the recorded ptxas version
-is the one installed (otherwise the entry set and resources are compared: resources only when
-the versions match). For an output directory, the manifest must list exactly the artifact
-directories present, each with its metadata's sha256.
+spills and its cubin must equal the recorded one byte for byte. The comparison is made with
+the ptxas installed now, whatever the metadata records: when the recorded `ptxas_version`
+differs from it, the cubin cannot be byte-compared and verify FAILS, unless the user passes
+`--allow-other-ptxas` (then the PTX is still re-assembled and checked for spills and entries, and
+the report says which cubins were not compared). An editable field never turns a check off.
+A fatbin is checked by checked.py: its images must be exactly the verified cubins and PTX.
+For an output directory, the manifest must list exactly the artifact directories present, each
+with its metadata's sha256.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from typing import Any
 from ..errors import PtxcError
 from .cache import sha256
 from .checked import (MANIFEST, check_artifact, ptx_signatures, read_artifact_file,  # noqa: F401
-                      read_manifest_checked)
+                      read_manifest_checked, short)
 
 
 @dataclass
 class Report:
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)              # checks not made, and why
+    allow_other_ptxas: bool = False   # --allow-other-ptxas: a recorded ptxas other than ours is a note
     rows: list[dict[str, Any]] = field(default_factory=list)   # one per (kernel, target, entry)
 
     @property
@@ -58,6 +64,15 @@ def _reassemble(meta: dict, target: str, t: dict, ptx: str, cubin: bytes | None,
         report.problems.append(str(e))
         return
     same_ptxas = t.get("ptxas_version") == tc.version
+    if cubin is not None and not same_ptxas:
+        why = (f"{where}: recorded cubin {t['cubin']} was made by ptxas "
+               f"{short(t.get('ptxas_version'))}, installed is {tc.version}: it cannot be "
+               f"byte-compared")
+        if report.allow_other_ptxas:
+            report.notes.append(why + " (not compared: --allow-other-ptxas)")
+        else:
+            report.problems.append(why + " (install that ptxas and set PTXAS=, or pass "
+                                   "--allow-other-ptxas to accept an uncompared cubin)")
     if cubin is not None and same_ptxas and new_cubin != cubin:
         report.problems.append(f"{where}: recorded cubin {t['cubin']} is not what ptxas makes of "
                                f"the recorded PTX (sha256 {sha256(cubin)[:16]}... vs {sha256(new_cubin)[:16]}...)")

@@ -67,6 +67,8 @@ def print_verify_report(report) -> None:
                           str(r["shared_bytes"]), str(r["barriers"]), str(r["ctas_per_sm"]),
                           f"{r['occupancy']:.0%}", r["limited_by"])
         c.print(table)
+    for n in report.notes:
+        c.print(f"[yellow]not checked:[/yellow] {escape(n)}")
     for p in report.problems:
         c.print(f"[red]mismatch:[/red] {escape(p)}")
     c.print("verify: OK" if report.ok else f"verify: FAILED ({plural(len(report.problems), 'problem')})")

@@ -1,30 +1,52 @@
-"""Variant lookup over a build directory: which artifact serves (family, dtype, kv dtype,
-head_dim, heads, kv heads, causal, window, …)? A key names some fields ("family=decode,
+"""Variant lookup over a build directory: which artifact serves (family, dtype, head_dim,
+kv_dtype, causal, sliding_window, logits_soft_cap, …)? A key names some fields ("family=decode,
 dtype=f16,head_dim=128"); fields it leaves out match anything. No match is a loud error that
 lists every built variant — never a silent fallback — and so is a key that matches several.
 
+Every spec field that changes what a kernel computes is part of its variant, under the spec's
+own name: the fields are read from the spec field tables (the common fields and every family's
+top-level fields), so a field added later is picked up. Only `name` and `targets` (which GPUs,
+not what is computed) and the `[kernel.tile]` fields (how, not what) are left out. A field the
+kernel's spec leaves unset reads `none` (`sliding_window=none` is a global-attention kernel);
+fields its family does not have are absent from its key.
+
     art = ptxc.runtime.find_variant("out", family="decode", dtype="f16", head_dim=128, kv_layout="paged")
+    art = ptxc.runtime.find_variant("out", "family=prefill,head_dim=256,sliding_window=none")
 
 The generated C and Rust loaders carry the same table (`ptxc_find_variant`, `find_variant`)."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 from ..errors import InputError, UserError
 
-# The spec fields that tell variants apart, in key order (absent ones are left out of a key).
-VARIANT_KEYS = ("family", "dtype", "kv_dtype", "head_dim", "num_heads", "num_kv_heads", "causal",
-                "window", "kv_layout", "page_size", "num_splits", "append_kv", "return_lse")
+NOT_SEMANTIC = ("name", "targets")   # the artifact's name and the GPUs it is built for
+LEADING = ("family", "dtype", "head_dim")   # first in a key, for readability
+
+
+@lru_cache(maxsize=1)
+def variant_keys() -> tuple[str, ...]:
+    """Every spec field that tells variants apart, in key order: from the field tables."""
+    from ..kernels import FAMILIES
+    from ..spec.loader import COMMON_FIELDS
+    names = list(LEADING)
+    for f in COMMON_FIELDS + tuple(f for fam in sorted(FAMILIES) for f in FAMILIES[fam].fields.fields):
+        if f.name not in names and f.name not in NOT_SEMANTIC:
+            names.append(f.name)
+    return tuple(names)
 
 
 def value_text(value) -> str:
+    if value is None:
+        return "none"
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def variant_of(meta: dict) -> tuple[tuple[str, str], ...]:
     spec = {"family": meta["family"], **meta["spec"]}
-    return tuple((k, value_text(spec[k])) for k in VARIANT_KEYS if k in spec and spec[k] is not None)
+    return tuple((k, value_text(spec[k])) for k in variant_keys() if k in spec)
 
 
 def key_text(variant) -> str:
@@ -41,9 +63,9 @@ def parse_key(key: str | dict) -> tuple[tuple[str, str], ...]:
             if not sep:
                 raise InputError(f"variant key {key!r}: {part!r} is not field=value")
             items.append((name.strip(), value.strip()))
-    unknown = [k for k, _ in items if k not in VARIANT_KEYS]
+    unknown = [k for k, _ in items if k not in variant_keys()]
     if unknown:
-        raise InputError(f"variant key: unknown field {unknown[0]!r}; fields are {', '.join(VARIANT_KEYS)}")
+        raise InputError(f"variant key: unknown field {unknown[0]!r}; fields are {', '.join(variant_keys())}")
     return tuple(items)
 
 
