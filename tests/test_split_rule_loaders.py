@@ -8,6 +8,8 @@ import shutil
 
 import pytest
 
+from conftest import require_rustc
+
 from stubcuda import harness
 
 from ptxc.pipeline.build import run_build
@@ -98,8 +100,7 @@ def test_c_header_agrees_with_runtime(built, tmp_path):
 
 
 def test_rust_module_agrees_with_runtime(built, tmp_path):
-    if shutil.which("rustc") is None:
-        pytest.skip("needs rustc")
+    require_rustc()
     from ptxc.emit.rust import emit
     root, stub = built
     module = emit(root / "out", tmp_path / "ptxc_kernels.rs")

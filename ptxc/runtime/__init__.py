@@ -161,9 +161,14 @@ def split_scalars(meta: dict, inputs: dict, sets: dict) -> tuple[dict, dict[str,
         else:
             raise InputError(f"{meta['name']}: missing scalar {name} ({declared[name].get('doc', 'f32')}); "
                              f"give it in the inputs as a 0-d float32 array or as --set {name}=VALUE")
-        if not np.isfinite(np.float32(value)):
-            raise InputError(f"{meta['name']}: scalar {name} = {value} is not a finite f32")
-        values[name] = float(np.float32(value))
+        # Overflow to inf is the finding itself, not something to warn about: silence numpy's
+        # RuntimeWarning so the one-line error below is all the user sees.
+        with np.errstate(over="ignore", invalid="ignore"):
+            as_f32 = np.float32(value)
+        if not np.isfinite(as_f32):
+            raise InputError(f"{meta['name']}: scalar {name} = {value} is not a finite f32 "
+                             f"(|value| <= {float(np.finfo(np.float32).max):.6g})")
+        values[name] = float(as_f32)
     return tensors, values
 
 
@@ -293,7 +298,8 @@ def check_buffer_budget(meta: dict, inputs: dict[str, np.ndarray] | None, dims: 
     else from their shapes); InputError with the estimate when over the limit."""
     import math
     import os
-    limit = int(os.environ.get("PTXC_MAX_RUN_BYTES") or DEFAULT_MAX_RUN_BYTES)
+    from ..env import env_int
+    limit = env_int("PTXC_MAX_RUN_BYTES", DEFAULT_MAX_RUN_BYTES)
     dims = dict(dims)
     for name, rule in (meta.get("dim_rules") or {}).items():
         try:

@@ -225,7 +225,8 @@ def read_npz(path: Path) -> dict:
 
     from ..pipeline.cache import read_regular_file
     from . import DEFAULT_MAX_RUN_BYTES
-    limit = int(os.environ.get("PTXC_MAX_RUN_BYTES") or DEFAULT_MAX_RUN_BYTES)
+    from ..env import env_int
+    limit = env_int("PTXC_MAX_RUN_BYTES", DEFAULT_MAX_RUN_BYTES)
     try:
         raw = read_regular_file(Path(path), limit)
     except OSError as e:
