@@ -96,19 +96,24 @@ class Artifact:
             sets: dict[str, int | float] | None = None, device=None) -> dict[str, np.ndarray]:
         tensors, scalars = split_scalars(self.meta, inputs, sets or {})
         tname, t = self.target(target)
-        dims = infer_dims(self.meta, tensors, _dim_sets(self.meta, sets), EMU_NUM_SMS, tname)
+        if backend not in ("emu", "cuda"):
+            raise UserError(f"unknown backend {backend!r}; allowed: emu, cuda")
+        dev = None
+        if backend == "cuda":
+            from .cuda import CudaDevice
+            dev = device or CudaDevice.open()
+        # "auto" dims (num_splits) are sized for the machine that runs them: the device's SM
+        # count on cuda (as the C/Rust loaders pass theirs), the emulator's own otherwise.
+        num_sms = (getattr(dev, "num_sms", 0) or EMU_NUM_SMS) if dev is not None else EMU_NUM_SMS
+        dims = infer_dims(self.meta, tensors, _dim_sets(self.meta, sets), num_sms, tname)
         dims.update(scalars)     # scalar parameters travel with the dims to pack_args
         buffers = prepare_buffers(self.meta, tensors, dims)
-        if backend == "emu":
+        if dev is None:
             from .preconditions import check_buffers
             check_buffers(self.meta, buffers, dims, lambda name, arr: arr.ctypes.data)
             launch = _emu_launcher(self.ptx(tname), self.meta)
-        elif backend == "cuda":
-            from .cuda import CudaDevice
-            dev = device or CudaDevice.open()
-            launch = dev.launcher(self, tname)
         else:
-            raise UserError(f"unknown backend {backend!r}; allowed: emu, cuda")
+            launch = dev.launcher(self, tname)
         for k in t["kernels"]:
             launch(k, buffers, dims)
         return {name: from_device(buffers[name], info["dtype"])
