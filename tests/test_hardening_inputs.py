@@ -405,3 +405,14 @@ def test_full_disk_names_the_path_and_leaves_no_temp_file(out, tmp_path, monkeyp
     assert str(tmp_path / "k.h") in r.output
     left = [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp") or p.name.startswith(".probe-")]
     assert left == []
+
+
+def test_verify_without_a_manifest_says_the_manifest_is_missing(out, tmp_path):
+    """A build killed before its manifest: verify names what is missing, not "no *.toml"."""
+    import shutil
+    o = tmp_path / "killed"
+    shutil.copytree(out, o)
+    (o / "manifest.json").unlink()
+    r = CliRunner().invoke(main, ["verify", str(o)])
+    assert r.exit_code in (1, 2) and "no manifest.json" in r.output, r.output
+    assert "Traceback" not in r.output and "no *.toml" not in r.output
