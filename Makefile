@@ -3,24 +3,31 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# Two stamps: `make build` installs only what building needs (ptxc + ptxas, the `toolchain`
+# extra); `make test` adds the test extras (pytest, nvdisasm, Triton ~1 GB, CCCL headers).
+BUILD_STAMP := $(VENV)/.installed-build
+TEST_STAMP  := $(VENV)/.installed-test
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 
 .PHONY: build test test-slow bench clean setup test-deps-system
 
-setup: $(STAMP)
+setup: $(BUILD_STAMP)
 
-$(STAMP): pyproject.toml
+$(BUILD_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[toolchain,test]'
+	$(BIN)/python -m pip install --quiet -e '.[toolchain]'
 	$(BIN)/ptxc --version
-	touch $(STAMP)
+	touch $(BUILD_STAMP)
 
-build: $(STAMP)
+$(TEST_STAMP): $(BUILD_STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[toolchain,test]'
+	touch $(TEST_STAMP)
+
+build: $(BUILD_STAMP)
 	$(BIN)/ptxc build specs/ --out out/ -j $(JOBS)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
 # System packages for optional tests: Debian's chromium renders the HTML report headless
@@ -34,10 +41,10 @@ test-deps-system:
 	  || echo "test-deps-system: could not install chromium; the screenshot test will skip"; \
 	else echo "test-deps-system: not root or no apt-get; chromium not installed (the screenshot test will skip)"; fi
 
-test-slow: $(STAMP)
+test-slow: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python bench/frontend.py
 
 clean:

@@ -34,8 +34,11 @@ def _fail(e, exit_code: int | None = None) -> None:
 def handles_errors(fn):
     @functools.wraps(fn)
     def wrapper(*a, **kw):
+        from .env import env_flag
         from .errors import PtxcError
+        debug = False
         try:
+            debug = env_flag("PTXC_DEBUG")
             return fn(*a, **kw)
         except PtxcError as e:
             _fail(e)
@@ -48,7 +51,7 @@ def handles_errors(fn):
         except (RecursionError, MemoryError) as e:
             _fail(f"input too large or nested too deeply ({type(e).__name__})", 2)
         except Exception as e:   # a bug in ptxc: still one line, and the way to see more
-            if os.environ.get("PTXC_DEBUG"):
+            if debug:
                 raise
             _fail(f"internal error ({type(e).__name__}: {e}); this is a ptxc bug - "
                   f"rerun with PTXC_DEBUG=1 for the traceback", 1)
@@ -272,6 +275,9 @@ def emit_c_header(out_dir, output):
 def emit_rust(out_dir, output):
     """Write a self-contained Rust module (no crates; images embedded) for an artifact set."""
     from .emit.rust import emit
+    if output is not None:
+        from .pipeline.artifacts import ensure_output_file
+        ensure_output_file(output, "--output")
     click.echo(str(emit(out_dir, output)))
 
 

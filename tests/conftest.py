@@ -60,3 +60,46 @@ def cache_shapes(layout: str, batch: int, num_pages: int) -> dict:
     """launch-test shapes for a batch over a paged (5 pages per sequence) or contiguous cache."""
     return ({"batch": batch, "max_pages_per_seq": 5, "num_pages": num_pages}
             if layout == "paged" else {"batch": batch, "max_seq_len": 37})
+
+
+_RUSTC_PROBE: list = []
+
+
+def rustc_problem() -> str | None:
+    """Why rustc cannot compile here (None when it can): not on PATH, or on PATH but not
+    running - a rustup proxy with no default toolchain, a broken install - or unable to build a
+    trivial file. Probed once, as for gcc and nvcc, so those tests skip with the reason instead
+    of failing."""
+    if not _RUSTC_PROBE:
+        _RUSTC_PROBE.append(_probe_rustc())
+    return _RUSTC_PROBE[0]
+
+
+def _probe_rustc() -> str | None:
+    import shutil
+    import subprocess
+    import tempfile
+    exe = shutil.which("rustc")
+    if exe is None:
+        return "needs rustc (not on PATH)"
+    try:
+        v = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+        if v.returncode != 0:
+            why = (v.stderr or v.stdout).strip().splitlines()
+            return f"needs a working rustc ({exe} --version exits {v.returncode}: {why[0] if why else ''})"
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "t.rs").write_text("pub fn f() -> u32 { 1 }\n")
+            c = subprocess.run([exe, "--crate-type", "lib", "--emit=metadata", "-o", str(Path(d) / "t.rmeta"),
+                                str(Path(d) / "t.rs")], capture_output=True, text=True, timeout=120)
+            if c.returncode != 0:
+                why = c.stderr.strip().splitlines()
+                return f"needs a working rustc (cannot compile a trivial file: {why[0] if why else c.returncode})"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"needs a working rustc ({exe}: {e})"
+    return None
+
+
+def require_rustc() -> None:
+    why = rustc_problem()
+    if why:
+        pytest.skip(why)

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import SPECS
+from conftest import SPECS, require_rustc
 from stubcuda.harness import cuda_include
 from ptxc.emit.cheader import emit
 from ptxc.pipeline.build import run_build
@@ -57,8 +57,7 @@ def test_docs_c_example_compiles(artifact_set, tmp_path, compiler, std, suffix):
 
 
 def test_docs_rust_example_compiles(artifact_set, tmp_path):
-    if shutil.which("rustc") is None:
-        pytest.skip("needs rustc")
+    require_rustc()
     from ptxc.emit.rust import emit as emit_rust
     out, _ = artifact_set
     emit_rust(out, tmp_path / "ptxc_kernels.rs")

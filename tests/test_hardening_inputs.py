@@ -294,3 +294,125 @@ def test_lse_tolerance_is_derived_from_the_f32_naive_computation(tmp_path):
         "f32", probs="f16", probs_scale=c))["lse"], want) for c in ref.PROBS_SHIFTS)
     assert rows["lse"].tol < 1e-3
     assert rows["o"].tol > 1e-4               # o keeps the spec-dtype baseline
+
+
+@pytest.mark.parametrize("var,value", [("PTXC_MAX_RUN_BYTES", "abc"), ("PTXC_MAX_RUN_BYTES", "-5"),
+                                       ("PTXC_MAX_RUN_BYTES", "1e9"), ("PTXC_DEBUG", "maybe")])
+def test_bad_environment_values_are_user_errors(out, tmp_path, monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    r = _run(out, tmp_path, _decode_inputs([3, 5]))
+    _one_line(r)
+    assert var in r.output and repr(value) in r.output and "expected" in r.output
+
+
+def test_environment_helper_reads_good_values(monkeypatch):
+    from ptxc.env import env_flag, env_int
+    monkeypatch.setenv("PTXC_X", " 123 ")
+    assert env_int("PTXC_X", 7) == 123
+    monkeypatch.setenv("PTXC_X", "")
+    assert env_int("PTXC_X", 7) == 7 and not env_flag("PTXC_X")
+    monkeypatch.setenv("PTXC_X", "0")
+    assert not env_flag("PTXC_X")
+    monkeypatch.setenv("PTXC_X", "1")
+    assert env_flag("PTXC_X")
+
+
+def test_out_of_range_scalar_is_one_line_without_a_numpy_warning():
+    import warnings
+    from ptxc.errors import InputError
+    from ptxc.runtime import split_scalars
+    meta = {"name": "k", "scalars": {"k_scale": {"dtype": "f32"}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # any RuntimeWarning fails the test
+        for bad in (1e39, -1e39, float("inf"), float("nan")):
+            with pytest.raises(InputError, match="k_scale .* not a finite f32"):
+                split_scalars(meta, {}, {"k_scale": bad})
+        assert split_scalars(meta, {}, {"k_scale": 3e38})[1]["k_scale"] == float(np.float32(3e38))
+
+
+def test_emit_rust_refuses_a_missing_parent_like_every_file_output(out, tmp_path):
+    """Files (-o/--output/--html) need an existing parent directory; only directory outputs
+    (build/merge/tune --out) are created."""
+    missing = tmp_path / "no" / "such"
+    for cmd in ("emit-rust", "emit-c-header"):
+        r = CliRunner().invoke(main, [cmd, str(out), "-o", str(missing / "k.x")])
+        _one_line(r)
+        assert "does not exist" in r.output
+    assert not (tmp_path / "no").exists()
+
+
+def test_small_input_reads_under_a_small_address_space_limit(out, tmp_path):
+    """A tiny .npz must not reserve the whole PTXC_MAX_RUN_BYTES budget: run under RLIMIT_AS
+    well below the default 8 GiB budget (the read used to ask for limit + 1 bytes)."""
+    import subprocess
+    import sys
+    np.savez(tmp_path / "small.npz", **_decode_inputs([3, 5]))
+    code = (
+        "import resource, sys\n"
+        "from pathlib import Path\n"
+        "from ptxc.pipeline.cache import read_regular_file\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "data = read_regular_file(Path(sys.argv[1]), 6 << 30)\n"
+        "print(len(data))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "small.npz")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) == (tmp_path / "small.npz").stat().st_size
+
+
+def test_symlink_loop_spec_and_deep_nesting_name_the_file(tmp_path):
+    (tmp_path / "loop.toml").symlink_to("loop.toml")
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    (tmp_path / "deep.toml").write_text('[[kernel]]\nname = "k"\nx = ' + "{a=" * 3000 + "1" + "}" * 3000 + "\n")
+    for path in (tmp_path / "loop.toml", tmp_path / "a" / "x.toml", tmp_path / "a", tmp_path / "deep.toml"):
+        r = CliRunner().invoke(main, ["build", str(path), "--out", str(tmp_path / "o"), "--no-verify"])
+        _one_line(r)
+        assert path.name in r.output
+
+
+def test_full_disk_names_the_path_and_leaves_no_temp_file(out, tmp_path, monkeypatch):
+    """ENOSPC from the write itself (not the temp-file creation): one line naming the path,
+    and no temp file left in the output directory or the cache."""
+    import errno
+    import ptxc.pipeline.cache as cache_mod
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+        def __enter__(self):
+            return self
+        def __exit__(self, *a):
+            self.f.close()
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fdopen(fd, mode="r", *a, **k):
+        f = real_fdopen(fd, mode, *a, **k)
+        return Full(f) if "w" in mode else f
+    monkeypatch.setattr(cache_mod.os, "fdopen", fdopen)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PTXC_CACHE_DIR", str(cache))
+    dest = tmp_path / "o"
+    r = CliRunner().invoke(main, ["build", str(SPECS / "gpt2_f32.toml"), "--out", str(dest), "--no-verify"])
+    _one_line(r)
+    assert "No space left on device" in r.output and str(dest) in r.output
+    r = CliRunner().invoke(main, ["emit-c-header", str(out), "-o", str(tmp_path / "k.h")])
+    _one_line(r)
+    assert str(tmp_path / "k.h") in r.output
+    left = [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp") or p.name.startswith(".probe-")]
+    assert left == []
+
+
+def test_verify_without_a_manifest_says_the_manifest_is_missing(out, tmp_path):
+    """A build killed before its manifest: verify names what is missing, not "no *.toml"."""
+    import shutil
+    o = tmp_path / "killed"
+    shutil.copytree(out, o)
+    (o / "manifest.json").unlink()
+    r = CliRunner().invoke(main, ["verify", str(o)])
+    assert r.exit_code in (1, 2) and "no manifest.json" in r.output, r.output
+    assert "Traceback" not in r.output and "no *.toml" not in r.output

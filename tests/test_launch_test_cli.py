@@ -82,3 +82,63 @@ def test_lse_baseline_takes_the_largest_of_shifted_rounding_grids(tmp_path):
     lse = {c: fam.reference(spec, inputs, dtype=Precision("f32", probs="bf16", probs_scale=c))["lse"]
            for c in (1.0, 2.0, 2 ** 0.5)}
     assert np.array_equal(lse[1.0], lse[2.0]) and not np.array_equal(lse[1.0], lse[2 ** 0.5])
+
+
+WINDOWED = """
+[[kernel]]
+name = "wd"
+family = "decode"
+dtype = "f16"
+head_dim = 32
+num_heads = 2
+num_kv_heads = 1
+sliding_window = 1024
+kv_layout = "paged"
+page_size = 16
+num_splits = "auto"
+targets = ["sm_80"]
+
+[[kernel]]
+name = "wv"
+family = "varlen"
+dtype = "f16"
+head_dim = 32
+num_heads = 2
+num_kv_heads = 1
+causal = true
+sliding_window = 1024
+kv_layout = "paged"
+page_size = 16
+targets = ["sm_80"]
+
+[[kernel]]
+name = "wp"
+family = "prefill"
+dtype = "f16"
+head_dim = 32
+num_heads = 1
+causal = true
+sliding_window = 1024
+targets = ["sm_80"]
+"""
+
+
+def test_default_shapes_reach_every_enabled_feature_and_say_so(tmp_path):
+    """A sliding window of 1024 is only tested if some row has more than 1024 keys; the default
+    shapes must get there (one long row, few queries) and the output names what was exercised."""
+    (tmp_path / "w.toml").write_text(WINDOWED)
+    r = CliRunner().invoke(main, ["launch-test", str(tmp_path / "w.toml"), "--backend", "emu", "--json"])
+    assert r.exit_code == 0, r.output
+    results = json.loads(r.output)["results"]
+    by_kernel = {x["kernel"]: x["features"] for x in results}
+    assert set(by_kernel) == {"wd", "wv", "wp"}
+    for kernel, feats in by_kernel.items():
+        assert any(f.startswith("keys outside the window") for f in feats), (kernel, feats)
+        assert not any(f.startswith("NOT ") for f in feats), (kernel, feats)
+    assert any(f.startswith("pages crossed") for f in by_kernel["wd"] + by_kernel["wv"])
+    assert any(f.startswith("splits (num_splits=") for f in by_kernel["wd"])
+    (tmp_path / "d.toml").write_text(WINDOWED.split("[[kernel]]")[1].join(["[[kernel]]", ""]))
+    r = CliRunner().invoke(main, ["launch-test", str(tmp_path / "d.toml"), "--backend", "emu",
+                                  "--shape", "batch=2,max_pages_per_seq=3,num_pages=9"])
+    assert r.exit_code == 0, r.output
+    assert "NOT keys outside the window" in r.output   # a shape that cannot reach it says so

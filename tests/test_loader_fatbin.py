@@ -5,6 +5,8 @@ import shutil
 
 import pytest
 
+from conftest import require_rustc
+
 from stubcuda import harness
 from stubcuda.cases import CASES, STUB_SMS, build_set, check_end_to_end, input_blob, prepare, shape_dims
 
@@ -17,8 +19,7 @@ NAME = "e2e_paged_fused"
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    if shutil.which("rustc") is None:
-        pytest.skip("needs rustc")
+    require_rustc()
 
     def both(out):
         return cheader.emit(out), rust.emit(out, out.parent / "rust" / "ptxc_kernels.rs")

@@ -10,6 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
+from conftest import rustc_problem
+
 from stubcuda import harness
 from stubcuda.cases import STUB_SMS, input_blob, prepare, shape_dims
 
@@ -51,7 +53,7 @@ def built(tmp_path_factory):
         mp.delenv("PTXAS", raising=False)
         run_build([root / "e2e.toml"], out, verify=True, progress=False)
     header = cheader.emit(out)
-    module = rust.emit(out, root / "rust" / "ptxc_kernels.rs") if shutil.which("rustc") else None
+    module = rust.emit(out, root / "rust" / "ptxc_kernels.rs") if rustc_problem() is None else None
     return out, header, module, harness.build_stub(root / "stub")
 
 
@@ -67,7 +69,7 @@ def run_loader(built, tmp_path, lang, perturb=""):
                                          args=[str(out / NAME), str(tmp_path / "inputs.bin")])
     else:
         if module is None:
-            pytest.skip("needs rustc")
+            pytest.skip(rustc_problem())
         src = harness.rust_main(art.meta, module, shape_dims(art, prepared[3]), perturb)
         stdout = harness.compile_rust_and_run(src, tmp_path, stub, env=env,
                                               args=[str(tmp_path / "inputs.bin")])

@@ -156,3 +156,32 @@ def test_truncated_and_foreign_cache_entries_are_rebuilt(tmp_path, monkeypatch, 
     run_build([SPECS / "gpt2_f32.toml"], tmp_path / "o2", verify=False, progress=False, cache_dir=cache)
     assert capsys.readouterr().err.count("corrupt") == 2
     assert tree(tmp_path / "o1") == tree(tmp_path / "o2")
+
+
+def test_rustc_probe_skips_a_rustc_that_does_not_run(tmp_path, monkeypatch):
+    """A rustup proxy without a default toolchain is on PATH but cannot run: the Rust loader
+    tests must skip with that reason, not fail."""
+    import conftest
+    fake = tmp_path / "rustc"
+    fake.write_text("#!/bin/sh\necho 'error: rustup could not choose a version of rustc to run' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    why = conftest._probe_rustc()
+    assert why is not None and "exits 1" in why and "rustup could not choose" in why
+
+
+def test_make_build_installs_only_the_toolchain():
+    """`make build` must not pull the test extras (Triton, ~1 GB) into the venv; `make test`
+    installs them. Both still start from nothing (the venv is created by the build stamp)."""
+    env = {**os.environ, "MAKEFLAGS": ""}
+    root = Path(__file__).resolve().parent.parent
+
+    def plan(target):
+        r = subprocess.run(["make", "-n", "-B", target], cwd=root, capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        return [l for l in r.stdout.splitlines() if "pip install" in l and " -e " in l]
+    build, test = plan("build"), plan("test")
+    assert build and all("test" not in l.split(" -e ", 1)[1] for l in build), build
+    assert any("[toolchain,test]" in l for l in test), test
+    assert any("-m venv" in l for l in subprocess.run(["make", "-n", "-B", "test"], cwd=root, capture_output=True,
+                                                       text=True, env=env).stdout.splitlines())

@@ -40,3 +40,19 @@ def test_canonical_form_ignores_key_order():
     a = load_text('[[kernel]]\nname = "k"\n' + BASE)[0]
     b = load_text('[[kernel]]\nhead_dim = 64\nnum_heads = 8\ndtype = "f16"\nfamily = "decode"\nname = "k"\n')[0]
     assert a.to_dict() == b.to_dict()
+
+
+def test_kv_append_needs_num_heads_only_with_rope():
+    import pytest
+    from ptxc.errors import SpecError
+    base = '[[kernel]]\nname = "a"\nfamily = "kv_append"\ndtype = "f16"\nhead_dim = 64\n'
+    (spec,) = load_text(base + "num_kv_heads = 4\n")
+    assert (spec.num_heads, spec.num_kv_heads) == (4, 4)
+    (spec,) = load_text(base + "num_heads = 8\n")          # accepted for symmetry
+    assert (spec.num_heads, spec.num_kv_heads) == (8, 8)
+    with pytest.raises(SpecError, match="num_kv_heads.*missing required key"):
+        load_text(base)
+    with pytest.raises(SpecError, match="num_heads.*missing required key"):
+        load_text(base + 'num_kv_heads = 4\nrope = "neox"\n')
+    (spec,) = load_text(base + 'num_heads = 32\nnum_kv_heads = 8\nrope = "neox"\n')
+    assert (spec.num_heads, spec.num_kv_heads) == (32, 8)

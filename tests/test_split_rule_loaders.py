@@ -8,6 +8,8 @@ import shutil
 
 import pytest
 
+from conftest import require_rustc
+
 from stubcuda import harness
 
 from ptxc.pipeline.build import run_build
@@ -98,8 +100,7 @@ def test_c_header_agrees_with_runtime(built, tmp_path):
 
 
 def test_rust_module_agrees_with_runtime(built, tmp_path):
-    if shutil.which("rustc") is None:
-        pytest.skip("needs rustc")
+    require_rustc()
     from ptxc.emit.rust import emit
     root, stub = built
     module = emit(root / "out", tmp_path / "ptxc_kernels.rs")
@@ -114,3 +115,36 @@ def test_rust_module_agrees_with_runtime(built, tmp_path):
     src = f'#[path = "{module}"]\nmod kernels;\nuse kernels::*;\nfn main() {{\n' + "\n".join(body) + "\n}\n"
     out = harness.compile_rust_and_run(src, tmp_path / "rs", stub, args=[], env={})
     assert out.splitlines() == expected(root)
+
+
+def test_cuda_backend_sizes_auto_with_the_device_sm_count(built):
+    """Artifact.run(backend="cuda") resolves num_splits = "auto" with the device's
+    MULTIPROCESSOR_COUNT (as the C/Rust loaders do with theirs), not the emulator's 108."""
+    import numpy as np
+    from ptxc.kernels import FAMILIES
+    from ptxc.runtime import EMU_NUM_SMS
+    from ptxc.spec.model import KernelSpec
+    root, _ = built
+    art = load(root / "out" / "rule_decode")
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    family = FAMILIES[spec.family]
+    dims = {**family.interface(spec).defaults, "batch": 3}
+    inputs = family.make_inputs(spec, dims, np.random.default_rng(0))
+    rule = art.meta["dim_rules"]["num_splits"]
+    seen = []
+
+    class FakeDevice:   # the launcher records the dims it is handed; no GPU needed
+        def __init__(self, num_sms):
+            self.num_sms = num_sms
+
+        def launcher(self, artifact, target):
+            return lambda kernel, buffers, d: seen.append(d["num_splits"])
+    tname = art.target(None)[0]
+    for sms in (1, 7, 132):
+        seen.clear()
+        art.run(inputs, backend="cuda", device=FakeDevice(sms))
+        want = apply_dim_rule(rule, dims, sms,
+                              rule_ctas_per_sm(art.meta, rule, tname))
+        assert seen and set(seen) == {want}, (sms, seen, want)
+    emu_want = apply_dim_rule(rule, dims, EMU_NUM_SMS, rule_ctas_per_sm(art.meta, rule, tname))
+    assert {apply_dim_rule(rule, dims, s, rule_ctas_per_sm(art.meta, rule, tname)) for s in (1, 132)} != {emu_want}

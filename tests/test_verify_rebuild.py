@@ -113,6 +113,7 @@ def test_cli_exit_codes(clean, tmp_path):
     no_cubins = runner.invoke(main, ["build", "--fatbin", "--no-verify", "--out", str(tmp_path / "o"),
                                      str(clean.parent / "rb.toml")])
     assert no_cubins.exit_code == 2 and "--fatbin packs the cubins" in no_cubins.output
+    (tmp_path / "rs").mkdir()   # a file output's parent must exist (docs/reliability.md)
     rust = runner.invoke(main, ["emit-rust", str(clean), "-o", str(tmp_path / "rs" / "k.rs")])
     text = (tmp_path / "rs" / "k.rs").read_text()
     rel = os.path.relpath(clean / "rb" / "rb.sm_80.cubin", tmp_path / "rs")

@@ -24,7 +24,7 @@ from . import common as C
 from . import decode_mma, fp8, kv_fp8
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .decode_attend import emit_attention
-from .variant import (VARIANT_FIELDS, validate_variant, variant_inputs, variant_reference_args,
+from .variant import (VARIANT_FIELDS, default_seq_len, validate_variant, variant_inputs, variant_reference_args,
                       variant_tensors)
 from .kv_access import LAYOUTS, KVAccess, check_page_size
 from .split_reduce import build_reduce, split_interface
@@ -178,8 +178,9 @@ def interface(spec: KernelSpec) -> Interface:
     scale_tensors, scalars = kv_fp8.interface_extras(spec)
     tensors += scale_tensors
     dims = ["batch", *kv.dims()]
-    defaults = {"batch": 5, "max_seq_len": 203} if spec.opt("kv_layout") != "paged" else \
-        {"batch": 5, "max_pages_per_seq": -(-203 // page_size(spec)), "num_pages": 5 * -(-203 // page_size(spec)) + 3}
+    S = default_seq_len(spec, 203)
+    defaults = {"batch": 5, "max_seq_len": S} if spec.opt("kv_layout") != "paged" else \
+        {"batch": 5, "max_pages_per_seq": -(-S // page_size(spec)), "num_pages": 5 * -(-S // page_size(spec)) + 3}
     rules = {}
     splits = _splits(spec)
     if splits != 1:

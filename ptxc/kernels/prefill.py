@@ -23,7 +23,7 @@ from .kv_pipeline import run_kv_pipeline
 from .prefill_config import (FIELDS, SIMT_LANES_PER_ROW, PrefillConfig, _check_shape, configure,
                              resolve_tile, validate, value_split)
 from .tiles import SWIZZLE_ALIGN, global_rows, load_tile, thread_slot
-from .variant import (AttentionVariant, finish_rows, head_dim_v, load_head_f32, variant_inputs,
+from .variant import (AttentionVariant, default_seq_len, finish_rows, head_dim_v, load_head_f32, variant_inputs,
                       variant_reference_args, variant_tensors)
 
 
@@ -40,7 +40,7 @@ def interface(spec: KernelSpec) -> Interface:
                                   "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
     tensors += variant_tensors(spec)
     return Interface(tuple(tensors), ("batch", "seq_q", "seq_k"),
-                     {"batch": 2, "seq_q": 17, "seq_k": 113})
+                     {"batch": 2, "seq_q": 17, "seq_k": default_seq_len(spec, 113)})
 
 
 @dataclass

@@ -237,3 +237,14 @@ def _flat(scores) -> list[Reg]:
 __all__ = ["AttentionVariant", "VARIANT_FIELDS", "validate_variant", "spec_option",
            "variant_reference_args", "variant_tensors", "variant_inputs", "join_sink", "head_dim_v",
            "finish_rows", "load_head_f32"]
+
+
+WINDOW_REACH = 37   # keys beyond a sliding window in launch-test's default longest sequence
+
+
+def default_seq_len(spec, base: int) -> int:
+    """launch-test's default longest key sequence: `base` (small, odd), or with a sliding window
+    W > base, W + 37 so that the longest row has keys outside its window (the default shapes
+    must reach every feature the spec enables; only that one row is long)."""
+    window = spec_option(spec, "sliding_window")
+    return max(base, int(window) + WINDOW_REACH) if window else base

@@ -22,7 +22,7 @@ from ..targets import TARGETS, Target
 from . import common as C
 from . import fp8, kv_fp8, kv_fp8_stage
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
-from .variant import VARIANT_FIELDS, head_dim_v, validate_variant, variant_tensors
+from .variant import VARIANT_FIELDS, default_seq_len, head_dim_v, validate_variant, variant_tensors
 from .kv_access import KVAccess, check_page_size
 from .prefill import PrefillConfig, _check_shape, value_split
 from .split_reduce import build_reduce, split_interface
@@ -194,8 +194,9 @@ def interface(spec: KernelSpec) -> Interface:
     scale_tensors, scalars = kv_fp8.interface_extras(spec)
     tensors += scale_tensors
     ps = page_size(spec)
-    defaults = {"batch": 8, "max_seq_len": 150} if spec.opt("kv_layout") == "contiguous" else \
-        {"batch": 8, "max_pages_per_seq": -(-150 // ps), "num_pages": 8 * -(-150 // ps) + 3}
+    S = default_seq_len(spec, 150)
+    defaults = {"batch": 8, "max_seq_len": S} if spec.opt("kv_layout") == "contiguous" else \
+        {"batch": 8, "max_pages_per_seq": -(-S // ps), "num_pages": 8 * -(-S // ps) + 3}
     return Interface(tuple(tensors), tuple(dims), defaults, rules, scalars=scalars)
 
 

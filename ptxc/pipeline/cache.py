@@ -72,7 +72,8 @@ def make_key(stage: str, parts: dict[str, Any]) -> str:
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get("PTXC_CACHE_DIR")
+    from ..env import env_path
+    env = env_path("PTXC_CACHE_DIR")
     if env:
         return Path(env)
     import platformdirs
@@ -89,8 +90,10 @@ def read_regular_file(path: Path, limit: int) -> bytes:
             raise OSError(0, "not a regular file", str(path))
         if st.st_size > limit:
             raise OSError(0, f"larger than {limit} bytes", str(path))
+        # Read what the file holds (one byte more to see it grew since the fstat), never the
+        # whole budget: a 30 KB input must not need `limit` bytes of address space.
         with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(limit + 1)
+            data = f.read(min(st.st_size, limit) + 1)
         if len(data) > limit:
             raise OSError(0, f"larger than {limit} bytes", str(path))
         return data
@@ -298,11 +301,14 @@ def atomic_write(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.filename is None:
+            # A failed write (ENOSPC, EDQUOT, EIO) names no file; the user needs the path.
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
         raise
 
 

@@ -47,7 +47,8 @@ class Toolchain:
 def find_nvidia_tool(tool: str, env_var: str, hint: str, error: type[Exception] = ToolchainError) -> str:
     """`$env_var` if set (must be executable), else cuda.pathfinder's lookup (CUDA_HOME, the
     nvidia-* pip wheels, PATH); anything else raises `error` with `hint`."""
-    override = os.environ.get(env_var)
+    from ..env import env_path
+    override = env_path(env_var)
     if override:
         if not (Path(override).is_file() and os.access(override, os.X_OK)):
             raise error(f"{env_var}={override} is not an executable file; {hint}")

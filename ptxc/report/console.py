@@ -169,5 +169,11 @@ def print_launch_test(rows, rule: str) -> None:
         table.add_row(r.kernel, r.target, r.backend, r.shape, r.tensor, f"{r.max_error:.3e}",
                       f"{r.tol:.3e}", "[green]pass[/green]" if r.ok else "[red]FAIL[/red]", when)
     c.print(table)
+    seen = {}
+    for r in rows:   # once per kernel: what its default (or given) shapes exercised
+        seen.setdefault(r.kernel, r.features)
+    for kernel, feats in seen.items():
+        if feats:
+            c.print(f"{kernel} exercised: {', '.join(feats)}", markup=False, highlight=False)
     failed = sum(not r.ok for r in rows)
     c.print(f"{len(rows) - failed} passed, {failed} failed")   # "N passed" reads right for any N

@@ -96,19 +96,24 @@ class Artifact:
             sets: dict[str, int | float] | None = None, device=None) -> dict[str, np.ndarray]:
         tensors, scalars = split_scalars(self.meta, inputs, sets or {})
         tname, t = self.target(target)
-        dims = infer_dims(self.meta, tensors, _dim_sets(self.meta, sets), EMU_NUM_SMS, tname)
+        if backend not in ("emu", "cuda"):
+            raise UserError(f"unknown backend {backend!r}; allowed: emu, cuda")
+        dev = None
+        if backend == "cuda":
+            from .cuda import CudaDevice
+            dev = device or CudaDevice.open()
+        # "auto" dims (num_splits) are sized for the machine that runs them: the device's SM
+        # count on cuda (as the C/Rust loaders pass theirs), the emulator's own otherwise.
+        num_sms = (getattr(dev, "num_sms", 0) or EMU_NUM_SMS) if dev is not None else EMU_NUM_SMS
+        dims = infer_dims(self.meta, tensors, _dim_sets(self.meta, sets), num_sms, tname)
         dims.update(scalars)     # scalar parameters travel with the dims to pack_args
         buffers = prepare_buffers(self.meta, tensors, dims)
-        if backend == "emu":
+        if dev is None:
             from .preconditions import check_buffers
             check_buffers(self.meta, buffers, dims, lambda name, arr: arr.ctypes.data)
             launch = _emu_launcher(self.ptx(tname), self.meta)
-        elif backend == "cuda":
-            from .cuda import CudaDevice
-            dev = device or CudaDevice.open()
-            launch = dev.launcher(self, tname)
         else:
-            raise UserError(f"unknown backend {backend!r}; allowed: emu, cuda")
+            launch = dev.launcher(self, tname)
         for k in t["kernels"]:
             launch(k, buffers, dims)
         return {name: from_device(buffers[name], info["dtype"])
@@ -161,9 +166,14 @@ def split_scalars(meta: dict, inputs: dict, sets: dict) -> tuple[dict, dict[str,
         else:
             raise InputError(f"{meta['name']}: missing scalar {name} ({declared[name].get('doc', 'f32')}); "
                              f"give it in the inputs as a 0-d float32 array or as --set {name}=VALUE")
-        if not np.isfinite(np.float32(value)):
-            raise InputError(f"{meta['name']}: scalar {name} = {value} is not a finite f32")
-        values[name] = float(np.float32(value))
+        # Overflow to inf is the finding itself, not something to warn about: silence numpy's
+        # RuntimeWarning so the one-line error below is all the user sees.
+        with np.errstate(over="ignore", invalid="ignore"):
+            as_f32 = np.float32(value)
+        if not np.isfinite(as_f32):
+            raise InputError(f"{meta['name']}: scalar {name} = {value} is not a finite f32 "
+                             f"(|value| <= {float(np.finfo(np.float32).max):.6g})")
+        values[name] = float(as_f32)
     return tensors, values
 
 
@@ -293,7 +303,8 @@ def check_buffer_budget(meta: dict, inputs: dict[str, np.ndarray] | None, dims: 
     else from their shapes); InputError with the estimate when over the limit."""
     import math
     import os
-    limit = int(os.environ.get("PTXC_MAX_RUN_BYTES") or DEFAULT_MAX_RUN_BYTES)
+    from ..env import env_int
+    limit = env_int("PTXC_MAX_RUN_BYTES", DEFAULT_MAX_RUN_BYTES)
     dims = dict(dims)
     for name, rule in (meta.get("dim_rules") or {}).items():
         try:

@@ -80,6 +80,7 @@ class CudaDevice:
     context: Any
     sm: int
     name: str
+    num_sms: int = 0   # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: what "auto" rules size for
     modules: dict = field(default_factory=dict)
     last_ms: list = field(default_factory=list)
 
@@ -101,8 +102,9 @@ class CudaDevice:
         attr = drv.CUdevice_attribute
         major = _check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "attr")
         minor = _check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "attr")
+        sms = _check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "attr")
         name = _check(drv.cuDeviceGetName(256, dev), "cuDeviceGetName")
-        return cls(dev, ctx, major * 10 + minor, name.split(b"\0")[0].decode())
+        return cls(dev, ctx, major * 10 + minor, name.split(b"\0")[0].decode(), int(sms))
 
     def runnable_targets(self, artifact) -> list[str]:
         """The artifact's targets this device can run: its own SM's cubin, and the PTX of every

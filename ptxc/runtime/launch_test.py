@@ -25,6 +25,7 @@ class CheckRow:
     tol: float
     seconds: float
     ms: float | None = None   # device time per launch list (cuda)
+    features: tuple[str, ...] = ()   # what these inputs exercised (exercised_features)
 
     @property
     def ok(self) -> bool:
@@ -34,7 +35,7 @@ class CheckRow:
         return {"kernel": self.kernel, "target": self.target, "backend": self.backend,
                 "shape": self.shape, "tensor": self.tensor, "max_error": self.max_error,
                 "tolerance": self.tol, "pass": self.ok, "seconds": round(self.seconds, 3),
-                "device_ms": self.ms}
+                "device_ms": self.ms, "features": list(self.features)}
 
 
 def resolve_backend(backend: str) -> str:
@@ -107,6 +108,7 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
     tol = {name: max(tolerance(n[name], ref[name]) for n in naive_by_dtype[baseline(name)])
            for name in ref}
     shape = ",".join(f"{k}={v}" for k, v in sorted(dims.items()))
+    features = exercised_features(art, spec, dims, inputs)
     rows = []
     # on a GPU, every target the device can run: its own cubin and older targets' PTX (JIT)
     default = device.runnable_targets(art) if device is not None else sorted(art.meta["targets"])
@@ -123,8 +125,42 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
         for name in sorted(ref):
             rows.append(CheckRow(art.name, target, backend, shape, name,
                                  max_abs_error(out[name], ref[name]), tol[name],
-                                 secs, ms))
+                                 secs, ms, features))
     return rows
+
+
+def exercised_features(art, spec, dims: dict, inputs: dict) -> tuple[str, ...]:
+    """The features of `spec` these inputs reach, said in launch-test's output so that a pass
+    is not mistaken for coverage it did not have: keys outside a sliding window, a sequence
+    crossing pages, more than one split, empty sequences, and the variant options in use."""
+    import numpy as np
+    opts = dict(spec.options)
+    lens = np.asarray(inputs["seq_lens"]) if "seq_lens" in inputs else None
+    longest = int(lens.max()) if lens is not None and lens.size else int(dims.get("seq_k", 0))
+    out = []
+    window = opts.get("sliding_window")
+    if window:
+        out.append(f"keys outside the window ({longest} > {window})" if longest > window
+                   else f"NOT keys outside the window ({longest} <= {window})")
+    if opts.get("kv_layout") == "paged":
+        ps = int(opts.get("page_size") or 16)
+        out.append(f"pages crossed ({longest} rows, page_size {ps})" if longest > ps
+                   else f"NOT pages crossed ({longest} <= page_size {ps})")
+    if "num_splits" in art.meta.get("dims", ()):
+        from . import EMU_NUM_SMS
+        try:
+            n = art.infer_dims(inputs, {}, EMU_NUM_SMS)["num_splits"]
+            out.append(f"splits (num_splits={n})" if n > 1 else "NOT splits (num_splits=1)")
+        except Exception:   # a description only: never fail a check over it
+            pass
+    if lens is not None and lens.size and int(lens.min()) == 0:
+        out.append("empty sequence")
+    for key in ("logits_soft_cap", "attention_sinks", "alibi", "rope", "append_kv"):
+        if opts.get(key):
+            out.append(key if opts[key] is True else f"{key}={opts[key]}")
+    if opts.get("kv_dtype") in ("e4m3", "e5m2"):
+        out.append(f"fp8 cache ({opts['kv_dtype']})")
+    return tuple(out)
 
 
 @contextlib.contextmanager
@@ -225,7 +261,8 @@ def read_npz(path: Path) -> dict:
 
     from ..pipeline.cache import read_regular_file
     from . import DEFAULT_MAX_RUN_BYTES
-    limit = int(os.environ.get("PTXC_MAX_RUN_BYTES") or DEFAULT_MAX_RUN_BYTES)
+    from ..env import env_int
+    limit = env_int("PTXC_MAX_RUN_BYTES", DEFAULT_MAX_RUN_BYTES)
     try:
         raw = read_regular_file(Path(path), limit)
     except OSError as e:

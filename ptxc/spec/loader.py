@@ -271,6 +271,13 @@ def _slug(value: Any) -> str:
 def _build_spec(family, fields: dict[str, Field], tile_fields: dict[str, Field], flat: dict,
                 tile: dict, source: str) -> KernelSpec:
     values: dict[str, Any] = {}
+    if flat.get("family") == "kv_append" and "num_heads" not in flat and not flat.get("rope"):
+        # Only RoPE on the queries (q -> q_rot) needs the query head count; without it
+        # num_kv_heads alone shapes the kernel, and num_heads is accepted for symmetry.
+        if "num_kv_heads" not in flat:
+            raise SpecError("missing required key (kv_append needs num_kv_heads, or num_heads "
+                            "for symmetry with decode specs; allowed: 1 ... 1024)", key="num_kv_heads")
+        flat = {**flat, "num_heads": flat["num_kv_heads"]}
     for key, f in fields.items():
         if key not in flat:
             if f.default is REQUIRED:
