@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..ir import S32, S64, U32, U64, Addr, KernelBuilder, Reg
+from ..ir import S32, S64, U8, U32, U64, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
 from .prefill import PrefillConfig, load_head_f32
@@ -42,6 +42,37 @@ class VarlenCtx:
     num_splits: Reg | None
     sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
     slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
+    tree: Reg | None = None     # u64 first byte of the sequence's tree bits (custom_mask "tree")
+
+    # The custom mask as ONE predicate over logical (row, key): a fragment layout computes
+    # mask_row once per row it holds and draft_key once per tile for its lane, then asks
+    # key_hidden for each (row, key) it masks. Tree: query token i sees draft key k (key
+    # L - n + k) iff bit i*n + k of the sequence's bits is set (little-endian bytes); prefix
+    # keys (k < 0) and keys past L (k >= n, masked by the key limit) are not the tree's.
+    def mask_row(self, b: KernelBuilder, row: Reg):
+        """Per-row state of the predicate: (i * n (u32), the row holds a query (pred))."""
+        if self.tree is None:
+            return None
+        tok, n = self.token(row), b.bitcast(self.q_len, U32)
+        return b.mul(tok, n), b.setp("lt", tok, n)
+
+    def draft_key(self, b: KernelBuilder, lane_key: Reg) -> Reg | None:
+        """s32 draft index k of key `lane_key` (s32): lane_key - (L - n)."""
+        if self.tree is None:
+            return None
+        return b.sub(lane_key, b.sub(self.kv_len, self.q_len))
+
+    def key_hidden(self, b: KernelBuilder, row_state, k: Reg) -> Reg:
+        """pred: the custom mask hides draft key k (s32) from the row. The byte is read only
+        for 0 <= k < n on a query row, inside the segment the launcher checked."""
+        base, row_ok = row_state
+        kk = b.bitcast(k, U32)
+        inside = b.and_(b.setp("lt", kk, b.bitcast(self.q_len, U32)), row_ok)
+        idx = b.add(base, kk)
+        byte = b.mov(0xFF, U32)
+        with b.predicate(inside):
+            b.ld("global", U8, Addr(b.add(self.tree, b.cvt(U64, b.shr(idx, 3)))), nc=True, out=[byte])
+        return b.setp("eq", b.and_(b.shr(byte, b.and_(idx, 7)), 1), 0)
 
     def token(self, row: Reg) -> Reg:
         g = self.spec.group_size
@@ -181,6 +212,9 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     ctx = VarlenCtx(b, spec, cfg, variant, tid, lane, warp, m_start, rows, q_len, L, smem, kv_head,
                     t0, ptrs.get("lse_part" if split is not None else "lse"), split, split_count,
                     ptrs.get("sinks"), ptrs.get("alibi_slopes"))
+    if variant.tree:   # the sequence's bits start at byte tree_indptr[seq] (launcher-checked)
+        off = b.ld("global", S32, Addr(C.element_offset(b, ptrs["tree_indptr"], seq, b.mov(4, S64))), nc=True)
+        ctx.tree = b.add(ptrs["tree_mask"], b.cvt(U64, b.bitcast(b.max(off, 0), U32)))
 
     # KV tiles: [0, n_vis) visible to the tile's last token; [0, n_full) to its first as well.
     last_row = b.sub(b.min(b.add(m_start, bm), rows), 1)
@@ -188,6 +222,8 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
         return b.bitcast(b.max(ctx.key_limit(b, row), 0), U32)
     n_vis = b.div(b.add(keys_seen(last_row), bn - 1), bn)
     n_full = b.div(keys_seen(m_start), bn)
+    if variant.tree:   # tiles wholly in the prefix (keys < L - q_len) need no tree bits
+        n_full = b.div(b.bitcast(b.max(b.sub(L, q_len), 0), U32), bn)
     # A sliding window: tiles before the first token's window are never read; tiles before
     # the first one wholly inside the last token's window cross its left edge (masked).
     w_first = lo_full = None

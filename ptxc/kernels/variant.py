@@ -126,12 +126,14 @@ class AttentionVariant:
     soft_cap: float | None = None
     sinks: bool = False
     alibi: bool = False
+    tree: bool = False   # custom_mask = "tree": draft keys by the tree's bits, not the diagonal
 
     @classmethod
     def from_spec(cls, spec) -> "AttentionVariant":
         return cls(causal=bool(spec_option(spec, "causal")), window=spec_option(spec, "sliding_window"),
                    soft_cap=spec_option(spec, "logits_soft_cap"),
-                   sinks=bool(spec_option(spec, "attention_sinks")), alibi=bool(spec_option(spec, "alibi")))
+                   sinks=bool(spec_option(spec, "attention_sinks")), alibi=bool(spec_option(spec, "alibi")),
+                   tree=spec_option(spec, "custom_mask") == "tree")
 
     @property
     def transforms(self) -> bool:
@@ -139,7 +141,7 @@ class AttentionVariant:
 
     def key_end(self, b: KernelBuilder, pos: Reg, kv_len: Reg) -> Reg:
         """s32 end of the keys a query at position `pos` (s32) sees; may be <= 0 (sees none)."""
-        if not self.causal:
+        if not self.causal or self.tree:   # a tree's draft rows may see later draft keys
             return kv_len
         return b.min(kv_len, b.add(pos, 1))
 

@@ -1,0 +1,126 @@
+"""varlen custom_mask = "tree" (speculative verification): draft trees of every shape (chains,
+stars, binary trees, random parents) mixed in one batch with decodes and prefill chunks, checked
+by the emulator against the fp64 reference that reads the same bits; the launcher's checks of
+tree_indptr; each K/V row read once per KV head."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import assert_pass, build_kernel
+from ptxc.errors import InputError, SpecError
+from ptxc.kernels import FAMILIES
+from ptxc.kernels import varlen_inputs as vi
+from ptxc.runtime import reference as ref
+from ptxc.runtime.launch_test import check_artifact
+from ptxc.spec.model import KernelSpec
+from test_varlen import body
+
+TREE = '\ncustom_mask = "tree"'
+CASES = [
+    dict(dtype="f16", head_dim=40, gqa="gqa4", layout="page16", splits=1),
+    dict(dtype="bf16", head_dim=24, gqa="mha", layout="contiguous", splits="auto"),
+    dict(dtype="f16", head_dim=32, gqa="gqa8", layout="page1", splits=3),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_tree_batch_matches_reference(tmp_path, case):
+    """11 sequences: the serving mix plus three draft trees of 2, 5 or 16 tokens (shapes
+    cycling chain / star / binary / random parents) over prefixes whose pages end anywhere."""
+    art = build_kernel(tmp_path, "varlen", body(**case) + TREE)
+    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 11}, seed=3))
+
+
+@pytest.mark.parametrize("extra", ["sliding_window = 7", "attention_sinks = true\nalibi = true",
+                                   "logits_soft_cap = 30.0"])
+def test_tree_composes_with_variants(tmp_path, extra):
+    art = build_kernel(tmp_path, "varlen", body(head_dim=24, gqa="gqa4", layout="page16") + TREE + "\n" + extra)
+    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 11}, seed=4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("layout", ["page1", "page16", "contiguous"])
+def test_tree_of_64_tokens(tmp_path, monkeypatch, dtype, layout):
+    monkeypatch.setattr(vi, "TREE_SIZES", (64,))
+    art = build_kernel(tmp_path, "varlen", body(dtype=dtype, head_dim=64, layout=layout, splits="auto") + TREE)
+    shapes = {"batch": 11, "max_seq_len": 200} if layout == "contiguous" else \
+        {"batch": 11, "max_pages_per_seq": 200 // (1 if layout == "page1" else 16),
+         "num_pages": 11 * 200 // (1 if layout == "page1" else 16) + 3}
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=8))
+
+
+def test_tree_bits_decide_visibility():
+    """The tree generator's ancestor sets and the packed layout the kernel reads."""
+    rng = np.random.default_rng(0)
+    assert (vi.draft_tree(4, "chain", rng) == np.tril(np.ones((4, 4), bool))).all()
+    star = vi.draft_tree(4, "star", rng)
+    assert star[:, 0].all() and (star[1:, 1:] == np.eye(3, dtype=bool)).all()
+    data, indptr = vi.pack_bits([vi.draft_tree(3, "binary", rng)])
+    assert indptr.tolist() == [0, 2] and data[0] == 0b0101_1001 and data[1] == 1
+    vis = vi.tree_visible({"tree_mask": data, "tree_indptr": indptr}, 0, 3, 5)
+    assert vis[:, :2].all() and vis[:, 2:].tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
+
+
+def _tree_art(tmp_path):
+    art = build_kernel(tmp_path, "varlen", body(head_dim=32, layout="contiguous") + TREE)
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    inputs = FAMILIES["varlen"].make_inputs(spec, {"batch": 11, "max_seq_len": 60}, np.random.default_rng(2))
+    return art, spec, inputs
+
+
+def test_tree_indptr_is_checked(tmp_path):
+    art, spec, inputs = _tree_art(tmp_path)
+    n = np.diff(inputs["cu_seqlens_q"])
+    b = int(np.argmax(n))
+    bad = inputs["tree_indptr"].copy()
+    bad[b + 1:] = bad[b] + (n[b] * n[b] + 7) // 8 - 1
+    for indptr, words in ((bad, "its mask needs"), (inputs["tree_indptr"] + 1, "start at 0"),
+                          (inputs["tree_indptr"][::-1].copy(), "start at 0")):
+        with pytest.raises(InputError, match=words):
+            art.run({**inputs, "tree_indptr": indptr}, target="sm_80")
+    short = inputs["tree_mask"][:int(inputs["tree_indptr"][-1]) - 1]
+    with pytest.raises(InputError, match="past the"):
+        art.run({**inputs, "tree_mask": short}, target="sm_80")
+
+
+def test_tree_needs_causal(tmp_path):
+    with pytest.raises(SpecError, match="needs causal"):
+        build_kernel(tmp_path, "varlen", body(causal=False) + TREE)
+
+
+def test_tree_verify_reads_each_kv_row_once(tmp_path, monkeypatch):
+    """A batch of 5- and 16-token tree verifications (GQA 4) reads every K/V row of every
+    sequence exactly once per KV head, as causal varlen does."""
+    from collections import Counter
+
+    from ptxc.emu import memory
+    art = build_kernel(tmp_path, "varlen", body(head_dim=32, layout="page16") + TREE)
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    rng = np.random.default_rng(12)
+    q_lens = np.array([5, 16, 1, 16, 5], dtype=np.int32)
+    dims = {"batch": 5, "max_pages_per_seq": 6, "num_pages": 33}
+    inputs = FAMILIES["varlen"].make_inputs(spec, dims, rng)
+    lens = rng.integers(16, 91, 5).astype(np.int32)
+    inputs.update(seq_lens=lens, cu_seqlens_q=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+                  q=ref.round_to(rng.standard_normal((int(q_lens.sum()), 8, 32)), "f16").astype(np.float32),
+                  block_table=rng.permutation(33)[:30].astype(np.int32).reshape(5, 6),
+                  **vi.tree_inputs(q_lens.tolist(), rng))
+    read = Counter()
+    offsets = memory.GlobalMemory.offsets
+
+    def counting(self, addr, nbytes, align, what, sel):
+        out = offsets(self, addr, nbytes, align, what, sel)
+        if what in ("load", "cp.async read"):
+            buf = np.searchsorted(self.starts, np.atleast_1d(np.asarray(addr, np.uint64)), side="right") - 1
+            for i, c in zip(*np.unique(buf, return_counts=True)):
+                read[self.labels[i].split("'")[1]] += int(c) * nbytes
+        return out
+    monkeypatch.setattr(memory.GlobalMemory, "offsets", counting)
+    out = art.run(inputs, target="sm_80")
+    once = int(lens.sum()) * spec.num_kv_heads * spec.head_dim * 2
+    assert read["k_cache"] == read["v_cache"] == once
+    want = FAMILIES["varlen"].reference(spec, inputs)
+    assert ref.max_abs_error(out["o"], want["o"]) < 5e-3
