@@ -124,3 +124,42 @@ def test_tree_verify_reads_each_kv_row_once(tmp_path, monkeypatch):
     assert read["k_cache"] == read["v_cache"] == once
     want = FAMILIES["varlen"].reference(spec, inputs)
     assert ref.max_abs_error(out["o"], want["o"]) < 5e-3
+
+
+PACKED = '\ncustom_mask = "packed"'
+
+
+@pytest.mark.parametrize("case", [
+    dict(dtype="f16", head_dim=40, gqa="gqa4", layout="page16", splits=1),
+    dict(dtype="bf16", head_dim=24, gqa="gqa8", layout="contiguous", splits="auto"),
+], ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_packed_batch_matches_reference(tmp_path, case):
+    """The serving mix with random bits, all-zero rows (o = 0, lse = -inf), all-zero KV
+    tiles, all-one and sparse masks, one kind per sequence."""
+    art = build_kernel(tmp_path, "varlen", body(causal=False, **case) + PACKED)
+    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 10}, seed=5))
+
+
+def test_packed_zero_rows_and_all_ones(tmp_path):
+    """All-zero rows write 0 and lse = -inf; an all-one mask gives exactly the non-causal
+    kernel's output."""
+    plain = build_kernel(tmp_path / "a", "varlen", body(causal=False, head_dim=40, layout="page16"))
+    art = build_kernel(tmp_path / "b", "varlen", body(causal=False, head_dim=40, layout="page16") + PACKED)
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    inputs = FAMILIES["varlen"].make_inputs(spec, {"batch": 8, "max_pages_per_seq": 10, "num_pages": 83},
+                                            np.random.default_rng(9))
+    q_lens = np.diff(inputs["cu_seqlens_q"]).tolist()
+    lens = inputs["seq_lens"].tolist()
+    ones = vi.packed_inputs(q_lens, lens, np.random.default_rng(1), kinds=("ones",))
+    base = {k: v for k, v in inputs.items() if k not in ("custom_mask", "mask_indptr")}
+    want, got = plain.run(base, target="sm_80"), art.run({**base, **ones}, target="sm_80")
+    assert np.array_equal(want["o"], got["o"]) and np.array_equal(want["lse"], got["lse"])
+    zero = vi.packed_inputs(q_lens, lens, np.random.default_rng(1), kinds=("zero_rows",))
+    zero["custom_mask"][:] = 0
+    out = art.run({**base, **zero}, target="sm_80")
+    assert (out["o"] == 0).all() and np.isneginf(out["lse"]).all()
+
+
+def test_packed_needs_non_causal(tmp_path):
+    with pytest.raises(SpecError, match="needs causal = false"):
+        build_kernel(tmp_path, "varlen", body(causal=True) + PACKED)

@@ -42,32 +42,37 @@ class VarlenCtx:
     num_splits: Reg | None
     sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
     slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
-    tree: Reg | None = None     # u64 first byte of the sequence's tree bits (custom_mask "tree")
+    tree: Reg | None = None     # u64 first byte of the sequence's mask bits (custom_mask)
 
     # The custom mask as ONE predicate over logical (row, key): a fragment layout computes
     # mask_row once per row it holds and draft_key once per tile for its lane, then asks
-    # key_hidden for each (row, key) it masks. Tree: query token i sees draft key k (key
-    # L - n + k) iff bit i*n + k of the sequence's bits is set (little-endian bytes); prefix
-    # keys (k < 0) and keys past L (k >= n, masked by the key limit) are not the tree's.
+    # key_hidden for each (row, key) it masks. Query token i's bits are a row of `width`
+    # bits at bit i * width of the sequence's bits (little-endian bytes), key column k:
+    #   tree    width n, k = key - (L - n): draft keys; prefix keys (k < 0) are always seen
+    #   packed  width L, k = key
+    # keys past L (k >= width) are the key limit's, and never read a byte.
+    def mask_width(self, b: KernelBuilder) -> Reg:
+        return b.bitcast(self.q_len if self.variant.tree else self.kv_len, U32)
+
     def mask_row(self, b: KernelBuilder, row: Reg):
-        """Per-row state of the predicate: (i * n (u32), the row holds a query (pred))."""
+        """Per-row state of the predicate: (i * width (u32), the row holds a query (pred))."""
         if self.tree is None:
             return None
-        tok, n = self.token(row), b.bitcast(self.q_len, U32)
-        return b.mul(tok, n), b.setp("lt", tok, n)
+        tok = self.token(row)
+        return b.mul(tok, self.mask_width(b)), b.setp("lt", tok, b.bitcast(self.q_len, U32))
 
     def draft_key(self, b: KernelBuilder, lane_key: Reg) -> Reg | None:
-        """s32 draft index k of key `lane_key` (s32): lane_key - (L - n)."""
+        """s32 mask column k of key `lane_key` (s32): lane_key - (L - n) for a tree."""
         if self.tree is None:
             return None
-        return b.sub(lane_key, b.sub(self.kv_len, self.q_len))
+        return b.sub(lane_key, b.sub(self.kv_len, self.q_len)) if self.variant.tree else lane_key
 
     def key_hidden(self, b: KernelBuilder, row_state, k: Reg) -> Reg:
-        """pred: the custom mask hides draft key k (s32) from the row. The byte is read only
-        for 0 <= k < n on a query row, inside the segment the launcher checked."""
+        """pred: the custom mask hides key column k (s32) from the row. The byte is read only
+        for 0 <= k < width on a query row, inside the segment the launcher checked."""
         base, row_ok = row_state
         kk = b.bitcast(k, U32)
-        inside = b.and_(b.setp("lt", kk, b.bitcast(self.q_len, U32)), row_ok)
+        inside = b.and_(b.setp("lt", kk, self.mask_width(b)), row_ok)
         idx = b.add(base, kk)
         byte = b.mov(0xFF, U32)
         with b.predicate(inside):
@@ -212,9 +217,10 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     ctx = VarlenCtx(b, spec, cfg, variant, tid, lane, warp, m_start, rows, q_len, L, smem, kv_head,
                     t0, ptrs.get("lse_part" if split is not None else "lse"), split, split_count,
                     ptrs.get("sinks"), ptrs.get("alibi_slopes"))
-    if variant.tree:   # the sequence's bits start at byte tree_indptr[seq] (launcher-checked)
-        off = b.ld("global", S32, Addr(C.element_offset(b, ptrs["tree_indptr"], seq, b.mov(4, S64))), nc=True)
-        ctx.tree = b.add(ptrs["tree_mask"], b.cvt(U64, b.bitcast(b.max(off, 0), U32)))
+    if variant.mask is not None:   # the sequence's bits start at byte *_indptr[seq] (launcher-checked)
+        bits, indptr = ("tree_mask", "tree_indptr") if variant.tree else ("custom_mask", "mask_indptr")
+        off = b.ld("global", S32, Addr(C.element_offset(b, ptrs[indptr], seq, b.mov(4, S64))), nc=True)
+        ctx.tree = b.add(ptrs[bits], b.cvt(U64, b.bitcast(b.max(off, 0), U32)))
 
     # KV tiles: [0, n_vis) visible to the tile's last token; [0, n_full) to its first as well.
     last_row = b.sub(b.min(b.add(m_start, bm), rows), 1)
@@ -224,6 +230,8 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     n_full = b.div(keys_seen(m_start), bn)
     if variant.tree:   # tiles wholly in the prefix (keys < L - q_len) need no tree bits
         n_full = b.div(b.bitcast(b.max(b.sub(L, q_len), 0), U32), bn)
+    elif variant.mask is not None:   # packed bits: every tile runs the predicate
+        n_full = b.mov(0, U32)
     # A sliding window: tiles before the first token's window are never read; tiles before
     # the first one wholly inside the last token's window cross its left edge (masked).
     w_first = lo_full = None

@@ -126,14 +126,20 @@ class AttentionVariant:
     soft_cap: float | None = None
     sinks: bool = False
     alibi: bool = False
-    tree: bool = False   # custom_mask = "tree": draft keys by the tree's bits, not the diagonal
+    mask: str | None = None   # custom_mask "tree" (draft keys by the tree's bits, not the
+                              # diagonal) or "packed" (every key by the request's bits)
 
     @classmethod
     def from_spec(cls, spec) -> "AttentionVariant":
         return cls(causal=bool(spec_option(spec, "causal")), window=spec_option(spec, "sliding_window"),
                    soft_cap=spec_option(spec, "logits_soft_cap"),
                    sinks=bool(spec_option(spec, "attention_sinks")), alibi=bool(spec_option(spec, "alibi")),
-                   tree=spec_option(spec, "custom_mask") == "tree")
+                   mask=None if spec_option(spec, "custom_mask") in (None, "none")
+                   else spec_option(spec, "custom_mask"))
+
+    @property
+    def tree(self) -> bool:
+        return self.mask == "tree"
 
     @property
     def transforms(self) -> bool:

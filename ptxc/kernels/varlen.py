@@ -47,8 +47,9 @@ FIELDS = FamilyFields(
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
         Field("custom_mask", "str", 'a mask beyond causal: "tree" (speculative verify: runtime '
               'tree_mask bits + tree_indptr; a draft token sees the prefix and the draft keys '
-              'its bits set; needs causal) or "none" (docs/spec.md)', default="none",
-              choices=("none", "tree")),
+              'its bits set; needs causal), "packed" (runtime custom_mask bits + mask_indptr: '
+              'a q_len x L bit matrix per sequence; needs causal = false) or "none" '
+              '(docs/spec.md)', default="none", choices=("none", "tree", "packed")),
         *kv_fp8.FIELDS,
         *VARIANT_FIELDS,
     ),
@@ -87,6 +88,9 @@ def validate(spec: KernelSpec) -> None:
     if spec.opt("custom_mask") == "tree" and not spec.opt("causal"):
         raise SpecError('custom_mask = "tree" needs causal = true (the prefix part of a draft '
                         'row is causal; its draft keys follow the tree bits)', key="custom_mask")
+    if spec.opt("custom_mask") == "packed" and spec.opt("causal"):
+        raise SpecError('custom_mask = "packed" needs causal = false (the bits are the whole '
+                        'mask; set the causal part in them)', key="custom_mask")
     if kv_fp8.kv_dtype(spec) != spec.dtype:
         # FP8 scores reach the variant's transforms without k_scale (it is folded into the
         # exp2 scale), so soft-cap and ALiBi would need a runtime unit: not wired yet
@@ -191,7 +195,8 @@ def interface(spec: KernelSpec) -> Interface:
         tensors.append(TensorInfo("lse", "f32", ("total_q", H), "output",
                                   "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
     tensors += variant_tensors(spec) + mask_tensors(spec)
-    dims = ["batch", "total_q", *kv.dims()] + (["tree_bytes"] if spec.opt("custom_mask") == "tree" else [])
+    dims = ["batch", "total_q", *kv.dims()] + \
+        {"tree": ["tree_bytes"], "packed": ["mask_bytes"]}.get(spec.opt("custom_mask"), [])
     rules: dict = {}
     splits = spec.opt("num_splits")
     if splits != 1:
@@ -211,6 +216,13 @@ def interface(spec: KernelSpec) -> Interface:
 def mask_tensors(spec: KernelSpec) -> list[TensorInfo]:
     """custom_mask = "tree": the packed bits of every sequence's n x n draft tree and the byte
     offset of each sequence's bits (docs/spec.md \"Custom masks\")."""
+    if spec.opt("custom_mask") == "packed":
+        return [TensorInfo("custom_mask", "u8", ("mask_bytes",), "input", "mask bits: sequence "
+                           "b's bit (i, j) (query i sees key j) is bit (i*L + j) % 8 of byte "
+                           "mask_indptr[b] + (i*L + j) // 8, L = seq_lens[b]"),
+                TensorInfo("mask_indptr", "i32", ("batch + 1",), "input", "byte offset of each "
+                           "sequence's mask bits: 0, non-decreasing, segments >= "
+                           "ceil(q_len*L / 8)", device_resident_scalars=True)]
     if spec.opt("custom_mask") != "tree":
         return []
     return [TensorInfo("tree_mask", "u8", ("tree_bytes",), "input", "draft-tree bits: sequence "

@@ -59,6 +59,8 @@ def mixed_batch(spec, dims: dict[str, int], rng, page_size: int) -> dict:
     inputs.update(variant_inputs(spec, rng))
     if spec.opt("custom_mask") == "tree":
         inputs.update(tree_inputs([int(n) for n in q_lens], rng))
+    if spec.opt("custom_mask") == "packed":
+        inputs.update(packed_inputs([int(n) for n in q_lens], [int(L) for L in lens], rng))
     if page_size:
         from ..errors import InputError
         P, used = dims["max_pages_per_seq"], [-(-L // page_size) for L in lens]
@@ -114,6 +116,40 @@ def tree_inputs(q_lens: list[int], rng, shapes=None) -> dict:
     return {"tree_mask": data, "tree_indptr": indptr}
 
 
+PACKED_KINDS = ("random", "zero_rows", "zero_tiles", "ones", "sparse")
+
+
+def random_mask(n: int, L: int, kind: str, rng) -> np.ndarray:
+    """A bool [n, L] request mask: random bits, some rows all zero, keys [16, 48) and [64, 128)
+    hidden from every row (whole KV tiles without a visible key), all ones, or 1-in-8 bits."""
+    if kind == "ones":
+        return np.ones((n, L), dtype=bool)
+    bits = rng.random((n, L)) < (0.125 if kind == "sparse" else 0.5)
+    if kind == "zero_rows":
+        bits[rng.random(n) < 0.4] = False
+    if kind == "zero_tiles":
+        bits[:, 16:48] = False
+        bits[:, 64:128] = False
+    return bits
+
+
+def packed_inputs(q_lens: list[int], lens: list[int], rng, kinds=None) -> dict:
+    """custom_mask / mask_indptr for a batch: sequence b's q_len x L bits of kind
+    PACKED_KINDS[b % 5] (or `kinds[b]`); segments get a few spare bytes."""
+    kinds = kinds or PACKED_KINDS
+    data, indptr = pack_bits([random_mask(n, L, kinds[b % len(kinds)], rng)
+                              for b, (n, L) in enumerate(zip(q_lens, lens))], rng, gap=2)
+    return {"custom_mask": data, "mask_indptr": indptr}
+
+
+def packed_visible(inputs: dict, b: int, n: int, L: int) -> np.ndarray:
+    """bool [n, L]: query i of sequence b sees key j iff bit i*L + j of its segment is set."""
+    data, off = np.asarray(inputs["custom_mask"]), int(np.asarray(inputs["mask_indptr"])[b])
+    nbits = n * L
+    seg = np.unpackbits(data[off:off + (nbits + 7) // 8], bitorder="little")[:nbits]
+    return seg.astype(bool).reshape(n, L)
+
+
 def tree_visible(inputs: dict, b: int, n: int, L: int) -> np.ndarray:
     """bool [n, L]: query i of sequence b sees key j (prefix keys, and the draft keys its tree
     bits set), read from the bytes exactly as the kernel reads them."""
@@ -161,7 +197,8 @@ def varlen_reference(spec, inputs: dict, dtype: str | None, page_size: int) -> d
         qs = np.swapaxes(q[lo:hi], 0, 1)[None]              # [1, H, q_len, d]
         kh, vh = (np.swapaxes(np.asarray(x, dtype=np.float64), 0, 1)[None] for x in (k, v))
         tree = spec.opt("custom_mask") == "tree"
-        mask = tree_visible(inputs, b, hi - lo, L) if tree else None
+        mask = tree_visible(inputs, b, hi - lo, L) if tree else \
+            packed_visible(inputs, b, hi - lo, L) if spec.opt("custom_mask") == "packed" else None
         ob, lb = ref.attention(qs, kh, vh, spec.softmax_scale, causal=spec.opt("causal") and not tree,
                                dtype=dtype, mask=mask, **variant_reference_args(spec, inputs))
         o[lo:hi], lse[lo:hi] = np.swapaxes(ob[0], 0, 1), np.swapaxes(lb[0], 0, 1)

@@ -230,6 +230,11 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
         check_mask_indptr(meta["name"], "tree_indptr", inputs["tree_indptr"],
                           np.diff(np.asarray(inputs["cu_seqlens_q"], dtype=np.int64)) ** 2,
                           int(np.asarray(inputs["tree_mask"]).size))
+    if "mask_indptr" in expected and "cu_seqlens_q" in expected:   # varlen: q_len x L bits
+        lens = np.clip(np.asarray(inputs["seq_lens"], dtype=np.int64), 0, None)
+        check_mask_indptr(meta["name"], "mask_indptr", inputs["mask_indptr"],
+                          np.diff(np.asarray(inputs["cu_seqlens_q"], dtype=np.int64)) * lens,
+                          int(np.asarray(inputs["custom_mask"]).size))
     for name, rule in (meta.get("dim_rules") or {}).items():
         if name not in dims:
             dims[name] = apply_dim_rule(rule, dims, num_sms, rule_ctas_per_sm(meta, rule, target))
