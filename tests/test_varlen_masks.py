@@ -163,3 +163,27 @@ def test_packed_zero_rows_and_all_ones(tmp_path):
 def test_packed_needs_non_causal(tmp_path):
     with pytest.raises(SpecError, match="needs causal = false"):
         build_kernel(tmp_path, "varlen", body(causal=True) + PACKED)
+
+
+@pytest.mark.parametrize("mask,head_dim", [("tree", 64), ("packed", 64),
+                                           pytest.param("tree", 256, marks=pytest.mark.slow),
+                                           pytest.param("packed", 256, marks=pytest.mark.slow)])
+def test_zero_spills_on_every_target(tmp_path, toolchain, mask, head_dim):
+    """ptxas on every tensor-core target and sm_90a (specs/speculative_masks.toml covers d128
+    in the default build), split and unsplit kernels."""
+    from ptxc.pipeline.build import run_build
+    (tmp_path / "k.toml").write_text(
+        f'[[kernel]]\nname = "k"\nfamily = "varlen"\n'
+        f'{body(head_dim=head_dim, splits="auto", causal=mask == "tree")}\ncustom_mask = "{mask}"\n'
+        f'targets = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_120"]\n')
+    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
+    assert summary["verified"] and not summary["problems"]
+    for t in summary["kernels"][0]["targets"].values():
+        assert t["spill_bytes"] == 0
+
+
+def test_tree_over_fp8_cache(tmp_path):
+    from conftest import fp8_cache_body
+    art = build_kernel(tmp_path, "varlen", fp8_cache_body("bf16", "e4m3", "head", "paged", extra=TREE),
+                       targets=("sm_89",))
+    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 11}, seed=7))

@@ -67,17 +67,41 @@ class VarlenCtx:
             return None
         return b.sub(lane_key, b.sub(self.kv_len, self.q_len)) if self.variant.tree else lane_key
 
-    def key_hidden(self, b: KernelBuilder, row_state, k: Reg) -> Reg:
-        """pred: the custom mask hides key column k (s32) from the row. The byte is read only
-        for 0 <= k < width on a query row, inside the segment the launcher checked."""
+    MASK_SPAN = 26   # key columns one bit window serves: 26 bits at any bit offset fit 5 bytes
+
+    def mask_window(self, b: KernelBuilder, row_state, k: Reg, span: int) -> Reg:
+        """u32 whose bit o is the row's bit of key column k + o, 0 <= o < span <= MASK_SPAN
+        (k s32, may be negative or past the row): the few bytes covering them, each read only
+        when it lies inside the sequence's ceil(n * width / 8)-byte segment (launcher-checked),
+        shifted by the bit offset. Fewer loads in flight than a byte per score."""
         base, row_ok = row_state
-        kk = b.bitcast(k, U32)
-        inside = b.and_(b.setp("lt", kk, self.mask_width(b)), row_ok)
-        idx = b.add(base, kk)
-        byte = b.mov(0xFF, U32)
-        with b.predicate(inside):
-            b.ld("global", U8, Addr(b.add(self.tree, b.cvt(U64, b.shr(idx, 3)))), nc=True, out=[byte])
-        return b.setp("eq", b.and_(b.shr(byte, b.and_(idx, 7)), 1), 0)
+        s = b.add(b.bitcast(base, S32), k)
+        first = b.shr(s, 3)                             # floor(s / 8): s may be negative
+        seg = b.shr(b.add(b.mul(b.bitcast(self.q_len, U32), self.mask_width(b)), 7), 3)
+        nbytes = (7 + span - 1) // 8 + 1
+        lo = hi = None
+        for m in range(nbytes):
+            at = b.bitcast(b.add(first, m) if m else first, U32)
+            byte = b.mov(0, U32)
+            with b.predicate(b.and_(row_ok, b.setp("lt", at, seg))):
+                b.ld("global", U8, Addr(b.add(self.tree, b.cvt(U64, at))), nc=True, out=[byte])
+            if m < 4:
+                lo = byte if lo is None else b.or_(lo, b.shl(byte, 8 * m))
+            else:
+                hi = byte
+        off = b.and_(b.bitcast(s, U32), 7)
+        bits = b.shr(lo, off)
+        if hi is not None:   # bit 32 of the bytes -> bit 32 - off (two shifts: never by 32)
+            bits = b.or_(bits, b.shl(b.shl(hi, 1), b.sub(31, off)))
+        return bits
+
+    def key_hidden(self, b: KernelBuilder, bits: Reg, k: Reg, o: int) -> Reg:
+        """THE predicate: pred, the custom mask hides key column k + o (k s32) from the row whose
+        mask_window(k) is `bits`. Columns outside [0, width) are not the mask's (a tree's
+        prefix: seen; past L: the key limit's)."""
+        col = b.bitcast(b.add(k, o) if o else k, U32)
+        inside = b.setp("lt", col, self.mask_width(b))
+        return b.and_(inside, b.setp("eq", b.and_(bits, 1 << o), 0))
 
     def token(self, row: Reg) -> Reg:
         g = self.spec.group_size

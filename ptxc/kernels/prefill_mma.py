@@ -135,14 +135,17 @@ class MmaMath:
             rel = b.sub(self.limits[i], b.bitcast(key0, S32))
             rel_begin = None if self.begins is None else b.sub(self.begins[i], b.bitcast(key0, S32))
             k0 = None if self.mask_rows is None else b.add(self.mask_key, b.bitcast(key0, S32))
+            window = None
             for jn, acc in enumerate(s[mt * nt:(mt + 1) * nt]):
+                if k0 is not None and jn % 4 == 0:   # the row's bits of n8 tiles jn .. jn + 3
+                    kc = b.add(k0, 8 * jn) if jn else k0
+                    window = self.ctx.mask_window(b, self.mask_rows[i], kc, 8 * (min(4, nt - jn) - 1) + 2)
                 for e in range(2):
                     out = b.setp("le", rel, 8 * jn + e)
                     if rel_begin is not None:
                         out = b.or_(out, b.setp("gt", rel_begin, 8 * jn + e))
-                    if k0 is not None:   # the custom mask (one predicate over (row, key))
-                        k = b.add(k0, 8 * jn + e) if 8 * jn + e else k0
-                        out = b.or_(out, self.ctx.key_hidden(b, self.mask_rows[i], k))
+                    if k0 is not None:   # the custom mask: one predicate over (row, key)
+                        out = b.or_(out, self.ctx.key_hidden(b, window, kc, 8 * (jn % 4) + e))
                     with b.predicate(out):
                         b.mov(C.NEG_INF, F32, out=acc[2 * r + e])
 
