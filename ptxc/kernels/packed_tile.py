@@ -11,16 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..ir import S32, S64, U8, U32, U64, Addr, KernelBuilder, Reg
+from ..ir import S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
 from .prefill import PrefillConfig, load_head_f32
 from .split_plan import emit_balanced_split
-from .variant import AttentionVariant
+from .variant import AttentionVariant, MaskPredicate
 
 
 @dataclass
-class VarlenCtx:
+class VarlenCtx(MaskPredicate):
     """What MmaMath and finish_rows read (the same names as prefill's Ctx), for packed rows."""
 
     b: KernelBuilder
@@ -42,66 +42,22 @@ class VarlenCtx:
     num_splits: Reg | None
     sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
     slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
-    tree: Reg | None = None     # u64 first byte of the sequence's mask bits (custom_mask)
+    mask_bits: Reg | None = None   # u64 first byte of the sequence's mask bits (custom_mask)
 
-    # The custom mask as ONE predicate over logical (row, key): a fragment layout computes
-    # mask_row once per row it holds and draft_key once per tile for its lane, then asks
-    # key_hidden for each (row, key) it masks. Query token i's bits are a row of `width`
-    # bits at bit i * width of the sequence's bits (little-endian bytes), key column k:
-    #   tree    width n, k = key - (L - n): draft keys; prefix keys (k < 0) are always seen
-    #   packed  width L, k = key
-    # keys past L (k >= width) are the key limit's, and never read a byte.
+    # The custom mask predicate (variant.MaskPredicate) over this tile's packed rows: query
+    # token i's row of bits; a tree's n x n bits cover the draft keys (column = key - (L - n)),
+    # packed bits the q_len x L matrix (column = key).
+    def mask_rows(self, b: KernelBuilder) -> Reg:
+        return b.bitcast(self.q_len, U32)
+
     def mask_width(self, b: KernelBuilder) -> Reg:
         return b.bitcast(self.q_len if self.variant.tree else self.kv_len, U32)
 
-    def mask_row(self, b: KernelBuilder, row: Reg):
-        """Per-row state of the predicate: (i * width (u32), the row holds a query (pred))."""
-        if self.tree is None:
-            return None
-        tok = self.token(row)
-        return b.mul(tok, self.mask_width(b)), b.setp("lt", tok, b.bitcast(self.q_len, U32))
+    def mask_token(self, row: Reg) -> Reg:
+        return self.token(row)
 
-    def draft_key(self, b: KernelBuilder, lane_key: Reg) -> Reg | None:
-        """s32 mask column k of key `lane_key` (s32): lane_key - (L - n) for a tree."""
-        if self.tree is None:
-            return None
-        return b.sub(lane_key, b.sub(self.kv_len, self.q_len)) if self.variant.tree else lane_key
-
-    MASK_SPAN = 26   # key columns one bit window serves: 26 bits at any bit offset fit 5 bytes
-
-    def mask_window(self, b: KernelBuilder, row_state, k: Reg, span: int) -> Reg:
-        """u32 whose bit o is the row's bit of key column k + o, 0 <= o < span <= MASK_SPAN
-        (k s32, may be negative or past the row): the few bytes covering them, each read only
-        when it lies inside the sequence's ceil(n * width / 8)-byte segment (launcher-checked),
-        shifted by the bit offset. Fewer loads in flight than a byte per score."""
-        base, row_ok = row_state
-        s = b.add(b.bitcast(base, S32), k)
-        first = b.shr(s, 3)                             # floor(s / 8): s may be negative
-        seg = b.shr(b.add(b.mul(b.bitcast(self.q_len, U32), self.mask_width(b)), 7), 3)
-        nbytes = (7 + span - 1) // 8 + 1
-        lo = hi = None
-        for m in range(nbytes):
-            at = b.bitcast(b.add(first, m) if m else first, U32)
-            byte = b.mov(0, U32)
-            with b.predicate(b.and_(row_ok, b.setp("lt", at, seg))):
-                b.ld("global", U8, Addr(b.add(self.tree, b.cvt(U64, at))), nc=True, out=[byte])
-            if m < 4:
-                lo = byte if lo is None else b.or_(lo, b.shl(byte, 8 * m))
-            else:
-                hi = byte
-        off = b.and_(b.bitcast(s, U32), 7)
-        bits = b.shr(lo, off)
-        if hi is not None:   # bit 32 of the bytes -> bit 32 - off (two shifts: never by 32)
-            bits = b.or_(bits, b.shl(b.shl(hi, 1), b.sub(31, off)))
-        return bits
-
-    def key_hidden(self, b: KernelBuilder, bits: Reg, k: Reg, o: int) -> Reg:
-        """THE predicate: pred, the custom mask hides key column k + o (k s32) from the row whose
-        mask_window(k) is `bits`. Columns outside [0, width) are not the mask's (a tree's
-        prefix: seen; past L: the key limit's)."""
-        col = b.bitcast(b.add(k, o) if o else k, U32)
-        inside = b.setp("lt", col, self.mask_width(b))
-        return b.and_(inside, b.setp("eq", b.and_(bits, 1 << o), 0))
+    def mask_shift(self, b: KernelBuilder) -> Reg | None:
+        return b.sub(self.kv_len, self.q_len) if self.variant.tree else None
 
     def token(self, row: Reg) -> Reg:
         g = self.spec.group_size
@@ -244,7 +200,7 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     if variant.mask is not None:   # the sequence's bits start at byte *_indptr[seq] (launcher-checked)
         bits, indptr = ("tree_mask", "tree_indptr") if variant.tree else ("custom_mask", "mask_indptr")
         off = b.ld("global", S32, Addr(C.element_offset(b, ptrs[indptr], seq, b.mov(4, S64))), nc=True)
-        ctx.tree = b.add(ptrs[bits], b.cvt(U64, b.bitcast(b.max(off, 0), U32)))
+        ctx.mask_bits = b.add(ptrs[bits], b.cvt(U64, b.bitcast(b.max(off, 0), U32)))
 
     # KV tiles: [0, n_vis) visible to the tile's last token; [0, n_full) to its first as well.
     last_row = b.sub(b.min(b.add(m_start, bm), rows), 1)

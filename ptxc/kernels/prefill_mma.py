@@ -63,8 +63,7 @@ class MmaMath:
         self.unit = 1.0 / ctx.spec.softmax_scale        # scores are raw q·k (variant transforms)
         # The custom mask's predicate (packed_tile.VarlenCtx.key_hidden): per-row state, and
         # the lane's first draft key offset (key0 is added per tile)
-        custom = getattr(ctx, "mask_row", None)
-        self.mask_rows = None if custom is None or ctx.tree is None else \
+        self.mask_rows = None if getattr(ctx, "mask_bits", None) is None else \
             [ctx.mask_row(b, r) for r in self.rows]
         self.mask_key = None if self.mask_rows is None else ctx.draft_key(b, two_t)
         self.alibi = [ctx.alibi_row(b, r, two_t, self.unit) for r in self.rows] \
