@@ -230,6 +230,10 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
         check_mask_indptr(meta["name"], "tree_indptr", inputs["tree_indptr"],
                           np.diff(np.asarray(inputs["cu_seqlens_q"], dtype=np.int64)) ** 2,
                           int(np.asarray(inputs["tree_mask"]).size))
+    if "mask_indptr" in expected and "seq_q" in dims and "seq_k" in dims:   # prefill: seq_q x seq_k
+        check_mask_indptr(meta["name"], "mask_indptr", inputs["mask_indptr"],
+                          np.full(dims.get("batch", 0), dims["seq_q"] * dims["seq_k"], dtype=np.int64),
+                          int(np.asarray(inputs["custom_mask"]).size))
     if "mask_indptr" in expected and "cu_seqlens_q" in expected:   # varlen: q_len x L bits
         lens = np.clip(np.asarray(inputs["seq_lens"], dtype=np.int64), 0, None)
         check_mask_indptr(meta["name"], "mask_indptr", inputs["mask_indptr"],
