@@ -187,3 +187,18 @@ def test_tree_over_fp8_cache(tmp_path):
     art = build_kernel(tmp_path, "varlen", fp8_cache_body("bf16", "e4m3", "head", "paged", extra=TREE),
                        targets=("sm_89",))
     assert_pass(check_artifact(art, backend="emu", shapes={"batch": 11}, seed=7))
+
+
+def test_report_counts_dense_mask_keys(tmp_path):
+    """The cost model assumes dense bits: a tree or packed mask costs the non-causal FLOPs
+    plus the mask bytes."""
+    from ptxc.report.costs import launch_cost
+    dims = {"batch": 4, "total_q": 64, "max_pages_per_seq": 8, "num_pages": 40}
+    plain = build_kernel(tmp_path / "p", "varlen", body(causal=False, head_dim=32))
+    tree = build_kernel(tmp_path / "t", "varlen", body(head_dim=32) + TREE)
+    packed = build_kernel(tmp_path / "k", "varlen", body(causal=False, head_dim=32) + PACKED)
+    base = launch_cost(plain.meta, "sm_80", dims)
+    t = launch_cost(tree.meta, "sm_80", {**dims, "tree_bytes": 4 * 32})
+    k = launch_cost(packed.meta, "sm_80", {**dims, "mask_bytes": 4 * 256})
+    assert t.flops == k.flops == base.flops
+    assert t.bytes == base.bytes + 4 * 32 + 5 * 4 and k.bytes == base.bytes + 4 * 256 + 5 * 4

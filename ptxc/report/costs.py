@@ -142,7 +142,9 @@ def prefill_cost(meta: dict, config: dict, dims: dict) -> Cost:
     qo = 2 * b * sq * H * d * e
     kv = 2 * b * sk * Hk * d * e
     lse = b * H * sq * LSE_BYTES if spec.get("return_lse") else 0
-    return Cost(flops, qo + kv + lse, _unit(config), dict(dims))
+    # a packed mask: dense bits assumed (every key visible, the non-causal count) + its bytes
+    mask = b * -(-sq * sk // 8) + (b + 1) * 4 if spec.get("custom_mask", "none") != "none" else 0
+    return Cost(flops, qo + kv + lse + mask, _unit(config), dict(dims))
 
 
 def kv_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
@@ -220,6 +222,8 @@ def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_S
         if name in dims and name not in out:
             from ..runtime import apply_dim_rule, rule_ctas_per_sm
             out[name] = apply_dim_rule(rule, out, num_sms, rule_ctas_per_sm(meta, rule, target))
+    if "mask_bytes" in dims and "mask_bytes" not in out and "seq_q" in out:   # prefill
+        out["mask_bytes"] = max(1, out["batch"] * -(-out["seq_q"] * out["seq_k"] // 8))
     for name in ("tree_bytes", "mask_bytes"):   # custom masks: dense segments of the batch
         if name in dims and name not in out and "batch" in out and "total_q" in out:
             q = out["total_q"] // max(1, out["batch"])
