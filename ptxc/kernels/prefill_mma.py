@@ -127,7 +127,8 @@ class MmaMath:
 
     def mask(self, s: list[list[Reg]], key0: Reg) -> None:
         """-inf where key (key0 + 8 jn + 2t + e) >= the row's key limit (or, with a sliding
-        window, < the row's first key)."""
+        window, < the row's first key; with a custom mask, where variant.MaskPredicate hides it:
+        one bit window per row per 4 n8 tiles, then the predicate per score)."""
         b, nt = self.b, self.bn // 8
         for i in range(2 * self.mt):
             mt, r = divmod(i, 2)
