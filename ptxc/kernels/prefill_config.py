@@ -201,6 +201,8 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                          causal=spec.opt("causal"))
     bm, bn, stages = tuned.get("block_m", bm), tuned.get("block_n", bn), tuned.get("num_stages", stages)
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
+    if spec.opt("custom_mask") not in (None, "none") and spec.head_dim > 128 and "block_n" not in given:
+        bn = min(bn, 32)   # a mask's bit windows beside d256's O accumulators: 64 keys spilled
     vsplit = value_split(head_dim_v(spec), tc)
     wrows = given.get("warp_rows", 16)
     if wrows != 16:
