@@ -43,7 +43,7 @@ def passed_tensors(a: ArtifactView) -> set[str]:
 
 
 C_TMAP_DTYPE = {"f16": "FLOAT16", "bf16": "BFLOAT16", "f32": "FLOAT32", "i32": "INT32", "u64": "UINT64",
-                "e4m3": "UINT8", "e5m2": "UINT8"}   # as ptxc/runtime/tensor_maps.py
+                "e4m3": "UINT8", "e5m2": "UINT8", "u8": "UINT8"}   # as ptxc/runtime/tensor_maps.py
 
 
 def _tensor_map_line(a: ArtifactView, k: KernelView, p: dict) -> str:

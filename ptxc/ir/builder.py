@@ -190,8 +190,11 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
     def ld(self, space: str, type: PtxType, addr: Addr, vec: int = 1, nc: bool = False,
            out: Sequence[Reg] | None = None) -> Reg | list[Reg]:
         _check_space(space, addr, "ld")
-        dsts = list(out) if out is not None else [self.reg(type) for _ in range(vec)]
-        if len(dsts) != vec or any(not _compatible(d.type, type) for d in dsts):
+        # A byte (u8) lands zero-extended in a 32-bit register (PTX has no 8-bit registers)
+        dsts = list(out) if out is not None else \
+            [self.reg(U32 if type.bits == 8 else type) for _ in range(vec)]
+        if len(dsts) != vec or any(not (_compatible(d.type, type) or
+                                        type.bits == 8 and d.type.bits in (16, 32)) for d in dsts):
             raise IRError(f"ld: destinations {dsts} do not match {vec} x {type}")
         mods = [space] + (["nc"] if nc else []) + ([f"v{vec}"] if vec > 1 else []) + [type.name]
         self.emit("ld", mods, (dsts[0] if vec == 1 else Vec(tuple(dsts)),), (addr,))

@@ -36,6 +36,7 @@ class PtxType:
 
 PRED = PtxType("pred", 1, "pred")
 B16, B32, B64 = PtxType("b16", 16, "b"), PtxType("b32", 32, "b"), PtxType("b64", 64, "b")
+U8 = PtxType("u8", 8, "u")   # memory type only: ld.u8 into a 32-bit register
 U16, U32, U64 = PtxType("u16", 16, "u"), PtxType("u32", 32, "u"), PtxType("u64", 64, "u")
 S16, S32, S64 = PtxType("s16", 16, "s"), PtxType("s32", 32, "s"), PtxType("s64", 64, "s")
 F16, BF16 = PtxType("f16", 16, "f"), PtxType("bf16", 16, "f")

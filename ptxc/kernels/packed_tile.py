@@ -16,11 +16,11 @@ from . import common as C
 from .kv_access import KVAccess
 from .prefill import PrefillConfig, load_head_f32
 from .split_plan import emit_balanced_split
-from .variant import AttentionVariant
+from .variant import AttentionVariant, MaskPredicate
 
 
 @dataclass
-class VarlenCtx:
+class VarlenCtx(MaskPredicate):
     """What MmaMath and finish_rows read (the same names as prefill's Ctx), for packed rows."""
 
     b: KernelBuilder
@@ -42,6 +42,22 @@ class VarlenCtx:
     num_splits: Reg | None
     sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
     slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
+    mask_bits: Reg | None = None   # u64 first byte of the sequence's mask bits (custom_mask)
+
+    # The custom mask predicate (variant.MaskPredicate) over this tile's packed rows: query
+    # token i's row of bits; a tree's n x n bits cover the draft keys (column = key - (L - n)),
+    # packed bits the q_len x L matrix (column = key).
+    def mask_rows(self, b: KernelBuilder) -> Reg:
+        return b.bitcast(self.q_len, U32)
+
+    def mask_width(self, b: KernelBuilder) -> Reg:
+        return b.bitcast(self.q_len if self.variant.tree else self.kv_len, U32)
+
+    def mask_token(self, row: Reg) -> Reg:
+        return self.token(row)
+
+    def mask_shift(self, b: KernelBuilder) -> Reg | None:
+        return b.sub(self.kv_len, self.q_len) if self.variant.tree else None
 
     def token(self, row: Reg) -> Reg:
         g = self.spec.group_size
@@ -181,6 +197,10 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     ctx = VarlenCtx(b, spec, cfg, variant, tid, lane, warp, m_start, rows, q_len, L, smem, kv_head,
                     t0, ptrs.get("lse_part" if split is not None else "lse"), split, split_count,
                     ptrs.get("sinks"), ptrs.get("alibi_slopes"))
+    if variant.mask is not None:   # the sequence's bits start at byte *_indptr[seq] (launcher-checked)
+        bits, indptr = ("tree_mask", "tree_indptr") if variant.tree else ("custom_mask", "mask_indptr")
+        off = b.ld("global", S32, Addr(C.element_offset(b, ptrs[indptr], seq, b.mov(4, S64))), nc=True)
+        ctx.mask_bits = b.add(ptrs[bits], b.cvt(U64, b.bitcast(b.max(off, 0), U32)))
 
     # KV tiles: [0, n_vis) visible to the tile's last token; [0, n_full) to its first as well.
     last_row = b.sub(b.min(b.add(m_start, bm), rows), 1)
@@ -188,6 +208,10 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
         return b.bitcast(b.max(ctx.key_limit(b, row), 0), U32)
     n_vis = b.div(b.add(keys_seen(last_row), bn - 1), bn)
     n_full = b.div(keys_seen(m_start), bn)
+    if variant.tree:   # tiles wholly in the prefix (keys < L - q_len) need no tree bits
+        n_full = b.div(b.bitcast(b.max(b.sub(L, q_len), 0), U32), bn)
+    elif variant.mask is not None:   # packed bits: every tile runs the predicate
+        n_full = b.mov(0, U32)
     # A sliding window: tiles before the first token's window are never read; tiles before
     # the first one wholly inside the last token's window cross its left edge (masked).
     w_first = lo_full = None

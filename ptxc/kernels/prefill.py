@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import S32, S64, U32, U64, KernelBuilder, Reg
+from ..ir import S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
@@ -23,7 +23,8 @@ from .kv_pipeline import run_kv_pipeline
 from .prefill_config import (FIELDS, SIMT_LANES_PER_ROW, PrefillConfig, _check_shape, configure,
                              resolve_tile, validate, value_split)
 from .tiles import SWIZZLE_ALIGN, global_rows, load_tile, thread_slot
-from .variant import (AttentionVariant, default_seq_len, finish_rows, head_dim_v, load_head_f32, variant_inputs,
+from .variant import (AttentionVariant, MaskPredicate, default_seq_len, finish_rows, head_dim_v,
+                      load_head_f32, variant_inputs,
                       variant_reference_args, variant_tensors)
 
 
@@ -39,12 +40,20 @@ def interface(spec: KernelSpec) -> Interface:
         tensors.append(TensorInfo("lse", "f32", ("batch", H, "seq_q"), "output",
                                   "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
     tensors += variant_tensors(spec)
-    return Interface(tuple(tensors), ("batch", "seq_q", "seq_k"),
+    packed = spec.opt("custom_mask") == "packed"
+    if packed:
+        tensors += [TensorInfo("custom_mask", "u8", ("mask_bytes",), "input", "mask bits: batch "
+                               "entry b's bit (i, j) (query i sees key j) is bit (i*seq_k + j) % 8 "
+                               "of byte mask_indptr[b] + (i*seq_k + j) // 8"),
+                    TensorInfo("mask_indptr", "i32", ("batch + 1",), "input", "byte offset of "
+                               "each batch entry's bits: 0, non-decreasing, segments >= "
+                               "ceil(seq_q*seq_k / 8)", device_resident_scalars=True)]
+    return Interface(tuple(tensors), ("batch", "seq_q", "seq_k") + (("mask_bytes",) if packed else ()),
                      {"batch": 2, "seq_q": 17, "seq_k": default_seq_len(spec, 113)})
 
 
 @dataclass
-class Ctx:
+class Ctx(MaskPredicate):
     """Per-CTA values the tile math needs (all u32 unless noted)."""
 
     spec: KernelSpec
@@ -65,6 +74,20 @@ class Ctx:
     variant: AttentionVariant
     sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
     slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
+    mask_bits: Reg | None = None   # u64 first byte of the batch entry's mask bits (custom_mask)
+
+    # variant.MaskPredicate over a batch entry's seq_q x seq_k bits: row = query, column = key
+    def mask_rows(self, b: KernelBuilder) -> Reg:
+        return self.seq_q
+
+    def mask_width(self, b: KernelBuilder) -> Reg:
+        return self.seq_k
+
+    def mask_token(self, row: Reg) -> Reg:
+        return row
+
+    def mask_shift(self, b: KernelBuilder) -> None:
+        return None
 
     def key_limit(self, b: KernelBuilder, row: Reg) -> Reg:
         """s32 number of keys query `row` sees (before clamping to >= 0)."""
@@ -192,6 +215,10 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
               head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant,
               ptrs.get("sinks"), ptrs.get("alibi_slopes"))
+    if variant.mask is not None:   # packed bits from byte mask_indptr[batch]; every tile masked
+        off = b.ld("global", S32, Addr(C.element_offset(b, ptrs["mask_indptr"], batch, b.mov(4, S64))), nc=True)
+        ctx.mask_bits = b.add(ptrs["custom_mask"], b.cvt(U64, b.bitcast(b.max(off, 0), U32)))
+        n_full = b.mov(0, U32)
     math = (MmaMath if cfg.tensor_cores else SimtMath)(b, ctx)
     use_async = cfg.cp_async
 
@@ -240,7 +267,11 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
     H, Hk, d, dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, head_dim_v(spec)
     q, k, v = (round_to(rng.standard_normal(shape), spec.dtype).astype(np.float32)
                for shape in ((B, Sq, H, d), (B, Sk, Hk, d), (B, Sk, Hk, dv)))
-    return {"q": q, "k": k, "v": v, **variant_inputs(spec, rng)}
+    out = {"q": q, "k": k, "v": v, **variant_inputs(spec, rng)}
+    if spec.opt("custom_mask") == "packed":   # one kind of bits per batch entry
+        from .varlen_inputs import packed_inputs
+        out.update(packed_inputs([Sq] * B, [Sk] * B, rng))
+    return out
 
 
 def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
@@ -249,8 +280,13 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
 
     from ..runtime import reference as ref
     q, k, v = (np.swapaxes(np.asarray(inputs[t]), 1, 2) for t in "qkv")
+    mask = None
+    if spec.opt("custom_mask") == "packed":   # [batch, 1, seq_q, seq_k] from the same bits
+        from .varlen_inputs import packed_visible
+        B, _, Sq, Sk = q.shape[0], None, q.shape[2], k.shape[2]
+        mask = np.stack([packed_visible(inputs, b, Sq, Sk) for b in range(B)])[:, None]
     o, lse = ref.attention(q, k, v, spec.softmax_scale, causal=spec.opt("causal"), dtype=dtype,
-                           **variant_reference_args(spec, inputs))
+                           mask=mask, **variant_reference_args(spec, inputs))
     o = np.swapaxes(o, 1, 2)
     return {"o": o, "lse": lse} if spec.opt("return_lse") else {"o": o}
 

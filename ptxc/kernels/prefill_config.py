@@ -25,6 +25,9 @@ FIELDS = FamilyFields(
               "j <= i + seq_k - seq_q", default=False),
         Field("return_lse", "bool", "also write lse [batch, num_heads, seq_q] (f32, natural log)",
               default=False),
+        Field("custom_mask", "str", '"packed": runtime custom_mask bits + mask_indptr, a seq_q x '
+              'seq_k bit matrix per batch entry (needs causal = false; f16/bf16), or "none" '
+              '(docs/spec.md)', default="none", choices=("none", "packed")),
         *VARIANT_FIELDS,
     ),
     tile=(
@@ -127,6 +130,13 @@ class PrefillConfig:
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
     validate_variant(spec)
+    if spec.opt("custom_mask") == "packed":
+        if spec.opt("causal"):
+            raise SpecError('custom_mask = "packed" needs causal = false (the bits are the whole '
+                            'mask; set the causal part in them)', key="custom_mask")
+        if spec.dtype == "f32":
+            raise SpecError('custom_mask = "packed" with dtype f32: masks run on the tensor-core '
+                            'path only; use f16 or bf16', key="custom_mask")
     if spec.dtype == "f32" and spec.head_dim > MAX_SIMT_HEAD_DIM:
         raise SpecError(f"head_dim = {spec.head_dim} with dtype f32: the SIMT path supports "
                         f"head_dim up to {MAX_SIMT_HEAD_DIM}; use f16 or bf16", key="head_dim")
@@ -191,6 +201,8 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                          causal=spec.opt("causal"))
     bm, bn, stages = tuned.get("block_m", bm), tuned.get("block_n", bn), tuned.get("num_stages", stages)
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
+    if spec.opt("custom_mask") not in (None, "none") and spec.head_dim > 128 and "block_n" not in given:
+        bn = min(bn, 32)   # a mask's bit windows beside d256's O accumulators: 64 keys spilled
     vsplit = value_split(head_dim_v(spec), tc)
     wrows = given.get("warp_rows", 16)
     if wrows != 16:
@@ -243,7 +255,9 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                             f"{target.max_smem_per_cta} per CTA: use a smaller tile", key=f"tile.{key}")
         cfg = make()
     shape_given = given.keys() - {"smem_layout", "warp_rows", "kv_loads", "warp_specialize"}   # sm_90a wgmma only
-    if tc and not shape_given and not tuned and _two_ctas_target(spec, target):
+    # (not with a custom mask: its bit windows need more than the 128 registers two CTAs leave)
+    if tc and not shape_given and not tuned and _two_ctas_target(spec, target) and \
+            spec.opt("custom_mask") in (None, "none"):
         # Two CTAs per SM (docs/kernels.md "Prefill tiles"): the most stages (<= the default)
         # with which two fit the SM's shared memory, and ptxas told to stay within the 128
         # registers per thread two 8-warp CTAs leave (it needs 130 unconstrained, no spills at 128).

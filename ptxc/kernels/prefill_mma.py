@@ -61,6 +61,11 @@ class MmaMath:
         begins = [ctx.key_begin(b, r) for r in self.rows]                     # keys >= begin - 2t
         self.begins = None if begins[0] is None else [b.sub(x, two_t) for x in begins]
         self.unit = 1.0 / ctx.spec.softmax_scale        # scores are raw q·k (variant transforms)
+        # The custom mask's predicate (packed_tile.VarlenCtx.key_hidden): per-row state, and
+        # the lane's first draft key offset (key0 is added per tile)
+        self.mask_rows = None if getattr(ctx, "mask_bits", None) is None else \
+            [ctx.mask_row(b, r) for r in self.rows]
+        self.mask_key = None if self.mask_rows is None else ctx.draft_key(b, two_t)
         self.alibi = [ctx.alibi_row(b, r, two_t, self.unit) for r in self.rows] \
             if ctx.variant.alibi else None
         self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.os, ctx.q_smem), b.shl(t, 2))
@@ -122,17 +127,25 @@ class MmaMath:
 
     def mask(self, s: list[list[Reg]], key0: Reg) -> None:
         """-inf where key (key0 + 8 jn + 2t + e) >= the row's key limit (or, with a sliding
-        window, < the row's first key)."""
+        window, < the row's first key; with a custom mask, where variant.MaskPredicate hides it:
+        one bit window per row per 4 n8 tiles, then the predicate per score)."""
         b, nt = self.b, self.bn // 8
         for i in range(2 * self.mt):
             mt, r = divmod(i, 2)
             rel = b.sub(self.limits[i], b.bitcast(key0, S32))
             rel_begin = None if self.begins is None else b.sub(self.begins[i], b.bitcast(key0, S32))
+            k0 = None if self.mask_rows is None else b.add(self.mask_key, b.bitcast(key0, S32))
+            window = None
             for jn, acc in enumerate(s[mt * nt:(mt + 1) * nt]):
+                if k0 is not None and jn % 4 == 0:   # the row's bits of n8 tiles jn .. jn + 3
+                    kc = b.add(k0, 8 * jn) if jn else k0
+                    window = self.ctx.mask_window(b, self.mask_rows[i], kc, 8 * (min(4, nt - jn) - 1) + 2)
                 for e in range(2):
                     out = b.setp("le", rel, 8 * jn + e)
                     if rel_begin is not None:
                         out = b.or_(out, b.setp("gt", rel_begin, 8 * jn + e))
+                    if k0 is not None:   # the custom mask: one predicate over (row, key)
+                        out = b.or_(out, self.ctx.key_hidden(b, window, kc, 8 * (jn % 4) + e))
                     with b.predicate(out):
                         b.mov(C.NEG_INF, F32, out=acc[2 * r + e])
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SpecError
-from ..ir import F32, U32, U64, Addr, KernelBuilder, Reg
+from ..ir import F32, S32, U8, U32, U64, Addr, KernelBuilder, Reg
 from . import common as C
 from ..spec.fields import Field, int_range
 
@@ -126,12 +126,20 @@ class AttentionVariant:
     soft_cap: float | None = None
     sinks: bool = False
     alibi: bool = False
+    mask: str | None = None   # custom_mask "tree" (draft keys by the tree's bits, not the
+                              # diagonal) or "packed" (every key by the request's bits)
 
     @classmethod
     def from_spec(cls, spec) -> "AttentionVariant":
         return cls(causal=bool(spec_option(spec, "causal")), window=spec_option(spec, "sliding_window"),
                    soft_cap=spec_option(spec, "logits_soft_cap"),
-                   sinks=bool(spec_option(spec, "attention_sinks")), alibi=bool(spec_option(spec, "alibi")))
+                   sinks=bool(spec_option(spec, "attention_sinks")), alibi=bool(spec_option(spec, "alibi")),
+                   mask=None if spec_option(spec, "custom_mask") in (None, "none")
+                   else spec_option(spec, "custom_mask"))
+
+    @property
+    def tree(self) -> bool:
+        return self.mask == "tree"
 
     @property
     def transforms(self) -> bool:
@@ -139,7 +147,7 @@ class AttentionVariant:
 
     def key_end(self, b: KernelBuilder, pos: Reg, kv_len: Reg) -> Reg:
         """s32 end of the keys a query at position `pos` (s32) sees; may be <= 0 (sees none)."""
-        if not self.causal:
+        if not self.causal or self.tree:   # a tree's draft rows may see later draft keys
             return kv_len
         return b.min(kv_len, b.add(pos, 1))
 
@@ -188,6 +196,66 @@ class AttentionVariant:
         return None
 
 
+class MaskPredicate:
+    """The custom mask (custom_mask "tree" / "packed") as ONE predicate over logical (row, key),
+    mixed into a family's tile context. The context supplies `mask_bits` (u64 first byte of the
+    sequence's / batch entry's bits, None without a mask), `mask_rows(b)` (u32 rows n of the
+    bit matrix), `mask_width(b)` (u32 bits per row), `mask_token(row)` (u32 bit-matrix row of a
+    tile row) and `mask_shift(b)` (s32 key of column 0, or None for 0). A fragment layout calls
+    mask_row once per row it holds, draft_key once per tile for its lane's first key, one
+    mask_window per row per <= MASK_SPAN columns, then key_hidden per score. Bit (i, c) is bit
+    (i*width + c) % 8 of byte (i*width + c) // 8 (little-endian); columns outside [0, width)
+    are not the mask's (a tree's prefix keys: seen; keys past L: the key limit's)."""
+
+    MASK_SPAN = 26   # columns one window serves: 26 bits at any bit offset fit 5 bytes
+
+    def mask_row(self, b: KernelBuilder, row: Reg):
+        """Per-row state: (i * width (u32), the row holds a query (pred)), or None."""
+        if self.mask_bits is None:
+            return None
+        tok = self.mask_token(row)
+        return b.mul(tok, self.mask_width(b)), b.setp("lt", tok, self.mask_rows(b))
+
+    def draft_key(self, b: KernelBuilder, lane_key: Reg) -> Reg | None:
+        """s32 mask column of key `lane_key` (s32), or None without a mask."""
+        if self.mask_bits is None:
+            return None
+        shift = self.mask_shift(b)
+        return lane_key if shift is None else b.sub(lane_key, shift)
+
+    def mask_window(self, b: KernelBuilder, row_state, k: Reg, span: int) -> Reg:
+        """u32 whose bit o is the row's bit of column k + o, 0 <= o < span <= MASK_SPAN (k s32,
+        may be negative or past the row): the few bytes covering them, each read only when it
+        lies inside the ceil(n * width / 8)-byte segment (launcher-checked), shifted by the bit
+        offset. Far fewer loads in flight than a byte per score (d128 spilled with those)."""
+        base, row_ok = row_state
+        s = b.add(b.bitcast(base, S32), k)
+        first = b.shr(s, 3)                             # floor(s / 8): s may be negative
+        seg = b.shr(b.add(b.mul(self.mask_rows(b), self.mask_width(b)), 7), 3)
+        lo = hi = None
+        for m in range((7 + span - 1) // 8 + 1):
+            at = b.bitcast(b.add(first, m) if m else first, U32)
+            byte = b.mov(0, U32)
+            with b.predicate(b.and_(row_ok, b.setp("lt", at, seg))):
+                b.ld("global", U8, Addr(b.add(self.mask_bits, b.cvt(U64, at))), nc=True, out=[byte])
+            if m < 4:
+                lo = byte if lo is None else b.or_(lo, b.shl(byte, 8 * m))
+            else:
+                hi = byte
+        off = b.and_(b.bitcast(s, U32), 7)
+        bits = b.shr(lo, off)
+        if hi is not None:   # bit 32 of the bytes -> bit 32 - off (two shifts: never by 32)
+            bits = b.or_(bits, b.shl(b.shl(hi, 1), b.sub(31, off)))
+        return bits
+
+    def key_hidden(self, b: KernelBuilder, bits: Reg, k: Reg, o: int) -> Reg:
+        """THE predicate: pred, the mask hides column k + o (k s32) from the row whose
+        mask_window(k) is `bits`."""
+        col = b.bitcast(b.add(k, o) if o else k, U32)
+        inside = b.setp("lt", col, self.mask_width(b))
+        return b.and_(inside, b.setp("eq", b.and_(bits, 1 << o), 0))
+
+
 def join_sink(b: KernelBuilder, m: Reg, total: Reg, sink: Reg) -> tuple[Reg, Reg, Reg]:
     """A row's softmax state (running max m and sum `total` of 2^(s - m), log2 units) with the
     sink logit (log2 units) joined to the denominator: returns (total', alpha, m') with
@@ -234,7 +302,7 @@ def _flat(scores) -> list[Reg]:
     return [x for s in scores for x in _flat(s)]
 
 
-__all__ = ["AttentionVariant", "VARIANT_FIELDS", "validate_variant", "spec_option",
+__all__ = ["AttentionVariant", "MaskPredicate", "VARIANT_FIELDS", "validate_variant", "spec_option",
            "variant_reference_args", "variant_tensors", "variant_inputs", "join_sink", "head_dim_v",
            "finish_rows", "load_head_f32"]
 

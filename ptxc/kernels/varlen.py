@@ -45,6 +45,11 @@ FIELDS = FamilyFields(
         Field("num_splits", "int_or_auto", 'KV splits per query tile: 1, N, or "auto" (chosen '
               'at launch from the CTA count vs. the resident CTA slots)', default=1,
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
+        Field("custom_mask", "str", 'a mask beyond causal: "tree" (speculative verify: runtime '
+              'tree_mask bits + tree_indptr; a draft token sees the prefix and the draft keys '
+              'its bits set; needs causal), "packed" (runtime custom_mask bits + mask_indptr: '
+              'a q_len x L bit matrix per sequence; needs causal = false) or "none" '
+              '(docs/spec.md)', default="none", choices=("none", "tree", "packed")),
         *kv_fp8.FIELDS,
         *VARIANT_FIELDS,
     ),
@@ -80,6 +85,12 @@ def validate(spec: KernelSpec) -> None:
     check_page_size(spec)
     kv_fp8.validate(spec)
     validate_variant(spec, causal_option=True)
+    if spec.opt("custom_mask") == "tree" and not spec.opt("causal"):
+        raise SpecError('custom_mask = "tree" needs causal = true (the prefix part of a draft '
+                        'row is causal; its draft keys follow the tree bits)', key="custom_mask")
+    if spec.opt("custom_mask") == "packed" and spec.opt("causal"):
+        raise SpecError('custom_mask = "packed" needs causal = false (the bits are the whole '
+                        'mask; set the causal part in them)', key="custom_mask")
     if kv_fp8.kv_dtype(spec) != spec.dtype:
         # FP8 scores reach the variant's transforms without k_scale (it is folded into the
         # exp2 scale), so soft-cap and ALiBi would need a runtime unit: not wired yet
@@ -138,7 +149,9 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     if target is not None:
         _check_shape(cfg, target)
         from . import varlen_wgmma as wg   # sm_90a f16/bf16 d64/128/256: the same tile on wgmma
-        if wg.applies(spec, target, cfg):
+        # custom masks run the mma.sync body on sm_90a too (the wgmma layouts do not map to
+        # the mask predicate yet)
+        if wg.applies(spec, target, cfg) and spec.opt("custom_mask") == "none":
             return wg.configure(spec, cfg)
     return cfg
 
@@ -181,8 +194,9 @@ def interface(spec: KernelSpec) -> Interface:
     if spec.opt("return_lse"):
         tensors.append(TensorInfo("lse", "f32", ("total_q", H), "output",
                                   "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
-    tensors += variant_tensors(spec)
-    dims = ["batch", "total_q", *kv.dims()]
+    tensors += variant_tensors(spec) + mask_tensors(spec)
+    dims = ["batch", "total_q", *kv.dims()] + \
+        {"tree": ["tree_bytes"], "packed": ["mask_bytes"]}.get(spec.opt("custom_mask"), [])
     rules: dict = {}
     splits = spec.opt("num_splits")
     if splits != 1:
@@ -200,6 +214,25 @@ def interface(spec: KernelSpec) -> Interface:
     return Interface(tuple(tensors), tuple(dims), defaults, rules, scalars=scalars)
 
 
+def mask_tensors(spec: KernelSpec) -> list[TensorInfo]:
+    """custom_mask = "tree": the packed bits of every sequence's n x n draft tree and the byte
+    offset of each sequence's bits (docs/spec.md \"Custom masks\")."""
+    if spec.opt("custom_mask") == "packed":
+        return [TensorInfo("custom_mask", "u8", ("mask_bytes",), "input", "mask bits: sequence "
+                           "b's bit (i, j) (query i sees key j) is bit (i*L + j) % 8 of byte "
+                           "mask_indptr[b] + (i*L + j) // 8, L = seq_lens[b]"),
+                TensorInfo("mask_indptr", "i32", ("batch + 1",), "input", "byte offset of each "
+                           "sequence's mask bits: 0, non-decreasing, segments >= "
+                           "ceil(q_len*L / 8)", device_resident_scalars=True)]
+    if spec.opt("custom_mask") != "tree":
+        return []
+    return [TensorInfo("tree_mask", "u8", ("tree_bytes",), "input", "draft-tree bits: sequence "
+                       "b's bit (i, k) is bit (i*n + k) % 8 of byte tree_indptr[b] + (i*n + k) // 8"),
+            TensorInfo("tree_indptr", "i32", ("batch + 1",), "input", "byte offset of each "
+                       "sequence's tree bits: 0, non-decreasing, segments >= ceil(n*n / 8)",
+                       device_resident_scalars=True)]
+
+
 def build(spec: KernelSpec, target: Target) -> Program:
     from ..ir import S64, U32, KernelBuilder
     from .varlen_attend import emit_varlen
@@ -215,7 +248,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
 
     outs = ["o_part", "lse_part"] if split else ["o"] + (["lse"] if spec.opt("return_lse") else [])
     names = ["q", "cu_seqlens_q", "seq_lens", *kv.pointer_tensors(), *outs,
-             *(t.name for t in variant_tensors(spec))]
+             *(t.name for t in variant_tensors(spec) + mask_tensors(spec))]
     ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t))) for t in names}
     strides = {(t, a): C.byte_stride(b, param(f"{t}_stride{a}", S64, ParamSource("stride", t, a)), cfg.fmt)
                for t in ("q",) + (() if split else ("o",)) for a in (0, 1)}

@@ -22,6 +22,9 @@ varlen     a uniform batch: every sequence has q = total_q / batch queries
            bytes = q + o (+ lse) + K + V (e_kv bytes per element) once per sequence (GQA
                    packing reads a K/V tile once per KV head; the query tiles of a long
                    prefill re-read it from L2, as in prefill) + cu_seqlens_q + seq_lens (+ block_table) (+ split partials)
+custom_mask (varlen): the estimate assumes dense bits -- every query sees all L keys (a tree:
+           the whole prefix and all n draft keys; packed: every key), keys = q * L -- and adds
+           the mask bytes read (tree: ceil(q*q/8), packed: ceil(q*L/8) per sequence, + indptr)
 sliding_window = W: decode reads min(L, W) rows; prefill and varlen count each query's keys
            exactly (at most W) and varlen reads the min(L, q + W - 1) rows its queries see
 kv_append  FLOPs = 0
@@ -139,7 +142,9 @@ def prefill_cost(meta: dict, config: dict, dims: dict) -> Cost:
     qo = 2 * b * sq * H * d * e
     kv = 2 * b * sk * Hk * d * e
     lse = b * H * sq * LSE_BYTES if spec.get("return_lse") else 0
-    return Cost(flops, qo + kv + lse, _unit(config), dict(dims))
+    # a packed mask: dense bits assumed (every key visible, the non-causal count) + its bytes
+    mask = b * -(-sq * sk // 8) + (b + 1) * 4 if spec.get("custom_mask", "none") != "none" else 0
+    return Cost(flops, qo + kv + lse + mask, _unit(config), dict(dims))
 
 
 def kv_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
@@ -163,15 +168,19 @@ def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
     H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     e = ELEMENT_BYTES[spec["dtype"]]
     window = spec.get("sliding_window")
-    keys = keys_seen(q, L, bool(spec.get("causal")), window)
+    mask = spec.get("custom_mask", "none")
+    # custom masks: dense bits assumed (every key visible; the cost is an upper bound)
+    keys = keys_seen(q, L, bool(spec.get("causal")) and mask == "none", window)
     rows = min(L, q + window - 1) if window else L     # K/V rows any query of a sequence sees
+    mask_bytes = 0 if mask == "none" else \
+        b * (-(-q * (q if mask == "tree" else L) // 8)) + (b + 1) * 4
     tq = b * q
     qo = 2 * tq * H * d * e
     kv = 2 * b * rows * Hk * d * ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]]
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
     splits = dims.get("num_splits", 1)
     parts = 2 * tq * H * splits * (d + 1) * PART_BYTES if splits > 1 else 0
-    index = (b + 1) * 4 + b * 4 + _layout_bytes(meta, dims, rows)
+    index = (b + 1) * 4 + b * 4 + _layout_bytes(meta, dims, rows) + mask_bytes
     return Cost(4 * b * H * d * keys, qo + kv + lse + parts + index, _unit(config), dict(dims))
 
 
@@ -213,6 +222,13 @@ def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_S
         if name in dims and name not in out:
             from ..runtime import apply_dim_rule, rule_ctas_per_sm
             out[name] = apply_dim_rule(rule, out, num_sms, rule_ctas_per_sm(meta, rule, target))
+    if "mask_bytes" in dims and "mask_bytes" not in out and "seq_q" in out:   # prefill
+        out["mask_bytes"] = max(1, out["batch"] * -(-out["seq_q"] * out["seq_k"] // 8))
+    for name in ("tree_bytes", "mask_bytes"):   # custom masks: dense segments of the batch
+        if name in dims and name not in out and "batch" in out and "total_q" in out:
+            q = out["total_q"] // max(1, out["batch"])
+            width = q if name == "tree_bytes" else kv_length(meta, out)
+            out[name] = max(1, out["batch"] * -(-q * width // 8))
     missing = [d for d in dims if d not in out]
     if missing:
         raise InputError(f"{meta['name']}: give --shape {missing[0]}=N (no default for {family})")

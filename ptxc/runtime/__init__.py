@@ -27,9 +27,9 @@ from .dim_rules import AUTO_RULE_NAMES, apply_dim_rule, rule_ctas_per_sm  # noqa
 NP_PARAM = {"u32": np.uint32, "s32": np.int32, "u64": np.uint64, "s64": np.int64, "f32": np.float32}
 HOST_DTYPES = {"f32": (np.float32, np.float64, np.float16), "f16": (np.float16, np.float32, np.float64),
                "bf16": (np.float32, np.float64), "i32": (np.int32, np.int64), "u64": (np.uint64,),
-               "e4m3": (np.uint8,), "e5m2": (np.uint8,)}
+               "e4m3": (np.uint8,), "e5m2": (np.uint8,), "u8": (np.uint8,)}
 EMU_NUM_SMS = 108  # the SM count "auto" rules assume on the emulator (an A100's)
-INT_RANGE = {"i32": (-(1 << 31), (1 << 31) - 1), "u64": (0, (1 << 64) - 1)}
+INT_RANGE = {"i32": (-(1 << 31), (1 << 31) - 1), "u64": (0, (1 << 64) - 1), "u8": (0, 255)}
 PARAM_RANGE = {"u32": (0, (1 << 32) - 1), "s32": (-(1 << 31), (1 << 31) - 1),
                "u64": (0, (1 << 64) - 1), "s64": (-(1 << 63), (1 << 63) - 1)}
 DIM_MAX = (1 << 31) - 1
@@ -48,7 +48,7 @@ def _default_max_run_bytes() -> int:
 DEFAULT_MAX_RUN_BYTES = _default_max_run_bytes()
 POISON = {"f32": np.float32(np.nan), "f16": np.float16(np.nan), "bf16": np.uint16(0x7FC0),
           "i32": np.int32(-0x7FFFFFFF), "u64": np.uint64(0), "e4m3": np.uint8(0x7F),
-          "e5m2": np.uint8(0x7F)}
+          "e5m2": np.uint8(0x7F), "u8": np.uint8(0xA5)}
 
 
 @dataclass
@@ -236,6 +236,19 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
     for name in sorted(expected):
         if tensors[name].get("prefix_sums"):
             check_prefix_sums(meta["name"], name, inputs[name], tensors[name]["prefix_sums"], dims)
+    if "tree_indptr" in expected and "cu_seqlens_q" in expected:
+        check_mask_indptr(meta["name"], "tree_indptr", inputs["tree_indptr"],
+                          np.diff(np.asarray(inputs["cu_seqlens_q"], dtype=np.int64)) ** 2,
+                          int(np.asarray(inputs["tree_mask"]).size))
+    if "mask_indptr" in expected and "seq_q" in dims and "seq_k" in dims:   # prefill: seq_q x seq_k
+        check_mask_indptr(meta["name"], "mask_indptr", inputs["mask_indptr"],
+                          np.full(dims.get("batch", 0), dims["seq_q"] * dims["seq_k"], dtype=np.int64),
+                          int(np.asarray(inputs["custom_mask"]).size))
+    if "mask_indptr" in expected and "cu_seqlens_q" in expected:   # varlen: q_len x L bits
+        lens = np.clip(np.asarray(inputs["seq_lens"], dtype=np.int64), 0, None)
+        check_mask_indptr(meta["name"], "mask_indptr", inputs["mask_indptr"],
+                          np.diff(np.asarray(inputs["cu_seqlens_q"], dtype=np.int64)) * lens,
+                          int(np.asarray(inputs["custom_mask"]).size))
     for name, rule in (meta.get("dim_rules") or {}).items():
         if name not in dims:
             dims[name] = apply_dim_rule(rule, dims, num_sms, rule_ctas_per_sm(meta, rule, target))
@@ -271,6 +284,26 @@ def check_prefix_sums(kernel: str, name: str, values, total: str, dims: dict[str
         raise InputError(f"{kernel}: input {name} must be prefix sums: 0, non-decreasing, ending "
                          f"at {total} = {dims.get(total)} (got {cu[:8].tolist()}"
                          f"{' ...' if cu.size > 8 else ''})")
+
+
+def check_mask_indptr(kernel: str, name: str, values, bits, nbytes: int) -> None:
+    """Byte offsets of per-sequence mask bits (tree_indptr): start at 0, never decrease, each
+    segment holds its sequence's `bits` (ceil(bits / 8) bytes) and the last one ends inside the
+    `nbytes` buffer -- the kernel reads any bit of a segment without a bound of its own."""
+    ptr = np.asarray(values, dtype=np.int64)
+    need = (np.asarray(bits, dtype=np.int64) + 7) // 8
+    if ptr.size == 0 or ptr[0] != 0 or np.any(np.diff(ptr) < 0):
+        raise InputError(f"{kernel}: input {name} must start at 0 and never decrease "
+                         f"(got {ptr[:8].tolist()}{' ...' if ptr.size > 8 else ''})")
+    short = np.nonzero(np.diff(ptr) < need)[0] if need.size == ptr.size - 1 else []
+    if len(short):
+        b = int(short[0])
+        raise InputError(f"{kernel}: input {name}: sequence {b}'s segment has "
+                         f"{int(ptr[b + 1] - ptr[b])} bytes, its mask needs {int(need[b])} "
+                         f"(ceil({int(bits[b])} bits / 8))")
+    if int(ptr[-1]) > nbytes:
+        raise InputError(f"{kernel}: input {name} ends at byte {int(ptr[-1])}, past the "
+                         f"{nbytes}-byte mask buffer")
 
 
 def _shape_text(info: dict) -> str:

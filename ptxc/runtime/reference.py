@@ -61,7 +61,7 @@ def to_device(x: np.ndarray, dtype: str) -> np.ndarray:
     arrays, stored as bits). Always a copy: kernels write inout buffers in place, and the
     caller's arrays must stay untouched."""
     np_type = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u64": np.uint64,
-               "e4m3": np.uint8, "e5m2": np.uint8}   # FP8: the raw bytes
+               "e4m3": np.uint8, "e5m2": np.uint8, "u8": np.uint8}   # FP8: the raw bytes
     if dtype == "bf16":
         return f32_to_bf16_bits(x)
     if dtype not in np_type:
@@ -136,7 +136,7 @@ def fp8_quantize(x: np.ndarray, kind: str) -> np.ndarray:
 # ---- attention ---------------------------------------------------------------------------
 def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype: str | None = None,
               window: int | None = None, soft_cap: float | None = None, sinks=None,
-              alibi_slopes=None):
+              alibi_slopes=None, mask=None):
     """softmax(scale * q k^T + mask) v over the last two axes of [..., heads, seq, d] arrays.
 
     q: [B, H, Sq, D]; k, v: [B, Hk, Sk, D] (GQA: query head h uses KV head h // (H / Hk)).
@@ -146,11 +146,14 @@ def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype
     c*tanh(s/c) -> ALiBi s - slope_h*|p - j| -> masks -> softmax, where `sinks` [H] (natural-log
     logits) join each row's denominator: o = sum e^s v / (e^sink + sum e^s), lse = log(e^sink +
     sum e^s). Rows that see no key give 0 output and lse = -inf (= sink with sinks).
+    `mask`: an optional boolean [Sq, Sk] (or broadcastable to [B, H, Sq, Sk]) a key must also
+    pass (custom masks: draft trees, packed bits).
     With `dtype`, every intermediate is rounded to it (the naive same-dtype computation).
     Returns (o [B, H, Sq, D], lse [B, H, Sq]) in float64.
     """
     prec = dtype if isinstance(dtype, Precision) else Precision(dtype) if dtype else None
     rnd = (lambda x: round_to(x, prec.dtype)) if prec else (lambda x: x)
+    custom = mask
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     B, H, Sq, D = q.shape
     Hk, Sk = k.shape[1], k.shape[2]
@@ -173,6 +176,8 @@ def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype
         mask &= j <= pos
     if window is not None:
         mask &= pos - j < window
+    if custom is not None:
+        mask &= np.asarray(custom, dtype=bool)
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     sink = None if sinks is None else np.broadcast_to(

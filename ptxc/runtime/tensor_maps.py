@@ -22,7 +22,7 @@ from ..errors import InputError
 from ..pipeline.metadata import ELEMENT_BYTES
 
 DATA_TYPES = {"f16": "FLOAT16", "bf16": "BFLOAT16", "f32": "FLOAT32", "i32": "INT32",
-              "u64": "UINT64", "e4m3": "UINT8", "e5m2": "UINT8"}
+              "u64": "UINT64", "e4m3": "UINT8", "e5m2": "UINT8", "u8": "UINT8"}
 SWIZZLES = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}
 MAX_DIM = 1 << 32          # globalDim[i] <= 2^32
 MAX_STRIDE = 1 << 40       # globalStrides[i] < 2^40

@@ -59,6 +59,15 @@ kv_layout = "paged"
 page_size = 16
 num_splits = "auto"
 return_lse = true
+
+[[kernel]]
+name = "e2e_varlen_tree"
+family = "varlen"
+dtype = "bf16"
+kv_layout = "paged"
+page_size = 16
+custom_mask = "tree"
+return_lse = true
 '''
 
 # One entry per family case: artifact name and small odd shapes. A new family is one more
@@ -69,6 +78,7 @@ CASES = {
     "e2e_paged_fused": {"batch": 2, "max_pages_per_seq": 3, "num_pages": 7},
     "e2e_ptr_decode": {"batch": 3, "max_seq_len": 37},
     "e2e_varlen": {"batch": 3, "max_pages_per_seq": 3, "num_pages": 9},
+    "e2e_varlen_tree": {"batch": 11, "max_pages_per_seq": 3, "num_pages": 35},
 }
 
 
