@@ -38,6 +38,27 @@ SCRIPT = textwrap.dedent('''
             if dl is not None:
                 self.__dlpack_device__ = lambda: dl
 
+    DL = {"f32": (2, 32), "f16": (2, 16), "bf16": (4, 16), "i32": (0, 32), "u64": (1, 64)}
+
+    class DLTensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+                    ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                    ("lanes", ctypes.c_uint16), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                    ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64),
+                    ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+    class DLOnly:    # a DLPack-only producer (no CAI), e.g. torch's bf16 through DLPack
+        def __init__(self, addr, shape, dtype):
+            self.shape = (ctypes.c_int64 * len(shape))(*shape)
+            self.t = DLTensor(addr, 2, 0, len(shape), *DL[dtype], 1, self.shape, None, 0, None, None)
+        def __dlpack__(self, stream=None):
+            self.stream = stream
+            new = ctypes.pythonapi.PyCapsule_New
+            new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+            return new(ctypes.addressof(self.t), b"dltensor", None)
+        def __dlpack_device__(self):
+            return (2, 0)
+
     class Stream:
         cuda_stream = 0x5150
 
@@ -49,7 +70,8 @@ SCRIPT = textwrap.dedent('''
         p = ctypes.c_uint64()
         drv("cuMemAlloc_v2", ctypes.byref(p), ctypes.c_size_t(max(arr.nbytes, 1)))
         drv("cuMemcpyHtoD_v2", p, arr.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(arr.nbytes))
-        tensors[name] = Dev(p.value, arr.shape, TYPESTR[info["dtype"]])
+        tensors[name] = (DLOnly(p.value, arr.shape, info["dtype"]) if mode == "dlpack"
+                         else Dev(p.value, arr.shape, TYPESTR[info["dtype"]]))
         where[name] = (p.value, arr.nbytes)
     result = {"tensors": where}
     try:
@@ -77,6 +99,7 @@ def stub(tmp_path_factory):
 
 
 def run_script(tmp_path, stub, art, inputs, mode="ok"):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     np.savez(tmp_path / "in.npz", **inputs)
     (tmp_path / "s.py").write_text(SCRIPT)
     out = harness.run_program([sys.executable, str(tmp_path / "s.py"), str(art.path),
@@ -106,14 +129,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_every_family_launches_on_device_tensors(tmp_path, stub, case):
+@pytest.mark.parametrize("case,mode", [(c, "cai") for c in CASES] + [("decode", "dlpack")])
+def test_every_family_launches_on_device_tensors(tmp_path, stub, case, mode):
+    """Through __cuda_array_interface__, and the bf16 decode through DLPack alone (kDLBfloat)."""
     family, body, dims = CASES[case]
     art = build_kernel(tmp_path, family, body)
     spec = KernelSpec.from_dict(art.meta["spec"])
     inputs = FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(5))
     buffers = device_inputs(art, inputs)
-    result, log = run_script(tmp_path, stub, art, buffers)
+    result, log = run_script(tmp_path, stub, art, buffers, mode=mode)
     assert "error" not in result, result
     assert log.launches and all(line.endswith("0x5150") for line in
                                 (tmp_path / "log" / "events.txt").read_text().splitlines()

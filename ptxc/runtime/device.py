@@ -5,10 +5,11 @@ copy and without synchronising: the per-step path of a serving engine (docs/load
     rt.launch(art, {"q": q, "k_cache": k, ..., "o": o, "lse": lse, "o_part": ws, ...}, stream=s)
 
 Tensors are any objects exposing `__cuda_array_interface__` (v2/v3: data pointer, shape, typestr,
-strides in bytes or None for packed). CAI has no bf16 or FP8 type strings, so the artifact's
-metadata names the dtype and the typestr must have its width: bf16 as "<V2" or "<u2" (the bits),
-e4m3/e5m2 as "|u1" / "|V1". An object that also has `__dlpack_device__` must be on this device
-(kDLCUDA, this ordinal); DLPack-only tensors are not taken yet. Outputs and workspaces are the
+strides in bytes or None for packed) or else DLPack (`__dlpack__`, read from the capsule with no
+copy; bf16 is kDLBfloat 16, FP8 raw uint8). CAI has no bf16 or FP8 type strings, so the
+artifact's metadata names the dtype and the typestr must have its width: bf16 as "<V2" or "<u2"
+(the bits), e4m3/e5m2 as "|u1" / "|V1". A CAI object that also has `__dlpack_device__` must be
+on this device (kDLCUDA, this ordinal). Outputs and workspaces are the
 caller's too (a captured graph owns its memory; workspace shapes are in the metadata and are
 sized from the same dims as the rest), never allocated here.
 
@@ -41,6 +42,45 @@ from .preconditions import check_tensor, packed_strides
 TYPESTRS = {"f32": ("<f4",), "f16": ("<f2",), "bf16": ("<V2", "<u2"), "i32": ("<i4",),
             "u64": ("<u8",), "e4m3": ("|u1", "|V1"), "e5m2": ("|u1", "|V1")}
 KDL_CUDA = 2
+# DLPack (code, bits) per dtype: kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4; FP8 as raw bytes
+DL_DTYPES = {"f32": (2, 32), "f16": (2, 16), "bf16": (4, 16), "i32": (0, 32), "u64": (1, 64),
+             "e4m3": (1, 8), "e5m2": (1, 8)}
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):   # the head of DLManagedTensor(Versioned's dl_tensor: v0 only)
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+def _dlpack_view(where: str, want: str, obj, ordinal: int, stream: int):
+    """(address, shape, strides in elements) of a DLPack tensor, read from its capsule without a
+    copy; the capsule keeps ownership (its destructor calls the producer's deleter)."""
+    try:
+        capsule = obj.__dlpack__(stream=stream if stream else None)
+    except TypeError:
+        capsule = obj.__dlpack__()
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    t = _DLTensor.from_address(get(capsule, b"dltensor"))
+    if (t.device.device_type, t.device.device_id) != (KDL_CUDA, ordinal):
+        raise InputError(f"{where}: on DLPack device {(t.device.device_type, t.device.device_id)}, "
+                         f"expected CUDA device {ordinal} ({(KDL_CUDA, ordinal)})")
+    if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (*DL_DTYPES[want], 1):
+        raise InputError(f"{where}: DLPack dtype (code {t.dtype.code}, bits {t.dtype.bits}, lanes "
+                         f"{t.dtype.lanes}), expected {want} {DL_DTYPES[want] + (1,)}")
+    shape = tuple(int(t.shape[i]) for i in range(t.ndim))
+    strides = (tuple(int(t.strides[i]) for i in range(t.ndim)) if t.strides
+               else tuple(packed_strides(list(shape))))
+    return int(t.data or 0) + int(t.byte_offset), shape, strides
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
@@ -76,9 +116,12 @@ def stream_handle(stream) -> int:
                      f"with cuda_stream or __cuda_stream__)")
 
 
-def device_tensor(meta: dict, name: str, obj, ordinal: int) -> DeviceTensor:
+def device_tensor(meta: dict, name: str, obj, ordinal: int, stream: int = 0) -> DeviceTensor:
     where = f"{meta['name']}: tensor {name}"
     want = meta["tensors"][name]["dtype"]
+    if not hasattr(obj, "__cuda_array_interface__") and hasattr(obj, "__dlpack__"):
+        address, shape, strides = _dlpack_view(where, want, obj, ordinal, stream)
+        return DeviceTensor(address, shape, strides, ELEMENT_BYTES[want])
     if hasattr(obj, "__dlpack_device__"):
         dev = tuple(int(x) for x in obj.__dlpack_device__())
         if dev != (KDL_CUDA, ordinal):
@@ -86,8 +129,8 @@ def device_tensor(meta: dict, name: str, obj, ordinal: int) -> DeviceTensor:
                              f"({(KDL_CUDA, ordinal)})")
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is None:
-        raise InputError(f"{where}: {type(obj).__name__} has no __cuda_array_interface__ "
-                         f"(device tensors only)")
+        raise InputError(f"{where}: {type(obj).__name__} has neither __cuda_array_interface__ "
+                         f"nor __dlpack__ (device tensors only)")
     if cai["typestr"] not in TYPESTRS[want]:
         raise InputError(f"{where}: typestr {cai['typestr']!r}, expected {want} "
                          f"(as {' or '.join(map(repr, TYPESTRS[want]))})")
@@ -201,7 +244,7 @@ class DeviceRuntime:
                              + ("; " if missing and extra else "")
                              + (f"unexpected tensor(s) {', '.join(extra)}" if extra else "")
                              + f"; tensors are {', '.join(sorted(names))}")
-        views = {n: device_tensor(meta, n, obj, self.ordinal) for n, obj in tensors.items()}
+        views = {n: device_tensor(meta, n, obj, self.ordinal, handle) for n, obj in tensors.items()}
         dims = shape_dims(meta, views, sets)
         for name, rule in (meta.get("dim_rules") or {}).items():
             if name not in dims:
