@@ -105,3 +105,24 @@ def test_fused_decode_append_steps_record_identical_launches(tmp_path):
         assert np.all(out["o"][~live] == 0) and np.all(np.isneginf(out["lse"][~live]))
     assert records[0] == records[1]
     assert len(json.loads(records[0])) == 3                   # append, split, reduce
+
+
+def test_graph_contract_in_the_metadata_is_rederived(tmp_path):
+    """metadata `graph`: the dims the grids depend on, the capture dims, per-step inputs,
+    workspaces and the vLLM graph class; a tampered contract is caught by the checked load."""
+    from ptxc.pipeline.checked import check_artifact
+    art = build_kernel(tmp_path, "decode", f'dtype = "f16"\nhead_dim = {D}\nnum_heads = {HEADS}\n'
+                       f'num_kv_heads = {KV}\nnum_splits = "auto"\nreturn_lse = true\n'
+                       'kv_layout = "paged"\npage_size = 16')
+    g = art.meta["graph"]
+    assert g["targets"]["sm_80"] == {"grid_depends_on": ["batch", "num_splits"],
+                                     "class": "UNIFORM_SINGLE_TOKEN_DECODE"}
+    assert g["capture_dims"] == ["batch", "max_pages_per_seq", "num_pages"]
+    assert g["per_step_inputs"] == ["block_table", "seq_lens"]
+    assert g["workspaces_rewritten"] == ["lse_part", "o_part"]
+    path = art.path / "k.json"
+    meta = json.loads(path.read_text())
+    meta["graph"]["targets"]["sm_80"]["class"] = "ALWAYS"
+    path.write_text(json.dumps(meta))
+    _, problems = check_artifact(art.path, manifest=False)
+    assert any("graph differs" in p for p in problems), problems

@@ -338,4 +338,9 @@ def _rederive_problems(meta: dict, where: Path) -> list[str]:
         if have != want["kernels"]:
             problems.append(f"{where}: {target} launch list (grid, block, shared memory or "
                             f"parameters) differs from what the recorded spec gives")
+    # the graph contract follows from the (just compared) launch lists and the interface
+    from .graph import graph_contract
+    graph = graph_contract(spec.family, tensors, list(iface.dims), iface.dim_rules, meta["targets"])
+    if meta.get("graph") != json.loads(json.dumps(graph)):
+        problems.append(f"{where}: graph differs from what the recorded spec gives")
     return problems
