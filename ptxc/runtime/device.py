@@ -224,14 +224,25 @@ class DeviceRuntime:
             self.modules[key] = (module, functions, image)   # the image outlives the module
         return self.modules[key][1]
 
-    def launch(self, art, tensors: dict, *, stream=None, sets: dict | None = None) -> dict[str, int]:
-        """Check everything, then enqueue the launch list on `stream`; returns the dims."""
-        meta = art.meta
-        picked = pick_target(meta["targets"], self.sm)
+    def _pick(self, art) -> tuple[str, str]:
+        picked = pick_target(art.meta["targets"], self.sm)
         if picked is None:
             raise ToolchainError(f"{art.name}: no target runs on sm_{self.sm} "
-                                 f"(built: {', '.join(meta['targets'])})")
-        target, kind = picked
+                                 f"(built: {', '.join(art.meta['targets'])})")
+        return picked
+
+    def prepare(self, art) -> str:
+        """Load the module, look up the functions and raise their shared-memory limit now: what
+        must happen before CUDA-graph capture (launch() then only enqueues). The target's name."""
+        target, kind = self._pick(art)
+        self._module(art, target, kind)
+        return target
+
+    def launch(self, art, tensors: dict, *, stream=None, sets: dict | None = None) -> dict[str, int]:
+        """Check everything, then enqueue the launch list on `stream` (no allocation, copy or
+        synchronisation: capturable once prepare() has run); returns the dims."""
+        meta = art.meta
+        target, kind = self._pick(art)
         if any(i.get("derived_from") for i in meta["tensors"].values()):
             raise InputError(f"{art.name}: pointer-array caches are not taken by the device path yet")
         handle = stream_handle(stream)
