@@ -4,7 +4,6 @@ replayed in the emulator on the recorded memory and checked against fp64. Each s
 its own process (the stub numbers launches per process)."""
 
 import json
-import subprocess
 import sys
 import textwrap
 

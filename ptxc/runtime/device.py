@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import InputError, PtxcError, ToolchainError
 from ..pipeline import exprs
 from ..pipeline.metadata import ELEMENT_BYTES
-from . import NP_PARAM, launch_geometry, pack_args, pick_target, sm_number
+from . import NP_PARAM, launch_geometry, pack_args, pick_target
 from .dim_rules import apply_dim_rule, rule_ctas_per_sm
 from .preconditions import check_tensor, packed_strides
 
