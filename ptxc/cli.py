@@ -213,16 +213,21 @@ def launch_test(paths, backend, shapes, targets, seed, as_json):
               help="Where to run: the PTX emulator, a CUDA device, or CUDA when one is present.")
 @click.option("--set", "sets", multiple=True,
               help="Runtime dims not inferable from inputs, or runtime scalars (k_scale): name=value.")
+@click.option("--record-launches", "record_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write every launch (entry, grid, block, dynamic smem, parameter bytes with "
+                   "device pointers as [buffer, byte offset]) to this JSON file.")
 @handles_errors
-def run(artifact_dir, inputs_path, output_path, target, backend, sets):
+def run(artifact_dir, inputs_path, output_path, target, backend, sets, record_path):
     """Run an artifact's launch list on the tensors in an .npz; write the outputs to an .npz."""
     from .runtime.launch_test import parse_assignments, run_npz
     from .pipeline.artifacts import ensure_output_file
     from .runtime.launch_test import progress_notes
     ensure_output_file(output_path, "--output")
+    if record_path is not None:
+        ensure_output_file(record_path, "--record-launches")
     with progress_notes(f"{artifact_dir.name}"):
         info = run_npz(artifact_dir, inputs_path, output_path, target=target, backend=backend,
-                       sets=parse_assignments(sets, "--set", floats=True))
+                       sets=parse_assignments(sets, "--set", floats=True), record_path=record_path)
     click.echo(f"{output_path}: " + ", ".join(f"{k} {v}" for k, v in info["outputs"].items())
                + f" (backend {info['backend']})")
 

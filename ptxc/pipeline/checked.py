@@ -80,7 +80,7 @@ TRUST = {
     "targets.*.kernels.*.static_smem_bytes": "re-derived",
     "targets.*.kernels.*.needs_smem_opt_in": "re-derived",
     "targets.*.kernels.*.resources": "not trusted", "targets.*.kernels.*.occupancy": "re-derived",
-    "fatbin": "checked",
+    "fatbin": "checked", "graph": "re-derived",
     **{f"targets.*.kernels.*.params.*.source.{k}": "re-derived"
        for k in ("kind", "tensor", "axis", "name", "value", "box", "swizzle")},
     "scalars.*.dtype": "re-derived", "scalars.*.doc": "re-derived",
@@ -492,4 +492,9 @@ def _rederive_problems(meta: dict, where: Path) -> list[str]:
                 if k["occupancy"] != json.loads(json.dumps(occ)):
                     problems.append(_differs(where, f"{target} {k['entry']} occupancy",
                                              k["occupancy"], occ))
+    # the graph contract follows from the (just compared) launch lists and the interface
+    from .graph import graph_contract
+    graph = graph_contract(spec.family, tensors, list(iface.dims), iface.dim_rules, meta["targets"])
+    if meta.get("graph") != json.loads(json.dumps(graph)):
+        problems.append(f"{where}: graph differs from what the recorded spec gives")
     return problems

@@ -69,6 +69,8 @@ def make_metadata(build, verified: bool, fatbin: dict | None = None) -> dict[str
         "verified": verified,
         "targets": targets,
     }
+    from .graph import graph_contract
+    meta["graph"] = graph_contract(spec.family, tensors, meta["dims"], iface.dim_rules, targets)
     if fatbin is not None:
         meta["fatbin"] = fatbin
     return meta

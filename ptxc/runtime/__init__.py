@@ -93,7 +93,9 @@ class Artifact:
         return infer_dims(self.meta, tensors, _dim_sets(self.meta, sets), num_sms, target)
 
     def run(self, inputs: dict[str, np.ndarray], *, target: str | None = None, backend: str = "emu",
-            sets: dict[str, int | float] | None = None, device=None) -> dict[str, np.ndarray]:
+            sets: dict[str, int | float] | None = None, device=None,
+            record: list | None = None) -> dict[str, np.ndarray]:
+        """Run the launch list; with `record` (a list), append one launch_record per launch."""
         tensors, scalars = split_scalars(self.meta, inputs, sets or {})
         tname, t = self.target(target)
         if backend not in ("emu", "cuda"):
@@ -115,6 +117,8 @@ class Artifact:
         else:
             launch = dev.launcher(self, tname)
         for k in t["kernels"]:
+            if record is not None:
+                record.append(launch_record(k, buffers, dims))
             launch(k, buffers, dims)
         return {name: from_device(buffers[name], info["dtype"])
                 for name, info in self.meta["tensors"].items() if info["role"] in ("output", "inout")}
@@ -411,6 +415,30 @@ def launch_geometry(kernel: dict, dims: dict[str, int]) -> tuple[tuple[int, ...]
             raise InputError(f"{kernel['entry']}: grid[{axis}] = {g} is outside [0, {hi}] at "
                              + ", ".join(f"{k}={v}" for k, v in sorted(dims.items())))
     return grid, tuple(kernel["block"])
+
+
+def launch_record(kernel: dict, buffers: dict[str, np.ndarray], dims: dict[str, int]) -> dict:
+    """One launch as a graph would capture it: entry, grid, block, dynamic shared memory, and
+    every parameter's bytes -- a device pointer as [buffer name, byte offset] (its address is the
+    caller's), a tensor map as the tensor, box and swizzle it encodes, any other parameter as its
+    little-endian bytes in hex. Two steps whose records are equal replay the same captured launch
+    with only the contents of device buffers changed (`ptxc run --record-launches`)."""
+    grid, block = launch_geometry(kernel, dims)
+    values = pack_args(kernel, buffers, dims, pointer=lambda name, arr: ("pointer", name),
+                       tensor_map=lambda name, arr, src: ("tensor_map", name, src))
+    params = []
+    for p, v in zip(kernel["params"], values):
+        if isinstance(v, tuple) and v[0] == "pointer":
+            params.append({"name": p["name"], "pointer": [v[1], 0]})
+        elif isinstance(v, tuple):
+            params.append({"name": p["name"], "tensor_map": {"tensor": v[1], "box": list(v[2]["box"]),
+                                                             "swizzle": v[2]["swizzle"]}})
+        else:
+            params.append({"name": p["name"], "type": p["type"],
+                           "bytes": np.asarray(v, NP_PARAM[p["type"]]).astype(
+                               np.dtype(NP_PARAM[p["type"]]).newbyteorder("<")).tobytes().hex()})
+    return {"entry": kernel["entry"], "grid": list(grid), "block": list(block),
+            "dynamic_smem_bytes": kernel["dynamic_smem_bytes"], "params": params}
 
 
 def row_pointer_offsets(source: np.ndarray) -> list[int]:

@@ -233,7 +233,7 @@ def _number(text: str, floats: bool) -> int | float:
 
 
 def run_npz(artifact_dir: Path, inputs_path: Path, output_path: Path, *, target: str | None,
-            backend: str, sets: dict[str, int]) -> dict[str, Any]:
+            backend: str, sets: dict[str, int], record_path: Path | None = None) -> dict[str, Any]:
     import numpy as np
 
     from ..pipeline.cache import atomic_write
@@ -241,7 +241,12 @@ def run_npz(artifact_dir: Path, inputs_path: Path, output_path: Path, *, target:
     art = load(artifact_dir)
     inputs = read_npz(inputs_path)
     backend = resolve_backend(backend)
-    outputs = art.run(inputs, target=target, backend=backend, sets=sets)
+    record = [] if record_path is not None else None
+    outputs = art.run(inputs, target=target, backend=backend, sets=sets, record=record)
+    if record_path is not None:
+        import json
+        atomic_write(record_path, (json.dumps({"artifact": art.name, "launches": record},
+                                              indent=1, sort_keys=True) + "\n").encode())
     import io
     buf = io.BytesIO()
     np.savez(buf, **outputs)

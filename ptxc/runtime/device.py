@@ -1,0 +1,300 @@
+"""Launch an artifact on tensors already in device memory, on the caller's stream, without a
+copy and without synchronising: the per-step path of a serving engine (docs/loaders.md).
+
+    rt = ptxc.runtime.device.DeviceRuntime()            # libcuda: $PTXC_LIBCUDA or libcuda.so.1
+    rt.launch(art, {"q": q, "k_cache": k, ..., "o": o, "lse": lse, "o_part": ws, ...}, stream=s)
+
+Tensors are any objects exposing `__cuda_array_interface__` (v2/v3: data pointer, shape, typestr,
+strides in bytes or None for packed) or else DLPack (`__dlpack__`, read from the capsule with no
+copy; bf16 is kDLBfloat 16, FP8 raw uint8). CAI has no bf16 or FP8 type strings, so the
+artifact's metadata names the dtype and the typestr must have its width: bf16 as "<V2" or "<u2"
+(the bits), e4m3/e5m2 as "|u1" / "|V1". A CAI object that also has `__dlpack_device__` must be
+on this device (kDLCUDA, this ordinal). Outputs and workspaces are the
+caller's too (a captured graph owns its memory; workspace shapes are in the metadata and are
+sized from the same dims as the rest), never allocated here.
+
+The driver is reached through ctypes (a dozen calls), not cuda-python, so tests can point it at
+the stub libcuda (tests/stubcuda) exactly as the C and Rust loaders are tested. Every check the C
+loader makes -- dtype, rank and shape against the metadata, strides and 16-byte alignment
+(`preconditions`), device, parameter ranges, grid limits -- runs before any launch and fails
+with the one-line InputError the CLI prints. Values inside device tensors (prefix sums of
+cu_seqlens_q) are not read: that would synchronise. Modules are loaded once per (artifact
+image, context); functions and their shared-memory opt-in are looked up once per module.
+Not yet taken: pointer-array KV caches (`derived_from` tensors) and tensor-map parameters.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..errors import InputError, PtxcError, ToolchainError
+from ..pipeline import exprs
+from ..pipeline.metadata import ELEMENT_BYTES
+from . import NP_PARAM, launch_geometry, pack_args, pick_target
+from .dim_rules import apply_dim_rule, rule_ctas_per_sm
+from .preconditions import check_tensor, packed_strides
+
+TYPESTRS = {"f32": ("<f4",), "f16": ("<f2",), "bf16": ("<V2", "<u2"), "i32": ("<i4",),
+            "u64": ("<u8",), "e4m3": ("|u1", "|V1"), "e5m2": ("|u1", "|V1")}
+KDL_CUDA = 2
+# DLPack (code, bits) per dtype: kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4; FP8 as raw bytes
+DL_DTYPES = {"f32": (2, 32), "f16": (2, 16), "bf16": (4, 16), "i32": (0, 32), "u64": (1, 64),
+             "e4m3": (1, 8), "e5m2": (1, 8)}
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):   # the head of DLManagedTensor(Versioned's dl_tensor: v0 only)
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+def _dlpack_view(where: str, want: str, obj, ordinal: int, stream: int):
+    """(address, shape, strides in elements) of a DLPack tensor, read from its capsule without a
+    copy; the capsule keeps ownership (its destructor calls the producer's deleter)."""
+    try:
+        capsule = obj.__dlpack__(stream=stream if stream else None)
+    except TypeError:
+        capsule = obj.__dlpack__()
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    t = _DLTensor.from_address(get(capsule, b"dltensor"))
+    if (t.device.device_type, t.device.device_id) != (KDL_CUDA, ordinal):
+        raise InputError(f"{where}: on DLPack device {(t.device.device_type, t.device.device_id)}, "
+                         f"expected CUDA device {ordinal} ({(KDL_CUDA, ordinal)})")
+    if (t.dtype.code, t.dtype.bits, t.dtype.lanes) != (*DL_DTYPES[want], 1):
+        raise InputError(f"{where}: DLPack dtype (code {t.dtype.code}, bits {t.dtype.bits}, lanes "
+                         f"{t.dtype.lanes}), expected {want} {DL_DTYPES[want] + (1,)}")
+    shape = tuple(int(t.shape[i]) for i in range(t.ndim))
+    strides = (tuple(int(t.strides[i]) for i in range(t.ndim)) if t.strides
+               else tuple(packed_strides(list(shape))))
+    return int(t.data or 0) + int(t.byte_offset), shape, strides
+CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_LAUNCH_PARAM_BUFFER_POINTER, CU_LAUNCH_PARAM_BUFFER_SIZE = 1, 2
+
+
+@dataclass(frozen=True)
+class DeviceTensor:
+    """What a launch needs of a caller's tensor: address, shape, strides in elements."""
+    address: int
+    shape: tuple
+    strides: tuple
+    itemsize: int
+
+    @property
+    def byte_strides(self) -> tuple:
+        return tuple(s * self.itemsize for s in self.strides)
+
+
+def stream_handle(stream) -> int:
+    """A CUstream as an integer: an int, an object with `cuda_stream` (torch, cupy), or one with
+    `__cuda_stream__()` returning (version, handle)."""
+    if stream is None:
+        return 0
+    if isinstance(stream, (int, np.integer)):
+        return int(stream)
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    if hasattr(stream, "cuda_stream"):
+        return int(stream.cuda_stream)
+    raise InputError(f"stream: {type(stream).__name__} is no stream (an int handle, or an object "
+                     f"with cuda_stream or __cuda_stream__)")
+
+
+def device_tensor(meta: dict, name: str, obj, ordinal: int, stream: int = 0) -> DeviceTensor:
+    where = f"{meta['name']}: tensor {name}"
+    want = meta["tensors"][name]["dtype"]
+    if not hasattr(obj, "__cuda_array_interface__") and hasattr(obj, "__dlpack__"):
+        address, shape, strides = _dlpack_view(where, want, obj, ordinal, stream)
+        return DeviceTensor(address, shape, strides, ELEMENT_BYTES[want])
+    if hasattr(obj, "__dlpack_device__"):
+        dev = tuple(int(x) for x in obj.__dlpack_device__())
+        if dev != (KDL_CUDA, ordinal):
+            raise InputError(f"{where}: on DLPack device {dev}, expected CUDA device {ordinal} "
+                             f"({(KDL_CUDA, ordinal)})")
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is None:
+        raise InputError(f"{where}: {type(obj).__name__} has neither __cuda_array_interface__ "
+                         f"nor __dlpack__ (device tensors only)")
+    if cai["typestr"] not in TYPESTRS[want]:
+        raise InputError(f"{where}: typestr {cai['typestr']!r}, expected {want} "
+                         f"(as {' or '.join(map(repr, TYPESTRS[want]))})")
+    itemsize = ELEMENT_BYTES[want]
+    shape = tuple(int(s) for s in cai["shape"])
+    if cai.get("strides") is None:
+        strides = tuple(packed_strides(list(shape)))
+    else:
+        if any(s % itemsize for s in cai["strides"]):
+            raise InputError(f"{where}: byte strides {tuple(cai['strides'])} are not whole elements")
+        strides = tuple(int(s) // itemsize for s in cai["strides"])
+    return DeviceTensor(int(cai["data"][0] or 0), shape, strides, itemsize)
+
+
+def shape_dims(meta: dict, tensors: dict[str, DeviceTensor], sets: dict) -> dict[str, int]:
+    """The dims the shapes of inputs determine (no value is read), then the --set ones."""
+    dims = {k: int(v) for k, v in sets.items() if k in meta["dims"]}
+    for name, t in sorted(tensors.items()):
+        info = meta["tensors"][name]
+        if info["role"] not in ("input", "inout"):
+            continue
+        if len(t.shape) != len(info["shape"]):
+            raise InputError(f"{meta['name']}: tensor {name} has shape {list(t.shape)}, expected "
+                             f"{info['shape']} ({len(info['shape'])} dimensions)")
+        for axis, (size, want) in enumerate(zip(t.shape, info["shape"])):
+            if isinstance(want, str) and want.isidentifier():
+                if dims.setdefault(want, size) != size:
+                    raise InputError(f"{meta['name']}: tensor {name} axis {axis} ({want}) is {size}, "
+                                     f"but {want} = {dims[want]} elsewhere")
+    return dims
+
+
+class Driver:
+    """The driver calls the device path makes, through ctypes."""
+
+    def __init__(self, path: str | None = None):
+        path = path or os.environ.get("PTXC_LIBCUDA") or "libcuda.so.1"
+        try:
+            self.lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise ToolchainError(f"no CUDA driver: cannot load {path} ({e})") from None
+        self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+
+    def __call__(self, fn: str, *args):
+        r = getattr(self.lib, fn)(*args)
+        if r != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(r, ctypes.byref(name))
+            raise PtxcError(f"CUDA error in {fn}: {(name.value or b'?').decode()} ({r})")
+
+
+@dataclass
+class DeviceRuntime:
+    ordinal: int = 0
+    libcuda: str | None = None
+    modules: dict = field(default_factory=dict)      # (image sha, context) -> (module, functions)
+    module_loads: int = 0
+
+    def __post_init__(self):
+        self.driver = drv = Driver(self.libcuda)
+        drv("cuInit", 0)
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        drv("cuDeviceGet", ctypes.byref(dev), self.ordinal)
+        drv("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+        drv("cuCtxSetCurrent", ctx)
+        self.device, self.context = dev, ctx.value
+
+        def attr(a):
+            v = ctypes.c_int()
+            drv("cuDeviceGetAttribute", ctypes.byref(v), a, dev)
+            return v.value
+        self.sm = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) * 10 + attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        self.num_sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+
+    def _module(self, art, target: str, kind: str):
+        t = art.meta["targets"][target]
+        key = (t[f"{kind}_sha256"], self.context)
+        if key not in self.modules:
+            image = art.cubin(target) if kind == "cubin" else art.ptx(target).encode() + b"\0"
+            module = ctypes.c_void_p()
+            self.driver("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(image))
+            self.module_loads += 1
+            functions = {}
+            for k in t["kernels"]:
+                fn = ctypes.c_void_p()
+                self.driver("cuModuleGetFunction", ctypes.byref(fn), module, k["entry"].encode())
+                if k["needs_smem_opt_in"]:
+                    self.driver("cuFuncSetAttribute", fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                k["dynamic_smem_bytes"])
+                functions[k["entry"]] = fn
+            self.modules[key] = (module, functions, image)   # the image outlives the module
+        return self.modules[key][1]
+
+    def _pick(self, art) -> tuple[str, str]:
+        picked = pick_target(art.meta["targets"], self.sm)
+        if picked is None:
+            raise ToolchainError(f"{art.name}: no target runs on sm_{self.sm} "
+                                 f"(built: {', '.join(art.meta['targets'])})")
+        return picked
+
+    def prepare(self, art) -> str:
+        """Load the module, look up the functions and raise their shared-memory limit now: what
+        must happen before CUDA-graph capture (launch() then only enqueues). The target's name."""
+        target, kind = self._pick(art)
+        self._module(art, target, kind)
+        return target
+
+    def launch(self, art, tensors: dict, *, stream=None, sets: dict | None = None) -> dict[str, int]:
+        """Check everything, then enqueue the launch list on `stream` (no allocation, copy or
+        synchronisation: capturable once prepare() has run); returns the dims."""
+        meta = art.meta
+        target, kind = self._pick(art)
+        if any(i.get("derived_from") for i in meta["tensors"].values()):
+            raise InputError(f"{art.name}: pointer-array caches are not taken by the device path yet")
+        handle = stream_handle(stream)
+        sets = dict(sets or {})
+        names = [n for n, i in meta["tensors"].items()]
+        missing = sorted(set(names) - set(tensors))
+        extra = sorted(set(tensors) - set(names))
+        if missing or extra:
+            raise InputError(f"{art.name}: " + (f"missing tensor(s) {', '.join(missing)}" if missing else "")
+                             + ("; " if missing and extra else "")
+                             + (f"unexpected tensor(s) {', '.join(extra)}" if extra else "")
+                             + f"; tensors are {', '.join(sorted(names))}")
+        views = {n: device_tensor(meta, n, obj, self.ordinal, handle) for n, obj in tensors.items()}
+        dims = shape_dims(meta, views, sets)
+        for name, rule in (meta.get("dim_rules") or {}).items():
+            if name not in dims:
+                dims[name] = apply_dim_rule(rule, dims, self.num_sms, rule_ctas_per_sm(meta, rule, target))
+        unknown = [d for d in meta["dims"] if d not in dims]
+        if unknown:
+            raise InputError(f"{art.name}: cannot infer {', '.join(unknown)} from the shapes; "
+                             f"give sets={{{unknown[0]!r}: N}}")
+        for name, t in views.items():
+            info = meta["tensors"][name]
+            want = [s if isinstance(s, int) else exprs.evaluate(s, dims) for s in info["shape"]]
+            if list(t.shape) != want:
+                raise InputError(f"{art.name}: tensor {name} has shape {list(t.shape)}, expected "
+                                 f"{want} ({info['shape']})")
+            if np.prod(t.shape, dtype=np.int64):
+                check_tensor(meta, name, t.address, list(t.strides), want)
+        values = {**dims, **{k: float(v) for k, v in sets.items() if k in (meta.get("scalars") or {})}}
+        functions = self._module(art, target, kind)
+        byte_views = {n: SimpleNamespace(address=t.address, strides=t.byte_strides, itemsize=t.itemsize)
+                      for n, t in views.items()}     # pack_args reads numpy-style byte strides
+        launches = []
+        for k in meta["targets"][target]["kernels"]:
+            grid, block = launch_geometry(k, values)
+            raw = bytearray(k["param_bytes"])
+            args = pack_args(k, byte_views, values, pointer=lambda n, t: np.uint64(t.address),
+                             tensor_map=None)
+            for p, v in zip(k["params"], args):
+                raw[p["offset"]:p["offset"] + p["size"]] = np.asarray(v, NP_PARAM[p["type"]]).tobytes()
+            launches.append((k, grid, block, raw))
+        for k, grid, block, raw in launches:       # every check passed: now enqueue
+            if 0 in grid:
+                continue
+            buf = (ctypes.c_char * len(raw)).from_buffer(raw)
+            size = ctypes.c_size_t(len(raw))
+            extra_args = (ctypes.c_void_p * 5)(CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buf),
+                                               CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), 0)
+            self.driver("cuLaunchKernel", functions[k["entry"]], *grid, *block, k["dynamic_smem_bytes"],
+                        handle, None, extra_args)
+        return dims
+
+
+__all__ = ["DeviceRuntime", "DeviceTensor", "device_tensor", "stream_handle", "Driver"]

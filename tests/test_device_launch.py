@@ -1,0 +1,182 @@
+"""ptxc.runtime.device against the stub libcuda (tests/stubcuda): device tensors given through
+__cuda_array_interface__, launched on the caller's stream with no copy; each recorded launch is
+replayed in the emulator on the recorded memory and checked against fp64. Each scenario runs in
+its own process (the stub numbers launches per process)."""
+
+import json
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import build_kernel
+from ptxc.kernels import FAMILIES
+from ptxc.runtime import reference as ref
+from ptxc.spec.model import KernelSpec
+from stubcuda import harness
+
+pytestmark = pytest.mark.skipif(harness.toolchain_missing() is not None,
+                                reason=str(harness.toolchain_missing()))
+
+SCRIPT = textwrap.dedent('''
+    import ctypes, json, sys
+    import numpy as np
+    from ptxc.runtime import load
+    from ptxc.runtime.device import DeviceRuntime
+    from ptxc.errors import PtxcError
+    art_dir, inputs_path, mode = sys.argv[1:4]
+    art = load(art_dir)
+    rt = DeviceRuntime(libcuda=sys.argv[4])
+    drv = rt.driver
+
+    class Dev:       # device memory seen through the CUDA array interface
+        def __init__(self, addr, shape, typestr, strides=None, dl=None):
+            self.__cuda_array_interface__ = {"data": (addr, False), "shape": shape, "typestr": typestr,
+                                             "strides": strides, "version": 3}
+            if dl is not None:
+                self.__dlpack_device__ = lambda: dl
+
+    DL = {"f32": (2, 32), "f16": (2, 16), "bf16": (4, 16), "i32": (0, 32), "u64": (1, 64)}
+
+    class DLTensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+                    ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                    ("lanes", ctypes.c_uint16), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                    ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64),
+                    ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+    class DLOnly:    # a DLPack-only producer (no CAI), e.g. torch's bf16 through DLPack
+        def __init__(self, addr, shape, dtype):
+            self.shape = (ctypes.c_int64 * len(shape))(*shape)
+            self.t = DLTensor(addr, 2, 0, len(shape), *DL[dtype], 1, self.shape, None, 0, None, None)
+        def __dlpack__(self, stream=None):
+            self.stream = stream
+            new = ctypes.pythonapi.PyCapsule_New
+            new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+            return new(ctypes.addressof(self.t), b"dltensor", None)
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    class Stream:
+        cuda_stream = 0x5150
+
+    TYPESTR = {"f32": "<f4", "f16": "<f2", "bf16": "<V2", "i32": "<i4", "u64": "<u8"}
+    host = dict(np.load(inputs_path))
+    tensors, where = {}, {}
+    for name, info in art.meta["tensors"].items():
+        arr = np.ascontiguousarray(host[name])
+        p = ctypes.c_uint64()
+        drv("cuMemAlloc_v2", ctypes.byref(p), ctypes.c_size_t(max(arr.nbytes, 1)))
+        drv("cuMemcpyHtoD_v2", p, arr.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(arr.nbytes))
+        tensors[name] = (DLOnly(p.value, arr.shape, info["dtype"]) if mode == "dlpack"
+                         else Dev(p.value, arr.shape, TYPESTR[info["dtype"]]))
+        where[name] = (p.value, arr.nbytes)
+    result = {"tensors": where}
+    try:
+        if mode == "misaligned":
+            t = tensors["q"].__cuda_array_interface__
+            tensors["q"] = Dev(t["data"][0] + 2, t["shape"], t["typestr"])
+        elif mode == "wrong_device":
+            t = tensors["q"].__cuda_array_interface__
+            tensors["q"] = Dev(t["data"][0], t["shape"], t["typestr"], dl=(2, 1))
+        elif mode == "wrong_dtype":
+            t = tensors["q"].__cuda_array_interface__
+            tensors["q"] = Dev(t["data"][0], t["shape"], "<f4")
+        if mode == "repeat":
+            rt.prepare(art)
+        for _ in range(100 if mode == "repeat" else 1):
+            result["dims"] = rt.launch(art, tensors, stream=Stream())
+        result["module_loads"] = rt.module_loads
+    except PtxcError as e:
+        result["error"] = str(e)
+    print(json.dumps(result))
+''')
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory):
+    return harness.build_stub(tmp_path_factory.mktemp("stub")) / "libcuda.so"
+
+
+def run_script(tmp_path, stub, art, inputs, mode="ok"):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    np.savez(tmp_path / "in.npz", **inputs)
+    (tmp_path / "s.py").write_text(SCRIPT)
+    out = harness.run_program([sys.executable, str(tmp_path / "s.py"), str(art.path),
+                               str(tmp_path / "in.npz"), mode, str(stub)], tmp_path,
+                              {"PTXC_STUB_SM": "80", "PTXC_STUB_SMS": "7"})
+    return json.loads(out.strip().splitlines()[-1]), harness.read_log(tmp_path / "log")
+
+
+def device_inputs(art, inputs):
+    """Every tensor in device format (bf16 as bits); outputs and workspaces NaN-poisoned."""
+    from ptxc.runtime import infer_dims, prepare_buffers
+    dims = infer_dims(art.meta, inputs, {}, num_sms=7, target="sm_80")
+    return prepare_buffers(art.meta, inputs, dims)
+
+
+CASES = {
+    "decode": ("decode", 'dtype = "bf16"\nhead_dim = 32\nnum_heads = 4\nnum_kv_heads = 2\n'
+               'num_splits = "auto"\nreturn_lse = true\nkv_layout = "paged"\npage_size = 16',
+               {"batch": 3, "max_pages_per_seq": 2, "num_pages": 7}),
+    "varlen": ("varlen", 'dtype = "f16"\nhead_dim = 24\nnum_heads = 4\nnum_kv_heads = 2\ncausal = true\n'
+               'num_splits = 2\nreturn_lse = true\nkv_layout = "contiguous"', {"batch": 4, "max_seq_len": 17}),
+    "prefill": ("prefill", 'dtype = "f16"\nhead_dim = 40\nnum_heads = 2\nnum_kv_heads = 2\ncausal = true',
+                {"batch": 1, "seq_q": 17, "seq_k": 17}),
+    "kv_append": ("kv_append", 'dtype = "f16"\nhead_dim = 32\nnum_heads = 4\nnum_kv_heads = 2\n'
+                  'kv_layout = "paged"\npage_size = 16', {"batch": 3, "num_new": 2, "max_pages_per_seq": 2,
+                                                          "num_pages": 7}),
+}
+
+
+@pytest.mark.parametrize("case,mode", [(c, "cai") for c in CASES] + [("decode", "dlpack")])
+def test_every_family_launches_on_device_tensors(tmp_path, stub, case, mode):
+    """Through __cuda_array_interface__, and the bf16 decode through DLPack alone (kDLBfloat)."""
+    family, body, dims = CASES[case]
+    art = build_kernel(tmp_path, family, body)
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    inputs = FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(5))
+    buffers = device_inputs(art, inputs)
+    result, log = run_script(tmp_path, stub, art, buffers, mode=mode)
+    assert "error" not in result, result
+    assert log.launches and all(line.endswith("0x5150") for line in
+                                (tmp_path / "log" / "events.txt").read_text().splitlines()
+                                if line.startswith("launch"))          # the caller's stream
+    memory = harness.replay(log, art.meta, "sm_80", art.ptx("sm_80"), result["tensors"])
+    want = FAMILIES[family].reference(spec, inputs)
+    from ptxc.runtime.reference import from_device
+    for name, expected in want.items():
+        info = art.meta["tensors"][name]
+        addr, size = result["tensors"][name]
+        raw = harness.read_tensor(memory, addr, size).view(buffers[name].dtype).reshape(buffers[name].shape)
+        got = from_device(raw, info["dtype"])
+        if np.issubdtype(np.asarray(expected).dtype, np.floating) and name != "lse":
+            assert ref.max_abs_error(got, expected) < 5e-3, name
+        elif name != "lse":
+            assert np.array_equal(got, expected), name
+
+
+def test_module_loaded_once_across_100_launches(tmp_path, stub):
+    family, body, dims = CASES["decode"]
+    art = build_kernel(tmp_path, family, body)
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    buffers = device_inputs(art, FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(1)))
+    result, log = run_script(tmp_path, stub, art, buffers, mode="repeat")
+    assert result["module_loads"] == 1 and len(log.modules) == 1
+    assert len(log.launches) == 100 * len(art.meta["targets"]["sm_80"]["kernels"])
+
+
+@pytest.mark.parametrize("mode,message", [
+    ("misaligned", "is not 16-byte aligned"),
+    ("wrong_device", "expected CUDA device 0"),
+    ("wrong_dtype", "typestr '<f4', expected bf16"),
+])
+def test_bad_tensors_are_refused_before_any_launch(tmp_path, stub, mode, message):
+    family, body, dims = CASES["decode"]
+    art = build_kernel(tmp_path, family, body)
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    buffers = device_inputs(art, FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(1)))
+    result, log = run_script(tmp_path, stub, art, buffers, mode=mode)
+    assert message in result.get("error", ""), result
+    assert "\n" not in result["error"] and not log.launches
