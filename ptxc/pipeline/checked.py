@@ -81,6 +81,9 @@ TRUST = {
     "targets.*.kernels.*.needs_smem_opt_in": "re-derived",
     "targets.*.kernels.*.resources": "not trusted", "targets.*.kernels.*.occupancy": "re-derived",
     "fatbin": "checked", "graph": "re-derived",
+    **{f"graph.{k}": "re-derived" for k in ("capture_dims", "per_step_inputs", "targets",
+                                             "targets.*.class", "targets.*.grid_depends_on",
+                                             "workspaces_rewritten")},
     **{f"targets.*.kernels.*.params.*.source.{k}": "re-derived"
        for k in ("kind", "tensor", "axis", "name", "value", "box", "swizzle")},
     "scalars.*.dtype": "re-derived", "scalars.*.doc": "re-derived",
