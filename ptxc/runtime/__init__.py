@@ -21,7 +21,7 @@ import numpy as np
 from ..pipeline import exprs
 from ..pipeline.metadata import ELEMENT_BYTES
 from ..errors import InputError, UserError
-from .reference import from_device, to_device
+from ..reference import from_device, to_device
 from .dim_rules import AUTO_RULE_NAMES, apply_dim_rule, rule_ctas_per_sm  # noqa: F401  (re-exported)
 
 NP_PARAM = {"u32": np.uint32, "s32": np.int32, "u64": np.uint64, "s64": np.int64, "f32": np.float32}
