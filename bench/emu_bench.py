@@ -210,7 +210,7 @@ def real_prefill_launch(batch: int, seq: int):
     from ptxc.pipeline.compiler import lower
     from ptxc.kernels import FAMILIES
     from ptxc.runtime import POISON, launch_geometry, pack_args
-    from ptxc.runtime.reference import to_device
+    from ptxc.reference import to_device
     from ptxc.spec import load_file
     [spec] = load_file(Path(__file__).resolve().parents[1] / "specs" / "llama3_8b_prefill.toml")
     ptx, launches, _, _ = lower(spec, "sm_80")

@@ -87,7 +87,7 @@ def test_fp8_decode_full_product_long(tmp_path, dtype, layout):
 def test_reference_reads_the_fp8_bytes():
     """The caches the kernel gets are FP8 bytes of the values over their scales; the reference
     attends over exactly those bytes times the scales (not over the unquantised values)."""
-    from ptxc.runtime.reference import fp8_decode
+    from ptxc.reference import fp8_decode
     spec = load_text('[[kernel]]\nname = "k"\nfamily = "decode"\n' + body("f16", "e4m3", "head", "contiguous"),
                      "x.toml")[0]
     fam = FAMILIES["decode"]
@@ -216,7 +216,7 @@ def test_metadata_and_ptxc_run_with_scalars(tmp_path):
 
     from ptxc.cli import main
     from ptxc.pipeline.metadata import schema_errors
-    from ptxc.runtime.reference import max_abs_error
+    from ptxc.reference import max_abs_error
     art = build_kernel(tmp_path, "decode", body("f16", "e4m3", "tensor", "paged"))
     assert schema_errors(art.meta) == []
     params = {p["name"]: p for p in art.meta["targets"]["sm_80"]["kernels"][0]["params"]}

@@ -5,7 +5,7 @@ ragged seq_lens (0, 1, odd lengths, the full cache)."""
 import numpy as np
 import pytest
 
-from ptxc.runtime import reference as ref
+from ptxc import reference as ref
 from conftest import assert_pass, build_kernel
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.launch_test import check_artifact

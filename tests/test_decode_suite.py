@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from ptxc.runtime import reference as ref
+from ptxc import reference as ref
 from conftest import assert_pass, build_kernel
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.launch_test import check_artifact

@@ -12,7 +12,7 @@ from ptxc import emu
 from ptxc.emu import fp8 as emu_fp8
 from ptxc.ir import B32, F32, S64, U64, Addr, KernelBuilder, render_module
 from ptxc.kernels import fp8
-from ptxc.runtime.reference import fp8_decode, fp8_quantize
+from ptxc.reference import fp8_decode, fp8_quantize
 from ptxc.targets import TARGETS
 
 from tests.emu.helpers import assert_assembles

@@ -203,7 +203,7 @@ def test_symlinked_artifact_dir_in_out_is_not_written_through(built, tmp_path):
 
 def test_untampered_artifact_runs_and_matches_reference(built, tmp_path):
     from ptxc.runtime import load
-    from ptxc.runtime.reference import decode
+    from ptxc.reference import decode
     art = load(built / "out" / NAME)
     with np.load(built / "in.npz") as z:
         inputs = {k: z[k] for k in z.files}

@@ -282,7 +282,7 @@ def test_lse_tolerance_is_derived_from_the_f32_naive_computation(tmp_path):
     # the PROBS_SHIFTS rounding grids -- exactly; ~1e-2 was the old f16 naive baseline
     import numpy as np
     from ptxc.kernels import FAMILIES
-    from ptxc.runtime import reference as ref
+    from ptxc import reference as ref
     from ptxc.spec.model import KernelSpec
     spec = KernelSpec.from_dict(art.meta["spec"])
     fam = FAMILIES["decode"]

@@ -127,7 +127,7 @@ def _mma_kernel(in_type) -> str:
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_ldmatrix_mma_matches_numpy_in_emulator(dtype):
     emu = pytest.importorskip("ptxc.emu")
-    from ptxc.runtime.reference import round_to, to_device
+    from ptxc.reference import round_to, to_device
     ptx = _mma_kernel(F16 if dtype == "f16" else BF16)
     rng = np.random.default_rng(1)
     a, bt = round_to(rng.standard_normal((16, 16)), dtype), round_to(rng.standard_normal((8, 16)), dtype)

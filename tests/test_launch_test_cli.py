@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from conftest import SPECS
 from ptxc.cli import main
-from ptxc.runtime.reference import decode, max_abs_error
+from ptxc.reference import decode, max_abs_error
 
 
 def test_launch_test_spec_json(tmp_path):
@@ -64,7 +64,7 @@ def test_lse_baseline_takes_the_largest_of_shifted_rounding_grids(tmp_path):
     more than twice the single-grid naive max (5.2e-4); with the largest of the four draws it
     passes, as the mma.sync kernel does."""
     from ptxc.kernels import FAMILIES
-    from ptxc.runtime.reference import Precision
+    from ptxc.reference import Precision
     from ptxc.spec import load_file
     spec_file = tmp_path / "mha.toml"
     spec_file.write_text((SPECS / "mha_d64_prefill.toml").read_text().replace(

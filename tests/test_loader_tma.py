@@ -16,7 +16,7 @@ from stubcuda import harness
 from stubcuda.cases import STUB_SMS, input_blob, prepare, shape_dims
 
 from ptxc.runtime import load
-from ptxc.runtime.reference import from_device, max_abs_error, tolerance
+from ptxc.reference import from_device, max_abs_error, tolerance
 
 SPEC = '''
 [[kernel]]

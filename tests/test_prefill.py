@@ -14,7 +14,7 @@ import pytest
 from ptxc.pipeline.compiler import lower
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
-from ptxc.runtime.reference import from_device, max_abs_error, to_device, tolerance
+from ptxc.reference import from_device, max_abs_error, to_device, tolerance
 from ptxc.runtime import POISON, launch_geometry, pack_args
 from ptxc.runtime.tensor_maps import emu_tensor_map
 from ptxc.spec import load_text
@@ -95,7 +95,7 @@ SHAPES = [(1, 17), (17, 113), (113, 17)]
 def growing_scores(spec, inputs):
     """Scores whose scale grows along the keys (k row j times 1 + j/4, q times 3): the running
     max keeps jumping by more than the lazy-rescale slack, and by less, from tile to tile."""
-    from ptxc.runtime.reference import round_to
+    from ptxc.reference import round_to
     j = np.arange(inputs["k"].shape[1])[None, :, None, None]
     return {**inputs, "q": round_to(inputs["q"] * 3, spec.dtype).astype(np.float32),
             "k": round_to(inputs["k"] * (1 + j / 4), spec.dtype).astype(np.float32)}

@@ -228,7 +228,7 @@ def test_runtime_runs_the_artifact_and_loaders_encode_it(built, tmp_path):
     from ptxc.emit import cheader, rust
     from ptxc.kernels import FAMILIES
     from ptxc.runtime import load
-    from ptxc.runtime.reference import max_abs_error, tolerance
+    from ptxc.reference import max_abs_error, tolerance
     out, _ = built
     art = load(out / "llama3_8b_prefill")
     prefill = FAMILIES["prefill"]

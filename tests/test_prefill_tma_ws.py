@@ -244,7 +244,7 @@ def _loop_text(sass: str, loop: dict) -> str:
 def _runs_in_the_emulator(out, load):
     """ptxc.runtime (emulator backend) launches the artifact from its metadata (384 threads)."""
     from ptxc.kernels import FAMILIES
-    from ptxc.runtime.reference import max_abs_error, tolerance
+    from ptxc.reference import max_abs_error, tolerance
     art = load(out / "llama3_8b_prefill")
     prefill = FAMILIES["prefill"]
     [spec] = load_text((out.parent / "l.toml").read_text())

@@ -13,7 +13,7 @@ import pytest
 from conftest import build_kernel
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
-from ptxc.runtime import reference as ref
+from ptxc import reference as ref
 from ptxc.spec import load_text
 from ptxc.spec.model import KernelSpec
 from ptxc.targets import TARGETS

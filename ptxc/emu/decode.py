@@ -2,23 +2,21 @@
 
 An Op holds a `bind(ctx)` that returns the per-batch closure ``run(sel)`` doing the work for
 the selected threads, so the execution loop never parses strings. Decoders live in the
-``ops_*`` modules and register themselves by opcode; an unknown opcode, an unsupported
-modifier or a malformed operand list is reported here, with the kernel and PTX line, before
-the launch starts.
+``ops_*`` modules and register themselves by opcode (`op_table.py` imports them all and decodes
+programs); an unknown opcode, an unsupported modifier or a malformed operand list is reported
+there, with the kernel and PTX line, before the launch starts.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from ptxc.emu.operands import TYPES, DecodeError, SHARED_BASE, imm_scalar, ptype
-from ptxc.emu.parser import parse_module
 from ptxc.emu.ptx_ast import Entry, Instruction, Module
-from ptxc.emu.uninit import InitPlan, analyse as analyse_init
+from ptxc.emu.uninit import InitPlan
 from ptxc.errors import EmulationError
 
 NORMAL, BRANCH, EXIT, BARRIER, PARK = range(5)   # PARK: a wait that may yield (mbarrier)
@@ -204,29 +202,3 @@ def decode_error(entry: Entry, ins: Instruction, msg: str) -> EmulationError:
                          f"cannot emulate '{ins.opcode}': {msg}")
     err.kernel, err.line, err.text = entry.name, ins.line, ins.text
     return err
-
-
-@functools.lru_cache(maxsize=64)
-def decode_program(ptx: str, entry_name: str) -> Program:
-    """Parse (cached) and decode one entry of a module (cached by text and entry)."""
-    # The op families register their decoders on import.
-    from ptxc.emu import ops_async, ops_cvt, ops_ctrl, ops_float, ops_int, ops_logic  # noqa
-    from ptxc.emu import ops_hopper, ops_mbarrier, ops_mem, ops_warp, ops_wgmma  # noqa: F401
-    module = parse_module(ptx)
-    entry = module.entry(entry_name)
-    env = DecodeEnv(module, entry)
-    ops = []
-    for ins in entry.body:
-        decoder = DECODERS.get(ins.opcode)
-        if decoder is None:
-            raise decode_error(entry, ins, "unknown or unsupported opcode")
-        try:
-            op = decoder(ins, env)
-            if ins.guard is not None:
-                gt = env.reg_type(ins.guard.name)
-                if gt.kind != "p":
-                    raise DecodeError(f"guard {ins.guard.name} is not a predicate")
-        except DecodeError as exc:
-            raise decode_error(entry, ins, str(exc)) from None
-        ops.append(op)
-    return Program(module, entry, env, tuple(ops), analyse_init(entry, successors(ops)))

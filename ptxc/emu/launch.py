@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ptxc.emu.decode import decode_program
+from ptxc.emu.op_table import decode_program
 from ptxc.emu.context import BatchContext
 from ptxc.emu.executor import BatchRun
 from ptxc.emu.memory import GlobalMemory
+from ptxc.emu.args import StructArg
 from ptxc.emu.tensormap import TensorMap
 from ptxc.emu.traffic import Traffic, TrafficCounter
 from ptxc.errors import InputError
@@ -72,24 +73,6 @@ class PointerTable:
             if not isinstance(arr, np.ndarray) or not (0 <= int(offset) <= arr.nbytes):
                 raise InputError(f"PointerTable entry ({_describe(arr)}, {offset!r}): expected a numpy "
                                  f"array and a byte offset within it")
-
-
-@dataclass(frozen=True)
-class StructArg:
-    """A by-value struct parameter (`.param .align N .b8 name[size]`, how nvcc passes a C++
-    struct). `data`: the struct's bytes -- `bytes`, or a numpy structured scalar / 0-d array
-    (build its dtype with `align=True` to get C layout). `buffers`: {byte offset or field name:
-    ndarray}; each array is placed in global memory like a buffer argument (and copied back
-    after the launch), and its device address is written as a u64 at that offset of the struct.
-    Plain `bytes` or a structured scalar may be passed directly when the struct holds no
-    pointers."""
-
-    data: object
-    buffers: object = ()
-
-    def __post_init__(self):
-        items = self.buffers.items() if isinstance(self.buffers, dict) else self.buffers
-        object.__setattr__(self, "buffers", tuple(items))
 
 
 def _struct_bytes(kernel, i, p, a):

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ptxc.emu.operands import SHARED_BASE, Fault
+from ptxc.emu.operands import PARAM_BASE, SHARED_BASE, Fault  # noqa: F401  (PARAM_BASE re-exported)
 
 GLOBAL_BASE = 0x1_0000_0000
 GLOBAL_ALIGN = 256
 GLOBAL_GUARD = 256
 GENERIC_SHARED_BASE = 0x7F00_0000_0000
 GENERIC_SHARED_END = GENERIC_SHARED_BASE + (1 << 32)
-# `mov.u64 %rd, param` / cvta.param: kernel parameters' addresses (only TMA reads through them)
-PARAM_BASE = 0x7E00_0000_0000
 
 UNWRITTEN, WRITTEN, CP_ASYNC_PENDING = 0, 1, 2
 BULK_PENDING = CP_ASYNC_PENDING | 4     # a cp.async.bulk destination (pending, and bit 2)

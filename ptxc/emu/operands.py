@@ -19,6 +19,8 @@ import numpy as np
 from ptxc.emu.ptx_ast import Imm, Reg, Sink, Sym
 
 SHARED_BASE = 0x400          # first shared-window address (sm_80+ reserve the first 1 KB too)
+# `mov.u64 %rd, param` / cvta.param: kernel parameters' addresses (only TMA reads through them)
+PARAM_BASE = 0x7E00_0000_0000
 ALL = slice(None)
 
 
@@ -157,7 +159,6 @@ def src_plan(env, operand, ty: PtxType):
                 raise DecodeError(f"address of {operand.name} needs a 64-bit integer type")
             return lambda ctx: (lambda v: (lambda sel: v.view(ty.dtype)))(glob(ctx))
         if operand.name in env.params and ty.kind in "usb" and ty.bits == 64:
-            from ptxc.emu.memory import PARAM_BASE       # the address of a kernel parameter
             value = imm_scalar(Imm(PARAM_BASE + env.params[operand.name][0], "int"), ty)
             return lambda ctx: (lambda sel: value)
         addr = env.symbol_address(operand.name)

@@ -36,7 +36,7 @@ class TensorMap:
 
     def struct_arg(self, where: str):
         """-> (128 bytes, {16: array}) for the launch's by-value struct machinery."""
-        from ptxc.emu.launch import StructArg
+        from ptxc.emu.args import StructArg
         a, box = self.array, tuple(int(b) for b in self.box)
         rank = a.ndim
         ok = isinstance(a, np.ndarray) and 1 <= rank <= 5 and len(box) == rank and \

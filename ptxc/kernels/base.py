@@ -128,7 +128,7 @@ class Family:
     # ... and the outputs in float64; with dtype=..., the naive same-dtype computation instead.
     reference: Callable[..., dict[str, Any]] | None = None
     # The dtype the kernel's row sums take the probabilities in (tensor-core row sums), if not f32:
-    # the lse tolerance's naive computation rounds them the same way (runtime/reference.py).
+    # the lse tolerance's naive computation rounds them the same way (ptxc/reference).
     row_sum_dtype: Callable[[KernelSpec], str | None] | None = None
     # Tile keys that only make sense together (one group per code path, e.g. decode's SIMT and
     # tensor-core tiles): `ptxc tune` searches each group's product; empty: all keys at once.

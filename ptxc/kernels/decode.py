@@ -265,7 +265,7 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
     caches get a shuffled block table with spare pages, so page order != sequence order."""
     import numpy as np
 
-    from ..runtime.reference import round_to
+    from ..reference import round_to
     B, H, Hk, d = dims["batch"], spec.num_heads, spec.num_kv_heads, spec.head_dim
     paged = spec.opt("kv_layout") == "paged"
     S = dims["max_pages_per_seq"] * page_size(spec) if paged else dims["max_seq_len"]
@@ -302,7 +302,7 @@ def dense_caches(spec: KernelSpec, inputs: dict) -> tuple:
 
 
 def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
-    from ..runtime import reference as ref
+    from .. import reference as ref
     out = {}
     if spec.opt("append_kv"):
         from .kv_append import reference as append_reference

@@ -163,7 +163,7 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
     end), negative (partly before the start) and wholly out-of-range starts."""
     import numpy as np
 
-    from ..runtime.reference import round_to
+    from ..reference import round_to
     B, N, Hk, d = dims["batch"], dims["num_new"], spec.num_kv_heads, spec.head_dim
     paged = spec.opt("kv_layout") == "paged"
     ps = spec.opt("page_size") or 16

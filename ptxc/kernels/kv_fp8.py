@@ -153,7 +153,7 @@ def add_inputs(spec: KernelSpec, inputs: dict, rng) -> None:
     quantising append would have written), and add the scales; caches of the dtype stay."""
     import numpy as np
 
-    from ..runtime.reference import fp8_quantize
+    from ..reference import fp8_quantize
     k = kind(spec)
     if not k:
         return
@@ -173,7 +173,7 @@ def dequantized(spec: KernelSpec, inputs: dict, k_cache, v_cache) -> tuple:
     of the dtype come back unchanged. Head axis: -2."""
     import numpy as np
 
-    from ..runtime.reference import fp8_decode
+    from ..reference import fp8_decode
     k = kind(spec)
     if not k:
         return k_cache, v_cache

@@ -1,6 +1,6 @@
 """Inputs and references of the transforming kv_append (kv_transform.py): RoPE tables (plain
 and llama3-scaled, in vLLM's cos_sin_cache layout), RoPE in fp64 and as the kernel's exact f32
-operation sequence, and the OCP FP8 quantiser of ptxc.runtime.reference.
+operation sequence, and the OCP FP8 quantiser of ptxc.reference.
 
 Reference rules: the rotated queries and non-FP8 caches are compared with an fp64 rotation under
 the tolerance rule (naive: the fp64 result rounded to the dtype). FP8 caches are compared byte
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..runtime.reference import fp8_quantize, round_to
+from ..reference import fp8_quantize, round_to
 from .kv_transform import options
 
 

@@ -262,7 +262,7 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
     """Random q/k/v in BSHD layout, already representable in the dtype."""
     import numpy as np
 
-    from ..runtime.reference import round_to
+    from ..reference import round_to
     B, Sq, Sk = dims["batch"], dims["seq_q"], dims["seq_k"]
     H, Hk, d, dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, head_dim_v(spec)
     q, k, v = (round_to(rng.standard_normal(shape), spec.dtype).astype(np.float32)
@@ -278,7 +278,7 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
     """fp64 (or naive same-dtype) outputs for BSHD inputs: o BSHD, lse [batch, heads, seq_q]."""
     import numpy as np
 
-    from ..runtime import reference as ref
+    from .. import reference as ref
     q, k, v = (np.swapaxes(np.asarray(inputs[t]), 1, 2) for t in "qkv")
     mask = None
     if spec.opt("custom_mask") == "packed":   # [batch, 1, seq_q, seq_k] from the same bits

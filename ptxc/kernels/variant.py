@@ -80,7 +80,7 @@ def spec_option(spec, key: str):
 
 
 def variant_reference_args(spec, inputs: dict | None = None) -> dict:
-    """The keyword arguments of runtime.reference.attention for this spec's variant options
+    """The keyword arguments of reference.attention for this spec's variant options
     (runtime tensors from `inputs`)."""
     inputs = inputs or {}
     return {"window": spec_option(spec, "sliding_window"),

@@ -3,7 +3,7 @@
 The reference follows the contract literally, one sequence at a time: L = clamp(seq_lens[b], 0,
 capacity), the q_len = cu[b+1] - cu[b] queries sit at positions L - q_len .. L - 1, and
 query i sees key j iff j < L and (causal) j <= L - q_len + i; rows that see nothing give o = 0
-and lse = -inf (runtime/reference.py's `attention` with bottom-right alignment does exactly this).
+and lse = -inf (ptxc/reference's `attention` with bottom-right alignment does exactly this).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _case(kind: str, S: int, rng) -> tuple[int, int]:
 
 
 def mixed_batch(spec, dims: dict[str, int], rng, page_size: int) -> dict:
-    from ..runtime.reference import round_to
+    from ..reference import round_to
     from .variant import head_dim_v
     B, H, Hk, d = dims["batch"], spec.num_heads, spec.num_kv_heads, spec.head_dim
     S = dims["max_pages_per_seq"] * page_size if page_size else dims["max_seq_len"]
@@ -177,7 +177,7 @@ def dense_sequence(inputs: dict, b: int, L: int, page_size: int) -> tuple[np.nda
 
 
 def varlen_reference(spec, inputs: dict, dtype: str | None, page_size: int) -> dict:
-    from ..runtime import reference as ref
+    from .. import reference as ref
     from .variant import head_dim_v, variant_reference_args
     q, cu = np.asarray(inputs["q"], dtype=np.float64), np.asarray(inputs["cu_seqlens_q"])
     H, d = spec.num_heads, head_dim_v(spec)      # o's head size

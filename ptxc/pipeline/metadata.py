@@ -14,8 +14,6 @@ from typing import Any
 
 from .. import __version__
 from .cache import sha256
-from .compiler import module_ptx_version
-from ..kernels import FAMILIES
 from ..targets import get_target, occupancy
 
 SCHEMA_VERSION = 1
@@ -32,6 +30,11 @@ def artifact_files(name: str, target: str) -> dict[str, str]:
 
 def make_metadata(build, verified: bool, fatbin: dict | None = None) -> dict[str, Any]:
     spec = build.spec
+    # the kernel families load here, at call time: the runtime imports this module for its
+    # tables (ELEMENT_BYTES, schema checks) and must not load the compiler or any kernel
+    from ..kernels import FAMILIES
+    from .compiler import module_ptx_version
+
     iface = FAMILIES[spec.family].interface(spec)
     targets = {}
     for tb in build.targets:

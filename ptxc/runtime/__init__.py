@@ -21,8 +21,8 @@ import numpy as np
 from ..pipeline import exprs
 from ..pipeline.metadata import ELEMENT_BYTES
 from ..errors import InputError, UserError
-from .reference import from_device, to_device
-from .dim_rules import AUTO_RULE_NAMES, apply_dim_rule, rule_ctas_per_sm  # noqa: F401  (re-exported)
+from ..reference import from_device, to_device
+from .dim_rules import AUTO_RULE_NAMES, apply_dim_rule, rule_ctas_per_sm, sm_number  # noqa: F401  (re-exported)
 
 NP_PARAM = {"u32": np.uint32, "s32": np.int32, "u64": np.uint64, "s64": np.int64, "f32": np.float32}
 HOST_DTYPES = {"f32": (np.float32, np.float64, np.float16), "f16": (np.float16, np.float32, np.float64),
@@ -122,11 +122,6 @@ class Artifact:
             launch(k, buffers, dims)
         return {name: from_device(buffers[name], info["dtype"])
                 for name, info in self.meta["tensors"].items() if info["role"] in ("output", "inout")}
-
-
-def sm_number(target: str) -> int:
-    """"sm_90a" -> 90."""
-    return int("".join(c for c in target[3:] if c.isdigit()))
 
 
 def pick_target(targets: dict[str, dict], sm: int) -> tuple[str, str] | None:

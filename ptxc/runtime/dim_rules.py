@@ -22,6 +22,11 @@ def apply_dim_rule(rule: dict, dims: dict[str, int], num_sms: int, ctas_per_sm: 
     return int(min(auto["max"], max(1, exprs.evaluate(auto["rule"], env))))
 
 
+def sm_number(target: str) -> int:
+    """"sm_90a" -> 90."""
+    return int("".join(c for c in target[3:] if c.isdigit()))
+
+
 def rule_ctas_per_sm(meta: dict, rule: dict, target: str | None = None) -> int:
     """CTAs per SM of the launch an "auto" rule names (`occupancy_of`) on `target` (default:
     the oldest, the one Artifact.target picks), from the ptxas occupancy in the metadata;
@@ -31,7 +36,6 @@ def rule_ctas_per_sm(meta: dict, rule: dict, target: str | None = None) -> int:
     if entry is None or not targets:
         return 1
     if target is None or target not in targets:
-        from . import sm_number
         target = min(targets, key=lambda t: (sm_number(t), t))
     for k in targets[target]["kernels"]:
         if k["entry"] == entry and "occupancy" in k:

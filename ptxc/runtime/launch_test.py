@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, UserError
-from .reference import PROBS_SHIFTS, TOLERANCE_RULE, Precision, max_abs_error, tolerance
+from ..reference import PROBS_SHIFTS, TOLERANCE_RULE, Precision, max_abs_error, tolerance
 
 
 @dataclass

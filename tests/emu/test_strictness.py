@@ -278,7 +278,7 @@ def test_predicated_definition_and_use_under_the_same_predicate_pass():
 
 
 def test_ptxc_style_kernels_track_no_registers():
-    from ptxc.emu.decode import decode_program
+    from ptxc.emu.op_table import decode_program
     prog = decode_program(WARP_EXIT_BAR, "warp_exit")
     assert not prog.init.tracked
 

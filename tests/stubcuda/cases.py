@@ -8,7 +8,7 @@ from stubcuda import harness
 from ptxc.kernels import FAMILIES
 from ptxc.pipeline.build import run_build
 from ptxc.runtime import launch_geometry, prepare_buffers
-from ptxc.runtime.reference import from_device, max_abs_error, tolerance
+from ptxc.reference import from_device, max_abs_error, tolerance
 from ptxc.spec.model import KernelSpec
 
 TARGETS = ("sm_80", "sm_90")

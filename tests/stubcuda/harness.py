@@ -200,7 +200,7 @@ def replay(log: StubLog, meta: dict, target: str, ptx: str, tensors: dict) -> di
                 return arr[address - base:address - base + size]
         raise AssertionError(f"launch passes {address:#x}, which is no device allocation")
 
-    from ptxc.emu.decode import decode_program
+    from ptxc.emu.op_table import decode_program
     for launch in log.launches:
         # decode the bytes by the PTX's own parameter layout, not the metadata the loader used
         env = decode_program(ptx, launch.entry).env
