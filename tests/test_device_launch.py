@@ -12,7 +12,7 @@ import pytest
 
 from conftest import build_kernel
 from ptxc.kernels import FAMILIES
-from ptxc.runtime import reference as ref
+from ptxc import reference as ref
 from ptxc.spec.model import KernelSpec
 from stubcuda import harness
 
@@ -145,7 +145,7 @@ def test_every_family_launches_on_device_tensors(tmp_path, stub, case, mode):
                                 if line.startswith("launch"))          # the caller's stream
     memory = harness.replay(log, art.meta, "sm_80", art.ptx("sm_80"), result["tensors"])
     want = FAMILIES[family].reference(spec, inputs)
-    from ptxc.runtime.reference import from_device
+    from ptxc.reference import from_device
     for name, expected in want.items():
         info = art.meta["tensors"][name]
         addr, size = result["tensors"][name]

@@ -26,7 +26,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "ptxc"
 
-BASE = {"ptxc", "ptxc.errors", "ptxc.targets", "ptxc.tuned"}
+BASE = {"ptxc", "ptxc.errors", "ptxc.env", "ptxc.targets", "ptxc.tuned"}
 LAYERS = {"spec": 1, "ir": 2, "kernels": 3, "pipeline": 4, "runtime": 5,
           "emit": 6, "report": 6, "gpu": 6, "cli": 7}
 LEAVES = ("ptxc.emu", "ptxc.reference")

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from conftest import build_kernel
 from ptxc.cli import main
-from ptxc.runtime import reference as ref
+from ptxc import reference as ref
 from ptxc.spec.model import KernelSpec
 
 MAX_BATCH, MAX_SEQ, HEADS, KV, D = 4, 23, 4, 2, 64

@@ -12,7 +12,7 @@ from conftest import assert_pass, build_kernel
 from ptxc.errors import InputError, SpecError
 from ptxc.kernels import FAMILIES
 from ptxc.kernels import varlen_inputs as vi
-from ptxc.runtime import reference as ref
+from ptxc import reference as ref
 from ptxc.runtime.launch_test import check_artifact
 from ptxc.spec.model import KernelSpec
 from test_varlen import body
