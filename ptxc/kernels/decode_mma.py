@@ -26,6 +26,7 @@ from ..targets import TARGETS, Target
 from . import common as C
 from . import kv_fp8, kv_fp8_stage
 from .kv_access import KVAccess
+from .register_floor import narrow_block_n, needs_floor
 
 MIN_GROUP = 4
 MAX_HEAD_DIM = 256
@@ -100,7 +101,7 @@ def configure(spec: KernelSpec, target: Target | None):
     from .prefill import PrefillConfig, _check_shape
     tile = {**C.tuned_tile("decode", spec, target, MMA_TILE_KEYS), **spec.tile_dict()}   # user wins
     bm = block_m(spec)
-    bn = tile.get("block_n") or (64 if spec.head_dim <= 128 else 32)
+    bn = tile.get("block_n") or narrow_block_n("decode", spec, target, 64 if spec.head_dim <= 128 else 32)
     if kv_fp8_stage.applies(spec):
         def make(stages):
             return kv_fp8_stage.StagedFP8Config(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn,
@@ -110,7 +111,8 @@ def configure(spec: KernelSpec, target: Target | None):
         cfg = make(stages)
     else:
         stages = tile.get("num_stages") or DEFAULT_STAGES
-        cfg = PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, bm // 16, stages, True)
+        cfg = PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, bm // 16, stages, True,
+                            min_ctas_per_sm=1 if needs_floor("decode", spec, target) else 0)
     if target is not None:
         if cfg.smem_bytes > target.max_smem_per_cta:
             raise SpecError(f"tile block_n={bn}, num_stages={stages} needs {cfg.smem_bytes} bytes of "

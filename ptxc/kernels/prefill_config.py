@@ -13,6 +13,7 @@ from ..spec.model import KernelSpec
 from ..targets import KIB, MAX_REGS_PER_THREAD, TARGETS, Target
 from . import common as C
 from .tiles import TileGeom, swizzle_fits
+from .register_floor import needs_floor
 from .variant import VARIANT_FIELDS, head_dim_v, validate_variant
 
 _hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
@@ -256,8 +257,9 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
         cfg = make()
     shape_given = given.keys() - {"smem_layout", "warp_rows", "kv_loads", "warp_specialize"}   # sm_90a wgmma only
     # (not with a custom mask: its bit windows need more than the 128 registers two CTAs leave)
+    floor = needs_floor("prefill", spec, target)
     if tc and not shape_given and not tuned and _two_ctas_target(spec, target) and \
-            spec.opt("custom_mask") in (None, "none"):
+            spec.opt("custom_mask") in (None, "none") and not floor:
         # Two CTAs per SM (docs/kernels.md "Prefill tiles"): the most stages (<= the default)
         # with which two fit the SM's shared memory, and ptxas told to stay within the 128
         # registers per thread two 8-warp CTAs leave (it needs 130 unconstrained, no spills at 128).
@@ -267,6 +269,9 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
         if _fits_per_sm(cfg, target, 2):
             min_ctas = 2
             cfg = make()
+    if floor and not min_ctas:   # ptxas's own register cap spills this shape (register_floor.py)
+        min_ctas = 1
+        cfg = make()
     if wrows == 32 and not min_ctas:
         # Left alone, ptxas caps a 4-warp CTA's registers to fit three per SM (168 on sm_90)
         # and spills the 32-row accumulators; .minnctapersm 1 lets it use what they need.
@@ -301,6 +306,9 @@ def _check_swizzle(spec: KernelSpec, tc: bool, vsplit: int, bm: int, bn: int, wa
                         f"block_n {bn}: {why}; use \"padded\"", key="tile.smem_layout")
 
 
+MAX_WARP_ROWS_32_HEAD_DIM = 152
+
+
 def _check_warp_rows(spec: KernelSpec, tc: bool, vsplit: int, wrows: int) -> None:
     from .variant import AttentionVariant
     why = "it needs the tensor-core path (dtype f16 or bf16)" if not tc else \
@@ -309,6 +317,12 @@ def _check_warp_rows(spec: KernelSpec, tc: bool, vsplit: int, wrows: int) -> Non
         if AttentionVariant.from_spec(spec).transforms else None
     if why:
         raise SpecError(f"warp_rows = {wrows}: {why}; use 16", key="tile.warp_rows")
+    widest = max(spec.head_dim, head_dim_v(spec))
+    if wrows == 32 and widest > MAX_WARP_ROWS_32_HEAD_DIM:
+        # measured (bench/spill_sweep.py, ptxas 13.5): two m16 tiles of O at 160-176 columns
+        # reach 254-255 registers with 32 keys and spill 16-488 bytes on every target
+        raise SpecError(f"warp_rows = 32 with head_dim {widest}: two 16-row O tiles spill above "
+                        f"head_dim {MAX_WARP_ROWS_32_HEAD_DIM}; use 16", key="tile.warp_rows")
 
 
 def _fits_per_sm(cfg: PrefillConfig, target: Target, ctas: int) -> bool:

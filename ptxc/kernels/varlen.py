@@ -22,6 +22,7 @@ from ..targets import TARGETS, Target
 from . import common as C
 from . import fp8, kv_fp8, kv_fp8_stage
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
+from .register_floor import narrow_block_n, needs_floor
 from .variant import VARIANT_FIELDS, default_seq_len, head_dim_v, validate_variant, variant_tensors
 from .kv_access import KVAccess, check_page_size
 from .prefill import PrefillConfig, _check_shape, value_split
@@ -119,7 +120,8 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     vsplit = value_split(head_dim_v(spec), True)
     bm = given.get("block_m") or 16 * given.get("num_warps", 4) // vsplit
     warps = given.get("num_warps") or bm // 16 * vsplit
-    bn = given.get("block_n") or (64 if spec.head_dim <= 128 else 32 if spec.head_dim <= 256 else 16)
+    bn = given.get("block_n") or narrow_block_n(
+        "varlen", spec, target, 64 if spec.head_dim <= 128 else 32 if spec.head_dim <= 256 else 16)
     smem_limit = target.max_smem_per_cta if target is not None else 1 << 30
     cp_async = target.has_cp_async if target is not None else True
     # FP8 caches staged by cp.async (kv_fp8_stage.py) take the most stages that keep the CTAs
@@ -131,7 +133,8 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
 
     def make(stages=None):
         return config_type(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,
-                           head_dim_v(spec), vsplit, min_ctas_per_sm=1 if staged else 0)
+                           head_dim_v(spec), vsplit,
+                           min_ctas_per_sm=1 if staged or needs_floor("varlen", spec, target) else 0)
 
     stages = given.get("num_stages") or (
         kv_fp8_stage.default_stages(make, target) if staged and target is not None else 2)

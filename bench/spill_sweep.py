@@ -1,0 +1,188 @@
+"""Every family x dtype x causal x head_dim (multiples of 8 from 16 to 256, and 512) x default
+target, and every option (one at a time, over the head sizes engines use), lowered and assembled
+by the real ptxas; prints (or records) the spill bytes.
+
+    python bench/spill_sweep.py [--out FILE.json] [--update FILE.json] [--jobs 2] [--floors]
+
+tests/test_spill_sweep.py runs the same matrix: it re-assembles every combination whose PTX is
+not in the committed record tests/golden/spill_sweep.json (keyed by the PTX's sha256, the target
+and the ptxas version) and a fixed sample of the recorded ones, and asserts 0 spills everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ptxc.errors import SpecError  # noqa: E402
+from ptxc.pipeline.compiler import lower  # noqa: E402
+from ptxc.spec import load_text  # noqa: E402
+from ptxc.targets import DEFAULT_TARGETS  # noqa: E402
+
+HEAD_DIMS = tuple(range(16, 257, 8)) + (512,)
+# (family, dtypes, causal values, extra spec lines): GQA 4 takes the tensor-core decode path,
+# the "h4" decode rows (GQA 1) the SIMT one
+FAMILIES = (
+    ("prefill", ("f16", "bf16", "f32"), (True, False), "num_heads = 8\nnum_kv_heads = 2\n"),
+    ("decode", ("f16", "bf16", "f32"), (None,), "num_heads = 8\nnum_kv_heads = 2\n"),
+    ("decode", ("f16", "bf16"), (None,), "num_heads = 4\nnum_kv_heads = 4\n"),
+    ("varlen", ("f16", "bf16"), (True, False), 'num_heads = 8\nnum_kv_heads = 2\nkv_layout = "paged"\n'
+                                              "page_size = 16\n"),
+    ("kv_append", ("f16", "bf16", "f32"), (None,), 'num_kv_heads = 2\nkv_layout = "paged"\npage_size = 16\n'),
+)
+
+# Every option one at a time, and the combinations models ship (Gemma 2: window + soft-cap;
+# gpt-oss: window + sinks), over every head_dim, f16 (bf16 allocates alike):
+# (family, causal, option lines, tag).
+_GQA = "num_heads = 8\nnum_kv_heads = 2\n"
+_PAGED = 'kv_layout = "paged"\npage_size = 16\n'
+OPTIONS = (
+    ("prefill", True, "sliding_window = 1024\n", "win"),
+    ("prefill", True, "logits_soft_cap = 50.0\n", "cap"),
+    ("prefill", True, "attention_sinks = true\n", "sink"),
+    ("prefill", True, "alibi = true\n", "alibi"),
+    ("prefill", True, "return_lse = true\n", "lse"),
+    ("prefill", False, 'custom_mask = "packed"\n', "mask"),
+    ("prefill", True, "[kernel.tile]\nwarp_rows = 32\n", "wr32"),
+    ("prefill", True, "sliding_window = 4096\nlogits_soft_cap = 50.0\n", "gemma2"),
+    ("prefill", True, "sliding_window = 128\nattention_sinks = true\n", "gptoss"),
+    ("varlen", True, _PAGED + "sliding_window = 1024\n", "win"),
+    ("varlen", True, _PAGED + "logits_soft_cap = 50.0\n", "cap"),
+    ("varlen", True, _PAGED + "attention_sinks = true\n", "sink"),
+    ("varlen", True, _PAGED + "alibi = true\n", "alibi"),
+    ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\n', "fp8"),
+    ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n', "fp8h"),
+    ("varlen", True, _PAGED + 'num_splits = "auto"\nreturn_lse = true\n', "split"),
+    ("varlen", True, _PAGED + 'custom_mask = "tree"\n', "tree"),
+    ("varlen", False, _PAGED + 'custom_mask = "packed"\n', "mask"),
+    ("varlen", True, _PAGED + "sliding_window = 4096\nlogits_soft_cap = 50.0\n", "gemma2"),
+    ("varlen", True, _PAGED + "sliding_window = 128\nattention_sinks = true\n", "gptoss"),
+    ("decode", None, _PAGED + "sliding_window = 1024\n", "win"),
+    ("decode", None, _PAGED + "logits_soft_cap = 50.0\nattention_sinks = true\n", "capsink"),
+    ("decode", None, _PAGED + "alibi = true\n", "alibi"),
+    ("decode", None, _PAGED + 'kv_dtype = "e4m3"\n', "fp8"),
+    ("decode", None, _PAGED + 'num_splits = "auto"\nappend_kv = true\n', "splitapp"),
+    ("decode", None, _PAGED + "sliding_window = 128\nattention_sinks = true\n", "gptoss"),
+    ("kv_append", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n', "fp8h"),
+    ("kv_append", None, _PAGED + 'rope = "neox"\nnum_heads = 8\n', "rope"),
+)
+
+
+def _spec_text(name, family, dtype, d, extra, causal):
+    """The kernel table; a [kernel.tile] table in `extra` goes last."""
+    body, _, tile = extra.partition("[kernel.tile]\n")
+    return (f'[[kernel]]\nname = "{name}"\nfamily = "{family}"\ndtype = "{dtype}"\n'
+            f"head_dim = {d}\n{body}" + ("" if causal is None else f"causal = {str(causal).lower()}\n")
+            + f"targets = {json.dumps(list(DEFAULT_TARGETS))}\n" + (f"[kernel.tile]\n{tile}" if tile else ""))
+
+
+def _rows():
+    for family, dtypes, causals, extra in FAMILIES:
+        head = f"h{extra.split()[2]}" if family == "decode" else ""
+        for dtype in dtypes:
+            for causal in causals:
+                for d in HEAD_DIMS:
+                    yield (f"{family}{head}_{dtype}_d{d}" + ("" if causal is None else f"_c{int(causal)}"),
+                           family, dtype, d, extra, causal)
+    for family, causal, option, tag in OPTIONS:
+        extra = ("num_kv_heads = 2\n" if family == "kv_append" else _GQA) + option
+        for d in HEAD_DIMS:
+            yield f"{family}_{tag}_f16_d{d}", family, "f16", d, extra, causal
+
+
+def combinations():
+    """(name, spec, target): every combination the spec accepts."""
+    for name, family, dtype, d, extra, causal in _rows():
+        try:
+            [spec] = load_text(_spec_text(name, family, dtype, d, extra, causal), f"{name}.toml")
+        except SpecError:
+            continue          # a head_dim this family/dtype/option does not allow
+        for target in DEFAULT_TARGETS:
+            yield name, spec, target
+
+
+def _lower_row(row):
+    name, family, dtype, d, extra, causal = row
+    try:
+        [spec] = load_text(_spec_text(name, family, dtype, d, extra, causal), f"{name}.toml")
+    except SpecError:
+        return []             # a head_dim this family/dtype/option does not allow
+    out = []
+    for target in DEFAULT_TARGETS:
+        ptx = lower(spec, target)[0]
+        out.append((name, target, ptx, hashlib.sha256(ptx.encode()).hexdigest()))
+    return out
+
+
+def lowered(jobs=2):
+    """[(name, target, ptx, sha256)] for the whole matrix (front end only: a minute on 2 cores)."""
+    rows = list(_rows())
+    if jobs <= 1:
+        return [it for row in rows for it in _lower_row(row)]
+    import multiprocessing
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        return [it for part in pool.map(_lower_row, rows, chunksize=16) for it in part]
+
+
+def assemble_all(items, tc, jobs=2):
+    """{(name, target): {"sha": ..., "spill_bytes": ..., "registers": max}} by real ptxas."""
+    from ptxc.pipeline.ptxas import assemble
+
+    def one(item):
+        name, target, ptx, sha = item
+        _, res, _ = assemble(ptx, target, tc, name)
+        spills = sum(r.spill_stores + r.spill_loads for r in res.values())
+        return (name, target), {"sha": sha, "spill_bytes": spills,
+                                "registers": max(r.registers for r in res.values())}
+    with ThreadPoolExecutor(jobs) as pool:
+        return dict(pool.map(one, items))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--update", type=Path, metavar="RECORD",
+                    help="reuse RECORD's results for PTX it holds (same sha256 and ptxas); assemble the rest")
+    ap.add_argument("--floors", action="store_true",
+                    help="print the spilling shapes as ptxc/kernels/register_floor.py keys (and which table)")
+    args = ap.parse_args(argv)
+    from ptxc.pipeline.ptxas import toolchain
+    tc = toolchain()
+    items = lowered(args.jobs)
+    known = {}
+    if args.update and args.update.exists():
+        record = json.loads(args.update.read_text())
+        if record.get("ptxas_version") == tc.version:
+            known = record["entries"]
+    reused = {(n, t): known[f"{n}/{t}"] for n, t, _, sha in items
+              if known.get(f"{n}/{t}", {}).get("sha") == sha}
+    results = {**reused, **assemble_all([it for it in items if (it[0], it[1]) not in reused], tc, args.jobs)}
+    bad = {k: v for k, v in results.items() if v["spill_bytes"]}
+    for (name, target), v in sorted(bad.items()):
+        print(f"SPILL {name} {target}: {v['spill_bytes']} B ({v['registers']} registers)")
+    print(f"{len(results)} combinations, {len(bad)} spill (ptxas {tc.version})")
+    if args.floors:
+        from ptxc.kernels.register_floor import shape_key
+        from ptxc.targets import get_target
+        specs = {(n, t): spec for n, spec, t in combinations()}
+        for n, t in sorted(bad):
+            spec = specs[(n, t)]
+            remedy = "NARROW_TILES" if results[(n, t)]["registers"] >= 254 else "SPILLING_SHAPES"
+            print(f"{remedy}: {shape_key(spec.family, spec, get_target(t))}")
+    if args.out:
+        record = {"ptxas_version": tc.version,
+                  "entries": {f"{n}/{t}": v for (n, t), v in sorted(results.items())}}
+        args.out.write_text(json.dumps(record, indent=0, sort_keys=True) + "\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
