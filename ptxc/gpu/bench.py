@@ -102,6 +102,13 @@ def bench_inputs(meta: dict, dims: dict[str, int], seed: int = 0) -> dict:
         elif name == "positions":
             # the new rows are the last ones; a decode with append_kv appends exactly one
             out[name] = np.full(shape, max(0, capacity - dims.get("num_new", 1)), dtype=np.int32)
+        elif info["dtype"] == "u8":    # custom / tree mask bits: all set (the cost model's dense bits)
+            out[name] = np.full(shape, 0xFF, dtype=np.uint8)
+        elif name.endswith("_indptr"):  # mask segments: the buffer split evenly over the batch
+            bytes_dim = next(exprs.evaluate(t["shape"][0], dims) for t in meta["tensors"].values()
+                             if t["dtype"] == "u8")
+            per = bytes_dim // max(1, shape[0] - 1)
+            out[name] = (np.arange(shape[0], dtype=np.int64) * per).astype(np.int32)
         elif info["dtype"] == "i32":   # seq_lens
             out[name] = np.full(shape, capacity, dtype=np.int32)
         elif info["dtype"] in ("e4m3", "e5m2"):   # FP8 bytes: random finite codes

@@ -226,7 +226,7 @@ def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_S
         out["mask_bytes"] = max(1, out["batch"] * -(-out["seq_q"] * out["seq_k"] // 8))
     for name in ("tree_bytes", "mask_bytes"):   # custom masks: dense segments of the batch
         if name in dims and name not in out and "batch" in out and "total_q" in out:
-            q = out["total_q"] // max(1, out["batch"])
+            q = -(-out["total_q"] // max(1, out["batch"]))   # the longest sequence of an even spread
             width = q if name == "tree_bytes" else kv_length(meta, out)
             out[name] = max(1, out["batch"] * -(-q * width // 8))
     missing = [d for d in dims if d not in out]
