@@ -61,7 +61,8 @@ SCRIPT = textwrap.dedent('''
     class Stream:
         cuda_stream = 0x5150
 
-    TYPESTR = {"f32": "<f4", "f16": "<f2", "bf16": "<V2", "i32": "<i4", "u64": "<u8"}
+    TYPESTR = {"f32": "<f4", "f16": "<f2", "bf16": "<V2", "i32": "<i4", "i64": "<i8", "u64": "<u8",
+               "e4m3": "|u1", "e5m2": "|u1", "u8": "|u1"}
     host = dict(np.load(inputs_path))
     tensors, where = {}, {}
     for name, info in art.meta["tensors"].items():
@@ -127,6 +128,9 @@ CASES = {
     "kv_append": ("kv_append", 'dtype = "f16"\nhead_dim = 32\nnum_heads = 4\nnum_kv_heads = 2\n'
                   'kv_layout = "paged"\npage_size = 16', {"batch": 3, "num_new": 2, "max_pages_per_seq": 2,
                                                           "num_pages": 7}),
+    "kv_append_slots": ("kv_append", 'dtype = "f16"\nhead_dim = 32\nnum_heads = 4\nnum_kv_heads = 2\n'
+                        'kv_layout = "paged"\npage_size = 4\nindex = "slot_mapping"\nkv_dtype = "e4m3"\n'
+                        'kv_scale = "head"\nrope = "neox"', {"num_tokens": 9, "num_pages": 3, "max_position": 20}),
 }
 
 

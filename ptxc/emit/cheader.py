@@ -42,7 +42,7 @@ def passed_tensors(a: ArtifactView) -> set[str]:
             if p["source"]["kind"] in ("pointer", "workspace")}
 
 
-C_TMAP_DTYPE = {"f16": "FLOAT16", "bf16": "BFLOAT16", "f32": "FLOAT32", "i32": "INT32", "u64": "UINT64",
+C_TMAP_DTYPE = {"f16": "FLOAT16", "bf16": "BFLOAT16", "f32": "FLOAT32", "i32": "INT32", "i64": "INT64", "u64": "UINT64",
                 "e4m3": "UINT8", "e5m2": "UINT8", "u8": "UINT8"}   # as ptxc/runtime/tensor_maps.py
 
 

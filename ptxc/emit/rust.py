@@ -27,7 +27,7 @@ def rs_string(text: str) -> str:
     return f'"{text}"'
 
 
-TMAP_DTYPE = {"f16": 6, "bf16": 9, "f32": 7, "i32": 3, "u64": 4, "e4m3": 0, "e5m2": 0, "u8": 0}  # CU_TENSOR_MAP_DATA_TYPE_*
+TMAP_DTYPE = {"f16": 6, "bf16": 9, "f32": 7, "i32": 3, "i64": 5, "u64": 4, "e4m3": 0, "e5m2": 0, "u8": 0}  # CU_TENSOR_MAP_DATA_TYPE_*
 TMAP_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}                                                # CU_TENSOR_MAP_SWIZZLE_*
 
 

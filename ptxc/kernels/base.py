@@ -16,7 +16,7 @@ from ..spec.model import KernelSpec
 from ..targets import Target
 
 # Element types of tensors, as written in metadata.
-TENSOR_DTYPES = ("f32", "f16", "bf16", "i32", "u64", "e4m3", "e5m2", "u8")   # FP8: raw bytes; u8: mask bits
+TENSOR_DTYPES = ("f32", "f16", "bf16", "i32", "i64", "u64", "e4m3", "e5m2", "u8")   # FP8: raw bytes; u8: mask bits
 
 
 @dataclass(frozen=True)

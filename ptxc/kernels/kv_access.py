@@ -5,6 +5,10 @@
     paged          k_cache [num_pages, page_size, Hk, d],      page = block_table[b, r / page_size]
                    block_table [batch, max_pages_per_seq]      addr = k + page*s0 + (r % page_size)*s1 + h*s2
 
+A paged cache `by_slot` (kv_append's `index = "slot_mapping"`, vLLM's reshape_and_cache_flash)
+takes no block table: the row is a slot, page = slot / page_size, offset = slot % page_size,
+and a slot outside [0, num_pages * page_size) is refused as a page id outside the cache is.
+
 Strides are in elements and are kernel parameters. Every layout bounds the rows it may touch
 (`capacity`: max_seq_len, or max_pages_per_seq * page_size) and the paged layout also refuses
 page ids outside [0, num_pages): a corrupt length or block table can never read out of bounds.
@@ -39,11 +43,14 @@ class KVAccess:
     fmt: C.ElemFormat
     page_size: int = 0
     regs: dict = field(default_factory=dict)
+    by_slot: bool = False     # paged rows addressed by slot (page * page_size + offset), no block table
 
     # ---- interface ---------------------------------------------------------------------
     def tensors(self, dtype: str, kv_heads: int, head_dim: int, role: str) -> list[TensorInfo]:
         if self.layout == "paged":
             shape = ("num_pages", self.page_size, kv_heads, head_dim)
+            if self.by_slot:
+                return [TensorInfo(t, dtype, shape, role) for t in CACHES]
             return [TensorInfo(t, dtype, shape, role) for t in CACHES] + [
                 TensorInfo("block_table", "i32", ("batch", "max_pages_per_seq"), "input",
                            "page ids per sequence; entries past a sequence's length are ignored")]
@@ -59,12 +66,14 @@ class KVAccess:
         return caches
 
     def dims(self) -> tuple[str, ...]:
+        if self.by_slot:
+            return ("num_pages",)
         return ("num_pages", "max_pages_per_seq") if self.layout == "paged" else ("max_seq_len",)
 
     def pointer_tensors(self) -> list[str]:
         if self.layout == "pointer_array":
             return ["k_ptrs", "v_ptrs"]
-        return list(CACHES) + (["block_table"] if self.layout == "paged" else [])
+        return list(CACHES) + (["block_table"] if self.layout == "paged" and not self.by_slot else [])
 
     # ---- parameters --------------------------------------------------------------------
     def emit_strides(self, param) -> None:
@@ -73,7 +82,7 @@ class KVAccess:
         for t in CACHES:
             for a in axes:
                 self.regs[(t, a)] = param(f"{t}_stride{a}", S64, ParamSource("stride", t, a))
-        if self.layout == "paged":
+        if self.layout == "paged" and not self.by_slot:
             self.regs["bt_stride"] = param("block_table_stride0", S64,
                                            ParamSource("stride", "block_table", 0))
 
@@ -103,7 +112,7 @@ class KVAccess:
                 base = b.bitcast(ptrs[t], S64)
             head = C.element_offset(b, b.bitcast(base, U64), kv_head, stride[2])
             out[t] = (b.add(head, lane_byte), stride)
-        if self.layout == "paged":
+        if self.layout == "paged" and not self.by_slot:
             out["block_row"] = C.element_offset(b, ptrs["block_table"], batch,
                                                 b.mul(self.regs["bt_stride"], 4))
         return out
@@ -140,6 +149,20 @@ class KVAccess:
         check: ids outside [0, num_pages) make the row invalid."""
         in_range = b.and_(b.setp("ge", page, 0), b.setp("lt", page, b.bitcast(self.regs["num_pages"], S32)))
         page_cache[(row.cls, row.index)] = (page, b.and_(in_range, valid), b.and_(row, self.page_size - 1))
+
+
+    def use_slot(self, b: KernelBuilder, page_cache: dict, slot: Reg) -> Reg:
+        """Record the page and offset of `slot` (s64; by_slot caches) for row_address, keyed by
+        the slot register; returns its validity: 0 <= slot < num_pages * page_size (negative
+        slots are padding)."""
+        shift = self.page_size.bit_length() - 1
+        slots = b.mul(b.cvt(S64, self.regs["num_pages"]), self.page_size)
+        ok = b.and_(b.setp("ge", slot, 0), b.setp("lt", slot, slots))
+        # in range, the page fits s32 (num_pages is a u32 dim < 2^31 pages of >= 1 row)
+        page = b.cvt(S32, b.shr(b.selp(slot, 0, ok), shift))
+        offset = b.cvt(U32, b.and_(slot, self.page_size - 1))
+        page_cache[(slot.cls, slot.index)] = (page, ok, offset)
+        return ok
 
 
 def page_as_s64(b: KernelBuilder, page: Reg) -> Reg:

@@ -1,7 +1,8 @@
 """kv_append with a transform on the way into the cache: RoPE on the new keys (and the new
 queries) and/or FP8 quantisation. The plain copy path stays in kv_append.py, untouched.
 
-One CTA per (token, sequence), as for the copy. Work items are 8-element chunks: first every
+One CTA per (token, sequence), as for the copy (per token with index = "slot_mapping", rotating
+at positions[token]). Work items are 8-element chunks: first every
 (KV head, chunk) of K and V, then (rope) every (query head, chunk) of q. A chunk is loaded (16
 or 32 bytes), widened to f32, rotated, divided by its scale and quantised (FP8: one 8-byte store)
 or rounded back to the dtype.
@@ -29,6 +30,7 @@ from . import common as C
 from . import fp8
 from .base import Launch, LaunchParam, ParamSource, Program
 from .kv_access import CACHES, KVAccess
+from .kv_rows import NewRows, by_slot, grid
 
 CHUNK = 8            # elements per work item
 MAX_THREADS = 256
@@ -169,7 +171,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     kv_fmt = C.ElemFormat(opts["kv_dtype"], 1) if opts["fp8"] else fmt
     paged = dict(spec.options).get("kv_layout") == "paged"
     kv = KVAccess("paged" if paged else "contiguous", kv_fmt,
-                  (dict(spec.options).get("page_size") or 16) if paged else 0)
+                  (dict(spec.options).get("page_size") or 16) if paged else 0, by_slot=by_slot(spec))
     chunks, kv_items, threads = geometry(spec)
     b = KernelBuilder(f"ptxc_{spec.name}")
     params: list[LaunchParam] = []
@@ -181,10 +183,11 @@ def build(spec: KernelSpec, target: Target) -> Program:
     rope = opts["rope"]
     sources = ("k_new", "v_new") + (("q", "q_rot") if rope else ())
     extra = (["cos_sin_cache"] if rope else []) + (["k_scale", "v_scale"] if opts["kv_scale"] == "head" else [])
+    index = ("slot_mapping", *(("positions",) if rope else ())) if kv.by_slot else ("positions",)
     ptrs = {t: b.to_global(param(t, U64, ParamSource("pointer", tensor=t)))
-            for t in (*sources, "positions", *kv.pointer_tensors(), *extra)}
+            for t in (*sources, *index, *kv.pointer_tensors(), *extra)}
     strides = {(t, a): C.byte_stride(b, param(f"{t}_stride{a}", S64, ParamSource("stride", t, a)), fmt)
-               for t in sources for a in (0, 1, 2)}
+               for t in sources for a in ((0, 1) if kv.by_slot else (0, 1, 2))}
     kv.emit_strides(param)
     if rope:
         cs_stride = b.mul(param("cos_sin_cache_stride0", S64, ParamSource("stride", "cos_sin_cache", 0)), 4)
@@ -195,21 +198,23 @@ def build(spec: KernelSpec, target: Target) -> Program:
     if opts["kv_scale"] == "tensor":
         scales = {t: param(f"{t[0]}_scale", F32, ParamSource("scalar", name=f"{t[0]}_scale")) for t in CACHES}
 
-    tid, token, batch = b.special("%tid.x"), b.special("%ctaid.x"), b.special("%ctaid.y")
-    start = b.ld("global", S32, Addr(C.element_offset(b, ptrs["positions"], batch, b.mov(4, S64))))
-    row_s = b.add(start, b.bitcast(token, S32))
-    valid = b.and_(b.setp("ge", row_s, 0), b.setp("lt", row_s, b.bitcast(kv.capacity(b), S32)))
-    row = b.bitcast(row_s, U32)
+    tid, token = b.special("%tid.x"), b.special("%ctaid.x")
+    rows = NewRows(b, kv, ptrs, token)
+    valid, row = rows.valid, rows.row
     rot = None
     if rope:
-        valid = b.and_(valid, b.setp("lt", row, max_position))
-        cs_row = C.element_offset(b, ptrs["cos_sin_cache"], b.selp(row, 0, valid), cs_stride)
+        if kv.by_slot:   # the position is its own input; the slot only says where the row goes
+            pos = b.ld("global", S64, Addr(C.element_offset(b, ptrs["positions"], token, b.mov(8, S64))))
+            valid = b.and_(valid, b.and_(b.setp("ge", pos, 0), b.setp("lt", pos, b.cvt(S64, max_position))))
+            position = b.cvt(U32, b.selp(pos, 0, valid))
+        else:
+            valid = b.and_(valid, b.setp("lt", row, max_position))
+            position = b.selp(row, 0, valid)
+        cs_row = C.element_offset(b, ptrs["cos_sin_cache"], position, cs_stride)
         rot = _Rope(b, rope, opts["rotary_dim"], b.bitcast(cs_row, U64))
 
     def source_row(name: str, head: Reg) -> Reg:
-        src = C.element_offset(b, ptrs[name], batch, strides[(name, 0)])
-        src = C.element_offset(b, b.bitcast(src, U64), token, strides[(name, 1)])
-        return b.bitcast(C.element_offset(b, b.bitcast(src, U64), head, strides[(name, 2)]), U64)
+        return b.bitcast(rows.source(name, head, strides), U64)
 
     with b.if_then(valid):
         for rnd in range(-(-kv_items // threads)):
@@ -217,8 +222,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
             with b.if_then(b.setp("lt", item, kv_items)):
                 kv_head, chunk = b.div(item, chunks), b.rem(item, chunks)
                 first = b.mul(chunk, CHUNK)
-                bases = kv.bases(b, ptrs, batch, kv_head, b.cvt(S64, b.mul(chunk, CHUNK * kv_fmt.bytes)))
-                page_cache: dict = {}
+                bases = kv.bases(b, ptrs, rows.batch, kv_head, b.cvt(S64, b.mul(chunk, CHUNK * kv_fmt.bytes)))
+                page_cache = rows.page_cache()
                 for t, src_name in zip(CACHES, ("k_new", "v_new")):
                     head_row = source_row(src_name, kv_head)
                     vals = _load8(b, fmt, b.bitcast(b.add(b.bitcast(head_row, S64),
@@ -246,7 +251,6 @@ def build(spec: KernelSpec, target: Target) -> Program:
                 vals = rot.rotate(vals, b.mul(chunk, CHUNK), q_row, fmt, valid)
                 _store8(b, fmt, b.bitcast(b.add(b.bitcast(out_row, S64), offset), U64), vals, target)
     b.ret()
-    launch = Launch(entry=b.entry.name, params=tuple(params), grid=("num_new", "batch", "1"),
-                    block=(threads, 1, 1))
+    launch = Launch(entry=b.entry.name, params=tuple(params), grid=grid(spec), block=(threads, 1, 1))
     return Program([b.entry], [launch], {"threads": threads, "chunk_elems": CHUNK},
                    ptx_version=fp8.ptx_version(target) if opts["fp8"] else None)

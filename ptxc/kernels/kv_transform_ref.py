@@ -56,7 +56,9 @@ def add_inputs(spec, dims: dict, inputs: dict, rng) -> None:
     """Scales (runtime scalars or per-head tensors), q and a cos_sin_cache; FP8 specs also get
     values that saturate, an infinity and a NaN in v_new."""
     opts = options(spec)
-    B, N, Hk, d = dims["batch"], dims["num_new"], spec.num_kv_heads, spec.head_dim
+    slots = "num_tokens" in dims
+    new = (dims["num_tokens"],) if slots else (dims["batch"], dims["num_new"])
+    Hk, d = spec.num_kv_heads, spec.head_dim
     if opts["fp8"]:
         top = 448.0 if opts["fp8"] == "e4m3" else 57344.0
         if opts["kv_scale"] == "tensor":
@@ -70,8 +72,14 @@ def add_inputs(spec, dims: dict, inputs: dict, rng) -> None:
             flat[2:4] *= 1e4                       # saturates to +-max finite
     if opts["rope"]:
         H = spec.num_heads
-        inputs["q"] = round_to(rng.standard_normal((B, N, H, d)), spec.dtype).astype(np.float32)
+        inputs["q"] = round_to(rng.standard_normal((*new, H, d)), spec.dtype).astype(np.float32)
         inputs["cos_sin_cache"] = rope_cos_sin_cache(dims["max_position"], opts["rotary_dim"])
+        if slots:   # positions of their own: in range, one past max_position, negative
+            T, top = new[0], dims["max_position"]
+            pos = rng.integers(0, top, T).astype(np.int64)
+            pos[1:T:5] = top
+            pos[3:T:5] = -3
+            inputs["positions"] = pos
 
 
 def _quantize(x32: np.ndarray, scale, kind: str) -> np.ndarray:
@@ -91,12 +99,12 @@ def reference(spec, inputs: dict, dtype: str | None = None) -> dict:
     q_rot = None
     if style:
         q_rot = np.array(inputs["q"], np.float64)
-    for bi, t, r, dst in destinations(spec, inputs):
-        if style and r >= max_pos:
+    for src, r, dst in destinations(spec, inputs):
+        if style and not 0 <= r < max_pos:
             continue
         rows = {}
         for name, cache in (("k_new", "k_cache"), ("v_new", "v_cache")):
-            x = np.asarray(inputs[name][bi, t])
+            x = np.asarray(inputs[name][src])
             rotate_it = style and name == "k_new"
             if kind:
                 x32 = x.astype(np.float32)
@@ -113,14 +121,29 @@ def reference(spec, inputs: dict, dtype: str | None = None) -> dict:
         for cache, value in rows.items():
             out[cache][dst] = value
     if style:
-        for bi in range(q_rot.shape[0]):
-            for t in range(q_rot.shape[1]):
-                r = int(inputs["positions"][bi]) + t
-                if _row_valid(spec, inputs, r) and r < max_pos:
-                    q_rot[bi, t] = rounding(rotate(q_rot[bi, t], cs[r, :h].astype(np.float64),
-                                                   cs[r, h:rd].astype(np.float64), style, rd))
+        for src, r in _rope_rows(spec, inputs):
+            if r < max_pos:
+                q_rot[src] = rounding(rotate(q_rot[src], cs[r, :h].astype(np.float64),
+                                             cs[r, h:rd].astype(np.float64), style, rd))
         out["q_rot"] = q_rot
     return out
+
+
+def _rope_rows(spec, inputs: dict):
+    """(source index, position >= 0) of every token whose queries the kernel rotates: its cache
+    row is valid (page ids aside; by slot: its slot is in the cache)."""
+    from .kv_rows import by_slot
+    if by_slot(spec):
+        total = inputs["k_cache"].shape[0] * inputs["k_cache"].shape[1]
+        for t, (slot, p) in enumerate(zip(inputs["slot_mapping"], inputs["positions"])):
+            if 0 <= int(slot) < total and int(p) >= 0:
+                yield (t,), int(p)
+        return
+    for bi in range(inputs["q"].shape[0]):
+        for t in range(inputs["q"].shape[1]):
+            r = int(inputs["positions"][bi]) + t
+            if _row_valid(spec, inputs, r):
+                yield (bi, t), r
 
 
 def _row_valid(spec, inputs: dict, r: int) -> bool:

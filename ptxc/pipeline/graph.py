@@ -20,6 +20,8 @@ from . import exprs
 # grids are the step's own sequence lengths (no padding rule), so it is captured per shape only.
 FAMILY_CLASS = {"varlen": "ALWAYS", "decode": "UNIFORM_SINGLE_TOKEN_DECODE",
                 "kv_append": "UNIFORM_BATCH", "prefill": "NEVER"}
+# kv_append by slot_mapping: any mix of tokens, padded to the captured num_tokens with slot -1
+SLOT_MAPPED_CLASS = "ALWAYS"
 
 
 def _names(text) -> set[str]:
@@ -41,7 +43,8 @@ def graph_contract(family: str, tensors: dict, dims: list, dim_rules: dict, targ
         per_target[target] = {
             "grid_depends_on": sorted(grid_dims & set(dims)),
             # a tensor map bakes its tensor's base address and shape in at encoding
-            "class": "NEVER" if tma else FAMILY_CLASS.get(family, "NEVER"),
+            "class": "NEVER" if tma else SLOT_MAPPED_CLASS if "slot_mapping" in tensors
+            else FAMILY_CLASS.get(family, "NEVER"),
         }
     capture = set()
     for info in tensors.values():
@@ -52,7 +55,7 @@ def graph_contract(family: str, tensors: dict, dims: list, dim_rules: dict, targ
     return {
         "capture_dims": sorted((capture & set(dims)) - set(rule_deps)),
         "per_step_inputs": sorted(n for n, i in tensors.items()
-                                  if i["role"] == "input" and i["dtype"] in ("i32", "u64")),
+                                  if i["role"] == "input" and i["dtype"] in ("i32", "i64", "u64")),
         "workspaces_rewritten": sorted(n for n, i in tensors.items() if i["role"] == "workspace"),
         "targets": per_target,
     }

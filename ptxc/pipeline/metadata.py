@@ -79,7 +79,7 @@ def make_metadata(build, verified: bool, fatbin: dict | None = None) -> dict[str
     return meta
 
 
-ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "u64": 8, "e4m3": 1, "e5m2": 1, "u8": 1}   # every tensor dtype
+ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "u64": 8, "e4m3": 1, "e5m2": 1, "u8": 1}   # every tensor dtype
 VECTOR_BYTES = 16  # the kernels move whole rows with 16-byte vector loads/stores and cp.async
 
 

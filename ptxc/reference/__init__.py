@@ -60,7 +60,7 @@ def to_device(x: np.ndarray, dtype: str) -> np.ndarray:
     """Host array -> a fresh contiguous copy in the bytes a kernel reads (bf16 exchanged as f32
     arrays, stored as bits). Always a copy: kernels write inout buffers in place, and the
     caller's arrays must stay untouched."""
-    np_type = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u64": np.uint64,
+    np_type = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "i64": np.int64, "u64": np.uint64,
                "e4m3": np.uint8, "e5m2": np.uint8, "u8": np.uint8}   # FP8: the raw bytes
     if dtype == "bf16":
         return f32_to_bf16_bits(x)

@@ -26,10 +26,10 @@ from .dim_rules import AUTO_RULE_NAMES, apply_dim_rule, rule_ctas_per_sm, sm_num
 
 NP_PARAM = {"u32": np.uint32, "s32": np.int32, "u64": np.uint64, "s64": np.int64, "f32": np.float32}
 HOST_DTYPES = {"f32": (np.float32, np.float64, np.float16), "f16": (np.float16, np.float32, np.float64),
-               "bf16": (np.float32, np.float64), "i32": (np.int32, np.int64), "u64": (np.uint64,),
+               "bf16": (np.float32, np.float64), "i32": (np.int32, np.int64), "i64": (np.int64, np.int32), "u64": (np.uint64,),
                "e4m3": (np.uint8,), "e5m2": (np.uint8,), "u8": (np.uint8,)}
 EMU_NUM_SMS = 108  # the SM count "auto" rules assume on the emulator (an A100's)
-INT_RANGE = {"i32": (-(1 << 31), (1 << 31) - 1), "u64": (0, (1 << 64) - 1), "u8": (0, 255)}
+INT_RANGE = {"i32": (-(1 << 31), (1 << 31) - 1), "i64": (-(1 << 63), (1 << 63) - 1), "u64": (0, (1 << 64) - 1), "u8": (0, 255)}
 PARAM_RANGE = {"u32": (0, (1 << 32) - 1), "s32": (-(1 << 31), (1 << 31) - 1),
                "u64": (0, (1 << 64) - 1), "s64": (-(1 << 63), (1 << 63) - 1)}
 DIM_MAX = (1 << 31) - 1
@@ -47,7 +47,7 @@ def _default_max_run_bytes() -> int:
 
 DEFAULT_MAX_RUN_BYTES = _default_max_run_bytes()
 POISON = {"f32": np.float32(np.nan), "f16": np.float16(np.nan), "bf16": np.uint16(0x7FC0),
-          "i32": np.int32(-0x7FFFFFFF), "u64": np.uint64(0), "e4m3": np.uint8(0x7F),
+          "i32": np.int32(-0x7FFFFFFF), "i64": np.int64(-0x7FFFFFFFFFFFFFFF), "u64": np.uint64(0), "e4m3": np.uint8(0x7F),
           "e5m2": np.uint8(0x7F), "u8": np.uint8(0xA5)}
 
 

@@ -142,7 +142,13 @@ def exercised_features(art, spec, dims: dict, inputs: dict) -> tuple[str, ...]:
     if window:
         out.append(f"keys outside the window ({longest} > {window})" if longest > window
                    else f"NOT keys outside the window ({longest} <= {window})")
-    if opts.get("kv_layout") == "paged":
+    if "slot_mapping" in inputs:   # kv_append by slot: the pages its tokens land on
+        ps = int(opts.get("page_size") or 16)
+        slots = np.asarray(inputs["slot_mapping"], np.int64)
+        pages = len({int(s) // ps for s in slots if 0 <= s < dims["num_pages"] * ps})
+        out.append(f"slots on {pages} pages" if pages > 1 else f"NOT pages crossed (slots on {pages} page)")
+        out.append(f"{int((slots < 0).sum())} padding slots")
+    elif opts.get("kv_layout") == "paged":
         ps = int(opts.get("page_size") or 16)
         out.append(f"pages crossed ({longest} rows, page_size {ps})" if longest > ps
                    else f"NOT pages crossed ({longest} <= page_size {ps})")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..errors import InputError
 from ..pipeline.metadata import ELEMENT_BYTES
 
-DATA_TYPES = {"f16": "FLOAT16", "bf16": "BFLOAT16", "f32": "FLOAT32", "i32": "INT32",
+DATA_TYPES = {"f16": "FLOAT16", "bf16": "BFLOAT16", "f32": "FLOAT32", "i32": "INT32", "i64": "INT64",
               "u64": "UINT64", "e4m3": "UINT8", "e5m2": "UINT8", "u8": "UINT8"}
 SWIZZLES = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}
 MAX_DIM = 1 << 32          # globalDim[i] <= 2^32
