@@ -72,6 +72,9 @@ OPTIONS = (
     ("decode", None, _PAGED + "sliding_window = 128\nattention_sinks = true\n", "gptoss"),
     ("kv_append", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n', "fp8h"),
     ("kv_append", None, _PAGED + 'rope = "neox"\nnum_heads = 8\n', "rope"),
+    ("kv_append", None, _PAGED + 'index = "slot_mapping"\n', "slots"),
+    ("kv_append", None, _PAGED + 'index = "slot_mapping"\nkv_dtype = "e4m3"\nrope = "neox"\nnum_heads = 8\n',
+     "slotsfp8rope"),
 )
 
 
