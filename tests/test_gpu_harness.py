@@ -88,7 +88,10 @@ def test_bench_inputs_match_every_interface(metas):
         if "block_table" in inputs:   # every sequence owns distinct, valid pages
             bt = inputs["block_table"]
             assert len(np.unique(bt)) == bt.size and bt.max() < dims["num_pages"]
-        if "positions" in inputs:
+        if "slot_mapping" in inputs:   # by slot: distinct slots inside the cache
+            slots = inputs["slot_mapping"]
+            assert len(np.unique(slots)) == slots.size and 0 <= slots.min() and slots.max() < kv_length(meta, dims)
+        elif "positions" in inputs:
             assert (inputs["positions"] + dims.get("num_new", 1) == kv_length(meta, dims)).all()
 
 

@@ -99,6 +99,11 @@ def bench_inputs(meta: dict, dims: dict[str, int], seed: int = 0) -> dict:
         elif name == "cu_seqlens_q":   # varlen: total_q queries spread evenly over the batch
             b = np.arange(shape[0], dtype=np.int64)
             out[name] = (b * dims["total_q"] // max(1, shape[0] - 1)).astype(np.int32)
+        elif name == "slot_mapping":   # kv_append by slot: distinct slots spread over the cache
+            total = dims["num_pages"] * meta["tensors"]["k_cache"]["shape"][1]
+            out[name] = (np.arange(shape[0], dtype=np.int64) * max(1, total // max(1, shape[0]))) % total
+        elif name == "positions" and info["dtype"] == "i64":   # by slot: RoPE positions
+            out[name] = np.arange(shape[0], dtype=np.int64) % max(1, dims.get("max_position", 1))
         elif name == "positions":
             # the new rows are the last ones; a decode with append_kv appends exactly one
             out[name] = np.full(shape, max(0, capacity - dims.get("num_new", 1)), dtype=np.int32)

@@ -29,7 +29,9 @@ sliding_window = W: decode reads min(L, W) rows; prefill and varlen count each q
            exactly (at most W) and varlen reads the min(L, q + W - 1) rows its queries see
 kv_append  FLOPs = 0
            bytes = 2 * batch * num_new * Hk * d * e read (k_new, v_new) and the same written
-                   into the cache, + positions (+ one block-table entry per row when paged)
+                   into the cache, + positions (+ one block-table entry per row when paged);
+                   by slot mapping batch * num_new is num_tokens, + 8 bytes of slot (and of
+                   RoPE position) per token
 
 `unit` says which peak bounds the math: "tensor" for the mma path, "simt" otherwise (decode
 does f32 FMAs on the CUDA cores whatever its storage dtype).
@@ -50,11 +52,11 @@ PART_BYTES = 4  # split-KV partials are f32
 DEFAULT_DIMS = {
     "decode": {"batch": 16, "kv_len": 4096},
     "prefill": {"batch": 4, "seq_q": 4096, "seq_k": 4096},
-    "kv_append": {"batch": 16, "num_new": 1, "kv_len": 4096},
+    "kv_append": {"batch": 16, "num_new": 1, "kv_len": 4096, "num_tokens": 16},   # by slot: 16 tokens
     "varlen": {"batch": 16, "total_q": 64, "kv_len": 4096},
 }
 KNOWN_DIMS = {"batch", "max_seq_len", "seq_q", "seq_k", "num_pages", "max_pages_per_seq",
-              "num_splits", "num_new", "total_q", "max_position"}
+              "num_splits", "num_new", "total_q", "max_position", "num_tokens"}
 REPORT_NUM_SMS = 108   # SM count assumed by "auto" dim rules in a static report (an A100's)
 
 
@@ -87,6 +89,8 @@ def page_size(meta: dict) -> int:
 
 def kv_length(meta: dict, dims: dict) -> int:
     ps = page_size(meta)
+    if ps and "max_pages_per_seq" not in dims:   # kv_append by slot: the whole cache
+        return dims["num_pages"] * ps
     return dims["max_pages_per_seq"] * ps if ps else dims["max_seq_len"]
 
 
@@ -149,10 +153,14 @@ def prefill_cost(meta: dict, config: dict, dims: dict) -> Cost:
 
 def kv_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
     spec = meta["spec"]
-    b, n = dims["batch"], dims["num_new"]
+    if "slot_mapping" in meta["tensors"]:   # by slot: one flat batch, one i64 slot (+ position) per token
+        b, n = 1, dims["num_tokens"]
+        index = n * 8 * (2 if "q_rot" in meta["tensors"] else 1) - 4   # (the b * 4 below is not read)
+    else:
+        b, n = dims["batch"], dims["num_new"]
+        index = b * n * 4 if "block_table" in meta["tensors"] else _layout_bytes(meta, dims, n)
     elems = 2 * b * n * spec["num_kv_heads"] * spec["head_dim"]
     kv_dtype = spec.get("kv_dtype") or spec["dtype"]        # FP8 caches: one byte per element
-    index = b * n * 4 if "block_table" in meta["tensors"] else _layout_bytes(meta, dims, n)
     rope = 0
     if "q_rot" in meta["tensors"]:   # q read and written, one cos/sin row per token
         rope = 2 * b * n * spec["num_heads"] * spec["head_dim"] * ELEMENT_BYTES[spec["dtype"]] + \
@@ -216,6 +224,9 @@ def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_S
         out["max_pages_per_seq"] = -(-kv // page_size(meta))
     if "num_pages" in dims and "num_pages" not in out and "max_pages_per_seq" in out and "batch" in out:
         out["num_pages"] = out["batch"] * out["max_pages_per_seq"]
+    if "num_pages" in dims and "num_pages" not in out and "num_tokens" in out and kv and page_size(meta):
+        # kv_append by slot: the cache of `batch` sequences of kv_len rows
+        out["num_pages"] = shapes.get("batch", base.get("batch", 1)) * -(-kv // page_size(meta))
     if "max_position" in dims and "max_position" not in out:   # RoPE table: one row per cache row
         out["max_position"] = kv_length(meta, out)
     for name, rule in (meta.get("dim_rules") or {}).items():
