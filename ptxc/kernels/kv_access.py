@@ -24,6 +24,9 @@ from . import common as C
 from .base import ParamSource, TensorInfo
 
 LAYOUTS = ("contiguous", "pointer_array", "paged")
+# rows per page: any count (hybrid-model engines size attention pages to match a state size);
+# powers of two address with shifts, others divide by the constant
+MAX_PAGE_SIZE = 1024
 
 
 def check_page_size(spec) -> None:
@@ -137,8 +140,7 @@ class KVAccess:
                   out: Reg | None = None) -> Reg:
         """The block-table entry of `row` (s32; -1 where not `valid`), into `out` if given: a
         loop can load the next iteration's page ids while this one's K/V rows are in flight."""
-        shift = self.page_size.bit_length() - 1
-        entry = C.element_offset(b, bases["block_row"], b.shr(row, shift), b.mov(4, S64))
+        entry = C.element_offset(b, bases["block_row"], self.page_of(b, row), b.mov(4, S64))
         page = b.mov(-1, S32, out=out)
         with b.predicate(valid):
             b.ld("global", S32, Addr(entry), nc=True, out=[page])
@@ -148,19 +150,36 @@ class KVAccess:
         """Record `page` (from load_page) as row `row`'s page for row_address, with its range
         check: ids outside [0, num_pages) make the row invalid."""
         in_range = b.and_(b.setp("ge", page, 0), b.setp("lt", page, b.bitcast(self.regs["num_pages"], S32)))
-        page_cache[(row.cls, row.index)] = (page, b.and_(in_range, valid), b.and_(row, self.page_size - 1))
+        page_cache[(row.cls, row.index)] = (page, b.and_(in_range, valid), self.offset_in_page(b, row))
+
+    # ---- page arithmetic: shifts and masks for powers of two, else a division by a constant
+    @property
+    def pow2_pages(self) -> bool:
+        return self.page_size & (self.page_size - 1) == 0
+
+    def page_of(self, b: KernelBuilder, row: Reg) -> Reg:
+        """Which page of its sequence row `row` (u32, or s64 >= 0) is on."""
+        if self.pow2_pages:
+            return b.shr(row, self.page_size.bit_length() - 1)
+        return b.div(row, self.page_size)
+
+    def offset_in_page(self, b: KernelBuilder, row: Reg) -> Reg:
+        """Row `row`'s row within its page."""
+        if self.pow2_pages:
+            return b.and_(row, self.page_size - 1)
+        return b.rem(row, self.page_size)
 
 
     def use_slot(self, b: KernelBuilder, page_cache: dict, slot: Reg) -> Reg:
         """Record the page and offset of `slot` (s64; by_slot caches) for row_address, keyed by
         the slot register; returns its validity: 0 <= slot < num_pages * page_size (negative
         slots are padding)."""
-        shift = self.page_size.bit_length() - 1
         slots = b.mul(b.cvt(S64, self.regs["num_pages"]), self.page_size)
         ok = b.and_(b.setp("ge", slot, 0), b.setp("lt", slot, slots))
         # in range, the page fits s32 (num_pages is a u32 dim < 2^31 pages of >= 1 row)
-        page = b.cvt(S32, b.shr(b.selp(slot, 0, ok), shift))
-        offset = b.cvt(U32, b.and_(slot, self.page_size - 1))
+        safe = b.selp(slot, 0, ok)
+        page = b.cvt(S32, self.page_of(b, safe))
+        offset = b.cvt(U32, self.offset_in_page(b, slot if self.pow2_pages else safe))
         page_cache[(slot.cls, slot.index)] = (page, ok, offset)
         return ok
 

@@ -27,11 +27,11 @@ from ..targets import Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from . import fp8, kv_fp8, kv_transform
-from .kv_access import CACHES, KVAccess, check_page_size
+from .kv_access import MAX_PAGE_SIZE, CACHES, KVAccess, check_page_size
 from .kv_rows import NewRows, by_slot, grid
 
 _hd_check, _hd_allowed = int_range(16, 256, multiple_of=8)
-_page_check, _page_allowed = int_range(1, 256, power_of_two=True)
+_page_check, _page_allowed = int_range(1, MAX_PAGE_SIZE)
 _rd_check, _rd_allowed = int_range(2, 256, multiple_of=2)
 FIELDS = FamilyFields(fields=(
     Field("head_dim", "int", "elements per head", check=_hd_check, allowed=_hd_allowed),

@@ -1,7 +1,8 @@
 """Paged K/V tiles for the cp.async pipeline with the page ids loaded one tile ahead.
 
 A K/V tile of `block_n` rows starting at a multiple of block_n covers max(1, block_n / page_size)
-whole pages (both powers of two). When a thread's rows (r0 + i * rows_per_pass, r0 <
+whole pages (block_n a power of two: then page_size is one too, or a multiple of block_n and
+the tile sits in one page). When a thread's rows (r0 + i * rows_per_pass, r0 <
 rows_per_pass) stay inside one page per pass (rows_per_pass divides page_size, or the tile sits
 in one page), the page of pass i is a compile-time slot, so a tile needs only those few
 block-table entries instead of one lookup per row. They are loaded with the previous tile:
@@ -81,7 +82,7 @@ class PagedTiles:
                 start = C.element_offset(b, b.bitcast(base, C.U64), b.cvt(S64, page), stride[0])
                 addr = b.add(start, self.row_off[cache])
                 if self.pages == 1:   # the tile sits inside one page, row0 % ps rows in
-                    addr = b.add(addr, b.mul(b.cvt(S64, b.and_(row0, ps - 1)), stride[1]))
+                    addr = b.add(addr, b.mul(b.cvt(S64, kv.offset_in_page(b, row0)), stride[1]))
                 ok = b.and_(b.setp("ge", page, 0), b.setp("lt", page, num_pages))
             else:
                 addr = b.add(addrs[-1], self.pass_step[cache])

@@ -24,12 +24,12 @@ from . import fp8, kv_fp8, kv_fp8_stage
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .register_floor import narrow_block_n, needs_floor
 from .variant import VARIANT_FIELDS, default_seq_len, head_dim_v, validate_variant, variant_tensors
-from .kv_access import KVAccess, check_page_size
+from .kv_access import MAX_PAGE_SIZE, KVAccess, check_page_size
 from .prefill import PrefillConfig, _check_shape, value_split
 from .split_reduce import build_reduce, split_interface
 
 _hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
-_page_check, _page_allowed = int_range(1, 256, power_of_two=True)
+_page_check, _page_allowed = int_range(1, MAX_PAGE_SIZE)
 _split_check, _split_allowed = int_range(1, 64)
 _POW2_TILE = (16, 32, 64, 128)
 FIELDS = FamilyFields(
@@ -212,6 +212,8 @@ def interface(spec: KernelSpec) -> Interface:
     tensors += scale_tensors
     ps = page_size(spec)
     S = default_seq_len(spec, 150)
+    if spec.opt("kv_layout") == "paged":
+        S = max(S, ps + ps // 2 + 1)     # long enough that launch-test's sequences cross a page
     defaults = {"batch": 8, "max_seq_len": S} if spec.opt("kv_layout") == "contiguous" else \
         {"batch": 8, "max_pages_per_seq": -(-S // ps), "num_pages": 8 * -(-S // ps) + 3}
     return Interface(tuple(tensors), tuple(dims), defaults, rules, scalars=scalars)

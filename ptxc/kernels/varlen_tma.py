@@ -19,8 +19,8 @@ expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
              offset in the slab. The 128-byte swizzle is a function of the shared address
              (chunk ^ address bits [7, 10)), so a box starting at a multiple of 8 rows of a
              1024-aligned slab is itself 1024-aligned and lands exactly as the whole tile
-             would: pages of >= 8 rows (page_size is a power of two) take TMA, smaller ones
-             keep the cp.async body (tma_applies). The issuing lanes read their pages' ids one
+             would: power-of-two pages of >= 8 rows and pages of whole 64-row tiles take TMA,
+             others keep the cp.async body (tma_applies). The issuing lanes read their pages' ids one
              K request ahead (IssuerPages); a row at or past L uses id -1, and an id outside
              [0, num_pages) (a corrupt table, or -1) lies outside the map's page dimension
              (num_pages, the cache's own extent), so the TMA fills the box with zeros and still
@@ -50,8 +50,13 @@ MIN_PAGE_ROWS = 8    # one swizzle period: a box must start 1024-byte aligned in
 
 
 def tma_applies(kv: KVAccess) -> bool:
-    """Whether the layout's K/V tiles can be TMA boxes (else the cp.async body runs)."""
-    return kv.layout == "contiguous" or (kv.layout == "paged" and kv.page_size >= MIN_PAGE_ROWS)
+    """Whether the layout's K/V tiles can be TMA boxes (else the cp.async body runs): a box of
+    min(page_size, block_n) rows must sit inside one page, so a page that is not a power of two
+    takes TMA only when it is a whole number of the largest K/V tile (64 rows)."""
+    if kv.layout == "contiguous":
+        return True
+    ps = kv.page_size
+    return kv.layout == "paged" and ps >= MIN_PAGE_ROWS and (kv.pow2_pages or ps % 64 == 0)
 
 
 def box_rows(kv: KVAccess, block_n: int) -> int:
@@ -181,7 +186,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
                 if ids is None:
                     coords = (head, b.bitcast(row, S32), seq)
                 else:
-                    coords = (head, b.bitcast(b.and_(row, kv.page_size - 1), S32), ids[p])
+                    coords = (head, b.bitcast(kv.offset_in_page(b, row), S32), ids[p])
                 b.tma_load(Addr(dst, s * bn * SWIZZLE + p * rows * SWIZZLE), addr[cache],
                            [s * slab_cols, *coords], bar)
             if pages is not None and t == "k":

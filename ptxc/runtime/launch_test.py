@@ -137,6 +137,9 @@ def exercised_features(art, spec, dims: dict, inputs: dict) -> tuple[str, ...]:
     opts = dict(spec.options)
     lens = np.asarray(inputs["seq_lens"]) if "seq_lens" in inputs else None
     longest = int(lens.max()) if lens is not None and lens.size else int(dims.get("seq_k", 0))
+    if lens is None and "positions" in inputs and "num_new" in dims:   # kv_append: rows written up to
+        pos = np.asarray(inputs["positions"])
+        longest = int((pos + dims["num_new"]).max()) if pos.size else 0
     out = []
     window = opts.get("sliding_window")
     if window:
