@@ -36,6 +36,7 @@ CASES = [  # (dtype, kv_dtype, kv_scale, layout, extra)
     ("f32", "e4m3", "head", "pointer_array", ""),
     ("bf16", "e4m3", "tensor", "paged", "append_kv = true\nreturn_lse = true\n"),
     ("f16", "e5m2", "head", "contiguous", "append_kv = true\nnum_splits = 2\n"),
+    ("f32", "e5m2", "device", "paged", "num_splits = 3\nappend_kv = true\n"),
 ]
 
 
@@ -53,6 +54,7 @@ MMA_CASES = [  # (dtype, kv_dtype, kv_scale, layout, (heads, kv heads), head_dim
     ("bf16", "e5m2", "tensor", "contiguous", (16, 2), 48, ""),
     ("bf16", "e4m3", "head", "pointer_array", (8, 1), 32, "num_splits = 2\n"),
     ("f16", "e5m2", "tensor", "paged", (4, 1), 64, "append_kv = true\n"),
+    ("bf16", "e4m3", "device", "paged", (8, 2), 128, 'num_splits = "auto"\nappend_kv = true\n'),
 ]
 
 

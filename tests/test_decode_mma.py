@@ -29,6 +29,7 @@ def _spec(body: str, targets='["sm_80"]'):
     ('dtype = "f32"\nhead_dim = 64\nnum_heads = 8\nnum_kv_heads = 1', False),
     ('dtype = "f16"\nhead_dim = 128\nnum_heads = 32\nnum_kv_heads = 8\nkv_dtype = "e4m3"', True),   # staged FP8
     ('dtype = "f16"\nhead_dim = 40\nnum_heads = 32\nnum_kv_heads = 8\nkv_dtype = "e4m3"', False),   # d % 16
+    ('dtype = "bf16"\nhead_dim = 256\nnum_heads = 32\nnum_kv_heads = 8\nkv_dtype = "e4m3"', False),  # FP8 d > 128
     ('dtype = "f16"\nhead_dim = 128\nnum_heads = 32\nnum_kv_heads = 8\nmath = "simt"', False),
     ('dtype = "f16"\nhead_dim = 128\nnum_heads = 32\nnum_kv_heads = 8\n[kernel.tile]\nkv_unroll = 2', False),
 ])

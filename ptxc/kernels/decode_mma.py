@@ -24,12 +24,13 @@ from ..ir import S32, U32, KernelBuilder, Reg
 from ..spec.model import KernelSpec
 from ..targets import TARGETS, Target
 from . import common as C
-from . import kv_fp8, kv_fp8_stage
+from . import fp8, kv_fp8, kv_fp8_stage
 from .kv_access import KVAccess
 from .register_floor import narrow_block_n, needs_floor
 
 MIN_GROUP = 4
 MAX_HEAD_DIM = 256
+MAX_FP8_HEAD_DIM = 128
 MAX_BLOCK_M = 128            # 8 warps of 16 packed rows; larger groups take several CTAs
 SIMT_TILE_KEYS = ("num_warps", "kv_unroll")
 MMA_TILE_KEYS = ("block_n", "num_stages")
@@ -47,6 +48,10 @@ def mma_blocker(spec: KernelSpec) -> str | None:
                 f"need head_dim a multiple of 16 on tensor cores)")
     if spec.head_dim > MAX_HEAD_DIM:
         return f"head_dim = {spec.head_dim} > {MAX_HEAD_DIM}"
+    if kv_fp8.kind(spec) and spec.head_dim > MAX_FP8_HEAD_DIM:
+        # measured (bench/spill_sweep.py): the dequantisation beside d > 128 accumulators
+        # spilled at 255 registers even at 16-key tiles (sm_80 with head/device scales)
+        return f"kv_dtype is FP8 with head_dim {spec.head_dim} > {MAX_FP8_HEAD_DIM}"
     old = [t for t in spec.targets if not (TARGETS[t].has_mma_m16n8k16 and TARGETS[t].has_cp_async)]
     if old:
         return f"target {old[0]} has no mma.m16n8k16 / cp.async (sm_80+)"
@@ -101,7 +106,10 @@ def configure(spec: KernelSpec, target: Target | None):
     from .prefill import PrefillConfig, _check_shape
     tile = {**C.tuned_tile("decode", spec, target, MMA_TILE_KEYS), **spec.tile_dict()}   # user wins
     bm = block_m(spec)
-    bn = tile.get("block_n") or narrow_block_n("decode", spec, target, 64 if spec.head_dim <= 128 else 32)
+    bn = 64 if spec.head_dim <= 128 else 32
+    if kv_fp8_stage.applies(spec) and target is not None and not fp8.has_fp8_cvt(target):
+        bn = 32   # software FP8 conversion: 64 keys reached 255 registers and spilled (d64 .. d128)
+    bn = tile.get("block_n") or narrow_block_n("decode", spec, target, bn)
     if kv_fp8_stage.applies(spec):
         def make(stages):
             return kv_fp8_stage.StagedFP8Config(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn,

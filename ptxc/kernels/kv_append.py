@@ -40,9 +40,9 @@ FIELDS = FamilyFields(fields=(
           check=_page_check, allowed=_page_allowed),
     Field("kv_dtype", "str", "cache element type (default: dtype); FP8 caches are quantised on "
           "append", default=None, choices=("f32", "f16", "bf16") + fp8.KINDS),
-    Field("kv_scale", "str", "FP8 scales: one f32 runtime scalar per cache (k_scale, v_scale) or "
-          "[num_kv_heads] f32 tensors (FP8 only; default \"tensor\")", default=None,
-          choices=("tensor", "head")),
+    Field("kv_scale", "str", "FP8 scales: one f32 runtime scalar per cache (k_scale, v_scale), "
+          "one f32 in device memory per cache ([1] tensors), or [num_kv_heads] f32 tensors "
+          "(FP8 only; default \"tensor\")", default=None, choices=kv_fp8.SCALE_MODES),
     Field("rope", "str", "rotate new keys and queries at their positions (default: none)",
           default=None, choices=("neox", "gptj")),
     Field("rotary_dim", "int", "leading elements of each head that RoPE rotates (default head_dim)",
@@ -118,9 +118,8 @@ def interface(spec: KernelSpec) -> Interface:
     if opts["kv_scale"] == "tensor":
         scalars = {f"{t}_scale": {"dtype": "f32", "doc": f"dequantised {t.upper()} = fp8 x {t}_scale "
                                   "(the append stores x / scale)"} for t in "kv"}
-    elif opts["kv_scale"] == "head":
-        tensors += [TensorInfo(f"{t}_scale", "f32", (Hk,), "input", f"per-KV-head scale of the {t.upper()} "
-                               "cache: dequantised = fp8 x scale[head]") for t in "kv"]
+    else:   # "device" and "head": f32 tensors
+        tensors += kv_fp8.scale_tensors(spec, opts["kv_scale"], "dequantised = fp8 x scale")
     if opts["rope"]:
         if kv.by_slot:
             tensors.append(TensorInfo("positions", "i64", ("num_tokens",), "input", "RoPE position of "

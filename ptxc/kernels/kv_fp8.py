@@ -2,7 +2,10 @@
 parameters, and the reference/inputs side. The conversion arithmetic is fp8.py's.
 
     kv_dtype = "e4m3" | "e5m2"   the cache holds FP8 bytes (default: dtype, no conversion)
-    kv_scale = "tensor"          k_scale, v_scale: two f32 runtime scalars (vLLM's convention)
+    kv_scale = "tensor"          k_scale, v_scale: two f32 runtime scalars (kernel parameters)
+             | "device"          k_scale, v_scale: [1] f32 device tensors, one scale per cache
+                                 read by the kernel (vLLM's layer._k_scale: a captured CUDA
+                                 graph sees the current value)
              | "head"            k_scale, v_scale: [num_kv_heads] f32 tensors
     dequantised K = fp8(k) * k_scale, V = fp8(v) * v_scale.
 
@@ -24,12 +27,13 @@ from . import common as C
 from . import fp8
 from .base import ParamSource, TensorInfo
 
+SCALE_MODES = ("tensor", "device", "head")
 FIELDS = (
     Field("kv_dtype", "str", "cache element type (default: dtype); FP8 caches are read as bytes and "
           "dequantised in registers", default=None, choices=("f32", "f16", "bf16") + fp8.KINDS),
-    Field("kv_scale", "str", "FP8 scales: one f32 runtime scalar per cache (k_scale, v_scale) or "
-          "[num_kv_heads] f32 tensors (FP8 only; default \"tensor\")", default=None,
-          choices=("tensor", "head")),
+    Field("kv_scale", "str", "FP8 scales: one f32 runtime scalar per cache (k_scale, v_scale), "
+          "one f32 in device memory per cache ([1] tensors), or [num_kv_heads] f32 tensors "
+          "(FP8 only; default \"tensor\")", default=None, choices=SCALE_MODES),
 )
 
 
@@ -72,16 +76,25 @@ def interface_extras(spec: KernelSpec) -> tuple[list[TensorInfo], dict[str, dict
     if mode == "tensor":
         return [], {f"{t}_scale": {"dtype": "f32", "doc": f"dequantised {t.upper()} = fp8 x {t}_scale"}
                     for t in "kv"}
+    return scale_tensors(spec, mode, "dequantised = fp8 x scale"), {}
+
+
+def scale_tensors(spec: KernelSpec, mode: str | None, what: str) -> list[TensorInfo]:
+    """The scale inputs of kv_scale = "head" ([num_kv_heads]) and "device" ([1])."""
     if mode == "head":
         return [TensorInfo(f"{t}_scale", "f32", (spec.num_kv_heads,), "input", f"per-KV-head scale of "
-                           f"the {t.upper()} cache: dequantised = fp8 x scale[head]") for t in "kv"], {}
-    return [], {}
+                           f"the {t.upper()} cache: {what}[head]") for t in "kv"]
+    if mode == "device":
+        return [TensorInfo(f"{t}_scale", "f32", (1,), "input", f"scale of the {t.upper()} cache in "
+                           f"device memory, read by the kernel (a captured graph sees its current "
+                           f"value): {what}[0]", device_resident_scalars=True) for t in "kv"]
+    return []
 
 
 @dataclass(frozen=True)
 class KVDequant:
     """An FP8 cache as one kernel reads it: kind, target, and its scale parameters (f32 scalar
-    registers for "tensor", global pointers for "head")."""
+    registers for "tensor", global pointers for "device" and "head")."""
 
     kind: str
     target: Target
@@ -93,6 +106,8 @@ class KVDequant:
         """(k_scale, v_scale) of this KV head: the scalars, or one ld.global.nc.f32 each."""
         if self.mode == "tensor":
             return self.k_scale, self.v_scale
+        if self.mode == "device":
+            return tuple(b.ld("global", F32, Addr(p), nc=True) for p in (self.k_scale, self.v_scale))
         four = b.mov(4, S64)
         return tuple(b.ld("global", F32, Addr(C.element_offset(b, p, kv_head, four)), nc=True)
                      for p in (self.k_scale, self.v_scale))
@@ -160,6 +175,8 @@ def add_inputs(spec: KernelSpec, inputs: dict, rng) -> None:
     Hk = spec.num_kv_heads
     if scale_mode(spec) == "tensor":
         scales = {"k": np.float32(0.37), "v": np.float32(1.9)}
+    elif scale_mode(spec) == "device":
+        scales = {"k": np.array([0.37], np.float32), "v": np.array([1.9], np.float32)}
     else:
         scales = {t: np.exp(rng.uniform(-2, 1, Hk)).astype(np.float32) for t in "kv"}
     for t in "kv":
@@ -184,5 +201,5 @@ def dequantized(spec: KernelSpec, inputs: dict, k_cache, v_cache) -> tuple:
     return tuple(out)
 
 
-__all__ = ["FIELDS", "KVDequant", "kind", "scale_mode", "kv_dtype", "validate", "kv_format",
+__all__ = ["FIELDS", "SCALE_MODES", "scale_tensors", "KVDequant", "kind", "scale_mode", "kv_dtype", "validate", "kv_format",
            "interface_extras", "emit_params", "stage_rows_dequant", "add_inputs", "dequantized"]

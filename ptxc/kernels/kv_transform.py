@@ -182,7 +182,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
 
     rope = opts["rope"]
     sources = ("k_new", "v_new") + (("q", "q_rot") if rope else ())
-    extra = (["cos_sin_cache"] if rope else []) + (["k_scale", "v_scale"] if opts["kv_scale"] == "head" else [])
+    extra = (["cos_sin_cache"] if rope else []) + (["k_scale", "v_scale"] if opts["kv_scale"] in ("head", "device") else [])
     index = ("slot_mapping", *(("positions",) if rope else ())) if kv.by_slot else ("positions",)
     ptrs = {t: b.to_global(param(t, U64, ParamSource("pointer", tensor=t)))
             for t in (*sources, *index, *kv.pointer_tensors(), *extra)}
@@ -234,6 +234,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
                     with b.if_then(ok):
                         if opts["fp8"]:
                             scale = scales.get(t) or b.ld("global", F32, Addr(
+                                ptrs[f"{t[0]}_scale"] if opts["kv_scale"] == "device" else
                                 C.element_offset(b, ptrs[f"{t[0]}_scale"], kv_head, b.mov(4, S64))), nc=True)
                             words = fp8.quantize(b, [b.div(v, scale) for v in vals], opts["fp8"], target)
                             b.st("global", B32, Addr(dst), words)

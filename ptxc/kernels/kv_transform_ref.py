@@ -63,6 +63,9 @@ def add_inputs(spec, dims: dict, inputs: dict, rng) -> None:
         top = 448.0 if opts["fp8"] == "e4m3" else 57344.0
         if opts["kv_scale"] == "tensor":
             inputs["k_scale"], inputs["v_scale"] = np.float32(3.1 / top * 8), np.float32(2.7 / top * 64)
+        elif opts["kv_scale"] == "device":
+            inputs["k_scale"] = np.array([3.1 / top * 8], np.float32)
+            inputs["v_scale"] = np.array([2.7 / top * 64], np.float32)
         else:
             for t in "kv":
                 inputs[f"{t}_scale"] = (np.exp(rng.uniform(-4, 1, Hk)) / top * 64).astype(np.float32)

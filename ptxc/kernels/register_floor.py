@@ -73,8 +73,6 @@ SPILLING_SHAPES = frozenset({
 # Shapes that spill even at 255 registers: the default K/V tile narrows to this many keys
 # (fewer score registers; the same bytes move).
 NARROW_TILES = {
-    "decode/f16/128/-/sm_80/fp8": 32,
-    "decode/f16/256/-/sm_89/fp8": 16, "decode/f16/256/-/sm_90/fp8": 16, "decode/f16/256/-/sm_120/fp8": 16,
     "varlen/f16/120/noncausal/sm_120/packed": 32,
     "varlen/f16/120/causal/sm_120/tree": 32, "varlen/f16/128/causal/sm_80/tree": 32,
     "varlen/f16/248/causal/sm_80/tree": 16,
