@@ -26,7 +26,8 @@ from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, 
 from .decode_attend import emit_attention
 from .variant import (VARIANT_FIELDS, default_seq_len, validate_variant, variant_inputs, variant_reference_args,
                       variant_tensors)
-from .kv_access import MAX_PAGE_SIZE, LAYOUTS, KVAccess, check_page_size
+from .kv_access import LAYOUTS, MAX_PAGE_SIZE, KVAccess, check_page_size
+from .register_floor import needs_floor
 from .split_reduce import build_reduce, split_interface
 
 _hd_check, _hd_allowed = int_range(16, 512, multiple_of=8)
@@ -79,6 +80,7 @@ class DecodeConfig:
     heads_per_cta: int
     group_size: int
     kv_stages: int = 0     # >= 2: K/V through a cp.async pipeline in shared memory (see kv_stage_bytes)
+    min_ctas_per_sm: int = 0   # 1 where ptxas's own register cap spills (register_floor.py)
 
     @property
     def rows_per_warp(self) -> int:
@@ -130,7 +132,8 @@ def configure(spec: KernelSpec, target: Target) -> DecodeConfig:
     hp = max(h for h in range(1, spec.group_size + 1) if spec.group_size % h == 0 and h <= cap
              and nw * h * (4 + spec.head_dim) * 4 <= DEFAULT_SMEM_PER_CTA)
     unroll = tile.get("kv_unroll") or (4 if hp * per_head <= 32 else 2)
-    cfg = DecodeConfig(fmt, spec.head_dim, chunks, lpr, cpl, nw, unroll, hp, spec.group_size)
+    cfg = DecodeConfig(fmt, spec.head_dim, chunks, lpr, cpl, nw, unroll, hp, spec.group_size,
+                       min_ctas_per_sm=1 if needs_floor("decode", spec, target) else 0)
     # Plain caches on cp.async targets take a 2-stage pipeline when it fits the static
     # shared-memory limit beside the merge area (per target: grid and block do not change).
     if target is not None and target.has_cp_async and kv_fp8.kv_dtype(spec) == spec.dtype and \

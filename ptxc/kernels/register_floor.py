@@ -21,6 +21,7 @@ from __future__ import annotations
 SPILLING_SHAPES = frozenset({
     "decode/f16/152/-/sm_120",
     "decode/f16/192/-/sm_90/cap+sink",
+    "decode/f16/512/-/sm_80/fp8+device+split",
     "prefill/f16/88/causal/sm_80", "prefill/f16/128/noncausal/sm_120",
     "prefill/f16/128/noncausal/sm_80", "prefill/f32/80/causal/sm_90",
     "prefill/f32/88/causal/sm_90", "prefill/f32/112/causal/sm_90",
@@ -39,7 +40,7 @@ SPILLING_SHAPES = frozenset({
     "varlen/f16/16/noncausal/sm_80", "varlen/f16/16/noncausal/sm_89",
     "varlen/f16/24/noncausal/sm_80", "varlen/f16/24/noncausal/sm_89",
     "varlen/f16/24/noncausal/sm_90", "varlen/f16/40/causal/sm_80", "varlen/f16/40/causal/sm_89",
-    "varlen/f16/48/causal/sm_89", "varlen/f16/144/causal/sm_89",
+    "varlen/f16/48/causal/sm_89", "varlen/f16/112/causal/sm_89", "varlen/f16/144/causal/sm_89",
     "varlen/f16/208/noncausal/sm_80", "varlen/f16/208/noncausal/sm_89",
     "varlen/f16/16/causal/sm_120/alibi", "varlen/f16/16/causal/sm_80/alibi",
     "varlen/f16/88/causal/sm_80/alibi", "varlen/f16/88/causal/sm_89/alibi",
@@ -49,6 +50,8 @@ SPILLING_SHAPES = frozenset({
     "varlen/f16/144/causal/sm_89/cap",
     "varlen/f16/40/causal/sm_80/fp8", "varlen/f16/40/causal/sm_89/fp8",
     "varlen/f16/88/causal/sm_89/fp8", "varlen/f16/104/causal/sm_80/fp8",
+    "varlen/f16/24/causal/sm_80/fp8+device+split", "varlen/f16/24/causal/sm_89/fp8+device+split",
+    "varlen/f16/88/causal/sm_89/fp8+device+split",
     "varlen/f16/72/causal/sm_80/fp8+head", "varlen/f16/88/causal/sm_90/fp8+head",
     "varlen/f16/104/causal/sm_89/fp8+head", "varlen/f16/104/causal/sm_90/fp8+head",
     "varlen/f16/16/causal/sm_90/lse+split", "varlen/f16/72/causal/sm_89/lse+split",
@@ -86,7 +89,7 @@ _TAGS = (
     ("alibi", bool, "alibi"),
     ("return_lse", bool, "lse"),
     ("kv_dtype", lambda v: v in ("e4m3", "e5m2"), "fp8"),
-    ("kv_scale", lambda v: v == "head", "head"),
+    ("kv_scale", lambda v: v in ("head", "device"), None),        # the mode is the tag
     ("num_splits", lambda v: v not in (None, 1), "split"),
     ("custom_mask", lambda v: v in ("tree", "packed"), None),    # the mode is the tag
     ("append_kv", bool, "append"),
