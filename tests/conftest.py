@@ -103,3 +103,26 @@ def require_rustc() -> None:
     why = rustc_problem()
     if why:
         pytest.skip(why)
+
+
+@pytest.fixture
+def bytes_read(monkeypatch):
+    """A Counter of the bytes the emulator's loads (and cp.async reads) take from each labelled
+    global buffer during the test: `bytes_read["k_cache"]`."""
+    from collections import Counter
+
+    import numpy as np
+
+    from ptxc.emu import memory
+    read = Counter()
+    offsets = memory.GlobalMemory.offsets
+
+    def counting(self, addr, nbytes, align, what, sel):
+        out = offsets(self, addr, nbytes, align, what, sel)
+        if what in ("load", "cp.async read"):
+            buf = np.searchsorted(self.starts, np.atleast_1d(np.asarray(addr, np.uint64)), side="right") - 1
+            for i, n in zip(*np.unique(buf, return_counts=True)):
+                read[self.labels[i].split("'")[1]] += int(n) * nbytes
+        return out
+    monkeypatch.setattr(memory.GlobalMemory, "offsets", counting)
+    return read
