@@ -39,19 +39,20 @@ def test_header_is_deterministic(artifact_set):
     assert header.read_bytes() == before and b"PTXC_KERNELS_H" in before
 
 
-def _doc_block(lang: str) -> str:
+def _doc_block(lang: str, index: int = 0) -> str:
     text = (Path(__file__).resolve().parent.parent / "docs" / "loaders.md").read_text()
-    return text.split(f"```{lang}\n", 1)[1].split("```", 1)[0]
+    return text.split(f"```{lang}\n")[index + 1].split("```", 1)[0]
 
 
+@pytest.mark.parametrize("block", [0, 1], ids=["step", "graph_capture"])
 @pytest.mark.parametrize("compiler,std,suffix", [("gcc", "c11", "c"), ("g++", "c++17", "cpp")])
-def test_docs_c_example_compiles(artifact_set, tmp_path, compiler, std, suffix):
+def test_docs_c_example_compiles(artifact_set, tmp_path, compiler, std, suffix, block):
     inc = cuda_include()
     if inc is None or shutil.which(compiler) is None:
         pytest.skip("needs gcc/g++ and cuda.h")
     out, header = artifact_set
     src = tmp_path / f"example.{suffix}"
-    src.write_text(_doc_block("c").replace('#include "ptxc_kernels.h"', f'#include "{header}"'))
+    src.write_text(_doc_block("c", block).replace('#include "ptxc_kernels.h"', f'#include "{header}"'))
     subprocess.run([compiler, f"-std={std}", "-Wall", "-Wextra", "-Werror", f"-I{inc}", "-fsyntax-only", str(src)],
                    check=True, capture_output=True, text=True)
 
