@@ -9,7 +9,7 @@ place of a head chunk. The g query heads of the KV head are the packed rows of t
 head and is the mma operand (B of S = Q K^T, of O += P V).
 
 When (math = "auto"): g >= 4, f16/bf16 queries over a cache of the same dtype or an FP8 cache
-whose rows are whole 16-byte chunks (head_dim a multiple of 16: the bytes travel by cp.async
+whose rows are whole 16-byte chunks (head_dim a multiple of 16, at most 128: the bytes travel by cp.async
 through the pipeline and are dequantised after their wait, kv_fp8_stage.py, as in varlen;
 other FP8 head dims keep the SIMT path, whose in-register dequantisation beats the synchronous
 dequantising copy), head_dim <= 256 (one warp copies a row of Q), every target sm_80+

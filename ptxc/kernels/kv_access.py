@@ -169,7 +169,6 @@ class KVAccess:
             return b.and_(row, self.page_size - 1)
         return b.rem(row, self.page_size)
 
-
     def use_slot(self, b: KernelBuilder, page_cache: dict, slot: Reg) -> Reg:
         """Record the page and offset of `slot` (s64; by_slot caches) for row_address, keyed by
         the slot register; returns its validity: 0 <= slot < num_pages * page_size (negative
@@ -179,7 +178,7 @@ class KVAccess:
         # in range, the page fits s32 (num_pages is a u32 dim < 2^31 pages of >= 1 row)
         safe = b.selp(slot, 0, ok)
         page = b.cvt(S32, self.page_of(b, safe))
-        offset = b.cvt(U32, self.offset_in_page(b, slot if self.pow2_pages else safe))
+        offset = b.cvt(U32, self.offset_in_page(b, safe))
         page_cache[(slot.cls, slot.index)] = (page, ok, offset)
         return ok
 

@@ -13,21 +13,21 @@ slot at or past num_pages * page_size. One CTA per token. RoPE then rotates at p
 (int64). Two tokens with the same slot race (one write wins), as in vLLM.
 
 With an FP8 `kv_dtype` the append quantises (fp8 = satfinite(rne(x / scale)), scales per tensor
-as runtime scalars or per KV head as [num_kv_heads] tensors), and with `rope` it rotates the new
+as runtime scalars or [1] device tensors, or per KV head as [num_kv_heads] tensors), and with `rope` it rotates the new
 keys and queries first: both in kv_transform.py.
 """
 
 from __future__ import annotations
 
 from ..errors import InputError, SpecError
-from ..ir import S32, S64, U32, Addr, KernelBuilder
+from ..ir import S64, Addr, KernelBuilder
 from ..spec.fields import Field, FamilyFields, int_range
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from . import fp8, kv_fp8, kv_transform
-from .kv_access import MAX_PAGE_SIZE, CACHES, KVAccess, check_page_size
+from .kv_access import CACHES, MAX_PAGE_SIZE, KVAccess, check_page_size
 from .kv_rows import NewRows, by_slot, grid
 
 _hd_check, _hd_allowed = int_range(16, 256, multiple_of=8)
@@ -40,9 +40,7 @@ FIELDS = FamilyFields(fields=(
           check=_page_check, allowed=_page_allowed),
     Field("kv_dtype", "str", "cache element type (default: dtype); FP8 caches are quantised on "
           "append", default=None, choices=("f32", "f16", "bf16") + fp8.KINDS),
-    Field("kv_scale", "str", "FP8 scales: one f32 runtime scalar per cache (k_scale, v_scale), "
-          "one f32 in device memory per cache ([1] tensors), or [num_kv_heads] f32 tensors "
-          "(FP8 only; default \"tensor\")", default=None, choices=kv_fp8.SCALE_MODES),
+    kv_fp8.KV_SCALE_FIELD,
     Field("rope", "str", "rotate new keys and queries at their positions (default: none)",
           default=None, choices=("neox", "gptj")),
     Field("rotary_dim", "int", "leading elements of each head that RoPE rotates (default head_dim)",
@@ -118,7 +116,7 @@ def interface(spec: KernelSpec) -> Interface:
     if opts["kv_scale"] == "tensor":
         scalars = {f"{t}_scale": {"dtype": "f32", "doc": f"dequantised {t.upper()} = fp8 x {t}_scale "
                                   "(the append stores x / scale)"} for t in "kv"}
-    else:   # "device" and "head": f32 tensors
+    else:   # "device" and "head": f32 tensors (none without FP8)
         tensors += kv_fp8.scale_tensors(spec, opts["kv_scale"], "dequantised = fp8 x scale")
     if opts["rope"]:
         if kv.by_slot:

@@ -28,12 +28,13 @@ from . import fp8
 from .base import ParamSource, TensorInfo
 
 SCALE_MODES = ("tensor", "device", "head")
+KV_SCALE_FIELD = Field("kv_scale", "str", "FP8 scales: one f32 runtime scalar per cache (k_scale, "
+                       "v_scale), one f32 in device memory per cache ([1] tensors), or [num_kv_heads] "
+                       "f32 tensors (FP8 only; default \"tensor\")", default=None, choices=SCALE_MODES)
 FIELDS = (
     Field("kv_dtype", "str", "cache element type (default: dtype); FP8 caches are read as bytes and "
           "dequantised in registers", default=None, choices=("f32", "f16", "bf16") + fp8.KINDS),
-    Field("kv_scale", "str", "FP8 scales: one f32 runtime scalar per cache (k_scale, v_scale), "
-          "one f32 in device memory per cache ([1] tensors), or [num_kv_heads] f32 tensors "
-          "(FP8 only; default \"tensor\")", default=None, choices=SCALE_MODES),
+    KV_SCALE_FIELD,
 )
 
 
@@ -201,5 +202,5 @@ def dequantized(spec: KernelSpec, inputs: dict, k_cache, v_cache) -> tuple:
     return tuple(out)
 
 
-__all__ = ["FIELDS", "SCALE_MODES", "scale_tensors", "KVDequant", "kind", "scale_mode", "kv_dtype", "validate", "kv_format",
-           "interface_extras", "emit_params", "stage_rows_dequant", "add_inputs", "dequantized"]
+__all__ = ["FIELDS", "KV_SCALE_FIELD", "SCALE_MODES", "scale_tensors", "KVDequant", "kind", "scale_mode",
+           "kv_dtype", "validate", "kv_format", "interface_extras", "emit_params", "stage_rows_dequant", "add_inputs", "dequantized"]

@@ -22,7 +22,7 @@ not back into `q`: neox partners cross chunks, so rotating in place would race b
 
 from __future__ import annotations
 
-from ..ir import B16, B32, F32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
+from ..ir import B16, B32, F32, S64, U32, U64, Addr, KernelBuilder, Reg
 from ..ir.values import U16
 from ..spec.model import KernelSpec
 from ..targets import Target

@@ -155,17 +155,17 @@ def kv_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
     spec = meta["spec"]
     if "slot_mapping" in meta["tensors"]:   # by slot: one flat batch, one i64 slot (+ position) per token
         b, n = 1, dims["num_tokens"]
-        index = n * 8 * (2 if "q_rot" in meta["tensors"] else 1) - 4   # (the b * 4 below is not read)
-    else:
+        index = n * 8 * (2 if "q_rot" in meta["tensors"] else 1)
+    else:                                   # positions, + a block-table entry per row or pointers
         b, n = dims["batch"], dims["num_new"]
-        index = b * n * 4 if "block_table" in meta["tensors"] else _layout_bytes(meta, dims, n)
+        index = b * 4 + (b * n * 4 if "block_table" in meta["tensors"] else _layout_bytes(meta, dims, n))
     elems = 2 * b * n * spec["num_kv_heads"] * spec["head_dim"]
     kv_dtype = spec.get("kv_dtype") or spec["dtype"]        # FP8 caches: one byte per element
     rope = 0
     if "q_rot" in meta["tensors"]:   # q read and written, one cos/sin row per token
         rope = 2 * b * n * spec["num_heads"] * spec["head_dim"] * ELEMENT_BYTES[spec["dtype"]] + \
             b * n * meta["tensors"]["cos_sin_cache"]["shape"][1] * 4
-    return Cost(0, elems * (ELEMENT_BYTES[spec["dtype"]] + ELEMENT_BYTES[kv_dtype]) + b * 4 + index + rope,
+    return Cost(0, elems * (ELEMENT_BYTES[spec["dtype"]] + ELEMENT_BYTES[kv_dtype]) + index + rope,
                 "simt", dict(dims))
 
 

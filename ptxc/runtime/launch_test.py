@@ -268,7 +268,6 @@ def read_npz(path: Path) -> dict:
     arrays (no pickles), and whose declared uncompressed size fits the run budget — so a
     truncated, empty, foreign or bomb-sized file is one InputError line."""
     import io
-    import os
     import zipfile
 
     import numpy as np
