@@ -1,6 +1,7 @@
 """Every family x dtype x causal x head_dim (multiples of 8 from 16 to 256, and 512) x default
-target, and every option (one at a time, over the head sizes engines use), lowered and assembled
-by the real ptxas; prints (or records) the spill bytes.
+target, every option (one at a time, over the head sizes engines use), and MLA over every latent
+rank x RoPE width x option set, lowered and assembled by the real ptxas; prints (or records) the
+spill bytes.
 
     python bench/spill_sweep.py [--out FILE.json] [--update FILE.json] [--jobs 2] [--floors]
 
@@ -87,6 +88,31 @@ OPTIONS = (
 )
 
 
+# MLA (no head_dim key of its own: kv_lora_rank + qk_rope_head_dim): every rank and RoPE width
+# the spec allows with the record and -m slow, the DeepSeek/Kimi shape and the ends of the rank
+# range by default; each option set over 128 heads.
+MLA_RANKS = tuple(range(128, 513, 64))
+MLA_ROPES = tuple(range(16, 129, 16))
+MLA_OPTIONS = (
+    ("", "base"),                                        # paged 64, num_splits "auto", lse
+    ("num_splits = 1\nreturn_lse = false\n", "nosplit"),
+    ('kv_layout = "contiguous"\n', "contig"),
+    ('kv_dtype = "e4m3"\n', "fp8"),
+    ('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\nnum_splits = 1\n', "fp8dev"),
+    ("page_size = 1\n", "p1"),
+)
+
+
+def _mla_rows(full: bool):
+    for dtype in ("bf16", "f16"):
+        for option, tag in MLA_OPTIONS:
+            for rank in MLA_RANKS if full else (128, 256, 512):
+                for rope in MLA_ROPES if full else ((16, 64, 128) if rank == 512 else (64,)):
+                    extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nkv_lora_rank = {rank}\n"
+                             f"qk_rope_head_dim = {rope}\n" + option)
+                    yield f"mla_{tag}_{dtype}_r{rank}_p{rope}", "mla", dtype, rank + rope, extra, None
+
+
 def _spec_text(name, family, dtype, d, extra, causal):
     """The kernel table; a [kernel.tile] table in `extra` goes last."""
     body, _, tile = extra.partition("[kernel.tile]\n")
@@ -107,6 +133,7 @@ def _rows(full: bool = True):
         extra = ("num_kv_heads = 2\n" if family == "kv_append" else _GQA) + option
         for d in HEAD_DIMS if full else ENGINE_HEAD_DIMS:
             yield f"{family}_{tag}_f16_d{d}", family, "f16", d, extra, causal
+    yield from _mla_rows(full)
 
 
 def combinations():

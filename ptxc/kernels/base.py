@@ -130,6 +130,9 @@ class Family:
     # The dtype the kernel's row sums take the probabilities in (tensor-core row sums), if not f32:
     # the lse tolerance's naive computation rounds them the same way (ptxc/reference).
     row_sum_dtype: Callable[[KernelSpec], str | None] | None = None
+    # Fills the common values the family derives from its own keys (mla: head_dim, one KV head),
+    # refusing given values that disagree; called on the validated keys before the defaults.
+    derive: Callable[[dict[str, Any]], None] | None = None
     # Tile keys that only make sense together (one group per code path, e.g. decode's SIMT and
     # tensor-core tiles): `ptxc tune` searches each group's product; empty: all keys at once.
     tile_groups: tuple[tuple[str, ...], ...] = ()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import InputError, SpecError
 from ..ir import S64, U32, KernelBuilder
-from ..spec.fields import Field, FamilyFields, int_range
+from ..spec.fields import Field, FamilyFields, int_range, head_dim_range
 from ..spec.model import KernelSpec
 from ..targets import DEFAULT_SMEM_PER_CTA, Target
 from . import common as C
@@ -30,7 +30,7 @@ from .kv_access import LAYOUTS, MAX_PAGE_SIZE, KVAccess, check_page_size
 from .register_floor import needs_floor
 from .split_reduce import build_reduce, split_interface
 
-_hd_check, _hd_allowed = int_range(16, 512, multiple_of=8)
+_hd_check, _hd_allowed = head_dim_range(16, 512)
 _page_check, _page_allowed = int_range(1, MAX_PAGE_SIZE)
 _split_check, _split_allowed = int_range(1, 64)
 FIELDS = FamilyFields(

@@ -5,6 +5,10 @@
     paged          k_cache [num_pages, page_size, Hk, d],      page = block_table[b, r / page_size]
                    block_table [batch, max_pages_per_seq]      addr = k + page*s0 + (r % page_size)*s1 + h*s2
 
+A `latent` cache (MLA) has one row per token and no head axis: `kv_cache [num_pages, page_size,
+d]` (or [batch, max_seq_len, d]); K is the whole row and V its leading head_dim_v columns, so
+both views share the pointer, the strides and the row addresses.
+
 A paged cache `by_slot` (kv_append's `index = "slot_mapping"`, vLLM's reshape_and_cache_flash)
 takes no block table: the row is a slot, page = slot / page_size, offset = slot % page_size,
 and a slot outside [0, num_pages * page_size) is refused as a page id outside the cache is.
@@ -29,6 +33,12 @@ LAYOUTS = ("contiguous", "pointer_array", "paged")
 MAX_PAGE_SIZE = 1024
 
 
+def latent_cache(spec) -> bool:
+    """Whether the spec's attention reads a latent cache (one kv_cache whose V is K's leading
+    columns): the mla family."""
+    return spec.family == "mla"
+
+
 def check_page_size(spec) -> None:
     """page_size belongs to paged caches only."""
     from ..errors import SpecError
@@ -36,6 +46,7 @@ def check_page_size(spec) -> None:
         raise SpecError(f"page_size applies only to kv_layout = \"paged\" (kv_layout is "
                         f"{spec.opt('kv_layout')!r})", key="page_size")
 CACHES = ("k_cache", "v_cache")
+LATENT = "kv_cache"       # a latent cache's one tensor (MLA)
 
 
 @dataclass
@@ -47,18 +58,29 @@ class KVAccess:
     page_size: int = 0
     regs: dict = field(default_factory=dict)
     by_slot: bool = False     # paged rows addressed by slot (page * page_size + offset), no block table
+    latent: bool = False      # one kv_cache, no head axis: V is the leading columns of K's rows
+
+    @property
+    def caches(self) -> tuple[str, ...]:
+        """The cache tensors the caller passes: k_cache and v_cache, or the one latent kv_cache."""
+        return (LATENT,) if self.latent else CACHES
+
+    def _axes(self) -> tuple[int, ...]:
+        """The stride parameters of a cache: the head axis (2) only where there is one."""
+        return (1, 2) if self.layout == "pointer_array" else (0, 1) if self.latent else (0, 1, 2)
 
     # ---- interface ---------------------------------------------------------------------
     def tensors(self, dtype: str, kv_heads: int, head_dim: int, role: str) -> list[TensorInfo]:
+        heads = () if self.latent else (kv_heads,)
         if self.layout == "paged":
-            shape = ("num_pages", self.page_size, kv_heads, head_dim)
+            shape = ("num_pages", self.page_size, *heads, head_dim)
             if self.by_slot:
-                return [TensorInfo(t, dtype, shape, role) for t in CACHES]
-            return [TensorInfo(t, dtype, shape, role) for t in CACHES] + [
+                return [TensorInfo(t, dtype, shape, role) for t in self.caches]
+            return [TensorInfo(t, dtype, shape, role) for t in self.caches] + [
                 TensorInfo("block_table", "i32", ("batch", "max_pages_per_seq"), "input",
                            "page ids per sequence; entries past a sequence's length are ignored")]
-        caches = [TensorInfo(t, dtype, ("batch", "max_seq_len", kv_heads, head_dim), role)
-                  for t in CACHES]
+        caches = [TensorInfo(t, dtype, ("batch", "max_seq_len", *heads, head_dim), role)
+                  for t in self.caches]
         if self.layout == "pointer_array":
             caches = [TensorInfo(t.name, t.dtype, t.shape, t.role, "reached through "
                                  f"{t.name[0]}_ptrs: one device pointer per sequence",
@@ -76,15 +98,16 @@ class KVAccess:
     def pointer_tensors(self) -> list[str]:
         if self.layout == "pointer_array":
             return ["k_ptrs", "v_ptrs"]
-        return list(CACHES) + (["block_table"] if self.layout == "paged" and not self.by_slot else [])
+        return list(self.caches) + (["block_table"] if self.layout == "paged" and not self.by_slot else [])
 
     # ---- parameters --------------------------------------------------------------------
     def emit_strides(self, param) -> None:
         """Declare stride parameters (after all pointers): `param(name, type, source)`."""
-        axes = (1, 2) if self.layout == "pointer_array" else (0, 1, 2)
-        for t in CACHES:
-            for a in axes:
+        for t in self.caches:
+            for a in self._axes():
                 self.regs[(t, a)] = param(f"{t}_stride{a}", S64, ParamSource("stride", t, a))
+        if self.latent:   # K and V address the same rows
+            self.regs.update({(t, a): self.regs[(LATENT, a)] for t in CACHES for a in self._axes()})
         if self.layout == "paged" and not self.by_slot:
             self.regs["bt_stride"] = param("block_table_stride0", S64,
                                            ParamSource("stride", "block_table", 0))
@@ -104,16 +127,19 @@ class KVAccess:
         """Per (sequence, head) values reused for every row: byte-stride registers and bases."""
         out = {}
         for t in CACHES:
-            stride = {a: C.byte_stride(b, self.regs[(t, a)], self.fmt) for a in
-                      ((1, 2) if self.layout == "pointer_array" else (0, 1, 2))}
+            if self.latent and CACHES[0] in out:   # V's rows are K's: the same base and strides
+                out[t] = out[CACHES[0]]
+                continue
+            src = LATENT if self.latent else t
+            stride = {a: C.byte_stride(b, self.regs[(t, a)], self.fmt) for a in self._axes()}
             if self.layout == "contiguous":
-                base = C.element_offset(b, ptrs[t], batch, stride[0])
+                base = C.element_offset(b, ptrs[src], batch, stride[0])
             elif self.layout == "pointer_array":
                 slot = C.element_offset(b, ptrs[f"{t[0]}_ptrs"], batch, b.mov(8, S64))
                 base = b.bitcast(b.ld("global", U64, Addr(slot), nc=True), S64)
             else:
-                base = b.bitcast(ptrs[t], S64)
-            head = C.element_offset(b, b.bitcast(base, U64), kv_head, stride[2])
+                base = b.bitcast(ptrs[src], S64)
+            head = base if self.latent else C.element_offset(b, b.bitcast(base, U64), kv_head, stride[2])
             out[t] = (b.add(head, lane_byte), stride)
         if self.layout == "paged" and not self.by_slot:
             out["block_row"] = C.element_offset(b, ptrs["block_table"], batch,
@@ -187,4 +213,4 @@ def page_as_s64(b: KernelBuilder, page: Reg) -> Reg:
     return b.cvt(S64, page)
 
 
-__all__ = ["KVAccess", "LAYOUTS", "CACHES"]
+__all__ = ["KVAccess", "LAYOUTS", "CACHES", "LATENT"]

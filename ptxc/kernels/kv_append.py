@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ..errors import InputError, SpecError
 from ..ir import S64, Addr, KernelBuilder
-from ..spec.fields import Field, FamilyFields, int_range
+from ..spec.fields import Field, FamilyFields, int_range, head_dim_range
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
@@ -30,7 +30,7 @@ from . import fp8, kv_fp8, kv_transform
 from .kv_access import CACHES, MAX_PAGE_SIZE, KVAccess, check_page_size
 from .kv_rows import NewRows, by_slot, grid
 
-_hd_check, _hd_allowed = int_range(16, 256, multiple_of=8)
+_hd_check, _hd_allowed = head_dim_range(16, 256)
 _page_check, _page_allowed = int_range(1, MAX_PAGE_SIZE)
 _rd_check, _rd_allowed = int_range(2, 256, multiple_of=2)
 FIELDS = FamilyFields(fields=(

@@ -71,12 +71,19 @@ def kv_format(spec: KernelSpec) -> C.ElemFormat:
     return C.ElemFormat(k, 1) if k else C.FORMATS[spec.dtype]
 
 
+def scaled_caches(spec: KernelSpec) -> str:
+    """Which caches have a scale: "kv" (k_scale, v_scale), or "k" for a latent cache (MLA),
+    whose V columns are K's and dequantise with k_scale."""
+    from .kv_access import latent_cache
+    return "k" if latent_cache(spec) else "kv"
+
+
 def interface_extras(spec: KernelSpec) -> tuple[list[TensorInfo], dict[str, dict]]:
     """(scale tensors, runtime scalars) the interface adds for an FP8 cache."""
     mode = scale_mode(spec)
     if mode == "tensor":
         return [], {f"{t}_scale": {"dtype": "f32", "doc": f"dequantised {t.upper()} = fp8 x {t}_scale"}
-                    for t in "kv"}
+                    for t in scaled_caches(spec)}
     return scale_tensors(spec, mode, "dequantised = fp8 x scale"), {}
 
 
@@ -84,11 +91,11 @@ def scale_tensors(spec: KernelSpec, mode: str | None, what: str) -> list[TensorI
     """The scale inputs of kv_scale = "head" ([num_kv_heads]) and "device" ([1])."""
     if mode == "head":
         return [TensorInfo(f"{t}_scale", "f32", (spec.num_kv_heads,), "input", f"per-KV-head scale of "
-                           f"the {t.upper()} cache: {what}[head]") for t in "kv"]
+                           f"the {t.upper()} cache: {what}[head]") for t in scaled_caches(spec)]
     if mode == "device":
         return [TensorInfo(f"{t}_scale", "f32", (1,), "input", f"scale of the {t.upper()} cache in "
                            f"device memory, read by the kernel (a captured graph sees its current "
-                           f"value): {what}[0]", device_resident_scalars=True) for t in "kv"]
+                           f"value): {what}[0]", device_resident_scalars=True) for t in scaled_caches(spec)]
     return []
 
 
@@ -108,7 +115,10 @@ class KVDequant:
         if self.mode == "tensor":
             return self.k_scale, self.v_scale
         if self.mode == "device":
-            return tuple(b.ld("global", F32, Addr(p), nc=True) for p in (self.k_scale, self.v_scale))
+            k = b.ld("global", F32, Addr(self.k_scale), nc=True)
+            if self.v_scale is self.k_scale:   # a latent cache: one scale
+                return k, k
+            return k, b.ld("global", F32, Addr(self.v_scale), nc=True)
         four = b.mov(4, S64)
         return tuple(b.ld("global", F32, Addr(C.element_offset(b, p, kv_head, four)), nc=True)
                      for p in (self.k_scale, self.v_scale))
@@ -128,11 +138,12 @@ def emit_params(spec: KernelSpec, target: Target, b: KernelBuilder, param) -> KV
     from ..ir import U64
     mode = scale_mode(spec)
     if mode == "tensor":
-        regs = [param(f"{t}_scale", F32, ParamSource("scalar", name=f"{t}_scale")) for t in "kv"]
+        regs = [param(f"{t}_scale", F32, ParamSource("scalar", name=f"{t}_scale"))
+                for t in scaled_caches(spec)]
     else:
         regs = [b.to_global(param(f"{t}_scale", U64, ParamSource("pointer", tensor=f"{t}_scale")))
-                for t in "kv"]
-    return KVDequant(k, target, mode, *regs)
+                for t in scaled_caches(spec)]
+    return KVDequant(k, target, mode, regs[0], regs[-1])   # a latent cache: V's scale is K's
 
 
 def stage_rows_dequant(b: KernelBuilder, slot, row_address, row0: Reg, nvalid: Reg, smem: Reg,

@@ -71,7 +71,7 @@ class StagedFP8Config(PrefillConfig):
 
     @property
     def smem_bytes(self) -> int:
-        return self.q_geom.bytes + 2 * self.kv_geom.bytes + 2 * self.num_stages * self.staging_bytes
+        return self.q_geom.bytes + self.kv_tiles * (self.kv_geom.bytes + self.num_stages * self.staging_bytes)
 
 
 def default_stages(make, target: Target) -> int:
@@ -120,7 +120,7 @@ class FP8Staging:
         kv_bytes = cfg.kv_geom.bytes
         self.tile = {"k": tiles_base, "v": b.add(tiles_base, kv_bytes)}
         self.stage_bytes = cfg.staging_bytes
-        self.k_stage = b.add(tiles_base, 2 * kv_bytes)
+        self.k_stage = b.add(tiles_base, cfg.kv_tiles * kv_bytes)
         self.v_stage = b.add(self.k_stage, cfg.num_stages * self.stage_bytes)
         k_slot = staging_slot(b, cfg.staging_geom(cfg.head_dim), tid)
         v_slot = k_slot if cfg.dv == cfg.head_dim else staging_slot(b, cfg.staging_geom(cfg.dv), tid)

@@ -7,6 +7,10 @@ V(j+S-1) after the first barrier, K(j+S) after the second. The family supplies h
 loaded (`load_kv(t, j, stage_offset)`, which must commit exactly one group, empty or not) and
 the math object; tiles j >= n_full get the mask. Each of K and V is requested in tile order
 0, 1, 2, ..., so a family may carry its next global address in a register.
+
+A latent cache (MLA: V is the first head_dim_v columns of each K row) runs
+run_shared_kv_pipeline instead: one tile per stage serves both products, so each latent row is
+read from global memory once per CTA.
 """
 
 from __future__ import annotations
@@ -58,6 +62,40 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
             advance_stage(b, stage, prev, kv_bytes, stages)
     if use_async:
         b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
+    b.bar_sync(0)
+
+
+def run_shared_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_smem: Reg,
+                           n_tiles: Reg, n_full: Reg, key0_of, load_kv, math, transform=None,
+                           lo_full: Reg | None = None, landed=None) -> None:
+    """run_kv_pipeline for a cache whose V rows are the leading columns of its K rows (MLA's
+    latent rows): `load_kv("k", j, stage)` loads tile j once (load_kv is never asked for V),
+    and the scores and P·V of iteration j read the same stage buffer.
+
+    Commit groups: Q+T0, T1, ..., T(S-2); iteration j waits for T(j) with S-2 younger groups in
+    flight, then ONE barrier (T(j) visible to all; every warp is past P·V of tile j-1, whose
+    buffer is then refilled with T(j+S-1)). With `landed` (FP8 bytes staged, kv_fp8_stage.py)
+    the converted tile is read by both products, so its conversion sits between two barriers:
+    the first ends every read of tile j-1's conversion. Needs S >= 2."""
+    assert stages >= 2, "the latent pipeline refills tile j-1's buffer while tile j is in use"
+    for s in range(stages - 1):
+        load_kv("k", b.mov(s, U32), s * kv_bytes)
+    stage = b.mov(0, U32)
+    prev = b.mov((stages - 1) * kv_bytes, U32)
+    with b.for_range(0, n_tiles) as j:
+        b.cp_async_wait(stages - 2)
+        b.bar_sync(0)                                     # T(j) landed; tile j-1 no longer read
+        load_kv("k", b.add(j, stages - 1), prev)
+        if landed is not None:
+            tile = landed("k", stage)
+            b.bar_sync(0)
+        else:
+            tile = b.add(kv_smem, stage)
+        s = math.scores(tile)
+        modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
+        math.pv(math.softmax(s), tile)
+        advance_stage(b, stage, prev, kv_bytes, stages)
+    b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
     b.bar_sync(0)
 
 

@@ -193,7 +193,7 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     smem = b.address_of(b.shared("varlen_smem", 0, align=smem_align))
     kv_bytes = cfg.kv_geom.bytes
     k_smem = b.add(smem, cfg.q_geom.bytes)
-    v_smem = b.add(k_smem, stages * kv_bytes)
+    v_smem = k_smem if cfg.shared_kv else b.add(k_smem, stages * kv_bytes)   # latent: V in K's tile
     ctx = VarlenCtx(b, spec, cfg, variant, tid, lane, warp, m_start, rows, q_len, L, smem, kv_head,
                     t0, ptrs.get("lse_part" if split is not None else "lse"), split, split_count,
                     ptrs.get("sinks"), ptrs.get("alibi_slopes"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SpecError
-from ..spec.fields import Field, FamilyFields, int_range
+from ..spec.fields import Field, FamilyFields, int_range, head_dim_range
 from ..spec.model import KernelSpec
 from ..targets import KIB, MAX_REGS_PER_THREAD, TARGETS, Target
 from . import common as C
@@ -16,7 +16,7 @@ from .tiles import TileGeom, swizzle_fits
 from .register_floor import needs_floor
 from .variant import VARIANT_FIELDS, head_dim_v, validate_variant
 
-_hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
+_hd_check, _hd_allowed = head_dim_range(8, 512)
 MAX_SIMT_HEAD_DIM = 256   # f32 path: a 2 KiB row would not fit Q + K/V tiles in shared memory
 _POW2_TILE = (16, 32, 64, 128, 256)
 FIELDS = FamilyFields(
@@ -72,6 +72,9 @@ class PrefillConfig:
     min_ctas_per_sm: int = 0  # .minnctapersm: registers capped so this many CTAs fit (0: no cap)
     swizzle: bool = False     # XOR-swizzled tiles (tiles.py) wherever their geometry allows
     warp_rows: int = 16       # tensor cores: query rows per warp (16, or 32 = two m16 tiles)
+    # V is the first head_dim_v columns of each K row (MLA's latent cache): one tile per stage
+    # serves both products, and P·V reads it with K's row stride (kv_pipeline.py)
+    shared_kv: bool = False
 
     @property
     def dv(self) -> int:
@@ -84,8 +87,9 @@ class PrefillConfig:
 
     @property
     def v_geom(self) -> TileGeom:
-        """V tiles (block_n x head_dim_v), in stage buffers sized for K (head_dim_v <= head_dim)."""
-        return self._geom(self.block_n, self.dv)
+        """V tiles (block_n x head_dim_v), in stage buffers sized for K (head_dim_v <= head_dim);
+        with shared_kv, the K tile itself (its first head_dim_v columns)."""
+        return self.kv_geom if self.shared_kv else self._geom(self.block_n, self.dv)
 
     @property
     def o_geom(self) -> TileGeom:
@@ -111,7 +115,12 @@ class PrefillConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return self.q_geom.bytes + 2 * self.num_stages * self.kv_geom.bytes
+        return self.q_geom.bytes + self.kv_tiles * self.num_stages * self.kv_geom.bytes
+
+    @property
+    def kv_tiles(self) -> int:
+        """Tiles per pipeline stage: K and V, or the one latent tile (shared_kv)."""
+        return 1 if self.shared_kv else 2
 
     @property
     def rows_per_thread(self) -> int:

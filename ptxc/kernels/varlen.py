@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import SpecError
-from ..spec.fields import Field, FamilyFields, int_range
+from ..spec.fields import Field, FamilyFields, int_range, head_dim_range
 from ..spec.model import KernelSpec
 from ..targets import TARGETS, Target
 from . import common as C
@@ -24,11 +24,11 @@ from . import fp8, kv_fp8, kv_fp8_stage
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .register_floor import narrow_block_n, needs_floor
 from .variant import VARIANT_FIELDS, default_seq_len, head_dim_v, validate_variant, variant_tensors
-from .kv_access import MAX_PAGE_SIZE, KVAccess, check_page_size
+from .kv_access import MAX_PAGE_SIZE, KVAccess, check_page_size, latent_cache
 from .prefill import PrefillConfig, _check_shape, value_split
 from .split_reduce import build_reduce, split_interface
 
-_hd_check, _hd_allowed = int_range(8, 512, multiple_of=8)
+_hd_check, _hd_allowed = head_dim_range(8, 512)
 _page_check, _page_allowed = int_range(1, MAX_PAGE_SIZE)
 _split_check, _split_allowed = int_range(1, 64)
 _POW2_TILE = (16, 32, 64, 128)
@@ -129,18 +129,20 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     # left alone, ptxas caps 4-warp CTAs at 168 registers (three per SM, which shared memory
     # never allows them) and spills the dequantisation
     staged = kv_fp8_stage.applies(spec)
+    latent = latent_cache(spec)     # MLA: one tile per stage, at least two stages (kv_pipeline.py)
     config_type = kv_fp8_stage.StagedFP8Config if staged else PrefillConfig
 
     def make(stages=None):
         return config_type(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,
                            head_dim_v(spec), vsplit,
-                           min_ctas_per_sm=1 if staged or needs_floor("varlen", spec, target) else 0)
+                           min_ctas_per_sm=1 if staged or needs_floor("varlen", spec, target) else 0,
+                           shared_kv=latent)
 
     stages = given.get("num_stages") or (
         kv_fp8_stage.default_stages(make, target) if staged and target is not None else 2)
     cfg = make(stages)
     while cfg.smem_bytes > smem_limit:
-        if "num_stages" not in given and stages > 1:
+        if "num_stages" not in given and stages > 1 + latent:
             stages -= 1
         elif "block_n" not in given and bn > 16:
             bn //= 2
@@ -169,7 +171,8 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
 
 def kv_access(spec: KernelSpec) -> KVAccess:
     layout = spec.opt("kv_layout")
-    return KVAccess(layout, kv_fp8.kv_format(spec), page_size(spec) if layout == "paged" else 0)
+    return KVAccess(layout, kv_fp8.kv_format(spec), page_size(spec) if layout == "paged" else 0,
+                    latent=latent_cache(spec))
 
 
 def query_tiles_expr(spec: KernelSpec) -> str:

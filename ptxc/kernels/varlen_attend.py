@@ -33,7 +33,7 @@ from .kv_access import KVAccess
 from .kv_fp8 import stage_rows_dequant
 from .kv_fp8_stage import FP8Staging, StagedFP8Config
 from .kv_pages import PagedTiles, prefetch_applies
-from .kv_pipeline import run_kv_pipeline
+from .kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
 from .packed_tile import TileWork, VarlenCtx, packed_tile_setup
 from .prefill import PrefillConfig, finish_rows
 from .prefill_mma import MmaMath
@@ -190,7 +190,7 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
         return slot.col if quant is None or staging is not None else b.shr(slot.col, 1)
     bases = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, chunk_col(kv_slot)))
     slots = {"k_cache": kv_slot, "v_cache": kv_slot}
-    if cfg.dv != cfg.head_dim:   # head_dim_v: V rows are narrower, so a thread's chunk differs
+    if cfg.dv != cfg.head_dim and not cfg.shared_kv:   # head_dim_v: V rows are narrower, so a thread's chunk differs
         slots["v_cache"] = thread_slot(b, cfg.v_geom, tid) if staging is None else staging.slots["v_cache"]
         bases["v_cache"] = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, chunk_col(slots["v_cache"])))["v_cache"]
 
@@ -225,11 +225,14 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     if quant is not None:
         k_scale, math.v_scale = quant.scales(b, kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
-    run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
-                    use_async=True, n_tiles=n_tiles, n_full=tile.n_full,
-                    key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
-                    transform=score_transform(b, spec, math), lo_full=tile.lo_full,
-                    landed=None if staging is None else staging.landed)
+    loop = dict(n_tiles=n_tiles, n_full=tile.n_full, key0_of=lambda j: b.mul(b.add(first, j), bn),
+                load_kv=load_kv, math=math, transform=score_transform(b, spec, math),
+                lo_full=tile.lo_full, landed=None if staging is None else staging.landed)
+    if cfg.shared_kv:   # MLA's latent rows: one tile per stage for both products
+        run_shared_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, kv_smem=k_smem, **loop)
+    else:
+        run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
+                        use_async=True, **loop)
     math.epilogue()
 
 

@@ -54,6 +54,7 @@ DEFAULT_DIMS = {
     "prefill": {"batch": 4, "seq_q": 4096, "seq_k": 4096},
     "kv_append": {"batch": 16, "num_new": 1, "kv_len": 4096, "num_tokens": 16},   # by slot: 16 tokens
     "varlen": {"batch": 16, "total_q": 64, "kv_len": 4096},
+    "mla": {"batch": 64, "total_q": 64, "kv_len": 4096},       # batch-64 single-token decode
 }
 KNOWN_DIMS = {"batch", "max_seq_len", "seq_q", "seq_k", "num_pages", "max_pages_per_seq",
               "num_splits", "num_new", "total_q", "max_position", "num_tokens"}
@@ -82,9 +83,11 @@ def _unit(config: dict) -> str:
 
 
 def page_size(meta: dict) -> int:
-    """Rows per page of a paged cache (the constant in k_cache's shape), 0 when not paged."""
-    shape = meta["tensors"].get("k_cache", {}).get("shape", [])
-    return shape[1] if len(shape) == 4 and shape[0] == "num_pages" else 0
+    """Rows per page of a paged cache (the constant in the cache's shape: k_cache, or MLA's
+    latent kv_cache), 0 when not paged."""
+    t = meta["tensors"]
+    shape = (t.get("k_cache") or t.get("kv_cache") or {}).get("shape", [])
+    return shape[1] if len(shape) >= 3 and shape[0] == "num_pages" else 0
 
 
 def kv_length(meta: dict, dims: dict) -> int:
@@ -192,7 +195,28 @@ def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
     return Cost(4 * b * H * d * keys, qo + kv + lse + parts + index, _unit(config), dict(dims))
 
 
+def mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
+    """Latent attention: every query head of a token over the same latent rows. Q.K^T over the
+    whole row (head_dim) and P.V over its first kv_lora_rank columns; each latent row counted
+    once per sequence from DRAM (the other head tiles' reads of it are L2 hits)."""
+    spec = meta["spec"]
+    b, L = dims["batch"], kv_length(meta, dims)
+    q = dims["total_q"] // max(1, b)
+    H, d, dv = spec["num_heads"], spec["head_dim"], spec["kv_lora_rank"]
+    e = ELEMENT_BYTES[spec["dtype"]]
+    tq = b * q
+    latent = b * L * d * ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]]
+    qo = tq * H * (d + dv) * e
+    lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
+    splits = dims.get("num_splits", 1)
+    parts = 2 * tq * H * splits * (dv + 1) * PART_BYTES if splits > 1 else 0
+    index = (b + 1) * 4 + b * 4 + _layout_bytes(meta, dims, L)
+    return Cost(2 * b * H * (d + dv) * keys_seen(q, L, True, None),
+                latent + qo + lse + parts + index, _unit(config), dict(dims))
+
+
 COST_MODELS: dict[str, Callable[[dict, dict, dict], Cost]] = {
+    "mla": mla_cost,
     "decode": decode_cost,
     "prefill": prefill_cost,
     "kv_append": kv_append_cost,

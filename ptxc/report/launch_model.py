@@ -93,7 +93,7 @@ def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list
     splits = max(1, dims.get("num_splits", 1))
     if family == "decode":
         return [math.ceil(math.ceil(keys / splits) / kv_rows)] * n
-    if family == "varlen":
+    if family in ("varlen", "mla"):
         group = spec["num_heads"] // spec["num_kv_heads"]
         q = max(1, dims["total_q"] // max(1, dims["batch"]))
         real = min(n, dims["batch"] * math.ceil(q * group / config["block_m"]) * grid[1])

@@ -72,6 +72,20 @@ def int_range(lo: int, hi: int, multiple_of: int = 1, power_of_two: bool = False
     return check, what
 
 
+def head_dim_range(lo: int, hi: int):
+    """int_range(lo, hi, multiple_of=8) for a family's head_dim; a refused size in MLA's range
+    (a latent head, kv_lora_rank + qk_rope_head_dim) says which family takes it."""
+    check, what = int_range(lo, hi, multiple_of=8)
+
+    def head_check(v: int) -> str | None:
+        why = check(v)
+        if why and hi < v <= 640:
+            why += ('; a latent head of kv_lora_rank + qk_rope_head_dim (DeepSeek-V3, Kimi-K2: '
+                    '576 = 512 + 64) is family = "mla"')
+        return why
+    return head_check, what
+
+
 def float_range(lo: float, hi: float):
     what = f"a number > {lo} and <= {hi}"
     return (lambda v: what if not (lo < v <= hi) else None), what

@@ -297,6 +297,8 @@ def _build_spec(family, fields: dict[str, Field], tile_fields: dict[str, Field],
         if why:
             raise SpecError(why, key="tile." + key)
 
+    if family.derive is not None:
+        family.derive(values)
     if values["num_kv_heads"] is None:
         values["num_kv_heads"] = values["num_heads"]
     if values["num_heads"] % values["num_kv_heads"]:

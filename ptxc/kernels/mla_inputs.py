@@ -1,0 +1,89 @@
+"""Random MLA decode batches and the fp64 reference (the family's contract, read literally).
+
+A batch cycles through the serving cases of a decode step: q_len 0, 1, 2 and 4 (speculative
+verification), L = 0, 1, 63, 64, 65 (a page's edges at FlashMLA's 64), at the capacity, random,
+and q_len > L (rows that see nothing). Paged caches get shuffled pages and garbage ids (-1,
+num_pages + 7) past each sequence's last page; every cache row no sequence owns - unused pages,
+rows past L - holds NaN (FP8: the e4m3 NaN byte), which a kernel must never read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# (q_len, L): an int, "cap" (the capacity) or "any" (uniform in [1, capacity])
+CASES = ((1, "any"), (0, "any"), (2, 63), (4, 64), (1, 65), (2, 0), (1, 1), (4, "cap"), (4, 2))
+E4M3_NAN = 0x7F
+
+
+def _length(rule, S: int, rng) -> int:
+    if rule == "cap":
+        return S
+    if rule == "any":
+        return int(rng.integers(1, S + 1)) if S else 0
+    return min(rule, S)
+
+
+def mla_batch(spec, view, dims: dict[str, int], rng, page_size: int, cases=CASES) -> dict:
+    from ..reference import fp8_quantize, round_to
+    from . import kv_fp8
+    B, H, d = dims["batch"], spec.num_heads, view.head_dim
+    S = dims["max_pages_per_seq"] * page_size if page_size else dims["max_seq_len"]
+    picked = [cases[i % len(cases)] for i in range(B)]
+    q_lens = [q for q, _ in picked]
+    lens = [_length(rule, S, rng) for _, rule in picked]
+    cu = np.concatenate([[0], np.cumsum(q_lens, dtype=np.int64)]).astype(np.int32)
+    rnd = lambda shape: round_to(rng.standard_normal(shape), spec.dtype).astype(np.float32)
+    rows = (dims["num_pages"], page_size) if page_size else (B, S)
+    cache = rnd((*rows, d))
+    owned = np.zeros(rows, dtype=bool)
+    inputs = {"q": rnd((int(cu[-1]), H, d)), "cu_seqlens_q": cu,
+              "seq_lens": np.array(lens, dtype=np.int32)}
+    if page_size:
+        from ..errors import InputError
+        P, used = dims["max_pages_per_seq"], [-(-L // page_size) for L in lens]
+        if dims["num_pages"] < sum(used):
+            raise InputError(f"num_pages = {dims['num_pages']} < the {sum(used)} pages this batch uses")
+        pages = iter(rng.permutation(dims["num_pages"])[:sum(used)].tolist())
+        garbage = (-1, dims["num_pages"] + 7)
+        table = np.array([[next(pages) if p < used[b] else garbage[(b + p) % 2] for p in range(P)]
+                          for b in range(B)], dtype=np.int32).reshape(B, P)
+        for b, L in enumerate(lens):
+            for r in range(L):
+                owned[table[b, r // page_size], r % page_size] = True
+        inputs["block_table"] = table
+    else:
+        for b, L in enumerate(lens):
+            owned[b, :L] = True
+    kind = kv_fp8.kind(view)
+    if kind:   # the bytes a quantising append wrote, over the latent's one scale
+        scale = np.float32(0.37)
+        cache = fp8_quantize(cache / scale, kind)
+        cache[~owned] = E4M3_NAN
+        inputs["k_scale"] = scale if kv_fp8.scale_mode(view) == "tensor" else np.array([scale])
+    else:
+        cache[~owned] = np.nan
+    inputs["kv_cache"] = cache
+    return inputs
+
+
+def latent_kv(view, inputs: dict) -> tuple[np.ndarray, np.ndarray]:
+    """fp64 (K, V) views of the latent cache with a unit head axis: K = the dequantised row,
+    V = its first kv_lora_rank columns."""
+    from ..reference import fp8_decode
+    from . import kv_fp8
+    from .variant import head_dim_v
+    kv = np.asarray(inputs["kv_cache"])
+    kind = kv_fp8.kind(view)
+    kv = fp8_decode(kv, kind) * float(np.asarray(inputs["k_scale"]).reshape(-1)[0]) if kind \
+        else kv.astype(np.float64)
+    return kv[..., None, :], kv[..., None, :head_dim_v(view)]
+
+
+def mla_reference(view, inputs: dict, dtype: str | None, page_size: int) -> dict:
+    from .varlen_inputs import varlen_reference
+    k, v = latent_kv(view, inputs)
+    return varlen_reference(view, {**inputs, "k_cache": k, "v_cache": v}, dtype, page_size)
+
+
+__all__ = ["CASES", "mla_batch", "mla_reference", "latent_kv"]

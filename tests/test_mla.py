@@ -1,0 +1,172 @@
+"""The mla family: latent attention decode over a shared latent cache (DeepSeek-V3, Kimi-K2).
+
+The real PTX runs in the emulator on mixed batches (q_len 0, 1, 2, 4 in one batch; L = 0, 1,
+63, 64, 65, the capacity, random, and q_len > L; paged caches with shuffled pages and garbage
+ids past each sequence; every cache row no sequence owns holds NaN) against the fp64 reference
+under the FA2 tolerance rule: heads 16 / 32 / 128, paged and contiguous, bf16 and f16, splits
+1 / 3 / auto, e4m3 caches with tensor and device scales. Plus: the latent rows are read once
+per head tile (traffic counters), V never reads the RoPE columns, FP8 scales from 1e-3 to 1e3,
+and the spec's one-line refusals.
+"""
+
+import numpy as np
+import pytest
+
+from conftest import assert_pass, build_kernel
+from ptxc import reference as ref
+from ptxc.errors import SpecError
+from ptxc.kernels import FAMILIES
+from ptxc.runtime.launch_test import check_artifact
+from ptxc.spec import load_text
+from ptxc.spec.model import KernelSpec
+
+MLA = FAMILIES["mla"]
+
+
+def body(dtype="bf16", heads=16, layout="paged", splits="auto", kv=None, scale=None, rank=None,
+         rope=None, page=None) -> str:
+    text = (f'dtype = "{dtype}"\nnum_heads = {heads}\nsoftmax_scale = 0.1353\n'
+            f'kv_layout = "{layout}"\nnum_splits = {splits if splits != "auto" else chr(34) + "auto" + chr(34)}\n')
+    for key, value in (("kv_dtype", kv), ("kv_scale", scale)):
+        if value:
+            text += f'{key} = "{value}"\n'
+    for key, value in (("kv_lora_rank", rank), ("qk_rope_head_dim", rope), ("page_size", page)):
+        if value:
+            text += f"{key} = {value}\n"
+    return text
+
+
+PAGED = {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}        # L up to 128: 63 / 64 / 65
+CASES = {
+    "h16-bf16-paged-auto": (dict(), PAGED, ("sm_80",)),
+    "h128-f16-contiguous-1": (dict(dtype="f16", heads=128, layout="contiguous", splits=1),
+                              {"batch": 9, "max_seq_len": 70}, ("sm_80",)),
+    "h16-bf16-page16-3splits-L1000": (dict(splits=3, page=16),
+                                      {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}, ("sm_80",)),
+    "h16-e4m3-paged": (dict(kv="e4m3"), PAGED, ("sm_80", "sm_89")),
+    "h32-e4m3-device-contiguous-r256": (dict(heads=32, kv="e4m3", scale="device", layout="contiguous",
+                                             splits=1, rank=256, rope=32),
+                                        {"batch": 9, "max_seq_len": 67}, ("sm_89",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mixed_batch_matches_reference(tmp_path, case):
+    keys, shapes, targets = CASES[case]
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=targets)
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("layout,shapes", [("paged", {"batch": 9, "max_pages_per_seq": 16, "num_pages": 150}),
+                                           ("contiguous", {"batch": 9, "max_seq_len": 1000})])
+@pytest.mark.parametrize("kv", [None, "e4m3"])
+def test_deepseek_shapes_long_sequences(tmp_path, heads, layout, shapes, kv):
+    art = build_kernel(tmp_path, "mla", body(heads=heads, layout=layout, kv=kv), targets=("sm_80",))
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=3))
+
+
+def _decode_batch(art, lens, q_lens, heads, rng):
+    """Sequences of the given lengths and query counts over a 16-row paged cache whose pages
+    are all owned, shuffled, and hold finite values."""
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    B = len(lens)
+    dims = {"batch": B, "max_pages_per_seq": 4, "num_pages": 4 * B + 1}
+    inputs = MLA.make_inputs(spec, dims, rng)
+    q_lens = np.array(q_lens, dtype=np.int32)
+    inputs["seq_lens"] = np.array(lens, dtype=np.int32)
+    inputs["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    inputs["q"] = ref.round_to(rng.standard_normal((int(q_lens.sum()), heads, spec.head_dim)),
+                               spec.dtype).astype(np.float32)
+    inputs["block_table"] = rng.permutation(4 * B + 1)[:4 * B].astype(np.int32).reshape(B, 4)
+    inputs["kv_cache"] = ref.round_to(rng.standard_normal(inputs["kv_cache"].shape), spec.dtype).astype(np.float32)
+    return spec, inputs, q_lens
+
+
+@pytest.mark.parametrize("heads,rank", [(16, 512), (32, 128)])
+def test_latent_rows_are_read_once_per_head_tile(tmp_path, bytes_read, heads, rank):
+    """The emulator's global reads of kv_cache: every row of every sequence with a query, once
+    per head tile (K and V from the same tile: a row is never fetched for V again), none for
+    a sequence without queries, none past L (the tile's tail is zero-filled, not read)."""
+    art = build_kernel(tmp_path, "mla", body(heads=heads, splits=3, page=16, rank=rank, rope=16))
+    lens = [1, 37, 64, 7, 50, 0, 63]
+    spec, inputs, q_lens = _decode_batch(art, lens, [1, 1, 1, 0, 1, 1, 1], heads, np.random.default_rng(4))
+    out = art.run(inputs, target="sm_80")
+    row_bytes, bm = spec.head_dim * 2, art.meta["targets"]["sm_80"]["config"]["block_m"]
+    assert bm == (64 if heads == 32 else 16)       # value_split above 256 columns: 16-row tiles
+    assert bytes_read["kv_cache"] == sum(L for L, n in zip(lens, q_lens) if n) * row_bytes * -(-heads // bm)
+    want = MLA.reference(spec, inputs)
+    assert ref.max_abs_error(out["o"], want["o"]) < 2e-2
+
+
+def test_values_never_read_the_rope_columns(tmp_path):
+    """With q's RoPE part zero the scores do not depend on the cache's RoPE columns, so neither
+    may the output: two caches that differ only there (ordinary values vs. 3e4) give identical
+    bytes. (NaN cannot stand in for the garbage here: 0 x NaN is NaN in Q.K^T itself.)"""
+    art = build_kernel(tmp_path, "mla", body(rank=128, rope=32, page=16))
+    spec, inputs, _ = _decode_batch(art, [5, 64, 33], [1, 2, 4], 16, np.random.default_rng(9))
+    inputs["q"][..., 128:] = 0
+    other = {**inputs, "kv_cache": inputs["kv_cache"].copy()}
+    other["kv_cache"][..., 128:] = 30000.0
+    a, b = art.run(inputs, target="sm_80"), art.run(other, target="sm_80")
+    assert np.array_equal(a["o"], b["o"]) and np.array_equal(a["lse"], b["lse"])
+    assert ref.max_abs_error(a["o"], MLA.reference(spec, inputs)["o"]) < 2e-2
+
+
+@pytest.mark.parametrize("k_scale", [1e-3, 1.0, 1e3])
+def test_fp8_scales_across_six_decades(tmp_path, k_scale):
+    """The same e4m3 bytes over k_scale 1e-3, 1 and 1e3: K and V both dequantise with it (V is
+    K's columns), so o scales with it and the scores by it."""
+    art = build_kernel(tmp_path, "mla", body(kv="e4m3", splits=1, page=16, rank=128, rope=16),
+                       targets=("sm_89",))
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    inputs = MLA.make_inputs(spec, {"batch": 9, "max_pages_per_seq": 5, "num_pages": 50},
+                             np.random.default_rng(2))
+    inputs["k_scale"] = np.float32(k_scale)
+    out, want = art.run(inputs, target="sm_89"), MLA.reference(spec, inputs)
+    assert np.all(np.isfinite(out["o"]))
+    assert ref.max_abs_error(out["o"], want["o"]) <= 2e-2 * float(np.abs(want["o"]).max())
+    seen = np.isfinite(want["lse"])
+    assert np.array_equal(seen, np.isfinite(out["lse"]))
+    assert np.allclose(out["lse"][seen], want["lse"][seen], rtol=1e-3, atol=1e-2)
+
+
+def _spec(extra: str):
+    return load_text('[[kernel]]\nname = "m"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = 128\n' + extra,
+                     "m.toml")
+
+
+def test_deepseek_v3_spec_normalises():
+    [spec] = _spec("softmax_scale = 0.1353\n")
+    assert (spec.head_dim, spec.num_kv_heads, spec.opt("kv_lora_rank"), spec.opt("page_size")) == (576, 1, 512, 64)
+    assert spec.opt("num_splits") == "auto" and spec.opt("return_lse") is True
+    names = [t.name for t in MLA.interface(spec).tensors]
+    assert names[:6] == ["q", "cu_seqlens_q", "seq_lens", "kv_cache", "block_table", "o"]
+    shapes = {t.name: t.shape for t in MLA.interface(spec).tensors}
+    assert shapes["kv_cache"] == ("num_pages", 64, 576) and shapes["o"] == ("total_q", 128, 512)
+
+
+@pytest.mark.parametrize("extra,key,words", [
+    ("", "softmax_scale", "never 1/sqrt(576)"),
+    ("softmax_scale = 0.1\nhead_dim = 512\n", "head_dim", "kv_lora_rank + qk_rope_head_dim = 576"),
+    ("softmax_scale = 0.1\nnum_kv_heads = 8\n", "num_kv_heads", "one latent KV head"),
+    ('softmax_scale = 0.1\nkv_dtype = "e4m3_ds"\n', "kv_dtype", "not built yet"),
+    ("softmax_scale = 0.1\nsparse_topk = 2048\n", "sparse_topk", "not built yet"),
+    ('softmax_scale = 0.1\nkv_layout = "contiguous"\npage_size = 64\n', "page_size", "paged"),
+    ('softmax_scale = 0.1\nkv_scale = "device"\n', "kv_scale", "e4m3"),
+    ("softmax_scale = 0.1\nkv_lora_rank = 520\n", "kv_lora_rank", "multiple of 64"),
+    ('softmax_scale = 0.1\nkv_dtype = "f16"\n', "kv_dtype", "bf16"),
+    ('softmax_scale = 0.1\ntargets = ["sm_75"]\n', "targets", "sm_75"),
+])
+def test_spec_refusals_name_the_key(extra, key, words):
+    with pytest.raises(SpecError) as e:
+        _spec(extra)
+    assert e.value.key == key and words in str(e.value), str(e.value)
+
+
+def test_head_dim_576_elsewhere_points_at_mla():
+    with pytest.raises(SpecError) as e:
+        load_text('[[kernel]]\nname = "d"\nfamily = "varlen"\ndtype = "bf16"\nhead_dim = 576\n'
+                  'num_heads = 128\nnum_kv_heads = 1\n', "d.toml")
+    assert e.value.key == "head_dim" and 'family = "mla"' in str(e.value)
