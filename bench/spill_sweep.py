@@ -103,8 +103,18 @@ MLA_OPTIONS = (
 )
 
 
+MLA_APPEND_OPTIONS = (("", "base"), ('kv_dtype = "e4m3"\nrope = "neox"\n', "fp8neox"),
+                      ('kv_dtype = "e4m3"\nkv_scale = "device"\nrope = "gptj"\n', "fp8devgptj"))
+
+
 def _mla_rows(full: bool):
     for dtype in ("bf16", "f16"):
+        for option, tag in MLA_APPEND_OPTIONS:
+            for rank in MLA_RANKS if full else (128, 512):
+                for rope in MLA_ROPES if full else (16, 64, 128):
+                    extra = f"kv_lora_rank = {rank}\nqk_rope_head_dim = {rope}\n" + option
+                    yield (f"mla_append_{tag}_{dtype}_r{rank}_p{rope}", "mla_append", dtype, rank + rope,
+                           extra, None)
         for option, tag in MLA_OPTIONS:
             for rank in MLA_RANKS if full else (128, 256, 512):
                 for rope in MLA_ROPES if full else ((16, 64, 128) if rank == 512 else (64,)):

@@ -170,3 +170,31 @@ def test_head_dim_576_elsewhere_points_at_mla():
         load_text('[[kernel]]\nname = "d"\nfamily = "varlen"\ndtype = "bf16"\nhead_dim = 576\n'
                   'num_heads = 128\nnum_kv_heads = 1\n', "d.toml")
     assert e.value.key == "head_dim" and 'family = "mla"' in str(e.value)
+
+
+def test_steps_under_the_same_maxima_record_identical_launches(tmp_path):
+    """CUDA-graph class ALWAYS (varlen's kernel): two different decode/verify steps padded to
+    the same max_batch and max_total_q (a padding sequence with seq_len 0 holds the spare query
+    rows, absent sequences have q_len 0) record byte-identical launches, and the padding rows
+    come out 0."""
+    import json
+    art = build_kernel(tmp_path, "mla", body(rank=128, rope=16, layout="contiguous"))
+    assert art.meta["graph"]["targets"]["sm_80"]["class"] == "ALWAYS"
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    max_batch, max_total_q, S = 5, 9, 40
+    records = []
+    for i, (q_lens, kv_lens) in enumerate((([1, 4, 1], [7, 33, 40]), ([2, 1], [0, 13]))):
+        rng = np.random.default_rng(i)
+        real = len(q_lens)
+        q_lens = q_lens + [max_total_q - sum(q_lens)] + [0] * (max_batch - real - 1)
+        kv_lens = kv_lens + [0] * (max_batch - real)
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        rnd = lambda *s: ref.round_to(rng.standard_normal(s), "bf16").astype(np.float32)
+        inputs = {"q": rnd(max_total_q, 16, 144), "kv_cache": rnd(max_batch, S, 144),
+                  "cu_seqlens_q": cu, "seq_lens": np.array(kv_lens, np.int32)}
+        rec = []
+        out = art.run(inputs, target="sm_80", record=rec)
+        records.append(json.dumps(rec, sort_keys=True))
+        assert ref.max_abs_error(out["o"], MLA.reference(spec, inputs)["o"]) < 2e-2
+        assert np.all(out["o"][cu[real]:] == 0)
+    assert records[0] == records[1]

@@ -133,6 +133,9 @@ class Family:
     # Fills the common values the family derives from its own keys (mla: head_dim, one KV head),
     # refusing given values that disagree; called on the validated keys before the defaults.
     derive: Callable[[dict[str, Any]], None] | None = None
+    # Common keys the family does not need, with the value they take when absent (mla_append:
+    # num_heads = 1, the cache has no query heads)
+    implied: dict[str, Any] = field(default_factory=dict)
     # Tile keys that only make sense together (one group per code path, e.g. decode's SIMT and
     # tensor-core tiles): `ptxc tune` searches each group's product; empty: all keys at once.
     tile_groups: tuple[tuple[str, ...], ...] = ()

@@ -34,9 +34,9 @@ MAX_PAGE_SIZE = 1024
 
 
 def latent_cache(spec) -> bool:
-    """Whether the spec's attention reads a latent cache (one kv_cache whose V is K's leading
-    columns): the mla family."""
-    return spec.family == "mla"
+    """Whether the spec's kernel reads or writes a latent cache (one kv_cache whose V is K's
+    leading columns): the mla and mla_append families."""
+    return spec.family in ("mla", "mla_append")
 
 
 def check_page_size(spec) -> None:

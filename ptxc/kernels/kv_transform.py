@@ -55,7 +55,7 @@ def geometry(spec: KernelSpec) -> tuple[int, int, int]:
     return chunks, kv_items, threads
 
 
-class _Rope:
+class Rope:
     """Per-token RoPE state: the cos/sin row of this token's position (f32, contiguous)."""
 
     def __init__(self, b: KernelBuilder, style: str, rotary_dim: int, cs_row: Reg):
@@ -152,14 +152,14 @@ class _Rope:
         return b.cvt(F32, b.bitcast(h, C.fmt_half(fmt)))
 
 
-def _load8(b: KernelBuilder, fmt: C.ElemFormat, addr: Reg) -> list[Reg]:
+def load8(b: KernelBuilder, fmt: C.ElemFormat, addr: Reg) -> list[Reg]:
     regs = []
     for off in range(0, CHUNK * fmt.bytes, C.VEC_BYTES):
         regs += b.ld("global", fmt.load_type, Addr(addr, off), vec=4, nc=True)
     return C.to_f32(b, fmt, regs)
 
 
-def _store8(b: KernelBuilder, fmt: C.ElemFormat, addr: Reg, vals: list[Reg], target: Target) -> None:
+def store8(b: KernelBuilder, fmt: C.ElemFormat, addr: Reg, vals: list[Reg], target: Target) -> None:
     packed = C.from_f32(b, fmt, vals, target)
     for i, off in enumerate(range(0, CHUNK * fmt.bytes, C.VEC_BYTES)):
         C.store_vec(b, fmt, Addr(addr, off), packed[4 * i:4 * i + 4])
@@ -211,7 +211,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
             valid = b.and_(valid, b.setp("lt", row, max_position))
             position = b.selp(row, 0, valid)
         cs_row = C.element_offset(b, ptrs["cos_sin_cache"], position, cs_stride)
-        rot = _Rope(b, rope, opts["rotary_dim"], b.bitcast(cs_row, U64))
+        rot = Rope(b, rope, opts["rotary_dim"], b.bitcast(cs_row, U64))
 
     def source_row(name: str, head: Reg) -> Reg:
         return b.bitcast(rows.source(name, head, strides), U64)
@@ -226,7 +226,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
                 page_cache = rows.page_cache()
                 for t, src_name in zip(CACHES, ("k_new", "v_new")):
                     head_row = source_row(src_name, kv_head)
-                    vals = _load8(b, fmt, b.bitcast(b.add(b.bitcast(head_row, S64),
+                    vals = load8(b, fmt, b.bitcast(b.add(b.bitcast(head_row, S64),
                                                           b.cvt(S64, b.mul(first, fmt.bytes))), U64))
                     if rot is not None and t == "k_cache":
                         vals = rot.rotate(vals, first, head_row, fmt, valid)
@@ -239,7 +239,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
                             words = fp8.quantize(b, [b.div(v, scale) for v in vals], opts["fp8"], target)
                             b.st("global", B32, Addr(dst), words)
                         else:
-                            _store8(b, fmt, dst, vals, target)
+                            store8(b, fmt, dst, vals, target)
     if rope:   # every token's queries: rotated, or copied unchanged when the token is skipped
         q_items = spec.num_heads * chunks
         for rnd in range(-(-q_items // threads)):
@@ -248,9 +248,9 @@ def build(spec: KernelSpec, target: Target) -> Program:
                 head, chunk = b.div(item, chunks), b.rem(item, chunks)
                 offset = b.cvt(S64, b.mul(b.mul(chunk, CHUNK), fmt.bytes))
                 q_row, out_row = source_row("q", head), source_row("q_rot", head)
-                vals = _load8(b, fmt, b.bitcast(b.add(b.bitcast(q_row, S64), offset), U64))
+                vals = load8(b, fmt, b.bitcast(b.add(b.bitcast(q_row, S64), offset), U64))
                 vals = rot.rotate(vals, b.mul(chunk, CHUNK), q_row, fmt, valid)
-                _store8(b, fmt, b.bitcast(b.add(b.bitcast(out_row, S64), offset), U64), vals, target)
+                store8(b, fmt, b.bitcast(b.add(b.bitcast(out_row, S64), offset), U64), vals, target)
     b.ret()
     launch = Launch(entry=b.entry.name, params=tuple(params), grid=grid(spec), block=(threads, 1, 1))
     return Program([b.entry], [launch], {"threads": threads, "chunk_elems": CHUNK},

@@ -76,22 +76,27 @@ FIELDS = FamilyFields(
 def derive(values: dict) -> None:
     """The common values MLA fixes: head_dim = kv_lora_rank + qk_rope_head_dim, one (latent) KV
     head, and a softmax_scale that must be given (it depends on the unabsorbed q/k head size
-    and YaRN's mscale, never 1/sqrt(head_dim))."""
+    and YaRN's mscale, never 1/sqrt(head_dim)); a paged cache's page_size, recorded."""
+    latent_head(values)
+    if values.get("kv_layout") == "paged" and values.get("page_size") is None:
+        values["page_size"] = DEFAULT_PAGE_SIZE     # recorded, so every consumer sees it
+    if values.get("softmax_scale") is None:
+        raise SpecError("missing required key (MLA's scale depends on the unabsorbed q/k head "
+                        "size and YaRN's mscale, e.g. DeepSeek-V3: 192^-0.5 x mscale^2 = 0.1353; "
+                        "never 1/sqrt(576); allowed: a number > 0)", key="softmax_scale")
+
+
+def latent_head(values: dict) -> None:
+    """head_dim = kv_lora_rank + qk_rope_head_dim and one KV head (given values must agree)."""
     d = values["kv_lora_rank"] + values["qk_rope_head_dim"]
     if values.get("head_dim") not in (None, d):
         raise SpecError(f"head_dim = {values['head_dim']}: MLA's q/k head size is kv_lora_rank "
                         f"+ qk_rope_head_dim = {d}; omit it or give {d}", key="head_dim")
     values["head_dim"] = d
-    if values.get("kv_layout") == "paged" and values.get("page_size") is None:
-        values["page_size"] = DEFAULT_PAGE_SIZE     # recorded, so every consumer sees it
     if values.get("num_kv_heads") not in (None, 1):
         raise SpecError(f"num_kv_heads = {values['num_kv_heads']}: MLA has one latent KV head "
                         f"shared by every query head; omit it or give 1", key="num_kv_heads")
     values["num_kv_heads"] = 1
-    if values.get("softmax_scale") is None:
-        raise SpecError("missing required key (MLA's scale depends on the unabsorbed q/k head "
-                        "size and YaRN's mscale, e.g. DeepSeek-V3: 192^-0.5 x mscale^2 = 0.1353; "
-                        "never 1/sqrt(576); allowed: a number > 0)", key="softmax_scale")
 
 
 def attention_view(spec: KernelSpec) -> KernelSpec:

@@ -86,4 +86,75 @@ def mla_reference(view, inputs: dict, dtype: str | None, page_size: int) -> dict
     return varlen_reference(view, {**inputs, "k_cache": k, "v_cache": v}, dtype, page_size)
 
 
-__all__ = ["CASES", "mla_batch", "mla_reference", "latent_kv"]
+# ---- mla_append -------------------------------------------------------------------------------
+def append_inputs(spec, dims: dict[str, int], rng, page_size: int) -> dict:
+    """A step's new latent rows at distinct slots of a cache of random bytes/values, with
+    padding (-1), a slot one past the cache and one far past; e4m3 adds a zero row (amax 0),
+    +inf, NaN and values that saturate; RoPE adds positions in range, at max_position and
+    negative (those tokens are skipped)."""
+    from ..reference import round_to
+    from . import kv_fp8
+    rank, rope_d = spec.opt("kv_lora_rank"), spec.opt("qk_rope_head_dim")
+    T, total = dims["num_tokens"], dims["num_pages"] * page_size
+    rnd = lambda shape: round_to(rng.standard_normal(shape), spec.dtype).astype(np.float32)
+    inputs = {"kv_c": rnd((T, rank)), "k_pe": rnd((T, rope_d))}
+    slots = np.full(T, -1, np.int64)
+    taken = rng.permutation(total)[:T]
+    slots[:taken.size] = taken
+    for i, bad in zip(range(2, T, 4), (-1, total, 1 << 40)):
+        slots[i] = bad
+    inputs["slot_mapping"] = slots
+    rows = (dims["num_pages"], page_size, spec.head_dim)
+    if kv_fp8.kind(spec):
+        inputs["kv_cache"] = rng.integers(0, 256, rows, dtype=np.uint8)
+        scale = np.float32(3.1 / 448 * 8)
+        inputs["k_scale"] = scale if kv_fp8.scale_mode(spec) == "tensor" else np.array([scale])
+        if T > 1:
+            inputs["kv_c"][1] = 0.0                                # amax 0: zero bytes
+        inputs["kv_c"][0, :4] = [np.inf, np.nan, 1e4, -1e4]        # -> 448, NaN, +-448
+        inputs["k_pe"][0, :2] = [-np.inf, np.nan]
+    else:
+        inputs["kv_cache"] = rnd(rows)
+    if spec.opt("rope"):
+        from .kv_transform_ref import rope_cos_sin_cache
+        top = dims["max_position"]
+        pos = rng.integers(0, top, T).astype(np.int64)
+        pos[1:T:5] = top
+        pos[3:T:5] = -3
+        inputs["positions"] = pos
+        inputs["cos_sin_cache"] = rope_cos_sin_cache(top, rope_d)
+    return inputs
+
+
+def append_reference(spec, inputs: dict, page_size: int) -> dict:
+    """The cache after the append, replaying the kernel's arithmetic in numpy float32 (RoPE's
+    products and sums each rounded, x / k_scale as an f32 division, then satfinite RNE e4m3 or
+    RNE to the dtype): exact, so the tests compare bytes. Untouched rows keep their input."""
+    from ..reference import fp8_quantize, round_to
+    from . import kv_fp8
+    from .kv_transform_ref import rotate
+    kind, style = kv_fp8.kind(spec), spec.opt("rope")
+    rd = spec.opt("qk_rope_head_dim")
+    out = np.array(inputs["kv_cache"], dtype=np.uint8 if kind else np.float64)
+    total = out.shape[0] * page_size
+    cs = inputs.get("cos_sin_cache")
+    for t, slot in enumerate(np.asarray(inputs["slot_mapping"])):
+        slot = int(slot)
+        if not 0 <= slot < total:
+            continue
+        pe = np.asarray(inputs["k_pe"][t], np.float32)
+        if style:
+            p = int(inputs["positions"][t])
+            if not 0 <= p < cs.shape[0]:
+                continue
+            pe = rotate(pe, cs[p, :rd // 2], cs[p, rd // 2:rd], style, rd)
+        row = np.concatenate([np.asarray(inputs["kv_c"][t], np.float32), pe])
+        if kind:
+            scale = np.float32(np.asarray(inputs["k_scale"]).reshape(-1)[0])
+            out[slot // page_size, slot % page_size] = fp8_quantize(row / scale, kind)
+        else:
+            out[slot // page_size, slot % page_size] = round_to(row.astype(np.float64), spec.dtype)
+    return {"kv_cache": out}
+
+
+__all__ = ["CASES", "mla_batch", "mla_reference", "latent_kv", "append_inputs", "append_reference"]

@@ -16,10 +16,10 @@ from . import exprs
 
 # vLLM AttentionCGSupport: a family whose per-step values are all device tensors and whose
 # absent work exits at once under padded maxima (tests/test_record_launches.py) replays for any
-# batch (varlen: mixed prefill/decode), single-token decode for uniform decode batches; prefill
+# batch (varlen, and mla - varlen's kernel: mixed prefill/decode), single-token decode for uniform decode batches; prefill
 # grids are the step's own sequence lengths (no padding rule), so it is captured per shape only.
-FAMILY_CLASS = {"varlen": "ALWAYS", "decode": "UNIFORM_SINGLE_TOKEN_DECODE",
-                "kv_append": "UNIFORM_BATCH", "prefill": "NEVER"}
+FAMILY_CLASS = {"varlen": "ALWAYS", "mla": "ALWAYS", "decode": "UNIFORM_SINGLE_TOKEN_DECODE",
+                "kv_append": "UNIFORM_BATCH", "mla_append": "ALWAYS", "prefill": "NEVER"}
 # kv_append by slot_mapping: any mix of tokens, padded to the captured num_tokens with slot -1
 SLOT_MAPPED_CLASS = "ALWAYS"
 

@@ -55,6 +55,7 @@ DEFAULT_DIMS = {
     "kv_append": {"batch": 16, "num_new": 1, "kv_len": 4096, "num_tokens": 16},   # by slot: 16 tokens
     "varlen": {"batch": 16, "total_q": 64, "kv_len": 4096},
     "mla": {"batch": 64, "total_q": 64, "kv_len": 4096},       # batch-64 single-token decode
+    "mla_append": {"num_tokens": 64, "num_pages": 4096, "max_position": 4096},
 }
 KNOWN_DIMS = {"batch", "max_seq_len", "seq_q", "seq_k", "num_pages", "max_pages_per_seq",
               "num_splits", "num_new", "total_q", "max_position", "num_tokens"}
@@ -215,8 +216,19 @@ def mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
                 latent + qo + lse + parts + index, _unit(config), dict(dims))
 
 
+def mla_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
+    """Each token's latent row read (kv_c, k_pe) and written once, its slot (and position and a
+    cos/sin row with RoPE) read."""
+    spec = meta["spec"]
+    n, d = dims["num_tokens"], spec["head_dim"]
+    row = d * (ELEMENT_BYTES[spec["dtype"]] + ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]])
+    rope = n * (8 + spec["qk_rope_head_dim"] * 4) if spec.get("rope") else 0
+    return Cost(0, n * (row + 8) + rope, "simt", dict(dims))
+
+
 COST_MODELS: dict[str, Callable[[dict, dict, dict], Cost]] = {
     "mla": mla_cost,
+    "mla_append": mla_append_cost,
     "decode": decode_cost,
     "prefill": prefill_cost,
     "kv_append": kv_append_cost,

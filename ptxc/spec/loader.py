@@ -271,6 +271,7 @@ def _slug(value: Any) -> str:
 def _build_spec(family, fields: dict[str, Field], tile_fields: dict[str, Field], flat: dict,
                 tile: dict, source: str) -> KernelSpec:
     values: dict[str, Any] = {}
+    flat = {**family.implied, **flat}
     if flat.get("family") == "kv_append" and "num_heads" not in flat and not flat.get("rope"):
         # Only RoPE on the queries (q -> q_rot) needs the query head count; without it
         # num_kv_heads alone shapes the kernel, and num_heads is accepted for symmetry.

@@ -68,6 +68,20 @@ kv_layout = "paged"
 page_size = 16
 custom_mask = "tree"
 return_lse = true
+
+[[kernel]]
+name = "e2e_mla"
+family = "mla"
+dtype = "bf16"
+num_heads = 16
+num_kv_heads = 1
+kv_lora_rank = 128
+qk_rope_head_dim = 16
+head_dim = 144
+softmax_scale = 0.125
+page_size = 16
+kv_dtype = "e4m3"
+kv_scale = "device"
 '''
 
 # One entry per family case: artifact name and small odd shapes. A new family is one more
@@ -79,6 +93,7 @@ CASES = {
     "e2e_ptr_decode": {"batch": 3, "max_seq_len": 37},
     "e2e_varlen": {"batch": 3, "max_pages_per_seq": 3, "num_pages": 9},
     "e2e_varlen_tree": {"batch": 11, "max_pages_per_seq": 3, "num_pages": 35},
+    "e2e_mla": {"batch": 9, "max_pages_per_seq": 5, "num_pages": 50},
 }
 
 
