@@ -84,7 +84,7 @@ def bench_inputs(meta: dict, dims: dict[str, int], seed: int = 0) -> dict:
     import numpy as np
 
     from ..pipeline import exprs
-    from ..report.costs import kv_length
+    from ..report.costs import kv_length, page_size
     rng = np.random.default_rng(seed)
     capacity = kv_length(meta, dims) if "max_seq_len" in dims or "max_pages_per_seq" in dims else 0
     out = {}
@@ -100,7 +100,7 @@ def bench_inputs(meta: dict, dims: dict[str, int], seed: int = 0) -> dict:
             b = np.arange(shape[0], dtype=np.int64)
             out[name] = (b * dims["total_q"] // max(1, shape[0] - 1)).astype(np.int32)
         elif name == "slot_mapping":   # kv_append by slot: distinct slots spread over the cache
-            total = dims["num_pages"] * meta["tensors"]["k_cache"]["shape"][1]
+            total = dims["num_pages"] * page_size(meta)
             out[name] = (np.arange(shape[0], dtype=np.int64) * max(1, total // max(1, shape[0]))) % total
         elif name == "positions" and info["dtype"] == "i64":   # by slot: RoPE positions
             out[name] = np.arange(shape[0], dtype=np.int64) % max(1, dims.get("max_position", 1))
