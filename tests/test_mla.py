@@ -84,17 +84,21 @@ def _decode_batch(art, lens, q_lens, heads, rng):
     return spec, inputs, q_lens
 
 
-@pytest.mark.parametrize("heads,rank", [(16, 512), (32, 128)])
-def test_latent_rows_are_read_once_per_head_tile(tmp_path, bytes_read, heads, rank):
+@pytest.mark.parametrize("heads,rank,rope", [(16, 512, 64), (16, 512, 16), (32, 128, 16)])
+def test_latent_rows_are_read_once_per_head_tile(tmp_path, bytes_read, heads, rank, rope):
     """The emulator's global reads of kv_cache: every row of every sequence with a query, once
     per head tile (K and V from the same tile: a row is never fetched for V again), none for
     a sequence without queries, none past L (the tile's tail is zero-filled, not read)."""
-    art = build_kernel(tmp_path, "mla", body(heads=heads, splits=3, page=16, rank=rank, rope=16))
+    art = build_kernel(tmp_path, "mla", body(heads=heads, splits=3, page=16, rank=rank, rope=rope))
     lens = [1, 37, 64, 7, 50, 0, 63]
     spec, inputs, q_lens = _decode_batch(art, lens, [1, 1, 1, 0, 1, 1, 1], heads, np.random.default_rng(4))
     out = art.run(inputs, target="sm_80")
-    row_bytes, bm = spec.head_dim * 2, art.meta["targets"]["sm_80"]["config"]["block_m"]
+    config = art.meta["targets"]["sm_80"]["config"]
+    row_bytes, bm = spec.head_dim * 2, config["block_m"]
     assert bm == (64 if heads == 32 else 16)       # value_split above 256 columns: 16-row tiles
+    # 512 columns: the four warps sharing 16 rows each take a quarter of Q.K^T's depth (when
+    # its k-steps divide by four: 576 = 36 x 16 does, 528 = 33 x 16 computes it in each warp)
+    assert config.get("score_split", False) == (rank == 512 and rope == 64)
     assert bytes_read["kv_cache"] == sum(L for L, n in zip(lens, q_lens) if n) * row_bytes * -(-heads // bm)
     want = MLA.reference(spec, inputs)
     assert ref.max_abs_error(out["o"], want["o"]) < 2e-2

@@ -75,6 +75,10 @@ class PrefillConfig:
     # V is the first head_dim_v columns of each K row (MLA's latent cache): one tile per stage
     # serves both products, and P·V reads it with K's row stride (kv_pipeline.py)
     shared_kv: bool = False
+    # The v_split warps sharing 16 rows split Q·Kᵀ's depth (each ksteps / v_split k-steps) and
+    # add their partial scores through shared memory (prefill_mma.MmaMath.scores) instead of
+    # each computing all of it
+    score_split: bool = False
 
     @property
     def dv(self) -> int:
@@ -115,7 +119,14 @@ class PrefillConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return self.q_geom.bytes + self.kv_tiles * self.num_stages * self.kv_geom.bytes
+        return self.q_geom.bytes + self.kv_tiles * self.num_stages * self.kv_geom.bytes + \
+            self.exchange_bytes
+
+    @property
+    def exchange_bytes(self) -> int:
+        """score_split: the partial scores, at the end of shared memory - per 16-row group,
+        v_split x (block_n / 8) n8 tiles of 32 lanes x 16 bytes."""
+        return self.block_m // 16 * self.v_split * self.block_n // 8 * 512 if self.score_split else 0
 
     @property
     def kv_tiles(self) -> int:

@@ -52,6 +52,16 @@ class MmaMath:
         vs = cfg.v_split   # warps sharing 16 rows; warp w owns O columns slice w % vs
         warp_rows = b.mul(b.div(ctx.warp, vs) if vs > 1 else ctx.warp, cfg.warp_rows)
         self.q_lanes = self.mk_lanes.bind(b.mad(warp_rows, self.ss, ctx.q_smem))
+        self.partials = None   # score_split: this lane's slot of its row group's partial scores
+        if cfg.score_split:
+            assert not cfg.q_geom.swizzled and not self.half_k and self.ksteps % vs == 0
+            part = b.rem(ctx.warp, vs)                       # which share of the depth
+            depth = b.mul(part, self.ksteps // vs * 2 * 16)  # bytes: 2 chunks per k-step
+            self.q_lanes = self.mk_lanes.shifted(depth).bind(b.mad(warp_rows, self.ss, ctx.q_smem))
+            self.k_lanes = self.k_lanes.shifted(depth)
+            group = b.mul(b.div(ctx.warp, vs), vs * self.bn // 8 * 512)
+            base = b.add(b.add(ctx.q_smem, cfg.smem_bytes - cfg.exchange_bytes), group)
+            self.partials = (b.add(base, b.shl(lane, 4)), b.mul(part, self.bn // 8 * 512))
         g, t = b.shr(lane, 2), b.and_(lane, 3)
         self.t = t
         row0 = b.add(ctx.m_start, b.add(warp_rows, g))
@@ -97,7 +107,8 @@ class MmaMath:
         k_lanes_half = self.mk_lanes.bind(k_tile) if self.half_k else None
         nt = self.bn // 8
         s: list = [None] * (self.mt * nt)
-        for kk in range(self.ksteps):
+        steps = self.ksteps // self.ctx.cfg.v_split if self.partials is not None else self.ksteps
+        for kk in range(steps):
             half = self.half_k and kk == self.ksteps - 1
             a = [b.ldmatrix(self.q_lanes.at(16 * mt, 2 * kk), 2 if half else 4)
                  for mt in range(self.mt)]
@@ -113,7 +124,28 @@ class MmaMath:
                         jn = mt * nt + 2 * pair + e
                         s[jn] = b.mma_m16n8k16(a[mt], frag, s[jn] or self.fzero, self.in_type,
                                                out=s[jn])
-        return s
+        return s if self.partials is None else self.add_partials(s)
+
+    def add_partials(self, s: list[list[Reg]]) -> list[list[Reg]]:
+        """score_split: every warp of a row group stores its share of the depth (n8 tile jn of
+        part p at ((p * nt + jn) * 32 + lane) * 16: a quarter-warp's v4 stores cover 128
+        contiguous bytes), then, after a barrier, adds all parts in part order - so every warp
+        of the group holds the same scores, bit for bit. The buffer is written again only after
+        the next K/V tile's barrier, which every warp passes after these reads."""
+        b, vs = self.b, self.ctx.cfg.v_split
+        lane_slot, own = self.partials
+        mine = b.add(lane_slot, own)
+        for jn, acc in enumerate(s):
+            b.st("shared", F32, Addr(mine, jn * 512), acc)
+        b.bar_sync(0)
+        total = []
+        for jn in range(len(s)):
+            parts = [b.ld("shared", F32, Addr(lane_slot, (p * len(s) + jn) * 512), vec=4) for p in range(vs)]
+            acc = parts[0]
+            for part in parts[1:]:
+                acc = [b.add(x, y) for x, y in zip(acc, part)]
+            total.append(acc)
+        return total
 
     def transform(self, s: list[list[Reg]], key0: Reg) -> None:
         """The variant's score transforms (soft-cap, ALiBi); score (r, e) of n8 tile jn is key

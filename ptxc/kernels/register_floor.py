@@ -71,6 +71,11 @@ SPILLING_SHAPES = frozenset({
     "varlen/f16/24/causal/sm_89/win+sink", "varlen/f16/40/causal/sm_80/win+sink",
     "varlen/f16/72/causal/sm_90/win+sink", "varlen/f16/88/causal/sm_120/win+sink",
     "varlen/f16/88/causal/sm_80/win+sink", "varlen/f16/96/causal/sm_80/win+sink",
+    # mla (keyed as its varlen view): the paged tile's page-id registers at 128 registers
+    "mla/f16/160/causal/sm_80/dv128", "mla/f16/176/causal/sm_80/dv128", "mla/f16/192/causal/sm_80/dv128",
+    "mla/f16/208/causal/sm_80/dv128", "mla/f16/224/causal/sm_80/dv128", "mla/f16/240/causal/sm_80/dv128",
+    "mla/f16/256/causal/sm_80/dv128", "mla/f16/528/causal/sm_89/lse+split+dv448",
+    "mla/f16/544/causal/sm_89/lse+split+dv448", "mla/f16/560/causal/sm_89/lse+split+dv448",
 })
 
 # Shapes that spill even at 255 registers: the default K/V tile narrows to this many keys

@@ -121,7 +121,7 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     bm = given.get("block_m") or 16 * given.get("num_warps", 4) // vsplit
     warps = given.get("num_warps") or bm // 16 * vsplit
     bn = given.get("block_n") or narrow_block_n(
-        "varlen", spec, target, 64 if spec.head_dim <= 128 else 32 if spec.head_dim <= 256 else 16)
+        spec.family, spec, target, 64 if spec.head_dim <= 128 else 32 if spec.head_dim <= 256 else 16)
     smem_limit = target.max_smem_per_cta if target is not None else 1 << 30
     cp_async = target.has_cp_async if target is not None else True
     # FP8 caches staged by cp.async (kv_fp8_stage.py) take the most stages that keep the CTAs
@@ -130,13 +130,15 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     # never allows them) and spills the dequantisation
     staged = kv_fp8_stage.applies(spec)
     latent = latent_cache(spec)     # MLA: one tile per stage, at least two stages (kv_pipeline.py)
+    # MLA's 512-wide V: the four warps sharing 16 rows split the 576-deep Q·Kᵀ between them
+    split_scores = latent and vsplit > 1 and -(-spec.head_dim // 16) % vsplit == 0
     config_type = kv_fp8_stage.StagedFP8Config if staged else PrefillConfig
 
     def make(stages=None):
         return config_type(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,
                            head_dim_v(spec), vsplit,
-                           min_ctas_per_sm=1 if staged or needs_floor("varlen", spec, target) else 0,
-                           shared_kv=latent)
+                           min_ctas_per_sm=1 if staged or needs_floor(spec.family, spec, target) else 0,
+                           shared_kv=latent, score_split=split_scores)
 
     stages = given.get("num_stages") or (
         kv_fp8_stage.default_stages(make, target) if staged and target is not None else 2)

@@ -86,6 +86,7 @@ def packed_tile_config(spec, c: PrefillConfig) -> dict:
             "num_stages": c.num_stages, "path": "mma.m16n8k16", "gqa_packing": spec.group_size,
             "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
             **({"value_split": c.v_split} if c.v_split > 1 else {}),
+            **({"score_split": True, "exchange_bytes": c.exchange_bytes} if c.score_split else {}),
             **({"fp8_staging_bytes": c.staging_bytes} if isinstance(c, StagedFP8Config) else {}),
             **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {})}
 
@@ -196,8 +197,8 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
 
     # Paged caches: a tile's few page ids are loaded with the previous tile (kv_pages.py)
     pages = None
-    if (quant is None or staging is not None) and cfg.dv == cfg.head_dim and \
-            prefetch_applies(kv, kv_slot, bn):
+    if (quant is None or staging is not None) and (cfg.dv == cfg.head_dim or cfg.shared_kv) and \
+            prefetch_applies(kv, kv_slot, bn):   # (a latent cache issues K tiles only, in order)
         pages = PagedTiles(b, kv, bases, kv_slot, bn, L)
 
     key_lo = tile.key_lo()   # a sliding window: keys no row of the tile sees are zero-filled
