@@ -102,8 +102,9 @@ def test_c_variant_dispatcher(built, tmp_path):
            '    printf("%d|%s\\n", i, e);\n    return 0;\n}\n')
     lines = harness.compile_and_run(src, tmp_path, stub, cxx=True, args=[], env={}).splitlines()
     assert lines[0] == "e2e_paged_fused"
-    assert lines[1].startswith("-1|not built: family=decode,head_dim=128; built variants are e2e_paged_fused: "
-                               "family=decode,dtype=f16,head_dim=64,")
+    assert lines[1].startswith("-1|not built: family=decode,head_dim=128; built variants are e2e_mla: "
+                               "family=mla,dtype=bf16,head_dim=144,")   # in name order
+    assert "; e2e_paged_fused: family=decode,dtype=f16,head_dim=64," in lines[1]
     assert "; e2e_prefill: family=prefill,dtype=f16,head_dim=64,num_heads=4,num_kv_heads=2," in lines[1]
     prefill_key = lines[1].split("; e2e_prefill: ")[1].split(";")[0].split(",")
     assert {"causal=true", "sliding_window=none", "logits_soft_cap=none"} <= set(prefill_key)

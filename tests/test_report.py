@@ -17,6 +17,7 @@ from ptxc.cli import main
 from ptxc.report.costs import Cost, decode_cost, launch_cost, prefill_cost, resolve_dims, roofline
 from ptxc.errors import InputError, UserError
 from ptxc.report.gpus import GPUS, get_gpu, match_device, models_for_target
+from ptxc.report.loop_model import COPY_FAMILIES
 from ptxc.targets import TARGETS, occupancy
 
 KIB = 1024
@@ -269,7 +270,7 @@ def test_html_report_headless_screenshot(built, tmp_path, shared_cache):
 
 def _check_loop_row(k: dict, t: dict, row: dict) -> None:
     """Every attention launch has a main loop with per-KV-row figures and a bound per model."""
-    if k["family"] == "kv_append" or row["entry"].endswith(("_reduce", "_append")):
+    if k["family"] in COPY_FAMILIES or row["entry"].endswith(("_reduce", "_append")):
         return
     loop = row["loop"]
     assert loop is not None and loop["instructions"] > 0, row["entry"]

@@ -20,11 +20,12 @@ from __future__ import annotations
 from ..pipeline.metadata import ELEMENT_BYTES
 
 BOUNDS = ("issue", "tensor", "fp32", "bandwidth", "latency")
+COPY_FAMILIES = ("kv_append", "mla_append")   # no attention loop: rows copied once
 
 
 def kv_rows_per_iteration(family: str, config: dict, entry: str) -> int | None:
     """K/V rows one CTA consumes per iteration of its main loop (None: not an attention loop)."""
-    if entry.endswith(("_reduce", "_append")) or family == "kv_append":
+    if entry.endswith(("_reduce", "_append")) or family in COPY_FAMILIES:
         return None
     if "block_n" in config:
         return int(config["block_n"])
