@@ -165,6 +165,18 @@ def store8(b: KernelBuilder, fmt: C.ElemFormat, addr: Reg, vals: list[Reg], targ
         C.store_vec(b, fmt, Addr(addr, off), packed[4 * i:4 * i + 4])
 
 
+def layout_and_rope_params(b: KernelBuilder, kv: KVAccess, param, rope: bool) -> tuple:
+    """The cache's stride and dim parameters with RoPE's between and after them - the
+    parameter order of both transforming appends (kv_append's, mla_append): (the cos/sin row
+    stride in bytes, max_position), None without RoPE."""
+    kv.emit_strides(param)
+    cs_stride = b.mul(param("cos_sin_cache_stride0", S64, ParamSource("stride", "cos_sin_cache", 0)), 4) \
+        if rope else None
+    kv.emit_dims(param)
+    max_position = param("max_position", U32, ParamSource("dim", name="max_position")) if rope else None
+    return cs_stride, max_position
+
+
 def build(spec: KernelSpec, target: Target) -> Program:
     opts = options(spec)
     fmt = C.FORMATS[spec.dtype]
@@ -188,12 +200,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
             for t in (*sources, *index, *kv.pointer_tensors(), *extra)}
     strides = {(t, a): C.byte_stride(b, param(f"{t}_stride{a}", S64, ParamSource("stride", t, a)), fmt)
                for t in sources for a in ((0, 1) if kv.by_slot else (0, 1, 2))}
-    kv.emit_strides(param)
-    if rope:
-        cs_stride = b.mul(param("cos_sin_cache_stride0", S64, ParamSource("stride", "cos_sin_cache", 0)), 4)
-    kv.emit_dims(param)
-    if rope:
-        max_position = param("max_position", U32, ParamSource("dim", name="max_position"))
+    cs_stride, max_position = layout_and_rope_params(b, kv, param, bool(rope))
     scales = {}
     if opts["kv_scale"] == "tensor":
         scales = {t: param(f"{t[0]}_scale", F32, ParamSource("scalar", name=f"{t[0]}_scale")) for t in CACHES}

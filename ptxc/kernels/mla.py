@@ -26,7 +26,6 @@ from ..targets import TARGETS
 from . import common as C
 from . import kv_fp8, varlen
 from .base import Family, Interface, Program
-from .kv_access import LATENT
 
 _rank_check, _rank_allowed = int_range(128, 512, multiple_of=64)
 _rope_check, _rope_allowed = int_range(16, 128, multiple_of=16)
@@ -116,6 +115,20 @@ def page_size(spec: KernelSpec) -> int:
     return spec.opt("page_size") or DEFAULT_PAGE_SIZE
 
 
+def check_cache_keys(spec: KernelSpec) -> None:
+    """kv_dtype and kv_scale of a latent cache (mla and mla_append alike)."""
+    kd = spec.opt("kv_dtype")
+    if kd in ("f16", "bf16") and kd != spec.dtype:
+        raise SpecError(f"got {kd!r} with dtype {spec.dtype!r}; allowed: {spec.dtype!r} or "
+                        f"\"e4m3\"", key="kv_dtype")
+    if kd == "e4m3_ds":
+        raise SpecError('kv_dtype = "e4m3_ds" (656-byte rows with per-group scales) is not built '
+                        'yet; allowed today: the dtype or "e4m3" (per-tensor k_scale)', key="kv_dtype")
+    if spec.opt("kv_scale") is not None and kd != "e4m3":
+        raise SpecError(f"kv_scale applies only to kv_dtype = \"e4m3\" (kv_dtype is "
+                        f"{kd or spec.dtype!r})", key="kv_scale")
+
+
 def validate(spec: KernelSpec) -> None:
     if spec.dtype == "f32":
         raise SpecError("dtype f32: MLA runs on tensor cores; use bf16 (DeepSeek, Kimi) or f16",
@@ -123,16 +136,7 @@ def validate(spec: KernelSpec) -> None:
     if spec.num_heads > MAX_HEADS:
         raise SpecError(f"num_heads = {spec.num_heads}: at most {MAX_HEADS} query heads per "
                         f"launch (the heads of one rank; DeepSeek-V3 has 128)", key="num_heads")
-    kd = spec.opt("kv_dtype")
-    if kd in ("f16", "bf16") and kd != spec.dtype:
-        raise SpecError(f"got {kd!r} with dtype {spec.dtype!r}; allowed: {spec.dtype!r}, "
-                        f"\"e4m3\" or \"e4m3_ds\"", key="kv_dtype")
-    if kd == "e4m3_ds":
-        raise SpecError('kv_dtype = "e4m3_ds" (656-byte rows with per-group scales) is not built '
-                        'yet; allowed today: the dtype or "e4m3" (per-tensor k_scale)', key="kv_dtype")
-    if spec.opt("kv_scale") is not None and kd != "e4m3":
-        raise SpecError(f"kv_scale applies only to kv_dtype = \"e4m3\" (kv_dtype is "
-                        f"{kd or spec.dtype!r})", key="kv_scale")
+    check_cache_keys(spec)
     if spec.opt("sparse_topk"):
         raise SpecError(f"sparse_topk = {spec.opt('sparse_topk')}: sparse (top-k) MLA is not "
                         f"built yet; allowed today: 0 (dense)", key="sparse_topk")
@@ -178,4 +182,4 @@ FAMILY = Family(name="mla", doc=__doc__.split("\n")[0], fields=FIELDS, validate=
                 make_inputs=make_inputs, reference=reference, derive=derive,
                 row_sum_dtype=lambda spec: spec.dtype)
 
-__all__ = ["FAMILY", "attention_view", "derive", "LATENT"]
+__all__ = ["FAMILY", "attention_view", "check_cache_keys", "derive", "latent_head"]

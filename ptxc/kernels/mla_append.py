@@ -25,7 +25,7 @@ from . import fp8, kv_fp8, mla
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_access import KVAccess
 from .kv_rows import NewRows
-from .kv_transform import CHUNK, Rope, load8, store8
+from .kv_transform import CHUNK, Rope, layout_and_rope_params, load8, store8
 
 _FIELD = {f.name: f for f in mla.FIELDS.fields}
 FIELDS = FamilyFields(fields=(
@@ -58,16 +58,8 @@ def page_size(spec: KernelSpec) -> int:
 def validate(spec: KernelSpec) -> None:
     if spec.dtype == "f32":
         raise SpecError("dtype f32: MLA caches are bf16, f16 or e4m3; use bf16 or f16", key="dtype")
+    mla.check_cache_keys(spec)
     kd = spec.opt("kv_dtype")
-    if kd in ("f16", "bf16") and kd != spec.dtype:
-        raise SpecError(f"got {kd!r} with dtype {spec.dtype!r}; allowed: {spec.dtype!r} or \"e4m3\"",
-                        key="kv_dtype")
-    if kd == "e4m3_ds":
-        raise SpecError('kv_dtype = "e4m3_ds" (656-byte rows with per-group scales) is not built '
-                        'yet; allowed today: the dtype or "e4m3" (per-tensor k_scale)', key="kv_dtype")
-    if spec.opt("kv_scale") is not None and kd != "e4m3":
-        raise SpecError(f"kv_scale applies only to kv_dtype = \"e4m3\" (kv_dtype is "
-                        f"{kd or spec.dtype!r})", key="kv_scale")
     C.check_dtype_target(spec.dtype, spec.targets)
     if kd == "e4m3":
         old = [t for t in spec.targets if not TARGETS[t].has_mma_m16n8k16]
@@ -131,12 +123,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     ptrs = {t: b.to_global(param(t, U64, ParamSource("pointer", tensor=t))) for t in names}
     strides = {t: C.byte_stride(b, param(f"{t}_stride0", S64, ParamSource("stride", t, 0)), fmt)
                for t in ("kv_c", "k_pe")}
-    kv.emit_strides(param)
-    if rope:
-        cs_stride = b.mul(param("cos_sin_cache_stride0", S64, ParamSource("stride", "cos_sin_cache", 0)), 4)
-    kv.emit_dims(param)
-    if rope:
-        max_position = param("max_position", U32, ParamSource("dim", name="max_position"))
+    cs_stride, max_position = layout_and_rope_params(b, kv, param, bool(rope))
     scale = param("k_scale", F32, ParamSource("scalar", name="k_scale")) if mode == "tensor" else None
 
     tid, token = b.special("%tid.x"), b.special("%ctaid.x")

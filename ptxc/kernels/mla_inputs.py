@@ -40,14 +40,8 @@ def mla_batch(spec, view, dims: dict[str, int], rng, page_size: int, cases=CASES
     inputs = {"q": rnd((int(cu[-1]), H, d)), "cu_seqlens_q": cu,
               "seq_lens": np.array(lens, dtype=np.int32)}
     if page_size:
-        from ..errors import InputError
-        P, used = dims["max_pages_per_seq"], [-(-L // page_size) for L in lens]
-        if dims["num_pages"] < sum(used):
-            raise InputError(f"num_pages = {dims['num_pages']} < the {sum(used)} pages this batch uses")
-        pages = iter(rng.permutation(dims["num_pages"])[:sum(used)].tolist())
-        garbage = (-1, dims["num_pages"] + 7)
-        table = np.array([[next(pages) if p < used[b] else garbage[(b + p) % 2] for p in range(P)]
-                          for b in range(B)], dtype=np.int32).reshape(B, P)
+        from .varlen_inputs import shuffled_block_table
+        table = shuffled_block_table(lens, dims, page_size, rng)
         for b, L in enumerate(lens):
             for r in range(L):
                 owned[table[b, r // page_size], r % page_size] = True

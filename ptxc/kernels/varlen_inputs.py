@@ -62,16 +62,21 @@ def mixed_batch(spec, dims: dict[str, int], rng, page_size: int) -> dict:
     if spec.opt("custom_mask") == "packed":
         inputs.update(packed_inputs([int(n) for n in q_lens], [int(L) for L in lens], rng))
     if page_size:
-        from ..errors import InputError
-        P, used = dims["max_pages_per_seq"], [-(-L // page_size) for L in lens]
-        if dims["num_pages"] < sum(used):
-            raise InputError(f"num_pages = {dims['num_pages']} < the {sum(used)} pages this batch uses")
-        pages = iter(rng.permutation(dims["num_pages"])[:sum(used)].tolist())
-        garbage = (-1, dims["num_pages"] + 7)
-        inputs["block_table"] = np.array(
-            [[next(pages) if p < used[b] else garbage[(b + p) % 2] for p in range(P)] for b in range(B)],
-            dtype=np.int32).reshape(B, P)
+        inputs["block_table"] = shuffled_block_table(lens, dims, page_size, rng)
     return inputs
+
+
+def shuffled_block_table(lens, dims: dict[str, int], page_size: int, rng) -> np.ndarray:
+    """[batch, max_pages_per_seq] i32: each sequence's pages drawn from a shuffle of the cache,
+    then garbage ids (-1, num_pages + 7) past its last page, which must never be read."""
+    from ..errors import InputError
+    B, P, used = len(lens), dims["max_pages_per_seq"], [-(-L // page_size) for L in lens]
+    if dims["num_pages"] < sum(used):
+        raise InputError(f"num_pages = {dims['num_pages']} < the {sum(used)} pages this batch uses")
+    pages = iter(rng.permutation(dims["num_pages"])[:sum(used)].tolist())
+    garbage = (-1, dims["num_pages"] + 7)
+    return np.array([[next(pages) if p < used[b] else garbage[(b + p) % 2] for p in range(P)]
+                     for b in range(B)], dtype=np.int32).reshape(B, P)
 
 
 TREE_SHAPES = ("chain", "star", "binary", "random")
