@@ -25,8 +25,9 @@ MLA = FAMILIES["mla"]
 
 def body(dtype="bf16", heads=16, layout="paged", splits="auto", kv=None, scale=None, rank=None,
          rope=None, page=None) -> str:
+    splits = '"auto"' if splits == "auto" else splits
     text = (f'dtype = "{dtype}"\nnum_heads = {heads}\nsoftmax_scale = 0.1353\n'
-            f'kv_layout = "{layout}"\nnum_splits = {splits if splits != "auto" else chr(34) + "auto" + chr(34)}\n')
+            f'kv_layout = "{layout}"\nnum_splits = {splits}\n')
     for key, value in (("kv_dtype", kv), ("kv_scale", scale)):
         if value:
             text += f'{key} = "{value}"\n'

@@ -26,6 +26,7 @@ from ..targets import Target
 from . import common as C
 from . import fp8
 from .base import ParamSource, TensorInfo
+from .kv_access import latent_cache
 
 SCALE_MODES = ("tensor", "device", "head")
 KV_SCALE_FIELD = Field("kv_scale", "str", "FP8 scales: one f32 runtime scalar per cache (k_scale, "
@@ -74,7 +75,6 @@ def kv_format(spec: KernelSpec) -> C.ElemFormat:
 def scaled_caches(spec: KernelSpec) -> str:
     """Which caches have a scale: "kv" (k_scale, v_scale), or "k" for a latent cache (MLA),
     whose V columns are K's and dequantise with k_scale."""
-    from .kv_access import latent_cache
     return "k" if latent_cache(spec) else "kv"
 
 

@@ -12,7 +12,7 @@ compiles as (`attention_view`); the kernel is varlen's, unchanged.
 
 Queries follow varlen's semantics (cu_seqlens_q, seq_lens; the q_len queries of a sequence are
 its last positions, causal among themselves), so one launch list serves single-token decode and
-speculative verification. docs/kernels.md "MLA" has the details.
+speculative verification. docs/kernels.md "mla" has the details.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..targets import TARGETS
 from . import common as C
 from . import kv_fp8, varlen
 from .base import Family, Interface, Program
+from .kv_access import check_page_size
 
 _rank_check, _rank_allowed = int_range(128, 512, multiple_of=64)
 _rope_check, _rope_allowed = int_range(16, 128, multiple_of=16)
@@ -140,9 +141,7 @@ def validate(spec: KernelSpec) -> None:
     if spec.opt("sparse_topk"):
         raise SpecError(f"sparse_topk = {spec.opt('sparse_topk')}: sparse (top-k) MLA is not "
                         f"built yet; allowed today: 0 (dense)", key="sparse_topk")
-    if spec.opt("page_size") is not None and spec.opt("kv_layout") != "paged":
-        raise SpecError(f"page_size applies only to kv_layout = \"paged\" (kv_layout is "
-                        f"{spec.opt('kv_layout')!r})", key="page_size")
+    check_page_size(spec)
     C.check_dtype_target(spec.dtype, spec.targets)
     old = [t for t in spec.targets if not TARGETS[t].has_mma_m16n8k16]
     if old:
