@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent('''
             if dl is not None:
                 self.__dlpack_device__ = lambda: dl
 
-    DL = {"f32": (2, 32), "f16": (2, 16), "bf16": (4, 16), "i32": (0, 32), "u64": (1, 64)}
+    DL = {"f32": (2, 32), "f16": (2, 16), "bf16": (4, 16), "i32": (0, 32), "u64": (1, 64), "u8": (1, 8)}
 
     class DLTensor(ctypes.Structure):
         _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
@@ -125,6 +125,8 @@ CASES = {
                'num_splits = 2\nreturn_lse = true\nkv_layout = "contiguous"', {"batch": 4, "max_seq_len": 17}),
     "prefill": ("prefill", 'dtype = "f16"\nhead_dim = 40\nnum_heads = 2\nnum_kv_heads = 2\ncausal = true',
                 {"batch": 1, "seq_q": 17, "seq_k": 17}),
+    "prefill_mask": ("prefill", 'dtype = "bf16"\nhead_dim = 40\nnum_heads = 2\nnum_kv_heads = 1\ncausal = false\n'
+                     'custom_mask = "packed"\nreturn_lse = true', {"batch": 2, "seq_q": 17, "seq_k": 19}),
     "kv_append": ("kv_append", 'dtype = "f16"\nhead_dim = 32\nnum_heads = 4\nnum_kv_heads = 2\n'
                   'kv_layout = "paged"\npage_size = 16', {"batch": 3, "num_new": 2, "max_pages_per_seq": 2,
                                                           "num_pages": 7}),
@@ -137,6 +139,14 @@ CASES = {
                    'page_size = 16\nkv_dtype = "e4m3"\nkv_scale = "device"\nrope = "neox"', {"num_tokens": 9, "num_pages": 2,
                                                                           "max_position": 20}),
 }
+
+
+def test_every_tensor_dtype_has_a_device_form():
+    """A tensor dtype the metadata may name (custom masks' u8, slot mappings' i64, ...) has a
+    CUDA-array-interface typestr and a DLPack code, so the device path answers in one line."""
+    from ptxc.runtime import HOST_DTYPES
+    from ptxc.runtime.device import DL_DTYPES, TYPESTRS
+    assert set(TYPESTRS) == set(DL_DTYPES) == set(HOST_DTYPES)
 
 
 @pytest.mark.parametrize("case,mode", [(c, "cai") for c in CASES] + [("decode", "dlpack")])

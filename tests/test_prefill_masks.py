@@ -11,6 +11,8 @@ from conftest import assert_pass, build_kernel
 from ptxc.errors import InputError, SpecError
 from ptxc.kernels import FAMILIES
 from ptxc.kernels import varlen_inputs as vi
+from ptxc import reference as ref
+from ptxc import runtime
 from ptxc.runtime.launch_test import check_artifact
 from ptxc.spec.model import KernelSpec
 
@@ -56,6 +58,21 @@ def test_mask_indptr_is_checked(tmp_path):
         art.run({**inputs, "mask_indptr": np.array([0, 100, 300], np.int32)}, target="sm_80")
     with pytest.raises(InputError, match="past the"):
         art.run({**inputs, "custom_mask": inputs["custom_mask"][:200]}, target="sm_80")
+
+
+def test_corrupt_mask_indptr_never_reads_past_the_buffer(tmp_path, monkeypatch):
+    """As test_varlen_masks' tree case: with the host check off (a launch on device memory),
+    batch entry 1's segment running over the buffer's end reads zero bits past it."""
+    art = build_kernel(tmp_path, "prefill", body())
+    inputs = _inputs(art, ("random",))
+    monkeypatch.setattr(runtime, "check_mask_indptr", lambda *args: None)
+    size = inputs["custom_mask"].size
+    bad = np.array([0, size - 40, size + 5], np.int32)
+    got = art.run({**inputs, "mask_indptr": bad}, target="sm_80")
+    padded = np.concatenate([inputs["custom_mask"], np.zeros(size, np.uint8)])
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    want = FAMILIES["prefill"].reference(spec, {**inputs, "mask_indptr": bad, "custom_mask": padded})
+    assert ref.max_abs_error(got["o"], want["o"]) < 5e-3
 
 
 @pytest.mark.parametrize("extra,words", [("causal = true\n", "needs causal = false")])

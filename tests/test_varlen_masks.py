@@ -13,6 +13,7 @@ from ptxc.errors import InputError, SpecError
 from ptxc.kernels import FAMILIES
 from ptxc.kernels import varlen_inputs as vi
 from ptxc import reference as ref
+from ptxc import runtime
 from ptxc.runtime.launch_test import check_artifact
 from ptxc.spec.model import KernelSpec
 from test_varlen import body
@@ -84,6 +85,28 @@ def test_tree_indptr_is_checked(tmp_path):
     short = inputs["tree_mask"][:int(inputs["tree_indptr"][-1]) - 1]
     with pytest.raises(InputError, match="past the"):
         art.run({**inputs, "tree_mask": short}, target="sm_80")
+
+
+def test_corrupt_tree_indptr_never_reads_past_the_buffer(tmp_path, monkeypatch):
+    """A launch on device memory (runtime.device, the C and Rust loaders) reads no device value
+    first, so tree_indptr is not checked there: the kernel bounds each read to the buffer. With
+    the host check off, a segment that starts past the end or runs over it reads zero bits
+    (draft keys hidden) -- the emulator faults on any read outside a buffer -- and the output is
+    the reference's over the buffer padded with zeros."""
+    art, spec, inputs = _tree_art(tmp_path)
+    monkeypatch.setattr(runtime, "check_mask_indptr", lambda *args: None)
+    n = np.diff(inputs["cu_seqlens_q"])
+    trees = [b for b in range(len(n)) if n[b] > 1]
+    size = inputs["tree_mask"].size
+    bad = inputs["tree_indptr"].copy()
+    bad[trees[0]] = size + 3                           # starts past the buffer
+    bad[trees[-1]] = size - 1                          # runs over its end
+    got = art.run({**inputs, "tree_indptr": bad}, target="sm_80")
+    padded = np.concatenate([inputs["tree_mask"], np.zeros(size + 64, np.uint8)])
+    want = FAMILIES["varlen"].reference(spec, {**inputs, "tree_indptr": bad, "tree_mask": padded})
+    assert ref.max_abs_error(got["o"], want["o"]) < 5e-3
+    bad[trees[0]] = 1 << 30                            # far past: nothing of it is read
+    assert np.isfinite(art.run({**inputs, "tree_indptr": bad}, target="sm_80")["o"]).all()
 
 
 def test_tree_needs_causal(tmp_path):

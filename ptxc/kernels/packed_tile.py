@@ -173,9 +173,11 @@ class PackedTile:
 
 
 def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
-                      work: TileWork, split_count: Reg | None, smem_align: int = 16) -> PackedTile:
+                      work: TileWork, split_count: Reg | None, smem_align: int = 16,
+                      mask_bytes: Reg | None = None) -> PackedTile:
     """The sequence's key count, the early exit of a tile without rows, the shared memory, the
-    context, and the range of KV tiles (causal / window / split-KV share) of one packed tile."""
+    context, and the range of KV tiles (causal / window / split-KV share) of one packed tile.
+    `mask_bytes`: the custom mask's bits-buffer size (u32), with custom_mask only."""
     g, bm, bn, stages = spec.group_size, cfg.block_m, cfg.block_n, cfg.num_stages
     variant = AttentionVariant.from_spec(spec)
     tid = b.special("%tid.x")
@@ -197,10 +199,8 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     ctx = VarlenCtx(b, spec, cfg, variant, tid, lane, warp, m_start, rows, q_len, L, smem, kv_head,
                     t0, ptrs.get("lse_part" if split is not None else "lse"), split, split_count,
                     ptrs.get("sinks"), ptrs.get("alibi_slopes"))
-    if variant.mask is not None:   # the sequence's bits start at byte *_indptr[seq] (launcher-checked)
-        bits, indptr = ("tree_mask", "tree_indptr") if variant.tree else ("custom_mask", "mask_indptr")
-        off = b.ld("global", S32, Addr(C.element_offset(b, ptrs[indptr], seq, b.mov(4, S64))), nc=True)
-        ctx.mask_bits = b.add(ptrs[bits], b.cvt(U64, b.bitcast(b.max(off, 0), U32)))
+    if variant.mask is not None:   # the sequence's bits: segment `seq` of the bits buffer
+        ctx.bind_mask(b, ptrs, seq, mask_bytes)
 
     # KV tiles: [0, n_vis) visible to the tile's last token; [0, n_full) to its first as well.
     last_row = b.sub(b.min(b.add(m_start, bm), rows), 1)

@@ -24,7 +24,7 @@ from .prefill_config import (FIELDS, SIMT_LANES_PER_ROW, PrefillConfig, _check_s
                              resolve_tile, validate, value_split)
 from .tiles import SWIZZLE_ALIGN, global_rows, load_tile, thread_slot
 from .variant import (AttentionVariant, MaskPredicate, default_seq_len, finish_rows, head_dim_v,
-                      load_head_f32, variant_inputs,
+                      load_head_f32, mask_bytes_param, variant_inputs,
                       variant_reference_args, variant_tensors)
 
 
@@ -136,11 +136,14 @@ def build(spec: KernelSpec, target: Target) -> Program:
                for t in "qkvo" for a in (0, 1, 2)}
     seq_q = param("seq_q", U32, ParamSource("dim", name="seq_q"))
     seq_k = param("seq_k", U32, ParamSource("dim", name="seq_k"))
+    mask_bytes = mask_bytes_param(spec, param)
     if wgmma and cfg.tma:    # tile.kv_loads = "tma": q/k/v tensor maps after the other params
         wg.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k,
                      wg.tensor_map_params(b, spec, cfg, params))
+    elif wgmma:
+        wg.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k)
     else:
-        (wg.emit_body if wgmma else _emit_body)(b, spec, cfg, ptrs, strides, seq_q, seq_k)
+        _emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, mask_bytes)
     b.ret()
     launch = Launch(entry=b.entry.name, params=tuple(params),
                     grid=(f"cdiv(seq_q, {cfg.block_m})", str(spec.num_heads), "batch"),
@@ -194,7 +197,8 @@ def tile_range(b: KernelBuilder, spec: KernelSpec, bm: int, bn: int, m_start: Re
     return key_offset, n_tiles, n_full, first_tile, lo_full, variant
 
 
-def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k):
+def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k,
+               mask_bytes: Reg | None = None):
     from .prefill_mma import MmaMath
     from .prefill_simt import SimtMath
     bm, bn, stages = cfg.block_m, cfg.block_n, cfg.num_stages
@@ -215,9 +219,8 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
               head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant,
               ptrs.get("sinks"), ptrs.get("alibi_slopes"))
-    if variant.mask is not None:   # packed bits from byte mask_indptr[batch]; every tile masked
-        off = b.ld("global", S32, Addr(C.element_offset(b, ptrs["mask_indptr"], batch, b.mov(4, S64))), nc=True)
-        ctx.mask_bits = b.add(ptrs["custom_mask"], b.cvt(U64, b.bitcast(b.max(off, 0), U32)))
+    if variant.mask is not None:   # packed bits: segment `batch` of custom_mask; every tile masked
+        ctx.bind_mask(b, ptrs, batch, mask_bytes)
         n_full = b.mov(0, U32)
     math = (MmaMath if cfg.tensor_cores else SimtMath)(b, ctx)
     use_async = cfg.cp_async

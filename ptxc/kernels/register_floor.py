@@ -35,7 +35,7 @@ SPILLING_SHAPES = frozenset({
     "prefill/f16/88/causal/sm_80/cap",
     "prefill/f16/104/causal/sm_80/lse", "prefill/f16/112/causal/sm_80/lse",
     "prefill/f16/120/causal/sm_80/lse", "prefill/f16/128/causal/sm_80/lse",
-    "prefill/f16/144/noncausal/sm_120/packed",
+    "prefill/f16/144/noncausal/sm_120/packed", "prefill/f16/160/noncausal/sm_89/packed",
     "prefill/f16/88/causal/sm_80/win+cap",
     "varlen/f16/16/noncausal/sm_80", "varlen/f16/16/noncausal/sm_89",
     "varlen/f16/24/noncausal/sm_80", "varlen/f16/24/noncausal/sm_89",
@@ -81,7 +81,7 @@ SPILLING_SHAPES = frozenset({
 # Shapes that spill even at 255 registers: the default K/V tile narrows to this many keys
 # (fewer score registers; the same bytes move).
 NARROW_TILES = {
-    "varlen/f16/120/noncausal/sm_120/packed": 32,
+    "varlen/f16/120/noncausal/sm_120/packed": 32, "varlen/f16/128/noncausal/sm_120/packed": 32,
     "varlen/f16/120/causal/sm_120/tree": 32, "varlen/f16/128/causal/sm_80/tree": 32,
     "varlen/f16/248/causal/sm_80/tree": 16,
 }

@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SpecError
-from ..ir import F32, S32, U8, U32, U64, Addr, KernelBuilder, Reg
+from ..ir import F32, S32, S64, U8, U32, U64, Addr, KernelBuilder, Reg
 from . import common as C
+from .base import ParamSource
 from ..spec.fields import Field, int_range
 
 MAX_WINDOW = 1 << 30
@@ -196,10 +197,26 @@ class AttentionVariant:
         return None
 
 
+# custom_mask -> (bits tensor, byte-offset tensor, the bits tensor's size dim)
+MASK_BUFFERS = {"tree": ("tree_mask", "tree_indptr", "tree_bytes"),
+                "packed": ("custom_mask", "mask_indptr", "mask_bytes")}
+
+
+def mask_bytes_param(spec, param) -> Reg | None:
+    """The custom mask's bits-buffer size as a u32 kernel parameter (a dim the loaders take
+    from the tensor's shape), after the family's other parameters; None without a mask."""
+    mask = spec_option(spec, "custom_mask")
+    if mask in (None, "none"):
+        return None
+    dim = MASK_BUFFERS[mask][2]
+    return param(dim, U32, ParamSource("dim", name=dim))
+
+
 class MaskPredicate:
     """The custom mask (custom_mask "tree" / "packed") as ONE predicate over logical (row, key),
-    mixed into a family's tile context. The context supplies `mask_bits` (u64 first byte of the
-    sequence's / batch entry's bits, None without a mask), `mask_rows(b)` (u32 rows n of the
+    mixed into a family's tile context. bind_mask sets `mask_bits` (u64 first byte of the
+    sequence's / batch entry's bits; the context's default None: no mask) and `mask_limit`; the
+    context supplies `mask_rows(b)` (u32 rows n of the
     bit matrix), `mask_width(b)` (u32 bits per row), `mask_token(row)` (u32 bit-matrix row of a
     tile row) and `mask_shift(b)` (s32 key of column 0, or None for 0). A fragment layout calls
     mask_row once per row it holds, draft_key once per tile for its lane's first key, one
@@ -208,6 +225,21 @@ class MaskPredicate:
     are not the mask's (a tree's prefix keys: seen; keys past L: the key limit's)."""
 
     MASK_SPAN = 26   # columns one window serves: 26 bits at any bit offset fit 5 bytes
+    mask_limit: Reg | None = None   # u32 bytes of the segment that may be read (bind_mask)
+
+    def bind_mask(self, b: KernelBuilder, ptrs: dict, index: Reg, nbytes: Reg) -> None:
+        """Point the predicate at segment `index` (sequence / batch entry): its bits start at
+        byte *_indptr[index] of the `nbytes`-byte bits buffer. `ptxc run` checks the offsets
+        on the host, but a launch on device memory (runtime.device, the C and Rust loaders)
+        reads no device value first, so the kernel bounds every read itself: only bytes of the
+        segment's ceil(rows * width / 8) that also lie inside the buffer are read. A corrupt
+        offset reads as zero bits (keys hidden), never past the buffer."""
+        bits, indptr, _ = MASK_BUFFERS[self.variant.mask]
+        off = b.ld("global", S32, Addr(C.element_offset(b, ptrs[indptr], index, b.mov(4, S64))), nc=True)
+        off = b.bitcast(b.max(off, 0), U32)
+        self.mask_bits = b.add(ptrs[bits], b.cvt(U64, off))
+        seg = b.shr(b.add(b.mul(self.mask_rows(b), self.mask_width(b)), 7), 3)
+        self.mask_limit = b.min(seg, b.sub(b.max(nbytes, off), off))
 
     def mask_row(self, b: KernelBuilder, row: Reg):
         """Per-row state: (i * width (u32), the row holds a query (pred)), or None."""
@@ -226,17 +258,16 @@ class MaskPredicate:
     def mask_window(self, b: KernelBuilder, row_state, k: Reg, span: int) -> Reg:
         """u32 whose bit o is the row's bit of column k + o, 0 <= o < span <= MASK_SPAN (k s32,
         may be negative or past the row): the few bytes covering them, each read only when it
-        lies inside the ceil(n * width / 8)-byte segment (launcher-checked), shifted by the bit
-        offset. Far fewer loads in flight than a byte per score (d128 spilled with those)."""
+        lies inside the segment's readable bytes (mask_limit), shifted by the bit offset. Far
+        fewer loads in flight than a byte per score (d128 spilled with those)."""
         base, row_ok = row_state
         s = b.add(b.bitcast(base, S32), k)
         first = b.shr(s, 3)                             # floor(s / 8): s may be negative
-        seg = b.shr(b.add(b.mul(self.mask_rows(b), self.mask_width(b)), 7), 3)
         lo = hi = None
         for m in range((7 + span - 1) // 8 + 1):
             at = b.bitcast(b.add(first, m) if m else first, U32)
             byte = b.mov(0, U32)
-            with b.predicate(b.and_(row_ok, b.setp("lt", at, seg))):
+            with b.predicate(b.and_(row_ok, b.setp("lt", at, self.mask_limit))):
                 b.ld("global", U8, Addr(b.add(self.mask_bits, b.cvt(U64, at))), nc=True, out=[byte])
             if m < 4:
                 lo = byte if lo is None else b.or_(lo, b.shl(byte, 8 * m))
@@ -302,7 +333,7 @@ def _flat(scores) -> list[Reg]:
     return [x for s in scores for x in _flat(s)]
 
 
-__all__ = ["AttentionVariant", "MaskPredicate", "VARIANT_FIELDS", "validate_variant", "spec_option",
+__all__ = ["AttentionVariant", "MaskPredicate", "MASK_BUFFERS", "mask_bytes_param", "VARIANT_FIELDS", "validate_variant", "spec_option",
            "variant_reference_args", "variant_tensors", "variant_inputs", "join_sink", "head_dim_v",
            "finish_rows", "load_head_f32"]
 

@@ -23,7 +23,8 @@ from . import common as C
 from . import fp8, kv_fp8, kv_fp8_stage
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .register_floor import narrow_block_n, needs_floor
-from .variant import VARIANT_FIELDS, default_seq_len, head_dim_v, validate_variant, variant_tensors
+from .variant import (MASK_BUFFERS, VARIANT_FIELDS, default_seq_len, head_dim_v, mask_bytes_param,
+                      validate_variant, variant_tensors)
 from .kv_access import MAX_PAGE_SIZE, KVAccess, check_page_size, latent_cache
 from .prefill import PrefillConfig, _check_shape, value_split
 from .split_reduce import build_reduce, split_interface
@@ -204,7 +205,7 @@ def interface(spec: KernelSpec) -> Interface:
                                   "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
     tensors += variant_tensors(spec) + mask_tensors(spec)
     dims = ["batch", "total_q", *kv.dims()] + \
-        {"tree": ["tree_bytes"], "packed": ["mask_bytes"]}.get(spec.opt("custom_mask"), [])
+        ([MASK_BUFFERS[spec.opt("custom_mask")][2]] if spec.opt("custom_mask") in MASK_BUFFERS else [])
     rules: dict = {}
     splits = spec.opt("num_splits")
     if splits != 1:
@@ -268,11 +269,12 @@ def build(spec: KernelSpec, target: Target) -> Program:
     total_q = param("total_q", U32, ParamSource("dim", name="total_q"))
     split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None
     quant = kv_fp8.emit_params(spec, target, b, param)
+    mask_bytes = mask_bytes_param(spec, param)
     tmaps = None
     if getattr(cfg, "tma", False):   # tile.kv_loads = "tma": k/v tensor maps after the other params
         from .varlen_tma import tensor_map_params
         tmaps = tensor_map_params(b, cfg, kv, params)
-    emit_varlen(b, spec, cfg, kv, ptrs, strides, batch, total_q, split_count, quant, tmaps)
+    emit_varlen(b, spec, cfg, kv, ptrs, strides, batch, total_q, split_count, quant, tmaps, mask_bytes)
     b.ret()
     grid_y = f"{spec.num_kv_heads} * num_splits" if split else str(spec.num_kv_heads)
     launches = [Launch(entry=b.entry.name, params=tuple(params),

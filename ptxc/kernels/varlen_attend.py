@@ -130,7 +130,7 @@ def find_sequence(b: KernelBuilder, cu_ptr: Reg, tile: Reg, batch: Reg, g: int, 
 
 def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
                 strides: dict, batch: Reg, total_q: Reg, split_count: Reg | None, quant=None,
-                tmaps: dict | None = None) -> None:
+                tmaps: dict | None = None, mask_bytes: Reg | None = None) -> None:
     """varlen's policy: grid.x counts packed query tiles over the whole batch (a binary search
     of cu_seqlens_q finds the tile's sequence), grid.y = KV head (x split)."""
     g, bm = spec.group_size, cfg.block_m
@@ -153,12 +153,12 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
         return work, b.min(kv_tiles, work)            # a sequence without queries has no span
     work = TileWork(seq, kv_head, split, t0, b.bitcast(b.sub(t1, t0), S32), m_start,
                     batch, b.special("%nctaid.x"), seq_units)
-    emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps)
+    emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, mask_bytes)
 
 
 def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
                      strides: dict, work: TileWork, split_count: Reg | None, quant=None,
-                     tmaps: dict | None = None) -> None:
+                     tmaps: dict | None = None, mask_bytes: Reg | None = None) -> None:
     """The body shared by varlen and decode's tensor-core path: one GQA-packed query tile of
     one (sequence, KV head, split) over its keys [0, L), L = seq_lens[seq] clamped.
     With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: with a StagedFP8Config they
@@ -173,7 +173,7 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
         emit_wgmma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps)
         return
     bn, stages = cfg.block_n, cfg.num_stages
-    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count)
+    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, mask_bytes=mask_bytes)
     ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
     smem, k_smem, v_smem, m_start, rows = tile.smem, tile.k_smem, tile.v_smem, ctx.m_start, ctx.seq_q
     tid, seq, kv_head = ctx.tid, work.seq, work.kv_head

@@ -40,11 +40,11 @@ from .dim_rules import apply_dim_rule, rule_ctas_per_sm
 from .preconditions import check_tensor, packed_strides
 
 TYPESTRS = {"f32": ("<f4",), "f16": ("<f2",), "bf16": ("<V2", "<u2"), "i32": ("<i4",), "i64": ("<i8",),
-            "u64": ("<u8",), "e4m3": ("|u1", "|V1"), "e5m2": ("|u1", "|V1")}
+            "u64": ("<u8",), "e4m3": ("|u1", "|V1"), "e5m2": ("|u1", "|V1"), "u8": ("|u1",)}
 KDL_CUDA = 2
 # DLPack (code, bits) per dtype: kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4; FP8 as raw bytes
 DL_DTYPES = {"f32": (2, 32), "f16": (2, 16), "bf16": (4, 16), "i32": (0, 32), "i64": (0, 64), "u64": (1, 64),
-             "e4m3": (1, 8), "e5m2": (1, 8)}
+             "e4m3": (1, 8), "e5m2": (1, 8), "u8": (1, 8)}
 
 
 class _DLDevice(ctypes.Structure):

@@ -28,6 +28,14 @@ dtype = "f16"
 causal = true
 
 [[kernel]]
+name = "e2e_prefill_mask"
+family = "prefill"
+dtype = "bf16"
+causal = false
+custom_mask = "packed"
+return_lse = true
+
+[[kernel]]
 name = "e2e_paged_split"
 family = "decode"
 dtype = "bf16"
@@ -88,6 +96,7 @@ kv_scale = "device"
 # kernel in SPECS and one more entry here.
 CASES = {
     "e2e_prefill": {"batch": 1, "seq_q": 17, "seq_k": 33},
+    "e2e_prefill_mask": {"batch": 2, "seq_q": 17, "seq_k": 33},
     "e2e_paged_split": {"batch": 2, "max_pages_per_seq": 3, "num_pages": 7},
     "e2e_paged_fused": {"batch": 2, "max_pages_per_seq": 3, "num_pages": 7},
     "e2e_ptr_decode": {"batch": 3, "max_seq_len": 37},
