@@ -100,6 +100,8 @@ MLA_OPTIONS = (
     ('kv_dtype = "e4m3"\n', "fp8"),
     ('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\nnum_splits = 1\n', "fp8dev"),
     ("page_size = 1\n", "p1"),
+    ("sparse_topk = 2048\ntopk_length = true\n", "sparse"),
+    ('sparse_topk = 2048\nkv_dtype = "e4m3"\nnum_splits = 1\n', "sparsefp8"),
 )
 
 

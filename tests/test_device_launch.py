@@ -135,6 +135,9 @@ CASES = {
                         'kv_scale = "head"\nrope = "neox"', {"num_tokens": 9, "num_pages": 3, "max_position": 20}),
     "mla": ("mla", 'dtype = "f16"\nnum_heads = 16\nkv_lora_rank = 128\nqk_rope_head_dim = 16\n'
             'softmax_scale = 0.125\npage_size = 16', {"batch": 9, "max_pages_per_seq": 5, "num_pages": 50}),
+    "mla_sparse": ("mla", 'dtype = "f16"\nnum_heads = 16\nkv_lora_rank = 128\nqk_rope_head_dim = 16\n'
+                   'softmax_scale = 0.125\npage_size = 16\nsparse_topk = 20\ntopk_length = true',
+                   {"total_q": 5, "num_pages": 4}),
     "mla_append": ("mla_append", 'dtype = "f16"\nkv_lora_rank = 128\nqk_rope_head_dim = 16\n'
                    'page_size = 16\nkv_dtype = "e4m3"\nkv_scale = "device"\nrope = "neox"', {"num_tokens": 9, "num_pages": 2,
                                                                           "max_position": 20}),

@@ -6,7 +6,8 @@ ids past each sequence; every cache row no sequence owns holds NaN) against the 
 under the FA2 tolerance rule: heads 16 / 32 / 128, paged and contiguous, bf16 and f16, splits
 1 / 3 / auto, e4m3 caches with tensor and device scales. Plus: the latent rows are read once
 per head tile (traffic counters), V never reads the RoPE columns, FP8 scales from 1e-3 to 1e3,
-and the spec's one-line refusals.
+and the spec's one-line refusals. Sparse top-k (DeepSeek-V3.2): tokens over their own slots
+with -1, duplicates, slots outside the cache and topk_length counts out of range.
 """
 
 import numpy as np
@@ -157,7 +158,8 @@ def test_deepseek_v3_spec_normalises():
     ("softmax_scale = 0.1\nhead_dim = 512\n", "head_dim", "kv_lora_rank + qk_rope_head_dim = 576"),
     ("softmax_scale = 0.1\nnum_kv_heads = 8\n", "num_kv_heads", "one latent KV head"),
     ('softmax_scale = 0.1\nkv_dtype = "e4m3_ds"\n', "kv_dtype", "not built yet"),
-    ("softmax_scale = 0.1\nsparse_topk = 2048\n", "sparse_topk", "not built yet"),
+    ('softmax_scale = 0.1\nsparse_topk = 2048\nkv_layout = "contiguous"\n', "sparse_topk", "paged"),
+    ("softmax_scale = 0.1\ntopk_length = true\n", "topk_length", "sparse_topk > 0"),
     ('softmax_scale = 0.1\nkv_layout = "contiguous"\npage_size = 64\n', "page_size", "paged"),
     ('softmax_scale = 0.1\nkv_scale = "device"\n', "kv_scale", "e4m3"),
     ("softmax_scale = 0.1\nkv_lora_rank = 520\n", "kv_lora_rank", "multiple of 64"),
@@ -203,3 +205,50 @@ def test_steps_under_the_same_maxima_record_identical_launches(tmp_path):
         assert ref.max_abs_error(out["o"], MLA.reference(spec, inputs)["o"]) < 2e-2
         assert np.all(out["o"][cu[real]:] == 0)
     assert records[0] == records[1]
+
+
+SPARSE = [   # (heads, rank, rope, dtype, kv, scale, topk, topk_length, splits)
+    (16, 512, 64, "bf16", None, None, 100, True, "auto"),
+    (128, 512, 64, "f16", None, None, 40, False, 3),
+    (64, 192, 32, "bf16", "e4m3", "device", 33, True, 1),
+    (32, 128, 16, "f16", "e4m3", None, 70, False, "auto"),
+]
+
+
+def sparse_body(heads, rank, rope, dtype, kv, scale, topk, topk_length, splits):
+    return body(dtype=dtype, heads=heads, splits=splits, kv=kv, scale=scale, rank=rank, rope=rope) + \
+        f"sparse_topk = {topk}\ntopk_length = {str(topk_length).lower()}\n"
+
+
+@pytest.mark.parametrize("case", SPARSE, ids=lambda c: "-".join(map(str, c)))
+def test_sparse_topk_matches_reference(tmp_path, case):
+    """Each token over its own slots: -1, duplicates (counted twice), slots past the cache and
+    negative ones (skipped, never read: every row no counted slot names holds NaN, and the
+    emulator faults on a read outside a buffer), topk_length 0 / 1 / N / past N / negative."""
+    art = build_kernel(tmp_path, "mla", sparse_body(*case))
+    assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 7, "num_pages": 5}, seed=11))
+
+
+def test_sparse_interface_and_tokens_without_slots(tmp_path):
+    """No sequences: q, kv_cache, indices [total_q, N] (+ topk_length); a token whose slots are
+    all -1 or outside the cache writes 0 and lse = -inf."""
+    art = build_kernel(tmp_path, "mla", sparse_body(16, 128, 16, "bf16", None, None, 24, False, 1))
+    assert sorted(art.meta["tensors"]) == ["indices", "kv_cache", "lse", "o", "q"]
+    assert art.meta["tensors"]["indices"]["shape"] == ["total_q", 24]
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    inputs = MLA.make_inputs(spec, {"total_q": 3, "num_pages": 4}, np.random.default_rng(2))
+    inputs["indices"][1] = -1
+    cap = inputs["kv_cache"].shape[0] * inputs["kv_cache"].shape[1]
+    inputs["indices"][2] = np.arange(24) + cap           # just past the cache
+    out = art.run(inputs, target="sm_80")
+    assert (out["o"][1:] == 0).all() and np.isneginf(out["lse"][1:]).all()
+    want = MLA.reference(spec, inputs)
+    assert ref.max_abs_error(out["o"][0], want["o"][0]) < 2e-2
+
+
+def test_sparse_num_heads_fill_whole_tiles():
+    """A tile holds one token's heads: 24 heads do not fill 16-row tiles."""
+    with pytest.raises(SpecError) as e:
+        load_text('[[kernel]]\nname = "m"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = 24\n'
+                  'softmax_scale = 0.1\nsparse_topk = 64\n', "m.toml")
+    assert e.value.key == "num_heads" and "multiple of 16" in str(e.value), str(e.value)

@@ -9,6 +9,11 @@ A `latent` cache (MLA) has one row per token and no head axis: `kv_cache [num_pa
 d]` (or [batch, max_seq_len, d]); K is the whole row and V its leading head_dim_v columns, so
 both views share the pointer, the strides and the row addresses.
 
+A `sparse` cache (MLA's sparse_topk = N, DeepSeek-V3.2) is paged with no block table either:
+key j of query token t reads slot indices[t, j] (page = slot / page_size, offset = slot %
+page_size); a slot of -1 or outside [0, num_pages * page_size) is a missing key, never read and
+masked from the scores (`key_missing`). The "sequence" of such a layout is the query token.
+
 A paged cache `by_slot` (kv_append's `index = "slot_mapping"`, vLLM's reshape_and_cache_flash)
 takes no block table: the row is a slot, page = slot / page_size, offset = slot % page_size,
 and a slot outside [0, num_pages * page_size) is refused as a page id outside the cache is.
@@ -39,6 +44,11 @@ def latent_cache(spec) -> bool:
     return spec.family in ("mla", "mla_append")
 
 
+def sparse_keys(spec) -> int:
+    """sparse_topk of a spec (mla): keys per query token read through `indices`; 0: dense."""
+    return dict(spec.options).get("sparse_topk") or 0
+
+
 def check_page_size(spec) -> None:
     """page_size belongs to paged caches only."""
     from ..errors import SpecError
@@ -59,6 +69,11 @@ class KVAccess:
     regs: dict = field(default_factory=dict)
     by_slot: bool = False     # paged rows addressed by slot (page * page_size + offset), no block table
     latent: bool = False      # one kv_cache, no head axis: V is the leading columns of K's rows
+    sparse: int = 0           # N > 0: key j of token t is cache slot indices[t, j] (paged, no block table)
+
+    @property
+    def block_table(self) -> bool:
+        return self.layout == "paged" and not self.by_slot and not self.sparse
 
     @property
     def caches(self) -> tuple[str, ...]:
@@ -76,6 +91,11 @@ class KVAccess:
             shape = ("num_pages", self.page_size, *heads, head_dim)
             if self.by_slot:
                 return [TensorInfo(t, dtype, shape, role) for t in self.caches]
+            if self.sparse:
+                return [TensorInfo(t, dtype, shape, role) for t in self.caches] + [
+                    TensorInfo("indices", "i32", ("total_q", self.sparse), "input",
+                               "cache slots (page * page_size + offset) each query token attends "
+                               "to; -1 or a slot outside the cache is skipped")]
             return [TensorInfo(t, dtype, shape, role) for t in self.caches] + [
                 TensorInfo("block_table", "i32", ("batch", "max_pages_per_seq"), "input",
                            "page ids per sequence; entries past a sequence's length are ignored")]
@@ -91,14 +111,15 @@ class KVAccess:
         return caches
 
     def dims(self) -> tuple[str, ...]:
-        if self.by_slot:
+        if self.by_slot or self.sparse:
             return ("num_pages",)
         return ("num_pages", "max_pages_per_seq") if self.layout == "paged" else ("max_seq_len",)
 
     def pointer_tensors(self) -> list[str]:
         if self.layout == "pointer_array":
             return ["k_ptrs", "v_ptrs"]
-        return list(self.caches) + (["block_table"] if self.layout == "paged" and not self.by_slot else [])
+        return list(self.caches) + (["block_table"] if self.block_table else []) + \
+            (["indices"] if self.sparse else [])
 
     # ---- parameters --------------------------------------------------------------------
     def emit_strides(self, param) -> None:
@@ -108,7 +129,7 @@ class KVAccess:
                 self.regs[(t, a)] = param(f"{t}_stride{a}", S64, ParamSource("stride", t, a))
         if self.latent:   # K and V address the same rows
             self.regs.update({(t, a): self.regs[(LATENT, a)] for t in CACHES for a in self._axes()})
-        if self.layout == "paged" and not self.by_slot:
+        if self.block_table:
             self.regs["bt_stride"] = param("block_table_stride0", S64,
                                            ParamSource("stride", "block_table", 0))
 
@@ -117,7 +138,9 @@ class KVAccess:
             self.regs[d] = param(d, U32, ParamSource("dim", name=d))
 
     def capacity(self, b: KernelBuilder) -> Reg:
-        """The most rows any sequence can have in this cache."""
+        """The most rows any sequence can have in this cache (sparse: keys per token)."""
+        if self.sparse:
+            return b.mov(self.sparse, U32)
         if self.layout == "paged":
             return b.mul(self.regs["max_pages_per_seq"], self.page_size)
         return self.regs["max_seq_len"]
@@ -141,10 +164,16 @@ class KVAccess:
                 base = b.bitcast(ptrs[src], S64)
             head = base if self.latent else C.element_offset(b, b.bitcast(base, U64), kv_head, stride[2])
             out[t] = (b.add(head, lane_byte), stride)
-        if self.layout == "paged" and not self.by_slot:
+        if self.block_table:
             out["block_row"] = C.element_offset(b, ptrs["block_table"], batch,
                                                 b.mul(self.regs["bt_stride"], 4))
+        elif self.sparse:   # the token's slots; "batch" is the query token
+            out["block_row"] = self.index_row(b, ptrs, batch)
         return out
+
+    def index_row(self, b: KernelBuilder, ptrs: dict, token: Reg) -> Reg:
+        """u64 address of indices[token, 0] (sparse)."""
+        return C.element_offset(b, ptrs["indices"], token, b.mov(4 * self.sparse, S64))
 
     def row_address(self, b: KernelBuilder, bases: dict, t: str, row: Reg, valid: Reg,
                     page_cache: dict) -> tuple[Reg, Reg]:
@@ -166,7 +195,8 @@ class KVAccess:
                   out: Reg | None = None) -> Reg:
         """The block-table entry of `row` (s32; -1 where not `valid`), into `out` if given: a
         loop can load the next iteration's page ids while this one's K/V rows are in flight."""
-        entry = C.element_offset(b, bases["block_row"], self.page_of(b, row), b.mov(4, S64))
+        entry = C.element_offset(b, bases["block_row"], row if self.sparse else self.page_of(b, row),
+                                 b.mov(4, S64))
         page = b.mov(-1, S32, out=out)
         with b.predicate(valid):
             b.ld("global", S32, Addr(entry), nc=True, out=[page])
@@ -174,7 +204,12 @@ class KVAccess:
 
     def use_page(self, b: KernelBuilder, page_cache: dict, row: Reg, valid: Reg, page: Reg) -> None:
         """Record `page` (from load_page) as row `row`'s page for row_address, with its range
-        check: ids outside [0, num_pages) make the row invalid."""
+        check: ids outside [0, num_pages) make the row invalid. Sparse: `page` is the row's
+        slot, valid inside [0, num_pages * page_size)."""
+        if self.sparse:
+            page, ok, offset = self.slot_place(b, b.cvt(S64, page))
+            page_cache[(row.cls, row.index)] = (page, b.and_(ok, valid), offset)
+            return
         in_range = b.and_(b.setp("ge", page, 0), b.setp("lt", page, b.bitcast(self.regs["num_pages"], S32)))
         page_cache[(row.cls, row.index)] = (page, b.and_(in_range, valid), self.offset_in_page(b, row))
 
@@ -199,18 +234,36 @@ class KVAccess:
         """Record the page and offset of `slot` (s64; by_slot caches) for row_address, keyed by
         the slot register; returns its validity: 0 <= slot < num_pages * page_size (negative
         slots are padding)."""
-        slots = b.mul(b.cvt(S64, self.regs["num_pages"]), self.page_size)
+        page, ok, offset = self.slot_place(b, slot)
+        page_cache[(slot.cls, slot.index)] = (page, ok, offset)
+        return ok
+
+    def slot_place(self, b: KernelBuilder, slot: Reg) -> tuple[Reg, Reg, Reg]:
+        """(page s32, 0 <= slot < num_pages * page_size, offset u32) of a slot (s64)."""
+        slots = self.slot_count(b)
         ok = b.and_(b.setp("ge", slot, 0), b.setp("lt", slot, slots))
         # in range, the page fits s32 (num_pages is a u32 dim < 2^31 pages of >= 1 row)
         safe = b.selp(slot, 0, ok)
-        page = b.cvt(S32, self.page_of(b, safe))
-        offset = b.cvt(U32, self.offset_in_page(b, safe))
-        page_cache[(slot.cls, slot.index)] = (page, ok, offset)
-        return ok
+        return b.cvt(S32, self.page_of(b, safe)), ok, b.cvt(U32, self.offset_in_page(b, safe))
+
+    def slot_count(self, b: KernelBuilder) -> Reg:
+        return b.mul(b.cvt(S64, self.regs["num_pages"]), self.page_size)
+
+    def key_missing(self, b: KernelBuilder, index_row: Reg, key: Reg, n_keys: Reg) -> Reg:
+        """pred (sparse): key `key` (s32) of the token whose slots start at `index_row` has no
+        cache row: outside [0, n_keys), or its slot is -1 or outside the cache."""
+        inside = b.and_(b.setp("ge", key, 0), b.setp("lt", key, n_keys))
+        slot = b.mov(-1, S32)
+        with b.predicate(inside):
+            b.ld("global", S32, Addr(C.element_offset(b, index_row, b.bitcast(key, U32), b.mov(4, S64))),
+                 nc=True, out=[slot])
+        wide = b.cvt(S64, slot)
+        ok = b.and_(b.setp("ge", wide, 0), b.setp("lt", wide, self.slot_count(b)))
+        return b.not_(ok)
 
 
 def page_as_s64(b: KernelBuilder, page: Reg) -> Reg:
     return b.cvt(S64, page)
 
 
-__all__ = ["KVAccess", "LAYOUTS", "CACHES", "LATENT"]
+__all__ = ["KVAccess", "LAYOUTS", "CACHES", "LATENT", "sparse_keys"]

@@ -21,7 +21,7 @@ from .tiles import ThreadSlot, load_tile_passes
 
 def prefetch_applies(kv: KVAccess, slot: ThreadSlot, block_n: int) -> bool:
     ps, rpp = kv.page_size, slot.geom.rows_per_pass
-    return kv.layout == "paged" and (ps % block_n == 0 or (block_n % ps == 0 and ps % rpp == 0))
+    return kv.block_table and (ps % block_n == 0 or (block_n % ps == 0 and ps % rpp == 0))
 
 
 class PagedTiles:

@@ -56,9 +56,11 @@ FIELDS = FamilyFields(
         dataclasses.replace(kv_fp8.KV_SCALE_FIELD, doc="FP8 scale of the latent cache (K and V "
                             "alike): an f32 runtime scalar k_scale, or a [1] f32 device tensor "
                             "k_scale (default \"tensor\")", choices=("tensor", "device")),
-        Field("sparse_topk", "int", "0: dense; N > 0: each query attends only to the N cache "
-              "slots in `indices` (DeepSeek-V3.2)", default=0, check=_topk_check,
-              allowed=_topk_allowed),
+        Field("sparse_topk", "int", "0: dense; N > 0: each query token attends only to the N "
+              "cache slots in indices [total_q, N] (DeepSeek-V3.2; paged, no block table)",
+              default=0, check=_topk_check, allowed=_topk_allowed),
+        Field("topk_length", "bool", "sparse: also take topk_length [total_q] (i32), the count "
+              "of each token's slots to read", default=False),
         Field("num_splits", "int_or_auto", 'KV splits per query tile: 1, N, or "auto" (from the '
               'CTA count vs. the resident CTA slots at launch)', default="auto",
               check=_split_check, allowed=f'{_split_allowed}, or "auto"'),
@@ -109,6 +111,8 @@ def attention_view(spec: KernelSpec) -> KernelSpec:
                 page_size=page_size(spec) if o["kv_layout"] == "paged" else None,
                 num_splits=o["num_splits"], return_lse=o["return_lse"], kv_dtype=o["kv_dtype"],
                 kv_scale=o["kv_scale"])
+    if o["sparse_topk"]:   # kv_access.sparse_keys reads it; the token is the sequence
+        opts.update(sparse_topk=o["sparse_topk"], topk_length=o["topk_length"])
     return dataclasses.replace(spec, options=tuple(sorted(opts.items())))
 
 
@@ -138,9 +142,7 @@ def validate(spec: KernelSpec) -> None:
         raise SpecError(f"num_heads = {spec.num_heads}: at most {MAX_HEADS} query heads per "
                         f"launch (the heads of one rank; DeepSeek-V3 has 128)", key="num_heads")
     check_cache_keys(spec)
-    if spec.opt("sparse_topk"):
-        raise SpecError(f"sparse_topk = {spec.opt('sparse_topk')}: sparse (top-k) MLA is not "
-                        f"built yet; allowed today: 0 (dense)", key="sparse_topk")
+    check_sparse(spec)
     check_page_size(spec)
     C.check_dtype_target(spec.dtype, spec.targets)
     old = [t for t in spec.targets if not TARGETS[t].has_mma_m16n8k16]
@@ -150,6 +152,23 @@ def validate(spec: KernelSpec) -> None:
     view = attention_view(spec)
     for t in spec.targets:
         varlen.configure(view, TARGETS[t])
+
+
+def check_sparse(spec: KernelSpec) -> None:
+    """Sparse top-k reads slots of a paged cache, and each tile holds one token's heads."""
+    n = spec.opt("sparse_topk")
+    if spec.opt("topk_length") and not n:
+        raise SpecError("topk_length applies only to sparse_topk > 0 (sparse_topk is 0)",
+                        key="topk_length")
+    if not n:
+        return
+    if spec.opt("kv_layout") != "paged":
+        raise SpecError(f"sparse_topk = {n} reads cache slots (page * page_size + offset) of a "
+                        f"paged cache; kv_layout is {spec.opt('kv_layout')!r}; allowed: \"paged\"",
+                        key="sparse_topk")
+    if spec.num_heads % 16:   # tiles of 16 rows (or 32, 64: varlen.configure's gcd) per token
+        raise SpecError(f"num_heads = {spec.num_heads}: sparse MLA tiles hold one token's heads, "
+                        f"16 rows per warp; allowed: a multiple of 16", key="num_heads")
 
 
 def interface(spec: KernelSpec) -> Interface:
@@ -165,7 +184,9 @@ def resolve_tile(spec: KernelSpec, target) -> dict:
 
 
 def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
-    from .mla_inputs import mla_batch
+    from .mla_inputs import mla_batch, sparse_batch
+    if spec.opt("sparse_topk"):
+        return sparse_batch(spec, attention_view(spec), dims, rng, page_size(spec))
     return mla_batch(spec, attention_view(spec), dims, rng,
                      page_size(spec) if spec.opt("kv_layout") == "paged" else 0)
 

@@ -5,6 +5,10 @@ verification), L = 0, 1, 63, 64, 65 (a page's edges at FlashMLA's 64), at the ca
 and q_len > L (rows that see nothing). Paged caches get shuffled pages and garbage ids (-1,
 num_pages + 7) past each sequence's last page; every cache row no sequence owns - unused pages,
 rows past L - holds NaN (FP8: the e4m3 NaN byte), which a kernel must never read.
+
+Sparse top-k batches (sparse_batch) give each token its own slots: in-cache slots, -1,
+duplicates, slots past the cache (just past and far past, and negative), and with topk_length
+counts of 0, 1, N, past N and negative; every cache row no token's counted slots name holds NaN.
 """
 
 from __future__ import annotations
@@ -75,9 +79,84 @@ def latent_kv(view, inputs: dict) -> tuple[np.ndarray, np.ndarray]:
 
 
 def mla_reference(view, inputs: dict, dtype: str | None, page_size: int) -> dict:
+    from .kv_access import sparse_keys
     from .varlen_inputs import varlen_reference
     k, v = latent_kv(view, inputs)
+    if sparse_keys(view):
+        return sparse_reference(view, inputs, k, v, dtype)
     return varlen_reference(view, {**inputs, "k_cache": k, "v_cache": v}, dtype, page_size)
+
+
+def token_slots(view, inputs: dict, t: int) -> np.ndarray:
+    """The cache slots token t reads, in order: its first topk_length entries (clamped to
+    [0, N]), without -1 and slots outside the cache; duplicates count as often as they appear."""
+    from .kv_access import sparse_keys
+    idx = np.asarray(inputs["indices"], dtype=np.int64)[t]
+    n = sparse_keys(view)
+    if "topk_length" in inputs:
+        n = min(max(int(np.asarray(inputs["topk_length"])[t]), 0), n)
+    slots = idx[:n]
+    cap = np.asarray(inputs["kv_cache"]).shape[0] * np.asarray(inputs["kv_cache"]).shape[1]
+    return slots[(slots >= 0) & (slots < cap)]
+
+
+def sparse_reference(view, inputs: dict, k: np.ndarray, v: np.ndarray, dtype: str | None) -> dict:
+    """Each token attends to its own slots (no causal rule: the indexer chose them)."""
+    from .. import reference as ref
+    from .variant import head_dim_v
+    q = np.asarray(inputs["q"], dtype=np.float64)
+    kf, vf = k.reshape(-1, 1, k.shape[-1]), v.reshape(-1, 1, v.shape[-1])
+    o = np.zeros((q.shape[0], view.num_heads, head_dim_v(view)))
+    lse = np.full((q.shape[0], view.num_heads), -np.inf)
+    for t in range(q.shape[0]):
+        slots = token_slots(view, inputs, t)
+        if not slots.size:
+            continue
+        qs = np.swapaxes(q[t:t + 1], 0, 1)[None]                       # [1, H, 1, d]
+        kh, vh = (np.swapaxes(x[slots], 0, 1)[None] for x in (kf, vf))  # [1, 1, n, d]
+        ob, lb = ref.attention(qs, kh, vh, view.softmax_scale, causal=False, dtype=dtype)
+        o[t], lse[t] = ob[0, :, 0], lb[0, :, 0]
+    return {"o": o, "lse": lse} if view.opt("return_lse") else {"o": o}
+
+
+def sparse_batch(spec, view, dims: dict[str, int], rng, page_size: int) -> dict:
+    """total_q tokens, each with N slots drawn from the cache plus -1, duplicates and slots
+    outside it; topk_length (if the spec takes it) cycles 0, 1, N, N + 5, -3 and random."""
+    from ..reference import fp8_quantize, round_to
+    from . import kv_fp8
+    from .kv_access import sparse_keys
+    T, H, d, N = dims["total_q"], spec.num_heads, view.head_dim, sparse_keys(view)
+    cap = dims["num_pages"] * page_size
+    rnd = lambda shape: round_to(rng.standard_normal(shape), spec.dtype).astype(np.float32)
+    idx = rng.integers(0, max(cap, 1), (T, N)).astype(np.int64) if cap else np.full((T, N), -1)
+    for t in range(T):
+        for j in range(N):
+            pick = (t * 7 + j * 3) % 11
+            if pick == 0:
+                idx[t, j] = -1
+            elif pick == 1 and j:
+                idx[t, j] = idx[t, j - 1]                              # duplicate
+            elif pick == 2:
+                idx[t, j] = (cap, cap + 3, 1 << 30, -5)[(t + j) % 4]   # outside the cache
+    inputs = {"q": rnd((T, H, d)), "indices": idx.astype(np.int32)}
+    if view.opt("topk_length"):
+        inputs["topk_length"] = np.array([(0, 1, N, N + 5, -3, int(rng.integers(0, N + 1)))[t % 6]
+                                          for t in range(T)], dtype=np.int32)
+    cache = rnd((dims["num_pages"], page_size, d))
+    owned = np.zeros(cap, dtype=bool)
+    for t in range(T):
+        owned[token_slots(view, {**inputs, "kv_cache": cache}, t)] = True
+    owned = owned.reshape(dims["num_pages"], page_size)
+    kind = kv_fp8.kind(view)
+    if kind:
+        scale = np.float32(0.37)
+        cache = fp8_quantize(cache / scale, kind)
+        cache[~owned] = E4M3_NAN
+        inputs["k_scale"] = scale if kv_fp8.scale_mode(view) == "tensor" else np.array([scale])
+    else:
+        cache[~owned] = np.nan
+    inputs["kv_cache"] = cache
+    return inputs
 
 
 # ---- mla_append -------------------------------------------------------------------------------

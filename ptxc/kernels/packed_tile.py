@@ -43,6 +43,9 @@ class VarlenCtx(MaskPredicate):
     sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
     slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
     mask_bits: Reg | None = None   # u64 first byte of the sequence's mask bits (custom_mask)
+    # sparse keys (kv_access sparse): pred, key (s32) has no cache row -- masked like a key
+    # past the limit (MmaMath.mask asks once per key of the lane, for all its rows)
+    missing_key: Callable[[Reg], Reg] | None = None
 
     # The custom mask predicate (variant.MaskPredicate) over this tile's packed rows: query
     # token i's row of bits; a tree's n x n bits cover the draft keys (column = key - (L - n)),
@@ -124,6 +127,8 @@ class TileWork:
     n_seqs: Reg | None = None
     split_rows: Reg | None = None
     seq_units: Callable[[Reg], tuple[Reg, Reg]] | None = None
+    keys: Reg | None = None   # u32 keys of the sequence when the policy knows them (sparse top-k);
+                              # None: seq_lens[seq]
 
 
 @dataclass
@@ -185,8 +190,11 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     seq, kv_head, split, t0, q_len, m_start = (work.seq, work.kv_head, work.split, work.token0,
                                                work.q_len, work.m_start)
     # keys [0, L), clamped so that a corrupt length can never address outside the cache
-    lens = C.element_offset(b, ptrs["seq_lens"], seq, b.mov(4, S64))
-    L = b.min(b.bitcast(b.max(b.ld("global", S32, Addr(lens), nc=True), 0), U32), kv.capacity(b))
+    if work.keys is None:
+        lens = C.element_offset(b, ptrs["seq_lens"], seq, b.mov(4, S64))
+        L = b.min(b.bitcast(b.max(b.ld("global", S32, Addr(lens), nc=True), 0), U32), kv.capacity(b))
+    else:
+        L = b.min(work.keys, kv.capacity(b))
     L = b.bitcast(L, S32)
     rows = b.mul(b.bitcast(q_len, U32), g)
     with b.if_then(b.setp("ge", m_start, rows)):
@@ -201,6 +209,9 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
                     ptrs.get("sinks"), ptrs.get("alibi_slopes"))
     if variant.mask is not None:   # the sequence's bits: segment `seq` of the bits buffer
         ctx.bind_mask(b, ptrs, seq, mask_bytes)
+    if kv.sparse:                  # the token's slots: -1 / outside the cache hide the key
+        index_row = kv.index_row(b, ptrs, seq)
+        ctx.missing_key = lambda key: kv.key_missing(b, index_row, key, L)
 
     # KV tiles: [0, n_vis) visible to the tile's last token; [0, n_full) to its first as well.
     last_row = b.sub(b.min(b.add(m_start, bm), rows), 1)
@@ -210,7 +221,7 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     n_full = b.div(keys_seen(m_start), bn)
     if variant.tree:   # tiles wholly in the prefix (keys < L - q_len) need no tree bits
         n_full = b.div(b.bitcast(b.max(b.sub(L, q_len), 0), U32), bn)
-    elif variant.mask is not None:   # packed bits: every tile runs the predicate
+    elif variant.mask is not None or kv.sparse:   # packed bits / slots: every tile is masked
         n_full = b.mov(0, U32)
     # A sliding window: tiles before the first token's window are never read; tiles before
     # the first one wholly inside the last token's window cross its left edge (masked).

@@ -67,6 +67,7 @@ class MmaMath:
         row0 = b.add(ctx.m_start, b.add(warp_rows, g))
         self.rows = [row0] + [b.add(row0, 8 * i) for i in range(1, 2 * self.mt)]  # i = 2 mt + r
         two_t = b.bitcast(b.shl(t, 1), S32)
+        self.two_t = two_t
         self.limits = [b.sub(ctx.key_limit(b, r), two_t) for r in self.rows]   # keys < limit - 2t
         begins = [ctx.key_begin(b, r) for r in self.rows]                     # keys >= begin - 2t
         self.begins = None if begins[0] is None else [b.sub(x, two_t) for x in begins]
@@ -162,6 +163,11 @@ class MmaMath:
         window, < the row's first key; with a custom mask, where variant.MaskPredicate hides it:
         one bit window per row per 4 n8 tiles, then the predicate per score)."""
         b, nt = self.b, self.bn // 8
+        missing = getattr(self.ctx, "missing_key", None)
+        if missing is not None:   # sparse keys: the lane's keys key0 + 2t + 8 jn + e, any row
+            lane_key = b.add(b.bitcast(key0, S32), self.two_t)
+            missing = [[missing(b.add(lane_key, 8 * jn + e) if jn or e else lane_key)
+                        for e in range(2)] for jn in range(nt)]
         for i in range(2 * self.mt):
             mt, r = divmod(i, 2)
             rel = b.sub(self.limits[i], b.bitcast(key0, S32))
@@ -178,6 +184,8 @@ class MmaMath:
                         out = b.or_(out, b.setp("gt", rel_begin, 8 * jn + e))
                     if k0 is not None:   # the custom mask: one predicate over (row, key)
                         out = b.or_(out, self.ctx.key_hidden(b, window, kc, 8 * (jn % 4) + e))
+                    if missing is not None:
+                        out = b.or_(out, missing[jn][e])
                     with b.predicate(out):
                         b.mov(C.NEG_INF, F32, out=acc[2 * r + e])
 

@@ -22,19 +22,20 @@ AUTO_RULE = f"min(max, max(1, cdiv({SPLIT_HEADROOM} * num_sms * ctas_per_sm, cta
 
 
 def split_interface(rows_dim: str, num_heads: int, head_dim: int, splits, ctas: str,
-                    entry: str) -> tuple[list, dict]:
+                    entry: str, max_splits: int = MAX_AUTO_SPLITS) -> tuple[list, dict]:
     """The split-KV workspace of a family whose rows (`rows_dim`: batch for decode, total_q for
     varlen) are split `splits` ways (an int > 1 or "auto"), and the num_splits dim rule: the
     built count, or "auto" = SPLIT_HEADROOM split indices per resident CTA slot (num_sms x the
     split kernel `entry`'s CTAs per SM on the launched target) over the launch's `ctas`
-    expression, capped at MAX_AUTO_SPLITS (split_plan.py). The workspace needs no cap of its
+    expression, capped at `max_splits` (MAX_AUTO_SPLITS, split_plan.py, unless the family knows
+    fewer KV tiles). The workspace needs no cap of its
     own: rows x num_splits stays near SPLIT_HEADROOM x slots x rows / ctas, whatever the batch."""
     tensors = [TensorInfo("o_part", "f32", (rows_dim, num_heads, "num_splits", head_dim), "workspace",
                           "per-split normalised partial outputs"),
                TensorInfo("lse_part", "f32", (rows_dim, num_heads, "num_splits"), "workspace",
                           "per-split log2-sum-exp (-inf for an empty split)")]
     rule = {"value": splits} if splits != "auto" else {"auto": {
-        "max": MAX_AUTO_SPLITS, "ctas": ctas, "occupancy_of": entry, "rule": AUTO_RULE}}
+        "max": max_splits, "ctas": ctas, "occupancy_of": entry, "rule": AUTO_RULE}}
     return tensors, rule
 
 

@@ -14,6 +14,7 @@ addressing; split-KV partials are merged by split_reduce.py. docs/kernels.md has
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..errors import SpecError
 from ..spec.fields import Field, FamilyFields, int_range, head_dim_range
@@ -25,8 +26,9 @@ from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, 
 from .register_floor import narrow_block_n, needs_floor
 from .variant import (MASK_BUFFERS, VARIANT_FIELDS, default_seq_len, head_dim_v, mask_bytes_param,
                       validate_variant, variant_tensors)
-from .kv_access import MAX_PAGE_SIZE, KVAccess, check_page_size, latent_cache
+from .kv_access import MAX_PAGE_SIZE, KVAccess, check_page_size, latent_cache, sparse_keys
 from .prefill import PrefillConfig, _check_shape, value_split
+from .split_plan import MAX_AUTO_SPLITS
 from .split_reduce import build_reduce, split_interface
 
 _hd_check, _hd_allowed = head_dim_range(8, 512)
@@ -120,6 +122,8 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     given = spec.tile_dict()
     vsplit = value_split(head_dim_v(spec), True)
     bm = given.get("block_m") or 16 * given.get("num_warps", 4) // vsplit
+    if sparse_keys(spec) and "block_m" not in given:   # a tile holds one token's heads
+        bm = math.gcd(bm, spec.num_heads)
     warps = given.get("num_warps") or bm // 16 * vsplit
     bn = given.get("block_n") or narrow_block_n(
         spec.family, spec, target, 64 if spec.head_dim <= 128 else 32 if spec.head_dim <= 256 else 16)
@@ -175,13 +179,16 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
 def kv_access(spec: KernelSpec) -> KVAccess:
     layout = spec.opt("kv_layout")
     return KVAccess(layout, kv_fp8.kv_format(spec), page_size(spec) if layout == "paged" else 0,
-                    latent=latent_cache(spec))
+                    latent=latent_cache(spec), sparse=sparse_keys(spec))
 
 
 def query_tiles_expr(spec: KernelSpec) -> str:
     """Packed query tiles launched per (KV head, split): sequence b's tiles start at
     cu[b] * g // block_m + b, so every sequence gets at least cdiv(q_len * g, block_m) of them
-    and the total is at most the useful tiles + batch (docs/kernels.md)."""
+    and the total is at most the useful tiles + batch (docs/kernels.md). Sparse top-k: each
+    token's heads fill whole tiles (varlen_attend.emit_token_tiles)."""
+    if sparse_keys(spec):
+        return f"total_q * {spec.num_heads // configure(spec, None).block_m}"
     return f"total_q * {spec.group_size} // {configure(spec, None).block_m} + batch"
 
 
@@ -192,11 +199,7 @@ def interface(spec: KernelSpec) -> Interface:
               for t in kv.tensors(kv_fp8.kv_dtype(spec), Hk, d, "input")]   # V rows: head_dim_v
     tensors = [
         TensorInfo("q", spec.dtype, ("total_q", H, d), "input", "query tokens of all sequences, packed"),
-        TensorInfo("cu_seqlens_q", "i32", ("batch + 1",), "input", "prefix sums of the query "
-                   "lengths: 0, ..., total_q", device_resident_scalars=True, prefix_sums="total_q"),
-        TensorInfo("seq_lens", "i32", ("batch",), "input", "KV rows per sequence after this "
-                   "step's rows were appended (clamped to the cache's capacity)",
-                   device_resident_scalars=True),
+        *key_count_tensors(spec, kv),
         *caches,
         TensorInfo("o", spec.dtype, ("total_q", H, dv), "output"),
     ]
@@ -204,14 +207,17 @@ def interface(spec: KernelSpec) -> Interface:
         tensors.append(TensorInfo("lse", "f32", ("total_q", H), "output",
                                   "log-sum-exp of the scaled scores; -inf for a row that sees no key"))
     tensors += variant_tensors(spec) + mask_tensors(spec)
-    dims = ["batch", "total_q", *kv.dims()] + \
+    dims = ([] if kv.sparse else ["batch"]) + ["total_q", *kv.dims()] + \
         ([MASK_BUFFERS[spec.opt("custom_mask")][2]] if spec.opt("custom_mask") in MASK_BUFFERS else [])
     rules: dict = {}
     splits = spec.opt("num_splits")
     if splits != 1:
         ctas = f"{Hk} * ({query_tiles_expr(spec)})"
+        most = {}   # sparse: no more splits than a token has KV tiles
+        if kv.sparse:
+            most["max_splits"] = min(MAX_AUTO_SPLITS, -(-kv.sparse // configure(spec, None).block_n))
         work, rules["num_splits"] = split_interface("total_q", H, dv, splits, ctas,
-                                                    f"ptxc_{spec.name}_split")
+                                                    f"ptxc_{spec.name}_split", **most)
         tensors += work
         dims.append("num_splits")
     scale_tensors, scalars = kv_fp8.interface_extras(spec)
@@ -222,7 +228,24 @@ def interface(spec: KernelSpec) -> Interface:
         S = max(S, ps + ps // 2 + 1)     # long enough that launch-test's sequences cross a page
     defaults = {"batch": 8, "max_seq_len": S} if spec.opt("kv_layout") == "contiguous" else \
         {"batch": 8, "max_pages_per_seq": -(-S // ps), "num_pages": 8 * -(-S // ps) + 3}
+    if kv.sparse:    # a few tokens over a cache larger than one token's slots
+        defaults = {"total_q": 9, "num_pages": -(-(kv.sparse + S) // ps) + 2}
     return Interface(tuple(tensors), tuple(dims), defaults, rules, scalars=scalars)
+
+
+def key_count_tensors(spec: KernelSpec, kv: KVAccess) -> list[TensorInfo]:
+    """How a query finds its keys: its sequence (cu_seqlens_q) and that sequence's length
+    (seq_lens); sparse top-k: its own slots in `indices` (kv_access), optionally fewer of them."""
+    if kv.sparse:
+        return [TensorInfo("topk_length", "i32", ("total_q",), "input", "slots each query token "
+                           "reads: its first topk_length entries of indices (clamped to "
+                           f"[0, {kv.sparse}])", device_resident_scalars=True)] \
+            if dict(spec.options).get("topk_length") else []
+    return [TensorInfo("cu_seqlens_q", "i32", ("batch + 1",), "input", "prefix sums of the query "
+                       "lengths: 0, ..., total_q", device_resident_scalars=True, prefix_sums="total_q"),
+            TensorInfo("seq_lens", "i32", ("batch",), "input", "KV rows per sequence after this "
+                       "step's rows were appended (clamped to the cache's capacity)",
+                       device_resident_scalars=True)]
 
 
 def mask_tensors(spec: KernelSpec) -> list[TensorInfo]:
@@ -246,7 +269,7 @@ def mask_tensors(spec: KernelSpec) -> list[TensorInfo]:
 
 def build(spec: KernelSpec, target: Target) -> Program:
     from ..ir import S64, U32, KernelBuilder
-    from .varlen_attend import emit_varlen
+    from .varlen_attend import emit_token_tiles, emit_varlen
     cfg = configure(spec, target)
     kv = kv_access(spec)
     split = spec.opt("num_splits") != 1
@@ -258,14 +281,14 @@ def build(spec: KernelSpec, target: Target) -> Program:
         return b.load_param(b.param(name, type))
 
     outs = ["o_part", "lse_part"] if split else ["o"] + (["lse"] if spec.opt("return_lse") else [])
-    names = ["q", "cu_seqlens_q", "seq_lens", *kv.pointer_tensors(), *outs,
+    names = ["q", *(t.name for t in key_count_tensors(spec, kv)), *kv.pointer_tensors(), *outs,
              *(t.name for t in variant_tensors(spec) + mask_tensors(spec))]
     ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t))) for t in names}
     strides = {(t, a): C.byte_stride(b, param(f"{t}_stride{a}", S64, ParamSource("stride", t, a)), cfg.fmt)
                for t in ("q",) + (() if split else ("o",)) for a in (0, 1)}
     kv.emit_strides(param)
     kv.emit_dims(param)
-    batch = param("batch", U32, ParamSource("dim", name="batch"))
+    batch = None if kv.sparse else param("batch", U32, ParamSource("dim", name="batch"))
     total_q = param("total_q", U32, ParamSource("dim", name="total_q"))
     split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None
     quant = kv_fp8.emit_params(spec, target, b, param)
@@ -274,7 +297,10 @@ def build(spec: KernelSpec, target: Target) -> Program:
     if getattr(cfg, "tma", False):   # tile.kv_loads = "tma": k/v tensor maps after the other params
         from .varlen_tma import tensor_map_params
         tmaps = tensor_map_params(b, cfg, kv, params)
-    emit_varlen(b, spec, cfg, kv, ptrs, strides, batch, total_q, split_count, quant, tmaps, mask_bytes)
+    if kv.sparse:
+        emit_token_tiles(b, spec, cfg, kv, ptrs, strides, total_q, split_count, quant)
+    else:
+        emit_varlen(b, spec, cfg, kv, ptrs, strides, batch, total_q, split_count, quant, tmaps, mask_bytes)
     b.ret()
     grid_y = f"{spec.num_kv_heads} * num_splits" if split else str(spec.num_kv_heads)
     launches = [Launch(entry=b.entry.name, params=tuple(params),

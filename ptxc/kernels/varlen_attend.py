@@ -156,6 +156,33 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
     emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, mask_bytes)
 
 
+def emit_token_tiles(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
+                     strides: dict, total_q: Reg, split_count: Reg | None, quant=None) -> None:
+    """Sparse top-k's policy (kv.sparse = N): every query token is its own "sequence" of one
+    query over its own keys, the slots indices[token, :n] with n = N, or topk_length[token]
+    clamped to [0, N]. grid.x = total_q x (num_heads / block_m) tiles, each one token's block of
+    heads (the heads fill whole tiles: block_m divides num_heads); grid.y = split."""
+    tiles_per_token = spec.num_heads // cfg.block_m
+    tile = b.special("%ctaid.x")
+    token, m_start = b.div(tile, tiles_per_token), b.mul(b.rem(tile, tiles_per_token), cfg.block_m)
+    with b.if_then(b.setp("ge", token, total_q)):
+        b.ret()
+    split = b.special("%ctaid.y") if split_count is not None else None
+
+    def keys_of(i):   # u32 keys of token i
+        if "topk_length" not in ptrs:
+            return b.mov(kv.sparse, U32)
+        n = b.ld("global", S32, Addr(C.element_offset(b, ptrs["topk_length"], i, b.mov(4, S64))), nc=True)
+        return b.min(b.bitcast(b.max(n, 0), U32), kv.sparse)
+
+    def token_units(i):   # (query tiles x KV tiles, KV tiles) of token i
+        kv_tiles = b.div(b.add(keys_of(i), cfg.block_n - 1), cfg.block_n)
+        return b.mul(kv_tiles, tiles_per_token), kv_tiles
+    work = TileWork(token, b.mov(0, U32), split, token, b.mov(1, S32), m_start, total_q,
+                    b.special("%nctaid.x"), token_units, keys=keys_of(token))
+    emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant)
+
+
 def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
                      strides: dict, work: TileWork, split_count: Reg | None, quant=None,
                      tmaps: dict | None = None, mask_bytes: Reg | None = None) -> None:

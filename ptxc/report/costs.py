@@ -201,6 +201,8 @@ def mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
     whole row (head_dim) and P.V over its first kv_lora_rank columns; each latent row counted
     once per sequence from DRAM (the other head tiles' reads of it are L2 hits)."""
     spec = meta["spec"]
+    if spec.get("sparse_topk"):
+        return sparse_mla_cost(meta, config, dims)
     b, L = dims["batch"], kv_length(meta, dims)
     q = dims["total_q"] // max(1, b)
     H, d, dv = spec["num_heads"], spec["head_dim"], spec["kv_lora_rank"]
@@ -214,6 +216,22 @@ def mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
     index = (b + 1) * 4 + b * 4 + _layout_bytes(meta, dims, L)
     return Cost(2 * b * H * (d + dv) * keys_seen(q, L, True, None),
                 latent + qo + lse + parts + index, _unit(config), dict(dims))
+
+
+def sparse_mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
+    """Sparse top-k: each token reads its own N latent rows (and N slots); no reuse across
+    tokens is assumed (an indexer's picks of neighbouring tokens overlap, which only helps)."""
+    spec = meta["spec"]
+    tq, N = dims["total_q"], spec["sparse_topk"]
+    H, d, dv = spec["num_heads"], spec["head_dim"], spec["kv_lora_rank"]
+    e = ELEMENT_BYTES[spec["dtype"]]
+    latent = tq * N * d * ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]]
+    qo = tq * H * (d + dv) * e
+    lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
+    splits = dims.get("num_splits", 1)
+    parts = 2 * tq * H * splits * (dv + 1) * PART_BYTES if splits > 1 else 0
+    index = tq * N * 4 + (tq * 4 if spec.get("topk_length") else 0)
+    return Cost(2 * tq * H * (d + dv) * N, latent + qo + lse + parts + index, _unit(config), dict(dims))
 
 
 def mla_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
@@ -260,8 +278,9 @@ def resolve_dims(meta: dict, shapes: dict[str, int], num_sms: int = REPORT_NUM_S
         out["max_pages_per_seq"] = -(-kv // page_size(meta))
     if "num_pages" in dims and "num_pages" not in out and "max_pages_per_seq" in out and "batch" in out:
         out["num_pages"] = out["batch"] * out["max_pages_per_seq"]
-    if "num_pages" in dims and "num_pages" not in out and "num_tokens" in out and kv and page_size(meta):
-        # kv_append by slot: the cache of `batch` sequences of kv_len rows
+    slot_cache = "num_tokens" in out or meta["spec"].get("sparse_topk")
+    if "num_pages" in dims and "num_pages" not in out and slot_cache and kv and page_size(meta):
+        # kv_append by slot, sparse MLA: the cache of `batch` sequences of kv_len rows
         out["num_pages"] = shapes.get("batch", base.get("batch", 1)) * -(-kv // page_size(meta))
     if "max_position" in dims and "max_position" not in out:   # RoPE table: one row per cache row
         out["max_position"] = kv_length(meta, out)

@@ -151,6 +151,13 @@ def exercised_features(art, spec, dims: dict, inputs: dict) -> tuple[str, ...]:
         pages = len({int(s) // ps for s in slots if 0 <= s < dims["num_pages"] * ps})
         out.append(f"slots on {pages} pages" if pages > 1 else f"NOT pages crossed (slots on {pages} page)")
         out.append(f"{int((slots < 0).sum())} padding slots")
+    elif "indices" in inputs:        # sparse top-k: the slots the tokens read
+        ps = int(opts.get("page_size") or 16)
+        idx = np.asarray(inputs["indices"], np.int64)
+        inside = (idx >= 0) & (idx < dims["num_pages"] * ps)
+        pages = len({int(s) // ps for s in idx[inside]})
+        out.append(f"slots on {pages} pages" if pages > 1 else f"NOT pages crossed (slots on {pages} page)")
+        out.append(f"{int((~inside).sum())} skipped slots (-1 or outside the cache)")
     elif opts.get("kv_layout") == "paged":
         ps = int(opts.get("page_size") or 16)
         out.append(f"pages crossed ({longest} rows, page_size {ps})" if longest > ps
