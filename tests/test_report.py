@@ -206,14 +206,17 @@ def test_report_every_example_spec_json_and_html(built, tmp_path, shared_cache):
 
 
 def test_report_each_artifact_with_shape_and_gpu(built):
-    _, summary = built
+    out, summary = built
     for k in summary["kernels"]:
         data, _ = _report([k["dir"], "--json", "--no-sass", "--gpu", "h100", "--shape", "batch=2"])
+        spec = json.loads((out / k["name"] / f"{k['name']}.json").read_text())["spec"]
         assert data["sass"] == {"available": False, "reason": "skipped (--no-sass)"}
         (kern,) = data["kernels"]
-        # (kv_append by slot mapping has no batch: its rows are num_tokens)
+        # (kv_append by slot mapping has no batch: its rows are num_tokens; sparse MLA's tokens
+        # are their own sequences: total_q, with a cache of `batch` sequences' pages)
         assert kern["dims"].get("batch", 2) == 2 and list(data["gpus"]) == ["h100-sxm"]
-        assert "batch" in kern["dims"] or "num_tokens" in kern["dims"]
+        rows = ("total_q",) if spec.get("sparse_topk") else ("batch", "num_tokens")
+        assert any(r in kern["dims"] for r in rows)
         # The H100 runs one image per kernel: the sm_90 cubin (else the newest older PTX).
         on_h100 = [t for t in kern["targets"] if t["roofline"]]
         assert len(on_h100) == 1 and on_h100[0]["roofline"][0]["gpu"] == "h100-sxm"

@@ -29,8 +29,7 @@ def _length(rule, S: int, rng) -> int:
 
 
 def mla_batch(spec, view, dims: dict[str, int], rng, page_size: int, cases=CASES) -> dict:
-    from ..reference import fp8_quantize, round_to
-    from . import kv_fp8
+    from ..reference import round_to
     B, H, d = dims["batch"], spec.num_heads, view.head_dim
     S = dims["max_pages_per_seq"] * page_size if page_size else dims["max_seq_len"]
     picked = [cases[i % len(cases)] for i in range(B)]
@@ -53,8 +52,16 @@ def mla_batch(spec, view, dims: dict[str, int], rng, page_size: int, cases=CASES
     else:
         for b, L in enumerate(lens):
             owned[b, :L] = True
+    return with_cache(view, inputs, cache, owned)
+
+
+def with_cache(view, inputs: dict, cache: np.ndarray, owned: np.ndarray) -> dict:
+    """inputs + the latent cache (FP8: the bytes a quantising append wrote, over the latent's
+    one scale, and k_scale); every row not `owned` is NaN (e4m3: the NaN byte)."""
+    from ..reference import fp8_quantize
+    from . import kv_fp8
     kind = kv_fp8.kind(view)
-    if kind:   # the bytes a quantising append wrote, over the latent's one scale
+    if kind:
         scale = np.float32(0.37)
         cache = fp8_quantize(cache / scale, kind)
         cache[~owned] = E4M3_NAN
@@ -122,8 +129,7 @@ def sparse_reference(view, inputs: dict, k: np.ndarray, v: np.ndarray, dtype: st
 def sparse_batch(spec, view, dims: dict[str, int], rng, page_size: int) -> dict:
     """total_q tokens, each with N slots drawn from the cache plus -1, duplicates and slots
     outside it; topk_length (if the spec takes it) cycles 0, 1, N, N + 5, -3 and random."""
-    from ..reference import fp8_quantize, round_to
-    from . import kv_fp8
+    from ..reference import round_to
     from .kv_access import sparse_keys
     T, H, d, N = dims["total_q"], spec.num_heads, view.head_dim, sparse_keys(view)
     cap = dims["num_pages"] * page_size
@@ -146,17 +152,7 @@ def sparse_batch(spec, view, dims: dict[str, int], rng, page_size: int) -> dict:
     owned = np.zeros(cap, dtype=bool)
     for t in range(T):
         owned[token_slots(view, {**inputs, "kv_cache": cache}, t)] = True
-    owned = owned.reshape(dims["num_pages"], page_size)
-    kind = kv_fp8.kind(view)
-    if kind:
-        scale = np.float32(0.37)
-        cache = fp8_quantize(cache / scale, kind)
-        cache[~owned] = E4M3_NAN
-        inputs["k_scale"] = scale if kv_fp8.scale_mode(view) == "tensor" else np.array([scale])
-    else:
-        cache[~owned] = np.nan
-    inputs["kv_cache"] = cache
-    return inputs
+    return with_cache(view, inputs, cache, owned.reshape(dims["num_pages"], page_size))
 
 
 # ---- mla_append -------------------------------------------------------------------------------
