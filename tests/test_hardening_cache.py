@@ -62,14 +62,18 @@ def test_clear_and_info_only_touch_own_entries(tmp_path, monkeypatch):
     (prefix / "not-a-key").write_text("mine")
     outside = tmp_path / "outside"
     outside.mkdir()
-    (outside / ("ab" + "1" * 62)).write_text("mine")
-    os.symlink(outside, cache / ENTRIES / "ptx" / "ab")
+    # a symlinked key-prefix directory, at a prefix no entry of the build uses (keys change
+    # with ptxc's source, so a fixed prefix would collide one day)
+    used = {e.parent.name for e in _entries(cache, "ptx")}
+    link = next(p for p in (f"{i:02x}" for i in range(256)) if p not in used)
+    (outside / (link + "1" * 62)).write_text("mine")
+    os.symlink(outside, cache / ENTRIES / "ptx" / link)
     info = Cache(enabled=False).info()
     assert info["entries"] == own
     r = CliRunner().invoke(main, ["cache", "clear"])
     assert r.exit_code == 0 and f"removed {own} entr" in r.output
     assert (cache / "notes.txt").exists() and (cache / ENTRIES / "ptx" / "zz" / "readme").exists()
-    assert (prefix / "not-a-key").exists() and (outside / ("ab" + "1" * 62)).exists()
+    assert (prefix / "not-a-key").exists() and (outside / (link + "1" * 62)).exists()
     assert _entries(cache, "ptx") == sorted([prefix / "not-a-key", cache / ENTRIES / "ptx" / "zz" / "readme"])
 
 
