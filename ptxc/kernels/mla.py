@@ -12,7 +12,9 @@ compiles as (`attention_view`); the kernel is varlen's, unchanged.
 
 Queries follow varlen's semantics (cu_seqlens_q, seq_lens; the q_len queries of a sequence are
 its last positions, causal among themselves), so one launch list serves single-token decode and
-speculative verification. docs/kernels.md "mla" has the details.
+speculative verification. Sparse top-k (sparse_topk = N, DeepSeek-V3.2) instead gives each
+query token its own N cache slots (kv_access's sparse layout, varlen_attend.emit_token_tiles).
+docs/kernels.md "mla" has the details.
 """
 
 from __future__ import annotations

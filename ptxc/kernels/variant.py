@@ -333,8 +333,8 @@ def _flat(scores) -> list[Reg]:
     return [x for s in scores for x in _flat(s)]
 
 
-__all__ = ["AttentionVariant", "MaskPredicate", "MASK_BUFFERS", "mask_bytes_param", "VARIANT_FIELDS", "validate_variant", "spec_option",
-           "variant_reference_args", "variant_tensors", "variant_inputs", "join_sink", "head_dim_v",
+__all__ = ["AttentionVariant", "MaskPredicate", "MASK_BUFFERS", "mask_bytes_param", "VARIANT_FIELDS",
+           "validate_variant", "spec_option", "variant_reference_args", "variant_tensors", "variant_inputs", "join_sink", "head_dim_v",
            "finish_rows", "load_head_f32"]
 
 
