@@ -57,12 +57,13 @@ def test_docs_c_example_compiles(artifact_set, tmp_path, compiler, std, suffix, 
                    check=True, capture_output=True, text=True)
 
 
-def test_docs_rust_example_compiles(artifact_set, tmp_path):
+@pytest.mark.parametrize("block", [0, 1], ids=["step", "graph_capture"])
+def test_docs_rust_example_compiles(artifact_set, tmp_path, block):
     require_rustc()
     from ptxc.emit.rust import emit as emit_rust
     out, _ = artifact_set
     emit_rust(out, tmp_path / "ptxc_kernels.rs")
-    (tmp_path / "lib.rs").write_text(_doc_block("rust"))
+    (tmp_path / "lib.rs").write_text(_doc_block("rust", block))
     subprocess.run(["rustc", "--edition", "2021", "--crate-type", "lib", "--emit=metadata", "-D", "warnings",
                     "-o", str(tmp_path / "libexample.rmeta"), str(tmp_path / "lib.rs")],
                    check=True, capture_output=True, text=True)
@@ -73,3 +74,4 @@ def test_docs_python_example_runs(tmp_path, monkeypatch):
     run_build([SPECS / "mha_d64_prefill.toml"], out, targets=["sm_80"], verify=False, progress=False)
     monkeypatch.chdir(tmp_path)
     exec(compile(_doc_block("python"), "docs/loaders.md", "exec"), {})
+    compile(_doc_block("python", 1), "docs/loaders.md", "exec")   # the device example needs a GPU: syntax only

@@ -84,9 +84,11 @@ SCRIPT = textwrap.dedent('''
         elif mode == "wrong_dtype":
             t = tensors["q"].__cuda_array_interface__
             tensors["q"] = Dev(t["data"][0], t["shape"], "<f4")
-        if mode == "repeat":
-            rt.prepare(art)
-        for _ in range(100 if mode == "repeat" else 1):
+        if mode == "repeat" or mode.startswith("graph"):
+            rt.prepare(art) if mode != "graph_unprepared" else None
+        if mode.startswith("graph"):
+            result["dims"] = rt.graph_launch(art, tensors, json.loads(sys.argv[5]), stream=Stream())
+        for _ in range(100 if mode == "repeat" else 0 if mode.startswith("graph") else 1):
             result["dims"] = rt.launch(art, tensors, stream=Stream())
         result["module_loads"] = rt.module_loads
     except PtxcError as e:
@@ -100,12 +102,12 @@ def stub(tmp_path_factory):
     return harness.build_stub(tmp_path_factory.mktemp("stub")) / "libcuda.so"
 
 
-def run_script(tmp_path, stub, art, inputs, mode="ok"):
+def run_script(tmp_path, stub, art, inputs, mode="ok", maxima=None):
     tmp_path.mkdir(parents=True, exist_ok=True)
     np.savez(tmp_path / "in.npz", **inputs)
     (tmp_path / "s.py").write_text(SCRIPT)
     out = harness.run_program([sys.executable, str(tmp_path / "s.py"), str(art.path),
-                               str(tmp_path / "in.npz"), mode, str(stub)], tmp_path,
+                               str(tmp_path / "in.npz"), mode, str(stub), json.dumps(maxima or {})], tmp_path,
                               {"PTXC_STUB_SM": "80", "PTXC_STUB_SMS": "7"})
     return json.loads(out.strip().splitlines()[-1]), harness.read_log(tmp_path / "log")
 
@@ -159,8 +161,15 @@ def test_every_family_launches_on_device_tensors(tmp_path, stub, case, mode):
     art = build_kernel(tmp_path, family, body)
     spec = KernelSpec.from_dict(art.meta["spec"])
     inputs = FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(5))
+    check_launched(tmp_path, stub, art, spec, inputs, mode=mode)
+
+
+def check_launched(tmp_path, stub, art, spec, inputs, mode="cai", maxima=None) -> list:
+    """Run the script, replay its launches in the emulator, compare with fp64; the launches as
+    a graph would hold them."""
+    family = spec.family
     buffers = device_inputs(art, inputs)
-    result, log = run_script(tmp_path, stub, art, buffers, mode=mode)
+    result, log = run_script(tmp_path, stub, art, buffers, mode=mode, maxima=maxima)
     assert "error" not in result, result
     assert log.launches and all(line.endswith("0x5150") for line in
                                 (tmp_path / "log" / "events.txt").read_text().splitlines()
@@ -177,6 +186,44 @@ def test_every_family_launches_on_device_tensors(tmp_path, stub, case, mode):
             assert ref.max_abs_error(got, expected) < 5e-3, name
         elif name != "lse":
             assert np.array_equal(got, expected), name
+    return harness.launch_records(log, art.meta, "sm_80", result["tensors"])
+
+
+@pytest.mark.parametrize("case", ["decode", "varlen"])
+def test_graph_launch_enqueues_the_same_launches_for_every_step(tmp_path, stub, case):
+    """DeviceRuntime.graph_launch at the capture maxima: two steps of different compositions
+    (half the decodes absent; the ragged batch rotated) enqueue identical launches -- "auto"
+    splits resolved from the maxima -- and each replays right in the emulator."""
+    from stubcuda.cases import next_step
+    family, body, dims = CASES[case]
+    art = build_kernel(tmp_path, family, body)
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    first = FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(5))
+    maxima = {d: v for d, v in art.infer_dims(first, num_sms=7, target="sm_80").items()
+              if d in art.meta["graph"]["capture_dims"]}
+    records = [check_launched(tmp_path / str(i), stub, art, spec, step, mode="graph", maxima=maxima)
+               for i, step in enumerate((first, next_step(first)))]
+    assert records[0] == records[1]
+
+
+@pytest.mark.parametrize("case,mode,maxima,message", [
+    ("prefill", "graph", {"batch": 1, "seq_q": 17, "seq_k": 17},
+     "cannot be captured in a CUDA graph (class NEVER: a prefill grid is the step's own sequence lengths); use launch()"),
+    ("decode", "graph_unprepared", {"batch": 3, "max_pages_per_seq": 2, "num_pages": 7},
+     "call prepare() before capture"),
+    ("decode", "graph", {"batch": 4, "max_pages_per_seq": 2, "num_pages": 7},
+     "tensor block_table has shape [3, 2], expected [4, 2] ([\'batch\', \'max_pages_per_seq\'] at the capture maxima)"),
+    ("decode", "graph", {"batch": 3, "num_pages": 7}, "maxima lack max_pages_per_seq"),
+    ("decode", "graph", {"batch": 0, "max_pages_per_seq": 2, "num_pages": 7}, "maximum batch = 0"),
+], ids=["never", "unprepared", "not_at_maxima", "missing", "zero"])
+def test_graph_launch_refusals(tmp_path, stub, case, mode, maxima, message):
+    family, body, dims = CASES[case]
+    art = build_kernel(tmp_path, family, body)
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    buffers = device_inputs(art, FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(1)))
+    result, log = run_script(tmp_path, stub, art, buffers, mode=mode, maxima=maxima)
+    assert message in result.get("error", ""), result
+    assert "\n" not in result["error"] and not log.launches
 
 
 def test_module_loaded_once_across_100_launches(tmp_path, stub):

@@ -7,7 +7,8 @@ misaligned pointer, a bad stride, a parameter out of range."""
 import pytest
 
 from stubcuda import harness
-from stubcuda.cases import CASES, STUB_SMS, TARGETS, build_set, check_end_to_end, input_blob, prepare, shape_dims
+from stubcuda.cases import (CASES, STUB_SMS, TARGETS, another_step, build_set, check_end_to_end, input_blob, prepare,
+                            shape_dims)
 
 from ptxc.emit.cheader import emit
 from ptxc.runtime import load
@@ -18,12 +19,15 @@ def built(tmp_path_factory):
     return build_set(tmp_path_factory, emit, "c")
 
 
-def run_loader(built, name, tmp_path, *, sm, cxx=False, perturb="", env=None):
+def run_loader(built, name, tmp_path, *, sm, cxx=False, perturb="", env=None, graph=False, prepared=None,
+               dims=None):
     out, header, stub = built
     art = load(out / name)
-    prepared = prepare(art, CASES[name], sm)
+    prepared = prepared or prepare(art, CASES[name], sm)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "inputs.bin").write_bytes(input_blob(art, prepared[4]))
-    stdout = harness.compile_and_run(harness.c_main(art.meta, header, shape_dims(art, prepared[3]), perturb),
+    dims = shape_dims(art, prepared[3]) if dims is None else dims
+    stdout = harness.compile_and_run(harness.c_main(art.meta, header, dims, perturb, graph=graph),
                                      tmp_path, stub, cxx=cxx, args=[str(out / name), str(tmp_path / "inputs.bin")],
                                      env={"PTXC_STUB_SM": str(sm), "PTXC_STUB_SMS": str(STUB_SMS), **(env or {})})
     return art, prepared, harness.parse_output(stdout), harness.read_log(tmp_path / "log")
@@ -90,6 +94,40 @@ def test_violated_precondition_is_an_error_not_a_launch(built, tmp_path, perturb
     assert code == 1  # CUDA_ERROR_INVALID_VALUE
     assert error == message.format(q=result["tensors"]["q"][0])
     assert log.launches == []
+
+
+@pytest.mark.parametrize("name", ["e2e_varlen", "e2e_paged_fused", "e2e_mla"])
+def test_graph_run_enqueues_the_same_launches_for_every_step(built, tmp_path, name):
+    """ptxc_<a>_graph_run at the capture maxima: two steps with different compositions (the
+    ragged batch rotated; half the decodes absent) enqueue byte-identical launches -- one
+    captured graph replays both -- and each step replays right in the emulator."""
+    out, _, _ = built
+    art = load(out / name)
+    first = prepare(art, CASES[name], 90)
+    records = []
+    for i, step in enumerate((first, another_step(art, first, 90))):
+        _, _, result, log = run_loader(built, name, tmp_path / str(i), sm=90, graph=True, prepared=step)
+        check_end_to_end(art, step, result, log, "sm_90", "cubin", art.cubin("sm_90"))
+        records.append(harness.launch_records(log, art.meta, "sm_90", result["tensors"]))
+    assert records[0] == records[1] and records[0]
+
+
+def test_graph_run_refuses_what_a_graph_cannot_replay(built, tmp_path):
+    """A NEVER-class list (prefill: its grid is the step's own lengths) and a maximum of 0 (a
+    graph with no launch) are one-line errors before any launch."""
+    out, header, stub = built
+    for name, dims, want in [
+        ("e2e_prefill", {"batch": 1, "seq_q": 17, "seq_k": 33},
+         "dims 801 e2e_prefill [sm_90]: cannot be captured in a CUDA graph (class NEVER: a prefill grid "
+         "is the step's own sequence lengths)"),
+        ("e2e_varlen", {"batch": 0, "max_pages_per_seq": 3, "num_pages": 9, "total_q": 5},
+         "dims 1 e2e_varlen: maximum batch is not positive; capture at the step maxima")]:
+        art = load(out / name)
+        stdout = harness.compile_and_run(harness.c_main(art.meta, header, dims, graph=True), tmp_path / name, stub,
+                                         cxx=False, args=[str(out / name), "/dev/null"],
+                                         env={"PTXC_STUB_SM": "90", "PTXC_STUB_SMS": str(STUB_SMS)})
+        assert stdout.splitlines()[1] == want
+        assert not harness.read_log(tmp_path / name / "log").launches
 
 
 def test_c_variant_dispatcher(built, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from conftest import require_rustc
 
 from stubcuda import harness
-from stubcuda.cases import CASES, STUB_SMS, build_set, check_end_to_end, input_blob, prepare, shape_dims
+from stubcuda.cases import CASES, STUB_SMS, another_step, build_set, check_end_to_end, input_blob, prepare, shape_dims
 
 from ptxc.emit.rust import emit
 from ptxc.runtime import load
@@ -20,13 +20,13 @@ def built(tmp_path_factory):
     return build_set(tmp_path_factory, lambda out: emit(out, out.parent / "rust" / "ptxc_kernels.rs"), "rust")
 
 
-def run_loader(built, name, tmp_path, *, sm, perturb=""):
+def run_loader(built, name, tmp_path, *, sm, perturb="", graph=False, prepared=None):
     out, module, stub = built
     art = load(out / name)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    prepared = prepare(art, CASES[name], sm)
+    prepared = prepared or prepare(art, CASES[name], sm)
     (tmp_path / "inputs.bin").write_bytes(input_blob(art, prepared[4]))
-    src = harness.rust_main(art.meta, module, shape_dims(art, prepared[3]), perturb)
+    src = harness.rust_main(art.meta, module, shape_dims(art, prepared[3]), perturb, graph=graph)
     stdout = harness.compile_rust_and_run(src, tmp_path, stub, args=[str(tmp_path / "inputs.bin")],
                                           env={"PTXC_STUB_SM": str(sm), "PTXC_STUB_SMS": str(STUB_SMS)})
     return art, prepared, harness.parse_output(stdout), harness.read_log(tmp_path / "log")
@@ -45,6 +45,27 @@ def test_rust_falls_back_to_ptx_and_refuses_old_devices(built, tmp_path):
     _, _, result, log = run_loader(built, "e2e_paged_fused", tmp_path / "b", sm=75)
     assert result["load"] == (209, -1, "-", "e2e_paged_fused: no image runs on sm_75 "
                               "(CUDA_ERROR_NO_BINARY_FOR_GPU); built for sm_80, sm_90")
+
+
+def test_rust_graph_run_enqueues_the_same_launches_for_every_step(built, tmp_path):
+    """Kernel::graph_run at the capture maxima (as the C loader's ptxc_<a>_graph_run): two
+    compositions of a ragged batch enqueue identical launches, each right in the emulator."""
+    out, _, _ = built
+    art = load(out / "e2e_varlen")
+    first = prepare(art, CASES["e2e_varlen"], 90)
+    records = []
+    for i, step in enumerate((first, another_step(art, first, 90))):
+        _, _, result, log = run_loader(built, "e2e_varlen", tmp_path / str(i), sm=90, graph=True, prepared=step)
+        check_end_to_end(art, step, result, log, "sm_90", "cubin", art.cubin("sm_90"))
+        records.append(harness.launch_records(log, art.meta, "sm_90", result["tensors"]))
+    assert records[0] == records[1] and records[0]
+    out, module, stub = built
+    prefill = load(out / "e2e_prefill")
+    src = harness.rust_main(prefill.meta, module, {"batch": 1, "seq_q": 17, "seq_k": 33}, graph=True)
+    stdout = harness.compile_rust_and_run(src, tmp_path / "never", stub, args=["/dev/null"],
+                                          env={"PTXC_STUB_SM": "90", "PTXC_STUB_SMS": str(STUB_SMS)})
+    assert stdout.splitlines()[1] == ("dims 801 e2e_prefill [sm_90]: cannot be captured in a CUDA graph "
+                                      "(class NEVER: a prefill grid is the step's own sequence lengths)")
 
 
 def test_rust_checks_preconditions(built, tmp_path):

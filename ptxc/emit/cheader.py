@@ -228,7 +228,50 @@ def render_artifact(a: ArtifactView) -> str:
                f"    switch (L->target) {{\n" + "".join(cases)
                + f"    default:\n        return ptxc_fail(L, CUDA_ERROR_NOT_INITIALIZED, "
                f"{c_string(f'{A}: not loaded (call ptxc_{A}_load first)')});\n    }}\n}}\n")
+    out.append(_graph_fns(a))
     return "\n".join(out)
+
+
+def _graph_fns(a: ArtifactView) -> str:
+    """The capture-safe entry: the dims at capture-time maxima (refusing a NEVER target and a
+    maximum a grid depends on that is 0), and the launch list at them."""
+    A = a.name
+    cases = []
+    for ti, t in enumerate(a.targets):
+        if t.graph_class == "NEVER":
+            body = (f"        return ptxc_fail(L, CUDA_ERROR_NOT_SUPPORTED, "
+                    f"{c_string(f'{A} [{t.name}]: cannot be captured in a CUDA graph (class NEVER: {t.never_reason})')});\n")
+        else:
+            body = "".join(f"        if (max->{dim} <= 0) return ptxc_fail(L, CUDA_ERROR_INVALID_VALUE, "
+                           f"{c_string(f'{A}: maximum {dim} is not positive; capture at the step maxima')});\n"
+                           for dim in t.grid_dims) + "        break;\n"
+        cases.append(f"    case {ti}:  /* {t.name}: {t.graph_class} */\n{body}")
+    capture = ", ".join(a.capture_dims) or "none"
+    rules = ", ".join(f"{r} 0 = auto" for r, rule in sorted(a.dim_rules.items()) if "auto" in rule)
+    classes = ", ".join(c_string(t.graph_class) for t in a.targets)
+    return (f"/* CUDA graphs: each target's class (metadata graph.targets.T.class, vLLM's AttentionCGSupport). */\n"
+            f"static const char *const ptxc_{A}_graph_class[{len(a.targets)}] = {{{classes}}};\n\n"
+            f"/* CUDA graphs (metadata `graph`; docs/loaders.md \"Capturing a step in a CUDA graph\").\n"
+            f" * The dims of the launch list captured at `max`: every capture dim ({capture}) at its\n"
+            f" * capture-time maximum{', ' + rules + ' (resolved from the maxima, so every step gets the same)' if rules else ''}.\n"
+            f" * Refuses a target whose graph class is NEVER and a maximum a grid depends on that is not\n"
+            f" * positive. Call before capture to size the workspace (ptxc_{A}_workspace_bytes). */\n"
+            f"static inline CUresult ptxc_{A}_graph_dims(ptxc_loader_t *L, const ptxc_{A}_dims_t *max, "
+            f"int num_sms, ptxc_{A}_dims_t *d) {{\n"
+            f"    (void)ptxc_{A}_graph_class;   /* the class of each case below */\n"
+            f"    switch (L->target) {{\n" + "".join(cases)
+            + f"    default:\n        return ptxc_fail(L, CUDA_ERROR_NOT_INITIALIZED, "
+            f"{c_string(f'{A}: not loaded (call ptxc_{A}_load first)')});\n    }}\n"
+            f"    *d = *max;\n    return ptxc_{A}_resolve_dims(L, d, num_sms);\n}}\n\n"
+            f"/* The capture-safe launch: ptxc_{A}_graph_dims, then the launch list at those dims. It makes\n"
+            f" * no driver call but cuLaunchKernel (no allocation, copy or synchronisation), so it runs\n"
+            f" * inside cuStreamBeginCapture; every step under the same maxima enqueues the same launches\n"
+            f" * (tensors sized at the maxima, smaller steps padded), so one graph replays them all. */\n"
+            f"static inline CUresult ptxc_{A}_graph_run(ptxc_loader_t *L, const ptxc_{A}_dims_t *max, "
+            f"int num_sms, const ptxc_{A}_tensors_t *t, CUstream stream) {{\n"
+            f"    ptxc_{A}_dims_t d;\n    CUresult r;\n"
+            f"    if ((r = ptxc_{A}_graph_dims(L, max, num_sms, &d)) != CUDA_SUCCESS) return r;\n"
+            f"    return ptxc_{A}_run(L, &d, t, stream);\n}}\n")
 
 
 def render(out_dir: Path) -> str:

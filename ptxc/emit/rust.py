@@ -157,6 +157,32 @@ def _helpers(a: ArtifactView) -> list[str]:
     return out
 
 
+def _graph_dims(a: ArtifactView) -> str:
+    """CUDA graphs: each target's class, and the dims at capture-time maxima (as the C loader's
+    ptxc_<a>_graph_dims)."""
+    arms = []
+    for ti, t in enumerate(a.targets):
+        if t.graph_class == "NEVER":
+            arms.append(f"            {ti} => fail(CUDA_ERROR_NOT_SUPPORTED, "
+                        f"\"{a.name} [{t.name}]: cannot be captured in a CUDA graph (class NEVER: {t.never_reason})\".into()),")
+        else:
+            checks = "".join(f"                if max.{dim} <= 0 {{ return fail(CUDA_ERROR_INVALID_VALUE, "
+                             f"\"{a.name}: maximum {dim} is not positive; capture at the step maxima\".into()); }}\n"
+                             for dim in t.grid_dims)
+            arms.append(f"            {ti} => {{\n{checks}                Ok(())\n            }}")
+    classes = ", ".join(rs_string(t.graph_class) for t in a.targets)
+    capture = ", ".join(a.capture_dims) or "none"
+    return (f"    /// CUDA graphs: each target's class (metadata graph.targets.T.class, vLLM's AttentionCGSupport).\n"
+            f"    pub static GRAPH_CLASS: [&str; {len(a.targets)}] = [{classes}];\n"
+            f"    /// The dims of the launch list captured at `max`: every capture dim ({capture}) at its\n"
+            f"    /// capture-time maximum, \"auto\" dims (0) resolved from the maxima. Refuses a target whose\n"
+            f"    /// graph class is NEVER and a maximum a grid depends on that is not positive.\n"
+            f"    pub fn graph_dims(max: &Dims, num_sms: i32, target: usize) -> Result<Dims, Error> {{\n"
+            f"        let () = match target {{\n" + "\n".join(arms) + "\n"
+            f"            _ => fail(CUDA_ERROR_NOT_INITIALIZED, format!(\"{{}}: not loaded\", NAME)),\n"
+            f"        }}?;\n        let mut d = *max;\n        resolve_dims(&mut d, num_sms, target)?;\n        Ok(d)\n    }}")
+
+
 def render_artifact(a: ArtifactView, base: Path) -> str:
     out = [f"/// {a.name} ({a.family}): {variant_text(a.variant)}", f"pub mod {a.name} {{", "    use super::*;",
            f"    pub const NAME: &str = {rs_string(a.name)};"]
@@ -169,6 +195,7 @@ def render_artifact(a: ArtifactView, base: Path) -> str:
                + "".join(f"        /// {t.dtype} [{', '.join(map(str, t.shape))}] {t.role}\n        pub {t.name}: Tensor,\n"
                          for t in a.tensors) + "    }")
     out += _helpers(a)
+    out.append(_graph_dims(a))
     for t in a.targets:
         for i, k in enumerate(t.kernels):
             out.append(_launch_fn(a, t, i, k))
@@ -200,6 +227,21 @@ def render_artifact(a: ArtifactView, base: Path) -> str:
         /// resolve_dims for the loaded target ("auto" rules use its occupancy).
         pub fn resolve_dims(&self, d: &mut Dims, num_sms: i32) -> Result<(), Error> {{
             resolve_dims(d, num_sms, self.loaded.target)
+        }}
+
+        /// CUDA graphs: the dims of the launch list captured at `max` (graph_dims for the loaded
+        /// target).
+        pub fn graph_dims(&self, max: &Dims, num_sms: i32) -> Result<Dims, Error> {{
+            graph_dims(max, num_sms, self.loaded.target)
+        }}
+
+        /// The capture-safe launch: graph_dims, then the launch list at those dims. No driver call
+        /// but cuLaunchKernel (no allocation, copy or synchronisation), so it runs inside
+        /// cuStreamBeginCapture; every step under the same maxima enqueues the same launches.
+        pub fn graph_run(&self, max: &Dims, num_sms: i32, t: &Tensors, stream: CUstream) -> Result<Dims, Error> {{
+            let d = self.graph_dims(max, num_sms)?;
+            self.run(&d, t, stream)?;
+            Ok(d)
         }}
 
         /// Check the preconditions, then launch the loaded target's whole launch list on `stream`.

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..pipeline import exprs
 from ..pipeline.checked import read_manifest_checked
+from ..pipeline.graph import never_reason
 from ..pipeline.metadata import ELEMENT_BYTES
 from ..runtime import load, sm_number
 from ..runtime.dispatch import key_text, variant_of
@@ -41,6 +42,9 @@ class TargetView:
     fatbin: str | None
     kernels: tuple
     ctas_per_sm: tuple = ()   # (entry, ptxas CTAs per SM) of every launch whose occupancy is recorded
+    graph_class: str = "NEVER"      # metadata graph.targets.T.class (vLLM's AttentionCGSupport)
+    never_reason: str = ""          # why, when the class is NEVER (ptxc.pipeline.graph.never_reason)
+    grid_dims: tuple = ()           # capture dims this target's grids depend on (0: nothing captured)
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class ArtifactView:
     targets: tuple         # numeric order
     variant: tuple         # ((field, value text), ...): ptxc.runtime.dispatch.variant_of
     scalars: tuple = ()    # runtime f32 scalars (k_scale, v_scale): kernel parameters, not dims
+    capture_dims: tuple = ()   # metadata graph.capture_dims: fixed at capture-time maxima
 
     def tensor(self, name: str) -> TensorView:
         return next(t for t in self.tensors if t.name == name)
@@ -83,8 +88,10 @@ def artifact_view(path: Path) -> ArtifactView:
                         for k in t["kernels"])
         fatbin = (meta.get("fatbin") or {}).get("file")  # one file holding every target's images
         occ = tuple((k["entry"], int(k["occupancy"]["ctas_per_sm"])) for k in t["kernels"] if "occupancy" in k)
+        g = meta["graph"]["targets"][name]
         targets.append(TargetView(name, sm_number(name), name[-1].isalpha(), t["ptx"], t.get("cubin"),
-                                  fatbin, kernels, occ))
+                                  fatbin, kernels, occ, g["class"], never_reason(meta["family"], t),
+                                  tuple(d for d in g["grid_depends_on"] if d in meta["graph"]["capture_dims"])))
     tensors = []
     for name, t in meta["tensors"].items():
         pre = t.get("preconditions") or {"align_bytes": ELEMENT_BYTES[t["dtype"]], "stride_multiple": 1,
@@ -95,7 +102,7 @@ def artifact_view(path: Path) -> ArtifactView:
     variant = variant_of(meta)
     return ArtifactView(meta["name"], meta["family"], Path(path), tuple(meta["dims"]),
                         dict(meta.get("dim_rules") or {}), tuple(tensors), tuple(targets), variant,
-                        tuple(sorted(meta.get("scalars") or {})))
+                        tuple(sorted(meta.get("scalars") or {})), tuple(meta["graph"]["capture_dims"]))
 
 
 def output_view(out_dir: Path) -> list[ArtifactView]:

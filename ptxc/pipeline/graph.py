@@ -28,6 +28,19 @@ def _names(text) -> set[str]:
     return set(exprs.names(text)) if isinstance(text, str) else set()
 
 
+def has_tensor_maps(target: dict) -> bool:
+    """A launch list (metadata targets.T) with tensor-map parameters."""
+    return any(p["source"]["kind"] == "tensor_map" for k in target["kernels"] for p in k["params"])
+
+
+def never_reason(family: str, target: dict) -> str:
+    """Why a launch list's graph class is NEVER: the reason every loader's capture entry gives
+    when it refuses (the class itself is graph_contract's)."""
+    if has_tensor_maps(target):
+        return "its tensor maps bake in the buffers' addresses and shapes"
+    return f"a {family} grid is the step's own sequence lengths"
+
+
 def graph_contract(family: str, tensors: dict, dims: list, dim_rules: dict, targets: dict) -> dict[str, Any]:
     rule_deps = {name: _names(rule["auto"]["ctas"]) for name, rule in (dim_rules or {}).items()
                  if "auto" in rule}
@@ -39,7 +52,7 @@ def graph_contract(family: str, tensors: dict, dims: list, dim_rules: dict, targ
                 grid_dims |= _names(g)
         for name in list(grid_dims):
             grid_dims |= rule_deps.get(name, set())
-        tma = any(p["source"]["kind"] == "tensor_map" for k in t["kernels"] for p in k["params"])
+        tma = has_tensor_maps(t)
         per_target[target] = {
             "grid_depends_on": sorted(grid_dims & set(dims)),
             # a tensor map bakes its tensor's base address and shape in at encoding
@@ -61,4 +74,4 @@ def graph_contract(family: str, tensors: dict, dims: list, dim_rules: dict, targ
     }
 
 
-__all__ = ["graph_contract", "FAMILY_CLASS"]
+__all__ = ["graph_contract", "never_reason", "FAMILY_CLASS"]

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import InputError, PtxcError, ToolchainError
 from ..pipeline import exprs
+from ..pipeline.graph import never_reason
 from ..pipeline.metadata import ELEMENT_BYTES
 from . import NP_PARAM, launch_geometry, pack_args, pick_target
 from .dim_rules import apply_dim_rule, rule_ctas_per_sm
@@ -241,6 +242,42 @@ class DeviceRuntime:
     def launch(self, art, tensors: dict, *, stream=None, sets: dict | None = None) -> dict[str, int]:
         """Check everything, then enqueue the launch list on `stream` (no allocation, copy or
         synchronisation: capturable once prepare() has run); returns the dims."""
+        return self._enqueue(art, tensors, stream, sets, maxima=None)
+
+    def graph_launch(self, art, tensors: dict, maxima: dict, *, stream=None,
+                     sets: dict | None = None) -> dict[str, int]:
+        """The capture-safe launch: the launch list at the capture-time `maxima` -- every dim of
+        the metadata's graph.capture_dims, with "auto" dims resolved from them (a dim rule may be
+        given as 0 = auto, or fixed) -- on tensors allocated at those maxima (docs/loaders.md
+        pads a smaller step). Every step under the same maxima enqueues the same launches, so
+        one captured graph replays them all. Refused, before any launch: a target whose graph
+        class is NEVER, a module prepare() has not loaded (nothing loads inside a capture), a
+        maximum a grid depends on that is 0 (the graph would hold no launch), and a tensor whose
+        shape is not the maxima's. Returns the dims."""
+        meta = art.meta
+        target, kind = self._pick(art)
+        graph = meta["graph"]
+        contract = graph["targets"][target]
+        if contract["class"] == "NEVER":
+            raise InputError(f"{art.name} [{target}]: cannot be captured in a CUDA graph (class NEVER: "
+                             f"{never_reason(meta['family'], meta['targets'][target])}); use launch()")
+        rules = meta.get("dim_rules") or {}
+        missing = [d for d in graph["capture_dims"] if d not in maxima]
+        extra = sorted(set(maxima) - set(graph["capture_dims"]) - set(rules))
+        if missing or extra:
+            raise InputError(f"{art.name}: maxima " + (f"lack {', '.join(missing)}" if missing else
+                                                       f"name {', '.join(extra)}, not capture dims")
+                             + f"; capture dims are {', '.join(graph['capture_dims'])}")
+        dims = {d: int(v) for d, v in maxima.items() if not (d in rules and int(v) == 0)}
+        zero = [d for d in contract["grid_depends_on"] if dims.get(d, 1) <= 0]
+        if zero:
+            raise InputError(f"{art.name}: maximum {zero[0]} = {dims[zero[0]]}; capture at the step's "
+                             f"maxima (a grid over {zero[0]} would hold no launch)")
+        if (meta["targets"][target][f"{kind}_sha256"], self.context) not in self.modules:
+            raise InputError(f"{art.name}: call prepare() before capture (a module loads outside it)")
+        return self._enqueue(art, tensors, stream, sets, maxima=dims)
+
+    def _enqueue(self, art, tensors: dict, stream, sets: dict | None, maxima: dict | None) -> dict[str, int]:
         meta = art.meta
         target, kind = self._pick(art)
         if any(i.get("derived_from") for i in meta["tensors"].values()):
@@ -256,7 +293,9 @@ class DeviceRuntime:
                              + (f"unexpected tensor(s) {', '.join(extra)}" if extra else "")
                              + f"; tensors are {', '.join(sorted(names))}")
         views = {n: device_tensor(meta, n, obj, self.ordinal, handle) for n, obj in tensors.items()}
-        dims = shape_dims(meta, views, sets)
+        # a capture takes its dims from the maxima (every tensor must have their shapes, checked
+        # below); otherwise the shapes determine them
+        dims = dict(maxima) if maxima is not None else shape_dims(meta, views, sets)
         for name, rule in (meta.get("dim_rules") or {}).items():
             if name not in dims:
                 dims[name] = apply_dim_rule(rule, dims, self.num_sms, rule_ctas_per_sm(meta, rule, target))
@@ -269,7 +308,8 @@ class DeviceRuntime:
             want = [s if isinstance(s, int) else exprs.evaluate(s, dims) for s in info["shape"]]
             if list(t.shape) != want:
                 raise InputError(f"{art.name}: tensor {name} has shape {list(t.shape)}, expected "
-                                 f"{want} ({info['shape']})")
+                                 f"{want} ({info['shape']}" + (" at the capture maxima)" if maxima is not None
+                                                               else ")"))
             if np.prod(t.shape, dtype=np.int64):
                 check_tensor(meta, name, t.address, list(t.strides), want)
         values = {**dims, **{k: float(v) for k, v in sets.items() if k in (meta.get("scalars") or {})}}

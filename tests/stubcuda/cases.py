@@ -138,6 +138,34 @@ def prepare(art, shapes, sm: int, seed=0):
     return (spec, family, inputs, full, buffers)
 
 
+def next_step(inputs: dict) -> dict:
+    """A second engine step under the same capture maxima (the same shapes): the sequences of a
+    ragged batch rotated (query rows, lengths and block-table rows move together, so total_q
+    and every page's owner are kept), or, for decode, every other sequence absent (seq_len 0,
+    append position -1)."""
+    step = {k: np.array(v, copy=True) for k, v in inputs.items()}
+    if "cu_seqlens_q" in step:
+        q_lens = np.roll(np.diff(step["cu_seqlens_q"]), 1)
+        step["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        for name in ("seq_lens", "block_table"):
+            if name in step:
+                step[name] = np.roll(step[name], 1, axis=0)
+    else:
+        step["seq_lens"][1::2] = 0
+        if "positions" in step:
+            step["positions"][1::2] = -1
+    return step
+
+
+def another_step(art, prepared, sm: int):
+    """prepare()'s tuple for next_step of its inputs, at the same dims."""
+    spec, family, inputs, dims, _ = prepared
+    step = next_step(inputs)
+    full = art.infer_dims(step, num_sms=STUB_SMS, target=device_target(art, sm))
+    assert full == dims, "a step under the same maxima has the same dims"
+    return (spec, family, step, full, prepare_buffers(art.meta, step, full))
+
+
 def input_blob(art, buffers) -> bytes:
     return b"".join(buffers[n].tobytes() for n, t in art.meta["tensors"].items() if t["role"] != "workspace")
 

@@ -93,9 +93,10 @@ def read_log(log_dir: Path) -> StubLog:
     return log
 
 
-def c_main(meta: dict, header: Path, shape_dims: dict[str, int], perturb: str = "") -> str:
+def c_main(meta: dict, header: Path, shape_dims: dict[str, int], perturb: str = "", graph: bool = False) -> str:
     """A C program: load the artifact (argv[1]), read every non-workspace tensor's device bytes
-    from argv[2], run the launch list, print what happened."""
+    from argv[2], run the launch list, print what happened. `graph`: through the capture-safe
+    entry, with `shape_dims` as the capture-time maxima."""
     A = meta["name"]
     lines = ["#include <stdio.h>", "#include <string.h>", f'#include "{header}"',
              "int main(int argc, char **argv) {",
@@ -107,8 +108,14 @@ def c_main(meta: dict, header: Path, shape_dims: dict[str, int], perturb: str = 
              "    if (r != CUDA_SUCCESS) return 0;",
              "    cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);",
              f"    ptxc_{A}_dims_t d; memset(&d, 0, sizeof d);"]
-    lines += [f"    d.{k} = {v};" for k, v in shape_dims.items()]
-    lines.append(f"    if ((r = ptxc_{A}_resolve_dims(&L, &d, sms)) != CUDA_SUCCESS) {{ printf(\"dims %d %s\\n\", (int)r, L.error); return 0; }}")
+    if graph:
+        lines.append(f"    ptxc_{A}_dims_t max; memset(&max, 0, sizeof max);")
+        lines += [f"    max.{k} = {v};" for k, v in shape_dims.items()]
+        resolve = f"ptxc_{A}_graph_dims(&L, &max, sms, &d)"
+    else:
+        lines += [f"    d.{k} = {v};" for k, v in shape_dims.items()]
+        resolve = f"ptxc_{A}_resolve_dims(&L, &d, sms)"
+    lines.append(f"    if ((r = {resolve}) != CUDA_SUCCESS) {{ printf(\"dims %d %s\\n\", (int)r, L.error); return 0; }}")
     lines.append('    printf("dims' + "".join(f" {d}=%lld" for d in meta["dims"]) + '\\n"'
                  + "".join(f", (long long)d.{d}" for d in meta["dims"]) + ");")
     lines += [f"    ptxc_{A}_tensors_t t; memset(&t, 0, sizeof t);",
@@ -129,7 +136,7 @@ def c_main(meta: dict, header: Path, shape_dims: dict[str, int], perturb: str = 
             lines.append(f"    {{ size_t n = ptxc_{A}_bytes_{name}(&d); uint64_t *h = (uint64_t *)malloc(n ? n : 8);\n"
                          f"      ptxc_{A}_row_pointers_{name}(&t, &d, h); if (n) cuMemcpyHtoD(t.{name}.ptr, h, n); free(h); }}")
     lines += [f"    {perturb}",
-              f"    r = ptxc_{A}_run(&L, &d, &t, NULL);",
+              f"    r = ptxc_{A}_graph_run(&L, &max, sms, &t, NULL);" if graph else f"    r = ptxc_{A}_run(&L, &d, &t, NULL);",
               '    printf("run %d|%s\\n", (int)r, r == CUDA_SUCCESS ? "" : L.error);']
     lines += [f'    printf("tensor {name} %llu %zu\\n", (unsigned long long)t.{name}.ptr, ptxc_{A}_bytes_{name}(&d));'
               for name in meta["tensors"]]
@@ -174,6 +181,26 @@ def parse_output(stdout: str) -> dict:
         elif kind == "tensor":
             name, addr, size = rest.split()
             out["tensors"][name] = (int(addr), int(size))
+    return out
+
+
+def launch_records(log: StubLog, meta: dict, target: str, tensors: dict) -> list:
+    """What a captured graph would hold of each launch, independent of where the allocator put
+    the buffers: entry, grid, block, shared memory, and each parameter by the metadata's ABI --
+    a pointer as (tensor, byte offset), anything else as its bytes."""
+    kernels = {k["entry"]: k for k in meta["targets"][target]["kernels"]}
+    out = []
+    for launch in log.launches:
+        params = []
+        for p in kernels[launch.entry]["params"]:
+            raw = launch.params[p["offset"]:p["offset"] + p["size"]]
+            if p["source"]["kind"] in ("pointer", "workspace"):
+                addr = int.from_bytes(raw, "little")
+                name = p["source"]["tensor"]
+                params.append((p["name"], name, addr - tensors[name][0]))
+            else:
+                params.append((p["name"], raw.hex()))
+        out.append((launch.entry, launch.grid, launch.block, launch.smem, params))
     return out
 
 
@@ -230,7 +257,7 @@ def read_tensor(memory: dict, address: int, size: int) -> np.ndarray:
     raise AssertionError(f"no allocation at {address:#x}")
 
 
-def rust_main(meta: dict, module: Path, shape_dims: dict[str, int], perturb: str = "") -> str:
+def rust_main(meta: dict, module: Path, shape_dims: dict[str, int], perturb: str = "", graph: bool = False) -> str:
     """The Rust twin of c_main: the module's images are embedded, argv[1] is the inputs file."""
     A = meta["name"]
     dims_fmt = " ".join(f"{d}={{}}" for d in meta["dims"])
@@ -248,6 +275,9 @@ def rust_main(meta: dict, module: Path, shape_dims: dict[str, int], perturb: str
              "    let mut sms = 0;", "    unsafe { cuDeviceGetAttribute(&mut sms, 16, dev); }",
              f"    let mut d = {A}::Dims::default();"]
     lines += [f"    d.{k} = {v};" for k, v in shape_dims.items()]
+    if graph:   # d holds the maxima; graph_dims gives the dims of the captured list
+        lines += ["    let max = d;",
+                  '    d = match kernel.graph_dims(&max, sms) { Ok(d) => d, Err(e) => { println!("dims {} {}", e.code, e.message); return; } };']
     lines += [f'    if let Err(e) = kernel.resolve_dims(&mut d, sms) {{ println!("dims {{}} {{}}", e.code, e.message); return; }}',
               f'    println!("dims {dims_fmt}", ' + ", ".join(f"d.{x}" for x in meta["dims"]) + ");",
               "    let data = std::fs::read(&args[1]).expect(\"inputs\");", "    let mut pos = 0usize;",
@@ -265,6 +295,7 @@ def rust_main(meta: dict, module: Path, shape_dims: dict[str, int], perturb: str
             lines.append(f"    {{ let h = {A}::row_pointers_{name}(&t, &d); if !h.is_empty() {{ unsafe {{ "
                          f"cuMemcpyHtoD_v2(t.{name}.ptr, h.as_ptr() as *const c_void, h.len() * 8); }} }} }}")
     lines += [f"    {perturb}",
+              f"    match kernel.graph_run(&max, sms, &t, std::ptr::null_mut()).map(|_| ()) {{" if graph else
               f"    match launch_{A}(&kernel, &d, &t, std::ptr::null_mut()) {{",
               '        Ok(()) => println!("run 0|"),', '        Err(e) => println!("run {}|{}", e.code, e.message),', "    }"]
     lines += [f'    println!("tensor {name} {{}} {{}}", t.{name}.ptr, {A}::bytes_{name}(&d));' for name in meta["tensors"]]
