@@ -208,6 +208,13 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
         mods = [space] + ([f"v{len(vals)}"] if len(vals) > 1 else []) + [type.name]
         self.emit("st", mods, (), (addr, vals[0] if len(vals) == 1 else Vec(tuple(vals))))
 
+    def red(self, space: str, op: str, type: PtxType, addr: Addr, value: Value) -> None:
+        """red.space.op.type [addr], value: an atomic read-modify-write whose old value is unused."""
+        _check_space(space, addr, "red")
+        if op not in ("add", "and", "or", "xor", "min", "max"):
+            raise IRError(f"red: unknown operation {op!r}")
+        self.emit("red", (space, op, type.name), (), (addr, self._operand(value, type, "red")))
+
     def pack(self, type: PtxType, parts: Sequence[Reg]) -> Reg:
         """Pack halves (element 0 in the low bits) into one b32, or two b32 into one b64."""
         part_type = {32: B16, 64: B32}[type.bits]
@@ -301,6 +308,10 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
     def not_(self, a, out=None):
         t = self._type_of(a, what="not")
         return self._unary("not", ("pred" if t == PRED else f"b{t.bits}",), a, t, out)
+
+    def popc(self, a, out=None):
+        """The set bits of a 32-bit value (popc.b32; the count is u32)."""
+        return self._unary("popc", ("b32",), a, U32, out)
 
     def ex2(self, a, out=None):
         """2**a (ex2.approx.ftz: <= 2 ulp; -inf -> +0)."""

@@ -20,14 +20,17 @@ from ..ir import U32, KernelBuilder, Reg
 
 def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
                     use_async: bool, n_tiles: Reg, n_full: Reg, key0_of, load_kv, math,
-                    transform=None, lo_full: Reg | None = None, landed=None) -> None:
+                    transform=None, lo_full: Reg | None = None, landed=None, mask_of=None) -> None:
     """Prologue, loop over tiles [0, n_tiles) and drain. `key0_of(j)` is the first key of loop
     tile j (what the mask compares against); `transform(scores, key0)`, when given, modifies the
     raw scores before the mask (the variant seam: soft-cap, ALiBi). With `lo_full` (a sliding
     window), loop tiles j < lo_full cross a window's left edge and get the mask too.
     With `landed(t, stage)` the stage buffers hold raw tiles (kv_fp8_stage.py: FP8 bytes):
     after tile t's ("k" | "v") wait and before the barrier, it converts this thread's share of
-    the tile at buffer offset `stage` and returns the address the math reads instead."""
+    the tile at buffer offset `stage` and returns the address the math reads instead.
+    With `mask_of(j)` -> (first key, pred needs the mask) the family orders the tiles itself
+    (mask_tiles.TileList: loop tile j is any KV tile), replacing key0_of / n_full / lo_full for
+    the scores."""
 
     def wait_and_sync(t: str):
         if use_async:
@@ -51,7 +54,7 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
         if k_tile is None:
             k_tile = b.add(k_smem, stage) if stages > 1 else k_smem
         s = math.scores(k_tile)
-        modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
+        modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full, mask_of)
         p = math.softmax(s)
         v_tile = wait_and_sync("v")                       # V(j) landed; K(j) no longer read
         load_kv("k", b.add(j, stages), stage)
@@ -100,9 +103,17 @@ def run_shared_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_s
 
 
 def modify_scores(b: KernelBuilder, math, s, j: Reg, key0_of, transform, n_full: Reg,
-                  lo_full: Reg | None) -> None:
+                  lo_full: Reg | None, mask_of=None) -> None:
     """Loop tile j's raw scores -> the variant's transform, then the mask where the tile needs
-    one (past n_full: the sequence end or the diagonal; before lo_full: a window's left edge)."""
+    one (past n_full: the sequence end or the diagonal; before lo_full: a window's left edge;
+    with mask_of, where the family's tile order says)."""
+    if mask_of is not None:
+        key0, needs_mask = mask_of(j)
+        if transform is not None:
+            transform(s, key0)
+        with b.if_then(needs_mask):
+            math.mask(s, key0)
+        return
     if transform is not None:
         transform(s, key0_of(j))
     needs_mask = b.setp("ge", j, n_full)

@@ -14,6 +14,7 @@ from typing import Callable
 from ..ir import S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
+from .mask_tiles import TileList, classify_tiles
 from .prefill import PrefillConfig, load_head_f32
 from .split_plan import emit_balanced_split
 from .variant import AttentionVariant, MaskPredicate
@@ -147,6 +148,21 @@ class PackedTile:
     n_tiles: Reg          # u32
     n_full: Reg           # u32
     lo_full: Reg | None   # u32 (sliding window only)
+    # A packed custom mask: the visit order (mask_tiles.py); loop tile j is then KV tile
+    # first + order.tile(j), for j < order.n_visit
+    order: TileList | None = None
+
+    def key0(self, j: Reg) -> Reg:
+        """u32 first key of loop tile j."""
+        b, bn = self.ctx.b, self.ctx.cfg.block_n
+        rel = j if self.order is None else self.order.tile(j)[0]
+        return b.mul(b.add(self.first, rel), bn)
+
+    def mask_of(self, j: Reg) -> tuple[Reg, Reg]:
+        """kv_pipeline's mask_of with a visit order: (first key, needs the mask) of loop tile j."""
+        b, bn = self.ctx.b, self.ctx.cfg.block_n
+        rel, needs = self.order.tile(j)
+        return b.mul(b.add(self.first, rel), bn), needs
 
     def q_row(self, ptrs: dict, strides: dict, q_col: Reg):
         """load_tile_rows' row_address for packed Q rows: (token, head) of row R -> this
@@ -221,7 +237,7 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     n_full = b.div(keys_seen(m_start), bn)
     if variant.tree:   # tiles wholly in the prefix (keys < L - q_len) need no tree bits
         n_full = b.div(b.bitcast(b.max(b.sub(L, q_len), 0), U32), bn)
-    elif variant.mask is not None or kv.sparse:   # packed bits / slots: every tile is masked
+    elif kv.sparse:   # slots: every tile is masked
         n_full = b.mov(0, U32)
     # A sliding window: tiles before the first token's window are never read; tiles before
     # the first one wholly inside the last token's window cross its left edge (masked).
@@ -243,7 +259,14 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     n_full = b.sub(b.max(n_full, first), first)
     if lo_full is not None:
         lo_full = b.sub(b.max(lo_full, first), first)
-    return PackedTile(ctx, L, smem, k_smem, v_smem, first, n_tiles, n_full, lo_full)
+    order = None
+    if variant.mask == "packed":   # the tiles with a bit set, in order (mask_tiles.py)
+        tok0 = ctx.token(m_start)
+        order = classify_tiles(b, ctx, tid=tid, threads=cfg.threads, region=b.add(smem, cfg.mask_list_offset),
+                               tok0=tok0, n_tok=b.add(b.sub(ctx.token(last_row), tok0), 1),
+                               key0=b.bitcast(b.mul(first, bn), S32), n_tiles=n_tiles, n_full=n_full,
+                               lo_full=lo_full, bn=bn)
+    return PackedTile(ctx, L, smem, k_smem, v_smem, first, n_tiles, n_full, lo_full, order)
 
 
 def kv_row(b: KernelBuilder, kv: KVAccess, bases: dict, cache: str, row: Reg, ok: Reg):

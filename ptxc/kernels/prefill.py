@@ -18,6 +18,7 @@ from ..targets import Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_pipeline import run_kv_pipeline
+from .mask_tiles import classify_tiles
 # The tile configuration lives in prefill_config.py; its names stay importable from here
 # (varlen and prefill_simt import them, and finish_rows / load_head_f32, from this module).
 from .prefill_config import (FIELDS, SIMT_LANES_PER_ROW, PrefillConfig, _check_shape, configure,
@@ -219,9 +220,14 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
     ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
               head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant,
               ptrs.get("sinks"), ptrs.get("alibi_slopes"))
-    if variant.mask is not None:   # packed bits: segment `batch` of custom_mask; every tile masked
-        ctx.bind_mask(b, ptrs, batch, mask_bytes)
-        n_full = b.mov(0, U32)
+    order = None
+    if variant.mask is not None:   # packed bits: segment `batch` of custom_mask; the tiles with
+        ctx.bind_mask(b, ptrs, batch, mask_bytes)   # a bit set, in order (mask_tiles.py)
+        order = classify_tiles(b, ctx, tid=tid, threads=cfg.threads, region=b.add(smem, cfg.mask_list_offset),
+                               tok0=m_start, n_tok=b.sub(b.min(b.add(m_start, bm), seq_q), m_start),
+                               key0=b.mov(0, S32) if first_tile is None else b.bitcast(b.mul(first_tile, bn), S32),
+                               n_tiles=n_tiles, n_full=n_full, lo_full=lo_full, bn=bn)
+        n_tiles = order.n_visit
     math = (MmaMath if cfg.tensor_cores else SimtMath)(b, ctx)
     use_async = cfg.cp_async
 
@@ -237,27 +243,33 @@ def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, str
         for t in "kv":
             b.mad(b.cvt(S64, first_tile), tile_step[t], next_addr[t], out=next_addr[t])
 
+    def key0_of(j: Reg) -> Reg:
+        rel = j if order is None else order.tile(j)[0]
+        return b.mul(rel if first_tile is None else b.add(rel, first_tile), bn)
+
+    def mask_of(j: Reg) -> tuple[Reg, Reg]:   # a packed mask's visit order
+        rel, needs = order.tile(j)
+        return b.mul(rel if first_tile is None else b.add(rel, first_tile), bn), needs
+
     def load_kv(t: str, tile: Reg | int, stage_off: Reg | int):
         """K or V tile `tile` (the next one of `t`) into buffer `stage_off` (a byte offset), if
-        the tile exists."""
+        the tile exists. (A mask's visit order is not in tile order: no carried address.)"""
         tile = tile if isinstance(tile, Reg) else b.mov(tile, U32)
         with b.if_then(b.setp("lt", tile, n_tiles)):
-            row0 = b.mul(tile if first_tile is None else b.add(tile, first_tile), bn)
+            row0 = key0_of(tile)
             base = b.add(k_smem if t == "k" else v_smem, stage_off)
             load_tile(b, slots[t], gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async,
-                      first_addr=next_addr[t])
-        b.add(next_addr[t], tile_step[t], out=next_addr[t])
+                      first_addr=next_addr[t] if order is None else None)
+        if order is None:
+            b.add(next_addr[t], tile_step[t], out=next_addr[t])
         commit()
-
-    def key0_of(j: Reg) -> Reg:
-        return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
 
     transform = math.transform if variant.transforms else None
     load_tile(b, q_slot, gq, m_start, b.sub(sq, b.bitcast(m_start, S32)), smem, use_async)
     run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                     use_async=use_async, n_tiles=n_tiles, n_full=n_full,
                     key0_of=key0_of, load_kv=load_kv, math=math, lo_full=lo_full,
-                    transform=transform)
+                    transform=transform, mask_of=None if order is None else mask_of)
     math.epilogue()
 
 

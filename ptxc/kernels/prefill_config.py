@@ -13,6 +13,7 @@ from ..spec.model import KernelSpec
 from ..targets import KIB, MAX_REGS_PER_THREAD, TARGETS, Target
 from . import common as C
 from .tiles import TileGeom, swizzle_fits
+from .mask_tiles import classified_tiles
 from .register_floor import needs_floor
 from .variant import VARIANT_FIELDS, head_dim_v, validate_variant
 
@@ -79,6 +80,9 @@ class PrefillConfig:
     # add their partial scores through shared memory (prefill_mma.MmaMath.scores) instead of
     # each computing all of it
     score_split: bool = False
+    # A packed custom mask: the KV tiles a CTA classifies from the bits before its loop
+    # (mask_tiles.py), whose visit list and bitmaps sit after the K/V stages
+    mask_tiles: int = 0
 
     @property
     def dv(self) -> int:
@@ -120,7 +124,17 @@ class PrefillConfig:
     @property
     def smem_bytes(self) -> int:
         return self.q_geom.bytes + self.kv_tiles * self.num_stages * self.kv_geom.bytes + \
-            self.exchange_bytes
+            self.mask_list_bytes + self.exchange_bytes
+
+    @property
+    def mask_list_bytes(self) -> int:
+        """mask_tiles: a u32 visit-list entry and two bitmap bits per classified tile."""
+        return 4 * self.mask_tiles + self.mask_tiles // 4 if self.mask_tiles else 0
+
+    @property
+    def mask_list_offset(self) -> int:
+        """Byte offset of the mask-tile list in shared memory (before the score exchange)."""
+        return self.smem_bytes - self.exchange_bytes - self.mask_list_bytes
 
     @property
     def exchange_bytes(self) -> int:
@@ -254,7 +268,7 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
     def make():
         return PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, tc, bm, bn, warps, stages,
                              target.has_cp_async, head_dim_v(spec), vsplit, min_ctas, swizzle,
-                             wrows)
+                             wrows, mask_tiles=classified_tiles(spec))
 
     cfg = make()
     while cfg.smem_bytes > target.max_smem_per_cta:   # shrink what the spec left to us

@@ -36,6 +36,7 @@ SPILLING_SHAPES = frozenset({
     "prefill/f16/104/causal/sm_80/lse", "prefill/f16/112/causal/sm_80/lse",
     "prefill/f16/120/causal/sm_80/lse", "prefill/f16/128/causal/sm_80/lse",
     "prefill/f16/144/noncausal/sm_120/packed", "prefill/f16/160/noncausal/sm_89/packed",
+    "prefill/f16/136/noncausal/sm_89/packed", "prefill/f16/512/noncausal/sm_120/packed",
     "prefill/f16/88/causal/sm_80/win+cap",
     "varlen/f16/16/noncausal/sm_80", "varlen/f16/16/noncausal/sm_89",
     "varlen/f16/24/noncausal/sm_80", "varlen/f16/24/noncausal/sm_89",

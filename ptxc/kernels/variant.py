@@ -245,7 +245,10 @@ class MaskPredicate:
         """Per-row state: (i * width (u32), the row holds a query (pred)), or None."""
         if self.mask_bits is None:
             return None
-        tok = self.mask_token(row)
+        return self.token_state(b, self.mask_token(row))
+
+    def token_state(self, b: KernelBuilder, tok: Reg):
+        """mask_row's state of bit-matrix row `tok` (u32)."""
         return b.mul(tok, self.mask_width(b)), b.setp("lt", tok, self.mask_rows(b))
 
     def draft_key(self, b: KernelBuilder, lane_key: Reg) -> Reg | None:

@@ -23,6 +23,7 @@ from ..targets import TARGETS, Target
 from . import common as C
 from . import fp8, kv_fp8, kv_fp8_stage
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
+from .mask_tiles import classified_tiles
 from .register_floor import narrow_block_n, needs_floor
 from .variant import (MASK_BUFFERS, VARIANT_FIELDS, default_seq_len, head_dim_v, mask_bytes_param,
                       validate_variant, variant_tensors)
@@ -143,7 +144,7 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
         return config_type(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,
                            head_dim_v(spec), vsplit,
                            min_ctas_per_sm=1 if staged or needs_floor(spec.family, spec, target) else 0,
-                           shared_kv=latent, score_split=split_scores)
+                           shared_kv=latent, score_split=split_scores, mask_tiles=classified_tiles(spec))
 
     stages = given.get("num_stages") or (
         kv_fp8_stage.default_stages(make, target) if staged and target is not None else 2)

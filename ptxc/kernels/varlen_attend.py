@@ -201,7 +201,8 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
         return
     bn, stages = cfg.block_n, cfg.num_stages
     tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, mask_bytes=mask_bytes)
-    ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
+    ctx, L, first = tile.ctx, tile.L, tile.first
+    n_tiles = tile.n_tiles if tile.order is None else tile.order.n_visit
     smem, k_smem, v_smem, m_start, rows = tile.smem, tile.k_smem, tile.v_smem, ctx.m_start, ctx.seq_q
     tid, seq, kv_head = ctx.tid, work.seq, work.kv_head
     kv_bytes = cfg.kv_geom.bytes
@@ -224,15 +225,16 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
 
     # Paged caches: a tile's few page ids are loaded with the previous tile (kv_pages.py)
     pages = None
+    # (a latent cache issues K tiles only, in order; a mask's visit order is not in order)
     if (quant is None or staging is not None) and (cfg.dv == cfg.head_dim or cfg.shared_kv) and \
-            prefetch_applies(kv, kv_slot, bn):   # (a latent cache issues K tiles only, in order)
+            prefetch_applies(kv, kv_slot, bn) and tile.order is None:
         pages = PagedTiles(b, kv, bases, kv_slot, bn, L)
 
     key_lo = tile.key_lo()   # a sliding window: keys no row of the tile sees are zero-filled
 
     def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
         with b.if_then(b.setp("lt", j, n_tiles)):
-            row0 = b.mul(b.add(first, j), bn)
+            row0 = tile.key0(j)
             dst = b.add(k_smem if t == "k" else v_smem, stage_off)
             cache = "k_cache" if t == "k" else "v_cache"
             rows_of = tile.kv_rows(kv, bases, cache, key_lo)
@@ -253,9 +255,11 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     if quant is not None:
         k_scale, math.v_scale = quant.scales(b, kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
-    loop = dict(n_tiles=n_tiles, n_full=tile.n_full, key0_of=lambda j: b.mul(b.add(first, j), bn),
+    loop = dict(n_tiles=n_tiles, n_full=tile.n_full, key0_of=tile.key0,
                 load_kv=load_kv, math=math, transform=score_transform(b, spec, math),
                 lo_full=tile.lo_full, landed=None if staging is None else staging.landed)
+    if tile.order is not None:   # a packed mask: the tiles with a bit set (mask_tiles.py)
+        loop["mask_of"] = tile.mask_of
     if cfg.shared_kv:   # MLA's latent rows: one tile per stage for both products
         run_shared_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, kv_smem=k_smem, **loop)
     else:
