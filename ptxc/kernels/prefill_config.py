@@ -14,7 +14,7 @@ from ..targets import KIB, MAX_REGS_PER_THREAD, TARGETS, Target
 from . import common as C
 from .tiles import TileGeom, swizzle_fits
 from .mask_tiles import classified_tiles
-from .register_floor import needs_floor
+from .register_floor import narrow_block_n, needs_floor
 from .variant import VARIANT_FIELDS, head_dim_v, validate_variant
 
 _hd_check, _hd_allowed = head_dim_range(8, 512)
@@ -238,6 +238,8 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
     if spec.opt("custom_mask") not in (None, "none") and spec.head_dim > 128 and "block_n" not in given:
         bn = min(bn, 32)   # a mask's bit windows beside d256's O accumulators: 64 keys spilled
+    if "block_n" not in given:   # where even 255 registers spill (register_floor.NARROW_TILES)
+        bn = narrow_block_n("prefill", spec, target, bn)
     vsplit = value_split(head_dim_v(spec), tc)
     wrows = given.get("warp_rows", 16)
     if wrows != 16:

@@ -83,6 +83,7 @@ SPILLING_SHAPES = frozenset({
 # (fewer score registers; the same bytes move).
 NARROW_TILES = {
     "varlen/f16/120/noncausal/sm_120/packed": 32, "varlen/f16/128/noncausal/sm_120/packed": 32,
+    "varlen/f16/128/noncausal/sm_120/lse+packed": 32, "prefill/f16/128/noncausal/sm_120/lse+packed": 32,
     "varlen/f16/120/causal/sm_120/tree": 32, "varlen/f16/128/causal/sm_80/tree": 32,
     "varlen/f16/248/causal/sm_80/tree": 16,
 }
