@@ -107,6 +107,13 @@ MLA_OPTIONS = (
 
 MLA_APPEND_OPTIONS = (("", "base"), ('kv_dtype = "e4m3"\nrope = "neox"\n', "fp8neox"),
                       ('kv_dtype = "e4m3"\nkv_scale = "device"\nrope = "gptj"\n', "fp8devgptj"))
+# fp8_ds_mla rows (kv_dtype = "e4m3_ds") exist for bf16 at rank 512 only: every RoPE width
+MLA_DS_OPTIONS = (
+    ('kv_dtype = "e4m3_ds"\n', "ds"),
+    ('kv_dtype = "e4m3_ds"\nnum_splits = 1\nreturn_lse = false\npage_size = 1\n', "dsnosplit"),
+    ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\ntopk_length = true\n', "dssparse"),
+)
+MLA_APPEND_DS_OPTIONS = (('kv_dtype = "e4m3_ds"\n', "ds"), ('kv_dtype = "e4m3_ds"\nrope = "gptj"\n', "dsgptj"))
 
 
 def _mla_rows(full: bool):
@@ -123,6 +130,13 @@ def _mla_rows(full: bool):
                     extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nkv_lora_rank = {rank}\n"
                              f"qk_rope_head_dim = {rope}\n" + option)
                     yield f"mla_{tag}_{dtype}_r{rank}_p{rope}", "mla", dtype, rank + rope, extra, None
+    for rope in MLA_ROPES if full else (16, 64, 128):
+        for option, tag in MLA_APPEND_DS_OPTIONS:
+            yield (f"mla_append_{tag}_bf16_r512_p{rope}", "mla_append", "bf16", 512 + rope,
+                   f"qk_rope_head_dim = {rope}\n" + option, None)
+        for option, tag in MLA_DS_OPTIONS:
+            yield (f"mla_{tag}_bf16_r512_p{rope}", "mla", "bf16", 512 + rope,
+                   f"num_heads = 128\nsoftmax_scale = 0.1\nqk_rope_head_dim = {rope}\n" + option, None)
 
 
 def _spec_text(name, family, dtype, d, extra, causal):

@@ -157,7 +157,7 @@ def test_deepseek_v3_spec_normalises():
     ("", "softmax_scale", "never 1/sqrt(576)"),
     ("softmax_scale = 0.1\nhead_dim = 512\n", "head_dim", "kv_lora_rank + qk_rope_head_dim = 576"),
     ("softmax_scale = 0.1\nnum_kv_heads = 8\n", "num_kv_heads", "one latent KV head"),
-    ('softmax_scale = 0.1\nkv_dtype = "e4m3_ds"\n', "kv_dtype", "not built yet"),
+    ('softmax_scale = 0.1\nkv_dtype = "e4m3_ds"\nkv_lora_rank = 256\n', "kv_lora_rank", "e4m3_ds"),
     ('softmax_scale = 0.1\nsparse_topk = 2048\nkv_layout = "contiguous"\n', "sparse_topk", "paged"),
     ("softmax_scale = 0.1\ntopk_length = true\n", "topk_length", "sparse_topk > 0"),
     ('softmax_scale = 0.1\nkv_layout = "contiguous"\npage_size = 64\n', "page_size", "paged"),

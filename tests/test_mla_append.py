@@ -83,7 +83,7 @@ def test_appended_rows_are_what_mla_attends(tmp_path):
 
 
 @pytest.mark.parametrize("extra,key,words", [
-    ('kv_dtype = "e4m3_ds"\n', "kv_dtype", "not built yet"),
+    ('kv_dtype = "e4m3_ds"\nqk_rope_head_dim = 32\nkv_lora_rank = 256\n', "kv_lora_rank", "e4m3_ds"),
     ('kv_scale = "device"\n', "kv_scale", "e4m3"),
     ("head_dim = 512\n", "head_dim", "576"),
     ('rope = "yarn"\n', "rope", "neox"),

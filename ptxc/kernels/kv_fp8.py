@@ -12,6 +12,12 @@ parameters, and the reference/inputs side. The conversion arithmetic is fp8.py's
 The kernels never multiply an element by its scale: k_scale folds into the per-CTA query
 multiplier (s = (q * softmax_scale * log2e * k_scale) . fp8(k)) and v_scale into the final
 normalisation (o = acc * v_scale / l), one multiply per CTA or output chunk each.
+
+A latent cache (MLA) may instead hold FlashMLA's / vLLM's fp8_ds_mla rows (kv_dtype =
+"e4m3_ds", `GroupScaledRows`): per row the e4m3 latent in groups of 128 columns, one f32 scale
+per group, then the RoPE columns in bf16, unquantised. The scale varies per row and group, so
+it cannot fold into a per-CTA multiplier: the staged conversion (kv_fp8_stage.py) multiplies
+each element by its group's scale and rounds to bf16 once. No k_scale parameter exists.
 """
 
 from __future__ import annotations
@@ -39,18 +45,68 @@ FIELDS = (
 )
 
 
+GROUP_SCALED = "e4m3_ds"     # the kv_dtype of GroupScaledRows (latent caches only)
+
+
+@dataclass(frozen=True)
+class GroupScaledRows:
+    """FlashMLA's fp8_ds_mla latent row, byte by byte (rank 512, RoPE 64: 656 bytes):
+    [0, rank) the e4m3 latent, column c in group c // 128; [rank, rank + 4 * groups) one f32
+    scale per group (dequantised = e4m3 x scale); then the RoPE columns in bf16."""
+
+    rank: int
+    rope: int
+    group: int = 128
+
+    @property
+    def groups(self) -> int:
+        return self.rank // self.group
+
+    @property
+    def scales_at(self) -> int:
+        return self.rank
+
+    @property
+    def rope_at(self) -> int:
+        return self.scales_at + 4 * self.groups
+
+    @property
+    def row_bytes(self) -> int:
+        return self.rope_at + 2 * self.rope
+
+
+def group_scaled(spec: KernelSpec) -> GroupScaledRows | None:
+    """The row format of an e4m3_ds latent cache (mla, mla_append, or mla's varlen view, whose
+    head_dim_v is the rank), else None."""
+    o = dict(spec.options)
+    if o.get("kv_dtype") != GROUP_SCALED:
+        return None
+    rank = o.get("kv_lora_rank") or o["head_dim_v"]
+    return GroupScaledRows(rank, spec.head_dim - rank)
+
+
 def kind(spec: KernelSpec) -> str | None:
-    """The cache's FP8 kind, or None for a cache of the dtype itself."""
+    """The cache's FP8 kind (e4m3_ds: e4m3), or None for a cache of the dtype itself."""
     k = dict(spec.options).get("kv_dtype")
-    return k if k in fp8.KINDS else None
+    return "e4m3" if k == GROUP_SCALED else k if k in fp8.KINDS else None
 
 
 def scale_mode(spec: KernelSpec) -> str | None:
+    """"tensor" | "device" | "head", "group" for e4m3_ds (scales inside the rows), None without FP8."""
+    if group_scaled(spec):
+        return "group"
     return (dict(spec.options).get("kv_scale") or "tensor") if kind(spec) else None
 
 
 def kv_dtype(spec: KernelSpec) -> str:
-    return kind(spec) or spec.dtype
+    """The cache tensor's dtype: FP8 bytes, u8 for group-scaled rows (mixed fields), else the dtype."""
+    return "u8" if group_scaled(spec) else kind(spec) or spec.dtype
+
+
+def row_elems(spec: KernelSpec) -> int:
+    """A cache row's last-axis extent: head_dim elements, or a group-scaled row's bytes."""
+    rows = group_scaled(spec)
+    return rows.row_bytes if rows else spec.head_dim
 
 
 def validate(spec: KernelSpec) -> None:
@@ -81,6 +137,8 @@ def scaled_caches(spec: KernelSpec) -> str:
 def interface_extras(spec: KernelSpec) -> tuple[list[TensorInfo], dict[str, dict]]:
     """(scale tensors, runtime scalars) the interface adds for an FP8 cache."""
     mode = scale_mode(spec)
+    if mode == "group":   # the scales travel inside the rows
+        return [], {}
     if mode == "tensor":
         return [], {f"{t}_scale": {"dtype": "f32", "doc": f"dequantised {t.upper()} = fp8 x {t}_scale"}
                     for t in scaled_caches(spec)}
@@ -102,16 +160,20 @@ def scale_tensors(spec: KernelSpec, mode: str | None, what: str) -> list[TensorI
 @dataclass(frozen=True)
 class KVDequant:
     """An FP8 cache as one kernel reads it: kind, target, and its scale parameters (f32 scalar
-    registers for "tensor", global pointers for "device" and "head")."""
+    registers for "tensor", global pointers for "device" and "head"; none for "group", whose
+    scales are in the rows and applied where the tile is converted)."""
 
     kind: str
     target: Target
     mode: str
-    k_scale: Reg
-    v_scale: Reg
+    k_scale: Reg | None
+    v_scale: Reg | None
 
     def scales(self, b: KernelBuilder, kv_head: Reg) -> tuple[Reg, Reg]:
-        """(k_scale, v_scale) of this KV head: the scalars, or one ld.global.nc.f32 each."""
+        """(k_scale, v_scale) of this KV head: the scalars, or one ld.global.nc.f32 each;
+        (None, None) for "group" (nothing to fold: the tiles arrive dequantised)."""
+        if self.mode == "group":
+            return None, None
         if self.mode == "tensor":
             return self.k_scale, self.v_scale
         if self.mode == "device":
@@ -137,6 +199,8 @@ def emit_params(spec: KernelSpec, target: Target, b: KernelBuilder, param) -> KV
         return None
     from ..ir import U64
     mode = scale_mode(spec)
+    if mode == "group":
+        return KVDequant(k, target, mode, None, None)
     if mode == "tensor":
         regs = [param(f"{t}_scale", F32, ParamSource("scalar", name=f"{t}_scale"))
                 for t in scaled_caches(spec)]
@@ -214,4 +278,4 @@ def dequantized(spec: KernelSpec, inputs: dict, k_cache, v_cache) -> tuple:
 
 
 __all__ = ["FIELDS", "KV_SCALE_FIELD", "SCALE_MODES", "scale_tensors", "KVDequant", "kind", "scale_mode",
-           "kv_dtype", "validate", "kv_format", "interface_extras", "emit_params", "stage_rows_dequant", "add_inputs", "dequantized"]
+           "GROUP_SCALED", "GroupScaledRows", "group_scaled", "row_elems", "kv_dtype", "validate", "kv_format", "interface_extras", "emit_params", "stage_rows_dequant", "add_inputs", "dequantized"]

@@ -31,8 +31,9 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from ..ir import B32, Addr, KernelBuilder, Reg
+from ..ir import B32, F32, Addr, KernelBuilder, Reg
 from ..targets import Target, occupancy
+from . import common as C
 from . import fp8, kv_fp8
 from .prefill_config import PrefillConfig
 from .tiles import ThreadSlot, TileGeom, thread_slot, zero_regs
@@ -59,15 +60,23 @@ class StagingGeom(TileGeom):
 @dataclass(frozen=True)
 class StagedFP8Config(PrefillConfig):
     """PrefillConfig of a GQA-packed tile over an FP8 cache staged by cp.async: one f16/bf16
-    tile each for K and V, and `num_stages` FP8 staging buffers each."""
+    tile each for K and V, and `num_stages` FP8 staging buffers each. With `rows` (a latent
+    cache of kv_fp8.GroupScaledRows) a stage holds whole cache rows, scales and RoPE included."""
+
+    rows: kv_fp8.GroupScaledRows | None = None
 
     def staging_geom(self, cols: int) -> StagingGeom:
         return StagingGeom(self.block_n, cols, self.threads)
 
     @property
+    def staged_row_bytes(self) -> int:
+        """Bytes of a K row as it lands (V's rows are no longer: head_dim_v <= head_dim)."""
+        return self.rows.row_bytes if self.rows else self.head_dim
+
+    @property
     def staging_bytes(self) -> int:
-        """One stage of K (V's rows are no longer: head_dim_v <= head_dim)."""
-        return self.staging_geom(self.head_dim).bytes
+        """One stage of K."""
+        return self.staging_geom(self.staged_row_bytes).bytes
 
     @property
     def smem_bytes(self) -> int:
@@ -123,7 +132,7 @@ class FP8Staging:
         self.stage_bytes = cfg.staging_bytes
         self.k_stage = b.add(tiles_base, cfg.kv_tiles * kv_bytes)
         self.v_stage = b.add(self.k_stage, cfg.num_stages * self.stage_bytes)
-        k_slot = staging_slot(b, cfg.staging_geom(cfg.head_dim), tid)
+        k_slot = staging_slot(b, cfg.staging_geom(cfg.staged_row_bytes), tid)
         v_slot = k_slot if cfg.dv == cfg.head_dim else staging_slot(b, cfg.staging_geom(cfg.dv), tid)
         self.slots = {"k_cache": k_slot, "v_cache": v_slot}
         # this thread's two f16 chunks (element columns 2 x the FP8 byte column) in each tile
@@ -142,15 +151,11 @@ class FP8Staging:
         dst = b.add(self.tile[t], self.f16_off[t])
         loaded = []
         for i in range(geom.passes):
-            at = Addr(src, i * geom.rows_per_pass * geom.stride)
             guard = slot.guard(b, i)
-            if guard is None:
-                words = b.ld("shared", B32, at, vec=4)
-            else:
-                words = zero_regs(b, 4)
-                with b.predicate(guard):
-                    b.ld("shared", B32, at, vec=4, out=words)
-            loaded.append((guard, words))
+            loaded.append((guard, self._load(src, i * geom.rows_per_pass * geom.stride, guard)))
+        if self.cfg.rows is not None:
+            self._group_scaled(slot, src, loaded)
+            return self.tile[t]
         for i, (guard, words) in enumerate(loaded):
             vals = fp8.dequantize(b, words, self.quant.kind, self.quant.target, to=self.pair)
             doff = i * geom.rows_per_pass * f16.stride
@@ -158,6 +163,50 @@ class FP8Staging:
                 with b.predicate(guard) if guard is not None else nullcontext():
                     b.st("shared", B32, Addr(dst, doff + 16 * h), vals[4 * h:4 * h + 4])
         return self.tile[t]
+
+    def _load(self, src: Reg, off: int, guard: Reg | None, vec: int = 4, type=B32) -> list[Reg]:
+        """ld.shared of this thread's chunk (or a word of its row) in one pass; zeros where
+        the pass has no row for it."""
+        b = self.b
+        if guard is None:
+            words = b.ld("shared", type, Addr(src, off), vec=vec)
+            return words if isinstance(words, list) else [words]
+        words = zero_regs(b, vec) if type is B32 else [b.mov(0.0, type) for _ in range(vec)]
+        with b.predicate(guard):
+            b.ld("shared", type, Addr(src, off), vec=vec, out=words)
+        return words
+
+    def _group_scaled(self, slot: ThreadSlot, src: Reg, loaded: list) -> None:
+        """kv_fp8.GroupScaledRows: the thread's chunk is e4m3 latent (byte column c < rank:
+        x its row's group scale, in f32, rounded to the tile's bf16 once; two tile chunks at
+        element column c), the scales (nothing to write) or bf16 RoPE (copied as it is, to
+        element column rank + (c - rope_at) / 2). The scale sits in the same staged row, landed
+        by another thread's cp.async: run_shared_kv_pipeline converts after the barrier that
+        follows the wait, which makes every thread's bytes visible (the only pipeline a
+        latent cache runs)."""
+        b, rows, geom = self.b, self.cfg.rows, slot.geom
+        assert self.cfg.shared_kv, "group-scaled rows are latent (one tile, converted after a barrier)"
+        latent = b.setp("lt", slot.col, rows.rank)
+        rope = b.setp("ge", slot.col, rows.rope_at)
+        # this chunk's scale: byte scales_at + 4 * (c // group) of the row, relative to the chunk
+        scale_at = b.add(src, b.sub(b.add(b.shl(b.shr(slot.col, rows.group.bit_length() - 1), 2),
+                                          rows.scales_at), slot.col))
+        dst = b.add(self.tile["k"], b.mad(slot.r0, self.geoms["k"].stride, slot.col))
+        # element column rank + (c - rope_at) / 2, in bytes: c + 2 rank - rope_at (vs 2c for latent)
+        rope_dst = b.add(dst, 2 * rows.rank - rows.rope_at)
+        dst = b.add(dst, slot.col)
+        f16 = self.geoms["k"]
+        for i, (guard, words) in enumerate(loaded):
+            scale = self._load(scale_at, i * geom.rows_per_pass * geom.stride, guard, 1, F32)[0]
+            vals = [b.mul(v, scale) for v in fp8.dequantize(b, words, self.quant.kind, self.quant.target)]
+            packed = C.from_f32(b, self.cfg.fmt, vals, self.quant.target)
+            doff = i * geom.rows_per_pass * f16.stride
+            here = latent if guard is None else b.and_(latent, guard)
+            with b.predicate(here):
+                for h in range(2):
+                    b.st("shared", B32, Addr(dst, doff + 16 * h), packed[4 * h:4 * h + 4])
+            with b.predicate(rope if guard is None else b.and_(rope, guard)):
+                b.st("shared", B32, Addr(rope_dst, doff), words)
 
 
 __all__ = ["applies", "StagingGeom", "StagedFP8Config", "default_stages", "staging_slot", "FP8Staging",

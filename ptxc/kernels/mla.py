@@ -126,14 +126,29 @@ def check_cache_keys(spec: KernelSpec) -> None:
     """kv_dtype and kv_scale of a latent cache (mla and mla_append alike)."""
     kd = spec.opt("kv_dtype")
     if kd in ("f16", "bf16") and kd != spec.dtype:
-        raise SpecError(f"got {kd!r} with dtype {spec.dtype!r}; allowed: {spec.dtype!r} or "
-                        f"\"e4m3\"", key="kv_dtype")
-    if kd == "e4m3_ds":
-        raise SpecError('kv_dtype = "e4m3_ds" (656-byte rows with per-group scales) is not built '
-                        'yet; allowed today: the dtype or "e4m3" (per-tensor k_scale)', key="kv_dtype")
+        raise SpecError(f"got {kd!r} with dtype {spec.dtype!r}; allowed: {spec.dtype!r}, "
+                        f"\"e4m3\" or \"e4m3_ds\"", key="kv_dtype")
+    if kd == kv_fp8.GROUP_SCALED:
+        check_group_scaled(spec)
     if spec.opt("kv_scale") is not None and kd != "e4m3":
         raise SpecError(f"kv_scale applies only to kv_dtype = \"e4m3\" (kv_dtype is "
                         f"{kd or spec.dtype!r})", key="kv_scale")
+
+
+def check_group_scaled(spec: KernelSpec) -> None:
+    """e4m3_ds is FlashMLA's / vLLM's fp8_ds_mla row exactly: rank 512 in four 128-column groups
+    (so the four f32 scales are one 16-byte chunk and the RoPE part starts 16-byte aligned),
+    bf16 RoPE values (so the dtype is bf16), on a paged cache."""
+    why = 'kv_dtype = "e4m3_ds" (fp8_ds_mla rows: 512 e4m3, 4 f32 group scales, bf16 RoPE)'
+    if spec.opt("kv_lora_rank") != 512:
+        raise SpecError(f"kv_lora_rank = {spec.opt('kv_lora_rank')} with {why}; allowed: 512",
+                        key="kv_lora_rank")
+    if spec.dtype != "bf16":
+        raise SpecError(f"dtype {spec.dtype!r} with {why}: the RoPE values are bf16; allowed: "
+                        f"\"bf16\"", key="dtype")
+    if "kv_layout" in dict(spec.options) and spec.opt("kv_layout") != "paged":
+        raise SpecError(f"kv_layout = {spec.opt('kv_layout')!r} with {why}; allowed: \"paged\"",
+                        key="kv_layout")
 
 
 def validate(spec: KernelSpec) -> None:
@@ -204,4 +219,4 @@ FAMILY = Family(name="mla", doc=__doc__.split("\n")[0], fields=FIELDS, validate=
                 make_inputs=make_inputs, reference=reference, derive=derive,
                 row_sum_dtype=lambda spec: spec.dtype)
 
-__all__ = ["FAMILY", "attention_view", "check_cache_keys", "derive", "latent_head"]
+__all__ = ["FAMILY", "attention_view", "check_cache_keys", "check_group_scaled", "derive", "latent_head"]

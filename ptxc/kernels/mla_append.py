@@ -6,7 +6,9 @@ offset of a paged kv_cache [num_pages, page_size, kv_lora_rank + qk_rope_head_di
 family's). A negative slot (padding) or one outside the cache is skipped - no byte of the cache
 is written for it. Optionally RoPE rotates k_pe at positions[t] (cos_sin_cache, neox or gptj,
 kv_transform.Rope's exact f32 sequence; a token outside [0, max_position) is skipped), and an
-e4m3 cache stores fp8(x / k_scale) (satfinite RNE: inf -> 448, NaN -> the NaN byte).
+e4m3 cache stores fp8(x / k_scale) (satfinite RNE: inf -> 448, NaN -> the NaN byte). An
+e4m3_ds cache (kv_fp8.GroupScaledRows, vLLM's fp8_ds_mla) stores each 128-column group over its
+own scale amax / 448, the scales in the row, and the RoPE part in bf16 (store_group_scaled).
 
 One CTA per token; thread i writes 8-element chunk i of the row (kv_c's chunks, then k_pe's).
 """
@@ -31,8 +33,9 @@ _FIELD = {f.name: f for f in mla.FIELDS.fields}
 FIELDS = FamilyFields(fields=(
     _FIELD["kv_lora_rank"], _FIELD["qk_rope_head_dim"], _FIELD["head_dim"],
     dataclasses.replace(_FIELD["page_size"], doc="rows per page of the latent cache (default 64)"),
-    dataclasses.replace(_FIELD["kv_dtype"], doc="latent cache element type: the dtype, or e4m3 "
-                        "(x / k_scale quantised); e4m3_ds is not built yet"),
+    dataclasses.replace(_FIELD["kv_dtype"], doc="latent cache element type: the dtype, e4m3 "
+                        "(x / k_scale quantised) or e4m3_ds (656-byte rows, a scale per 128 "
+                        "columns = amax / 448, bf16 RoPE)"),
     _FIELD["kv_scale"],
     Field("rope", "str", "rotate k_pe at positions[t] before it is stored (vLLM's cos_sin_cache "
           "layout; default: none, k_pe arrives rotated)", default=None, choices=("neox", "gptj")),
@@ -61,10 +64,10 @@ def validate(spec: KernelSpec) -> None:
     mla.check_cache_keys(spec)
     kd = spec.opt("kv_dtype")
     C.check_dtype_target(spec.dtype, spec.targets)
-    if kd == "e4m3":
+    if kd in ("e4m3", kv_fp8.GROUP_SCALED):
         old = [t for t in spec.targets if not TARGETS[t].has_mma_m16n8k16]
         if old:
-            raise SpecError(f"e4m3 latent caches need sm_80+ (the attention side's targets), but "
+            raise SpecError(f"{kd} latent caches need sm_80+ (the attention side's targets), but "
                             f"targets include {old[0]}; drop it", key="targets")
 
 
@@ -83,7 +86,7 @@ def interface(spec: KernelSpec) -> Interface:
         TensorInfo("slot_mapping", "i64", ("num_tokens",), "input", "cache slot of each token: page * "
                    "page_size + offset; negative (padding) and slots past the cache are skipped",
                    device_resident_scalars=True),
-        *kv.tensors(kv_fp8.kv_dtype(spec), 1, spec.head_dim, "inout"),
+        *kv.tensors(kv_fp8.kv_dtype(spec), 1, kv_fp8.row_elems(spec), "inout"),
     ]
     dims, scalars = ["num_tokens", *kv.dims()], {}
     if kv_fp8.kind(spec):
@@ -136,6 +139,12 @@ def build(spec: KernelSpec, target: Target) -> Program:
         cs_row = C.element_offset(b, ptrs["cos_sin_cache"], b.cvt(U32, b.selp(pos, 0, valid)), cs_stride)
         rot = Rope(b, rope, rope_d, b.bitcast(cs_row, U64))
 
+    def row_byte(offset: Reg):
+        """(address of byte `offset` (u32) of the token's cache row, row in the cache)."""
+        bases = kv.bases(b, ptrs, None, None, b.cvt(S64, offset))
+        return kv.row_address(b, bases, "k_cache", rows.row, valid, rows.page_cache())
+
+    grouped = kv_fp8.group_scaled(spec)
     with b.if_then(valid):
         if mode == "device":
             scale = b.ld("global", F32, Addr(ptrs["k_scale"]), nc=True)
@@ -148,9 +157,10 @@ def build(spec: KernelSpec, target: Target) -> Program:
                     vals = load8(b, fmt, b.bitcast(b.add(row_addr, b.cvt(S64, b.mul(first, fmt.bytes))), U64))
                     if rot is not None and src == "k_pe":
                         vals = rot.rotate(vals, first, b.bitcast(row_addr, U64), fmt, valid)
-                    lane = b.cvt(S64, b.mul(b.add(first, col0), kv.fmt.bytes))
-                    bases = kv.bases(b, ptrs, None, None, lane)
-                    dst, ok = kv.row_address(b, bases, "k_cache", rows.row, valid, rows.page_cache())
+                    if grouped is not None:
+                        store_group_scaled(b, grouped, src, chunk, vals, row_byte, target)
+                        continue
+                    dst, ok = row_byte(b.mul(b.add(first, col0), kv.fmt.bytes))
                     with b.if_then(ok):
                         if kind:
                             words = fp8.quantize(b, [b.div(v, scale) for v in vals], kind, target)
@@ -162,6 +172,42 @@ def build(spec: KernelSpec, target: Target) -> Program:
                     block=(threads(spec), 1, 1))
     return Program([b.entry], [launch], {"threads": threads(spec), "chunk_elems": CHUNK},
                    ptx_version=fp8.ptx_version(target) if kind else None)
+
+
+FLT_MIN = 1.1754943508222875e-38     # the smallest normal f32: a group scale's floor
+
+
+def store_group_scaled(b: KernelBuilder, rows: kv_fp8.GroupScaledRows, src: str, chunk: Reg,
+                       vals: list[Reg], row_byte, target: Target) -> None:
+    """Thread `chunk`'s 8 values into a kv_fp8.GroupScaledRows row, as vLLM's
+    concat_and_cache_ds_mla writes it. kv_c: the 16 threads of a 128-column group (a half-warp:
+    chunk i is thread i, every lane active) reduce amax = max |x| by butterfly shuffles (max.f32
+    drops a NaN operand, as fmaxf does), scale = max(amax / 448, FLT_MIN), codes = satfinite RNE
+    e4m3 of x / scale at bytes [8 i, 8 i + 8), and the group's first thread writes the f32 scale.
+    k_pe: bf16 values at rope_at + 16 i (the dtype is bf16: mla.check_group_scaled)."""
+    if src == "k_pe":
+        dst, ok = row_byte(b.add(b.mul(chunk, 2 * CHUNK), rows.rope_at))
+        with b.if_then(ok):
+            store8(b, C.FORMATS["bf16"], dst, vals, target)
+        return
+    per_group = rows.group // CHUNK
+    amax = b.abs(vals[0])
+    for v in vals[1:]:
+        amax = b.max(amax, b.abs(v))
+    lane = 1
+    while lane < per_group:
+        amax = b.max(amax, b.shfl("bfly", amax, lane))
+        lane *= 2
+    scale = b.max(b.div(amax, 448.0), FLT_MIN)
+    words = fp8.quantize(b, [b.div(v, scale) for v in vals], "e4m3", target)
+    dst, ok = row_byte(b.mul(chunk, CHUNK))
+    with b.if_then(ok):
+        b.st("global", B32, Addr(dst), words)
+    group = b.shr(chunk, per_group.bit_length() - 1)
+    first = b.setp("eq", b.and_(chunk, per_group - 1), 0)
+    dst, ok = row_byte(b.add(b.shl(group, 2), rows.scales_at))
+    with b.if_then(b.and_(ok, first)):
+        b.st("global", F32, Addr(dst), [scale])
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:

@@ -57,11 +57,16 @@ def mla_batch(spec, view, dims: dict[str, int], rng, page_size: int, cases=CASES
 
 def with_cache(view, inputs: dict, cache: np.ndarray, owned: np.ndarray) -> dict:
     """inputs + the latent cache (FP8: the bytes a quantising append wrote, over the latent's
-    one scale, and k_scale); every row not `owned` is NaN (e4m3: the NaN byte)."""
+    one scale, and k_scale; e4m3_ds: the rows the append writes, group scales inside); every
+    row not `owned` is NaN (e4m3: the NaN byte; e4m3_ds: NaN bytes, scales and RoPE)."""
     from ..reference import fp8_quantize
     from . import kv_fp8
-    kind = kv_fp8.kind(view)
-    if kind:
+    kind, rows = kv_fp8.kind(view), kv_fp8.group_scaled(view)
+    if rows:
+        cache = ds_encode(rows, cache[..., :rows.rank], cache[..., rows.rank:])
+        cache[~owned] = ds_pack(rows, np.full(rows.rank, E4M3_NAN, np.uint8),
+                                np.full(rows.groups, np.nan, np.float32), np.full(rows.rope, np.nan))
+    elif kind:
         scale = np.float32(0.37)
         cache = fp8_quantize(cache / scale, kind)
         cache[~owned] = E4M3_NAN
@@ -79,10 +84,67 @@ def latent_kv(view, inputs: dict) -> tuple[np.ndarray, np.ndarray]:
     from . import kv_fp8
     from .variant import head_dim_v
     kv = np.asarray(inputs["kv_cache"])
-    kind = kv_fp8.kind(view)
-    kv = fp8_decode(kv, kind) * float(np.asarray(inputs["k_scale"]).reshape(-1)[0]) if kind \
-        else kv.astype(np.float64)
+    kind, rows = kv_fp8.kind(view), kv_fp8.group_scaled(view)
+    if rows:
+        kv = ds_decode(rows, kv)
+    else:
+        kv = fp8_decode(kv, kind) * float(np.asarray(inputs["k_scale"]).reshape(-1)[0]) if kind \
+            else kv.astype(np.float64)
     return kv[..., None, :], kv[..., None, :head_dim_v(view)]
+
+
+# ---- e4m3_ds rows (kv_fp8.GroupScaledRows: FlashMLA's / vLLM's fp8_ds_mla) --------------------
+FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+
+
+def ds_pack(rows, codes: np.ndarray, scales: np.ndarray, rope: np.ndarray) -> np.ndarray:
+    """Row bytes from e4m3 codes [.., rank], f32 group scales [.., groups] and RoPE values
+    [.., rope] (rounded to bf16 as cvt.rn.bf16x2.f32 does: NaN -> the canonical 0x7FFF),
+    little-endian as the device stores them."""
+    from ..reference import f32_to_bf16_bits
+    lead = codes.shape[:-1]
+    rope = np.asarray(rope, np.float32)
+    pe_bits = np.where(np.isnan(rope), np.uint16(0x7FFF), f32_to_bf16_bits(rope)).astype("<u2")
+    out = np.zeros(lead + (rows.row_bytes,), np.uint8)
+    out[..., :rows.rank] = codes
+    out[..., rows.scales_at:rows.rope_at] = np.ascontiguousarray(
+        np.asarray(scales, "<f4")).view(np.uint8).reshape(lead + (4 * rows.groups,))
+    out[..., rows.rope_at:] = np.ascontiguousarray(pe_bits).view(np.uint8).reshape(lead + (2 * rows.rope,))
+    return out
+
+
+def ds_encode(rows, latent: np.ndarray, rope: np.ndarray) -> np.ndarray:
+    """What the quantising append writes (vLLM's concat_and_cache_ds_mla, replayed in f32):
+    per 128-column group scale = max(amax / 448, FLT_MIN) (NaN ignored by the max, as fmaxf
+    does), codes = satfinite RNE e4m3 of x / scale; RoPE in bf16."""
+    from ..reference import fp8_quantize
+    x = np.asarray(latent, np.float32)
+    groups = x.reshape(x.shape[:-1] + (rows.groups, rows.group))
+    with np.errstate(invalid="ignore"):
+        amax = np.nanmax(np.abs(groups), axis=-1, initial=np.float32(0)).astype(np.float32)
+        scale = np.maximum(amax / np.float32(448.0), FLT_MIN).astype(np.float32)
+        codes = fp8_quantize((groups / scale[..., None]).astype(np.float32), "e4m3")
+    return ds_pack(rows, codes.reshape(x.shape), scale, rope)
+
+
+def ds_fields(rows, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [.., rank], f32 scales [.., groups], RoPE bf16 bits [.., rope]) of row bytes."""
+    raw = np.asarray(raw, np.uint8)
+    lead = raw.shape[:-1]
+    scales = np.ascontiguousarray(raw[..., rows.scales_at:rows.rope_at]).view("<f4").reshape(lead + (rows.groups,))
+    rope = np.ascontiguousarray(raw[..., rows.rope_at:]).view("<u2").reshape(lead + (rows.rope,))
+    return raw[..., :rows.rank], scales.astype(np.float32), rope
+
+
+def ds_decode(rows, raw: np.ndarray) -> np.ndarray:
+    """fp64 K rows as the kernel dequantises them: f32(e4m3 x group scale) rounded to bf16 once
+    (kv_fp8_stage.FP8Staging), then the bf16 RoPE values."""
+    from ..reference import bf16_bits_to_f32, fp8_decode, round_to
+    codes, scales, rope = ds_fields(rows, raw)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lat = fp8_decode(codes, "e4m3").astype(np.float32) * np.repeat(scales, rows.group, axis=-1)
+    return np.concatenate([round_to(lat.astype(np.float32), "bf16"),
+                           bf16_bits_to_f32(rope).astype(np.float64)], axis=-1)
 
 
 def mla_reference(view, inputs: dict, dtype: str | None, page_size: int) -> dict:
@@ -173,11 +235,18 @@ def append_inputs(spec, dims: dict[str, int], rng, page_size: int) -> dict:
     for i, bad in zip(range(2, T, 4), (-1, total, 1 << 40)):
         slots[i] = bad
     inputs["slot_mapping"] = slots
-    rows = (dims["num_pages"], page_size, spec.head_dim)
+    rows = (dims["num_pages"], page_size, kv_fp8.row_elems(spec))
     if kv_fp8.kind(spec):
         inputs["kv_cache"] = rng.integers(0, 256, rows, dtype=np.uint8)
         scale = np.float32(3.1 / 448 * 8)
-        inputs["k_scale"] = scale if kv_fp8.scale_mode(spec) == "tensor" else np.array([scale])
+        if kv_fp8.scale_mode(spec) in ("tensor", "device"):
+            inputs["k_scale"] = scale if kv_fp8.scale_mode(spec) == "tensor" else np.array([scale])
+        else:   # e4m3_ds groups: NaN among finite values, tiny values (the FLT_MIN scale floor)
+            inputs["kv_c"][0, 130] = np.nan
+            inputs["kv_c"][0, 384:392] = ref_round(np.float32(3e-39) * np.arange(1, 9), spec.dtype)
+            inputs["kv_c"][0, 392:512] = 0.0
+            if T > 4:
+                inputs["kv_c"][4, 256:384] = ref_round(inputs["kv_c"][4, 256:384] * 1e-30, spec.dtype)
         if T > 1:
             inputs["kv_c"][1] = 0.0                                # amax 0: zero bytes
         inputs["kv_c"][0, :4] = [np.inf, np.nan, 1e4, -1e4]        # -> 448, NaN, +-448
@@ -195,10 +264,16 @@ def append_inputs(spec, dims: dict[str, int], rng, page_size: int) -> dict:
     return inputs
 
 
+def ref_round(x, dtype: str) -> np.ndarray:
+    from ..reference import round_to
+    return round_to(x, dtype).astype(np.float32)
+
+
 def append_reference(spec, inputs: dict, page_size: int) -> dict:
     """The cache after the append, replaying the kernel's arithmetic in numpy float32 (RoPE's
     products and sums each rounded, x / k_scale as an f32 division, then satfinite RNE e4m3 or
-    RNE to the dtype): exact, so the tests compare bytes. Untouched rows keep their input."""
+    RNE to the dtype; e4m3_ds: ds_encode): exact, so the tests compare bytes. Untouched rows
+    keep their input."""
     from ..reference import fp8_quantize, round_to
     from . import kv_fp8
     from .kv_transform_ref import rotate
@@ -218,7 +293,10 @@ def append_reference(spec, inputs: dict, page_size: int) -> dict:
                 continue
             pe = rotate(pe, cs[p, :rd // 2], cs[p, rd // 2:rd], style, rd)
         row = np.concatenate([np.asarray(inputs["kv_c"][t], np.float32), pe])
-        if kind:
+        rows = kv_fp8.group_scaled(spec)
+        if rows:
+            out[slot // page_size, slot % page_size] = ds_encode(rows, row[:rows.rank], pe)
+        elif kind:
             scale = np.float32(np.asarray(inputs["k_scale"]).reshape(-1)[0])
             out[slot // page_size, slot % page_size] = fp8_quantize(row / scale, kind)
         else:

@@ -139,12 +139,14 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     # MLA's 512-wide V: the four warps sharing 16 rows split the 576-deep Q·Kᵀ between them
     split_scores = latent and vsplit > 1 and -(-spec.head_dim // 16) % vsplit == 0
     config_type = kv_fp8_stage.StagedFP8Config if staged else PrefillConfig
+    rows = {"rows": kv_fp8.group_scaled(spec)} if staged else {}   # e4m3_ds: whole rows staged
 
     def make(stages=None):
         return config_type(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,
                            head_dim_v(spec), vsplit,
                            min_ctas_per_sm=1 if staged or needs_floor(spec.family, spec, target) else 0,
-                           shared_kv=latent, score_split=split_scores, mask_tiles=classified_tiles(spec))
+                           shared_kv=latent, score_split=split_scores, mask_tiles=classified_tiles(spec),
+                           **rows)
 
     stages = given.get("num_stages") or (
         kv_fp8_stage.default_stages(make, target) if staged and target is not None else 2)
@@ -197,7 +199,7 @@ def interface(spec: KernelSpec) -> Interface:
     d, dv, H, Hk = spec.head_dim, head_dim_v(spec), spec.num_heads, spec.num_kv_heads
     kv = kv_access(spec)
     caches = [dataclasses.replace(t, shape=t.shape[:-1] + (dv,)) if t.name == "v_cache" else t
-              for t in kv.tensors(kv_fp8.kv_dtype(spec), Hk, d, "input")]   # V rows: head_dim_v
+              for t in kv.tensors(kv_fp8.kv_dtype(spec), Hk, kv_fp8.row_elems(spec), "input")]   # V rows: head_dim_v
     tensors = [
         TensorInfo("q", spec.dtype, ("total_q", H, d), "input", "query tokens of all sequences, packed"),
         *key_count_tensors(spec, kv),

@@ -252,7 +252,7 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     if pages is not None:
         pages.load_ahead(b.mul(first, bn))
     math = VarlenMath(b, ctx, ptrs, strides)
-    if quant is not None:
+    if quant is not None and quant.mode != "group":   # group scales: applied in the staging
         k_scale, math.v_scale = quant.scales(b, kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
     loop = dict(n_tiles=n_tiles, n_full=tile.n_full, key0_of=tile.key0,

@@ -196,6 +196,13 @@ def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
     return Cost(4 * b * H * d * keys, qo + kv + lse + parts + index, _unit(config), dict(dims))
 
 
+def latent_row_bytes(meta: dict) -> int:
+    """Bytes of one latent cache row, from the kv_cache tensor (e4m3_ds rows carry their
+    scales and bf16 RoPE: 656 bytes where e4m3 takes 576)."""
+    t = meta["tensors"]["kv_cache"]
+    return int(t["shape"][-1]) * ELEMENT_BYTES[t["dtype"]]
+
+
 def mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
     """Latent attention: every query head of a token over the same latent rows. Q.K^T over the
     whole row (head_dim) and P.V over its first kv_lora_rank columns; each latent row counted
@@ -208,7 +215,7 @@ def mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
     H, d, dv = spec["num_heads"], spec["head_dim"], spec["kv_lora_rank"]
     e = ELEMENT_BYTES[spec["dtype"]]
     tq = b * q
-    latent = b * L * d * ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]]
+    latent = b * L * latent_row_bytes(meta)
     qo = tq * H * (d + dv) * e
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
     splits = dims.get("num_splits", 1)
@@ -225,7 +232,7 @@ def sparse_mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
     tq, N = dims["total_q"], spec["sparse_topk"]
     H, d, dv = spec["num_heads"], spec["head_dim"], spec["kv_lora_rank"]
     e = ELEMENT_BYTES[spec["dtype"]]
-    latent = tq * N * d * ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]]
+    latent = tq * N * latent_row_bytes(meta)
     qo = tq * H * (d + dv) * e
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
     splits = dims.get("num_splits", 1)
@@ -239,7 +246,7 @@ def mla_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
     cos/sin row with RoPE) read."""
     spec = meta["spec"]
     n, d = dims["num_tokens"], spec["head_dim"]
-    row = d * (ELEMENT_BYTES[spec["dtype"]] + ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]])
+    row = d * ELEMENT_BYTES[spec["dtype"]] + latent_row_bytes(meta)
     rope = n * (8 + spec["qk_rope_head_dim"] * 4) if spec.get("rope") else 0
     return Cost(0, n * (row + 8) + rope, "simt", dict(dims))
 
