@@ -90,6 +90,19 @@ softmax_scale = 0.125
 page_size = 16
 kv_dtype = "e4m3"
 kv_scale = "device"
+
+[[kernel]]
+name = "e2e_mla_ds"
+family = "mla"
+dtype = "bf16"
+num_heads = 16
+num_kv_heads = 1
+head_dim = 576
+softmax_scale = 0.125
+page_size = 16
+kv_dtype = "e4m3_ds"
+sparse_topk = 24
+topk_length = true
 '''
 
 # One entry per family case: artifact name and small odd shapes. A new family is one more
@@ -103,6 +116,7 @@ CASES = {
     "e2e_varlen": {"batch": 3, "max_pages_per_seq": 3, "num_pages": 9},
     "e2e_varlen_tree": {"batch": 11, "max_pages_per_seq": 3, "num_pages": 35},
     "e2e_mla": {"batch": 9, "max_pages_per_seq": 5, "num_pages": 50},
+    "e2e_mla_ds": {"total_q": 5, "num_pages": 4},
 }
 
 
