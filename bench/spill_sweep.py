@@ -113,6 +113,7 @@ MLA_DS_OPTIONS = (
     ('kv_dtype = "e4m3_ds"\nnum_splits = 1\nreturn_lse = false\npage_size = 1\n', "dsnosplit"),
     ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\ntopk_length = true\n', "dssparse"),
 )
+WIDE_TARGETS = ("sm_80", "sm_90", "sm_100")   # >= 128 KiB of shared memory per CTA
 MLA_APPEND_DS_OPTIONS = (('kv_dtype = "e4m3_ds"\n', "ds"), ('kv_dtype = "e4m3_ds"\nrope = "gptj"\n', "dsgptj"))
 
 
@@ -130,6 +131,17 @@ def _mla_rows(full: bool):
                     extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nkv_lora_rank = {rank}\n"
                              f"qk_rope_head_dim = {rope}\n" + option)
                     yield f"mla_{tag}_{dtype}_r{rank}_p{rope}", "mla", dtype, rank + rope, extra, None
+    # 64 head rows per CTA (16 warps; varlen.latent_block_m) where every target holds the tile:
+    # the same options over the large-shared-memory targets, ranks above 256 (four warps per 16 rows)
+    for dtype in ("bf16", "f16"):
+        for option, tag in MLA_OPTIONS + (MLA_DS_OPTIONS if dtype == "bf16" else ()):
+            for rank in [r for r in MLA_RANKS if r > 256] if full else (320, 512):
+                if "e4m3_ds" in option and rank != 512:
+                    continue
+                for rope in MLA_ROPES if full else (16, 64, 128):
+                    extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nkv_lora_rank = {rank}\n"
+                             f"qk_rope_head_dim = {rope}\ntargets = {json.dumps(list(WIDE_TARGETS))}\n" + option)
+                    yield f"mla_wide_{tag}_{dtype}_r{rank}_p{rope}", "mla", dtype, rank + rope, extra, None
     for rope in MLA_ROPES if full else (16, 64, 128):
         for option, tag in MLA_APPEND_DS_OPTIONS:
             yield (f"mla_append_{tag}_bf16_r512_p{rope}", "mla_append", "bf16", 512 + rope,
@@ -144,7 +156,8 @@ def _spec_text(name, family, dtype, d, extra, causal):
     body, _, tile = extra.partition("[kernel.tile]\n")
     return (f'[[kernel]]\nname = "{name}"\nfamily = "{family}"\ndtype = "{dtype}"\n'
             f"head_dim = {d}\n{body}" + ("" if causal is None else f"causal = {str(causal).lower()}\n")
-            + f"targets = {json.dumps(list(DEFAULT_TARGETS))}\n" + (f"[kernel.tile]\n{tile}" if tile else ""))
+            + ("" if "targets = " in body else f"targets = {json.dumps(list(DEFAULT_TARGETS))}\n")
+            + (f"[kernel.tile]\n{tile}" if tile else ""))
 
 
 def _rows(full: bool = True):
@@ -169,7 +182,7 @@ def combinations():
             [spec] = load_text(_spec_text(name, family, dtype, d, extra, causal), f"{name}.toml")
         except SpecError:
             continue          # a head_dim this family/dtype/option does not allow
-        for target in DEFAULT_TARGETS:
+        for target in spec.targets:   # DEFAULT_TARGETS unless the row names its own
             yield name, spec, target
 
 
@@ -180,7 +193,7 @@ def _lower_row(row):
     except SpecError:
         return []             # a head_dim this family/dtype/option does not allow
     out = []
-    for target in DEFAULT_TARGETS:
+    for target in spec.targets:
         ptx = lower(spec, target)[0]
         out.append((name, target, ptx, hashlib.sha256(ptx.encode()).hexdigest()))
     return out

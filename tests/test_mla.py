@@ -86,18 +86,21 @@ def _decode_batch(art, lens, q_lens, heads, rng):
     return spec, inputs, q_lens
 
 
-@pytest.mark.parametrize("heads,rank,rope", [(16, 512, 64), (16, 512, 16), (32, 128, 16)])
+@pytest.mark.parametrize("heads,rank,rope", [(16, 512, 64), (16, 512, 16), (32, 128, 16), (128, 512, 64)])
 def test_latent_rows_are_read_once_per_head_tile(tmp_path, bytes_read, heads, rank, rope):
     """The emulator's global reads of kv_cache: every row of every sequence with a query, once
     per head tile (K and V from the same tile: a row is never fetched for V again), none for
-    a sequence without queries, none past L (the tile's tail is zero-filled, not read)."""
+    a sequence without queries, none past L (the tile's tail is zero-filled, not read). 128
+    heads at rank 512: two 64-row tiles (16 warps each), so each row crosses twice, not 8x."""
     art = build_kernel(tmp_path, "mla", body(heads=heads, splits=3, page=16, rank=rank, rope=rope))
     lens = [1, 37, 64, 7, 50, 0, 63]
     spec, inputs, q_lens = _decode_batch(art, lens, [1, 1, 1, 0, 1, 1, 1], heads, np.random.default_rng(4))
     out = art.run(inputs, target="sm_80")
     config = art.meta["targets"]["sm_80"]["config"]
     row_bytes, bm = spec.head_dim * 2, config["block_m"]
-    assert bm == (64 if heads == 32 else 16)       # value_split above 256 columns: 16-row tiles
+    # rank 128: one warp per 16 rows, 64-row tiles; above 256 columns four warps share 16 rows,
+    # and the CTA holds as many head rows as the heads fill, up to 64 (latent_block_m)
+    assert bm == {16: 16, 32: 64, 128: 64}[heads]
     # 512 columns: the four warps sharing 16 rows each take a quarter of Q.K^T's depth (when
     # its k-steps divide by four: 576 = 36 x 16 does, 528 = 33 x 16 computes it in each warp)
     assert config.get("score_split", False) == (rank == 512 and rope == 64)

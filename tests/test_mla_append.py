@@ -1,6 +1,7 @@
 """The mla_append family (vLLM's concat_and_cache_mla): a step's latent rows written at their
 slots, bit-exact against the numpy model of the formats (mla_inputs.append_reference: bf16/f16
-rows, RoPE's exact f32 sequence, e4m3 with amax-0 rows, +-inf, NaN and saturating values);
+rows, RoPE's exact f32 sequence, e4m3 with amax-0 rows, +-inf, NaN and saturating values, and
+e4m3_ds's group-scaled rows);
 padding slots, slots past the cache and skipped RoPE positions leave every byte untouched. And
 the cache it writes is the one the mla family reads."""
 
@@ -24,6 +25,12 @@ CASES = {
     "e4m3": ('dtype = "bf16"\nkv_dtype = "e4m3"\n', ("sm_80", "sm_89")),
     "e4m3-device-neox": ('dtype = "bf16"\nkv_dtype = "e4m3"\nkv_scale = "device"\nrope = "neox"\n'
                          'page_size = 1\n', ("sm_80", "sm_90")),
+    # fp8_ds_mla rows (vLLM's concat_and_cache_ds_mla): an amax-0 row (scale FLT_MIN), +inf in a
+    # group (scale inf: inf/inf -> the NaN code, the rest 0), NaN among finite values (ignored
+    # by the amax), values so small that amax / 448 falls under FLT_MIN, -inf and NaN RoPE
+    "e4m3_ds": ('dtype = "bf16"\nkv_dtype = "e4m3_ds"\n', ("sm_80", "sm_89")),
+    "e4m3_ds-neox-page16": ('dtype = "bf16"\nkv_dtype = "e4m3_ds"\nrope = "neox"\npage_size = 16\n', ("sm_90",)),
+    "e4m3_ds-gptj-page1": ('dtype = "bf16"\nkv_dtype = "e4m3_ds"\nrope = "gptj"\npage_size = 1\n', ("sm_80",)),
 }
 
 

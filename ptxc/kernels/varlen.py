@@ -119,10 +119,13 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     """Tiles: block_m 64 (4 warps) whatever the target, so the grid and the "auto" split rule
     are target-independent (above head_dim 256 four warps share 16 rows: value_split); block_n
     64 (32 above head_dim 128, 16 above 256: 32 spilled on sm_80); 2 stages (FP8 caches
-    staged by cp.async: kv_fp8_stage.default_stages), fewer to fit."""
+    staged by cp.async: kv_fp8_stage.default_stages), fewer to fit. A latent cache (MLA) above
+    256 columns takes latent_block_m's rows instead, and with them the most stages that fit."""
     given = spec.tile_dict()
     vsplit = value_split(head_dim_v(spec), True)
-    bm = given.get("block_m") or 16 * given.get("num_warps", 4) // vsplit
+    latent = latent_cache(spec)     # MLA: one tile per stage, at least two stages (kv_pipeline.py)
+    wide = latent and vsplit > 1 and "block_m" not in given and "num_warps" not in given
+    bm = given.get("block_m") or (latent_block_m(spec) if wide else 16 * given.get("num_warps", 4) // vsplit)
     if sparse_keys(spec) and "block_m" not in given:   # a tile holds one token's heads
         bm = math.gcd(bm, spec.num_heads)
     warps = given.get("num_warps") or bm // 16 * vsplit
@@ -135,7 +138,6 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     # left alone, ptxas caps 4-warp CTAs at 168 registers (three per SM, which shared memory
     # never allows them) and spills the dequantisation
     staged = kv_fp8_stage.applies(spec)
-    latent = latent_cache(spec)     # MLA: one tile per stage, at least two stages (kv_pipeline.py)
     # MLA's 512-wide V: the four warps sharing 16 rows split the 576-deep Q·Kᵀ between them
     split_scores = latent and vsplit > 1 and -(-spec.head_dim // 16) % vsplit == 0
     config_type = kv_fp8_stage.StagedFP8Config if staged else PrefillConfig
@@ -148,8 +150,8 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
                            shared_kv=latent, score_split=split_scores, mask_tiles=classified_tiles(spec),
                            **rows)
 
-    stages = given.get("num_stages") or (
-        kv_fp8_stage.default_stages(make, target) if staged and target is not None else 2)
+    stages = given.get("num_stages") or (   # a wide latent tile is one CTA per SM: all it holds
+        kv_fp8_stage.default_stages(make, target) if (staged or bm > 16 and wide) and target is not None else 2)
     cfg = make(stages)
     while cfg.smem_bytes > smem_limit:
         if "num_stages" not in given and stages > 1 + latent:
@@ -169,6 +171,35 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
         if wg.applies(spec, target, cfg) and spec.opt("custom_mask") == "none":
             return wg.configure(spec, cfg)
     return cfg
+
+
+# FlashMLA's head rows per CTA: a latent row read from global memory serves 64 query heads
+WIDE_LATENT_ROWS = 64
+
+
+def latent_block_m(spec: KernelSpec) -> int:
+    """Head rows per CTA of a latent cache above 256 columns (four warps per 16 rows): as many as
+    the heads fill, up to WIDE_LATENT_ROWS (16 warps, 128 registers each: the whole register
+    file of an SM), where every target of the spec holds that tile in shared memory (sm_80,
+    sm_90, sm_100: about 128 KiB; the 99 KiB parts, sm_86/89/120, keep 16 rows), so the grid
+    and the "auto" split rule stay target-independent. e4m3_ds rows take at most 32 (their
+    conversion spills at 64 x 128 registers)."""
+    rows = 16
+    cap = 32 if kv_fp8.group_scaled(spec) else WIDE_LATENT_ROWS
+    while rows * 2 <= min(cap, spec.num_heads):
+        rows *= 2
+    while rows > 16 and not all(_fits(spec, rows, TARGETS[t]) for t in spec.targets):
+        rows //= 2
+    return rows
+
+
+def _fits(spec: KernelSpec, rows: int, target: Target) -> bool:
+    try:
+        configure(dataclasses.replace(spec, tile=tuple(sorted({**spec.tile_dict(), "block_m": rows}.items()))),
+                  target)
+    except SpecError:
+        return False
+    return True
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
