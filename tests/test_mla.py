@@ -255,3 +255,14 @@ def test_sparse_num_heads_fill_whole_tiles():
         load_text('[[kernel]]\nname = "m"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = 24\n'
                   'softmax_scale = 0.1\nsparse_topk = 64\n', "m.toml")
     assert e.value.key == "num_heads" and "multiple of 16" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("heads,kv", [(16, None), (128, "e4m3_ds")])
+def test_sparse_long_token_runs_the_slot_ring(tmp_path, heads, kv):
+    """One split over 300 slots per token: 19 tiles, so past the pipeline's prologue every
+    tile's copy reads its rows' slots from the shared-memory ring (kv_pages.SparseSlots) that
+    the previous tile's copy parked; -1, duplicates and out-of-cache slots throughout."""
+    text = body(heads=heads, splits=1, kv=kv) + "sparse_topk = 300\ntopk_length = true\n"
+    art = build_kernel(tmp_path, "mla", text, targets=("sm_90",))
+    assert "st.shared.s32" in art.ptx("sm_90")
+    assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 5, "num_pages": 9}, seed=13))

@@ -81,7 +81,7 @@ class StagedFP8Config(PrefillConfig):
     @property
     def smem_bytes(self) -> int:
         return self.q_geom.bytes + self.kv_tiles * (self.kv_geom.bytes + self.num_stages * self.staging_bytes) + \
-            self.mask_list_bytes + self.exchange_bytes
+            self.tail_bytes
 
 
 def default_stages(make, target: Target) -> int:

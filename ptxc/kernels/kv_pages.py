@@ -13,10 +13,10 @@ round trip sits between the pipeline and its cp.async requests.
 
 from __future__ import annotations
 
-from ..ir import S32, S64, KernelBuilder, Reg
+from ..ir import S32, S64, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
-from .tiles import ThreadSlot, load_tile_passes
+from .tiles import ThreadSlot, load_tile_passes, load_tile_rows
 
 
 def prefetch_applies(kv: KVAccess, slot: ThreadSlot, block_n: int) -> bool:
@@ -95,4 +95,68 @@ class PagedTiles:
         return list(zip(addrs, oks))
 
 
-__all__ = ["PagedTiles", "prefetch_applies"]
+class SparseSlots:
+    """Sparse top-k tiles (KVAccess(sparse=N)): row r of tile q reads the cache slot
+    indices[token, key0(q) + r]. Loaded where the row's copy needs it, that slot is a global
+    round trip in front of every tile's cp.async (in-order issue: the warp waits for it). Here
+    thread i < block_n loads row i's slot two tiles ahead into a register (`mine`) and parks it
+    in a two-tile ring in shared memory one tile ahead; the copy of tile q reads its rows' slots
+    from ring[q % 2]. The shared pipeline's barrier at the top of each iteration orders the park
+    (while issuing tile q - 1) before the reads (issuing tile q), and a ring half is rewritten
+    only an iteration after its last read. The first S - 1 tiles (the pipeline's prologue) read
+    their slots directly; the last of them primes the ring. A tile the loop does not issue
+    (q >= n_tiles) skips the park and the load with it, and so does every later one."""
+
+    def __init__(self, b: KernelBuilder, kv: KVAccess, bases: dict, slot: ThreadSlot, block_n: int,
+                 L: Reg, ring: Reg, tid: Reg, stages: int, key0_of):
+        self.b, self.kv, self.bases, self.slot, self.bn, self.L = b, kv, bases, slot, block_n, L
+        self.ring, self.tid, self.stages, self.key0_of = ring, tid, stages, key0_of
+        self.issued = 0                      # load_kv calls emitted so far (prologue, then the loop's)
+        self.own = b.setp("lt", tid, block_n)
+        self.mine = b.mov(-1, S32)
+
+    def _half(self, q: Reg) -> Reg:
+        return self.b.add(self.ring, self.b.mul(self.b.and_(q, 1), 4 * self.bn))
+
+    def _fetch(self, q: Reg) -> None:
+        """mine <- the slot of row tid of tile q (-1 past the token's keys, and for tid >= block_n)."""
+        b = self.b
+        key = b.add(self.key0_of(q), self.tid)
+        self.kv.load_page(b, self.bases, key, b.and_(self.own, b.setp("lt", b.bitcast(key, S32), self.L)),
+                          out=self.mine)
+
+    def _park(self, q: Reg) -> None:
+        with self.b.predicate(self.own):
+            self.b.st("shared", S32, Addr(self.b.add(self._half(q), self.b.shl(self.tid, 2))), [self.mine])
+
+    def issue(self, cache: str, q: Reg, nvalid: Reg, dst: Reg, rows_of) -> None:
+        """cp.async tile q of `cache` (rows past `nvalid` zero-filled); `rows_of` is the per-row
+        addressing the prologue's tiles use."""
+        b, slot = self.b, self.slot
+        row0 = self.key0_of(q)
+        if self.issued < self.stages - 1:
+            load_tile_rows(b, slot, rows_of, row0, nvalid, dst, True)
+            if self.issued == self.stages - 2:       # prime: ring[q + 1], mine = tile q + 2's
+                self._fetch(b.add(q, 1))
+                self._park(b.add(q, 1))
+                self._fetch(b.add(q, 2))
+        else:
+            half, rpp = self._half(q), slot.geom.rows_per_pass
+
+            def pass_address(i: int) -> tuple[Reg, Reg]:
+                r = b.add(slot.r0, i * rpp)
+                inside = b.setp("lt", r, self.bn)    # idle threads' rows lie past the tile
+                parked = b.mov(-1, S32)
+                with b.predicate(inside):
+                    b.ld("shared", S32, Addr(b.add(half, b.shl(r, 2))), out=[parked])
+                row, cache_pages = b.add(row0, r), {}
+                self.kv.use_page(b, cache_pages, row, inside, parked)
+                addr, ok = self.kv.row_address(b, self.bases, cache, row, inside, cache_pages)
+                return b.bitcast(addr, C.U64) if addr.type != C.U64 else addr, ok
+            load_tile_passes(b, slot, pass_address, nvalid, dst, True)
+            self._park(b.add(q, 1))
+            self._fetch(b.add(q, 2))
+        self.issued += 1
+
+
+__all__ = ["PagedTiles", "SparseSlots", "prefetch_applies"]

@@ -83,6 +83,9 @@ class PrefillConfig:
     # A packed custom mask: the KV tiles a CTA classifies from the bits before its loop
     # (mask_tiles.py), whose visit list and bitmaps sit after the K/V stages
     mask_tiles: int = 0
+    # Sparse top-k (a cache slot per key): the slots of the next K tile parked in a two-tile
+    # ring before the mask list (kv_pages.SparseSlots)
+    slot_ring: bool = False
 
     @property
     def dv(self) -> int:
@@ -123,8 +126,22 @@ class PrefillConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return self.q_geom.bytes + self.kv_tiles * self.num_stages * self.kv_geom.bytes + \
-            self.mask_list_bytes + self.exchange_bytes
+        return self.q_geom.bytes + self.kv_tiles * self.num_stages * self.kv_geom.bytes + self.tail_bytes
+
+    @property
+    def tail_bytes(self) -> int:
+        """What follows the K/V stages: the slot ring, the mask-tile list, the score exchange."""
+        return self.slot_ring_bytes + self.mask_list_bytes + self.exchange_bytes
+
+    @property
+    def slot_ring_bytes(self) -> int:
+        """slot_ring: two tiles of s32 slots."""
+        return 8 * self.block_n if self.slot_ring else 0
+
+    @property
+    def slot_ring_offset(self) -> int:
+        """Byte offset of the slot ring in shared memory (before the mask list)."""
+        return self.smem_bytes - self.tail_bytes
 
     @property
     def mask_list_bytes(self) -> int:

@@ -148,7 +148,7 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
                            head_dim_v(spec), vsplit,
                            min_ctas_per_sm=1 if staged or needs_floor(spec.family, spec, target) else 0,
                            shared_kv=latent, score_split=split_scores, mask_tiles=classified_tiles(spec),
-                           **rows)
+                           slot_ring=bool(sparse_keys(spec)), **rows)
 
     stages = given.get("num_stages") or (   # a wide latent tile is one CTA per SM: all it holds
         kv_fp8_stage.default_stages(make, target) if (staged or bm > 16 and wide) and target is not None else 2)
@@ -182,10 +182,11 @@ def latent_block_m(spec: KernelSpec) -> int:
     the heads fill, up to WIDE_LATENT_ROWS (16 warps, 128 registers each: the whole register
     file of an SM), where every target of the spec holds that tile in shared memory (sm_80,
     sm_90, sm_100: about 128 KiB; the 99 KiB parts, sm_86/89/120, keep 16 rows), so the grid
-    and the "auto" split rule stay target-independent. e4m3_ds rows take at most 32 (their
-    conversion spills at 64 x 128 registers)."""
+    and the "auto" split rule stay target-independent. e4m3_ds rows and sparse top-k take at
+    most 32: at 64 rows x 128 registers the group-scaled conversion and the slot ring
+    (kv_pages.SparseSlots) spill."""
     rows = 16
-    cap = 32 if kv_fp8.group_scaled(spec) else WIDE_LATENT_ROWS
+    cap = 32 if kv_fp8.group_scaled(spec) or sparse_keys(spec) else WIDE_LATENT_ROWS
     while rows * 2 <= min(cap, spec.num_heads):
         rows *= 2
     while rows > 16 and not all(_fits(spec, rows, TARGETS[t]) for t in spec.targets):

@@ -32,7 +32,7 @@ from . import common as C
 from .kv_access import KVAccess
 from .kv_fp8 import stage_rows_dequant
 from .kv_fp8_stage import FP8Staging, StagedFP8Config
-from .kv_pages import PagedTiles, prefetch_applies
+from .kv_pages import PagedTiles, SparseSlots, prefetch_applies
 from .kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
 from .packed_tile import TileWork, VarlenCtx, packed_tile_setup
 from .prefill import PrefillConfig, finish_rows
@@ -231,6 +231,11 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
         pages = PagedTiles(b, kv, bases, kv_slot, bn, L)
 
     key_lo = tile.key_lo()   # a sliding window: keys no row of the tile sees are zero-filled
+    sparse = None            # sparse top-k: the slots of the next tile parked in shared memory
+    if cfg.slot_ring:
+        assert cfg.shared_kv and key_lo is None and tile.order is None
+        sparse = SparseSlots(b, kv, bases, kv_slot, bn, L, b.add(smem, cfg.slot_ring_offset), tid,
+                             stages, tile.key0)
 
     def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
         with b.if_then(b.setp("lt", j, n_tiles)):
@@ -240,6 +245,8 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
             rows_of = tile.kv_rows(kv, bases, cache, key_lo)
             if pages is not None:
                 pages.issue(cache, row0, b.sub(L, b.bitcast(row0, S32)), dst, key_lo)
+            elif sparse is not None:
+                sparse.issue(cache, j, b.sub(L, b.bitcast(row0, S32)), dst, rows_of)
             elif quant is None or staging is not None:
                 load_tile_rows(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
             else:
