@@ -164,16 +164,16 @@ class FP8Staging:
                     b.st("shared", B32, Addr(dst, doff + 16 * h), vals[4 * h:4 * h + 4])
         return self.tile[t]
 
-    def _load(self, src: Reg, off: int, guard: Reg | None, vec: int = 4, type=B32) -> list[Reg]:
+    def _load(self, src: Reg, off: int, guard: Reg | None, vec: int = 4, elem=B32) -> list[Reg]:
         """ld.shared of this thread's chunk (or a word of its row) in one pass; zeros where
         the pass has no row for it."""
         b = self.b
         if guard is None:
-            words = b.ld("shared", type, Addr(src, off), vec=vec)
+            words = b.ld("shared", elem, Addr(src, off), vec=vec)
             return words if isinstance(words, list) else [words]
-        words = zero_regs(b, vec) if type is B32 else [b.mov(0.0, type) for _ in range(vec)]
+        words = zero_regs(b, vec) if elem is B32 else [b.mov(0.0, elem) for _ in range(vec)]
         with b.predicate(guard):
-            b.ld("shared", type, Addr(src, off), vec=vec, out=words)
+            b.ld("shared", elem, Addr(src, off), vec=vec, out=words)
         return words
 
     def _group_scaled(self, slot: ThreadSlot, src: Reg, loaded: list) -> None:
