@@ -266,3 +266,13 @@ def test_sparse_long_token_runs_the_slot_ring(tmp_path, heads, kv):
     art = build_kernel(tmp_path, "mla", text, targets=("sm_90",))
     assert "st.shared.s32" in art.ptx("sm_90")
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 5, "num_pages": 9}, seed=13))
+
+
+def test_sparse_sixteen_warp_tile_loads_slots_directly(tmp_path):
+    """tile.block_m = 64 (16 warps, 128 registers a thread) has no room for the slot ring: each
+    copy loads its rows' slots itself, and the numerics are the same."""
+    text = body(heads=128, splits=1) + "sparse_topk = 300\n"
+    art = build_kernel(tmp_path, "mla", text, tile="block_m = 64", targets=("sm_90",))
+    assert art.meta["targets"]["sm_90"]["config"]["num_warps"] == 16
+    assert "st.shared.s32" not in art.ptx("sm_90")
+    assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 3, "num_pages": 9}, seed=13))

@@ -148,7 +148,7 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
                            head_dim_v(spec), vsplit,
                            min_ctas_per_sm=1 if staged or needs_floor(spec.family, spec, target) else 0,
                            shared_kv=latent, score_split=split_scores, mask_tiles=classified_tiles(spec),
-                           slot_ring=bool(sparse_keys(spec)), **rows)
+                           slot_ring=bool(sparse_keys(spec)) and warps <= RING_MAX_WARPS, **rows)
 
     stages = given.get("num_stages") or (   # a wide latent tile is one CTA per SM: all it holds
         kv_fp8_stage.default_stages(make, target) if (staged or bm > 16 and wide) and target is not None else 2)
@@ -175,6 +175,10 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
 
 # FlashMLA's head rows per CTA: a latent row read from global memory serves 64 query heads
 WIDE_LATENT_ROWS = 64
+# Sparse top-k's slot ring (kv_pages.SparseSlots) where its registers fit: up to 8 warps. A
+# 16-warp CTA has 128 registers a thread and spills it, so there (tile.block_m = 64) each copy
+# loads its rows' slots itself, as before the ring.
+RING_MAX_WARPS = 8
 
 
 def latent_block_m(spec: KernelSpec) -> int:
