@@ -276,3 +276,12 @@ def test_sparse_sixteen_warp_tile_loads_slots_directly(tmp_path):
     assert art.meta["targets"]["sm_90"]["config"]["num_warps"] == 16
     assert "st.shared.s32" not in art.ptx("sm_90")
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 3, "num_pages": 9}, seed=13))
+
+
+def test_sparse_block_m_divides_the_heads():
+    """A sparse tile holds one token's heads: a named block_m that does not divide them is
+    refused (it would leave tokens without a tile)."""
+    with pytest.raises(SpecError) as e:
+        load_text('[[kernel]]\nname = "m"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = 16\n'
+                  'softmax_scale = 0.1\nsparse_topk = 64\n[kernel.tile]\nblock_m = 64\n', "m.toml")
+    assert e.value.key == "tile.block_m" and "divisor of num_heads" in str(e.value), str(e.value)

@@ -190,6 +190,11 @@ def check_sparse(spec: KernelSpec) -> None:
     if spec.num_heads % 16:   # tiles of 16 rows (or 32, 64: varlen.configure's gcd) per token
         raise SpecError(f"num_heads = {spec.num_heads}: sparse MLA tiles hold one token's heads, "
                         f"16 rows per warp; allowed: a multiple of 16", key="num_heads")
+    bm = spec.tile_dict().get("block_m")
+    if bm and spec.num_heads % bm:
+        raise SpecError(f"block_m = {bm} with num_heads = {spec.num_heads}: a sparse tile holds "
+                        f"one token's heads; allowed: a divisor of num_heads (16, 32 or 64)",
+                        key="tile.block_m")
 
 
 def interface(spec: KernelSpec) -> Interface:
