@@ -79,6 +79,12 @@ OPTIONS = (
     ("decode", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "device"\nnum_splits = "auto"\n', "fp8dsplit"),
     ("decode", None, 'kv_layout = "paged"\npage_size = 528\nnum_splits = "auto"\n', "p528"),
     ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "device"\nnum_splits = "auto"\n', "fp8dsplit"),
+    # FP8 caches on the sm_90a wgmma body (head_dim 64 / 128 / 256; other head dims mma.sync)
+    ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\ntargets = ["sm_90a"]\n', "fp8_90a"),
+    ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\nnum_splits = "auto"\n'
+     'return_lse = true\ntargets = ["sm_90a"]\n', "fp8hsplit_90a"),
+    ("varlen", False, 'kv_layout = "contiguous"\nkv_dtype = "e5m2"\nkv_scale = "device"\n'
+     'targets = ["sm_90a"]\n', "fp8dev_90a"),
     ("varlen", True, 'kv_layout = "paged"\npage_size = 528\n', "p528"),
     ("kv_append", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n', "fp8h"),
     ("kv_append", None, _PAGED + 'rope = "neox"\nnum_heads = 8\n', "rope"),

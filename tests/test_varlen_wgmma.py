@@ -135,6 +135,33 @@ def test_two_warpgroups(tmp_path):
     check_ragged(art, spec, "page16", seed=1)
 
 
+FP8 = [   # (case, kv_dtype, kv_scale)
+    (dict(dtype="f16", head_dim=64, gqa="gqa4", causal=True, layout="page16", splits=1), "e4m3", "tensor"),
+    (dict(dtype="bf16", head_dim=128, gqa="gqa8", causal=False, layout="contiguous", splits=3), "e5m2", "device"),
+    (dict(dtype="bf16", head_dim=256, gqa="mqa", causal=True, layout="page16", splits="auto"), "e4m3", "head"),
+    *(pytest.param(dict(dtype=dt, head_dim=d, gqa="gqa4", causal=c, layout=lay, splits=s), kd, sc, marks=SLOW)
+      for dt in ("f16", "bf16") for d in (64, 128, 256) for c in (True, False)
+      for lay, s in (("page1", 1), ("contiguous", "auto")) for kd, sc in (("e4m3", "head"), ("e5m2", "tensor"))),
+]
+
+
+@pytest.mark.parametrize("case,kv,scale", FP8, ids=lambda x: "-".join(map(str, x.values())) if isinstance(x, dict) else x)
+def test_fp8_caches_on_wgmma(tmp_path, case, kv, scale):
+    """FP8 caches on the wgmma body: the bytes land by cp.async in staging buffers and every
+    thread dequantises its chunks into the swizzled K and V tiles at the top of each iteration
+    (kv_fp8_stage.SwizzledFP8Staging); k_scale joins the softmax scale, v_scale the 1/l. The
+    ragged batch of test_ragged_batch against fp64 over the dequantised caches."""
+    art = build_kernel(tmp_path, "varlen", body(**case) + f'\nkv_dtype = "{kv}"\nkv_scale = "{scale}"',
+                       targets=SM90A)
+    config = art.meta["targets"]["sm_90a"]["config"]
+    assert config["path"] == "wgmma.m64nNk16" and "kv_loads" not in config
+    assert config["fp8_staging_bytes"] == config["block_n"] * case["head_dim"]
+    ptx = (art.path / art.meta["targets"]["sm_90a"]["ptx"]).read_text()
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk" not in ptx and "ldmatrix" not in ptx
+    out, inputs = check_ragged(art, KernelSpec.from_dict(art.meta["spec"]), case["layout"])
+    assert np.all(out["o"][inputs["cu_seqlens_q"][6]:inputs["cu_seqlens_q"][7]] == 0)   # L = 0
+
+
 # ---- dispatch and configuration ------------------------------------------------------------
 def _config(text: str, target: str) -> dict:
     [spec] = load_text(f'[[kernel]]\nname = "k"\nfamily = "varlen"\ntargets = ["{target}"]\n{text}')
@@ -146,7 +173,8 @@ def _config(text: str, target: str) -> dict:
     (body(dtype="bf16", head_dim=256, layout="contiguous"), "sm_90a", "wgmma.m64nNk16"),
     (body(head_dim=128), "sm_90", "mma.m16n8k16"),
     (body(head_dim=96), "sm_90a", "mma.m16n8k16"),                         # other head dims
-    (body(head_dim=128) + '\nkv_dtype = "e4m3"\nkv_scale = "tensor"', "sm_90a", "mma.m16n8k16"),
+    (body(head_dim=128) + '\nkv_dtype = "e4m3"\nkv_scale = "tensor"', "sm_90a", "wgmma.m64nNk16"),
+    (body(head_dim=128) + '\nkv_dtype = "e5m2"\nkv_scale = "head"', "sm_90", "mma.m16n8k16"),
     (body(head_dim=128) + "\nhead_dim_v = 64", "sm_90a", "mma.m16n8k16"),
     (body(head_dim=64) + "\n[kernel.tile]\nblock_m = 32", "sm_90a", "mma.m16n8k16"),
 ])

@@ -209,5 +209,47 @@ class FP8Staging:
                 b.st("shared", B32, Addr(rope_dst, doff), words)
 
 
+class SwizzledFP8Staging:
+    """FP8Staging for the wgmma tiles (prefill_wgmma's layout: 128-byte slabs of rows x 128 B,
+    chunk k of row r at swizzled chunk k ^ (r % 8)). The FP8 rows land unpadded (thread_slot
+    over StagingGeom); after the wait each thread converts the 16 bytes it copied into bf16/f16
+    chunks 2c and 2c + 1 of its row: slab 2c // 8, swizzled chunks (2c % 8) ^ (r % 8) and
+    (2c % 8 + 1) ^ (r % 8) (rows_per_pass is a multiple of 8, so every pass has the first's
+    swizzle and an immediate offset). One converted tile each for K and V: the wgmma pipeline
+    converts K(j) and V(j-1) at the top of iteration j, after the barrier that ended every read
+    of K(j-1) and V(j-2) (wgmma_pipeline.py), and its fence.proxy.async follows the barrier.
+
+    Shared memory from `tiles_base`: K tile | V tile | K staging x stages | V staging x stages."""
+
+    def __init__(self, b: KernelBuilder, geom: StagingGeom, tile_bytes: int, slab_bytes: int,
+                 stages: int, tid: Reg, tiles_base: Reg, quant: kv_fp8.KVDequant, pair: str):
+        assert geom.rows_per_pass % 8 == 0 and not geom.idle_threads and geom.rows % geom.rows_per_pass == 0, geom
+        self.b, self.geom, self.quant, self.pair = b, geom, quant, pair
+        self.tile = {"k": tiles_base, "v": b.add(tiles_base, tile_bytes)}
+        self.stage_bytes = geom.bytes
+        self.k_stage = b.add(tiles_base, 2 * tile_bytes)
+        self.v_stage = b.add(self.k_stage, stages * self.stage_bytes)
+        self.slot = thread_slot(b, geom, tid)
+        k2 = b.shr(self.slot.col, 3)                       # bf16 chunk 2c of the row (c = col / 16)
+        r8 = b.and_(self.slot.r0, 7)
+        row = b.mad(b.shr(k2, 3), slab_bytes, b.shl(self.slot.r0, 7))
+        in_slab = b.and_(k2, 7)
+        self.dst = [b.add(row, b.shl(b.xor(b.add(in_slab, h), r8), 4)) for h in range(2)]
+
+    def landed(self, t: str, stage: Reg | int) -> Reg:
+        """After the wait for tile `t` ("k" | "v") staged at offset `stage`: this thread's
+        chunks dequantised into the swizzled tile; returns the tile's address."""
+        b, geom = self.b, self.geom
+        src = b.add(b.add(self.k_stage if t == "k" else self.v_stage, stage), self.slot.soff)
+        words = [b.ld("shared", B32, Addr(src, i * geom.rows_per_pass * geom.stride), vec=4)
+                 for i in range(geom.passes)]
+        dst = [b.add(self.tile[t], d) for d in self.dst]
+        for i, w in enumerate(words):
+            vals = fp8.dequantize(b, w, self.quant.kind, self.quant.target, to=self.pair)
+            for h in range(2):
+                b.st("shared", B32, Addr(dst[h], i * geom.rows_per_pass * 128), vals[4 * h:4 * h + 4])
+        return self.tile[t]
+
+
 __all__ = ["applies", "StagingGeom", "StagedFP8Config", "default_stages", "staging_slot", "FP8Staging",
-           "MAX_STAGES"]
+           "SwizzledFP8Staging", "MAX_STAGES"]

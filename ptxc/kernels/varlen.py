@@ -105,6 +105,10 @@ def validate(spec: KernelSpec) -> None:
                                 f"(decode supports it)", key=key)
     for t in spec.targets:
         configure(spec, TARGETS[t])
+    if spec.tile_dict().get("kv_loads") == "tma" and kv_fp8.kind(spec):
+        raise SpecError(f"kv_loads = \"tma\" with kv_dtype {spec.opt('kv_dtype')!r}: TMA copies bytes "
+                        f"as they are, and FP8 tiles are dequantised after cp.async lands them; "
+                        f"allowed: \"cp_async\" or drop the key", key="tile.kv_loads")
     if spec.tile_dict().get("kv_loads") == "tma":
         from .varlen_wgmma import WgmmaTileConfig
         if not any(isinstance(configure(spec, TARGETS[t]), WgmmaTileConfig) for t in spec.targets):

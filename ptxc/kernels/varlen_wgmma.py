@@ -26,7 +26,10 @@ the tile math and K/V loop of the wgmma prefill (prefill_wgmma.py, wgmma_pipelin
              the previous P·V); the m64nN accumulator is the mma.sync fragment layout per warp,
              so masks, variants and the epilogue read it as they are.
 
-FP8 caches, other head dims and head_dim_v != head_dim keep the mma.sync kernel on sm_90a.
+FP8 caches (e4m3 / e5m2) take the same body with their bytes staged by cp.async and
+dequantised into one swizzled tile each for K and V at the top of every iteration
+(kv_fp8_stage.SwizzledFP8Staging, wgmma_pipeline's `landed`); TMA does not apply to them.
+e4m3_ds rows, other head dims and head_dim_v != head_dim keep the mma.sync kernel on sm_90a.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from dataclasses import dataclass
 
 from ..ir import S32, S64, U64, Imm, KernelBuilder, Reg
 from .kv_access import KVAccess
-from .kv_fp8 import kv_dtype
+from .kv_fp8 import group_scaled, kind, kv_dtype
+from .kv_fp8_stage import StagingGeom, SwizzledFP8Staging
 from .kv_pages import PagedTiles, prefetch_applies
 from .packed_tile import TileWork, packed_tile_setup
 from .prefill_config import PrefillConfig
@@ -50,11 +54,26 @@ PATH = "wgmma.m64nNk16"
 
 @dataclass(frozen=True)
 class WgmmaTileConfig(WgmmaConfig):
-    """WgmmaConfig without the O staging region (the packed epilogue stores from registers)."""
+    """WgmmaConfig without the O staging region (the packed epilogue stores from registers).
+    With `fp8` the cache holds FP8 bytes: they land by cp.async in `num_stages` unpadded staging
+    buffers each for K and V and are dequantised into one swizzled tile each
+    (kv_fp8_stage.SwizzledFP8Staging)."""
+
+    fp8: bool = False
 
     @property
     def q_region_bytes(self) -> int:
         return self.q_geom.bytes
+
+    @property
+    def staging_geom(self) -> StagingGeom:
+        return StagingGeom(self.block_n, self.head_dim, self.threads)
+
+    @property
+    def smem_bytes(self) -> int:
+        if not self.fp8:
+            return super().smem_bytes
+        return self.q_region_bytes + 2 * (self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes)
 
     @property
     def group_bytes(self) -> int:
@@ -71,10 +90,19 @@ class WgmmaTileConfig(WgmmaConfig):
 
 
 def applies(spec, target, cfg: PrefillConfig) -> bool:
-    """Whether the packed tile `cfg` (the mma.sync one) runs on wgmma for `target`."""
-    return (uses_wgmma(spec, target) and kv_dtype(spec) == spec.dtype and cfg.v_split == 1
-            and cfg.block_m in (ROWS_PER_WARPGROUP, 2 * ROWS_PER_WARPGROUP)
+    """Whether the packed tile `cfg` (the mma.sync one) runs on wgmma for `target`: caches of
+    the dtype, or FP8 (e4m3 / e5m2) staged by cp.async."""
+    return (uses_wgmma(spec, target) and (kv_dtype(spec) == spec.dtype or fp8_staged(spec, cfg))
+            and cfg.v_split == 1 and cfg.block_m in (ROWS_PER_WARPGROUP, 2 * ROWS_PER_WARPGROUP)
             and cfg.num_warps == cfg.block_m // 16)
+
+
+def fp8_staged(spec, cfg: PrefillConfig) -> bool:
+    """An FP8 cache whose staged rows cover whole 8-row swizzle groups per copy pass."""
+    if kind(spec) is None or group_scaled(spec):
+        return False
+    geom = StagingGeom(cfg.block_n, spec.head_dim, cfg.threads)
+    return geom.rows_per_pass % 8 == 0 and not geom.idle_threads and cfg.block_n % geom.rows_per_pass == 0
 
 
 def configure(spec, cfg: PrefillConfig) -> WgmmaTileConfig:
@@ -85,16 +113,18 @@ def configure(spec, cfg: PrefillConfig) -> WgmmaTileConfig:
     with kv_loads = "cp_async", by per-thread cp.async."""
     from .varlen import kv_access
     from .varlen_tma import tma_applies
-    tma = spec.tile_dict().get("kv_loads", "tma") == "tma" and tma_applies(kv_access(spec))
+    fp8 = kind(spec) is not None      # TMA cannot dequantise: FP8 bytes come by cp.async
+    tma = spec.tile_dict().get("kv_loads", "tma") == "tma" and tma_applies(kv_access(spec)) and not fp8
     return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
                            cfg.num_stages, True, cfg.head_dim, 1,
-                           kv_loads="tma" if tma else "cp_async")
+                           kv_loads="tma" if tma else "cp_async", fp8=fp8)
 
 
 def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
     """The metadata config: the packed tile's, with the path and the swizzle (as prefill), and
     kv_loads = "tma" when TMA loads the K/V tiles (absent: per-thread cp.async)."""
-    out = {**base, "path": PATH, "smem_swizzle": SWIZZLE, **({"kv_loads": "tma"} if cfg.tma else {})}
+    out = {**base, "path": PATH, "smem_swizzle": SWIZZLE, **({"kv_loads": "tma"} if cfg.tma else {}),
+           **({"fp8_staging_bytes": cfg.staging_geom.bytes} if cfg.fp8 else {})}
     out.pop("smem_row_stride")
     return out
 
@@ -182,9 +212,11 @@ def row_chunks(b: KernelBuilder, slot: ThreadSlot, row_address, row0: Reg, nvali
 
 def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,
                     strides: dict, work: TileWork, split_count: Reg | None,
-                    tmaps: dict | None = None) -> None:
+                    tmaps: dict | None = None, quant=None) -> None:
     """varlen_attend.emit_packed_tile on wgmma (see the module docstring); with `tmaps`
-    (tile.kv_loads = "tma") varlen_tma.py's body."""
+    (tile.kv_loads = "tma") varlen_tma.py's body. With `quant` (an FP8 cache, cfg.fp8) the
+    copies land FP8 bytes in staging buffers, converted at the top of each iteration; k_scale
+    joins the softmax scale and v_scale the final 1/l, as on the mma.sync path."""
     if cfg.tma:
         from .varlen_tma import emit_tma_tile
         emit_tma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps)
@@ -193,7 +225,15 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD)
     ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
     q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
-    kv_slot = swizzled_slot(b, cfg.copy_geom(bn), ctx.tid)
+    staging = None
+    if cfg.fp8:
+        staging = SwizzledFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, cfg.kv_geom.slab_bytes,
+                                     cfg.num_stages, ctx.tid, tile.k_smem, quant,
+                                     "f16x2" if cfg.fmt.name == "f16" else "bf16x2")
+        kv_slot = staging.slot
+    else:
+        kv_slot = swizzled_slot(b, cfg.copy_geom(bn), ctx.tid)
+    k_stage, v_stage = (staging.k_stage, staging.v_stage) if staging else (tile.k_smem, tile.v_smem)
     q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
     bases = kv.bases(b, ptrs, work.seq, work.kv_head, b.cvt(S64, kv_slot.col))
     pages = LaggedPages(b, kv, bases, kv_slot, bn, L) if prefetch_applies(kv, kv_slot, bn) else None
@@ -204,7 +244,7 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
         cache = "k_cache" if t == "k" else "v_cache"
         row0 = b.mul(b.add(first, j), bn)
         with b.if_then(b.setp("lt", j, n_tiles)):
-            dst = b.add(tile.k_smem if t == "k" else tile.v_smem, stage_off)
+            dst = b.add(k_stage if t == "k" else v_stage, stage_off)
             nvalid = b.sub(L, b.bitcast(row0, S32))
             if pages is not None:
                 chunks = pages.pass_chunks(cache, pages.ids_of(cache), row0, key_lo)
@@ -212,7 +252,11 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
                 chunks = strided.chunks(cache, row0, nvalid, key_lo)
             else:
                 chunks = row_chunks(b, kv_slot, tile.kv_rows(kv, bases, cache, key_lo), row0, nvalid)
-            stage_groups(b, cfg, kv_slot, chunks, nvalid, dst)
+            if staging is not None:   # FP8 rows: whole rows per pass, unpadded staging
+                load_tile_passes(b, kv_slot, lambda i: (b.bitcast(chunks[i][0], U64) if chunks[i][0].type != U64
+                                                        else chunks[i][0], chunks[i][1]), nvalid, dst, True)
+            else:
+                stage_groups(b, cfg, kv_slot, chunks, nvalid, dst)
         if pages is not None and t == "k":
             pages.advance(row0)
         if strided is not None:
@@ -225,10 +269,15 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     if pages is not None:
         pages.load_ahead(b.mul(first, bn))
     math = VarlenWgmmaMath(b, ctx, ptrs, strides)
-    run_wgmma_pipeline(b, stages=cfg.num_stages, kv_bytes=cfg.kv_geom.bytes, k_smem=tile.k_smem,
-                       v_smem=tile.v_smem, n_tiles=n_tiles, n_full=tile.n_full,
+    if quant is not None:
+        k_scale, math.v_scale = quant.scales(b, work.kv_head)
+        math.scale_log2 = b.mul(k_scale, math.scale_log2)
+    run_wgmma_pipeline(b, stages=cfg.num_stages,
+                       kv_bytes=staging.stage_bytes if staging else cfg.kv_geom.bytes,
+                       k_smem=k_stage, v_smem=v_stage, n_tiles=n_tiles, n_full=tile.n_full,
                        key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
-                       transform=score_transform(b, spec, math), lo_full=tile.lo_full)
+                       transform=score_transform(b, spec, math), lo_full=tile.lo_full,
+                       landed=staging.landed if staging else None)
     math.epilogue()
 
 

@@ -22,15 +22,19 @@ fence per tile: the generic-proxy writes of K(j) and V(j-1) both precede A(j)'s 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from ..ir import U32, KernelBuilder, Reg
 from .kv_pipeline import advance_stage, modify_scores
 
 
 def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
                        n_tiles: Reg, n_full: Reg, key0_of, load_kv, math, transform=None,
-                       lo_full: Reg | None = None) -> None:
+                       lo_full: Reg | None = None, landed=None) -> None:
     """`load_kv(t, tile, stage_offset)` copies one K or V tile (if it exists) and commits exactly
-    one group; `math` is a WgmmaMath."""
+    one group; `math` is a WgmmaMath. With `landed(t, stage)` the stage buffers hold raw tiles
+    (FP8 bytes, kv_fp8_stage.SwizzledFP8Staging): after A(j)'s wait and before its barrier it
+    converts this thread's share of K(j) and V(j-1) and returns the tile the math reads."""
     S = stages
     for s in range(S):                                  # B(-S) .. B(-1)
         load_kv("k", b.mov(s, U32), s * kv_bytes)
@@ -43,22 +47,31 @@ def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: 
     stage = b.mov(0, U32)
     prev = b.mov((S - 1) * kv_bytes, U32)
 
-    def landed_and_fenced():
+    def landed_and_fenced(j=None):
+        """The wait and barrier of A(j) (j None: the last P·V's); returns where K(j) and V(j-1)
+        are read: (base, offset) each."""
         b.cp_async_wait(2 * S - 2)
+        tiles = (k_smem, stage), (v_smem, prev)
+        if landed is not None:   # the staged tiles converted (V(-1) does not exist)
+            k = landed("k", stage) if j is not None else k_smem
+            with b.if_then(b.setp("gt", j, 0)) if j is not None else nullcontext():
+                v = landed("v", prev)     # the tile's address: defined before the branch
+            tiles = (k, 0), (v, 0)
         b.bar_sync(0)
         b.fence_proxy_async()
+        return tiles
 
     with b.for_range(0, n_tiles) as j:
-        landed_and_fenced()                                                   # A(j)
-        attend_tile(b, math, k_smem, stage, v_smem, prev, j, key0_of, transform, n_full,
+        (k_at, k_off), (v_at, v_off) = landed_and_fenced(j)                   # A(j)
+        attend_tile(b, math, k_at, k_off, v_at, v_off, j, key0_of, transform, n_full,
                     lo_full)
         b.bar_sync(0)                                                         # B(j)
         load_kv("k", b.add(j, S), stage)
         load_kv("v", b.add(j, S - 1), prev)
         advance_stage(b, stage, prev, kv_bytes, S)
     with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
-        landed_and_fenced()
-        math.issue_pv(b.add(v_smem, prev))
+        _, (v_at, v_off) = landed_and_fenced()
+        math.issue_pv(b.add(v_at, v_off))
         b.wgmma_wait(0)
     b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
     b.bar_sync(0)
