@@ -155,10 +155,15 @@ def build(spec: KernelSpec, target: Target) -> Program:
 
 def cta_coords(b: KernelBuilder, spec: KernelSpec, bm: int, ptrs: dict, strides: dict):
     """A prefill CTA's place (grid: query block, head, batch): (tid, lane, warp, head, batch,
-    kv_head, m_start, head_base), head_base(t, h) being tensor t's u64 address of (batch, h)."""
+    kv_head, m_start, head_base), head_base(t, h) being tensor t's u64 address of (batch, h).
+    Causal: CTA x takes query block nctaid.x - 1 - x, so each (head, batch) starts with its
+    longest block (the most visible keys) and the short ones fill the tail of the launch --
+    FlashAttention-3's and FlashInfer's longest-first order; the hardware dispatches x first."""
     tid = b.special("%tid.x")
     lane, warp = b.and_(tid, 31), b.shr(tid, 5)
     m_blk, head, batch = b.special("%ctaid.x"), b.special("%ctaid.y"), b.special("%ctaid.z")
+    if spec.opt("causal"):
+        m_blk = b.sub(b.sub(b.special("%nctaid.x"), 1), m_blk)
     kv_head = b.div(head, spec.group_size) if spec.group_size > 1 else head
     m_start = b.mul(m_blk, bm)
 
