@@ -215,7 +215,8 @@ class SwizzledFP8Staging:
     over StagingGeom); after the wait each thread converts the 16 bytes it copied into bf16/f16
     chunks 2c and 2c + 1 of its row: slab 2c // 8, swizzled chunks (2c % 8) ^ (r % 8) and
     (2c % 8 + 1) ^ (r % 8) (rows_per_pass is a multiple of 8, so every pass has the first's
-    swizzle and an immediate offset). One converted tile each for K and V: the wgmma pipeline
+    swizzle and an immediate offset); staging_slot's thread order keeps those stores
+    bank-conflict-free. One converted tile each for K and V: the wgmma pipeline
     converts K(j) and V(j-1) at the top of iteration j, after the barrier that ended every read
     of K(j-1) and V(j-2) (wgmma_pipeline.py), and its fence.proxy.async follows the barrier.
 
@@ -229,7 +230,9 @@ class SwizzledFP8Staging:
         self.stage_bytes = geom.bytes
         self.k_stage = b.add(tiles_base, 2 * tile_bytes)
         self.v_stage = b.add(self.k_stage, stages * self.stage_bytes)
-        self.slot = thread_slot(b, geom, tid)
+        # staging_slot's order: a quarter-warp converts 4 chunks of two adjacent rows, whose
+        # swizzles (r % 8 even / odd) put its 8 stores in 8 different bank groups
+        self.slot = staging_slot(b, geom, tid)
         k2 = b.shr(self.slot.col, 3)                       # bf16 chunk 2c of the row (c = col / 16)
         r8 = b.and_(self.slot.r0, 7)
         row = b.mad(b.shr(k2, 3), slab_bytes, b.shl(self.slot.r0, 7))
