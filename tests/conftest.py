@@ -47,6 +47,21 @@ def assert_pass(rows) -> None:
         assert r.ok, f"{r.kernel} {r.tensor} {r.shape}: max error {r.max_error:.3e} > tolerance {r.tol:.3e}"
 
 
+def shared_traffic(art, target: str, inputs: dict):
+    """The emulator's traffic counters of the artifact's one launch on `inputs` (FP8 scales
+    passed as the runtime scalars they are): `.shared_accesses`, `.bank_conflicts`."""
+    from ptxc import emu
+    from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
+    dims = {**infer_dims(art.meta, inputs, {}),
+            **{k: inputs[k] for k in ("k_scale", "v_scale") if k in inputs and k not in art.meta["tensors"]}}
+    buffers = prepare_buffers(art.meta, inputs, dims)
+    [kernel] = art.target(target)[1]["kernels"]
+    grid, block = launch_geometry(kernel, dims)
+    return emu.launch(art.ptx(target), kernel["entry"], grid, block,
+                      pack_args(kernel, buffers, dims, pointer=lambda n, a: a),
+                      dynamic_smem_bytes=kernel["dynamic_smem_bytes"], traffic=True).traffic
+
+
 def fp8_cache_body(dtype, kind, scale, layout, *, heads=(6, 2), head_dim=40, extra="") -> str:
     """Spec keys of an attention kernel over an FP8 KV cache (decode and varlen tests)."""
     text = (f'dtype = "{dtype}"\nhead_dim = {head_dim}\nnum_heads = {heads[0]}\n'

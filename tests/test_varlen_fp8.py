@@ -155,21 +155,13 @@ def test_staged_fp8_copy_and_conversion_are_bank_conflict_free(tmp_path):
     per quarter-warp) take no more shared-memory wavefronts than their bytes need."""
     import numpy as np
 
-    from ptxc import emu
-    from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
+    from conftest import shared_traffic
     from ptxc.spec.model import KernelSpec
     art = build_kernel(tmp_path, "varlen", body("f16", "e4m3", "tensor", "contiguous", heads=(8, 2),
                                                 head_dim=128), targets=("sm_80",))
     spec = KernelSpec.from_dict(art.meta["spec"])
     inputs = FAMILIES["varlen"].make_inputs(spec, {"batch": 3, "max_seq_len": 150}, np.random.default_rng(3))
-    dims = {**infer_dims(art.meta, inputs, {}), "k_scale": inputs["k_scale"], "v_scale": inputs["v_scale"]}
-    buffers = prepare_buffers(art.meta, inputs, dims)
-    [kernel] = art.target("sm_80")[1]["kernels"]
-    grid, block = launch_geometry(kernel, dims)
-    stats = emu.launch(art.ptx("sm_80"), kernel["entry"], grid, block,
-                       pack_args(kernel, buffers, dims, pointer=lambda n, a: a),
-                       dynamic_smem_bytes=kernel["dynamic_smem_bytes"], traffic=True)
-    t = stats.traffic
+    t = shared_traffic(art, "sm_80", inputs)
     assert sum(a.requests for a in t.shared_accesses if a.kind == "cp.async") > 0
     assert t.bank_conflicts == 0, [a for a in t.shared_accesses if a.bank_conflicts]
 

@@ -247,19 +247,11 @@ def test_fp8_conversion_into_swizzled_tiles_is_bank_conflict_free(tmp_path, head
     """Traffic counters of the FP8 wgmma kernel: the staging copies, their read-back and the
     converted stores into the swizzled slabs (staging_slot's row pairs: r % 8 even and odd
     swizzles fill the 8 bank groups) take no more shared-memory wavefronts than their bytes."""
-    from ptxc import emu
-    from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
+    from conftest import shared_traffic
     art = build_kernel(tmp_path, "varlen", body(head_dim=head_dim, layout="contiguous") +
                        '\nkv_dtype = "e4m3"\nkv_scale = "tensor"', targets=SM90A)
     spec = KernelSpec.from_dict(art.meta["spec"])
     inputs = VARLEN.make_inputs(spec, {"batch": 3, "max_seq_len": 150}, np.random.default_rng(3))
-    dims = {**infer_dims(art.meta, inputs, {}), "k_scale": inputs["k_scale"], "v_scale": inputs["v_scale"]}
-    buffers = prepare_buffers(art.meta, inputs, dims)
-    [kernel] = art.target("sm_90a")[1]["kernels"]
-    grid, block = launch_geometry(kernel, dims)
-    stats = emu.launch(art.ptx("sm_90a"), kernel["entry"], grid, block,
-                       pack_args(kernel, buffers, dims, pointer=lambda n, a: a),
-                       dynamic_smem_bytes=kernel["dynamic_smem_bytes"], traffic=True)
-    t = stats.traffic
+    t = shared_traffic(art, "sm_90a", inputs)
     assert sum(a.requests for a in t.shared_accesses if a.kind == "cp.async") > 0
     assert t.bank_conflicts == 0, [a for a in t.shared_accesses if a.bank_conflicts][:4]
