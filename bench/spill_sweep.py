@@ -85,6 +85,15 @@ OPTIONS = (
      'return_lse = true\ntargets = ["sm_90a"]\n', "fp8hsplit_90a"),
     ("varlen", False, 'kv_layout = "contiguous"\nkv_dtype = "e5m2"\nkv_scale = "device"\n'
      'targets = ["sm_90a"]\n', "fp8dev_90a"),
+    # tree masks on the sm_90a wgmma body, alone and with the variants that spilled at d128
+    ("varlen", True, _PAGED + 'custom_mask = "tree"\nnum_splits = "auto"\nreturn_lse = true\n'
+     'targets = ["sm_90a"]\n', "tree_90a"),
+    ("varlen", True, _PAGED + 'custom_mask = "tree"\nsliding_window = 1024\nattention_sinks = true\n'
+     'targets = ["sm_90a"]\n', "treewinsink_90a"),
+    ("varlen", True, 'kv_layout = "contiguous"\ncustom_mask = "tree"\nlogits_soft_cap = 30.0\nalibi = true\n'
+     'targets = ["sm_90a"]\n', "treecapalibi_90a"),
+    ("varlen", True, _PAGED + 'custom_mask = "tree"\nkv_dtype = "e4m3"\nkv_scale = "head"\n'
+     'targets = ["sm_90a"]\n', "treefp8_90a"),
     ("varlen", True, 'kv_layout = "paged"\npage_size = 528\n', "p528"),
     ("kv_append", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n', "fp8h"),
     ("kv_append", None, _PAGED + 'rope = "neox"\nnum_heads = 8\n', "rope"),

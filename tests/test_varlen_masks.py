@@ -243,3 +243,26 @@ def test_report_counts_dense_mask_keys(tmp_path):
     k = launch_cost(packed.meta, "sm_80", {**dims, "mask_bytes": 4 * 256})
     assert t.flops == k.flops == base.flops
     assert t.bytes == base.bytes + 4 * 32 + 5 * 4 and k.bytes == base.bytes + 4 * 256 + 5 * 4
+
+
+WGMMA_TREES = [   # (case, extra keys, tile)
+    (dict(dtype="bf16", head_dim=128, gqa="gqa4", layout="page16", splits="auto"), "", ""),
+    (dict(dtype="f16", head_dim=64, gqa="gqa8", layout="contiguous", splits=3), "", 'kv_loads = "cp_async"'),
+    (dict(dtype="bf16", head_dim=256, gqa="gqa4", layout="page1", splits=1),
+     "sliding_window = 21\nattention_sinks = true", ""),
+    (dict(dtype="bf16", head_dim=128, gqa="gqa4", layout="page16", splits=2), 'kv_dtype = "e4m3"\nkv_scale = "head"', ""),
+]
+
+
+@pytest.mark.parametrize("case,extra,tile", WGMMA_TREES, ids=lambda x: "-".join(map(str, x.values()))
+                         if isinstance(x, dict) else x.replace("\n", "+").replace(" ", "") or "-")
+def test_tree_on_sm90a_wgmma(tmp_path, case, extra, tile):
+    """Tree masks run on sm_90a's wgmma body (TMA or cp.async loads, FP8 caches): the wgmma
+    accumulator is the mma.sync fragment layout per warp, so MmaMath's per-row tree predicate
+    applies as it is. d128 takes block_n 32 (the tree's row state on a 64 x 64 S spilled with a
+    variant at 255 registers)."""
+    art = build_kernel(tmp_path, "varlen", body(**case) + TREE + "\n" + extra, tile=tile, targets=("sm_90a",))
+    config = art.meta["targets"]["sm_90a"]["config"]
+    assert config["path"] == "wgmma.m64nNk16"
+    assert config["block_n"] == (32 if case["head_dim"] >= 128 else 64)
+    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 11}, seed=5))

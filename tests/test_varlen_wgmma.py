@@ -175,6 +175,8 @@ def _config(text: str, target: str) -> dict:
     (body(head_dim=96), "sm_90a", "mma.m16n8k16"),                         # other head dims
     (body(head_dim=128) + '\nkv_dtype = "e4m3"\nkv_scale = "tensor"', "sm_90a", "wgmma.m64nNk16"),
     (body(head_dim=128) + '\nkv_dtype = "e5m2"\nkv_scale = "head"', "sm_90", "mma.m16n8k16"),
+    (body(head_dim=128) + '\ncustom_mask = "tree"', "sm_90a", "wgmma.m64nNk16"),
+    (body(head_dim=128, causal=False) + '\ncustom_mask = "packed"', "sm_90a", "mma.m16n8k16"),
     (body(head_dim=128) + "\nhead_dim_v = 64", "sm_90a", "mma.m16n8k16"),
     (body(head_dim=64) + "\n[kernel.tile]\nblock_m = 32", "sm_90a", "mma.m16n8k16"),
 ])

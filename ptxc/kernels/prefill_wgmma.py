@@ -58,10 +58,12 @@ ROWS_PER_WARPGROUP = 64
 
 def uses_wgmma(spec: KernelSpec, target: Target) -> bool:
     """Whether prefill for `target` is this kernel (else the mma.sync / SIMT one)."""
-    # custom masks keep the mma.sync kernel (the wgmma layouts do not take the predicate yet)
+    # packed custom masks keep the mma.sync kernel (their tile list, mask_tiles.py, is not on
+    # the wgmma pipelines); a tree mask (varlen) is MmaMath's per-row predicate over the wgmma
+    # accumulator, which is the mma.sync fragment layout per warp
     return (target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
             and spec.head_dim in WGMMA_HEAD_DIMS and head_dim_v(spec) == spec.head_dim
-            and spec.opt("custom_mask") in (None, "none"))
+            and spec.opt("custom_mask") in (None, "none", "tree"))
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,8 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     warps = given.get("num_warps") or bm // 16 * vsplit
     bn = given.get("block_n") or narrow_block_n(
         spec.family, spec, target, 64 if spec.head_dim <= 128 else 32 if spec.head_dim <= 256 else 16)
+    if "block_n" not in given and tree_on_wgmma(spec, target) and spec.head_dim == 128:
+        bn = 32   # the tree's per-row state on top of a 64 x 64 S: 255 registers, spills with a variant
     smem_limit = target.max_smem_per_cta if target is not None else 1 << 30
     cp_async = target.has_cp_async if target is not None else True
     # FP8 caches staged by cp.async (kv_fp8_stage.py) take the most stages that keep the CTAs
@@ -172,9 +174,15 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
         from . import varlen_wgmma as wg   # sm_90a f16/bf16 d64/128/256: the same tile on wgmma
         # custom masks run the mma.sync body on sm_90a too (the wgmma layouts do not map to
         # the mask predicate yet)
-        if wg.applies(spec, target, cfg) and spec.opt("custom_mask") == "none":
+        if wg.applies(spec, target, cfg):
             return wg.configure(spec, cfg)
     return cfg
+
+
+def tree_on_wgmma(spec: KernelSpec, target: Target | None) -> bool:
+    """A tree mask on sm_90a's wgmma body (varlen_wgmma.applies decides the rest)."""
+    from .prefill_wgmma import uses_wgmma
+    return spec.opt("custom_mask") == "tree" and target is not None and uses_wgmma(spec, target)
 
 
 # FlashMLA's head rows per CTA: a latent row read from global memory serves 64 query heads

@@ -197,7 +197,7 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     A varlen_wgmma.WgmmaTileConfig (sm_90a) runs varlen_wgmma.py's body instead."""
     from .varlen_wgmma import WgmmaTileConfig, emit_wgmma_tile
     if isinstance(cfg, WgmmaTileConfig):
-        emit_wgmma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps, quant)
+        emit_wgmma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps, quant, mask_bytes)
         return
     bn, stages = cfg.block_n, cfg.num_stages
     tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, mask_bytes=mask_bytes)

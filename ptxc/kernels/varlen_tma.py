@@ -133,12 +133,14 @@ class IssuerPages:
 
 
 def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
-                  work: TileWork, split_count: Reg | None, tmaps: dict) -> None:
+                  work: TileWork, split_count: Reg | None, tmaps: dict,
+                  mask_bytes: Reg | None = None) -> None:
     """varlen_wgmma.emit_wgmma_tile with TMA K/V loads (see the module docstring)."""
     from .varlen_attend import score_transform
     from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
     bn, stages = cfg.block_n, cfg.num_stages
-    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD)
+    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD,
+                             mask_bytes=mask_bytes)
     ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
     q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
     q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))

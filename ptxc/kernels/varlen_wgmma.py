@@ -212,17 +212,18 @@ def row_chunks(b: KernelBuilder, slot: ThreadSlot, row_address, row0: Reg, nvali
 
 def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,
                     strides: dict, work: TileWork, split_count: Reg | None,
-                    tmaps: dict | None = None, quant=None) -> None:
+                    tmaps: dict | None = None, quant=None, mask_bytes: Reg | None = None) -> None:
     """varlen_attend.emit_packed_tile on wgmma (see the module docstring); with `tmaps`
     (tile.kv_loads = "tma") varlen_tma.py's body. With `quant` (an FP8 cache, cfg.fp8) the
     copies land FP8 bytes in staging buffers, converted at the top of each iteration; k_scale
     joins the softmax scale and v_scale the final 1/l, as on the mma.sync path."""
     if cfg.tma:
         from .varlen_tma import emit_tma_tile
-        emit_tma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps)
+        emit_tma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps, mask_bytes)
         return
     bn = cfg.block_n
-    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD)
+    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD,
+                             mask_bytes=mask_bytes)
     ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
     q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
     staging = None
