@@ -47,6 +47,9 @@ ENGINE_HEAD_DIMS = (16, 40, 64, 72, 80, 96, 112, 120, 128, 192, 256, 512)
 # (family, causal, option lines, tag).
 _GQA = "num_heads = 8\nnum_kv_heads = 2\n"
 _PAGED = 'kv_layout = "paged"\npage_size = 16\n'
+_SM90A = 'targets = ["sm_90a"]\n'   # rows for the sm_90a wgmma body (not a default target)
+_SPLIT = 'num_splits = "auto"\nreturn_lse = true\n'
+_TREE = 'custom_mask = "tree"\n'
 OPTIONS = (
     ("prefill", True, "sliding_window = 1024\n", "win"),
     ("prefill", True, "logits_soft_cap = 50.0\n", "cap"),
@@ -80,20 +83,17 @@ OPTIONS = (
     ("decode", None, 'kv_layout = "paged"\npage_size = 528\nnum_splits = "auto"\n', "p528"),
     ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "device"\nnum_splits = "auto"\n', "fp8dsplit"),
     # FP8 caches on the sm_90a wgmma body (head_dim 64 / 128 / 256; other head dims mma.sync)
-    ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\ntargets = ["sm_90a"]\n', "fp8_90a"),
-    ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\nnum_splits = "auto"\n'
-     'return_lse = true\ntargets = ["sm_90a"]\n', "fp8hsplit_90a"),
-    ("varlen", False, 'kv_layout = "contiguous"\nkv_dtype = "e5m2"\nkv_scale = "device"\n'
-     'targets = ["sm_90a"]\n', "fp8dev_90a"),
+    ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\n' + _SM90A, "fp8_90a"),
+    ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n' + _SPLIT + _SM90A, "fp8hsplit_90a"),
+    ("varlen", False, 'kv_layout = "contiguous"\nkv_dtype = "e5m2"\nkv_scale = "device"\n' + _SM90A,
+     "fp8dev_90a"),
     # tree masks on the sm_90a wgmma body, alone and with the variants that spilled at d128
-    ("varlen", True, _PAGED + 'custom_mask = "tree"\nnum_splits = "auto"\nreturn_lse = true\n'
-     'targets = ["sm_90a"]\n', "tree_90a"),
-    ("varlen", True, _PAGED + 'custom_mask = "tree"\nsliding_window = 1024\nattention_sinks = true\n'
-     'targets = ["sm_90a"]\n', "treewinsink_90a"),
-    ("varlen", True, 'kv_layout = "contiguous"\ncustom_mask = "tree"\nlogits_soft_cap = 30.0\nalibi = true\n'
-     'targets = ["sm_90a"]\n', "treecapalibi_90a"),
-    ("varlen", True, _PAGED + 'custom_mask = "tree"\nkv_dtype = "e4m3"\nkv_scale = "head"\n'
-     'targets = ["sm_90a"]\n', "treefp8_90a"),
+    ("varlen", True, _PAGED + _TREE + _SPLIT + _SM90A, "tree_90a"),
+    ("varlen", True, _PAGED + _TREE + "sliding_window = 1024\nattention_sinks = true\n" + _SM90A,
+     "treewinsink_90a"),
+    ("varlen", True, 'kv_layout = "contiguous"\n' + _TREE + "logits_soft_cap = 30.0\nalibi = true\n" + _SM90A,
+     "treecapalibi_90a"),
+    ("varlen", True, _PAGED + _TREE + 'kv_dtype = "e4m3"\nkv_scale = "head"\n' + _SM90A, "treefp8_90a"),
     ("varlen", True, 'kv_layout = "paged"\npage_size = 528\n', "p528"),
     ("kv_append", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n', "fp8h"),
     ("kv_append", None, _PAGED + 'rope = "neox"\nnum_heads = 8\n', "rope"),

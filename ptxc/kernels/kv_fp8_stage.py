@@ -191,10 +191,9 @@ class FP8Staging:
         # this chunk's scale: byte scales_at + 4 * (c // group) of the row, relative to the chunk
         scale_at = b.add(src, b.sub(b.add(b.shl(b.shr(slot.col, rows.group.bit_length() - 1), 2),
                                           rows.scales_at), slot.col))
-        dst = b.add(self.tile["k"], b.mad(slot.r0, self.geoms["k"].stride, slot.col))
-        # element column rank + (c - rope_at) / 2, in bytes: c + 2 rank - rope_at (vs 2c for latent)
-        rope_dst = b.add(dst, 2 * rows.rank - rows.rope_at)
-        dst = b.add(dst, slot.col)
+        dst = b.add(self.tile["k"], self.f16_off["k"])      # element column c: byte 2c
+        # element column rank + (c - rope_at) / 2, in bytes: c + 2 rank - rope_at
+        rope_dst = b.add(b.sub(dst, slot.col), 2 * rows.rank - rows.rope_at)
         f16 = self.geoms["k"]
         for i, (guard, words) in enumerate(loaded):
             scale = self._load(scale_at, i * geom.rows_per_pass * geom.stride, guard, 1, F32)[0]
@@ -211,7 +210,7 @@ class FP8Staging:
 
 class SwizzledFP8Staging:
     """FP8Staging for the wgmma tiles (prefill_wgmma's layout: 128-byte slabs of rows x 128 B,
-    chunk k of row r at swizzled chunk k ^ (r % 8)). The FP8 rows land unpadded (thread_slot
+    chunk k of row r at swizzled chunk k ^ (r % 8)). The FP8 rows land unpadded (staging_slot
     over StagingGeom); after the wait each thread converts the 16 bytes it copied into bf16/f16
     chunks 2c and 2c + 1 of its row: slab 2c // 8, swizzled chunks (2c % 8) ^ (r % 8) and
     (2c % 8 + 1) ^ (r % 8) (rows_per_pass is a multiple of 8, so every pass has the first's

@@ -145,6 +145,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
         return kv.row_address(b, bases, "k_cache", rows.row, valid, rows.page_cache())
 
     grouped = kv_fp8.group_scaled(spec)
+    # store_group_scaled's half-warp amax needs kv_c's chunk i on thread i, in one round
+    assert grouped is None or threads(spec) * CHUNK >= rank, (threads(spec), rank)
     with b.if_then(valid):
         if mode == "device":
             scale = b.ld("global", F32, Addr(ptrs["k_scale"]), nc=True)

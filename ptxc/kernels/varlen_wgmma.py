@@ -188,11 +188,12 @@ class StridedTiles:
 
 
 def stage_groups(b: KernelBuilder, cfg: WgmmaTileConfig, slot: ThreadSlot, chunks: list,
-                 nvalid: Reg, dst: Reg) -> None:
+                 nvalid: Reg, dst: Reg, groups: int | None = None) -> None:
     """cp.async every pass's chunk (address, validity) into the swizzled tile at `dst`, once
-    per column group: +group_bytes in the row, +group_bytes x rows in shared memory."""
+    per column group (cfg.groups unless `groups` says: FP8 staging rows are one):
+    +group_bytes in the row, +group_bytes x rows in shared memory."""
     geom = slot.geom
-    for h in range(cfg.groups):
+    for h in range(cfg.groups if groups is None else groups):
         def at(i: int, h=h) -> tuple[Reg, Reg]:
             addr, ok = chunks[i]
             addr = b.bitcast(addr, U64) if addr.type != U64 else addr
@@ -253,11 +254,8 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
                 chunks = strided.chunks(cache, row0, nvalid, key_lo)
             else:
                 chunks = row_chunks(b, kv_slot, tile.kv_rows(kv, bases, cache, key_lo), row0, nvalid)
-            if staging is not None:   # FP8 rows: whole rows per pass, unpadded staging
-                load_tile_passes(b, kv_slot, lambda i: (b.bitcast(chunks[i][0], U64) if chunks[i][0].type != U64
-                                                        else chunks[i][0], chunks[i][1]), nvalid, dst, True)
-            else:
-                stage_groups(b, cfg, kv_slot, chunks, nvalid, dst)
+            # FP8 rows land whole in one pass group (unpadded staging)
+            stage_groups(b, cfg, kv_slot, chunks, nvalid, dst, groups=1 if staging else None)
         if pages is not None and t == "k":
             pages.advance(row0)
         if strided is not None:
