@@ -1,0 +1,182 @@
+"""Check and time prebuilt artifact sets on a GPU inside a short lease, most important first.
+
+    python bench/gpu_lease.py --out DIR --deadline 360 SET_DIR [SET_DIR ...]
+
+`bench/gpu_suite.sh` runs everything and needs the time to; a lease of a few minutes does not
+have it. This driver takes output directories built elsewhere (`ptxc build specs/ --out A`,
+`ptxc build specs/ --target sm_90a --out B`: the cubins our SASS figures describe) and works
+through a plan in priority order:
+
+1. launch-test (cuda backend, fp64 reference) of every arch-specific image the device runs
+   (sm_90a on a Hopper): code that no GPU has run before goes first;
+2. `ptxc bench` of the priority kernels (`PRIORITY`) on that image, with torch SDPA side by side,
+   then the same kernel on the portable image (sm_90 cubin) for the mma.sync comparison;
+3. launch-test of the portable images, then the remaining kernels' timings.
+
+Each item's result is one JSON line in DIR/results.jsonl, written as soon as it is known, so a
+lease that ends mid-plan keeps everything finished. Items run in a child process; a CUDA error
+(sticky for its context), a crash or an item silent for --item-timeout seconds ends the child,
+the item is recorded as failed and a new child resumes with the next one.
+`bench/gpu_lease_summary.py DIR` turns the lines into tables for docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# The kernels whose timings answer open questions (wgmma vs mma.sync prefill/varlen, decode
+# bandwidth, MLA), in the order they are timed.
+PRIORITY = (
+    "llama3_8b_prefill", "mha_d64_bf16_prefill", "llama3_8b_serve", "llama3_8b_decode",
+    "deepseek_v3_mla_decode", "mqa_d256_prefill", "qwen25_7b_serve", "llama3_8b_paged_decode",
+    "kimi_k2_mla_decode", "deepseek_v3_mla_decode_fp8_ds", "deepseek_v3_mla_decode_fp8",
+    "deepseek_v32_mla_sparse_decode", "llama3_8b_fp8_varlen", "llama3_8b_fp8_decode",
+    "llama3_8b_eagle_verify", "mistral_7b_decode", "mqa_split_bf16_decode", "mqa_d256_serve",
+    "mqa_d256_decode", "deepseek_v3_prefill", "deepseek_v3_mla_prefill", "gpt_oss_prefill",
+    "gpt_oss_serve", "gpt_oss_decode", "llama3_8b_packed_mask", "deepseek_v32_mla_sparse_decode_fp8",
+)
+
+
+def artifact_dirs(set_dir: Path) -> dict[str, Path]:
+    return {p.name: p for p in sorted(set_dir.iterdir()) if (p / f"{p.name}.json").is_file()}
+
+
+def targets_of(path: Path) -> list[str]:
+    meta = json.loads((path / f"{path.name}.json").read_text())
+    return sorted(meta["targets"])
+
+
+def plan(sets: list[Path], sm: int) -> list[dict]:
+    """The ordered items: {"kind": "check"|"bench", "path", "target", "compare"}."""
+    own, arch = f"sm_{sm}", f"sm_{sm}a"
+    images: dict[str, dict[str, Path]] = {}     # kernel -> target -> artifact dir (first set wins)
+    for s in sets:
+        for name, path in artifact_dirs(s).items():
+            for t in targets_of(path):
+                if t in (own, arch):
+                    images.setdefault(name, {}).setdefault(t, path)
+    rank = {n: i for i, n in enumerate(PRIORITY)}
+    names = sorted(images, key=lambda n: (rank.get(n, len(rank)), n))
+    items = []
+
+    def add(kind, name, target, compare=False):
+        if target in images[name]:
+            items.append({"kind": kind, "kernel": name, "path": str(images[name][target]), "target": target,
+                          "compare": compare})
+    for n in names:
+        add("check", n, arch)
+    for n in names:
+        if n in rank:
+            add("bench", n, arch, compare=True)
+            add("bench", n, own, compare=arch not in images[n])
+    for n in names:
+        add("check", n, own)
+    for n in names:
+        if n not in rank:
+            add("bench", n, arch, compare=True)
+            add("bench", n, own, compare=arch not in images[n])
+    return items
+
+
+def run_item(item: dict, device, dry: bool) -> dict:
+    from ptxc.runtime import load
+    if item["kind"] == "check":
+        from ptxc.runtime.launch_test import check_artifact
+        art = load(item["path"])
+        if dry:
+            return {"rows": []}
+        rows = check_artifact(art, backend="cuda", shapes={}, seed=0, targets=[item["target"]], device=device)
+        return {"rows": [r.to_dict() for r in rows], "pass": all(r.ok for r in rows)}
+    if dry:
+        from ptxc.gpu.bench import bench_inputs
+        from ptxc.report.costs import resolve_dims
+        meta = load(item["path"]).meta
+        dims = resolve_dims(meta, {}, num_sms=132, target=item["target"])
+        bench_inputs(meta, dims)
+        return {"rows": []}
+    from ptxc.gpu.bench import run_bench
+    result = run_bench([item["path"]], shapes={}, target=item["target"], compare=item["compare"])
+    return {"rows": result.pop("results"), "device": result}
+
+
+def child(items_path: Path, results: Path, start: int, dry: bool) -> int:
+    items = json.loads(items_path.read_text())
+    device = None
+    if not dry:
+        from ptxc.runtime.cuda import CudaDevice
+        device = CudaDevice.open()
+    for index in range(start, len(items)):
+        item = items[index]
+        t0 = time.perf_counter()
+        try:
+            line = {"status": "ok", **run_item(item, device, dry)}
+        except Exception as e:   # recorded, then a fresh process (a CUDA error poisons the context)
+            line = {"status": "error", "error": f"{e.__class__.__name__}: {e}"[:2000]}
+        line.update(index=index, seconds=round(time.perf_counter() - t0, 3), **item)
+        with results.open("a") as f:
+            f.write(json.dumps(line, sort_keys=True) + "\n")
+        if line["status"] != "ok":
+            return 3
+    return 0
+
+
+def lines(results: Path) -> int:
+    return len(results.read_text().splitlines()) if results.exists() else 0
+
+
+def parent(args) -> int:
+    sm = args.sm
+    if sm is None:
+        from ptxc.runtime.cuda import CudaDevice
+        sm = CudaDevice.open().sm
+    args.out.mkdir(parents=True, exist_ok=True)
+    items = plan(args.sets, sm)
+    items_path, results = args.out / "plan.json", args.out / "results.jsonl"
+    items_path.write_text(json.dumps(items, indent=1))
+    results.unlink(missing_ok=True)
+    end = time.monotonic() + args.deadline
+    print(f"gpu_lease: {len(items)} items for sm_{sm}, deadline {args.deadline} s", file=sys.stderr, flush=True)
+    while lines(results) < len(items) and time.monotonic() < end:
+        start = lines(results)
+        cmd = [sys.executable, __file__, "--child", str(items_path), str(results), str(start)]
+        proc = subprocess.Popen(cmd + (["--dry"] if args.dry else []))
+        seen, last = start, time.monotonic()
+        while proc.poll() is None:
+            time.sleep(0.25)
+            now = time.monotonic()
+            if lines(results) != seen:
+                seen, last = lines(results), now
+            if now > end or now - last > args.item_timeout:
+                proc.kill()
+                proc.wait()
+                break
+        if lines(results) == seen and seen < len(items) and proc.returncode not in (0, 3):
+            why = "deadline" if time.monotonic() > end else \
+                f"no result in {args.item_timeout} s, or the process died (exit {proc.returncode})"
+            with results.open("a") as f:
+                f.write(json.dumps({"status": "timeout", "error": why, "index": seen, **items[seen]},
+                                   sort_keys=True) + "\n")
+        print(f"gpu_lease: {lines(results)}/{len(items)} done", file=sys.stderr, flush=True)
+    return 0
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        return child(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), "--dry" in sys.argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sets", nargs="+", type=Path, help="ptxc build output directories")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--deadline", type=float, default=360.0, help="seconds for the whole plan")
+    ap.add_argument("--item-timeout", type=float, default=60.0, help="seconds one item may take")
+    ap.add_argument("--sm", type=int, default=None, help="plan for this SM (default: the device's)")
+    ap.add_argument("--dry", action="store_true", help="no GPU: load, plan and make inputs only")
+    return parent(ap.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
