@@ -93,6 +93,22 @@ def test_bench_inputs_match_every_interface(metas):
             assert len(np.unique(slots)) == slots.size and 0 <= slots.min() and slots.max() < kv_length(meta, dims)
         elif "positions" in inputs:
             assert (inputs["positions"] + dims.get("num_new", 1) == kv_length(meta, dims)).all()
+        if "indices" in inputs:   # sparse MLA: N distinct slots per token, all of them used
+            idx, n = inputs["indices"], meta["spec"]["sparse_topk"]
+            assert idx.shape == (dims["total_q"], n) and 0 <= idx.min()
+            slots = dims["num_pages"] * meta["tensors"]["kv_cache"]["shape"][1]
+            assert idx.max() < slots and all(len(np.unique(row)) == min(n, slots) for row in idx) or \
+                slots < n, meta["name"]   # a cache smaller than N repeats slots
+            assert "topk_length" not in inputs or (inputs["topk_length"] == n).all()
+
+
+def test_bench_inputs_of_a_large_tensor_repeat_one_random_block(metas):
+    from ptxc.gpu.bench import RANDOM_BLOCK
+    meta = next(m for m in metas if m["name"] == "llama3_8b_decode")
+    dims = resolve_dims(meta, {"batch": 16, "max_seq_len": 4096})
+    k = bench_inputs(meta, dims)["k_cache"].reshape(-1)
+    assert k.size > RANDOM_BLOCK and np.isfinite(k).all()
+    assert (k[RANDOM_BLOCK:2 * RANDOM_BLOCK] == k[:RANDOM_BLOCK]).all() and len(np.unique(k[:4096])) > 3000
 
 
 def test_candidate_tiles_are_legal_and_distinct():

@@ -158,11 +158,80 @@ def test_cuda_call_arguments():
                             (64, 1, 64, 1), 128)
     args = tensor_map_call(enc)
     assert args[0] == drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-    assert args[1:7] == (4, 256, [64, 2, 17, 1], [128, 256, 4352], [64, 1, 64, 1], [1, 1, 1, 1])
+    assert (int(args[1]), args[2], *([int(v) for v in a] for a in args[3:7])) == (
+        4, 256, [64, 2, 17, 1], [128, 256, 4352], [64, 1, 64, 1], [1, 1, 1, 1])
+    assert isinstance(args[1], drv.cuuint32_t) and all(isinstance(v, drv.cuuint32_t) for v in args[5] + args[6])
+    assert all(isinstance(v, drv.cuuint64_t) for v in args[3] + args[4])
     assert args[7:] == (drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
                         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
                         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+
+def _encoding_driver(monkeypatch):
+    """cuda-python's real driver module, except that cuTensorMapEncodeTiled, after cuda-python
+    has converted every argument (a TypeError there is what the H200 run hit), returns a blank
+    map when no libcuda is installed: the argument conversion is checked without a GPU."""
+    from types import SimpleNamespace
+
+    from cuda.bindings import driver as real
+
+    import ptxc.runtime.cuda as rcuda
+    calls = []
+
+    def encode(*args):
+        calls.append(args)
+        try:
+            return real.cuTensorMapEncodeTiled(*args)
+        except TypeError:
+            raise
+        except Exception:          # no libcuda here: the call got past the conversion
+            return real.CUresult.CUDA_SUCCESS, real.CUtensorMap()
+    fake = SimpleNamespace(**{n: getattr(real, n) for n in dir(real) if not n.startswith("__")})
+    fake.cuTensorMapEncodeTiled = encode
+    monkeypatch.setattr(rcuda, "_driver", lambda: fake)
+    return calls
+
+
+def test_cuda_python_takes_the_encoding_call(monkeypatch):
+    """The arguments pass cuda-python's own conversion (plain ints raised TypeError on device)."""
+    pytest.importorskip("cuda.bindings.driver", reason="cuda-python is not installed")
+    from ptxc.runtime.cuda import tensor_map_call
+    from ptxc.runtime.tensor_maps import encode_tensor_map
+    calls = _encoding_driver(monkeypatch)
+    import ptxc.runtime.cuda as rcuda
+    enc = encode_tensor_map("t", "bf16", (2, 33, 8, 128), (33 * 2048, 2048, 256, 2), 1 << 40,
+                            (64, 1, 64, 1), 128)
+    err, _ = rcuda._driver().cuTensorMapEncodeTiled(*tensor_map_call(enc))
+    assert len(calls) == 1 and err == rcuda._driver().CUresult.CUDA_SUCCESS
+
+
+def test_launch_arguments_of_a_tma_kernel(built, monkeypatch):
+    """What the cuda backend and `ptxc bench` hand cuLaunchKernel for the sm_90a TMA prefill:
+    one void* per parameter, each tensor map a 64-byte aligned 128-byte block (bench refused
+    tensor maps outright before: "this launcher encodes none")."""
+    pytest.importorskip("cuda.bindings.driver", reason="cuda-python is not installed")
+    import ctypes
+
+    from ptxc.kernels import FAMILIES
+    from ptxc.runtime import load, prepare_buffers
+    from ptxc.runtime.cuda import launch_args
+    calls = _encoding_driver(monkeypatch)
+    out, _ = built
+    art = load(out / "llama3_8b_prefill")
+    [spec] = load_text((out.parent / "l.toml").read_text())
+    dims = {"batch": 1, "seq_q": 9, "seq_k": 70}
+    inputs = FAMILIES["prefill"].make_inputs(spec, dims, np.random.default_rng(1))
+    buffers = prepare_buffers(art.meta, inputs, dims)
+    [kern] = art.meta["targets"]["sm_90a"]["kernels"]
+    cvals, argv = launch_args(art.meta, kern, buffers, dims, lambda n: 0x10000 * (1 + sorted(buffers).index(n)))
+    assert len(cvals) == len(argv) == len(kern["params"]) and len(calls) == 3
+    for p, v, a in zip(kern["params"], cvals, argv):
+        assert a == ctypes.addressof(v)
+        if p["type"] == "tmap":
+            assert ctypes.sizeof(v) == 128 and a % 64 == 0
+    addresses = [c[2] for c in calls]
+    assert addresses == [0x10000 * (1 + sorted(buffers).index(t)) for t in "qkv"]
 
 
 # ---- artifacts: metadata, checked loading, loaders, ptxas, SASS --------------------------------

@@ -76,6 +76,10 @@ def should_flush(family: str, flag: bool | None) -> bool:
     return flag if flag is not None else family != "prefill"
 
 
+RANDOM_BLOCK = 1 << 22   # values drawn per tensor; larger ones repeat them (input generation
+                         # took minutes for a 3 GB cache, longer than the timing itself)
+
+
 def bench_inputs(meta: dict, dims: dict[str, int], seed: int = 0) -> dict:
     """Host inputs at `dims`: normal random values (bf16 kept as f32, rounded on upload);
     every sequence full length (so the cost model's L holds), each owning its own pages
@@ -114,6 +118,12 @@ def bench_inputs(meta: dict, dims: dict[str, int], seed: int = 0) -> dict:
                              if t["dtype"] == "u8")
             per = bytes_dim // max(1, shape[0] - 1)
             out[name] = (np.arange(shape[0], dtype=np.int64) * per).astype(np.int32)
+        elif name == "indices":        # sparse MLA: N distinct slots per token over the whole cache
+            total = dims["num_pages"] * page_size(meta)
+            out[name] = np.stack([rng.choice(total, shape[1], replace=total < shape[1])
+                                  for _ in range(shape[0])]).astype(np.int32)
+        elif name == "topk_length":    # every token uses all N of its slots (the cost model's N)
+            out[name] = np.full(shape, meta["spec"]["sparse_topk"], dtype=np.int32)
         elif info["dtype"] == "i32":   # seq_lens
             out[name] = np.full(shape, capacity, dtype=np.int32)
         elif info["dtype"] in ("e4m3", "e5m2"):   # FP8 bytes: random finite codes
@@ -121,8 +131,10 @@ def bench_inputs(meta: dict, dims: dict[str, int], seed: int = 0) -> dict:
                 np.array([0, 0x80], np.uint8), shape)
         elif name.endswith("_scale"):             # per-head FP8 scales
             out[name] = np.full(shape, 0.05, np.float32)
-        else:
-            x = rng.standard_normal(shape, dtype=np.float32)
+        else:   # a large tensor repeats one random block: timings do not depend on the values
+            size = int(np.prod(shape))
+            x = rng.standard_normal(min(size, RANDOM_BLOCK), dtype=np.float32)
+            x = np.resize(x, size).reshape(shape) if size > RANDOM_BLOCK else x.reshape(shape)
             out[name] = x.astype(np.float16) if info["dtype"] == "f16" else x
     for name in meta.get("scalars") or {}:        # runtime scalars (FP8 k_scale / v_scale)
         out[name] = np.float32(0.05)

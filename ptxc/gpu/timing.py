@@ -14,8 +14,8 @@ import ctypes
 from typing import Any
 
 from ..runtime import cuda as rcuda
-from ..runtime import launch_geometry, pack_args
-from ..runtime.cuda import CTYPES, fill_derived_pointers
+from ..runtime import launch_geometry
+from ..runtime.cuda import fill_derived_pointers, launch_args
 
 def _driver():
     return rcuda._driver()
@@ -46,7 +46,7 @@ class LaunchListTimer:
     def __init__(self, device, artifact, target: str | None, buffers: dict, dims: dict,
                  flush_bytes: int = 0):
         drv = _driver()
-        self.drv, self.dims = drv, dims
+        self.drv, self.dims, self.meta = drv, dims, artifact.meta
         self.target, image = device.pick_image(artifact, target)
         self.module = check(drv.cuModuleLoadData(image), f"cuModuleLoadData({artifact.name} {self.target})")
         self.ptrs: dict[str, Any] = {}
@@ -73,9 +73,7 @@ class LaunchListTimer:
         if k["needs_smem_opt_in"]:
             check(drv.cuFuncSetAttribute(fn, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                          k["dynamic_smem_bytes"]), "cuFuncSetAttribute")
-        values = pack_args(k, buffers, self.dims, pointer=lambda n, a: int(self.ptrs[n]))
-        cvals = [CTYPES[p["type"]](float(v) if p["type"] == "f32" else int(v)) for p, v in zip(k["params"], values)]
-        argv = (ctypes.c_void_p * len(cvals))(*[ctypes.addressof(c) for c in cvals])
+        cvals, argv = launch_args(self.meta, k, buffers, self.dims, lambda n: int(self.ptrs[n]))
         grid, block = launch_geometry(k, self.dims)
         return fn, grid, block, k["dynamic_smem_bytes"], cvals, argv   # cvals keeps argv's targets alive
 

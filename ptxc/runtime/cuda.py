@@ -41,11 +41,15 @@ def _check(result, what: str):
 def tensor_map_call(enc) -> tuple:
     """The positional arguments of cuda-python's cuTensorMapEncodeTiled for a TensorMapEncoding
     (after the output map, which cuda-python returns): data type, rank, address, dims, strides,
-    box, element strides, interleave, swizzle, L2 promotion, OOB fill."""
+    box, element strides, interleave, swizzle, L2 promotion, OOB fill. The rank, box and element
+    strides are `cuuint32_t`, the dims and strides `cuuint64_t`: cuda-python refuses plain ints
+    there (TypeError), which is how every TMA launch failed on the first H200 run."""
     drv = _driver()
     enum = lambda cls, prefix, name: getattr(cls, f"CU_TENSOR_MAP_{prefix}_{name}")
-    return (enum(drv.CUtensorMapDataType, "DATA_TYPE", enc.data_type), enc.rank, enc.address,
-            list(enc.dims), list(enc.strides), list(enc.box), list(enc.element_strides),
+    u32 = lambda values: [drv.cuuint32_t(int(v)) for v in values]
+    u64 = lambda values: [drv.cuuint64_t(int(v)) for v in values]
+    return (enum(drv.CUtensorMapDataType, "DATA_TYPE", enc.data_type), drv.cuuint32_t(enc.rank), enc.address,
+            u64(enc.dims), u64(enc.strides), u32(enc.box), u32(enc.element_strides),
             enum(drv.CUtensorMapInterleave, "INTERLEAVE", enc.interleave),
             enum(drv.CUtensorMapSwizzle, "SWIZZLE", enc.swizzle),
             enum(drv.CUtensorMapL2promotion, "L2_PROMOTION", enc.l2_promotion),
@@ -63,6 +67,17 @@ def encode_on_device(meta: dict, name: str, arr, source: dict, address: int):
     start = -ctypes.addressof(raw) % 64
     ctypes.memmove(ctypes.addressof(raw) + start, tmap.getPtr(), 128)
     return (ctypes.c_uint8 * 128).from_buffer(raw, start)
+
+
+def launch_args(meta: dict, kernel: dict, buffers: dict, dims: dict, address_of) -> tuple[list, Any]:
+    """(ctypes values, the void* array cuLaunchKernel takes) for one launch: pointers at
+    `address_of(tensor)`, tensor maps encoded by the driver for that address, scalars as their
+    parameter type. Keep the values alive as long as the array."""
+    values = pack_args(kernel, buffers, dims, pointer=lambda n, a: address_of(n),
+                       tensor_map=lambda n, a, src: encode_on_device(meta, n, a, src, address_of(n)))
+    cvals = [v if p["type"] == "tmap" else CTYPES[p["type"]](float(v) if p["type"] == "f32" else int(v))
+             for p, v in zip(kernel["params"], values)]
+    return cvals, (ctypes.c_void_p * len(cvals))(*[ctypes.addressof(c) for c in cvals])
 
 
 def fill_derived_pointers(meta: dict, buffers: dict, dptrs: dict) -> None:
@@ -158,13 +173,7 @@ class CudaDevice:
             try:
                 from .preconditions import check_buffers
                 check_buffers(artifact.meta, buffers, dims, lambda name, arr: int(dptrs[name]))
-                values = pack_args(kernel, buffers, dims, pointer=lambda n, a: int(dptrs[n]),
-                                   tensor_map=lambda n, a, src: encode_on_device(
-                                       artifact.meta, n, a, src, int(dptrs[n])))
-                cvals = [v if p["type"] == "tmap" else
-                         CTYPES[p["type"]](int(v) if p["type"] != "f32" else float(v))
-                         for p, v in zip(kernel["params"], values)]
-                ptrs = (ctypes.c_void_p * len(cvals))(*[ctypes.addressof(c) for c in cvals])
+                _cvals, ptrs = launch_args(artifact.meta, kernel, buffers, dims, lambda n: int(dptrs[n]))
                 grid, block = launch_geometry(kernel, dims)
                 start, stop = (_check(drv.cuEventCreate(0), "cuEventCreate") for _ in range(2))
                 _check(drv.cuEventRecord(start, 0), "cuEventRecord")
@@ -193,4 +202,4 @@ def available() -> bool:
         return False
 
 
-__all__ = ["CudaDevice", "available", "fill_derived_pointers", "CTYPES"]
+__all__ = ["CudaDevice", "available", "fill_derived_pointers", "launch_args", "CTYPES"]
