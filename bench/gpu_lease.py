@@ -17,7 +17,7 @@ Each item's result is one JSON line in DIR/results.jsonl, written as soon as it 
 lease that ends mid-plan keeps everything finished. Items run in a child process; a CUDA error
 (sticky for its context), a crash or an item silent for --item-timeout seconds ends the child,
 the item is recorded as failed and a new child resumes with the next one.
-`bench/gpu_lease_summary.py DIR` turns the lines into tables for docs/performance.md.
+`bench/gpu_lease_summary.py DIR` turns the lines into markdown for docs/performance.md.
 """
 
 from __future__ import annotations

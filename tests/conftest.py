@@ -26,6 +26,14 @@ def write_spec(tmp_path: Path, text: str, name: str = "spec.toml") -> Path:
     return p
 
 
+def unsplit_example(tmp_path: Path, file: str) -> Path:
+    """A copy of example spec `file` whose "auto" split counts are 1: for tests that read a
+    single-launch decode (the examples split since the H200 measured unsplit decode at 49 %)."""
+    text = (SPECS / file).read_text()
+    assert 'num_splits = "auto"' in text, file
+    return write_spec(tmp_path, text.replace('num_splits = "auto"', "num_splits = 1"), file)
+
+
 def build_kernel(tmp_path: Path, family: str, body: str, tile: str = "", targets=("sm_80",)):
     """Build one [[kernel]] named "k" (PTX only) into tmp_path/out and load it."""
     from ptxc.pipeline.build import run_build

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT, SPECS
+from conftest import ROOT, SPECS, unsplit_example
 
 from ptxc.gpu.bench import bench_inputs, l2_flush_bytes, should_flush, throughput, timing_stats
 from ptxc.cli import main
@@ -300,9 +300,9 @@ def fake_gpu(monkeypatch):
     return drv
 
 
-def test_bench_orchestration_on_fake_driver(fake_gpu, toolchain, capsys):
+def test_bench_orchestration_on_fake_driver(fake_gpu, toolchain, tmp_path, capsys):
     from ptxc.gpu.bench import run_bench
-    result = run_bench([SPECS / "llama3_8b.toml"], shapes={"batch": 2, "max_seq_len": 64},
+    result = run_bench([unsplit_example(tmp_path, "llama3_8b.toml")], shapes={"batch": 2, "max_seq_len": 64},
                        warmup=2, repeat=5, compare=False)
     assert result["gpu_model"] == "h100-sxm" and result["l2_bytes"] == 50 * MIB and result["sm_count"] == 132
     (row,) = result["results"]
@@ -325,7 +325,7 @@ def test_bench_orchestration_on_fake_driver(fake_gpu, toolchain, capsys):
 
 def test_tune_orchestration_on_fake_driver(fake_gpu, toolchain, tmp_path, capsys):
     from ptxc.gpu.tune import run_tune
-    result = run_tune([SPECS / "llama3_8b.toml"], shapes={"batch": 2, "max_seq_len": 64},
+    result = run_tune([unsplit_example(tmp_path, "llama3_8b.toml")], shapes={"batch": 2, "max_seq_len": 64},
                       out_dir=tmp_path, warmup=1, repeat=3, limit=3)
     assert result["target"] == "sm_90" and len(result["tried"]) == 3
     table = read_table(tmp_path / "sm_90_nvidia-h100-80gb-hbm3.json")
@@ -387,3 +387,34 @@ def test_cuda_device_runs_own_cubin_and_older_ptx_never_a_newer_target():
         dev.pick_image(art, "sm_120")
     ampere = CudaDevice("dev", None, 87, "Orin")                            # no exact cubin: newest PTX
     assert ampere.pick_image(art, None) == ("sm_86", b"ptx:sm_86\0")
+
+
+def test_gpu_lease_plan_and_resume_without_a_gpu(tmp_path):
+    """bench/gpu_lease.py --dry: the plan puts the arch-specific checks first and the priority
+    kernels' timings next; every item leaves exactly one line; a child that fails on an item is
+    replaced and the plan goes on from the next one."""
+    from ptxc.pipeline.build import run_build
+    out = tmp_path / "out"
+    run_build([SPECS / "llama3_8b.toml"], out, verify=False, progress=False, targets=["sm_90", "sm_90a"])
+
+    def lease(results):
+        run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_lease.py"), str(out), "--out",
+                              str(results), "--sm", "90", "--dry", "--deadline", "300"],
+                             capture_output=True, text=True, cwd=ROOT)
+        assert run.returncode == 0, run.stderr
+        plan = json.loads((results / "plan.json").read_text())
+        return plan, [json.loads(t) for t in (results / "results.jsonl").read_text().splitlines()]
+    plan, lines = lease(tmp_path / "r")
+    kernels = sorted({p["kernel"] for p in plan})
+    assert [(p["kind"], p["target"]) for p in plan[:len(kernels)]] == [("check", "sm_90a")] * len(kernels)
+    assert plan[len(kernels)] == {"kind": "bench", "kernel": "llama3_8b_decode", "target": "sm_90a",
+                                  "path": str(out / "llama3_8b_decode"), "compare": True}
+    assert [x["index"] for x in lines] == list(range(len(plan))) and all(x["status"] == "ok" for x in lines)
+    # a tampered artifact: each of its items is recorded as an error, a new child resumes after it
+    victim = plan[1]["kernel"]
+    ptx = out / victim / f"{victim}.sm_90a.ptx"
+    ptx.write_text(ptx.read_text() + "// tampered\n")
+    plan, lines = lease(tmp_path / "r2")
+    assert [x["index"] for x in lines] == list(range(len(plan)))
+    assert {x["status"] for x in lines if x["kernel"] == victim} == {"error"}
+    assert all(x["status"] == "ok" for x in lines if x["kernel"] != victim)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import SPECS
+from conftest import unsplit_example
 from ptxc.pipeline.build import run_build
 from ptxc.cli import main
 from ptxc.errors import InputError
@@ -14,9 +14,10 @@ from ptxc.runtime import infer_dims, launch_geometry, load, pack_args, prepare_b
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
+    """The Mistral example with one split: these tests read a single-launch decode's ABI."""
     out = tmp_path_factory.mktemp("rt")
-    run_build([SPECS / "mistral_7b.toml"], out, verify=False, progress=False)
-    return load(out / "mistral_7b_decode")
+    run_build([unsplit_example(out, "mistral_7b.toml")], out / "out", verify=False, progress=False)
+    return load(out / "out" / "mistral_7b_decode")
 
 
 def inputs(batch=2, seq=7):
