@@ -81,7 +81,7 @@ def main():
 def build(paths, out, targets, no_verify, fatbin, jobs, as_json, no_cache, shard):
     """Build every kernel in SPEC files / directories into OUT."""
     from .pipeline.build import run_build
-    from .emit.distribute import parse_shard
+    from .pipeline.shard import parse_shard
     summary = run_build(paths, out, targets=list(targets), verify=not no_verify, jobs=jobs,
                         use_cache=not no_cache, progress=not as_json,
                         shard=parse_shard(shard) if shard else None, fatbin=fatbin)

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from ptxc.cli import main
 from ptxc.pipeline.build import run_build
-from ptxc.pipeline.cache import sha256
+from ptxc.files import sha256
 from ptxc.pipeline.metadata import dumps
 
 NAME = "hk"

@@ -154,11 +154,11 @@ def test_output_paths_are_one_line_errors(out, tmp_path):
 
 
 def test_full_filesystem_is_one_line(out, tmp_path, monkeypatch):
-    import ptxc.pipeline.cache as cache_mod
+    import ptxc.files as files_mod
 
     def full(*a, **k):
         raise OSError(28, "No space left on device", str(tmp_path / "x"))
-    monkeypatch.setattr(cache_mod.tempfile, "mkstemp", full)
+    monkeypatch.setattr(files_mod.tempfile, "mkstemp", full)
     r = CliRunner().invoke(main, ["pack", str(out), "-o", str(tmp_path / "p.tgz")])
     _one_line(r)
     assert "No space left on device" in r.output
@@ -238,8 +238,8 @@ def test_artifact_files_follow_the_umask(tmp_path):
                   cache_dir=tmp_path / "c")
     finally:
         os.umask(old)
-    import ptxc.pipeline.cache as cache_mod
-    want = 0o666 & ~cache_mod._UMASK
+    import ptxc.files as files_mod
+    want = 0o666 & ~files_mod._UMASK
     modes = {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "o").rglob("*") if p.is_file()
              and not p.name.startswith(".")}
     assert modes == {want} and want & 0o044   # group/other can read: not mkstemp's 0600
@@ -350,7 +350,7 @@ def test_small_input_reads_under_a_small_address_space_limit(out, tmp_path):
     code = (
         "import resource, sys\n"
         "from pathlib import Path\n"
-        "from ptxc.pipeline.cache import read_regular_file\n"
+        "from ptxc.files import read_regular_file\n"
         "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
         "data = read_regular_file(Path(sys.argv[1]), 6 << 30)\n"
         "print(len(data))\n")
@@ -375,7 +375,7 @@ def test_full_disk_names_the_path_and_leaves_no_temp_file(out, tmp_path, monkeyp
     """ENOSPC from the write itself (not the temp-file creation): one line naming the path,
     and no temp file left in the output directory or the cache."""
     import errno
-    import ptxc.pipeline.cache as cache_mod
+    import ptxc.files as files_mod
     real_fdopen = os.fdopen
 
     class Full:
@@ -393,7 +393,7 @@ def test_full_disk_names_the_path_and_leaves_no_temp_file(out, tmp_path, monkeyp
     def fdopen(fd, mode="r", *a, **k):
         f = real_fdopen(fd, mode, *a, **k)
         return Full(f) if "w" in mode else f
-    monkeypatch.setattr(cache_mod.os, "fdopen", fdopen)
+    monkeypatch.setattr(files_mod.os, "fdopen", fdopen)
     cache = tmp_path / "cache"
     monkeypatch.setenv("PTXC_CACHE_DIR", str(cache))
     dest = tmp_path / "o"

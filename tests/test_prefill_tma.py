@@ -272,7 +272,7 @@ def test_metadata_records_the_tensor_maps(built):
 def test_checked_loading_refuses_a_tampered_tensor_map(built, tmp_path, edit):
     import shutil
 
-    from ptxc.pipeline.cache import sha256
+    from ptxc.files import sha256
     from ptxc.pipeline.checked import load_checked
     out, _ = built
     dest = tmp_path / "out"

@@ -9,7 +9,7 @@ import pytest
 
 from ptxc.pipeline.artifacts import MANIFEST
 from ptxc.pipeline.build import run_build, run_verify
-from ptxc.pipeline.cache import sha256
+from ptxc.files import sha256
 from ptxc.pipeline.metadata import dumps
 
 SPEC = '''[[kernel]]

@@ -14,7 +14,7 @@ from pathlib import Path
 from .. import __version__
 from ..errors import UserError
 from ..pipeline.artifacts import MANIFEST
-from ..pipeline.cache import write_if_changed
+from ..files import write_if_changed
 from .view import ctas_per_sm, rule_code, ArtifactView, KernelView, TargetView, expr_code, output_view, variant_text
 
 SIGNED = {"u32": 0, "s32": 1, "u64": 0, "s64": 1}

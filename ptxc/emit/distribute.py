@@ -1,8 +1,5 @@
-"""Spreading generation over CI jobs and shipping the result: `--shard i/N`, `ptxc merge`,
-`ptxc pack`.
-
-A kernel's shard is decided by a hash of its name, so adding or removing kernels never moves
-the others between shards, and every job computes the same split without talking to the rest.
+"""Shipping generation spread over CI jobs: `ptxc merge` (the output directories of `--shard`
+builds, pipeline/shard.py) and `ptxc pack`.
 """
 
 from __future__ import annotations
@@ -13,25 +10,9 @@ import tarfile
 from pathlib import Path
 
 from ..pipeline.artifacts import MANIFEST, ensure_output_dir, kernel_dir, update_manifest
-from ..pipeline.cache import atomic_write, sha256, write_if_changed
+from ..files import atomic_write, sha256, write_if_changed
 from ..pipeline.checked import read_artifact_file, read_manifest_checked, load_checked
 from ..errors import UserError, VerifyError
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """'i/N' with 1 <= i <= N."""
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise UserError(f"--shard {text!r}: expected i/N, e.g. 2/8") from None
-    if not (n >= 1 and 1 <= i <= n):
-        raise UserError(f"--shard {text!r}: need 1 <= i <= N")
-    return i, n
-
-
-def in_shard(name: str, shard: tuple[int, int]) -> bool:
-    i, n = shard
-    return int(sha256(name.encode())[:12], 16) % n == i - 1
 
 
 def merge(inputs: list[Path], out: Path) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 from .. import __version__
 from ..errors import UserError
 from ..pipeline.artifacts import MANIFEST
-from ..pipeline.cache import write_if_changed
+from ..files import write_if_changed
 from .view import ArtifactView, ctas_per_sm, rule_code, KernelView, TargetView, expr_code, output_view, variant_text
 
 SIGNED = {"u32": "false", "s32": "true", "u64": "false", "s64": "true"}

@@ -17,7 +17,8 @@ from .convert import ConvertOps
 from .hopper import HopperOps
 from .tensorcore import TensorCoreOps
 from .values import (F16, F32, F64, B16, B32, B64, BF16, PRED, S32, S64, SPECIAL_REGS,
-                     U32, U64, Addr, Imm, Label, PtxType, Reg, Special, Sym, Vec, storage_of)
+                     U32, U64, Addr, Imm, Label, PtxType, Reg, Special, Sym, Value, Vec, check_space,
+                     storage_of)
 
 INT_CMPS = ("eq", "ne", "lt", "le", "gt", "ge")
 FLOAT_CMPS = INT_CMPS + ("equ", "neu", "ltu", "leu", "gtu", "geu", "num", "nan")
@@ -65,7 +66,6 @@ class EntryIR:
         return total
 
 
-Value = Reg | Imm | Special | Sym | int | float
 
 
 class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
@@ -189,7 +189,7 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
 
     def ld(self, space: str, type: PtxType, addr: Addr, vec: int = 1, nc: bool = False,
            out: Sequence[Reg] | None = None) -> Reg | list[Reg]:
-        _check_space(space, addr, "ld")
+        check_space(space, addr, "ld")
         # A byte (u8) lands zero-extended in a 32-bit register (PTX has no 8-bit registers)
         dsts = list(out) if out is not None else \
             [self.reg(U32 if type.bits == 8 else type) for _ in range(vec)]
@@ -201,7 +201,7 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
         return dsts[0] if vec == 1 else dsts
 
     def st(self, space: str, type: PtxType, addr: Addr, values: Sequence[Value]) -> None:
-        _check_space(space, addr, "st")
+        check_space(space, addr, "st")
         vals = [self._operand(v, type, "st") for v in values]
         if len(vals) not in (1, 2, 4):
             raise IRError(f"st: {len(vals)} values; a store takes 1, 2 or 4")
@@ -210,7 +210,7 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
 
     def red(self, space: str, op: str, type: PtxType, addr: Addr, value: Value) -> None:
         """red.space.op.type [addr], value: an atomic read-modify-write whose old value is unused."""
-        _check_space(space, addr, "red")
+        check_space(space, addr, "red")
         if op not in ("add", "and", "or", "xor", "min", "max"):
             raise IRError(f"red: unknown operation {op!r}")
         self.emit("red", (space, op, type.name), (), (addr, self._operand(value, type, "red")))
@@ -396,17 +396,6 @@ def _arith_type(op: str, t: PtxType) -> str:
     if op in ("and", "or", "xor"):
         return "pred" if t == PRED else f"b{t.bits}"
     return t.name
-
-
-def _check_space(space: str, addr: Addr, op: str) -> None:
-    if space not in ("global", "shared", "param", "local"):
-        raise IRError(f"{op}: unknown state space {space!r}")
-    if not isinstance(addr, Addr):
-        raise IRError(f"{op}: address {addr!r} is not an Addr")
-    base = addr.base
-    want = U32 if space == "shared" else U64
-    if isinstance(base, Reg) and base.type.bits != want.bits:
-        raise IRError(f"{op}.{space}: address register {base} is {base.type}, expected {want.bits}-bit")
 
 
 __all__ = ["KernelBuilder", "EntryIR", "Instr", "Param", "SharedDecl", "B16", "B32", "B64", "BF16",

@@ -11,13 +11,10 @@ Shapes emitted (what the emulator's lowest-pc-first reconvergence and ptxas both
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from ..errors import IRError
-from .values import U32, Label, PtxType, Reg
-
-if TYPE_CHECKING:
-    from .builder import Value
+from .values import U32, Label, PtxType, Reg, Value
 
 
 class ControlFlowOps:

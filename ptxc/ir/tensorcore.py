@@ -8,12 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import IRError
-from .values import B32, BF16, BF16X2, F16, F16X2, F32, U32, Addr, Imm, PtxType, Reg, Vec
-
-
-def _check_space(space: str, addr: Addr, op: str) -> None:
-    from .builder import _check_space as check
-    check(space, addr, op)
+from .values import B32, BF16, BF16X2, F16, F16X2, F32, U32, Addr, Imm, PtxType, Reg, Vec, check_space
 
 
 class TensorCoreOps:
@@ -43,7 +38,7 @@ class TensorCoreOps:
         one b32 register per matrix; lanes 8m..8m+7 give the 16-byte row addresses of matrix m."""
         if count not in (1, 2, 4):
             raise IRError(f"ldmatrix: count {count} is not 1, 2 or 4")
-        _check_space("shared", addr, "ldmatrix")
+        check_space("shared", addr, "ldmatrix")
         dsts = [self.reg(B32) for _ in range(count)]
         mods = ("sync", "aligned", "m8n8", f"x{count}") + (("trans",) if trans else ()) + ("shared", "b16")
         self.emit("ldmatrix", mods, (Vec(tuple(dsts)),), (addr,))
@@ -59,8 +54,8 @@ class TensorCoreOps:
             raise IRError(f"cp.async: size {size} is not 4, 8 or 16")
         if cache == "cg" and size != 16:
             raise IRError(f"cp.async.cg: size {size}; .cg copies 16 bytes (use cache='ca')")
-        _check_space("shared", dst, "cp.async dst")
-        _check_space("global", src, "cp.async src")
+        check_space("shared", dst, "cp.async dst")
+        check_space("global", src, "cp.async src")
         srcs = (dst, src, Imm(size, U32))
         if src_size is not None:
             if isinstance(src_size, int) and not isinstance(src_size, bool) and not 0 <= src_size <= size:

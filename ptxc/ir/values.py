@@ -11,6 +11,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from ..errors import IRError
+
 
 @dataclass(frozen=True)
 class PtxType:
@@ -165,3 +167,19 @@ class Label:
 Operand = Reg | Imm | Special | Sym | Addr | Vec | Label
 SPECIAL_REGS = {f"%{n}.{a}" for n in ("tid", "ntid", "ctaid", "nctaid") for a in "xyz"} | {
     "%laneid", "%warpid"}
+
+
+# An operand as the builder takes it: a register, an immediate, a special register, a symbol,
+# or a Python number (made an immediate of the instruction's type).
+Value = Reg | Imm | Special | Sym | int | float
+
+
+def check_space(space: str, addr: Addr, op: str) -> None:
+    if space not in ("global", "shared", "param", "local"):
+        raise IRError(f"{op}: unknown state space {space!r}")
+    if not isinstance(addr, Addr):
+        raise IRError(f"{op}: address {addr!r} is not an Addr")
+    base = addr.base
+    want = U32 if space == "shared" else U64
+    if isinstance(base, Reg) and base.type.bits != want.bits:
+        raise IRError(f"{op}.{space}: address register {base} is {base.type}, expected {want.bits}-bit")

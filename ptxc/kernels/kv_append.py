@@ -29,6 +29,7 @@ from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, 
 from . import fp8, kv_fp8, kv_transform
 from .kv_access import CACHES, MAX_PAGE_SIZE, KVAccess, check_page_size
 from .kv_rows import NewRows, by_slot, grid
+from .kv_transform_ref import destinations
 
 _hd_check, _hd_allowed = head_dim_range(16, 256)
 _page_check, _page_allowed = int_range(1, MAX_PAGE_SIZE)
@@ -221,34 +222,6 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
         from .kv_transform_ref import add_inputs
         add_inputs(spec, dims, inputs, rng)
     return inputs
-
-
-def destinations(spec: KernelSpec, inputs: dict):
-    """(source index, cache row, cache index) of every new row the append writes: source index
-    (sequence, token) and cache row positions[sequence] + token, or by slot (token,) and the
-    token's RoPE position (its slot when the spec has no RoPE)."""
-    paged = spec.opt("kv_layout") == "paged"
-    ps = spec.opt("page_size") or 16
-    if by_slot(spec):
-        pages = inputs["k_cache"].shape[0]
-        rope_at = inputs.get("positions")
-        for t, slot in enumerate(inputs["slot_mapping"]):
-            slot = int(slot)
-            if 0 <= slot < pages * ps:
-                yield (t,), int(rope_at[t]) if rope_at is not None else slot, (slot // ps, slot % ps)
-        return
-    B, N = inputs["k_new"].shape[:2]
-    rows = inputs["k_cache"].shape[0 if paged else 1]
-    for bi in range(B):
-        for t in range(N):
-            r = int(inputs["positions"][bi]) + t
-            if paged:
-                table = inputs["block_table"]
-                if not (0 <= r < table.shape[1] * ps) or not (0 <= table[bi, r // ps] < rows):
-                    continue
-                yield (bi, t), r, (table[bi, r // ps], r % ps)
-            elif 0 <= r < rows:
-                yield (bi, t), r, (bi, r)
 
 
 def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference import fp8_quantize, round_to
+from ..spec.model import KernelSpec
+from .kv_rows import by_slot
 from .kv_transform import options
 
 
@@ -90,7 +92,6 @@ def _quantize(x32: np.ndarray, scale, kind: str) -> np.ndarray:
 
 
 def reference(spec, inputs: dict, dtype: str | None = None) -> dict:
-    from .kv_append import destinations
     opts = options(spec)
     kind, style, rd = opts["fp8"], opts["rope"], opts["rotary_dim"]
     h = rd // 2
@@ -135,7 +136,6 @@ def reference(spec, inputs: dict, dtype: str | None = None) -> dict:
 def _rope_rows(spec, inputs: dict):
     """(source index, position >= 0) of every token whose queries the kernel rotates: its cache
     row is valid (page ids aside; by slot: its slot is in the cache)."""
-    from .kv_rows import by_slot
     if by_slot(spec):
         total = inputs["k_cache"].shape[0] * inputs["k_cache"].shape[1]
         for t, (slot, p) in enumerate(zip(inputs["slot_mapping"], inputs["positions"])):
@@ -154,3 +154,31 @@ def _row_valid(spec, inputs: dict, r: int) -> bool:
     if spec.opt("kv_layout") == "paged":
         return 0 <= r < inputs["block_table"].shape[1] * (spec.opt("page_size") or 16)
     return 0 <= r < inputs["k_cache"].shape[1]
+
+
+def destinations(spec: KernelSpec, inputs: dict):
+    """(source index, cache row, cache index) of every new row the append writes: source index
+    (sequence, token) and cache row positions[sequence] + token, or by slot (token,) and the
+    token's RoPE position (its slot when the spec has no RoPE)."""
+    paged = spec.opt("kv_layout") == "paged"
+    ps = spec.opt("page_size") or 16
+    if by_slot(spec):
+        pages = inputs["k_cache"].shape[0]
+        rope_at = inputs.get("positions")
+        for t, slot in enumerate(inputs["slot_mapping"]):
+            slot = int(slot)
+            if 0 <= slot < pages * ps:
+                yield (t,), int(rope_at[t]) if rope_at is not None else slot, (slot // ps, slot % ps)
+        return
+    B, N = inputs["k_new"].shape[:2]
+    rows = inputs["k_cache"].shape[0 if paged else 1]
+    for bi in range(B):
+        for t in range(N):
+            r = int(inputs["positions"][bi]) + t
+            if paged:
+                table = inputs["block_table"]
+                if not (0 <= r < table.shape[1] * ps) or not (0 <= table[bi, r // ps] < rows):
+                    continue
+                yield (bi, t), r, (table[bi, r // ps], r % ps)
+            elif 0 <= r < rows:
+                yield (bi, t), r, (bi, r)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .. import __version__
-from .cache import sha256, write_if_changed
+from ..files import sha256, write_if_changed
 from ..errors import UserError
 from .metadata import SCHEMA_VERSION, artifact_files, dumps, make_metadata
 from .checked import load_checked, read_manifest_checked  # noqa: F401  (the checked read side)
@@ -68,7 +68,7 @@ def write_kernel(out: Path, build, verified: bool, fatbin: bool = False) -> tupl
             changed += write_if_changed(d / files["cubin"], tb.cubin)
     record = None
     if fatbin:
-        from ..emit.fatbin import make_fatbin
+        from .fatbin import make_fatbin
         data, record = make_fatbin(d, name, make_metadata(build, verified)["targets"])
         changed += write_if_changed(d / record["file"], data)
     meta = make_metadata(build, verified, record)

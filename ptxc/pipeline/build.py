@@ -54,7 +54,7 @@ def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: boo
     t0 = time.perf_counter()
     specs = load_paths(paths)
     if shard is not None:
-        from ..emit.distribute import in_shard
+        from .shard import in_shard
         specs = [s for s in specs if in_shard(s.name, shard)]
     if targets:
         specs = _retarget(specs, targets)

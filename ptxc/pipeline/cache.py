@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from .. import __version__
 from ..errors import UserError
+from ..files import atomic_write, read_regular_file, sha256
 
 FORMAT = 2
 MAGIC = b"ptxc-cache %d " % FORMAT
@@ -49,10 +50,6 @@ CODEGEN_FILES = ("targets.py", "pipeline/compiler.py", "pipeline/ptxas.py", "pip
 def canonical_json(data: Any) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False).encode()
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 @lru_cache(maxsize=1)
@@ -78,27 +75,6 @@ def default_cache_dir() -> Path:
         return Path(env)
     import platformdirs
     return Path(platformdirs.user_cache_dir("ptxc"))
-
-
-def read_regular_file(path: Path, limit: int) -> bytes:
-    """The bytes of `path` if it is a regular file (not a symlink, FIFO or device) of at most
-    `limit` bytes; OSError otherwise. Opening non-blocking means a FIFO cannot hang us."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(0, "not a regular file", str(path))
-        if st.st_size > limit:
-            raise OSError(0, f"larger than {limit} bytes", str(path))
-        # Read what the file holds (one byte more to see it grew since the fstat), never the
-        # whole budget: a 30 KB input must not need `limit` bytes of address space.
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(min(st.st_size, limit) + 1)
-        if len(data) > limit:
-            raise OSError(0, f"larger than {limit} bytes", str(path))
-        return data
-    finally:
-        os.close(fd)
 
 
 class Cache:
@@ -290,44 +266,3 @@ class Cache:
                     except OSError:
                         pass
         return removed
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a unique temp file in the same directory and os.replace.
-    The file gets the usual permissions (0666 less the umask), not mkstemp's 0600."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError) and e.filename is None:
-            # A failed write (ENOSPC, EDQUOT, EIO) names no file; the user needs the path.
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
-        raise
-
-
-def _read_umask() -> int:
-    mask = os.umask(0o022)   # reading the umask means setting it; put it straight back at once
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _read_umask()   # once, at import, before any worker threads exist
-
-
-def write_if_changed(path: Path, data: bytes) -> bool:
-    """Atomically write `data` unless the file already holds exactly it (mtime then untouched)."""
-    try:
-        st = path.lstat()   # a symlink is never "unchanged": it is replaced, not followed
-        if stat.S_ISREG(st.st_mode) and st.st_size == len(data) and path.read_bytes() == data:
-            return False
-    except OSError:
-        pass
-    atomic_write(path, data)
-    return True

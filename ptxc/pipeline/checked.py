@@ -43,7 +43,7 @@ from typing import Any
 
 from ..errors import PtxcError, SpecError, UserError, VerifyError
 from . import exprs
-from .cache import read_regular_file, sha256
+from ..files import read_regular_file, sha256
 from .metadata import artifact_files, schema_errors
 from ..ir.values import PARAM_ALIGN
 
@@ -249,7 +249,7 @@ def _reference_problems(meta: dict, where: Path) -> list[str]:
         if "auto" in rule:
             expr_ok(rule["auto"]["ctas"], f"dim_rules.{dname}.ctas")
             try:   # the rule every loader evaluates: an expression over AUTO_RULE_NAMES only
-                from ..runtime.dim_rules import AUTO_RULE_NAMES
+                from .dim_rules import AUTO_RULE_NAMES
                 if not exprs.names(rule["auto"]["rule"]) <= set(AUTO_RULE_NAMES):
                     problems.append(f"{where}: dim_rules.{dname}.rule names something other "
                                     f"than {', '.join(AUTO_RULE_NAMES)}")

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .cache import Cache, canonical_json, make_key, sha256
+from .cache import Cache, canonical_json, make_key
+from ..files import sha256
 from ..errors import PtxcError
 from ..ir import render_module
 from ..ir.values import PARAM_ALIGN

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from .cache import sha256
+from ..files import sha256
 from ..targets import get_target, occupancy
 
 SCHEMA_VERSION = 1

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PtxcError
-from .cache import sha256
+from ..files import sha256
 from .checked import (MANIFEST, check_artifact, ptx_signatures, read_artifact_file,  # noqa: F401
                       read_manifest_checked, short)
 

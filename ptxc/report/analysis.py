@@ -224,7 +224,7 @@ def load_measured(paths) -> list[dict]:
 
 
 def write_html(report: dict, path: Path) -> Path:
-    from ..pipeline.cache import atomic_write
+    from ..files import atomic_write
     from .html import render_html
     atomic_write(path, render_html(report).encode())
     return path

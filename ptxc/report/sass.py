@@ -67,7 +67,8 @@ def instruction_mix(cubin: bytes, cache=None) -> dict[str, dict[str, int]]:
     """Per entry function: counts of the MIX_CLASSES and the total. Raises SassUnavailable.
     nvdisasm takes about half a second per cubin, so results are kept in the ptxc cache
     (stage "sass", keyed by the cubin's hash and the tool) when `cache` is given."""
-    from ..pipeline.cache import canonical_json, sha256
+    from ..pipeline.cache import canonical_json
+    from ..files import sha256
     tool = find_nvdisasm()
     key = sha256(canonical_json({"stage": "sass", "v": 1, "cubin": sha256(cubin), "tool": tool,
                                  "classes": list(MIX_CLASSES)}))
@@ -86,7 +87,8 @@ def sass_profile(cubin: bytes, cache=None) -> dict[str, dict]:
     run, cached like instruction_mix."""
     import json
 
-    from ..pipeline.cache import canonical_json, sha256
+    from ..pipeline.cache import canonical_json
+    from ..files import sha256
     from . import loops as loops_module
     tool = find_nvdisasm()
     # keyed by the analyser's own source, so a changed analysis never reads a stale result

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PtxcError, ToolchainError
-from . import launch_geometry, pack_args, pick_target, row_pointer_offsets, sm_number
+from .abi import launch_geometry, pack_args, pick_target, row_pointer_offsets, sm_number
 
 CTYPES = {"u32": ctypes.c_uint32, "s32": ctypes.c_int32, "u64": ctypes.c_uint64,
           "s64": ctypes.c_int64, "f32": ctypes.c_float}

@@ -36,8 +36,8 @@ from ..errors import InputError, PtxcError, ToolchainError
 from ..pipeline import exprs
 from ..pipeline.graph import never_reason
 from ..pipeline.metadata import ELEMENT_BYTES
-from . import NP_PARAM, launch_geometry, pack_args, pick_target
-from .dim_rules import apply_dim_rule, rule_ctas_per_sm
+from .abi import NP_PARAM, launch_geometry, pack_args, pick_target
+from ..pipeline.dim_rules import apply_dim_rule, rule_ctas_per_sm
 from .preconditions import check_tensor, packed_strides
 
 TYPESTRS = {"f32": ("<f4",), "f16": ("<f2",), "bf16": ("<V2", "<u2"), "i32": ("<i4",), "i64": ("<i8",),

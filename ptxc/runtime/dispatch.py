@@ -85,7 +85,7 @@ def match(variants: dict[str, tuple], key) -> str:
 def find_variant(out_dir: str | Path, key: str | dict | None = None, **fields):
     """The Artifact of a `ptxc build` output directory that serves `key` (or the keyword fields)."""
     from ..pipeline.checked import read_manifest_checked
-    from . import load
+    from .artifact import load
     out_dir = Path(out_dir)
     manifest = read_manifest_checked(out_dir)   # names checked before they become paths
     arts = {name: load(out_dir / name) for name in sorted(manifest["artifacts"])}

@@ -48,7 +48,7 @@ def resolve_backend(backend: str) -> str:
 def artifacts_for(paths, workdir: Path, verify: bool) -> list:
     """Artifact objects for artifact dirs, output dirs, or spec files (built into workdir)."""
     from ..pipeline.build import run_build
-    from . import load
+    from .artifact import load
     from ..pipeline.verify import is_artifact_dir, is_output_dir
     arts = []
     for p in map(Path, paths):
@@ -69,7 +69,7 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
 
     from ..kernels import FAMILIES
     from ..spec.model import KernelSpec
-    from . import DIM_MAX, check_buffer_budget
+    from .abi import DIM_MAX, check_buffer_budget
     spec = KernelSpec.from_dict(art.meta["spec"])
     family = FAMILIES[spec.family]
     dims = {**family.interface(spec).defaults, **shapes}
@@ -163,7 +163,7 @@ def exercised_features(art, spec, dims: dict, inputs: dict) -> tuple[str, ...]:
         out.append(f"pages crossed ({longest} rows, page_size {ps})" if longest > ps
                    else f"NOT pages crossed ({longest} <= page_size {ps})")
     if "num_splits" in art.meta.get("dims", ()):
-        from . import EMU_NUM_SMS
+        from .abi import EMU_NUM_SMS
         try:
             n = art.infer_dims(inputs, {}, EMU_NUM_SMS)["num_splits"]
             out.append(f"splits (num_splits={n})" if n > 1 else "NOT splits (num_splits=1)")
@@ -252,8 +252,8 @@ def run_npz(artifact_dir: Path, inputs_path: Path, output_path: Path, *, target:
             backend: str, sets: dict[str, int], record_path: Path | None = None) -> dict[str, Any]:
     import numpy as np
 
-    from ..pipeline.cache import atomic_write
-    from . import load
+    from ..files import atomic_write
+    from .artifact import load
     art = load(artifact_dir)
     inputs = read_npz(inputs_path)
     backend = resolve_backend(backend)
@@ -279,8 +279,8 @@ def read_npz(path: Path) -> dict:
 
     import numpy as np
 
-    from ..pipeline.cache import read_regular_file
-    from . import DEFAULT_MAX_RUN_BYTES
+    from ..files import read_regular_file
+    from .abi import DEFAULT_MAX_RUN_BYTES
     from ..env import env_int
     limit = env_int("PTXC_MAX_RUN_BYTES", DEFAULT_MAX_RUN_BYTES)
     try:

@@ -102,7 +102,7 @@ def _toml_files(root: Path) -> list[Path]:
 
 
 def load_file(path: str | Path) -> list[KernelSpec]:
-    from ..pipeline.cache import read_regular_file
+    from ..files import read_regular_file
     path = Path(path)
     try:
         data = read_regular_file(path, MAX_SPEC_BYTES)

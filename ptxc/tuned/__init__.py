@@ -47,7 +47,7 @@ def write_table(out_dir: Path, *, target: str, sm: int, device_name: str, entrie
                 date: str | None = None) -> Path:
     """Write (merge) `entries` into the table for (target, device); returns its path."""
     from .. import __version__
-    from ..pipeline.cache import atomic_write
+    from ..files import atomic_write
     path = table_path(out_dir, target, device_name)
     merged: dict[tuple, dict] = {}
     if path.exists():

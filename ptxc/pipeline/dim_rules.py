@@ -3,7 +3,7 @@ evaluated the same way here and in the generated C and Rust loaders (docs/metada
 
 from __future__ import annotations
 
-from ..pipeline import exprs
+from . import exprs
 
 
 AUTO_RULE_NAMES = ("max", "ctas", "num_sms", "ctas_per_sm")   # what an "auto" rule may name

@@ -11,8 +11,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..errors import ToolchainError, UserError
-from ..pipeline.cache import sha256
-from ..pipeline.ptxas import find_nvidia_tool
+from ..files import sha256
+from .ptxas import find_nvidia_tool
 
 HINT = "install it with `pip install nvidia-cuda-nvcc`, or set FATBINARY=/path/to/fatbinary"
 
