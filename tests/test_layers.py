@@ -157,7 +157,6 @@ _K = "ptxc.kernels."
 CIRCLE_ALLOWLIST = {
     frozenset({_K + m for m in ("prefill", "prefill_config", "prefill_mma", "prefill_simt",
                                 "prefill_tma", "prefill_wgmma")}),
-    frozenset({_K + m for m in ("varlen", "varlen_attend", "varlen_tma", "varlen_wgmma")}),
 }
 
 def test_graph_sees_relative_and_function_level_imports():

@@ -131,7 +131,7 @@ def configure(spec: KernelSpec, target: Target | None):
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
-    from .varlen_attend import packed_tile_config
+    from .varlen_tile import packed_tile_config
     return packed_tile_config(spec, configure(spec, target))
 
 

@@ -110,7 +110,7 @@ def validate(spec: KernelSpec) -> None:
                         f"as they are, and FP8 tiles are dequantised after cp.async lands them; "
                         f"allowed: \"cp_async\" or drop the key", key="tile.kv_loads")
     if spec.tile_dict().get("kv_loads") == "tma":
-        from .varlen_wgmma import WgmmaTileConfig
+        from .varlen_tile import WgmmaTileConfig
         if not any(isinstance(configure(spec, TARGETS[t]), WgmmaTileConfig) for t in spec.targets):
             raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim "
                             f"{spec.head_dim}, targets {', '.join(spec.targets)}: TMA feeds only "
@@ -171,16 +171,16 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
         cfg = make(stages)
     if target is not None:
         _check_shape(cfg, target)
-        from . import varlen_wgmma as wg   # sm_90a f16/bf16 d64/128/256: the same tile on wgmma
+        from . import varlen_tile as wg   # sm_90a f16/bf16 d64/128/256: the same tile on wgmma
         # custom masks run the mma.sync body on sm_90a too (the wgmma layouts do not map to
         # the mask predicate yet)
         if wg.applies(spec, target, cfg):
-            return wg.configure(spec, cfg)
+            return wg.configure(spec, cfg, kv_access(spec))
     return cfg
 
 
 def tree_on_wgmma(spec: KernelSpec, target: Target | None) -> bool:
-    """A tree mask on sm_90a's wgmma body (varlen_wgmma.applies decides the rest)."""
+    """A tree mask on sm_90a's wgmma body (varlen_tile.applies decides the rest)."""
     from .prefill_wgmma import uses_wgmma
     return spec.opt("custom_mask") == "tree" and target is not None and uses_wgmma(spec, target)
 
@@ -220,8 +220,7 @@ def _fits(spec: KernelSpec, rows: int, target: Target) -> bool:
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
-    from .varlen_attend import packed_tile_config
-    from .varlen_wgmma import WgmmaTileConfig, tile_config
+    from .varlen_tile import WgmmaTileConfig, packed_tile_config, tile_config
     cfg = configure(spec, target)
     conf = packed_tile_config(spec, cfg)
     return tile_config(conf, cfg) if isinstance(cfg, WgmmaTileConfig) else conf

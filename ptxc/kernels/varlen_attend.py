@@ -27,68 +27,17 @@ K/V tile it loads serves all of them. Per CTA:
 
 from __future__ import annotations
 
-from ..ir import B32, F32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
+from ..ir import S32, S64, U32, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
 from .kv_fp8 import stage_rows_dequant
 from .kv_fp8_stage import FP8Staging, StagedFP8Config
 from .kv_pages import PagedTiles, SparseSlots, prefetch_applies
 from .kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
-from .packed_tile import TileWork, VarlenCtx, packed_tile_setup
-from .prefill import PrefillConfig, finish_rows
-from .prefill_mma import MmaMath
+from .packed_tile import TileWork, packed_tile_setup
+from .prefill import PrefillConfig
 from .tiles import load_tile_rows, thread_slot
-
-
-class VarlenMath(MmaMath):
-    """prefill's tensor-core tile math; only the epilogue differs (per-row output addresses)."""
-
-    def __init__(self, b: KernelBuilder, ctx: VarlenCtx, ptrs: dict, strides: dict):
-        super().__init__(b, ctx)
-        self.ptrs, self.strides = ptrs, strides
-        self.v_scale: Reg | None = None    # FP8 V: multiplies 1/l (set by emit_varlen)
-
-    def epilogue(self) -> None:
-        b, ctx = self.b, self.ctx
-        split = ctx.split is not None
-        writer = self.writer()
-        l_rows, lanes = self.row_sums()
-        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, writer,
-                           lse_scale=1.0 if split else C.LN2)
-        if self.v_scale is not None:
-            invs = [b.mul(inv, self.v_scale) for inv in invs]
-        for r, row in enumerate(self.rows):
-            ok = b.setp("lt", row, ctx.seq_q)
-            if split:   # o_part [total_q, H, splits, d] f32: this lane's columns 2t, 2t+1
-                addr = b.add(self.ptrs["o_part"], b.mul_wide(ctx.out_index(row), ctx.cfg.dv * 4))
-                addr = b.add(addr, b.cvt(U64, b.shl(self.t, 3)))
-                if self.col0 is not None:   # this warp's slice of the value columns
-                    addr = b.add(addr, b.mul_wide(self.col0, 4))
-            else:
-                tok = b.add(ctx.token0, ctx.token(row))
-                base = C.element_offset(b, self.ptrs["o"], tok, self.strides[("o", 0)])
-                base = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), self.strides[("o", 1)])
-                addr = b.bitcast(b.add(base, b.cvt(S64, b.shl(self.t, 2))), U64)
-                if self.col0 is not None:
-                    addr = b.add(addr, b.mul_wide(self.col0, ctx.cfg.fmt.bytes))
-            for jd, acc in enumerate(self.o):
-                lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
-                with b.predicate(ok):
-                    if split:
-                        b.st("global", F32, Addr(addr, jd * 32), [lo, hi])
-                    else:
-                        b.st("global", B32, Addr(addr, jd * 16), [b.cvt_pack(self.pair, hi, lo)])
-
-
-def packed_tile_config(spec, c: PrefillConfig) -> dict:
-    """The metadata `config` of a GQA-packed tile (varlen, and decode on tensor cores)."""
-    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
-            "num_stages": c.num_stages, "path": "mma.m16n8k16", "gqa_packing": spec.group_size,
-            "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
-            **({"value_split": c.v_split} if c.v_split > 1 else {}),
-            **({"score_split": True, "exchange_bytes": c.exchange_bytes} if c.score_split else {}),
-            **({"fp8_staging_bytes": c.staging_bytes} if isinstance(c, StagedFP8Config) else {}),
-            **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {})}
+from .varlen_tile import VarlenMath, WgmmaTileConfig, packed_tile_config, score_transform  # noqa: F401  (decode_mma)
 
 
 SEARCH_STEPS = 31   # bits of the sequence index the binary search resolves (any u32 batch)
@@ -194,10 +143,15 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     (kv_fp8.stage_rows_dequant: FP8 bytes -> registers -> exact f16/bf16 -> st.shared) stages
     them. Either way the tile math is unchanged; k_scale joins the softmax scale
     (MmaMath.scale_log2 becomes a register) and v_scale the final 1/l.
-    A varlen_wgmma.WgmmaTileConfig (sm_90a) runs varlen_wgmma.py's body instead."""
-    from .varlen_wgmma import WgmmaTileConfig, emit_wgmma_tile
+    A varlen_tile.WgmmaTileConfig (sm_90a) runs varlen_wgmma.py's body (cp.async) or
+    varlen_tma.py's (TMA) instead."""
     if isinstance(cfg, WgmmaTileConfig):
-        emit_wgmma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps, quant, mask_bytes)
+        if cfg.tma:      # tile.kv_loads = "tma": K/V tiles by TMA boxes
+            from .varlen_tma import emit_tma_tile
+            emit_tma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps, mask_bytes)
+        else:
+            from .varlen_wgmma import emit_wgmma_tile
+            emit_wgmma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, mask_bytes)
         return
     bn, stages = cfg.block_n, cfg.num_stages
     tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, mask_bytes=mask_bytes)
@@ -273,14 +227,5 @@ def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
         run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                         use_async=True, **loop)
     math.epilogue()
-
-
-def score_transform(b: KernelBuilder, spec, math: MmaMath):
-    """The pipeline's transform hook: the variant's (soft-cap, ALiBi) through the math's
-    fragment layout, else variant.transform_scores (which emits nothing without an option)."""
-    variant = math.ctx.variant
-    unit = 1.0 / spec.softmax_scale                    # MmaMath's scores are raw q·k
-    return math.transform if variant.transforms else \
-        lambda s, key0: variant.transform_scores(b, s, key0, unit)
 
 

@@ -1,5 +1,5 @@
 """varlen's sm_90a wgmma body with its K/V tiles fed by TMA (tile.kv_loads = "tma", the default
-where tma_applies): the packed tile of varlen_wgmma.py on the mbarrier pipeline of
+where varlen_tile.tma_applies): the packed tile of varlen_wgmma.py on the mbarrier pipeline of
 tma_pipeline.py (full[stage] mbarriers, the elected thread arriving with each phase's
 expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
 
@@ -20,7 +20,7 @@ expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
              (chunk ^ address bits [7, 10)), so a box starting at a multiple of 8 rows of a
              1024-aligned slab is itself 1024-aligned and lands exactly as the whole tile
              would: power-of-two pages of >= 8 rows and pages of whole 64-row tiles take TMA,
-             others keep the cp.async body (tma_applies). The issuing lanes read their pages' ids one
+             others keep the cp.async body (varlen_tile.tma_applies). The issuing lanes read their pages' ids one
              K request ahead (IssuerPages); a row at or past L uses id -1, and an id outside
              [0, num_pages) (a corrupt table, or -1) lies outside the map's page dimension
              (num_pages, the cache's own extent), so the TMA fills the box with zeros and still
@@ -45,19 +45,8 @@ from .packed_tile import TileWork, packed_tile_setup
 from .prefill_wgmma import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
 from .tiles import CHUNK
 from .tma_pipeline import run_tma_pipeline
-
-MIN_PAGE_ROWS = 8    # one swizzle period: a box must start 1024-byte aligned in its slab
-
-
-def tma_applies(kv: KVAccess) -> bool:
-    """Whether the layout's K/V tiles can be TMA boxes (else the cp.async body runs): a box of
-    min(page_size, block_n) rows must sit inside one page, so a page that is not a power of two
-    takes TMA only when it is a whole number of the largest K/V tile (64 rows)."""
-    if kv.layout == "contiguous":
-        return True
-    ps = kv.page_size
-    return kv.layout == "paged" and ps >= MIN_PAGE_ROWS and (kv.pow2_pages or ps % 64 == 0)
-
+from .varlen_tile import score_transform
+from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
 
 def box_rows(kv: KVAccess, block_n: int) -> int:
     return block_n if kv.layout == "contiguous" else min(kv.page_size, block_n)
@@ -136,8 +125,6 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
                   work: TileWork, split_count: Reg | None, tmaps: dict,
                   mask_bytes: Reg | None = None) -> None:
     """varlen_wgmma.emit_wgmma_tile with TMA K/V loads (see the module docstring)."""
-    from .varlen_attend import score_transform
-    from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
     bn, stages = cfg.block_n, cfg.num_stages
     tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD,
                              mask_bytes=mask_bytes)
@@ -219,4 +206,4 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     math.epilogue()
 
 
-__all__ = ["emit_tma_tile", "tensor_map_params", "tma_applies"]
+__all__ = ["emit_tma_tile", "tensor_map_params"]

@@ -1,5 +1,6 @@
 """varlen (and any GQA-packed tile) on Hopper warpgroup MMA: target sm_90a, f16/bf16 caches,
-head_dim 64, 128 or 256 with head_dim_v == head_dim.
+head_dim 64, 128 or 256 with head_dim_v == head_dim. When it applies and how the tile is
+configured (WgmmaTileConfig, applies, configure) lives below this body, in varlen_tile.py.
 
 The packed tile of varlen_attend.py (row R = token R / g, head R % g of the group; the same
 sequence search, key range, split-KV share, per-row masks, variants and per-row epilogue) with
@@ -34,100 +35,15 @@ e4m3_ds rows, other head dims and head_dim_v != head_dim keep the mma.sync kerne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..ir import S32, S64, U64, Imm, KernelBuilder, Reg
 from .kv_access import KVAccess
-from .kv_fp8 import group_scaled, kind, kv_dtype
-from .kv_fp8_stage import StagingGeom, SwizzledFP8Staging
+from .kv_fp8_stage import SwizzledFP8Staging
 from .kv_pages import PagedTiles, prefetch_applies
 from .packed_tile import TileWork, packed_tile_setup
-from .prefill_config import PrefillConfig
-from .prefill_wgmma import (ROWS_PER_WARPGROUP, SWIZZLE, SWIZZLE_PERIOD, SwizzledGeom, WgmmaConfig,
-                            WgmmaMath, swizzled_slot, uses_wgmma)
-from .tiles import CHUNK, ThreadSlot, load_tile_passes
-from .varlen_attend import VarlenMath, score_transform
+from .prefill_wgmma import SWIZZLE_PERIOD, WgmmaMath, swizzled_slot
+from .tiles import ThreadSlot, load_tile_passes
+from .varlen_tile import VarlenMath, WgmmaTileConfig, score_transform
 from .wgmma_pipeline import run_wgmma_pipeline
-
-PATH = "wgmma.m64nNk16"
-
-
-@dataclass(frozen=True)
-class WgmmaTileConfig(WgmmaConfig):
-    """WgmmaConfig without the O staging region (the packed epilogue stores from registers).
-    With `fp8` the cache holds FP8 bytes: they land by cp.async in `num_stages` unpadded staging
-    buffers each for K and V and are dequantised into one swizzled tile each
-    (kv_fp8_stage.SwizzledFP8Staging)."""
-
-    fp8: bool = False
-
-    @property
-    def q_region_bytes(self) -> int:
-        return self.q_geom.bytes
-
-    @property
-    def staging_geom(self) -> StagingGeom:
-        return StagingGeom(self.block_n, self.head_dim, self.threads)
-
-    @property
-    def smem_bytes(self) -> int:
-        if not self.fp8:
-            return super().smem_bytes
-        return self.q_region_bytes + 2 * (self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes)
-
-    @property
-    def group_bytes(self) -> int:
-        """Bytes of a row one copy pass covers: at most 2 x threads, so that a pass moves
-        threads / (bytes / 16) >= 8 rows (whole swizzle groups)."""
-        return min(self.head_dim * self.fmt.bytes, self.threads * CHUNK // 8)
-
-    @property
-    def groups(self) -> int:
-        return self.head_dim * self.fmt.bytes // self.group_bytes
-
-    def copy_geom(self, rows: int) -> SwizzledGeom:
-        return SwizzledGeom(rows, self.group_bytes, self.threads)
-
-
-def applies(spec, target, cfg: PrefillConfig) -> bool:
-    """Whether the packed tile `cfg` (the mma.sync one) runs on wgmma for `target`: caches of
-    the dtype, or FP8 (e4m3 / e5m2) staged by cp.async."""
-    return (uses_wgmma(spec, target) and (kv_dtype(spec) == spec.dtype or fp8_staged(spec, cfg))
-            and cfg.v_split == 1 and cfg.block_m in (ROWS_PER_WARPGROUP, 2 * ROWS_PER_WARPGROUP)
-            and cfg.num_warps == cfg.block_m // 16)
-
-
-def fp8_staged(spec, cfg: PrefillConfig) -> bool:
-    """An FP8 cache whose staged rows cover whole 8-row swizzle groups per copy pass."""
-    if kind(spec) is None or group_scaled(spec):
-        return False
-    geom = StagingGeom(cfg.block_n, spec.head_dim, cfg.threads)
-    return geom.rows_per_pass % 8 == 0 and not geom.idle_threads and cfg.block_n % geom.rows_per_pass == 0
-
-
-def configure(spec, cfg: PrefillConfig) -> WgmmaTileConfig:
-    """The mma.sync tile (block_m, block_n, stages) on swizzled tiles: never more shared memory
-    than the padded layout (whose padding exceeds the TMA path's barrier bytes), so it fits
-    wherever that one did. K/V tiles come by TMA (tile.kv_loads = "tma", the default) where
-    the layout allows (varlen_tma.tma_applies: contiguous, or pages of >= 8 rows), else, or
-    with kv_loads = "cp_async", by per-thread cp.async."""
-    from .varlen import kv_access
-    from .varlen_tma import tma_applies
-    fp8 = kind(spec) is not None      # TMA cannot dequantise: FP8 bytes come by cp.async
-    tma = spec.tile_dict().get("kv_loads", "tma") == "tma" and tma_applies(kv_access(spec)) and not fp8
-    return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
-                           cfg.num_stages, True, cfg.head_dim, 1,
-                           kv_loads="tma" if tma else "cp_async", fp8=fp8)
-
-
-def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
-    """The metadata config: the packed tile's, with the path and the swizzle (as prefill), and
-    kv_loads = "tma" when TMA loads the K/V tiles (absent: per-thread cp.async)."""
-    out = {**base, "path": PATH, "smem_swizzle": SWIZZLE, **({"kv_loads": "tma"} if cfg.tma else {}),
-           **({"fp8_staging_bytes": cfg.staging_geom.bytes} if cfg.fp8 else {})}
-    out.pop("smem_row_stride")
-    return out
-
 
 class VarlenWgmmaMath(VarlenMath, WgmmaMath):
     """WgmmaMath's tile math with VarlenMath's per-row epilogue (the MRO composes them:
@@ -213,15 +129,11 @@ def row_chunks(b: KernelBuilder, slot: ThreadSlot, row_address, row0: Reg, nvali
 
 def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,
                     strides: dict, work: TileWork, split_count: Reg | None,
-                    tmaps: dict | None = None, quant=None, mask_bytes: Reg | None = None) -> None:
-    """varlen_attend.emit_packed_tile on wgmma (see the module docstring); with `tmaps`
-    (tile.kv_loads = "tma") varlen_tma.py's body. With `quant` (an FP8 cache, cfg.fp8) the
+                    quant=None, mask_bytes: Reg | None = None) -> None:
+    """varlen_attend.emit_packed_tile on wgmma with cp.async K/V loads (see the module
+    docstring; tile.kv_loads = "tma" runs varlen_tma.py's body instead). With `quant` (an FP8 cache, cfg.fp8) the
     copies land FP8 bytes in staging buffers, converted at the top of each iteration; k_scale
     joins the softmax scale and v_scale the final 1/l, as on the mma.sync path."""
-    if cfg.tma:
-        from .varlen_tma import emit_tma_tile
-        emit_tma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps, mask_bytes)
-        return
     bn = cfg.block_n
     tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD,
                              mask_bytes=mask_bytes)
@@ -280,4 +192,4 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     math.epilogue()
 
 
-__all__ = ["PATH", "WgmmaTileConfig", "applies", "configure", "emit_wgmma_tile", "tile_config"]
+__all__ = ["VarlenWgmmaMath", "emit_wgmma_tile", "row_chunks", "stage_groups"]
