@@ -150,14 +150,8 @@ LAYER_ALLOWLIST = {
     ("ptxc.spec.loader", "ptxc.kernels"),
 }
 
-_K = "ptxc.kernels."
-# Import circles that remain, all closed by imports inside functions. The kernel ones need
-# function bodies moved between kernel files, which this round leaves to the kernel assembler
-# work (docs/architecture.md names the move for each).
-CIRCLE_ALLOWLIST = {
-    frozenset({_K + m for m in ("prefill", "prefill_config", "prefill_mma", "prefill_simt",
-                                "prefill_tma", "prefill_wgmma")}),
-}
+# Import circles that remain (none: keep it that way).
+CIRCLE_ALLOWLIST: set[frozenset[str]] = set()
 
 def test_graph_sees_relative_and_function_level_imports():
     g = import_graph()

@@ -103,7 +103,7 @@ def configure(spec: KernelSpec, target: Target | None):
     (kv_fp8_stage.StagedFP8Config) take varlen's rule: the most stages that keep the CTAs per SM
     two stages allow (a stage is half an f16 tile), and .minnctapersm 1 so ptxas does not cap
     the registers at the occupancy shared memory never allows and spill the dequantisation."""
-    from .prefill import PrefillConfig, _check_shape
+    from .prefill_config import PrefillConfig, _check_shape
     tile = {**C.tuned_tile("decode", spec, target, MMA_TILE_KEYS), **spec.tile_dict()}   # user wins
     bm = block_m(spec)
     bn = 64 if spec.head_dim <= 128 else 32

@@ -15,7 +15,8 @@ from ..ir import S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from . import common as C
 from .kv_access import KVAccess
 from .mask_tiles import TileList, classify_tiles
-from .prefill import PrefillConfig, load_head_f32
+from .prefill_config import PrefillConfig
+from .variant import load_head_f32
 from .split_plan import emit_balanced_split
 from .variant import AttentionVariant, MaskPredicate
 

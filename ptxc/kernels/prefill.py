@@ -10,22 +10,19 @@ docs/kernels.md for the layouts and the pipeline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ..ir import S32, S64, U32, U64, Addr, KernelBuilder, Reg
+from ..ir import S32, S64, U32, U64, KernelBuilder, Reg
+from ..errors import SpecError
 from ..spec.model import KernelSpec
-from ..targets import Target
+from ..targets import TARGETS, Target
 from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_pipeline import run_kv_pipeline
 from .mask_tiles import classify_tiles
-# The tile configuration lives in prefill_config.py; its names stay importable from here
-# (varlen and prefill_simt import them, and finish_rows / load_head_f32, from this module).
-from .prefill_config import (FIELDS, SIMT_LANES_PER_ROW, PrefillConfig, _check_shape, configure,
-                             resolve_tile, validate, value_split)
+from . import prefill_wgmma as wg   # sm_90a f16/bf16 d64/128/256
+from .prefill_config import FIELDS, MAX_SIMT_HEAD_DIM, PrefillConfig, configure
+from .prefill_tile import Ctx, cta_coords, tile_range  # noqa: F401  (re-exported)
 from .tiles import SWIZZLE_ALIGN, global_rows, load_tile, thread_slot
-from .variant import (AttentionVariant, MaskPredicate, default_seq_len, finish_rows, head_dim_v,
-                      load_head_f32, mask_bytes_param, variant_inputs,
+from .variant import (default_seq_len, head_dim_v, mask_bytes_param, validate_variant, variant_inputs,
                       variant_reference_args, variant_tensors)
 
 
@@ -53,75 +50,57 @@ def interface(spec: KernelSpec) -> Interface:
                      {"batch": 2, "seq_q": 17, "seq_k": default_seq_len(spec, 113)})
 
 
-@dataclass
-class Ctx(MaskPredicate):
-    """Per-CTA values the tile math needs (all u32 unless noted)."""
+# Path selection: which configuration (and so which body) a target gets.
+def validate(spec: KernelSpec) -> None:
+    C.check_dtype_target(spec.dtype, spec.targets)
+    validate_variant(spec)
+    if spec.opt("custom_mask") == "packed":
+        if spec.opt("causal"):
+            raise SpecError('custom_mask = "packed" needs causal = false (the bits are the whole '
+                            'mask; set the causal part in them)', key="custom_mask")
+        if spec.dtype == "f32":
+            raise SpecError('custom_mask = "packed" with dtype f32: masks run on the tensor-core '
+                            'path only; use f16 or bf16', key="custom_mask")
+    if spec.dtype == "f32" and spec.head_dim > MAX_SIMT_HEAD_DIM:
+        raise SpecError(f"head_dim = {spec.head_dim} with dtype f32: the SIMT path supports "
+                        f"head_dim up to {MAX_SIMT_HEAD_DIM}; use f16 or bf16", key="head_dim")
+    if spec.dtype != "f32":
+        old = [t for t in spec.targets if not TARGETS[t].has_mma_m16n8k16]
+        if old:
+            raise SpecError(f"dtype {spec.dtype} prefill uses mma.m16n8k16 and cp.async (sm_80+), "
+                            f"but targets include {old[0]}; use dtype f32 for {old[0]} or drop it",
+                            key="targets")
+    for t in spec.targets:
+        (wg.configure if wg.uses_wgmma(spec, TARGETS[t]) else configure)(spec, TARGETS[t])
+    if spec.tile_dict().get("kv_loads") == "tma" and \
+            not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
+        raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim {spec.head_dim}, "
+                        f"targets {', '.join(spec.targets)}: TMA feeds only the sm_90a wgmma "
+                        f"kernel (f16/bf16, head_dim 64, 128 or 256, head_dim_v = head_dim); "
+                        f"add sm_90a or drop the key", key="tile.kv_loads")
+    if spec.tile_dict().get("warp_specialize") and \
+            not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
+        raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "
+                        f"{spec.head_dim}, targets {', '.join(spec.targets)}: only the sm_90a TMA "
+                        f"kernel (f16/bf16, head_dim 64, 128 or 256, head_dim_v = head_dim) has a "
+                        f"producer warpgroup; add sm_90a or drop the key",
+                        key="tile.warp_specialize")
 
-    spec: KernelSpec
-    cfg: PrefillConfig
-    tid: Reg
-    lane: Reg
-    warp: Reg
-    batch: Reg
-    head: Reg
-    m_start: Reg
-    seq_q: Reg
-    seq_k: Reg
-    key_offset: Reg       # s32: seq_k - seq_q (bottom-right causal alignment)
-    q_smem: Reg
-    o_base: Reg           # u64: o[batch, 0, head, 0]
-    o_row_stride: Reg     # s64 bytes
-    lse: Reg | None       # u64 or None
-    variant: AttentionVariant
-    sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
-    slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
-    mask_bits: Reg | None = None   # u64 first byte of the batch entry's mask bits (custom_mask)
 
-    # variant.MaskPredicate over a batch entry's seq_q x seq_k bits: row = query, column = key
-    def mask_rows(self, b: KernelBuilder) -> Reg:
-        return self.seq_q
-
-    def mask_width(self, b: KernelBuilder) -> Reg:
-        return self.seq_k
-
-    def mask_token(self, row: Reg) -> Reg:
-        return row
-
-    def mask_shift(self, b: KernelBuilder) -> None:
-        return None
-
-    def key_limit(self, b: KernelBuilder, row: Reg) -> Reg:
-        """s32 number of keys query `row` sees (before clamping to >= 0)."""
-        sk = b.bitcast(self.seq_k, S32)
-        if not self.spec.opt("causal"):
-            return sk
-        return b.min(sk, b.add(b.add(b.bitcast(row, S32), self.key_offset), 1))
-
-    def key_begin(self, b: KernelBuilder, row: Reg) -> Reg | None:
-        """s32 first key query `row` sees (sliding window), or None."""
-        if self.variant.window is None:
-            return None
-        return self.variant.key_begin(b, b.add(b.bitcast(row, S32), self.key_offset))
-
-    def sink_log2(self, b: KernelBuilder, row: Reg) -> Reg | None:
-        """The row's sink logit in log2 units (attention_sinks), or None."""
-        if self.sinks is None:
-            return None
-        return b.mul(load_head_f32(b, self.sinks, self.head), C.LOG2E)
-
-    def alibi_row(self, b: KernelBuilder, row: Reg, lane_key: Reg, unit: float) -> tuple[Reg, Reg]:
-        """(p - lane_key (s32), -unit · slope) of query `row` for variant.transform_scores."""
-        pos = b.add(b.bitcast(row, S32), self.key_offset)
-        return b.sub(pos, lane_key), b.mul(load_head_f32(b, self.slopes, self.head), -unit)
-
-    def lse_addr(self, b: KernelBuilder, row: Reg) -> Reg:
-        bh = b.mad(self.batch, self.spec.num_heads, self.head)
-        idx = b.add(b.mul_wide(bh, self.seq_q), b.cvt(U64, row))
-        return b.add(self.lse, b.shl(idx, 2))
+def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    if wg.uses_wgmma(spec, target):
+        return wg.resolve_tile(spec, target)
+    c = configure(spec, target)
+    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
+            "num_stages": c.num_stages, "path": "mma.m16n8k16" if c.tensor_cores else "simt",
+            "cp_async": c.cp_async, "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
+            **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {}),
+            **({"smem_swizzle": True} if c.q_geom.swizzled else {}),
+            **({"warp_rows": c.warp_rows} if c.warp_rows != 16 else {}),
+            **({"value_split": c.v_split} if c.v_split > 1 else {})}
 
 
 def build(spec: KernelSpec, target: Target) -> Program:
-    from . import prefill_wgmma as wg
     wgmma = wg.uses_wgmma(spec, target)     # sm_90a f16/bf16 d64/128/256: prefill_wgmma.py
     cfg = (wg.configure if wgmma else configure)(spec, target)
     b = KernelBuilder(f"ptxc_{spec.name}")
@@ -139,8 +118,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
     seq_k = param("seq_k", U32, ParamSource("dim", name="seq_k"))
     mask_bytes = mask_bytes_param(spec, param)
     if wgmma and cfg.tma:    # tile.kv_loads = "tma": q/k/v tensor maps after the other params
-        wg.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k,
-                     wg.tensor_map_params(b, spec, cfg, params))
+        from .prefill_tma import emit_tma_prefill
+        emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k, wg.tensor_map_params(b, spec, cfg, params))
     elif wgmma:
         wg.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k)
     else:
@@ -151,56 +130,6 @@ def build(spec: KernelSpec, target: Target) -> Program:
                     block=(cfg.launch_threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
                     min_ctas_per_sm=cfg.min_ctas_per_sm)
     return Program([b.entry], [launch], resolve_tile(spec, target))
-
-
-def cta_coords(b: KernelBuilder, spec: KernelSpec, bm: int, ptrs: dict, strides: dict):
-    """A prefill CTA's place (grid: query block, head, batch): (tid, lane, warp, head, batch,
-    kv_head, m_start, head_base), head_base(t, h) being tensor t's u64 address of (batch, h).
-    Causal: CTA x takes query block nctaid.x - 1 - x, so each (head, batch) starts with its
-    longest block (the most visible keys) and the short ones fill the tail of the launch --
-    FlashAttention-3's and FlashInfer's longest-first order; the hardware dispatches x first."""
-    tid = b.special("%tid.x")
-    lane, warp = b.and_(tid, 31), b.shr(tid, 5)
-    m_blk, head, batch = b.special("%ctaid.x"), b.special("%ctaid.y"), b.special("%ctaid.z")
-    if spec.opt("causal"):
-        m_blk = b.sub(b.sub(b.special("%nctaid.x"), 1), m_blk)
-    kv_head = b.div(head, spec.group_size) if spec.group_size > 1 else head
-    m_start = b.mul(m_blk, bm)
-
-    def head_base(t: str, h: Reg) -> Reg:
-        base = b.bitcast(C.element_offset(b, ptrs[t], batch, strides[(t, 0)]), U64)
-        return b.bitcast(C.element_offset(b, base, h, strides[(t, 2)]), U64)
-    return tid, lane, warp, head, batch, kv_head, m_start, head_base
-
-
-def tile_range(b: KernelBuilder, spec: KernelSpec, bm: int, bn: int, m_start: Reg, seq_q: Reg,
-               seq_k: Reg):
-    """The K/V tiles of query rows [m_start, m_start + bm) (the mma.sync and wgmma bodies alike):
-    (key_offset = seq_k - seq_q, n_tiles visited, n_full needing no mask, and with a sliding
-    window first_tile, where the loop starts: earlier tiles are never read, and lo_full: loop
-    tiles before it cross the window's left edge and get the mask; then the variant)."""
-    sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
-    key_offset = b.sub(sk, sq)
-    last_row = None
-    if spec.opt("causal"):
-        last_row = b.sub(b.min(b.add(m_start, bm), seq_q), 1)
-        visible = b.add(b.add(b.bitcast(last_row, S32), key_offset), 1)
-        full = b.add(b.add(b.bitcast(m_start, S32), key_offset), 1)
-        visible, full = (b.bitcast(b.min(b.max(x, 0), sk), U32) for x in (visible, full))
-    else:
-        visible = full = seq_k
-    n_tiles, n_full = b.div(b.add(visible, bn - 1), bn), b.div(full, bn)
-    variant = AttentionVariant.from_spec(spec)
-    first_tile = lo_full = None
-    if variant.window is not None:
-        if last_row is None:
-            last_row = b.sub(b.min(b.add(m_start, bm), seq_q), 1)
-        first_tile = variant.first_tile(b, b.add(b.bitcast(m_start, S32), key_offset), bn)
-        lo_full = variant.first_unmasked_tile(b, b.add(b.bitcast(last_row, S32), key_offset), bn)
-        n_tiles = b.sub(b.max(n_tiles, first_tile), first_tile)
-        n_full = b.sub(b.max(n_full, first_tile), first_tile)
-        lo_full = b.sub(b.max(lo_full, first_tile), first_tile)
-    return key_offset, n_tiles, n_full, first_tile, lo_full, variant
 
 
 def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k,

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from ..errors import SpecError
 from ..spec.fields import Field, FamilyFields, int_range, head_dim_range
 from ..spec.model import KernelSpec
-from ..targets import KIB, MAX_REGS_PER_THREAD, TARGETS, Target
+from ..targets import KIB, MAX_REGS_PER_THREAD, Target
 from . import common as C
 from .tiles import TileGeom, swizzle_fits
 from .mask_tiles import classified_tiles
 from .register_floor import narrow_block_n, needs_floor
-from .variant import VARIANT_FIELDS, head_dim_v, validate_variant
+from .variant import VARIANT_FIELDS, head_dim_v
 
 _hd_check, _hd_allowed = head_dim_range(8, 512)
 MAX_SIMT_HEAD_DIM = 256   # f32 path: a 2 KiB row would not fit Q + K/V tiles in shared memory
@@ -177,43 +177,6 @@ class PrefillConfig:
         chunks = -(-self.dv // 4 // SIMT_LANES_PER_ROW)
         tm = self.rows_per_thread
         return tm * chunks * 4 + tm * self.block_n // SIMT_LANES_PER_ROW + REG_OVERHEAD
-
-
-def validate(spec: KernelSpec) -> None:
-    C.check_dtype_target(spec.dtype, spec.targets)
-    validate_variant(spec)
-    if spec.opt("custom_mask") == "packed":
-        if spec.opt("causal"):
-            raise SpecError('custom_mask = "packed" needs causal = false (the bits are the whole '
-                            'mask; set the causal part in them)', key="custom_mask")
-        if spec.dtype == "f32":
-            raise SpecError('custom_mask = "packed" with dtype f32: masks run on the tensor-core '
-                            'path only; use f16 or bf16', key="custom_mask")
-    if spec.dtype == "f32" and spec.head_dim > MAX_SIMT_HEAD_DIM:
-        raise SpecError(f"head_dim = {spec.head_dim} with dtype f32: the SIMT path supports "
-                        f"head_dim up to {MAX_SIMT_HEAD_DIM}; use f16 or bf16", key="head_dim")
-    if spec.dtype != "f32":
-        old = [t for t in spec.targets if not TARGETS[t].has_mma_m16n8k16]
-        if old:
-            raise SpecError(f"dtype {spec.dtype} prefill uses mma.m16n8k16 and cp.async (sm_80+), "
-                            f"but targets include {old[0]}; use dtype f32 for {old[0]} or drop it",
-                            key="targets")
-    from .prefill_wgmma import configure as configure_wgmma, uses_wgmma
-    for t in spec.targets:
-        (configure_wgmma if uses_wgmma(spec, TARGETS[t]) else configure)(spec, TARGETS[t])
-    if spec.tile_dict().get("kv_loads") == "tma" and \
-            not any(uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
-        raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim {spec.head_dim}, "
-                        f"targets {', '.join(spec.targets)}: TMA feeds only the sm_90a wgmma "
-                        f"kernel (f16/bf16, head_dim 64, 128 or 256, head_dim_v = head_dim); "
-                        f"add sm_90a or drop the key", key="tile.kv_loads")
-    if spec.tile_dict().get("warp_specialize") and \
-            not any(uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
-        raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "
-                        f"{spec.head_dim}, targets {', '.join(spec.targets)}: only the sm_90a TMA "
-                        f"kernel (f16/bf16, head_dim 64, 128 or 256, head_dim_v = head_dim) has a "
-                        f"producer warpgroup; add sm_90a or drop the key",
-                        key="tile.warp_specialize")
 
 
 def _defaults(spec: KernelSpec, target: Target, tc: bool) -> tuple[int, int, int]:
@@ -408,17 +371,3 @@ def _check_shape(cfg: PrefillConfig, target: Target) -> None:
                         f"{cfg.registers_estimate} registers per thread for head_dim "
                         f"{cfg.head_dim} (limit {MAX_REGS_PER_THREAD} on {target}); use a smaller "
                         f"tile", key="tile.block_n")
-
-
-def resolve_tile(spec: KernelSpec, target: Target) -> dict:
-    from . import prefill_wgmma as wg
-    if wg.uses_wgmma(spec, target):
-        return wg.resolve_tile(spec, target)
-    c = configure(spec, target)
-    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
-            "num_stages": c.num_stages, "path": "mma.m16n8k16" if c.tensor_cores else "simt",
-            "cp_async": c.cp_async, "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
-            **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {}),
-            **({"smem_swizzle": True} if c.q_geom.swizzled else {}),
-            **({"warp_rows": c.warp_rows} if c.warp_rows != 16 else {}),
-            **({"value_split": c.v_split} if c.v_split > 1 else {})}

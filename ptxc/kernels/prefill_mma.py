@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from ..ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, Addr, KernelBuilder, Reg
 from . import common as C
-from .prefill import Ctx, finish_rows
+from .prefill_tile import Ctx
+from .variant import finish_rows
 from .tiles import ldmatrix_lanes_mk, ldmatrix_lanes_nk, zero_regs
 
 

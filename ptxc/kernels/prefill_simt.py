@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from ..ir import F32, S32, Addr, KernelBuilder, Reg
 from . import common as C
-from .prefill import SIMT_LANES_PER_ROW as X
-from .prefill import Ctx, finish_rows
+from .prefill_config import SIMT_LANES_PER_ROW as X
+from .prefill_tile import Ctx
+from .variant import finish_rows
 from .tiles import zero_regs
 
 GROUPS = 32 // X

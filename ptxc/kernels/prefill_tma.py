@@ -5,8 +5,8 @@ tile.warp_specialize = true (tma_ws_pipeline.py). Everything else is prefill_wgm
 from __future__ import annotations
 
 from ..ir import S32, Addr, Reg
-from .prefill import Ctx
-from .prefill_wgmma import ROWS_PER_WARPGROUP, SWIZZLE, WgmmaMath
+from .prefill_tile import Ctx
+from .prefill_wgmma import ROWS_PER_WARPGROUP, SWIZZLE, WgmmaMath, setup
 from .tma_pipeline import run_tma_pipeline
 from .tma_ws_pipeline import run_tma_ws_pipeline
 
@@ -56,3 +56,12 @@ def emit_tma_body(b, spec, cfg, tmaps, smem, k_smem, v_smem, tid, lane, warp, he
                      key0_of=key0_of, copy_tile=copy_tile, math=math, lo_full=lo_full,
                      transform=math.transform if variant.transforms else None)
     math.epilogue()
+
+
+def emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k, tmaps: dict) -> None:
+    """The sm_90a prefill with K/V (and Q) tiles by TMA: prefill_wgmma.setup, then the TMA body
+    (warp-specialised or not, as emit_tma_body picks)."""
+    s = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k)
+    emit_tma_body(b, spec, cfg, tmaps, s.smem, s.k_smem, s.v_smem, s.tid, s.lane, s.warp, s.head,
+                  s.batch, s.kv_head, s.m_start, s.head_base, strides, ptrs, seq_q, seq_k, s.key_offset,
+                  s.n_tiles, s.n_full, s.first_tile, s.lo_full, s.variant)

@@ -37,11 +37,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SpecError
-from ..ir import F32, S32, S64, U32, U64, Addr, Imm, KernelBuilder, Reg
+from ..ir import F32, S32, S64, U64, Imm, KernelBuilder, Reg
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
-from .prefill import Ctx, PrefillConfig, cta_coords, tile_range
+from .prefill_config import PrefillConfig
+from .prefill_tile import Ctx, cta_coords, tile_range
 from .prefill_mma import RESCALE_SLACK, MmaMath
 from .tiles import CHUNK, ThreadSlot, TileGeom, global_rows, load_tile, zero_regs
 from .variant import head_dim_v
@@ -319,26 +320,55 @@ def tensor_map_params(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, para
     return maps
 
 
-def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides, seq_q, seq_k,
-              tmaps: dict | None = None):
-    """prefill.py's body with the swizzled tiles and WgmmaMath (same tile range and masks);
-    `tmaps` (tile.kv_loads = "tma"): the tensor-map parameters of tensor_map_params."""
-    bm, bn, stages = cfg.block_m, cfg.block_n, cfg.num_stages
-    tid, lane, warp, head, batch, kv_head, m_start, head_base = cta_coords(b, spec, bm, ptrs, strides)
-    key_offset, n_tiles, n_full, first_tile, lo_full, variant = tile_range(
-        b, spec, bm, bn, m_start, seq_q, seq_k)
-    sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
+@dataclass(frozen=True)
+class Setup:
+    """What both wgmma prefill bodies (cp.async here, TMA in prefill_tma.py) start from."""
 
+    tid: Reg
+    lane: Reg
+    warp: Reg
+    head: Reg
+    batch: Reg
+    kv_head: Reg
+    m_start: Reg
+    head_base: object     # (tensor, head) -> u64 address of (batch, head)
+    key_offset: Reg
+    n_tiles: Reg
+    n_full: Reg
+    first_tile: Reg | None
+    lo_full: Reg | None
+    variant: object
+    sq: Reg
+    sk: Reg
+    smem: Reg
+    k_smem: Reg
+    v_smem: Reg
+
+
+def setup(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides, seq_q, seq_k) -> Setup:
+    """The CTA's place, its tile range and the shared-memory regions (Q, then the K and V stages)."""
+    tid, lane, warp, head, batch, kv_head, m_start, head_base = cta_coords(b, spec, cfg.block_m, ptrs, strides)
+    key_offset, n_tiles, n_full, first_tile, lo_full, variant = tile_range(
+        b, spec, cfg.block_m, cfg.block_n, m_start, seq_q, seq_k)
+    sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
     smem = b.address_of(b.shared("prefill_smem", 0, align=SWIZZLE_PERIOD))
-    kv_bytes = cfg.kv_geom.bytes
     k_smem = b.add(smem, cfg.q_region_bytes)
-    v_smem = b.add(k_smem, stages * kv_bytes)
-    if cfg.tma:
-        from .prefill_tma import emit_tma_body
-        emit_tma_body(b, spec, cfg, tmaps, smem, k_smem, v_smem, tid, lane, warp, head, batch,
-                  kv_head, m_start, head_base, strides, ptrs, seq_q, seq_k, key_offset, n_tiles,
-                  n_full, first_tile, lo_full, variant)
-        return
+    v_smem = b.add(k_smem, cfg.num_stages * cfg.kv_geom.bytes)
+    return Setup(tid, lane, warp, head, batch, kv_head, m_start, head_base, key_offset, n_tiles, n_full,
+                 first_tile, lo_full, variant, sq, sk, smem, k_smem, v_smem)
+
+
+def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides, seq_q, seq_k):
+    """prefill.py's body with the swizzled tiles and WgmmaMath (same tile range and masks), K/V
+    tiles by per-thread cp.async (tile.kv_loads = "tma" runs prefill_tma.emit_tma_prefill)."""
+    bn, stages = cfg.block_n, cfg.num_stages
+    s = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k)
+    tid, lane, warp, head, batch, kv_head, m_start, head_base = (s.tid, s.lane, s.warp, s.head, s.batch,
+                                                                 s.kv_head, s.m_start, s.head_base)
+    key_offset, n_tiles, n_full, first_tile, lo_full, variant = (s.key_offset, s.n_tiles, s.n_full,
+                                                                 s.first_tile, s.lo_full, s.variant)
+    sq, sk, smem, k_smem, v_smem = s.sq, s.sk, s.smem, s.k_smem, s.v_smem
+    kv_bytes = cfg.kv_geom.bytes
     q_slot, kv_slot = swizzled_slot(b, cfg.q_geom, tid), swizzled_slot(b, cfg.kv_geom, tid)
     gq = global_rows(b, q_slot, head_base("q", head), strides[("q", 1)])
     gkv = {t: global_rows(b, kv_slot, head_base(t, kv_head), strides[(t, 1)]) for t in "kv"}

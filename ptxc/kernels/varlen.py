@@ -28,7 +28,7 @@ from .register_floor import narrow_block_n, needs_floor
 from .variant import (MASK_BUFFERS, VARIANT_FIELDS, default_seq_len, head_dim_v, mask_bytes_param,
                       validate_variant, variant_tensors)
 from .kv_access import MAX_PAGE_SIZE, KVAccess, check_page_size, latent_cache, sparse_keys
-from .prefill import PrefillConfig, _check_shape, value_split
+from .prefill_config import PrefillConfig, _check_shape, value_split
 from .split_plan import MAX_AUTO_SPLITS
 from .split_reduce import build_reduce, split_interface
 

@@ -35,7 +35,7 @@ from .kv_fp8_stage import FP8Staging, StagedFP8Config
 from .kv_pages import PagedTiles, SparseSlots, prefetch_applies
 from .kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
 from .packed_tile import TileWork, packed_tile_setup
-from .prefill import PrefillConfig
+from .prefill_config import PrefillConfig
 from .tiles import load_tile_rows, thread_slot
 from .varlen_tile import VarlenMath, WgmmaTileConfig, packed_tile_config, score_transform  # noqa: F401  (decode_mma)
 

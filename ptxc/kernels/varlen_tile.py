@@ -14,10 +14,11 @@ from .kv_access import KVAccess
 from .kv_fp8 import group_scaled, kind, kv_dtype
 from .kv_fp8_stage import StagedFP8Config, StagingGeom
 from .packed_tile import VarlenCtx
-from .prefill import PrefillConfig, finish_rows
+from .prefill_config import PrefillConfig
 from .prefill_mma import MmaMath
 from .prefill_wgmma import ROWS_PER_WARPGROUP, SWIZZLE, SwizzledGeom, WgmmaConfig, uses_wgmma
 from .tiles import CHUNK
+from .variant import finish_rows
 
 
 class VarlenMath(MmaMath):
