@@ -102,20 +102,20 @@ def stub(tmp_path_factory):
     return harness.build_stub(tmp_path_factory.mktemp("stub")) / "libcuda.so"
 
 
-def run_script(tmp_path, stub, art, inputs, mode="ok", maxima=None):
+def run_script(tmp_path, stub, art, inputs, mode="ok", maxima=None, sm=80):
     tmp_path.mkdir(parents=True, exist_ok=True)
     np.savez(tmp_path / "in.npz", **inputs)
     (tmp_path / "s.py").write_text(SCRIPT)
     out = harness.run_program([sys.executable, str(tmp_path / "s.py"), str(art.path),
                                str(tmp_path / "in.npz"), mode, str(stub), json.dumps(maxima or {})], tmp_path,
-                              {"PTXC_STUB_SM": "80", "PTXC_STUB_SMS": "7"})
+                              {"PTXC_STUB_SM": str(sm), "PTXC_STUB_SMS": "7"})
     return json.loads(out.strip().splitlines()[-1]), harness.read_log(tmp_path / "log")
 
 
-def device_inputs(art, inputs):
+def device_inputs(art, inputs, target="sm_80"):
     """Every tensor in device format (bf16 as bits); outputs and workspaces NaN-poisoned."""
     from ptxc.runtime import infer_dims, prepare_buffers
-    dims = infer_dims(art.meta, inputs, {}, num_sms=7, target="sm_80")
+    dims = infer_dims(art.meta, inputs, {}, num_sms=7, target=target)
     return prepare_buffers(art.meta, inputs, dims)
 
 
@@ -164,17 +164,18 @@ def test_every_family_launches_on_device_tensors(tmp_path, stub, case, mode):
     check_launched(tmp_path, stub, art, spec, inputs, mode=mode)
 
 
-def check_launched(tmp_path, stub, art, spec, inputs, mode="cai", maxima=None) -> list:
+def check_launched(tmp_path, stub, art, spec, inputs, mode="cai", maxima=None, target="sm_80") -> list:
     """Run the script, replay its launches in the emulator, compare with fp64; the launches as
     a graph would hold them."""
     family = spec.family
-    buffers = device_inputs(art, inputs)
-    result, log = run_script(tmp_path, stub, art, buffers, mode=mode, maxima=maxima)
+    buffers = device_inputs(art, inputs, target)
+    result, log = run_script(tmp_path, stub, art, buffers, mode=mode, maxima=maxima,
+                             sm=int("".join(c for c in target[3:] if c.isdigit())))
     assert "error" not in result, result
     assert log.launches and all(line.endswith("0x5150") for line in
                                 (tmp_path / "log" / "events.txt").read_text().splitlines()
                                 if line.startswith("launch"))          # the caller's stream
-    memory = harness.replay(log, art.meta, "sm_80", art.ptx("sm_80"), result["tensors"])
+    memory = harness.replay(log, art.meta, target, art.ptx(target), result["tensors"])
     want = FAMILIES[family].reference(spec, inputs)
     from ptxc.reference import from_device
     for name, expected in want.items():
@@ -186,7 +187,47 @@ def check_launched(tmp_path, stub, art, spec, inputs, mode="cai", maxima=None) -
             assert ref.max_abs_error(got, expected) < 5e-3, name
         elif name != "lse":
             assert np.array_equal(got, expected), name
-    return harness.launch_records(log, art.meta, "sm_80", result["tensors"])
+    return harness.launch_records(log, art.meta, target, result["tensors"])
+
+
+TMA_CASES = {   # sm_90a kernels whose K/V (and Q) tiles come by TMA: tensor-map parameters
+    "prefill": ("prefill", 'dtype = "bf16"\nhead_dim = 64\nnum_heads = 4\nnum_kv_heads = 2\ncausal = true\n'
+                'return_lse = true', 'block_m = 64\nblock_n = 32\nkv_loads = "tma"',
+                {"batch": 2, "seq_q": 19, "seq_k": 45}),
+    "varlen": ("varlen", 'dtype = "f16"\nhead_dim = 64\nnum_heads = 8\nnum_kv_heads = 2\ncausal = true\n'
+               'return_lse = true\nkv_layout = "paged"\npage_size = 16', 'kv_loads = "tma"',
+               {"batch": 3, "max_pages_per_seq": 4, "num_pages": 13}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TMA_CASES))
+def test_tensor_map_kernels_launch_on_device_tensors(tmp_path, stub, case):
+    """The sm_90a TMA kernels through the engine path: DeviceRuntime encodes each tensor map
+    with the driver's cuTensorMapEncodeTiled for the caller's tensor (the stub checks the
+    driver's rules and writes the emulator's map layout), and the launch replays right."""
+    family, body, tile, dims = TMA_CASES[case]
+    art = build_kernel(tmp_path, family, body, tile=tile, targets=("sm_90a",))
+    [kern] = [k for k in art.meta["targets"]["sm_90a"]["kernels"] if any(p["type"] == "tmap" for p in k["params"])]
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    inputs = FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(7))
+    records = check_launched(tmp_path, stub, art, spec, inputs, target="sm_90a")
+    assert any(e == kern["entry"] for e, *_ in records)
+    events = (tmp_path / "log" / "events.txt").read_text()
+    assert events.count("tensor_map ") == sum(p["type"] == "tmap" for p in kern["params"])
+
+
+def test_tensor_map_enum_values_are_the_drivers():
+    """The ctypes path hard-codes cuTensorMapEncodeTiled's enum values: cuda-python's agree."""
+    drv = pytest.importorskip("cuda.bindings.driver", reason="cuda-python is not installed")
+    from ptxc.runtime.device import TENSOR_MAP_ENUMS
+    groups = {"data_type": (drv.CUtensorMapDataType, "DATA_TYPE"),
+              "interleave": (drv.CUtensorMapInterleave, "INTERLEAVE"),
+              "swizzle": (drv.CUtensorMapSwizzle, "SWIZZLE"),
+              "l2_promotion": (drv.CUtensorMapL2promotion, "L2_PROMOTION"),
+              "oob_fill": (drv.CUtensorMapFloatOOBfill, "FLOAT_OOB_FILL")}
+    for key, (cls, prefix) in groups.items():
+        for name, value in TENSOR_MAP_ENUMS[key].items():
+            assert int(getattr(cls, f"CU_TENSOR_MAP_{prefix}_{name}")) == value, (key, name)
 
 
 @pytest.mark.parametrize("case", ["decode", "varlen"])

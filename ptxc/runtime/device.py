@@ -20,7 +20,10 @@ loader makes -- dtype, rank and shape against the metadata, strides and 16-byte 
 with the one-line InputError the CLI prints. Values inside device tensors (prefix sums of
 cu_seqlens_q) are not read: that would synchronise. Modules are loaded once per (artifact
 image, context); functions and their shared-memory opt-in are looked up once per module.
-Not yet taken: pointer-array KV caches (`derived_from` tensors) and tensor-map parameters.
+Tensor-map parameters (sm_90a TMA) are encoded here with cuTensorMapEncodeTiled for the tensor's
+own address, shape and strides (tensor_maps.encode_tensor_map, as every loader derives them); such
+a launch list bakes addresses in, so it is launched, never captured (graph_launch refuses it).
+Not yet taken: pointer-array KV caches (`derived_from` tensors).
 """
 
 from __future__ import annotations
@@ -164,6 +167,18 @@ def shape_dims(meta: dict, tensors: dict[str, DeviceTensor], sets: dict) -> dict
     return dims
 
 
+# cuTensorMapEncodeTiled's enum values (cuda.h; tests/test_device_launch.py checks them against
+# cuda-python's), by the names tensor_maps.TensorMapEncoding uses.
+TENSOR_MAP_ENUMS = {
+    "data_type": {"UINT8": 0, "UINT16": 1, "UINT32": 2, "INT32": 3, "UINT64": 4, "INT64": 5,
+                  "FLOAT16": 6, "FLOAT32": 7, "FLOAT64": 8, "BFLOAT16": 9},
+    "interleave": {"NONE": 0},
+    "swizzle": {"NONE": 0, "32B": 1, "64B": 2, "128B": 3},
+    "l2_promotion": {"NONE": 0, "L2_64B": 1, "L2_128B": 2, "L2_256B": 3},
+    "oob_fill": {"NONE": 0},
+}
+
+
 class Driver:
     """The driver calls the device path makes, through ctypes."""
 
@@ -174,6 +189,9 @@ class Driver:
         except OSError as e:
             raise ToolchainError(f"no CUDA driver: cannot load {path} ({e})") from None
         self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        if hasattr(self.lib, "cuTensorMapEncodeTiled"):
+            self.lib.cuTensorMapEncodeTiled.argtypes = (
+                [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4)
 
     def __call__(self, fn: str, *args):
         r = getattr(self.lib, fn)(*args)
@@ -205,6 +223,26 @@ class DeviceRuntime:
             return v.value
         self.sm = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) * 10 + attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
         self.num_sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+
+    def _tensor_map(self, meta: dict, name: str, t, source: dict) -> bytes:
+        """The 128 bytes of a tensor-map parameter over device tensor `t` (address, shape, byte
+        strides): encode_tensor_map's derivation (one-line InputError where TMA cannot
+        describe the tensor), then the driver's encoder."""
+        from .tensor_maps import encode_tensor_map
+        enc = encode_tensor_map(f"{meta['name']}: tensor map of {name}", meta["tensors"][name]["dtype"],
+                                t.shape, t.strides, t.address, source["box"], source["swizzle"])
+        if not hasattr(self.driver.lib, "cuTensorMapEncodeTiled"):
+            raise ToolchainError(f"{meta['name']}: this libcuda has no cuTensorMapEncodeTiled "
+                                 f"(CUDA 12+ driver needed for tensor-map kernels)")
+        raw = (ctypes.c_uint64 * 24)()                 # a 64-byte aligned 128-byte window
+        at = ctypes.addressof(raw) + (-ctypes.addressof(raw) % 64)
+        enum = {k: TENSOR_MAP_ENUMS[k][getattr(enc, k)] for k in TENSOR_MAP_ENUMS}
+        u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+        self.driver("cuTensorMapEncodeTiled", at, enum["data_type"], enc.rank, enc.address,
+                    (u64 * enc.rank)(*enc.dims), (u64 * max(1, len(enc.strides)))(*enc.strides),
+                    (u32 * enc.rank)(*enc.box), (u32 * enc.rank)(*enc.element_strides),
+                    enum["interleave"], enum["swizzle"], enum["l2_promotion"], enum["oob_fill"])
+        return ctypes.string_at(at, 128)
 
     def _module(self, art, target: str, kind: str):
         t = art.meta["targets"][target]
@@ -314,16 +352,18 @@ class DeviceRuntime:
                 check_tensor(meta, name, t.address, list(t.strides), want)
         values = {**dims, **{k: float(v) for k, v in sets.items() if k in (meta.get("scalars") or {})}}
         functions = self._module(art, target, kind)
-        byte_views = {n: SimpleNamespace(address=t.address, strides=t.byte_strides, itemsize=t.itemsize)
+        byte_views = {n: SimpleNamespace(address=t.address, strides=t.byte_strides, itemsize=t.itemsize,
+                                         shape=tuple(t.shape))
                       for n, t in views.items()}     # pack_args reads numpy-style byte strides
         launches = []
         for k in meta["targets"][target]["kernels"]:
             grid, block = launch_geometry(k, values)
             raw = bytearray(k["param_bytes"])
             args = pack_args(k, byte_views, values, pointer=lambda n, t: np.uint64(t.address),
-                             tensor_map=None)
+                             tensor_map=lambda n, t, src: self._tensor_map(meta, n, t, src))
             for p, v in zip(k["params"], args):
-                raw[p["offset"]:p["offset"] + p["size"]] = np.asarray(v, NP_PARAM[p["type"]]).tobytes()
+                raw[p["offset"]:p["offset"] + p["size"]] = \
+                    v if p["type"] == "tmap" else np.asarray(v, NP_PARAM[p["type"]]).tobytes()
             launches.append((k, grid, block, raw))
         for k, grid, block, raw in launches:       # every check passed: now enqueue
             if 0 in grid:
