@@ -85,3 +85,17 @@ def test_h200_points_are_out_of_sample_and_quoted_as_measured(every_point):
     assert "0.74–2.00" in CALIBRATION_ERROR
     # the one wgmma point is recorded, not modelled
     assert [p["kernel"] for p in every_point if p["predicted_ms"] is None] == ["llama3_8b_fp8_varlen"]
+
+
+def test_every_cta_of_a_sparse_mla_launch_visits_its_share_of_the_n_slots():
+    """Sparse top-k MLA has no batch or sequence length: each of the grid's CTAs (token x head
+    tile x split) visits ceil(ceil(N / splits) / kv_rows) tiles (the report gave no estimate
+    before: KeyError 'batch')."""
+    from ptxc.report.launch_model import cta_iterations
+    spec = {"family": "mla", "sparse_topk": 2048, "num_heads": 128, "num_kv_heads": 1}
+    work = cta_iterations("mla", spec, {"block_m": 32}, {"total_q": 64, "num_pages": 4096, "num_splits": 3},
+                          [64 * 4, 3, 1], 16)
+    assert work == [43] * (64 * 4 * 3)       # ceil(ceil(2048 / 3) / 16) = ceil(683 / 16)
+    dense = cta_iterations("mla", {**spec, "sparse_topk": 0}, {"block_m": 64},
+                           {"batch": 2, "total_q": 2, "max_pages_per_seq": 2, "page_size": 64}, [2, 1, 1], 16)
+    assert dense and all(w > 0 for w in dense)

@@ -91,9 +91,11 @@ def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list
             start = max(0, mb * bm + sk - sq - window + 1) if window else 0
             out += [max(0, math.ceil(end / kv_rows) - start // kv_rows)] * (grid[1] * grid[2])
         return out
+    splits = max(1, dims.get("num_splits", 1))
+    if family == "mla" and _opt(spec, "sparse_topk"):   # every CTA: one token's N slots, its split's share
+        return [math.ceil(math.ceil(_opt(spec, "sparse_topk") / splits) / kv_rows)] * n
     L = kv_length(spec, dims)
     keys = min(L, window) if window else L
-    splits = max(1, dims.get("num_splits", 1))
     if family == "decode":
         return [math.ceil(math.ceil(keys / splits) / kv_rows)] * n
     if family in ("varlen", "mla"):
