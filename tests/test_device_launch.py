@@ -290,3 +290,15 @@ def test_bad_tensors_are_refused_before_any_launch(tmp_path, stub, mode, message
     result, log = run_script(tmp_path, stub, art, buffers, mode=mode)
     assert message in result.get("error", ""), result
     assert "\n" not in result["error"] and not log.launches
+
+
+def test_a_tensor_tma_cannot_take_is_refused_before_any_encoding_or_launch(tmp_path, stub):
+    """A misaligned q on the sm_90a TMA prefill: one line, no tensor map encoded, no launch."""
+    family, body, tile, dims = TMA_CASES["prefill"]
+    art = build_kernel(tmp_path, family, body, tile=tile, targets=("sm_90a",))
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    buffers = device_inputs(art, FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(2)), "sm_90a")
+    result, log = run_script(tmp_path, stub, art, buffers, mode="misaligned", sm=90)
+    assert "is not 16-byte aligned" in result.get("error", ""), result
+    assert "\n" not in result["error"] and not log.launches
+    assert "tensor_map" not in (tmp_path / "log" / "events.txt").read_text()
