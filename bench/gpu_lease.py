@@ -1,6 +1,6 @@
 """Check and time prebuilt artifact sets on a GPU inside a short lease, most important first.
 
-    python bench/gpu_lease.py --out DIR --deadline 360 SET_DIR [SET_DIR ...]
+    python bench/gpu_lease.py --out DIR --deadline 360 [--shape a=1,b=2 ...] SET_DIR [SET_DIR ...]
 
 `bench/gpu_suite.sh` runs everything and needs the time to; a lease of a few minutes does not
 have it. This driver takes output directories built elsewhere (`ptxc build specs/ --out A`,
@@ -47,12 +47,17 @@ def artifact_dirs(set_dir: Path) -> dict[str, Path]:
 
 
 def targets_of(path: Path) -> list[str]:
-    meta = json.loads((path / f"{path.name}.json").read_text())
-    return sorted(meta["targets"])
+    return sorted(_meta(path)["targets"])
 
 
-def plan(sets: list[Path], sm: int) -> list[dict]:
-    """The ordered items: {"kind": "check"|"bench", "path", "target", "compare"}."""
+def _meta(path: Path) -> dict:
+    return json.loads((path / f"{path.name}.json").read_text())
+
+
+def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None) -> list[dict]:
+    """The ordered items: {"kind": "check"|"bench", "kernel", "path", "target", "compare", "shape"}.
+    Each of `shapes` (--shape) adds a timing of every priority kernel whose dims it names, right
+    after the priority kernels' default-shape timings, on the arch-specific image where built."""
     own, arch = f"sm_{sm}", f"sm_{sm}a"
     images: dict[str, dict[str, Path]] = {}     # kernel -> target -> artifact dir (first set wins)
     for s in sets:
@@ -64,16 +69,21 @@ def plan(sets: list[Path], sm: int) -> list[dict]:
     names = sorted(images, key=lambda n: (rank.get(n, len(rank)), n))
     items = []
 
-    def add(kind, name, target, compare=False):
+    def add(kind, name, target, compare=False, shape=None):
         if target in images[name]:
             items.append({"kind": kind, "kernel": name, "path": str(images[name][target]), "target": target,
-                          "compare": compare})
+                          "compare": compare, "shape": shape or {}})
     for n in names:
         add("check", n, arch)
     for n in names:
         if n in rank:
             add("bench", n, arch, compare=True)
             add("bench", n, own, compare=arch not in images[n])
+    for shape in shapes or []:
+        for n in names:
+            path = images[n].get(arch) or images[n].get(own)
+            if n in rank and set(shape) & set(_meta(path)["dims"]):
+                add("bench", n, arch if arch in images[n] else own, compare=True, shape=shape)
     for n in names:
         add("check", n, own)
     for n in names:
@@ -96,11 +106,11 @@ def run_item(item: dict, device, dry: bool) -> dict:
         from ptxc.gpu.bench import bench_inputs
         from ptxc.report.costs import resolve_dims
         meta = load(item["path"]).meta
-        dims = resolve_dims(meta, {}, num_sms=132, target=item["target"])
+        dims = resolve_dims(meta, item["shape"], num_sms=132, target=item["target"])
         bench_inputs(meta, dims)
         return {"rows": []}
     from ptxc.gpu.bench import run_bench
-    result = run_bench([item["path"]], shapes={}, target=item["target"], compare=item["compare"])
+    result = run_bench([item["path"]], shapes=item["shape"], target=item["target"], compare=item["compare"])
     return {"rows": result.pop("results"), "device": result}
 
 
@@ -135,7 +145,8 @@ def parent(args) -> int:
         from ptxc.runtime.cuda import CudaDevice
         sm = CudaDevice.open().sm
     args.out.mkdir(parents=True, exist_ok=True)
-    items = plan(args.sets, sm)
+    from ptxc.runtime.launch_test import parse_assignments
+    items = plan(args.sets, sm, [parse_assignments([text], "--shape") for text in args.shape])
     items_path, results = args.out / "plan.json", args.out / "results.jsonl"
     items_path.write_text(json.dumps(items, indent=1))
     results.unlink(missing_ok=True)
@@ -174,6 +185,9 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=360.0, help="seconds for the whole plan")
     ap.add_argument("--item-timeout", type=float, default=60.0, help="seconds one item may take")
     ap.add_argument("--sm", type=int, default=None, help="plan for this SM (default: the device's)")
+    ap.add_argument("--shape", action="append", default=[],
+                    help="also time the priority kernels whose dims it names at this shape, e.g. "
+                         "batch=1,seq_q=16384,seq_k=16384 (repeatable)")
     ap.add_argument("--dry", action="store_true", help="no GPU: load, plan and make inputs only")
     return parent(ap.parse_args())
 

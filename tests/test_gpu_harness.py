@@ -399,7 +399,8 @@ def test_gpu_lease_plan_and_resume_without_a_gpu(tmp_path):
 
     def lease(results):
         run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_lease.py"), str(out), "--out",
-                              str(results), "--sm", "90", "--dry", "--deadline", "300"],
+                              str(results), "--sm", "90", "--dry", "--deadline", "300",
+                              "--shape", "batch=3,max_seq_len=200", "--shape", "seq_q=16384"],
                              capture_output=True, text=True, cwd=ROOT)
         assert run.returncode == 0, run.stderr
         plan = json.loads((results / "plan.json").read_text())
@@ -408,7 +409,10 @@ def test_gpu_lease_plan_and_resume_without_a_gpu(tmp_path):
     kernels = sorted({p["kernel"] for p in plan})
     assert [(p["kind"], p["target"]) for p in plan[:len(kernels)]] == [("check", "sm_90a")] * len(kernels)
     assert plan[len(kernels)] == {"kind": "bench", "kernel": "llama3_8b_decode", "target": "sm_90a",
-                                  "path": str(out / "llama3_8b_decode"), "compare": True}
+                                  "path": str(out / "llama3_8b_decode"), "compare": True, "shape": {}}
+    # an extra shape: one more timing of each priority kernel that has those dims
+    assert [(p["kernel"], p["shape"]) for p in plan if p["shape"]] == [
+        ("llama3_8b_decode", {"batch": 3, "max_seq_len": 200})]
     assert [x["index"] for x in lines] == list(range(len(plan))) and all(x["status"] == "ok" for x in lines)
     # a tampered artifact: each of its items is recorded as an error, a new child resumes after it
     victim = plan[1]["kernel"]
