@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything a short GPU lease needs, made here before it starts (bench/gpu_lease.py runs there):
+#
+#   bench/lease_prepare.sh            # -> gpu-art/arts.tgz (the artifact sets) and .whl/ (wheels)
+#
+# The sets are built here, with this machine's ptxas, so the cubins timed are the ones the SASS
+# figures describe: gpuart (every example spec for its own targets) and a90 (every example for
+# sm_90a). The device image has Python 3.12 with numpy, click, jinja2, rich, cuda-bindings and
+# torch, but not these pure-Python dependencies of ptxc, which travel as wheels. Both folders are
+# added to .git/info/exclude. Then, in one device call carrying `.whl` and `gpu-art`:
+#
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+#   export PYTHONPATH=/tmp/site:$PWD && mkdir -p /tmp/a && tar xzf gpu-art/arts.tgz -C /tmp/a &&
+#   PYTHONUNBUFFERED=1 timeout 420 python3 bench/gpu_lease.py /tmp/a/gpuart /tmp/a/a90 --out /tmp/r \
+#       --deadline 395 [--shape ...]; cp /tmp/r/results.jsonl /tmp/r/plan.json $OUT/
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PTXC=${PTXC:-.venv/bin/ptxc}
+for d in /.whl/ /gpu-art/; do
+    grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
+done
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"$PTXC" build specs/ --out "$tmp/gpuart" > /dev/null
+"$PTXC" build specs/ --target sm_90a --out "$tmp/a90" > /dev/null
+mkdir -p gpu-art .whl
+tar czf gpu-art/arts.tgz -C "$tmp" gpuart a90
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl platformdirs jsonschema jsonschema-specifications referencing rpds-py
+echo "lease_prepare: gpu-art/arts.tgz ($(du -h gpu-art/arts.tgz | cut -f1)), $(ls .whl | wc -l) wheels in .whl/"
