@@ -344,6 +344,12 @@ class Setup:
     k_smem: Reg
     v_smem: Reg
 
+    def ctx(self, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides, seq_q, seq_k) -> Ctx:
+        """The tile math's context (emits the o row address where it is called)."""
+        return Ctx(spec, cfg, self.tid, self.lane, self.warp, self.batch, self.head, self.m_start, seq_q, seq_k,
+                   self.key_offset, self.smem, self.head_base("o", self.head), strides[("o", 1)],
+                   ptrs.get("lse"), self.variant, ptrs.get("sinks"), ptrs.get("alibi_slopes"))
+
 
 def setup(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides, seq_q, seq_k) -> Setup:
     """The CTA's place, its tile range and the shared-memory regions (Q, then the K and V stages)."""
@@ -363,19 +369,13 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
     tiles by per-thread cp.async (tile.kv_loads = "tma" runs prefill_tma.emit_tma_prefill)."""
     bn, stages = cfg.block_n, cfg.num_stages
     s = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k)
-    tid, lane, warp, head, batch, kv_head, m_start, head_base = (s.tid, s.lane, s.warp, s.head, s.batch,
-                                                                 s.kv_head, s.m_start, s.head_base)
-    key_offset, n_tiles, n_full, first_tile, lo_full, variant = (s.key_offset, s.n_tiles, s.n_full,
-                                                                 s.first_tile, s.lo_full, s.variant)
+    n_tiles, n_full, first_tile, lo_full, variant = s.n_tiles, s.n_full, s.first_tile, s.lo_full, s.variant
     sq, sk, smem, k_smem, v_smem = s.sq, s.sk, s.smem, s.k_smem, s.v_smem
     kv_bytes = cfg.kv_geom.bytes
-    q_slot, kv_slot = swizzled_slot(b, cfg.q_geom, tid), swizzled_slot(b, cfg.kv_geom, tid)
-    gq = global_rows(b, q_slot, head_base("q", head), strides[("q", 1)])
-    gkv = {t: global_rows(b, kv_slot, head_base(t, kv_head), strides[(t, 1)]) for t in "kv"}
-    ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
-              head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant,
-              ptrs.get("sinks"), ptrs.get("alibi_slopes"))
-    math = WgmmaMath(b, ctx)
+    q_slot, kv_slot = swizzled_slot(b, cfg.q_geom, s.tid), swizzled_slot(b, cfg.kv_geom, s.tid)
+    gq = global_rows(b, q_slot, s.head_base("q", s.head), strides[("q", 1)])
+    gkv = {t: global_rows(b, kv_slot, s.head_base(t, s.kv_head), strides[(t, 1)]) for t in "kv"}
+    math = WgmmaMath(b, s.ctx(spec, cfg, ptrs, strides, seq_q, seq_k))
 
     next_addr = {t: b.mov(b.bitcast(gkv[t].thr_base, S64)) for t in "kv"}
     tile_step = {t: b.mul(gkv[t].row_stride, bn) for t in "kv"}
@@ -395,7 +395,7 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
     def key0_of(j: Reg) -> Reg:
         return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
 
-    load_tile(b, q_slot, gq, m_start, b.sub(sq, b.bitcast(m_start, S32)), smem, True)
+    load_tile(b, q_slot, gq, s.m_start, b.sub(sq, b.bitcast(s.m_start, S32)), smem, True)
     run_wgmma_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
                        n_tiles=n_tiles, n_full=n_full, key0_of=key0_of, load_kv=load_kv,
                        math=math, lo_full=lo_full,
