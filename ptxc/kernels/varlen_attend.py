@@ -37,7 +37,7 @@ from .kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
 from .packed_tile import TileWork, packed_tile_setup
 from .prefill_config import PrefillConfig
 from .tiles import load_tile_rows, thread_slot
-from .varlen_tile import VarlenMath, WgmmaTileConfig, packed_tile_config, score_transform  # noqa: F401  (decode_mma)
+from .varlen_tile import VarlenMath, WgmmaTileConfig, score_transform
 
 
 SEARCH_STEPS = 31   # bits of the sequence index the binary search resolves (any u32 batch)
