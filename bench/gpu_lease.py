@@ -56,7 +56,7 @@ def _meta(path: Path) -> dict:
 
 def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None) -> list[dict]:
     """The ordered items: {"kind": "check"|"bench", "kernel", "path", "target", "compare", "shape"}.
-    Each of `shapes` (--shape) adds a timing of every priority kernel whose dims it names, right
+    Each of `shapes` (--shape) adds a timing of every priority kernel that has all the dims it names, right
     after the priority kernels' default-shape timings, on the arch-specific image where built."""
     own, arch = f"sm_{sm}", f"sm_{sm}a"
     images: dict[str, dict[str, Path]] = {}     # kernel -> target -> artifact dir (first set wins)
@@ -82,7 +82,7 @@ def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None) -> list[di
     for shape in shapes or []:
         for n in names:
             path = images[n].get(arch) or images[n].get(own)
-            if n in rank and set(shape) & set(_meta(path)["dims"]):
+            if n in rank and set(shape) <= set(_meta(path)["dims"]):   # all of its dims
                 add("bench", n, arch if arch in images[n] else own, compare=True, shape=shape)
     for n in names:
         add("check", n, own)
