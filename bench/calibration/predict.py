@@ -2,9 +2,10 @@
 tests/test_calibration.py, so the table printed and the figures pinned are the same numbers.
 
 Each point names the GPU it was timed on (`gpu`, a ptxc/report/gpus.py key) and the target whose
-cubin ran; the model always uses the H100-fitted constants (`H100_MMA_SYNC`) on that GPU's row,
-so the H100 points are in-sample and every other GPU's points are out-of-sample. A wgmma path
-(sm_90a) gets no prediction (`predicted_ms` None): the model does not describe it.
+cubin ran; the model always uses the H100-fitted constants (`H100_MMA_SYNC`) on that GPU's row.
+The points of the runs the constants were fitted to (`FITTED`) are in-sample (`in_sample`);
+every other point -- another GPU, or a later H100 run of later kernels -- is out-of-sample. A
+wgmma path (sm_90a) gets no prediction (`predicted_ms` None): the model does not describe it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ptxc.report.launch_model import H100_MMA_SYNC, launch_list_seconds
 from ptxc.report.sass import sass_profile
 
 HERE = Path(__file__).resolve().parent
+FITTED = {("h100-sxm", c) for c in ("b26fd24", "c889eb4", "3357c2c")}   # (gpu, commit)
 
 
 def points(calib: Path = HERE) -> list[dict]:
@@ -32,6 +34,7 @@ def predictions(calib: Path = HERE) -> list[dict]:
         cubin = (calib / p["commit"] / f"{p['kernel']}.{p['target']}.cubin").read_bytes()
         digest = hashlib.sha256(cubin).hexdigest()
         t = meta["targets"][p["target"]]
+        p = {**p, "in_sample": (p["gpu"], p["commit"]) in FITTED}
         if str(t["config"].get("path", "")).startswith("wgmma"):
             out.append({**p, "predicted_ms": None, "bound": "no model (wgmma)", "cubin": digest})
             continue

@@ -19,12 +19,12 @@ from predict import predictions  # noqa: E402
 
 def main() -> int:
     rows = predictions()
-    for gpu in dict.fromkeys(p["gpu"] for p in rows):
-        print(f"\n{gpu}:\n")
+    for gpu, fitted in dict.fromkeys((p["gpu"], p["in_sample"]) for p in rows):
+        print(f"\n{gpu}, {'in-sample (fitted)' if fitted else 'out-of-sample'}:\n")
         print("| commit | kernel | target | shape | measured ms | model ms | model / measured | binding term |")
         print("|---|---|---|---|---:|---:|---:|---|")
         logs = []
-        for p in (p for p in rows if p["gpu"] == gpu):
+        for p in (p for p in rows if (p["gpu"], p["in_sample"]) == (gpu, fitted)):
             shape = ",".join(f"{k}={v}" for k, v in p["shape"].items())
             if p["predicted_ms"] is None:
                 print(f"| {p['commit']} | {p['kernel']} | {p['target']} | {shape} | {p['median_ms']:.4g} | - | - | "

@@ -63,7 +63,8 @@ CALIBRATIONS = {H100_MMA_SYNC.gpu: H100_MMA_SYNC}
 # What the report quotes with every estimate (tests/test_calibration.py keeps it true).
 CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 41 within ±35 %, all within ±45 %; "
                      "out-of-sample over 23 H200 medians (53a4762): 16 within ±35 %, model/measured "
-                     "0.74–2.00 (tensor-core decode modelled up to 2x slow); mma.sync and SIMT kernels only")
+                     "0.74–2.00, and over 41 H100 medians of 89432c6: 31 within ±35 %, 0.67–2.08 "
+                     "(decode with many splits modelled up to 2x slow); mma.sync and SIMT kernels only")
 
 
 def _opt(spec: dict, key: str, default=None):
