@@ -60,6 +60,14 @@ OPTIONS = (
     ("prefill", True, "[kernel.tile]\nwarp_rows = 32\n", "wr32"),
     ("prefill", True, "sliding_window = 4096\nlogits_soft_cap = 50.0\n", "gemma2"),
     ("prefill", True, "sliding_window = 128\nattention_sinks = true\n", "gptoss"),
+    # V's head narrower than K's (DeepSeek prefill: 192 / 128), mma.sync and the sm_90a wgmma body
+    ("prefill", True, "head_dim_v = 128\n", "dv128"),
+    ("prefill", True, "head_dim_v = 64\n", "dv64"),
+    ("prefill", True, "head_dim_v = 128\nreturn_lse = true\n" + _SM90A, "dv128_90a"),
+    ("prefill", False, "head_dim_v = 64\n" + _SM90A, "dv64_90a"),
+    ("prefill", True, "head_dim_v = 128\nsliding_window = 128\nattention_sinks = true\n" + _SM90A
+     + "[kernel.tile]\nwarp_specialize = true\n", "dv128gptossws_90a"),
+    ("varlen", True, _PAGED + "head_dim_v = 128\n", "dv128"),
     ("varlen", True, _PAGED + "sliding_window = 1024\n", "win"),
     ("varlen", True, _PAGED + "logits_soft_cap = 50.0\n", "cap"),
     ("varlen", True, _PAGED + "attention_sinks = true\n", "sink"),

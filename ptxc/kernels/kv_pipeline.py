@@ -129,3 +129,26 @@ def advance_stage(b: KernelBuilder, stage: Reg, prev: Reg, kv_bytes: int, stages
     nxt = b.selp(0, nxt, b.setp("eq", nxt, stages * kv_bytes))
     b.mov(stage, out=prev)
     b.mov(nxt, out=stage)
+
+
+class StageRing:
+    """The stage-buffer offsets a K/V tile loop walks, as registers: K(j)'s at `k`, V(j-1)'s
+    at `v_prev`, for `stages` K buffers of k_bytes and as many V buffers of v_bytes. V tiles
+    narrower than K (head_dim_v < head_dim) walk their own offset; equal sizes share one walk
+    (advance_stage: V(j-1) sits where K(j-1) did)."""
+
+    def __init__(self, b: KernelBuilder, stages: int, k_bytes: int, v_bytes: int):
+        self.b, self.stages, self.k_bytes, self.v_bytes = b, stages, k_bytes, v_bytes
+        self.k = b.mov(0, U32)
+        self.v_prev = b.mov((stages - 1) * v_bytes, U32)
+        self.v = None if k_bytes == v_bytes else b.mov(0, U32)   # V(j)'s, when it differs
+
+    def advance(self) -> None:
+        b, S = self.b, self.stages
+        if self.v is None:
+            advance_stage(b, self.k, self.v_prev, self.k_bytes, S)
+            return
+        b.mov(self.v, out=self.v_prev)
+        for reg, size in ((self.v, self.v_bytes), (self.k, self.k_bytes)):
+            nxt = b.add(reg, size)
+            b.mov(b.selp(0, nxt, b.setp("eq", nxt, S * size)), out=reg)

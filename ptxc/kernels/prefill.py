@@ -18,7 +18,7 @@ from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_pipeline import run_kv_pipeline
 from .mask_tiles import classify_tiles
-from . import prefill_wgmma as wg   # sm_90a f16/bf16 d64/128/256
+from . import prefill_wgmma as wg   # sm_90a f16/bf16, head dims 64/128/192/256
 from .prefill_config import FIELDS, MAX_SIMT_HEAD_DIM, PrefillConfig, configure
 from .prefill_tile import Ctx, cta_coords, tile_range  # noqa: F401  (re-exported)
 from .tiles import SWIZZLE_ALIGN, global_rows, load_tile, thread_slot
@@ -76,13 +76,13 @@ def validate(spec: KernelSpec) -> None:
             not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
         raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim {spec.head_dim}, "
                         f"targets {', '.join(spec.targets)}: TMA feeds only the sm_90a wgmma "
-                        f"kernel (f16/bf16, head_dim 64, 128 or 256, head_dim_v = head_dim); "
+                        f"kernel ({wg.WGMMA_SHAPES}); "
                         f"add sm_90a or drop the key", key="tile.kv_loads")
     if spec.tile_dict().get("warp_specialize") and \
             not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
         raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "
                         f"{spec.head_dim}, targets {', '.join(spec.targets)}: only the sm_90a TMA "
-                        f"kernel (f16/bf16, head_dim 64, 128 or 256, head_dim_v = head_dim) has a "
+                        f"kernel ({wg.WGMMA_SHAPES}) has a "
                         f"producer warpgroup; add sm_90a or drop the key",
                         key="tile.warp_specialize")
 
@@ -101,7 +101,7 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
 
 
 def build(spec: KernelSpec, target: Target) -> Program:
-    wgmma = wg.uses_wgmma(spec, target)     # sm_90a f16/bf16 d64/128/256: prefill_wgmma.py
+    wgmma = wg.uses_wgmma(spec, target)     # sm_90a f16/bf16, wgmma head dims: prefill_wgmma.py
     cfg = (wg.configure if wgmma else configure)(spec, target)
     b = KernelBuilder(f"ptxc_{spec.name}")
     params: list[LaunchParam] = []

@@ -1,4 +1,5 @@
-"""Prefill on Hopper warpgroup MMA (target sm_90a, f16/bf16, head_dim 64, 128 or 256).
+"""Prefill on Hopper warpgroup MMA (target sm_90a, f16/bf16, head_dim and head_dim_v 64, 128, 192
+or 256: DeepSeek's 192 / 128 included).
 
 The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mma_async`:
 
@@ -6,7 +7,8 @@ The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mm
              warp w of the CTA rows [16w, 16w + 16) -- exactly the rows the mma.sync path gives
              warp w, so the per-row softmax, masks, variants and epilogue of `MmaMath` apply as
              they are (the wgmma m64nN accumulator is N/8 mma.m16n8 C fragments per warp).
-  shared     Q (block_m rows), then `num_stages` K tiles and `num_stages` V tiles (block_n rows),
+  shared     Q (block_m rows), then `num_stages` K tiles and `num_stages` V tiles (block_n rows;
+             V's of head_dim_v columns, K's of head_dim),
              each split along d into 128-byte column slabs (64 elements; d = 128 has two) of
              rows x 128 B with the 128-byte swizzle: 16-byte chunk c of row r sits at chunk
              c ^ (r % 8). Every slab starts 1024-byte aligned (one swizzle period).
@@ -19,7 +21,7 @@ The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mm
   S = Q·Kᵀ   d/16 `wgmma m64n{block_n}k16` with A = Q and B = K from K-major descriptors
              (SBO 1024 = 8 rows; a k16 step moves the start 32 B inside a slab, the next slab
              by rows x 128 B), one commit group, waited at once.
-  O += P·V   P rounded to f16x2/bf16x2 is the register-A fragment of `wgmma m64n{d}k16`
+  O += P·V   P rounded to f16x2/bf16x2 is the register-A fragment of `wgmma m64n{dv}k16`
              (block_n/16 of them); B = V read MN-major (transpose bit) from the same swizzled
              rows: SBO 1024 = 8 keys, LBO = the slab distance (block_n x 128 B).
   row sums   one mma.sync m16n8k16 per k16 step against ones, issued before the P·V chain
@@ -28,8 +30,8 @@ The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mm
 With tile.warp_specialize (TMA only) a producer warpgroup issues the loads under full/empty
 mbarriers and the warpgroups above only compute (tma_ws_pipeline.py; prefill_tma.py builds
 both TMA bodies). Not here (docs/kernels.md "Hopper"): the consumer warpgroups' ping-pong, and
-the overlap of the softmax with the next tile's Q·Kᵀ. Other head dims, head_dim_v != head_dim and
-f32 take the mma.sync / SIMT kernels on sm_90a as on sm_90.
+the overlap of the softmax with the next tile's Q·Kᵀ. Other head dims and f32 take the mma.sync /
+SIMT kernels on sm_90a as on sm_90.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ from .tma_ws_pipeline import CONSUMER_BARRIER, PRODUCER_THREADS, consumer_regs, 
 from .wgmma_pipeline import run_wgmma_pipeline
 
 WGMMA_TARGETS = ("sm_90a",)
-WGMMA_HEAD_DIMS = (64, 128, 256)
+WGMMA_HEAD_DIMS = (64, 128, 192, 256)   # head_dim and head_dim_v: whole 128-byte slabs, n <= 256
+WGMMA_SHAPES = "f16/bf16, head_dim and head_dim_v 64, 128, 192 or 256"   # for refusals
 SWIZZLE = 128            # bytes per swizzled row of a slab (the 128-byte swizzle mode)
 SWIZZLE_PERIOD = 1024    # 8 rows x 128 B: the pattern repeats, descriptors' SBO
 ROWS_PER_WARPGROUP = 64
@@ -63,7 +66,7 @@ def uses_wgmma(spec: KernelSpec, target: Target) -> bool:
     # the wgmma pipelines); a tree mask (varlen) is MmaMath's per-row predicate over the wgmma
     # accumulator, which is the mma.sync fragment layout per warp
     return (target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
-            and spec.head_dim in WGMMA_HEAD_DIMS and head_dim_v(spec) == spec.head_dim
+            and spec.head_dim in WGMMA_HEAD_DIMS and head_dim_v(spec) in WGMMA_HEAD_DIMS
             and spec.opt("custom_mask") in (None, "none", "tree"))
 
 
@@ -118,7 +121,7 @@ class WgmmaConfig(PrefillConfig):
 
     @property
     def v_geom(self) -> TileGeom:
-        return self.kv_geom
+        return SwizzledGeom(self.block_n, self.dv * self.fmt.bytes, self.threads)
 
     @property
     def q_region_bytes(self) -> int:
@@ -129,17 +132,21 @@ class WgmmaConfig(PrefillConfig):
     @property
     def smem_bytes(self) -> int:
         bars = barrier_bytes(self.num_stages, self.warp_specialize) if self.tma else 0
-        return self.q_region_bytes + 2 * self.num_stages * self.kv_geom.bytes + bars
+        return self.q_region_bytes + self.num_stages * (self.kv_geom.bytes + self.v_geom.bytes) + bars
 
     @property
     def registers_estimate(self) -> int:   # S and O accumulators, P, per thread
-        return self.block_n // 2 + self.head_dim // 2 + self.block_n // 4 + 40
+        return self.block_n // 2 + self.dv // 2 + self.block_n // 4 + 40
 
 
 def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
     given = spec.tile_dict()
-    d = spec.head_dim
-    bm, bn, stages = 128, (64 if d > 128 else 128), 2   # d256: O alone is 128 registers
+    d, dv = spec.head_dim, head_dim_v(spec)
+    # 128 keys a tile where O has at most 128 columns (64 registers) and the stages fit
+    # (DeepSeek's 192 / 128: 208 KiB); else 64 (d256: O alone is 128 registers)
+    bm, bn, stages = 128, 128, 2
+    if dv > 128 or _config(spec, target, bm, 128, stages, "tma", False).smem_bytes > target.max_smem_per_cta:
+        bn = 64
     if "num_warps" in given and "block_m" not in given:
         bm = 16 * given["num_warps"]
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
@@ -148,10 +155,19 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
                         f"warpgroup 64 query rows, so block_m must be 64 or 128",
                         key="tile.block_m")
     loads = given.get("kv_loads", "tma")
-    if loads == "cp_async" and (2 * bm) // (d // 8) % 8:   # threads / chunks per row = rows per pass
-        raise SpecError(f"block_m = {bm} with head_dim {d} on {target}: the swizzled tile copy "
-                        f"moves whole 8-row groups per pass, which needs block_m = 128 (256 "
-                        f"threads) for head_dim {d}", key="tile.block_m")
+    def copyable(m: int) -> bool:   # rows per pass (threads / 16-byte chunks): whole 8-row groups
+        return all(2 * m % (w // 8) == 0 and 2 * m // (w // 8) % 8 == 0 for w in (d, dv))
+    if loads == "cp_async" and not copyable(bm):
+        fits = [m for m in (64, 128) if copyable(m)]
+        width = f"head_dim {d}" + (f" / head_dim_v {dv}" if dv != d else "")
+        if not fits:
+            raise SpecError(f"kv_loads = \"cp_async\" with {width} on {target}: the swizzled tile "
+                            f"copy moves whole 8-row groups per pass, which rows of this width "
+                            f"do not allow with 128 or 256 threads; use kv_loads = \"tma\" (the "
+                            f"default)", key="tile.kv_loads")
+        raise SpecError(f"block_m = {bm} with {width} and kv_loads = \"cp_async\" on {target}: "
+                        f"the swizzled tile copy moves whole 8-row groups per pass, which needs "
+                        f"block_m = {fits[0]} ({2 * fits[0]} threads) for {width}", key="tile.block_m")
     if given.get("num_warps", bm // 16) != bm // 16:
         raise SpecError(f"num_warps = {given['num_warps']} with block_m = {bm} on {target}: the "
                         f"wgmma prefill kernel needs num_warps = block_m / 16 = {bm // 16}",
@@ -161,18 +177,23 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
         raise SpecError(f"warp_specialize = true with kv_loads = \"{loads}\" on {target}: the "
                         f"producer warpgroup issues TMA loads; use kv_loads = \"tma\" or drop "
                         f"warp_specialize", key="tile.warp_specialize")
-    cfg = WgmmaConfig(C.FORMATS[spec.dtype], d, True, bm, bn, bm // 16, stages, loads != "tma", d,
-                      1, kv_loads=loads, warp_specialize=ws,
-                      # .minnctapersm 1 pins the register count at entry (65536 / threads),
-                      # without which ptxas drops setmaxnreg (C7508, "unable to determine
-                      # register count at entry") -- and setmaxnreg's budgets assume it
-                      min_ctas_per_sm=1 if ws else 0)
+    cfg = _config(spec, target, bm, bn, stages, loads, ws)
     if cfg.smem_bytes > target.max_smem_per_cta:
         raise SpecError(f"tile block_m={bm}, block_n={bn}, num_stages={stages} needs "
                         f"{cfg.smem_bytes} bytes of shared memory; {target} allows "
                         f"{target.max_smem_per_cta} per CTA: use fewer stages or a smaller tile",
                         key="tile.num_stages" if "num_stages" in given else "tile.block_n")
     return cfg
+
+
+def _config(spec: KernelSpec, target: Target, bm: int, bn: int, stages: int, loads: str,
+            ws: bool) -> WgmmaConfig:
+    return WgmmaConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, bm // 16, stages,
+                       loads != "tma", head_dim_v(spec), 1, kv_loads=loads, warp_specialize=ws,
+                       # .minnctapersm 1 pins the register count at entry (65536 / threads),
+                       # without which ptxas drops setmaxnreg (C7508, "unable to determine
+                       # register count at entry") -- and setmaxnreg's budgets assume it
+                       min_ctas_per_sm=1 if ws else 0)
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
@@ -359,7 +380,7 @@ def setup(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides, s
     sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
     smem = b.address_of(b.shared("prefill_smem", 0, align=SWIZZLE_PERIOD))
     k_smem = b.add(smem, cfg.q_region_bytes)
-    v_smem = b.add(k_smem, cfg.num_stages * cfg.kv_geom.bytes)
+    v_smem = b.add(k_smem, cfg.num_stages * cfg.kv_geom.bytes)   # then V's stages (then barriers)
     return Setup(tid, lane, warp, head, batch, kv_head, m_start, head_base, key_offset, n_tiles, n_full,
                  first_tile, lo_full, variant, sq, sk, smem, k_smem, v_smem)
 
@@ -373,8 +394,9 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
     sq, sk, smem, k_smem, v_smem = s.sq, s.sk, s.smem, s.k_smem, s.v_smem
     kv_bytes = cfg.kv_geom.bytes
     q_slot, kv_slot = swizzled_slot(b, cfg.q_geom, s.tid), swizzled_slot(b, cfg.kv_geom, s.tid)
+    slots = {"k": kv_slot, "v": kv_slot if cfg.dv == cfg.head_dim else swizzled_slot(b, cfg.v_geom, s.tid)}
     gq = global_rows(b, q_slot, s.head_base("q", s.head), strides[("q", 1)])
-    gkv = {t: global_rows(b, kv_slot, s.head_base(t, s.kv_head), strides[(t, 1)]) for t in "kv"}
+    gkv = {t: global_rows(b, slots[t], s.head_base(t, s.kv_head), strides[(t, 1)]) for t in "kv"}
     math = WgmmaMath(b, s.ctx(spec, cfg, ptrs, strides, seq_q, seq_k))
 
     next_addr = {t: b.mov(b.bitcast(gkv[t].thr_base, S64)) for t in "kv"}
@@ -387,7 +409,7 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
         with b.if_then(b.setp("lt", tile, n_tiles)):
             row0 = b.mul(tile if first_tile is None else b.add(tile, first_tile), bn)
             base = b.add(k_smem if t == "k" else v_smem, stage_off)
-            load_tile(b, kv_slot, gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, True,
+            load_tile(b, slots[t], gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, True,
                       first_addr=next_addr[t])
         b.add(next_addr[t], tile_step[t], out=next_addr[t])
         b.cp_async_commit()
@@ -396,7 +418,7 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
         return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
 
     load_tile(b, q_slot, gq, s.m_start, b.sub(sq, b.bitcast(s.m_start, S32)), smem, True)
-    run_wgmma_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
+    run_wgmma_pipeline(b, stages=stages, kv_bytes=kv_bytes, v_bytes=cfg.v_geom.bytes, k_smem=k_smem, v_smem=v_smem,
                        n_tiles=n_tiles, n_full=n_full, key0_of=key0_of, load_kv=load_kv,
                        math=math, lo_full=lo_full,
                        transform=math.transform if variant.transforms else None)

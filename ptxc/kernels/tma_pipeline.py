@@ -33,7 +33,7 @@ made visible to the async proxy with fence.proxy.async before the CTA barrier th
 from __future__ import annotations
 
 from ..ir import U32, Addr, KernelBuilder, Reg
-from .kv_pipeline import advance_stage
+from .kv_pipeline import StageRing
 from .wgmma_pipeline import attend_tile
 
 MBARRIER_BYTES = 8
@@ -46,16 +46,17 @@ def barrier_bytes(stages: int, warp_specialized: bool = False) -> int:
 
 def issue_refill(b: KernelBuilder, *, kv_bytes: int, k_smem: Reg, v_smem: Reg, n_tiles: Reg,
                  copy_tile, k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr,
-                 copies: bool = True) -> None:
+                 copies: bool = True, v_bytes: int | None = None) -> None:
     """One phase of `bar` (by the one thread that arrives on it): K(k_tile) into k_off,
-    V(v_tile) into v_off, those that exist, with expect_tx their bytes (0: the phase completes
-    at the arrive). With copies=False the copies are left to refill_copies (other threads)."""
+    V(v_tile) into v_off, those that exist, with expect_tx their bytes (kv_bytes a K tile,
+    v_bytes a V tile, default kv_bytes; 0: the phase completes at the arrive). With
+    copies=False the copies are left to refill_copies (other threads)."""
     has_k = b.setp("lt", k_tile, n_tiles)
     nbytes = b.selp(kv_bytes, 0, has_k, U32)
     has_v = None
     if v_tile is not None:
         has_v = b.setp("lt", v_tile, n_tiles)
-        nbytes = b.add(nbytes, b.selp(kv_bytes, 0, has_v, U32))
+        nbytes = b.add(nbytes, b.selp(kv_bytes if v_bytes is None else v_bytes, 0, has_v, U32))
     b.mbarrier_arrive_expect_tx(bar, nbytes)
     if copies:
         refill_copies(b, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles, copy_tile=copy_tile,
@@ -81,7 +82,8 @@ def refill_copies(b: KernelBuilder, *, k_smem: Reg, v_smem: Reg, n_tiles: Reg, c
 def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: int, q_smem: Reg,
                      k_smem: Reg, v_smem: Reg, bars: Reg, leader: Reg, n_tiles: Reg, n_full: Reg,
                      key0_of, copy_tile, math, transform=None, lo_full: Reg | None = None,
-                     q_landed=None, last_v_landed=None, issuer: Reg | None = None) -> None:
+                     q_landed=None, last_v_landed=None, issuer: Reg | None = None,
+                     v_bytes: int | None = None) -> None:
     """`copy_tile(t, tile, smem_addr, bar)` issues the TMA boxes of tile `tile` of t ("q", "k"
     or "v"; the Q tile's index is unused) into `smem_addr` on mbarrier `bar` (called by the
     elected thread only, for tiles that exist); `bars` is the 8-byte-aligned shared address of
@@ -93,8 +95,10 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
     `issuer`: the predicate of the threads that call copy_tile for K/V (each issues its share
     of the boxes; the elected thread alone still arrives with the whole expect_tx, and a copy
     completing before that arrival leaves the transaction count transiently negative, which
-    the mbarrier allows) instead of the elected thread."""
+    the mbarrier allows) instead of the elected thread. `v_bytes`: a V tile's bytes and
+    stage stride when they differ from K's `kv_bytes` (head_dim_v < head_dim)."""
     S = stages
+    v_bytes = kv_bytes if v_bytes is None else v_bytes
     q_bar = Addr(bars, S * MBARRIER_BYTES)
     with b.if_then(leader):
         for s in range(S + 1):
@@ -107,7 +111,7 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
         with b.if_then(leader):
             issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
                          copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
-                         v_off=v_off, bar=bar, copies=issuer is None)
+                         v_off=v_off, bar=bar, copies=issuer is None, v_bytes=v_bytes)
         if issuer is not None:
             with b.if_then(issuer):
                 refill_copies(b, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
@@ -119,10 +123,9 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
         copy_tile("q", None, q_smem, q_bar)
     for s in range(S):                                   # B(-S) .. B(-1)
         refill(b.mov(s, U32), s * kv_bytes, b.mov(s - 1, U32) if s else None,
-               (s - 1) * kv_bytes, Addr(bars, s * MBARRIER_BYTES))
+               (s - 1) * v_bytes, Addr(bars, s * MBARRIER_BYTES))
 
-    stage = b.mov(0, U32)                    # buffer offsets of tile j and of tile j - 1
-    prev = b.mov((S - 1) * kv_bytes, U32)
+    ring = StageRing(b, S, kv_bytes, v_bytes)   # buffer offsets of K(j) and of V(j - 1)
     bar_off = b.mov(0, U32)                  # full[j mod S] and the parity of its phase j / S
     parity = b.mov(0, U32)
     if q_landed is not None:
@@ -132,17 +135,17 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
     with b.for_range(0, n_tiles) as j:
         bar = Addr(b.add(bars, bar_off))
         b.mbarrier_wait_parity(bar, parity)                                 # A(j)
-        attend_tile(b, math, k_smem, stage, v_smem, prev, j, key0_of, transform, n_full,
+        attend_tile(b, math, k_smem, ring.k, v_smem, ring.v_prev, j, key0_of, transform, n_full,
                     lo_full)
         b.bar_sync(0)                                                       # B(j)
-        refill(b.add(j, S), stage, b.add(j, S - 1), prev, bar)
-        advance_stage(b, stage, prev, kv_bytes, S)
+        refill(b.add(j, S), ring.k, b.add(j, S - 1), ring.v_prev, bar)
+        ring.advance()
         advance_barrier(b, bar_off, parity, S)
     with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
         b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
         if last_v_landed is not None:
-            last_v_landed(b.add(v_smem, prev))
-        math.issue_pv(b.add(v_smem, prev))
+            last_v_landed(b.add(v_smem, ring.v_prev))
+        math.issue_pv(b.add(v_smem, ring.v_prev))
         b.wgmma_wait(0)
     b.bar_sync(0)        # every warpgroup done with Q before the epilogue stages O over it
 

@@ -32,7 +32,7 @@ the WAR ordering CUTLASS's PipelineTmaAsync relies on (consumer_release after wa
 from __future__ import annotations
 
 from ..ir import U32, Addr, KernelBuilder, Reg
-from .kv_pipeline import advance_stage
+from .kv_pipeline import StageRing
 from .tma_pipeline import MBARRIER_BYTES, advance_barrier, issue_refill
 from .wgmma_pipeline import attend_tile
 
@@ -58,12 +58,14 @@ def consumer_regs(consumers: int) -> int:
 def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_bytes: int,
                         q_bytes: int, q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg, tid: Reg,
                         lane: Reg, n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
-                        transforms: bool, lo_full: Reg | None = None) -> None:
+                        transforms: bool, lo_full: Reg | None = None,
+                        v_bytes: int | None = None) -> None:
     """run_tma_pipeline's arguments (see there) for a CTA of `consumers` + 1 warpgroups;
     `make_math()` builds the consumers' WgmmaMath inside their branch, after setmaxnreg.inc (its
     accumulators would otherwise be live under the launch budget: ptxas spills them at d128),
     and `transforms` says whether its score transform applies; its epilogue ends the branch."""
     S, C = stages, consumers
+    v_bytes = kv_bytes if v_bytes is None else v_bytes
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
     q_bar = full(S)
     empty0 = (S + 1) * MBARRIER_BYTES
@@ -78,7 +80,7 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
     def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
         issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
                      copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
-                     v_off=v_off, bar=bar)
+                     v_off=v_off, bar=bar, v_bytes=v_bytes)
 
     with b.if_then(b.setp("ge", tid, 128 * C)):                          # the producer
         b.setmaxnreg(False, producer_regs(C))
@@ -87,23 +89,21 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
             copy_tile("q", None, q_smem, q_bar)
             for s in range(S):                                           # B(-S) .. B(-1)
                 refill(b.mov(s, U32), s * kv_bytes, b.mov(s - 1, U32) if s else None,
-                       (s - 1) * kv_bytes, full(s))
-            stage = b.mov(0, U32)            # buffer offsets of tile i and of tile i - 1
-            prev = b.mov((S - 1) * kv_bytes, U32)
+                       (s - 1) * v_bytes, full(s))
+            ring = StageRing(b, S, kv_bytes, v_bytes)   # buffer offsets of K(i) and of V(i - 1)
             bar_off = b.mov(0, U32)          # i mod S (x 8 bytes), and the parity of empty's
             parity = b.mov(0, U32)           # phase (i - S) / S
             with b.for_range(S, b.add(n_tiles, 1)) as i:                 # B(i - S)
                 b.mbarrier_wait_parity(Addr(b.add(bars, b.add(bar_off, empty0))), parity)
-                refill(i, stage, b.sub(i, 1), prev, Addr(b.add(bars, bar_off)))
-                advance_stage(b, stage, prev, kv_bytes, S)
+                refill(i, ring.k, b.sub(i, 1), ring.v_prev, Addr(b.add(bars, bar_off)))
+                ring.advance()
                 advance_barrier(b, bar_off, parity, S)
     with b.else_():                                                      # the consumers
         b.setmaxnreg(True, consumer_regs(C))
         math = make_math()
         transform = math.transform if transforms else None
         first_lane = b.setp("eq", lane, 0)
-        stage = b.mov(0, U32)
-        prev = b.mov((S - 1) * kv_bytes, U32)
+        ring = StageRing(b, S, kv_bytes, v_bytes)
         bar_off = b.mov(0, U32)
         parity = b.mov(0, U32)
         b.mbarrier_wait_parity(q_bar, 0)
@@ -114,13 +114,13 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
                 with b.if_then(first_lane):
                     b.mbarrier_arrive(Addr(b.add(bars, b.add(bar_off, empty0))))
 
-            attend_tile(b, math, k_smem, stage, v_smem, prev, j, key0_of, transform, n_full,
+            attend_tile(b, math, k_smem, ring.k, v_smem, ring.v_prev, j, key0_of, transform, n_full,
                         lo_full, reads_done=release)
-            advance_stage(b, stage, prev, kv_bytes, S)
+            ring.advance()
             advance_barrier(b, bar_off, parity, S)
         with b.if_then(b.setp("gt", n_tiles, 0)):       # O += P(n-1)·V(n-1)
             b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
-            math.issue_pv(b.add(v_smem, prev))
+            math.issue_pv(b.add(v_smem, ring.v_prev))
             b.wgmma_wait(0)
         b.bar_sync(CONSUMER_BARRIER, 128 * C)   # every consumer done with Q before O goes there
         math.epilogue()

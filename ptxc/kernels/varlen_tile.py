@@ -137,7 +137,9 @@ class WgmmaTileConfig(WgmmaConfig):
 def applies(spec, target, cfg: PrefillConfig) -> bool:
     """Whether the packed tile `cfg` (the mma.sync one) runs on wgmma for `target`: caches of
     the dtype, or FP8 (e4m3 / e5m2) staged by cp.async."""
-    return (uses_wgmma(spec, target) and (kv_dtype(spec) == spec.dtype or fp8_staged(spec, cfg))
+    # head_dim_v != head_dim keeps the mma.sync tile (the packed tile's stages are sized for K)
+    return (uses_wgmma(spec, target) and cfg.dv == cfg.head_dim
+            and (kv_dtype(spec) == spec.dtype or fp8_staged(spec, cfg))
             and cfg.v_split == 1 and cfg.block_m in (ROWS_PER_WARPGROUP, 2 * ROWS_PER_WARPGROUP)
             and cfg.num_warps == cfg.block_m // 16)
 

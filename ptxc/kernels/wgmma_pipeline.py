@@ -25,37 +25,38 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from ..ir import U32, KernelBuilder, Reg
-from .kv_pipeline import advance_stage, modify_scores
+from .kv_pipeline import StageRing, modify_scores
 
 
 def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
                        n_tiles: Reg, n_full: Reg, key0_of, load_kv, math, transform=None,
-                       lo_full: Reg | None = None, landed=None) -> None:
+                       lo_full: Reg | None = None, landed=None, v_bytes: int | None = None) -> None:
     """`load_kv(t, tile, stage_offset)` copies one K or V tile (if it exists) and commits exactly
     one group; `math` is a WgmmaMath. With `landed(t, stage)` the stage buffers hold raw tiles
     (FP8 bytes, kv_fp8_stage.SwizzledFP8Staging): after A(j)'s wait and before its barrier it
-    converts this thread's share of K(j) and V(j-1) and returns the tile the math reads."""
+    converts this thread's share of K(j) and V(j-1) and returns the tile the math reads.
+    `v_bytes`: a V stage buffer's size when it differs from K's `kv_bytes` (head_dim_v <
+    head_dim)."""
     S = stages
+    v_bytes = kv_bytes if v_bytes is None else v_bytes
     for s in range(S):                                  # B(-S) .. B(-1)
         load_kv("k", b.mov(s, U32), s * kv_bytes)
         if s == 0:
             b.cp_async_commit()                         # V(-1): an empty group
         else:
-            load_kv("v", b.mov(s - 1, U32), (s - 1) * kv_bytes)
+            load_kv("v", b.mov(s - 1, U32), (s - 1) * v_bytes)
 
-    # buffer offsets of tile j (stage) and of tile j - 1 (prev), carried in registers
-    stage = b.mov(0, U32)
-    prev = b.mov((S - 1) * kv_bytes, U32)
+    ring = StageRing(b, S, kv_bytes, v_bytes)   # buffer offsets of K(j) and of V(j - 1)
 
     def landed_and_fenced(j=None):
         """The wait and barrier of A(j) (j None: the last P·V's); returns where K(j) and V(j-1)
         are read: (base, offset) each."""
         b.cp_async_wait(2 * S - 2)
-        tiles = (k_smem, stage), (v_smem, prev)
+        tiles = (k_smem, ring.k), (v_smem, ring.v_prev)
         if landed is not None:   # the staged tiles converted (V(-1) does not exist)
-            k = landed("k", stage) if j is not None else k_smem
+            k = landed("k", ring.k) if j is not None else k_smem
             with b.if_then(b.setp("gt", j, 0)) if j is not None else nullcontext():
-                v = landed("v", prev)     # the tile's address: defined before the branch
+                v = landed("v", ring.v_prev)     # the tile's address: defined before the branch
             tiles = (k, 0), (v, 0)
         b.bar_sync(0)
         b.fence_proxy_async()
@@ -66,9 +67,9 @@ def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: 
         attend_tile(b, math, k_at, k_off, v_at, v_off, j, key0_of, transform, n_full,
                     lo_full)
         b.bar_sync(0)                                                         # B(j)
-        load_kv("k", b.add(j, S), stage)
-        load_kv("v", b.add(j, S - 1), prev)
-        advance_stage(b, stage, prev, kv_bytes, S)
+        load_kv("k", b.add(j, S), ring.k)
+        load_kv("v", b.add(j, S - 1), ring.v_prev)
+        ring.advance()
     with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
         _, (v_at, v_off) = landed_and_fenced()
         math.issue_pv(b.add(v_at, v_off))
