@@ -1,4 +1,6 @@
-"""sm_90a wgmma prefill fed by TMA (tile.kv_loads = "tma", the default; tma_pipeline.py):
+"""sm_90a wgmma prefill fed by TMA from one elected thread (tile.kv_loads = "tma" with
+warp_specialize = false; tma_pipeline.py -- the default, a producer warpgroup, is
+tests/test_prefill_tma_ws.py):
 numerical checks in the emulator against the fp64 reference on the wgmma test shapes (odd
 lengths, causal bottom-right, q_len > L, GQA/MQA, LSE, variants, bhsd strides, empty inputs),
 the tile key's rules, the tensor-map launch parameters (metadata, checked loading refuses a
@@ -16,7 +18,8 @@ from tests.test_prefill import check, compiled, run, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 SM90A = ("sm_90a",)
-SMALL = {"block_m": 64, "block_n": 32, "kv_loads": "tma"}
+SMALL = {"block_m": 64, "block_n": 32, "kv_loads": "tma", "warp_specialize": False}
+ONE_ISSUER = {"kv_loads": "tma", "warp_specialize": False}
 SHAPES = [(1, 17), (17, 113), (113, 17)]
 SLOW = pytest.mark.slow
 
@@ -44,7 +47,7 @@ def test_matrix(dtype, head_dim, heads, causal):
 def test_default_tiles_two_warpgroups(head_dim, block_n):
     """The default tiles (two warpgroups, two stages), q_len > L and a tail tile."""
     text = spec_text("bf16", head_dim, "gqa4" if head_dim < 256 else "mqa", True,
-                     tile={"kv_loads": "tma"}, targets=SM90A)
+                     tile=ONE_ISSUER, targets=SM90A)
     c = compiled(text, "sm_90a")[3]
     assert (c["block_m"], c["block_n"], c["num_warps"], c["num_stages"]) == (128, block_n, 8, 2)
     check(text, [(150, 131)] if head_dim < 256 else [(130, 70)], batch=1, target="sm_90a")
@@ -242,7 +245,7 @@ def built(tmp_path_factory, toolchain):
     tmp = tmp_path_factory.mktemp("tma")
     text = (SPECS / "llama3_8b_prefill.toml").read_text()
     text = "\n".join('targets = ["sm_90a"]' if line.startswith("targets") else line
-                     for line in text.splitlines()) + '\n[kernel.tile]\nkv_loads = "tma"\n'
+                     for line in text.splitlines()) + '\n[kernel.tile]\nkv_loads = "tma"\nwarp_specialize = false\n'
     (tmp / "l.toml").write_text(text)
     summary = run_build([tmp / "l.toml"], tmp / "out", progress=False, cache_dir=tmp / "cache")
     return tmp / "out", summary
@@ -319,7 +322,7 @@ def test_ptxas_zero_spills(toolchain):
     for d in (64, 128, 256):
         for dtype in ("f16", "bf16"):
             for causal in (False, True):
-                text = spec_text(dtype, d, "gqa4", causal, tile={"kv_loads": "tma"}, targets=SM90A)
+                text = spec_text(dtype, d, "gqa4", causal, tile=ONE_ISSUER, targets=SM90A)
                 _, res, _ = assemble(compiled(text, "sm_90a")[1], "sm_90a", toolchain, "p")
                 [r] = res.values()
                 assert r.spill_stores == r.spill_loads == 0 and r.stack == 0, (d, dtype, causal)

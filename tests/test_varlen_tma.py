@@ -103,6 +103,37 @@ def test_ragged_batch_with_nan_garbage(tmp_path, layout, tile, case):
     assert np.all(np.isneginf(out["lse"][cu[6]:cu[7]]))
 
 
+@pytest.mark.parametrize("layout,d,dv,case", [
+    ("page64", 192, 128, dict(dtype="bf16", gqa="gqa4", causal=True, splits="auto")),
+    ("page16", 128, 64, dict(dtype="f16", gqa="gqa8", causal=False, splits=3)),
+    ("contiguous", 256, 128, dict(dtype="bf16", gqa="gqa4", causal=True, splits=1)),
+    ("page16", 192, 192, dict(dtype="f16", gqa="gqa4", causal=True, splits=2)),
+], ids=["deepseek-page64", "d128v64-page16", "d256v128-contiguous", "d192-page16"])
+def test_v_narrower_than_k(tmp_path, layout, d, dv, case):
+    """head_dim_v < head_dim (DeepSeek's MLA prefill: 192 / 128): V's stages and boxes are
+    head_dim_v wide (its first slabs' boxes, on the warps that issue K's), P·V is m64n{dv};
+    NaN past L and in unused pages, V's tail rows zeroed over its own width. 192-wide rows:
+    Q copied in three 128-byte column groups (a pass of 128 threads is then 16 rows)."""
+    art, spec = build(tmp_path, layout, "", f"\nhead_dim_v = {dv}", head_dim=d, **case)
+    ptx = (art.path / art.meta["targets"]["sm_90a"]["ptx"]).read_text()
+    assert f"m64n{dv}k16" in ptx
+    check_poisoned(art, spec, layout, seed=4)
+
+
+def test_v_narrower_than_k_needs_tma(tmp_path):
+    """The per-thread copy groups K's rows: head_dim_v < head_dim with cp.async or an FP8
+    cache keeps the mma.sync body on sm_90a."""
+    for extra in ('[kernel.tile]\nkv_loads = "cp_async"\n', 'kv_dtype = "e4m3"\n'):
+        body_text = spec_body("page64", dtype="bf16", head_dim=192, gqa="gqa4", causal=True) + "\nhead_dim_v = 128\n"
+        tile = ""
+        if extra.startswith("[kernel.tile]"):
+            tile = extra
+        else:
+            body_text += extra
+        [spec] = load_text(f'[[kernel]]\nname = "k"\nfamily = "varlen"\ntargets = ["sm_90a"]\n{body_text}{tile}')
+        assert VARLEN.resolve_tile(spec, TARGETS["sm_90a"])["path"] == "mma.m16n8k16"
+
+
 def test_two_warpgroups_small_tile_page8(tmp_path):
     """block_m 128 (256 threads) with block_n 16 at head_dim 64: the tail zeroing's one pass
     is partial (128 chunks for 256 threads); 8-row pages, the smallest TMA takes (two boxes of

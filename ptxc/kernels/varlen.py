@@ -114,8 +114,8 @@ def validate(spec: KernelSpec) -> None:
         if not any(isinstance(configure(spec, TARGETS[t]), WgmmaTileConfig) for t in spec.targets):
             raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim "
                             f"{spec.head_dim}, targets {', '.join(spec.targets)}: TMA feeds only "
-                            f"the sm_90a wgmma kernel (f16/bf16 caches, head_dim 64, 128 or 256, "
-                            f"head_dim_v = head_dim, block_m 64 or 128); add sm_90a or drop the "
+                            f"the sm_90a wgmma kernel (f16/bf16 caches, head_dim and head_dim_v "
+                            f"64, 128, 192 or 256, block_m 64 or 128); add sm_90a or drop the "
                             f"key", key="tile.kv_loads")
 
 
@@ -171,11 +171,12 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
         cfg = make(stages)
     if target is not None:
         _check_shape(cfg, target)
-        from . import varlen_tile as wg   # sm_90a f16/bf16 d64/128/256: the same tile on wgmma
+        from . import varlen_tile as wg   # sm_90a f16/bf16, wgmma head dims: the same tile on wgmma
         # custom masks run the mma.sync body on sm_90a too (the wgmma layouts do not map to
         # the mask predicate yet)
-        if wg.applies(spec, target, cfg):
-            return wg.configure(spec, cfg, kv_access(spec))
+        kv = kv_access(spec)
+        if wg.applies(spec, target, cfg, kv):
+            return wg.configure(spec, cfg, kv)
     return cfg
 
 

@@ -122,9 +122,13 @@ class WgmmaTileConfig(WgmmaConfig):
 
     @property
     def group_bytes(self) -> int:
-        """Bytes of a row one copy pass covers: at most 2 x threads, so that a pass moves
-        threads / (bytes / 16) >= 8 rows (whole swizzle groups)."""
-        return min(self.head_dim * self.fmt.bytes, self.threads * CHUNK // 8)
+        """Bytes of a row one copy pass covers: whole 128-byte slabs that divide the row, and
+        few enough that a pass moves threads / (bytes / 16) rows, a multiple of 8 (whole
+        swizzle groups): 256 at d128 and d256 with one warpgroup, 128 at d192 (three groups)."""
+        row = self.head_dim * self.fmt.bytes
+        return max(g for g in range(SWIZZLE, row + 1, SWIZZLE)
+                   if row % g == 0 and self.threads % (g // CHUNK) == 0
+                   and self.threads // (g // CHUNK) % 8 == 0)
 
     @property
     def groups(self) -> int:
@@ -134,14 +138,22 @@ class WgmmaTileConfig(WgmmaConfig):
         return SwizzledGeom(rows, self.group_bytes, self.threads)
 
 
-def applies(spec, target, cfg: PrefillConfig) -> bool:
+def applies(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
     """Whether the packed tile `cfg` (the mma.sync one) runs on wgmma for `target`: caches of
-    the dtype, or FP8 (e4m3 / e5m2) staged by cp.async."""
-    # head_dim_v != head_dim keeps the mma.sync tile (the packed tile's stages are sized for K)
-    return (uses_wgmma(spec, target) and cfg.dv == cfg.head_dim
-            and (kv_dtype(spec) == spec.dtype or fp8_staged(spec, cfg))
+    the dtype, or FP8 (e4m3 / e5m2) staged by cp.async. V narrower than K (head_dim_v <
+    head_dim) only where TMA loads the tiles (the per-thread copy's groups are K's rows)."""
+    narrow_v = cfg.dv != cfg.head_dim
+    return (uses_wgmma(spec, target)
+            and (kv_dtype(spec) == spec.dtype or (fp8_staged(spec, cfg) and not narrow_v))
+            and (not narrow_v or _loads_by_tma(spec, kv))
             and cfg.v_split == 1 and cfg.block_m in (ROWS_PER_WARPGROUP, 2 * ROWS_PER_WARPGROUP)
             and cfg.num_warps == cfg.block_m // 16)
+
+
+def _loads_by_tma(spec, kv: KVAccess) -> bool:
+    """K/V tiles by TMA: the default where the layout allows, for caches of the dtype (TMA
+    cannot dequantise)."""
+    return spec.tile_dict().get("kv_loads", "tma") == "tma" and tma_applies(kv) and kind(spec) is None
 
 
 def fp8_staged(spec, cfg: PrefillConfig) -> bool:
@@ -159,9 +171,9 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
     the layout allows (tma_applies: contiguous, or pages of >= 8 rows), else, or
     with kv_loads = "cp_async", by per-thread cp.async."""
     fp8 = kind(spec) is not None      # TMA cannot dequantise: FP8 bytes come by cp.async
-    tma = spec.tile_dict().get("kv_loads", "tma") == "tma" and tma_applies(kv) and not fp8
+    tma = _loads_by_tma(spec, kv)
     return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
-                           cfg.num_stages, True, cfg.head_dim, 1,
+                           cfg.num_stages, True, cfg.dv, 1,
                            kv_loads="tma" if tma else "cp_async", fp8=fp8)
 
 

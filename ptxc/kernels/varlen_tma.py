@@ -69,7 +69,7 @@ def zero_tail_rows(b: KernelBuilder, cfg, tid: Reg, v_tile: Reg, nvalid: Reg) ->
     the tile is row (c / 8) % block_n of slab c / (8 block_n), at byte 16 c (the swizzle only
     permutes chunks inside a row, so whole rows need no swizzle)."""
     bn, threads = cfg.block_n, cfg.threads
-    chunks = cfg.kv_geom.bytes // CHUNK
+    chunks = cfg.v_geom.bytes // CHUNK
     zero = b.mov(0, U32)
     row0, mine = b.shr(tid, 3), b.add(v_tile, b.shl(tid, 4))
     for i in range(-(-chunks // threads)):
@@ -139,6 +139,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     addr = {t: b.tensor_map_address(tmaps[t]) for t in tmaps}
     head, seq = b.bitcast(work.kv_head, S32), b.bitcast(work.seq, S32)
     slab_cols, slabs = SWIZZLE // cfg.fmt.bytes, cfg.head_dim * cfg.fmt.bytes // SWIZZLE
+    v_slabs = cfg.dv * cfg.fmt.bytes // SWIZZLE      # V narrower than K: its first slabs' boxes
     rows = box_rows(kv, bn)
     # box (page p, slab s) of a tile is issued by lane 0 of warp (p * slabs + s) % num_warps,
     # so that no warp carries the whole issue block (ptxas wraps each box in an issue loop)
@@ -170,7 +171,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         def issue(w: int, bw: list) -> None:
             ids = None if pages is None else \
                 pages.k_ids(pages_of[w]) if t == "k" else pages.v_ids(j, pages_of[w])
-            for p, s in bw:
+            for p, s in bw if t == "k" else [(p, s) for p, s in bw if s < v_slabs]:
                 row = row0 if p == 0 else b.add(row0, p * rows)
                 if ids is None:
                     coords = (head, b.bitcast(row, S32), seq)
@@ -195,10 +196,10 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
             b.bar_sync(0)
 
     math = VarlenWgmmaMath(b, ctx, ptrs, strides)
-    kv_bytes = cfg.kv_geom.bytes
-    run_tma_pipeline(b, stages=stages, kv_bytes=kv_bytes, q_bytes=0, q_smem=tile.smem,
+    kv_bytes, v_bytes = cfg.kv_geom.bytes, cfg.v_geom.bytes
+    run_tma_pipeline(b, stages=stages, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=0, q_smem=tile.smem,
                      k_smem=tile.k_smem, v_smem=tile.v_smem,
-                     bars=b.add(tile.v_smem, stages * kv_bytes), leader=b.setp("eq", ctx.tid, 0),
+                     bars=b.add(tile.v_smem, stages * v_bytes), leader=b.setp("eq", ctx.tid, 0),
                      n_tiles=n_tiles, n_full=tile.n_full,
                      key0_of=lambda j: b.mul(b.add(first, j), bn), copy_tile=copy_tile, math=math,
                      transform=score_transform(b, spec, math), lo_full=tile.lo_full,

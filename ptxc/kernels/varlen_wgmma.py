@@ -1,5 +1,6 @@
 """varlen (and any GQA-packed tile) on Hopper warpgroup MMA: target sm_90a, f16/bf16 caches,
-head_dim 64, 128 or 256 with head_dim_v == head_dim. When it applies and how the tile is
+head_dim and head_dim_v 64, 128, 192 or 256 (head_dim_v < head_dim only with TMA loads,
+varlen_tma.py). When it applies and how the tile is
 configured (WgmmaTileConfig, applies, configure) lives below this body, in varlen_tile.py.
 
 The packed tile of varlen_attend.py (row R = token R / g, head R % g of the group; the same
@@ -14,8 +15,9 @@ the tile math and K/V loop of the wgmma prefill (prefill_wgmma.py, wgmma_pipelin
              (prefill_wgmma's layout, so WgmmaMath's descriptors apply unchanged).
   copies     per-thread cp.async 16-byte chunks at the swizzled addresses (swizzled_slot). A
              copy pass must cover whole 8-row groups, so a row wider than 2 x threads bytes
-             (head_dim 256 with one warpgroup: 512 B, 128 threads) is copied as column groups of
-             2 x threads bytes: the same thread slot, +group bytes in global memory and +group
+             (head_dim 256 with one warpgroup: 512 B, 128 threads), or one whose 16-byte chunks do
+             not divide the threads into whole 8-row passes (head_dim 192: 24 chunks), is copied
+             as column groups of whole slabs (WgmmaTileConfig.group_bytes): the same thread slot, +group bytes in global memory and +group
              slabs in shared memory per group (immediates), one row address for all groups.
              Q rows are gathered per packed row (token, head); contiguous K/V tiles carry
              their next address (StridedTiles); paged ones go through KVAccess, with their
@@ -30,7 +32,8 @@ the tile math and K/V loop of the wgmma prefill (prefill_wgmma.py, wgmma_pipelin
 FP8 caches (e4m3 / e5m2) take the same body with their bytes staged by cp.async and
 dequantised into one swizzled tile each for K and V at the top of every iteration
 (kv_fp8_stage.SwizzledFP8Staging, wgmma_pipeline's `landed`); TMA does not apply to them.
-e4m3_ds rows, other head dims and head_dim_v != head_dim keep the mma.sync kernel on sm_90a.
+e4m3_ds rows, other head dims, and head_dim_v != head_dim with cp.async loads (FP8 caches, pages
+of fewer than 8 rows, kv_loads = "cp_async") keep the mma.sync kernel on sm_90a.
 """
 
 from __future__ import annotations
