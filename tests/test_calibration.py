@@ -91,17 +91,19 @@ def test_h200_points_are_out_of_sample_and_quoted_as_measured(every_point):
 
 def test_h100_points_of_later_kernels_are_out_of_sample_and_quoted_as_measured(every_point):
     """The same constants on the same GPU, against 41 medians of the kernels at 89432c6 (split
-    decode by default, tensor-core and MLA decode, none of them fitted to). The misses: decode
-    with many splits modelled 1.4-2.1x slow (the bandwidth term waits for whole waves while the
-    tail of a launch shares DRAM among fewer CTAs), sparse MLA ~0.7x."""
+    decode by default, tensor-core and MLA decode, none of them fitted to). Before DRAM was one
+    shared resource per launch these were 31 within ±35 %, 0.67-2.08 (decode of 2-3 waves
+    modelled up to 2.1x slow); that change was made after seeing them, so they test it only
+    in part. What it still misses: the tensor-core split decode up to 1.6x slow (its warp
+    term), sparse MLA ~0.7x."""
     later = [p for p in every_point if p["commit"] == "89432c6" and p["predicted_ms"] is not None]
     assert all(p["gpu"] == "h100-sxm" and not p["in_sample"] for p in later)
     ratios = {p["kernel"]: p["predicted_ms"] / p["median_ms"] for p in later}
     assert len(later) == 41 and len(ratios) == 41
     within = sorted(k for k, r in ratios.items() if 1 / 1.35 <= r <= 1.35)
-    assert len(within) == 31, within
-    assert 0.66 <= min(ratios.values()) and max(ratios.values()) <= 2.09
-    assert "41 H100 medians of 89432c6" in CALIBRATION_ERROR and "31 within ±35 %, 0.67–2.08" in CALIBRATION_ERROR
+    assert len(within) == 33, within
+    assert 0.66 <= min(ratios.values()) and max(ratios.values()) <= 1.62
+    assert "41 H100 medians of 89432c6" in CALIBRATION_ERROR and "33 within ±35 %, 0.67–1.61" in CALIBRATION_ERROR
     # the sm_90a rows whose code is wgmma are recorded, not modelled (17 of them)
     assert sum(p["commit"] == "89432c6" and p["predicted_ms"] is None for p in every_point) == 17
 
