@@ -68,6 +68,10 @@ OPTIONS = (
     ("prefill", True, "head_dim_v = 128\nsliding_window = 128\nattention_sinks = true\n" + _SM90A
      + "[kernel.tile]\nwarp_specialize = true\n", "dv128gptossws_90a"),
     ("varlen", True, _PAGED + "head_dim_v = 128\n", "dv128"),
+    # the consumers' ping-pong (sm_90a warp-specialised prefill), plain and with variants
+    ("prefill", True, _SM90A + "[kernel.tile]\npingpong = true\n", "pp_90a"),
+    ("prefill", True, "sliding_window = 128\nattention_sinks = true\nlogits_soft_cap = 30.0\n" + _SM90A
+     + "[kernel.tile]\npingpong = true\n", "ppvar_90a"),
     ("varlen", True, _PAGED + "sliding_window = 1024\n", "win"),
     ("varlen", True, _PAGED + "logits_soft_cap = 50.0\n", "cap"),
     ("varlen", True, _PAGED + "attention_sinks = true\n", "sink"),

@@ -177,7 +177,9 @@ def _config(text: str, target: str) -> dict:
     (body(head_dim=128) + '\nkv_dtype = "e5m2"\nkv_scale = "head"', "sm_90", "mma.m16n8k16"),
     (body(head_dim=128) + '\ncustom_mask = "tree"', "sm_90a", "wgmma.m64nNk16"),
     (body(head_dim=128, causal=False) + '\ncustom_mask = "packed"', "sm_90a", "mma.m16n8k16"),
-    (body(head_dim=128) + "\nhead_dim_v = 64", "sm_90a", "mma.m16n8k16"),
+    (body(head_dim=128) + "\nhead_dim_v = 64", "sm_90a", "wgmma.m64nNk16"),         # TMA loads
+    (body(head_dim=128) + '\nhead_dim_v = 64\nkv_dtype = "e4m3"', "sm_90a", "mma.m16n8k16"),   # cp.async
+    (body(head_dim=192, layout="contiguous"), "sm_90a", "wgmma.m64nNk16"),
     (body(head_dim=64) + "\n[kernel.tile]\nblock_m = 32", "sm_90a", "mma.m16n8k16"),
 ])
 def test_dispatch(extra, target, path):

@@ -42,6 +42,7 @@ class Op:
     bar_id: int = 0              # BARRIER
     bar_count: int | None = None  # BARRIER: thread count operand, None = whole CTA
     aligned: bool = True         # BARRIER: every live lane of a warp must arrive together
+    arrive: bool = False         # BARRIER: bar.arrive (counts toward the barrier, does not wait)
     park_reg: str = ""            # PARK: the predicate that is false for threads that yield
 
 

@@ -12,11 +12,16 @@ is a view.
 Barriers (bar.sync / barrier.sync a{, b}): a thread that reaches one waits. A barrier without
 a thread count completes for a CTA when every non-exited thread of that CTA waits at that same
 instruction (exited threads do not count, per the PTX ISA); with a count b, when b threads of
-the CTA wait there. If a CTA can make no progress because its threads wait at different
-barrier instructions (e.g. bar.sync inside an if/else), or a count is never reached, the
-launch fails with a "barrier divergence" / "barrier deadlock" error. Waiting at two different
-bar.sync instructions is reported even though sm_70+ hardware counts arrivals per barrier
-id: that pattern is a bug in CUDA's __syncthreads() contract and never intended by ptxc.
+the CTA have arrived at barrier a: those waiting at any bar.sync a, b and those that passed a
+bar.arrive a, b (which counts toward the phase without waiting: the producer/consumer and
+ping-pong patterns of FlashAttention-3) -- counted barriers are per id, as in hardware. More
+arrivals than b in one phase is an error (the hardware would complete the phase early and
+count the rest toward the next). If a CTA can make no progress because its threads wait at
+different uncounted barrier instructions (e.g. bar.sync inside an if/else), or a count is
+never reached, the launch fails with a "barrier divergence" / "barrier deadlock" error.
+Waiting at two different uncounted bar.sync instructions is reported even though sm_70+
+hardware counts arrivals per barrier id: that pattern is a bug in CUDA's __syncthreads()
+contract and never intended by ptxc.
 An .aligned barrier (bar.sync, barrier.sync.aligned) reached by some lanes of a warp while
 other live lanes of that warp are elsewhere is reported at once, naming both sides.
 Completed barriers and warp syncs are sync events for the race tracker (racecheck.py);
@@ -60,6 +65,13 @@ class BatchRun:
         self.waiting = np.zeros(n, np.bool_)
         self.wait_pc = np.zeros(n, np.int64)
         self.n_waiting = 0
+        # what a waiting thread's barrier is counted by: an uncounted bar.sync by its
+        # instruction, a counted one by its id (slot nops + 1 + id)
+        nops = len(self.ops)
+        self.bar_slot = np.array([nops + 1 + op.bar_id if op.kind == BARRIER and op.bar_count is not None
+                                  else pc for pc, op in enumerate(self.ops)] + [nops], np.int64)
+        self.bar_arrived = np.zeros((ctx.nctas, 16), np.int64)   # bar.arrive's in the open phase
+        self.bar_arrivers: dict = {}     # (cta, id) -> [(threads, race stamp)] of the open phase
         # threads whose mbarrier wait failed yield until some mbarrier phase completes
         self.parked = np.zeros(n, np.bool_)
         self.park_version = np.zeros(n, np.int64)
@@ -223,6 +235,9 @@ class BatchRun:
             if s2 is not None:
                 if op.aligned:
                     self._check_aligned_barrier(pc, s2)
+                if op.arrive:
+                    self._arrive(op, s2)
+                    return
                 self.waiting[s2] = True
                 self.wait_pc[s2] = pc
                 pe[s2] = BIG
@@ -267,43 +282,96 @@ class BatchRun:
 
     # ------------------------------------------------------------------ barriers
     def _barrier_groups(self):
+        """The waiting threads grouped by CTA and barrier: (threads, group CTA, group slot,
+        group of each thread, group sizes); a slot <= nops is an uncounted barrier's pc."""
         widx = np.flatnonzero(self.waiting)
-        nops = len(self.ops) + 1
-        key = self.ctx.cta_of[widx] * nops + self.wait_pc[widx]
+        nkeys = len(self.ops) + 17
+        key = self.ctx.cta_of[widx] * nkeys + self.bar_slot[self.wait_pc[widx]]
         uniq, inv, counts = np.unique(key, return_inverse=True, return_counts=True)
-        return widx, uniq // nops, uniq % nops, inv, counts
+        return widx, uniq // nkeys, uniq % nkeys, inv, counts
+
+    def _group_count(self, widx, inv, g: int, slot: int):
+        """(threads required, bar.arrive's already in) of waiting group g."""
+        nops = len(self.ops)
+        if slot <= nops:
+            return None, 0
+        pcs = np.unique(self.wait_pc[widx[inv == g]])
+        counts = {self.ops[int(p)].bar_count for p in pcs}
+        if len(counts) > 1:
+            self.cur_pc = int(pcs[0])
+            raise Fault(f"threads wait on barrier {slot - nops - 1} with different thread counts "
+                        f"({', '.join(map(str, sorted(counts)))})", int(widx[inv == g][0]))
+        return counts.pop(), int(self.bar_arrived[self.ctx.cta_of[widx[inv == g][0]], slot - nops - 1])
 
     def _release_barriers(self) -> bool:
-        widx, g_cta, g_pc, inv, counts = self._barrier_groups()
+        widx, g_cta, g_slot, inv, counts = self._barrier_groups()
         live = np.bincount(self.ctx.cta_of[~self.exited], minlength=self.ctx.nctas)
-        required = np.array([live[c] if self.ops[p].bar_count is None else self.ops[p].bar_count
-                             for c, p in zip(g_cta.tolist(), g_pc.tolist())], np.int64)
-        over = counts > required
+        required, arrived = np.zeros(len(g_cta), np.int64), np.zeros(len(g_cta), np.int64)
+        for g, (c, slot) in enumerate(zip(g_cta.tolist(), g_slot.tolist())):
+            need, arrived[g] = self._group_count(widx, inv, g, slot)
+            required[g] = live[c] if need is None else need
+        total = counts + arrived
+        over = total > required
         if over.any():
             g = int(np.flatnonzero(over)[0])
-            self.cur_pc = int(g_pc[g])
-            raise Fault(f"{counts[g]} threads arrived at a barrier for "
+            self.cur_pc = int(self.wait_pc[widx[np.flatnonzero(inv == g)[0]]])
+            raise Fault(f"{total[g]} threads arrived at a barrier for "
                         f"{required[g]} threads", int(widx[np.flatnonzero(inv == g)[0]]))
-        done = counts == required
+        done = total == required
         if not done.any():
             return False
         rel = widx[done[inv]]
         if self.ctx.race is not None:
-            self._barrier_sync_events(widx, inv, g_cta, g_pc, live, done)
+            self._barrier_sync_events(widx, inv, g_cta, g_slot, live, done)
+        nops = len(self.ops)
+        for g in np.flatnonzero(done & (g_slot > nops)).tolist():   # the phase is over
+            bid = int(g_slot[g]) - nops - 1
+            self.bar_arrived[int(g_cta[g]), bid] = 0
+            self.bar_arrivers.pop((int(g_cta[g]), bid), None)
         self.waiting[rel] = False
         self.pc_eff[rel] = self.wait_pc[rel] + 1
         self.n_waiting -= rel.size
         return True
 
-    def _barrier_sync_events(self, widx, inv, g_cta, g_pc, live, done):
-        race = self.ctx.race
+    def _arrive(self, op, threads):
+        """bar.arrive a, b: the threads count toward barrier a's open phase and go on; a phase
+        all of whose b threads arrive without waiting completes at once."""
+        bid, count = op.bar_id, op.bar_count
+        ctas = self.ctx.cta_of[threads]
+        add = np.bincount(ctas, minlength=self.ctx.nctas)
+        stamp = self.ctx.race.arrival() if self.ctx.race is not None else 0
+        for c in np.flatnonzero(add).tolist():
+            mine = threads[ctas == c]
+            before = self.bar_arrivers.setdefault((c, bid), [])
+            again = [t for t, _ in before if np.isin(mine, t).any()]
+            if again:
+                raise Fault(f"a thread arrives twice at barrier {bid} in one phase (the "
+                            f"hardware would count both arrivals: the phase completes early)",
+                            int(mine[np.isin(mine, again[0])][0]))
+            before.append((mine, stamp))
+        self.bar_arrived[:, bid] += add
+        over = self.bar_arrived[:, bid] > count
+        if over.any():
+            c = int(np.flatnonzero(over)[0])
+            raise Fault(f"{int(self.bar_arrived[c, bid])} threads arrived at barrier {bid} for "
+                        f"{count} threads (an arrival for the next phase before this one "
+                        f"completed?)", int(threads[ctas == c][0]))
+        if self.n_waiting:
+            self._release_barriers()
+        for c in np.flatnonzero(self.bar_arrived[:, bid] == count).tolist():
+            self.bar_arrived[c, bid] = 0              # nobody waits: the phase is over
+            self.bar_arrivers.pop((c, bid), None)
+
+    def _barrier_sync_events(self, widx, inv, g_cta, g_slot, live, done):
+        race, nops = self.ctx.race, len(self.ops)
         for g in np.flatnonzero(done).tolist():
-            cta = int(g_cta[g])
-            count = self.ops[int(g_pc[g])].bar_count
-            if count is None or count >= live[cta]:
+            cta, slot = int(g_cta[g]), int(g_slot[g])
+            count = None if slot <= nops else self.ops[int(self.wait_pc[widx[inv == g][0]])].bar_count
+            arrivers = self.bar_arrivers.get((cta, slot - nops - 1), []) if slot > nops else []
+            if (count is None or count >= live[cta]) and not arrivers:
                 race.cta_barrier(cta)
             else:
-                race.counted_barrier(cta, widx[inv == g])
+                race.counted_barrier(cta, widx[inv == g], arrivers)
 
     def _check_aligned_barrier(self, pc, arriving):
         """bar.sync / barrier.sync.aligned must be executed by every non-exited thread of a
@@ -335,12 +403,22 @@ class BatchRun:
                     f"thread of a warp must execute the barrier together", at[0])
 
     def _report_stuck(self):
-        widx, g_cta, g_pc, inv, counts = self._barrier_groups()
+        widx, g_cta, g_slot, inv, counts = self._barrier_groups()
         cta = int(g_cta[0])
-        pcs = sorted(set(g_pc[g_cta == cta].tolist()))
-        first = int(widx[np.flatnonzero(self.ctx.cta_of[widx] == cta)[0]])
+        mine = widx[self.ctx.cta_of[widx] == cta]
+        pcs = sorted(set(self.wait_pc[mine].tolist()))
+        slots = sorted(set(g_slot[g_cta == cta].tolist()))
+        first = int(mine[0])
         self.cur_pc = pcs[0]
-        if len(pcs) > 1:
+        nops = len(self.ops)
+        if len(slots) > 1 and all(sl > nops for sl in slots):   # named barriers, each short
+            ids = ", ".join(f"{sl - nops - 1} ({int(counts[(g_cta == cta) & (g_slot == sl)][0])} waiting, "
+                            f"{int(self.bar_arrived[cta, sl - nops - 1])} arrived, count "
+                            f"{self.ops[int(self.wait_pc[mine[self.bar_slot[self.wait_pc[mine]] == sl][0]])].bar_count})"
+                            for sl in slots)
+            raise Fault(f"barrier deadlock: threads of one CTA wait on named barriers {ids} "
+                        f"and no thread is left to arrive", first)
+        if len(slots) > 1:
             lines = ", ".join(f"line {self.ops[p].ins.line} (`{self.ops[p].ins.text}`)"
                               for p in pcs)
             raise Fault(f"barrier divergence: threads of one CTA wait at different barrier "

@@ -1,4 +1,4 @@
-"""Control flow and synchronisation: bra, ret, exit, bar/barrier.sync, bar.warp.sync,
+"""Control flow and synchronisation: bra, ret, exit, bar/barrier.sync and .arrive, bar.warp.sync,
 membar/fence (no-ops: emulated memory is sequentially consistent)."""
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ def decode_bar(ins, env):
     if ins.opcode == "bar" and m.flag("warp"):
         return _decode_warp_sync(ins, env, m)
     m.flag("cta")
-    if not m.flag("sync"):
-        raise DecodeError("only bar.sync / barrier.sync are supported (not arrive/red)")
+    kind = m.flag("sync", "arrive")
+    if kind is None:
+        raise DecodeError("only bar.sync / barrier.sync and bar.arrive / barrier.arrive are "
+                          "supported (not red)")
     aligned = ins.opcode == "bar" or bool(m.flag("aligned"))
     m.done()
     expect_operands(ins, 1, 2)
@@ -52,7 +54,9 @@ def decode_bar(ins, env):
     count = ops[1].value if len(ops) == 2 else None
     if count is not None and (count <= 0 or count % 32):
         raise DecodeError(f"barrier thread count {count} is not a positive multiple of 32")
-    return Op(BARRIER, ins, bar_id=bar_id, bar_count=count, aligned=aligned)
+    if kind == "arrive" and count is None:
+        raise DecodeError("bar.arrive needs a thread count (PTX ISA: b is required with .arrive)")
+    return Op(BARRIER, ins, bar_id=bar_id, bar_count=count, aligned=aligned, arrive=kind == "arrive")
 
 
 def _decode_warp_sync(ins, env, m):

@@ -114,13 +114,24 @@ class RaceTracker:
         else:
             self.cta_sync[ctas] = s
 
-    def counted_barrier(self, cta: int, threads):
-        """A barrier with a thread count completed for `threads` (batch indices) of `cta`."""
+    def arrival(self) -> int:
+        """The stamp of a bar.arrive: the arriving threads' accesses up to here are the ones
+        its barrier's waiters are ordered after."""
+        return self._tick()
+
+    def counted_barrier(self, cta: int, threads, arrivers=()):
+        """A barrier with a thread count completed for `threads` (batch indices) of `cta`,
+        which waited at it; `arrivers` [(threads, arrival stamp)] passed a bar.arrive of the
+        same phase without waiting: their accesses before the arrival are ordered before the
+        waiters' later ones -- not the ones after it, nor anything in the reverse direction."""
         s = self._tick()
         tpad = self.ctx.tpad
         if self.pair_sync is None:
             self.pair_sync = np.zeros((self.ctx.nctas, tpad // 32, tpad // 32), np.int64)
         warps = np.unique((threads % tpad) >> 5)
+        for who, stamp in arrivers:
+            ix = np.ix_(np.unique((who % tpad) >> 5), warps)
+            self.pair_sync[cta][ix] = np.maximum(self.pair_sync[cta][ix], stamp)
         self.pair_sync[cta][np.ix_(warps, warps)] = s
 
     def warp_synced(self, sel):

@@ -374,6 +374,17 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
             raise IRError(f"bar.sync: thread count {threads} is not a positive multiple of 32")
         self.emit("bar", ("sync",), (), (Imm(barrier, U32), Imm(threads, U32)))
 
+    def bar_arrive(self, barrier: int, threads: int) -> None:
+        """bar.arrive barrier, threads: count toward named barrier `barrier`'s phase of
+        `threads` and go on without waiting (a producer's signal; the waiters bar.sync)."""
+        if self._guard is not None:
+            raise IRError("bar.arrive under a predicate: every thread of a warp must arrive")
+        if not 1 <= barrier <= 15:
+            raise IRError(f"bar.arrive: barrier {barrier} is not in 1..15 (0 is the CTA's)")
+        if threads <= 0 or threads % 32:
+            raise IRError(f"bar.arrive: thread count {threads} is not a positive multiple of 32")
+        self.emit("bar", ("arrive",), (), (Imm(barrier, U32), Imm(threads, U32)))
+
     # ---- control flow -------------------------------------------------------------------
 
 

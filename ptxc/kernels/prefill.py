@@ -85,6 +85,12 @@ def validate(spec: KernelSpec) -> None:
                         f"kernel ({wg.WGMMA_SHAPES}) has a "
                         f"producer warpgroup; add sm_90a or drop the key",
                         key="tile.warp_specialize")
+    if spec.tile_dict().get("pingpong") and \
+            not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
+        raise SpecError(f"pingpong = true with dtype {spec.dtype}, head_dim {spec.head_dim}, "
+                        f"targets {', '.join(spec.targets)}: only the sm_90a warp-specialised "
+                        f"kernel ({wg.WGMMA_SHAPES}) has consumer warpgroups to take turns; add "
+                        f"sm_90a or drop the key", key="tile.pingpong")
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:

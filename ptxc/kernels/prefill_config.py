@@ -51,7 +51,10 @@ FIELDS = FamilyFields(
               "(docs/kernels.md \"Hopper\")", default=None, choices=("tma", "cp_async")),
         Field("warp_specialize", "bool", "sm_90a TMA kernel: one producer warpgroup issues the "
               "loads under full/empty mbarriers, the block_m / 64 consumer warpgroups compute "
-              "(setmaxnreg; docs/kernels.md \"Hopper\")", default=False),
+              "(setmaxnreg; the default with TMA loads; docs/kernels.md \"Hopper\")", default=None),
+        Field("pingpong", "bool", "sm_90a warp-specialised kernel with two consumer warpgroups: "
+              "they take turns at issuing their wgmma on named barriers, one's softmax under the "
+              "other's products (FlashAttention-3; docs/kernels.md \"Hopper\")", default=False),
     ),
 )
 SIMT_LANES_PER_ROW = 8    # f32 path: lanes sharing a query row (its keys and its head_dim chunks)

@@ -46,7 +46,7 @@ def emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k, tmaps: dict) -> 
             v_smem=s.v_smem, bars=bars, tid=s.tid, lane=s.lane,
             n_tiles=s.n_tiles, n_full=s.n_full, key0_of=key0_of, copy_tile=copy_tile,
             make_math=lambda: WgmmaMath(b, ctx), transforms=bool(s.variant.transforms),
-            lo_full=s.lo_full)
+            lo_full=s.lo_full, pingpong=cfg.pingpong)
         return
     run_tma_pipeline(b, stages=stages, kv_bytes=k_bytes, v_bytes=v_bytes, q_bytes=cfg.q_geom.bytes,
                      q_smem=s.smem, k_smem=s.k_smem, v_smem=s.v_smem, bars=bars,

@@ -94,6 +94,7 @@ class WgmmaConfig(PrefillConfig):
     # copies; the dataclass default, so other builders of a WgmmaConfig keep their layout)
     kv_loads: str = "cp_async"
     warp_specialize: bool = False   # tma only: + a producer warpgroup (tma_ws_pipeline.py)
+    pingpong: bool = False          # warp_specialize with two consumer warpgroups taking turns
 
     @property
     def tma(self) -> bool:
@@ -179,7 +180,13 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
         raise SpecError(f"warp_specialize = true with kv_loads = \"{loads}\" on {target}: the "
                         f"producer warpgroup issues TMA loads; use kv_loads = \"tma\" or drop "
                         f"warp_specialize", key="tile.warp_specialize")
-    cfg = _config(spec, target, bm, bn, stages, loads, ws)
+    pingpong = given.get("pingpong", False)
+    if pingpong and not (ws and bm == 2 * ROWS_PER_WARPGROUP):
+        raise SpecError(f"pingpong = true with block_m = {bm}, warp_specialize = "
+                        f"{str(ws).lower()} on {target}: the consumers' ping-pong takes two "
+                        f"consumer warpgroups of the warp-specialised TMA kernel (block_m = 128, "
+                        f"kv_loads = \"tma\", warp_specialize = true)", key="tile.pingpong")
+    cfg = _config(spec, target, bm, bn, stages, loads, ws, pingpong)
     if cfg.smem_bytes > target.max_smem_per_cta:
         raise SpecError(f"tile block_m={bm}, block_n={bn}, num_stages={stages} needs "
                         f"{cfg.smem_bytes} bytes of shared memory; {target} allows "
@@ -189,9 +196,10 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
 
 
 def _config(spec: KernelSpec, target: Target, bm: int, bn: int, stages: int, loads: str,
-            ws: bool) -> WgmmaConfig:
+            ws: bool, pingpong: bool = False) -> WgmmaConfig:
     return WgmmaConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, bm // 16, stages,
                        loads != "tma", head_dim_v(spec), 1, kv_loads=loads, warp_specialize=ws,
+                       pingpong=pingpong,
                        # .minnctapersm 1 pins the register count at entry (65536 / threads),
                        # without which ptxas drops setmaxnreg (C7508, "unable to determine
                        # register count at entry") -- and setmaxnreg's budgets assume it
@@ -205,7 +213,8 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
             "smem_swizzle": SWIZZLE, "smem_bytes": c.smem_bytes,
             **({"kv_loads": "tma"} if c.tma else {}),
             **({"warp_specialize": True, "threads": c.launch_threads, "min_ctas_per_sm": 1,
-                "setmaxnreg": [c.producer_regs, c.consumer_regs]} if c.warp_specialize else {})}
+                "setmaxnreg": [c.producer_regs, c.consumer_regs]} if c.warp_specialize else {}),
+            **({"pingpong": True} if c.pingpong else {})}
 
 
 def swizzled_slot(b: KernelBuilder, geom: SwizzledGeom, tid: Reg) -> ThreadSlot:

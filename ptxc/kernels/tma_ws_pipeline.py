@@ -21,6 +21,13 @@ hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp).
              bar.sync must not count on exited threads) before the epilogue stages O over Q, and
              the epilogue's own barrier is that named barrier too (WgmmaMath.cta_sync).
 
+Ping-pong (tile.pingpong, two consumer warpgroups; FlashAttention-3's warp scheduler barriers):
+the consumers take turns issuing their wgmma (S(j) and O += P(j-1)·V(j-1)), so that one
+warpgroup's softmax runs while the other's products occupy the tensor cores. Warpgroup g waits
+on named barrier PINGPONG_BARRIERS[g] (256 threads) before its issues and arrives on the other's
+after them (Turns). Warpgroup 1 primes warpgroup 0's first turn and skips the arrival after its
+last one (the final P·V), so each barrier sees as many arrivals as waits: n + 1 turns each.
+
 Barriers: full[0 .. S) and Q (arrival count 1, as in tma_pipeline.py), then empty[0 .. S)
 (arrival count 4C). Phase k of empty[s] completes when every consumer warp has finished tile
 j = kS + s, the producer's wait for refill i = j + S uses parity (j / S) & 1. Memory model:
@@ -38,6 +45,7 @@ from .wgmma_pipeline import attend_tile
 
 PRODUCER_THREADS = 128
 CONSUMER_BARRIER = 1      # named barrier of the consumer warpgroups (0 is the whole CTA's)
+PINGPONG_BARRIERS = (2, 3)   # warpgroup g's turn (tile.pingpong)
 REGISTER_FILE = 65536     # 32-bit registers per SM (sm_90)
 
 
@@ -55,16 +63,47 @@ def consumer_regs(consumers: int) -> int:
     return min(256, left // (128 * consumers) // 8 * 8)
 
 
+class Turns:
+    """Two consumer warpgroups taking turns at issuing their wgmma (see the module docstring):
+    begin() waits for this warpgroup's turn, end() hands it to the other; the final turn (the
+    last P·V) of warpgroup 1 hands nothing on."""
+
+    def __init__(self, b: KernelBuilder, warp: Reg, n_tiles: Reg):
+        self.b = b
+        self.second = b.setp("ge", warp, 4)                 # warpgroup 1 (warps 4..7)
+        self.last = False
+        with b.if_then(b.and_(self.second, b.setp("gt", n_tiles, 0))):
+            b.bar_arrive(PINGPONG_BARRIERS[0], 256)        # warpgroup 0 goes first
+
+    def _each(self, first, second) -> None:
+        with self.b.if_then(self.second):
+            second()
+        with self.b.else_():
+            first()
+
+    def begin(self) -> None:
+        b = self.b
+        self._each(lambda: b.bar_sync(PINGPONG_BARRIERS[0], 256),
+                   lambda: b.bar_sync(PINGPONG_BARRIERS[1], 256))
+
+    def end(self) -> None:
+        b = self.b
+        self._each(lambda: b.bar_arrive(PINGPONG_BARRIERS[1], 256),
+                   (lambda: None) if self.last else lambda: b.bar_arrive(PINGPONG_BARRIERS[0], 256))
+
+
 def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_bytes: int,
                         q_bytes: int, q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg, tid: Reg,
                         lane: Reg, n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
                         transforms: bool, lo_full: Reg | None = None,
-                        v_bytes: int | None = None) -> None:
+                        v_bytes: int | None = None, pingpong: bool = False) -> None:
     """run_tma_pipeline's arguments (see there) for a CTA of `consumers` + 1 warpgroups;
     `make_math()` builds the consumers' WgmmaMath inside their branch, after setmaxnreg.inc (its
     accumulators would otherwise be live under the launch budget: ptxas spills them at d128),
-    and `transforms` says whether its score transform applies; its epilogue ends the branch."""
+    and `transforms` says whether its score transform applies; its epilogue ends the branch.
+    `pingpong` (two consumer warpgroups): they take turns at issuing their wgmma (Turns)."""
     S, C = stages, consumers
+    assert not pingpong or C == 2, "ping-pong takes two consumer warpgroups"
     v_bytes = kv_bytes if v_bytes is None else v_bytes
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
     q_bar = full(S)
@@ -103,6 +142,7 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
         math = make_math()
         transform = math.transform if transforms else None
         first_lane = b.setp("eq", lane, 0)
+        turns = Turns(b, b.shr(tid, 5), n_tiles) if pingpong else None
         ring = StageRing(b, S, kv_bytes, v_bytes)
         bar_off = b.mov(0, U32)
         parity = b.mov(0, U32)
@@ -115,12 +155,17 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
                     b.mbarrier_arrive(Addr(b.add(bars, b.add(bar_off, empty0))))
 
             attend_tile(b, math, k_smem, ring.k, v_smem, ring.v_prev, j, key0_of, transform, n_full,
-                        lo_full, reads_done=release)
+                        lo_full, reads_done=release, turn=turns)
             ring.advance()
             advance_barrier(b, bar_off, parity, S)
         with b.if_then(b.setp("gt", n_tiles, 0)):       # O += P(n-1)·V(n-1)
             b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
+            if turns is not None:
+                turns.last = True
+                turns.begin()
             math.issue_pv(b.add(v_smem, ring.v_prev))
+            if turns is not None:
+                turns.end()
             b.wgmma_wait(0)
         b.bar_sync(CONSUMER_BARRIER, 128 * C)   # every consumer done with Q before O goes there
         math.epilogue()

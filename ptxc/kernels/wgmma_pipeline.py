@@ -79,16 +79,21 @@ def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: 
 
 
 def attend_tile(b: KernelBuilder, math, k_smem: Reg, stage: Reg, v_smem: Reg, prev: Reg, j: Reg,
-                key0_of, transform, n_full: Reg, lo_full: Reg | None, reads_done=None) -> None:
+                key0_of, transform, n_full: Reg, lo_full: Reg | None, reads_done=None,
+                turn=None) -> None:
     """The wgmma / softmax body of tile j (K(j) landed at k_smem + stage, V(j-1) at v_smem +
     prev): S(j) and O += P(j-1)·V(j-1) in flight together, the score-side softmax under them,
     the rest after wgmma.wait_group 0 -- after which `reads_done()` (if given) runs: both tiles
-    are read."""
+    are read. `turn` (a Turns, the consumers' ping-pong) brackets the two issues."""
+    if turn is not None:
+        turn.begin()
     s = math.issue_scores(b.add(k_smem, stage))
     with b.if_then(b.setp("gt", j, 0)):
         math.issue_pv(b.add(v_smem, prev))
     with b.else_():
         b.wgmma_commit()     # an empty group, so that wait_group 1 below retires S(0)
+    if turn is not None:
+        turn.end()
     b.wgmma_wait(1)
     modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
     early = math.softmax_early(s)

@@ -231,3 +231,91 @@ def test_shared_memory_is_per_cta():
     out = np.zeros(8 * 64, np.uint32)
     run(ISOLATION, "isolation", (8,), (64,), [out])
     np.testing.assert_array_equal(out, np.repeat(np.arange(8), 64))
+
+
+PING_PONG = HEADER + r"""
+// FlashAttention-3's ping-pong between two groups (here warps 0 and 1): warp w waits on named
+// barrier 1 + w (count 64), takes its turn, then arrives on the other warp's barrier. A turn
+// passes a counter: warp 0 reads a (written by warp 1) and writes b = a + 1, warp 1 reads b
+// and writes a = b + 1. Warp 1 primes warp 0's barrier first and skips its last arrival
+// (warp 0 waits no more). out[4 w + i] = the value warp w read at step i.
+.visible .entry ping_pong(.param .u64 out_p)
+{
+	.reg .pred %p<4>;
+	.reg .b32 %r<12>;
+	.reg .b64 %rd<4>;
+	.shared .align 4 .b32 a;
+	.shared .align 4 .b32 b;
+	ld.param.u64 %rd1, [out_p];
+	mov.u32 %r1, %tid.x;
+	shr.u32 %r2, %r1, 5;                  // warp
+	and.b32 %r3, %r1, 31;
+	setp.eq.u32 %p1, %r3, 0;              // lane 0
+	setp.eq.u32 %p2, %r2, 1;
+	mov.u32 %r4, 0;
+	@%p1 st.shared.u32 [a], %r4;
+	bar.sync 0;
+	@!%p2 bra $L__loop;
+	bar.arrive 1, 64;                     // warp 1 primes warp 0's first turn
+	$L__loop:
+	@%p2 bra $L__turn1;
+	bar.sync 1, 64;
+	mov.u32 %r5, 0;
+	@%p1 ld.shared.u32 %r5, [a];
+	add.u32 %r6, %r5, 1;
+	@%p1 st.shared.u32 [b], %r6;
+	bra $L__record;
+	$L__turn1:
+	bar.sync 2, 64;
+	mov.u32 %r5, 0;
+	@%p1 ld.shared.u32 %r5, [b];
+	add.u32 %r6, %r5, 1;
+	@%p1 st.shared.u32 [a], %r6;
+	$L__record:
+	shl.b32 %r7, %r2, 2;
+	add.u32 %r7, %r7, %r4;
+	mul.wide.u32 %rd2, %r7, 4;
+	add.s64 %rd3, %rd1, %rd2;
+	@%p1 st.global.u32 [%rd3], %r5;
+	@%p2 bra $L__signal0;
+	bar.arrive 2, 64;                     // warp 0: warp 1's turn
+	bra $L__next;
+	$L__signal0:
+	setp.eq.u32 %p3, %r4, 3;
+	@%p3 bra $L__next;                    // warp 1's last turn: warp 0 waits no more
+	bar.arrive 1, 64;
+	$L__next:
+	add.u32 %r4, %r4, 1;
+	setp.lt.u32 %p3, %r4, 4;
+	@%p3 bra $L__loop;
+	ret;
+}
+"""
+
+
+def test_bar_arrive_ping_pong():
+    """bar.arrive counts toward a named barrier's phase without waiting, per barrier id (warp 0
+    waits at one bar.sync 1, warp 1 arrives from two places); the turns alternate, and the
+    shared counter's handoff is ordered for the race checker by the arrive -> sync edges."""
+    out = np.zeros(8, np.uint32)
+    run(PING_PONG, "ping_pong", (3,), (64,), [out])
+    np.testing.assert_array_equal(out, [0, 2, 4, 6, 1, 3, 5, 7])
+
+
+def test_bar_arrive_mistakes_are_caught():
+    from ptxc.emu import EmulationError
+    unprimed = PING_PONG.replace("\tbar.arrive 1, 64;                     // warp 1 primes", "\t// no prime")
+    with pytest.raises(EmulationError, match=r"barrier deadlock: threads of one CTA wait on named "
+                                             r"barriers 1 \(32 waiting, 0 arrived, count 64\), 2 "):
+        run(unprimed, "ping_pong", (1,), (64,), [np.zeros(8, np.uint32)])
+    # two arrivals of one warp in a phase: the hardware counts 64 and completes it early
+    twice = PING_PONG.replace("\tbar.arrive 1, 64;                     // warp 1 primes",
+                              "\tbar.arrive 1, 64;\n\tbar.arrive 1, 64;                     // warp 1 primes")
+    with pytest.raises(EmulationError, match="arrives twice at barrier 1 in one phase"):
+        run(twice, "ping_pong", (1,), (64,), [np.zeros(8, np.uint32)])
+    # warp 1 writes warp 0's input right after arriving: the arrival orders warp 1's earlier
+    # accesses before warp 0's later ones, not the ones after it
+    racy = PING_PONG.replace("\tbar.arrive 1, 64;                     // warp 1 primes warp 0's first turn",
+                             "\tbar.arrive 1, 64;\n\t@%p1 st.shared.u32 [a], %r4;")
+    with pytest.raises(EmulationError, match="race"):
+        run(racy, "ping_pong", (1,), (64,), [np.zeros(8, np.uint32)])
