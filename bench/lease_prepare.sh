@@ -4,15 +4,18 @@
 #   bench/lease_prepare.sh            # -> gpu-art/arts.tgz (the artifact sets) and .whl/ (wheels)
 #
 # The sets are built here, with this machine's ptxas, so the cubins timed are the ones the SASS
-# figures describe: gpuart (every example spec for its own targets) and a90 (every example for
-# sm_90a). The device image has Python 3.12 with numpy, click, jinja2, rich, cuda-bindings and
-# torch, but not these pure-Python dependencies of ptxc, which travel as wheels. Both folders are
+# figures describe: gpuart (every example spec for its own targets), a90 (every example for
+# sm_90a) and ab (bench/lease_specs/hopper_ab.toml: the sm_90a choices not yet timed, A/B).
+# The device image has Python 3.12 with numpy, click, jinja2, rich, cuda-bindings and torch,
+# but not these pure-Python dependencies of ptxc, which travel as wheels. Both folders are
 # added to .git/info/exclude. Then, in one device call carrying `.whl` and `gpu-art`:
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD && mkdir -p /tmp/a && tar xzf gpu-art/arts.tgz -C /tmp/a &&
-#   PYTHONUNBUFFERED=1 timeout 420 python3 bench/gpu_lease.py /tmp/a/gpuart /tmp/a/a90 --out /tmp/r \
-#       --deadline 395 [--shape ...]; cp /tmp/r/results.jsonl /tmp/r/plan.json $OUT/
+#   PYTHONUNBUFFERED=1 timeout 150 python3 bench/gpu_lease.py /tmp/a/ab --out /tmp/ab --deadline 140 \
+#       --shape batch=4,total_q=16384,max_pages_per_seq=64,num_pages=256,num_splits=1;
+#   PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu_lease.py /tmp/a/gpuart /tmp/a/a90 --out /tmp/r \
+#       --deadline 280 [--shape ...]; cp -r /tmp/ab /tmp/r $OUT/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PTXC=${PTXC:-.venv/bin/ptxc}
@@ -23,8 +26,9 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$PTXC" build specs/ --out "$tmp/gpuart" > /dev/null
 "$PTXC" build specs/ --target sm_90a --out "$tmp/a90" > /dev/null
+"$PTXC" build bench/lease_specs/hopper_ab.toml --out "$tmp/ab" > /dev/null
 mkdir -p gpu-art .whl
-tar czf gpu-art/arts.tgz -C "$tmp" gpuart a90
+tar czf gpu-art/arts.tgz -C "$tmp" gpuart a90 ab
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl platformdirs jsonschema jsonschema-specifications referencing rpds-py
