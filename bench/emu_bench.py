@@ -187,7 +187,7 @@ def real_decode_launch(batch: int, seq: int):
     from ptxc.pipeline.compiler import lower
     from ptxc.kernels import FAMILIES
     from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
-    from ptxc.spec import load_text
+    from ptxc.kernels import load_text
     text = (Path(__file__).resolve().parents[1] / "specs" / "llama3_8b.toml").read_text()
     [spec] = load_text(text.replace('num_splits = "auto"', "num_splits = 1"))   # one launch
     ptx, launches, _, _ = lower(spec, "sm_80")
@@ -212,7 +212,7 @@ def real_prefill_launch(batch: int, seq: int):
     from ptxc.kernels import FAMILIES
     from ptxc.runtime import POISON, launch_geometry, pack_args
     from ptxc.reference import to_device
-    from ptxc.spec import load_file
+    from ptxc.kernels import load_file
     [spec] = load_file(Path(__file__).resolve().parents[1] / "specs" / "llama3_8b_prefill.toml")
     ptx, launches, _, _ = lower(spec, "sm_80")
     fam = FAMILIES["prefill"]

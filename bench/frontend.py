@@ -41,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     from ptxc.pipeline.build import run_build
     from ptxc.pipeline.compiler import lower
-    from ptxc.spec import load_paths
+    from ptxc.kernels import load_paths
 
     specs = load_paths([ROOT / "specs"])
     rows = []
@@ -112,7 +112,7 @@ def print_triton_comparison(repeat: int) -> None:
         return
     from ptxc.pipeline.compiler import lower
     from ptxc.pipeline.ptxas import assemble, toolchain
-    from ptxc.spec import load_text
+    from ptxc.kernels import load_text
     spec = load_text(PREFILL_SPEC)[0]
     tc = toolchain()
     lower(spec, "sm_80")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from ptxc.errors import PtxcError  # noqa: E402
 from ptxc.kernels import FAMILIES  # noqa: E402
 from ptxc.pipeline.compiler import lower  # noqa: E402
-from ptxc.spec import load_paths  # noqa: E402
+from ptxc.kernels import load_paths  # noqa: E402
 
 TARGETS = ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
 # tile variants applied on top of each spec's own tile (sm_90a prefill / varlen load methods)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from ptxc.errors import SpecError  # noqa: E402
 from ptxc.pipeline.compiler import lower  # noqa: E402
-from ptxc.spec import load_text  # noqa: E402
+from ptxc.kernels import load_text  # noqa: E402
 from ptxc.targets import DEFAULT_TARGETS  # noqa: E402
 
 HEAD_DIMS = tuple(range(16, 257, 8)) + (512,)

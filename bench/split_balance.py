@@ -69,7 +69,7 @@ def main() -> None:
     from ptxc.pipeline.cache import Cache
     from ptxc.pipeline.compiler import build_all
     from ptxc.pipeline.ptxas import toolchain
-    from ptxc.spec import load_paths
+    from ptxc.kernels import load_paths
     print(f"{args.sms} SMs; batch: 1 x 32768 + 24 x 1024 + 4 x 128 + 3 x 0 keys, one query each")
     print("| kernel | target | CTAs/SM | auto @ batch 32 old -> new | busy CTAs old -> new "
           "| max / mean keys per CTA old | new | makespan / ideal old -> new |")

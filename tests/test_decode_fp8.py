@@ -19,7 +19,7 @@ from conftest import fp8_cache_body as body
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.launch_test import check_artifact
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec
 
 TARGETS = ("sm_80", "sm_89")

@@ -13,7 +13,7 @@ from ptxc.kernels.decode_mma import uses_mma
 from ptxc.pipeline.compiler import lower
 from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
 from ptxc.runtime.launch_test import check_artifact
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec
 
 

@@ -10,7 +10,7 @@ from conftest import assert_pass, build_kernel
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.launch_test import check_artifact
 from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 
 
 MATRIX = [(dtype, heads, kv, d) for dtype in ("f32", "f16", "bf16")

@@ -140,7 +140,7 @@ def test_kv_append_fused_into_decode_launch_list(tmp_path, layout):
 
 def test_append_kv_rejects_pointer_arrays():
     from ptxc.errors import SpecError
-    from ptxc.spec import load_text
+    from ptxc.kernels import load_text
     with pytest.raises(SpecError, match="append_kv supports"):
         load_text('[[kernel]]\nname = "k"\nfamily = "decode"\ndtype = "f16"\nhead_dim = 64\nnum_heads = 4\n'
                   'kv_layout = "pointer_array"\nappend_kv = true\n')
@@ -150,7 +150,7 @@ def test_tuned_table_steers_decode_tiles(tmp_path, monkeypatch):
     """A table written by `ptxc tune` changes the default tile; a tile the user gives wins."""
     from ptxc import tuned
     from ptxc.kernels.decode import resolve_tile
-    from ptxc.spec import load_text
+    from ptxc.kernels import load_text
     from ptxc.targets import TARGETS
     tuned.write_table(tmp_path, target="sm_90", sm=90, device_name="NVIDIA H100 80GB HBM3",
                       entries=[{"family": "decode", "head_dim": 128, "causal": False, "dtype": "f16",

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ptxc.cli import main
 from ptxc.errors import SpecError
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 
 REAL_KEYS = ["name", "family", "dtype", "head_dim", "num_heads", "num_kv_heads", "softmax_scale",
              "targets", "return_lse", "tile", "num_warps", "kv_unroll", "defaults", "kernel"]

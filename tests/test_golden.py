@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 from ptxc.pipeline.compiler import lower
-from ptxc.spec import load_file
+from ptxc.kernels import load_file
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -18,7 +18,7 @@ from ptxc.report.costs import Cost, kv_length, resolve_dims
 from ptxc.errors import UserError
 from ptxc.report.gpus import get_gpu
 from ptxc.kernels import FAMILIES
-from ptxc.spec import load_paths
+from ptxc.kernels import load_paths
 from ptxc.targets import TARGETS
 from ptxc.gpu.tune import candidate_tiles, group_specs, pick_target, tune_key
 from ptxc.tuned import lookup, read_table, table_path, write_table

@@ -19,7 +19,7 @@ from ptxc.kernels import FAMILIES
 from ptxc.kernels.kv_transform_ref import rope_cos_sin_cache, rotate
 from ptxc.runtime.launch_test import check_artifact
 from ptxc.reference import fp8_decode, fp8_quantize, max_abs_error
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec
 
 TARGETS = ("sm_80", "sm_89")

@@ -18,7 +18,7 @@ from ptxc.cli import main
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.launch_test import check_artifact
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec
 
 HEADS = 'num_heads = 6\nnum_kv_heads = 2\nhead_dim = 40\nkv_layout = "paged"\nindex = "slot_mapping"\n'

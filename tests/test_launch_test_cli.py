@@ -65,7 +65,7 @@ def test_lse_baseline_takes_the_largest_of_shifted_rounding_grids(tmp_path):
     passes, as the mma.sync kernel does."""
     from ptxc.kernels import FAMILIES
     from ptxc.reference import Precision
-    from ptxc.spec import load_file
+    from ptxc.kernels import load_file
     spec_file = tmp_path / "mha.toml"
     spec_file.write_text((SPECS / "mha_d64_prefill.toml").read_text().replace(
         'targets = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"]', 'targets = ["sm_90a"]'))

@@ -18,7 +18,7 @@ from ptxc import reference as ref
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.launch_test import check_artifact
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec
 
 MLA = FAMILIES["mla"]

@@ -13,7 +13,7 @@ from ptxc import reference as ref
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.launch_test import check_artifact
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec
 
 APPEND = FAMILIES["mla_append"]
@@ -106,7 +106,7 @@ def test_spec_refusals_name_the_key(extra, key, words):
 
 
 def test_spec_without_heads_normalises_and_round_trips():
-    from ptxc.spec.loader import spec_from_record
+    from ptxc.kernels import spec_from_record
     [spec] = load_text('[[kernel]]\nname = "a"\nfamily = "mla_append"\ndtype = "bf16"\n', "a.toml")
     assert (spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.opt("page_size")) == (576, 1, 1, 64)
     assert spec_from_record(spec.to_dict()).to_dict() == spec.to_dict()

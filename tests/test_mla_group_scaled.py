@@ -19,7 +19,7 @@ from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES, kv_fp8
 from ptxc.kernels.mla_inputs import ds_decode, ds_encode, ds_fields, ds_pack
 from ptxc.runtime.launch_test import check_artifact
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec
 
 MLA, APPEND = FAMILIES["mla"], FAMILIES["mla_append"]

@@ -15,7 +15,7 @@ from conftest import SPECS, assert_pass, build_kernel
 from ptxc.cli import main
 from ptxc.errors import SpecError
 from ptxc.runtime.launch_test import check_artifact
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 
 GQA = 'dtype = "f16"\nhead_dim = 64\nnum_kv_heads = 2\nkv_layout = "paged"\n'
 

@@ -17,7 +17,7 @@ from ptxc.kernels import FAMILIES
 from ptxc.reference import from_device, max_abs_error, to_device, tolerance
 from ptxc.runtime import POISON, launch_geometry, pack_args
 from ptxc.runtime.tensor_maps import emu_tensor_map
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.targets import TARGETS
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")

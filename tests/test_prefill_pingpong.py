@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ptxc.errors import SpecError
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from tests.test_prefill import check, compiled, run, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")

@@ -7,7 +7,7 @@ import pytest
 
 from ptxc.errors import SpecError
 from ptxc.kernels.prefill import configure
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.targets import TARGETS
 from test_prefill import SHAPES, check, run, spec_text
 

@@ -10,7 +10,7 @@ import pytest
 
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.targets import TARGETS
 from tests.test_prefill import check, compiled, run, spec_text
 

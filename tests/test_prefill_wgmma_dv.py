@@ -8,7 +8,7 @@ default tile, the one-line refusals, and ptxas with 0 spills for every pair."""
 import pytest
 
 from ptxc.errors import SpecError
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from tests.test_prefill import check, compiled, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")

@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from ptxc.cli import main
 from ptxc.errors import SpecError
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 
 BASE = '[[kernel]]\nname = "k"\nfamily = "decode"\ndtype = "f16"\nnum_heads = 8\nhead_dim = 64\n'
 

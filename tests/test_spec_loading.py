@@ -1,6 +1,6 @@
 import math
 
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 
 BASE = 'family = "decode"\ndtype = "f16"\nnum_heads = 8\nhead_dim = 64\n'
 

@@ -16,7 +16,7 @@ from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
 from ptxc import reference as ref
 from ptxc.runtime.launch_test import check_artifact
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")

@@ -15,7 +15,7 @@ from conftest import assert_pass, build_kernel, cache_shapes
 from conftest import fp8_cache_body as body
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.launch_test import check_artifact
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 
 TARGETS = ("sm_80", "sm_89")
 ALL_TARGETS = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_120"]

@@ -14,7 +14,7 @@ from conftest import assert_pass, build_kernel
 from ptxc.kernels import FAMILIES
 from ptxc import reference as ref
 from ptxc.runtime.launch_test import check_artifact
-from ptxc.spec import load_text
+from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec
 from ptxc.targets import TARGETS
 from tests.test_varlen import GQA, body

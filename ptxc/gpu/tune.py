@@ -120,7 +120,7 @@ def run_tune(paths, *, shapes: dict[str, int], target: str | None = None, out_di
     from .timing import l2_cache_bytes, sm_count
     from ..report.gpus import match_device
     from ..pipeline.ptxas import toolchain
-    from ..spec import load_paths
+    from ..kernels import load_paths
     from ..tuned import TUNED_DIR, write_table
     device = require_device()
     specs = load_paths(paths)

@@ -15,7 +15,8 @@ from .cache import Cache
 from .compiler import build_all, check_resources
 from ..errors import SpecError
 from ..kernels import FAMILIES
-from ..spec import KernelSpec, load_paths
+from ..spec import KernelSpec
+from ..kernels import load_paths
 from ..targets import get_target
 
 

@@ -434,7 +434,7 @@ def _differs(where: Path, field: str, recorded: Any, derived: Any) -> str:
 def _rederive_problems(meta: dict, where: Path) -> list[str]:
     from ..kernels import FAMILIES
     from .metadata import tensor_preconditions
-    from ..spec.loader import spec_from_record
+    from ..kernels import spec_from_record
     from ..targets import TARGETS, get_target, occupancy
     try:
         spec = spec_from_record(meta["spec"], f"{where}: spec")

@@ -13,7 +13,7 @@ import itertools
 import math
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from ..errors import SpecError
 from ..targets import DEFAULT_TARGETS, TARGETS
@@ -62,8 +62,11 @@ COMMON_FIELDS: tuple[Field, ...] = (
 )
 
 
-def load_paths(paths: Iterable[str | Path]) -> list[KernelSpec]:
-    """Load every spec file (directories: their *.toml, sorted); names must be unique overall."""
+def load_paths(paths: Iterable[str | Path], *, families: Mapping[str, Any]) -> list[KernelSpec]:
+    """Load every spec file (directories: their *.toml, sorted); names must be unique overall.
+    `families`: family name -> its rules (fields, implied, derive, validate) -- the kernels
+    layer's registry, passed down (ptxc.kernels.load_paths binds it), so that this layer never
+    imports the kernels."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -78,7 +81,7 @@ def load_paths(paths: Iterable[str | Path]) -> list[KernelSpec]:
     specs: list[KernelSpec] = []
     seen: dict[str, str] = {}
     for f in files:
-        for spec in load_file(f):
+        for spec in load_file(f, families=families):
             if spec.name in seen:
                 raise SpecError(f"duplicate kernel name (first defined at {seen[spec.name]})",
                                 file=str(f), kernel=repr(spec.name), key="name")
@@ -101,7 +104,7 @@ def _toml_files(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def load_file(path: str | Path) -> list[KernelSpec]:
+def load_file(path: str | Path, *, families: Mapping[str, Any]) -> list[KernelSpec]:
     from ..files import read_regular_file
     path = Path(path)
     try:
@@ -109,13 +112,14 @@ def load_file(path: str | Path) -> list[KernelSpec]:
     except OSError as e:
         why = e.strerror or str(e)
         if path.is_symlink() and path.resolve().is_file():   # a symlink to a spec is fine
-            return load_file(path.resolve())
+            return load_file(path.resolve(), families=families)
         raise SpecError(f"cannot read: {why} (spec files must be regular files of at most "
                         f"{MAX_SPEC_BYTES >> 20} MiB)", file=str(path)) from None
-    return load_text(data, str(path))
+    return load_text(data, str(path), families=families)
 
 
-def load_text(data: bytes | str, filename: str = "<string>") -> list[KernelSpec]:
+def load_text(data: bytes | str, filename: str = "<string>", *,
+              families: Mapping[str, Any]) -> list[KernelSpec]:
     if isinstance(data, bytes):
         try:
             data = data.decode("utf-8")
@@ -144,7 +148,8 @@ def load_text(data: bytes | str, filename: str = "<string>") -> list[KernelSpec]
     for index, entry in enumerate(entries):
         label = f"#{index}" + (f" {entry['name']!r}" if isinstance(entry.get("name"), str) else "")
         try:
-            for spec in _expand_entry(_merge_defaults(defaults, entry), f"{filename}[{index}]", index):
+            for spec in _expand_entry(_merge_defaults(defaults, entry), f"{filename}[{index}]", index,
+                                      families):
                 if spec.name in names:
                     raise SpecError(f"duplicate kernel name after expansion (also made by "
                                     f"kernel #{names[spec.name]})", key="name",
@@ -173,8 +178,7 @@ def _check_keys(table: dict, allowed: Iterable[str], file, kernel, prefix: str) 
                             file=file, kernel=kernel, key=prefix + str(key))
 
 
-def _family_of(entry: dict):
-    from ..kernels import FAMILIES
+def _family_of(entry: dict, FAMILIES: Mapping[str, Any]):
     family = entry.get("family")
     if family is None:
         raise SpecError(f"missing required key (allowed: {', '.join(FAMILIES)})", key="family")
@@ -185,8 +189,8 @@ def _family_of(entry: dict):
     return FAMILIES[family]
 
 
-def _expand_entry(entry: dict, source: str, index: int) -> list[KernelSpec]:
-    family = _family_of(entry)
+def _expand_entry(entry: dict, source: str, index: int, families: Mapping[str, Any]) -> list[KernelSpec]:
+    family = _family_of(entry, families)
     fields = {f.name: f for f in COMMON_FIELDS + family.fields.fields}
     tile_fields = family.fields.tile_by_name()
     _check_keys(entry, list(fields) + ["tile"], None, None, "")
@@ -320,7 +324,7 @@ def _build_spec(family, fields: dict[str, Field], tile_fields: dict[str, Field],
     return spec
 
 
-def spec_from_record(data: Any, where: str = "<metadata>") -> KernelSpec:
+def spec_from_record(data: Any, where: str = "<metadata>", *, families: Mapping[str, Any]) -> KernelSpec:
     """The KernelSpec a recorded normalised spec (metadata's `spec`) stands for, validated by
     exactly the rules a spec file passes; SpecError unless it is valid and already normalised
     (re-normalising it gives back the same record)."""
@@ -332,7 +336,7 @@ def spec_from_record(data: Any, where: str = "<metadata>") -> KernelSpec:
     if lists or (isinstance(tile, dict) and any(isinstance(v, list) for v in tile.values())) \
             or "{" in str(entry.get("name", "")):
         raise SpecError("recorded spec is not normalised (lists or placeholders)", file=where)
-    specs = _expand_entry(entry, where, 0)
+    specs = _expand_entry(entry, where, 0, families)
     if len(specs) != 1 or specs[0].to_dict() != data:
         raise SpecError("recorded spec is not in normalised form (defaults or values differ "
                         "from what the spec rules give)", file=where)
