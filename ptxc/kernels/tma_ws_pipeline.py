@@ -71,7 +71,6 @@ class Turns:
     def __init__(self, b: KernelBuilder, warp: Reg, n_tiles: Reg):
         self.b = b
         self.second = b.setp("ge", warp, 4)                 # warpgroup 1 (warps 4..7)
-        self.last = False
         with b.if_then(b.and_(self.second, b.setp("gt", n_tiles, 0))):
             b.bar_arrive(PINGPONG_BARRIERS[0], 256)        # warpgroup 0 goes first
 
@@ -86,10 +85,11 @@ class Turns:
         self._each(lambda: b.bar_sync(PINGPONG_BARRIERS[0], 256),
                    lambda: b.bar_sync(PINGPONG_BARRIERS[1], 256))
 
-    def end(self) -> None:
+    def end(self, final: bool = False) -> None:
+        """After this warpgroup's issues; `final`: the last turn (warpgroup 1 hands nothing on)."""
         b = self.b
         self._each(lambda: b.bar_arrive(PINGPONG_BARRIERS[1], 256),
-                   (lambda: None) if self.last else lambda: b.bar_arrive(PINGPONG_BARRIERS[0], 256))
+                   (lambda: None) if final else lambda: b.bar_arrive(PINGPONG_BARRIERS[0], 256))
 
 
 def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_bytes: int,
@@ -161,11 +161,10 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
         with b.if_then(b.setp("gt", n_tiles, 0)):       # O += P(n-1)·V(n-1)
             b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
             if turns is not None:
-                turns.last = True
                 turns.begin()
             math.issue_pv(b.add(v_smem, ring.v_prev))
             if turns is not None:
-                turns.end()
+                turns.end(final=True)
             b.wgmma_wait(0)
         b.bar_sync(CONSUMER_BARRIER, 128 * C)   # every consumer done with Q before O goes there
         math.epilogue()
