@@ -70,6 +70,10 @@ OPTIONS = (
     ("varlen", True, _PAGED + "head_dim_v = 128\n", "dv128"),
     # the consumers' ping-pong (sm_90a warp-specialised prefill), plain and with variants
     ("prefill", True, _SM90A + "[kernel.tile]\npingpong = true\n", "pp_90a"),
+    # three consumer warpgroups (block_m 192, d64 only), plain and with variants
+    ("prefill", False, _SM90A + "[kernel.tile]\nblock_m = 192\n", "m192_90a"),
+    ("prefill", True, "sliding_window = 128\nattention_sinks = true\nalibi = true\nreturn_lse = true\n" + _SM90A
+     + "[kernel.tile]\nblock_m = 192\n", "m192var_90a"),
     ("prefill", True, "sliding_window = 128\nattention_sinks = true\nlogits_soft_cap = 30.0\n" + _SM90A
      + "[kernel.tile]\npingpong = true\n", "ppvar_90a"),
     ("varlen", True, _PAGED + "sliding_window = 1024\n", "win"),

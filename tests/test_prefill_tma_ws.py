@@ -259,3 +259,54 @@ def _runs_in_the_emulator(out, load):
     got = art.run(inputs, target="sm_90a")["o"]
     ref, naive = prefill.reference(spec, inputs), prefill.reference(spec, inputs, dtype="f16")
     assert max_abs_error(got, ref["o"]) <= tolerance(naive["o"], ref["o"])
+
+
+# ---- three consumer warpgroups (block_m 192, head dims up to 64: FA3's d64 tile) ----------------
+M192 = {"block_m": 192}
+
+
+@pytest.mark.parametrize("causal,shapes,tile", [
+    (True, [(1, 17), (17, 113), (250, 131)], M192),
+    (False, [(200, 75)], {**M192, "block_n": 32}),
+])
+def test_three_consumer_warpgroups(causal, shapes, tile):
+    """512 threads (three consumer warpgroups of 64 rows and the producer), setmaxnreg 24 / 160,
+    empty[] counting 12 consumer warps; q_len > L, tail tiles, several K/V tiles."""
+    text = spec_text("bf16", 64, "gqa4", causal, tile=tile, targets=SM90A)
+    _, ptx, launch, config = compiled(text, "sm_90a")
+    assert launch["block"] == [512, 1, 1] and config["setmaxnreg"] == [24, 160]
+    assert "setmaxnreg.inc.sync.aligned.u32 160;" in ptx
+    check(text, shapes, batch=1, target="sm_90a")
+
+
+def test_three_consumer_warpgroups_variants_and_zero_keys():
+    text = spec_text("f16", 64, "gqa4", True, tile={**M192, "block_n": 32}, targets=SM90A)
+    check(text.replace("targets = ", "sliding_window = 21\nattention_sinks = true\ntargets = "),
+          [(70, 113)], batch=1, target="sm_90a")
+    outs = run(spec_text("bf16", 64, "gqa4", False, tile=M192, targets=SM90A), 9, 0,
+               target="sm_90a")[0]
+    assert np.all(outs["o"] == 0) and np.all(np.isneginf(outs["lse"]))
+
+
+@pytest.mark.parametrize("d,tile,targets,message", [
+    (128, M192, SM90A, "head dims up to 64"),
+    (64, {**M192, "warp_specialize": False}, SM90A, "with warp_specialize"),
+    (64, {**M192, "kv_loads": "cp_async"}, SM90A, "with warp_specialize"),
+    (64, M192, ("sm_80", "sm_90a"), "sm_80 takes 16, 32, 64, 128 or 256"),
+    (64, {"block_m": 256}, SM90A, "must be 64 or 128"),
+])
+def test_three_consumer_warpgroups_rules(d, tile, targets, message):
+    with pytest.raises(SpecError) as e:
+        load_text(spec_text("bf16", d, "gqa4", True, tile=tile, targets=targets))
+    assert e.value.key == "tile.block_m" and message in str(e.value), str(e.value)
+
+
+def test_three_consumer_warpgroups_zero_spills(toolchain):
+    from ptxc.pipeline.ptxas import assemble
+    for dtype in ("f16", "bf16"):
+        for causal in (False, True):
+            text = spec_text(dtype, 64, "gqa4", causal, tile=M192, targets=SM90A)
+            _, res, log = assemble(compiled(text, "sm_90a")[1], "sm_90a", toolchain, "p")
+            [r] = res.values()
+            assert r.spill_stores == r.spill_loads == r.stack == 0 and r.registers == 128, (dtype, causal)
+            assert "C7508" not in log

@@ -71,6 +71,11 @@ def validate(spec: KernelSpec) -> None:
                             f"but targets include {old[0]}; use dtype f32 for {old[0]} or drop it",
                             key="targets")
     for t in spec.targets:
+        if spec.tile_dict().get("block_m") == 192 and not wg.uses_wgmma(spec, TARGETS[t]):
+            raise SpecError(f"block_m = 192 with targets {', '.join(spec.targets)}: 192 rows are the "
+                            f"sm_90a warp-specialised kernel's three consumer warpgroups "
+                            f"({wg.WGMMA_SHAPES}); {t} takes 16, 32, 64, 128 or 256",
+                            key="tile.block_m")
         (wg.configure if wg.uses_wgmma(spec, TARGETS[t]) else configure)(spec, TARGETS[t])
     if spec.tile_dict().get("kv_loads") == "tma" and \
             not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):

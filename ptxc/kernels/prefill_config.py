@@ -33,8 +33,9 @@ FIELDS = FamilyFields(
         *VARIANT_FIELDS,
     ),
     tile=(
-        Field("block_m", "int", "query rows per CTA (tensor cores: 16 per warp)", default=None,
-              choices=_POW2_TILE),
+        Field("block_m", "int", "query rows per CTA (tensor cores: 16 per warp; 192: the sm_90a "
+              "warp-specialised kernel's three consumer warpgroups)", default=None,
+              choices=(*_POW2_TILE[:4], 192, _POW2_TILE[4])),
         Field("block_n", "int", "keys per K/V tile", default=None, choices=_POW2_TILE),
         Field("num_warps", "int", "warps per CTA (tensor cores: block_m / 16)", default=None,
               choices=(1, 2, 4, 8, 16)),

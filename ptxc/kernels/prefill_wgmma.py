@@ -151,11 +151,20 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
     if "num_warps" in given and "block_m" not in given:
         bm = 16 * given["num_warps"]
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
-    if bm % ROWS_PER_WARPGROUP or bm > 128:
-        raise SpecError(f"block_m = {bm} on {target}: the wgmma prefill kernel gives each "
-                        f"warpgroup 64 query rows, so block_m must be 64 or 128",
-                        key="tile.block_m")
     loads = given.get("kv_loads", "tma")
+    if bm % ROWS_PER_WARPGROUP or bm > 192:
+        raise SpecError(f"block_m = {bm} on {target}: the wgmma prefill kernel gives each "
+                        f"warpgroup 64 query rows, so block_m must be 64 or 128 (192: three "
+                        f"consumer warpgroups of the warp-specialised kernel)", key="tile.block_m")
+    if bm == 192 and max(d, dv) > 64:   # 160 registers per consumer thread (setmaxnreg)
+        raise SpecError(f"block_m = 192 with head_dim {d}" + (f" / head_dim_v {dv}" if dv != d else "")
+                        + f" on {target}: three consumer warpgroups get 160 registers per thread, "
+                        f"which hold the accumulators of head dims up to 64 (ptxas spills at 128); "
+                        f"use block_m = 128", key="tile.block_m")
+    if bm == 192 and (loads != "tma" or given.get("warp_specialize") is False):
+        raise SpecError(f"block_m = 192 on {target} takes three consumer warpgroups and a producer "
+                        f"warpgroup: kv_loads = \"tma\" with warp_specialize (the default)",
+                        key="tile.block_m")
     def copyable(m: int) -> bool:   # rows per pass (threads / 16-byte chunks): whole 8-row groups
         return all(2 * m % (w // 8) == 0 and 2 * m // (w // 8) % 8 == 0 for w in (d, dv))
     if loads == "cp_async" and not copyable(bm):
