@@ -70,6 +70,9 @@ class BatchRun:
         nops = len(self.ops)
         self.bar_slot = np.array([nops + 1 + op.bar_id if op.kind == BARRIER and op.bar_count is not None
                                   else pc for pc, op in enumerate(self.ops)] + [nops], np.int64)
+        # a counted barrier's thread count per pc (-1: uncounted or not a barrier)
+        self.bar_count_of = np.array([op.bar_count if op.kind == BARRIER and op.bar_count is not None
+                                      else -1 for op in self.ops] + [-1], np.int64)
         self.bar_arrived = np.zeros((ctx.nctas, 16), np.int64)   # bar.arrive's in the open phase
         self.bar_arrivers: dict = {}     # (cta, id) -> [(threads, race stamp)] of the open phase
         # threads whose mbarrier wait failed yield until some mbarrier phase completes
@@ -290,26 +293,32 @@ class BatchRun:
         uniq, inv, counts = np.unique(key, return_inverse=True, return_counts=True)
         return widx, uniq // nkeys, uniq % nkeys, inv, counts
 
-    def _group_count(self, widx, inv, g: int, slot: int):
-        """(threads required, bar.arrive's already in) of waiting group g."""
+    def _group_needs(self, widx, g_cta, g_slot, inv):
+        """Per waiting group: (threads it completes at, bar.arrive's already in its phase), and
+        the live threads per CTA -- every live thread of the CTA for an uncounted barrier; the
+        waiters of one id must agree on the count."""
         nops = len(self.ops)
-        if slot <= nops:
-            return None, 0
-        pcs = np.unique(self.wait_pc[widx[inv == g]])
-        counts = {self.ops[int(p)].bar_count for p in pcs}
-        if len(counts) > 1:
-            self.cur_pc = int(pcs[0])
-            raise Fault(f"threads wait on barrier {slot - nops - 1} with different thread counts "
-                        f"({', '.join(map(str, sorted(counts)))})", int(widx[inv == g][0]))
-        return counts.pop(), int(self.bar_arrived[self.ctx.cta_of[widx[inv == g][0]], slot - nops - 1])
+        counted = g_slot > nops
+        need = self.bar_count_of[self.wait_pc[widx]]
+        first = np.empty(len(g_slot), np.int64)
+        first[inv[::-1]] = need[::-1]                  # each group's first waiter's count
+        differ = np.flatnonzero(need != first[inv])
+        if differ.size:
+            t = int(widx[differ[0]])
+            self.cur_pc = int(self.wait_pc[t])
+            g = inv[differ[0]]
+            theirs = sorted(set(need[inv == g].tolist()))
+            raise Fault(f"threads wait on barrier {int(g_slot[g]) - nops - 1} with different thread "
+                        f"counts ({', '.join(map(str, theirs))})", t)
+        live = np.bincount(self.ctx.cta_of[~self.exited], minlength=self.ctx.nctas)
+        bid = np.where(counted, g_slot - nops - 1, 0)
+        required = np.where(counted, first, live[g_cta])
+        arrived = np.where(counted, self.bar_arrived[g_cta, bid], 0)
+        return required, arrived, live
 
     def _release_barriers(self) -> bool:
         widx, g_cta, g_slot, inv, counts = self._barrier_groups()
-        live = np.bincount(self.ctx.cta_of[~self.exited], minlength=self.ctx.nctas)
-        required, arrived = np.zeros(len(g_cta), np.int64), np.zeros(len(g_cta), np.int64)
-        for g, (c, slot) in enumerate(zip(g_cta.tolist(), g_slot.tolist())):
-            need, arrived[g] = self._group_count(widx, inv, g, slot)
-            required[g] = live[c] if need is None else need
+        required, arrived, live = self._group_needs(widx, g_cta, g_slot, inv)
         total = counts + arrived
         over = total > required
         if over.any():
@@ -322,7 +331,7 @@ class BatchRun:
             return False
         rel = widx[done[inv]]
         if self.ctx.race is not None:
-            self._barrier_sync_events(widx, inv, g_cta, g_slot, live, done)
+            self._barrier_sync_events(widx, inv, g_cta, g_slot, required, live, done)
         nops = len(self.ops)
         for g in np.flatnonzero(done & (g_slot > nops)).tolist():   # the phase is over
             bid = int(g_slot[g]) - nops - 1
@@ -362,13 +371,12 @@ class BatchRun:
             self.bar_arrived[c, bid] = 0              # nobody waits: the phase is over
             self.bar_arrivers.pop((c, bid), None)
 
-    def _barrier_sync_events(self, widx, inv, g_cta, g_slot, live, done):
+    def _barrier_sync_events(self, widx, inv, g_cta, g_slot, required, live, done):
         race, nops = self.ctx.race, len(self.ops)
         for g in np.flatnonzero(done).tolist():
             cta, slot = int(g_cta[g]), int(g_slot[g])
-            count = None if slot <= nops else self.ops[int(self.wait_pc[widx[inv == g][0]])].bar_count
             arrivers = self.bar_arrivers.get((cta, slot - nops - 1), []) if slot > nops else []
-            if (count is None or count >= live[cta]) and not arrivers:
+            if (slot <= nops or required[g] >= live[cta]) and not arrivers:
                 race.cta_barrier(cta)
             else:
                 race.counted_barrier(cta, widx[inv == g], arrivers)
@@ -412,10 +420,10 @@ class BatchRun:
         self.cur_pc = pcs[0]
         nops = len(self.ops)
         if len(slots) > 1 and all(sl > nops for sl in slots):   # named barriers, each short
-            ids = ", ".join(f"{sl - nops - 1} ({int(counts[(g_cta == cta) & (g_slot == sl)][0])} waiting, "
-                            f"{int(self.bar_arrived[cta, sl - nops - 1])} arrived, count "
-                            f"{self.ops[int(self.wait_pc[mine[self.bar_slot[self.wait_pc[mine]] == sl][0]])].bar_count})"
-                            for sl in slots)
+            required = self._group_needs(widx, g_cta, g_slot, inv)[0]
+            ids = ", ".join(f"{g_slot[g] - nops - 1} ({counts[g]} waiting, "
+                            f"{self.bar_arrived[cta, g_slot[g] - nops - 1]} arrived, count {required[g]})"
+                            for g in np.flatnonzero(g_cta == cta).tolist())
             raise Fault(f"barrier deadlock: threads of one CTA wait on named barriers {ids} "
                         f"and no thread is left to arrive", first)
         if len(slots) > 1:

@@ -319,3 +319,26 @@ def test_bar_arrive_mistakes_are_caught():
                              "\tbar.arrive 1, 64;\n\t@%p1 st.shared.u32 [a], %r4;")
     with pytest.raises(EmulationError, match="race"):
         run(racy, "ping_pong", (1,), (64,), [np.zeros(8, np.uint32)])
+
+
+MISMATCHED = HEADER + r"""
+.visible .entry mismatched(.param .u64 out_p)
+{
+	.reg .pred %p<2>;
+	.reg .b32 %r<4>;
+	mov.u32 %r1, %tid.x;
+	setp.lt.u32 %p1, %r1, 32;
+	@%p1 bra $L__low;
+	bar.sync 1, 96;
+	ret;
+	$L__low:
+	bar.sync 1, 64;
+	ret;
+}
+"""
+
+
+def test_waiters_of_one_barrier_must_agree_on_its_count():
+    from ptxc.emu import EmulationError
+    with pytest.raises(EmulationError, match=r"wait on barrier 1 with different thread counts \(64, 96\)"):
+        run(MISMATCHED, "mismatched", (1,), (64,), [np.zeros(1, np.uint32)])
