@@ -31,7 +31,8 @@ def emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k, tmaps: dict) -> 
             row0, rows = b.mul(tile if first_tile is None else b.add(tile, first_tile), bn), bn
         h, n = coords[t]
         row0 = b.bitcast(row0, S32)
-        for k in range((cfg.dv if t == "v" else cfg.head_dim) // slab_cols):   # slab k: rows x 128 B, 1024-B aligned
+        width = cfg.dv if t == "v" else cfg.head_dim
+        for k in range(width // slab_cols):       # slab k: rows x 128 B, 1024-B aligned
             b.tma_load(Addr(dst, k * rows * SWIZZLE), addr[t], [k * slab_cols, h, row0, n], bar)
 
     def key0_of(j: Reg) -> Reg:
@@ -42,8 +43,8 @@ def emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k, tmaps: dict) -> 
     if cfg.warp_specialize:
         run_tma_ws_pipeline(
             b, stages=stages, consumers=cfg.block_m // ROWS_PER_WARPGROUP,
-            kv_bytes=k_bytes, v_bytes=v_bytes, q_bytes=cfg.q_geom.bytes, q_smem=s.smem, k_smem=s.k_smem,
-            v_smem=s.v_smem, bars=bars, tid=s.tid, lane=s.lane,
+            kv_bytes=k_bytes, v_bytes=v_bytes, q_bytes=cfg.q_geom.bytes, q_smem=s.smem,
+            k_smem=s.k_smem, v_smem=s.v_smem, bars=bars, tid=s.tid, lane=s.lane,
             n_tiles=s.n_tiles, n_full=s.n_full, key0_of=key0_of, copy_tile=copy_tile,
             make_math=lambda: WgmmaMath(b, ctx), transforms=bool(s.variant.transforms),
             lo_full=s.lo_full, pingpong=cfg.pingpong)

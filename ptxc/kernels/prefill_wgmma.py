@@ -27,11 +27,11 @@ The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mm
   row sums   one mma.sync m16n8k16 per k16 step against ones, issued before the P·V chain
              (its A registers may not be read while a wgmma holding them is in flight).
 
-With tile.warp_specialize (TMA only) a producer warpgroup issues the loads under full/empty
-mbarriers and the warpgroups above only compute (tma_ws_pipeline.py; prefill_tma.py builds
-both TMA bodies). Not here (docs/kernels.md "Hopper"): the consumer warpgroups' ping-pong, and
-the overlap of the softmax with the next tile's Q·Kᵀ. Other head dims and f32 take the mma.sync /
-SIMT kernels on sm_90a as on sm_90.
+With tile.warp_specialize (TMA only; the default there) a producer warpgroup issues the loads
+under full/empty mbarriers and the warpgroups above only compute, optionally taking turns at
+their wgmma (tile.pingpong) or three of them at block_m 192 (tma_ws_pipeline.py; prefill_tma.py
+builds both TMA bodies). Other head dims and f32 take the mma.sync / SIMT kernels on sm_90a as
+on sm_90.
 """
 
 from __future__ import annotations
@@ -414,7 +414,8 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
     sq, sk, smem, k_smem, v_smem = s.sq, s.sk, s.smem, s.k_smem, s.v_smem
     kv_bytes = cfg.kv_geom.bytes
     q_slot, kv_slot = swizzled_slot(b, cfg.q_geom, s.tid), swizzled_slot(b, cfg.kv_geom, s.tid)
-    slots = {"k": kv_slot, "v": kv_slot if cfg.dv == cfg.head_dim else swizzled_slot(b, cfg.v_geom, s.tid)}
+    slots = {"k": kv_slot,
+             "v": kv_slot if cfg.dv == cfg.head_dim else swizzled_slot(b, cfg.v_geom, s.tid)}
     gq = global_rows(b, q_slot, s.head_base("q", s.head), strides[("q", 1)])
     gkv = {t: global_rows(b, slots[t], s.head_base(t, s.kv_head), strides[(t, 1)]) for t in "kv"}
     math = WgmmaMath(b, s.ctx(spec, cfg, ptrs, strides, seq_q, seq_k))
@@ -438,8 +439,8 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, stride
         return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
 
     load_tile(b, q_slot, gq, s.m_start, b.sub(sq, b.bitcast(s.m_start, S32)), smem, True)
-    run_wgmma_pipeline(b, stages=stages, kv_bytes=kv_bytes, v_bytes=cfg.v_geom.bytes, k_smem=k_smem, v_smem=v_smem,
-                       n_tiles=n_tiles, n_full=n_full, key0_of=key0_of, load_kv=load_kv,
+    run_wgmma_pipeline(b, stages=stages, kv_bytes=kv_bytes, v_bytes=cfg.v_geom.bytes, k_smem=k_smem,
+                       v_smem=v_smem, n_tiles=n_tiles, n_full=n_full, key0_of=key0_of, load_kv=load_kv,
                        math=math, lo_full=lo_full,
                        transform=math.transform if variant.transforms else None)
     math.epilogue()
