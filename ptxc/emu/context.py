@@ -39,6 +39,7 @@ class BatchContext:
         self.cp_async = AsyncCopies(n)
         self.mbar = Mbarriers()           # mbarrier objects (ops_mbarrier.py)
         self.wgmma = None               # a WgmmaState in kernels with wgmma (ops_wgmma.py)
+        self.tmem = None                # a TensorMemory in kernels with tcgen05 (tmem.py)
         self._special = {}
 
     def coords(self, thread: int):

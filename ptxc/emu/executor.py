@@ -110,6 +110,9 @@ class BatchRun:
                         self._pick_group()
                     if self.steps > self.step_limit:
                         raise self._step_limit_fault()
+                if self.ctx.tmem is not None:
+                    self.cur_pc = len(self.ops)          # reported as the end of the kernel
+                    self.ctx.tmem.check_released()
         except Fault as fault:
             raise self._error(fault) from None
 

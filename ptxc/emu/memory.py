@@ -153,6 +153,11 @@ class SharedMemory:
         self.all_index = None       # batch thread indices, for accesses by every thread
         # wgmma operands in flight: per 16-byte chunk, how many in-flight operations read it
         self.async_readers, self.async_live = None, 0
+        self.async_reader = ("a wgmma.mma_async in flight reads, before the wgmma.wait_group "
+                             "that retires it")
+        # per 16-byte chunk, the swizzle width a TMA copy wrote it with (-1: written otherwise);
+        # created by the first TMA copy, so that an MMA descriptor with another swizzle fails
+        self.tma_swizzle = None
 
     def offsets(self, cta, addr, nbytes: int, align: int, what: str, sel):
         """Validate shared accesses (addr: shared-window addresses); return flat byte offsets."""
@@ -208,9 +213,8 @@ class SharedMemory:
         if hit.any():
             k = _first(hit)
             a = addr_of(k)
-            raise Fault(f"write to shared memory that a wgmma.mma_async in flight reads, before "
-                        f"the wgmma.wait_group that retires it (shared address 0x{a:x})",
-                        _at(sel, k), a)
+            raise Fault(f"write to shared memory that {self.async_reader} (shared address "
+                        f"0x{a:x})", _at(sel, k), a)
 
     def load(self, cta, addr, esize: int, nvec: int, sel, line: int = 0):
         total = esize * nvec
@@ -236,7 +240,14 @@ class SharedMemory:
         self.rows.scatter(rows, total, values)
         self.mark_written(rows, total)
 
+    def forget_layout(self, flat):
+        """Bytes at flat offsets were written by other than TMA: no swizzle is known."""
+        if self.tma_swizzle is not None:
+            self.tma_swizzle[np.asarray(flat, np.int64) >> 4] = -1
+
     def mark_written(self, rows, total: int):
+        if self.tma_swizzle is not None:
+            self.tma_swizzle[(np.asarray(rows, np.int64) * total) >> 4] = -1
         if total == 16:
             lanes = self.state_rows.views[8]
             lanes[rows * 2] = _ALL_WRITTEN

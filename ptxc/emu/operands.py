@@ -74,6 +74,7 @@ TYPES = {"pred": PtxType("pred", "p", 1), "f16": PtxType("f16", "f", 16),
          "bf16": PtxType("bf16", "bf", 16),
          # packed pairs are plain 32-bit containers for the ops that accept them
          "f16x2": PtxType("f16x2", "b", 32), "bf16x2": PtxType("bf16x2", "b", 32),
+         "f32x2": PtxType("f32x2", "b", 64),        # sm_100+ packed f32 add/sub/mul/fma
          # FP8 pairs (cvt only): two bytes in 16 bits, element 0 in the low byte
          "e4m3x2": PtxType("e4m3x2", "b", 16), "e5m2x2": PtxType("e5m2x2", "b", 16)}
 for _k in "bus":
@@ -158,8 +159,11 @@ def src_plan(env, operand, ty: PtxType):
             if ty.kind not in "usb" or ty.bits != 64:
                 raise DecodeError(f"address of {operand.name} needs a 64-bit integer type")
             return lambda ctx: (lambda v: (lambda sel: v.view(ty.dtype)))(glob(ctx))
-        if operand.name in env.params and ty.kind in "usb" and ty.bits == 64:
-            value = imm_scalar(Imm(PARAM_BASE + env.params[operand.name][0], "int"), ty)
+        if operand.name in env.params and ty.kind in "usb" and ty.bits in (32, 64):
+            # a parameter's address: its generic one as 64 bits (nvcc's `mov.u64; cvta.param`),
+            # its offset in the parameter space as 32 bits (Triton's `mov.b32; cvt; cvta.param`)
+            off = env.params[operand.name][0]
+            value = imm_scalar(Imm(off + (PARAM_BASE if ty.bits == 64 else 0), "int"), ty)
             return lambda ctx: (lambda sel: value)
         addr = env.symbol_address(operand.name)
         if ty.kind not in "usb" or ty.bits < 32:

@@ -63,6 +63,7 @@ class AsyncCopies:
         data = np.where(live, ctx.gmem.heap[np.where(live, src[:, None] + cols, 0)], 0)
         ctx.smem.data[dst[:, None] + cols] = data
         ctx.smem.state[dst[:, None] + cols] = WRITTEN
+        ctx.smem.forget_layout(dst[:, None] + cols[::16])
 
 
 @register("cp")

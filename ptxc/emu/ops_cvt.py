@@ -15,7 +15,7 @@ import numpy as np
 
 from ptxc.emu import fp, fp8
 from ptxc.emu.decode import Mods, expect_operands, register
-from ptxc.emu.memory import GENERIC_SHARED_BASE, GENERIC_SHARED_END, _at
+from ptxc.emu.memory import GENERIC_SHARED_BASE, GENERIC_SHARED_END, PARAM_BASE, _at
 from ptxc.emu.operands import TYPES, DecodeError, Fault
 from ptxc.emu.opkit import simple_op
 
@@ -221,8 +221,10 @@ def decode_cvta(ins, env):
         raise DecodeError("only the 64-bit form (.u64) of cvta is supported")
     d, a = ins.operands
     u64 = TYPES["u64"]
-    if space == "param" and not to:   # parameter addresses are their own generic ones
-        return simple_op(ins, env, d, u64, [(a, u64)], lambda x: x)
+    if space == "param" and not to:   # a parameter-space offset (below PARAM_BASE) or an
+        base = np.uint64(PARAM_BASE)  # address already generic (a 64-bit mov of a parameter)
+        return simple_op(ins, env, d, u64, [(a, u64)],
+                         lambda x: np.where(np.asarray(x, np.uint64) < base, x + base, x))
     if space == "param":
         raise DecodeError("cvta.to.param is not supported")
     if space == "global":   # global addresses are their own generic addresses

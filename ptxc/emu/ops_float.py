@@ -29,6 +29,8 @@ F32, F64 = np.float32, np.float64
 
 def _float_type(m: Mods):
     t = m.one_type()
+    if t.name == "f32x2":
+        return t
     if t.kind != "f" or t.bits not in (32, 64):
         raise DecodeError(f"unsupported floating-point type .{t.name}")
     return t
@@ -202,6 +204,23 @@ def _wrap_f32(fn, ftz: bool, sat: bool):
     return wrapped
 
 
+def _f32x2(fn):
+    """An f32 operation applied to both halves of .f32x2 operands (.b64 registers holding two
+    f32, element 0 in the low word), as sm_100's packed add/sub/mul/fma are defined."""
+    low, shift = np.uint64(0xFFFFFFFF), np.uint64(32)
+
+    def half(w, hi):
+        return np.asarray((w >> shift) if hi else (w & low)).astype(np.uint32).view(F32)
+
+    def packed(*args):
+        words = [np.asarray(a, np.uint64) for a in args]
+        lo = np.asarray(fn(*[half(w, False) for w in words]), F32)
+        hi = np.asarray(fn(*[half(w, True) for w in words]), F32)
+        return lo.view(np.uint32).astype(np.uint64) | (hi.view(np.uint32).astype(np.uint64)
+                                                        << shift)
+    return packed
+
+
 def decode_float_arith(ins, env):
     """add sub mul fma mad div min max neg abs with a float type (called from ops_int)."""
     m = Mods(ins)
@@ -212,7 +231,10 @@ def decode_float_arith(ins, env):
     nan = m.flag("NaN") if op in ("min", "max") else None
     t = _float_type(m)
     m.done()
-    f64 = t.bits == 64
+    packed = t.name == "f32x2"
+    if packed and op not in ("add", "sub", "mul", "fma"):
+        raise DecodeError(f"{op} has no .f32x2 form (add, sub, mul and fma do)")
+    f64 = t.bits == 64 and not packed
     if (ftz or sat) and f64:
         raise DecodeError(".ftz/.sat are only defined for .f32")
     if op == "fma" and mode is None:
@@ -227,7 +249,8 @@ def decode_float_arith(ins, env):
         raise DecodeError(f"div.{approx} is only defined for .f32 without a rounding modifier")
     mode = mode or "rn"
     nops = {"neg": 2, "abs": 2, "fma": 4, "mad": 4}.get(op, 3)
-    expect_operands(ins, nops)
+    three = op in ("min", "max") and len(ins.operands) == 4 and t.bits == 32
+    expect_operands(ins, 4 if three else nops)     # sm_100: min/max of three f32 inputs
     if op in ("neg", "abs"):
         u = np.uint32 if not f64 else np.uint64
         sign = u(1 << (t.bits - 1))
@@ -236,7 +259,8 @@ def decode_float_arith(ins, env):
         else:
             core = lambda a: (np.asarray(a, t.dtype).view(u) & ~sign).view(t.dtype)  # noqa
     elif op in ("min", "max"):
-        core = _min_max(op == "min", bool(nan), t)
+        two = _min_max(op == "min", bool(nan), t)
+        core = (lambda a, b, c: two(two(a, b), c)) if three else two
     elif f64:
         core = {"add": lambda a, b: _add_f64(a, b, mode),
                 "sub": lambda a, b: _add_f64(a, -np.asarray(b, F64), mode),
@@ -252,6 +276,8 @@ def decode_float_arith(ins, env):
                 "fma": lambda a, b, c: _fma_f32(a, b, c, mode),
                 "mad": lambda a, b, c: _fma_f32(a, b, c, mode)}[op]
     fn = _wrap_f32(core, bool(ftz), bool(sat))
+    if packed:
+        fn = _f32x2(fn)
     d, *srcs = ins.operands
     return simple_op(ins, env, d, t, [(s, t) for s in srcs], fn)
 

@@ -16,7 +16,7 @@ from ptxc.emu.opkit import simple_op
 
 
 def _float_typed(ins) -> bool:
-    return any(m in ("f16", "f32", "f64", "bf16", "f16x2", "bf16x2") for m in ins.mods)
+    return any(m in ("f16", "f32", "f64", "bf16", "f16x2", "bf16x2", "f32x2") for m in ins.mods)
 
 
 def _int_type(m: Mods):

@@ -41,13 +41,16 @@ _SEMANTICS = ("release", "acquire", "relaxed", "cta", "cluster")
 
 class Barrier:
     __slots__ = ("expected", "pending", "tx", "phase", "parts", "last_parts", "copies",
-                 "landed")
+                 "landed", "tracked", "completed")
 
     def __init__(self, count: int):
         self.expected = self.pending = count
         self.tx, self.phase = 0, 0
         self.parts, self.last_parts, self.copies = [], np.zeros(0, np.int64), []
         self.landed = []            # copies of completed phases, applied at the first wait
+        # asynchronous operations a phase tracks (tcgen05.commit): callables retiring them,
+        # run when a wait first observes the phase
+        self.tracked, self.completed = [], []
 
 
 class Mbarriers:
@@ -81,6 +84,8 @@ class Mbarriers:
             return
         b.landed += b.copies
         b.copies = []
+        b.completed += b.tracked
+        b.tracked = []
         b.last_parts = np.concatenate(b.parts) if b.parts else np.zeros(0, np.int64)
         b.parts = []
         b.phase += 1
@@ -92,13 +97,22 @@ class Mbarriers:
         """The data of completed phases becomes visible when a wait first observes one (a
         reader that did not wait, directly or through a barrier after a wait, sees it
         pending)."""
-        for cols, data, thread, line in b.landed:
+        for cols, data, thread, line, swizzle in b.landed:
             ctx.smem.data[cols] = data
             ctx.smem.state[cols] = WRITTEN
+            if swizzle is None:
+                ctx.smem.forget_layout(cols[::16])
+            else:
+                if ctx.smem.tma_swizzle is None:
+                    ctx.smem.tma_swizzle = np.full(ctx.smem.data.size // 16 + 1, -1, np.int16)
+                ctx.smem.tma_swizzle[cols[::16] >> 4] = swizzle
             if ctx.race is not None:
                 chunks = cols[::16]
                 ctx.race.record_copy(chunks, 16, np.full(chunks.size, thread), line)
         b.landed = []
+        for retire in b.completed:
+            retire()
+        b.completed = []
 
 
 def _smem_flat(ctx, idx, addr, what):
@@ -215,7 +229,7 @@ def _wait(ctx, pwrite, address, state, parity, what):
             b = bars.get(f, int(idx[first[g]]), int(addr[first[g]]))
             done = (want[rows] & 1) != (b.phase & 1) if parity else want[rows] != b.phase
             ok[rows] = done
-            if done.any() and b.landed:
+            if done.any() and (b.landed or b.completed):
                 bars.land(ctx, b)
             if ctx.race is not None and done.any():
                 seen = idx[rows[done]]
@@ -227,9 +241,10 @@ def _wait(ctx, pwrite, address, state, parity, what):
     return run
 
 
-def issue_copy(ctx, thread, cols, data, dst_addr, bar_flat, bar_addr, line):
+def issue_copy(ctx, thread, cols, data, dst_addr, bar_flat, bar_addr, line, swizzle=None):
     """An asynchronous copy of `data` into flat shared bytes `cols` (whole 16-byte chunks)
-    by `thread`, completing its byte count on the mbarrier at `bar_flat`."""
+    by `thread`, completing its byte count on the mbarrier at `bar_flat`; `swizzle`: the
+    width a TMA copy swizzled the chunks with (None for a plain bulk copy)."""
     chunks = cols[::16] >> 4
     who = np.full(chunks.size, thread)
     addr_of = lambda j: dst_addr + 16 * j  # noqa: E731
@@ -238,7 +253,7 @@ def issue_copy(ctx, thread, cols, data, dst_addr, bar_flat, bar_addr, line):
         ctx.race.check(chunks, 16, who, line, "write", addr_of)
     b = ctx.mbar.get(bar_flat, thread, bar_addr)
     ctx.smem.state[cols] = BULK_PENDING
-    b.copies.append((cols, data, thread, line))
+    b.copies.append((cols, data, thread, line, swizzle))
     b.parts.append(np.array([thread], np.int64))
     ctx.mbar.complete_tx(ctx, b, cols.size)
 

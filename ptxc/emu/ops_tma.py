@@ -68,7 +68,8 @@ def decode_cp_bulk_tensor(ins, env):
                 if tmap[0] != rank:
                     raise Fault(f"a {rank}d tensor copy with a rank-{tmap[0]} tensor map", t)
                 cols, data = _box(ctx, t, tmap, [int(c[k]) for c in cs], int(da[k]))
-                issue_copy(ctx, t, cols, data, int(da[k]), int(bflat[k]), int(ba[k]), line)
+                issue_copy(ctx, t, cols, data, int(da[k]), int(bflat[k]), int(ba[k]), line,
+                           tmap[3])
         return run
     return Op(NORMAL, ins, bind)
 

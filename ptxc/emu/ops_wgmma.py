@@ -232,7 +232,6 @@ def _decode_mma_async(ins, env, n, is_bf16):
     a_names = [x.name for x in ops[1].items if isinstance(x, Reg)] if a_regs else []
     acc_row, acc_col = accumulator_map(n)
     ar_row, ar_col = a_register_map()
-    a_chunks = None if a_regs else chunk_coefficients(64, bool(trans_a), 0)
     line = ins.line
     sign = float(scale_a * scale_b)
 
@@ -257,7 +256,7 @@ def _decode_mma_async(ins, env, n, is_bf16):
             local = lambda r, dt: np.broadcast_to(  # noqa: E731
                 np.asarray(r(sel), dt), (idx.size,)).reshape(G, 128)
             bdesc = _uniform_desc(local(bread, np.uint64), thr, "B")
-            B, brows = _read_operand(ctx, thr, bdesc, n, bool(trans_b), line, is_bf16)
+            B, brows = _operand(ctx, thr, bdesc, n, bool(trans_b), line, is_bf16, "B")
             rows = [brows]
             if a_regs:
                 words = np.stack([local(r, np.uint32) for r in areaders], axis=2)
@@ -266,8 +265,7 @@ def _decode_mma_async(ins, env, n, is_bf16):
                 A[:, ar_row, ar_col] = vals
             else:
                 adesc = _uniform_desc(local(areaders[0], np.uint64), thr, "A")
-                A, arows = _read_operand(ctx, thr, adesc, 64, bool(trans_a), line, is_bf16,
-                                         a_chunks)
+                A, arows = _operand(ctx, thr, adesc, 64, bool(trans_a), line, is_bf16, "A")
                 rows.append(arows)
             D = np.einsum("gmk,gnk->gmn", A, B) * sign
             scale_d = local(sdread, np.bool_)
@@ -280,6 +278,12 @@ def _decode_mma_async(ins, env, n, is_bf16):
             _record(ctx, state, thr, d_names + a_names, np.concatenate(rows, axis=1))
         return run
     return Op(NORMAL, ins, bind)
+
+
+def _operand(ctx, thr, desc_values, rows, mn_major, line, is_bf16, which):
+    descs = [Descriptor(int(v)) for v in desc_values]
+    raw, chunk_rows = read_operand(ctx, thr, descs, rows, mn_major, line, which)
+    return _halves_to_f64(raw.view(np.uint32), is_bf16), chunk_rows
 
 
 def _check_fenced(state, names, idx):
@@ -307,11 +311,13 @@ def _coefficients(rows, mn_major, swizzle):
     return chunk_coefficients(rows, mn_major, swizzle)
 
 
-def _read_operand(ctx, thr, desc_values, rows, mn_major, line, is_bf16, coeffs=None):
-    """The (G, rows, 16) float64 operand of each warpgroup and its 16-byte chunk rows."""
-    G = thr.shape[0]
-    descs = [Descriptor(int(v)) for v in desc_values]
-    out = np.zeros((G, rows, 16))
+def read_operand(ctx, thr, descs, rows, mn_major, line, which):
+    """The (G, rows, 16) raw 16-bit elements of each group's operand (descs: one decoded
+    descriptor per group, `wgmma_layout.Descriptor` or `tcgen05_layout.SmemDescriptor`) and its
+    16-byte chunk rows; thr (G, T) are the issuing threads (T = 128 for a warpgroup, 1 for a
+    single-thread tcgen05.mma), charged with the reads."""
+    G, T = thr.shape
+    out = np.zeros((G, rows, 16), np.uint16)
     chunk_rows = []
     for g, dsc in enumerate(descs):
         if dsc.base_offset:
@@ -319,15 +325,23 @@ def _read_operand(ctx, thr, desc_values, rows, mn_major, line, is_bf16, coeffs=N
                         f"({dsc!r})", int(thr[g, 0]))
         c0, cl, cs, er, ek = _coefficients(rows, mn_major, dsc.swizzle)
         addr = swizzle_address(dsc.start + c0 + cl * dsc.lbo + cs * dsc.sbo, dsc.swizzle)
-        who = thr[g, np.arange(addr.size) % 128]
-        flat = ctx.smem.offsets(ctx.cta_of[who], addr, 16, 16, "wgmma operand read", who)
+        who = thr[g, np.arange(addr.size) % T]
+        flat = ctx.smem.offsets(ctx.cta_of[who], addr, 16, 16, "MMA operand read", who)
         crow = flat >> 4
         addr_of = lambda k, a=addr: int(a[k])  # noqa: E731
         ctx.smem.check_readable(crow, 16, who, addr_of)
+        tags = ctx.smem.tma_swizzle
+        if tags is not None:
+            wrong = (tags[crow] >= 0) & (tags[crow] != dsc.swizzle)
+            if wrong.any():
+                k = int(np.flatnonzero(wrong)[0])
+                said = lambda w: f"a {w}-byte swizzle" if w else "no swizzle"  # noqa: E731
+                raise Fault(f"the {which} descriptor ({dsc!r}) reads with {said(dsc.swizzle)} a "
+                            f"tile that TMA wrote with {said(int(tags[crow[k]]))} (shared "
+                            f"address 0x{int(addr[k]):x})", int(who[k]), int(addr[k]))
         if ctx.race is not None:
             ctx.race.read(crow, 16, who, line, addr_of)
-        h = ctx.smem.rows.gather(crow, 16, 2, 8)
-        out[g, er, ek] = _halves_to_f64(h.view(np.uint32), is_bf16)
+        out[g, er, ek] = ctx.smem.rows.gather(crow, 16, 2, 8)
         chunk_rows.append(crow)
     return out, np.stack(chunk_rows)
 

@@ -63,7 +63,8 @@ def _regs(op, out: list):
 def roles(ins, declared):
     """(destinations, sources, checked uses [(reg, what)]) of one instruction."""
     ops = ins.operands
-    has_dest = ins.opcode not in _NO_DEST and ops and not isinstance(ops[0], Addr)
+    has_dest = ins.opcode not in _NO_DEST and ops and not isinstance(ops[0], Addr) and \
+        not (ins.opcode == "tcgen05" and ins.mods[:1] != ("ld",))
     dsts, srcs = [], []
     if has_dest:
         _regs(ops[0], dsts)

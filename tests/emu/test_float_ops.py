@@ -208,3 +208,31 @@ def test_unfused_mul_add_without_rounding_modifier():
                   "\tmul.f32 %d, %a, %a;\n\tadd.f32 %d, %d, 0f26000000;")
     (d,) = run_ew(k, "k", [a], ["f32"])
     assert d[0] == np.float32(np.float32(a[0] * a[0]) + np.float32(2.0 ** -51))
+
+
+def test_sm100_packed_f32x2_and_three_input_min_max():
+    """sm_100's add/sub/mul/fma .f32x2 act on both f32 halves of a .b64 (element 0 low), each
+    rounded as the scalar op; min/max take a third f32 input."""
+    rng = np.random.default_rng(3)
+    a, b, c = (rng.standard_normal(128).astype(np.float32) for _ in range(3))
+    pack = lambda x: x.view(np.uint64)  # noqa: E731  (pairs of consecutive f32)
+    body = "\tadd.rz.f32x2 %s, %a, %b;\n\tsub.f32x2 %d, %a, %b;\n\tmul.rn.f32x2 %m, %a, %b;\n" \
+        "\tfma.rn.f32x2 %f, %a, %b, %c;"
+    k = ew_kernel("k", [("a", "b64"), ("b", "b64"), ("c", "b64")],
+                  [("s", "b64"), ("d", "b64"), ("m", "b64"), ("f", "b64")], body,
+                  version="8.7", target="sm_100a")
+    s, d, m, f = (o.view(np.float32) for o in
+                  run_ew(k, "k", [pack(a), pack(b), pack(c)], ["b64"] * 4))
+    exact = [Fraction(float(x)) + Fraction(float(y)) for x, y in zip(a, b)]
+    np.testing.assert_array_equal(s, [ref_round(x, "rz", "f32") for x in exact])
+    np.testing.assert_array_equal(d, a - b)
+    np.testing.assert_array_equal(m, a * b)
+    np.testing.assert_array_equal(f, [ref_round(Fraction(float(x)) * Fraction(float(y)) +
+                                                 Fraction(float(z)), "rn", "f32")
+                                       for x, y, z in zip(a, b, c)])
+    k3 = ew_kernel("k", [("a", "f32"), ("b", "f32"), ("c", "f32")], [("lo", "f32"), ("hi", "f32")],
+                   "\tmin.f32 %lo, %a, %b, %c;\n\tmax.f32 %hi, %a, %b, %c;",
+                   version="8.8", target="sm_100a")
+    lo, hi = run_ew(k3, "k", [a, b, c], ["f32"] * 2)
+    np.testing.assert_array_equal(lo, np.minimum(np.minimum(a, b), c))
+    np.testing.assert_array_equal(hi, np.maximum(np.maximum(a, b), c))

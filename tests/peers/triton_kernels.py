@@ -79,3 +79,19 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_q, seq_k, scale,
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(o_ptr + rm[:, None] * D + rd[None, :], out.to(o_ptr.dtype.element_ty),
              mask=rm[:, None] < seq_q)
+
+
+@triton.jit
+def matmul_tma_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_cm,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """C = A @ B with A and B tiles loaded by TMA (host-side tensor descriptors)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        a = a_desc.load([pid_m * BM, k * BK])
+        b = b_desc.load([k * BK, pid_n * BN])
+        acc = tl.dot(a, b, acc)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc,
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
