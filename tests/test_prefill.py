@@ -22,7 +22,7 @@ from ptxc.targets import TARGETS
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 PREFILL = FAMILIES["prefill"]
-HEADS = {"mha": (2, 2), "gqa4": (8, 2), "mqa": (4, 1)}
+HEADS = {"mha": (2, 2), "gqa4": (8, 2), "mqa": (4, 1), "gqa8": (8, 1)}   # (heads, kv heads)
 SMALL_TILE = {"f32": {"block_m": 16, "block_n": 16},
               "f16": {"block_m": 32, "block_n": 16, "num_stages": 2},
               "bf16": {"block_m": 32, "block_n": 16, "num_stages": 2}}

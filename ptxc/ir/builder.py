@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..errors import IRError
+from .blackwell import BlackwellOps
 from .control import ControlFlowOps
 from .convert import ConvertOps
 from .hopper import HopperOps
@@ -68,10 +69,10 @@ class EntryIR:
 
 
 
-class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps):
+class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps, BlackwellOps):
     """Typed instruction methods; tensor-core and cp.async ones come from `TensorCoreOps`,
     cvt, prmt and the FP8 conversions from `ConvertOps`, wgmma and mbarriers (sm_90a) from
-    `HopperOps`."""
+    `HopperOps`, tensor memory and tcgen05 (sm_100a) from `BlackwellOps`."""
 
     def __init__(self, name: str):
         self.entry = EntryIR(name)

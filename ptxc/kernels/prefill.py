@@ -18,6 +18,7 @@ from . import common as C
 from .base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from .kv_pipeline import run_kv_pipeline
 from .mask_tiles import classify_tiles
+from . import prefill_tcgen05 as tc   # sm_100a/sm_103a f16/bf16, head dims 64/128
 from . import prefill_wgmma as wg   # sm_90a f16/bf16, head dims 64/128/192/256
 from .prefill_config import FIELDS, MAX_SIMT_HEAD_DIM, PrefillConfig, configure
 from .prefill_tile import Ctx, cta_coords, tile_range  # noqa: F401  (re-exported)
@@ -76,7 +77,7 @@ def validate(spec: KernelSpec) -> None:
                             f"sm_90a warp-specialised kernel's three consumer warpgroups "
                             f"({wg.WGMMA_SHAPES}); {t} takes 16, 32, 64, 128 or 256",
                             key="tile.block_m")
-        (wg.configure if wg.uses_wgmma(spec, TARGETS[t]) else configure)(spec, TARGETS[t])
+        _configure(spec, TARGETS[t])
     if spec.tile_dict().get("kv_loads") == "tma" and \
             not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
         raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim {spec.head_dim}, "
@@ -98,7 +99,17 @@ def validate(spec: KernelSpec) -> None:
                         f"sm_90a or drop the key", key="tile.pingpong")
 
 
+def _configure(spec: KernelSpec, target: Target):
+    """The configuration of the kernel `target` gets: tcgen05 (sm_100a), wgmma (sm_90a) or
+    mma.sync / SIMT (prefill_config.py)."""
+    if tc.uses_tcgen05(spec, target):
+        return tc.configure(spec, target)
+    return (wg.configure if wg.uses_wgmma(spec, target) else configure)(spec, target)
+
+
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    if tc.uses_tcgen05(spec, target):
+        return tc.resolve_tile(spec, target)
     if wg.uses_wgmma(spec, target):
         return wg.resolve_tile(spec, target)
     c = configure(spec, target)
@@ -113,7 +124,8 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
 
 def build(spec: KernelSpec, target: Target) -> Program:
     wgmma = wg.uses_wgmma(spec, target)     # sm_90a f16/bf16, wgmma head dims: prefill_wgmma.py
-    cfg = (wg.configure if wgmma else configure)(spec, target)
+    tcgen05 = tc.uses_tcgen05(spec, target)   # sm_100a: prefill_tcgen05.py
+    cfg = _configure(spec, target)
     b = KernelBuilder(f"ptxc_{spec.name}")
     params: list[LaunchParam] = []
 
@@ -128,7 +140,9 @@ def build(spec: KernelSpec, target: Target) -> Program:
     seq_q = param("seq_q", U32, ParamSource("dim", name="seq_q"))
     seq_k = param("seq_k", U32, ParamSource("dim", name="seq_k"))
     mask_bytes = mask_bytes_param(spec, param)
-    if wgmma and cfg.tma:    # tile.kv_loads = "tma": q/k/v tensor maps after the other params
+    if tcgen05:              # q/k/v tensor maps after the other params, as below
+        tc.build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params)
+    elif wgmma and cfg.tma:    # tile.kv_loads = "tma": q/k/v tensor maps after the other params
         from .prefill_tma import emit_tma_prefill
         emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k, wg.tensor_map_params(b, spec, cfg, params))
     elif wgmma:

@@ -51,7 +51,7 @@ class MmaMath:
         self.v_lanes = self.mk_lanes if cfg.v_geom.stride == self.ss and \
             cfg.v_geom.swizzled == cfg.q_geom.swizzled else ldmatrix_lanes_mk(b, lane, cfg.v_geom)
         vs = cfg.v_split   # warps sharing 16 rows; warp w owns O columns slice w % vs
-        warp_rows = b.mul(b.div(ctx.warp, vs) if vs > 1 else ctx.warp, cfg.warp_rows)
+        warp_rows = self.warp_row0(b, ctx)
         self.q_lanes = self.mk_lanes.bind(b.mad(warp_rows, self.ss, ctx.q_smem))
         self.partials = None   # score_split: this lane's slot of its row group's partial scores
         if cfg.score_split:
@@ -102,6 +102,12 @@ class MmaMath:
         self.l_accs = [zero_regs(b, 4, F32) for _ in range(self.mt)]
         self.l_acc = self.l_accs[0]
         self.ones = b.mov(0x3C003C00 if cfg.fmt.name == "f16" else 0x3F803F80, B32)
+
+    def warp_row0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
+        """This warp's first row in the CTA's tile: warp_rows per warp (warps sharing rows
+        under a value split take the same ones)."""
+        vs = ctx.cfg.v_split
+        return b.mul(b.div(ctx.warp, vs) if vs > 1 else ctx.warp, ctx.cfg.warp_rows)
 
     def scores(self, k_tile: Reg) -> list[list[Reg]]:
         b = self.b

@@ -284,6 +284,18 @@ class WgmmaMath(MmaMath):
         b.wgmma_commit()
         return [self.s_acc[4 * j:4 * j + 4] for j in range(self.bn // 8)]
 
+    def skip_pv(self) -> None:
+        """No P·V this tile: an empty group, so that scores_ready's wait_group 1 retires S."""
+        self.b.wgmma_commit()
+
+    def scores_ready(self, s: list[list[Reg]]) -> list[list[Reg]]:
+        """S issued by issue_scores, complete (the P·V issued after it may still run)."""
+        self.b.wgmma_wait(1)
+        return s
+
+    def pv_done(self) -> None:
+        self.b.wgmma_wait(0)
+
     def issue_pv(self, v_tile: Reg) -> None:
         """Issue O += P·V with the packed P of the previous softmax as one commit group."""
         b = self.b

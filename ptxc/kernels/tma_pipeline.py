@@ -146,7 +146,7 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
         if last_v_landed is not None:
             last_v_landed(b.add(v_smem, ring.v_prev))
         math.issue_pv(b.add(v_smem, ring.v_prev))
-        b.wgmma_wait(0)
+        math.pv_done()
     b.bar_sync(0)        # every warpgroup done with Q before the epilogue stages O over it
 
 

@@ -165,6 +165,6 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
             math.issue_pv(b.add(v_smem, ring.v_prev))
             if turns is not None:
                 turns.end(final=True)
-            b.wgmma_wait(0)
+            math.pv_done()
         b.bar_sync(CONSUMER_BARRIER, 128 * C)   # every consumer done with Q before O goes there
         math.epilogue()

@@ -73,7 +73,7 @@ def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: 
     with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
         _, (v_at, v_off) = landed_and_fenced()
         math.issue_pv(b.add(v_at, v_off))
-        b.wgmma_wait(0)
+        math.pv_done()
     b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
     b.bar_sync(0)
 
@@ -81,23 +81,25 @@ def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: 
 def attend_tile(b: KernelBuilder, math, k_smem: Reg, stage: Reg, v_smem: Reg, prev: Reg, j: Reg,
                 key0_of, transform, n_full: Reg, lo_full: Reg | None, reads_done=None,
                 turn=None) -> None:
-    """The wgmma / softmax body of tile j (K(j) landed at k_smem + stage, V(j-1) at v_smem +
+    """The MMA / softmax body of tile j (K(j) landed at k_smem + stage, V(j-1) at v_smem +
     prev): S(j) and O += P(j-1)·V(j-1) in flight together, the score-side softmax under them,
-    the rest after wgmma.wait_group 0 -- after which `reads_done()` (if given) runs: both tiles
-    are read. `turn` (a Turns, the consumers' ping-pong) brackets the two issues."""
+    the rest after the P·V completed -- after which `reads_done()` (if given) runs: both tiles
+    are read. `turn` (a Turns, the consumers' ping-pong) brackets the two issues. `math`
+    (WgmmaMath, or Tcgen05Math on sm_100a) says how products are issued and waited for:
+    issue_scores, issue_pv / skip_pv, scores_ready, pv_done."""
     if turn is not None:
         turn.begin()
-    s = math.issue_scores(b.add(k_smem, stage))
+    issued = math.issue_scores(b.add(k_smem, stage))
     with b.if_then(b.setp("gt", j, 0)):
         math.issue_pv(b.add(v_smem, prev))
     with b.else_():
-        b.wgmma_commit()     # an empty group, so that wait_group 1 below retires S(0)
+        math.skip_pv()
     if turn is not None:
         turn.end()
-    b.wgmma_wait(1)
+    s = math.scores_ready(issued)
     modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
     early = math.softmax_early(s)
-    b.wgmma_wait(0)
+    math.pv_done()
     if reads_done is not None:
         reads_done()
     math.softmax_late(*early)

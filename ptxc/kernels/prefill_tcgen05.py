@@ -1,0 +1,264 @@
+"""Prefill on Blackwell's fifth-generation tensor core (target sm_100a / sm_103a, f16/bf16,
+head_dim = head_dim_v = 64 or 128): the sm_90a TMA kernel's schedule (tma_pipeline.py, one
+elected thread issuing every copy) with both products on `tcgen05.mma` and S, P and O in
+tensor memory.
+
+  CTA        128 query rows, 8 warps. Tensor memory gives warp w the 32 lanes of its
+             sub-partition 32 (w % 4); warps w and w + 4 split them: warp w owns rows
+             32 (w % 4) + 16 (w // 4) .. + 15, whose cells it reads with tcgen05.ld.16x256b --
+             the mma.m16n8 C fragment layout per n8 block -- so MmaMath's per-row softmax,
+             masks, variants and epilogue apply as they are.
+  tensor     per CTA, allocated by warp 0: S (block_n f32 columns), P (block_n / 2 columns of
+  memory     f16/bf16 pairs: column c holds keys 2c, 2c + 1), O (head_dim_v f32 columns),
+             rounded up to a power of two (256 at d64, 512 at d128).
+  shared     Q and the K/V stages in 128-byte-swizzled slabs, filled by TMA, as prefill_wgmma.py.
+  S = Q·Kᵀ   thread 0 issues head_dim/16 `tcgen05.mma.kind::f16` M128 N{block_n} K16 (A = Q, B =
+             K, K-major descriptors), commits to mbarrier bar_s.
+  O += P·V   thread 0 issues block_n/16 MMAs M128 N{dv} K16 with A = P from tensor memory and
+             B = V read MN-major, commits to bar_o. O is zeroed once, so every MMA accumulates.
+  tile j     issue S(j) and O += P(j-1)·V(j-1) (an empty commit at j = 0); wait bar_s, load S,
+             mask/variant, row max and exponentials (under P·V(j-1)); wait bar_o; when the max
+             grew past the lazy-rescale slack, O *= alpha through registers (load, scale,
+             store); store P; row sums by mma.sync against ones; tcgen05.fence + the
+             pipeline's bar.sync before thread 0 issues tile j+1 (which overwrites S and P).
+  epilogue   wait the last P·V, load O (16x256b), MmaMath's normalise + staged row stores,
+             then warp 0 frees the tensor memory.
+
+This is the first Blackwell kernel: one MMA issuer but no warp specialisation yet (FA4's load,
+MMA, softmax and correction warps, two Q tiles per CTA), so it is a correct base for those, not
+their speed. It is verified in the emulator only (no Blackwell GPU has been lent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import SpecError
+from ..ir import F32, S32, U32, U64, Addr, Imm, KernelBuilder, Reg
+from ..spec.model import KernelSpec
+from ..targets import Target
+from . import common as C
+from .prefill_mma import MmaMath
+from .prefill_tile import Ctx
+from .prefill_wgmma import (SWIZZLE, SWIZZLE_PERIOD, Setup, WgmmaConfig, WgmmaMath, setup,
+                            tensor_map_params)
+from .tiles import CHUNK
+from .tma_pipeline import MBARRIER_BYTES, barrier_bytes, run_tma_pipeline
+from .variant import head_dim_v
+
+TCGEN05_TARGETS = ("sm_100a", "sm_103a")
+TCGEN05_HEAD_DIMS = (64, 128)
+TCGEN05_SHAPES = "f16/bf16, head_dim = head_dim_v = 64 or 128"   # for refusals
+BLOCK_M = 128
+EXTRA_SMEM = 3 * MBARRIER_BYTES          # bar_s, bar_o and the tensor-memory address slot
+
+
+def uses_tcgen05(spec: KernelSpec, target: Target) -> bool:
+    """Whether prefill for `target` is this kernel."""
+    return (target.name in TCGEN05_TARGETS and spec.dtype in ("f16", "bf16")
+            and spec.head_dim in TCGEN05_HEAD_DIMS and head_dim_v(spec) == spec.head_dim
+            and spec.opt("custom_mask") in (None, "none"))
+
+
+@dataclass(frozen=True)
+class Tcgen05Config(WgmmaConfig):
+    """WgmmaConfig's tiles (TMA, one issuer) with 8 warps of 16 rows and tensor memory."""
+
+    @property
+    def tmem_columns(self) -> int:
+        need = self.block_n + self.block_n // 2 + self.dv      # S, P, O
+        return max(32, 1 << (need - 1).bit_length())
+
+    @property
+    def smem_bytes(self) -> int:
+        return super().smem_bytes + EXTRA_SMEM
+
+
+def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
+    given = spec.tile_dict()
+    for key, allowed in (("block_m", (BLOCK_M,)), ("num_warps", (8,)), ("kv_loads", ("tma",)),
+                         ("warp_specialize", (False,)), ("pingpong", (False,))):
+        if key in given and given[key] not in allowed:
+            raise SpecError(f"{key} = {given[key]!r} on {target}: the tcgen05 prefill kernel "
+                            f"takes {key} = {allowed[0]!r} (128 rows, 8 warps, TMA loads, one "
+                            f"MMA-issuing thread)", key=f"tile.{key}")
+    bn, stages = given.get("block_n", 128), given.get("num_stages", 2)
+    if bn not in (64, 128):
+        raise SpecError(f"block_n = {bn} on {target}: the tcgen05 prefill kernel takes 64 or 128",
+                        key="tile.block_n")
+    cfg = Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,
+                        False, head_dim_v(spec), 1, kv_loads="tma")
+    if cfg.smem_bytes > target.max_smem_per_cta:
+        raise SpecError(f"tile block_n={bn}, num_stages={stages} needs {cfg.smem_bytes} bytes of "
+                        f"shared memory; {target} allows {target.max_smem_per_cta} per CTA: use "
+                        f"fewer stages", key="tile.num_stages")
+    return cfg
+
+
+def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    c = configure(spec, target)
+    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
+            "num_stages": c.num_stages, "path": "tcgen05.mma.m128", "cp_async": False,
+            "kv_loads": "tma", "smem_swizzle": SWIZZLE, "smem_bytes": c.smem_bytes,
+            "tmem_columns": c.tmem_columns}
+
+
+class Tcgen05Math(WgmmaMath):
+    """WgmmaMath's softmax over S and O kept in tensor memory (see the module docstring); the
+    pipeline calls the same hooks (issue_scores, issue_pv / skip_pv, scores_ready, pv_done,
+    softmax_early / softmax_late, epilogue)."""
+
+    def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg):
+        MmaMath.__init__(self, b, ctx)
+        cfg = ctx.cfg
+        self.bm, self.dv = cfg.block_m, cfg.dv
+        self.p_frags = [[b.mov(0, self.pair) for _ in range(4)] for _ in range(self.bn // 16)]
+        self.alpha = [b.mov(1.0, F32) for _ in range(2)]
+        self.issuer = b.setp("eq", ctx.tid, 0)
+        self.warp0 = b.setp("eq", b.shfl("idx", ctx.warp, 0), 0)    # warp-uniform
+        self.bar_s, self.bar_o = Addr(bars), Addr(bars, MBARRIER_BYTES)
+        slot = Addr(bars, 2 * MBARRIER_BYTES)
+        with b.if_then(self.issuer):
+            b.mbarrier_init(self.bar_s, 1)
+            b.mbarrier_init(self.bar_o, 1)
+        with b.if_then(self.warp0):
+            b.tcgen05_alloc(slot, cfg.tmem_columns)
+        b.bar_sync(0)
+        base = b.ld("shared", U32, slot)
+        with b.if_then(self.warp0):
+            b.tcgen05_relinquish()
+        self.tmem = base
+        self.s_cols, self.p_cols = base, b.add(base, self.bn)
+        self.o_cols = b.add(base, self.bn + self.bn // 2)
+        lane = b.add(b.shl(b.and_(ctx.warp, 3), 5), b.shl(b.shr(ctx.warp, 2), 4))
+        lane_bits = b.shl(lane, 16)           # this warp's 16 lanes (rows)
+        self.s_warp, self.p_warp, self.o_warp = (b.add(c, lane_bits) for c in
+                                                 (self.s_cols, self.p_cols, self.o_cols))
+        self.idesc_s = b.umma_instr_descriptor(self.bm, self.bn, self.in_type)
+        self.idesc_o = b.umma_instr_descriptor(self.bm, self.dv, self.in_type, b_mn_major=True)
+        self.q_desc = b.umma_descriptor(ctx.q_smem, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        self.s_phase, self.o_phase = b.mov(0, U32), b.mov(0, U32)
+        zeros = [self.fzero[0]] * (4 * (self.dv // 8))
+        b.tcgen05_st("16x256b", self.o_warp, zeros)        # O = 0: every P·V accumulates
+        b.tcgen05_wait("st")
+        b.tcgen05_fence(before=True)
+
+    def warp_row0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
+        """Warp w's first row: 32 (w % 4) + 16 (w // 4), inside its tensor-memory lanes."""
+        return b.add(b.shl(b.and_(ctx.warp, 3), 5), b.shl(b.shr(ctx.warp, 2), 4))
+
+    # ---- the tensor-core side (thread 0) ------------------------------------------------
+    def issue_scores(self, k_tile: Reg) -> None:
+        b = self.b
+        k_desc = b.umma_descriptor(k_tile, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        with b.if_then(self.issuer):
+            b.tcgen05_fence(before=False)
+            for kk in range(self.d // 16):
+                b.tcgen05_mma(self.s_cols, self._k_step(self.q_desc, kk, self.bm),
+                              self._k_step(k_desc, kk, self.bn), self.idesc_s, kk > 0)
+            b.tcgen05_commit(self.bar_s)
+
+    def issue_pv(self, v_tile: Reg) -> None:
+        b = self.b
+        v_desc = b.umma_descriptor(v_tile, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
+        with b.if_then(self.issuer):
+            for kk in range(self.bn // 16):   # keys 16kk..: P columns 8kk.., V 2 periods further
+                desc = v_desc if kk == 0 else b.add(v_desc, Imm(kk * 2 * SWIZZLE_PERIOD >> 4, U64))
+                p = self.p_cols if kk == 0 else b.add(self.p_cols, 8 * kk)
+                b.tcgen05_mma(self.o_cols, p, desc, self.idesc_o, True)
+            b.tcgen05_commit(self.bar_o)
+
+    def skip_pv(self) -> None:
+        """No P·V this tile: an empty commit completes bar_o's phase, so pv_done's wait holds."""
+        with self.b.if_then(self.issuer):
+            self.b.tcgen05_commit(self.bar_o)
+
+    def _wait(self, bar: Addr, phase: Reg) -> None:
+        b = self.b
+        b.mbarrier_wait_parity(bar, phase)
+        b.xor(phase, 1, out=phase)
+        b.tcgen05_fence(before=False)
+
+    def scores_ready(self, _issued) -> list[list[Reg]]:
+        """Wait for S(j) and load this warp's rows of it: 16x256b per n8 block = mma C tiles."""
+        b = self.b
+        self._wait(self.bar_s, self.s_phase)
+        regs = b.tcgen05_ld("16x256b", self.bn // 8, self.s_warp, F32)
+        b.tcgen05_wait("ld")
+        return [regs[4 * j:4 * j + 4] for j in range(self.bn // 8)]
+
+    def pv_done(self) -> None:
+        self._wait(self.bar_o, self.o_phase)
+
+    # ---- the softmax side (every warp) --------------------------------------------------
+    def softmax_late(self, probs: list[list[Reg]], rescale: Reg) -> None:
+        """After the previous P·V completed: O *= alpha in tensor memory (when rescaling), P
+        into tensor memory, the row sums; then the fence for the next tile's MMAs."""
+        b = self.b
+        with b.if_then(rescale):          # warp-uniform (the vote of softmax_early)
+            o = b.tcgen05_ld("16x256b", self.dv // 8, self.o_warp, F32)
+            b.tcgen05_wait("ld")
+            for i, x in enumerate(o):
+                b.mul(x, self.alpha[(i // 2) % 2], out=x)
+            b.tcgen05_st("16x256b", self.o_warp, o)
+        for jn in range(self.bn // 8):   # n8 tile jn is half of k-step jn // 2
+            frag = self.p_frags[jn // 2]
+            for r in range(2):
+                b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn],
+                           out=frag[2 * (jn % 2) + r])
+        # 16x128b: register 2 jn + r is row g + 8r, column 4 jn + t = keys 8 jn + 2t, + 1
+        b.tcgen05_st("16x128b", self.p_warp, [x for frag in self.p_frags for x in frag])
+        for a in self.p_frags:
+            b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
+        b.tcgen05_wait("st")
+        b.tcgen05_fence(before=True)
+
+    def epilogue(self) -> None:
+        b = self.b
+        o = b.tcgen05_ld("16x256b", self.dv // 8, self.o_warp, F32)
+        b.tcgen05_wait("ld")
+        self.o_tiles = [[o[4 * j:4 * j + 4] for j in range(self.dv // 8)]]
+        self.o = self.o_tiles[0]
+        b.tcgen05_fence(before=True)
+        super().epilogue()
+        with b.if_then(self.warp0):
+            b.tcgen05_dealloc(self.tmem, self.ctx.cfg.tmem_columns)
+
+
+def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: Tcgen05Config, ptrs, strides, seq_q,
+              seq_k, tmaps: dict) -> None:
+    """prefill_tma.emit_tma_prefill's one-issuer body with Tcgen05Math."""
+    s: Setup = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k)
+    bn, stages, first_tile = cfg.block_n, cfg.num_stages, s.first_tile
+    ctx = s.ctx(spec, cfg, ptrs, strides, seq_q, seq_k)
+    k_bytes, v_bytes = cfg.kv_geom.bytes, cfg.v_geom.bytes
+    bars = b.add(s.k_smem, stages * (k_bytes + v_bytes))
+    math = Tcgen05Math(b, ctx, b.add(bars, barrier_bytes(stages)))
+    addr = {t: b.tensor_map_address(tmaps[t]) for t in "qkv"}
+    coords = {t: (b.bitcast(s.head if t == "q" else s.kv_head, S32), b.bitcast(s.batch, S32))
+              for t in "qkv"}
+    slab_cols = SWIZZLE // cfg.fmt.bytes
+
+    def copy_tile(t: str, tile, dst: Reg, bar) -> None:
+        if t == "q":
+            row0, rows = s.m_start, cfg.block_m
+        else:
+            row0, rows = b.mul(tile if first_tile is None else b.add(tile, first_tile), bn), bn
+        h, n = coords[t]
+        row0 = b.bitcast(row0, S32)
+        for k in range(cfg.head_dim // slab_cols):       # slab k: rows x 128 B
+            b.tma_load(Addr(dst, k * rows * SWIZZLE), addr[t], [k * slab_cols, h, row0, n], bar)
+
+    def key0_of(j: Reg) -> Reg:
+        return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
+
+    run_tma_pipeline(b, stages=stages, kv_bytes=k_bytes, v_bytes=v_bytes,
+                     q_bytes=cfg.q_geom.bytes, q_smem=s.smem, k_smem=s.k_smem, v_smem=s.v_smem,
+                     bars=bars, leader=math.issuer, n_tiles=s.n_tiles, n_full=s.n_full,
+                     key0_of=key0_of, copy_tile=copy_tile, math=math, lo_full=s.lo_full,
+                     transform=math.transform if s.variant.transforms else None)
+    math.epilogue()
+
+
+def build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params) -> None:
+    emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, tensor_map_params(b, spec, cfg, params))

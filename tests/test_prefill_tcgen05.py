@@ -1,0 +1,131 @@
+"""sm_100a prefill on tcgen05 (prefill_tcgen05.py): S, P and O in tensor memory, one thread
+issuing the MMAs and the TMA copies. Numerical checks in the emulator against the fp64
+reference on odd shapes (seq 1, 17, 113, 333; q_len > L; GQA 1/4/8 and MQA; causal and not;
+LSE; the lazy rescale driven by growing scores; variants; bhsd strides; no keys), the path
+and tile rules, and ptxas with 0 spills for every head dim and option the path takes."""
+
+import numpy as np
+import pytest
+
+from ptxc.errors import SpecError
+from ptxc.kernels import FAMILIES, load_text
+from ptxc.reference import PROBS_SHIFTS, Precision, max_abs_error, tolerance
+from tests.test_prefill import compiled, growing_scores, run, spec_text
+
+emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
+SM100A = ("sm_100a",)
+SHAPES = [(1, 17), (17, 113), (113, 17)]
+SLOW = pytest.mark.slow
+PREFILL = FAMILIES["prefill"]
+
+
+def check(text, shapes, **kw):
+    """test_prefill.check with `ptxc launch-test`'s rule for the f32 LSE: its naive baseline
+    is the f32 computation with the probabilities rounded to the dtype before the row sum, as
+    the tensor-core row sums do (the largest error of PROBS_SHIFTS grids); o keeps the
+    spec-dtype baseline."""
+    for seq_q, seq_k in shapes:
+        outs, _, spec, inputs = run(text, seq_q, seq_k, **kw)
+        ref = PREFILL.reference(spec, inputs)
+        naive = {"o": [PREFILL.reference(spec, inputs, dtype=spec.dtype)["o"]],
+                 "lse": [PREFILL.reference(spec, inputs, dtype=Precision(
+                     "f32", probs=spec.dtype, probs_scale=c)).get("lse") for c in PROBS_SHIFTS]}
+        assert sorted(outs) == sorted(ref)
+        for name in ref:
+            err = max_abs_error(outs[name], ref[name])
+            tol = max(tolerance(n, ref[name]) for n in naive[name])
+            assert err <= tol, f"{name} at seq_q={seq_q}, seq_k={seq_k}: error {err:.3g} > {tol:.3g}"
+
+
+def tc_check(dtype, head_dim, heads, causal, shapes=SHAPES, tile=None, extra="", **kw):
+    text = spec_text(dtype, head_dim, heads, causal, tile=tile, targets=SM100A)
+    if extra:
+        text = text.replace('targets = ', extra + 'targets = ')
+    _, ptx, launch, config = compiled(text, "sm_100a")
+    assert config["path"] == "tcgen05.mma.m128" and ".target sm_100a" in ptx
+    assert "tcgen05.mma.cta_group::1.kind::f16" in ptx and "wgmma" not in ptx
+    assert [p["name"] for p in launch["params"][-3:]] == ["q_tmap", "k_tmap", "v_tmap"]
+    check(text, shapes, target="sm_100a", **kw)
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads,causal", [
+    ("f16", 64, "gqa4", True), ("bf16", 128, "mqa", False), ("bf16", 64, "mha", False),
+    ("f16", 128, "gqa8", True),
+    *(pytest.param(dt, d, h, c, marks=SLOW) for dt in ("f16", "bf16") for d in (64, 128)
+      for h in ("mha", "gqa4", "gqa8", "mqa") for c in (False, True)),
+])
+def test_matrix(dtype, head_dim, heads, causal):
+    tc_check(dtype, head_dim, heads, causal, batch=1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_longer_sequences_and_q_longer_than_keys(causal):
+    """Several KV tiles and stage wraps (333 keys: 3 tiles of 128), q_len > L, a tail tile."""
+    tc_check("bf16", 64, "gqa4", causal, [(333, 333), (200, 150)], batch=1)
+
+
+def test_block_n_64_and_three_stages():
+    tc_check("f16", 128, "gqa4", True, [(130, 301)], tile={"block_n": 64, "num_stages": 3},
+             batch=1)
+
+
+def test_lazy_rescale_with_growing_scores():
+    """The running max grows past the slack from tile to tile: O is rescaled in tensor
+    memory (load, scale, store) between the P·V of one tile and the next."""
+    for causal in (False, True):
+        tc_check("f16", 64, "gqa4", causal, [(17, 300), (130, 61)], transform=growing_scores,
+                 batch=1)
+
+
+def test_bhsd_strides():
+    tc_check("bf16", 128, "mqa", True, [(17, 45)], layout="bhsd")
+
+
+def test_zero_keys_and_empty_rows():
+    outs = run(spec_text("bf16", 128, "gqa4", False, targets=SM100A), 9, 0, target="sm_100a")[0]
+    assert np.all(outs["o"] == 0) and np.all(np.isneginf(outs["lse"]))
+    outs = run(spec_text("f16", 64, "mha", True, lse=False, targets=SM100A), 40, 7,
+               target="sm_100a")[0]
+    assert set(outs) == {"o"} and np.all(outs["o"][:, :33] == 0)   # rows 0..32 see no key
+
+
+@pytest.mark.parametrize("extra", ["sliding_window = 21\n", "logits_soft_cap = 2.0\n",
+                                   "attention_sinks = true\n", "alibi = true\n"])
+def test_variants(extra):
+    tc_check("f16", 64, "gqa4", True, [(17, 113), (130, 200)], extra=extra, batch=1)
+
+
+# ---- the path and its tile key ---------------------------------------------------------------
+def test_other_shapes_keep_the_portable_kernels():
+    """sm_100 without the suffix, f32, other head dims and head_dim_v < head_dim build the
+    mma.sync / SIMT kernels, as on sm_90."""
+    for dtype, d, target in (("f16", 64, "sm_100"), ("f32", 64, "sm_100a"),
+                             ("f16", 96, "sm_100a"), ("bf16", 256, "sm_100a")):
+        config = compiled(spec_text(dtype, d, targets=(target,)), target)[3]
+        assert config["path"] in ("mma.m16n8k16", "simt"), (dtype, d, target)
+
+
+def test_tile_keys_it_does_not_take():
+    for key, value in (("block_m", 64), ("num_warps", 4), ("kv_loads", "cp_async"),
+                       ("warp_specialize", True), ("block_n", 32)):
+        with pytest.raises(SpecError) as e:
+            load_text(spec_text("f16", 64, tile={key: value}, targets=SM100A))
+        assert e.value.key == f"tile.{key}" and "\n" not in str(e.value)
+        assert "tcgen05" in str(e.value)
+
+
+def test_ptxas_zero_spills(toolchain):
+    """ptxas (sm_100a) with 0 spills at each head dim and dtype, causal and not, plain and
+    with every variant at once; the tensor-memory columns the tile records."""
+    from ptxc.pipeline.ptxas import assemble
+    every = "sliding_window = 21\nlogits_soft_cap = 2.0\nattention_sinks = true\nalibi = true\n"
+    for d in (64, 128):
+        for dtype in ("f16", "bf16"):
+            for causal, extra in ((False, ""), (True, ""), (True, every)):
+                text = spec_text(dtype, d, "gqa4", causal, targets=SM100A)
+                text = text.replace("targets = ", extra + "targets = ")
+                _, ptx, _, tile = compiled(text, "sm_100a")
+                _, res, _ = assemble(ptx, "sm_100a", toolchain, "p")
+                [r] = res.values()
+                assert r.spill_stores == r.spill_loads == 0 and r.stack == 0, (d, dtype, extra)
+                assert tile["tmem_columns"] == (256 if d == 64 else 512)
