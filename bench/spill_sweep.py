@@ -48,6 +48,8 @@ ENGINE_HEAD_DIMS = (16, 40, 64, 72, 80, 96, 112, 120, 128, 192, 256, 512)
 _GQA = "num_heads = 8\nnum_kv_heads = 2\n"
 _PAGED = 'kv_layout = "paged"\npage_size = 16\n'
 _SM90A = 'targets = ["sm_90a"]\n'   # rows for the sm_90a wgmma body (not a default target)
+_SM100A = 'targets = ["sm_100a"]\n'  # rows for the sm_100a tcgen05 body (head_dim 64 / 128)
+_EVERY = "sliding_window = 128\nattention_sinks = true\nlogits_soft_cap = 30.0\nalibi = true\n"
 _SPLIT = 'num_splits = "auto"\nreturn_lse = true\n'
 _TREE = 'custom_mask = "tree"\n'
 OPTIONS = (
@@ -111,6 +113,12 @@ OPTIONS = (
      "treecapalibi_90a"),
     ("varlen", True, _PAGED + _TREE + 'kv_dtype = "e4m3"\nkv_scale = "head"\n' + _SM90A, "treefp8_90a"),
     ("varlen", True, 'kv_layout = "paged"\npage_size = 528\n', "p528"),
+    # the sm_100a tcgen05 bodies (prefill; varlen's packed tile at M = 64), plain and with every
+    # variant; other head dims take mma.sync there
+    ("prefill", True, "return_lse = true\n" + _SM100A, "tc_100a"),
+    ("prefill", False, _EVERY + "return_lse = true\n" + _SM100A, "tcvar_100a"),
+    ("varlen", True, _PAGED + _SPLIT + _SM100A, "tcsplit_100a"),
+    ("varlen", True, 'kv_layout = "contiguous"\n' + _EVERY + _SM100A, "tcvar_100a"),
     ("kv_append", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n', "fp8h"),
     ("kv_append", None, _PAGED + 'rope = "neox"\nnum_heads = 8\n', "rope"),
     ("kv_append", None, _PAGED + 'index = "slot_mapping"\n', "slots"),

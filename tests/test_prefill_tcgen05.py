@@ -105,13 +105,29 @@ def test_other_shapes_keep_the_portable_kernels():
         assert config["path"] in ("mma.m16n8k16", "simt"), (dtype, d, target)
 
 
+def test_tile_keys_it_takes():
+    """kv_loads = "tma" (its loads), warp_specialize / pingpong = false, block_n 64 and the
+    stage count are accepted and recorded."""
+    tile = {"kv_loads": "tma", "block_n": 64, "num_stages": 3}
+    config = compiled(spec_text("f16", 128, tile=tile, targets=SM100A), "sm_100a")[3]
+    assert (config["block_n"], config["num_stages"], config["kv_loads"]) == (64, 3, "tma")
+    assert config["min_ctas_per_sm"] == 1 and config["tmem_columns"] == 256
+
+
 def test_tile_keys_it_does_not_take():
     for key, value in (("block_m", 64), ("num_warps", 4), ("kv_loads", "cp_async"),
-                       ("warp_specialize", True), ("block_n", 32)):
+                       ("block_n", 32)):
         with pytest.raises(SpecError) as e:
             load_text(spec_text("f16", 64, tile={key: value}, targets=SM100A))
         assert e.value.key == f"tile.{key}" and "\n" not in str(e.value)
         assert "tcgen05" in str(e.value)
+    # the sm_90a kernel's own keys: ignored on sm_100a, refused when no target takes sm_90a's
+    both = ("sm_90a", "sm_100a")
+    for key in ("warp_specialize", "pingpong"):
+        load_text(spec_text("f16", 64, tile={key: True}, targets=both))
+        with pytest.raises(SpecError, match="sm_90a") as e:
+            load_text(spec_text("f16", 64, tile={key: True}, targets=SM100A))
+        assert e.value.key == f"tile.{key}"
 
 
 def test_ptxas_zero_spills(toolchain):
@@ -129,3 +145,37 @@ def test_ptxas_zero_spills(toolchain):
                 [r] = res.values()
                 assert r.spill_stores == r.spill_loads == 0 and r.stack == 0, (d, dtype, extra)
                 assert tile["tmem_columns"] == (256 if d == 64 else 512)
+
+
+def test_sass_loop_one_issuing_thread(tmp_path):
+    """nvdisasm sm_100a at d128: the issuing warp's steady path holds the CTA's 16 UTCHMMA
+    (8 for S, 8 for P·V) and the other warps' none; every warp loads S and stores P once
+    (LDTM, STTM); the report spreads the tile's tensor work over the 8 warps (264
+    HMMA-equivalents each: 256 from the tile, 8 row-sum HMMA)."""
+    from ptxc.report.analysis import build_report
+    from ptxc.report.sass import SassUnavailable, find_nvdisasm
+    try:
+        find_nvdisasm()
+    except SassUnavailable as e:
+        pytest.skip(f"SASS unavailable: {e}")
+    from ptxc.pipeline.build import run_build
+    text = spec_text("bf16", 128, "gqa4", True, targets=SM100A)
+    (tmp_path / "s.toml").write_text(text)
+    run_build([tmp_path / "s.toml"], tmp_path / "out", progress=False)
+    [k] = build_report([tmp_path / "out" / "p"])["kernels"]
+    [t] = k["targets"]
+    [launch] = t["launches"]
+    loop = launch["loop"]
+    assert set(loop["warp_instructions"]) == {"issuer", "others"}
+    assert loop["classes"]["umma"] == 16 and loop["classes"]["tmem"] == 2
+    assert loop["umma_flops_per_cta"] == 2 * 128 * 128 * 256
+    assert loop["mma_equivalents"] == 264
+    assert loop["warp_instructions"]["others"] < loop["warp_instructions"]["issuer"]
+
+
+def test_sm103a_takes_the_same_kernel():
+    """B300's target: the same tcgen05 kernel (PTX ISA 8.8), in the emulator and by ptxas."""
+    text = spec_text("bf16", 128, "gqa4", True, targets=("sm_103a",))
+    _, ptx, _, config = compiled(text, "sm_103a")
+    assert ".target sm_103a" in ptx and config["path"] == "tcgen05.mma.m128"
+    check(text, [(113, 150)], target="sm_103a", batch=1)

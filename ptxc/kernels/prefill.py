@@ -78,12 +78,12 @@ def validate(spec: KernelSpec) -> None:
                             f"({wg.WGMMA_SHAPES}); {t} takes 16, 32, 64, 128 or 256",
                             key="tile.block_m")
         _configure(spec, TARGETS[t])
-    if spec.tile_dict().get("kv_loads") == "tma" and \
-            not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
+    if spec.tile_dict().get("kv_loads") == "tma" and not any(
+            wg.uses_wgmma(spec, TARGETS[t]) or tc.uses_tcgen05(spec, TARGETS[t]) for t in spec.targets):
         raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim {spec.head_dim}, "
                         f"targets {', '.join(spec.targets)}: TMA feeds only the sm_90a wgmma "
-                        f"kernel ({wg.WGMMA_SHAPES}); "
-                        f"add sm_90a or drop the key", key="tile.kv_loads")
+                        f"kernel ({wg.WGMMA_SHAPES}) and the sm_100a tcgen05 one "
+                        f"({tc.TCGEN05_SHAPES}); add sm_90a or drop the key", key="tile.kv_loads")
     if spec.tile_dict().get("warp_specialize") and \
             not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
         raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "

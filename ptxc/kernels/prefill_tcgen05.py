@@ -34,11 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SpecError
-from ..ir import F32, S32, U32, U64, Addr, Imm, KernelBuilder, Reg
+from ..ir import F32, U32, U64, Addr, Imm, KernelBuilder, Reg
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
 from .prefill_mma import MmaMath
+from .prefill_tma import tile_copies
 from .prefill_tile import Ctx
 from .prefill_wgmma import (SWIZZLE, SWIZZLE_PERIOD, Setup, WgmmaConfig, WgmmaMath, setup,
                             tensor_map_params)
@@ -51,6 +52,9 @@ TCGEN05_HEAD_DIMS = (64, 128)
 TCGEN05_SHAPES = "f16/bf16, head_dim = head_dim_v = 64 or 128"   # for refusals
 BLOCK_M = 128
 EXTRA_SMEM = 3 * MBARRIER_BYTES          # bar_s, bar_o and the tensor-memory address slot
+# .minnctapersm 1: without it ptxas 13.5 gave the 4-warp varlen tile at d64 with every variant
+# 96 registers and 8 bytes of spills; pinned, 102 registers and none
+PIN_REGISTERS = 1
 
 
 def uses_tcgen05(spec: KernelSpec, target: Target) -> bool:
@@ -60,34 +64,47 @@ def uses_tcgen05(spec: KernelSpec, target: Target) -> bool:
             and spec.opt("custom_mask") in (None, "none"))
 
 
-@dataclass(frozen=True)
-class Tcgen05Config(WgmmaConfig):
-    """WgmmaConfig's tiles (TMA, one issuer) with 8 warps of 16 rows and tensor memory."""
+def tmem_columns(block_n: int, dv: int) -> int:
+    """Tensor-memory columns of S (block_n f32), P (block_n / 2 pairs) and O (dv f32), rounded
+    up to the power of two tcgen05.alloc takes."""
+    need = block_n + block_n // 2 + dv
+    return max(32, 1 << (need - 1).bit_length())
+
+
+class TensorMemoryTile:
+    """Mixed into a tile config on tcgen05 (before the WgmmaConfig it extends): the tensor-
+    memory columns of its S, P and O, and EXTRA_SMEM more shared memory."""
 
     @property
     def tmem_columns(self) -> int:
-        need = self.block_n + self.block_n // 2 + self.dv      # S, P, O
-        return max(32, 1 << (need - 1).bit_length())
+        return tmem_columns(self.block_n, self.dv)
 
     @property
     def smem_bytes(self) -> int:
         return super().smem_bytes + EXTRA_SMEM
 
 
+@dataclass(frozen=True)
+class Tcgen05Config(TensorMemoryTile, WgmmaConfig):
+    """WgmmaConfig's tiles (TMA, one issuer) with 8 warps of 16 rows and tensor memory."""
+
+
 def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
     given = spec.tile_dict()
-    for key, allowed in (("block_m", (BLOCK_M,)), ("num_warps", (8,)), ("kv_loads", ("tma",)),
-                         ("warp_specialize", (False,)), ("pingpong", (False,))):
-        if key in given and given[key] not in allowed:
+    # warp_specialize and pingpong are the sm_90a kernel's keys: ignored here, as on the other
+    # targets (prefill.validate refuses them when no target takes that kernel)
+    for key, allowed in (("block_m", BLOCK_M), ("num_warps", 8), ("kv_loads", "tma")):
+        if key in given and given[key] != allowed:
             raise SpecError(f"{key} = {given[key]!r} on {target}: the tcgen05 prefill kernel "
-                            f"takes {key} = {allowed[0]!r} (128 rows, 8 warps, TMA loads, one "
+                            f"takes {key} = {allowed!r} (128 rows, 8 warps, TMA loads, one "
                             f"MMA-issuing thread)", key=f"tile.{key}")
     bn, stages = given.get("block_n", 128), given.get("num_stages", 2)
     if bn not in (64, 128):
         raise SpecError(f"block_n = {bn} on {target}: the tcgen05 prefill kernel takes 64 or 128",
                         key="tile.block_n")
     cfg = Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,
-                        False, head_dim_v(spec), 1, kv_loads="tma")
+                        False, head_dim_v(spec), 1, kv_loads="tma",
+                        min_ctas_per_sm=PIN_REGISTERS)
     if cfg.smem_bytes > target.max_smem_per_cta:
         raise SpecError(f"tile block_n={bn}, num_stages={stages} needs {cfg.smem_bytes} bytes of "
                         f"shared memory; {target} allows {target.max_smem_per_cta} per CTA: use "
@@ -100,15 +117,19 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "tcgen05.mma.m128", "cp_async": False,
             "kv_loads": "tma", "smem_swizzle": SWIZZLE, "smem_bytes": c.smem_bytes,
-            "tmem_columns": c.tmem_columns}
+            "tmem_columns": c.tmem_columns, "min_ctas_per_sm": c.min_ctas_per_sm}
 
 
 class Tcgen05Math(WgmmaMath):
     """WgmmaMath's softmax over S and O kept in tensor memory (see the module docstring); the
     pipeline calls the same hooks (issue_scores, issue_pv / skip_pv, scores_ready, pv_done,
-    softmax_early / softmax_late, epilogue)."""
+    softmax_early / softmax_late, epilogue). M = block_m: 128 rows on 8 warps, or 64 on 4
+    (data-path layout F: row i at lane 32 (i // 16) + i % 16, so warp w's 16 rows are the
+    first half of its sub-partition). `bars`: 24 bytes of shared memory (8-aligned) for the
+    two MMA barriers and the tensor-memory address (a subclass may set `self.bars_at`)."""
 
-    def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg):
+    def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg | None = None):
+        bars = self.bars_at if bars is None else bars
         MmaMath.__init__(self, b, ctx)
         cfg = ctx.cfg
         self.bm, self.dv = cfg.block_m, cfg.dv
@@ -130,8 +151,7 @@ class Tcgen05Math(WgmmaMath):
         self.tmem = base
         self.s_cols, self.p_cols = base, b.add(base, self.bn)
         self.o_cols = b.add(base, self.bn + self.bn // 2)
-        lane = b.add(b.shl(b.and_(ctx.warp, 3), 5), b.shl(b.shr(ctx.warp, 2), 4))
-        lane_bits = b.shl(lane, 16)           # this warp's 16 lanes (rows)
+        lane_bits = b.shl(self._lane0(b, ctx), 16)           # this warp's 16 lanes (rows)
         self.s_warp, self.p_warp, self.o_warp = (b.add(c, lane_bits) for c in
                                                  (self.s_cols, self.p_cols, self.o_cols))
         self.idesc_s = b.umma_instr_descriptor(self.bm, self.bn, self.in_type)
@@ -143,9 +163,18 @@ class Tcgen05Math(WgmmaMath):
         b.tcgen05_wait("st")
         b.tcgen05_fence(before=True)
 
-    def warp_row0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
-        """Warp w's first row: 32 (w % 4) + 16 (w // 4), inside its tensor-memory lanes."""
+    def _lane0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
+        """Warp w's first tensor-memory lane: 32 (w % 4) + 16 (w // 4) at M = 128 (warps w and
+        w + 4 split a sub-partition), 32 w at M = 64."""
+        if ctx.cfg.block_m == 64:
+            return b.shl(ctx.warp, 5)
         return b.add(b.shl(b.and_(ctx.warp, 3), 5), b.shl(b.shr(ctx.warp, 2), 4))
+
+    def warp_row0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
+        """Warp w's first row: its first lane at M = 128, 16 w at M = 64 (layout F)."""
+        if ctx.cfg.block_m == 64:
+            return b.shl(ctx.warp, 4)
+        return self._lane0(b, ctx)
 
     # ---- the tensor-core side (thread 0) ------------------------------------------------
     def issue_scores(self, k_tile: Reg) -> None:
@@ -213,45 +242,36 @@ class Tcgen05Math(WgmmaMath):
         b.tcgen05_wait("st")
         b.tcgen05_fence(before=True)
 
-    def epilogue(self) -> None:
+    def fetch_o(self) -> None:
+        """After the last P·V: this warp's rows of O into registers (the mma C layout)."""
         b = self.b
         o = b.tcgen05_ld("16x256b", self.dv // 8, self.o_warp, F32)
         b.tcgen05_wait("ld")
         self.o_tiles = [[o[4 * j:4 * j + 4] for j in range(self.dv // 8)]]
         self.o = self.o_tiles[0]
         b.tcgen05_fence(before=True)
-        super().epilogue()
-        with b.if_then(self.warp0):
-            b.tcgen05_dealloc(self.tmem, self.ctx.cfg.tmem_columns)
+
+    def release(self) -> None:
+        """Warp 0 frees the tensor memory once every warp has loaded its O (a CTA barrier)."""
+        self.b.bar_sync(0)
+        with self.b.if_then(self.warp0):
+            self.b.tcgen05_dealloc(self.tmem, self.ctx.cfg.tmem_columns)
+
+    def epilogue(self) -> None:
+        self.fetch_o()
+        MmaMath.epilogue(self)
+        self.release()
 
 
 def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: Tcgen05Config, ptrs, strides, seq_q,
               seq_k, tmaps: dict) -> None:
     """prefill_tma.emit_tma_prefill's one-issuer body with Tcgen05Math."""
     s: Setup = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k)
-    bn, stages, first_tile = cfg.block_n, cfg.num_stages, s.first_tile
     ctx = s.ctx(spec, cfg, ptrs, strides, seq_q, seq_k)
-    k_bytes, v_bytes = cfg.kv_geom.bytes, cfg.v_geom.bytes
+    k_bytes, v_bytes, stages = cfg.kv_geom.bytes, cfg.v_geom.bytes, cfg.num_stages
     bars = b.add(s.k_smem, stages * (k_bytes + v_bytes))
     math = Tcgen05Math(b, ctx, b.add(bars, barrier_bytes(stages)))
-    addr = {t: b.tensor_map_address(tmaps[t]) for t in "qkv"}
-    coords = {t: (b.bitcast(s.head if t == "q" else s.kv_head, S32), b.bitcast(s.batch, S32))
-              for t in "qkv"}
-    slab_cols = SWIZZLE // cfg.fmt.bytes
-
-    def copy_tile(t: str, tile, dst: Reg, bar) -> None:
-        if t == "q":
-            row0, rows = s.m_start, cfg.block_m
-        else:
-            row0, rows = b.mul(tile if first_tile is None else b.add(tile, first_tile), bn), bn
-        h, n = coords[t]
-        row0 = b.bitcast(row0, S32)
-        for k in range(cfg.head_dim // slab_cols):       # slab k: rows x 128 B
-            b.tma_load(Addr(dst, k * rows * SWIZZLE), addr[t], [k * slab_cols, h, row0, n], bar)
-
-    def key0_of(j: Reg) -> Reg:
-        return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
-
+    copy_tile, key0_of = tile_copies(b, cfg, s, tmaps)
     run_tma_pipeline(b, stages=stages, kv_bytes=k_bytes, v_bytes=v_bytes,
                      q_bytes=cfg.q_geom.bytes, q_smem=s.smem, k_smem=s.k_smem, v_smem=s.v_smem,
                      bars=bars, leader=math.issuer, n_tiles=s.n_tiles, n_full=s.n_full,

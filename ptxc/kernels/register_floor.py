@@ -72,6 +72,8 @@ SPILLING_SHAPES = frozenset({
     "varlen/f16/24/causal/sm_89/win+sink", "varlen/f16/40/causal/sm_80/win+sink",
     "varlen/f16/72/causal/sm_90/win+sink", "varlen/f16/88/causal/sm_120/win+sink",
     "varlen/f16/88/causal/sm_80/win+sink", "varlen/f16/96/causal/sm_80/win+sink",
+    # sm_100a's mma.sync tile (head dims tcgen05 does not take) with every variant
+    "varlen/f16/32/causal/sm_100a/win+cap+sink+alibi",
     # mla (keyed as its varlen view): the paged tile's page-id registers at 128 registers
     "mla/f16/160/causal/sm_80/dv128", "mla/f16/176/causal/sm_80/dv128", "mla/f16/192/causal/sm_80/dv128",
     "mla/f16/208/causal/sm_80/dv128", "mla/f16/224/causal/sm_80/dv128", "mla/f16/240/causal/sm_80/dv128",

@@ -115,8 +115,9 @@ def validate(spec: KernelSpec) -> None:
             raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim "
                             f"{spec.head_dim}, targets {', '.join(spec.targets)}: TMA feeds only "
                             f"the sm_90a wgmma kernel (f16/bf16 caches, head_dim and head_dim_v "
-                            f"64, 128, 192 or 256, block_m 64 or 128); add sm_90a or drop the "
-                            f"key", key="tile.kv_loads")
+                            f"64, 128, 192 or 256, block_m 64 or 128) and the sm_100a tcgen05 "
+                            f"one (head_dim 64 or 128); add sm_90a or drop the key",
+                            key="tile.kv_loads")
 
 
 def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
@@ -175,6 +176,8 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
         # custom masks run the mma.sync body on sm_90a too (the wgmma layouts do not map to
         # the mask predicate yet)
         kv = kv_access(spec)
+        if wg.applies_tcgen05(spec, target, cfg, kv):    # sm_100a: the tile on tcgen05
+            return wg.configure_tcgen05(cfg)
         if wg.applies(spec, target, cfg, kv):
             return wg.configure(spec, cfg, kv)
     return cfg

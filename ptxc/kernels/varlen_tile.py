@@ -16,6 +16,7 @@ from .kv_fp8_stage import StagedFP8Config, StagingGeom
 from .packed_tile import VarlenCtx
 from .prefill_config import PrefillConfig
 from .prefill_mma import MmaMath
+from .prefill_tcgen05 import PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS, TensorMemoryTile
 from .prefill_wgmma import ROWS_PER_WARPGROUP, SWIZZLE, SwizzledGeom, WgmmaConfig, uses_wgmma
 from .tiles import CHUNK
 from .variant import finish_rows
@@ -138,6 +139,23 @@ class WgmmaTileConfig(WgmmaConfig):
         return SwizzledGeom(rows, self.group_bytes, self.threads)
 
 
+@dataclass(frozen=True)
+class Tcgen05TileConfig(TensorMemoryTile, WgmmaTileConfig):
+    """The packed tile on tcgen05 (sm_100a; TMA loads): WgmmaTileConfig's shared memory plus
+    the MMA barriers and the tensor-memory address, S/P/O in tensor memory."""
+
+
+def applies_tcgen05(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
+    """Whether the packed tile `cfg` runs on tcgen05 for `target` (prefill_tcgen05.py's math
+    on varlen_tma.py's body): sm_100a / sm_103a, caches of the dtype loaded by TMA, head_dim =
+    head_dim_v 64 or 128, block_m 64 (M = 64) or 128, no custom mask."""
+    return (target.name in TCGEN05_TARGETS and spec.dtype in ("f16", "bf16")
+            and kv_dtype(spec) == spec.dtype and cfg.head_dim == cfg.dv in TCGEN05_HEAD_DIMS
+            and _loads_by_tma(spec, kv) and spec.opt("custom_mask") in (None, "none")
+            and cfg.v_split == 1 and cfg.block_m in (64, 128)
+            and cfg.num_warps == cfg.block_m // 16)
+
+
 def applies(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
     """Whether the packed tile `cfg` (the mma.sync one) runs on wgmma for `target`: caches of
     the dtype, or FP8 (e4m3 / e5m2) staged by cp.async. V narrower than K (head_dim_v <
@@ -177,10 +195,21 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
                            kv_loads="tma" if tma else "cp_async", fp8=fp8)
 
 
+def configure_tcgen05(cfg: PrefillConfig) -> Tcgen05TileConfig:
+    """The packed tile on tcgen05 (applies_tcgen05 holds): the same tile, TMA loads."""
+    return Tcgen05TileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
+                             cfg.num_stages, False, cfg.dv, 1, kv_loads="tma",
+                             min_ctas_per_sm=PIN_REGISTERS)
+
+
 def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
-    """The metadata config: the packed tile's, with the path and the swizzle (as prefill), and
-    kv_loads = "tma" when TMA loads the K/V tiles (absent: per-thread cp.async)."""
-    out = {**base, "path": PATH, "smem_swizzle": SWIZZLE, **({"kv_loads": "tma"} if cfg.tma else {}),
-           **({"fp8_staging_bytes": cfg.staging_geom.bytes} if cfg.fp8 else {})}
+    """The metadata config: the packed tile's, with the path and the swizzle (as prefill),
+    kv_loads = "tma" when TMA loads the K/V tiles (absent: per-thread cp.async), and on
+    tcgen05 the tensor-memory columns."""
+    tc = isinstance(cfg, Tcgen05TileConfig)
+    out = {**base, "path": f"tcgen05.mma.m{cfg.block_m}" if tc else PATH,
+           "smem_swizzle": SWIZZLE, **({"kv_loads": "tma"} if cfg.tma else {}),
+           **({"fp8_staging_bytes": cfg.staging_geom.bytes} if cfg.fp8 else {}),
+           **({"tmem_columns": cfg.tmem_columns} if tc else {})}
     out.pop("smem_row_stride")
     return out

@@ -44,9 +44,24 @@ from .kv_access import KVAccess
 from .packed_tile import TileWork, packed_tile_setup
 from .prefill_wgmma import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
 from .tiles import CHUNK
-from .tma_pipeline import run_tma_pipeline
-from .varlen_tile import score_transform
+from .prefill_tcgen05 import Tcgen05Math
+from .tma_pipeline import barrier_bytes, run_tma_pipeline
+from .varlen_tile import Tcgen05TileConfig, VarlenMath, score_transform
 from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
+
+
+class VarlenTcgen05Math(VarlenMath, Tcgen05Math):
+    """Tcgen05Math's tile math (sm_100a) with VarlenMath's per-row epilogue: O is fetched from
+    tensor memory first and the tensor memory freed after."""
+
+    def __init__(self, b: KernelBuilder, ctx, ptrs: dict, strides: dict, bars: Reg):
+        self.bars_at = bars
+        VarlenMath.__init__(self, b, ctx, ptrs, strides)
+
+    def epilogue(self) -> None:
+        self.fetch_o()
+        VarlenMath.epilogue(self)
+        self.release()
 
 def box_rows(kv: KVAccess, block_n: int) -> int:
     return block_n if kv.layout == "contiguous" else min(kv.page_size, block_n)
@@ -195,11 +210,16 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
             b.fence_proxy_async()
             b.bar_sync(0)
 
-    math = VarlenWgmmaMath(b, ctx, ptrs, strides)
     kv_bytes, v_bytes = cfg.kv_geom.bytes, cfg.v_geom.bytes
+    if isinstance(cfg, Tcgen05TileConfig):      # sm_100a: its MMA barriers after the TMA ones
+        bars = b.add(tile.v_smem, stages * v_bytes)
+        math = VarlenTcgen05Math(b, ctx, ptrs, strides, b.add(bars, barrier_bytes(stages)))
+    else:
+        math = VarlenWgmmaMath(b, ctx, ptrs, strides)
+        bars = b.add(tile.v_smem, stages * v_bytes)
     run_tma_pipeline(b, stages=stages, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=0, q_smem=tile.smem,
                      k_smem=tile.k_smem, v_smem=tile.v_smem,
-                     bars=b.add(tile.v_smem, stages * v_bytes), leader=b.setp("eq", ctx.tid, 0),
+                     bars=bars, leader=b.setp("eq", ctx.tid, 0),
                      n_tiles=n_tiles, n_full=tile.n_full,
                      key0_of=lambda j: b.mul(b.add(first, j), bn), copy_tile=copy_tile, math=math,
                      transform=score_transform(b, spec, math), lo_full=tile.lo_full,

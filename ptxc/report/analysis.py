@@ -21,7 +21,7 @@ from ..pipeline import exprs
 from .costs import launch_cost, resolve_dims, roofline
 from ..errors import InputError, UserError
 from .gpus import GPUS, get_gpu, models_for_target, sm_of_target
-from .loop_model import kv_reuse, kv_rows_per_iteration, loop_figures, with_tma_loads
+from .loop_model import kv_reuse, kv_rows_per_iteration, loop_figures, with_tma_loads, with_umma_flops
 from .launch_model import CALIBRATION_ERROR, CALIBRATIONS, launch_list_seconds
 from ..targets import get_target, occupancy
 
@@ -109,6 +109,7 @@ def _loop_row(profile: dict | None, k: dict, meta: dict, config: dict, occ: dict
     rows = kv_rows_per_iteration(meta["family"], config, k["entry"])
     reuse = kv_reuse(meta["family"], config, meta["spec"], dims) if rows else 1
     loop = with_tma_loads(loops["loops"][loops["main"]], k, meta["tensors"], config, rows, warps)
+    loop = with_umma_flops(loop, config, meta["spec"], warps)
     return loop_figures(loop, warps, (occ or {}).get("ctas_per_sm", 0), rows, gpus, reuse)
 
 

@@ -18,6 +18,7 @@ fraction of DRAM bandwidth the loop can use. Warps of a CTA are assumed to run t
 from __future__ import annotations
 
 from ..pipeline.metadata import ELEMENT_BYTES
+from .loops import HMMA_16816_FLOPS
 
 BOUNDS = ("issue", "tensor", "fp32", "bandwidth", "latency")
 COPY_FAMILIES = ("kv_append", "mla_append")   # no attention loop: rows copied once
@@ -73,6 +74,24 @@ def with_tma_loads(loop: dict, launch: dict, tensors: dict, config: dict, kv_row
             "tma_bytes_per_iteration": per_iter}
 
 
+def with_umma_flops(loop: dict, config: dict, spec: dict, warps_per_cta: int) -> dict:
+    """A tcgen05 loop's tensor work: one thread issues the CTA's MMAs with their shapes in an
+    instruction-descriptor register, so the SASS shows the issues (class "umma") but no FLOPs.
+    Per iteration the CTA computes S = Q·Kᵀ and O += P·V over block_m x block_n:
+    2 block_m block_n (head_dim + head_dim_v) FLOPs, spread here over the warps (the per-warp
+    figures are what the model scales), on top of the SASS's own (the mma.sync row sums)."""
+    if not loop["classes"].get("umma") or not str(config.get("path", "")).startswith("tcgen05"):
+        return loop
+    d = int(spec["head_dim"])
+    dv = int(spec.get("head_dim_v") or d)
+    cta = 2 * config["block_m"] * config["block_n"] * (d + dv)
+    flops = loop["mma_flops"] + cta // warps_per_cta
+    total = loop["instructions"]
+    return {**loop, "mma_flops": flops, "umma_flops_per_cta": cta,
+            "mma_equivalents": round(flops / HMMA_16816_FLOPS, 2),
+            "instructions_per_mma_equivalent": round(total * HMMA_16816_FLOPS / flops, 2)}
+
+
 def bound_on(loop: dict, warps_per_sm: int, gpu, reuse: int = 1) -> dict:
     """Seconds per iteration of every resident CTA under each bound, on one GPU model; only
     1/`reuse` of the loaded bytes come from DRAM (the rest from L2, at no modelled cost)."""
@@ -112,4 +131,4 @@ def loop_figures(loop: dict, warps_per_cta: int, ctas_per_sm: int, kv_rows: int 
 
 
 __all__ = ["BOUNDS", "bound_on", "kv_reuse", "kv_rows_per_iteration", "loop_figures",
-           "with_tma_loads"]
+           "with_tma_loads", "with_umma_flops"]

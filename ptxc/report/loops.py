@@ -25,13 +25,14 @@ import re
 from dataclasses import dataclass
 
 # Instruction classes, in report order: name -> predicate on (base opcode, full opcode).
-CLASSES = ("tensor", "ldsm", "ldgsts", "ldg", "stg", "lds", "sts", "mufu", "fp32", "cvt",
-           "shfl", "bar", "int", "move", "control", "other")
+CLASSES = ("tensor", "umma", "ldsm", "ldgsts", "ldg", "stg", "lds", "sts", "tmem", "mufu", "fp32",
+           "cvt", "shfl", "bar", "int", "move", "control", "other")
 _TENSOR = {"HMMA", "HGMMA", "IMMA", "DMMA", "QGMMA", "IGMMA", "BMMA"}
 _FP = {"FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FSWZADD", "HADD2",
        "HMUL2", "HFMA2", "HMNMX2", "HSET2", "HSETP2", "FMUL2", "FADD2", "FFMA2"}
 _CVT = {"F2F", "F2I", "I2F", "F2FP", "I2FP", "F2IP", "FRND", "I2I", "I2IP"}
 _BAR = {"BAR", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "MEMBAR", "SYNCS", "ARRIVES", "ERRBAR", "CCTL",
+        "UTCBAR",
         "WARPGROUP", "FENCE"}
 _INT = {"IADD3", "IADD", "IMAD", "LEA", "LOP3", "LOP", "SHF", "ISETP", "IMNMX", "IABS", "POPC",
         "FLO", "BFE", "BFI", "PRMT", "SEL", "PLOP3", "P2R", "R2P", "VIADD", "VIMNMX", "IDP",
@@ -43,7 +44,11 @@ _GLOBAL_LOADS = {"LDG", "LD"}
 # Bulk-copy issue (TMA boxes, bulk copies, their prefetches): the instruction that feeds a tile
 # whose bytes are not in the SASS (the box lives in the tensor map). It is tile work wherever it
 # stands, so a region holding one is never a table refill and the steady path keeps it.
-_BULK_ISSUE = {"UTMALDG", "UBLKCP", "UTMAPF", "UBLKPF"}
+# Blackwell's tcgen05.mma (UTC*MMA, class "umma") is issued the same way, by one thread for the
+# CTA, with its shape in an instruction-descriptor register: no FLOPs from the SASS (the report
+# takes them from the launch's tile, loop_model.with_umma_flops), and issue work like a box.
+_UMMA = {"UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCOMMA", "UTCMMA"}
+_BULK_ISSUE = {"UTMALDG", "UBLKCP", "UTMAPF", "UBLKPF"} | _UMMA
 _GLOBAL_STORES = {"STG", "ST", "RED", "ATOMG", "ATOM"}
 
 _LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):")
@@ -100,6 +105,10 @@ def classify(opcode: str) -> str:
     base = parts[0]
     if base in _TENSOR:
         return "tensor"
+    if base in _UMMA:
+        return "umma"
+    if base in ("LDTM", "STTM"):
+        return "tmem"     # tcgen05.ld / st: tensor memory <-> registers
     if base in ("LDSM", "LDGSTS", "LDS", "STS", "MUFU", "SHFL"):
         return base.lower()
     if base == "STSM":

@@ -1,0 +1,100 @@
+"""varlen on tcgen05 for sm_100a (prefill_tcgen05.Tcgen05Math on varlen_tma.py's body): the
+GQA-packed tile with S, P and O in tensor memory, K/V tiles by TMA. Emulator numerics of the
+real sm_100a PTX against the fp64 reference on ragged batches (sequence lengths 0 / 1 / 17 /
+113, chunks with q_len > 1, pages crossed) whose caches hold NaN at and past every L and in
+every page no sequence uses; paged and contiguous, block_m 64 (M = 64: data-path layout F)
+and 128, causal and not, GQA 4 / 8, split-KV with empty splits, LSE, variants; which specs
+take the path; ptxas sm_100a with 0 spills."""
+
+import pytest
+
+from conftest import build_kernel
+from ptxc.kernels import FAMILIES, load_text
+from ptxc.kernels.varlen_tile import PATH
+from ptxc.spec.model import KernelSpec
+from ptxc.targets import TARGETS
+from tests.test_varlen_tma import check_poisoned, spec_body
+
+pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
+VARLEN = FAMILIES["varlen"]
+SM100A = ("sm_100a",)
+SLOW = pytest.mark.slow
+
+
+def build(tmp_path, layout, tile="", extra="", **case):
+    art = build_kernel(tmp_path, "varlen", spec_body(layout, **case) + extra, tile=tile,
+                       targets=SM100A)
+    target = art.meta["targets"]["sm_100a"]
+    ptx = (art.path / target["ptx"]).read_text()
+    assert target["config"]["path"].startswith("tcgen05.mma.m")
+    assert target["config"]["kv_loads"] == "tma" and target["config"]["tmem_columns"] >= 128
+    assert "cp.async.bulk.tensor.4d" in ptx and "tcgen05.mma.cta_group::1.kind::f16" in ptx
+    return art, KernelSpec.from_dict(art.meta["spec"])
+
+
+@pytest.mark.parametrize("layout,tile,case", [
+    ("page16", "", dict(dtype="f16", head_dim=64, gqa="gqa4", causal=True)),
+    ("contiguous", "block_n = 32", dict(dtype="bf16", head_dim=128, gqa="gqa8", causal=False,
+                                        splits=3)),
+    ("page64", "block_m = 128\nnum_warps = 8", dict(dtype="bf16", head_dim=64, gqa="gqa8",
+                                                    causal=True, splits=4)),
+    *(pytest.param(lay, "", dict(dtype=dt, head_dim=d, gqa=g, causal=c, splits=s), marks=SLOW)
+      for dt in ("f16", "bf16") for d in (64, 128) for g in ("gqa4", "gqa8")
+      for c in (True, False) for lay, s in (("page16", 1), ("page64", "auto"), ("contiguous", 3))),
+], ids=lambda x: "-".join(map(str, x.values())) if isinstance(x, dict) else
+    x.replace(" ", "").replace("\n", "-"))
+def test_ragged_batch_with_nan_garbage(tmp_path, layout, tile, case):
+    art, spec = build(tmp_path, layout, tile, **case)
+    check_poisoned(art, spec, layout, target="sm_100a")
+
+
+@pytest.mark.parametrize("extra", ["sliding_window = 21", "logits_soft_cap = 2.0",
+                                   "attention_sinks = true", "alibi = true"])
+def test_variants(tmp_path, extra):
+    layout = "page16" if "21" in extra else "page64"
+    art, spec = build(tmp_path, layout, "", "\n" + extra, dtype="f16", head_dim=64,
+                      gqa="gqa4", causal=True, splits=2)
+    check_poisoned(art, spec, layout, seed=2, target="sm_100a")
+
+
+def _path(text: str, target: str = "sm_100a") -> str:
+    [spec] = load_text(f'[[kernel]]\nname = "k"\nfamily = "varlen"\ntargets = ["{target}"]\n'
+                       + text)
+    return VARLEN.resolve_tile(spec, TARGETS[target])["path"]
+
+
+def test_which_specs_take_tcgen05():
+    """sm_100a f16/bf16 caches loaded by TMA at head_dim 64/128 take tcgen05 (M = block_m);
+    FP8 caches, pages TMA cannot box, head_dim_v < head_dim, other head dims and sm_100
+    without the suffix keep the mma.sync tile."""
+    assert _path(spec_body("page16", head_dim=128)) == "tcgen05.mma.m64"
+    assert _path(spec_body("contiguous", head_dim=64) +
+                 "\n[kernel.tile]\nblock_m = 128\nnum_warps = 8") == "tcgen05.mma.m128"
+    for text, target in ((spec_body("page16", head_dim=128), "sm_100"),
+                         (spec_body("page4", head_dim=128), "sm_100a"),
+                         (spec_body("page16", head_dim=256), "sm_100a"),
+                         (spec_body("page16", head_dim=128) + '\nkv_dtype = "e4m3"\n'
+                          'kv_scale = "tensor"', "sm_100a"),
+                         (spec_body("page16", head_dim=128) +
+                          '\n[kernel.tile]\nkv_loads = "cp_async"', "sm_100a")):
+        assert _path(text, target) in ("mma.m16n8k16", PATH), (text, target)
+        assert not _path(text, target).startswith("tcgen05"), (text, target)
+
+
+def test_ptxas_zero_spills(toolchain):
+    from ptxc.pipeline.compiler import lower
+    from ptxc.pipeline.ptxas import assemble
+    every = "\nsliding_window = 21\nlogits_soft_cap = 2.0\nattention_sinks = true\nalibi = true"
+    for d in (64, 128):
+        for tile in ("", "\n[kernel.tile]\nblock_m = 128\nnum_warps = 8"):
+            for extra in ("", every):
+                for layout in ("page16", "contiguous"):
+                    [spec] = load_text('[[kernel]]\nname = "k"\nfamily = "varlen"\n'
+                                       'targets = ["sm_100a"]\n'
+                                       + spec_body(layout, head_dim=d, causal=True) + extra
+                                       + tile)
+                    ptx = lower(spec, "sm_100a")[0]
+                    _, res, _ = assemble(ptx, "sm_100a", toolchain, "k")
+                    [r] = res.values()
+                    assert r.spill_stores == r.spill_loads == 0 and r.stack == 0, \
+                        (d, tile, extra, layout)
