@@ -1,5 +1,6 @@
-"""sm_100a prefill on tcgen05 (prefill_tcgen05.py): S, P and O in tensor memory, one thread
-issuing the MMAs and the TMA copies. Numerical checks in the emulator against the fp64
+"""sm_100a prefill on tcgen05 (prefill_tcgen05.py): S, P and O in tensor memory, the MMAs and
+TMA copies issued by a load warp and an MMA warp (tcgen05_ws_pipeline.py, the default from d128)
+or by thread 0 (the default at d64). Numerical checks in the emulator against the fp64
 reference on odd shapes (seq 1, 17, 113, 333; q_len > L; GQA 1/4/8 and MQA; causal and not;
 LSE; the lazy rescale driven by growing scores; variants; bhsd strides; no keys), the path
 and tile rules, and ptxas with 0 spills for every head dim and option the path takes."""
@@ -56,6 +57,47 @@ def tc_check(dtype, head_dim, heads, causal, shapes=SHAPES, tile=None, extra="",
 ])
 def test_matrix(dtype, head_dim, heads, causal):
     tc_check(dtype, head_dim, heads, causal, batch=1)
+
+
+ONE = {"warp_specialize": False}     # thread 0 issues the copies and the MMAs
+WS = {"warp_specialize": True}       # the load, MMA and softmax warps
+
+
+def test_default_warp_specialization():
+    """The load / MMA / softmax warps (tcgen05_ws_pipeline.py, 320 threads) by default at d128;
+    at d64 the one-issuer kernel (256 threads, two CTAs per SM); either on request."""
+    config = compiled(spec_text("bf16", 128, "gqa4", True, targets=SM100A), "sm_100a")[3]
+    assert config["warp_specialize"] and config["threads"] == 320
+    config = compiled(spec_text("bf16", 64, "gqa4", True, targets=SM100A), "sm_100a")[3]
+    assert "warp_specialize" not in config
+    config = compiled(spec_text("bf16", 64, "gqa4", True, tile={"warp_specialize": True},
+                                targets=SM100A), "sm_100a")[3]
+    assert config["warp_specialize"] and config["threads"] == 320
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads,causal", [
+    ("bf16", 64, "gqa4", True), ("f16", 128, "mqa", False),
+    *(pytest.param(dt, d, h, c, marks=SLOW) for dt in ("f16", "bf16") for d in (64, 128)
+      for h in ("mha", "gqa8") for c in (False, True)),
+])
+def test_one_issuing_thread_matrix(dtype, head_dim, heads, causal):
+    """tile.warp_specialize = false (d64's default): thread 0 issues the copies and the MMAs on
+    tma_pipeline.py's schedule (one CTA barrier a tile); several tiles, stage wraps, q_len > L."""
+    config = compiled(spec_text(dtype, head_dim, heads, causal, tile=ONE, targets=SM100A),
+                      "sm_100a")[3]
+    assert "warp_specialize" not in config and config["min_ctas_per_sm"] == 1
+    tc_check(dtype, head_dim, heads, causal, SHAPES + [(333, 333), (200, 150)], tile=ONE, batch=1)
+
+
+def test_one_issuing_thread_rescale_variants_and_no_keys():
+    tc_check("f16", 64, "gqa4", True, [(17, 300), (130, 61)], tile=ONE, transform=growing_scores,
+             batch=1)
+    tc_check("bf16", 128, "gqa4", True, [(130, 200)], tile={**ONE, "num_stages": 3},
+             extra="sliding_window = 21\nlogits_soft_cap = 2.0\nattention_sinks = true\n"
+                   "alibi = true\n", batch=1)
+    text = spec_text("bf16", 128, "gqa4", False, tile=ONE, targets=SM100A)
+    outs = run(text, 9, 0, target="sm_100a")[0]
+    assert np.all(outs["o"] == 0) and np.all(np.isneginf(outs["lse"]))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -121,13 +163,12 @@ def test_tile_keys_it_does_not_take():
             load_text(spec_text("f16", 64, tile={key: value}, targets=SM100A))
         assert e.value.key == f"tile.{key}" and "\n" not in str(e.value)
         assert "tcgen05" in str(e.value)
-    # the sm_90a kernel's own keys: ignored on sm_100a, refused when no target takes sm_90a's
-    both = ("sm_90a", "sm_100a")
-    for key in ("warp_specialize", "pingpong"):
-        load_text(spec_text("f16", 64, tile={key: True}, targets=both))
-        with pytest.raises(SpecError, match="sm_90a") as e:
-            load_text(spec_text("f16", 64, tile={key: True}, targets=SM100A))
-        assert e.value.key == f"tile.{key}"
+    # pingpong is the sm_90a kernel's own key: ignored on sm_100a, refused when no target takes
+    # sm_90a's kernel
+    load_text(spec_text("f16", 64, tile={"pingpong": True}, targets=("sm_90a", "sm_100a")))
+    with pytest.raises(SpecError, match="sm_90a") as e:
+        load_text(spec_text("f16", 64, tile={"pingpong": True}, targets=SM100A))
+    assert e.value.key == "tile.pingpong"
 
 
 def test_ptxas_zero_spills(toolchain):
@@ -137,21 +178,19 @@ def test_ptxas_zero_spills(toolchain):
     every = "sliding_window = 21\nlogits_soft_cap = 2.0\nattention_sinks = true\nalibi = true\n"
     for d in (64, 128):
         for dtype in ("f16", "bf16"):
-            for causal, extra in ((False, ""), (True, ""), (True, every)):
-                text = spec_text(dtype, d, "gqa4", causal, targets=SM100A)
+            for causal, extra, tile in ((False, "", None), (True, "", None), (True, every, None),
+                                        (False, "", ONE), (True, every, ONE), (False, "", WS),
+                                        (True, every, WS)):
+                text = spec_text(dtype, d, "gqa4", causal, tile=tile, targets=SM100A)
                 text = text.replace("targets = ", extra + "targets = ")
-                _, ptx, _, tile = compiled(text, "sm_100a")
+                _, ptx, _, config = compiled(text, "sm_100a")
                 _, res, _ = assemble(ptx, "sm_100a", toolchain, "p")
                 [r] = res.values()
-                assert r.spill_stores == r.spill_loads == 0 and r.stack == 0, (d, dtype, extra)
-                assert tile["tmem_columns"] == (256 if d == 64 else 512)
+                assert r.spill_stores == r.spill_loads == 0 and r.stack == 0, (d, dtype, extra, tile)
+                assert config["tmem_columns"] == (256 if d == 64 else 512)
 
 
-def test_sass_loop_one_issuing_thread(tmp_path):
-    """nvdisasm sm_100a at d128: the issuing warp's steady path holds the CTA's 16 UTCHMMA
-    (8 for S, 8 for P·V) and the other warps' none; every warp loads S and stores P once
-    (LDTM, STTM); the report spreads the tile's tensor work over the 8 warps (264
-    HMMA-equivalents each: 256 from the tile, 8 row-sum HMMA)."""
+def _main_loop(tmp_path, tile):
     from ptxc.report.analysis import build_report
     from ptxc.report.sass import SassUnavailable, find_nvdisasm
     try:
@@ -159,18 +198,37 @@ def test_sass_loop_one_issuing_thread(tmp_path):
     except SassUnavailable as e:
         pytest.skip(f"SASS unavailable: {e}")
     from ptxc.pipeline.build import run_build
-    text = spec_text("bf16", 128, "gqa4", True, targets=SM100A)
+    text = spec_text("bf16", 128, "gqa4", True, tile=tile, targets=SM100A)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "s.toml").write_text(text)
     run_build([tmp_path / "s.toml"], tmp_path / "out", progress=False)
     [k] = build_report([tmp_path / "out" / "p"])["kernels"]
     [t] = k["targets"]
     [launch] = t["launches"]
-    loop = launch["loop"]
+    return launch["loop"]
+
+
+def test_sass_loop_one_issuing_thread(tmp_path):
+    """nvdisasm sm_100a at d128, one issuing thread: the issuing warp's steady path holds the
+    CTA's 16 UTCHMMA (8 for S, 8 for P·V) and the other warps' none; every warp loads S and
+    stores P once (LDTM, STTM); the report spreads the tile's tensor work over the 8 warps (264
+    HMMA-equivalents each: 256 from the tile, 8 row-sum HMMA)."""
+    loop = _main_loop(tmp_path, ONE)
     assert set(loop["warp_instructions"]) == {"issuer", "others"}
     assert loop["classes"]["umma"] == 16 and loop["classes"]["tmem"] == 2
     assert loop["umma_flops_per_cta"] == 2 * 128 * 128 * 256
     assert loop["mma_equivalents"] == 264
     assert loop["warp_instructions"]["others"] < loop["warp_instructions"]["issuer"]
+
+
+def test_sass_loop_warp_specialized(tmp_path):
+    """The default at d128: the main loop is the softmax warps' -- no MMA or TMA issue in it,
+    one path for all of them, fewer instructions than the one-issuer kernel's other warps."""
+    loop = _main_loop(tmp_path, None)
+    assert "warp_instructions" not in loop
+    assert loop["classes"]["umma"] == 0 and loop["classes"]["tmem"] == 2
+    assert loop["mma_equivalents"] == 264
+    assert loop["instructions"] < _main_loop(tmp_path / "one", ONE)["warp_instructions"]["others"]
 
 
 def test_sm103a_takes_the_same_kernel():

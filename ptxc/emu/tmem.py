@@ -10,7 +10,8 @@ What it checks (each a Fault naming the line and the thread, hence the warp):
 * no read of a never-written cell;
 * no tcgen05.ld / tcgen05.st / dealloc of cells that a tcgen05.mma still writes: an MMA's
   cells stay *in flight* from its issue until a wait observes the mbarrier phase that a later
-  tcgen05.commit of the issuing thread arrives on (a missing commit, or a read before the
+  tcgen05.commit of the issuing thread arrives on -- a commit tracks every earlier MMA of its
+  thread not yet complete, as the PTX ISA defines it (a missing commit, or a read before the
   wait, is caught there);
 * no tcgen05.mma or tcgen05.ld reading cells that a tcgen05.st has not completed (the storing
   warp's tcgen05.wait::st completes them).
@@ -30,11 +31,12 @@ from ptxc.emu.tcgen05_layout import COLUMNS, LANES
 class MmaRecord:
     """One issued tcgen05.mma: the cells it writes and the shared chunks it reads."""
 
-    __slots__ = ("cta", "lanes", "cols", "smem_rows", "thread", "line")
+    __slots__ = ("cta", "lanes", "cols", "smem_rows", "thread", "line", "done")
 
     def __init__(self, cta, lanes, cols, smem_rows, thread, line):
         self.cta, self.lanes, self.cols = cta, lanes, cols
         self.smem_rows, self.thread, self.line = smem_rows, thread, line
+        self.done = False
 
 
 class TensorMemory:
@@ -48,7 +50,7 @@ class TensorMemory:
         self.allocated = np.zeros((n, COLUMNS), np.bool_)
         self.allocs = [dict() for _ in range(n)]                   # column -> columns
         self.relinquished = np.zeros(n, np.bool_)
-        self.uncommitted: dict = {}     # issuing thread -> [MmaRecord]
+        self.live: dict = {}            # issuing thread -> its MMAs not yet complete
         self.stores: dict = {}          # warp -> [(cta, lanes, cols)] before tcgen05.wait::st
         smem = ctx.smem
         if smem.async_readers is None:
@@ -142,15 +144,20 @@ class TensorMemory:
         self.in_flight[rec.cta][np.ix_(rec.lanes, rec.cols)] += 1
         np.add.at(self.ctx.smem.async_readers, rec.smem_rows, 1)
         self.ctx.smem.async_live += 1
-        self.uncommitted.setdefault(rec.thread, []).append(rec)
+        self.live.setdefault(rec.thread, []).append(rec)
 
     def commit(self, thread: int) -> list:
-        """The issuing thread's MMAs since its last commit, now tracked by an mbarrier."""
-        return self.uncommitted.pop(thread, [])
+        """The issuing thread's MMAs not yet complete, now (also) tracked by an mbarrier."""
+        return list(self.live.get(thread, ()))
 
     def retire(self, records):
-        """A wait observed the phase their commit arrived on: the MMAs are complete."""
+        """A wait observed the phase their commit arrived on: the MMAs are complete (those an
+        earlier commit's phase already completed are skipped)."""
         for rec in records:
+            if rec.done:
+                continue
+            rec.done = True
+            self.live[rec.thread].remove(rec)
             self.in_flight[rec.cta][np.ix_(rec.lanes, rec.cols)] -= 1
             np.subtract.at(self.ctx.smem.async_readers, rec.smem_rows, 1)
             self.ctx.smem.async_live -= 1

@@ -84,12 +84,12 @@ def validate(spec: KernelSpec) -> None:
                         f"targets {', '.join(spec.targets)}: TMA feeds only the sm_90a wgmma "
                         f"kernel ({wg.WGMMA_SHAPES}) and the sm_100a tcgen05 one "
                         f"({tc.TCGEN05_SHAPES}); add sm_90a or drop the key", key="tile.kv_loads")
-    if spec.tile_dict().get("warp_specialize") and \
-            not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
+    if spec.tile_dict().get("warp_specialize") and not any(
+            wg.uses_wgmma(spec, TARGETS[t]) or tc.uses_tcgen05(spec, TARGETS[t]) for t in spec.targets):
         raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "
                         f"{spec.head_dim}, targets {', '.join(spec.targets)}: only the sm_90a TMA "
-                        f"kernel ({wg.WGMMA_SHAPES}) has a "
-                        f"producer warpgroup; add sm_90a or drop the key",
+                        f"kernel ({wg.WGMMA_SHAPES}) and the sm_100a tcgen05 one "
+                        f"({tc.TCGEN05_SHAPES}) have producer warps; add sm_90a or drop the key",
                         key="tile.warp_specialize")
     if spec.tile_dict().get("pingpong") and \
             not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):

@@ -34,27 +34,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SpecError
-from ..ir import F32, U32, U64, Addr, Imm, KernelBuilder, Reg
+from ..ir import BF16, F16, F32, U32, Addr, KernelBuilder, Reg
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
 from .prefill_mma import MmaMath
 from .prefill_tma import tile_copies
 from .prefill_tile import Ctx
-from .prefill_wgmma import (SWIZZLE, SWIZZLE_PERIOD, Setup, WgmmaConfig, WgmmaMath, setup,
-                            tensor_map_params)
-from .tiles import CHUNK
-from .tma_pipeline import MBARRIER_BYTES, barrier_bytes, run_tma_pipeline
+from .prefill_wgmma import SWIZZLE, Setup, WgmmaConfig, WgmmaMath, setup, tensor_map_params
+from .tcgen05_ws_pipeline import ISSUE_THREADS, run_tcgen05_ws_pipeline
+from .tma_pipeline import barrier_bytes, run_tma_pipeline
+from .umma import BAR_O, BAR_S, MMA_REGION_BYTES, UmmaIssue, allocate, tmem_columns
 from .variant import head_dim_v
 
 TCGEN05_TARGETS = ("sm_100a", "sm_103a")
 TCGEN05_HEAD_DIMS = (64, 128)
 TCGEN05_SHAPES = "f16/bf16, head_dim = head_dim_v = 64 or 128"   # for refusals
 BLOCK_M = 128
-EXTRA_SMEM = 3 * MBARRIER_BYTES          # bar_s, bar_o and the tensor-memory address slot
+EXTRA_SMEM = MMA_REGION_BYTES            # the MMA region (umma.py) after the TMA barriers
 # .minnctapersm 1: without it ptxas 13.5 gave the 4-warp varlen tile at d64 with every variant
 # 96 registers and 8 bytes of spills; pinned, 102 registers and none
 PIN_REGISTERS = 1
+# The load / MMA / softmax warps of tcgen05_ws_pipeline.py (tile.warp_specialize) are the
+# default from this head dim, on static figures alone (no Blackwell GPU lent): at d128 the
+# softmax warps' loop is 270 instructions a tile against 298, and 510 for the warp that issues
+# everything, in the one-issuer kernel, at the same one CTA per SM (shared memory bounds it;
+# docs/performance.md "Blackwell"). At d64 the one-issuer kernel keeps two CTAs per SM, which
+# the 320 threads of the warp-specialised one do not (99 registers; pinned to two CTAs, 96
+# registers, ptxas spilled), so it stays the default there.
+WS_MIN_HEAD_DIM = 128
 
 
 def uses_tcgen05(spec: KernelSpec, target: Target) -> bool:
@@ -62,13 +70,6 @@ def uses_tcgen05(spec: KernelSpec, target: Target) -> bool:
     return (target.name in TCGEN05_TARGETS and spec.dtype in ("f16", "bf16")
             and spec.head_dim in TCGEN05_HEAD_DIMS and head_dim_v(spec) == spec.head_dim
             and spec.opt("custom_mask") in (None, "none"))
-
-
-def tmem_columns(block_n: int, dv: int) -> int:
-    """Tensor-memory columns of S (block_n f32), P (block_n / 2 pairs) and O (dv f32), rounded
-    up to the power of two tcgen05.alloc takes."""
-    need = block_n + block_n // 2 + dv
-    return max(32, 1 << (need - 1).bit_length())
 
 
 class TensorMemoryTile:
@@ -86,13 +87,18 @@ class TensorMemoryTile:
 
 @dataclass(frozen=True)
 class Tcgen05Config(TensorMemoryTile, WgmmaConfig):
-    """WgmmaConfig's tiles (TMA, one issuer) with 8 warps of 16 rows and tensor memory."""
+    """WgmmaConfig's tiles (TMA) with 8 warps of 16 rows and tensor memory; warp_specialize
+    adds the load and MMA warps (tcgen05_ws_pipeline.py), not a warpgroup."""
+
+    @property
+    def launch_threads(self) -> int:
+        return self.threads + (ISSUE_THREADS if self.warp_specialize else 0)
 
 
 def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
     given = spec.tile_dict()
-    # warp_specialize and pingpong are the sm_90a kernel's keys: ignored here, as on the other
-    # targets (prefill.validate refuses them when no target takes that kernel)
+    # pingpong is the sm_90a kernel's key: ignored here, as on the other targets (prefill.validate
+    # refuses it when no target takes that kernel); warp_specialize picks the load / MMA warps
     for key, allowed in (("block_m", BLOCK_M), ("num_warps", 8), ("kv_loads", "tma")):
         if key in given and given[key] != allowed:
             raise SpecError(f"{key} = {given[key]!r} on {target}: the tcgen05 prefill kernel "
@@ -102,8 +108,9 @@ def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
     if bn not in (64, 128):
         raise SpecError(f"block_n = {bn} on {target}: the tcgen05 prefill kernel takes 64 or 128",
                         key="tile.block_n")
+    ws = given.get("warp_specialize", spec.head_dim >= WS_MIN_HEAD_DIM)
     cfg = Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,
-                        False, head_dim_v(spec), 1, kv_loads="tma",
+                        False, head_dim_v(spec), 1, kv_loads="tma", warp_specialize=ws,
                         min_ctas_per_sm=PIN_REGISTERS)
     if cfg.smem_bytes > target.max_smem_per_cta:
         raise SpecError(f"tile block_n={bn}, num_stages={stages} needs {cfg.smem_bytes} bytes of "
@@ -117,7 +124,8 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "tcgen05.mma.m128", "cp_async": False,
             "kv_loads": "tma", "smem_swizzle": SWIZZLE, "smem_bytes": c.smem_bytes,
-            "tmem_columns": c.tmem_columns, "min_ctas_per_sm": c.min_ctas_per_sm}
+            "tmem_columns": c.tmem_columns, "min_ctas_per_sm": c.min_ctas_per_sm,
+            **({"warp_specialize": True, "threads": c.launch_threads} if c.warp_specialize else {})}
 
 
 class Tcgen05Math(WgmmaMath):
@@ -125,10 +133,13 @@ class Tcgen05Math(WgmmaMath):
     pipeline calls the same hooks (issue_scores, issue_pv / skip_pv, scores_ready, pv_done,
     softmax_early / softmax_late, epilogue). M = block_m: 128 rows on 8 warps, or 64 on 4
     (data-path layout F: row i at lane 32 (i // 16) + i % 16, so warp w's 16 rows are the
-    first half of its sub-partition). `bars`: 24 bytes of shared memory (8-aligned) for the
-    two MMA barriers and the tensor-memory address (a subclass may set `self.bars_at`)."""
+    first half of its sub-partition). `bars`: the MMA region of shared memory (BAR_S ..
+    TMEM_SLOT; a subclass may set `self.bars_at`). Without `tmem` it initialises its barriers
+    and allocates the tensor memory itself (one-issuer kernels); the warp-specialised pipeline
+    does both before its warps part and passes the base."""
 
-    def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg | None = None):
+    def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg | None = None,
+                 tmem: Reg | None = None):
         bars = self.bars_at if bars is None else bars
         MmaMath.__init__(self, b, ctx)
         cfg = ctx.cfg
@@ -137,26 +148,17 @@ class Tcgen05Math(WgmmaMath):
         self.alpha = [b.mov(1.0, F32) for _ in range(2)]
         self.issuer = b.setp("eq", ctx.tid, 0)
         self.warp0 = b.setp("eq", b.shfl("idx", ctx.warp, 0), 0)    # warp-uniform
-        self.bar_s, self.bar_o = Addr(bars), Addr(bars, MBARRIER_BYTES)
-        slot = Addr(bars, 2 * MBARRIER_BYTES)
-        with b.if_then(self.issuer):
-            b.mbarrier_init(self.bar_s, 1)
-            b.mbarrier_init(self.bar_o, 1)
-        with b.if_then(self.warp0):
-            b.tcgen05_alloc(slot, cfg.tmem_columns)
-        b.bar_sync(0)
-        base = b.ld("shared", U32, slot)
-        with b.if_then(self.warp0):
-            b.tcgen05_relinquish()
-        self.tmem = base
-        self.s_cols, self.p_cols = base, b.add(base, self.bn)
-        self.o_cols = b.add(base, self.bn + self.bn // 2)
+        if tmem is None:
+            with b.if_then(self.issuer):
+                b.mbarrier_init(Addr(bars, BAR_S), 1)
+                b.mbarrier_init(Addr(bars, BAR_O), 1)
+            tmem = allocate(b, self.warp0, bars, cfg.tmem_columns)
+        self.tmem = tmem
+        self.umma = UmmaIssue(b, cfg, self.in_type, ctx.q_smem, tmem, bars)
+        self.bar_s, self.bar_o = self.umma.bar_s, self.umma.bar_o
         lane_bits = b.shl(self._lane0(b, ctx), 16)           # this warp's 16 lanes (rows)
-        self.s_warp, self.p_warp, self.o_warp = (b.add(c, lane_bits) for c in
-                                                 (self.s_cols, self.p_cols, self.o_cols))
-        self.idesc_s = b.umma_instr_descriptor(self.bm, self.bn, self.in_type)
-        self.idesc_o = b.umma_instr_descriptor(self.bm, self.dv, self.in_type, b_mn_major=True)
-        self.q_desc = b.umma_descriptor(ctx.q_smem, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        self.s_warp, self.p_warp, self.o_warp = (b.add(c, lane_bits) for c in (
+            self.umma.s_cols, self.umma.p_cols, self.umma.o_cols))
         self.s_phase, self.o_phase = b.mov(0, U32), b.mov(0, U32)
         zeros = [self.fzero[0]] * (4 * (self.dv // 8))
         b.tcgen05_st("16x256b", self.o_warp, zeros)        # O = 0: every P·V accumulates
@@ -178,29 +180,17 @@ class Tcgen05Math(WgmmaMath):
 
     # ---- the tensor-core side (thread 0) ------------------------------------------------
     def issue_scores(self, k_tile: Reg) -> None:
-        b = self.b
-        k_desc = b.umma_descriptor(k_tile, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
-        with b.if_then(self.issuer):
-            b.tcgen05_fence(before=False)
-            for kk in range(self.d // 16):
-                b.tcgen05_mma(self.s_cols, self._k_step(self.q_desc, kk, self.bm),
-                              self._k_step(k_desc, kk, self.bn), self.idesc_s, kk > 0)
-            b.tcgen05_commit(self.bar_s)
+        with self.b.if_then(self.issuer):
+            self.umma.scores(k_tile)
 
     def issue_pv(self, v_tile: Reg) -> None:
-        b = self.b
-        v_desc = b.umma_descriptor(v_tile, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
-        with b.if_then(self.issuer):
-            for kk in range(self.bn // 16):   # keys 16kk..: P columns 8kk.., V 2 periods further
-                desc = v_desc if kk == 0 else b.add(v_desc, Imm(kk * 2 * SWIZZLE_PERIOD >> 4, U64))
-                p = self.p_cols if kk == 0 else b.add(self.p_cols, 8 * kk)
-                b.tcgen05_mma(self.o_cols, p, desc, self.idesc_o, True)
-            b.tcgen05_commit(self.bar_o)
+        with self.b.if_then(self.issuer):
+            self.umma.pv(v_tile)
 
     def skip_pv(self) -> None:
         """No P·V this tile: an empty commit completes bar_o's phase, so pv_done's wait holds."""
         with self.b.if_then(self.issuer):
-            self.b.tcgen05_commit(self.bar_o)
+            self.umma.no_pv()
 
     def _wait(self, bar: Addr, phase: Reg) -> None:
         b = self.b
@@ -252,8 +242,9 @@ class Tcgen05Math(WgmmaMath):
         b.tcgen05_fence(before=True)
 
     def release(self) -> None:
-        """Warp 0 frees the tensor memory once every warp has loaded its O (a CTA barrier)."""
-        self.b.bar_sync(0)
+        """Warp 0 frees the tensor memory once every warp has loaded its O (a barrier of the
+        warps that compute)."""
+        self.cta_sync()
         with self.b.if_then(self.warp0):
             self.b.tcgen05_dealloc(self.tmem, self.ctx.cfg.tmem_columns)
 
@@ -265,12 +256,26 @@ class Tcgen05Math(WgmmaMath):
 
 def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: Tcgen05Config, ptrs, strides, seq_q,
               seq_k, tmaps: dict) -> None:
-    """prefill_tma.emit_tma_prefill's one-issuer body with Tcgen05Math."""
+    """prefill_tma.emit_tma_prefill's one-issuer body with Tcgen05Math, or with
+    tile.warp_specialize the load / MMA / softmax warps of tcgen05_ws_pipeline.py."""
     s: Setup = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k)
     ctx = s.ctx(spec, cfg, ptrs, strides, seq_q, seq_k)
     k_bytes, v_bytes, stages = cfg.kv_geom.bytes, cfg.v_geom.bytes, cfg.num_stages
     bars = b.add(s.k_smem, stages * (k_bytes + v_bytes))
-    math = Tcgen05Math(b, ctx, b.add(bars, barrier_bytes(stages)))
+    mma_bars = b.add(bars, barrier_bytes(stages, cfg.warp_specialize))
+    if cfg.warp_specialize:
+        copy_tile, key0_of = tile_copies(b, cfg, s, tmaps)
+        in_type = F16 if cfg.fmt.name == "f16" else BF16
+        run_tcgen05_ws_pipeline(
+            b, stages=stages, kv_bytes=k_bytes, v_bytes=v_bytes, q_bytes=cfg.q_geom.bytes,
+            q_smem=s.smem, k_smem=s.k_smem, v_smem=s.v_smem, bars=bars, mma_bars=mma_bars,
+            tid=s.tid, lane=s.lane, warp0=b.setp("eq", b.shfl("idx", s.warp, 0), 0),
+            columns=cfg.tmem_columns, n_tiles=s.n_tiles, n_full=s.n_full, key0_of=key0_of,
+            copy_tile=copy_tile, make_math=lambda tmem: Tcgen05Math(b, ctx, mma_bars, tmem),
+            make_issue=lambda tmem: UmmaIssue(b, cfg, in_type, s.smem, tmem, mma_bars),
+            transforms=bool(s.variant.transforms), lo_full=s.lo_full)
+        return
+    math = Tcgen05Math(b, ctx, mma_bars)
     copy_tile, key0_of = tile_copies(b, cfg, s, tmaps)
     run_tma_pipeline(b, stages=stages, kv_bytes=k_bytes, v_bytes=v_bytes,
                      q_bytes=cfg.q_geom.bytes, q_smem=s.smem, k_smem=s.k_smem, v_smem=s.v_smem,

@@ -268,10 +268,7 @@ class WgmmaMath(MmaMath):
             self.b.bar_sync(0)
 
     def _k_step(self, desc: Reg, kk: int, rows: int) -> Reg:
-        """Descriptor of k16 step kk of a K-major operand of `rows` rows: +32 B per step inside
-        a slab, + rows x 128 B per slab (the start field counts 16-byte units)."""
-        off = (kk % 4) * 32 + (kk // 4) * rows * SWIZZLE
-        return desc if off == 0 else self.b.add(desc, Imm(off >> 4, U64))
+        return k_step(self.b, desc, kk, rows)
 
     def issue_scores(self, k_tile: Reg) -> list[list[Reg]]:
         """Issue S = Q·Kᵀ as one commit group (not waited); returns S as n8 accumulator tiles."""
@@ -357,6 +354,14 @@ class WgmmaMath(MmaMath):
                            out=frag[2 * (jn % 2) + r])
         for a in self.p_frags:
             b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
+
+
+def k_step(b: KernelBuilder, desc: Reg, kk: int, rows: int) -> Reg:
+    """Descriptor (wgmma's or tcgen05's: the start field is the same) of k16 step kk of a
+    K-major operand of `rows` rows in 128-byte swizzled slabs: +32 B per step inside a slab,
+    + rows x 128 B per slab (the start field counts 16-byte units)."""
+    off = (kk % 4) * 32 + (kk // 4) * rows * SWIZZLE
+    return desc if off == 0 else b.add(desc, Imm(off >> 4, U64))
 
 
 def tensor_map_params(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, params: list) -> dict:

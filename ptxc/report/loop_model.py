@@ -75,12 +75,13 @@ def with_tma_loads(loop: dict, launch: dict, tensors: dict, config: dict, kv_row
 
 
 def with_umma_flops(loop: dict, config: dict, spec: dict, warps_per_cta: int) -> dict:
-    """A tcgen05 loop's tensor work: one thread issues the CTA's MMAs with their shapes in an
-    instruction-descriptor register, so the SASS shows the issues (class "umma") but no FLOPs.
-    Per iteration the CTA computes S = Q·Kᵀ and O += P·V over block_m x block_n:
-    2 block_m block_n (head_dim + head_dim_v) FLOPs, spread here over the warps (the per-warp
-    figures are what the model scales), on top of the SASS's own (the mma.sync row sums)."""
-    if not loop["classes"].get("umma") or not str(config.get("path", "")).startswith("tcgen05"):
+    """A tcgen05 kernel's main loop: one thread issues the CTA's MMAs with their shapes in an
+    instruction-descriptor register -- inside this loop (class "umma") or in an MMA warp's own
+    loop (warp-specialised) -- so the SASS shows no FLOPs for them. Per iteration the CTA
+    computes S = Q·Kᵀ and O += P·V over block_m x block_n: 2 block_m block_n (head_dim +
+    head_dim_v) FLOPs, spread here over the warps that run the loop (the per-warp figures are
+    what the model scales), on top of the SASS's own (the mma.sync row sums)."""
+    if not str(config.get("path", "")).startswith("tcgen05"):
         return loop
     d = int(spec["head_dim"])
     dv = int(spec.get("head_dim_v") or d)
