@@ -28,23 +28,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from ptxc.emu.wgmma_layout import Descriptor
+
 LANES, COLUMNS = 128, 512
 SWIZZLE_MODES = {0: 0, 2: 128, 4: 64, 6: 32}        # layout type -> swizzle width in bytes
 _A_FORMATS = {"f16": {0: "f16", 1: "bf16"}, "tf32": {2: "tf32"}}
 
 
-class SmemDescriptor:
-    """The decoded fields of one tcgen05 shared-memory descriptor (byte quantities); the same
-    attribute names as `wgmma_layout.Descriptor`, so operand reads take either."""
+class SmemDescriptor(Descriptor):
+    """The decoded fields of one tcgen05 shared-memory descriptor (byte quantities): wgmma's
+    start, LBO, SBO and base offset, its own swizzle field, and `problem`, so operand reads
+    take either kind."""
 
-    __slots__ = ("start", "lbo", "sbo", "base_offset", "swizzle", "problem")
+    __slots__ = ("problem",)
 
     def __init__(self, value: int):
+        super().__init__(value)
         value = int(value) & 0xFFFF_FFFF_FFFF_FFFF
-        self.start = (value & 0x3FFF) << 4
-        self.lbo = ((value >> 16) & 0x3FFF) << 4
-        self.sbo = ((value >> 32) & 0x3FFF) << 4
-        self.base_offset = (value >> 49) & 0x7
         layout = (value >> 61) & 0x7
         self.swizzle = SWIZZLE_MODES.get(layout, 0)
         version, lbo_mode = (value >> 46) & 0x7, (value >> 52) & 1
