@@ -119,6 +119,8 @@ OPTIONS = (
     ("prefill", True, _EVERY + "return_lse = true\n" + _SM100A, "tcvar_100a"),
     ("prefill", False, _SM100A + "[kernel.tile]\nwarp_specialize = true\n", "tcws_100a"),
     ("prefill", True, _EVERY + _SM100A + "[kernel.tile]\nwarp_specialize = false\n", "tcone_100a"),
+    ("prefill", True, "head_dim_v = 128\n" + _EVERY + _SM100A, "tcdv128_100a"),
+    ("varlen", True, _PAGED + "head_dim_v = 128\n" + _EVERY + _SM100A, "tcdv128_100a"),
     ("varlen", True, _PAGED + _SPLIT + _SM100A, "tcsplit_100a"),
     ("varlen", True, 'kv_layout = "contiguous"\n' + _EVERY + _SM100A, "tcvar_100a"),
     ("kv_append", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n', "fp8h"),

@@ -119,6 +119,23 @@ def test_lazy_rescale_with_growing_scores():
                  batch=1)
 
 
+@pytest.mark.parametrize("head_dim,head_dim_v,block_n,ws", [
+    (192, 128, 128, None), (256, 256, 64, None), (192, 192, 64, None), (128, 64, 128, None),
+    (256, 128, 64, None), (192, 128, 128, False)],
+    ids=["deepseek-192-128", "d256", "d192", "d128-v64", "d256-v128", "deepseek-one-issuer"])
+def test_wider_heads_and_narrower_v(head_dim, head_dim_v, block_n, ws):
+    """DeepSeek's MLA prefill (192 / 128), d256 and V narrower than K: K's and V's stages and
+    boxes of their own widths, S over head_dim, P·V N = head_dim_v (192: O loaded and stored as
+    16 + 8 blocks of 16x256b); 128 keys a tile where the stages fit, else 64."""
+    tile = None if ws is None else {"warp_specialize": ws}
+    extra = f"head_dim_v = {head_dim_v}\n"
+    text = spec_text("bf16", head_dim, "gqa4", True, tile=tile, targets=SM100A).replace(
+        "targets = ", extra + "targets = ")
+    assert compiled(text, "sm_100a")[3]["block_n"] == block_n
+    tc_check("bf16", head_dim, "gqa4", True, [(17, 113), (130, 200)], tile=tile, extra=extra,
+             batch=1)
+
+
 def test_bhsd_strides():
     tc_check("bf16", 128, "mqa", True, [(17, 45)], layout="bhsd")
 
@@ -139,10 +156,10 @@ def test_variants(extra):
 
 # ---- the path and its tile key ---------------------------------------------------------------
 def test_other_shapes_keep_the_portable_kernels():
-    """sm_100 without the suffix, f32, other head dims and head_dim_v < head_dim build the
+    """sm_100 without the suffix, f32 and head dims other than 64/128/192/256 build the
     mma.sync / SIMT kernels, as on sm_90."""
     for dtype, d, target in (("f16", 64, "sm_100"), ("f32", 64, "sm_100a"),
-                             ("f16", 96, "sm_100a"), ("bf16", 256, "sm_100a")):
+                             ("f16", 96, "sm_100a"), ("bf16", 80, "sm_100a")):
         config = compiled(spec_text(dtype, d, targets=(target,)), target)[3]
         assert config["path"] in ("mma.m16n8k16", "simt"), (dtype, d, target)
 

@@ -57,6 +57,20 @@ def test_variants(tmp_path, extra):
     check_poisoned(art, spec, layout, seed=2, target="sm_100a")
 
 
+@pytest.mark.parametrize("layout,d,dv,case", [
+    ("page64", 192, 128, dict(dtype="bf16", gqa="gqa4", causal=True, splits="auto")),
+    ("contiguous", 256, 256, dict(dtype="f16", gqa="gqa8", causal=False, splits=3)),
+    ("page16", 256, 128, dict(dtype="bf16", gqa="gqa4", causal=True, splits=1)),
+    ("page16", 192, 192, dict(dtype="f16", gqa="gqa4", causal=True, splits=2)),
+], ids=["deepseek-page64", "d256-contiguous", "d256v128-page16", "d192-page16"])
+def test_wider_heads_and_narrower_v(tmp_path, layout, d, dv, case):
+    """DeepSeek's MLA prefill (192 / 128) and d256 on the packed tile: V's boxes over its own
+    slabs, P·V N = head_dim_v, V's tail rows zeroed over its width; NaN past L and in unused
+    pages."""
+    art, spec = build(tmp_path, layout, "", f"\nhead_dim_v = {dv}", head_dim=d, **case)
+    check_poisoned(art, spec, layout, seed=4, target="sm_100a")
+
+
 def _path(text: str, target: str = "sm_100a") -> str:
     [spec] = load_text(f'[[kernel]]\nname = "k"\nfamily = "varlen"\ntargets = ["{target}"]\n'
                        + text)
@@ -64,15 +78,15 @@ def _path(text: str, target: str = "sm_100a") -> str:
 
 
 def test_which_specs_take_tcgen05():
-    """sm_100a f16/bf16 caches loaded by TMA at head_dim 64/128 take tcgen05 (M = block_m);
-    FP8 caches, pages TMA cannot box, head_dim_v < head_dim, other head dims and sm_100
-    without the suffix keep the mma.sync tile."""
+    """sm_100a f16/bf16 caches loaded by TMA at head_dim 64/128/192/256 take tcgen05 (M =
+    block_m); FP8 caches, pages TMA cannot box, other head dims and sm_100 without the suffix
+    keep the mma.sync tile."""
     assert _path(spec_body("page16", head_dim=128)) == "tcgen05.mma.m64"
     assert _path(spec_body("contiguous", head_dim=64) +
                  "\n[kernel.tile]\nblock_m = 128\nnum_warps = 8") == "tcgen05.mma.m128"
     for text, target in ((spec_body("page16", head_dim=128), "sm_100"),
                          (spec_body("page4", head_dim=128), "sm_100a"),
-                         (spec_body("page16", head_dim=256), "sm_100a"),
+                         (spec_body("page16", head_dim=96), "sm_100a"),
                          (spec_body("page16", head_dim=128) + '\nkv_dtype = "e4m3"\n'
                           'kv_scale = "tensor"', "sm_100a"),
                          (spec_body("page16", head_dim=128) +

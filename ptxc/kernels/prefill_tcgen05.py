@@ -1,7 +1,8 @@
 """Prefill on Blackwell's fifth-generation tensor core (target sm_100a / sm_103a, f16/bf16,
-head_dim = head_dim_v = 64 or 128): the sm_90a TMA kernel's schedule (tma_pipeline.py, one
-elected thread issuing every copy) with both products on `tcgen05.mma` and S, P and O in
-tensor memory.
+head_dim and head_dim_v 64, 128, 192 or 256, head_dim_v <= head_dim): the sm_90a TMA kernel's
+schedule (tma_pipeline.py, one elected thread issuing every copy) with both products on
+`tcgen05.mma` and S, P and O in tensor memory -- or, with tile.warp_specialize (the default
+from head_dim 128), FlashAttention-4's load / MMA / softmax warps (tcgen05_ws_pipeline.py).
 
   CTA        128 query rows, 8 warps. Tensor memory gives warp w the 32 lanes of its
              sub-partition 32 (w % 4); warps w and w + 4 split them: warp w owns rows
@@ -10,7 +11,8 @@ tensor memory.
              masks, variants and epilogue apply as they are.
   tensor     per CTA, allocated by warp 0: S (block_n f32 columns), P (block_n / 2 columns of
   memory     f16/bf16 pairs: column c holds keys 2c, 2c + 1), O (head_dim_v f32 columns),
-             rounded up to a power of two (256 at d64, 512 at d128).
+             rounded up to a power of two (256 at d64, 512 at d128); the MMA-side objects
+             and the allocation are umma.py's.
   shared     Q and the K/V stages in 128-byte-swizzled slabs, filled by TMA, as prefill_wgmma.py.
   S = Q·Kᵀ   thread 0 issues head_dim/16 `tcgen05.mma.kind::f16` M128 N{block_n} K16 (A = Q, B =
              K, K-major descriptors), commits to mbarrier bar_s.
@@ -24,9 +26,8 @@ tensor memory.
   epilogue   wait the last P·V, load O (16x256b), MmaMath's normalise + staged row stores,
              then warp 0 frees the tensor memory.
 
-This is the first Blackwell kernel: one MMA issuer but no warp specialisation yet (FA4's load,
-MMA, softmax and correction warps, two Q tiles per CTA), so it is a correct base for those, not
-their speed. It is verified in the emulator only (no Blackwell GPU has been lent).
+Not yet FA4's two Q tiles per CTA or its correction warpgroup. Verified in the emulator only
+(no Blackwell GPU has been lent).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ from .umma import BAR_O, BAR_S, MMA_REGION_BYTES, UmmaIssue, allocate, tmem_colu
 from .variant import head_dim_v
 
 TCGEN05_TARGETS = ("sm_100a", "sm_103a")
-TCGEN05_HEAD_DIMS = (64, 128)
-TCGEN05_SHAPES = "f16/bf16, head_dim = head_dim_v = 64 or 128"   # for refusals
+TCGEN05_HEAD_DIMS = (64, 128, 192, 256)   # whole 128-byte slabs; N <= 256 for P·V
+TCGEN05_SHAPES = "f16/bf16, head_dim and head_dim_v 64, 128, 192 or 256, head_dim_v <= head_dim"
 BLOCK_M = 128
 EXTRA_SMEM = MMA_REGION_BYTES            # the MMA region (umma.py) after the TMA barriers
 # .minnctapersm 1: without it ptxas 13.5 gave the 4-warp varlen tile at d64 with every variant
@@ -68,7 +69,8 @@ WS_MIN_HEAD_DIM = 128
 def uses_tcgen05(spec: KernelSpec, target: Target) -> bool:
     """Whether prefill for `target` is this kernel."""
     return (target.name in TCGEN05_TARGETS and spec.dtype in ("f16", "bf16")
-            and spec.head_dim in TCGEN05_HEAD_DIMS and head_dim_v(spec) == spec.head_dim
+            and spec.head_dim in TCGEN05_HEAD_DIMS and head_dim_v(spec) in TCGEN05_HEAD_DIMS
+            and head_dim_v(spec) <= spec.head_dim
             and spec.opt("custom_mask") in (None, "none"))
 
 
@@ -104,14 +106,20 @@ def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
             raise SpecError(f"{key} = {given[key]!r} on {target}: the tcgen05 prefill kernel "
                             f"takes {key} = {allowed!r} (128 rows, 8 warps, TMA loads, one "
                             f"MMA-issuing thread)", key=f"tile.{key}")
-    bn, stages = given.get("block_n", 128), given.get("num_stages", 2)
+    stages = given.get("num_stages", 2)
+    ws = given.get("warp_specialize", spec.head_dim >= WS_MIN_HEAD_DIM)
+
+    def make(bn: int) -> Tcgen05Config:
+        return Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,
+                             False, head_dim_v(spec), 1, kv_loads="tma", warp_specialize=ws,
+                             min_ctas_per_sm=PIN_REGISTERS)
+    # 128 keys a tile where the stages fit in shared memory (O lives in tensor memory, so the
+    # registers do not bound it as on sm_90a), else 64: d256, and 192 / 192
+    bn = given.get("block_n", 128 if make(128).smem_bytes <= target.max_smem_per_cta else 64)
     if bn not in (64, 128):
         raise SpecError(f"block_n = {bn} on {target}: the tcgen05 prefill kernel takes 64 or 128",
                         key="tile.block_n")
-    ws = given.get("warp_specialize", spec.head_dim >= WS_MIN_HEAD_DIM)
-    cfg = Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,
-                        False, head_dim_v(spec), 1, kv_loads="tma", warp_specialize=ws,
-                        min_ctas_per_sm=PIN_REGISTERS)
+    cfg = make(bn)
     if cfg.smem_bytes > target.max_smem_per_cta:
         raise SpecError(f"tile block_n={bn}, num_stages={stages} needs {cfg.smem_bytes} bytes of "
                         f"shared memory; {target} allows {target.max_smem_per_cta} per CTA: use "
@@ -161,8 +169,7 @@ class Tcgen05Math(WgmmaMath):
             self.umma.s_cols, self.umma.p_cols, self.umma.o_cols))
         self.s_phase, self.o_phase = b.mov(0, U32), b.mov(0, U32)
         zeros = [self.fzero[0]] * (4 * (self.dv // 8))
-        b.tcgen05_st("16x256b", self.o_warp, zeros)        # O = 0: every P·V accumulates
-        b.tcgen05_wait("st")
+        self._store_o(zeros)                               # O = 0: every P·V accumulates
         b.tcgen05_fence(before=True)
 
     def _lane0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
@@ -215,11 +222,10 @@ class Tcgen05Math(WgmmaMath):
         into tensor memory, the row sums; then the fence for the next tile's MMAs."""
         b = self.b
         with b.if_then(rescale):          # warp-uniform (the vote of softmax_early)
-            o = b.tcgen05_ld("16x256b", self.dv // 8, self.o_warp, F32)
-            b.tcgen05_wait("ld")
+            o = self._load_o()
             for i, x in enumerate(o):
                 b.mul(x, self.alpha[(i // 2) % 2], out=x)
-            b.tcgen05_st("16x256b", self.o_warp, o)
+            self._store_o(o)
         for jn in range(self.bn // 8):   # n8 tile jn is half of k-step jn // 2
             frag = self.p_frags[jn // 2]
             for r in range(2):
@@ -232,11 +238,37 @@ class Tcgen05Math(WgmmaMath):
         b.tcgen05_wait("st")
         b.tcgen05_fence(before=True)
 
+    def _o_blocks(self) -> list[tuple[int, int]]:
+        """O's n8 blocks as (first, count) runs of power-of-two 16x256b repetitions (dv 192:
+        16 + 8), each run one instruction 8 columns a block further."""
+        runs, first, left = [], 0, self.dv // 8
+        while left:
+            n = 1 << (left.bit_length() - 1)
+            runs.append((first, n))
+            first, left = first + n, left - n
+        return runs
+
+    def _load_o(self) -> list[Reg]:
+        """This warp's rows of O (the mma C layout, 4 registers an n8 block), loaded and waited."""
+        b, out = self.b, []
+        for first, n in self._o_blocks():
+            at = self.o_warp if first == 0 else b.add(self.o_warp, 8 * first)
+            out += b.tcgen05_ld("16x256b", n, at, F32)
+        b.tcgen05_wait("ld")
+        return out
+
+    def _store_o(self, regs: list[Reg]) -> None:
+        """Store this warp's rows of O from `regs` (_load_o's order), and wait."""
+        b = self.b
+        for first, n in self._o_blocks():
+            at = self.o_warp if first == 0 else b.add(self.o_warp, 8 * first)
+            b.tcgen05_st("16x256b", at, regs[4 * first:4 * (first + n)])
+        b.tcgen05_wait("st")
+
     def fetch_o(self) -> None:
         """After the last P·V: this warp's rows of O into registers (the mma C layout)."""
         b = self.b
-        o = b.tcgen05_ld("16x256b", self.dv // 8, self.o_warp, F32)
-        b.tcgen05_wait("ld")
+        o = self._load_o()
         self.o_tiles = [[o[4 * j:4 * j + 4] for j in range(self.dv // 8)]]
         self.o = self.o_tiles[0]
         b.tcgen05_fence(before=True)

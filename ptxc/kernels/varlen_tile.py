@@ -147,10 +147,12 @@ class Tcgen05TileConfig(TensorMemoryTile, WgmmaTileConfig):
 
 def applies_tcgen05(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
     """Whether the packed tile `cfg` runs on tcgen05 for `target` (prefill_tcgen05.py's math
-    on varlen_tma.py's body): sm_100a / sm_103a, caches of the dtype loaded by TMA, head_dim =
-    head_dim_v 64 or 128, block_m 64 (M = 64) or 128, no custom mask."""
+    on varlen_tma.py's body): sm_100a / sm_103a, caches of the dtype loaded by TMA, head_dim
+    and head_dim_v 64, 128, 192 or 256 (head_dim_v <= head_dim: DeepSeek's 192 / 128), block_m
+    64 (M = 64) or 128, no custom mask."""
     return (target.name in TCGEN05_TARGETS and spec.dtype in ("f16", "bf16")
-            and kv_dtype(spec) == spec.dtype and cfg.head_dim == cfg.dv in TCGEN05_HEAD_DIMS
+            and kv_dtype(spec) == spec.dtype and cfg.head_dim in TCGEN05_HEAD_DIMS
+            and cfg.dv in TCGEN05_HEAD_DIMS and cfg.dv <= cfg.head_dim
             and _loads_by_tma(spec, kv) and spec.opt("custom_mask") in (None, "none")
             and cfg.v_split == 1 and cfg.block_m in (64, 128)
             and cfg.num_warps == cfg.block_m // 16)
