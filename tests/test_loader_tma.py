@@ -1,5 +1,6 @@
 """The generated C and Rust loaders with tensor-map parameters (the sm_90a wgmma prefill with
-tile.kv_loads = "tma"): compiled and run against the stub libcuda, whose cuTensorMapEncodeTiled
+tile.kv_loads = "tma", and the sm_100a tcgen05 prefill, warp-specialised, 320 threads):
+compiled and run against the stub libcuda, whose cuTensorMapEncodeTiled
 checks the driver's rules and writes the emulator's map layout, then the recorded launch -- its
 parameter bytes, maps included -- replayed in ptxc.emu and compared with the fp64 reference.
 Also: the loaders refuse a misaligned tensor before encoding (the preconditions), and the
@@ -37,32 +38,35 @@ kv_loads = "tma"
 '''
 NAME = "e2e_prefill_tma"
 SHAPES = {"batch": 2, "seq_q": 19, "seq_k": 45}
+# the same kernel on sm_100a (tcgen05: its tile rules take block_m 128, so the tile lines go)
+SPECS = {"sm_90a": SPEC, "sm_100a": SPEC.split("[kernel.tile]")[0].replace("sm_90a", "sm_100a")}
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def built(tmp_path_factory, request):
     from ptxc.emit import cheader, rust
     from ptxc.pipeline.build import run_build
     missing = harness.toolchain_missing()
     if missing:
         pytest.skip(missing)
     root = tmp_path_factory.mktemp("loader_tma")
-    (root / "e2e.toml").write_text(SPEC)
+    (root / "e2e.toml").write_text(SPECS[request.param])
     out = root / "out"
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("PTXAS", raising=False)
         run_build([root / "e2e.toml"], out, verify=True, progress=False)
     header = cheader.emit(out)
     module = rust.emit(out, root / "rust" / "ptxc_kernels.rs") if rustc_problem() is None else None
-    return out, header, module, harness.build_stub(root / "stub")
+    return out, header, module, harness.build_stub(root / "stub"), request.param
 
 
 def run_loader(built, tmp_path, lang, perturb=""):
-    out, header, module, stub = built
+    out, header, module, stub, target = built
+    sm = target[3:-1]
     art = load(out / NAME)
-    prepared = prepare(art, SHAPES, 90)
+    prepared = prepare(art, SHAPES, int(sm))
     (tmp_path / "inputs.bin").write_bytes(input_blob(art, prepared[4]))
-    env = {"PTXC_STUB_SM": "90", "PTXC_STUB_SMS": str(STUB_SMS)}
+    env = {"PTXC_STUB_SM": sm, "PTXC_STUB_SMS": str(STUB_SMS)}
     if lang == "c":
         src = harness.c_main(art.meta, header, shape_dims(art, prepared[3]), perturb)
         stdout = harness.compile_and_run(src, tmp_path, stub, cxx=False, env=env,
@@ -79,9 +83,10 @@ def run_loader(built, tmp_path, lang, perturb=""):
 @pytest.mark.parametrize("lang", ["c", "rust"])
 def test_loader_encodes_tensor_maps_end_to_end(built, tmp_path, lang):
     art, (spec, family, inputs, dims, buffers), result, log = run_loader(built, tmp_path, lang)
+    target = built[4]
     assert result["load"][:3] == (0, 0, "cubin") and result["run"] == (0, "")
     [launch] = log.launches
-    [kernel] = art.meta["targets"]["sm_90a"]["kernels"]
+    [kernel] = art.meta["targets"][target]["kernels"]
     # the three maps sit at their metadata offsets, in the stub's (emulator) layout, over the
     # tensors the loader allocated
     for p in kernel["params"][-3:]:
@@ -89,7 +94,7 @@ def test_loader_encodes_tensor_maps_end_to_end(built, tmp_path, lang):
         assert raw[:8] == b"PTXCTMAP"
         assert int(np.frombuffer(raw[16:24], np.uint64)[0]) == result["tensors"][p["source"]["tensor"]][0]
         assert list(np.frombuffer(raw[52:68], np.uint32)) == p["source"]["box"]
-    memory = harness.replay(log, art.meta, "sm_90a", art.ptx("sm_90a"), result["tensors"])
+    memory = harness.replay(log, art.meta, target, art.ptx(target), result["tensors"])
     ref, naive = family.reference(spec, inputs), family.reference(spec, inputs, dtype=spec.dtype)
     for tensor in sorted(ref):
         raw = harness.read_tensor(memory, *result["tensors"][tensor])
