@@ -10,6 +10,9 @@ docs/kernels.md for the layouts and the pipeline.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from ..ir import S32, S64, U32, U64, KernelBuilder, Reg
 from ..errors import SpecError
 from ..spec.model import KernelSpec
@@ -51,7 +54,60 @@ def interface(spec: KernelSpec) -> Interface:
                      {"batch": 2, "seq_q": 17, "seq_k": default_seq_len(spec, 113)})
 
 
-# Path selection: which configuration (and so which body) a target gets.
+
+# ---- the path table: which kernel a (spec, target) gets ------------------------------------
+@dataclass(frozen=True)
+class PrefillPath:
+    """One prefill kernel: the specs and targets it takes, its configuration and the tile it
+    records, its body, and the tile keys only it reads (the others ignore them; a spec setting
+    one that no target's kernel reads is refused, naming the kernels that do)."""
+
+    name: str
+    applies: Callable[[KernelSpec, Target], bool]
+    configure: Callable
+    resolve_tile: Callable[[KernelSpec, Target], dict]
+    body: Callable       # (b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes)
+    keys: tuple[str, ...]
+    shapes: str
+    targets: tuple[str, ...]     # where it runs, for refusals (the last path: every target)
+
+
+def _tcgen05_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
+    tc.build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params)   # tensor maps last
+
+
+def _wgmma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
+    if cfg.tma:      # tile.kv_loads = "tma": q/k/v tensor maps after the other params
+        from .prefill_tma import emit_tma_prefill
+        emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k,
+                         wg.tensor_map_params(b, spec, cfg, params))
+    else:
+        wg.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k)
+
+
+def _portable_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
+    _emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, mask_bytes)
+
+
+# Most specific first: the first that applies is the target's kernel.
+PATHS = (
+    PrefillPath("the sm_100a tcgen05 kernel", tc.uses_tcgen05, tc.configure, tc.resolve_tile,
+                _tcgen05_body, ("kv_loads", "warp_specialize"), tc.TCGEN05_SHAPES,
+                tc.TCGEN05_TARGETS),
+    PrefillPath("the sm_90a wgmma kernel", wg.uses_wgmma, wg.configure, wg.resolve_tile,
+                _wgmma_body, ("kv_loads", "warp_specialize", "pingpong"), wg.WGMMA_SHAPES,
+                wg.WGMMA_TARGETS),
+    PrefillPath("the mma.sync / SIMT kernel", lambda spec, target: True,
+                lambda spec, target: configure(spec, target),
+                lambda spec, target: _resolve_portable(spec, target), _portable_body, (),
+                "every other shape", ()),
+)
+
+
+def path_of(spec: KernelSpec, target: Target) -> PrefillPath:
+    return next(p for p in PATHS if p.applies(spec, target))
+
+
 def validate(spec: KernelSpec) -> None:
     C.check_dtype_target(spec.dtype, spec.targets)
     validate_variant(spec)
@@ -78,40 +134,28 @@ def validate(spec: KernelSpec) -> None:
                             f"({wg.WGMMA_SHAPES}); {t} takes 16, 32, 64, 128 or 256",
                             key="tile.block_m")
         _configure(spec, TARGETS[t])
-    if spec.tile_dict().get("kv_loads") == "tma" and not any(
-            wg.uses_wgmma(spec, TARGETS[t]) or tc.uses_tcgen05(spec, TARGETS[t]) for t in spec.targets):
-        raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim {spec.head_dim}, "
-                        f"targets {', '.join(spec.targets)}: TMA feeds only the sm_90a wgmma "
-                        f"kernel ({wg.WGMMA_SHAPES}) and the sm_100a tcgen05 one "
-                        f"({tc.TCGEN05_SHAPES}); add sm_90a or drop the key", key="tile.kv_loads")
-    if spec.tile_dict().get("warp_specialize") and not any(
-            wg.uses_wgmma(spec, TARGETS[t]) or tc.uses_tcgen05(spec, TARGETS[t]) for t in spec.targets):
-        raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "
-                        f"{spec.head_dim}, targets {', '.join(spec.targets)}: only the sm_90a TMA "
-                        f"kernel ({wg.WGMMA_SHAPES}) and the sm_100a tcgen05 one "
-                        f"({tc.TCGEN05_SHAPES}) have producer warps; add sm_90a or drop the key",
-                        key="tile.warp_specialize")
-    if spec.tile_dict().get("pingpong") and \
-            not any(wg.uses_wgmma(spec, TARGETS[t]) for t in spec.targets):
-        raise SpecError(f"pingpong = true with dtype {spec.dtype}, head_dim {spec.head_dim}, "
-                        f"targets {', '.join(spec.targets)}: only the sm_90a warp-specialised "
-                        f"kernel ({wg.WGMMA_SHAPES}) has consumer warpgroups to take turns; add "
-                        f"sm_90a or drop the key", key="tile.pingpong")
+    paths = [path_of(spec, TARGETS[t]) for t in spec.targets]
+    for key, value in (("kv_loads", "tma"), ("warp_specialize", True), ("pingpong", True)):
+        if spec.tile_dict().get(key) == value and not any(key in p.keys for p in paths):
+            takers = [p for p in PATHS if key in p.keys]
+            shown = f'"{value}"' if isinstance(value, str) else str(value).lower()
+            names = " and ".join(f"{p.name} ({p.shapes})" for p in takers)
+            raise SpecError(f"{key} = {shown} with dtype {spec.dtype}, head_dim {spec.head_dim}, "
+                            f"targets {', '.join(spec.targets)}: only {names} "
+                            f"{'takes' if len(takers) == 1 else 'take'} it; add "
+                            f"{' or '.join(t for p in takers for t in p.targets)} or drop the key",
+                            key=f"tile.{key}")
 
 
 def _configure(spec: KernelSpec, target: Target):
-    """The configuration of the kernel `target` gets: tcgen05 (sm_100a), wgmma (sm_90a) or
-    mma.sync / SIMT (prefill_config.py)."""
-    if tc.uses_tcgen05(spec, target):
-        return tc.configure(spec, target)
-    return (wg.configure if wg.uses_wgmma(spec, target) else configure)(spec, target)
+    return path_of(spec, target).configure(spec, target)
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
-    if tc.uses_tcgen05(spec, target):
-        return tc.resolve_tile(spec, target)
-    if wg.uses_wgmma(spec, target):
-        return wg.resolve_tile(spec, target)
+    return path_of(spec, target).resolve_tile(spec, target)
+
+
+def _resolve_portable(spec: KernelSpec, target: Target) -> dict:
     c = configure(spec, target)
     return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
             "num_stages": c.num_stages, "path": "mma.m16n8k16" if c.tensor_cores else "simt",
@@ -123,9 +167,8 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
 
 
 def build(spec: KernelSpec, target: Target) -> Program:
-    wgmma = wg.uses_wgmma(spec, target)     # sm_90a f16/bf16, wgmma head dims: prefill_wgmma.py
-    tcgen05 = tc.uses_tcgen05(spec, target)   # sm_100a: prefill_tcgen05.py
-    cfg = _configure(spec, target)
+    path = path_of(spec, target)
+    cfg = path.configure(spec, target)
     b = KernelBuilder(f"ptxc_{spec.name}")
     params: list[LaunchParam] = []
 
@@ -140,21 +183,13 @@ def build(spec: KernelSpec, target: Target) -> Program:
     seq_q = param("seq_q", U32, ParamSource("dim", name="seq_q"))
     seq_k = param("seq_k", U32, ParamSource("dim", name="seq_k"))
     mask_bytes = mask_bytes_param(spec, param)
-    if tcgen05:              # q/k/v tensor maps after the other params, as below
-        tc.build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params)
-    elif wgmma and cfg.tma:    # tile.kv_loads = "tma": q/k/v tensor maps after the other params
-        from .prefill_tma import emit_tma_prefill
-        emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k, wg.tensor_map_params(b, spec, cfg, params))
-    elif wgmma:
-        wg.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k)
-    else:
-        _emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, mask_bytes)
+    path.body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes)
     b.ret()
     launch = Launch(entry=b.entry.name, params=tuple(params),
                     grid=(f"cdiv(seq_q, {cfg.block_m})", str(spec.num_heads), "batch"),
                     block=(cfg.launch_threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
                     min_ctas_per_sm=cfg.min_ctas_per_sm)
-    return Program([b.entry], [launch], resolve_tile(spec, target))
+    return Program([b.entry], [launch], path.resolve_tile(spec, target))
 
 
 def _emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k,
