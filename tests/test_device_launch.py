@@ -190,27 +190,35 @@ def check_launched(tmp_path, stub, art, spec, inputs, mode="cai", maxima=None, t
     return harness.launch_records(log, art.meta, target, result["tensors"])
 
 
-TMA_CASES = {   # sm_90a kernels whose K/V (and Q) tiles come by TMA: tensor-map parameters
+TMA_CASES = {   # kernels whose K/V (and Q) tiles come by TMA: tensor-map parameters
     "prefill": ("prefill", 'dtype = "bf16"\nhead_dim = 64\nnum_heads = 4\nnum_kv_heads = 2\ncausal = true\n'
                 'return_lse = true', 'block_m = 64\nblock_n = 32\nkv_loads = "tma"',
-                {"batch": 2, "seq_q": 19, "seq_k": 45}),
+                {"batch": 2, "seq_q": 19, "seq_k": 45}, "sm_90a"),
     "varlen": ("varlen", 'dtype = "f16"\nhead_dim = 64\nnum_heads = 8\nnum_kv_heads = 2\ncausal = true\n'
                'return_lse = true\nkv_layout = "paged"\npage_size = 16', 'kv_loads = "tma"',
-               {"batch": 3, "max_pages_per_seq": 4, "num_pages": 13}),
+               {"batch": 3, "max_pages_per_seq": 4, "num_pages": 13}, "sm_90a"),
+    # sm_100a: the warp-specialised tcgen05 prefill (d128, 320 threads) and varlen's tile
+    "prefill_tcgen05": ("prefill", 'dtype = "bf16"\nhead_dim = 128\nnum_heads = 4\nnum_kv_heads = 2\n'
+                        'causal = true\nreturn_lse = true', '', {"batch": 2, "seq_q": 19, "seq_k": 45},
+                        "sm_100a"),
+    "varlen_tcgen05": ("varlen", 'dtype = "f16"\nhead_dim = 64\nnum_heads = 8\nnum_kv_heads = 2\n'
+                       'causal = true\nreturn_lse = true\nkv_layout = "paged"\npage_size = 16', '',
+                       {"batch": 3, "max_pages_per_seq": 4, "num_pages": 13}, "sm_100a"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(TMA_CASES))
 def test_tensor_map_kernels_launch_on_device_tensors(tmp_path, stub, case):
-    """The sm_90a TMA kernels through the engine path: DeviceRuntime encodes each tensor map
-    with the driver's cuTensorMapEncodeTiled for the caller's tensor (the stub checks the
-    driver's rules and writes the emulator's map layout), and the launch replays right."""
-    family, body, tile, dims = TMA_CASES[case]
-    art = build_kernel(tmp_path, family, body, tile=tile, targets=("sm_90a",))
-    [kern] = [k for k in art.meta["targets"]["sm_90a"]["kernels"] if any(p["type"] == "tmap" for p in k["params"])]
+    """The TMA kernels (sm_90a wgmma, sm_100a tcgen05) through the engine path: DeviceRuntime
+    encodes each tensor map with the driver's cuTensorMapEncodeTiled for the caller's tensor
+    (the stub checks the driver's rules and writes the emulator's map layout), and the launch
+    replays right."""
+    family, body, tile, dims, target = TMA_CASES[case]
+    art = build_kernel(tmp_path, family, body, tile=tile, targets=(target,))
+    [kern] = [k for k in art.meta["targets"][target]["kernels"] if any(p["type"] == "tmap" for p in k["params"])]
     spec = KernelSpec.from_dict(art.meta["spec"])
     inputs = FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(7))
-    records = check_launched(tmp_path, stub, art, spec, inputs, target="sm_90a")
+    records = check_launched(tmp_path, stub, art, spec, inputs, target=target)
     assert any(e == kern["entry"] for e, *_ in records)
     events = (tmp_path / "log" / "events.txt").read_text()
     assert events.count("tensor_map ") == sum(p["type"] == "tmap" for p in kern["params"])
