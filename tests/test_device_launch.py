@@ -302,7 +302,7 @@ def test_bad_tensors_are_refused_before_any_launch(tmp_path, stub, mode, message
 
 def test_a_tensor_tma_cannot_take_is_refused_before_any_encoding_or_launch(tmp_path, stub):
     """A misaligned q on the sm_90a TMA prefill: one line, no tensor map encoded, no launch."""
-    family, body, tile, dims = TMA_CASES["prefill"]
+    family, body, tile, dims, _ = TMA_CASES["prefill"]
     art = build_kernel(tmp_path, family, body, tile=tile, targets=("sm_90a",))
     spec = KernelSpec.from_dict(art.meta["spec"])
     buffers = device_inputs(art, FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(2)), "sm_90a")
