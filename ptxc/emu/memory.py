@@ -245,6 +245,12 @@ class SharedMemory:
         if self.tma_swizzle is not None:
             self.tma_swizzle[np.asarray(flat, np.int64) >> 4] = -1
 
+    def note_tma_layout(self, flat, swizzle: int):
+        """A TMA copy wrote the 16-byte chunks at flat offsets with a `swizzle`-byte swizzle."""
+        if self.tma_swizzle is None:
+            self.tma_swizzle = np.full(self.data.size // 16 + 1, -1, np.int16)
+        self.tma_swizzle[np.asarray(flat, np.int64) >> 4] = swizzle
+
     def mark_written(self, rows, total: int):
         if self.tma_swizzle is not None:
             self.tma_swizzle[(np.asarray(rows, np.int64) * total) >> 4] = -1

@@ -61,9 +61,10 @@ class AsyncCopies:
         cols = np.arange(size)
         live = cols[None, :] < src_size[:, None]
         data = np.where(live, ctx.gmem.heap[np.where(live, src[:, None] + cols, 0)], 0)
-        ctx.smem.data[dst[:, None] + cols] = data
-        ctx.smem.state[dst[:, None] + cols] = WRITTEN
-        ctx.smem.forget_layout(dst[:, None] + cols[::16])
+        flat = dst[:, None] + cols
+        ctx.smem.data[flat] = data
+        ctx.smem.state[flat] = WRITTEN
+        ctx.smem.forget_layout(flat[:, ::16])
 
 
 @register("cp")

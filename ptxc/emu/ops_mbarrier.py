@@ -103,9 +103,7 @@ class Mbarriers:
             if swizzle is None:
                 ctx.smem.forget_layout(cols[::16])
             else:
-                if ctx.smem.tma_swizzle is None:
-                    ctx.smem.tma_swizzle = np.full(ctx.smem.data.size // 16 + 1, -1, np.int16)
-                ctx.smem.tma_swizzle[cols[::16] >> 4] = swizzle
+                ctx.smem.note_tma_layout(cols[::16], swizzle)
             if ctx.race is not None:
                 chunks = cols[::16]
                 ctx.race.record_copy(chunks, 16, np.full(chunks.size, thread), line)

@@ -70,13 +70,12 @@ def _taddr_plan(env, operand):
     return bind
 
 
-def _warp_uniform(values, idx, what):
+def _warp_uniform(ctx, values, idx, what):
     w = values.reshape(-1, 32)
     bad = (w != w[:, :1]).any(axis=1)
     if bad.any():
-        g = int(np.flatnonzero(bad)[0])
-        raise Fault(f"{what} differs between the lanes of warp {int(idx[32 * g] >> 5) % 32}",
-                    int(idx[32 * g]))
+        t = int(idx[32 * int(np.flatnonzero(bad)[0])])
+        raise Fault(f"{what} differs between the lanes of warp {int(ctx.lin[t]) >> 5}", t)
     return w[:, 0]
 
 
@@ -131,8 +130,8 @@ def _decode_alloc(ins, env, m, kind):
                 tm.relinquished[ctas] = True
                 return
             n = idx.size
-            cols = _warp_uniform(_values(count, sel, n, np.int64), idx, "the column count")
-            addr = _warp_uniform(_values(where, sel, n, np.int64), idx,
+            cols = _warp_uniform(ctx, _values(count, sel, n, np.int64), idx, "the column count")
+            addr = _warp_uniform(ctx, _values(where, sel, n, np.int64), idx,
                                  "the destination address" if kind == "alloc" else
                                  "the tensor-memory address")
             for w, t in enumerate(leads.tolist()):
@@ -248,9 +247,7 @@ def _mma_one(ctx, tm, t, d_addr, a_val, b_val, i_val, enable_d, mma_kind, a_tmem
                       in_flight_ok=True)
         D = D + tm.data[cta][block].view(np.float32).astype(np.float64)
     else:
-        stored = tm.stored[cta][block]
-        if stored.any():
-            tm.check_read(cta, lanes, d_cols, t, "tcgen05.mma D")
+        tm.check_stored(cta, lanes, d_cols, t, "tcgen05.mma D overwrites")
     tm.data[cta][block] = D.astype(np.float32).view(np.uint32)
     tm.written[cta][block] = True
     smem_rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
@@ -326,7 +323,7 @@ def _decode_ld_st(ins, env, m, kind):
 
         def run(sel):
             idx = whole_warps(ctx, sel, what)
-            taddr = _warp_uniform(_values(where, sel, idx.size, np.int64), idx,
+            taddr = _warp_uniform(ctx, _values(where, sel, idx.size, np.int64), idx,
                                   "the tensor-memory address")
             out = np.zeros((idx.size, nregs), np.uint32)
             if kind == "st":
@@ -361,11 +358,11 @@ def _decode_ld_st(ins, env, m, kind):
 
 
 def _check_cells(tm, cta, lanes, cols, t, what):
-    """check_read over the exact (scattered) cells of a fragment."""
-    if tm.in_flight[cta, lanes, cols].any() or tm.stored[cta, lanes, cols].any() or \
-            not tm.written[cta, lanes, cols].all():
-        bad = (tm.in_flight[cta, lanes, cols] > 0) | (tm.stored[cta, lanes, cols] > 0) | \
-            ~tm.written[cta, lanes, cols]
+    """check_read over the exact (scattered) cells of a fragment: its message for the first
+    cell that fails."""
+    bad = (tm.in_flight[cta, lanes, cols] > 0) | (tm.stored[cta, lanes, cols] > 0) | \
+        ~tm.written[cta, lanes, cols]
+    if bad.any():
         i, j = np.argwhere(bad)[0]
         tm.check_read(cta, lanes[i, j:j + 1], cols[i, j:j + 1], t, what)
 

@@ -122,15 +122,21 @@ class TensorMemory:
             raise Fault(f"{what} reads tensor memory (lane {lanes[li]}, column {cols[ci]}) that "
                         f"a tcgen05.mma still writes: no wait has observed the mbarrier phase "
                         f"of a tcgen05.commit issued after it", thread)
-        if self.stored[cta][block].any():
-            li, ci = np.argwhere(self.stored[cta][block])[0]
-            raise Fault(f"{what} reads tensor memory (lane {lanes[li]}, column {cols[ci]}) that "
-                        f"a tcgen05.st has not completed (the storing warp's tcgen05.wait::st)",
-                        thread)
+        self.check_stored(cta, lanes, cols, thread, f"{what} reads")
         if not self.written[cta][block].all():
             li, ci = np.argwhere(~self.written[cta][block])[0]
             raise Fault(f"{what} reads never-written tensor memory (lane {lanes[li]}, column "
                         f"{cols[ci]})", thread)
+
+    def check_stored(self, cta, lanes, cols, thread, access):
+        """No cell of lanes x cols waits for its tcgen05.st to complete; `access`: "X reads"
+        or "X overwrites", for the message."""
+        pending = self.stored[cta][np.ix_(lanes, cols)]
+        if pending.any():
+            li, ci = np.argwhere(pending)[0]
+            raise Fault(f"{access} tensor memory (lane {lanes[li]}, column {cols[ci]}) that a "
+                        f"tcgen05.st has not completed (the storing warp's tcgen05.wait::st)",
+                        thread)
 
     def check_write(self, cta, lanes, cols, thread, what):
         block = np.ix_(lanes, cols)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import IRError
-from .values import B32, B64, BF16, F16, PRED, U32, U64, Addr, Imm, PtxType, Reg, Vec
+from .values import B32, BF16, F16, PRED, U32, U64, Addr, Imm, PtxType, Reg, Vec
 
 # layout type (bits 61-63) of a tcgen05 shared-memory descriptor, by swizzle width in bytes
 UMMA_LAYOUT = {0: 0, 128: 2, 64: 4, 32: 6}
@@ -76,14 +76,8 @@ class BlackwellOps:
         start >> 4 in [13:0], LBO >> 4 in [29:16], SBO >> 4 in [45:32], the version 0b001 in
         [48:46], layout type in [63:61]; base offset 0 (tiles start swizzle-period aligned).
         Adding k << 4 bytes to the result moves the start address by k bytes."""
-        if swizzle not in UMMA_LAYOUT:
-            raise IRError(f"umma descriptor: swizzle {swizzle} is not one of 0, 32, 64, 128 bytes")
-        for name, v in (("lbo", lbo), ("sbo", sbo)):
-            if v % 16 or not 0 <= v >> 4 < 1 << 14:
-                raise IRError(f"umma descriptor: {name} {v} is not a multiple of 16 below 256 KiB")
-        const = ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (1 << 46) | (UMMA_LAYOUT[swizzle] << 61)
-        start = self.cvt(U64, self.and_(self.shr(addr, 4), 0x3FFF))
-        return self.bitcast(self.or_(self.bitcast(start, B64), Imm(const, B64)), U64)
+        return self._descriptor("umma descriptor", addr, lbo, sbo, swizzle, UMMA_LAYOUT,
+                                lambda layout: (1 << 46) | (layout << 61))
 
     @staticmethod
     def umma_instr_descriptor(m: int, n: int, in_type: PtxType, b_mn_major: bool = False) -> int:

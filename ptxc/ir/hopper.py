@@ -101,12 +101,20 @@ class HopperOps:
         mode in [63:62]; base offset 0 (tiles start 1024-byte aligned). Adding k << 4 bytes to
         the result later moves the start address by k bytes (the field cannot overflow below
         the 228 KiB shared window)."""
-        if swizzle not in SWIZZLE_MODE:
-            raise IRError(f"matrix descriptor: swizzle {swizzle} is not one of 0, 32, 64, 128 bytes")
+        return self._descriptor("matrix descriptor", addr, lbo, sbo, swizzle, SWIZZLE_MODE,
+                                lambda mode: mode << 62)
+
+    def _descriptor(self, what: str, addr: Reg, lbo: int, sbo: int, swizzle: int, modes: dict,
+                    mode_bits) -> Reg:
+        """A shared-memory matrix descriptor (wgmma's or tcgen05's): start >> 4 in [13:0]
+        (from `addr`), LBO >> 4 in [29:16], SBO >> 4 in [45:32], and mode_bits(modes[swizzle])
+        for the rest of the constant high bits."""
+        if swizzle not in modes:
+            raise IRError(f"{what}: swizzle {swizzle} is not one of 0, 32, 64, 128 bytes")
         for name, v in (("lbo", lbo), ("sbo", sbo)):
             if v % 16 or not 0 <= v >> 4 < 1 << 14:
-                raise IRError(f"matrix descriptor: {name} {v} is not a multiple of 16 below 256 KiB")
-        const = ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (SWIZZLE_MODE[swizzle] << 62)
+                raise IRError(f"{what}: {name} {v} is not a multiple of 16 below 256 KiB")
+        const = ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | mode_bits(modes[swizzle])
         start = self.cvt(U64, self.and_(self.shr(addr, 4), 0x3FFF))
         return self.bitcast(self.or_(self.bitcast(start, B64), Imm(const, B64)), U64)
 

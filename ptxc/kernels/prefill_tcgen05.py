@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import SpecError
-from ..ir import BF16, F16, F32, U32, Addr, KernelBuilder, Reg
+from ..ir import F32, U32, Addr, KernelBuilder, Reg
 from ..spec.model import KernelSpec
 from ..targets import Target
 from . import common as C
@@ -142,13 +142,11 @@ class Tcgen05Math(WgmmaMath):
     softmax_early / softmax_late, epilogue). M = block_m: 128 rows on 8 warps, or 64 on 4
     (data-path layout F: row i at lane 32 (i // 16) + i % 16, so warp w's 16 rows are the
     first half of its sub-partition). `bars`: the MMA region of shared memory (BAR_S ..
-    TMEM_SLOT; a subclass may set `self.bars_at`). Without `tmem` it initialises its barriers
+    TMEM_SLOT). Without `tmem` it initialises its barriers
     and allocates the tensor memory itself (one-issuer kernels); the warp-specialised pipeline
     does both before its warps part and passes the base."""
 
-    def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg | None = None,
-                 tmem: Reg | None = None):
-        bars = self.bars_at if bars is None else bars
+    def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg, tmem: Reg | None = None):
         MmaMath.__init__(self, b, ctx)
         cfg = ctx.cfg
         self.bm, self.dv = cfg.block_m, cfg.dv
@@ -162,7 +160,7 @@ class Tcgen05Math(WgmmaMath):
                 b.mbarrier_init(Addr(bars, BAR_O), 1)
             tmem = allocate(b, self.warp0, bars, cfg.tmem_columns)
         self.tmem = tmem
-        self.umma = UmmaIssue(b, cfg, self.in_type, ctx.q_smem, tmem, bars)
+        self.umma = UmmaIssue(b, cfg, ctx.q_smem, tmem, bars)
         self.bar_s, self.bar_o = self.umma.bar_s, self.umma.bar_o
         lane_bits = b.shl(self._lane0(b, ctx), 16)           # this warp's 16 lanes (rows)
         self.s_warp, self.p_warp, self.o_warp = (b.add(c, lane_bits) for c in (
@@ -226,15 +224,10 @@ class Tcgen05Math(WgmmaMath):
             for i, x in enumerate(o):
                 b.mul(x, self.alpha[(i // 2) % 2], out=x)
             self._store_o(o)
-        for jn in range(self.bn // 8):   # n8 tile jn is half of k-step jn // 2
-            frag = self.p_frags[jn // 2]
-            for r in range(2):
-                b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn],
-                           out=frag[2 * (jn % 2) + r])
+        self.pack_probs(probs)
         # 16x128b: register 2 jn + r is row g + 8r, column 4 jn + t = keys 8 jn + 2t, + 1
         b.tcgen05_st("16x128b", self.p_warp, [x for frag in self.p_frags for x in frag])
-        for a in self.p_frags:
-            b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
+        self.add_row_sums()
         b.tcgen05_wait("st")
         b.tcgen05_fence(before=True)
 
@@ -297,14 +290,13 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: Tcgen05Config, ptrs, stri
     mma_bars = b.add(bars, barrier_bytes(stages, cfg.warp_specialize))
     if cfg.warp_specialize:
         copy_tile, key0_of = tile_copies(b, cfg, s, tmaps)
-        in_type = F16 if cfg.fmt.name == "f16" else BF16
         run_tcgen05_ws_pipeline(
             b, stages=stages, kv_bytes=k_bytes, v_bytes=v_bytes, q_bytes=cfg.q_geom.bytes,
             q_smem=s.smem, k_smem=s.k_smem, v_smem=s.v_smem, bars=bars, mma_bars=mma_bars,
             tid=s.tid, lane=s.lane, warp0=b.setp("eq", b.shfl("idx", s.warp, 0), 0),
             columns=cfg.tmem_columns, n_tiles=s.n_tiles, n_full=s.n_full, key0_of=key0_of,
             copy_tile=copy_tile, make_math=lambda tmem: Tcgen05Math(b, ctx, mma_bars, tmem),
-            make_issue=lambda tmem: UmmaIssue(b, cfg, in_type, s.smem, tmem, mma_bars),
+            make_issue=lambda tmem: UmmaIssue(b, cfg, s.smem, tmem, mma_bars),
             transforms=bool(s.variant.transforms), lo_full=s.lo_full)
         return
     math = Tcgen05Math(b, ctx, mma_bars)

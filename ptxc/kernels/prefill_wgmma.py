@@ -347,13 +347,22 @@ class WgmmaMath(MmaMath):
                 for acc in self.o:
                     for e in range(2):
                         b.mul(acc[2 * r + e], self.alpha[r], out=acc[2 * r + e])
+        self.pack_probs(probs)
+        self.add_row_sums()
+
+    def pack_probs(self, probs: list[list[Reg]]) -> None:
+        """P rounded to f16x2/bf16x2 pairs in the A-fragment registers of the next P·V."""
         for jn in range(self.bn // 8):   # n8 tile jn is half of k-step jn // 2
             frag = self.p_frags[jn // 2]
             for r in range(2):
-                b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn],
-                           out=frag[2 * (jn % 2) + r])
+                self.b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn],
+                                out=frag[2 * (jn % 2) + r])
+
+    def add_row_sums(self) -> None:
+        """The packed P's row sums, by mma.sync against a fragment of ones."""
         for a in self.p_frags:
-            b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type, out=self.l_acc)
+            self.b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type,
+                                out=self.l_acc)
 
 
 def k_step(b: KernelBuilder, desc: Reg, kk: int, rows: int) -> Reg:

@@ -7,8 +7,8 @@ loop).
              boxes, and warp 9, the MMAs (lane 0 each): 320 threads. No setmaxnreg (it needs
              whole warpgroups, and a fourth of a warpgroup's registers would sit idle in the
              two issuing warps' lanes), so the CTA's register file is 320 x the kernel's count.
-  load warp  tma_ws_pipeline.py's producer: Q on its barrier, refills B(i) = {K(i+S),
-             V(i+S-1)} on full[i mod S] after waiting empty[i mod S] for tile i.
+  load warp  tma_ws_pipeline.issue_loads, the sm_90a producer's loop: Q on its barrier,
+             refills B(i) = {K(i+S), V(i+S-1)} on full[i mod S] after waiting empty[i mod S].
   MMA warp   per tile j: wait full[j mod S] (K(j), V(j-1)); for j > 0 wait s_free (every
              softmax warp has loaded S(j-1)), then issue S(j) -> bar_s; for j > 0 wait p_full
              (P(j-1) stored) and issue O += P(j-1)·V(j-1) -> bar_o (j = 0: an empty commit);
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from ..ir import U32, Addr, KernelBuilder, Reg
 from .kv_pipeline import StageRing, modify_scores
-from .tma_pipeline import MBARRIER_BYTES, advance_barrier, issue_refill
-from .tma_ws_pipeline import CONSUMER_BARRIER
+from .tma_pipeline import MBARRIER_BYTES, advance_barrier
+from .tma_ws_pipeline import CONSUMER_BARRIER, issue_loads
 from .umma import BAR_O, BAR_S, P_FULL, S_FREE, allocate
 
 SOFTMAX_WARPS = 8
@@ -68,8 +68,9 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
 
     with b.if_then(b.setp("ge", tid, LOAD_TID)):                         # the load and MMA warps
         with b.if_then(b.setp("eq", tid, LOAD_TID)):
-            _load_warp(b, S, kv_bytes, v_bytes, q_bytes, q_smem, k_smem, v_smem, bars, q_bar,
-                       empty0, n_tiles, copy_tile)
+            issue_loads(b, stages=S, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=q_bytes,
+                        q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, bars=bars,
+                        n_tiles=n_tiles, copy_tile=copy_tile)
         with b.if_then(b.setp("eq", tid, MMA_TID)):
             _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_free,
                       p_full, n_tiles, make_issue(tmem))
@@ -97,27 +98,6 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
         b.mbarrier_wait_parity(q_bar, 0)
         b.bar_sync(CONSUMER_BARRIER, 32 * SOFTMAX_WARPS)   # every warp done with Q: O goes there
         math.epilogue()
-
-
-def _load_warp(b, S, kv_bytes, v_bytes, q_bytes, q_smem, k_smem, v_smem, bars, q_bar, empty0,
-               n_tiles, copy_tile) -> None:
-    def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
-        issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
-                     copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
-                     v_off=v_off, bar=bar, v_bytes=v_bytes)
-
-    b.mbarrier_arrive_expect_tx(q_bar, q_bytes)
-    copy_tile("q", None, q_smem, q_bar)
-    for s in range(S):                                                   # B(-S) .. B(-1)
-        refill(b.mov(s, U32), s * kv_bytes, b.mov(s - 1, U32) if s else None,
-               (s - 1) * v_bytes, Addr(bars, s * MBARRIER_BYTES))
-    ring = StageRing(b, S, kv_bytes, v_bytes)
-    bar_off, parity = b.mov(0, U32), b.mov(0, U32)
-    with b.for_range(S, b.add(n_tiles, 1)) as i:                         # B(i - S)
-        b.mbarrier_wait_parity(Addr(b.add(bars, b.add(bar_off, empty0))), parity)
-        refill(i, ring.k, b.sub(i, 1), ring.v_prev, Addr(b.add(bars, bar_off)))
-        ring.advance()
-        advance_barrier(b, bar_off, parity, S)
 
 
 def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_free, p_full,

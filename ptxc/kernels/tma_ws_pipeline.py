@@ -92,6 +92,36 @@ class Turns:
                    (lambda: None) if final else lambda: b.bar_arrive(PINGPONG_BARRIERS[0], 256))
 
 
+def issue_loads(b: KernelBuilder, *, stages: int, kv_bytes: int, v_bytes: int, q_bytes: int,
+                q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg, n_tiles: Reg,
+                copy_tile) -> None:
+    """The producer thread's whole loop (the barriers' layout as in the module docstring): Q
+    on its barrier, refills B(-S) .. B(-1), then for i = S .. n_tiles: wait empty[i mod S]
+    and refill B(i - S) = {K(i), V(i - 1)} on full[i mod S]."""
+    S = stages
+    full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
+    q_bar, empty0 = full(S), (S + 1) * MBARRIER_BYTES
+
+    def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
+        issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
+                     copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
+                     v_off=v_off, bar=bar, v_bytes=v_bytes)
+
+    b.mbarrier_arrive_expect_tx(q_bar, q_bytes)
+    copy_tile("q", None, q_smem, q_bar)
+    for s in range(S):                                                   # B(-S) .. B(-1)
+        refill(b.mov(s, U32), s * kv_bytes, b.mov(s - 1, U32) if s else None,
+               (s - 1) * v_bytes, full(s))
+    ring = StageRing(b, S, kv_bytes, v_bytes)   # buffer offsets of K(i) and of V(i - 1)
+    bar_off = b.mov(0, U32)          # i mod S (x 8 bytes), and the parity of empty's
+    parity = b.mov(0, U32)           # phase (i - S) / S
+    with b.for_range(S, b.add(n_tiles, 1)) as i:                         # B(i - S)
+        b.mbarrier_wait_parity(Addr(b.add(bars, b.add(bar_off, empty0))), parity)
+        refill(i, ring.k, b.sub(i, 1), ring.v_prev, Addr(b.add(bars, bar_off)))
+        ring.advance()
+        advance_barrier(b, bar_off, parity, S)
+
+
 def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_bytes: int,
                         q_bytes: int, q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg, tid: Reg,
                         lane: Reg, n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
@@ -116,27 +146,12 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
         b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
     b.bar_sync(0)                    # the last whole-CTA barrier: every thread is still here
 
-    def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
-        issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
-                     copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
-                     v_off=v_off, bar=bar, v_bytes=v_bytes)
-
     with b.if_then(b.setp("ge", tid, 128 * C)):                          # the producer
         b.setmaxnreg(False, producer_regs(C))
         with b.if_then(b.setp("eq", tid, 128 * C)):
-            b.mbarrier_arrive_expect_tx(q_bar, q_bytes)
-            copy_tile("q", None, q_smem, q_bar)
-            for s in range(S):                                           # B(-S) .. B(-1)
-                refill(b.mov(s, U32), s * kv_bytes, b.mov(s - 1, U32) if s else None,
-                       (s - 1) * v_bytes, full(s))
-            ring = StageRing(b, S, kv_bytes, v_bytes)   # buffer offsets of K(i) and of V(i - 1)
-            bar_off = b.mov(0, U32)          # i mod S (x 8 bytes), and the parity of empty's
-            parity = b.mov(0, U32)           # phase (i - S) / S
-            with b.for_range(S, b.add(n_tiles, 1)) as i:                 # B(i - S)
-                b.mbarrier_wait_parity(Addr(b.add(bars, b.add(bar_off, empty0))), parity)
-                refill(i, ring.k, b.sub(i, 1), ring.v_prev, Addr(b.add(bars, bar_off)))
-                ring.advance()
-                advance_barrier(b, bar_off, parity, S)
+            issue_loads(b, stages=S, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=q_bytes,
+                        q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, bars=bars,
+                        n_tiles=n_tiles, copy_tile=copy_tile)
     with b.else_():                                                      # the consumers
         b.setmaxnreg(True, consumer_regs(C))
         math = make_math()

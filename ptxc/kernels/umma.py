@@ -5,7 +5,7 @@ warp-specialised one tcgen05_ws_pipeline.py."""
 
 from __future__ import annotations
 
-from ..ir import U32, U64, Addr, Imm, KernelBuilder, Reg
+from ..ir import BF16, F16, U32, U64, Addr, Imm, KernelBuilder, Reg
 from .prefill_wgmma import SWIZZLE, SWIZZLE_PERIOD, k_step
 from .tiles import CHUNK
 from .tma_pipeline import MBARRIER_BYTES
@@ -34,7 +34,8 @@ class UmmaIssue:
     f32 columns) from the tensor-memory base `tmem`, the kind::f16 descriptors, and the MMAs of
     one thread -- thread 0 of the CTA (Tcgen05Math), or the MMA warp's (warp-specialised)."""
 
-    def __init__(self, b: KernelBuilder, cfg, in_type, q_smem: Reg, tmem: Reg, bars: Reg):
+    def __init__(self, b: KernelBuilder, cfg, q_smem: Reg, tmem: Reg, bars: Reg):
+        in_type = F16 if cfg.fmt.name == "f16" else BF16
         self.b, self.bm, self.bn, self.d, self.dv = b, cfg.block_m, cfg.block_n, cfg.head_dim, cfg.dv
         self.s_cols, self.p_cols = tmem, b.add(tmem, self.bn)
         self.o_cols = b.add(tmem, self.bn + self.bn // 2)

@@ -25,8 +25,8 @@ from .variant import finish_rows
 class VarlenMath(MmaMath):
     """prefill's tensor-core tile math; only the epilogue differs (per-row output addresses)."""
 
-    def __init__(self, b: KernelBuilder, ctx: VarlenCtx, ptrs: dict, strides: dict):
-        super().__init__(b, ctx)
+    def __init__(self, b: KernelBuilder, ctx: VarlenCtx, ptrs: dict, strides: dict, **math):
+        super().__init__(b, ctx, **math)     # `math`: the next math class's own arguments
         self.ptrs, self.strides = ptrs, strides
         self.v_scale: Reg | None = None    # FP8 V: multiplies 1/l (set by emit_varlen)
 

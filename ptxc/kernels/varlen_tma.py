@@ -55,8 +55,7 @@ class VarlenTcgen05Math(VarlenMath, Tcgen05Math):
     tensor memory first and the tensor memory freed after."""
 
     def __init__(self, b: KernelBuilder, ctx, ptrs: dict, strides: dict, bars: Reg):
-        self.bars_at = bars
-        VarlenMath.__init__(self, b, ctx, ptrs, strides)
+        VarlenMath.__init__(self, b, ctx, ptrs, strides, bars=bars)
 
     def epilogue(self) -> None:
         self.fetch_o()
