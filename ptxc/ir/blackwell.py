@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import IRError
-from .values import B32, BF16, F16, PRED, U32, U64, Addr, Imm, PtxType, Reg, Vec
+from .values import B32, BF16, F16, U32, U64, Addr, Imm, PtxType, Reg, Vec
 
 # layout type (bits 61-63) of a tcgen05 shared-memory descriptor, by swizzle width in bytes
 UMMA_LAYOUT = {0: 0, 128: 2, 64: 4, 32: 6}
@@ -109,12 +109,7 @@ class BlackwellOps:
         if isinstance(idesc, bool) or not isinstance(idesc, int) or not 0 <= idesc < 1 << 32:
             raise IRError(f"{what}: instruction descriptor {idesc!r} is not a 32-bit constant")
         i_reg = self.mov(idesc, U32)
-        if isinstance(accumulate, bool):
-            acc = Imm(int(accumulate), U32)
-        elif isinstance(accumulate, Reg) and accumulate.type == PRED:
-            acc = accumulate
-        else:
-            raise IRError(f"{what}: accumulate {accumulate!r} is not a bool or a predicate")
+        acc = self._flag(accumulate, f"{what}: accumulate")
         self.emit("tcgen05", ("mma", "cta_group::1", "kind::f16"), (),
                   (d_op, a_op, b_op, i_reg, acc))
 

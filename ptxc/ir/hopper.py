@@ -83,17 +83,20 @@ class HopperOps:
         else:
             a_op = self._operand(a, U64, f"{what} A descriptor")
         b_op = self._operand(b_desc, U64, f"{what} B descriptor")
-        if isinstance(scale_d, bool):
-            sd = Imm(int(scale_d), U32)
-        elif isinstance(scale_d, Reg) and scale_d.type == PRED:
-            sd = scale_d
-        else:
-            raise IRError(f"{what}: scale_d {scale_d!r} is not a bool or a predicate register")
+        sd = self._flag(scale_d, f"{what}: scale_d")
         flags = (Imm(1, U32), Imm(1, U32)) + \
             ((Imm(trans_b, U32),) if isinstance(a_op, Vec) else (Imm(trans_a, U32), Imm(trans_b, U32)))
         self.emit("wgmma", ("mma_async", "sync", "aligned", f"m64n{n}k16", "f32", in_type.name,
                             in_type.name), (Vec(tuple(acc)),), (a_op, b_op, sd) + flags)
         return acc
+
+    def _flag(self, value, what: str):
+        """A Python bool (an immediate 0/1) or a predicate register, as an operand."""
+        if isinstance(value, bool):
+            return Imm(int(value), U32)
+        if isinstance(value, Reg) and value.type == PRED:
+            return value
+        raise IRError(f"{what} {value!r} is not a bool or a predicate register")
 
     def matrix_descriptor(self, addr: Reg, lbo: int, sbo: int, swizzle: int) -> Reg:
         """The u64 wgmma matrix descriptor of the operand at shared address `addr` (u32):
