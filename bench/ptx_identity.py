@@ -25,7 +25,7 @@ from ptxc.kernels import FAMILIES  # noqa: E402
 from ptxc.pipeline.compiler import lower  # noqa: E402
 from ptxc.kernels import load_paths  # noqa: E402
 
-TARGETS = ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
+TARGETS = ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_100a", "sm_120")
 # tile variants applied on top of each spec's own tile (sm_90a prefill / varlen load methods)
 VARIANTS = {
     "default": {},

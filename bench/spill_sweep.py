@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     ap.add_argument("--update", type=Path, metavar="RECORD",
                     help="reuse RECORD's results for PTX it holds (same sha256 and ptxas); assemble the rest")
     ap.add_argument("--floors", action="store_true",
-                    help="print the spilling shapes as ptxc/kernels/register_floor.py keys (and which table)")
+                    help="print the spilling shapes as ptxc/kernels/config/register_floor.py keys (and which table)")
     args = ap.parse_args(argv)
     from ptxc.pipeline.ptxas import toolchain
     tc = toolchain()
@@ -292,13 +292,13 @@ def main(argv=None) -> int:
         print(f"SPILL {name} {target}: {v['spill_bytes']} B ({v['registers']} registers)")
     print(f"{len(results)} combinations, {len(bad)} spill (ptxas {tc.version})")
     if args.floors:
-        from ptxc.kernels.register_floor import shape_key
+        from ptxc.kernels.config.register_floor import shape_key
         from ptxc.targets import get_target
         specs = {(n, t): spec for n, spec, t in combinations()}
         for n, t in sorted(bad):
             spec = specs[(n, t)]
             if spec.family == "mla":   # keyed as the varlen spec it compiles as
-                from ptxc.kernels.mla import attention_view
+                from ptxc.kernels.families.mla import attention_view
                 spec = attention_view(spec)
             remedy = "NARROW_TILES" if results[(n, t)]["registers"] >= 254 else "SPILLING_SHAPES"
             print(f"{remedy}: {shape_key(spec.family, spec, get_target(t))}")

@@ -2,7 +2,7 @@
 work falls on a mixed-length batch: the old rule (min(16, cdiv(2 x SMs, CTAs)), every sequence
 cut into num_splits even shares) against the new one (SPLIT_HEADROOM x resident CTA slots from
 the split kernel's own ptxas occupancy, one length-balanced chunk for the batch:
-ptxc/kernels/split_plan.py). Pure arithmetic over the built metadata; the kernels follow the
+ptxc/kernels/attention/split_plan.py). Pure arithmetic over the built metadata; the kernels follow the
 same model exactly (tests/test_split_balance.py). No GPU needed.
 
     .venv/bin/python bench/split_balance.py [--sms 108]
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ptxc.kernels.split_plan import plan  # noqa: E402
+from ptxc.kernels.attention.split_plan import plan  # noqa: E402
 from ptxc.pipeline.exprs import evaluate  # noqa: E402
 from ptxc.runtime import apply_dim_rule, load, rule_ctas_per_sm  # noqa: E402
 

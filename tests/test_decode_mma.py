@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_pass, build_kernel
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
-from ptxc.kernels.decode_mma import uses_mma
+from ptxc.kernels.families.decode_mma import uses_mma
 from ptxc.pipeline.compiler import lower
 from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
 from ptxc.runtime.launch_test import check_artifact

@@ -149,7 +149,7 @@ def test_append_kv_rejects_pointer_arrays():
 def test_tuned_table_steers_decode_tiles(tmp_path, monkeypatch):
     """A table written by `ptxc tune` changes the default tile; a tile the user gives wins."""
     from ptxc import tuned
-    from ptxc.kernels.decode import resolve_tile
+    from ptxc.kernels.families.decode import resolve_tile
     from ptxc.kernels import load_text
     from ptxc.targets import TARGETS
     tuned.write_table(tmp_path, target="sm_90", sm=90, device_name="NVIDIA H100 80GB HBM3",

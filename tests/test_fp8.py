@@ -1,4 +1,4 @@
-"""FP8 building blocks (ptxc/kernels/fp8.py) in the emulator, on the software path (sm_80) and
+"""FP8 building blocks (ptxc/kernels/math/fp8.py) in the emulator, on the software path (sm_80) and
 the hardware path (sm_89): the quantiser bit-exactly against a table-search implementation of
 OCP satfinite rounding (every f16 value, random and edge f32 values), the dequantiser over all
 256 codes to f32, f16x2 and bf16x2, and both paths assembled by ptxas."""
@@ -11,7 +11,7 @@ import pytest
 from ptxc import emu
 from ptxc.emu import fp8 as emu_fp8
 from ptxc.ir import B32, F32, S64, U64, Addr, KernelBuilder, render_module
-from ptxc.kernels import fp8
+from ptxc.kernels.math import fp8
 from ptxc.reference import fp8_decode, fp8_quantize
 from ptxc.targets import TARGETS
 

@@ -16,7 +16,7 @@ from conftest import assert_pass, build_kernel
 from ptxc.cli import main
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
-from ptxc.kernels.kv_transform_ref import rope_cos_sin_cache, rotate
+from ptxc.kernels.kv.kv_transform_ref import rope_cos_sin_cache, rotate
 from ptxc.runtime.launch_test import check_artifact
 from ptxc.reference import fp8_decode, fp8_quantize, max_abs_error
 from ptxc.kernels import load_text

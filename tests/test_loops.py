@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from ptxc.report.gpus import GPUS
-from ptxc.report.loop_model import bound_on, kv_reuse, kv_rows_per_iteration, loop_figures, with_tma_loads
-from ptxc.report.loops import (Instr, access_bytes, analyze_disassembly, classify, find_loops, mma_flops,
-                               parse_functions, table_refills)
+from ptxc.report.loop_model import (
+    bound_on, kv_reuse, kv_rows_per_iteration, loop_figures, with_tma_loads)
+from ptxc.report.loops import (
+    Instr, access_bytes, analyze_disassembly, classify, find_loops, mma_flops, parse_functions,
+    table_refills)
 
 SASS = Path(__file__).parent / "sass"
 PEER_SASS = Path(__file__).parent / "data"

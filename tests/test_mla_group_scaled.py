@@ -16,8 +16,9 @@ import pytest
 from conftest import assert_pass, build_kernel
 from ptxc import reference as ref
 from ptxc.errors import SpecError
-from ptxc.kernels import FAMILIES, kv_fp8
-from ptxc.kernels.mla_inputs import ds_decode, ds_encode, ds_fields, ds_pack
+from ptxc.kernels import FAMILIES
+from ptxc.kernels.kv import kv_fp8
+from ptxc.kernels.families.mla_inputs import ds_decode, ds_encode, ds_fields, ds_pack
 from ptxc.runtime.launch_test import check_artifact
 from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec

@@ -93,7 +93,7 @@ def test_sass_f32_path_has_no_tensor_cores(built):
 def test_tuned_table_steers_prefill_tiles(tmp_path, monkeypatch):
     """A `ptxc tune` table replaces the heuristic's default tile for its key and target only."""
     from ptxc import tuned
-    from ptxc.kernels.prefill import resolve_tile
+    from ptxc.kernels.families.prefill import resolve_tile
     from ptxc.kernels import load_text
     from ptxc.targets import TARGETS
     tuned.write_table(tmp_path, target="sm_80", sm=80, device_name="NVIDIA A100-SXM4-80GB",

@@ -5,7 +5,7 @@ a multiple of 128 bytes with neither would conflict 8-way: tests/emu/test_traffi
 
 import pytest
 
-from ptxc.kernels.prefill import configure
+from ptxc.kernels.families.prefill import configure
 from ptxc.kernels import load_text
 from ptxc.targets import TARGETS
 from test_prefill import SHAPES, check, run, spec_text

@@ -6,7 +6,7 @@ configuration rules and the errors."""
 import pytest
 
 from ptxc.errors import SpecError
-from ptxc.kernels.prefill import configure
+from ptxc.kernels.families.prefill import configure
 from ptxc.kernels import load_text
 from ptxc.targets import TARGETS
 from test_prefill import SHAPES, check, run, spec_text

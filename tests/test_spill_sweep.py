@@ -38,7 +38,7 @@ def matrix(toolchain):
 def _check(items, toolchain):
     results = spill_sweep.assemble_all(items, toolchain)
     spilled = {f"{n}/{t}": v for (n, t), v in results.items() if v["spill_bytes"]}
-    assert not spilled, f"spills (see ptxc/kernels/register_floor.py): {spilled}"
+    assert not spilled, f"spills (see ptxc/kernels/config/register_floor.py): {spilled}"
 
 
 def test_record_holds_only_spill_free_results(matrix):

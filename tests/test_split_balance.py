@@ -1,4 +1,4 @@
-"""Length-balanced split-KV (ptxc/kernels/split_plan.py): the kernels follow the Python model of
+"""Length-balanced split-KV (ptxc/kernels/attention/split_plan.py): the kernels follow the Python model of
 the assignment exactly (every split's partial lse is recomputed in fp64 over the rows the model
 gives it), outputs stay exact on very mixed lengths, and the model's balance beats even splits."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import build_kernel
 from ptxc.kernels import FAMILIES
-from ptxc.kernels.split_plan import SPLIT_HEADROOM, plan
+from ptxc.kernels.attention.split_plan import SPLIT_HEADROOM, plan
 from ptxc.runtime import _emu_launcher, infer_dims, prepare_buffers
 from ptxc.spec.model import KernelSpec
 

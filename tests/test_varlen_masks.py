@@ -11,7 +11,7 @@ import pytest
 from conftest import assert_pass, build_kernel
 from ptxc.errors import InputError, SpecError
 from ptxc.kernels import FAMILIES
-from ptxc.kernels import varlen_inputs as vi
+from ptxc.kernels.families import varlen_inputs as vi
 from ptxc import reference as ref
 from ptxc import runtime
 from ptxc.runtime.launch_test import check_artifact

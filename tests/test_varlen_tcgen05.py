@@ -10,7 +10,7 @@ import pytest
 
 from conftest import build_kernel
 from ptxc.kernels import FAMILIES, load_text
-from ptxc.kernels.varlen_tile import PATH
+from ptxc.kernels.attention.varlen_tile import PATH
 from ptxc.spec.model import KernelSpec
 from ptxc.targets import TARGETS
 from tests.test_varlen_tma import check_poisoned, spec_body

@@ -1,5 +1,5 @@
 """varlen on wgmma for sm_90a with K/V tiles fed by TMA (tile.kv_loads = "tma";
-ptxc/kernels/varlen_tma.py): emulator numerics of the real sm_90a PTX against the fp64
+ptxc/kernels/bodies/varlen_tma.py): emulator numerics of the real sm_90a PTX against the fp64
 reference on ragged batches (sequence lengths 0 / 1 / 17 / 113, q_len > 1 chunks, pages
 crossed) whose caches hold NaN in every row at or past L and in every page no sequence uses
 (so a box reading them, or a V tail row not zeroed, fails the check); paged (16- and 64-row

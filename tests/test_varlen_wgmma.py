@@ -1,4 +1,4 @@
-"""varlen on wgmma for sm_90a (ptxc/kernels/varlen_wgmma.py): numerical checks of the real
+"""varlen on wgmma for sm_90a (ptxc/kernels/bodies/varlen_wgmma.py): numerical checks of the real
 sm_90a PTX in the emulator against the fp64 reference (FA2 tolerance rule) on explicit ragged
 batches (sequence lengths 0 / 1 / 17 / 113, q_len > 1 chunks, pages crossed, rows past L) and
 on make_inputs' mixed batches, causal and not, GQA 4 / 8 / MQA, split-KV with empty splits, LSE

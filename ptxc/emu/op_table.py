@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import functools
 
-from ptxc.emu import (ops_async, ops_ctrl, ops_cvt, ops_float, ops_hopper,  # noqa: F401
-                      ops_int, ops_logic, ops_mbarrier, ops_mem, ops_tcgen05, ops_warp,
-                      ops_wgmma)
-from ptxc.emu.decode import (DECODERS, DecodeEnv, Program, decode_error,
-                             successors)
+from ptxc.emu import (
+    ops_async, ops_ctrl, ops_cvt, ops_float, ops_hopper, ops_int, ops_logic, ops_mbarrier, ops_mem,
+    ops_tcgen05, ops_warp, ops_wgmma)
+from ptxc.emu.decode import DECODERS, DecodeEnv, Program, decode_error, successors
 from ptxc.emu.operands import DecodeError
 from ptxc.emu.parser import parse_module
 from ptxc.emu.uninit import analyse as analyse_init

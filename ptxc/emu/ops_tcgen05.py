@@ -38,8 +38,8 @@ from ptxc.emu.ops_mem import address_plan
 from ptxc.emu.ops_warp import _halves_to_f64, _tf32_to_f64, whole_warps
 from ptxc.emu.ops_wgmma import read_operand
 from ptxc.emu.ptx_ast import Addr, Imm, Reg, Vec
-from ptxc.emu.tcgen05_layout import (LD_SHAPES, InstrDescriptor, SmemDescriptor,
-                                     fragment_cells, row_lanes)
+from ptxc.emu.tcgen05_layout import (
+    LD_SHAPES, InstrDescriptor, SmemDescriptor, fragment_cells, row_lanes)
 from ptxc.emu.tmem import MmaRecord, TensorMemory
 
 U32, U64, B32, PRED = TYPES["u32"], TYPES["u64"], TYPES["b32"], TYPES["pred"]

@@ -29,8 +29,8 @@ from ptxc.emu.operands import TYPES, DecodeError, Fault, dst_plan, src_plan
 from ptxc.emu.ops_warp import _halves_to_f64
 from ptxc.emu.ptx_ast import Imm, Reg, Vec
 from ptxc.emu.uninit import _regs
-from ptxc.emu.wgmma_layout import (Descriptor, a_register_map, accumulator_map,
-                                   chunk_coefficients, swizzle_address)
+from ptxc.emu.wgmma_layout import (
+    Descriptor, a_register_map, accumulator_map, chunk_coefficients, swizzle_address)
 
 U64, B32, F32, PRED = TYPES["u64"], TYPES["b32"], TYPES["f32"], TYPES["pred"]
 _N_SIZES = tuple(range(8, 257, 8))

@@ -13,8 +13,9 @@ import functools
 import re
 
 from ptxc.emu.declarations import TYPE_BYTES, fail, parse_decl, parse_params, split_top
-from ptxc.emu.ptx_ast import (Addr, Entry, GlobalVar, Imm, Instruction, Module, Operand, Pair,
-                              Reg, Sink, Sym, TensorAddr, Vec)
+from ptxc.emu.ptx_ast import (
+    Addr, Entry, GlobalVar, Imm, Instruction, Module, Operand, Pair, Reg, Sink, Sym, TensorAddr,
+    Vec)
 
 # ----------------------------------------------------------------------------- lexing helpers
 

@@ -17,9 +17,9 @@ from .control import ControlFlowOps
 from .convert import ConvertOps
 from .hopper import HopperOps
 from .tensorcore import TensorCoreOps
-from .values import (F16, F32, F64, B16, B32, B64, BF16, PRED, S32, S64, SPECIAL_REGS,
-                     U32, U64, Addr, Imm, Label, PtxType, Reg, Special, Sym, Value, Vec, check_space,
-                     storage_of)
+from .values import (
+    F16, F32, F64, B16, B32, B64, BF16, PRED, S32, S64, SPECIAL_REGS, U32, U64, Addr, Imm, Label,
+    PtxType, Reg, Special, Sym, Value, Vec, check_space, storage_of)
 
 INT_CMPS = ("eq", "ne", "lt", "le", "gt", "ge")
 FLOAT_CMPS = INT_CMPS + ("equ", "neu", "ltu", "leu", "gtu", "geu", "num", "nan")

@@ -8,7 +8,7 @@
                                    into an fma (for results a float32 model must reproduce exactly)
 
 The FP8 pairs live in 16-bit registers with element 0 in the low byte (the same order as
-f16x2). Whether a target has the instructions is the caller's decision (ptxc/kernels/fp8.py
+f16x2). Whether a target has the instructions is the caller's decision (ptxc/kernels/math/fp8.py
 emits an exact software path below sm_89); ptxas rejects them on older targets.
 """
 

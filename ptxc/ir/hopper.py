@@ -22,8 +22,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import IRError
-from .values import (B64, BF16, F16, F32, PRED, S32, TMAP, U32, U64, Addr, Imm, PtxType, Reg,
-                     Sym, TensorCoords, Vec)
+from .values import (
+    B64, BF16, F16, F32, PRED, S32, TMAP, U32, U64, Addr, Imm, PtxType, Reg, Sym, TensorCoords,
+    Vec)
 
 SWIZZLE_MODE = {0: 0, 128: 1, 64: 2, 32: 3}   # swizzle width in bytes -> descriptor bits [63:62]
 

@@ -9,12 +9,12 @@ from typing import Any, Iterable
 
 from ..spec import KernelSpec, loader
 from .base import Family
-from .decode import FAMILY as _DECODE
-from .kv_append import FAMILY as _KV_APPEND
-from .mla import FAMILY as _MLA
-from .mla_append import FAMILY as _MLA_APPEND
-from .prefill import FAMILY as _PREFILL
-from .varlen import FAMILY as _VARLEN
+from .families.decode import FAMILY as _DECODE
+from .families.kv_append import FAMILY as _KV_APPEND
+from .families.mla import FAMILY as _MLA
+from .families.mla_append import FAMILY as _MLA_APPEND
+from .families.prefill import FAMILY as _PREFILL
+from .families.varlen import FAMILY as _VARLEN
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (_DECODE, _PREFILL, _KV_APPEND, _VARLEN, _MLA, _MLA_APPEND)}
 

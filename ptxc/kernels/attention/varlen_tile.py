@@ -1,0 +1,219 @@
+"""The GQA-packed tile below its bodies: its configuration (the mma.sync tile's metadata, the
+sm_90a wgmma tile and when TMA loads its K/V), its per-row epilogue math, and the score
+transform hook. varlen_attend.py (mma.sync), varlen_wgmma.py (cp.async on wgmma) and
+varlen_tma.py (TMA on wgmma) build on these; nothing here imports a body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...ir import B32, F32, S64, U64, Addr, KernelBuilder, Reg
+from .. import common as C
+from ..bodies.prefill_tcgen05 import (
+    PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS, TensorMemoryTile)
+from ..bodies.prefill_wgmma import (
+    ROWS_PER_WARPGROUP, SWIZZLE, SwizzledGeom, WgmmaConfig, uses_wgmma)
+from ..config.prefill import PrefillConfig
+from ..kv.kv_access import KVAccess
+from ..kv.kv_fp8 import group_scaled, kind, kv_dtype
+from ..kv.kv_fp8_stage import StagedFP8Config, StagingGeom
+from ..mainloop.tiles import CHUNK
+from ..math.mma import MmaMath
+from .packed_tile import VarlenCtx
+from .variant import finish_rows
+
+
+class VarlenMath(MmaMath):
+    """prefill's tensor-core tile math; only the epilogue differs (per-row output addresses)."""
+
+    def __init__(self, b: KernelBuilder, ctx: VarlenCtx, ptrs: dict, strides: dict, **math):
+        super().__init__(b, ctx, **math)     # `math`: the next math class's own arguments
+        self.ptrs, self.strides = ptrs, strides
+        self.v_scale: Reg | None = None    # FP8 V: multiplies 1/l (set by emit_varlen)
+
+    def epilogue(self) -> None:
+        b, ctx = self.b, self.ctx
+        split = ctx.split is not None
+        writer = self.writer()
+        l_rows, lanes = self.row_sums()
+        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, writer,
+                           lse_scale=1.0 if split else C.LN2)
+        if self.v_scale is not None:
+            invs = [b.mul(inv, self.v_scale) for inv in invs]
+        for r, row in enumerate(self.rows):
+            ok = b.setp("lt", row, ctx.seq_q)
+            if split:   # o_part [total_q, H, splits, d] f32: this lane's columns 2t, 2t+1
+                addr = b.add(self.ptrs["o_part"], b.mul_wide(ctx.out_index(row), ctx.cfg.dv * 4))
+                addr = b.add(addr, b.cvt(U64, b.shl(self.t, 3)))
+                if self.col0 is not None:   # this warp's slice of the value columns
+                    addr = b.add(addr, b.mul_wide(self.col0, 4))
+            else:
+                tok = b.add(ctx.token0, ctx.token(row))
+                base = C.element_offset(b, self.ptrs["o"], tok, self.strides[("o", 0)])
+                base = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), self.strides[("o", 1)])
+                addr = b.bitcast(b.add(base, b.cvt(S64, b.shl(self.t, 2))), U64)
+                if self.col0 is not None:
+                    addr = b.add(addr, b.mul_wide(self.col0, ctx.cfg.fmt.bytes))
+            for jd, acc in enumerate(self.o):
+                lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
+                with b.predicate(ok):
+                    if split:
+                        b.st("global", F32, Addr(addr, jd * 32), [lo, hi])
+                    else:
+                        b.st("global", B32, Addr(addr, jd * 16), [b.cvt_pack(self.pair, hi, lo)])
+
+
+def packed_tile_config(spec, c: PrefillConfig) -> dict:
+    """The metadata `config` of a GQA-packed tile (varlen, and decode on tensor cores)."""
+    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
+            "num_stages": c.num_stages, "path": "mma.m16n8k16", "gqa_packing": spec.group_size,
+            "smem_row_stride": c.q_geom.stride, "smem_bytes": c.smem_bytes,
+            **({"value_split": c.v_split} if c.v_split > 1 else {}),
+            **({"score_split": True, "exchange_bytes": c.exchange_bytes} if c.score_split else {}),
+            **({"fp8_staging_bytes": c.staging_bytes} if isinstance(c, StagedFP8Config) else {}),
+            **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {})}
+
+
+def score_transform(b: KernelBuilder, spec, math: MmaMath):
+    """The pipeline's transform hook: the variant's (soft-cap, ALiBi) through the math's
+    fragment layout, else variant.transform_scores (which emits nothing without an option)."""
+    variant = math.ctx.variant
+    unit = 1.0 / spec.softmax_scale                    # MmaMath's scores are raw q·k
+    return math.transform if variant.transforms else \
+        lambda s, key0: variant.transform_scores(b, s, key0, unit)
+
+
+MIN_PAGE_ROWS = 8    # one swizzle period: a box must start 1024-byte aligned in its slab
+
+
+def tma_applies(kv: KVAccess) -> bool:
+    """Whether the layout's K/V tiles can be TMA boxes (else the cp.async body runs): a box of
+    min(page_size, block_n) rows must sit inside one page, so a page that is not a power of two
+    takes TMA only when it is a whole number of the largest K/V tile (64 rows)."""
+    if kv.layout == "contiguous":
+        return True
+    ps = kv.page_size
+    return kv.layout == "paged" and ps >= MIN_PAGE_ROWS and (kv.pow2_pages or ps % 64 == 0)
+
+
+PATH = "wgmma.m64nNk16"
+
+
+@dataclass(frozen=True)
+class WgmmaTileConfig(WgmmaConfig):
+    """WgmmaConfig without the O staging region (the packed epilogue stores from registers).
+    With `fp8` the cache holds FP8 bytes: they land by cp.async in `num_stages` unpadded staging
+    buffers each for K and V and are dequantised into one swizzled tile each
+    (kv_fp8_stage.SwizzledFP8Staging)."""
+
+    fp8: bool = False
+
+    @property
+    def q_region_bytes(self) -> int:
+        return self.q_geom.bytes
+
+    @property
+    def staging_geom(self) -> StagingGeom:
+        return StagingGeom(self.block_n, self.head_dim, self.threads)
+
+    @property
+    def smem_bytes(self) -> int:
+        if not self.fp8:
+            return super().smem_bytes
+        return self.q_region_bytes + 2 * (self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes)
+
+    @property
+    def group_bytes(self) -> int:
+        """Bytes of a row one copy pass covers: whole 128-byte slabs that divide the row, and
+        few enough that a pass moves threads / (bytes / 16) rows, a multiple of 8 (whole
+        swizzle groups): 256 at d128 and d256 with one warpgroup, 128 at d192 (three groups)."""
+        row = self.head_dim * self.fmt.bytes
+        return max(g for g in range(SWIZZLE, row + 1, SWIZZLE)
+                   if row % g == 0 and self.threads % (g // CHUNK) == 0
+                   and self.threads // (g // CHUNK) % 8 == 0)
+
+    @property
+    def groups(self) -> int:
+        return self.head_dim * self.fmt.bytes // self.group_bytes
+
+    def copy_geom(self, rows: int) -> SwizzledGeom:
+        return SwizzledGeom(rows, self.group_bytes, self.threads)
+
+
+@dataclass(frozen=True)
+class Tcgen05TileConfig(TensorMemoryTile, WgmmaTileConfig):
+    """The packed tile on tcgen05 (sm_100a; TMA loads): WgmmaTileConfig's shared memory plus
+    the MMA barriers and the tensor-memory address, S/P/O in tensor memory."""
+
+
+def applies_tcgen05(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
+    """Whether the packed tile `cfg` runs on tcgen05 for `target` (prefill_tcgen05.py's math
+    on varlen_tma.py's body): sm_100a / sm_103a, caches of the dtype loaded by TMA, head_dim
+    and head_dim_v 64, 128, 192 or 256 (head_dim_v <= head_dim: DeepSeek's 192 / 128), block_m
+    64 (M = 64) or 128, no custom mask."""
+    return (target.name in TCGEN05_TARGETS and spec.dtype in ("f16", "bf16")
+            and kv_dtype(spec) == spec.dtype and cfg.head_dim in TCGEN05_HEAD_DIMS
+            and cfg.dv in TCGEN05_HEAD_DIMS and cfg.dv <= cfg.head_dim
+            and _loads_by_tma(spec, kv) and spec.opt("custom_mask") in (None, "none")
+            and cfg.v_split == 1 and cfg.block_m in (64, 128)
+            and cfg.num_warps == cfg.block_m // 16)
+
+
+def applies(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
+    """Whether the packed tile `cfg` (the mma.sync one) runs on wgmma for `target`: caches of
+    the dtype, or FP8 (e4m3 / e5m2) staged by cp.async. V narrower than K (head_dim_v <
+    head_dim) only where TMA loads the tiles (the per-thread copy's groups are K's rows)."""
+    narrow_v = cfg.dv != cfg.head_dim
+    return (uses_wgmma(spec, target)
+            and (kv_dtype(spec) == spec.dtype or (fp8_staged(spec, cfg) and not narrow_v))
+            and (not narrow_v or _loads_by_tma(spec, kv))
+            and cfg.v_split == 1 and cfg.block_m in (ROWS_PER_WARPGROUP, 2 * ROWS_PER_WARPGROUP)
+            and cfg.num_warps == cfg.block_m // 16)
+
+
+def _loads_by_tma(spec, kv: KVAccess) -> bool:
+    """K/V tiles by TMA: the default where the layout allows, for caches of the dtype (TMA
+    cannot dequantise)."""
+    return spec.tile_dict().get("kv_loads", "tma") == "tma" and tma_applies(kv) and kind(spec) is None
+
+
+def fp8_staged(spec, cfg: PrefillConfig) -> bool:
+    """An FP8 cache whose staged rows cover whole 8-row swizzle groups per copy pass."""
+    if kind(spec) is None or group_scaled(spec):
+        return False
+    geom = StagingGeom(cfg.block_n, spec.head_dim, cfg.threads)
+    return geom.rows_per_pass % 8 == 0 and not geom.idle_threads and cfg.block_n % geom.rows_per_pass == 0
+
+
+def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
+    """The mma.sync tile (block_m, block_n, stages) on swizzled tiles: never more shared memory
+    than the padded layout (whose padding exceeds the TMA path's barrier bytes), so it fits
+    wherever that one did. K/V tiles come by TMA (tile.kv_loads = "tma", the default) where
+    the layout allows (tma_applies: contiguous, or pages of >= 8 rows), else, or
+    with kv_loads = "cp_async", by per-thread cp.async."""
+    fp8 = kind(spec) is not None      # TMA cannot dequantise: FP8 bytes come by cp.async
+    tma = _loads_by_tma(spec, kv)
+    return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
+                           cfg.num_stages, True, cfg.dv, 1,
+                           kv_loads="tma" if tma else "cp_async", fp8=fp8)
+
+
+def configure_tcgen05(cfg: PrefillConfig) -> Tcgen05TileConfig:
+    """The packed tile on tcgen05 (applies_tcgen05 holds): the same tile, TMA loads."""
+    return Tcgen05TileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
+                             cfg.num_stages, False, cfg.dv, 1, kv_loads="tma",
+                             min_ctas_per_sm=PIN_REGISTERS)
+
+
+def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
+    """The metadata config: the packed tile's, with the path and the swizzle (as prefill),
+    kv_loads = "tma" when TMA loads the K/V tiles (absent: per-thread cp.async), and on
+    tcgen05 the tensor-memory columns."""
+    tc = isinstance(cfg, Tcgen05TileConfig)
+    out = {**base, "path": f"tcgen05.mma.m{cfg.block_m}" if tc else PATH,
+           "smem_swizzle": SWIZZLE, **({"kv_loads": "tma"} if cfg.tma else {}),
+           **({"fp8_staging_bytes": cfg.staging_geom.bytes} if cfg.fp8 else {}),
+           **({"tmem_columns": cfg.tmem_columns} if tc else {})}
+    out.pop("smem_row_stride")
+    return out

@@ -1,0 +1,229 @@
+"""varlen's sm_90a wgmma body with its K/V tiles fed by TMA (tile.kv_loads = "tma", the default
+where varlen_tile.tma_applies): the packed tile of varlen_wgmma.py on the mbarrier pipeline of
+tma_pipeline.py (full[stage] mbarriers, the elected thread arriving with each phase's
+expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
+
+  issuers    box (page p, slab s) of a tile is issued by lane 0 of warp (p * slabs + s) %
+             num_warps (run_tma_pipeline's issuer hook): ptxas wraps every box in an ELECT
+             issue loop of ~7 instructions, and one issuing thread made warp 0's iteration
+             longer than the cp.async kernel's (docs/performance.md).
+
+  Q          GQA-packed (token, head) rows are a gather, not a box: per-thread cp.async into
+             the swizzled Q tile as the cp.async body does, issued before the K/V prologue and
+             waited once before the loop (wait_group 0, fence.proxy.async, bar.sync).
+  contiguous k_cache / v_cache [batch, max_seq_len, Hk, d] as 4D tensor maps (innermost first
+             d, Hk, max_seq_len, batch), box [64, 1, block_n, 1] per 128-byte slab at
+             {64 s, kv_head, row0, seq}. Rows past max_seq_len are the TMA's zeros.
+  paged      [num_pages, page_size, Hk, d], box [64, 1, min(page_size, block_n), 1] per slab
+             and page at {64 s, kv_head, row % page_size, page id}, landing at the page's row
+             offset in the slab. The 128-byte swizzle is a function of the shared address
+             (chunk ^ address bits [7, 10)), so a box starting at a multiple of 8 rows of a
+             1024-aligned slab is itself 1024-aligned and lands exactly as the whole tile
+             would: power-of-two pages of >= 8 rows and pages of whole 64-row tiles take TMA,
+             others keep the cp.async body (varlen_tile.tma_applies). The issuing lanes read their pages' ids one
+             K request ahead (IssuerPages); a row at or past L uses id -1, and an id outside
+             [0, num_pages) (a corrupt table, or -1) lies outside the map's page dimension
+             (num_pages, the cache's own extent), so the TMA fills the box with zeros and still
+             counts its bytes: no bad id is dereferenced and expect_tx stays the full tile.
+  rows >= L  cache rows at or past the sequence's L may hold anything (NaN included). K rows
+             there are masked to -inf before the softmax (P = 0 exactly, selp drops the NaN),
+             but 0 x NaN in P·V would poison O, so the last V tile's rows [L - row0, block_n)
+             are zeroed in shared memory after it lands (st.shared by every thread, then
+             fence.proxy.async and bar.sync before the wgmma reads it; run_tma_pipeline's
+             last_v_landed hook). Only the sequence's last tile holds such rows and it is
+             always the loop's last V tile (the P·V after the loop), so the loop is untouched.
+             Clamping boxes instead would need a box size per tail length.
+"""
+
+from __future__ import annotations
+
+from ...ir import S32, S64, U32, Addr, KernelBuilder, Reg
+from .. import common as C
+from ..attention.packed_tile import TileWork, packed_tile_setup
+from ..attention.varlen_tile import Tcgen05TileConfig, VarlenMath, score_transform
+from ..base import LaunchParam, ParamSource
+from ..kv.kv_access import KVAccess
+from ..mainloop.tiles import CHUNK
+from ..mainloop.tma_pipeline import barrier_bytes, run_tma_pipeline
+from .prefill_tcgen05 import Tcgen05Math
+from .prefill_wgmma import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
+from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
+
+
+class VarlenTcgen05Math(VarlenMath, Tcgen05Math):
+    """Tcgen05Math's tile math (sm_100a) with VarlenMath's per-row epilogue: O is fetched from
+    tensor memory first and the tensor memory freed after."""
+
+    def __init__(self, b: KernelBuilder, ctx, ptrs: dict, strides: dict, bars: Reg):
+        VarlenMath.__init__(self, b, ctx, ptrs, strides, bars=bars)
+
+    def epilogue(self) -> None:
+        self.fetch_o()
+        VarlenMath.epilogue(self)
+        self.release()
+
+def box_rows(kv: KVAccess, block_n: int) -> int:
+    return block_n if kv.layout == "contiguous" else min(kv.page_size, block_n)
+
+
+def tensor_map_params(b: KernelBuilder, cfg, kv: KVAccess, params: list) -> dict:
+    """k_cache / v_cache tensor-map parameters (appended to `params`)."""
+    from ...ir import TMAP
+    box = (SWIZZLE // cfg.fmt.bytes, 1, box_rows(kv, cfg.block_n), 1)   # d, head, row, seq/page
+    maps = {}
+    for t in ("k_cache", "v_cache"):
+        params.append(LaunchParam(f"{t[0]}_tmap", TMAP,
+                                  ParamSource("tensor_map", tensor=t, box=box, swizzle=SWIZZLE)))
+        maps[t] = b.param(f"{t[0]}_tmap", TMAP)
+    return maps
+
+
+def zero_tail_rows(b: KernelBuilder, cfg, tid: Reg, v_tile: Reg, nvalid: Reg) -> None:
+    """Zero rows [nvalid, block_n) of the swizzled V tile at `v_tile` (every slab): chunk c of
+    the tile is row (c / 8) % block_n of slab c / (8 block_n), at byte 16 c (the swizzle only
+    permutes chunks inside a row, so whole rows need no swizzle)."""
+    bn, threads = cfg.block_n, cfg.threads
+    chunks = cfg.v_geom.bytes // CHUNK
+    zero = b.mov(0, U32)
+    row0, mine = b.shr(tid, 3), b.add(v_tile, b.shl(tid, 4))
+    for i in range(-(-chunks // threads)):
+        row = b.and_(b.add(row0, i * threads // 8), bn - 1)
+        dead = b.setp("ge", b.bitcast(row, S32), nvalid)
+        if (i + 1) * threads > chunks:        # a partial last pass (small tiles, 256 threads)
+            dead = b.and_(dead, b.setp("lt", tid, chunks - i * threads))
+        with b.predicate(dead):
+            b.st("shared", U32, Addr(mine, i * threads * CHUNK), [zero] * 4)
+
+
+class IssuerPages:
+    """The page ids of the threads that issue the boxes (lane 0 of each warp, for the pages its
+    boxes cover), loaded one K request ahead so that no block-table load sits between a
+    refill's barrier and its boxes: `cur[p]` holds page p's id in the next K tile to request,
+    `last[p]` in the last K requested, `prev[p]` in the one before. tma_pipeline requests V(t)
+    right after K(t + 1) when that tile exists (ids in `prev`), else alone (in `last`). A row
+    at or past L, or a page wholly before a sliding window's first key (pages an engine may
+    have freed; the cp.async body zero-fills those rows too), gets id -1 (no block-table entry
+    is read for it)."""
+
+    def __init__(self, b: KernelBuilder, kv: KVAccess, block_row: Reg, first: Reg, bn: int,
+                 rows: int, L: Reg, n_tiles: Reg, key_lo: Reg | None):
+        self.b, self.kv, self.block_row, self.first, self.bn, self.rows = b, kv, block_row, first, bn, rows
+        self.L, self.n_tiles, self.key_lo = L, n_tiles, key_lo
+        self.cur, self.last, self.prev = ([b.mov(-1, S32) for _ in range(bn // rows)] for _ in range(3))
+
+    def load(self, j: Reg, pages: list[int]) -> None:
+        """cur[p] for p in `pages` <- page p's id in tile j."""
+        b = self.b
+        row0 = b.mul(b.add(self.first, j), self.bn)
+        for p in pages:
+            row = row0 if p == 0 else b.add(row0, p * self.rows)
+            valid = b.setp("lt", b.bitcast(row, S32), self.L)
+            if self.key_lo is not None:     # a page wholly before the window: never read
+                valid = b.and_(valid, b.setp("gt", b.bitcast(b.add(row, self.rows), S32), self.key_lo))
+            self.kv.load_page(b, {"block_row": self.block_row}, row, valid, out=self.cur[p])
+
+    def k_ids(self, pages: list[int]) -> dict:
+        """K(j)'s ids (loaded at the previous K request), shifted into `last`."""
+        for p in pages:
+            self.b.mov(self.last[p], out=self.prev[p])
+            self.b.mov(self.cur[p], out=self.last[p])
+        return {p: self.last[p] for p in pages}
+
+    def v_ids(self, j: Reg, pages: list[int]) -> dict:
+        b = self.b
+        after_k = b.setp("lt", b.add(j, 1), self.n_tiles)     # K(j + 1) was requested first
+        return {p: b.selp(self.prev[p], self.last[p], after_k, S32) for p in pages}
+
+
+def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
+                  work: TileWork, split_count: Reg | None, tmaps: dict,
+                  mask_bytes: Reg | None = None) -> None:
+    """varlen_wgmma.emit_wgmma_tile with TMA K/V loads (see the module docstring)."""
+    bn, stages = cfg.block_n, cfg.num_stages
+    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD,
+                             mask_bytes=mask_bytes)
+    ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
+    q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
+    q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
+    q_valid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
+    stage_groups(b, cfg, q_slot, row_chunks(b, q_slot, q_row, ctx.m_start, q_valid), q_valid,
+                 tile.smem)
+    b.cp_async_commit()
+
+    addr = {t: b.tensor_map_address(tmaps[t]) for t in tmaps}
+    head, seq = b.bitcast(work.kv_head, S32), b.bitcast(work.seq, S32)
+    slab_cols, slabs = SWIZZLE // cfg.fmt.bytes, cfg.head_dim * cfg.fmt.bytes // SWIZZLE
+    v_slabs = cfg.dv * cfg.fmt.bytes // SWIZZLE      # V narrower than K: its first slabs' boxes
+    rows = box_rows(kv, bn)
+    # box (page p, slab s) of a tile is issued by lane 0 of warp (p * slabs + s) % num_warps,
+    # so that no warp carries the whole issue block (ptxas wraps each box in an issue loop)
+    boxes = [[(p, s) for p in range(bn // rows) for s in range(slabs)
+              if (p * slabs + s) % cfg.num_warps == w] for w in range(cfg.num_warps)]
+    pages_of = [sorted({p for p, _ in bw}) for bw in boxes]
+    issuer = b.setp("eq", ctx.lane, 0)
+
+    def per_warp(body) -> None:
+        for w, bw in enumerate(boxes):
+            if bw:
+                with b.if_then(b.setp("eq", ctx.warp, w)):
+                    body(w, bw)
+
+    pages = None
+    if kv.layout == "paged":
+        pages = IssuerPages(b, kv, C.element_offset(b, ptrs["block_table"], work.seq,
+                                                    b.mul(kv.regs["bt_stride"], 4)),
+                            first, bn, rows, L, n_tiles, tile.key_lo())
+        with b.if_then(issuer):
+            per_warp(lambda w, bw: pages.load(b.mov(0, U32), pages_of[w]))
+
+    def copy_tile(t: str, j, dst: Reg, bar: Addr) -> None:
+        if t == "q":
+            return                                   # Q came by cp.async (q_bytes 0)
+        cache = "k_cache" if t == "k" else "v_cache"
+        row0 = b.mul(b.add(first, j), bn)
+
+        def issue(w: int, bw: list) -> None:
+            ids = None if pages is None else \
+                pages.k_ids(pages_of[w]) if t == "k" else pages.v_ids(j, pages_of[w])
+            for p, s in bw if t == "k" else [(p, s) for p, s in bw if s < v_slabs]:
+                row = row0 if p == 0 else b.add(row0, p * rows)
+                if ids is None:
+                    coords = (head, b.bitcast(row, S32), seq)
+                else:
+                    coords = (head, b.bitcast(kv.offset_in_page(b, row), S32), ids[p])
+                b.tma_load(Addr(dst, s * bn * SWIZZLE + p * rows * SWIZZLE), addr[cache],
+                           [s * slab_cols, *coords], bar)
+            if pages is not None and t == "k":
+                pages.load(b.add(j, 1), pages_of[w])   # K(j+1)'s ids, for the next refill
+        per_warp(issue)
+
+    def q_landed() -> None:
+        b.cp_async_wait(0)
+        b.fence_proxy_async()     # the cp.async-written Q, for wgmma's async-proxy reads
+        b.bar_sync(0)
+
+    def last_v_landed(v_tile: Reg) -> None:
+        nvalid = b.sub(L, b.bitcast(b.mul(b.add(first, b.sub(n_tiles, 1)), bn), S32))
+        with b.if_then(b.setp("lt", nvalid, bn)):          # CTA-uniform
+            zero_tail_rows(b, cfg, ctx.tid, v_tile, nvalid)
+            b.fence_proxy_async()
+            b.bar_sync(0)
+
+    kv_bytes, v_bytes = cfg.kv_geom.bytes, cfg.v_geom.bytes
+    if isinstance(cfg, Tcgen05TileConfig):      # sm_100a: its MMA barriers after the TMA ones
+        bars = b.add(tile.v_smem, stages * v_bytes)
+        math = VarlenTcgen05Math(b, ctx, ptrs, strides, b.add(bars, barrier_bytes(stages)))
+    else:
+        math = VarlenWgmmaMath(b, ctx, ptrs, strides)
+        bars = b.add(tile.v_smem, stages * v_bytes)
+    run_tma_pipeline(b, stages=stages, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=0, q_smem=tile.smem,
+                     k_smem=tile.k_smem, v_smem=tile.v_smem,
+                     bars=bars, leader=b.setp("eq", ctx.tid, 0),
+                     n_tiles=n_tiles, n_full=tile.n_full,
+                     key0_of=lambda j: b.mul(b.add(first, j), bn), copy_tile=copy_tile, math=math,
+                     transform=score_transform(b, spec, math), lo_full=tile.lo_full,
+                     q_landed=q_landed, last_v_landed=last_v_landed, issuer=issuer)
+    math.epilogue()
+
+
+__all__ = ["emit_tma_tile", "tensor_map_params"]

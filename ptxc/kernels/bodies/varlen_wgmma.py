@@ -1,0 +1,198 @@
+"""varlen (and any GQA-packed tile) on Hopper warpgroup MMA: target sm_90a, f16/bf16 caches,
+head_dim and head_dim_v 64, 128, 192 or 256 (head_dim_v < head_dim only with TMA loads,
+varlen_tma.py). When it applies and how the tile is
+configured (WgmmaTileConfig, applies, configure) lives below this body, in varlen_tile.py.
+
+The packed tile of varlen_attend.py (row R = token R / g, head R % g of the group; the same
+sequence search, key range, split-KV share, per-row masks, variants and per-row epilogue) with
+the tile math and K/V loop of the wgmma prefill (prefill_wgmma.py, wgmma_pipeline.py):
+
+  tile       block_m 64 (one warpgroup of 4 warps) by default, the mma.sync path's tile, so the
+             grid and the "auto" split rule stay target-independent (varlen.configure); a given
+             block_m of 128 gives two warpgroups; 16 or 32 keep the mma.sync kernel.
+  shared     Q (block_m rows), num_stages K and num_stages V tiles (block_n rows), each split
+             along d into 128-byte slabs of rows x 128 B with the 128-byte swizzle, 1024-aligned
+             (prefill_wgmma's layout, so WgmmaMath's descriptors apply unchanged).
+  copies     per-thread cp.async 16-byte chunks at the swizzled addresses (swizzled_slot). A
+             copy pass must cover whole 8-row groups, so a row wider than 2 x threads bytes
+             (head_dim 256 with one warpgroup: 512 B, 128 threads), or one whose 16-byte chunks do
+             not divide the threads into whole 8-row passes (head_dim 192: 24 chunks), is copied
+             as column groups of whole slabs (WgmmaTileConfig.group_bytes): the same thread slot, +group bytes in global memory and +group
+             slabs in shared memory per group (immediates), one row address for all groups.
+             Q rows are gathered per packed row (token, head); contiguous K/V tiles carry
+             their next address (StridedTiles); paged ones go through KVAccess, with their
+             page ids loaded one tile ahead where a pass stays inside a page
+             (kv_pages.py) -- the wgmma pipeline requests V(t) after K(t + 1), so V takes the
+             ids one K request older (LaggedPages).
+  math       VarlenWgmmaMath = VarlenMath (per-row epilogue: packed rows -> o / lse / split
+             workspace) over WgmmaMath (S = Q·Kᵀ and O += P·V on wgmma, softmax overlapped with
+             the previous P·V); the m64nN accumulator is the mma.sync fragment layout per warp,
+             so masks, variants and the epilogue read it as they are.
+
+FP8 caches (e4m3 / e5m2) take the same body with their bytes staged by cp.async and
+dequantised into one swizzled tile each for K and V at the top of every iteration
+(kv_fp8_stage.SwizzledFP8Staging, wgmma_pipeline's `landed`); TMA does not apply to them.
+e4m3_ds rows, other head dims, and head_dim_v != head_dim with cp.async loads (FP8 caches, pages
+of fewer than 8 rows, kv_loads = "cp_async") keep the mma.sync kernel on sm_90a.
+"""
+
+from __future__ import annotations
+
+from ...ir import S32, S64, U64, Imm, KernelBuilder, Reg
+from ..attention.packed_tile import TileWork, packed_tile_setup
+from ..attention.varlen_tile import VarlenMath, WgmmaTileConfig, score_transform
+from ..kv.kv_access import KVAccess
+from ..kv.kv_fp8_stage import SwizzledFP8Staging
+from ..kv.kv_pages import PagedTiles, prefetch_applies
+from ..mainloop.tiles import ThreadSlot, load_tile_passes
+from ..mainloop.wgmma_pipeline import run_wgmma_pipeline
+from .prefill_wgmma import SWIZZLE_PERIOD, WgmmaMath, swizzled_slot
+
+class VarlenWgmmaMath(VarlenMath, WgmmaMath):
+    """WgmmaMath's tile math with VarlenMath's per-row epilogue (the MRO composes them:
+    VarlenMath -> WgmmaMath -> MmaMath)."""
+
+
+class LaggedPages(PagedTiles):
+    """PagedTiles for wgmma_pipeline's request order (K(t+1) before V(t)): V uses the ids of
+    the K request before the last one, and `advance` runs after every K request, issued or not,
+    so the ids stay one tile per K request apart."""
+
+    def __init__(self, b: KernelBuilder, kv: KVAccess, bases: dict, slot: ThreadSlot,
+                 block_n: int, L: Reg):
+        super().__init__(b, kv, bases, slot, block_n, L)
+        self.previous = [b.mov(-1, p.type) for p in self.current]
+
+    def ids_of(self, cache: str) -> list[Reg]:
+        return self.ahead if cache == "k_cache" else self.previous
+
+    def advance(self, row0: Reg) -> None:
+        for prev, cur in zip(self.previous, self.current):
+            self.b.mov(cur, out=prev)
+        super().advance(row0)
+
+
+class StridedTiles:
+    """Contiguous caches: a sequence's K/V rows are evenly strided and each of K and V is
+    requested in tile order, so each carries this thread's address in its next tile (as the
+    prefill's loader does) instead of a 64-bit multiply per row and pass."""
+
+    def __init__(self, b: KernelBuilder, bases: dict, slot: ThreadSlot, block_n: int, first: Reg):
+        self.b, self.slot = b, slot
+        self.next, self.tile_step, self.pass_step = {}, {}, {}
+        row0 = b.cvt(S64, b.add(b.mul(first, block_n), slot.r0))
+        for t in ("k_cache", "v_cache"):
+            base, stride = bases[t]
+            self.next[t] = b.mad(row0, stride[1], b.bitcast(base, S64))
+            self.tile_step[t] = b.mul(stride[1], block_n)
+            self.pass_step[t] = b.mul(stride[1], slot.geom.rows_per_pass)
+
+    def chunks(self, cache: str, row0: Reg, nvalid: Reg, key_lo: Reg | None) -> list:
+        """(address, validity) of every pass of the tile at row0 (the next one requested)."""
+        b, rpp = self.b, self.slot.geom.rows_per_pass
+        rem = b.sub(nvalid, b.bitcast(self.slot.r0, S32))
+        out, addr = [], self.next[cache]
+        for i in range(self.slot.geom.passes):
+            if i:
+                addr = b.add(addr, self.pass_step[cache])
+            ok = b.setp("gt", rem, i * rpp)
+            if key_lo is not None:
+                row = b.add(row0, b.add(self.slot.r0, i * rpp))
+                ok = b.and_(ok, b.setp("ge", b.bitcast(row, S32), key_lo))
+            out.append((addr, ok))
+        return out
+
+    def advance(self, cache: str) -> None:
+        self.b.add(self.next[cache], self.tile_step[cache], out=self.next[cache])
+
+
+def stage_groups(b: KernelBuilder, cfg: WgmmaTileConfig, slot: ThreadSlot, chunks: list,
+                 nvalid: Reg, dst: Reg, groups: int | None = None) -> None:
+    """cp.async every pass's chunk (address, validity) into the swizzled tile at `dst`, once
+    per column group (cfg.groups unless `groups` says: FP8 staging rows are one):
+    +group_bytes in the row, +group_bytes x rows in shared memory."""
+    geom = slot.geom
+    for h in range(cfg.groups if groups is None else groups):
+        def at(i: int, h=h) -> tuple[Reg, Reg]:
+            addr, ok = chunks[i]
+            addr = b.bitcast(addr, U64) if addr.type != U64 else addr
+            return (addr if h == 0 else b.add(addr, Imm(h * geom.row_bytes, U64))), ok
+        load_tile_passes(b, slot, at, nvalid, dst if h == 0 else b.add(dst, h * geom.rows * geom.row_bytes),
+                         True)
+
+
+def row_chunks(b: KernelBuilder, slot: ThreadSlot, row_address, row0: Reg, nvalid: Reg) -> list:
+    """Each pass's (chunk address, validity) from `row_address(row, valid)` (load_tile_rows'
+    callback), computed once for all column groups."""
+    geom = slot.geom
+    rem = b.sub(nvalid, b.bitcast(slot.r0, S32))
+    return [row_address(b.add(row0, b.add(slot.r0, i * geom.rows_per_pass)),
+                        b.setp("gt", rem, i * geom.rows_per_pass)) for i in range(geom.passes)]
+
+
+def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,
+                    strides: dict, work: TileWork, split_count: Reg | None,
+                    quant=None, mask_bytes: Reg | None = None) -> None:
+    """varlen_attend.emit_packed_tile on wgmma with cp.async K/V loads (see the module
+    docstring; tile.kv_loads = "tma" runs varlen_tma.py's body instead). With `quant` (an FP8 cache, cfg.fp8) the
+    copies land FP8 bytes in staging buffers, converted at the top of each iteration; k_scale
+    joins the softmax scale and v_scale the final 1/l, as on the mma.sync path."""
+    bn = cfg.block_n
+    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD,
+                             mask_bytes=mask_bytes)
+    ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
+    q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
+    staging = None
+    if cfg.fp8:
+        staging = SwizzledFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, cfg.kv_geom.slab_bytes,
+                                     cfg.num_stages, ctx.tid, tile.k_smem, quant,
+                                     "f16x2" if cfg.fmt.name == "f16" else "bf16x2")
+        kv_slot = staging.slot
+    else:
+        kv_slot = swizzled_slot(b, cfg.copy_geom(bn), ctx.tid)
+    k_stage, v_stage = (staging.k_stage, staging.v_stage) if staging else (tile.k_smem, tile.v_smem)
+    q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
+    bases = kv.bases(b, ptrs, work.seq, work.kv_head, b.cvt(S64, kv_slot.col))
+    pages = LaggedPages(b, kv, bases, kv_slot, bn, L) if prefetch_applies(kv, kv_slot, bn) else None
+    strided = StridedTiles(b, bases, kv_slot, bn, first) if kv.layout == "contiguous" else None
+    key_lo = tile.key_lo()
+
+    def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
+        cache = "k_cache" if t == "k" else "v_cache"
+        row0 = b.mul(b.add(first, j), bn)
+        with b.if_then(b.setp("lt", j, n_tiles)):
+            dst = b.add(k_stage if t == "k" else v_stage, stage_off)
+            nvalid = b.sub(L, b.bitcast(row0, S32))
+            if pages is not None:
+                chunks = pages.pass_chunks(cache, pages.ids_of(cache), row0, key_lo)
+            elif strided is not None:
+                chunks = strided.chunks(cache, row0, nvalid, key_lo)
+            else:
+                chunks = row_chunks(b, kv_slot, tile.kv_rows(kv, bases, cache, key_lo), row0, nvalid)
+            # FP8 rows land whole in one pass group (unpadded staging)
+            stage_groups(b, cfg, kv_slot, chunks, nvalid, dst, groups=1 if staging else None)
+        if pages is not None and t == "k":
+            pages.advance(row0)
+        if strided is not None:
+            strided.advance(cache)
+        b.cp_async_commit()
+
+    q_valid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
+    stage_groups(b, cfg, q_slot, row_chunks(b, q_slot, q_row, ctx.m_start, q_valid), q_valid,
+                 tile.smem)
+    if pages is not None:
+        pages.load_ahead(b.mul(first, bn))
+    math = VarlenWgmmaMath(b, ctx, ptrs, strides)
+    if quant is not None:
+        k_scale, math.v_scale = quant.scales(b, work.kv_head)
+        math.scale_log2 = b.mul(k_scale, math.scale_log2)
+    run_wgmma_pipeline(b, stages=cfg.num_stages,
+                       kv_bytes=staging.stage_bytes if staging else cfg.kv_geom.bytes,
+                       k_smem=k_stage, v_smem=v_stage, n_tiles=n_tiles, n_full=tile.n_full,
+                       key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
+                       transform=score_transform(b, spec, math), lo_full=tile.lo_full,
+                       landed=staging.landed if staging else None)
+    math.epilogue()
+
+
+__all__ = ["VarlenWgmmaMath", "emit_wgmma_tile", "row_chunks", "stage_groups"]

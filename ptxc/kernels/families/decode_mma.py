@@ -1,0 +1,156 @@
+"""decode on tensor cores: the GQA math of a group of g >= 4 query heads as mma tiles.
+
+A decode step is varlen with q_len = 1 for every sequence, so this path is varlen's GQA-packed
+body (varlen_attend.emit_packed_tile: Q tile -> cp.async K/V pipeline -> MmaMath -> epilogue,
+split-KV share of the tiles included) with decode's own work assignment: one CTA per
+(KV head x query tile, sequence, split), the same grid as the SIMT path with a query tile in
+place of a head chunk. The g query heads of the KV head are the packed rows of the tile
+(row R = head kv_head * g + R), padded to 16 rows per warp; each K/V row is read once per KV
+head and is the mma operand (B of S = Q K^T, of O += P V).
+
+When (math = "auto"): g >= 4, f16/bf16 queries over a cache of the same dtype or an FP8 cache
+whose rows are whole 16-byte chunks (head_dim a multiple of 16, at most 128: the bytes travel by cp.async
+through the pipeline and are dequantised after their wait, kv_fp8_stage.py, as in varlen;
+other FP8 head dims keep the SIMT path, whose in-register dequantisation beats the synchronous
+dequantising copy), head_dim <= 256 (one warp copies a row of Q), every target sm_80+
+(mma.m16n8k16 and cp.async), and no SIMT tile keys (num_warps, kv_unroll) in the spec.
+docs/kernels.md, "decode".
+"""
+
+from __future__ import annotations
+
+from ...errors import SpecError
+from ...ir import S32, U32, KernelBuilder, Reg
+from ...spec.model import KernelSpec
+from ...targets import TARGETS, Target
+from .. import common as C
+from ..config.register_floor import narrow_block_n, needs_floor
+from ..kv import kv_fp8, kv_fp8_stage
+from ..kv.kv_access import KVAccess
+from ..math import fp8
+
+MIN_GROUP = 4
+MAX_HEAD_DIM = 256
+MAX_FP8_HEAD_DIM = 128
+MAX_BLOCK_M = 128            # 8 warps of 16 packed rows; larger groups take several CTAs
+SIMT_TILE_KEYS = ("num_warps", "kv_unroll")
+MMA_TILE_KEYS = ("block_n", "num_stages")
+DEFAULT_STAGES = 2
+
+
+def mma_blocker(spec: KernelSpec) -> str | None:
+    """Why this spec cannot take the tensor-core path (None: it can)."""
+    if spec.group_size < MIN_GROUP:
+        return f"the GQA group is {spec.group_size} query heads per KV head (needs >= {MIN_GROUP})"
+    if spec.dtype == "f32":
+        return "dtype is f32 (tensor cores need f16 or bf16)"
+    if kv_fp8.kv_dtype(spec) != spec.dtype and not kv_fp8_stage.applies(spec):
+        return (f"kv_dtype is {kv_fp8.kv_dtype(spec)} with head_dim {spec.head_dim} (FP8 caches "
+                f"need head_dim a multiple of 16 on tensor cores)")
+    if spec.head_dim > MAX_HEAD_DIM:
+        return f"head_dim = {spec.head_dim} > {MAX_HEAD_DIM}"
+    if kv_fp8.kind(spec) and spec.head_dim > MAX_FP8_HEAD_DIM:
+        # measured (bench/spill_sweep.py): the dequantisation beside d > 128 accumulators
+        # spilled at 255 registers even at 16-key tiles (sm_80 with head/device scales)
+        return f"kv_dtype is FP8 with head_dim {spec.head_dim} > {MAX_FP8_HEAD_DIM}"
+    old = [t for t in spec.targets if not (TARGETS[t].has_mma_m16n8k16 and TARGETS[t].has_cp_async)]
+    if old:
+        return f"target {old[0]} has no mma.m16n8k16 / cp.async (sm_80+)"
+    return None
+
+
+def uses_mma(spec: KernelSpec) -> bool:
+    math = spec.opt("math")
+    if math == "simt":
+        return False
+    if math == "mma":
+        return True          # validate() rejected it where mma_blocker says no
+    tile = spec.tile_dict()
+    return mma_blocker(spec) is None and not any(k in tile for k in SIMT_TILE_KEYS)
+
+
+def validate(spec: KernelSpec) -> None:
+    """math = "mma" must be possible, and the tile keys must belong to the path taken."""
+    tile = spec.tile_dict()
+    if spec.opt("math") == "mma":
+        why = mma_blocker(spec)
+        if why is not None:
+            raise SpecError(f'math = "mma": {why}; use math = "auto" or "simt"', key="math")
+        for k in SIMT_TILE_KEYS:
+            if k in tile:
+                raise SpecError(f'tile.{k} belongs to the SIMT path, but math = "mma"; use '
+                                f'tile.block_n / tile.num_stages', key=f"tile.{k}")
+    if not uses_mma(spec):
+        for k in MMA_TILE_KEYS:
+            if k in tile:
+                raise SpecError(f"tile.{k} belongs to the tensor-core path, which this kernel does "
+                                f"not take ({mma_blocker(spec) or 'SIMT tile keys or math = simt'})",
+                                key=f"tile.{k}")
+
+
+def block_m(spec: KernelSpec) -> int:
+    """Packed rows per CTA: the group padded to 16 rows per warp, at most MAX_BLOCK_M."""
+    return min(MAX_BLOCK_M, 16 * -(-spec.group_size // 16))
+
+
+def tiles_per_seq(spec: KernelSpec) -> int:
+    """Query tiles (CTAs) per (sequence, KV head): 1 unless the group exceeds MAX_BLOCK_M."""
+    return -(-spec.group_size // block_m(spec))
+
+
+def configure(spec: KernelSpec, target: Target | None):
+    """block_m = the padded group (1 warp up to g = 16); block_n 64 (32 above head_dim 128), two
+    stages: one K/V tile pair in flight while the previous one is multiplied. FP8 caches
+    (kv_fp8_stage.StagedFP8Config) take varlen's rule: the most stages that keep the CTAs per SM
+    two stages allow (a stage is half an f16 tile), and .minnctapersm 1 so ptxas does not cap
+    the registers at the occupancy shared memory never allows and spill the dequantisation."""
+    from ..config.prefill import PrefillConfig, _check_shape
+    tile = {**C.tuned_tile("decode", spec, target, MMA_TILE_KEYS), **spec.tile_dict()}   # user wins
+    bm = block_m(spec)
+    bn = 64 if spec.head_dim <= 128 else 32
+    if kv_fp8_stage.applies(spec) and target is not None and not fp8.has_fp8_cvt(target):
+        bn = 32   # software FP8 conversion: 64 keys reached 255 registers and spilled (d64 .. d128)
+    bn = tile.get("block_n") or narrow_block_n("decode", spec, target, bn)
+    if kv_fp8_stage.applies(spec):
+        def make(stages):
+            return kv_fp8_stage.StagedFP8Config(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn,
+                                                bm // 16, stages, True, min_ctas_per_sm=1)
+        stages = tile.get("num_stages") or (
+            kv_fp8_stage.default_stages(make, target) if target is not None else DEFAULT_STAGES)
+        cfg = make(stages)
+    else:
+        stages = tile.get("num_stages") or DEFAULT_STAGES
+        cfg = PrefillConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, bm // 16, stages, True,
+                            min_ctas_per_sm=1 if needs_floor("decode", spec, target) else 0)
+    if target is not None:
+        if cfg.smem_bytes > target.max_smem_per_cta:
+            raise SpecError(f"tile block_n={bn}, num_stages={stages} needs {cfg.smem_bytes} bytes of "
+                            f"shared memory; {target} allows {target.max_smem_per_cta} per CTA: use "
+                            f"a smaller tile", key="tile.block_n")
+        _check_shape(cfg, target)
+    return cfg
+
+
+def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    from ..attention.varlen_tile import packed_tile_config
+    return packed_tile_config(spec, configure(spec, target))
+
+
+def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
+                   split_count: Reg | None, quant=None) -> None:
+    """decode's work assignment for the packed body: ctaid.x = KV head x query tile,
+    ctaid.y = sequence (its one token is q[seq]), ctaid.z = split."""
+    from ..bodies.varlen_attend import TileWork, emit_packed_tile, kv_tiles_of
+    tps = tiles_per_seq(spec)
+    cx, seq = b.special("%ctaid.x"), b.special("%ctaid.y")
+    kv_head = b.div(cx, tps) if tps > 1 else cx
+    m_start = b.mul(b.rem(cx, tps), cfg.block_m) if tps > 1 else b.mov(0, U32)
+    split = b.special("%ctaid.z") if split_count is not None else None
+
+    def seq_units(i):   # (query tiles x KV tiles, KV tiles) of sequence i per KV head
+        kv_tiles = kv_tiles_of(b, kv, ptrs, i, cfg.block_n)
+        return (b.mul(kv_tiles, tps) if tps > 1 else kv_tiles), kv_tiles
+    batch = b.special("%nctaid.y")
+    work = TileWork(seq, kv_head, split, seq, b.mov(1, S32), m_start, batch,
+                    b.mul(batch, tps) if tps > 1 else batch, seq_units)
+    emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant)

@@ -1,0 +1,132 @@
+"""The warp-specialised K/V tile loop of the sm_100a tcgen05 prefill (tile.warp_specialize =
+true): FlashAttention-4's roles on the one-issuer schedule of tma_pipeline.py -- a load warp, an
+MMA warp and the softmax warps, handing tiles over on mbarriers only (no CTA barrier in the
+loop).
+
+  CTA        8 softmax warps (rows as Tcgen05Math gives them), then warp 8, which issues the TMA
+             boxes, and warp 9, the MMAs (lane 0 each): 320 threads. No setmaxnreg (it needs
+             whole warpgroups, and a fourth of a warpgroup's registers would sit idle in the
+             two issuing warps' lanes), so the CTA's register file is 320 x the kernel's count.
+  load warp  tma_ws_pipeline.issue_loads, the sm_90a producer's loop: Q on its barrier,
+             refills B(i) = {K(i+S), V(i+S-1)} on full[i mod S] after waiting empty[i mod S].
+  MMA warp   per tile j: wait full[j mod S] (K(j), V(j-1)); for j > 0 wait s_free (every
+             softmax warp has loaded S(j-1)), then issue S(j) -> bar_s; for j > 0 wait p_full
+             (P(j-1) stored) and issue O += P(j-1)·V(j-1) -> bar_o (j = 0: an empty commit);
+             commit to empty[j mod S] (the phase completes when both products did: the load
+             warp may refill those buffers). After the loop the last P·V.
+  softmax    per tile j: wait bar_s, load S(j), arrive on s_free (so S(j+1) runs under this
+             tile's softmax); mask / variant, row max and exponentials; wait bar_o (P·V(j-1)
+             done: O and the P columns are free); O *= alpha when the max grew past the slack;
+             store P(j); row sums; arrive on p_full. After the loop wait the last P·V and Q's
+             barrier (with no tile nothing else orders Q's copy before O is staged over it: the
+             emulator's race checker caught that), meet on named barrier 1 (the producer warps
+             may have exited), epilogue.
+
+Barriers: full[0 .. S), Q and empty[0 .. S) as tma_ws_pipeline.py's (empty's count 1: the MMA
+warp's commit), then in the MMA region bar_s, bar_o (count 1, tcgen05.commit) and s_free,
+p_full (count 8: lane 0 of each softmax warp, after tcgen05.fence::before_thread_sync; the MMA
+warp's fence::after_thread_sync follows its waits). Every mbarrier phase is one tile's, so
+parities are the tile index's low bit (s_free's and p_full's counted on the MMA warp's side).
+"""
+
+from __future__ import annotations
+
+from ...ir import U32, Addr, KernelBuilder, Reg
+from ..math.umma import BAR_O, BAR_S, P_FULL, S_FREE, allocate
+from .kv_pipeline import StageRing, modify_scores
+from .tma_pipeline import MBARRIER_BYTES, advance_barrier
+from .tma_ws_pipeline import CONSUMER_BARRIER, issue_loads
+
+SOFTMAX_WARPS = 8
+LOAD_TID, MMA_TID = 32 * SOFTMAX_WARPS, 32 * SOFTMAX_WARPS + 32
+ISSUE_THREADS = 64          # the load warp and the MMA warp
+
+
+def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_bytes: int,
+                            q_bytes: int, q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg,
+                            mma_bars: Reg, tid: Reg, lane: Reg, warp0: Reg, columns: int,
+                            n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
+                            make_issue, transforms: bool, lo_full: Reg | None = None) -> None:
+    """tma_pipeline's copy_tile / key0_of; `bars` the TMA barriers (barrier_bytes(stages,
+    True)), `mma_bars` the MMA region (prefill_tcgen05.BAR_S ..); `make_math(tmem)` builds the
+    softmax warps' Tcgen05Math, `make_issue(tmem)` the MMA warp's UmmaIssue."""
+    S = stages
+    full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
+    q_bar = full(S)
+    empty0 = (S + 1) * MBARRIER_BYTES
+    s_free, p_full = Addr(mma_bars, S_FREE), Addr(mma_bars, P_FULL)
+    with b.if_then(b.setp("eq", tid, 0)):
+        for s in range(S + 1):
+            b.mbarrier_init(full(s), 1)
+        for s in range(S):
+            b.mbarrier_init(Addr(bars, empty0 + s * MBARRIER_BYTES), 1)
+        for at, count in ((BAR_S, 1), (BAR_O, 1), (S_FREE, SOFTMAX_WARPS),
+                          (P_FULL, SOFTMAX_WARPS)):
+            b.mbarrier_init(Addr(mma_bars, at), count)
+        b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
+    tmem = allocate(b, warp0, mma_bars, columns)   # its CTA barrier publishes the inits too
+
+    with b.if_then(b.setp("ge", tid, LOAD_TID)):                         # the load and MMA warps
+        with b.if_then(b.setp("eq", tid, LOAD_TID)):
+            issue_loads(b, stages=S, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=q_bytes,
+                        q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, bars=bars,
+                        n_tiles=n_tiles, copy_tile=copy_tile)
+        with b.if_then(b.setp("eq", tid, MMA_TID)):
+            _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_free,
+                      p_full, n_tiles, make_issue(tmem))
+    with b.else_():                                                      # the softmax warps
+        math = make_math(tmem)
+        transform = math.transform if transforms else None
+        first_lane = b.setp("eq", lane, 0)
+
+        def arrive(bar: Addr) -> None:
+            with b.if_then(first_lane):
+                b.mbarrier_arrive(bar)
+
+        with b.for_range(0, n_tiles) as j:
+            s = math.scores_ready(None)
+            b.tcgen05_fence(before=True)
+            arrive(s_free)                               # S(j) loaded: S(j+1) may overwrite it
+            modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
+            early = math.softmax_early(s)
+            math.pv_done()
+            math.softmax_late(*early)                    # ends with fence::before_thread_sync
+            arrive(p_full)
+        with b.if_then(b.setp("gt", n_tiles, 0)):       # O += P(n-1)·V(n-1)
+            math.pv_done()
+        # Q has landed (with no tile, nothing else orders its copy before O is staged over it)
+        b.mbarrier_wait_parity(q_bar, 0)
+        b.bar_sync(CONSUMER_BARRIER, 32 * SOFTMAX_WARPS)   # every warp done with Q: O goes there
+        math.epilogue()
+
+
+def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_free, p_full,
+              n_tiles, umma) -> None:
+    ring = StageRing(b, S, kv_bytes, v_bytes)       # K(j) and V(j - 1)
+    bar_off, parity = b.mov(0, U32), b.mov(0, U32)   # full[j mod S] and its phase's parity
+    handed = b.mov(0, U32)                           # s_free's / p_full's parity: (j - 1) & 1
+
+    def wait(bar: Addr, phase: Reg) -> None:
+        b.mbarrier_wait_parity(bar, phase)
+        b.tcgen05_fence(before=False)
+
+    b.mbarrier_wait_parity(q_bar, 0)
+    with b.for_range(0, n_tiles) as j:
+        wait(Addr(b.add(bars, bar_off)), parity)
+        later = b.setp("gt", j, 0)
+        with b.if_then(later):
+            wait(s_free, handed)
+        umma.scores(b.add(k_smem, ring.k))
+        with b.if_then(later):
+            wait(p_full, handed)
+            b.xor(handed, 1, out=handed)
+            umma.pv(b.add(v_smem, ring.v_prev))
+        with b.else_():
+            umma.no_pv()
+        b.tcgen05_commit(Addr(b.add(bars, b.add(bar_off, empty0))))
+        ring.advance()
+        advance_barrier(b, bar_off, parity, S)
+    with b.if_then(b.setp("gt", n_tiles, 0)):                            # O += P(n-1)·V(n-1)
+        wait(Addr(b.add(bars, bar_off)), parity)
+        wait(p_full, handed)
+        umma.pv(b.add(v_smem, ring.v_prev))

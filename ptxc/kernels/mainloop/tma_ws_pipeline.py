@@ -1,0 +1,185 @@
+"""The warp-specialised K/V tile loop of the sm_90a TMA prefill (tile.warp_specialize = true):
+tma_pipeline.py's schedule with its copies moved to a producer warpgroup and the CTA barrier
+of each iteration replaced by `empty[]` mbarriers (FlashAttention-3's producer/consumer split,
+hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp).
+
+  CTA        C = block_m / 64 consumer warpgroups (warps 0 .. 4C-1: warp w keeps query rows
+             [16w, 16w + 16), so WgmmaMath and its epilogue are unchanged), then one producer
+             warpgroup (warps 4C .. 4C+3): 128 (C + 1) threads.
+  registers  after the common prologue the producer gives registers back (setmaxnreg.dec to
+             PRODUCER_REGS) and the consumers take them (setmaxnreg.inc to consumer_regs(C));
+             .maxntid 128 (C + 1) fixes the count every warp starts with.
+  producer   one thread (the producer's first) issues Q on its barrier, the first S refills,
+             then for i = S .. n_tiles: wait empty[i mod S] (the consumers are done with K(i-S)
+             and V(i-S-1)), refill B(i-S) = {K(i), V(i-1)} on full[i mod S] -- the phases
+             tma_pipeline.py's single thread issues -- and exits. The other 127 threads exit
+             after setmaxnreg.
+  consumers  A(j) of tma_pipeline.py; once wgmma.wait_group 0 has retired the reads of K(j)
+             and V(j-1), lane 0 of every consumer warp arrives on empty[j mod S] (arrival count
+             4C), which is all the loop synchronises: no CTA barrier. After the loop they meet on
+             named barrier 1 (128 C threads; the producer may have exited, and a whole-CTA
+             bar.sync must not count on exited threads) before the epilogue stages O over Q, and
+             the epilogue's own barrier is that named barrier too (WgmmaMath.cta_sync).
+
+Ping-pong (tile.pingpong, two consumer warpgroups; FlashAttention-3's warp scheduler barriers):
+the consumers take turns issuing their wgmma (S(j) and O += P(j-1)·V(j-1)), so that one
+warpgroup's softmax runs while the other's products occupy the tensor cores. Warpgroup g waits
+on named barrier PINGPONG_BARRIERS[g] (256 threads) before its issues and arrives on the other's
+after them (Turns). Warpgroup 1 primes warpgroup 0's first turn and skips the arrival after its
+last one (the final P·V), so each barrier sees as many arrivals as waits: n + 1 turns each.
+
+Barriers: full[0 .. S) and Q (arrival count 1, as in tma_pipeline.py), then empty[0 .. S)
+(arrival count 4C). Phase k of empty[s] completes when every consumer warp has finished tile
+j = kS + s, the producer's wait for refill i = j + S uses parity (j / S) & 1. Memory model:
+the arrive (release, CTA scope) after wgmma.wait_group 0 orders the warp's completed async-proxy
+reads of the buffers before the producer's try_wait (acquire) and its TMA writes into them --
+the WAR ordering CUTLASS's PipelineTmaAsync relies on (consumer_release after warpgroup_wait).
+"""
+
+from __future__ import annotations
+
+from ...ir import U32, Addr, KernelBuilder, Reg
+from .kv_pipeline import StageRing
+from .tma_pipeline import MBARRIER_BYTES, advance_barrier, issue_refill
+from .wgmma_pipeline import attend_tile
+
+PRODUCER_THREADS = 128
+CONSUMER_BARRIER = 1      # named barrier of the consumer warpgroups (0 is the whole CTA's)
+PINGPONG_BARRIERS = (2, 3)   # warpgroup g's turn (tile.pingpong)
+REGISTER_FILE = 65536     # 32-bit registers per SM (sm_90)
+
+
+def producer_regs(consumers: int) -> int:
+    """The producer's budget after setmaxnreg.dec: its loop needs few registers; with one
+    consumer warpgroup the file has room to spare (FlashAttention-3: 24 for two consumer
+    warpgroups, 56 for one)."""
+    return 24 if consumers > 1 else 56
+
+
+def consumer_regs(consumers: int) -> int:
+    """The consumers' budget after setmaxnreg.inc: what the producer's release leaves of the
+    register file, in multiples of 8, at most 256 (two consumer warpgroups: 240)."""
+    left = REGISTER_FILE - PRODUCER_THREADS * producer_regs(consumers)
+    return min(256, left // (128 * consumers) // 8 * 8)
+
+
+class Turns:
+    """Two consumer warpgroups taking turns at issuing their wgmma (see the module docstring):
+    begin() waits for this warpgroup's turn, end() hands it to the other; the final turn (the
+    last P·V) of warpgroup 1 hands nothing on."""
+
+    def __init__(self, b: KernelBuilder, warp: Reg, n_tiles: Reg):
+        self.b = b
+        self.second = b.setp("ge", warp, 4)                 # warpgroup 1 (warps 4..7)
+        with b.if_then(b.and_(self.second, b.setp("gt", n_tiles, 0))):
+            b.bar_arrive(PINGPONG_BARRIERS[0], 256)        # warpgroup 0 goes first
+
+    def _each(self, first, second) -> None:
+        with self.b.if_then(self.second):
+            second()
+        with self.b.else_():
+            first()
+
+    def begin(self) -> None:
+        b = self.b
+        self._each(lambda: b.bar_sync(PINGPONG_BARRIERS[0], 256),
+                   lambda: b.bar_sync(PINGPONG_BARRIERS[1], 256))
+
+    def end(self, final: bool = False) -> None:
+        """After this warpgroup's issues; `final`: the last turn (warpgroup 1 hands nothing on)."""
+        b = self.b
+        self._each(lambda: b.bar_arrive(PINGPONG_BARRIERS[1], 256),
+                   (lambda: None) if final else lambda: b.bar_arrive(PINGPONG_BARRIERS[0], 256))
+
+
+def issue_loads(b: KernelBuilder, *, stages: int, kv_bytes: int, v_bytes: int, q_bytes: int,
+                q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg, n_tiles: Reg,
+                copy_tile) -> None:
+    """The producer thread's whole loop (the barriers' layout as in the module docstring): Q
+    on its barrier, refills B(-S) .. B(-1), then for i = S .. n_tiles: wait empty[i mod S]
+    and refill B(i - S) = {K(i), V(i - 1)} on full[i mod S]."""
+    S = stages
+    full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
+    q_bar, empty0 = full(S), (S + 1) * MBARRIER_BYTES
+
+    def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
+        issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
+                     copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
+                     v_off=v_off, bar=bar, v_bytes=v_bytes)
+
+    b.mbarrier_arrive_expect_tx(q_bar, q_bytes)
+    copy_tile("q", None, q_smem, q_bar)
+    for s in range(S):                                                   # B(-S) .. B(-1)
+        refill(b.mov(s, U32), s * kv_bytes, b.mov(s - 1, U32) if s else None,
+               (s - 1) * v_bytes, full(s))
+    ring = StageRing(b, S, kv_bytes, v_bytes)   # buffer offsets of K(i) and of V(i - 1)
+    bar_off = b.mov(0, U32)          # i mod S (x 8 bytes), and the parity of empty's
+    parity = b.mov(0, U32)           # phase (i - S) / S
+    with b.for_range(S, b.add(n_tiles, 1)) as i:                         # B(i - S)
+        b.mbarrier_wait_parity(Addr(b.add(bars, b.add(bar_off, empty0))), parity)
+        refill(i, ring.k, b.sub(i, 1), ring.v_prev, Addr(b.add(bars, bar_off)))
+        ring.advance()
+        advance_barrier(b, bar_off, parity, S)
+
+
+def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_bytes: int,
+                        q_bytes: int, q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg, tid: Reg,
+                        lane: Reg, n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
+                        transforms: bool, lo_full: Reg | None = None,
+                        v_bytes: int | None = None, pingpong: bool = False) -> None:
+    """run_tma_pipeline's arguments (see there) for a CTA of `consumers` + 1 warpgroups;
+    `make_math()` builds the consumers' WgmmaMath inside their branch, after setmaxnreg.inc (its
+    accumulators would otherwise be live under the launch budget: ptxas spills them at d128),
+    and `transforms` says whether its score transform applies; its epilogue ends the branch.
+    `pingpong` (two consumer warpgroups): they take turns at issuing their wgmma (Turns)."""
+    S, C = stages, consumers
+    assert not pingpong or C == 2, "ping-pong takes two consumer warpgroups"
+    v_bytes = kv_bytes if v_bytes is None else v_bytes
+    full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
+    q_bar = full(S)
+    empty0 = (S + 1) * MBARRIER_BYTES
+    with b.if_then(b.setp("eq", tid, 0)):
+        for s in range(S + 1):
+            b.mbarrier_init(full(s), 1)
+        for s in range(S):
+            b.mbarrier_init(Addr(bars, empty0 + s * MBARRIER_BYTES), 4 * C)
+        b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
+    b.bar_sync(0)                    # the last whole-CTA barrier: every thread is still here
+
+    with b.if_then(b.setp("ge", tid, 128 * C)):                          # the producer
+        b.setmaxnreg(False, producer_regs(C))
+        with b.if_then(b.setp("eq", tid, 128 * C)):
+            issue_loads(b, stages=S, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=q_bytes,
+                        q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, bars=bars,
+                        n_tiles=n_tiles, copy_tile=copy_tile)
+    with b.else_():                                                      # the consumers
+        b.setmaxnreg(True, consumer_regs(C))
+        math = make_math()
+        transform = math.transform if transforms else None
+        first_lane = b.setp("eq", lane, 0)
+        turns = Turns(b, b.shr(tid, 5), n_tiles) if pingpong else None
+        ring = StageRing(b, S, kv_bytes, v_bytes)
+        bar_off = b.mov(0, U32)
+        parity = b.mov(0, U32)
+        b.mbarrier_wait_parity(q_bar, 0)
+        with b.for_range(0, n_tiles) as j:
+            b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)  # A(j)
+
+            def release() -> None:       # K(j), V(j-1) read: the producer may refill them
+                with b.if_then(first_lane):
+                    b.mbarrier_arrive(Addr(b.add(bars, b.add(bar_off, empty0))))
+
+            attend_tile(b, math, k_smem, ring.k, v_smem, ring.v_prev, j, key0_of, transform, n_full,
+                        lo_full, reads_done=release, turn=turns)
+            ring.advance()
+            advance_barrier(b, bar_off, parity, S)
+        with b.if_then(b.setp("gt", n_tiles, 0)):       # O += P(n-1)·V(n-1)
+            b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
+            if turns is not None:
+                turns.begin()
+            math.issue_pv(b.add(v_smem, ring.v_prev))
+            if turns is not None:
+                turns.end(final=True)
+            math.pv_done()
+        b.bar_sync(CONSUMER_BARRIER, 128 * C)   # every consumer done with Q before O goes there
+        math.epilogue()

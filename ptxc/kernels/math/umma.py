@@ -1,0 +1,78 @@
+"""The tensor-core side of the tcgen05 kernels (sm_100a): tensor memory and its allocation, the
+shared-memory region of their MMA barriers, and the MMAs one thread issues (UmmaIssue). The
+softmax side is prefill_tcgen05.Tcgen05Math; the one-issuer loop is tma_pipeline.py, the
+warp-specialised one tcgen05_ws_pipeline.py."""
+
+from __future__ import annotations
+
+from ...ir import BF16, F16, U32, U64, Addr, Imm, KernelBuilder, Reg
+from ..bodies.prefill_wgmma import SWIZZLE, SWIZZLE_PERIOD, k_step
+from ..mainloop.tiles import CHUNK
+from ..mainloop.tma_pipeline import MBARRIER_BYTES
+
+# The MMA region of shared memory (8-aligned), after the TMA barriers: two barriers the MMAs
+# arrive on, two the softmax warps arrive on (warp-specialised kernel), the allocation slot.
+BAR_S, BAR_O, S_FREE, P_FULL, TMEM_SLOT = (k * MBARRIER_BYTES for k in range(5))
+MMA_REGION_BYTES = 5 * MBARRIER_BYTES
+
+
+def allocate(b: KernelBuilder, warp0: Reg, bars: Reg, columns: int) -> Reg:
+    """Warp 0 allocates the tensor memory and gives up the permit; every thread gets the base
+    address after a CTA barrier (the caller's barrier inits go before it too)."""
+    slot = Addr(bars, TMEM_SLOT)
+    with b.if_then(warp0):
+        b.tcgen05_alloc(slot, columns)
+    b.bar_sync(0)
+    base = b.ld("shared", U32, slot)
+    with b.if_then(warp0):
+        b.tcgen05_relinquish()
+    return base
+
+
+class UmmaIssue:
+    """The tensor-core side: S (block_n f32 columns), P (block_n / 2 pairs) and O (head_dim_v
+    f32 columns) from the tensor-memory base `tmem`, the kind::f16 descriptors, and the MMAs of
+    one thread -- thread 0 of the CTA (Tcgen05Math), or the MMA warp's (warp-specialised)."""
+
+    def __init__(self, b: KernelBuilder, cfg, q_smem: Reg, tmem: Reg, bars: Reg):
+        in_type = F16 if cfg.fmt.name == "f16" else BF16
+        self.b, self.bm, self.bn, self.d, self.dv = b, cfg.block_m, cfg.block_n, cfg.head_dim, cfg.dv
+        self.s_cols, self.p_cols = tmem, b.add(tmem, self.bn)
+        self.o_cols = b.add(tmem, self.bn + self.bn // 2)
+        self.idesc_s = b.umma_instr_descriptor(self.bm, self.bn, in_type)
+        self.idesc_o = b.umma_instr_descriptor(self.bm, self.dv, in_type, b_mn_major=True)
+        self.q_smem = q_smem
+        self.bar_s, self.bar_o = Addr(bars, BAR_S), Addr(bars, BAR_O)
+
+    def scores(self, k_tile: Reg) -> None:
+        """S = Q·K(tile)ᵀ, committed to bar_s."""
+        b = self.b
+        b.tcgen05_fence(before=False)
+        q_desc = b.umma_descriptor(self.q_smem, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        k_desc = b.umma_descriptor(k_tile, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        for kk in range(self.d // 16):
+            b.tcgen05_mma(self.s_cols, k_step(b, q_desc, kk, self.bm),
+                          k_step(b, k_desc, kk, self.bn), self.idesc_s, kk > 0)
+        b.tcgen05_commit(self.bar_s)
+
+    def pv(self, v_tile: Reg) -> None:
+        """O += P·V(tile), committed to bar_o."""
+        b = self.b
+        v_desc = b.umma_descriptor(v_tile, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
+        for kk in range(self.bn // 16):   # keys 16kk..: P columns 8kk.., V 2 periods further
+            desc = v_desc if kk == 0 else b.add(v_desc, Imm(kk * 2 * SWIZZLE_PERIOD >> 4, U64))
+            p = self.p_cols if kk == 0 else b.add(self.p_cols, 8 * kk)
+            b.tcgen05_mma(self.o_cols, p, desc, self.idesc_o, True)
+        b.tcgen05_commit(self.bar_o)
+
+    def no_pv(self) -> None:
+        """An empty commit: bar_o's phase completes with this thread's earlier MMAs."""
+        self.b.tcgen05_commit(self.bar_o)
+
+
+
+def tmem_columns(block_n: int, dv: int) -> int:
+    """Tensor-memory columns of S (block_n f32), P (block_n / 2 pairs) and O (dv f32), rounded
+    up to the power of two tcgen05.alloc takes."""
+    need = block_n + block_n // 2 + dv
+    return max(32, 1 << (need - 1).bit_length())
