@@ -1,4 +1,4 @@
-"""sm_100a prefill on tcgen05 (prefill_tcgen05.py): S, P and O in tensor memory, the MMAs and
+"""sm_100a prefill on tcgen05 (config/, math/, bodies/tcgen05 modules): S, P and O in tensor memory, the MMAs and
 TMA copies issued by a load warp and an MMA warp (tcgen05_ws_pipeline.py, the default from d128)
 or by thread 0 (the default at d64). Numerical checks in the emulator against the fp64
 reference on odd shapes (seq 1, 17, 113, 333; q_len > L; GQA 1/4/8 and MQA; causal and not;

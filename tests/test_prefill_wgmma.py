@@ -1,4 +1,4 @@
-"""sm_90a prefill on wgmma (ptxc/kernels/bodies/prefill_wgmma.py): numerical checks in the emulator
+"""sm_90a prefill on wgmma (config/wgmma.py, math/wgmma.py, bodies/prefill_wgmma.py): numerical checks in the emulator
 against the fp64 reference (FA2 error rule) on odd shapes, the dispatch rule (which specs take
 the wgmma kernel, which stay on mma.sync / SIMT), one-line tile errors, ptxas acceptance with 0
 spills and SASS evidence (HGMMA, no LDSM, no local memory), and the loop figure per

@@ -69,7 +69,7 @@ def test_per_thread_loads(d, dv):
 
 
 def test_which_pairs_take_the_kernel_and_their_tiles():
-    from ptxc.kernels.bodies.prefill_wgmma import configure, uses_wgmma
+    from ptxc.kernels.config.wgmma import configure, uses_wgmma
     from ptxc.targets import TARGETS
     tiles = {}
     for d, dv in PAIRS:

@@ -1,4 +1,4 @@
-"""varlen on tcgen05 for sm_100a (prefill_tcgen05.Tcgen05Math on varlen_tma.py's body): the
+"""varlen on tcgen05 for sm_100a (math/tcgen05.py's Tcgen05Math on varlen_tma.py's body): the
 GQA-packed tile with S, P and O in tensor memory, K/V tiles by TMA. Emulator numerics of the
 real sm_100a PTX against the fp64 reference on ragged batches (sequence lengths 0 / 1 / 17 /
 113, chunks with q_len > 1, pages crossed) whose caches hold NaN at and past every L and in

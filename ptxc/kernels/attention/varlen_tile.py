@@ -10,14 +10,13 @@ from dataclasses import dataclass
 
 from ...ir import B32, F32, S64, U64, Addr, KernelBuilder, Reg
 from .. import common as C
-from ..bodies.prefill_tcgen05 import (
-    PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS, TensorMemoryTile)
-from ..bodies.prefill_wgmma import (
-    ROWS_PER_WARPGROUP, SWIZZLE, SwizzledGeom, WgmmaConfig, uses_wgmma)
 from ..config.prefill import PrefillConfig
+from ..config.tcgen05 import PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS, TensorMemoryTile
+from ..config.wgmma import ROWS_PER_WARPGROUP, WgmmaConfig, uses_wgmma
 from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8 import group_scaled, kind, kv_dtype
 from ..kv.kv_fp8_stage import StagedFP8Config, StagingGeom
+from ..mainloop.tiles import SWIZZLE, SwizzledGeom
 from ..mainloop.tiles import CHUNK
 from ..math.mma import MmaMath
 from .packed_tile import VarlenCtx
@@ -148,7 +147,7 @@ class Tcgen05TileConfig(TensorMemoryTile, WgmmaTileConfig):
 
 
 def applies_tcgen05(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
-    """Whether the packed tile `cfg` runs on tcgen05 for `target` (prefill_tcgen05.py's math
+    """Whether the packed tile `cfg` runs on tcgen05 for `target` (math/tcgen05.py's math
     on varlen_tma.py's body): sm_100a / sm_103a, caches of the dtype loaded by TMA, head_dim
     and head_dim_v 64, 128, 192 or 256 (head_dim_v <= head_dim: DeepSeek's 192 / 128), block_m
     64 (M = 64) or 128, no custom mask."""

@@ -1,13 +1,16 @@
 """The sm_90a wgmma prefill's body with its tiles fed by TMA (tile.kv_loads = "tma"): the
 tensor-map copies of one elected thread (tma_pipeline.py), or of a producer warpgroup with
-tile.warp_specialize = true (tma_ws_pipeline.py). Everything else is prefill_wgmma.py's."""
+tile.warp_specialize = true (tma_ws_pipeline.py). Setup and tensor maps: prefill_wgmma.py; math: math/wgmma.py."""
 
 from __future__ import annotations
 
 from ...ir import S32, Addr, Reg
+from ..config.wgmma import ROWS_PER_WARPGROUP
+from ..mainloop.tiles import SWIZZLE
 from ..mainloop.tma_pipeline import run_tma_pipeline
 from ..mainloop.tma_ws_pipeline import run_tma_ws_pipeline
-from .prefill_wgmma import ROWS_PER_WARPGROUP, SWIZZLE, Setup, WgmmaMath, setup
+from ..math.wgmma import WgmmaMath
+from .prefill_wgmma import Setup, setup
 
 
 def emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k, tmaps: dict) -> None:

@@ -44,9 +44,9 @@ from ..attention.varlen_tile import Tcgen05TileConfig, VarlenMath, score_transfo
 from ..base import LaunchParam, ParamSource
 from ..kv.kv_access import KVAccess
 from ..mainloop.tiles import CHUNK
+from ..mainloop.tiles import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
 from ..mainloop.tma_pipeline import barrier_bytes, run_tma_pipeline
-from .prefill_tcgen05 import Tcgen05Math
-from .prefill_wgmma import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
+from ..math.tcgen05 import Tcgen05Math
 from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
 
 

@@ -5,7 +5,7 @@ configured (WgmmaTileConfig, applies, configure) lives below this body, in varle
 
 The packed tile of varlen_attend.py (row R = token R / g, head R % g of the group; the same
 sequence search, key range, split-KV share, per-row masks, variants and per-row epilogue) with
-the tile math and K/V loop of the wgmma prefill (prefill_wgmma.py, wgmma_pipeline.py):
+the tile math and K/V loop of the wgmma prefill (math/wgmma.py, wgmma_pipeline.py):
 
   tile       block_m 64 (one warpgroup of 4 warps) by default, the mma.sync path's tile, so the
              grid and the "auto" split rule stay target-independent (varlen.configure); a given
@@ -45,8 +45,9 @@ from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8_stage import SwizzledFP8Staging
 from ..kv.kv_pages import PagedTiles, prefetch_applies
 from ..mainloop.tiles import ThreadSlot, load_tile_passes
+from ..mainloop.tiles import SWIZZLE_PERIOD, swizzled_slot
 from ..mainloop.wgmma_pipeline import run_wgmma_pipeline
-from .prefill_wgmma import SWIZZLE_PERIOD, WgmmaMath, swizzled_slot
+from ..math.wgmma import WgmmaMath
 
 class VarlenWgmmaMath(VarlenMath, WgmmaMath):
     """WgmmaMath's tile math with VarlenMath's per-row epilogue (the MRO composes them:

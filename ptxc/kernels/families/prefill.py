@@ -24,8 +24,9 @@ from ..attention.variant import (
     default_seq_len, head_dim_v, mask_bytes_param, validate_variant, variant_inputs,
     variant_reference_args, variant_tensors)
 from ..base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
-from ..bodies import prefill_tcgen05 as tc  # sm_100a/sm_103a f16/bf16, head dims 64/128
-from ..bodies import prefill_wgmma as wg  # sm_90a f16/bf16, head dims 64/128/192/256
+from ..bodies import prefill_tcgen05, prefill_wgmma
+from ..config import tcgen05 as tc  # sm_100a/sm_103a f16/bf16, head dims 64/128
+from ..config import wgmma as wg  # sm_90a f16/bf16, head dims 64/128/192/256
 from ..config.prefill import FIELDS, MAX_SIMT_HEAD_DIM, PrefillConfig, configure
 from ..mainloop.kv_pipeline import run_kv_pipeline
 from ..mainloop.tiles import SWIZZLE_ALIGN, global_rows, load_tile, thread_slot
@@ -74,16 +75,16 @@ class PrefillPath:
 
 
 def _tcgen05_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
-    tc.build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params)   # tensor maps last
+    prefill_tcgen05.build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params)   # tensor maps last
 
 
 def _wgmma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
     if cfg.tma:      # tile.kv_loads = "tma": q/k/v tensor maps after the other params
         from ..bodies.prefill_tma import emit_tma_prefill
         emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k,
-                         wg.tensor_map_params(b, spec, cfg, params))
+                         prefill_wgmma.tensor_map_params(b, spec, cfg, params))
     else:
-        wg.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k)
+        prefill_wgmma.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k)
 
 
 def _portable_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:

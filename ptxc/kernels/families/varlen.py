@@ -188,7 +188,7 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
 
 def tree_on_wgmma(spec: KernelSpec, target: Target | None) -> bool:
     """A tree mask on sm_90a's wgmma body (varlen_tile.applies decides the rest)."""
-    from ..bodies.prefill_wgmma import uses_wgmma
+    from ..config.wgmma import uses_wgmma
     return spec.opt("custom_mask") == "tree" and target is not None and uses_wgmma(spec, target)
 
 

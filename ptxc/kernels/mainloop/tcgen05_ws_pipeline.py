@@ -48,7 +48,7 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                             n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
                             make_issue, transforms: bool, lo_full: Reg | None = None) -> None:
     """tma_pipeline's copy_tile / key0_of; `bars` the TMA barriers (barrier_bytes(stages,
-    True)), `mma_bars` the MMA region (prefill_tcgen05.BAR_S ..); `make_math(tmem)` builds the
+    True)), `mma_bars` the MMA region (umma.BAR_S ..); `make_math(tmem)` builds the
     softmax warps' Tcgen05Math, `make_issue(tmem)` the MMA warp's UmmaIssue."""
     S = stages
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731

@@ -309,3 +309,40 @@ __all__ = ["TileGeom", "ThreadSlot", "GlobalRows", "thread_slot", "global_rows",
            "LdmatrixLanes", "ldmatrix_lanes_mk", "ldmatrix_lanes_nk", "swizzle_fits",
            "SWIZZLE_ALIGN", "ldmatrix_lane_offset_nk", "load_tile_passes",
            "store_tile", "ldmatrix_lane_offset", "padded_stride", "zero_regs", "U32", "U64"]
+
+SWIZZLE = 128            # bytes per swizzled row of a slab (the 128-byte swizzle mode)
+SWIZZLE_PERIOD = 1024    # 8 rows x 128 B: the pattern repeats, descriptors' SBO
+
+
+@dataclass(frozen=True)
+class SwizzledGeom(TileGeom):
+    """`rows` rows of `row_bytes` stored as row_bytes / 128 slabs of rows x 128 B (swizzled).
+    `stride` is the distance between rows inside a slab, which is what the copy passes step."""
+
+    @property
+    def stride(self) -> int:
+        return SWIZZLE
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.rows * SWIZZLE
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+def swizzled_slot(b: KernelBuilder, geom: SwizzledGeom, tid: Reg) -> ThreadSlot:
+    """Thread `tid` copies chunk c = tid % chunks of rows tid // chunks + i * rows_per_pass:
+    slab c // 8, swizzled chunk (c % 8) ^ (row % 8). rows_per_pass is a multiple of 8, so the
+    swizzle of every pass is the first one's and the pass offsets stay immediates."""
+    if geom.rows_per_pass % 8 or geom.idle_threads:
+        raise AssertionError(f"swizzled copy needs whole 8-row groups per pass: {geom}")
+    per_slab = SWIZZLE // CHUNK
+    r0 = b.div(tid, geom.chunks)
+    c = b.rem(tid, geom.chunks)
+    swz = b.xor(b.rem(c, per_slab), b.rem(r0, 8))
+    soff = b.mad(r0, SWIZZLE, b.shl(swz, 4))
+    if geom.chunks > per_slab:
+        soff = b.mad(b.div(c, per_slab), geom.slab_bytes, soff)
+    return ThreadSlot(geom, r0, b.mul(c, CHUNK), soff)

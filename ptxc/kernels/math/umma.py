@@ -1,14 +1,15 @@
 """The tensor-core side of the tcgen05 kernels (sm_100a): tensor memory and its allocation, the
 shared-memory region of their MMA barriers, and the MMAs one thread issues (UmmaIssue). The
-softmax side is prefill_tcgen05.Tcgen05Math; the one-issuer loop is tma_pipeline.py, the
+softmax side is math/tcgen05.py's Tcgen05Math; the one-issuer loop is tma_pipeline.py, the
 warp-specialised one tcgen05_ws_pipeline.py."""
 
 from __future__ import annotations
 
 from ...ir import BF16, F16, U32, U64, Addr, Imm, KernelBuilder, Reg
-from ..bodies.prefill_wgmma import SWIZZLE, SWIZZLE_PERIOD, k_step
+from ..mainloop.tiles import SWIZZLE, SWIZZLE_PERIOD
 from ..mainloop.tiles import CHUNK
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
+from .wgmma import k_step
 
 # The MMA region of shared memory (8-aligned), after the TMA barriers: two barriers the MMAs
 # arrive on, two the softmax warps arrive on (warp-specialised kernel), the allocation slot.

@@ -1,0 +1,104 @@
+"""The sm_100a / sm_103a tcgen05 prefill's tile: when it applies (`uses_tcgen05`), its config
+(`Tcgen05Config`: the wgmma tile's swizzled slabs plus tensor memory and the MMA region) and the
+checks on a given tile. Math: math/tcgen05.py; body: bodies/prefill_tcgen05.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import SpecError
+from ...spec.model import KernelSpec
+from ...targets import Target
+from .. import common as C
+from ..attention.variant import head_dim_v
+from ..mainloop.tcgen05_ws_pipeline import ISSUE_THREADS
+from ..mainloop.tiles import SWIZZLE
+from ..math.umma import MMA_REGION_BYTES, tmem_columns
+from .wgmma import WgmmaConfig
+
+TCGEN05_TARGETS = ("sm_100a", "sm_103a")
+TCGEN05_HEAD_DIMS = (64, 128, 192, 256)   # whole 128-byte slabs; N <= 256 for P·V
+TCGEN05_SHAPES = "f16/bf16, head_dim and head_dim_v 64, 128, 192 or 256, head_dim_v <= head_dim"
+BLOCK_M = 128
+EXTRA_SMEM = MMA_REGION_BYTES            # the MMA region (umma.py) after the TMA barriers
+# .minnctapersm 1: without it ptxas 13.5 gave the 4-warp varlen tile at d64 with every variant
+# 96 registers and 8 bytes of spills; pinned, 102 registers and none
+PIN_REGISTERS = 1
+# The load / MMA / softmax warps of tcgen05_ws_pipeline.py (tile.warp_specialize) are the
+# default from this head dim, on static figures alone (no Blackwell GPU lent): at d128 the
+# softmax warps' loop is 270 instructions a tile against 298, and 510 for the warp that issues
+# everything, in the one-issuer kernel, at the same one CTA per SM (shared memory bounds it;
+# docs/performance.md "Blackwell"). At d64 the one-issuer kernel keeps two CTAs per SM, which
+# the 320 threads of the warp-specialised one do not (99 registers; pinned to two CTAs, 96
+# registers, ptxas spilled), so it stays the default there.
+WS_MIN_HEAD_DIM = 128
+
+
+def uses_tcgen05(spec: KernelSpec, target: Target) -> bool:
+    """Whether prefill for `target` is this kernel."""
+    return (target.name in TCGEN05_TARGETS and spec.dtype in ("f16", "bf16")
+            and spec.head_dim in TCGEN05_HEAD_DIMS and head_dim_v(spec) in TCGEN05_HEAD_DIMS
+            and head_dim_v(spec) <= spec.head_dim
+            and spec.opt("custom_mask") in (None, "none"))
+
+
+class TensorMemoryTile:
+    """Mixed into a tile config on tcgen05 (before the WgmmaConfig it extends): the tensor-
+    memory columns of its S, P and O, and EXTRA_SMEM more shared memory."""
+
+    @property
+    def tmem_columns(self) -> int:
+        return tmem_columns(self.block_n, self.dv)
+
+    @property
+    def smem_bytes(self) -> int:
+        return super().smem_bytes + EXTRA_SMEM
+
+
+@dataclass(frozen=True)
+class Tcgen05Config(TensorMemoryTile, WgmmaConfig):
+    """WgmmaConfig's tiles (TMA) with 8 warps of 16 rows and tensor memory; warp_specialize
+    adds the load and MMA warps (tcgen05_ws_pipeline.py), not a warpgroup."""
+
+    @property
+    def launch_threads(self) -> int:
+        return self.threads + (ISSUE_THREADS if self.warp_specialize else 0)
+
+
+def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
+    given = spec.tile_dict()
+    # pingpong is the sm_90a kernel's key: ignored here, as on the other targets (prefill.validate
+    # refuses it when no target takes that kernel); warp_specialize picks the load / MMA warps
+    for key, allowed in (("block_m", BLOCK_M), ("num_warps", 8), ("kv_loads", "tma")):
+        if key in given and given[key] != allowed:
+            raise SpecError(f"{key} = {given[key]!r} on {target}: the tcgen05 prefill kernel "
+                            f"takes {key} = {allowed!r} (128 rows, 8 warps, TMA loads, one "
+                            f"MMA-issuing thread)", key=f"tile.{key}")
+    stages = given.get("num_stages", 2)
+    ws = given.get("warp_specialize", spec.head_dim >= WS_MIN_HEAD_DIM)
+
+    def make(bn: int) -> Tcgen05Config:
+        return Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,
+                             False, head_dim_v(spec), 1, kv_loads="tma", warp_specialize=ws,
+                             min_ctas_per_sm=PIN_REGISTERS)
+    # 128 keys a tile where the stages fit in shared memory (O lives in tensor memory, so the
+    # registers do not bound it as on sm_90a), else 64: d256, and 192 / 192
+    bn = given.get("block_n", 128 if make(128).smem_bytes <= target.max_smem_per_cta else 64)
+    if bn not in (64, 128):
+        raise SpecError(f"block_n = {bn} on {target}: the tcgen05 prefill kernel takes 64 or 128",
+                        key="tile.block_n")
+    cfg = make(bn)
+    if cfg.smem_bytes > target.max_smem_per_cta:
+        raise SpecError(f"tile block_n={bn}, num_stages={stages} needs {cfg.smem_bytes} bytes of "
+                        f"shared memory; {target} allows {target.max_smem_per_cta} per CTA: use "
+                        f"fewer stages", key="tile.num_stages")
+    return cfg
+
+
+def resolve_tile(spec: KernelSpec, target: Target) -> dict:
+    c = configure(spec, target)
+    return {"block_m": c.block_m, "block_n": c.block_n, "num_warps": c.num_warps,
+            "num_stages": c.num_stages, "path": "tcgen05.mma.m128", "cp_async": False,
+            "kv_loads": "tma", "smem_swizzle": SWIZZLE, "smem_bytes": c.smem_bytes,
+            "tmem_columns": c.tmem_columns, "min_ctas_per_sm": c.min_ctas_per_sm,
+            **({"warp_specialize": True, "threads": c.launch_threads} if c.warp_specialize else {})}

@@ -1,0 +1,182 @@
+"""Prefill on Blackwell's fifth-generation tensor core (target sm_100a / sm_103a, f16/bf16,
+head_dim and head_dim_v 64, 128, 192 or 256, head_dim_v <= head_dim): the sm_90a TMA kernel's
+schedule (tma_pipeline.py, one elected thread issuing every copy) with both products on
+`tcgen05.mma` and S, P and O in tensor memory -- or, with tile.warp_specialize (the default
+from head_dim 128), FlashAttention-4's load / MMA / softmax warps (tcgen05_ws_pipeline.py).
+
+  CTA        128 query rows, 8 warps. Tensor memory gives warp w the 32 lanes of its
+             sub-partition 32 (w % 4); warps w and w + 4 split them: warp w owns rows
+             32 (w % 4) + 16 (w // 4) .. + 15, whose cells it reads with tcgen05.ld.16x256b --
+             the mma.m16n8 C fragment layout per n8 block -- so MmaMath's per-row softmax,
+             masks, variants and epilogue apply as they are.
+  tensor     per CTA, allocated by warp 0: S (block_n f32 columns), P (block_n / 2 columns of
+  memory     f16/bf16 pairs: column c holds keys 2c, 2c + 1), O (head_dim_v f32 columns),
+             rounded up to a power of two (256 at d64, 512 at d128); the MMA-side objects
+             and the allocation are umma.py's.
+  shared     Q and the K/V stages in 128-byte-swizzled slabs, filled by TMA, as math/wgmma.py.
+  S = Q·Kᵀ   thread 0 issues head_dim/16 `tcgen05.mma.kind::f16` M128 N{block_n} K16 (A = Q, B =
+             K, K-major descriptors), commits to mbarrier bar_s.
+  O += P·V   thread 0 issues block_n/16 MMAs M128 N{dv} K16 with A = P from tensor memory and
+             B = V read MN-major, commits to bar_o. O is zeroed once, so every MMA accumulates.
+  tile j     issue S(j) and O += P(j-1)·V(j-1) (an empty commit at j = 0); wait bar_s, load S,
+             mask/variant, row max and exponentials (under P·V(j-1)); wait bar_o; when the max
+             grew past the lazy-rescale slack, O *= alpha through registers (load, scale,
+             store); store P; row sums by mma.sync against ones; tcgen05.fence + the
+             pipeline's bar.sync before thread 0 issues tile j+1 (which overwrites S and P).
+  epilogue   wait the last P·V, load O (16x256b), MmaMath's normalise + staged row stores,
+             then warp 0 frees the tensor memory.
+
+Not yet FA4's two Q tiles per CTA or its correction warpgroup. Verified in the emulator only
+(no Blackwell GPU has been lent).
+"""
+
+from __future__ import annotations
+
+from ...ir import F32, U32, Addr, KernelBuilder, Reg
+from ..attention.prefill_tile import Ctx
+from .mma import MmaMath
+from .umma import BAR_O, BAR_S, UmmaIssue, allocate
+from .wgmma import WgmmaMath
+
+
+class Tcgen05Math(WgmmaMath):
+    """WgmmaMath's softmax over S and O kept in tensor memory (see the module docstring); the
+    pipeline calls the same hooks (issue_scores, issue_pv / skip_pv, scores_ready, pv_done,
+    softmax_early / softmax_late, epilogue). M = block_m: 128 rows on 8 warps, or 64 on 4
+    (data-path layout F: row i at lane 32 (i // 16) + i % 16, so warp w's 16 rows are the
+    first half of its sub-partition). `bars`: the MMA region of shared memory (BAR_S ..
+    TMEM_SLOT). Without `tmem` it initialises its barriers
+    and allocates the tensor memory itself (one-issuer kernels); the warp-specialised pipeline
+    does both before its warps part and passes the base."""
+
+    def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg, tmem: Reg | None = None):
+        MmaMath.__init__(self, b, ctx)
+        cfg = ctx.cfg
+        self.bm, self.dv = cfg.block_m, cfg.dv
+        self.p_frags = [[b.mov(0, self.pair) for _ in range(4)] for _ in range(self.bn // 16)]
+        self.alpha = [b.mov(1.0, F32) for _ in range(2)]
+        self.issuer = b.setp("eq", ctx.tid, 0)
+        self.warp0 = b.setp("eq", b.shfl("idx", ctx.warp, 0), 0)    # warp-uniform
+        if tmem is None:
+            with b.if_then(self.issuer):
+                b.mbarrier_init(Addr(bars, BAR_S), 1)
+                b.mbarrier_init(Addr(bars, BAR_O), 1)
+            tmem = allocate(b, self.warp0, bars, cfg.tmem_columns)
+        self.tmem = tmem
+        self.umma = UmmaIssue(b, cfg, ctx.q_smem, tmem, bars)
+        self.bar_s, self.bar_o = self.umma.bar_s, self.umma.bar_o
+        lane_bits = b.shl(self._lane0(b, ctx), 16)           # this warp's 16 lanes (rows)
+        self.s_warp, self.p_warp, self.o_warp = (b.add(c, lane_bits) for c in (
+            self.umma.s_cols, self.umma.p_cols, self.umma.o_cols))
+        self.s_phase, self.o_phase = b.mov(0, U32), b.mov(0, U32)
+        zeros = [self.fzero[0]] * (4 * (self.dv // 8))
+        self._store_o(zeros)                               # O = 0: every P·V accumulates
+        b.tcgen05_fence(before=True)
+
+    def _lane0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
+        """Warp w's first tensor-memory lane: 32 (w % 4) + 16 (w // 4) at M = 128 (warps w and
+        w + 4 split a sub-partition), 32 w at M = 64."""
+        if ctx.cfg.block_m == 64:
+            return b.shl(ctx.warp, 5)
+        return b.add(b.shl(b.and_(ctx.warp, 3), 5), b.shl(b.shr(ctx.warp, 2), 4))
+
+    def warp_row0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
+        """Warp w's first row: its first lane at M = 128, 16 w at M = 64 (layout F)."""
+        if ctx.cfg.block_m == 64:
+            return b.shl(ctx.warp, 4)
+        return self._lane0(b, ctx)
+
+    # ---- the tensor-core side (thread 0) ------------------------------------------------
+    def issue_scores(self, k_tile: Reg) -> None:
+        with self.b.if_then(self.issuer):
+            self.umma.scores(k_tile)
+
+    def issue_pv(self, v_tile: Reg) -> None:
+        with self.b.if_then(self.issuer):
+            self.umma.pv(v_tile)
+
+    def skip_pv(self) -> None:
+        """No P·V this tile: an empty commit completes bar_o's phase, so pv_done's wait holds."""
+        with self.b.if_then(self.issuer):
+            self.umma.no_pv()
+
+    def _wait(self, bar: Addr, phase: Reg) -> None:
+        b = self.b
+        b.mbarrier_wait_parity(bar, phase)
+        b.xor(phase, 1, out=phase)
+        b.tcgen05_fence(before=False)
+
+    def scores_ready(self, _issued) -> list[list[Reg]]:
+        """Wait for S(j) and load this warp's rows of it: 16x256b per n8 block = mma C tiles."""
+        b = self.b
+        self._wait(self.bar_s, self.s_phase)
+        regs = b.tcgen05_ld("16x256b", self.bn // 8, self.s_warp, F32)
+        b.tcgen05_wait("ld")
+        return [regs[4 * j:4 * j + 4] for j in range(self.bn // 8)]
+
+    def pv_done(self) -> None:
+        self._wait(self.bar_o, self.o_phase)
+
+    # ---- the softmax side (every warp) --------------------------------------------------
+    def softmax_late(self, probs: list[list[Reg]], rescale: Reg) -> None:
+        """After the previous P·V completed: O *= alpha in tensor memory (when rescaling), P
+        into tensor memory, the row sums; then the fence for the next tile's MMAs."""
+        b = self.b
+        with b.if_then(rescale):          # warp-uniform (the vote of softmax_early)
+            o = self._load_o()
+            for i, x in enumerate(o):
+                b.mul(x, self.alpha[(i // 2) % 2], out=x)
+            self._store_o(o)
+        self.pack_probs(probs)
+        # 16x128b: register 2 jn + r is row g + 8r, column 4 jn + t = keys 8 jn + 2t, + 1
+        b.tcgen05_st("16x128b", self.p_warp, [x for frag in self.p_frags for x in frag])
+        self.add_row_sums()
+        b.tcgen05_wait("st")
+        b.tcgen05_fence(before=True)
+
+    def _o_blocks(self) -> list[tuple[int, int]]:
+        """O's n8 blocks as (first, count) runs of power-of-two 16x256b repetitions (dv 192:
+        16 + 8), each run one instruction 8 columns a block further."""
+        runs, first, left = [], 0, self.dv // 8
+        while left:
+            n = 1 << (left.bit_length() - 1)
+            runs.append((first, n))
+            first, left = first + n, left - n
+        return runs
+
+    def _load_o(self) -> list[Reg]:
+        """This warp's rows of O (the mma C layout, 4 registers an n8 block), loaded and waited."""
+        b, out = self.b, []
+        for first, n in self._o_blocks():
+            at = self.o_warp if first == 0 else b.add(self.o_warp, 8 * first)
+            out += b.tcgen05_ld("16x256b", n, at, F32)
+        b.tcgen05_wait("ld")
+        return out
+
+    def _store_o(self, regs: list[Reg]) -> None:
+        """Store this warp's rows of O from `regs` (_load_o's order), and wait."""
+        b = self.b
+        for first, n in self._o_blocks():
+            at = self.o_warp if first == 0 else b.add(self.o_warp, 8 * first)
+            b.tcgen05_st("16x256b", at, regs[4 * first:4 * (first + n)])
+        b.tcgen05_wait("st")
+
+    def fetch_o(self) -> None:
+        """After the last P·V: this warp's rows of O into registers (the mma C layout)."""
+        b = self.b
+        o = self._load_o()
+        self.o_tiles = [[o[4 * j:4 * j + 4] for j in range(self.dv // 8)]]
+        self.o = self.o_tiles[0]
+        b.tcgen05_fence(before=True)
+
+    def release(self) -> None:
+        """Warp 0 frees the tensor memory once every warp has loaded its O (a barrier of the
+        warps that compute)."""
+        self.cta_sync()
+        with self.b.if_then(self.warp0):
+            self.b.tcgen05_dealloc(self.tmem, self.ctx.cfg.tmem_columns)
+
+    def epilogue(self) -> None:
+        self.fetch_o()
+        MmaMath.epilogue(self)
+        self.release()

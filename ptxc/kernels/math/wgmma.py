@@ -1,0 +1,176 @@
+"""Prefill on Hopper warpgroup MMA (target sm_90a, f16/bf16, head_dim and head_dim_v 64, 128, 192
+or 256: DeepSeek's 192 / 128 included).
+
+The same FlashAttention-2 forward as prefill.py, with both products on `wgmma.mma_async`:
+
+  CTA        block_m / 64 warpgroups (4 warps each); warpgroup g owns query rows [64g, 64g + 64),
+             warp w of the CTA rows [16w, 16w + 16) -- exactly the rows the mma.sync path gives
+             warp w, so the per-row softmax, masks, variants and epilogue of `MmaMath` apply as
+             they are (the wgmma m64nN accumulator is N/8 mma.m16n8 C fragments per warp).
+  shared     Q (block_m rows), then `num_stages` K tiles and `num_stages` V tiles (block_n rows;
+             V's of head_dim_v columns, K's of head_dim),
+             each split along d into 128-byte column slabs (64 elements; d = 128 has two) of
+             rows x 128 B with the 128-byte swizzle: 16-byte chunk c of row r sits at chunk
+             c ^ (r % 8). Every slab starts 1024-byte aligned (one swizzle period).
+  loads      per-thread cp.async 16-byte chunks at the swizzled addresses (the loader of
+             tiles.py with a swizzled thread slot), K/V stages tracked by cp.async groups in the
+             shared pipeline of kv_pipeline.py; a `fence.proxy.async` after each barrier makes
+             the landed tiles visible to the tensor cores' (async-proxy) reads.
+             That is tile.kv_loads = "cp_async"; the default, "tma", loads one TMA box per slab
+             from q/k/v tensor-map parameters under mbarriers instead (tma_pipeline.py).
+  S = Q·Kᵀ   d/16 `wgmma m64n{block_n}k16` with A = Q and B = K from K-major descriptors
+             (SBO 1024 = 8 rows; a k16 step moves the start 32 B inside a slab, the next slab
+             by rows x 128 B), one commit group, waited at once.
+  O += P·V   P rounded to f16x2/bf16x2 is the register-A fragment of `wgmma m64n{dv}k16`
+             (block_n/16 of them); B = V read MN-major (transpose bit) from the same swizzled
+             rows: SBO 1024 = 8 keys, LBO = the slab distance (block_n x 128 B).
+  row sums   one mma.sync m16n8k16 per k16 step against ones, issued before the P·V chain
+             (its A registers may not be read while a wgmma holding them is in flight).
+
+With tile.warp_specialize (TMA only; the default there) a producer warpgroup issues the loads
+under full/empty mbarriers and the warpgroups above only compute, optionally taking turns at
+their wgmma (tile.pingpong) or three of them at block_m 192 (tma_ws_pipeline.py; prefill_tma.py
+builds both TMA bodies). Other head dims and f32 take the mma.sync / SIMT kernels on sm_90a as
+on sm_90.
+"""
+
+from __future__ import annotations
+
+from ...ir import F32, U64, Imm, KernelBuilder, Reg
+from .. import common as C
+from ..attention.prefill_tile import Ctx
+from ..config.wgmma import ROWS_PER_WARPGROUP
+from ..mainloop.tiles import CHUNK, SWIZZLE, SWIZZLE_PERIOD, zero_regs
+from ..mainloop.tma_ws_pipeline import CONSUMER_BARRIER
+from .mma import RESCALE_SLACK, MmaMath
+
+
+class WgmmaMath(MmaMath):
+    """MmaMath with S = Q·Kᵀ and O += P·V on wgmma (see the module docstring)."""
+
+    def __init__(self, b: KernelBuilder, ctx: Ctx):
+        super().__init__(b, ctx)
+        cfg = ctx.cfg
+        self.bm = cfg.block_m
+        # lane 0's warp index: the same value, but one ptxas can prove warp-uniform, so the Q
+        # descriptors live in uniform registers (no R2UR per wgmma; Triton does the same)
+        warpgroup = b.shr(b.shfl("idx", ctx.warp, 0), 2)
+        q_rows = b.mad(warpgroup, ROWS_PER_WARPGROUP * SWIZZLE, ctx.q_smem)
+        self.q_desc = b.matrix_descriptor(q_rows, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        self.s_acc = zero_regs(b, self.bn // 2, F32)   # written before use: scale_d = 0 at k 0
+        # P of the last softmax, kept for the P·V of the next iteration (A fragments per k16)
+        self.p_frags = [[b.mov(0, self.pair) for _ in range(4)] for _ in range(self.bn // 16)]
+        self.alpha = [b.mov(1.0, F32) for _ in range(2)]
+
+    def cta_sync(self) -> None:
+        """The epilogue's barrier: the consumer warpgroups' named barrier when a producer
+        warpgroup (which never reaches it) shares the CTA."""
+        if getattr(self.ctx.cfg, "warp_specialize", False):
+            self.b.bar_sync(CONSUMER_BARRIER, self.ctx.cfg.threads)
+        else:
+            self.b.bar_sync(0)
+
+    def _k_step(self, desc: Reg, kk: int, rows: int) -> Reg:
+        return k_step(self.b, desc, kk, rows)
+
+    def issue_scores(self, k_tile: Reg) -> list[list[Reg]]:
+        """Issue S = Q·Kᵀ as one commit group (not waited); returns S as n8 accumulator tiles."""
+        b = self.b
+        k_desc = b.matrix_descriptor(k_tile, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        b.wgmma_fence()
+        for kk in range(self.d // 16):
+            b.wgmma(self.s_acc, self._k_step(self.q_desc, kk, self.bm),
+                    self._k_step(k_desc, kk, self.bn), self.in_type, scale_d=kk > 0)
+        b.wgmma_commit()
+        return [self.s_acc[4 * j:4 * j + 4] for j in range(self.bn // 8)]
+
+    def skip_pv(self) -> None:
+        """No P·V this tile: an empty group, so that scores_ready's wait_group 1 retires S."""
+        self.b.wgmma_commit()
+
+    def scores_ready(self, s: list[list[Reg]]) -> list[list[Reg]]:
+        """S issued by issue_scores, complete (the P·V issued after it may still run)."""
+        self.b.wgmma_wait(1)
+        return s
+
+    def pv_done(self) -> None:
+        self.b.wgmma_wait(0)
+
+    def issue_pv(self, v_tile: Reg) -> None:
+        """Issue O += P·V with the packed P of the previous softmax as one commit group."""
+        b = self.b
+        v_desc = b.matrix_descriptor(v_tile, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
+        acc = [r for tile in self.o for r in tile]
+        b.wgmma_fence()
+        for kk, a in enumerate(self.p_frags):   # keys 16kk..16kk+15: 2 swizzle periods further
+            desc = v_desc if kk == 0 else b.add(v_desc, Imm(kk * 2 * SWIZZLE_PERIOD >> 4, U64))
+            b.wgmma(acc, a, desc, self.in_type, scale_d=True, trans_b=1)
+        b.wgmma_commit()
+
+    def softmax_early(self, s: list[list[Reg]]) -> tuple[list[list[Reg]], Reg]:
+        """MmaMath.softmax up to the probabilities, touching neither O nor P (a P·V that reads
+        them may still be in flight): row max, the warp-uniform lazy-rescale vote, the
+        exponentials, then (in a branch) the new m, alpha and the row sums' rescale. Returns
+        (probs, rescale)."""
+        b = self.b
+        rows = [[acc[2 * r + e] for acc in s for e in range(2)] for r in range(2)]
+        cands = []
+        for r in range(2):
+            mx = rows[r][0]
+            for x in rows[r][1:]:
+                mx = b.max(mx, x)
+            for off in (1, 2):
+                mx = b.max(mx, b.shfl("bfly", mx, off))
+            cands.append(b.max(self.m[r], b.mul(mx, self.scale_log2)))
+        grow = b.max(b.sub(cands[0], self.m[0]), b.sub(cands[1], self.m[1]))
+        for off in (4, 8, 16):
+            grow = b.max(grow, b.shfl("bfly", grow, off))
+        rescale = b.setp("gt", grow, RESCALE_SLACK)
+        # the exponentials first, against the max this tile will use (branch-free), so that
+        # they sit in the basic block before the rescale branch and the wait that follows it
+        m_use = [b.selp(cands[r], self.m[r], rescale) for r in range(2)]
+        probs = []
+        for r in range(2):
+            neg = b.neg(C.safe_max(b, m_use[r]))
+            probs.append([b.ex2(b.fma(x, self.scale_log2, neg)) for x in rows[r]])
+        with b.if_then(rescale):
+            for r in range(2):
+                b.mov(C.rescale_factor(b, self.m[r], C.safe_max(b, cands[r])), out=self.alpha[r])
+                for e in range(2):
+                    b.mul(self.l_acc[2 * r + e], self.alpha[r], out=self.l_acc[2 * r + e])
+                b.mov(cands[r], out=self.m[r])
+        return probs, rescale
+
+    def softmax_late(self, probs: list[list[Reg]], rescale: Reg) -> None:
+        """After the previous P·V retired: O *= alpha (when rescaling), P packed into the
+        registers the next P·V reads, the row sums by mma.sync against ones."""
+        b = self.b
+        with b.if_then(rescale):
+            for r in range(2):
+                for acc in self.o:
+                    for e in range(2):
+                        b.mul(acc[2 * r + e], self.alpha[r], out=acc[2 * r + e])
+        self.pack_probs(probs)
+        self.add_row_sums()
+
+    def pack_probs(self, probs: list[list[Reg]]) -> None:
+        """P rounded to f16x2/bf16x2 pairs in the A-fragment registers of the next P·V."""
+        for jn in range(self.bn // 8):   # n8 tile jn is half of k-step jn // 2
+            frag = self.p_frags[jn // 2]
+            for r in range(2):
+                self.b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn],
+                                out=frag[2 * (jn % 2) + r])
+
+    def add_row_sums(self) -> None:
+        """The packed P's row sums, by mma.sync against a fragment of ones."""
+        for a in self.p_frags:
+            self.b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type,
+                                out=self.l_acc)
+
+
+def k_step(b: KernelBuilder, desc: Reg, kk: int, rows: int) -> Reg:
+    """Descriptor (wgmma's or tcgen05's: the start field is the same) of k16 step kk of a
+    K-major operand of `rows` rows in 128-byte swizzled slabs: +32 B per step inside a slab,
+    + rows x 128 B per slab (the start field counts 16-byte units)."""
+    off = (kk % 4) * 32 + (kk // 4) * rows * SWIZZLE
+    return desc if off == 0 else b.add(desc, Imm(off >> 4, U64))
