@@ -1,5 +1,5 @@
 """Building blocks shared by the kernel families: element formats, 128-bit row loads and stores,
-warp reductions, and the online-softmax state (running max m, running sum l, accumulator).
+warp reductions. (The online softmax is attention/softmax.py.)
 
 Softmax runs in base 2: scores are pre-multiplied by scale * log2(e) so every exponential is one
 `ex2.approx`; LSE converts back with ln(2).
@@ -111,56 +111,6 @@ def warp_sum(b: KernelBuilder, x: Reg, offsets) -> Reg:
     for off in offsets:
         x = b.add(x, b.shfl("bfly", x, off))
     return x
-
-
-def safe_max(b: KernelBuilder, m: Reg) -> Reg:
-    """The max to subtract before ex2: 0 when m is -inf, so ex2(-inf - m) is 0, never NaN."""
-    return b.selp(0.0, m, b.setp("eq", m, NEG_INF))
-
-
-def rescale_factor(b: KernelBuilder, m_old: Reg, m_use: Reg) -> Reg:
-    return b.ex2(b.sub(m_old, m_use))
-
-
-def online_softmax_rows(b: KernelBuilder, m: list[Reg], l: list[Reg] | None, rows: list[list[Reg]],
-                        scale_log2: float, lanes) -> tuple[list[Reg], list[list[Reg]]]:
-    """One online-softmax step for each row a thread holds (`rows[r]`: its raw scores of row r,
-    the rest of the row on the lanes that differ in `lanes`). m (running max, log2 units) and
-    l (this lane's partial sum) are updated in place; returns per-row rescale factors alpha and
-    the probabilities 2^(s * scale_log2 - m). With l None the caller keeps the sums itself (the
-    tensor-core path sums the rounded probabilities in an mma)."""
-    alphas, probs = [], []
-    for r, vals in enumerate(rows):
-        mx = vals[0]
-        for x in vals[1:]:
-            mx = b.max(mx, x)
-        for off in lanes:
-            mx = b.max(mx, b.shfl("bfly", mx, off))
-        m_new = b.max(m[r], b.mul(mx, scale_log2))
-        m_use = safe_max(b, m_new)
-        alphas.append(rescale_factor(b, m[r], m_use))
-        neg = b.neg(m_use)
-        p = [b.ex2(b.fma(x, scale_log2, neg)) for x in vals]
-        if l is not None:
-            total = p[0]
-            for x in p[1:]:
-                total = b.add(total, x)
-            b.fma(l[r], alphas[-1], total, out=l[r])
-        b.mov(m_new, out=m[r])
-        probs.append(p)
-    return alphas, probs
-
-
-def merge_softmax_states(b: KernelBuilder, m: Reg, l: Reg, acc: list[Reg],
-                         m_o: Reg, l_o: Reg, acc_o: list[Reg]) -> None:
-    """(m, l, acc) <- exact merge with another partial state (m_o, l_o, acc_o), in place."""
-    m_new = b.max(m, m_o)
-    m_use = safe_max(b, m_new)
-    a, c = rescale_factor(b, m, m_use), rescale_factor(b, m_o, m_use)
-    b.mad(l, a, b.mul(l_o, c), out=l)
-    for x, y in zip(acc, acc_o):
-        b.mad(x, a, b.mul(y, c), out=x)
-    b.mov(m_new, out=m)
 
 
 def param_u64(b: KernelBuilder, name: str) -> Reg:

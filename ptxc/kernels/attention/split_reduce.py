@@ -16,6 +16,7 @@ from __future__ import annotations
 from ...ir import F32, S64, U32, Addr, KernelBuilder
 from .. import common as C
 from ..base import Launch, LaunchParam, ParamSource, TensorInfo
+from .softmax import log_sum_exp, normaliser, rescale_factor, safe_max
 from .split_plan import MAX_AUTO_SPLITS, SPLIT_HEADROOM
 
 AUTO_RULE = f"min(max, max(1, cdiv({SPLIT_HEADROOM} * num_sms * ctas_per_sm, ctas)))"
@@ -65,13 +66,13 @@ def build_reduce(spec, entry: str, has_lse: bool, rows_dim: str = "batch") -> tu
     m = b.mov(C.NEG_INF, F32)
     with b.for_range(0, splits) as s:
         b.max(m, b.ld("global", F32, Addr(C.element_offset(b, lse_row, s, b.mov(4, S64)))), out=m)
-    m_use = C.safe_max(b, m)
+    m_use = safe_max(b, m)
     with b.if_then(b.setp("lt", tid, d // 4)):
         total = b.mov(0.0, F32)
         acc = [b.mov(0.0, F32) for _ in range(4)]
         elem = b.mul(tid, 4)
         with b.for_range(0, splits) as s:
-            w = C.rescale_factor(b, b.ld("global", F32, Addr(C.element_offset(b, lse_row, s, b.mov(4, S64)))), m_use)
+            w = rescale_factor(b, b.ld("global", F32, Addr(C.element_offset(b, lse_row, s, b.mov(4, S64)))), m_use)
             b.add(total, w, out=total)
             src = C.element_offset(b, ptrs["o_part"], b.mad(b.add(part_row0, s), d, elem), b.mov(4, S64))
             part = [b.mov(0.0, F32) for _ in range(4)]
@@ -79,8 +80,7 @@ def build_reduce(spec, entry: str, has_lse: bool, rows_dim: str = "batch") -> tu
                 b.ld("global", F32, Addr(src), vec=4, out=part)
             for x, y in zip(acc, part):
                 b.fma(y, w, x, out=x)
-        has_keys = b.setp("gt", total, 0.0)
-        inv = b.selp(b.rcp(total), 0.0, has_keys)
+        inv, has_keys = normaliser(b, total)
         out = [b.mul(x, inv) for x in acc]
         row = C.element_offset(b, b.bitcast(C.element_offset(b, ptrs["o"], batch, o_strides[0]), C.U64),
                                head, o_strides[1])
@@ -89,7 +89,7 @@ def build_reduce(spec, entry: str, has_lse: bool, rows_dim: str = "batch") -> tu
         b.st("global", fmt.load_type, Addr(dst), packed)
         if has_lse:
             with b.if_then(b.setp("eq", tid, 0)):
-                lse = b.selp(b.mul(b.add(m, b.lg2(total)), C.LN2), C.NEG_INF, has_keys)
+                lse = log_sum_exp(b, m, total, has_keys)
                 idx = b.mad(batch, H, head)
                 b.st("global", F32, Addr(C.element_offset(b, ptrs["lse"], idx, b.mov(4, S64))), [lse])
     b.ret()

@@ -21,6 +21,7 @@ from ...ir import F32, S32, S64, U8, U32, U64, Addr, KernelBuilder, Reg
 from ...spec.fields import Field, int_range
 from .. import common as C
 from ..base import ParamSource
+from .softmax import log_sum_exp, normaliser, rescale_factor, safe_max
 
 MAX_WINDOW = 1 << 30
 _win_check, _win_allowed = int_range(1, MAX_WINDOW)
@@ -295,8 +296,8 @@ def join_sink(b: KernelBuilder, m: Reg, total: Reg, sink: Reg) -> tuple[Reg, Reg
     sink logit (log2 units) joined to the denominator: returns (total', alpha, m') with
     total' = total · 2^(m - m') + 2^(sink - m') and alpha = 2^(m - m') the factor that O
     (accumulated against m) needs; m' = max(m, sink), 0 when both are -inf (no NaN)."""
-    m_ref = C.safe_max(b, b.max(m, sink))
-    alpha = C.rescale_factor(b, m, m_ref)
+    m_ref = safe_max(b, b.max(m, sink))
+    alpha = rescale_factor(b, m, m_ref)
     return b.fma(total, alpha, b.ex2(b.sub(sink, m_ref))), alpha, m_ref
 
 
@@ -317,12 +318,10 @@ def finish_rows(b: KernelBuilder, ctx, m: list[Reg], l: list[Reg], rows: list[Re
         m_ref = m[r]
         if sink is not None:   # the sink joins the denominator (attention_sinks)
             total, alpha, m_ref = join_sink(b, m[r], total, sink)
-        has_keys = b.setp("gt", total, 0.0)
-        inv = b.rcp(total) if sink is None else b.mul(b.rcp(total), alpha)
-        invs.append(b.selp(inv, 0.0, has_keys))
+        inv, has_keys = normaliser(b, total, None if sink is None else alpha)
+        invs.append(inv)
         if ctx.lse is not None:
-            lse = b.add(m_ref, b.lg2(total))
-            lse = b.selp(b.mul(lse, lse_scale) if lse_scale != 1.0 else lse, C.NEG_INF, has_keys)
+            lse = log_sum_exp(b, m_ref, total, has_keys, lse_scale)
             ok = b.and_(writer, b.setp("lt", row, ctx.seq_q))
             addr = ctx.lse_addr(b, row)
             with b.predicate(ok):

@@ -13,6 +13,8 @@ from __future__ import annotations
 from ...ir import F32, S32, S64, U32, Addr, KernelBuilder, Reg
 from .. import common as C
 from ..attention.split_plan import emit_balanced_split
+from ..attention.softmax import (
+    exponentials, log_sum_exp, merge_states, merge_weights, normaliser, rescale_factor, safe_max)
 from ..attention.variant import AttentionVariant, join_sink, load_head_f32
 from ..kv.kv_access import KVAccess
 
@@ -110,7 +112,7 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
     while off < 32:
         for i in range(hp):
             flat = [x for ch in acc[i] for x in ch]
-            C.merge_softmax_states(b, m[i], l[i], flat, b.shfl("bfly", m[i], off),
+            merge_states(b, m[i], l[i], flat, b.shfl("bfly", m[i], off),
                                    b.shfl("bfly", l[i], off), [b.shfl("bfly", x, off) for x in flat])
         off *= 2
     smem = _stage_warp_states(b, cfg, m, l, acc, warp, slot, sub)
@@ -236,9 +238,9 @@ def _attend_rows(b, cfg, tiles, rows, valid, q_regs, m, l, acc, widen, transform
         m_new = m[i]
         for u in range(cfg.kv_unroll):
             m_new = b.max(m_new, scores[u][i])
-        m_use = C.safe_max(b, m_new)
-        alpha = C.rescale_factor(b, m[i], m_use)
-        p = [b.ex2(b.sub(scores[u][i], m_use)) for u in range(cfg.kv_unroll)]
+        m_use = safe_max(b, m_new)
+        alpha = rescale_factor(b, m[i], m_use)
+        p = exponentials(b, [scores[u][i] for u in range(cfg.kv_unroll)], m_use, None)
         psum = p[0]
         for x in p[1:]:
             psum = b.add(psum, x)
@@ -307,11 +309,7 @@ def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count,
             i, c = b.div(item, cfg.chunks), b.rem(item, cfg.chunks)
             ms = [b.ld("shared", F32, Addr(b.mad(i, 8, smem), w * hp * 8)) for w in range(nw)]
             ls = [b.ld("shared", F32, Addr(b.mad(i, 8, smem), w * hp * 8 + 4)) for w in range(nw)]
-            m_tot = ms[0]
-            for x in ms[1:]:
-                m_tot = b.max(m_tot, x)
-            m_use = C.safe_max(b, m_tot)
-            weights = [C.rescale_factor(b, x, m_use) for x in ms]
+            m_tot, weights = merge_weights(b, ms)
             l_tot = b.mul(ls[0], weights[0])
             for x, w in zip(ls[1:], weights[1:]):
                 l_tot = b.fma(x, w, l_tot)
@@ -322,8 +320,7 @@ def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count,
                     sink = b.selp(sink, C.NEG_INF, b.setp("eq", b.special("%ctaid.z"), 0))
                 l_tot, alpha, m_tot = join_sink(b, m_tot, l_tot, sink)
                 weights = [b.mul(w, alpha) for w in weights]
-            has_keys = b.setp("gt", l_tot, 0.0)
-            inv = b.selp(b.rcp(l_tot), 0.0, has_keys)
+            inv, has_keys = normaliser(b, l_tot)
             if v_scale is not None:     # FP8 V: its scale rides on the normalisation
                 inv = b.mul(inv, v_scale)
             src = b.mad(b.mad(i, d, b.mul(c, fmt.per_vec)), 4, acc_all)
@@ -335,7 +332,7 @@ def _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count,
                     b.fma(part[e], weights[w], out[e], out=out[e])
             out = [b.mul(x, inv) for x in out]
             head = b.add(head0, i) if "sinks" not in ptrs else head
-            lse2 = b.selp(b.add(m_tot, b.lg2(l_tot)), C.NEG_INF, has_keys)  # log2-sum-exp
+            lse2 = log_sum_exp(b, m_tot, l_tot, has_keys, 1.0)  # log2 units
             if split_count is None:
                 base = C.element_offset(b, ptrs["o"], batch, strides[("o", 0)])
                 row = C.element_offset(b, b.bitcast(base, C.U64), head, strides[("o", 1)])

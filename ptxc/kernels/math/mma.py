@@ -22,13 +22,13 @@ from __future__ import annotations
 from ...ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, Addr, KernelBuilder, Reg
 from .. import common as C
 from ..attention.prefill_tile import Ctx
+from ..attention.softmax import exponentials, rescale_factor, rescale_vote, row_candidate, safe_max
 from ..attention.variant import finish_rows
 from ..mainloop.tiles import ldmatrix_lanes_mk, ldmatrix_lanes_nk, zero_regs
 
 
 # log2 units the running max may lag the true one before O is rescaled (lazy rescaling, as in
 # FlashAttention 4): probabilities stay <= 2^8, far inside f16/bf16 range.
-RESCALE_SLACK = 8.0
 
 
 class MmaMath:
@@ -207,25 +207,11 @@ class MmaMath:
         # rows[i]: row i = 2 mt + r of this lane (r = 0: g, 1: g + 8 of m-tile mt)
         rows = [[acc[2 * (i % 2) + e] for acc in s[i // 2 * nt:(i // 2 + 1) * nt] for e in range(2)]
                 for i in range(n_rows)]
-        cands = []
-        for i in range(n_rows):
-            mx = rows[i][0]
-            for x in rows[i][1:]:
-                mx = b.max(mx, x)
-            for off in (1, 2):
-                mx = b.max(mx, b.shfl("bfly", mx, off))
-            cands.append(b.max(self.m[i], b.mul(mx, self.scale_log2)))
-        # -inf - -inf is NaN: max.f32 drops a NaN operand, and a NaN everywhere fails the test
-        grows = [b.sub(cands[i], self.m[i]) for i in range(n_rows)]
-        grow = b.max(grows[0], grows[1])
-        for x in grows[2:]:
-            grow = b.max(grow, x)
-        for off in (4, 8, 16):
-            grow = b.max(grow, b.shfl("bfly", grow, off))
-        with b.if_then(b.setp("gt", grow, RESCALE_SLACK)):
+        cands = [row_candidate(b, self.m[i], rows[i], self.scale_log2, (1, 2)) for i in range(n_rows)]
+        with b.if_then(rescale_vote(b, cands, self.m, (4, 8, 16))):
             for i in range(n_rows):
                 mt, r = divmod(i, 2)
-                alpha = C.rescale_factor(b, self.m[i], C.safe_max(b, cands[i]))
+                alpha = rescale_factor(b, self.m[i], safe_max(b, cands[i]))
                 for acc in self.o_tiles[mt] + [self.l_accs[mt]]:
                     for e in range(2):
                         b.mul(acc[2 * r + e], alpha, out=acc[2 * r + e])
@@ -234,8 +220,8 @@ class MmaMath:
         for mt in range(self.mt):
             probs = []
             for r in range(2):
-                neg = b.neg(C.safe_max(b, self.m[2 * mt + r]))
-                probs.append([b.ex2(b.fma(x, self.scale_log2, neg)) for x in rows[2 * mt + r]])
+                probs.append(exponentials(b, rows[2 * mt + r], safe_max(b, self.m[2 * mt + r]),
+                                          self.scale_log2))
             # probs[r][2 jn + e] is element (r, e) of n8 tile jn; k-step k packs tiles 2k, 2k+1.
             pk = [[b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn]) for r in range(2)]
                   for jn in range(nt)]

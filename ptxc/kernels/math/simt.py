@@ -13,6 +13,7 @@ from __future__ import annotations
 from ...ir import F32, S32, Addr, KernelBuilder, Reg
 from .. import common as C
 from ..attention.prefill_tile import Ctx
+from ..attention.softmax import online_update
 from ..attention.variant import finish_rows
 from ..config.prefill import SIMT_LANES_PER_ROW as X
 from ..mainloop.tiles import zero_regs
@@ -91,7 +92,7 @@ class SimtMath:
 
     def softmax(self, s: list[list[Reg]]) -> list[list[Reg]]:
         b = self.b
-        alphas, probs = C.online_softmax_rows(b, self.m, self.l, s, self.scale_log2, (1, 2, 4))
+        alphas, probs = online_update(b, self.m, self.l, s, self.scale_log2, (1, 2, 4))
         for i, chunks in enumerate(self.o):
             for chunk in chunks:
                 for x in chunk:

@@ -37,12 +37,12 @@ on sm_90.
 from __future__ import annotations
 
 from ...ir import F32, U64, Imm, KernelBuilder, Reg
-from .. import common as C
 from ..attention.prefill_tile import Ctx
+from ..attention.softmax import exponentials, rescale_factor, rescale_vote, row_candidate, safe_max
 from ..config.wgmma import ROWS_PER_WARPGROUP
 from ..mainloop.tiles import CHUNK, SWIZZLE, SWIZZLE_PERIOD, zero_regs
 from ..mainloop.tma_ws_pipeline import CONSUMER_BARRIER
-from .mma import RESCALE_SLACK, MmaMath
+from .mma import MmaMath
 
 
 class WgmmaMath(MmaMath):
@@ -114,28 +114,15 @@ class WgmmaMath(MmaMath):
         (probs, rescale)."""
         b = self.b
         rows = [[acc[2 * r + e] for acc in s for e in range(2)] for r in range(2)]
-        cands = []
-        for r in range(2):
-            mx = rows[r][0]
-            for x in rows[r][1:]:
-                mx = b.max(mx, x)
-            for off in (1, 2):
-                mx = b.max(mx, b.shfl("bfly", mx, off))
-            cands.append(b.max(self.m[r], b.mul(mx, self.scale_log2)))
-        grow = b.max(b.sub(cands[0], self.m[0]), b.sub(cands[1], self.m[1]))
-        for off in (4, 8, 16):
-            grow = b.max(grow, b.shfl("bfly", grow, off))
-        rescale = b.setp("gt", grow, RESCALE_SLACK)
+        cands = [row_candidate(b, self.m[r], rows[r], self.scale_log2, (1, 2)) for r in range(2)]
+        rescale = rescale_vote(b, cands, self.m, (4, 8, 16))
         # the exponentials first, against the max this tile will use (branch-free), so that
         # they sit in the basic block before the rescale branch and the wait that follows it
         m_use = [b.selp(cands[r], self.m[r], rescale) for r in range(2)]
-        probs = []
-        for r in range(2):
-            neg = b.neg(C.safe_max(b, m_use[r]))
-            probs.append([b.ex2(b.fma(x, self.scale_log2, neg)) for x in rows[r]])
+        probs = [exponentials(b, rows[r], safe_max(b, m_use[r]), self.scale_log2) for r in range(2)]
         with b.if_then(rescale):
             for r in range(2):
-                b.mov(C.rescale_factor(b, self.m[r], C.safe_max(b, cands[r])), out=self.alpha[r])
+                b.mov(rescale_factor(b, self.m[r], safe_max(b, cands[r])), out=self.alpha[r])
                 for e in range(2):
                     b.mul(self.l_acc[2 * r + e], self.alpha[r], out=self.l_acc[2 * r + e])
                 b.mov(cands[r], out=self.m[r])
