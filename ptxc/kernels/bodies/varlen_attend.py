@@ -1,7 +1,8 @@
-"""The varlen kernel body: one CTA = one packed query tile of one (sequence, KV head, split).
+"""varlen's schedulers: which packed query tile of which (sequence, KV head, split) a CTA owns.
 
-Work assignment is a policy in front of the shared body (emit_packed_tile, given a TileWork;
-the tile's context and setup live in packed_tile.py, shared with varlen_wgmma.py's sm_90a body):
+Work assignment is a policy in front of the shared tile body (packed_paths.emit_packed_tile,
+given a TileWork; the tile's context and setup live in attention/packed_tile.py, its bodies per
+instruction set in varlen_mma.py, varlen_wgmma.py and varlen_tma.py):
 varlen's grid.x counts packed query tiles over the whole batch; sequence b's tiles start at
 cu[b] * g // block_m + b, so a CTA finds its sequence by a binary search of cu_seqlens_q
 (find_sequence) and at most `batch` tiles in all find no rows and exit. decode's tensor-core
@@ -29,15 +30,10 @@ from __future__ import annotations
 
 from ...ir import S32, S64, U32, Addr, KernelBuilder, Reg
 from .. import common as C
-from ..attention.packed_tile import TileWork, packed_tile_setup
-from ..attention.varlen_tile import VarlenMath, WgmmaTileConfig, score_transform
+from ..attention.packed_tile import TileWork
 from ..config.prefill import PrefillConfig
 from ..kv.kv_access import KVAccess
-from ..kv.kv_fp8 import stage_rows_dequant
-from ..kv.kv_fp8_stage import FP8Staging, StagedFP8Config
-from ..kv.kv_pages import PagedTiles, SparseSlots, prefetch_applies
-from ..mainloop.kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
-from ..mainloop.tiles import load_tile_rows, thread_slot
+from .packed_paths import emit_packed_tile
 
 
 SEARCH_STEPS = 31   # bits of the sequence index the binary search resolves (any u32 batch)
@@ -130,102 +126,3 @@ def emit_token_tiles(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, p
     work = TileWork(token, b.mov(0, U32), split, token, b.mov(1, S32), m_start, total_q,
                     b.special("%nctaid.x"), token_units, keys=keys_of(token))
     emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant)
-
-
-def emit_packed_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
-                     strides: dict, work: TileWork, split_count: Reg | None, quant=None,
-                     tmaps: dict | None = None, mask_bytes: Reg | None = None) -> None:
-    """The body shared by varlen and decode's tensor-core path: one GQA-packed query tile of
-    one (sequence, KV head, split) over its keys [0, L), L = seq_lens[seq] clamped.
-    With `quant` (kv_fp8.KVDequant) the cache holds FP8 bytes: with a StagedFP8Config they
-    travel by cp.async through the pipeline and are dequantised into f16/bf16 tiles after their
-    wait (kv_fp8_stage.py); otherwise (head dims not a multiple of 16) a dequantising copy
-    (kv_fp8.stage_rows_dequant: FP8 bytes -> registers -> exact f16/bf16 -> st.shared) stages
-    them. Either way the tile math is unchanged; k_scale joins the softmax scale
-    (MmaMath.scale_log2 becomes a register) and v_scale the final 1/l.
-    A varlen_tile.WgmmaTileConfig (sm_90a) runs varlen_wgmma.py's body (cp.async) or
-    varlen_tma.py's (TMA) instead."""
-    if isinstance(cfg, WgmmaTileConfig):
-        if cfg.tma:      # tile.kv_loads = "tma": K/V tiles by TMA boxes
-            from .varlen_tma import emit_tma_tile
-            emit_tma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps, mask_bytes)
-        else:
-            from .varlen_wgmma import emit_wgmma_tile
-            emit_wgmma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, mask_bytes)
-        return
-    bn, stages = cfg.block_n, cfg.num_stages
-    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, mask_bytes=mask_bytes)
-    ctx, L, first = tile.ctx, tile.L, tile.first
-    n_tiles = tile.n_tiles if tile.order is None else tile.order.n_visit
-    smem, k_smem, v_smem, m_start, rows = tile.smem, tile.k_smem, tile.v_smem, ctx.m_start, ctx.seq_q
-    tid, seq, kv_head = ctx.tid, work.seq, work.kv_head
-    kv_bytes = cfg.kv_geom.bytes
-    staging = None
-    if isinstance(cfg, StagedFP8Config):   # FP8 bytes through the pipeline (kv_fp8_stage.py)
-        staging = FP8Staging(b, cfg, tid, k_smem, quant)
-        kv_bytes, k_smem, v_smem = staging.stage_bytes, staging.k_stage, staging.v_stage
-
-    q_slot = thread_slot(b, cfg.q_geom, tid)
-    kv_slot = thread_slot(b, cfg.kv_geom, tid) if staging is None else staging.slots["k_cache"]
-    q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
-
-    def chunk_col(slot):   # FP8 caches hold a byte per element (staged: slots of FP8 rows)
-        return slot.col if quant is None or staging is not None else b.shr(slot.col, 1)
-    bases = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, chunk_col(kv_slot)))
-    slots = {"k_cache": kv_slot, "v_cache": kv_slot}
-    if cfg.dv != cfg.head_dim and not cfg.shared_kv:   # head_dim_v: V rows are narrower, so a thread's chunk differs
-        slots["v_cache"] = thread_slot(b, cfg.v_geom, tid) if staging is None else staging.slots["v_cache"]
-        bases["v_cache"] = kv.bases(b, ptrs, seq, kv_head, b.cvt(S64, chunk_col(slots["v_cache"])))["v_cache"]
-
-    # Paged caches: a tile's few page ids are loaded with the previous tile (kv_pages.py)
-    pages = None
-    # (a latent cache issues K tiles only, in order; a mask's visit order is not in order)
-    if (quant is None or staging is not None) and (cfg.dv == cfg.head_dim or cfg.shared_kv) and \
-            prefetch_applies(kv, kv_slot, bn) and tile.order is None:
-        pages = PagedTiles(b, kv, bases, kv_slot, bn, L)
-
-    key_lo = tile.key_lo()   # a sliding window: keys no row of the tile sees are zero-filled
-    sparse = None            # sparse top-k: the slots of the next tile parked in shared memory
-    if cfg.slot_ring:
-        assert cfg.shared_kv and key_lo is None and tile.order is None
-        sparse = SparseSlots(b, kv, bases, kv_slot, bn, L, b.add(smem, cfg.slot_ring_offset), tid,
-                             stages, tile.key0)
-
-    def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
-        with b.if_then(b.setp("lt", j, n_tiles)):
-            row0 = tile.key0(j)
-            dst = b.add(k_smem if t == "k" else v_smem, stage_off)
-            cache = "k_cache" if t == "k" else "v_cache"
-            rows_of = tile.kv_rows(kv, bases, cache, key_lo)
-            if pages is not None:
-                pages.issue(cache, row0, b.sub(L, b.bitcast(row0, S32)), dst, key_lo)
-            elif sparse is not None:
-                sparse.issue(cache, j, b.sub(L, b.bitcast(row0, S32)), dst, rows_of)
-            elif quant is None or staging is not None:
-                load_tile_rows(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
-            else:
-                stage_rows_dequant(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst,
-                                   quant, "f16x2" if cfg.fmt.name == "f16" else "bf16x2")
-        b.cp_async_commit()
-
-    load_tile_rows(b, q_slot, q_row, m_start, b.sub(b.bitcast(rows, S32), b.bitcast(m_start, S32)),
-                   smem, True)
-    if pages is not None:
-        pages.load_ahead(b.mul(first, bn))
-    math = VarlenMath(b, ctx, ptrs, strides)
-    if quant is not None and quant.mode != "group":   # group scales: applied in the staging
-        k_scale, math.v_scale = quant.scales(b, kv_head)
-        math.scale_log2 = b.mul(k_scale, math.scale_log2)
-    loop = dict(n_tiles=n_tiles, n_full=tile.n_full, key0_of=tile.key0,
-                load_kv=load_kv, math=math, transform=score_transform(b, spec, math),
-                lo_full=tile.lo_full, landed=None if staging is None else staging.landed)
-    if tile.order is not None:   # a packed mask: the tiles with a bit set (mask_tiles.py)
-        loop["mask_of"] = tile.mask_of
-    if cfg.shared_kv:   # MLA's latent rows: one tile per stage for both products
-        run_shared_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, kv_smem=k_smem, **loop)
-    else:
-        run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
-                        use_async=True, **loop)
-    math.epilogue()
-
-

@@ -44,8 +44,7 @@ from ..attention.varlen_tile import VarlenMath, WgmmaTileConfig, score_transform
 from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8_stage import SwizzledFP8Staging
 from ..kv.kv_pages import PagedTiles, prefetch_applies
-from ..mainloop.tiles import ThreadSlot, load_tile_passes
-from ..mainloop.tiles import SWIZZLE_PERIOD, swizzled_slot
+from ..mainloop.tiles import SWIZZLE_PERIOD, ThreadSlot, load_tile_passes, swizzled_slot
 from ..mainloop.wgmma_pipeline import run_wgmma_pipeline
 from ..math.wgmma import WgmmaMath
 
@@ -134,7 +133,7 @@ def row_chunks(b: KernelBuilder, slot: ThreadSlot, row_address, row0: Reg, nvali
 def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,
                     strides: dict, work: TileWork, split_count: Reg | None,
                     quant=None, mask_bytes: Reg | None = None) -> None:
-    """varlen_attend.emit_packed_tile on wgmma with cp.async K/V loads (see the module
+    """varlen_mma.emit_mma_tile on wgmma with cp.async K/V loads (see the module
     docstring; tile.kv_loads = "tma" runs varlen_tma.py's body instead). With `quant` (an FP8 cache, cfg.fp8) the
     copies land FP8 bytes in staging buffers, converted at the top of each iteration; k_scale
     joins the softmax scale and v_scale the final 1/l, as on the mma.sync path."""

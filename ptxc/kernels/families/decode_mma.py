@@ -1,7 +1,7 @@
 """decode on tensor cores: the GQA math of a group of g >= 4 query heads as mma tiles.
 
 A decode step is varlen with q_len = 1 for every sequence, so this path is varlen's GQA-packed
-body (varlen_attend.emit_packed_tile: Q tile -> cp.async K/V pipeline -> MmaMath -> epilogue,
+body (packed_paths.emit_packed_tile: Q tile -> cp.async K/V pipeline -> MmaMath -> epilogue,
 split-KV share of the tiles included) with decode's own work assignment: one CTA per
 (KV head x query tile, sequence, split), the same grid as the SIMT path with a query tile in
 place of a head chunk. The g query heads of the KV head are the packed rows of the tile
@@ -140,7 +140,9 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
                    split_count: Reg | None, quant=None) -> None:
     """decode's work assignment for the packed body: ctaid.x = KV head x query tile,
     ctaid.y = sequence (its one token is q[seq]), ctaid.z = split."""
-    from ..bodies.varlen_attend import TileWork, emit_packed_tile, kv_tiles_of
+    from ..attention.packed_tile import TileWork
+    from ..bodies.packed_paths import emit_packed_tile
+    from ..bodies.varlen_attend import kv_tiles_of
     tps = tiles_per_seq(spec)
     cx, seq = b.special("%ctaid.x"), b.special("%ctaid.y")
     kv_head = b.div(cx, tps) if tps > 1 else cx

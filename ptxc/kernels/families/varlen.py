@@ -174,15 +174,8 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
         cfg = make(stages)
     if target is not None:
         _check_shape(cfg, target)
-        from ..attention import (
-            varlen_tile as wg)  # sm_90a f16/bf16, wgmma head dims: the same tile on wgmma
-        # custom masks run the mma.sync body on sm_90a too (the wgmma layouts do not map to
-        # the mask predicate yet)
-        kv = kv_access(spec)
-        if wg.applies_tcgen05(spec, target, cfg, kv):    # sm_100a: the tile on tcgen05
-            return wg.configure_tcgen05(cfg)
-        if wg.applies(spec, target, cfg, kv):
-            return wg.configure(spec, cfg, kv)
+        from ..bodies import packed_paths   # the same tile on wgmma / tcgen05 where one applies
+        return packed_paths.configure(spec, target, cfg, kv_access(spec))
     return cfg
 
 

@@ -1,0 +1,73 @@
+"""The GQA-packed tile's paths -- varlen's, decode's tensor-core path's and MLA's body -- in one
+table, most specific first: which instruction set and main loop a (spec, target) gets, how its
+tile is configured, and which body builds it.
+
+  tcgen05 (sm_100a / sm_103a)   varlen_tma.py's body with math/tcgen05.py's math, TMA loads
+  wgmma (sm_90a)                varlen_tma.py (TMA loads, the default where the layout allows)
+                                or varlen_wgmma.py (per-thread cp.async: pages < 8 rows, FP8)
+  mma.sync (every other case)   varlen_mma.py, the cp.async pipeline of kv_pipeline.py
+
+The family configures the mma.sync tile first (its block_m / block_n / stages fix the grid and
+the split rule on every target); `configure` then moves it onto the first path that applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..attention import varlen_tile as vt
+from ..config.prefill import PrefillConfig
+from .varlen_mma import emit_mma_tile
+from .varlen_tma import emit_tma_tile
+from .varlen_wgmma import emit_wgmma_tile
+
+
+@dataclass(frozen=True)
+class PackedPath:
+    name: str
+    applies: Callable       # (spec, target, mma.sync cfg, kv) -> bool
+    configure: Callable     # (spec, mma.sync cfg, kv) -> this path's config
+    config_type: type       # what `configure` returns: how a built config names its path
+    body: Callable          # (b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, mask_bytes)
+
+
+def _tma_body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, mask_bytes):
+    emit_tma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps, mask_bytes)
+
+
+def _wgmma_body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, mask_bytes):
+    if cfg.tma:      # tile.kv_loads = "tma": K/V tiles by TMA boxes
+        _tma_body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, mask_bytes)
+    else:
+        emit_wgmma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, mask_bytes)
+
+
+def _mma_body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, mask_bytes):
+    emit_mma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, mask_bytes)
+
+
+PATHS = (
+    PackedPath("the sm_100a tcgen05 tile", vt.applies_tcgen05,
+               lambda spec, cfg, kv: vt.configure_tcgen05(cfg), vt.Tcgen05TileConfig, _tma_body),
+    PackedPath("the sm_90a wgmma tile", vt.applies, vt.configure, vt.WgmmaTileConfig, _wgmma_body),
+    PackedPath("the mma.sync tile", lambda spec, target, cfg, kv: True, lambda spec, cfg, kv: cfg,
+               PrefillConfig, _mma_body),
+)
+
+
+def configure(spec, target, cfg: PrefillConfig, kv) -> PrefillConfig:
+    """The mma.sync tile `cfg` on the first path that applies to `target`."""
+    path = next(p for p in PATHS if p.applies(spec, target, cfg, kv))
+    return path.configure(spec, cfg, kv)
+
+
+def path_of(cfg: PrefillConfig) -> PackedPath:
+    """The path a configured tile belongs to (table order: the most specific type first)."""
+    return next(p for p in PATHS if isinstance(cfg, p.config_type))
+
+
+def emit_packed_tile(b, spec, cfg: PrefillConfig, kv, ptrs: dict, strides: dict, work,
+                     split_count, quant=None, tmaps: dict | None = None, mask_bytes=None) -> None:
+    """One GQA-packed query tile of the work `work` (a scheduler's TileWork) on cfg's path."""
+    path_of(cfg).body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, mask_bytes)
