@@ -31,7 +31,7 @@ test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
 # System packages for optional tests: Debian's chromium renders the HTML report headless
-# (tests/test_report.py screenshot). Installs only as root where apt-get exists, and never
+# (tests/report/test_report.py screenshot). Installs only as root where apt-get exists, and never
 # fails the build: without chromium that one test skips and says why.
 test-deps-system:
 	@if command -v chromium >/dev/null 2>&1; then echo "test-deps-system: chromium present"; \

@@ -5,7 +5,7 @@ spill bytes.
 
     python bench/spill_sweep.py [--out FILE.json] [--update FILE.json] [--jobs 2] [--floors]
 
-tests/test_spill_sweep.py runs the same matrix: it re-assembles every combination whose PTX is
+tests/pipeline/test_spill_sweep.py runs the same matrix: it re-assembles every combination whose PTX is
 not in the committed record tests/golden/spill_sweep.json (keyed by the PTX's sha256, the target
 and the ptxas version) and a fixed sample of the recorded ones, and asserts 0 spills everywhere.
 """

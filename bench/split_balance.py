@@ -3,7 +3,7 @@ work falls on a mixed-length batch: the old rule (min(16, cdiv(2 x SMs, CTAs)), 
 cut into num_splits even shares) against the new one (SPLIT_HEADROOM x resident CTA slots from
 the split kernel's own ptxas occupancy, one length-balanced chunk for the batch:
 ptxc/kernels/attention/split_plan.py). Pure arithmetic over the built metadata; the kernels follow the
-same model exactly (tests/test_split_balance.py). No GPU needed.
+same model exactly (tests/pieces/test_split_balance.py). No GPU needed.
 
     .venv/bin/python bench/split_balance.py [--sms 108]
 

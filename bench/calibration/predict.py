@@ -1,5 +1,5 @@
 """The whole-launch model at every recorded point of measurements.json: shared by table.py and
-tests/test_calibration.py, so the table printed and the figures pinned are the same numbers.
+tests/report/test_calibration.py, so the table printed and the figures pinned are the same numbers.
 
 Each point names the GPU it was timed on (`gpu`, a ptxc/report/gpus.py key) and the target whose
 cubin ran; the model always uses the H100-fitted constants (`H100_MMA_SYNC`) on that GPU's row.

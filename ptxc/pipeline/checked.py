@@ -26,7 +26,7 @@ through `load_checked`, which accepts an artifact only when all of these hold:
     indentation (which `fatbinary` strips) — nothing else.
 
 Every field of the schema is in TRUST below: re-derived, checked, or not trusted (read only for
-display, or checked by `ptxc verify` against ptxas); tests/test_hardening_artifacts.py walks the
+display, or checked by `ptxc verify` against ptxas); tests/pipeline/test_hardening_artifacts.py walks the
 schema so a new field cannot be added without deciding which.
 
 Anything else is a VerifyError (exit 1) naming the file and the first problem.

@@ -15,7 +15,7 @@ from typing import Any
 from . import exprs
 
 # vLLM AttentionCGSupport: a family whose per-step values are all device tensors and whose
-# absent work exits at once under padded maxima (tests/test_record_launches.py) replays for any
+# absent work exits at once under padded maxima (tests/loaders/test_record_launches.py) replays for any
 # batch (varlen, and mla - varlen's kernel: mixed prefill/decode), single-token decode for uniform decode batches; prefill
 # grids are the step's own sequence lengths (no padding rule), so it is captured per shape only.
 FAMILY_CLASS = {"varlen": "ALWAYS", "mla": "ALWAYS", "decode": "UNIFORM_SINGLE_TOKEN_DECODE",

@@ -26,7 +26,7 @@ stands for the per-launch overhead of the others.
 
 The constants are fitted (a grid search, bench/calibration/README.md) to the 45 medians of three
 H100 runs of ptxc's mma.sync / SIMT kernels (sm_90 cubins): in-sample, 41 land within ±35 %
-and all within ±45 % (tests/test_calibration.py pins this). Out of sample, on an H200 (its own
+and all within ±45 % (tests/report/test_calibration.py pins this). Out of sample, on an H200 (its own
 GPU row, the same constants) at 53a4762, 16 of 23 medians land within ±35 % (0.74-2.00: the
 tensor-core decode is modelled up to 2x slow, its "warp" term; MLA decode about 0.75x), and on
 the H100 at 89432c6 33 of 41 (0.67-1.61). They say nothing about wgmma or TMA kernels (sm_90a):
@@ -62,7 +62,7 @@ H100_MMA_SYNC = Calibration(
     source="bench/calibration: 45 medians, H100 SXM, commits b26fd24 / c889eb4 / 3357c2c")
 
 CALIBRATIONS = {H100_MMA_SYNC.gpu: H100_MMA_SYNC}
-# What the report quotes with every estimate (tests/test_calibration.py keeps it true).
+# What the report quotes with every estimate (tests/report/test_calibration.py keeps it true).
 CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 41 within ±35 %, all within ±45 %; "
                      "out-of-sample over 23 H200 medians (53a4762): 16 within ±35 %, model/measured "
                      "0.74–2.00, and over 41 H100 medians of 89432c6: 33 within ±35 %, 0.67–1.61 "

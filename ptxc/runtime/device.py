@@ -167,7 +167,7 @@ def shape_dims(meta: dict, tensors: dict[str, DeviceTensor], sets: dict) -> dict
     return dims
 
 
-# cuTensorMapEncodeTiled's enum values (cuda.h; tests/test_device_launch.py checks them against
+# cuTensorMapEncodeTiled's enum values (cuda.h; tests/loaders/test_device_launch.py checks them against
 # cuda-python's), by the names tensor_maps.TensorMapEncoding uses.
 TENSOR_MAP_ENUMS = {
     "data_type": {"UINT8": 0, "UINT16": 1, "UINT32": 2, "INT32": 3, "UINT64": 4, "INT64": 5,

@@ -13,7 +13,7 @@ x head_dim 16..256 step 8 and 512 x default target, and every option and the opt
 combinations models ship over every head_dim, assembled by ptxas 13.5): a key is
 "family/dtype class/head_dim/causal/target[/options]", dtype class "f16" for f16 and bf16 (they
 spill alike) and "f32", options the spec's register-relevant options (option_tags) joined by
-"+". tests/test_spill_sweep.py asserts 0 spills over the whole matrix with it.
+"+". tests/pipeline/test_spill_sweep.py asserts 0 spills over the whole matrix with it.
 """
 
 from __future__ import annotations

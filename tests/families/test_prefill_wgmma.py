@@ -3,7 +3,7 @@ against the fp64 reference (FA2 error rule) on odd shapes, the dispatch rule (wh
 the wgmma kernel, which stay on mma.sync / SIMT), one-line tile errors, ptxas acceptance with 0
 spills and SASS evidence (HGMMA, no LDSM, no local memory), and the loop figure per
 HMMA-equivalent. These pin tile.kv_loads = "cp_async" (the per-thread loads and their
-pipeline, wgmma_pipeline.py); the TMA-fed default is tests/test_prefill_tma.py. The default
+pipeline, wgmma_pipeline.py); the TMA-fed default is tests/families/test_prefill_tma.py. The default
 subset keeps emulated shapes small; `-m slow` runs the sweep."""
 
 import pytest
@@ -12,7 +12,7 @@ from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
 from ptxc.kernels import load_text
 from ptxc.targets import TARGETS
-from tests.test_prefill import check, compiled, run, spec_text
+from families.test_prefill import check, compiled, run, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 PREFILL = FAMILIES["prefill"]
@@ -57,7 +57,7 @@ def test_pipeline_depths(stages):
 
 
 def test_bhsd_strides_and_growing_scores():
-    from tests.test_prefill import growing_scores
+    from families.test_prefill import growing_scores
     wg_check("f16", 64, "gqa4", True, [(17, 45)], layout="bhsd")
     wg_check("bf16", 64, "mqa", False, [(3, 97)], transform=growing_scores)
 

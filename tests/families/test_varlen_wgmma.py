@@ -17,7 +17,7 @@ from ptxc.runtime.launch_test import check_artifact
 from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec
 from ptxc.targets import TARGETS
-from tests.test_varlen import GQA, body
+from families.test_varlen import GQA, body
 
 pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 VARLEN = FAMILIES["varlen"]

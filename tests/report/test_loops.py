@@ -14,8 +14,8 @@ from ptxc.report.loops import (
     Instr, access_bytes, analyze_disassembly, classify, find_loops, mma_flops, parse_functions,
     table_refills)
 
-SASS = Path(__file__).parent / "sass"
-PEER_SASS = Path(__file__).parent / "data"
+SASS = Path(__file__).resolve().parents[1] / "sass"
+PEER_SASS = Path(__file__).resolve().parents[1] / "data"
 
 
 def _main(name: str) -> tuple[dict, dict]:

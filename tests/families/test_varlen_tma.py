@@ -17,8 +17,8 @@ from ptxc import reference as ref
 from ptxc.kernels import load_text
 from ptxc.spec.model import KernelSpec
 from ptxc.targets import TARGETS
-from tests.test_varlen import body
-from tests.test_varlen_wgmma import LENGTHS, ragged_inputs
+from families.test_varlen import body
+from families.test_varlen_wgmma import LENGTHS, ragged_inputs
 
 pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 VARLEN = FAMILIES["varlen"]

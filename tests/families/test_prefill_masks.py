@@ -54,7 +54,7 @@ def test_all_ones_equals_non_causal_and_zero_rows(tmp_path):
 def test_all_zero_tiles_are_never_read(tmp_path, bytes_read):
     """A prefix-LM-like mask over 3 x 64-key tiles: each query block reads only the tiles some
     row of it sees (mask_tiles.py), and matches the reference."""
-    from test_varlen_masks import visited_rows
+    from families.test_varlen_masks import visited_rows
     art = build_kernel(tmp_path, "prefill", body(head_dim=32, heads=(2, 1)))
     spec = KernelSpec.from_dict(art.meta["spec"])
     cfg = art.meta["targets"]["sm_80"]["config"]

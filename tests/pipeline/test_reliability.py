@@ -174,7 +174,7 @@ def test_make_build_installs_only_the_toolchain():
     """`make build` must not pull the test extras (Triton, ~1 GB) into the venv; `make test`
     installs them. Both still start from nothing (the venv is created by the build stamp)."""
     env = {**os.environ, "MAKEFLAGS": ""}
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
 
     def plan(target):
         r = subprocess.run(["make", "-n", "-B", target], cwd=root, capture_output=True, text=True, env=env)

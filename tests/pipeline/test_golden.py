@@ -1,5 +1,5 @@
 """Tier 1: exact golden PTX for a tiny kernel. Regenerate deliberately with
-`PTXC_UPDATE_GOLDEN=1 pytest tests/test_golden.py` and review the diff."""
+`PTXC_UPDATE_GOLDEN=1 pytest tests/pipeline/test_golden.py` and review the diff."""
 
 import os
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 from ptxc.pipeline.compiler import lower
 from ptxc.kernels import load_file
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 def test_decode_tiny_golden_ptx():

@@ -258,7 +258,7 @@ def test_every_schema_field_is_rederived_or_declared_not_trusted():
     assert not undecided, f"metadata fields with no trust decision in checked.TRUST: {undecided}"
     assert set(TRUST.values()) <= {"re-derived", "checked", "not trusted"}
     assert not sorted(set(TRUST) - paths), "TRUST names fields the schema no longer has"
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "reliability.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "reliability.md").read_text()
     missing = sorted(p for p in TRUST if f"`{p}`" not in doc)
     assert not missing, f"docs/reliability.md's metadata table lacks {missing}"
 

@@ -1,6 +1,6 @@
 """sm_90a wgmma prefill fed by TMA from one elected thread (tile.kv_loads = "tma" with
 warp_specialize = false; tma_pipeline.py -- the default, a producer warpgroup, is
-tests/test_prefill_tma_ws.py):
+tests/families/test_prefill_tma_ws.py):
 numerical checks in the emulator against the fp64 reference on the wgmma test shapes (odd
 lengths, causal bottom-right, q_len > L, GQA/MQA, LSE, variants, bhsd strides, empty inputs),
 the tile key's rules, the tensor-map launch parameters (metadata, checked loading refuses a
@@ -14,7 +14,7 @@ import pytest
 
 from ptxc.errors import InputError, SpecError, VerifyError
 from ptxc.kernels import load_text
-from tests.test_prefill import check, compiled, run, spec_text
+from families.test_prefill import check, compiled, run, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 SM90A = ("sm_90a",)
@@ -68,7 +68,7 @@ def test_block_m_64_at_large_head_dims(head_dim):
 
 
 def test_bhsd_strides_and_growing_scores():
-    from tests.test_prefill import growing_scores
+    from families.test_prefill import growing_scores
     tma_check("f16", 64, "gqa4", True, [(17, 45)], layout="bhsd")
     tma_check("bf16", 64, "mqa", False, [(3, 97)], transform=growing_scores)
 
@@ -296,7 +296,7 @@ def test_checked_loading_refuses_a_tampered_tensor_map(built, tmp_path, edit):
 
 def test_runtime_runs_the_artifact_and_loaders_encode_it(built, tmp_path):
     """ptxc.runtime (emulator backend) runs the built artifact; the C and Rust loaders encode its
-    maps with cuTensorMapEncodeTiled (run end to end in tests/test_loader_tma.py)."""
+    maps with cuTensorMapEncodeTiled (run end to end in tests/loaders/test_loader_tma.py)."""
     from ptxc.emit import cheader, rust
     from ptxc.kernels import FAMILIES
     from ptxc.runtime import load

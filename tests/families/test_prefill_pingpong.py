@@ -13,7 +13,7 @@ import pytest
 
 from ptxc.errors import SpecError
 from ptxc.kernels import load_text
-from tests.test_prefill import check, compiled, run, spec_text
+from families.test_prefill import check, compiled, run, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 SM90A = ("sm_90a",)
@@ -73,7 +73,7 @@ def test_variants(extra):
 
 def test_same_outputs_as_without_turns():
     """The turns reorder issues, not arithmetic: bit-identical outputs."""
-    from tests.test_prefill_tma_ws import WS
+    from families.test_prefill_tma_ws import WS
     base = run(spec_text("f16", 64, "gqa4", True, tile={**WS, "block_m": 128, "block_n": 32},
                          targets=SM90A), 70, 90, target="sm_90a")[0]
     turns = run(spec_text("f16", 64, "gqa4", True, tile=SMALL, targets=SM90A), 70, 90,
@@ -129,7 +129,7 @@ def test_sass_consumer_loop_takes_turns(tmp_path, toolchain):
         sass = _disassembly_text(find_nvdisasm(), cubin)
     except SassUnavailable as e:
         pytest.skip(f"SASS unavailable: {e}")
-    from tests.test_prefill_tma_ws import _loop_text
+    from families.test_prefill_tma_ws import _loop_text
     loop = prof["loops"]["loops"][prof["loops"]["main"]]
     assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (24, 264)
     bars = sorted((line.split(" ", 1)[1] if line.startswith("@") else line).strip()

@@ -25,7 +25,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "ptxc"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "ptxc"
 
 BASE = {"ptxc", "ptxc.errors", "ptxc.env", "ptxc.files", "ptxc.targets", "ptxc.tuned"}
 LAYERS = {"spec": 1, "ir": 2, "kernels": 3, "pipeline": 4, "runtime": 5,

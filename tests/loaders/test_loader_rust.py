@@ -1,5 +1,5 @@
 """The generated Rust module (no crates; images embedded), compiled with rustc against the stub
-libcuda and run end to end exactly like the C loader (tests/test_loader_c.py)."""
+libcuda and run end to end exactly like the C loader (tests/loaders/test_loader_c.py)."""
 
 import shutil
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import spill_sweep  # noqa: E402
 
-RECORD = Path(__file__).parent / "golden" / "spill_sweep.json"
+RECORD = Path(__file__).resolve().parents[1] / "golden" / "spill_sweep.json"
 SAMPLE = 24
 
 

@@ -16,7 +16,7 @@ import pytest
 from ptxc.report.launch_model import CALIBRATION_ERROR
 from ptxc.report.sass import SassUnavailable, find_nvdisasm
 
-CALIB = Path(__file__).resolve().parents[1] / "bench" / "calibration"
+CALIB = Path(__file__).resolve().parents[2] / "bench" / "calibration"
 sys.path.insert(0, str(CALIB))
 from predict import predictions as model_at_points  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The C header for every shipped spec compiles warning-free as C11 and C++17 against the CUDA
-driver headers from the pip wheels, and is deterministic. (tests/test_loader_c.py runs it.)"""
+driver headers from the pip wheels, and is deterministic. (tests/loaders/test_loader_c.py runs it.)"""
 
 import shutil
 from pathlib import Path
@@ -40,7 +40,7 @@ def test_header_is_deterministic(artifact_set):
 
 
 def _doc_block(lang: str, index: int = 0) -> str:
-    text = (Path(__file__).resolve().parent.parent / "docs" / "loaders.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "loaders.md").read_text()
     return text.split(f"```{lang}\n")[index + 1].split("```", 1)[0]
 
 

@@ -13,7 +13,7 @@ from ptxc.kernels import FAMILIES, load_text
 from ptxc.kernels.attention.varlen_tile import PATH
 from ptxc.spec.model import KernelSpec
 from ptxc.targets import TARGETS
-from tests.test_varlen_tma import check_poisoned, spec_body
+from families.test_varlen_tma import check_poisoned, spec_body
 
 pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 VARLEN = FAMILIES["varlen"]

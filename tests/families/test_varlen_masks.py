@@ -16,7 +16,7 @@ from ptxc import reference as ref
 from ptxc import runtime
 from ptxc.runtime.launch_test import check_artifact
 from ptxc.spec.model import KernelSpec
-from test_varlen import body
+from families.test_varlen import body
 
 TREE = '\ncustom_mask = "tree"'
 CASES = [
