@@ -55,9 +55,9 @@ class Ctx(MaskPredicate):
     def key_limit(self, b: KernelBuilder, row: Reg) -> Reg:
         """s32 number of keys query `row` sees (before clamping to >= 0)."""
         sk = b.bitcast(self.seq_k, S32)
-        if not self.spec.opt("causal"):
+        if not self.variant.causal:
             return sk
-        return b.min(sk, b.add(b.add(b.bitcast(row, S32), self.key_offset), 1))
+        return self.variant.key_end(b, b.add(b.bitcast(row, S32), self.key_offset), sk)
 
     def key_begin(self, b: KernelBuilder, row: Reg) -> Reg | None:
         """s32 first key query `row` sees (sliding window), or None."""
