@@ -2,7 +2,7 @@
 
 An Op holds a `bind(ctx)` that returns the per-batch closure ``run(sel)`` doing the work for
 the selected threads, so the execution loop never parses strings. Decoders live in the
-``ops_*`` modules and register themselves by opcode (`op_table.py` imports them all and decodes
+``ops_*`` modules, marked by opcode with `register` (`op_table.py` builds the table from them and decodes
 programs); an unknown opcode, an unsupported modifier or a malformed operand list is reported
 there, with the kernel and PTX line, before the launch starts.
 """
@@ -21,15 +21,25 @@ from ptxc.errors import EmulationError
 
 NORMAL, BRANCH, EXIT, BARRIER, PARK = range(5)   # PARK: a wait that may yield (mbarrier)
 
-DECODERS: dict = {}
-
-
 def register(*opcodes: str):
+    """Mark `fn` as the decoder of `opcodes`. Nothing is written anywhere: op_table.py builds
+    its table from the marked functions of the op modules it names (`decoder_table`)."""
     def deco(fn):
-        for name in opcodes:
-            DECODERS[name] = fn
+        fn.opcodes = opcodes
         return fn
     return deco
+
+
+def decoder_table(*modules) -> dict:
+    """{opcode: decoder} over the functions of `modules` marked by `register`; two different
+    decoders for one opcode are a bug."""
+    table: dict = {}
+    for mod in modules:
+        for fn in vars(mod).values():
+            for name in getattr(fn, "opcodes", ()):
+                if table.setdefault(name, fn) is not fn:
+                    raise AssertionError(f"two decoders for {name}: {table[name].__qualname__}, {fn.__qualname__}")
+    return table
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,8 @@
-"""The emulator's op table: every ``ops_*`` module, imported here and nowhere else for its
-decoders, and `decode_program`, the one reader of the table.
+"""The emulator's op table, built explicitly from the op modules named here (their decoders are
+the functions `decode.register` marks), and `decode_program`, the one reader of the table.
 
-Each op module registers its decoders into `decode.DECODERS` with `decode.register` when it is
-imported; this module is the one place that imports them all, so the table is complete before the
-first program is decoded and no module below imports the op modules back (no import circle).
+Importing an op module writes nothing: the table is `DECODERS` below, complete before the first
+program is decoded, and no module below imports the op modules back (no import circle).
 """
 
 from __future__ import annotations
@@ -13,10 +12,13 @@ import functools
 from ptxc.emu import (
     ops_async, ops_ctrl, ops_cvt, ops_float, ops_hopper, ops_int, ops_logic, ops_mbarrier, ops_mem,
     ops_tcgen05, ops_warp, ops_wgmma)
-from ptxc.emu.decode import DECODERS, DecodeEnv, Program, decode_error, successors
+from ptxc.emu.decode import DecodeEnv, Program, decode_error, decoder_table, successors
 from ptxc.emu.operands import DecodeError
 from ptxc.emu.parser import parse_module
 from ptxc.emu.uninit import analyse as analyse_init
+
+DECODERS = decoder_table(ops_async, ops_ctrl, ops_cvt, ops_float, ops_hopper, ops_int, ops_logic,
+                         ops_mbarrier, ops_mem, ops_tcgen05, ops_warp, ops_wgmma)
 
 
 @functools.lru_cache(maxsize=64)
