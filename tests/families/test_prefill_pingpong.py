@@ -13,7 +13,7 @@ import pytest
 
 from ptxc.errors import SpecError
 from ptxc.kernels import load_text
-from families.test_prefill import check, compiled, run, spec_text
+from families.prefill_cases import check, compiled, run, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 SM90A = ("sm_90a",)

@@ -8,7 +8,7 @@ import pytest
 from ptxc.kernels.families.prefill import configure
 from ptxc.kernels import load_text
 from ptxc.targets import TARGETS
-from families.test_prefill import SHAPES, check, run, spec_text
+from families.prefill_cases import SHAPES, check, run, spec_text
 
 pytest.importorskip("ptxc.emu", reason="the emulator counts bank conflicts")
 

@@ -11,7 +11,7 @@ import pytest
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES, load_text
 from ptxc.reference import PROBS_SHIFTS, Precision, max_abs_error, tolerance
-from families.test_prefill import compiled, growing_scores, run, spec_text
+from families.prefill_cases import compiled, growing_scores, run, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 SM100A = ("sm_100a",)

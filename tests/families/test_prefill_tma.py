@@ -14,14 +14,13 @@ import pytest
 
 from ptxc.errors import InputError, SpecError, VerifyError
 from ptxc.kernels import load_text
-from families.test_prefill import check, compiled, run, spec_text
+from families.prefill_cases import TENSOR_CORE_MATRIX, check, compiled, run, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 SM90A = ("sm_90a",)
 SMALL = {"block_m": 64, "block_n": 32, "kv_loads": "tma", "warp_specialize": False}
 ONE_ISSUER = {"kv_loads": "tma", "warp_specialize": False}
 SHAPES = [(1, 17), (17, 113), (113, 17)]
-SLOW = pytest.mark.slow
 
 
 def tma_check(dtype, head_dim, heads, causal, shapes=SHAPES, tile=SMALL, **kw):
@@ -33,12 +32,7 @@ def tma_check(dtype, head_dim, heads, causal, shapes=SHAPES, tile=SMALL, **kw):
     check(text, shapes, target="sm_90a", **kw)
 
 
-@pytest.mark.parametrize("dtype,head_dim,heads,causal", [
-    ("f16", 64, "gqa4", True), ("bf16", 128, "mqa", False), ("bf16", 64, "mha", False),
-    ("f16", 128, "gqa4", True),
-    *(pytest.param(dt, d, h, c, marks=SLOW) for dt in ("f16", "bf16") for d in (64, 128)
-      for h in ("mha", "gqa4", "mqa") for c in (False, True)),
-])
+@pytest.mark.parametrize("dtype,head_dim,heads,causal", TENSOR_CORE_MATRIX)
 def test_matrix(dtype, head_dim, heads, causal):
     tma_check(dtype, head_dim, heads, causal)
 
@@ -68,7 +62,7 @@ def test_block_m_64_at_large_head_dims(head_dim):
 
 
 def test_bhsd_strides_and_growing_scores():
-    from families.test_prefill import growing_scores
+    from families.prefill_cases import growing_scores
     tma_check("f16", 64, "gqa4", True, [(17, 45)], layout="bhsd")
     tma_check("bf16", 64, "mqa", False, [(3, 97)], transform=growing_scores)
 

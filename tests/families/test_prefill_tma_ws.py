@@ -15,7 +15,7 @@ import pytest
 
 from ptxc.errors import EmulationError, SpecError
 from ptxc.kernels import load_text
-from families.test_prefill import check, compiled, run, spec_text
+from families.prefill_cases import check, compiled, run, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 SM90A = ("sm_90a",)
@@ -71,7 +71,7 @@ def test_block_m_64_at_large_head_dims(head_dim):
 
 
 def test_bhsd_strides_and_growing_scores():
-    from families.test_prefill import growing_scores
+    from families.prefill_cases import growing_scores
     ws_check("f16", 64, "gqa4", True, [(17, 45)], layout="bhsd")
     ws_check("bf16", 64, "mqa", False, [(3, 97)], tile=TWO, transform=growing_scores)
 
@@ -112,7 +112,7 @@ def test_bit_identical_to_the_single_thread_tma_kernel(tile):
 
 # ---- the protocol: the emulator catches what would hang or race on a GPU -----------------------
 def _run_edited(tile, edit):
-    import tests.test_prefill as tp
+    import families.prefill_cases as tp
     text = spec_text("f16", 64, "mha", False, tile=tile, targets=SM90A)
     spec, ptx, launch, config = compiled(text, "sm_90a")
     edited = edit(ptx)

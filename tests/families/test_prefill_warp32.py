@@ -9,7 +9,7 @@ from ptxc.errors import SpecError
 from ptxc.kernels.families.prefill import configure
 from ptxc.kernels import load_text
 from ptxc.targets import TARGETS
-from families.test_prefill import SHAPES, check, run, spec_text
+from families.prefill_cases import SHAPES, check, run, spec_text
 
 pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 W32 = {"warp_rows": 32}

@@ -12,7 +12,7 @@ from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
 from ptxc.kernels import load_text
 from ptxc.targets import TARGETS
-from families.test_prefill import check, compiled, run, spec_text
+from families.prefill_cases import TENSOR_CORE_MATRIX, check, compiled, run, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 PREFILL = FAMILIES["prefill"]
@@ -20,7 +20,6 @@ SM90A = ("sm_90a",)
 CP_ASYNC = {"kv_loads": "cp_async"}
 SMALL = {"block_m": 64, "block_n": 32, **CP_ASYNC}   # 4 warps (one warpgroup), several K/V tiles
 SHAPES = [(1, 17), (17, 113), (113, 17)]
-SLOW = pytest.mark.slow
 
 
 def wg_check(dtype, head_dim, heads, causal, shapes=SHAPES, tile=SMALL, **kw):
@@ -30,12 +29,7 @@ def wg_check(dtype, head_dim, heads, causal, shapes=SHAPES, tile=SMALL, **kw):
     check(text, shapes, target="sm_90a", **kw)
 
 
-@pytest.mark.parametrize("dtype,head_dim,heads,causal", [
-    ("f16", 64, "gqa4", True), ("bf16", 128, "mqa", False), ("bf16", 64, "mha", False),
-    ("f16", 128, "gqa4", True),
-    *(pytest.param(dt, d, h, c, marks=SLOW) for dt in ("f16", "bf16") for d in (64, 128)
-      for h in ("mha", "gqa4", "mqa") for c in (False, True)),
-])
+@pytest.mark.parametrize("dtype,head_dim,heads,causal", TENSOR_CORE_MATRIX)
 def test_matrix(dtype, head_dim, heads, causal):
     wg_check(dtype, head_dim, heads, causal)
 
@@ -57,7 +51,7 @@ def test_pipeline_depths(stages):
 
 
 def test_bhsd_strides_and_growing_scores():
-    from families.test_prefill import growing_scores
+    from families.prefill_cases import growing_scores
     wg_check("f16", 64, "gqa4", True, [(17, 45)], layout="bhsd")
     wg_check("bf16", 64, "mqa", False, [(3, 97)], transform=growing_scores)
 
