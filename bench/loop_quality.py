@@ -2,6 +2,7 @@
 (ptxc.report.loops / loop_model) as one table per target.
 
     python bench/loop_quality.py [--out DIR] [--targets sm_80,sm_90] [--json]
+    python bench/loop_quality.py --out DIR --targets sm_100a --issue-loops
 
 Builds specs/ into a temporary directory (or reads the artifacts already in --out) and prints,
 per attention launch: registers, CTAs/SM, shared memory, the main loop's steady-state
@@ -9,6 +10,11 @@ instructions per warp, HMMA-equivalents (mma.m16n8k16 units: an HGMMA.64xNx16 is
 warp), instructions per HMMA-equivalent, warp-instructions per KV row, KV bytes in
 flight per CTA and per SM (mean over the iteration), and the estimated bound with the fraction
 of DRAM bandwidth on each GPU model of the target. Needs ptxas and nvdisasm (PTXAS, NVDISASM).
+
+--issue-loops prints the loops of the warp-specialised kernels' issuing warps instead: per
+kernel, the largest loop that issues tensor-core MMAs (UTC*MMA) and the largest that issues
+TMA boxes (UTMALDG) without softmax work in it (no MUFU), with its instructions per iteration
+and per MMA or box (an unrolled loop covers several tiles; per MMA is what compares).
 """
 
 from __future__ import annotations
@@ -74,13 +80,43 @@ def print_table(rows: list[dict]) -> None:
         print("| " + " | ".join(map(str, cells)) + " |")
 
 
+def issue_loops(out: Path, targets: list[str]) -> list[dict]:
+    """The MMA warp's and the load warp's loops of every cubin under `out` (see --issue-loops)."""
+    from ptxc.report.loops import issue_loops as loops_of
+    from ptxc.report.sass import _disassembly_text, find_nvdisasm
+    rows = []
+    for cubin in sorted(out.glob("*/*.cubin")):
+        target = cubin.suffixes[-2].lstrip(".")
+        if targets and target not in targets:
+            continue
+        for fn, roles in loops_of(_disassembly_text(find_nvdisasm(), cubin.read_bytes())).items():
+            rows += [{"kernel": cubin.parent.name, "target": target, "entry": fn, "role": r, **roles[r]}
+                     for r in ("mma", "load") if r in roles]
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="built artifacts to read (default: build specs/ now)")
     ap.add_argument("--targets", default="sm_80,sm_90", help="comma-separated, '' for all")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--issue-loops", action="store_true",
+                    help="the issuing warps' loops (MMA, TMA) instead of the main loop (needs --out)")
     args = ap.parse_args(argv)
     targets = [t for t in args.targets.split(",") if t]
+    if args.issue_loops:
+        if args.out is None:
+            ap.error("--issue-loops reads built artifacts: give --out")
+        rows = issue_loops(args.out, targets)
+        if args.json:
+            print(json.dumps(rows, indent=1))
+            return 0
+        print("| kernel | target | warp | instr/iteration | MMAs or TMA boxes | instr per issue |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['kernel']} | {r['target']} | {r['role']} | {r['instructions']} | "
+                  f"{r['issues']} | {r['per_issue']} |")
+        return 0
     with tempfile.TemporaryDirectory(prefix="ptxc-loops-") as tmp:
         out = args.out
         if out is None:

@@ -8,6 +8,7 @@ Matrix Multiply-Accumulate", "mbarrier", "Parallel Synchronization: fence").
     fence_proxy_async()                                          generic -> async proxy (shared)
     mbarrier_init / mbarrier_arrive / mbarrier_arrive_expect_tx / mbarrier_try_wait_parity
     setmaxnreg(inc, count)
+    elect_sync()                                                 the warp's leader lane, as a predicate
     tensor_map_address(tmap)                                     generic address of a map param
     tma_load(dst, tmap_addr, coords, bar)                        TMA box copy global -> shared
     prefetch_tensormap(tmap_addr)                                the descriptor into the cache
@@ -178,6 +179,17 @@ class HopperOps:
             raise IRError(f"setmaxnreg: {count!r} is not a multiple of 8 in 24..256")
         self.emit("setmaxnreg", ("inc" if inc else "dec", "sync", "aligned", "u32"), (),
                   (Imm(count, U32),))
+
+    def elect_sync(self) -> Reg:
+        """elect.sync over the whole warp: a predicate true in one lane (the lowest). The
+        whole warp must execute it. A single-thread issue under it keeps the operands computed
+        by the whole warp, which ptxas can then hold in uniform registers (an issue under
+        `tid == k` makes it prove each operand warp-uniform or loop over the lanes)."""
+        if self._guard is not None:
+            raise IRError("elect.sync under a predicate: every lane of the warp must execute it")
+        leader, p = self.reg(U32), self.reg(PRED)
+        self.emit("elect", ("sync",), (leader, p), (Imm(-1, S32),))
+        return p
 
     # ---- TMA ------------------------------------------------------------------------------
     def tensor_map_address(self, tmap: Sym) -> Reg:

@@ -31,6 +31,7 @@ PRINTERS: dict[str, Callable[[Instr], str]] = {
     "comment": lambda i: f"// {i.srcs[0]}",
     "st": _store,
     "bra": lambda i: f"bra {i.srcs[0]};",
+    "elect": lambda i: f"elect.sync {i.dsts[0]}|{i.dsts[1]}, {i.srcs[0]};",
     "cp_async": lambda i: f"cp.async.{'.'.join(i.mods)}" + (f" {', '.join(map(str, i.srcs))};" if i.srcs else ";"),
 }
 

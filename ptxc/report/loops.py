@@ -420,3 +420,28 @@ def analyze_disassembly(text: str) -> dict[str, dict]:
 __all__ = ["CLASSES", "HMMA_16816_FLOPS", "Instr", "access_bytes", "analyze_disassembly",
            "bytes_in_flight", "classify", "find_loops", "mma_flops", "parse_functions",
            "profile_loop", "shared_bytes", "steady_path", "table_refills", "warp_paths", "warp_selectors"]
+
+
+def issue_loops(text: str) -> dict[str, dict[str, dict]]:
+    """{function: {"mma" | "load": figures}}: the loops of a warp-specialised kernel's issuing
+    warps -- the largest loop that issues tensor-core MMAs (class umma) and the largest that
+    issues TMA boxes (UTMALDG), each without softmax work in it (no MUFU) -- with their
+    instructions per iteration, the MMAs or boxes in it and the instructions per one (an
+    unrolled loop covers several tiles: per issue is the figure that compares)."""
+    out: dict[str, dict[str, dict]] = {}
+    for fn, (instrs, labels) in parse_functions(text).items():
+        best: dict[str, dict] = {}
+        for a, b in find_loops(instrs, labels):
+            body = instrs[a:b + 1]
+            classes = [classify(i.opcode) for i in body]
+            if "mufu" in classes:
+                continue
+            issued = {"mma": classes.count("umma"),
+                      "load": sum(i.opcode.split(".")[0] == "UTMALDG" for i in body)}
+            for role, n in issued.items():
+                if n and len(body) > best.get(role, {}).get("instructions", 0):
+                    best[role] = {"instructions": len(body), "issues": n,
+                                  "per_issue": round(len(body) / n, 2)}
+        if best:
+            out[fn] = best
+    return out

@@ -92,6 +92,28 @@ def test_warpgroup_ops_refuse_a_predicate():
                 op()
 
 
+def test_elect_sync_text_and_emulation():
+    """elect.sync over the whole warp: `elect.sync %r|%p, -1;`, refused under a predicate; in
+    the emulator exactly one lane (the lowest) of each warp gets the predicate."""
+    b = KernelBuilder("elect_probe")
+    out = b.to_global(b.load_param(b.param("out", U64)))
+    tid = b.special("%tid.x")
+    leader = b.elect_sync()
+    assert render_instr(b.entry.body[-1]) == "\telect.sync %r2|%p1, -1;"
+    flag = b.selp(1, 0, leader, U32)
+    b.st("global", U32, Addr(b.add(out, b.mul_wide(tid, 4))), [flag])
+    b.ret()
+    with b.predicate(leader):
+        with pytest.raises(IRError, match="elect.sync under a predicate"):
+            b.elect_sync()
+    ptx = render_module([b.entry], kernel="elect_probe", family="test", target="sm_90a",
+                        ptx_version="8.0")
+    from ptxc import emu
+    res = np.zeros(64, np.uint32)
+    emu.launch(ptx, "elect_probe", (1,), (64,), [res])
+    assert res.tolist() == [1] + [0] * 31 + [1] + [0] * 31
+
+
 def _probe_kernel() -> str:
     """One warpgroup: an mbarrier every thread arrives on (then waits for phase 0), A (64 x 16)
     and B (8 x 16) f16 staged with st.shared in the no-swizzle K-major layout (core matrices of

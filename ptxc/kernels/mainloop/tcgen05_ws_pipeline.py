@@ -4,12 +4,16 @@ MMA warp and the softmax warps, handing tiles over on mbarriers only (no CTA bar
 loop).
 
   CTA        8 softmax warps (rows as Tcgen05Math gives them), then warp 8, which issues the TMA
-             boxes, and warp 9, the MMAs (lane 0 each): 320 threads. No setmaxnreg (it needs
+             boxes, and warp 9, the MMAs: 320 threads. Both issuing warps run their loops
+             warp-wide and issue from the lane elect.sync picks, so that ptxas can keep the
+             operands in uniform registers (a `tid == k` region made it loop over the lanes
+             around every UTCHMMA / UTMALDG). No setmaxnreg (it needs
              whole warpgroups, and a fourth of a warpgroup's registers would sit idle in the
              two issuing warps' lanes), so the CTA's register file is 320 x the kernel's count.
   load warp  tma_ws_pipeline.issue_loads, the sm_90a producer's loop: Q on its barrier,
              refills B(i) = {K(i+S), V(i+S-1)} on full[i mod S] after waiting empty[i mod S].
-  MMA warp   per tile j: wait full[j mod S] (K(j), V(j-1)); for j > 0 wait s_free (every
+  MMA warp   (its loop unrolled by the S stages: each stage's descriptors are constants)
+             per tile j: wait full[j mod S] (K(j), V(j-1)); for j > 0 wait s_free (every
              softmax warp has loaded S(j-1)), then issue S(j) -> bar_s; for j > 0 wait p_full
              (P(j-1) stored) and issue O += P(j-1)·V(j-1) -> bar_o (j = 0: an empty commit);
              commit to empty[j mod S] (the phase completes when both products did: the load
@@ -31,10 +35,12 @@ parities are the tile index's low bit (s_free's and p_full's counted on the MMA 
 
 from __future__ import annotations
 
+import contextlib
+
 from ...ir import U32, Addr, KernelBuilder, Reg
 from ..math.umma import BAR_O, BAR_S, P_FULL, S_FREE, allocate
-from .kv_pipeline import StageRing, modify_scores
-from .tma_pipeline import MBARRIER_BYTES, advance_barrier
+from .kv_pipeline import modify_scores
+from .tma_pipeline import MBARRIER_BYTES
 from .tma_ws_pipeline import CONSUMER_BARRIER, issue_loads
 
 SOFTMAX_WARPS = 8
@@ -65,13 +71,14 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
             b.mbarrier_init(Addr(mma_bars, at), count)
         b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
     tmem = allocate(b, warp0, mma_bars, columns)   # its CTA barrier publishes the inits too
+    warp = b.shfl("idx", b.shr(tid, 5), 0)         # warp-uniform for ptxas (every lane, converged)
 
     with b.if_then(b.setp("ge", tid, LOAD_TID)):                         # the load and MMA warps
-        with b.if_then(b.setp("eq", tid, LOAD_TID)):
+        with b.if_then(b.setp("eq", warp, LOAD_TID // 32)):    # the whole warp; one lane issues
             issue_loads(b, stages=S, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=q_bytes,
                         q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, bars=bars,
-                        n_tiles=n_tiles, copy_tile=copy_tile)
-        with b.if_then(b.setp("eq", tid, MMA_TID)):
+                        n_tiles=n_tiles, copy_tile=copy_tile, warp_wide=True)
+        with b.if_then(b.setp("eq", warp, MMA_TID // 32)):   # the whole warp; one lane issues
             _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_free,
                       p_full, n_tiles, make_issue(tmem))
     with b.else_():                                                      # the softmax warps
@@ -102,31 +109,54 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
 
 def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_free, p_full,
               n_tiles, umma) -> None:
-    ring = StageRing(b, S, kv_bytes, v_bytes)       # K(j) and V(j - 1)
-    bar_off, parity = b.mov(0, U32), b.mov(0, U32)   # full[j mod S] and its phase's parity
-    handed = b.mov(0, U32)                           # s_free's / p_full's parity: (j - 1) & 1
+    """The whole MMA warp runs this (umma issues under elect.sync). The loop is unrolled by the
+    S stages, so that tile j's buffers are copy (j mod S)'s constants: every stage's K and V
+    descriptor is computed once, before the loop, where ptxas holds them in uniform registers
+    (a stage offset carried through the wait loops would not be provably warp-uniform: a vector
+    register, two R2UR moves and a 64-bit add per MMA)."""
+    k_descs = [umma.k_desc(b.add(k_smem, s * kv_bytes) if s else k_smem) for s in range(S)]
+    v_descs = [umma.v_desc(b.add(v_smem, s * v_bytes) if s else v_smem) for s in range(S)]
+    parity = b.mov(0, U32)     # the phase parity of full[] in this round of S tiles
+    handed = b.mov(0, U32)     # s_free's / p_full's parity: (j - 1) & 1
 
     def wait(bar: Addr, phase: Reg) -> None:
         b.mbarrier_wait_parity(bar, phase)
         b.tcgen05_fence(before=False)
 
-    b.mbarrier_wait_parity(q_bar, 0)
-    with b.for_range(0, n_tiles) as j:
-        wait(Addr(b.add(bars, bar_off)), parity)
-        later = b.setp("gt", j, 0)
-        with b.if_then(later):
+    def tile(s: int, first: Reg | None) -> None:
+        """Tile j = r + s (K(j) in stage s, V(j-1) in stage s - 1); `first`: j == 0."""
+        wait(Addr(bars, s * MBARRIER_BYTES), parity)
+        later = b.setp("gt", first, 0) if first is not None else None
+        with b.if_then(later) if later is not None else contextlib.nullcontext():
             wait(s_free, handed)
-        umma.scores(b.add(k_smem, ring.k))
-        with b.if_then(later):
+        umma.scores_from(k_descs[s])
+
+        def pv() -> None:
             wait(p_full, handed)
             b.xor(handed, 1, out=handed)
-            umma.pv(b.add(v_smem, ring.v_prev))
-        with b.else_():
-            umma.no_pv()
-        b.tcgen05_commit(Addr(b.add(bars, b.add(bar_off, empty0))))
-        ring.advance()
-        advance_barrier(b, bar_off, parity, S)
+            umma.pv_from(v_descs[(s - 1) % S])
+        if later is None:
+            pv()
+        else:
+            with b.if_then(later):
+                pv()
+            with b.else_():
+                umma.no_pv()
+        umma.commit(Addr(bars, empty0 + s * MBARRIER_BYTES))
+
+    b.mbarrier_wait_parity(q_bar, 0)
+    with b.for_range(0, n_tiles, S) as r:
+        tile(0, r)
+        for s in range(1, S):
+            with b.if_then(b.setp("lt", b.add(r, s), n_tiles)):
+                tile(s, None)
+        b.xor(parity, 1, out=parity)
     with b.if_then(b.setp("gt", n_tiles, 0)):                            # O += P(n-1)·V(n-1)
-        wait(Addr(b.add(bars, bar_off)), parity)
+        # V(n-1) lands with full[n mod S], in the round of tile n: this one's parity unless n
+        # ended a round early (n mod S != 0: the loop flipped the parity once more)
+        last = b.rem(n_tiles, S)
+        wait(Addr(b.add(bars, b.mul(last, MBARRIER_BYTES))),
+             b.xor(parity, b.selp(1, 0, b.setp("ne", last, 0), U32)))
         wait(p_full, handed)
-        umma.pv(b.add(v_smem, ring.v_prev))
+        stage = b.rem(b.add(n_tiles, S - 1), S)               # (n - 1) mod S
+        umma.pv(b.add(v_smem, b.mul(stage, v_bytes)))

@@ -38,6 +38,8 @@ the WAR ordering CUTLASS's PipelineTmaAsync relies on (consumer_release after wa
 
 from __future__ import annotations
 
+import contextlib
+
 from ...ir import U32, Addr, KernelBuilder, Reg
 from .kv_pipeline import StageRing
 from .tma_pipeline import MBARRIER_BYTES, advance_barrier, issue_refill
@@ -94,21 +96,27 @@ class Turns:
 
 def issue_loads(b: KernelBuilder, *, stages: int, kv_bytes: int, v_bytes: int, q_bytes: int,
                 q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg, n_tiles: Reg,
-                copy_tile) -> None:
+                copy_tile, warp_wide: bool = False) -> None:
     """The producer thread's whole loop (the barriers' layout as in the module docstring): Q
     on its barrier, refills B(-S) .. B(-1), then for i = S .. n_tiles: wait empty[i mod S]
-    and refill B(i - S) = {K(i), V(i - 1)} on full[i mod S]."""
+    and refill B(i - S) = {K(i), V(i - 1)} on full[i mod S]. With `warp_wide` a whole warp
+    runs it and one elected lane arrives and issues the copies."""
     S = stages
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
     q_bar, empty0 = full(S), (S + 1) * MBARRIER_BYTES
 
-    def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
-        issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
-                     copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
-                     v_off=v_off, bar=bar, v_bytes=v_bytes)
+    def issue():
+        return b.if_then(b.elect_sync()) if warp_wide else contextlib.nullcontext()
 
-    b.mbarrier_arrive_expect_tx(q_bar, q_bytes)
-    copy_tile("q", None, q_smem, q_bar)
+    def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
+        with issue():
+            issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
+                         copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
+                         v_off=v_off, bar=bar, v_bytes=v_bytes)
+
+    with issue():
+        b.mbarrier_arrive_expect_tx(q_bar, q_bytes)
+        copy_tile("q", None, q_smem, q_bar)
     for s in range(S):                                                   # B(-S) .. B(-1)
         refill(b.mov(s, U32), s * kv_bytes, b.mov(s - 1, U32) if s else None,
                (s - 1) * v_bytes, full(s))
