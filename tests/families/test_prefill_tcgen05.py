@@ -1,6 +1,6 @@
 """sm_100a prefill on tcgen05 (config/, math/, bodies/tcgen05 modules): S, P and O in tensor memory, the MMAs and
 TMA copies issued by a load warp and an MMA warp (tcgen05_ws_pipeline.py, the default from d128)
-or by thread 0 (the default at d64). Numerical checks in the emulator against the fp64
+or by warp 0 (thread 0 the copies, one elected lane the MMAs; the default at d64). Numerical checks in the emulator against the fp64
 reference on odd shapes (seq 1, 17, 113, 333; q_len > L; GQA 1/4/8 and MQA; causal and not;
 LSE; the lazy rescale driven by growing scores; variants; bhsd strides; no keys), the path
 and tile rules, and ptxas with 0 spills for every head dim and option the path takes."""
@@ -59,7 +59,7 @@ def test_matrix(dtype, head_dim, heads, causal):
     tc_check(dtype, head_dim, heads, causal, batch=1)
 
 
-ONE = {"warp_specialize": False}     # thread 0 issues the copies and the MMAs
+ONE = {"warp_specialize": False}     # thread 0 issues the copies, warp 0 (one lane) the MMAs
 WS = {"warp_specialize": True}       # the load, MMA and softmax warps
 
 
@@ -81,7 +81,7 @@ def test_default_warp_specialization():
       for h in ("mha", "gqa8") for c in (False, True)),
 ])
 def test_one_issuing_thread_matrix(dtype, head_dim, heads, causal):
-    """tile.warp_specialize = false (d64's default): thread 0 issues the copies and the MMAs on
+    """tile.warp_specialize = false (d64's default): thread 0 issues the copies, warp 0 the MMAs on
     tma_pipeline.py's schedule (one CTA barrier a tile); several tiles, stage wraps, q_len > L."""
     config = compiled(spec_text(dtype, head_dim, heads, causal, tile=ONE, targets=SM100A),
                       "sm_100a")[3]

@@ -14,15 +14,16 @@ from head_dim 128), FlashAttention-4's load / MMA / softmax warps (tcgen05_ws_pi
              rounded up to a power of two (256 at d64, 512 at d128); the MMA-side objects
              and the allocation are umma.py's.
   shared     Q and the K/V stages in 128-byte-swizzled slabs, filled by TMA, as math/wgmma.py.
-  S = Q·Kᵀ   thread 0 issues head_dim/16 `tcgen05.mma.kind::f16` M128 N{block_n} K16 (A = Q, B =
-             K, K-major descriptors), commits to mbarrier bar_s.
-  O += P·V   thread 0 issues block_n/16 MMAs M128 N{dv} K16 with A = P from tensor memory and
+  S = Q·Kᵀ   warp 0 computes the descriptors and one lane (elect.sync) issues head_dim/16
+             `tcgen05.mma.kind::f16` M128 N{block_n} K16 (A = Q, B = K, K-major descriptors),
+             commits to mbarrier bar_s.
+  O += P·V   the same lane issues block_n/16 MMAs M128 N{dv} K16 with A = P from tensor memory and
              B = V read MN-major, commits to bar_o. O is zeroed once, so every MMA accumulates.
   tile j     issue S(j) and O += P(j-1)·V(j-1) (an empty commit at j = 0); wait bar_s, load S,
              mask/variant, row max and exponentials (under P·V(j-1)); wait bar_o; when the max
              grew past the lazy-rescale slack, O *= alpha through registers (load, scale,
              store); store P; row sums by mma.sync against ones; tcgen05.fence + the
-             pipeline's bar.sync before thread 0 issues tile j+1 (which overwrites S and P).
+             pipeline's bar.sync before warp 0 issues tile j+1 (which overwrites S and P).
   epilogue   wait the last P·V, load O (16x256b), MmaMath's normalise + staged row stores,
              then warp 0 frees the tensor memory.
 
@@ -63,7 +64,7 @@ class Tcgen05Math(WgmmaMath):
                 b.mbarrier_init(Addr(bars, BAR_O), 1)
             tmem = allocate(b, self.warp0, bars, cfg.tmem_columns)
         self.tmem = tmem
-        self.umma = UmmaIssue(b, cfg, ctx.q_smem, tmem, bars)
+        self.umma = UmmaIssue(b, cfg, ctx.q_smem, tmem, bars, warp_wide=True)
         self.bar_s, self.bar_o = self.umma.bar_s, self.umma.bar_o
         lane_bits = b.shl(self._lane0(b, ctx), 16)           # this warp's 16 lanes (rows)
         self.s_warp, self.p_warp, self.o_warp = (b.add(c, lane_bits) for c in (
@@ -86,18 +87,18 @@ class Tcgen05Math(WgmmaMath):
             return b.shl(ctx.warp, 4)
         return self._lane0(b, ctx)
 
-    # ---- the tensor-core side (thread 0) ------------------------------------------------
+    # ---- the tensor-core side (warp 0: every lane computes, one issues) -----------------
     def issue_scores(self, k_tile: Reg) -> None:
-        with self.b.if_then(self.issuer):
+        with self.b.if_then(self.warp0):
             self.umma.scores(k_tile)
 
     def issue_pv(self, v_tile: Reg) -> None:
-        with self.b.if_then(self.issuer):
+        with self.b.if_then(self.warp0):
             self.umma.pv(v_tile)
 
     def skip_pv(self) -> None:
         """No P·V this tile: an empty commit completes bar_o's phase, so pv_done's wait holds."""
-        with self.b.if_then(self.issuer):
+        with self.b.if_then(self.warp0):
             self.umma.no_pv()
 
     def _wait(self, bar: Addr, phase: Reg) -> None:

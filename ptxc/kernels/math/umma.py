@@ -39,10 +39,12 @@ class UmmaIssue:
     With `warp_wide` the whole warp runs each method: it computes every descriptor, and the MMAs
     and their commit are issued under elect.sync. ptxas then holds the descriptors in uniform
     registers (the warp computed them from warp-uniform values), where a single-thread region
-    makes it wrap every MMA in a loop over the lanes with R2UR moves (7 instructions each)."""
+    makes it wrap every MMA in a loop over the lanes with R2UR moves (7 instructions each).
+    `hoist` computes Q's k-step descriptors and P's columns once, here (for a warp of its own;
+    in a kernel whose softmax warps build this too they would hold those registers)."""
 
     def __init__(self, b: KernelBuilder, cfg, q_smem: Reg, tmem: Reg, bars: Reg,
-                 warp_wide: bool = False):
+                 warp_wide: bool = False, hoist: bool = False):
         in_type = F16 if cfg.fmt.name == "f16" else BF16
         self.b, self.bm, self.bn, self.d, self.dv = b, cfg.block_m, cfg.block_n, cfg.head_dim, cfg.dv
         self.s_cols, self.p_cols = tmem, b.add(tmem, self.bn)
@@ -52,11 +54,17 @@ class UmmaIssue:
         self.q_smem = q_smem
         self.bar_s, self.bar_o = Addr(bars, BAR_S), Addr(bars, BAR_O)
         self.warp_wide = warp_wide
-        if warp_wide:   # loop-invariant operands, computed once: Q's k-steps, P's columns
-            q_desc = b.umma_descriptor(q_smem, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
-            self.q_steps = [k_step(b, q_desc, kk, self.bm) for kk in range(self.d // 16)]
-            self.p_steps = [self.p_cols if kk == 0 else b.add(self.p_cols, 8 * kk)
-                            for kk in range(self.bn // 16)]
+        self.q_steps = self.p_steps = None
+        if hoist:   # loop-invariant operands computed once (by every thread that builds this)
+            self.q_steps, self.p_steps = self._q_steps(), self._p_steps()
+
+    def _q_steps(self) -> list[Reg]:
+        q_desc = self.b.umma_descriptor(self.q_smem, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        return [k_step(self.b, q_desc, kk, self.bm) for kk in range(self.d // 16)]
+
+    def _p_steps(self) -> list[Reg]:
+        return [self.p_cols if kk == 0 else self.b.add(self.p_cols, 8 * kk)
+                for kk in range(self.bn // 16)]
 
     def _issue(self):
         """Where the MMAs go: the elected lane of a warp-wide caller, else the calling thread."""
@@ -86,7 +94,8 @@ class UmmaIssue:
         """Warp-wide S = Q·Kᵀ from K's descriptor (a loop may hold one per stage)."""
         b = self.b
         b.tcgen05_fence(before=False)
-        steps = [(q, k_step(b, k_desc, kk, self.bn)) for kk, q in enumerate(self.q_steps)]
+        steps = [(q, k_step(b, k_desc, kk, self.bn))
+                 for kk, q in enumerate(self.q_steps or self._q_steps())]
         with self._issue():
             for kk, (a, kb) in enumerate(steps):
                 b.tcgen05_mma(self.s_cols, a, kb, self.idesc_s, kk > 0)
@@ -112,7 +121,7 @@ class UmmaIssue:
         descs = [v_desc if kk == 0 else b.add(v_desc, Imm(kk * 2 * SWIZZLE_PERIOD >> 4, U64))
                  for kk in range(self.bn // 16)]
         with self._issue():
-            for p, desc in zip(self.p_steps, descs):
+            for p, desc in zip(self.p_steps or self._p_steps(), descs):
                 b.tcgen05_mma(self.o_cols, p, desc, self.idesc_o, True)
             b.tcgen05_commit(self.bar_o)
 
