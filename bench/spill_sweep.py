@@ -120,6 +120,10 @@ OPTIONS = (
     ("prefill", False, _SM100A + "[kernel.tile]\nwarp_specialize = true\n", "tcws_100a"),
     ("prefill", True, _EVERY + _SM100A + "[kernel.tile]\nwarp_specialize = false\n", "tcone_100a"),
     ("prefill", True, "head_dim_v = 128\n" + _EVERY + _SM100A, "tcdv128_100a"),
+    # exp2_poly: every exponential by the FMA polynomial (the most registers), both kernels
+    ("prefill", True, _EVERY + _SM100A + "[kernel.tile]\nexp2_poly = 8\n", "tcpoly_100a"),
+    ("prefill", True, _SM100A + "[kernel.tile]\nexp2_poly = 8\nwarp_specialize = false\n",
+     "tcpolyone_100a"),
     ("varlen", True, _PAGED + "head_dim_v = 128\n" + _EVERY + _SM100A, "tcdv128_100a"),
     ("varlen", True, _PAGED + _SPLIT + _SM100A, "tcsplit_100a"),
     ("varlen", True, 'kv_layout = "contiguous"\n' + _EVERY + _SM100A, "tcvar_100a"),

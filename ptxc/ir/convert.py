@@ -6,6 +6,9 @@
     cvt_to_fp8x2(hi, lo, kind)     cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32: two f32 -> two bytes (sm_89+)
     add_rn(a, b), mul_rn(a, b)     f32 add/mul with an explicit .rn, which ptxas may not contract
                                    into an fma (for results a float32 model must reproduce exactly)
+    add_rm(a, b)                   f32 add rounded toward -inf
+    f32x2(op, *srcs, mode)         add/sub/mul/fma on two f32 packed in a .b64 (sm_100+; pack and
+                                   unpack with KernelBuilder.pack / unpack)
 
 The FP8 pairs live in 16-bit registers with element 0 in the low byte (the same order as
 f16x2). Whether a target has the instructions is the caller's decision (ptxc/kernels/math/fp8.py
@@ -15,7 +18,7 @@ emits an exact software path below sm_89); ptxas rejects them on older targets.
 from __future__ import annotations
 
 from ..errors import IRError
-from .values import B16, B32, BF16X2, E4M3X2, E5M2X2, F16X2, F32, U32, PtxType
+from .values import B16, B32, B64, BF16X2, E4M3X2, E5M2X2, F16X2, F32, U32, PtxType
 
 FP8X2 = {"e4m3": E4M3X2, "e5m2": E5M2X2}
 
@@ -58,9 +61,29 @@ class ConvertOps:
     def mul_rn(self, a, b) -> "Reg":  # noqa: F821
         return self._float_rn("mul", a, b)
 
-    def _float_rn(self, op: str, a, b) -> "Reg":  # noqa: F821
+    def add_rm(self, a, b) -> "Reg":  # noqa: F821
+        """f32 add rounded toward -inf (a magic-number floor: x + 1.5·2^23 keeps floor(x) in
+        the low mantissa bits, on the FMA pipe rather than a conversion unit)."""
+        return self._float_rn("add", a, b, "rm")
+
+    def f32x2(self, op: str, *srcs, mode: str = "rn") -> "Reg":  # noqa: F821
+        """One FP32-pipe instruction on two f32 lanes packed in .b64 registers (the low half is
+        element 0): add/sub/mul take two operands, fma three. Blackwell's f32x2 forms (sm_100+;
+        the caller decides that the target has them)."""
+        arity = {"add": 2, "sub": 2, "mul": 2, "fma": 3}
+        if op not in arity:
+            raise IRError(f"f32x2: {op!r} has no f32x2 form (add, sub, mul, fma do)")
+        if len(srcs) != arity[op]:
+            raise IRError(f"f32x2: {op} takes {arity[op]} operands, got {len(srcs)}")
+        if mode not in ("rn", "rz", "rm", "rp"):
+            raise IRError(f"f32x2: rounding {mode!r} not one of rn, rz, rm, rp")
+        d = self.reg(B64)
+        self.emit(op, (mode, "f32x2"), (d,), tuple(self._operand(x, B64, f"{op}.f32x2") for x in srcs))
+        return d
+
+    def _float_rn(self, op: str, a, b, mode: str = "rn") -> "Reg":  # noqa: F821
         d = self.reg(F32)
-        self.emit(op, ("rn", "f32"), (d,), (self._operand(a, F32, op), self._operand(b, F32, op)))
+        self.emit(op, (mode, "f32"), (d,), (self._operand(a, F32, op), self._operand(b, F32, op)))
         return d
 
     def cvt_from_fp8x2(self, src, kind: str) -> "Reg":  # noqa: F821

@@ -188,6 +188,39 @@ def test_tile_keys_it_does_not_take():
     assert e.value.key == "tile.pingpong"
 
 
+@pytest.mark.parametrize("dtype,poly,tile", [
+    ("bf16", 2, WS), ("f16", 8, WS), ("bf16", 8, ONE), ("f16", 2, ONE)])
+def test_exp2_poly(dtype, poly, tile):
+    """tile.exp2_poly: `poly` of every 8 exponentials by the FMA polynomial (FlashAttention-4's
+    emulation) -- numerics vs fp64 with the lazy rescale driven, and the ex2.approx left in the
+    PTX (8: only the rescale factors' and the sink's)."""
+    text = spec_text(dtype, 128 if tile is WS else 64, "gqa4", True,
+                     tile={**tile, "exp2_poly": poly}, targets=SM100A)
+    _, ptx, _, config = compiled(text, "sm_100a")
+    plain = compiled(spec_text(dtype, 128 if tile is WS else 64, "gqa4", True, tile=tile,
+                               targets=SM100A), "sm_100a")[1]
+    assert config["exp2_poly"] == poly
+    assert "add.rm.f32" in ptx and ptx.count("ex2.approx") < plain.count("ex2.approx")
+    d = 128 if tile is WS else 64
+    tc_check(dtype, d, "gqa4", True, [(17, 113), (113, 150)], tile={**tile, "exp2_poly": poly}, batch=1)
+    tc_check(dtype, d, "gqa4", True, [(17, 113)], tile={**tile, "exp2_poly": poly}, batch=1,
+             transform=growing_scores)
+
+
+def test_exp2_poly_rules():
+    """0..8; refused (one line, naming the key and the kernel that takes it) where no target
+    takes the tcgen05 kernel; 0 records nothing."""
+    with pytest.raises(SpecError) as e:
+        load_text(spec_text("bf16", 128, tile={"exp2_poly": 2}, targets=("sm_90a",)))
+    assert e.value.key == "tile.exp2_poly" and "tcgen05" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SpecError) as e:
+        load_text(spec_text("bf16", 128, tile={"exp2_poly": 9}, targets=SM100A))
+    assert e.value.key == "tile.exp2_poly"
+    load_text(spec_text("bf16", 128, tile={"exp2_poly": 2}, targets=("sm_90a", "sm_100a")))
+    config = compiled(spec_text("bf16", 128, tile={"exp2_poly": 0}, targets=SM100A), "sm_100a")[3]
+    assert "exp2_poly" not in config
+
+
 def test_ptxas_zero_spills(toolchain):
     """ptxas (sm_100a) with 0 spills at each head dim and dtype, causal and not, plain and
     with every variant at once; the tensor-memory columns the tile records."""
@@ -263,6 +296,15 @@ def test_sass_issuing_warps_keep_descriptors_uniform(tmp_path):
     [roles] = issue_loops(text).values()
     assert roles["mma"]["issues"] == 2 * 16 and roles["mma"]["per_issue"] < 8, roles
     assert roles["load"]["issues"] == 4 and roles["load"]["per_issue"] < 20, roles
+
+
+def test_sass_exp2_poly_moves_exponentials_off_mufu(tmp_path):
+    """At d128 a softmax warp's tile holds 64 MUFU.EX2; exp2_poly = 2 leaves 48, the other 16
+    on the FP32 pipe: about 4 instructions each (f32x2 pairs; 7 in the scalar form)."""
+    plain = _main_loop(tmp_path / "plain", None)
+    poly = _main_loop(tmp_path / "poly", {"exp2_poly": 2})
+    assert plain["classes"]["mufu"] == 64 and poly["classes"]["mufu"] == 48
+    assert 16 * 3 <= poly["classes"]["fp32"] - plain["classes"]["fp32"] <= 16 * 5
 
 
 def test_sm103a_takes_the_same_kernel():

@@ -9,7 +9,9 @@ decides which registers hold row r and which lanes share it):
   rescale_vote     the lazy rescale: one warp-uniform vote whether any row grew past
                    RESCALE_SLACK (mma.sync, wgmma, tcgen05 take probabilities against a stale
                    m otherwise -- exact all the same, O and l share the reference)
-  exponentials     2^(s·scale - m) against a safe m
+  exponentials     2^(s·scale - m) against a safe m: ex2.approx, or for `poly` of every 8
+                   elements FlashAttention-4's FMA polynomial (exp2_poly, in f32x2 pairs),
+                   where MUFU bounds
   online_update    the eager step (SIMT prefill; every row rescaled every tile)
   merge_states     two partial states into one (decode's warp slots)
   merge_weights    N partial states' weights against their common max (decode's epilogue;
@@ -23,10 +25,15 @@ decides which registers hold row r and which lanes share it):
 
 from __future__ import annotations
 
-from ...ir import KernelBuilder, Reg
+from ...ir import B64, F32, S32, U32, KernelBuilder, Reg
 from ..common import LN2, NEG_INF
 
 RESCALE_SLACK = 8.0   # log2 units: probabilities against a stale max stay <= 2^8
+# 2^f on [0, 1) by a degree-3 polynomial, highest relative error 8.8e-5 (FlashAttention-4's
+# coefficients): far below the rounding of P to f16 (4.9e-4) or bf16 (3.9e-3) before P·V
+EXP2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625,
+             0.077119089663028717041015625)
+ROUND_MAGIC = 12582912.0   # 1.5·2^23: x + it, rounded down, holds floor(x) in its low bits
 
 
 def safe_max(b: KernelBuilder, m: Reg) -> Reg:
@@ -62,13 +69,67 @@ def rescale_vote(b: KernelBuilder, cands: list[Reg], m: list[Reg], lanes) -> Reg
     return b.setp("gt", grow, RESCALE_SLACK)
 
 
-def exponentials(b: KernelBuilder, vals: list[Reg], m_safe: Reg, scale_log2: float | None) -> list[Reg]:
+def exponentials(b: KernelBuilder, vals: list[Reg], m_safe: Reg, scale_log2: float | None,
+                 poly: int = 0) -> list[Reg]:
     """2^(x·scale_log2 - m_safe) for each raw score x (one fma each); with scale_log2 None the
-    scores are already in log2 units: 2^(x - m_safe)."""
-    if scale_log2 is None:
-        return [b.ex2(b.sub(x, m_safe)) for x in vals]
-    neg = b.neg(m_safe)
-    return [b.ex2(b.fma(x, scale_log2, neg)) for x in vals]
+    scores are already in log2 units: 2^(x - m_safe). `poly` of every 8 (spread evenly) go
+    through the FMA polynomial (exp2_poly_pairs, two at a time in f32x2: sm_100+) instead of
+    ex2.approx on MUFU."""
+    neg = None if scale_log2 is None else b.neg(m_safe)
+    out: list[Reg | None] = []
+    emulated: list[int] = []
+    for i, x in enumerate(vals):
+        y = b.sub(x, m_safe) if neg is None else b.fma(x, scale_log2, neg)
+        if (i * poly) % 8 < poly:
+            emulated.append(i)
+            out.append(y)
+        else:
+            out.append(b.ex2(y))
+    if emulated:
+        for i, r in zip(emulated, exp2_poly_pairs(b, [out[i] for i in emulated])):
+            out[i] = r
+    return out
+
+
+def exp2_poly(b: KernelBuilder, x: Reg) -> Reg:
+    """2^x for x <= 127 without MUFU (FlashAttention-4's emulation): floor(x) by the magic add
+    rounded down, 2^frac by Horner's rule on EXP2_POLY, and floor(x) added into the result's
+    exponent field. x <= -127 (a masked score's -inf included) gives exactly +0."""
+    xc = b.max(x, -127.0)
+    rounded = b.add_rm(xc, ROUND_MAGIC)                 # floor(xc) in the low mantissa bits
+    frac = b.sub(xc, b.sub(rounded, ROUND_MAGIC))       # in [0, 1), exact
+    c0, c1, c2, c3 = EXP2_POLY
+    p = b.fma(b.fma(b.fma(frac, c3, c2), frac, c1), frac, c0)
+    return _with_exponent(b, p, rounded)
+
+
+def exp2_poly_pairs(b: KernelBuilder, xs: list[Reg]) -> list[Reg]:
+    """exp2_poly of each of `xs`, two at a time on Blackwell's f32x2 FP32 pipe (the clamp stays
+    scalar: max has no f32x2 form): 4 packed instructions and 2 scalar per pair, against 7 per
+    value. An odd last value takes the scalar form."""
+    out = []
+    if len(xs) >= 2:
+        pair = lambda v: b.pack(B64, [b.mov(v, F32), b.mov(v, F32)])   # noqa: E731
+        magic, coeffs = pair(ROUND_MAGIC), [pair(c) for c in EXP2_POLY]
+    for k in range(0, len(xs) - 1, 2):
+        xc = b.pack(B64, [b.max(xs[k], -127.0), b.max(xs[k + 1], -127.0)])
+        rounded = b.f32x2("add", xc, magic, mode="rm")
+        frac = b.f32x2("sub", xc, b.f32x2("sub", rounded, magic))
+        p = coeffs[3]
+        for c in (coeffs[2], coeffs[1], coeffs[0]):
+            p = b.f32x2("fma", p, frac, c)
+        for lo_hi_p, lo_hi_r in zip(b.unpack(p, F32), b.unpack(rounded, F32)):
+            out.append(_with_exponent(b, lo_hi_p, lo_hi_r))
+    if len(xs) % 2:
+        out.append(exp2_poly(b, xs[-1]))
+    return out
+
+
+def _with_exponent(b: KernelBuilder, p: Reg, rounded: Reg) -> Reg:
+    """p · 2^floor, floor held in `rounded`'s low bits: added into p's exponent field (the
+    shift wraps a negative floor to its two's complement)."""
+    scale = b.shl(b.bitcast(rounded, U32), 23)
+    return b.bitcast(b.add(b.bitcast(p, S32), b.bitcast(scale, S32)), F32)
 
 
 def online_update(b: KernelBuilder, m: list[Reg], l: list[Reg] | None, rows: list[list[Reg]],

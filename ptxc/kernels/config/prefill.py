@@ -56,6 +56,10 @@ FIELDS = FamilyFields(
         Field("pingpong", "bool", "sm_90a warp-specialised kernel with two consumer warpgroups: "
               "they take turns at issuing their wgmma on named barriers, one's softmax under the "
               "other's products (FlashAttention-3; docs/kernels.md \"Hopper\")", default=False),
+        Field("exp2_poly", "int", "sm_100a tcgen05 kernel: of every 8 exponentials of a row, how "
+              "many an FMA polynomial computes instead of MUFU.EX2 (FlashAttention-4's trick where "
+              "MUFU bounds the softmax; relative error 8.8e-5, below P's rounding; 0: none)",
+              default=None, choices=tuple(range(9))),
     ),
 )
 SIMT_LANES_PER_ROW = 8    # f32 path: lanes sharing a query row (its keys and its head_dim chunks)
@@ -275,7 +279,8 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                             f"{stages} x K/V {2 * cfg.kv_geom.bytes}); {target} allows "
                             f"{target.max_smem_per_cta} per CTA: use a smaller tile", key=f"tile.{key}")
         cfg = make()
-    shape_given = given.keys() - {"smem_layout", "warp_rows", "kv_loads", "warp_specialize"}   # sm_90a wgmma only
+    shape_given = given.keys() - {"smem_layout", "warp_rows", "kv_loads", "warp_specialize",
+                                  "exp2_poly"}   # not shapes (the others are sm_90a / sm_100a keys)
     # (not with a custom mask: its bit windows need more than the 128 registers two CTAs leave)
     floor = needs_floor("prefill", spec, target)
     if tc and not shape_given and not tuned and _two_ctas_target(spec, target) and \

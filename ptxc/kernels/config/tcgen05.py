@@ -58,7 +58,10 @@ class TensorMemoryTile:
 @dataclass(frozen=True)
 class Tcgen05Config(TensorMemoryTile, WgmmaConfig):
     """WgmmaConfig's tiles (TMA) with 8 warps of 16 rows and tensor memory; warp_specialize
-    adds the load and MMA warps (tcgen05_ws_pipeline.py), not a warpgroup."""
+    adds the load and MMA warps (tcgen05_ws_pipeline.py), not a warpgroup. exp2_poly: of every 8
+    exponentials of a row, how many the FMA polynomial computes (attention/softmax.exp2_poly)."""
+
+    exp2_poly: int = 0
 
     @property
     def launch_threads(self) -> int:
@@ -80,7 +83,7 @@ def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
     def make(bn: int) -> Tcgen05Config:
         return Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,
                              False, head_dim_v(spec), 1, kv_loads="tma", warp_specialize=ws,
-                             min_ctas_per_sm=PIN_REGISTERS)
+                             min_ctas_per_sm=PIN_REGISTERS, exp2_poly=given.get("exp2_poly", 0))
     # 128 keys a tile where the stages fit in shared memory (O lives in tensor memory, so the
     # registers do not bound it as on sm_90a), else 64: d256, and 192 / 192
     bn = given.get("block_n", 128 if make(128).smem_bytes <= target.max_smem_per_cta else 64)
@@ -101,4 +104,5 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
             "num_stages": c.num_stages, "path": "tcgen05.mma.m128", "cp_async": False,
             "kv_loads": "tma", "smem_swizzle": SWIZZLE, "smem_bytes": c.smem_bytes,
             "tmem_columns": c.tmem_columns, "min_ctas_per_sm": c.min_ctas_per_sm,
-            **({"warp_specialize": True, "threads": c.launch_threads} if c.warp_specialize else {})}
+            **({"warp_specialize": True, "threads": c.launch_threads} if c.warp_specialize else {}),
+            **({"exp2_poly": c.exp2_poly} if c.exp2_poly else {})}

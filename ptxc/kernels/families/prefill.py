@@ -90,7 +90,7 @@ def _portable_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes
 # Most specific first: the first that applies is the target's kernel.
 PATHS = (
     PrefillPath("the sm_100a tcgen05 kernel", tc.uses_tcgen05, tc.configure, tc.resolve_tile,
-                _tcgen05_body, ("kv_loads", "warp_specialize"), tc.TCGEN05_SHAPES,
+                _tcgen05_body, ("kv_loads", "warp_specialize", "exp2_poly"), tc.TCGEN05_SHAPES,
                 tc.TCGEN05_TARGETS),
     PrefillPath("the sm_90a wgmma kernel", wg.uses_wgmma, wg.configure, wg.resolve_tile,
                 _wgmma_body, ("kv_loads", "warp_specialize", "pingpong"), wg.WGMMA_SHAPES,
@@ -133,8 +133,10 @@ def validate(spec: KernelSpec) -> None:
                             key="tile.block_m")
         _configure(spec, TARGETS[t])
     paths = [path_of(spec, TARGETS[t]) for t in spec.targets]
-    for key, value in (("kv_loads", "tma"), ("warp_specialize", True), ("pingpong", True)):
-        if spec.tile_dict().get(key) == value and not any(key in p.keys for p in paths):
+    given = spec.tile_dict()
+    for key, value in (("kv_loads", "tma"), ("warp_specialize", True), ("pingpong", True),
+                       ("exp2_poly", given.get("exp2_poly") or None)):
+        if value is not None and given.get(key) == value and not any(key in p.keys for p in paths):
             takers = [p for p in PATHS if key in p.keys]
             shown = f'"{value}"' if isinstance(value, str) else str(value).lower()
             names = " and ".join(f"{p.name} ({p.shapes})" for p in takers)

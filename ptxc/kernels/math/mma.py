@@ -43,6 +43,7 @@ class MmaMath:
         self.dtiles = cfg.dv // 8 // cfg.v_split  # n8 tiles of O (head_dim_v) this warp owns
         self.vs, self.os = cfg.v_geom.stride, cfg.o_geom.stride   # == ss unless head_dim_v < d
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
+        self.exp2_poly = getattr(ctx.cfg, "exp2_poly", 0)   # the tcgen05 tile's (config/tcgen05.py)
         lane = ctx.lane
         # ldmatrix lane addresses (tiles.LdmatrixLanes: padded or swizzled): Q and K's .x2 tail
         # by rows (l & 15), K by the adjacent-pair order, V (.trans) by k rows (l & 15).

@@ -119,7 +119,8 @@ class WgmmaMath(MmaMath):
         # the exponentials first, against the max this tile will use (branch-free), so that
         # they sit in the basic block before the rescale branch and the wait that follows it
         m_use = [b.selp(cands[r], self.m[r], rescale) for r in range(2)]
-        probs = [exponentials(b, rows[r], safe_max(b, m_use[r]), self.scale_log2) for r in range(2)]
+        probs = [exponentials(b, rows[r], safe_max(b, m_use[r]), self.scale_log2, self.exp2_poly)
+                 for r in range(2)]
         with b.if_then(rescale):
             for r in range(2):
                 b.mov(rescale_factor(b, self.m[r], safe_max(b, cands[r])), out=self.alpha[r])
