@@ -1,7 +1,20 @@
-"""Prefill's portable body (every target; the tensor-core kernel on sm_80..sm_120 and the SIMT
-f32 kernel): the cp.async K/V pipeline (kv_pipeline.py) with the mma.sync or SIMT math."""
+"""Prefill's bodies start here: `setup` (the CTA's place in the dense grid, its tile range and the
+shared-memory regions: Q, then the K and V stages), which every prefill body shares, and the
+body whose K/V tiles are copied by the threads themselves (cp.async, or plain loads below sm_80)
+-- one body for each math, the pieces given by the family's path table:
+
+  portable (every target)  padded or swizzled tiles (`thread_slot`), MmaMath (f16/bf16) or
+                           SimtMath (f32), kv_pipeline.py's loop (`cp_async_loop`), a packed
+                           custom mask's tile list first
+  sm_90a wgmma             128-byte-swizzled slabs (`swizzled_slot`), WgmmaMath,
+                           wgmma_pipeline.py's loop (`wgmma_loop`; tile.kv_loads = "cp_async")
+
+The TMA bodies are prefill_tma.py (wgmma) and prefill_tcgen05.py, after the same setup.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ...ir import S32, S64, U32, KernelBuilder, Reg
 from ...spec.model import KernelSpec
@@ -9,48 +22,89 @@ from ..attention.mask_tiles import classify_tiles
 from ..attention.prefill_tile import Ctx, cta_coords, tile_range
 from ..config.prefill import PrefillConfig
 from ..mainloop.kv_pipeline import run_kv_pipeline
-from ..mainloop.tiles import SWIZZLE_ALIGN, global_rows, load_tile, thread_slot
-from ..math.mma import MmaMath
-from ..math.simt import SimtMath
+from ..mainloop.tiles import global_rows, load_tile
+from ..mainloop.wgmma_pipeline import run_wgmma_pipeline
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every prefill body starts from."""
+
+    tid: Reg
+    lane: Reg
+    warp: Reg
+    head: Reg
+    batch: Reg
+    kv_head: Reg
+    m_start: Reg
+    head_base: object     # (tensor, head) -> u64 address of (batch, head)
+    key_offset: Reg
+    n_tiles: Reg
+    n_full: Reg
+    first_tile: Reg | None
+    lo_full: Reg | None
+    variant: object
+    sq: Reg
+    sk: Reg
+    smem: Reg
+    k_smem: Reg
+    v_smem: Reg
+
+    def ctx(self, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k) -> Ctx:
+        """The tile math's context (emits the o row address where it is called)."""
+        return Ctx(spec, cfg, self.tid, self.lane, self.warp, self.batch, self.head, self.m_start, seq_q, seq_k,
+                   self.key_offset, self.smem, self.head_base("o", self.head), strides[("o", 1)],
+                   ptrs.get("lse"), self.variant, ptrs.get("sinks"), ptrs.get("alibi_slopes"))
+
+
+def setup(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k) -> Setup:
+    """The CTA's place, its tile range and the shared-memory regions (Q, then the K and V stages,
+    aligned as the config's tiles need)."""
+    tid, lane, warp, head, batch, kv_head, m_start, head_base = cta_coords(b, spec, cfg.block_m, ptrs, strides)
+    key_offset, n_tiles, n_full, first_tile, lo_full, variant = tile_range(
+        b, spec, cfg.block_m, cfg.block_n, m_start, seq_q, seq_k)
+    sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
+    smem = b.address_of(b.shared("prefill_smem", 0, align=cfg.smem_align))
+    k_smem = b.add(smem, cfg.q_region_bytes)
+    v_smem = b.add(k_smem, cfg.num_stages * cfg.kv_geom.bytes)   # then V's stages (then barriers)
+    return Setup(tid, lane, warp, head, batch, kv_head, m_start, head_base, key_offset, n_tiles, n_full,
+                 first_tile, lo_full, variant, sq, sk, smem, k_smem, v_smem)
+
+
+def cp_async_loop(b: KernelBuilder, cfg: PrefillConfig, mask_of, **loop) -> None:
+    run_kv_pipeline(b, stages=cfg.num_stages, kv_bytes=cfg.kv_geom.bytes, use_async=cfg.cp_async,
+                    mask_of=mask_of, **loop)
+
+
+def wgmma_loop(b: KernelBuilder, cfg: PrefillConfig, mask_of, **loop) -> None:
+    assert mask_of is None, "packed masks keep the mma.sync kernel (config/wgmma.uses_wgmma)"
+    run_wgmma_pipeline(b, stages=cfg.num_stages, kv_bytes=cfg.kv_geom.bytes,
+                       v_bytes=cfg.v_geom.bytes, **loop)
 
 
 def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k,
-               mask_bytes: Reg | None = None):
-    """The portable prefill: Q and the K/V stages in padded (or swizzled) tiles copied by
-    cp.async (or plain loads), the K/V loop of kv_pipeline.py with MmaMath (f16/bf16) or
-    SimtMath (f32), a packed custom mask's tile list first."""
-    bm, bn, stages = cfg.block_m, cfg.block_n, cfg.num_stages
-    tid, lane, warp, head, batch, kv_head, m_start, head_base = cta_coords(b, spec, bm, ptrs, strides)
-    key_offset, n_tiles, n_full, first_tile, lo_full, variant = tile_range(
-        b, spec, bm, bn, m_start, seq_q, seq_k)
-    sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
-
-    swizzled = cfg.q_geom.swizzled or cfg.v_geom.swizzled   # their ldmatrix XORs need 128-B tiles
-    smem = b.address_of(b.shared("prefill_smem", 0, align=SWIZZLE_ALIGN if swizzled else 16))
-    kv_bytes = cfg.kv_geom.bytes
-    k_smem = b.add(smem, cfg.q_geom.bytes)
-    v_smem = b.add(k_smem, stages * kv_bytes)
-    q_slot, kv_slot = thread_slot(b, cfg.q_geom, tid), thread_slot(b, cfg.kv_geom, tid)
-    slots = {"k": kv_slot, "v": kv_slot if cfg.dv == cfg.head_dim else thread_slot(b, cfg.v_geom, tid)}
-    gq = global_rows(b, q_slot, head_base("q", head), strides[("q", 1)])
-    gkv = {t: global_rows(b, slots[t], head_base(t, kv_head), strides[(t, 1)]) for t in "kv"}
-    ctx = Ctx(spec, cfg, tid, lane, warp, batch, head, m_start, seq_q, seq_k, key_offset, smem,
-              head_base("o", head), strides[("o", 1)], ptrs.get("lse"), variant,
-              ptrs.get("sinks"), ptrs.get("alibi_slopes"))
+              mask_bytes: Reg | None = None, *, slot, math_type, run_loop) -> None:
+    """Q and the K/V stages copied by every thread into the tiles `slot` lays out (a
+    ThreadSlot per geometry), the K/V loop `run_loop` (cp_async_loop, wgmma_loop) around
+    `math_type`'s tile math, a packed custom mask's tile list first."""
+    bn = cfg.block_n
+    s = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k)
+    n_tiles, first_tile, sk = s.n_tiles, s.first_tile, s.sk
+    q_slot, kv_slot = slot(b, cfg.q_geom, s.tid), slot(b, cfg.kv_geom, s.tid)
+    slots = {"k": kv_slot, "v": kv_slot if cfg.dv == cfg.head_dim else slot(b, cfg.v_geom, s.tid)}
+    gq = global_rows(b, q_slot, s.head_base("q", s.head), strides[("q", 1)])
+    gkv = {t: global_rows(b, slots[t], s.head_base(t, s.kv_head), strides[(t, 1)]) for t in "kv"}
+    ctx = s.ctx(spec, cfg, ptrs, strides, seq_q, seq_k)
     order = None
-    if variant.mask is not None:   # packed bits: segment `batch` of custom_mask; the tiles with
-        ctx.bind_mask(b, ptrs, batch, mask_bytes)   # a bit set, in order (mask_tiles.py)
-        order = classify_tiles(b, ctx, tid=tid, threads=cfg.threads, region=b.add(smem, cfg.mask_list_offset),
-                               tok0=m_start, n_tok=b.sub(b.min(b.add(m_start, bm), seq_q), m_start),
+    if s.variant.mask is not None:   # packed bits: segment `batch` of custom_mask; the tiles with
+        ctx.bind_mask(b, ptrs, s.batch, mask_bytes)   # a bit set, in order (mask_tiles.py)
+        order = classify_tiles(b, ctx, tid=s.tid, threads=cfg.threads,
+                               region=b.add(s.smem, cfg.mask_list_offset), tok0=s.m_start,
+                               n_tok=b.sub(b.min(b.add(s.m_start, cfg.block_m), seq_q), s.m_start),
                                key0=b.mov(0, S32) if first_tile is None else b.bitcast(b.mul(first_tile, bn), S32),
-                               n_tiles=n_tiles, n_full=n_full, lo_full=lo_full, bn=bn)
+                               n_tiles=n_tiles, n_full=s.n_full, lo_full=s.lo_full, bn=bn)
         n_tiles = order.n_visit
-    math = (MmaMath if cfg.tensor_cores else SimtMath)(b, ctx)
-    use_async = cfg.cp_async
-
-    def commit():
-        if use_async:
-            b.cp_async_commit()
+    math = math_type(b, ctx)
 
     # Each of K and V is loaded tile 0, 1, 2, ... in order, so this thread's global address of
     # the next tile is carried in a register and advanced by one tile's rows per load.
@@ -74,17 +128,16 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, stri
         tile = tile if isinstance(tile, Reg) else b.mov(tile, U32)
         with b.if_then(b.setp("lt", tile, n_tiles)):
             row0 = key0_of(tile)
-            base = b.add(k_smem if t == "k" else v_smem, stage_off)
-            load_tile(b, slots[t], gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, use_async,
+            base = b.add(s.k_smem if t == "k" else s.v_smem, stage_off)
+            load_tile(b, slots[t], gkv[t], row0, b.sub(sk, b.bitcast(row0, S32)), base, cfg.cp_async,
                       first_addr=next_addr[t] if order is None else None)
         if order is None:
             b.add(next_addr[t], tile_step[t], out=next_addr[t])
-        commit()
+        if cfg.cp_async:
+            b.cp_async_commit()
 
-    transform = math.transform if variant.transforms else None
-    load_tile(b, q_slot, gq, m_start, b.sub(sq, b.bitcast(m_start, S32)), smem, use_async)
-    run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
-                    use_async=use_async, n_tiles=n_tiles, n_full=n_full,
-                    key0_of=key0_of, load_kv=load_kv, math=math, lo_full=lo_full,
-                    transform=transform, mask_of=None if order is None else mask_of)
+    load_tile(b, q_slot, gq, s.m_start, b.sub(s.sq, b.bitcast(s.m_start, S32)), s.smem, cfg.cp_async)
+    run_loop(b, cfg, None if order is None else mask_of, k_smem=s.k_smem, v_smem=s.v_smem,
+             n_tiles=n_tiles, n_full=s.n_full, key0_of=key0_of, load_kv=load_kv, math=math,
+             lo_full=s.lo_full, transform=math.transform if s.variant.transforms else None)
     math.epilogue()

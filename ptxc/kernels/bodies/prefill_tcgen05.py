@@ -11,8 +11,8 @@ from ..mainloop.tcgen05_ws_pipeline import run_tcgen05_ws_pipeline
 from ..mainloop.tma_pipeline import barrier_bytes, run_tma_pipeline
 from ..math.tcgen05 import Tcgen05Math
 from ..math.umma import UmmaIssue
-from .prefill_tma import tile_copies
-from .prefill_wgmma import Setup, setup, tensor_map_params
+from .prefill_cp_async import Setup, setup
+from .prefill_tma import tensor_map_params, tile_copies
 
 
 def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: Tcgen05Config, ptrs, strides, seq_q,

@@ -1,20 +1,22 @@
 """The sm_90a wgmma prefill's body with its tiles fed by TMA (tile.kv_loads = "tma"): the
 tensor-map copies of one elected thread (tma_pipeline.py), or of a producer warpgroup with
-tile.warp_specialize = true (tma_ws_pipeline.py). Setup and tensor maps: prefill_wgmma.py; math: math/wgmma.py."""
+tile.warp_specialize = true (tma_ws_pipeline.py). Setup: prefill_cp_async.py; math: math/wgmma.py."""
 
 from __future__ import annotations
 
-from ...ir import S32, Addr, Reg
-from ..config.wgmma import ROWS_PER_WARPGROUP
+from ...ir import S32, TMAP, Addr, KernelBuilder, Reg
+from ...spec.model import KernelSpec
+from ..base import LaunchParam, ParamSource
+from ..config.wgmma import ROWS_PER_WARPGROUP, WgmmaConfig
 from ..mainloop.tiles import SWIZZLE
 from ..mainloop.tma_pipeline import run_tma_pipeline
 from ..mainloop.tma_ws_pipeline import run_tma_ws_pipeline
 from ..math.wgmma import WgmmaMath
-from .prefill_wgmma import Setup, setup
+from .prefill_cp_async import Setup, setup
 
 
 def emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k, tmaps: dict) -> None:
-    """prefill_wgmma.emit_body with the tiles fed by TMA (from the same prefill_wgmma.setup): one
+    """prefill_cp_async.emit_body with the tiles fed by TMA (from the same setup): one
     box per 128-byte column slab, coordinates {64 s, head, row, batch} (innermost first), issued
     by one elected thread (tma_pipeline.py) or by the producer warpgroup (tile.warp_specialize,
     tma_ws_pipeline.py)."""
@@ -65,3 +67,15 @@ def tile_copies(b, cfg, s: Setup, tmaps: dict):
         for k in range(width // slab_cols):
             b.tma_load(Addr(dst, k * rows * SWIZZLE), addr[t], [k * slab_cols, h, row0, n], bar)
     return copy_tile, key0_of
+
+
+def tensor_map_params(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, params: list) -> dict:
+    """The q/k/v tensor-map parameters of the TMA loads (appended to `params`): one box is a
+    64-element (128-byte) column slab of block_m (Q) or block_n (K, V) rows of one head."""
+    maps = {}
+    for t, rows in (("q", cfg.block_m), ("k", cfg.block_n), ("v", cfg.block_n)):
+        box = (SWIZZLE // cfg.fmt.bytes, 1, rows, 1)    # innermost first: d, head, seq, batch
+        src = ParamSource("tensor_map", tensor=t, box=box, swizzle=SWIZZLE)
+        params.append(LaunchParam(f"{t}_tmap", TMAP, src))
+        maps[t] = b.param(f"{t}_tmap", TMAP)
+    return maps

@@ -12,7 +12,7 @@ the tile math and K/V loop of the wgmma prefill (math/wgmma.py, wgmma_pipeline.p
              block_m of 128 gives two warpgroups; 16 or 32 keep the mma.sync kernel.
   shared     Q (block_m rows), num_stages K and num_stages V tiles (block_n rows), each split
              along d into 128-byte slabs of rows x 128 B with the 128-byte swizzle, 1024-aligned
-             (prefill_wgmma's layout, so WgmmaMath's descriptors apply unchanged).
+             (the wgmma prefill's layout, mainloop/tiles.py's SwizzledGeom; so WgmmaMath's descriptors apply unchanged).
   copies     per-thread cp.async 16-byte chunks at the swizzled addresses (swizzled_slot). A
              copy pass must cover whole 8-row groups, so a row wider than 2 x threads bytes
              (head_dim 256 with one warpgroup: 512 B, 128 threads), or one whose 16-byte chunks do

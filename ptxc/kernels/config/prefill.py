@@ -14,7 +14,7 @@ from ...targets import KIB, MAX_REGS_PER_THREAD, Target
 from .. import common as C
 from ..attention.mask_tiles import classified_tiles
 from ..attention.variant import VARIANT_FIELDS, head_dim_v
-from ..mainloop.tiles import TileGeom, swizzle_fits
+from ..mainloop.tiles import SWIZZLE_ALIGN, TileGeom, swizzle_fits
 from .register_floor import narrow_block_n, needs_floor
 
 _hd_check, _hd_allowed = head_dim_range(8, 512)
@@ -127,6 +127,16 @@ class PrefillConfig:
     @property
     def q_geom(self) -> TileGeom:
         return self._geom(self.block_m, self.head_dim)
+
+    @property
+    def q_region_bytes(self) -> int:
+        """Shared memory before the K stages: the Q tile (the epilogue stages O there too)."""
+        return self.q_geom.bytes
+
+    @property
+    def smem_align(self) -> int:
+        """The shared region's alignment: swizzled tiles' ldmatrix XORs need 128 bytes."""
+        return SWIZZLE_ALIGN if self.q_geom.swizzled or self.v_geom.swizzled else 16
 
     @property
     def kv_geom(self) -> TileGeom:

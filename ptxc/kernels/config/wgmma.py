@@ -1,6 +1,6 @@
 """The sm_90a wgmma prefill's tile: when it applies (`uses_wgmma`), its frozen config
 (`WgmmaConfig`: swizzled Q/K/V slabs, the load method, the producer warpgroup and ping-pong) and
-the checks on a given tile. The math is math/wgmma.py, the bodies bodies/prefill_wgmma.py
+the checks on a given tile. The math is math/wgmma.py, the bodies bodies/prefill_cp_async.py
 (cp.async) and bodies/prefill_tma.py (TMA, one issuer or warp-specialised)."""
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ class WgmmaConfig(PrefillConfig):
     @property
     def v_geom(self) -> TileGeom:
         return SwizzledGeom(self.block_n, self.dv * self.fmt.bytes, self.threads)
+
+    @property
+    def smem_align(self) -> int:   # one swizzle period: the descriptors' pattern starts there
+        return SWIZZLE_PERIOD
 
     @property
     def q_region_bytes(self) -> int:

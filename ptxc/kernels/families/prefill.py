@@ -22,10 +22,14 @@ from ..attention.variant import (
     default_seq_len, head_dim_v, mask_bytes_param, validate_variant, variant_inputs,
     variant_reference_args, variant_tensors)
 from ..base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
-from ..bodies import prefill_cp_async, prefill_tcgen05, prefill_wgmma
+from ..bodies import prefill_cp_async, prefill_tcgen05, prefill_tma
 from ..config import tcgen05 as tc  # sm_100a/sm_103a f16/bf16, head dims 64/128
 from ..config import wgmma as wg  # sm_90a f16/bf16, head dims 64/128/192/256
 from ..config.prefill import FIELDS, MAX_SIMT_HEAD_DIM, configure
+from ..mainloop.tiles import swizzled_slot, thread_slot
+from ..math.mma import MmaMath
+from ..math.simt import SimtMath
+from ..math.wgmma import WgmmaMath
 
 
 def interface(spec: KernelSpec) -> Interface:
@@ -76,15 +80,17 @@ def _tcgen05_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes)
 
 def _wgmma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
     if cfg.tma:      # tile.kv_loads = "tma": q/k/v tensor maps after the other params
-        from ..bodies.prefill_tma import emit_tma_prefill
-        emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k,
-                         prefill_wgmma.tensor_map_params(b, spec, cfg, params))
+        prefill_tma.emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k,
+                                     prefill_tma.tensor_map_params(b, spec, cfg, params))
     else:
-        prefill_wgmma.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k)
+        prefill_cp_async.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, slot=swizzled_slot,
+                                   math_type=WgmmaMath, run_loop=prefill_cp_async.wgmma_loop)
 
 
 def _portable_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
-    prefill_cp_async.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, mask_bytes)
+    prefill_cp_async.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, mask_bytes,
+                               slot=thread_slot, math_type=MmaMath if cfg.tensor_cores else SimtMath,
+                               run_loop=prefill_cp_async.cp_async_loop)
 
 
 # Most specific first: the first that applies is the target's kernel.

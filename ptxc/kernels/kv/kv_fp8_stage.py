@@ -210,7 +210,7 @@ class FP8Staging:
 
 
 class SwizzledFP8Staging:
-    """FP8Staging for the wgmma tiles (prefill_wgmma's layout: 128-byte slabs of rows x 128 B,
+    """FP8Staging for the wgmma tiles (the wgmma prefill's layout: 128-byte slabs of rows x 128 B,
     chunk k of row r at swizzled chunk k ^ (r % 8)). The FP8 rows land unpadded (staging_slot
     over StagingGeom); after the wait each thread converts the 16 bytes it copied into bf16/f16
     chunks 2c and 2c + 1 of its row: slab 2c // 8, swizzled chunks (2c % 8) ^ (r % 8) and
