@@ -32,7 +32,7 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: Tcgen05Config, ptrs, stri
             tid=s.tid, lane=s.lane, warp0=b.setp("eq", b.shfl("idx", s.warp, 0), 0),
             columns=cfg.tmem_columns, n_tiles=s.n_tiles, n_full=s.n_full, key0_of=key0_of,
             copy_tile=copy_tile, make_math=lambda tmem: Tcgen05Math(b, ctx, mma_bars, tmem),
-            make_issue=lambda tmem: UmmaIssue(b, cfg, s.smem, tmem, mma_bars, warp_wide=True, hoist=True),
+            make_issue=lambda tmem: UmmaIssue(b, cfg, s.smem, tmem, mma_bars, hoist=True),
             transforms=bool(s.variant.transforms), lo_full=s.lo_full)
         return
     math = Tcgen05Math(b, ctx, mma_bars)

@@ -64,7 +64,7 @@ class Tcgen05Math(WgmmaMath):
                 b.mbarrier_init(Addr(bars, BAR_O), 1)
             tmem = allocate(b, self.warp0, bars, cfg.tmem_columns)
         self.tmem = tmem
-        self.umma = UmmaIssue(b, cfg, ctx.q_smem, tmem, bars, warp_wide=True)
+        self.umma = UmmaIssue(b, cfg, ctx.q_smem, tmem, bars)
         self.bar_s, self.bar_o = self.umma.bar_s, self.umma.bar_o
         lane_bits = b.shl(self._lane0(b, ctx), 16)           # this warp's 16 lanes (rows)
         self.s_warp, self.p_warp, self.o_warp = (b.add(c, lane_bits) for c in (

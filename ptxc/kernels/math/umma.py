@@ -1,11 +1,9 @@
 """The tensor-core side of the tcgen05 kernels (sm_100a): tensor memory and its allocation, the
-shared-memory region of their MMA barriers, and the MMAs one thread issues (UmmaIssue). The
+shared-memory region of their MMA barriers, and the MMAs one elected lane of a warp issues (UmmaIssue). The
 softmax side is math/tcgen05.py's Tcgen05Math; the one-issuer loop is tma_pipeline.py, the
 warp-specialised one tcgen05_ws_pipeline.py."""
 
 from __future__ import annotations
-
-import contextlib
 
 from ...ir import BF16, F16, U32, U64, Addr, Imm, KernelBuilder, Reg
 from ..mainloop.tiles import CHUNK, SWIZZLE, SWIZZLE_PERIOD
@@ -33,18 +31,17 @@ def allocate(b: KernelBuilder, warp0: Reg, bars: Reg, columns: int) -> Reg:
 
 class UmmaIssue:
     """The tensor-core side: S (block_n f32 columns), P (block_n / 2 pairs) and O (head_dim_v
-    f32 columns) from the tensor-memory base `tmem`, the kind::f16 descriptors, and the MMAs of
-    one thread -- thread 0 of the CTA (Tcgen05Math), or the MMA warp's (warp-specialised).
+    f32 columns) from the tensor-memory base `tmem`, the kind::f16 descriptors, and the MMAs.
 
-    With `warp_wide` the whole warp runs each method: it computes every descriptor, and the MMAs
-    and their commit are issued under elect.sync. ptxas then holds the descriptors in uniform
-    registers (the warp computed them from warp-uniform values), where a single-thread region
-    makes it wrap every MMA in a loop over the lanes with R2UR moves (7 instructions each).
-    `hoist` computes Q's k-step descriptors and P's columns once, here (for a warp of its own;
-    in a kernel whose softmax warps build this too they would hold those registers)."""
+    A whole warp runs each method -- warp 0 (Tcgen05Math), or the MMA warp (warp-specialised):
+    every lane computes the descriptors, and the MMAs and their commit are issued by the lane
+    elect.sync picks. ptxas then holds the descriptors in uniform registers (the warp computed
+    them from warp-uniform values), where a single-thread region (`tid == 0`) made it wrap every
+    MMA in a loop over the lanes with R2UR moves (7 instructions each). `hoist` computes Q's
+    k-step descriptors and P's columns once, here (for a warp of its own; in a kernel whose
+    softmax warps build this too they would hold those registers)."""
 
-    def __init__(self, b: KernelBuilder, cfg, q_smem: Reg, tmem: Reg, bars: Reg,
-                 warp_wide: bool = False, hoist: bool = False):
+    def __init__(self, b: KernelBuilder, cfg, q_smem: Reg, tmem: Reg, bars: Reg, hoist: bool = False):
         in_type = F16 if cfg.fmt.name == "f16" else BF16
         self.b, self.bm, self.bn, self.d, self.dv = b, cfg.block_m, cfg.block_n, cfg.head_dim, cfg.dv
         self.s_cols, self.p_cols = tmem, b.add(tmem, self.bn)
@@ -53,9 +50,8 @@ class UmmaIssue:
         self.idesc_o = b.umma_instr_descriptor(self.bm, self.dv, in_type, b_mn_major=True)
         self.q_smem = q_smem
         self.bar_s, self.bar_o = Addr(bars, BAR_S), Addr(bars, BAR_O)
-        self.warp_wide = warp_wide
         self.q_steps = self.p_steps = None
-        if hoist:   # loop-invariant operands computed once (by every thread that builds this)
+        if hoist:
             self.q_steps, self.p_steps = self._q_steps(), self._p_steps()
 
     def _q_steps(self) -> list[Reg]:
@@ -67,8 +63,8 @@ class UmmaIssue:
                 for kk in range(self.bn // 16)]
 
     def _issue(self):
-        """Where the MMAs go: the elected lane of a warp-wide caller, else the calling thread."""
-        return self.b.if_then(self.b.elect_sync()) if self.warp_wide else contextlib.nullcontext()
+        """The lane that issues: elect.sync over the calling warp."""
+        return self.b.if_then(self.b.elect_sync())
 
     def k_desc(self, k_tile: Reg) -> Reg:
         return self.b.umma_descriptor(k_tile, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
@@ -78,20 +74,10 @@ class UmmaIssue:
 
     def scores(self, k_tile: Reg) -> None:
         """S = Q·K(tile)ᵀ, committed to bar_s."""
-        b = self.b
-        if self.warp_wide:
-            self.scores_from(self.k_desc(k_tile))
-            return
-        b.tcgen05_fence(before=False)
-        q_desc = b.umma_descriptor(self.q_smem, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
-        k_desc = self.k_desc(k_tile)
-        for kk in range(self.d // 16):
-            b.tcgen05_mma(self.s_cols, k_step(b, q_desc, kk, self.bm),
-                          k_step(b, k_desc, kk, self.bn), self.idesc_s, kk > 0)
-        b.tcgen05_commit(self.bar_s)
+        self.scores_from(self.k_desc(k_tile))
 
     def scores_from(self, k_desc: Reg) -> None:
-        """Warp-wide S = Q·Kᵀ from K's descriptor (a loop may hold one per stage)."""
+        """S = Q·Kᵀ from K's descriptor (a loop may hold one per stage), committed to bar_s."""
         b = self.b
         b.tcgen05_fence(before=False)
         steps = [(q, k_step(b, k_desc, kk, self.bn))
@@ -103,20 +89,11 @@ class UmmaIssue:
 
     def pv(self, v_tile: Reg) -> None:
         """O += P·V(tile), committed to bar_o."""
-        b = self.b
-        if self.warp_wide:
-            self.pv_from(self.v_desc(v_tile))
-            return
-        v_desc = self.v_desc(v_tile)
-        for kk in range(self.bn // 16):   # keys 16kk..: P columns 8kk.., V 2 periods further
-            desc = v_desc if kk == 0 else b.add(v_desc, Imm(kk * 2 * SWIZZLE_PERIOD >> 4, U64))
-            p = self.p_cols if kk == 0 else b.add(self.p_cols, 8 * kk)
-            b.tcgen05_mma(self.o_cols, p, desc, self.idesc_o, True)
-        b.tcgen05_commit(self.bar_o)
+        self.pv_from(self.v_desc(v_tile))
 
     def pv_from(self, v_desc: Reg) -> None:
-        """Warp-wide O += P·V from V's descriptor (keys 16kk..: P columns 8kk.., V two swizzle
-        periods further)."""
+        """O += P·V from V's descriptor (keys 16kk..: P columns 8kk.., V two swizzle periods
+        further), committed to bar_o."""
         b = self.b
         descs = [v_desc if kk == 0 else b.add(v_desc, Imm(kk * 2 * SWIZZLE_PERIOD >> 4, U64))
                  for kk in range(self.bn // 16)]
@@ -126,12 +103,12 @@ class UmmaIssue:
             b.tcgen05_commit(self.bar_o)
 
     def commit(self, bar: Addr) -> None:
-        """The issuing thread's MMAs so far arrive once on `bar` when they complete."""
+        """The issuing lane's MMAs so far arrive once on `bar` when they complete."""
         with self._issue():
             self.b.tcgen05_commit(bar)
 
     def no_pv(self) -> None:
-        """An empty commit: bar_o's phase completes with this thread's earlier MMAs."""
+        """An empty commit: bar_o's phase completes with the issuing lane's earlier MMAs."""
         self.commit(self.bar_o)
 
 
