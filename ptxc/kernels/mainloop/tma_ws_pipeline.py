@@ -9,11 +9,11 @@ hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp).
   registers  after the common prologue the producer gives registers back (setmaxnreg.dec to
              PRODUCER_REGS) and the consumers take them (setmaxnreg.inc to consumer_regs(C));
              .maxntid 128 (C + 1) fixes the count every warp starts with.
-  producer   one thread (the producer's first) issues Q on its barrier, the first S refills,
-             then for i = S .. n_tiles: wait empty[i mod S] (the consumers are done with K(i-S)
-             and V(i-S-1)), refill B(i-S) = {K(i), V(i-1)} on full[i mod S] -- the phases
-             tma_pipeline.py's single thread issues -- and exits. The other 127 threads exit
-             after setmaxnreg.
+  producer   the producer's first warp (one elected lane arriving and issuing) issues Q on its
+             barrier, the first S refills, then for i = S .. n_tiles: wait empty[i mod S] (the
+             consumers are done with K(i-S) and V(i-S-1)), refill B(i-S) = {K(i), V(i-1)} on
+             full[i mod S] -- the phases tma_pipeline.py's single thread issues -- and exits.
+             The other 96 threads exit after setmaxnreg.
   consumers  A(j) of tma_pipeline.py; once wgmma.wait_group 0 has retired the reads of K(j)
              and V(j-1), lane 0 of every consumer warp arrives on empty[j mod S] (arrival count
              4C), which is all the loop synchronises: no CTA barrier. After the loop they meet on
@@ -156,10 +156,13 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
 
     with b.if_then(b.setp("ge", tid, 128 * C)):                          # the producer
         b.setmaxnreg(False, producer_regs(C))
-        with b.if_then(b.setp("eq", tid, 128 * C)):
+        # its first warp runs the loop (warp-uniform for ptxas: no loop over the lanes around
+        # each TMA box), one elected lane issuing
+        warp = b.shfl("idx", b.shr(tid, 5), 0)
+        with b.if_then(b.setp("eq", warp, 4 * C)):
             issue_loads(b, stages=S, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=q_bytes,
                         q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, bars=bars,
-                        n_tiles=n_tiles, copy_tile=copy_tile)
+                        n_tiles=n_tiles, copy_tile=copy_tile, warp_wide=True)
     with b.else_():                                                      # the consumers
         b.setmaxnreg(True, consumer_regs(C))
         math = make_math()
