@@ -60,7 +60,9 @@ class KernelSpec:
                    tile=tuple(sorted(data.get("tile", {}).items())))
 
     def for_target_key(self, target: str) -> dict[str, Any]:
-        """What determines the PTX of one target: the spec with only that target listed."""
+        """What determines the PTX of one target: the whole spec (its other targets included: a
+        family may size a target-independent tile by all of them, as varlen's latent tile is)
+        and the target."""
         data = self.to_dict()
-        data["targets"] = [target]
+        data["build_target"] = target
         return data

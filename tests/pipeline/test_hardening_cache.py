@@ -161,3 +161,31 @@ def test_symlinked_stage_or_prefix_directory_is_never_written_through(tmp_path, 
     os.symlink(outside, stage / key2[:2])
     cache.put("ptx", key2, b"other")
     assert list(outside.iterdir()) == [] and cache.get("ptx", key2) == b"other"
+
+
+MLA_SPEC = """[[kernel]]
+name = "m"
+family = "mla"
+dtype = "bf16"
+num_heads = 128
+kv_lora_rank = 512
+qk_rope_head_dim = 64
+softmax_scale = 0.1352
+targets = {targets}
+"""
+
+
+def test_cache_key_covers_the_other_targets(tmp_path):
+    """A target's PTX may depend on the spec's other targets (MLA's latent tile is sized to fit
+    every one of them: 64 head rows on sm_80 alone, fewer with a 99 KiB sm_120 beside it), so
+    a cached target of one target list never stands for another: the build of ["sm_80"] after
+    ["sm_80", "sm_120"] in the same cache equals its build in an empty one."""
+    cache, fresh = tmp_path / "c", tmp_path / "fresh"
+    (tmp_path / "both.toml").write_text(MLA_SPEC.format(targets='["sm_80", "sm_120"]'))
+    (tmp_path / "one.toml").write_text(MLA_SPEC.format(targets='["sm_80"]'))
+    run_build([tmp_path / "both.toml"], tmp_path / "o1", verify=False, progress=False, cache_dir=cache)
+    run_build([tmp_path / "one.toml"], tmp_path / "o2", verify=False, progress=False, cache_dir=cache)
+    run_build([tmp_path / "one.toml"], tmp_path / "o3", verify=False, progress=False, cache_dir=fresh)
+    ptx = lambda out: (out / "m" / "m.sm_80.ptx").read_text()   # noqa: E731
+    assert ptx(tmp_path / "o2") == ptx(tmp_path / "o3")
+    assert ptx(tmp_path / "o1") != ptx(tmp_path / "o3")   # the case is real: the tiles differ
