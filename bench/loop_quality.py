@@ -83,13 +83,13 @@ def print_table(rows: list[dict]) -> None:
 def issue_loops(out: Path, targets: list[str]) -> list[dict]:
     """The MMA warp's and the load warp's loops of every cubin under `out` (see --issue-loops)."""
     from ptxc.report.loops import issue_loops as loops_of
-    from ptxc.report.sass import _disassembly_text, find_nvdisasm
+    from ptxc.report.sass import disassembly_text, find_nvdisasm
     rows = []
     for cubin in sorted(out.glob("*/*.cubin")):
         target = cubin.suffixes[-2].lstrip(".")
         if targets and target not in targets:
             continue
-        for fn, roles in loops_of(_disassembly_text(find_nvdisasm(), cubin.read_bytes())).items():
+        for fn, roles in loops_of(disassembly_text(find_nvdisasm(), cubin.read_bytes())).items():
             rows += [{"kernel": cubin.parent.name, "target": target, "entry": fn, "role": r, **roles[r]}
                      for r in ("mma", "load") if r in roles]
     return rows

@@ -98,7 +98,7 @@ def sass_profile(cubin: bytes, cache=None) -> dict[str, dict]:
     hit = cache.get("sass", key) if cache is not None else None
     if hit is not None:
         return json.loads(hit)
-    text = _disassembly_text(tool, cubin)
+    text = disassembly_text(tool, cubin)
     loops = loops_module.analyze_disassembly(text)
     out = {fn: {"mix": summarize(ops), "loops": loops.get(fn, {"loops": [], "main": None})}
            for fn, ops in parse_disassembly(text).items()}
@@ -108,11 +108,12 @@ def sass_profile(cubin: bytes, cache=None) -> dict[str, dict]:
 
 
 def _disassemble(tool: str, cubin: bytes) -> dict[str, dict[str, int]]:
-    text = _disassembly_text(tool, cubin)
+    text = disassembly_text(tool, cubin)
     return {fn: summarize(ops) for fn, ops in parse_disassembly(text).items()}
 
 
-def _disassembly_text(tool: str, cubin: bytes) -> str:
+def disassembly_text(tool: str, cubin: bytes) -> str:
+    """nvdisasm's text of a cubin (`tool`: find_nvdisasm()), for the loop analysis."""
     with tempfile.TemporaryDirectory(prefix="ptxc-sass-") as tmp:
         path = Path(tmp, "kernel.cubin")
         path.write_bytes(cubin)

@@ -115,7 +115,7 @@ def test_sass_consumer_loop_takes_turns(tmp_path, toolchain):
     turns 353, 1.34), and the loop's tensor work is unchanged."""
     from conftest import SPECS
     from ptxc.pipeline.build import run_build
-    from ptxc.report.sass import SassUnavailable, _disassembly_text, find_nvdisasm, sass_profile
+    from ptxc.report.sass import SassUnavailable, disassembly_text, find_nvdisasm, sass_profile
     text = (SPECS / "llama3_8b_prefill.toml").read_text()
     text = "\n".join('targets = ["sm_90a"]' if line.startswith("targets") else line
                      for line in text.splitlines()) + "\n[kernel.tile]\npingpong = true\n"
@@ -126,7 +126,7 @@ def test_sass_consumer_loop_takes_turns(tmp_path, toolchain):
     cubin = (art / meta["targets"]["sm_90a"]["cubin"]).read_bytes()
     try:
         [prof] = sass_profile(cubin).values()
-        sass = _disassembly_text(find_nvdisasm(), cubin)
+        sass = disassembly_text(find_nvdisasm(), cubin)
     except SassUnavailable as e:
         pytest.skip(f"SASS unavailable: {e}")
     from families.test_prefill_tma_ws import _loop_text

@@ -287,12 +287,12 @@ def test_sass_issuing_warps_keep_descriptors_uniform(tmp_path):
     about 7 instructions per UTCHMMA -- it was 18.4 when one thread ran it (ptxas wrapped every
     MMA in a loop over the lanes with R2UR moves) -- and the load warp 18 per TMA box (21)."""
     from ptxc.report.loops import issue_loops
-    from ptxc.report.sass import _disassembly_text
+    from ptxc.report.sass import disassembly_text
     _main_loop(tmp_path, None)   # builds (and skips without nvdisasm)
     ptx = (tmp_path / "out" / "p" / "p.sm_100a.ptx").read_text()
     assert ptx.count("elect.sync") >= 3
     from ptxc.report.sass import find_nvdisasm
-    text = _disassembly_text(find_nvdisasm(), (tmp_path / "out" / "p" / "p.sm_100a.cubin").read_bytes())
+    text = disassembly_text(find_nvdisasm(), (tmp_path / "out" / "p" / "p.sm_100a.cubin").read_bytes())
     [roles] = issue_loops(text).values()
     assert roles["mma"]["issues"] == 2 * 16 and roles["mma"]["per_issue"] < 8, roles
     assert roles["load"]["issues"] == 4 and roles["load"]["per_issue"] < 20, roles

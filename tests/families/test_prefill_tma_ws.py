@@ -211,7 +211,7 @@ def test_artifact_and_sass_consumer_loop(built):
     HMMA-equivalents per warp), no BAR.SYNC and no UTMALDG (both left the loop with the
     producer), one mbarrier arrive; the register split is in the SASS (ptxas 13.5: 353
     instructions, 1.34 per HMMA-equivalent; the plain TMA loop: 350, 1.33)."""
-    from ptxc.report.sass import SassUnavailable, _disassembly_text, find_nvdisasm, sass_profile
+    from ptxc.report.sass import SassUnavailable, disassembly_text, find_nvdisasm, sass_profile
     from ptxc.runtime import load
     out, summary = built
     assert summary["verified"] and not summary["problems"]
@@ -225,7 +225,7 @@ def test_artifact_and_sass_consumer_loop(built):
              ["targets"]["sm_90a"]["cubin"]).read_bytes()
     try:
         [prof] = sass_profile(cubin).values()
-        text = _disassembly_text(find_nvdisasm(), cubin)
+        text = disassembly_text(find_nvdisasm(), cubin)
     except SassUnavailable as e:
         pytest.skip(f"SASS unavailable: {e}")
     assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in text and "USETMAXREG.TRY_ALLOC.CTAPOOL" in text
