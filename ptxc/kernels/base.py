@@ -139,3 +139,8 @@ class Family:
     # Tile keys that only make sense together (one group per code path, e.g. decode's SIMT and
     # tensor-core tiles): `ptxc tune` searches each group's product; empty: all keys at once.
     tile_groups: tuple[tuple[str, ...], ...] = ()
+    # Whether a target's PTX depends on the spec's other targets (a tile sized to fit all of
+    # them, so that the grid is target-independent): the PTX cache key then holds the whole
+    # target list, else only the target (so specs that differ in other targets share entries;
+    # tests/pipeline/test_hardening_cache.py checks the claim over every example spec).
+    ptx_reads_all_targets: Callable[[KernelSpec], bool] = lambda spec: False

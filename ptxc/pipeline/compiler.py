@@ -82,7 +82,8 @@ def module_ptx_version(ptx: str) -> str:
 
 
 def compile_target(spec: KernelSpec, target: str, cache: Cache, tc: Toolchain | None) -> TargetBuild:
-    key = make_key("ptx", {"spec": spec.for_target_key(target)})
+    reads_all = FAMILIES[spec.family].ptx_reads_all_targets(spec)
+    key = make_key("ptx", {"spec": spec.for_target_key(target, all_targets=reads_all)})
     data = cache.get_json("ptx", key, _ptx_entry_ok)
     if data is not None:
         tb = TargetBuild(target, data["ptx"], data["launches"], data["config"], cached={"ptx": True})

@@ -59,10 +59,13 @@ class KernelSpec:
         return cls(**{k: data[k] for k in common}, targets=tuple(data["targets"]), options=options,
                    tile=tuple(sorted(data.get("tile", {}).items())))
 
-    def for_target_key(self, target: str) -> dict[str, Any]:
-        """What determines the PTX of one target: the whole spec (its other targets included: a
-        family may size a target-independent tile by all of them, as varlen's latent tile is)
-        and the target."""
+    def for_target_key(self, target: str, all_targets: bool = False) -> dict[str, Any]:
+        """What determines the PTX of one target: the spec with only that target listed, or,
+        where the family sizes a target-independent tile by all of them (`all_targets`), the
+        whole spec and the target."""
         data = self.to_dict()
-        data["build_target"] = target
+        if all_targets:
+            data["build_target"] = target
+        else:
+            data["targets"] = [target]
         return data

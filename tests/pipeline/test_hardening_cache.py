@@ -189,3 +189,21 @@ def test_cache_key_covers_the_other_targets(tmp_path):
     ptx = lambda out: (out / "m" / "m.sm_80.ptx").read_text()   # noqa: E731
     assert ptx(tmp_path / "o2") == ptx(tmp_path / "o3")
     assert ptx(tmp_path / "o1") != ptx(tmp_path / "o3")   # the case is real: the tiles differ
+
+
+def test_families_that_say_their_ptx_is_per_target_are_right():
+    """The PTX key holds only the target unless the family says its PTX reads the other
+    targets (Family.ptx_reads_all_targets): for every example spec and target of a family that
+    says it does not, lowering with that target alone gives the same PTX as with all."""
+    import dataclasses
+    from ptxc.kernels import FAMILIES, load_paths
+    from ptxc.pipeline.compiler import lower
+    checked = 0
+    for spec in load_paths([SPECS]):
+        if FAMILIES[spec.family].ptx_reads_all_targets(spec) or len(spec.targets) < 2:
+            continue
+        for t in spec.targets:
+            alone = dataclasses.replace(spec, targets=(t,))
+            assert lower(alone, t)[0] == lower(spec, t)[0], (spec.name, t)
+            checked += 1
+    assert checked > 50

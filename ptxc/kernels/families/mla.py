@@ -227,6 +227,7 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
 FAMILY = Family(name="mla", doc=__doc__.split("\n")[0], fields=FIELDS, validate=validate,
                 interface=interface, build=build, resolve_tile=resolve_tile,
                 make_inputs=make_inputs, reference=reference, derive=derive,
-                row_sum_dtype=lambda spec: spec.dtype)
+                row_sum_dtype=lambda spec: spec.dtype,
+                ptx_reads_all_targets=lambda spec: True)   # the latent tile fits every target
 
 __all__ = ["FAMILY", "attention_view", "check_cache_keys", "check_group_scaled", "derive", "latent_head"]

@@ -388,6 +388,7 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
 FAMILY = Family(name="varlen", doc=__doc__.split("\n")[0], fields=FIELDS, validate=validate,
                 interface=interface, build=build, resolve_tile=resolve_tile,
                 make_inputs=make_inputs, reference=reference,
-                row_sum_dtype=lambda spec: None if spec.dtype == "f32" else spec.dtype)
+                row_sum_dtype=lambda spec: None if spec.dtype == "f32" else spec.dtype,
+                ptx_reads_all_targets=latent_cache)     # latent_block_m fits every target
 
 __all__ = ["FAMILY", "configure"]
