@@ -22,8 +22,8 @@ from typing import Any
 
 from ..errors import PtxcError
 from ..files import sha256
-from .checked import (
-    MANIFEST, check_artifact, ptx_signatures, read_artifact_file, read_manifest_checked, short)
+from .checked import (MANIFEST, check_artifact, ptx_signatures, read_artifact_file,  # noqa: F401
+                      read_manifest_checked, short)
 
 
 @dataclass

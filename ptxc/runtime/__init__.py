@@ -12,8 +12,7 @@ among the inputs as 0-d float32 arrays, or as --set name=value.
 from __future__ import annotations
 
 from .abi import *  # noqa: F401,F403  (the launch ABI: infer_dims, prepare_buffers, pack_args, ...)
-from .abi import (
-    AUTO_RULE_NAMES, DEFAULT_MAX_RUN_BYTES, DIM_MAX, EMU_NUM_SMS, GRID_MAX, HOST_DTYPES, INT_RANGE,
-    NP_PARAM, PARAM_RANGE, POISON, _dim_sets)
+from .abi import (AUTO_RULE_NAMES, DEFAULT_MAX_RUN_BYTES, DIM_MAX, EMU_NUM_SMS, GRID_MAX,  # noqa: F401
+                  HOST_DTYPES, INT_RANGE, NP_PARAM, PARAM_RANGE, POISON, _dim_sets)
 from .artifact import Artifact, _emu_launcher, load  # noqa: F401
 from .dispatch import find_variant  # noqa: F401  (ptxc.runtime.find_variant)

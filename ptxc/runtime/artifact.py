@@ -12,9 +12,8 @@ import numpy as np
 
 from ..errors import InputError, UserError
 from ..reference import from_device
-from .abi import (
-    EMU_NUM_SMS, _dim_sets, infer_dims, launch_geometry, launch_record, pack_args, prepare_buffers,
-    row_pointer_offsets, sm_number, split_scalars)
+from .abi import (EMU_NUM_SMS, _dim_sets, infer_dims, launch_geometry, launch_record, pack_args,
+                  prepare_buffers, row_pointer_offsets, sm_number, split_scalars)
 
 
 @dataclass

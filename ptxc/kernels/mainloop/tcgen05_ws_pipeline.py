@@ -123,10 +123,11 @@ def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_fr
         b.mbarrier_wait_parity(bar, phase)
         b.tcgen05_fence(before=False)
 
-    def tile(s: int, first: Reg | None) -> None:
-        """Tile j = r + s (K(j) in stage s, V(j-1) in stage s - 1); `first`: j == 0."""
+    def tile(s: int, r: Reg | None) -> None:
+        """Tile j = r + s (K(j) in stage s, V(j-1) in stage s - 1). Copy 0 gets the round's
+        first tile r, which may be tile 0 (no S(j-1) to wait for, no P·V); the others' j > 0."""
         wait(Addr(bars, s * MBARRIER_BYTES), parity)
-        later = b.setp("gt", first, 0) if first is not None else None
+        later = b.setp("gt", r, 0) if r is not None else None
         with b.if_then(later) if later is not None else contextlib.nullcontext():
             wait(s_free, handed)
         umma.scores_from(k_descs[s])
