@@ -4,12 +4,13 @@ body whose K/V tiles are copied by the threads themselves (cp.async, or plain lo
 -- one body for each math, the pieces given by the family's path table:
 
   portable (every target)  padded or swizzled tiles (`thread_slot`), MmaMath (f16/bf16) or
-                           SimtMath (f32), kv_pipeline.py's loop (`cp_async_loop`), a packed
+                           SimtMath (f32), the "cp_async" main loop (kv_pipeline.py), a packed
                            custom mask's tile list first
-  sm_90a wgmma             128-byte-swizzled slabs (`swizzled_slot`), WgmmaMath,
-                           wgmma_pipeline.py's loop (`wgmma_loop`; tile.kv_loads = "cp_async")
+  sm_90a wgmma             128-byte-swizzled slabs (`swizzled_slot`), WgmmaMath, the "wgmma"
+                           main loop (wgmma_pipeline.py; tile.kv_loads = "cp_async")
 
-The TMA bodies are prefill_tma.py (wgmma) and prefill_tcgen05.py, after the same setup.
+The TMA body (wgmma and tcgen05) is prefill_tma.py, after the same setup; both end in
+assemble.py's `assemble`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from ...spec.model import KernelSpec
 from ..attention.mask_tiles import classify_tiles
 from ..attention.prefill_tile import Ctx, cta_coords, tile_range
 from ..config.prefill import PrefillConfig
-from ..mainloop.kv_pipeline import run_kv_pipeline
 from ..mainloop.tiles import global_rows, load_tile
-from ..mainloop.wgmma_pipeline import run_wgmma_pipeline
+from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,10 @@ class Setup:
                    self.key_offset, self.smem, self.head_base("o", self.head), strides[("o", 1)],
                    ptrs.get("lse"), self.variant, ptrs.get("sinks"), ptrs.get("alibi_slopes"))
 
+    def transform_of(self, math):
+        """The variant's score transform through `math`'s fragments, or None."""
+        return math.transform if self.variant.transforms else None
+
 
 def setup(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k) -> Setup:
     """The CTA's place, its tile range and the shared-memory regions (Q, then the K and V stages,
@@ -71,22 +75,11 @@ def setup(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides,
                  first_tile, lo_full, variant, sq, sk, smem, k_smem, v_smem)
 
 
-def cp_async_loop(b: KernelBuilder, cfg: PrefillConfig, mask_of, **loop) -> None:
-    run_kv_pipeline(b, stages=cfg.num_stages, kv_bytes=cfg.kv_geom.bytes, use_async=cfg.cp_async,
-                    mask_of=mask_of, **loop)
-
-
-def wgmma_loop(b: KernelBuilder, cfg: PrefillConfig, mask_of, **loop) -> None:
-    assert mask_of is None, "packed masks keep the mma.sync kernel (config/wgmma.uses_wgmma)"
-    run_wgmma_pipeline(b, stages=cfg.num_stages, kv_bytes=cfg.kv_geom.bytes,
-                       v_bytes=cfg.v_geom.bytes, **loop)
-
-
 def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k,
-              mask_bytes: Reg | None = None, *, slot, math_type, run_loop) -> None:
+              mask_bytes: Reg | None = None, *, slot, math_type, mainloop: str) -> None:
     """Q and the K/V stages copied by every thread into the tiles `slot` lays out (a
-    ThreadSlot per geometry), the K/V loop `run_loop` (cp_async_loop, wgmma_loop) around
-    `math_type`'s tile math, a packed custom mask's tile list first."""
+    ThreadSlot per geometry), assembled with the main loop `mainloop` ("cp_async" | "wgmma")
+    around `math_type`'s tile math, a packed custom mask's tile list first."""
     bn = cfg.block_n
     s = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k)
     n_tiles, first_tile, sk = s.n_tiles, s.first_tile, s.sk
@@ -137,7 +130,10 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, stri
             b.cp_async_commit()
 
     load_tile(b, q_slot, gq, s.m_start, b.sub(s.sq, b.bitcast(s.m_start, S32)), s.smem, cfg.cp_async)
-    run_loop(b, cfg, None if order is None else mask_of, k_smem=s.k_smem, v_smem=s.v_smem,
-             n_tiles=n_tiles, n_full=s.n_full, key0_of=key0_of, load_kv=load_kv, math=math,
-             lo_full=s.lo_full, transform=math.transform if s.variant.transforms else None)
-    math.epilogue()
+    # (the cp.async loop strides V's stages as K's; the wgmma loop by V's own tile)
+    buffers = Buffers(cfg.num_stages, s.smem, s.k_smem, s.v_smem, cfg.kv_geom.bytes,
+                      cfg.v_geom.bytes if mainloop == "wgmma" else None)
+    assemble(b, mainloop, buffers=buffers,
+             tiles=KeyTiles(n_tiles, s.n_full, key0_of, s.lo_full, None if order is None else mask_of),
+             loads=Loads(load_kv=load_kv, use_async=cfg.cp_async), math=prebuilt(math),
+             transform_of=s.transform_of)

@@ -1,48 +1,67 @@
-"""The sm_90a wgmma prefill's body with its tiles fed by TMA (tile.kv_loads = "tma"): the
-tensor-map copies of one elected thread (tma_pipeline.py), or of a producer warpgroup with
-tile.warp_specialize = true (tma_ws_pipeline.py). Setup: prefill_cp_async.py; math: math/wgmma.py."""
+"""The prefill bodies whose tiles are fed by TMA, after prefill_cp_async.setup: one box per
+128-byte column slab, coordinates {64 s, head, row, batch} (innermost first). One body for both
+tensor-core generations, the math and the main loop from the config:
+
+  sm_90a wgmma     WgmmaMath; the "tma" loop (one elected thread issues), or with
+                   tile.warp_specialize the "tma_ws" loop (a producer warpgroup)
+  sm_100a tcgen05  Tcgen05Math (its MMA barriers after the TMA ones); the "tma" loop with the
+                   math's issuer, or with tile.warp_specialize the "tcgen05_ws" loop (load, MMA
+                   and softmax warps; UmmaIssue for the MMA warp)
+
+Math: math/wgmma.py, math/tcgen05.py; loops: bodies/assemble.py."""
 
 from __future__ import annotations
 
 from ...ir import S32, TMAP, Addr, KernelBuilder, Reg
 from ...spec.model import KernelSpec
 from ..base import LaunchParam, ParamSource
+from ..config.tcgen05 import Tcgen05Config
 from ..config.wgmma import ROWS_PER_WARPGROUP, WgmmaConfig
 from ..mainloop.tiles import SWIZZLE
-from ..mainloop.tma_pipeline import run_tma_pipeline
-from ..mainloop.tma_ws_pipeline import run_tma_ws_pipeline
+from ..mainloop.tma_pipeline import barrier_bytes
+from ..math.tcgen05 import Tcgen05Math
+from ..math.umma import UmmaIssue
 from ..math.wgmma import WgmmaMath
+from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 from .prefill_cp_async import Setup, setup
 
 
-def emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k, tmaps: dict) -> None:
-    """prefill_cp_async.emit_body with the tiles fed by TMA (from the same setup): one
-    box per 128-byte column slab, coordinates {64 s, head, row, batch} (innermost first), issued
-    by one elected thread (tma_pipeline.py) or by the producer warpgroup (tile.warp_specialize,
-    tma_ws_pipeline.py)."""
+def emit_body(b: KernelBuilder, spec: KernelSpec, cfg, ptrs, strides, seq_q, seq_k,
+              tmaps: dict) -> None:
+    """Q, K and V by TMA (tile_copies) into 128-byte-swizzled slabs, the math and main loop
+    cfg's generation and tile.warp_specialize name (see the module docstring)."""
     s = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k)
-    stages = cfg.num_stages
     ctx = s.ctx(spec, cfg, ptrs, strides, seq_q, seq_k)
-    math = None if cfg.warp_specialize else WgmmaMath(b, ctx)   # (ws: in the consumer branch)
-    copy_tile, key0_of = tile_copies(b, cfg, s, tmaps)
-
+    stages, ws = cfg.num_stages, cfg.warp_specialize
     k_bytes, v_bytes = cfg.kv_geom.bytes, cfg.v_geom.bytes
     bars = b.add(s.k_smem, stages * (k_bytes + v_bytes))
-    if cfg.warp_specialize:
-        run_tma_ws_pipeline(
-            b, stages=stages, consumers=cfg.block_m // ROWS_PER_WARPGROUP,
-            kv_bytes=k_bytes, v_bytes=v_bytes, q_bytes=cfg.q_geom.bytes, q_smem=s.smem,
-            k_smem=s.k_smem, v_smem=s.v_smem, bars=bars, tid=s.tid, lane=s.lane,
-            n_tiles=s.n_tiles, n_full=s.n_full, key0_of=key0_of, copy_tile=copy_tile,
-            make_math=lambda: WgmmaMath(b, ctx), transforms=bool(s.variant.transforms),
-            lo_full=s.lo_full, pingpong=cfg.pingpong)
-        return
-    run_tma_pipeline(b, stages=stages, kv_bytes=k_bytes, v_bytes=v_bytes, q_bytes=cfg.q_geom.bytes,
-                     q_smem=s.smem, k_smem=s.k_smem, v_smem=s.v_smem, bars=bars,
-                     leader=b.setp("eq", s.tid, 0), n_tiles=s.n_tiles, n_full=s.n_full,
-                     key0_of=key0_of, copy_tile=copy_tile, math=math, lo_full=s.lo_full,
-                     transform=math.transform if s.variant.transforms else None)
-    math.epilogue()
+    tcgen05 = isinstance(cfg, Tcgen05Config)
+    mma_bars = b.add(bars, barrier_bytes(stages, ws)) if tcgen05 else None   # after the TMA ones
+    buffers = Buffers(stages, s.smem, s.k_smem, s.v_smem, k_bytes, v_bytes, cfg.q_geom.bytes, bars,
+                      mma_bars)
+    math = None if ws else Tcgen05Math(b, ctx, mma_bars) if tcgen05 else WgmmaMath(b, ctx)
+    copy_tile, key0_of = tile_copies(b, cfg, s, tmaps)
+    pieces = dict(buffers=buffers, tiles=KeyTiles(s.n_tiles, s.n_full, key0_of, s.lo_full),
+                  transform_of=s.transform_of)
+    if not ws:        # one issuing thread: tcgen05's MMA issuer, or thread 0
+        leader = math.issuer if tcgen05 else b.setp("eq", s.tid, 0)
+        assemble(b, "tma", loads=Loads(copy_tile=copy_tile, leader=leader), math=prebuilt(math),
+                 **pieces)
+    elif tcgen05:     # load, MMA and softmax warps
+        assemble(b, "tcgen05_ws", loads=Loads(copy_tile=copy_tile),
+                 math=lambda tmem: Tcgen05Math(b, ctx, mma_bars, tmem), tid=s.tid, lane=s.lane,
+                 warp0=b.setp("eq", b.shfl("idx", s.warp, 0), 0), columns=cfg.tmem_columns,
+                 make_issue=lambda tmem: UmmaIssue(b, cfg, s.smem, tmem, mma_bars, hoist=True),
+                 **pieces)
+    else:             # a producer warpgroup and consumer warpgroups
+        assemble(b, "tma_ws", loads=Loads(copy_tile=copy_tile), math=lambda: WgmmaMath(b, ctx),
+                 tid=s.tid, lane=s.lane, consumers=cfg.block_m // ROWS_PER_WARPGROUP,
+                 pingpong=cfg.pingpong, **pieces)
+
+
+def build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params) -> None:
+    """emit_body with the q/k/v tensor maps after the other parameters."""
+    emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, tensor_map_params(b, spec, cfg, params))
 
 
 def tile_copies(b, cfg, s: Setup, tmaps: dict):
@@ -69,7 +88,8 @@ def tile_copies(b, cfg, s: Setup, tmaps: dict):
     return copy_tile, key0_of
 
 
-def tensor_map_params(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, params: list) -> dict:
+def tensor_map_params(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig | Tcgen05Config,
+                      params: list) -> dict:
     """The q/k/v tensor-map parameters of the TMA loads (appended to `params`): one box is a
     64-element (128-byte) column slab of block_m (Q) or block_n (K, V) rows of one head."""
     maps = {}

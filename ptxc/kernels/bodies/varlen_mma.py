@@ -14,8 +14,8 @@ from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8 import stage_rows_dequant
 from ..kv.kv_fp8_stage import FP8Staging, StagedFP8Config
 from ..kv.kv_pages import PagedTiles, SparseSlots, prefetch_applies
-from ..mainloop.kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
 from ..mainloop.tiles import load_tile_rows, thread_slot
+from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 
 
 def emit_mma_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
@@ -94,14 +94,9 @@ def emit_mma_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs
     if quant is not None and quant.mode != "group":   # group scales: applied in the staging
         k_scale, math.v_scale = quant.scales(b, kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
-    loop = dict(n_tiles=n_tiles, n_full=tile.n_full, key0_of=tile.key0,
-                load_kv=load_kv, math=math, transform=score_transform(b, spec, math),
-                lo_full=tile.lo_full, landed=None if staging is None else staging.landed)
-    if tile.order is not None:   # a packed mask: the tiles with a bit set (mask_tiles.py)
-        loop["mask_of"] = tile.mask_of
-    if cfg.shared_kv:   # MLA's latent rows: one tile per stage for both products
-        run_shared_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, kv_smem=k_smem, **loop)
-    else:
-        run_kv_pipeline(b, stages=stages, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
-                        use_async=True, **loop)
-    math.epilogue()
+    assemble(b, "latent" if cfg.shared_kv else "cp_async",   # MLA: one latent tile per stage
+             buffers=Buffers(stages, smem, k_smem, v_smem, kv_bytes),
+             tiles=KeyTiles(n_tiles, tile.n_full, tile.key0, tile.lo_full,
+                            None if tile.order is None else tile.mask_of),   # a packed mask's tiles
+             loads=Loads(load_kv=load_kv, landed=None if staging is None else staging.landed),
+             math=prebuilt(math), transform_of=lambda m: score_transform(b, spec, m))

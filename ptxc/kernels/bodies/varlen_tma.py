@@ -45,8 +45,9 @@ from ..base import LaunchParam, ParamSource
 from ..kv.kv_access import KVAccess
 from ..mainloop.tiles import CHUNK
 from ..mainloop.tiles import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
-from ..mainloop.tma_pipeline import barrier_bytes, run_tma_pipeline
+from ..mainloop.tma_pipeline import barrier_bytes
 from ..math.tcgen05 import Tcgen05Math
+from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
 
 
@@ -216,14 +217,12 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     else:
         math = VarlenWgmmaMath(b, ctx, ptrs, strides)
         bars = b.add(tile.v_smem, stages * v_bytes)
-    run_tma_pipeline(b, stages=stages, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=0, q_smem=tile.smem,
-                     k_smem=tile.k_smem, v_smem=tile.v_smem,
-                     bars=bars, leader=b.setp("eq", ctx.tid, 0),
-                     n_tiles=n_tiles, n_full=tile.n_full,
-                     key0_of=lambda j: b.mul(b.add(first, j), bn), copy_tile=copy_tile, math=math,
-                     transform=score_transform(b, spec, math), lo_full=tile.lo_full,
-                     q_landed=q_landed, last_v_landed=last_v_landed, issuer=issuer)
-    math.epilogue()
+    assemble(b, "tma", buffers=Buffers(stages, tile.smem, tile.k_smem, tile.v_smem, kv_bytes, v_bytes,
+                                       0, bars),   # Q came by cp.async
+             tiles=KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full),
+             loads=Loads(copy_tile=copy_tile, leader=b.setp("eq", ctx.tid, 0), issuer=issuer,
+                         q_landed=q_landed, last_v_landed=last_v_landed),
+             math=prebuilt(math), transform_of=lambda m: score_transform(b, spec, m))
 
 
 __all__ = ["emit_tma_tile", "tensor_map_params"]

@@ -45,8 +45,8 @@ from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8_stage import SwizzledFP8Staging
 from ..kv.kv_pages import PagedTiles, prefetch_applies
 from ..mainloop.tiles import SWIZZLE_PERIOD, ThreadSlot, load_tile_passes, swizzled_slot
-from ..mainloop.wgmma_pipeline import run_wgmma_pipeline
 from ..math.wgmma import WgmmaMath
+from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 
 class VarlenWgmmaMath(VarlenMath, WgmmaMath):
     """WgmmaMath's tile math with VarlenMath's per-row epilogue (the MRO composes them:
@@ -186,13 +186,12 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     if quant is not None:
         k_scale, math.v_scale = quant.scales(b, work.kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
-    run_wgmma_pipeline(b, stages=cfg.num_stages,
-                       kv_bytes=staging.stage_bytes if staging else cfg.kv_geom.bytes,
-                       k_smem=k_stage, v_smem=v_stage, n_tiles=n_tiles, n_full=tile.n_full,
-                       key0_of=lambda j: b.mul(b.add(first, j), bn), load_kv=load_kv, math=math,
-                       transform=score_transform(b, spec, math), lo_full=tile.lo_full,
-                       landed=staging.landed if staging else None)
-    math.epilogue()
+    assemble(b, "wgmma",
+             buffers=Buffers(cfg.num_stages, tile.smem, k_stage, v_stage,
+                             staging.stage_bytes if staging else cfg.kv_geom.bytes),
+             tiles=KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full),
+             loads=Loads(load_kv=load_kv, landed=staging.landed if staging else None),
+             math=prebuilt(math), transform_of=lambda m: score_transform(b, spec, m))
 
 
 __all__ = ["VarlenWgmmaMath", "emit_wgmma_tile", "row_chunks", "stage_groups"]

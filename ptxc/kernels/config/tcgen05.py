@@ -1,6 +1,6 @@
 """The sm_100a / sm_103a tcgen05 prefill's tile: when it applies (`uses_tcgen05`), its config
 (`Tcgen05Config`: the wgmma tile's swizzled slabs plus tensor memory and the MMA region) and the
-checks on a given tile. Math: math/tcgen05.py; body: bodies/prefill_tcgen05.py."""
+checks on a given tile. Math: math/tcgen05.py; body: bodies/prefill_tma.py."""
 
 from __future__ import annotations
 

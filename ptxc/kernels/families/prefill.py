@@ -22,7 +22,7 @@ from ..attention.variant import (
     default_seq_len, head_dim_v, mask_bytes_param, validate_variant, variant_inputs,
     variant_reference_args, variant_tensors)
 from ..base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
-from ..bodies import prefill_cp_async, prefill_tcgen05, prefill_tma
+from ..bodies import prefill_cp_async, prefill_tma
 from ..config import tcgen05 as tc  # sm_100a/sm_103a f16/bf16, head dims 64/128
 from ..config import wgmma as wg  # sm_90a f16/bf16, head dims 64/128/192/256
 from ..config.prefill import FIELDS, MAX_SIMT_HEAD_DIM, configure
@@ -74,29 +74,28 @@ class PrefillPath:
     targets: tuple[str, ...]     # where it runs, for refusals (the last path: every target)
 
 
-def _tcgen05_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
-    prefill_tcgen05.build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params)   # tensor maps last
+def _tma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
+    prefill_tma.build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params)   # tensor maps last
 
 
 def _wgmma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
-    if cfg.tma:      # tile.kv_loads = "tma": q/k/v tensor maps after the other params
-        prefill_tma.emit_tma_prefill(b, spec, cfg, ptrs, strides, seq_q, seq_k,
-                                     prefill_tma.tensor_map_params(b, spec, cfg, params))
+    if cfg.tma:      # tile.kv_loads = "tma"
+        _tma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes)
     else:
         prefill_cp_async.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, slot=swizzled_slot,
-                                   math_type=WgmmaMath, run_loop=prefill_cp_async.wgmma_loop)
+                                   math_type=WgmmaMath, mainloop="wgmma")
 
 
 def _portable_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
     prefill_cp_async.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, mask_bytes,
                                slot=thread_slot, math_type=MmaMath if cfg.tensor_cores else SimtMath,
-                               run_loop=prefill_cp_async.cp_async_loop)
+                               mainloop="cp_async")
 
 
 # Most specific first: the first that applies is the target's kernel.
 PATHS = (
     PrefillPath("the sm_100a tcgen05 kernel", tc.uses_tcgen05, tc.configure, tc.resolve_tile,
-                _tcgen05_body, ("kv_loads", "warp_specialize", "exp2_poly"), tc.TCGEN05_SHAPES,
+                _tma_body, ("kv_loads", "warp_specialize", "exp2_poly"), tc.TCGEN05_SHAPES,
                 tc.TCGEN05_TARGETS),
     PrefillPath("the sm_90a wgmma kernel", wg.uses_wgmma, wg.configure, wg.resolve_tile,
                 _wgmma_body, ("kv_loads", "warp_specialize", "pingpong"), wg.WGMMA_SHAPES,

@@ -52,7 +52,7 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                             q_bytes: int, q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg,
                             mma_bars: Reg, tid: Reg, lane: Reg, warp0: Reg, columns: int,
                             n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
-                            make_issue, transforms: bool, lo_full: Reg | None = None) -> None:
+                            make_issue, transform_of, lo_full: Reg | None = None) -> None:
     """tma_pipeline's copy_tile / key0_of; `bars` the TMA barriers (barrier_bytes(stages,
     True)), `mma_bars` the MMA region (umma.BAR_S ..); `make_math(tmem)` builds the
     softmax warps' Tcgen05Math, `make_issue(tmem)` the MMA warp's UmmaIssue."""
@@ -83,7 +83,7 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                       p_full, n_tiles, make_issue(tmem))
     with b.else_():                                                      # the softmax warps
         math = make_math(tmem)
-        transform = math.transform if transforms else None
+        transform = transform_of(math)
         first_lane = b.setp("eq", lane, 0)
 
         def arrive(bar: Addr) -> None:

@@ -133,12 +133,12 @@ def issue_loads(b: KernelBuilder, *, stages: int, kv_bytes: int, v_bytes: int, q
 def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_bytes: int,
                         q_bytes: int, q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg, tid: Reg,
                         lane: Reg, n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
-                        transforms: bool, lo_full: Reg | None = None,
+                        transform_of, lo_full: Reg | None = None,
                         v_bytes: int | None = None, pingpong: bool = False) -> None:
     """run_tma_pipeline's arguments (see there) for a CTA of `consumers` + 1 warpgroups;
     `make_math()` builds the consumers' WgmmaMath inside their branch, after setmaxnreg.inc (its
     accumulators would otherwise be live under the launch budget: ptxas spills them at d128),
-    and `transforms` says whether its score transform applies; its epilogue ends the branch.
+    and `transform_of(math)` gives its score transform (or None); its epilogue ends the branch.
     `pingpong` (two consumer warpgroups): they take turns at issuing their wgmma (Turns)."""
     S, C = stages, consumers
     assert not pingpong or C == 2, "ping-pong takes two consumer warpgroups"
@@ -166,7 +166,7 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
     with b.else_():                                                      # the consumers
         b.setmaxnreg(True, consumer_regs(C))
         math = make_math()
-        transform = math.transform if transforms else None
+        transform = transform_of(math)
         first_lane = b.setp("eq", lane, 0)
         turns = Turns(b, b.shr(tid, 5), n_tiles) if pingpong else None
         ring = StageRing(b, S, kv_bytes, v_bytes)

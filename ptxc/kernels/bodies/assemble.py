@@ -1,0 +1,172 @@
+"""The attention tile assembler: every tile body (prefill's, and the GQA-packed tile of varlen,
+decode's tensor-core path and MLA) ends in `assemble`, which runs one main loop from the table
+below over the pieces the body composed:
+
+  KeyTiles   the scheduler's answer: which key tiles the CTA visits and which of them need the
+             mask (prefill_cp_async.setup, attention/packed_tile.packed_tile_setup)
+  Buffers    where Q and the K/V stages live in shared memory (and the TMA loops' mbarriers)
+  Loads      how a tile reaches shared memory: copies by the threads (`load_kv`, cp.async or
+             plain loads) or TMA boxes (`copy_tile`), with the layout's hooks (FP8 staging,
+             a gathered Q, a zeroed V tail)
+  math       the fragment math (math/: SimtMath, MmaMath, WgmmaMath, Tcgen05Math, or a packed
+             tile's Varlen* with its per-row epilogue), given as a factory: the
+             warp-specialised loops build it inside their consumer branch
+  transform  the variant's score transform through the math (soft-cap, ALiBi), or None
+
+Main loops, one per load method (mainloop/):
+
+  cp_async     kv_pipeline.run_kv_pipeline: threads' copies, a K and a V tile per stage
+  latent       kv_pipeline.run_shared_kv_pipeline: one latent tile per stage read by both
+               products (MLA)
+  wgmma        wgmma_pipeline.run_wgmma_pipeline: threads' copies under wgmma's overlap
+  tma          tma_pipeline.run_tma_pipeline: TMA boxes on full mbarriers, one issuing CTA
+  tma_ws       tma_ws_pipeline.run_tma_ws_pipeline: a producer warpgroup, consumer warpgroups
+  tcgen05_ws   tcgen05_ws_pipeline.run_tcgen05_ws_pipeline: load, MMA and softmax warps
+
+The body picks the loop its config names (a path table's entry); what differs between bodies
+is only what they compose: the layout's loads and the math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ...ir import KernelBuilder, Reg
+from ..mainloop.kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
+from ..mainloop.tcgen05_ws_pipeline import run_tcgen05_ws_pipeline
+from ..mainloop.tma_pipeline import run_tma_pipeline
+from ..mainloop.tma_ws_pipeline import run_tma_ws_pipeline
+from ..mainloop.wgmma_pipeline import run_wgmma_pipeline
+
+
+@dataclass(frozen=True)
+class KeyTiles:
+    """Loop tile j (0 <= j < n_tiles) starts at key `key0_of(j)`; tiles j >= n_full cross the
+    end of the keys or the causal diagonal and j < lo_full (a sliding window) its left edge:
+    those take the mask. `mask_of(j)` -> (first key, pred) replaces both for a packed custom
+    mask's visit order (mask_tiles.py)."""
+
+    n_tiles: Reg
+    n_full: Reg
+    key0_of: Callable
+    lo_full: Reg | None = None
+    mask_of: Callable | None = None
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """`stages` K and V stage buffers at k and v (strides k_bytes, v_bytes: None is k_bytes),
+    the Q tile at q (q_bytes by TMA, 0 when the threads copy it), the TMA loops' mbarriers at
+    `bars` (and tcgen05's MMA barriers at `mma_bars`)."""
+
+    stages: int
+    q: Reg
+    k: Reg
+    v: Reg
+    k_bytes: int
+    v_bytes: int | None = None
+    q_bytes: int = 0
+    bars: Reg | None = None
+    mma_bars: Reg | None = None
+
+
+@dataclass(frozen=True)
+class Loads:
+    """Threads' copies: `load_kv(t, j, stage_offset)` copies tile j of t ("k" | "v") if it
+    exists and commits one cp.async group (`use_async`; plain loads below sm_80); `landed(t,
+    stage)` converts a staged raw tile after its wait (FP8 bytes). TMA: `copy_tile(t, j, dst,
+    bar)` issues tile j's boxes, called by `leader` (or each `issuer` for its share); hooks
+    `q_landed()` (a Q tile the threads copied) and `last_v_landed(v_tile)` (the V tail rewritten
+    before the last P·V)."""
+
+    load_kv: Callable | None = None
+    copy_tile: Callable | None = None
+    use_async: bool = True
+    landed: Callable | None = None
+    leader: Reg | None = None
+    issuer: Reg | None = None
+    q_landed: Callable | None = None
+    last_v_landed: Callable | None = None
+
+
+def _cp_async(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
+    m = math()
+    run_kv_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, k_smem=buf.k, v_smem=buf.v,
+                    use_async=loads.use_async, n_tiles=tiles.n_tiles, n_full=tiles.n_full,
+                    key0_of=tiles.key0_of, load_kv=loads.load_kv, math=m, transform=transform_of(m),
+                    lo_full=tiles.lo_full, landed=loads.landed, mask_of=tiles.mask_of)
+    return m
+
+
+def _latent(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
+    assert tiles.mask_of is None, "a latent cache takes no packed mask"
+    m = math()
+    run_shared_kv_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, kv_smem=buf.k,
+                           n_tiles=tiles.n_tiles, n_full=tiles.n_full, key0_of=tiles.key0_of,
+                           load_kv=loads.load_kv, math=m, transform=transform_of(m),
+                           lo_full=tiles.lo_full, landed=loads.landed)
+    return m
+
+
+def _wgmma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
+    assert tiles.mask_of is None, "packed masks keep the mma.sync kernel (config/wgmma.uses_wgmma)"
+    m = math()
+    run_wgmma_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, v_bytes=buf.v_bytes,
+                       k_smem=buf.k, v_smem=buf.v, n_tiles=tiles.n_tiles, n_full=tiles.n_full,
+                       key0_of=tiles.key0_of, load_kv=loads.load_kv, math=m,
+                       transform=transform_of(m), lo_full=tiles.lo_full, landed=loads.landed)
+    return m
+
+
+def _tma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
+    m = math()
+    run_tma_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, v_bytes=buf.v_bytes,
+                     q_bytes=buf.q_bytes, q_smem=buf.q, k_smem=buf.k, v_smem=buf.v, bars=buf.bars,
+                     leader=loads.leader, n_tiles=tiles.n_tiles, n_full=tiles.n_full,
+                     key0_of=tiles.key0_of, copy_tile=loads.copy_tile, math=m,
+                     transform=transform_of(m), lo_full=tiles.lo_full, q_landed=loads.q_landed,
+                     last_v_landed=loads.last_v_landed, issuer=loads.issuer)
+    return m
+
+
+def _tma_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid, lane,
+            consumers: int, pingpong: bool):
+    run_tma_ws_pipeline(b, stages=buf.stages, consumers=consumers, kv_bytes=buf.k_bytes,
+                        v_bytes=buf.v_bytes, q_bytes=buf.q_bytes, q_smem=buf.q, k_smem=buf.k,
+                        v_smem=buf.v, bars=buf.bars, tid=tid, lane=lane, n_tiles=tiles.n_tiles,
+                        n_full=tiles.n_full, key0_of=tiles.key0_of, copy_tile=loads.copy_tile,
+                        make_math=math, transform_of=transform_of, lo_full=tiles.lo_full,
+                        pingpong=pingpong)
+
+
+def _tcgen05_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid,
+                lane, warp0, columns: int, make_issue):
+    run_tcgen05_ws_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, v_bytes=buf.v_bytes,
+                            q_bytes=buf.q_bytes, q_smem=buf.q, k_smem=buf.k, v_smem=buf.v,
+                            bars=buf.bars, mma_bars=buf.mma_bars, tid=tid, lane=lane, warp0=warp0,
+                            columns=columns, n_tiles=tiles.n_tiles, n_full=tiles.n_full,
+                            key0_of=tiles.key0_of, copy_tile=loads.copy_tile, make_math=math,
+                            make_issue=make_issue, transform_of=transform_of,
+                            lo_full=tiles.lo_full)
+
+
+# name -> (b, buffers, tiles, loads, math factory, transform_of, **the loop's own options);
+# returns the math whose epilogue follows the loop (None: the loop ran it in its branch)
+MAINLOOPS: dict[str, Callable] = {
+    "cp_async": _cp_async, "latent": _latent, "wgmma": _wgmma, "tma": _tma,
+    "tma_ws": _tma_ws, "tcgen05_ws": _tcgen05_ws,
+}
+
+
+def assemble(b: KernelBuilder, mainloop: str, *, buffers: Buffers, tiles: KeyTiles, loads: Loads,
+             math: Callable, transform_of: Callable, **options) -> None:
+    """The K/V main loop `mainloop` (MAINLOOPS) over the pieces, then the math's epilogue."""
+    built = MAINLOOPS[mainloop](b, buffers, tiles, loads, math, transform_of, **options)
+    if built is not None:
+        built.epilogue()
+
+
+def prebuilt(math) -> Callable:
+    """A math built before the loop (where the body's order places it) as assemble's factory."""
+    return lambda: math

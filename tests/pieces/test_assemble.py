@@ -1,0 +1,86 @@
+"""The one attention tile assembler (ptxc/kernels/bodies/assemble.py): every tile body of every
+example spec, on every target and sm_90a load method, runs exactly one main loop of
+`MAINLOOPS` through `assemble`, and every main loop in the table is one some example takes.
+The only attention body outside it is decode's SIMT rows (decode_mma.uses_mma false)."""
+
+import dataclasses
+import pathlib
+from collections import Counter
+
+import pytest
+
+from ptxc.errors import PtxcError
+from ptxc.kernels import FAMILIES, load_paths
+from ptxc.kernels.bodies import assemble as A
+from ptxc.kernels.families.decode_mma import uses_mma
+from ptxc.pipeline.compiler import lower
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TARGETS = ("sm_80", "sm_90", "sm_90a", "sm_100a", "sm_120")
+LOADS = ({}, {"kv_loads": "cp_async"}, {"warp_specialize": False}, {"warp_specialize": True})
+TILE_FAMILIES = {"prefill", "varlen", "mla"}
+
+
+def _combinations():
+    specs = load_paths(sorted(str(p) for p in (ROOT / "specs").glob("*.toml")))
+    for spec in specs:
+        if spec.family not in TILE_FAMILIES | {"decode"}:
+            continue
+        for target in TARGETS:
+            for extra in LOADS:
+                if extra and (spec.family not in ("prefill", "varlen") or
+                              target not in ("sm_90a", "sm_100a")):
+                    continue
+                tile = dict(spec.tile)
+                tile.update(extra)
+                yield dataclasses.replace(spec, targets=(target,), tile=tuple(sorted(tile.items()))), target
+
+
+@pytest.fixture(scope="module")
+def loops_taken():
+    """{(spec name, target, tile): Counter of main loops run} over every combination lowered."""
+    seen, taken = {}, Counter()
+    original = dict(A.MAINLOOPS)
+
+    def recording(name):
+        def run(*args, **kw):
+            taken[name] += 1
+            return original[name](*args, **kw)
+        return run
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in original:
+            mp.setitem(A.MAINLOOPS, name, recording(name))
+        for spec, target in _combinations():
+            taken.clear()
+            try:
+                FAMILIES[spec.family].validate(spec)
+                lower(spec, target)
+            except PtxcError:
+                continue          # a load method the spec refuses on this target
+            seen[(spec, target)] = Counter(taken)
+    return seen
+
+
+def test_every_tile_body_runs_one_main_loop_through_the_assembler(loops_taken):
+    assert len(loops_taken) > 100
+    for (spec, target), taken in loops_taken.items():
+        tiles = spec.family in TILE_FAMILIES or uses_mma(spec)
+        what = f"{spec.name} on {target} with tile {dict(spec.tile)}"
+        if tiles:     # one attention entry (a split-KV reduce has no tile loop)
+            assert sum(taken.values()) == 1, f"{what}: main loops {dict(taken)}"
+        else:         # decode's SIMT rows: not a tile composition
+            assert not taken, f"{what}: the SIMT decode ran {dict(taken)}"
+
+
+def test_every_main_loop_is_taken_by_an_example(loops_taken):
+    taken = set()
+    for counts in loops_taken.values():
+        taken |= set(counts)
+    assert taken == set(A.MAINLOOPS)
+
+
+def test_the_simt_decode_is_the_only_attention_body_outside_it(loops_taken):
+    simt = {spec.name for (spec, _), taken in loops_taken.items() if not taken}
+    assert simt, "the examples cover decode's SIMT rows"
+    assert all(spec.family == "decode" for (spec, _), taken in loops_taken.items() if not taken)
