@@ -160,7 +160,7 @@ MLA_DS_OPTIONS = (
     ('kv_dtype = "e4m3_ds"\nnum_splits = 1\nreturn_lse = false\npage_size = 1\n', "dsnosplit"),
     ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\ntopk_length = true\n', "dssparse"),
 )
-WIDE_TARGETS = ("sm_80", "sm_90", "sm_100")   # >= 128 KiB of shared memory per CTA
+WIDE_TARGETS = ("sm_80", "sm_90", "sm_90a", "sm_100")   # >= 128 KiB of shared memory per CTA (sm_90a: the wgmma latent tile)
 MLA_APPEND_DS_OPTIONS = (('kv_dtype = "e4m3_ds"\n', "ds"), ('kv_dtype = "e4m3_ds"\nrope = "gptj"\n', "dsgptj"))
 
 

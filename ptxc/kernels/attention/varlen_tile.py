@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...ir import B32, F32, S64, U64, Addr, KernelBuilder, Reg
+from ...targets import TARGETS
 from .. import common as C
 from ..config.prefill import PrefillConfig
 from ..config.tcgen05 import PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS, TensorMemoryTile
-from ..config.wgmma import ROWS_PER_WARPGROUP, WgmmaConfig, uses_wgmma
+from ..config.wgmma import ROWS_PER_WARPGROUP, WGMMA_TARGETS, WgmmaConfig, uses_wgmma
 from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8 import group_scaled, kind, kv_dtype
 from ..kv.kv_fp8_stage import StagedFP8Config, StagingGeom
@@ -138,6 +139,54 @@ class WgmmaTileConfig(WgmmaConfig):
 
     def copy_geom(self, rows: int) -> SwizzledGeom:
         return SwizzledGeom(rows, self.group_bytes, self.threads)
+
+
+@dataclass(frozen=True)
+class LatentWgmmaConfig(WgmmaTileConfig):
+    """MLA's latent tile on wgmma (sm_90a, f16/bf16 caches): 64 head rows, two warpgroups that
+    each compute the whole S = Q·Kᵀ (576 deep) and own half of O's 512 columns (v_split 2:
+    64 x 256 f32, 128 registers a thread); one swizzled latent tile per stage serves both
+    products (V: its first 512 columns, warpgroup p's from slab 4p), copied by cp.async
+    (wgmma_pipeline.run_latent_wgmma_pipeline)."""
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.q_region_bytes + self.num_stages * self.kv_geom.bytes
+
+
+LATENT_WGMMA_DV = 512          # two warpgroups of n256 (wgmma's widest) P·V
+LATENT_WGMMA_ROWS = 64
+
+
+def applies_latent(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
+    """Whether the packed tile `cfg` (the mma.sync latent one) runs on wgmma for `target`:
+    sm_90a, a dense latent cache of the dtype (not FP8, not sparse), kv_lora_rank 512 with
+    whole 64-column slabs of RoPE, 64 head rows, and the tile's latent stages left to the path
+    (tile.num_stages of 2 keeps the mma.sync kernel: this loop holds three tiles)."""
+    given = spec.tile_dict()
+    return (cfg.shared_kv and target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
+            and kv_dtype(spec) == spec.dtype and not kv.sparse
+            and cfg.dv == LATENT_WGMMA_DV and cfg.head_dim % 64 == 0
+            and cfg.block_m == LATENT_WGMMA_ROWS and given.get("num_stages", 3) >= 3
+            and given.get("kv_loads") in (None, "cp_async")
+            and spec.opt("custom_mask") in (None, "none"))
+
+
+def configure_latent(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentWgmmaConfig:
+    """applies_latent's tile: block_n 32 (given: 16 or 32), the most stages up to 4 that fit
+    (4 at block_n 32: 72 KiB of Q and 144 KiB of latent tiles), 8 warps."""
+    given = spec.tile_dict()
+    bn = given.get("block_n", 32)
+
+    def make(stages):
+        return LatentWgmmaConfig(cfg.fmt, cfg.head_dim, True, LATENT_WGMMA_ROWS, bn,
+                                 2 * ROWS_PER_WARPGROUP // 16, stages, True, cfg.dv,
+                                 cfg.dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
+                                 kv_loads="cp_async")
+    stages = given.get("num_stages", 4)
+    while stages > 3 and make(stages).smem_bytes > TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta:
+        stages -= 1
+    return make(stages)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ Main loops, one per load method (mainloop/):
   latent       kv_pipeline.run_shared_kv_pipeline: one latent tile per stage read by both
                products (MLA)
   wgmma        wgmma_pipeline.run_wgmma_pipeline: threads' copies under wgmma's overlap
+  latent_wgmma wgmma_pipeline.run_latent_wgmma_pipeline: the same overlap over one latent tile
+               per stage (MLA on sm_90a)
   tma          tma_pipeline.run_tma_pipeline: TMA boxes on full mbarriers, one issuing CTA
   tma_ws       tma_ws_pipeline.run_tma_ws_pipeline: a producer warpgroup, consumer warpgroups
   tcgen05_ws   tcgen05_ws_pipeline.run_tcgen05_ws_pipeline: load, MMA and softmax warps
@@ -37,7 +39,7 @@ from ..mainloop.kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
 from ..mainloop.tcgen05_ws_pipeline import run_tcgen05_ws_pipeline
 from ..mainloop.tma_pipeline import run_tma_pipeline
 from ..mainloop.tma_ws_pipeline import run_tma_ws_pipeline
-from ..mainloop.wgmma_pipeline import run_wgmma_pipeline
+from ..mainloop.wgmma_pipeline import run_latent_wgmma_pipeline, run_wgmma_pipeline
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,16 @@ def _wgmma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *
     return m
 
 
+def _latent_wgmma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
+    assert tiles.mask_of is None and loads.landed is None, "a latent wgmma tile: bf16/f16, no packed mask"
+    m = math()
+    run_latent_wgmma_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, kv_smem=buf.k,
+                              n_tiles=tiles.n_tiles, n_full=tiles.n_full, key0_of=tiles.key0_of,
+                              load_kv=loads.load_kv, math=m, transform=transform_of(m),
+                              lo_full=tiles.lo_full)
+    return m
+
+
 def _tma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
     m = math()
     run_tma_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, v_bytes=buf.v_bytes,
@@ -154,7 +166,8 @@ def _tcgen05_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_
 # name -> (b, buffers, tiles, loads, math factory, transform_of, **the loop's own options);
 # returns the math whose epilogue follows the loop (None: the loop ran it in its branch)
 MAINLOOPS: dict[str, Callable] = {
-    "cp_async": _cp_async, "latent": _latent, "wgmma": _wgmma, "tma": _tma,
+    "cp_async": _cp_async, "latent": _latent, "wgmma": _wgmma, "latent_wgmma": _latent_wgmma,
+    "tma": _tma,
     "tma_ws": _tma_ws, "tcgen05_ws": _tcgen05_ws,
 }
 

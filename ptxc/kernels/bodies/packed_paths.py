@@ -3,6 +3,7 @@ table, most specific first: which instruction set and main loop a (spec, target)
 tile is configured, and which body builds it.
 
   tcgen05 (sm_100a / sm_103a)   varlen_tma.py's body with math/tcgen05.py's math, TMA loads
+  wgmma latent (sm_90a, MLA)    varlen_wgmma.py with a latent tile per stage (cp.async)
   wgmma (sm_90a)                varlen_tma.py (TMA loads, the default where the layout allows)
                                 or varlen_wgmma.py (per-thread cp.async: pages < 8 rows, FP8)
   mma.sync (every other case)   varlen_mma.py, the cp.async pipeline of kv_pipeline.py
@@ -50,6 +51,8 @@ def _mma_body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, 
 PATHS = (
     PackedPath("the sm_100a tcgen05 tile", vt.applies_tcgen05,
                lambda spec, cfg, kv: vt.configure_tcgen05(cfg), vt.Tcgen05TileConfig, _tma_body),
+    PackedPath("the sm_90a wgmma latent tile", vt.applies_latent, vt.configure_latent,
+               vt.LatentWgmmaConfig, _wgmma_body),
     PackedPath("the sm_90a wgmma tile", vt.applies, vt.configure, vt.WgmmaTileConfig, _wgmma_body),
     PackedPath("the mma.sync tile", lambda spec, target, cfg, kv: True, lambda spec, cfg, kv: cfg,
                PrefillConfig, _mma_body),

@@ -186,7 +186,7 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     if quant is not None:
         k_scale, math.v_scale = quant.scales(b, work.kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
-    assemble(b, "wgmma",
+    assemble(b, "latent_wgmma" if cfg.shared_kv else "wgmma",   # MLA: one latent tile per stage
              buffers=Buffers(cfg.num_stages, tile.smem, k_stage, v_stage,
                              staging.stage_bytes if staging else cfg.kv_geom.bytes),
              tiles=KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full),

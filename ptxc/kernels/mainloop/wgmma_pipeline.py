@@ -25,7 +25,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from ...ir import U32, KernelBuilder, Reg
-from .kv_pipeline import StageRing, modify_scores
+from .kv_pipeline import StageRing, advance_stage, modify_scores
 
 
 def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
@@ -103,3 +103,37 @@ def attend_tile(b: KernelBuilder, math, k_smem: Reg, stage: Reg, v_smem: Reg, pr
     if reads_done is not None:
         reads_done()
     math.softmax_late(*early)
+
+
+def run_latent_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_smem: Reg,
+                              n_tiles: Reg, n_full: Reg, key0_of, load_kv, math, transform=None,
+                              lo_full: Reg | None = None) -> None:
+    """run_wgmma_pipeline for a latent cache (MLA: V is the first columns of each K row, one
+    tile per stage, kv_pipeline.run_shared_kv_pipeline's contract for `load_kv`): iteration j
+    issues S(j) from tile j and O += P(j-1)·V(j-1) from tile j-1 together (attend_tile), so
+    both stay in place through it. One barrier per iteration, at its top: T(j) has landed
+    (wait, barrier, fence.proxy.async for the tensor cores' reads), and every warp is past
+    iteration j-1, whose P·V(j-2) retired there -- so tile j-2's buffer is refilled with
+    T(j+S-2) right after it. Commit groups: Q+T0, T1, .., T(S-3) before the loop, one per
+    iteration after; iteration j waits for T(j) with S-3 younger groups in flight (the tile
+    loaded S-2 iterations ahead). Needs S >= 3 (tiles j-1 and j in use, one landing)."""
+    S = stages
+    assert S >= 3, "the latent wgmma loop holds tiles j-1 and j and loads one ahead"
+    for s in range(S - 2):
+        load_kv("k", b.mov(s, U32), s * kv_bytes)
+    stage = b.mov(0, U32)                          # tile j's buffer offset
+    prev = b.mov((S - 1) * kv_bytes, U32)          # tile j-1's
+    fill = b.mov((S - 2) * kv_bytes, U32)          # tile j-2's: refilled with T(j+S-2)
+    with b.for_range(0, n_tiles) as j:
+        b.cp_async_wait(S - 3)
+        b.bar_sync(0)
+        b.fence_proxy_async()
+        load_kv("k", b.add(j, S - 2), fill)
+        attend_tile(b, math, kv_smem, stage, kv_smem, prev, j, key0_of, transform, n_full, lo_full)
+        b.mov(prev, out=fill)
+        advance_stage(b, stage, prev, kv_bytes, S)
+    with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
+        math.issue_pv(b.add(kv_smem, prev))
+        math.pv_done()
+    b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
+    b.bar_sync(0)

@@ -88,7 +88,7 @@ class MmaMath:
             if cfg.o_geom.swizzled else None
         self.col0 = None   # first O column of this warp's slice (u32), when the value is split
         if vs > 1:
-            self.col0 = b.mul(b.rem(ctx.warp, vs), cfg.dv // vs)
+            self.col0 = b.mul(self.value_part(b, ctx), cfg.dv // vs)
             col_bytes = b.mul(self.col0, cfg.fmt.bytes)
             self.o_smem = b.add(self.o_smem, col_bytes)
             self.v_lanes = self.v_lanes.shifted(col_bytes)
@@ -109,6 +109,10 @@ class MmaMath:
         under a value split take the same ones)."""
         vs = ctx.cfg.v_split
         return b.mul(b.div(ctx.warp, vs) if vs > 1 else ctx.warp, ctx.cfg.warp_rows)
+
+    def value_part(self, b: KernelBuilder, ctx: Ctx) -> Reg:
+        """Which of the v_split slices of O's columns this warp owns (adjacent warps share rows)."""
+        return b.rem(ctx.warp, ctx.cfg.v_split)
 
     def scores(self, k_tile: Reg) -> list[list[Reg]]:
         b = self.b

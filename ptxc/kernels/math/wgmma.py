@@ -55,12 +55,27 @@ class WgmmaMath(MmaMath):
         # lane 0's warp index: the same value, but one ptxas can prove warp-uniform, so the Q
         # descriptors live in uniform registers (no R2UR per wgmma; Triton does the same)
         warpgroup = b.shr(b.shfl("idx", ctx.warp, 0), 2)
-        q_rows = b.mad(warpgroup, ROWS_PER_WARPGROUP * SWIZZLE, ctx.q_smem)
+        vs = cfg.v_split   # warpgroups sharing 64 rows, each owning dv / vs columns of O
+        q_rows = ctx.q_smem if vs > 1 else b.mad(warpgroup, ROWS_PER_WARPGROUP * SWIZZLE, ctx.q_smem)
         self.q_desc = b.matrix_descriptor(q_rows, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        # its value columns: whole 128-byte slabs of V further (slab stride block_n x 128 B)
+        self.v_off = None if vs == 1 else \
+            b.mul(warpgroup, cfg.dv // vs * cfg.fmt.bytes // SWIZZLE * self.bn * SWIZZLE)
         self.s_acc = zero_regs(b, self.bn // 2, F32)   # written before use: scale_d = 0 at k 0
         # P of the last softmax, kept for the P·V of the next iteration (A fragments per k16)
         self.p_frags = [[b.mov(0, self.pair) for _ in range(4)] for _ in range(self.bn // 16)]
         self.alpha = [b.mov(1.0, F32) for _ in range(2)]
+
+    def warp_row0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
+        """Warp w of a warpgroup owns rows [16w, 16w + 16) of the warpgroup's 64 (wgmma's
+        accumulator layout); under a value split (block_m 64) every warpgroup has the same rows."""
+        if ctx.cfg.v_split == 1:
+            return super().warp_row0(b, ctx)
+        return b.mul(b.and_(ctx.warp, 3), 16)
+
+    def value_part(self, b: KernelBuilder, ctx: Ctx) -> Reg:
+        """The warpgroup's slice of O's columns (v_split warpgroups share the rows)."""
+        return b.shr(ctx.warp, 2)
 
     def cta_sync(self) -> None:
         """The epilogue's barrier: the consumer warpgroups' named barrier when a producer
@@ -99,6 +114,8 @@ class WgmmaMath(MmaMath):
     def issue_pv(self, v_tile: Reg) -> None:
         """Issue O += P·V with the packed P of the previous softmax as one commit group."""
         b = self.b
+        if self.v_off is not None:      # this warpgroup's value columns
+            v_tile = b.add(v_tile, self.v_off)
         v_desc = b.matrix_descriptor(v_tile, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
         acc = [r for tile in self.o for r in tile]
         b.wgmma_fence()

@@ -1,0 +1,119 @@
+"""MLA decode on wgmma for sm_90a (varlen_tile.LatentWgmmaConfig: two warpgroups over 64 head
+rows, each computing the whole S and owning half of O's 512 columns; one latent tile per stage
+on wgmma_pipeline.run_latent_wgmma_pipeline). The real sm_90a PTX in the emulator against the
+fp64 reference (make_inputs' mixed batches: q_len 0/1/2/4, L 0/1/63/64/65 and long, rows no
+sequence owns NaN), with the race checker on: the long-sequence case reuses every stage buffer
+(a refill issued before the barrier that ends the last P·V over it fails there). Plus: which
+specs take the path, the latent rows read once per head tile, V never reads the RoPE columns,
+ptxas 0 spills with HGMMA in the loop."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import assert_pass, build_kernel
+from families.test_mla import MLA, _decode_batch, body
+from ptxc import reference as ref
+from ptxc.runtime.launch_test import check_artifact
+
+SM90A = ("sm_90a",)
+PATH = "wgmma.m64nNk16"
+CASES = {
+    "h128-bf16-paged-auto": (dict(heads=128), {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}),
+    "h128-f16-contiguous-1": (dict(dtype="f16", heads=128, layout="contiguous", splits=1),
+                              {"batch": 9, "max_seq_len": 70}),
+    # up to 1000 keys in 16-row pages over 3 splits: > 4 tiles of 32 rows per split, so every
+    # one of the 4 stage buffers is refilled while the race checker watches
+    "h64-bf16-page16-3splits-L1000": (dict(heads=64, splits=3, page=16),
+                                      {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}),
+}
+
+
+def _config(art):
+    return art.meta["targets"]["sm_90a"]["config"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mixed_batch_matches_reference(tmp_path, case):
+    keys, shapes = CASES[case]
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A)
+    c = _config(art)
+    assert (c["path"], c["block_m"], c["num_warps"], c["value_split"]) == (PATH, 64, 8, 2)
+    assert (c["block_n"], c["num_stages"], c["smem_bytes"]) == (32, 4, 64 * 1152 + 4 * 32 * 1152)
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
+@pytest.mark.parametrize("keys,why", [
+    (dict(heads=16), "16 head rows: wgmma's M is 64"),
+    (dict(heads=128, kv="e4m3"), "FP8 bytes: staged and dequantised on the mma.sync tile"),
+    (dict(heads=128, rank=256, rope=64), "rank 256: one warpgroup's n256 would do, not built"),
+])
+def test_other_latent_tiles_keep_mma_sync(tmp_path, keys, why):
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A)
+    assert _config(art)["path"] == "mma.m16n8k16", why
+
+
+def test_two_stages_keep_mma_sync_and_block_n_16_is_honoured(tmp_path):
+    """The latent wgmma loop holds tiles j-1 and j and one landing: num_stages = 2 keeps the
+    mma.sync kernel; block_n = 16 runs on wgmma (n16 scores) and still matches."""
+    art = build_kernel(tmp_path / "a", "mla", body(heads=64), tile="num_stages = 2", targets=SM90A)
+    assert _config(art)["path"] == "mma.m16n8k16"
+    art = build_kernel(tmp_path / "b", "mla", body(heads=64, splits=1), tile="block_n = 16",
+                       targets=SM90A)
+    assert (_config(art)["path"], _config(art)["block_n"], _config(art)["num_stages"]) == (PATH, 16, 4)
+    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 5, "max_pages_per_seq": 3,
+                                                           "num_pages": 16}, seed=2))
+
+
+def test_latent_rows_are_read_once_per_head_tile(tmp_path, bytes_read):
+    """128 heads: two 64-row tiles (each of two warpgroups), so each latent row a sequence
+    with queries owns crosses from global memory twice per split, never for V again."""
+    art = build_kernel(tmp_path, "mla", body(heads=128, splits=3, page=16), targets=SM90A)
+    lens = [1, 37, 64, 7, 50, 0, 63]
+    spec, inputs, q_lens = _decode_batch(art, lens, [1, 1, 1, 0, 1, 1, 1], 128, np.random.default_rng(4))
+    out = art.run(inputs, target="sm_90a")
+    assert _config(art)["path"] == PATH
+    assert bytes_read["kv_cache"] == sum(L for L, n in zip(lens, q_lens) if n) * spec.head_dim * 2 * 2
+    assert ref.max_abs_error(out["o"], MLA.reference(spec, inputs)["o"]) < 2e-2
+
+
+def test_values_never_read_the_rope_columns(tmp_path):
+    """q's RoPE part zero: two caches that differ only in the RoPE columns (3e4 there) give
+    identical bytes, so the warpgroups' value slabs (0-3, 4-7) never reach slab 8."""
+    art = build_kernel(tmp_path, "mla", body(heads=64, page=16), targets=SM90A)
+    spec, inputs, _ = _decode_batch(art, [5, 64, 33], [1, 2, 4], 64, np.random.default_rng(9))
+    inputs["q"][..., 512:] = 0
+    other = {**inputs, "kv_cache": inputs["kv_cache"].copy()}
+    other["kv_cache"][..., 512:] = 30000.0
+    a, b = art.run(inputs, target="sm_90a"), art.run(other, target="sm_90a")
+    assert np.array_equal(a["o"], b["o"]) and np.array_equal(a["lse"], b["lse"])
+    assert ref.max_abs_error(a["o"], MLA.reference(spec, inputs)["o"]) < 2e-2
+
+
+def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
+    """bf16 and f16, paged and contiguous: 0 spills; the loop issues S as 36 HGMMA.64x32x16
+    and P·V as 2 HGMMA.64x256x16 per warpgroup, no LDSM."""
+    from ptxc.pipeline.build import run_build
+    from ptxc.report.sass import SassUnavailable, sass_profile
+    kernels = [f'[[kernel]]\nname = "m_{dt}_{lay}"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
+               f'{body(dtype=dt, heads=128, layout=lay, splits=s)}\n'
+               for dt, lay, s in (("bf16", "paged", "auto"), ("f16", "contiguous", 1))]
+    (tmp_path / "k.toml").write_text("\n".join(kernels))
+    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
+    assert summary["verified"] and not summary["problems"]
+    for k in summary["kernels"]:
+        assert k["targets"]["sm_90a"]["spill_bytes"] == 0, k["name"]
+    name = "m_bf16_paged"
+    meta = json.loads((tmp_path / "out" / name / f"{name}.json").read_text())
+    cubin = (tmp_path / "out" / name / meta["targets"]["sm_90a"]["cubin"]).read_bytes()
+    try:
+        prof = sass_profile(cubin)[f"ptxc_{name}_split"]
+    except SassUnavailable as e:
+        pytest.skip(f"SASS unavailable: {e}")
+    mix, loops = prof["mix"], prof["loops"]
+    loop = loops["loops"][loops["main"]]
+    assert mix["LDSM"] == mix["LDL"] == mix["STL"] == 0
+    # per warp and iteration: 36 HGMMA.64x32x16 (4 each), 2 HGMMA.64x256x16 (32 each), and
+    # 2 row-sum HMMA.16816
+    assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (36 + 2 + 2, 36 * 4 + 2 * 32 + 2)
