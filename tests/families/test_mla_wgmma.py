@@ -1,6 +1,7 @@
 """MLA decode on wgmma for sm_90a (varlen_tile.LatentWgmmaConfig: two warpgroups over 64 head
 rows, each computing the whole S and owning half of O's 512 columns; one latent tile per stage
-on wgmma_pipeline.run_latent_wgmma_pipeline). The real sm_90a PTX in the emulator against the
+on wgmma_pipeline.run_latent_wgmma_pipeline; e4m3 rows staged raw and converted,
+kv_fp8_stage.LatentFP8Staging). The real sm_90a PTX in the emulator against the
 fp64 reference (make_inputs' mixed batches: q_len 0/1/2/4, L 0/1/63/64/65 and long, rows no
 sequence owns NaN), with the race checker on: the long-sequence case reuses every stage buffer
 (a refill issued before the barrier that ends the last P·V over it fails there). Plus: which
@@ -28,6 +29,14 @@ CASES = {
     "h64-bf16-page16-3splits-L1000": (dict(heads=64, splits=3, page=16),
                                       {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}),
 }
+# e4m3 latent rows (one scale): staged raw, converted into two alternating tiles
+FP8_CASES = {
+    "h128-e4m3-paged-auto": (dict(heads=128, kv="e4m3"), {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}),
+    "h64-e4m3-device-page16-3splits-L1000": (dict(heads=64, kv="e4m3", scale="device", splits=3, page=16),
+                                             {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}),
+    "h128-f16-e4m3-contiguous-1": (dict(dtype="f16", heads=128, kv="e4m3", layout="contiguous", splits=1),
+                                   {"batch": 9, "max_seq_len": 70}),
+}
 
 
 def _config(art):
@@ -44,9 +53,22 @@ def test_mixed_batch_matches_reference(tmp_path, case):
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
+@pytest.mark.parametrize("case", sorted(FP8_CASES))
+def test_fp8_latent_matches_reference(tmp_path, case):
+    """FP8 bytes in four 18 KiB staging buffers, two converted 36 KiB tiles; k_scale in the
+    softmax scale and 1/l. The long case refills every staging buffer and converted tile under
+    the race checker (a conversion without the barrier before it fails there)."""
+    keys, shapes = FP8_CASES[case]
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A)
+    c = _config(art)
+    assert (c["path"], c["num_stages"], c["fp8_staging_bytes"]) == (PATH, 4, 32 * 576)
+    assert c["smem_bytes"] == 64 * 1152 + 2 * 32 * 1152 + 4 * 32 * 576
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
 @pytest.mark.parametrize("keys,why", [
     (dict(heads=16), "16 head rows: wgmma's M is 64"),
-    (dict(heads=128, kv="e4m3"), "FP8 bytes: staged and dequantised on the mma.sync tile"),
+    (dict(heads=128, kv="e4m3_ds"), "group-scaled rows: their scales per row and 128 columns"),
     (dict(heads=128, rank=256, rope=64), "rank 256: one warpgroup's n256 would do, not built"),
 ])
 def test_other_latent_tiles_keep_mma_sync(tmp_path, keys, why):
@@ -99,6 +121,8 @@ def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
     kernels = [f'[[kernel]]\nname = "m_{dt}_{lay}"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
                f'{body(dtype=dt, heads=128, layout=lay, splits=s)}\n'
                for dt, lay, s in (("bf16", "paged", "auto"), ("f16", "contiguous", 1))]
+    kernels.append(f'[[kernel]]\nname = "m_e4m3"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
+                   f'{body(heads=128, kv="e4m3")}\n')
     (tmp_path / "k.toml").write_text("\n".join(kernels))
     summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
     assert summary["verified"] and not summary["problems"]

@@ -151,6 +151,8 @@ class LatentWgmmaConfig(WgmmaTileConfig):
 
     @property
     def smem_bytes(self) -> int:
+        if self.fp8:    # two converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
+            return self.q_region_bytes + 2 * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes
         return self.q_region_bytes + self.num_stages * self.kv_geom.bytes
 
 
@@ -160,12 +162,13 @@ LATENT_WGMMA_ROWS = 64
 
 def applies_latent(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
     """Whether the packed tile `cfg` (the mma.sync latent one) runs on wgmma for `target`:
-    sm_90a, a dense latent cache of the dtype (not FP8, not sparse), kv_lora_rank 512 with
+    sm_90a, a dense latent cache of the dtype or of FP8 bytes with one scale (e4m3; not
+    e4m3_ds's group-scaled rows, not sparse), kv_lora_rank 512 with
     whole 64-column slabs of RoPE, 64 head rows, and the tile's latent stages left to the path
     (tile.num_stages of 2 keeps the mma.sync kernel: this loop holds three tiles)."""
     given = spec.tile_dict()
     return (cfg.shared_kv and target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
-            and kv_dtype(spec) == spec.dtype and not kv.sparse
+            and (kv_dtype(spec) == spec.dtype or not group_scaled(spec)) and not kv.sparse
             and cfg.dv == LATENT_WGMMA_DV and cfg.head_dim % 64 == 0
             and cfg.block_m == LATENT_WGMMA_ROWS and given.get("num_stages", 3) >= 3
             and given.get("kv_loads") in (None, "cp_async")
@@ -174,7 +177,8 @@ def applies_latent(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
 
 def configure_latent(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentWgmmaConfig:
     """applies_latent's tile: block_n 32 (given: 16 or 32), the most stages up to 4 that fit
-    (4 at block_n 32: 72 KiB of Q and 144 KiB of latent tiles), 8 warps."""
+    (4 at block_n 32: 72 KiB of Q and 144 KiB of latent tiles; FP8: 72 KiB of Q, two converted
+    36 KiB tiles and four 18 KiB staging buffers), 8 warps."""
     given = spec.tile_dict()
     bn = given.get("block_n", 32)
 
@@ -182,7 +186,7 @@ def configure_latent(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentWgmmaConfi
         return LatentWgmmaConfig(cfg.fmt, cfg.head_dim, True, LATENT_WGMMA_ROWS, bn,
                                  2 * ROWS_PER_WARPGROUP // 16, stages, True, cfg.dv,
                                  cfg.dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
-                                 kv_loads="cp_async")
+                                 kv_loads="cp_async", fp8=kind(spec) is not None)
     stages = given.get("num_stages", 4)
     while stages > 3 and make(stages).smem_bytes > TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta:
         stages -= 1

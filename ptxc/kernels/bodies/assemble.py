@@ -122,12 +122,12 @@ def _wgmma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *
 
 
 def _latent_wgmma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
-    assert tiles.mask_of is None and loads.landed is None, "a latent wgmma tile: bf16/f16, no packed mask"
+    assert tiles.mask_of is None, "a latent cache takes no packed mask"
     m = math()
     run_latent_wgmma_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, kv_smem=buf.k,
                               n_tiles=tiles.n_tiles, n_full=tiles.n_full, key0_of=tiles.key0_of,
                               load_kv=loads.load_kv, math=m, transform=transform_of(m),
-                              lo_full=tiles.lo_full)
+                              lo_full=tiles.lo_full, landed=loads.landed)
     return m
 
 

@@ -42,7 +42,7 @@ from ...ir import S32, S64, U64, Imm, KernelBuilder, Reg
 from ..attention.packed_tile import TileWork, packed_tile_setup
 from ..attention.varlen_tile import VarlenMath, WgmmaTileConfig, score_transform
 from ..kv.kv_access import KVAccess
-from ..kv.kv_fp8_stage import SwizzledFP8Staging
+from ..kv.kv_fp8_stage import LatentFP8Staging, SwizzledFP8Staging
 from ..kv.kv_pages import PagedTiles, prefetch_applies
 from ..mainloop.tiles import SWIZZLE_PERIOD, ThreadSlot, load_tile_passes, swizzled_slot
 from ..math.wgmma import WgmmaMath
@@ -143,7 +143,12 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
     q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
     staging = None
-    if cfg.fp8:
+    if cfg.fp8 and cfg.shared_kv:   # MLA's FP8 latent rows: two alternating converted tiles
+        staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, cfg.num_stages,
+                                   ctx.tid, tile.k_smem, quant,
+                                   "f16x2" if cfg.fmt.name == "f16" else "bf16x2")
+        kv_slot = staging.slot
+    elif cfg.fp8:
         staging = SwizzledFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, cfg.kv_geom.slab_bytes,
                                      cfg.num_stages, ctx.tid, tile.k_smem, quant,
                                      "f16x2" if cfg.fmt.name == "f16" else "bf16x2")

@@ -31,7 +31,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from ...ir import B32, F32, Addr, KernelBuilder, Reg
+from ...ir import B32, F32, U32, Addr, KernelBuilder, Reg
 from ...targets import Target, occupancy
 from .. import common as C
 from ..attention.variant import head_dim_v
@@ -254,5 +254,61 @@ class SwizzledFP8Staging:
         return self.tile[t]
 
 
+class LatentFP8Staging:
+    """FP8 latent rows (e4m3 / e5m2 with a per-tensor scale) for the sm_90a wgmma latent tile
+    (wgmma_pipeline.run_latent_wgmma_pipeline): each tile's bytes land unpadded by cp.async in
+    `stages` staging buffers (tiles.thread_slot over StagingGeom: 576-byte rows are 36 chunks,
+    so 256 threads take 7 rows a pass, the last pass guarded), and after the wait every thread
+    converts the chunks it copied into the 128-byte-swizzled f16/bf16 tile the wgmma
+    descriptors read: chunk c (16 FP8 bytes) of row r becomes 16-byte chunks 2(c % 4) and
+    2(c % 4) + 1 of slab c / 4, XORed with r % 8. Two converted tiles alternate (`landed`
+    toggles `cur`): iteration j's S reads tile j while its P·V reads tile j - 1.
+
+    Shared memory from `tiles_base`: converted tile x 2 | staging x stages."""
+
+    def __init__(self, b: KernelBuilder, geom: StagingGeom, tile_bytes: int, block_n: int,
+                 stages: int, tid: Reg, tiles_base: Reg, quant: kv_fp8.KVDequant, pair: str):
+        from ..mainloop.tiles import SWIZZLE
+        self.b, self.geom, self.quant, self.pair = b, geom, quant, pair
+        self.tiles, self.tile_bytes = tiles_base, tile_bytes
+        self.stage_bytes = geom.bytes
+        self.k_stage = b.add(tiles_base, 2 * tile_bytes)
+        self.v_stage = self.k_stage                # V is the latent tile's first columns
+        self.slot = thread_slot(b, geom, tid)
+        self.cur = b.mov(0, U32)                   # the converted tile `landed` writes next
+        # per pass: this thread's first 16-byte destination chunk in a converted tile (the
+        # second is it XOR 16: 2(c % 4) is even)
+        c = b.shr(self.slot.col, 4)
+        slab = b.mul(b.shr(c, 2), block_n * SWIZZLE)
+        in_slab = b.shl(b.and_(c, 3), 1)
+        self.dst = []
+        for i in range(geom.passes):
+            row = b.add(self.slot.r0, i * geom.rows_per_pass)
+            chunk = b.xor(in_slab, b.and_(row, 7))
+            self.dst.append(b.add(b.add(slab, b.shl(row, 7)), b.shl(chunk, 4)))
+
+    def landed(self, t: str, stage: Reg | int) -> Reg:
+        """After this thread's wait for the tile staged at offset `stage`: its chunks
+        dequantised into the next converted tile; returns that tile's address."""
+        b, geom = self.b, self.geom
+        src = b.add(b.add(self.k_stage, stage), self.slot.soff)
+        tile = b.add(self.tiles, self.cur)
+        for i in range(geom.passes):
+            guard = self.slot.guard(b, i)
+            if guard is None:
+                words = b.ld("shared", B32, Addr(src, i * geom.rows_per_pass * geom.stride), vec=4)
+            else:              # a pass without a row for this thread converts zeros
+                words = zero_regs(b, 4)
+                with b.predicate(guard):
+                    b.ld("shared", B32, Addr(src, i * geom.rows_per_pass * geom.stride), vec=4, out=words)
+            vals = fp8.dequantize(b, words, self.quant.kind, self.quant.target, to=self.pair)
+            first = b.add(tile, self.dst[i])
+            with b.predicate(guard) if guard is not None else nullcontext():
+                b.st("shared", B32, Addr(first), vals[:4])
+                b.st("shared", B32, Addr(b.xor(first, 16)), vals[4:])
+        b.xor(self.cur, self.tile_bytes, out=self.cur)
+        return tile
+
+
 __all__ = ["applies", "StagingGeom", "StagedFP8Config", "default_stages", "staging_slot", "FP8Staging",
-           "SwizzledFP8Staging", "MAX_STAGES"]
+           "SwizzledFP8Staging", "LatentFP8Staging", "MAX_STAGES"]

@@ -107,7 +107,7 @@ def attend_tile(b: KernelBuilder, math, k_smem: Reg, stage: Reg, v_smem: Reg, pr
 
 def run_latent_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_smem: Reg,
                               n_tiles: Reg, n_full: Reg, key0_of, load_kv, math, transform=None,
-                              lo_full: Reg | None = None) -> None:
+                              lo_full: Reg | None = None, landed=None) -> None:
     """run_wgmma_pipeline for a latent cache (MLA: V is the first columns of each K row, one
     tile per stage, kv_pipeline.run_shared_kv_pipeline's contract for `load_kv`): iteration j
     issues S(j) from tile j and O += P(j-1)·V(j-1) from tile j-1 together (attend_tile), so
@@ -116,7 +116,13 @@ def run_latent_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k
     iteration j-1, whose P·V(j-2) retired there -- so tile j-2's buffer is refilled with
     T(j+S-2) right after it. Commit groups: Q+T0, T1, .., T(S-3) before the loop, one per
     iteration after; iteration j waits for T(j) with S-3 younger groups in flight (the tile
-    loaded S-2 iterations ahead). Needs S >= 3 (tiles j-1 and j in use, one landing)."""
+    loaded S-2 iterations ahead). Needs S >= 3 (tiles j-1 and j in use, one landing).
+    With `landed(t, stage)` (FP8 bytes, kv_fp8_stage.LatentFP8Staging) the stages hold raw
+    tiles: _run_staged_latent."""
+    if landed is not None:
+        _run_staged_latent(b, stages, kv_bytes, kv_smem, n_tiles, n_full, key0_of, load_kv, math,
+                           transform, lo_full, landed)
+        return
     S = stages
     assert S >= 3, "the latent wgmma loop holds tiles j-1 and j and loads one ahead"
     for s in range(S - 2):
@@ -136,4 +142,36 @@ def run_latent_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k
         math.issue_pv(b.add(kv_smem, prev))
         math.pv_done()
     b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
+    b.bar_sync(0)
+
+
+def _run_staged_latent(b: KernelBuilder, S: int, stage_bytes: int, stage_smem: Reg, n_tiles: Reg,
+                       n_full: Reg, key0_of, load_kv, math, transform, lo_full, landed) -> None:
+    """The latent wgmma loop over FP8 staging buffers: T(j) lands raw in stage j % S and is
+    converted into one of two alternating f16/bf16 tiles (`landed` returns it). Iteration j:
+    wait for this thread's T(j) chunks (S-1 younger groups in flight: the staging ring is S
+    tiles deep), a barrier (every warp past iteration j-1, whose P·V(j-2) read the converted
+    tile T(j) now overwrites), the conversion of its own chunks, a barrier and
+    fence.proxy.async (tile j complete for the tensor cores; T(j)'s stage read by all, so it is
+    refilled with T(j+S)), then attend_tile over tile j and tile j-1. Commit groups: Q+T0, T1,
+    .., T(S-1) before the loop, one per iteration after."""
+    for s in range(S):
+        load_kv("k", b.mov(s, U32), s * stage_bytes)
+    stage = b.mov(0, U32)
+    prev = b.mov(0, U32)        # the staging offset of T(j-1) (advance_stage's register pair)
+    prev_tile = b.mov(0, U32)   # the converted tile j-1 (unread at j = 0: no P·V(-1))
+    with b.for_range(0, n_tiles) as j:
+        b.cp_async_wait(S - 1)
+        b.bar_sync(0)
+        tile = landed("k", stage)
+        b.bar_sync(0)
+        b.fence_proxy_async()
+        load_kv("k", b.add(j, S), stage)
+        attend_tile(b, math, tile, 0, prev_tile, 0, j, key0_of, transform, n_full, lo_full)
+        b.mov(tile, out=prev_tile)
+        advance_stage(b, stage, prev, stage_bytes, S)
+    with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
+        math.issue_pv(prev_tile)
+        math.pv_done()
+    b.cp_async_wait(0)
     b.bar_sync(0)
