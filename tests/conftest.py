@@ -48,6 +48,19 @@ def build_kernel(tmp_path: Path, family: str, body: str, tile: str = "", targets
     return load(tmp_path / "out" / "k")
 
 
+def built_sass(out: Path, name: str, target: str, entry: str) -> tuple[dict, dict]:
+    """(metadata, SASS profile of `entry`) of kernel `name` built into `out` (run_build); skips
+    the test where nvdisasm is missing."""
+    import json
+    from ptxc.report.sass import SassUnavailable, sass_profile
+    meta = json.loads((out / name / f"{name}.json").read_text())
+    cubin = (out / name / meta["targets"][target]["cubin"]).read_bytes()
+    try:
+        return meta, sass_profile(cubin)[entry]
+    except SassUnavailable as e:
+        pytest.skip(f"SASS unavailable: {e}")
+
+
 def assert_pass(rows) -> None:
     """Every launch-test row is within the FA2 tolerance rule."""
     assert rows

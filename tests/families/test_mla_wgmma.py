@@ -8,12 +8,10 @@ sequence owns NaN), with the race checker on: the long-sequence case reuses ever
 specs take the path, the latent rows read once per head tile, V never reads the RoPE columns,
 ptxas 0 spills with HGMMA in the loop."""
 
-import json
-
 import numpy as np
 import pytest
 
-from conftest import assert_pass, build_kernel
+from conftest import assert_pass, build_kernel, built_sass
 from families.test_mla import MLA, _decode_batch, body
 from ptxc import reference as ref
 from ptxc.runtime.launch_test import check_artifact
@@ -117,7 +115,6 @@ def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
     """bf16 and f16, paged and contiguous: 0 spills; the loop issues S as 36 HGMMA.64x32x16
     and P·V as 2 HGMMA.64x256x16 per warpgroup, no LDSM."""
     from ptxc.pipeline.build import run_build
-    from ptxc.report.sass import SassUnavailable, sass_profile
     kernels = [f'[[kernel]]\nname = "m_{dt}_{lay}"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
                f'{body(dtype=dt, heads=128, layout=lay, splits=s)}\n'
                for dt, lay, s in (("bf16", "paged", "auto"), ("f16", "contiguous", 1))]
@@ -128,13 +125,7 @@ def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
     assert summary["verified"] and not summary["problems"]
     for k in summary["kernels"]:
         assert k["targets"]["sm_90a"]["spill_bytes"] == 0, k["name"]
-    name = "m_bf16_paged"
-    meta = json.loads((tmp_path / "out" / name / f"{name}.json").read_text())
-    cubin = (tmp_path / "out" / name / meta["targets"]["sm_90a"]["cubin"]).read_bytes()
-    try:
-        prof = sass_profile(cubin)[f"ptxc_{name}_split"]
-    except SassUnavailable as e:
-        pytest.skip(f"SASS unavailable: {e}")
+    _, prof = built_sass(tmp_path / "out", "m_bf16_paged", "sm_90a", "ptxc_m_bf16_paged_split")
     mix, loops = prof["mix"], prof["loops"]
     loop = loops["loops"][loops["main"]]
     assert mix["LDSM"] == mix["LDL"] == mix["STL"] == 0

@@ -10,7 +10,7 @@ with 0 spills. The default subset keeps the emulated shapes small; `-m slow` run
 import numpy as np
 import pytest
 
-from conftest import build_kernel
+from conftest import build_kernel, built_sass
 from ptxc.errors import SpecError
 from ptxc.kernels import FAMILIES
 from ptxc import reference as ref
@@ -239,7 +239,6 @@ def test_ptxas_sm90a_zero_spills(tmp_path, toolchain, dtypes):
     (the default run alternates f16 / bf16; -m slow the other way round): 0 spills; the d128
     paged loop issues UTMALDG and no LDGSTS, with the tensor work of the cp.async kernel."""
     from ptxc.pipeline.build import run_build
-    from ptxc.report.sass import SassUnavailable, sass_profile
     kernels = []
     for i, d in enumerate((64, 128, 256)):
         for j, (lay, splits, causal) in enumerate((("page16", "auto", True), ("contiguous", 1, False))):
@@ -252,15 +251,8 @@ def test_ptxas_sm90a_zero_spills(tmp_path, toolchain, dtypes):
     assert summary["verified"] and not summary["problems"] and len(summary["kernels"]) == 6
     for k in summary["kernels"]:
         assert k["targets"]["sm_90a"]["spill_bytes"] == 0, k["name"]
-    import json
-    name = "v_d128_page16"
-    meta = json.loads((tmp_path / "out" / name / f"{name}.json").read_text())
+    meta, prof = built_sass(tmp_path / "out", "v_d128_page16", "sm_90a", "ptxc_v_d128_page16_split")
     assert meta["targets"]["sm_90a"]["config"]["kv_loads"] == "tma"
-    cubin = (tmp_path / "out" / name / meta["targets"]["sm_90a"]["cubin"]).read_bytes()
-    try:
-        prof = sass_profile(cubin)[f"ptxc_{name}_split"]
-    except SassUnavailable as e:
-        pytest.skip(f"SASS unavailable: {e}")
     loop = prof["loops"]["loops"][prof["loops"]["main"]]
     assert prof["mix"]["LDGSTS"] > 0          # the Q gather, before the loop
     assert loop["classes"]["ldgsts"] == 0

@@ -10,7 +10,7 @@ subset keeps the emulated shapes small; `-m slow` runs the sweep."""
 import numpy as np
 import pytest
 
-from conftest import assert_pass, build_kernel
+from conftest import assert_pass, build_kernel, built_sass
 from ptxc.kernels import FAMILIES
 from ptxc import reference as ref
 from ptxc.runtime.launch_test import check_artifact
@@ -202,7 +202,6 @@ def test_ptxas_sm90a_zero_spills_and_hgmma(tmp_path, toolchain):
     """Every head dim x dtype x causal x layout on sm_90a (f16/bf16 give the same code shape,
     so the default run takes f16 and one bf16): 0 spills, HGMMA in the loop, no LDSM."""
     from ptxc.pipeline.build import run_build
-    from ptxc.report.sass import SassUnavailable, sass_profile
     kernels = []
     for d in (64, 128, 256):
         for causal in (True, False):
@@ -218,15 +217,8 @@ def test_ptxas_sm90a_zero_spills_and_hgmma(tmp_path, toolchain):
     assert len(summary["kernels"]) == 12
     for k in summary["kernels"]:
         assert k["targets"]["sm_90a"]["spill_bytes"] == 0, k["name"]
-    import json
-    name = "v_d128_1_page16"
-    meta = json.loads((tmp_path / "out" / name / f"{name}.json").read_text())
+    meta, prof = built_sass(tmp_path / "out", "v_d128_1_page16", "sm_90a", "ptxc_v_d128_1_page16_split")
     assert meta["targets"]["sm_90a"]["config"]["path"] == "wgmma.m64nNk16"
-    cubin = (tmp_path / "out" / name / meta["targets"]["sm_90a"]["cubin"]).read_bytes()
-    try:
-        prof = sass_profile(cubin)[f"ptxc_{name}_split"]
-    except SassUnavailable as e:
-        pytest.skip(f"SASS unavailable: {e}")
     mix, loops = prof["mix"], prof["loops"]
     loop = loops["loops"][loops["main"]]
     assert mix["LDSM"] == mix["LDL"] == mix["STL"] == 0 and mix["HGMMA"] > 0
