@@ -189,6 +189,13 @@ def _mla_rows(full: bool):
                     extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nkv_lora_rank = {rank}\n"
                              f"qk_rope_head_dim = {rope}\ntargets = {json.dumps(list(WIDE_TARGETS))}\n" + option)
                     yield f"mla_wide_{tag}_{dtype}_r{rank}_p{rope}", "mla", dtype, rank + rope, extra, None
+    # sm_90a alone: the wgmma latent tile takes 64 head rows for sparse top-k too
+    for dtype in ("bf16", "f16"):
+        for option, tag in MLA_OPTIONS:
+            for rope in MLA_ROPES if full else (16, 64, 128):
+                extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nqk_rope_head_dim = {rope}\n"
+                         f'targets = ["sm_90a"]\n' + option)
+                yield f"mla_wg_{tag}_{dtype}_r512_p{rope}", "mla", dtype, 512 + rope, extra, None
     for rope in MLA_ROPES if full else (16, 64, 128):
         for option, tag in MLA_APPEND_DS_OPTIONS:
             yield (f"mla_append_{tag}_bf16_r512_p{rope}", "mla_append", "bf16", 512 + rope,

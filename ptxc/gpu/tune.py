@@ -42,7 +42,10 @@ def candidate_tiles(spec: KernelSpec, target: str) -> list[dict[str, Any]]:
     family = FAMILIES[spec.family]
     t = get_target(target)
     fields = [f for f in family.fields.tile if f.choices and f.name not in NOT_TUNED]
-    base = dataclasses.replace(spec, targets=(target,), tile=())
+    # the target alone, unless the family sizes a target's tile by the others (MLA's latent
+    # tile fits every target of the kernel): then the spec's own list, as the build sees it
+    targets = spec.targets if family.ptx_reads_all_targets(spec) else (target,)
+    base = dataclasses.replace(spec, targets=targets, tile=())
     out, seen = [], set()
 
     def consider(tile: dict) -> None:
@@ -94,7 +97,9 @@ def _time_variant(spec: KernelSpec, tile: dict, target: str, dims_of, device, ti
     from .timing import LaunchListTimer
     from ..errors import PtxcError
     from ..runtime import Artifact, prepare_buffers, split_scalars
-    variant = dataclasses.replace(spec, name=f"{spec.name}__tune{index}", targets=(target,),
+    reads_all = FAMILIES[spec.family].ptx_reads_all_targets(spec)   # as candidate_tiles resolved it
+    variant = dataclasses.replace(spec, name=f"{spec.name}__tune{index}",
+                                  targets=spec.targets if reads_all else (target,),
                                   tile=tuple(sorted(tile.items())))
     try:
         build = build_all([variant], Cache(enabled=False), tc, jobs=1)[0]

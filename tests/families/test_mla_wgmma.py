@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_pass, build_kernel, built_sass
-from families.test_mla import MLA, _decode_batch, body
+from families.test_mla import MLA, _decode_batch, body, sparse_body
 from ptxc import reference as ref
 from ptxc.runtime.launch_test import check_artifact
 
@@ -62,6 +62,34 @@ def test_fp8_latent_matches_reference(tmp_path, case):
     assert (c["path"], c["num_stages"], c["fp8_staging_bytes"]) == (PATH, 4, 32 * 576)
     assert c["smem_bytes"] == 64 * 1152 + 2 * 32 * 1152 + 4 * 32 * 576
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
+SPARSE = [   # (heads, rank, rope, dtype, kv, scale, topk, topk_length, splits, total_q, pages)
+    (128, 512, 64, "bf16", None, None, 300, True, 1, 5, 9),          # > 4 tiles a token
+    (64, 512, 64, "f16", "e4m3", "device", 100, False, 3, 7, 5),
+    (128, 512, 64, "bf16", None, None, 40, True, "auto", 7, 5),
+]
+
+
+@pytest.mark.parametrize("case", SPARSE, ids=lambda c: "-".join(map(str, c[:9])))
+def test_sparse_topk_on_wgmma(tmp_path, case):
+    """Sparse top-k (DeepSeek-V3.2) on the wgmma tile when sm_90a is the spec's only target:
+    64 head rows (the mma.sync tile stops at 32 there), each copy loading its rows' slots;
+    -1, duplicates, slots past the cache and negative ones, topk_length out of range, every
+    row no counted slot names NaN (test_mla.py's sparse batches)."""
+    *keys, total_q, pages = case
+    art = build_kernel(tmp_path, "mla", sparse_body(*keys), targets=SM90A)
+    c = _config(art)
+    assert (c["path"], c["block_m"], c["num_warps"]) == (PATH, 64, 8)
+    assert_pass(check_artifact(art, backend="emu", shapes={"total_q": total_q, "num_pages": pages}, seed=13))
+
+
+def test_sparse_with_another_target_keeps_32_rows(tmp_path):
+    """Listed with sm_90 (the mma.sync tile spills at 64 sparse rows), a sparse spec keeps 32
+    head rows on every target, so sm_90a runs the mma.sync tile too (one grid for all)."""
+    art = build_kernel(tmp_path, "mla", sparse_body(128, 512, 64, "bf16", None, None, 64, False, 1),
+                       targets=("sm_90", "sm_90a"))
+    assert (_config(art)["path"], _config(art)["block_m"]) == ("mma.m16n8k16", 32)
 
 
 @pytest.mark.parametrize("keys,why", [

@@ -160,19 +160,25 @@ LATENT_WGMMA_DV = 512          # two warpgroups of n256 (wgmma's widest) P·V
 LATENT_WGMMA_ROWS = 64
 
 
+def latent_wgmma(spec, target) -> bool:
+    """Whether a latent spec's tile runs on wgmma for `target` once it holds 64 head rows:
+    sm_90a, f16/bf16, a latent cache of the dtype or of FP8 bytes with one scale (e4m3; not
+    e4m3_ds's group-scaled rows), dense or sparse, kv_lora_rank 512 with whole 64-column slabs
+    of RoPE, and the tile's latent stages left to the path (tile.num_stages of 2 keeps the
+    mma.sync kernel: this loop holds three tiles)."""
+    from .variant import head_dim_v
+    given = spec.tile_dict()
+    return (target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
+            and (kv_dtype(spec) == spec.dtype or not group_scaled(spec))
+            and head_dim_v(spec) == LATENT_WGMMA_DV and spec.head_dim % 64 == 0
+            and given.get("num_stages", 3) >= 3 and given.get("kv_loads") in (None, "cp_async")
+            and spec.opt("custom_mask") in (None, "none"))
+
+
 def applies_latent(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
     """Whether the packed tile `cfg` (the mma.sync latent one) runs on wgmma for `target`:
-    sm_90a, a dense latent cache of the dtype or of FP8 bytes with one scale (e4m3; not
-    e4m3_ds's group-scaled rows, not sparse), kv_lora_rank 512 with
-    whole 64-column slabs of RoPE, 64 head rows, and the tile's latent stages left to the path
-    (tile.num_stages of 2 keeps the mma.sync kernel: this loop holds three tiles)."""
-    given = spec.tile_dict()
-    return (cfg.shared_kv and target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
-            and (kv_dtype(spec) == spec.dtype or not group_scaled(spec)) and not kv.sparse
-            and cfg.dv == LATENT_WGMMA_DV and cfg.head_dim % 64 == 0
-            and cfg.block_m == LATENT_WGMMA_ROWS and given.get("num_stages", 3) >= 3
-            and given.get("kv_loads") in (None, "cp_async")
-            and spec.opt("custom_mask") in (None, "none"))
+    latent_wgmma, and 64 head rows."""
+    return cfg.shared_kv and cfg.block_m == LATENT_WGMMA_ROWS and latent_wgmma(spec, target)
 
 
 def configure_latent(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentWgmmaConfig:
