@@ -1,7 +1,7 @@
-"""The one attention tile assembler (ptxc/kernels/bodies/assemble.py): every tile body of every
-example spec, on every target and sm_90a load method, runs exactly one main loop of
-`MAINLOOPS` through `assemble`, and every main loop in the table is one some example takes.
-The only attention body outside it is decode's SIMT rows (decode_mma.uses_mma false)."""
+"""The one attention kernel assembler (ptxc/kernels/bodies/assemble.py): every attention body of
+every example spec (prefill, varlen, mla, and decode on tensor cores or SIMT rows), on every
+target and sm_90a / sm_100a load method, runs exactly one main loop of `MAINLOOPS` through
+`assemble`, the one the path says, and every main loop in the table is one some example takes."""
 
 import dataclasses
 import pathlib
@@ -18,13 +18,13 @@ from ptxc.pipeline.compiler import lower
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TARGETS = ("sm_80", "sm_90", "sm_90a", "sm_100a", "sm_120")
 LOADS = ({}, {"kv_loads": "cp_async"}, {"warp_specialize": False}, {"warp_specialize": True})
-TILE_FAMILIES = {"prefill", "varlen", "mla"}
+ATTENTION = {"prefill", "varlen", "mla", "decode"}
 
 
 def _combinations():
     specs = load_paths(sorted(str(p) for p in (ROOT / "specs").glob("*.toml")))
     for spec in specs:
-        if spec.family not in TILE_FAMILIES | {"decode"}:
+        if spec.family not in ATTENTION:
             continue
         for target in TARGETS:
             for extra in LOADS:
@@ -62,15 +62,14 @@ def loops_taken():
     return seen
 
 
-def test_every_tile_body_runs_one_main_loop_through_the_assembler(loops_taken):
+def test_every_attention_body_runs_one_main_loop_through_the_assembler(loops_taken):
     assert len(loops_taken) > 100
     for (spec, target), taken in loops_taken.items():
-        tiles = spec.family in TILE_FAMILIES or uses_mma(spec)
         what = f"{spec.name} on {target} with tile {dict(spec.tile)}"
-        if tiles:     # one attention entry (a split-KV reduce has no tile loop)
-            assert sum(taken.values()) == 1, f"{what}: main loops {dict(taken)}"
-        else:         # decode's SIMT rows: not a tile composition
-            assert not taken, f"{what}: the SIMT decode ran {dict(taken)}"
+        # one attention entry (a split-KV reduce has no loop of keys)
+        assert sum(taken.values()) == 1, f"{what}: main loops {dict(taken)}"
+        if spec.family == "decode":   # tensor cores: the packed tile; else the SIMT rows
+            assert ("rows" in taken) != uses_mma(spec), what
 
 
 def test_every_main_loop_is_taken_by_an_example(loops_taken):
@@ -78,9 +77,3 @@ def test_every_main_loop_is_taken_by_an_example(loops_taken):
     for counts in loops_taken.values():
         taken |= set(counts)
     assert taken == set(A.MAINLOOPS)
-
-
-def test_the_simt_decode_is_the_only_attention_body_outside_it(loops_taken):
-    simt = {spec.name for (spec, _), taken in loops_taken.items() if not taken}
-    assert simt, "the examples cover decode's SIMT rows"
-    assert all(spec.family == "decode" for (spec, _), taken in loops_taken.items() if not taken)

@@ -1,9 +1,10 @@
-"""The attention tile assembler: every tile body (prefill's, and the GQA-packed tile of varlen,
-decode's tensor-core path and MLA) ends in `assemble`, which runs one main loop from the table
-below over the pieces the body composed:
+"""The attention kernel assembler: every attention body (prefill's, the GQA-packed tile of
+varlen, decode's tensor-core path and MLA, and decode's SIMT rows) ends in `assemble`, which
+runs one main loop from the table below over the pieces the body composed:
 
   KeyTiles   the scheduler's answer: which key tiles the CTA visits and which of them need the
-             mask (prefill_cp_async.setup, attention/packed_tile.packed_tile_setup)
+             mask (prefill_cp_async.setup, attention/packed_tile.packed_tile_setup); decode's
+             SIMT rows: KeyRows (mainloop/row_pipeline.py), its row range
   Buffers    where Q and the K/V stages live in shared memory (and the TMA loops' mbarriers)
   Loads      how a tile reaches shared memory: copies by the threads (`load_kv`, cp.async or
              plain loads) or TMA boxes (`copy_tile`), with the layout's hooks (FP8 staging,
@@ -24,6 +25,8 @@ Main loops, one per load method (mainloop/):
   tma          tma_pipeline.run_tma_pipeline: TMA boxes on full mbarriers, one issuing CTA
   tma_ws       tma_ws_pipeline.run_tma_ws_pipeline: a producer warpgroup, consumer warpgroups
   tcgen05_ws   tcgen05_ws_pipeline.run_tcgen05_ws_pipeline: load, MMA and softmax warps
+  rows         row_pipeline.run_row_pipeline: decode's SIMT rows, register loads or each
+               thread's cp.async slots
 
 The body picks the loop its config names (a path table's entry); what differs between bodies
 is only what they compose: the layout's loads and the math.
@@ -36,6 +39,7 @@ from typing import Callable
 
 from ...ir import KernelBuilder, Reg
 from ..mainloop.kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
+from ..mainloop.row_pipeline import KeyRows, run_row_pipeline
 from ..mainloop.tcgen05_ws_pipeline import run_tcgen05_ws_pipeline
 from ..mainloop.tma_pipeline import run_tma_pipeline
 from ..mainloop.tma_ws_pipeline import run_tma_ws_pipeline
@@ -90,6 +94,8 @@ class Loads:
     issuer: Reg | None = None
     q_landed: Callable | None = None
     last_v_landed: Callable | None = None
+    rows: object | None = None       # decode's SIMT rows: fetch(rows, put), advance(fresh)
+    read: Callable | None = None     # ... and a chunk's register load, read(addr, pred)
 
 
 def _cp_async(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
@@ -163,17 +169,25 @@ def _tcgen05_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_
                             lo_full=tiles.lo_full)
 
 
+def _rows(b, buf, tiles: KeyRows, loads: Loads, math, transform_of, *, cfg, tid):
+    m = math()       # its variant transform is the row math's own (scores in log2 units)
+    run_row_pipeline(b, cfg, tiles, fetch=loads.rows.fetch, advance=loads.rows.advance,
+                     read=loads.read, math=m, tid=tid)
+    return m
+
+
 # name -> (b, buffers, tiles, loads, math factory, transform_of, **the loop's own options);
 # returns the math whose epilogue follows the loop (None: the loop ran it in its branch)
 MAINLOOPS: dict[str, Callable] = {
     "cp_async": _cp_async, "latent": _latent, "wgmma": _wgmma, "latent_wgmma": _latent_wgmma,
-    "tma": _tma,
+    "tma": _tma, "rows": _rows,
     "tma_ws": _tma_ws, "tcgen05_ws": _tcgen05_ws,
 }
 
 
-def assemble(b: KernelBuilder, mainloop: str, *, buffers: Buffers, tiles: KeyTiles, loads: Loads,
-             math: Callable, transform_of: Callable, **options) -> None:
+def assemble(b: KernelBuilder, mainloop: str, *, tiles: KeyTiles | KeyRows, loads: Loads,
+             math: Callable, transform_of: Callable, buffers: Buffers | None = None,
+             **options) -> None:
     """The K/V main loop `mainloop` (MAINLOOPS) over the pieces, then the math's epilogue."""
     built = MAINLOOPS[mainloop](b, buffers, tiles, loads, math, transform_of, **options)
     if built is not None:

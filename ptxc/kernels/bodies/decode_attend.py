@@ -17,6 +17,8 @@ from ..attention.softmax import (
     exponentials, log_sum_exp, merge_states, merge_weights, normaliser, rescale_factor, safe_max)
 from ..attention.variant import AttentionVariant, join_sink, load_head_f32
 from ..kv.kv_access import KVAccess
+from ..mainloop.row_pipeline import KeyRows
+from .assemble import Loads, assemble, prebuilt
 
 
 def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
@@ -105,15 +107,82 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
     transform = None
     if variant.transforms:   # scores are in log2 units (q was scaled by softmax_scale * log2 e)
         transform = _score_transform(b, variant, ptrs, head0, hp, seq_len)
-    _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred,
-                  kv_io, transform, tid)
+    rows = KeyRows(row_begin, row_end, cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll,
+                   lambda it: [b.add(it, b.add(first_row, u * cfg.rows_per_warp))
+                               for u in range(cfg.kv_unroll)])
+    loader = RowLoader(b, cfg, kv, bases, chunk_pred, kv_io[0], rows)
+    math = DecodeRows(b, spec, cfg, q_regs, m, l, acc, kv_io[2], transform,
+                      finish=lambda: _finish(b, spec, cfg, m, l, acc, warp, slot, sub, tid, batch,
+                                             head0, ptrs, strides, split_count, v_scale, target))
+    assemble(b, "rows", tiles=rows, loads=Loads(rows=loader, read=kv_io[1]), math=prebuilt(math),
+             transform_of=lambda _: None, cfg=cfg, tid=tid)
 
-    off = lpr  # merge row slots: lanes that differ in the slot bits
+
+class RowLoader:
+    """Where decode's rows live (kv_access), chunk by chunk; paged caches load the page ids of
+    the rows an iteration further while the current ones are in flight (after their loads are
+    issued), so no block-table round trip precedes a fetch."""
+
+    def __init__(self, b, cfg, kv: KVAccess, bases, chunk_pred, chunk_bytes: int, rows: KeyRows):
+        self.b, self.cfg, self.kv, self.bases, self.rows = b, cfg, kv, bases, rows
+        self.chunk_pred, self.chunk_bytes = chunk_pred, chunk_bytes
+        self.pages = None
+        if kv.layout == "paged":
+            self.pages = [kv.load_page(b, bases, r, b.setp("lt", r, rows.end))
+                          for r in rows.rows_at(rows.begin)]
+
+    def fetch(self, rows, put):
+        """Addresses of `rows` (pages from `pages`), put(t, u, j, addr, pred) per chunk; returns
+        the rows' validity and the page ids of the rows rows_per_iter further on (or None)."""
+        b, cfg, kv, bases = self.b, self.cfg, self.kv, self.bases
+        valid = [b.setp("lt", r, self.rows.end) for r in rows]
+        page_cache = {}
+        for u in range(cfg.kv_unroll) if self.pages else ():
+            kv.use_page(b, page_cache, rows[u], valid[u], self.pages[u])
+        for t in ("k_cache", "v_cache"):
+            for u, (r, ok) in enumerate(zip(rows, valid)):
+                addr, row_ok = kv.row_address(b, bases, t, r, ok, page_cache)
+                for j in range(cfg.chunks_per_lane):
+                    put(t, u, j, Addr(addr, j * cfg.lanes_per_row * self.chunk_bytes),
+                        self.chunk_pred(j, row_ok))
+        if not self.pages:
+            return valid, None
+        nxt = [b.add(r, self.rows.rows_per_iter) for r in rows]
+        return valid, [kv.load_page(b, bases, r, b.setp("lt", r, self.rows.end)) for r in nxt]
+
+    def advance(self, fresh) -> None:
+        for cur, new in zip(self.pages or (), fresh or ()):
+            self.b.mov(new, out=cur)
+
+
+class DecodeRows:
+    """The SIMT row math of decode: each row slot's online-softmax state (m, l, acc per head,
+    base 2) over the rows it attends (`attend`: _attend_rows); `epilogue` merges the row slots
+    by shuffles, the warps through shared memory, and writes O / LSE or the split partials."""
+
+    def __init__(self, b, spec, cfg, q_regs, m, l, acc, widen, transform, finish):
+        self.b, self.spec, self.cfg = b, spec, cfg
+        self.q_regs, self.m, self.l, self.acc = q_regs, m, l, acc
+        self.widen, self.transform, self.finish = widen, transform, finish
+
+    def attend(self, tiles, rows, valid) -> None:
+        _attend_rows(self.b, self.cfg, tiles, rows, valid, self.q_regs, self.m, self.l, self.acc,
+                     self.widen, self.transform)
+
+    def epilogue(self) -> None:
+        self.finish()
+
+
+def _finish(b, spec, cfg, m, l, acc, warp, slot, sub, tid, batch, head0, ptrs, strides,
+            split_count, v_scale, target) -> None:
+    """Merge the row slots (lanes that differ in the slot bits), stage every warp's state, then
+    the cooperative epilogue."""
+    off = cfg.lanes_per_row
     while off < 32:
-        for i in range(hp):
+        for i in range(cfg.heads_per_cta):
             flat = [x for ch in acc[i] for x in ch]
             merge_states(b, m[i], l[i], flat, b.shfl("bfly", m[i], off),
-                                   b.shfl("bfly", l[i], off), [b.shfl("bfly", x, off) for x in flat])
+                         b.shfl("bfly", l[i], off), [b.shfl("bfly", x, off) for x in flat])
         off *= 2
     smem = _stage_warp_states(b, cfg, m, l, acc, warp, slot, sub)
     _epilogue(b, spec, cfg, smem, tid, batch, head0, ptrs, strides, split_count, v_scale, target)
@@ -123,97 +192,6 @@ def _plain_io(b, fmt):
     """(bytes per lane chunk, load, widen to f32) for a cache of the dtype itself."""
     return (C.VEC_BYTES, lambda addr, pred: C.load_vec(b, fmt, addr, pred),
             lambda regs: C.to_f32(b, fmt, regs))
-
-
-def _emit_kv_loop(b, cfg, kv, bases, q_regs, m, l, acc, row_begin, row_end, first_row, chunk_pred, kv_io,
-                  transform=None, tid=None):
-    """The loop over the CTA's rows, `rows_per_iter` per iteration. With `cfg.kv_stages` >= 2
-    (plain caches on cp.async targets) each thread's K/V chunks go global -> its own shared
-    memory slots by cp.async, `kv_stages - 1` iterations ahead, so loads stay in flight while
-    the current rows are multiplied; otherwise they are register loads issued before any use."""
-    rows_per_iter = cfg.num_warps * cfg.rows_per_warp * cfg.kv_unroll
-    stages = cfg.kv_stages
-
-    def rows_at(it):
-        return [b.add(it, b.add(first_row, u * cfg.rows_per_warp)) for u in range(cfg.kv_unroll)]
-
-    # Paged: the page ids of the rows fetched next are loaded while the current ones are in
-    # flight (after their loads are issued), so no block-table round trip precedes a fetch.
-    pages = None
-    if kv.layout == "paged":
-        pages = [kv.load_page(b, bases, r, b.setp("lt", r, row_end)) for r in rows_at(row_begin)]
-
-    def fetch(rows, put):
-        """Addresses of `rows` (pages from `pages`), put(t, u, j, addr, pred) per chunk; returns
-        the rows' validity and the page ids of the rows rows_per_iter further on (or None)."""
-        valid = [b.setp("lt", r, row_end) for r in rows]
-        page_cache = {}
-        for u in range(cfg.kv_unroll) if pages else ():
-            kv.use_page(b, page_cache, rows[u], valid[u], pages[u])
-        for t in ("k_cache", "v_cache"):
-            for u, (r, ok) in enumerate(zip(rows, valid)):
-                addr, row_ok = kv.row_address(b, bases, t, r, ok, page_cache)
-                for j in range(cfg.chunks_per_lane):
-                    put(t, u, j, Addr(addr, j * cfg.lanes_per_row * kv_io[0]), chunk_pred(j, row_ok))
-        if not pages:
-            return valid, None
-        nxt = [b.add(r, rows_per_iter) for r in rows]
-        return valid, [kv.load_page(b, bases, r, b.setp("lt", r, row_end)) for r in nxt]
-
-    if stages < 2:
-        with b.for_range(row_begin, row_end, rows_per_iter) as it:
-            rows = rows_at(it)
-            tiles = {"k_cache": [[None] * cfg.chunks_per_lane for _ in rows],
-                     "v_cache": [[None] * cfg.chunks_per_lane for _ in rows]}
-
-            def put(t, u, j, addr, pred):
-                tiles[t][u][j] = kv_io[1](addr, pred)
-            valid, fresh = fetch(rows, put)
-            _attend_rows(b, cfg, tiles, rows, valid, q_regs, m, l, acc, kv_io[2], transform)
-            for cur, new in zip(pages or (), fresh or ()):
-                b.mov(new, out=cur)
-        return
-
-    threads = cfg.num_warps * 32
-    slots = 2 * cfg.kv_unroll * cfg.chunks_per_lane
-    smem = b.address_of(b.shared("kv_stage_smem", stages * slots * threads * C.VEC_BYTES))
-    mine = b.mad(tid, C.VEC_BYTES, smem)      # a thread's slots: 16 B apart per thread, no conflicts
-
-    def slot_off(t, u, j):
-        return (((t == "v_cache") * cfg.kv_unroll + u) * cfg.chunks_per_lane + j) * threads * C.VEC_BYTES
-
-    stage_bytes = slots * threads * C.VEC_BYTES
-
-    def issue(rows, stage_off):
-        dst = b.add(mine, stage_off) if not isinstance(stage_off, int) else mine
-
-        def put(t, u, j, addr, pred):
-            off = slot_off(t, u, j) + (stage_off if isinstance(stage_off, int) else 0)
-            size = C.VEC_BYTES if pred is None else b.selp(C.VEC_BYTES, 0, pred, type=U32)
-            b.cp_async(Addr(dst, off), addr, C.VEC_BYTES, size)
-        _, fresh = fetch(rows, put)
-        b.cp_async_commit()
-        for cur, new in zip(pages or (), fresh or ()):
-            b.mov(new, out=cur)
-
-    for s in range(stages - 1):
-        issue(rows_at(b.add(row_begin, s * rows_per_iter)), s * stage_bytes)
-    read = b.mov(0, U32)
-    write = b.mov((stages - 1) * stage_bytes, U32)
-    with b.for_range(row_begin, row_end, rows_per_iter) as it:
-        issue(rows_at(b.add(it, (stages - 1) * rows_per_iter)), write)
-        b.cp_async_wait(stages - 1)          # this thread's copies of the current rows landed
-        rows = rows_at(it)
-        src = b.add(mine, read)
-        tiles = {t: [[b.ld("shared", cfg.fmt.load_type, Addr(src, slot_off(t, u, j)), vec=4)
-                      for j in range(cfg.chunks_per_lane)] for u in range(cfg.kv_unroll)]
-                 for t in ("k_cache", "v_cache")}
-        _attend_rows(b, cfg, tiles, rows, [b.setp("lt", r, row_end) for r in rows], q_regs, m, l, acc,
-                     kv_io[2], transform)
-        for reg in (read, write):   # stage offsets rotate in registers (no rem in the loop)
-            nxt = b.add(reg, stage_bytes)
-            b.mov(b.selp(0, nxt, b.setp("eq", nxt, stages * stage_bytes)), out=reg)
-    b.cp_async_wait(0)
 
 
 def _attend_rows(b, cfg, tiles, rows, valid, q_regs, m, l, acc, widen, transform):
