@@ -84,7 +84,7 @@ class Loads:
     stage)` converts a staged raw tile after its wait (FP8 bytes). TMA: `copy_tile(t, j, dst,
     bar)` issues tile j's boxes, called by `leader` (or each `issuer` for its share); hooks
     `q_landed()` (a Q tile the threads copied) and `last_v_landed(v_tile)` (the V tail rewritten
-    before the last P·V)."""
+    before the last P·V). Decode's SIMT rows: `rows` (decode_attend.RowLoader) and `read`."""
 
     load_kv: Callable | None = None
     copy_tile: Callable | None = None
@@ -107,14 +107,17 @@ def _cp_async(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of
     return m
 
 
-def _latent(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
-    assert tiles.mask_of is None, "a latent cache takes no packed mask"
-    m = math()
-    run_shared_kv_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, kv_smem=buf.k,
-                           n_tiles=tiles.n_tiles, n_full=tiles.n_full, key0_of=tiles.key0_of,
-                           load_kv=loads.load_kv, math=m, transform=transform_of(m),
-                           lo_full=tiles.lo_full, landed=loads.landed)
-    return m
+def _latent_tile(run):
+    """The adapter of a loop over one latent tile per stage (run_shared_kv_pipeline on mma.sync,
+    run_latent_wgmma_pipeline on wgmma: the same arguments)."""
+    def adapter(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
+        assert tiles.mask_of is None, "a latent cache takes no packed mask"
+        m = math()
+        run(b, stages=buf.stages, kv_bytes=buf.k_bytes, kv_smem=buf.k, n_tiles=tiles.n_tiles,
+            n_full=tiles.n_full, key0_of=tiles.key0_of, load_kv=loads.load_kv, math=m,
+            transform=transform_of(m), lo_full=tiles.lo_full, landed=loads.landed)
+        return m
+    return adapter
 
 
 def _wgmma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
@@ -124,16 +127,6 @@ def _wgmma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *
                        k_smem=buf.k, v_smem=buf.v, n_tiles=tiles.n_tiles, n_full=tiles.n_full,
                        key0_of=tiles.key0_of, load_kv=loads.load_kv, math=m,
                        transform=transform_of(m), lo_full=tiles.lo_full, landed=loads.landed)
-    return m
-
-
-def _latent_wgmma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
-    assert tiles.mask_of is None, "a latent cache takes no packed mask"
-    m = math()
-    run_latent_wgmma_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, kv_smem=buf.k,
-                              n_tiles=tiles.n_tiles, n_full=tiles.n_full, key0_of=tiles.key0_of,
-                              load_kv=loads.load_kv, math=m, transform=transform_of(m),
-                              lo_full=tiles.lo_full, landed=loads.landed)
     return m
 
 
@@ -179,9 +172,9 @@ def _rows(b, buf, tiles: KeyRows, loads: Loads, math, transform_of, *, cfg, tid)
 # name -> (b, buffers, tiles, loads, math factory, transform_of, **the loop's own options);
 # returns the math whose epilogue follows the loop (None: the loop ran it in its branch)
 MAINLOOPS: dict[str, Callable] = {
-    "cp_async": _cp_async, "latent": _latent, "wgmma": _wgmma, "latent_wgmma": _latent_wgmma,
-    "tma": _tma, "rows": _rows,
-    "tma_ws": _tma_ws, "tcgen05_ws": _tcgen05_ws,
+    "cp_async": _cp_async, "latent": _latent_tile(run_shared_kv_pipeline), "wgmma": _wgmma,
+    "latent_wgmma": _latent_tile(run_latent_wgmma_pipeline),
+    "tma": _tma, "tma_ws": _tma_ws, "tcgen05_ws": _tcgen05_ws, "rows": _rows,
 }
 
 
