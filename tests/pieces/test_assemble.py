@@ -1,6 +1,6 @@
 """The one attention kernel assembler (ptxc/kernels/bodies/assemble.py): every attention body of
-every example spec (prefill, varlen, mla, and decode on tensor cores or SIMT rows), on every
-target and sm_90a / sm_100a load method, runs exactly one main loop of `MAINLOOPS` through
+every example spec (prefill, varlen, mla, and decode on tensor cores or SIMT rows), on sm_80,
+sm_90a and sm_100a and each of their load methods, runs exactly one main loop of `MAINLOOPS` through
 `assemble`, the one the path says, and every main loop in the table is one some example takes."""
 
 import dataclasses
@@ -16,7 +16,7 @@ from ptxc.kernels.families.decode_mma import uses_mma
 from ptxc.pipeline.compiler import lower
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TARGETS = ("sm_80", "sm_90", "sm_90a", "sm_100a", "sm_120")
+TARGETS = ("sm_80", "sm_90a", "sm_100a")   # sm_90 / sm_120 take sm_80's paths (and their loops)
 LOADS = ({}, {"kv_loads": "cp_async"}, {"warp_specialize": False}, {"warp_specialize": True})
 ATTENTION = {"prefill", "varlen", "mla", "decode"}
 
