@@ -189,9 +189,9 @@ def _mla_rows(full: bool):
                     extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nkv_lora_rank = {rank}\n"
                              f"qk_rope_head_dim = {rope}\ntargets = {json.dumps(list(WIDE_TARGETS))}\n" + option)
                     yield f"mla_wide_{tag}_{dtype}_r{rank}_p{rope}", "mla", dtype, rank + rope, extra, None
-    # sm_90a alone: the wgmma latent tile takes 64 head rows for sparse top-k too
+    # sm_90a alone: the wgmma latent tile takes 64 head rows for sparse top-k and e4m3_ds too
     for dtype in ("bf16", "f16"):
-        for option, tag in MLA_OPTIONS:
+        for option, tag in MLA_OPTIONS + (MLA_DS_OPTIONS if dtype == "bf16" else ()):
             for rope in MLA_ROPES if full else (16, 64, 128):
                 extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nqk_rope_head_dim = {rope}\n"
                          f'targets = ["sm_90a"]\n' + option)

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import assert_pass, build_kernel, built_sass
 from families.test_mla import MLA, _decode_batch, body, sparse_body
+from families.test_mla_group_scaled import body as ds_body
 from ptxc import reference as ref
 from ptxc.runtime.launch_test import check_artifact
 
@@ -86,6 +87,30 @@ def test_sparse_topk_on_wgmma(tmp_path, case):
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": total_q, "num_pages": pages}, seed=13))
 
 
+DS = {   # FlashMLA's fp8_ds_mla rows (656 bytes: e4m3 latent, 4 group scales, bf16 RoPE)
+    "h128-paged-auto": (ds_body(heads=128), {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}),
+    "h128-sparse-top300-1split": (ds_body(heads=128, splits=1, extra="sparse_topk = 300\ntopk_length = true\n"),
+                                  {"total_q": 5, "num_pages": 9}),
+    "h128-page16-3splits-L1000": pytest.param(
+        (ds_body(heads=128, splits=3, page=16), {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}),
+        marks=pytest.mark.slow),
+}
+
+
+@pytest.mark.parametrize("case", DS.values(), ids=DS.keys())
+def test_group_scaled_rows_on_wgmma(tmp_path, case):
+    """e4m3_ds rows with sm_90a the only target: 64 head rows on the wgmma tile (the mma.sync
+    tile stops at 32); whole 656-byte rows staged (four 20.5 KiB buffers), each latent chunk
+    multiplied by its row's group scale (read from the staged row another thread copied) and
+    rounded once, RoPE copied; unowned rows hold NaN bytes, scales and RoPE."""
+    text, shapes = case
+    art = build_kernel(tmp_path, "mla", text, targets=SM90A)
+    c = _config(art)
+    assert (c["path"], c["block_m"], c["fp8_staging_bytes"]) == (PATH, 64, 32 * 656)
+    assert c["smem_bytes"] == 64 * 1152 + 2 * 32 * 1152 + 4 * 32 * 656
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
 def test_sparse_with_another_target_keeps_32_rows(tmp_path):
     """Listed with sm_90 (the mma.sync tile spills at 64 sparse rows), a sparse spec keeps 32
     head rows on every target, so sm_90a runs the mma.sync tile too (one grid for all)."""
@@ -96,7 +121,6 @@ def test_sparse_with_another_target_keeps_32_rows(tmp_path):
 
 @pytest.mark.parametrize("keys,why", [
     (dict(heads=16), "16 head rows: wgmma's M is 64"),
-    (dict(heads=128, kv="e4m3_ds"), "group-scaled rows: their scales per row and 128 columns"),
     (dict(heads=128, rank=256, rope=64), "rank 256: one warpgroup's n256 would do, not built"),
 ])
 def test_other_latent_tiles_keep_mma_sync(tmp_path, keys, why):

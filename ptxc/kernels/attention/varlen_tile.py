@@ -15,7 +15,7 @@ from ..config.prefill import PrefillConfig
 from ..config.tcgen05 import PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS, TensorMemoryTile
 from ..config.wgmma import ROWS_PER_WARPGROUP, WGMMA_TARGETS, WgmmaConfig, uses_wgmma
 from ..kv.kv_access import KVAccess
-from ..kv.kv_fp8 import group_scaled, kind, kv_dtype
+from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind, kv_dtype
 from ..kv.kv_fp8_stage import StagedFP8Config, StagingGeom
 from ..mainloop.tiles import SWIZZLE, SwizzledGeom
 from ..mainloop.tiles import CHUNK
@@ -149,6 +149,12 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     products (V: its first 512 columns, warpgroup p's from slab 4p), copied by cp.async
     (wgmma_pipeline.run_latent_wgmma_pipeline)."""
 
+    rows: GroupScaledRows | None = None    # e4m3_ds: whole 656-byte rows staged (scales, RoPE)
+
+    @property
+    def staging_geom(self) -> StagingGeom:
+        return StagingGeom(self.block_n, self.rows.row_bytes if self.rows else self.head_dim, self.threads)
+
     @property
     def smem_bytes(self) -> int:
         if self.fp8:    # two converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
@@ -162,14 +168,13 @@ LATENT_WGMMA_ROWS = 64
 
 def latent_wgmma(spec, target) -> bool:
     """Whether a latent spec's tile runs on wgmma for `target` once it holds 64 head rows:
-    sm_90a, f16/bf16, a latent cache of the dtype or of FP8 bytes with one scale (e4m3; not
+    sm_90a, f16/bf16, a latent cache of the dtype or of FP8 bytes (e4m3 with one scale, or
     e4m3_ds's group-scaled rows), dense or sparse, kv_lora_rank 512 with whole 64-column slabs
     of RoPE, and the tile's latent stages left to the path (tile.num_stages of 2 keeps the
     mma.sync kernel: this loop holds three tiles)."""
     from .variant import head_dim_v
     given = spec.tile_dict()
     return (target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
-            and (kv_dtype(spec) == spec.dtype or not group_scaled(spec))
             and head_dim_v(spec) == LATENT_WGMMA_DV and spec.head_dim % 64 == 0
             and given.get("num_stages", 3) >= 3 and given.get("kv_loads") in (None, "cp_async")
             and spec.opt("custom_mask") in (None, "none"))
@@ -192,7 +197,8 @@ def configure_latent(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentWgmmaConfi
         return LatentWgmmaConfig(cfg.fmt, cfg.head_dim, True, LATENT_WGMMA_ROWS, bn,
                                  2 * ROWS_PER_WARPGROUP // 16, stages, True, cfg.dv,
                                  cfg.dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
-                                 kv_loads="cp_async", fp8=kind(spec) is not None)
+                                 kv_loads="cp_async", fp8=kind(spec) is not None,
+                                 rows=group_scaled(spec))
     stages = given.get("num_stages", 4)
     while stages > 3 and make(stages).smem_bytes > TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta:
         stages -= 1

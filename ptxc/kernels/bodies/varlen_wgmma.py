@@ -146,7 +146,7 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     if cfg.fp8 and cfg.shared_kv:   # MLA's FP8 latent rows: two alternating converted tiles
         staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, cfg.num_stages,
                                    ctx.tid, tile.k_smem, quant,
-                                   "f16x2" if cfg.fmt.name == "f16" else "bf16x2")
+                                   "f16x2" if cfg.fmt.name == "f16" else "bf16x2", cfg.fmt, cfg.rows)
         kv_slot = staging.slot
     elif cfg.fp8:
         staging = SwizzledFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, cfg.kv_geom.slab_bytes,
@@ -188,7 +188,7 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     if pages is not None:
         pages.load_ahead(b.mul(first, bn))
     math = VarlenWgmmaMath(b, ctx, ptrs, strides)
-    if quant is not None:
+    if quant is not None and quant.mode != "group":   # group scales: applied in the staging
         k_scale, math.v_scale = quant.scales(b, work.kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
     assemble(b, "latent_wgmma" if cfg.shared_kv else "wgmma",   # MLA: one latent tile per stage

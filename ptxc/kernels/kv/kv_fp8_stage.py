@@ -36,7 +36,7 @@ from ...targets import Target, occupancy
 from .. import common as C
 from ..attention.variant import head_dim_v
 from ..config.prefill import PrefillConfig
-from ..mainloop.tiles import ThreadSlot, TileGeom, thread_slot, zero_regs
+from ..mainloop.tiles import CHUNK, ThreadSlot, TileGeom, thread_slot, zero_regs
 from ..math import fp8
 from . import kv_fp8
 
@@ -264,12 +264,19 @@ class LatentFP8Staging:
     2(c % 4) + 1 of slab c / 4, XORed with r % 8. Two converted tiles alternate (`landed`
     toggles `cur`): iteration j's S reads tile j while its P·V reads tile j - 1.
 
+    Group-scaled rows (`rows`, e4m3_ds: 656 bytes, 41 chunks, 6 rows a pass) land whole; a
+    latent chunk c < 32 is multiplied by its row's scale for group c / 8 (an ld.shared.f32 of
+    the same staged row, landed by another thread: the loop converts after a barrier) and
+    rounded once, a scale chunk writes nothing, and RoPE chunk c >= 33 (8 bf16 values) is
+    copied as it is to chunk c - 33 of slab 8.
+
     Shared memory from `tiles_base`: converted tile x 2 | staging x stages."""
 
     def __init__(self, b: KernelBuilder, geom: StagingGeom, tile_bytes: int, block_n: int,
-                 stages: int, tid: Reg, tiles_base: Reg, quant: kv_fp8.KVDequant, pair: str):
+                 stages: int, tid: Reg, tiles_base: Reg, quant: kv_fp8.KVDequant, pair: str,
+                 fmt=None, rows: kv_fp8.GroupScaledRows | None = None):
         from ..mainloop.tiles import SWIZZLE
-        self.b, self.geom, self.quant, self.pair = b, geom, quant, pair
+        self.b, self.geom, self.quant, self.pair, self.fmt, self.rows = b, geom, quant, pair, fmt, rows
         self.tiles, self.tile_bytes = tiles_base, tile_bytes
         self.stage_bytes = geom.bytes
         self.k_stage = b.add(tiles_base, 2 * tile_bytes)
@@ -281,6 +288,15 @@ class LatentFP8Staging:
         c = b.shr(self.slot.col, 4)
         slab = b.mul(b.shr(c, 2), block_n * SWIZZLE)
         in_slab = b.shl(b.and_(c, 3), 1)
+        if rows is not None:    # a RoPE chunk: chunk c - rope_chunk of the last slab
+            rope_chunk = rows.rope_at // CHUNK
+            self.latent = b.setp("lt", self.slot.col, rows.rank)
+            self.rope = b.setp("ge", self.slot.col, rows.rope_at)
+            slab = b.selp(slab, b.mov(rows.rank * 2 // SWIZZLE * block_n * SWIZZLE, U32), self.latent)
+            in_slab = b.selp(in_slab, b.sub(c, rope_chunk), self.latent)
+            # the row's scale for this chunk's group, relative to the chunk
+            self.scale_off = b.sub(b.add(b.shl(b.shr(self.slot.col, rows.group.bit_length() - 1), 2),
+                                         rows.scales_at), self.slot.col)
         self.dst = []
         for i in range(geom.passes):
             row = b.add(self.slot.r0, i * geom.rows_per_pass)
@@ -295,19 +311,38 @@ class LatentFP8Staging:
         tile = b.add(self.tiles, self.cur)
         for i in range(geom.passes):
             guard = self.slot.guard(b, i)
+            at = i * geom.rows_per_pass * geom.stride
             if guard is None:
-                words = b.ld("shared", B32, Addr(src, i * geom.rows_per_pass * geom.stride), vec=4)
+                words = b.ld("shared", B32, Addr(src, at), vec=4)
             else:              # a pass without a row for this thread converts zeros
                 words = zero_regs(b, 4)
                 with b.predicate(guard):
-                    b.ld("shared", B32, Addr(src, i * geom.rows_per_pass * geom.stride), vec=4, out=words)
-            vals = fp8.dequantize(b, words, self.quant.kind, self.quant.target, to=self.pair)
+                    b.ld("shared", B32, Addr(src, at), vec=4, out=words)
             first = b.add(tile, self.dst[i])
+            if self.rows is not None:
+                self._group_scaled(b, words, b.add(src, self.scale_off), at, guard, first)
+                continue
+            vals = fp8.dequantize(b, words, self.quant.kind, self.quant.target, to=self.pair)
             with b.predicate(guard) if guard is not None else nullcontext():
                 b.st("shared", B32, Addr(first), vals[:4])
                 b.st("shared", B32, Addr(b.xor(first, 16)), vals[4:])
         b.xor(self.cur, self.tile_bytes, out=self.cur)
         return tile
+
+    def _group_scaled(self, b: KernelBuilder, words, scale_at: Reg, at: int, guard, first) -> None:
+        """One pass of a group-scaled row's chunk: latent x its group's scale (f32, rounded
+        once), or the RoPE chunk as it is; the scale chunk writes nothing."""
+        scale = b.mov(0.0, F32)
+        with b.predicate(guard) if guard is not None else nullcontext():
+            b.ld("shared", F32, Addr(scale_at, at), out=[scale])
+        vals = [b.mul(v, scale) for v in fp8.dequantize(b, words, self.quant.kind, self.quant.target)]
+        packed = C.from_f32(b, self.fmt, vals, self.quant.target)
+        latent = self.latent if guard is None else b.and_(self.latent, guard)
+        with b.predicate(latent):
+            b.st("shared", B32, Addr(first), packed[:4])
+            b.st("shared", B32, Addr(b.xor(first, 16)), packed[4:])
+        with b.predicate(self.rope if guard is None else b.and_(self.rope, guard)):
+            b.st("shared", B32, Addr(first), words)
 
 
 __all__ = ["applies", "StagingGeom", "StagedFP8Config", "default_stages", "staging_slot", "FP8Staging",
