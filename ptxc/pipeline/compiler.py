@@ -166,8 +166,16 @@ def build_all(specs: list[KernelSpec], cache: Cache, tc: Toolchain | None, jobs:
 
 
 def check_resources(spec: KernelSpec, tb: TargetBuild) -> list[str]:
-    """Problems a user must hear about even when ptxas succeeded: spills, local stacks."""
+    """Problems a user must hear about even when ptxas succeeded: spills, local stacks, and a
+    launch whose shared memory the target cannot give one CTA (ptxas does not see dynamic
+    shared memory; the launch would fail on the device)."""
     problems = []
+    limit = get_target(tb.target).max_smem_per_cta
+    for launch in tb.launches:
+        need = launch["static_smem_bytes"] + launch["dynamic_smem_bytes"]
+        if need > limit:
+            problems.append(f"{spec.name} [{tb.target}] {launch['entry']}: needs {need} bytes of "
+                            f"shared memory per CTA; {tb.target} allows {limit}")
     for entry, r in (tb.resources or {}).items():
         res = Resources(**r)
         if res.spill_stores or res.spill_loads:

@@ -112,6 +112,26 @@ def test_group_scaled_rows_on_wgmma(tmp_path, case):
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
+@pytest.mark.parametrize("kv", [None, "e4m3", "e4m3_ds"])
+def test_every_rope_width_fits_one_ctas_shared_memory(kv):
+    """sm_90a alone, 128 heads, every qk_rope_head_dim the spec allows: the tile fits one CTA's
+    shared memory (the wgmma tile needs three stages: e4m3_ds rows with 128 RoPE columns, 784
+    bytes, would need 239104 bytes, so they keep the mma.sync tile at 32 rows)."""
+    from ptxc.kernels import load_text
+    from ptxc.kernels.families import mla, varlen
+    from ptxc.targets import TARGETS
+    target = TARGETS["sm_90a"]
+    for rope in range(16, 129, 16):
+        extra = "" if kv is None else f'kv_dtype = "{kv}"\n'
+        [spec] = load_text(f'[[kernel]]\nname = "m"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = 128\n'
+                           f'softmax_scale = 0.1\nqk_rope_head_dim = {rope}\n{extra}'
+                           f'targets = ["sm_90a"]\n', "m.toml")
+        cfg = varlen.configure(mla.attention_view(spec), target)
+        assert cfg.smem_bytes <= target.max_smem_per_cta, (kv, rope)
+        wgmma = rope % 64 == 0 and not (kv == "e4m3_ds" and rope == 128)
+        assert (cfg.block_m == 64 and cfg.num_warps == 8) == wgmma, (kv, rope, cfg)
+
+
 def test_sparse_with_another_target_keeps_32_rows(tmp_path):
     """Listed with sm_90 (the mma.sync tile spills at 64 sparse rows), a sparse spec keeps 32
     head rows on every target, so sm_90a runs the mma.sync tile too (one grid for all)."""

@@ -170,3 +170,20 @@ def test_cache_commands(tmp_path, monkeypatch):
     info = json.loads(CliRunner().invoke(main, ["cache", "info", "--json"]).output)
     assert info["entries"] == 5
     assert "removed 5" in CliRunner().invoke(main, ["cache", "clear"]).output
+
+
+def test_a_launch_over_the_targets_shared_memory_is_a_problem():
+    """ptxas never sees dynamic shared memory: a launch asking more than one CTA of the target
+    may have is reported (exit 1 from build), naming the kernel, target, entry and both sizes."""
+    from ptxc.pipeline.compiler import TargetBuild, check_resources
+    from ptxc.spec.model import KernelSpec
+    from ptxc.targets import TARGETS
+    spec = KernelSpec.from_dict({"name": "k", "family": "prefill", "dtype": "f16", "head_dim": 64,
+                                 "num_heads": 1, "num_kv_heads": 1, "softmax_scale": 0.125,
+                                 "targets": ["sm_90a"]})
+    limit = TARGETS["sm_90a"].max_smem_per_cta
+    launch = {"entry": "ptxc_k", "static_smem_bytes": 0, "dynamic_smem_bytes": limit}
+    assert check_resources(spec, TargetBuild("sm_90a", "", [launch], {})) == []
+    over = TargetBuild("sm_90a", "", [{**launch, "static_smem_bytes": 16}], {})
+    assert check_resources(spec, over) == [
+        f"k [sm_90a] ptxc_k: needs {limit + 16} bytes of shared memory per CTA; sm_90a allows {limit}"]

@@ -21,7 +21,7 @@ from ..mainloop.tiles import SWIZZLE, SwizzledGeom
 from ..mainloop.tiles import CHUNK
 from ..math.mma import MmaMath
 from .packed_tile import VarlenCtx
-from .variant import finish_rows
+from .variant import finish_rows, head_dim_v
 
 
 class VarlenMath(MmaMath):
@@ -171,13 +171,22 @@ def latent_wgmma(spec, target) -> bool:
     sm_90a, f16/bf16, a latent cache of the dtype or of FP8 bytes (e4m3 with one scale, or
     e4m3_ds's group-scaled rows), dense or sparse, kv_lora_rank 512 with whole 64-column slabs
     of RoPE, and the tile's latent stages left to the path (tile.num_stages of 2 keeps the
-    mma.sync kernel: this loop holds three tiles)."""
-    from .variant import head_dim_v
+    mma.sync kernel: this loop holds three tiles) -- and its three stages fit in shared memory
+    (e4m3_ds rows with 128 RoPE columns do not: they keep the mma.sync kernel)."""
     given = spec.tile_dict()
     return (target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
             and head_dim_v(spec) == LATENT_WGMMA_DV and spec.head_dim % 64 == 0
             and given.get("num_stages", 3) >= 3 and given.get("kv_loads") in (None, "cp_async")
-            and spec.opt("custom_mask") in (None, "none"))
+            and spec.opt("custom_mask") in (None, "none")
+            and _latent_config(spec, 3).smem_bytes <= target.max_smem_per_cta)
+
+
+def _latent_config(spec, stages: int) -> LatentWgmmaConfig:
+    d, dv = spec.head_dim, head_dim_v(spec)
+    return LatentWgmmaConfig(C.FORMATS[spec.dtype], d, True, LATENT_WGMMA_ROWS,
+                             spec.tile_dict().get("block_n", 32), 2 * ROWS_PER_WARPGROUP // 16,
+                             stages, True, dv, dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
+                             kv_loads="cp_async", fp8=kind(spec) is not None, rows=group_scaled(spec))
 
 
 def applies_latent(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
@@ -190,19 +199,10 @@ def configure_latent(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentWgmmaConfi
     """applies_latent's tile: block_n 32 (given: 16 or 32), the most stages up to 4 that fit
     (4 at block_n 32: 72 KiB of Q and 144 KiB of latent tiles; FP8: 72 KiB of Q, two converted
     36 KiB tiles and four 18 KiB staging buffers), 8 warps."""
-    given = spec.tile_dict()
-    bn = given.get("block_n", 32)
-
-    def make(stages):
-        return LatentWgmmaConfig(cfg.fmt, cfg.head_dim, True, LATENT_WGMMA_ROWS, bn,
-                                 2 * ROWS_PER_WARPGROUP // 16, stages, True, cfg.dv,
-                                 cfg.dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
-                                 kv_loads="cp_async", fp8=kind(spec) is not None,
-                                 rows=group_scaled(spec))
-    stages = given.get("num_stages", 4)
-    while stages > 3 and make(stages).smem_bytes > TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta:
+    stages = spec.tile_dict().get("num_stages", 4)
+    while stages > 3 and _latent_config(spec, stages).smem_bytes > TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta:
         stages -= 1
-    return make(stages)
+    return _latent_config(spec, stages)
 
 
 @dataclass(frozen=True)
