@@ -142,8 +142,9 @@ def require_rustc() -> None:
 
 @pytest.fixture
 def bytes_read(monkeypatch):
-    """A Counter of the bytes the emulator's loads (and cp.async reads) take from each labelled
-    global buffer during the test: `bytes_read["k_cache"]`."""
+    """A Counter of the bytes the emulator's loads (and cp.async / TMA reads) take from each labelled
+    global buffer during the test: `bytes_read["k_cache"]` (the emulator's TensorMap places its
+    array as a buffer of its own, labelled by the parameter: `bytes_read["kv_tmap+16"]`)."""
     from collections import Counter
 
     import numpy as np
@@ -154,10 +155,11 @@ def bytes_read(monkeypatch):
 
     def counting(self, addr, nbytes, align, what, sel):
         out = offsets(self, addr, nbytes, align, what, sel)
-        if what in ("load", "cp.async read"):
+        if what in ("load", "cp.async read", "cp.async.bulk read", "cp.async.bulk.tensor read"):
             buf = np.searchsorted(self.starts, np.atleast_1d(np.asarray(addr, np.uint64)), side="right") - 1
             for i, n in zip(*np.unique(buf, return_counts=True)):
-                read[self.labels[i].split("'")[1]] += int(n) * nbytes
+                label = self.labels[i]   # "parameter 'q'"; a tensor map's own array: "kv_tmap+16"
+                read[label.split("'")[1] if "'" in label else label] += int(n) * nbytes
         return out
     monkeypatch.setattr(memory.GlobalMemory, "offsets", counting)
     return read

@@ -1,5 +1,6 @@
 """Control flow and synchronisation: bra, ret, exit, bar/barrier.sync and .arrive, bar.warp.sync,
-membar/fence (no-ops: emulated memory is sequentially consistent)."""
+membar/fence (no-ops: emulated memory is sequentially consistent; fence.proxy.async is recorded
+for the race tracker's proxy check, racecheck.py)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,11 @@ def decode_fence(ins, env):
     bad = [x for x in ins.mods if x not in allowed]
     if bad:
         raise DecodeError("unsupported modifier " + ", ".join("." + b for b in bad))
+    if {"proxy", "async"} <= set(ins.mods) and "global" not in ins.mods:
+        # a proxy fence over shared memory: the race tracker checks async-proxy reads against it
+        def bind(ctx):
+            return (lambda sel: ctx.race.proxy_fence(sel)) if ctx.race is not None else (lambda sel: None)
+        return Op(NORMAL, ins, bind)
     return Op(NORMAL, ins, lambda ctx: (lambda sel: None))
 
 

@@ -106,7 +106,7 @@ class Mbarriers:
                 ctx.smem.note_tma_layout(cols[::16], swizzle)
             if ctx.race is not None:
                 chunks = cols[::16]
-                ctx.race.record_copy(chunks, 16, np.full(chunks.size, thread), line)
+                ctx.race.record_copy(chunks, 16, np.full(chunks.size, thread), line, async_proxy=True)
         b.landed = []
         for retire in b.completed:
             retire()
@@ -296,6 +296,8 @@ def decode_cp_bulk(ins, env):
                                 f"bytes)", t, int(sa[k]))
                 src = int(ctx.gmem.offsets(sa[k:k + 1], size, 1, "cp.async.bulk read",
                                            idx[k:k + 1])[0])
+                if ctx.traffic is not None:
+                    ctx.traffic.bulk_read(line, "cp.async.bulk", sa[k:k + 1], size)
                 cols = dst + np.arange(size)
                 issue_copy(ctx, t, cols, ctx.gmem.heap[src:src + size].copy(),
                            int(da[k]), int(bflat[k]), int(ba[k]), line)

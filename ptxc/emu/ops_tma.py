@@ -67,7 +67,7 @@ def decode_cp_bulk_tensor(ins, env):
                                 "(pass ptxc.emu.TensorMap for the 128-byte map parameter)", t)
                 if tmap[0] != rank:
                     raise Fault(f"a {rank}d tensor copy with a rank-{tmap[0]} tensor map", t)
-                cols, data = _box(ctx, t, tmap, [int(c[k]) for c in cs], int(da[k]))
+                cols, data = _box(ctx, t, tmap, [int(c[k]) for c in cs], int(da[k]), line)
                 issue_copy(ctx, t, cols, data, int(da[k]), int(bflat[k]), int(ba[k]), line,
                            tmap[3])
         return run
@@ -99,8 +99,11 @@ def _map_plan(env, addr):
     return bind
 
 
-def _box(ctx, thread, tmap, coords, dst_addr):
-    """(flat shared byte offsets, bytes) of one box, zero-filled outside the tensor."""
+def _box(ctx, thread, tmap, coords, dst_addr, line):
+    """(flat shared byte offsets, bytes) of one box, zero-filled outside the tensor. The
+    elements inside the tensor are global reads like any other: each must lie in an
+    allocation (a map whose dims overstate its buffer faults instead of reading a neighbour)
+    and they count as the line's traffic."""
     rank, esize, gaddr, swizzle, dims, box, strides = tmap
     if dst_addr % 128:
         raise Fault(f"cp.async.bulk.tensor destination 0x{dst_addr:x} is not 128-byte "
@@ -117,6 +120,11 @@ def _box(ctx, thread, tmap, coords, dst_addr):
         src += np.clip(pos, 0, dims[d] - 1) * strides[d]
     base = int(ctx.gmem.offsets(np.array([gaddr], np.uint64), 1, 1, "tensor map base",
                                 np.array([thread]))[0])
+    read = np.uint64(gaddr) + src[inside].astype(np.uint64)
+    if read.size:
+        ctx.gmem.offsets(read, esize, 1, "cp.async.bulk.tensor read", np.full(read.size, thread))
+        if ctx.traffic is not None:
+            ctx.traffic.bulk_read(line, "cp.async.bulk.tensor", read, esize)
     lanes = np.arange(esize)
     data = ctx.gmem.heap[base + src[:, None] + lanes]
     data = np.where(inside[:, None], data, 0).astype(np.uint8).reshape(-1)

@@ -341,6 +341,7 @@ def read_operand(ctx, thr, descs, rows, mn_major, line, which):
                             f"address 0x{int(addr[k]):x})", int(who[k]), int(addr[k]))
         if ctx.race is not None:
             ctx.race.read(crow, 16, who, line, addr_of)
+            ctx.race.async_read(crow, 16, who, line, f"the {which} operand", addr_of)
         out[g, er, ek] = ctx.smem.rows.gather(crow, 16, 2, 8)
         chunk_rows.append(crow)
     return out, np.stack(chunk_rows)

@@ -29,6 +29,17 @@ buffer that several consumer warpgroups read, once each has released it). Word g
 keeps reads cheap; its one imprecision: a thread writing some bytes of a word that another
 thread read *other* bytes of, with no barrier in between, is reported too.
 
+Proxies. Shared memory written through the generic proxy (st.shared, stmatrix, cp.async) and
+then read through the async proxy (a wgmma or tcgen05.mma descriptor operand) needs a
+fence.proxy.async in between (PTX ISA, "Memory Consistency Model: proxies"): without it the
+tensor cores may read stale data on hardware, whatever the barriers say. Each byte remembers
+whether its last write was generic (TMA and bulk copies write through the async proxy), each
+thread the serial of its last fence.proxy.async and the CTA barrier it had passed then. An
+async read of a generic byte is ordered iff the writer fenced after writing and a sync event
+(the same thread, a CTA-wide or counted barrier pairing the two warps, or a warp sync for the
+same warp) followed that fence, or the reader fenced after a CTA-wide barrier that followed the
+write (fences are cumulative: what the barrier made visible, the reader's fence covers).
+
 Not tracked: atomics (they never race with each other and are not checked against plain
 accesses), and several threads of ONE instruction storing to the same byte.
 """
@@ -100,6 +111,9 @@ class RaceTracker:
         self.last_write = np.zeros(ctx.nctas, np.int64)
         self.last_read = np.zeros(ctx.nctas, np.int64)
         self.scratch = self.scratch_flags = None          # per reader word, on demand
+        self.generic = np.zeros(nbytes, np.bool_)          # last write through the generic proxy
+        self.fenced = np.zeros(ctx.n, np.int64)            # each thread's last fence.proxy.async
+        self.fenced_after = np.zeros(ctx.n, np.int64)      # ... and its CTA's barrier then
 
     # ------------------------------------------------------------------ sync events
     def _tick(self) -> int:
@@ -133,6 +147,13 @@ class RaceTracker:
             ix = np.ix_(np.unique((who % tpad) >> 5), warps)
             self.pair_sync[cta][ix] = np.maximum(self.pair_sync[cta][ix], stamp)
         self.pair_sync[cta][np.ix_(warps, warps)] = s
+
+    def proxy_fence(self, sel):
+        """fence.proxy.async by the threads `sel` (shared memory between the generic and async
+        proxies)."""
+        idx = self.ctx.all_index if isinstance(sel, slice) else sel
+        self.fenced[idx] = self._tick()
+        self.fenced_after[idx] = self.cta_sync[self.ctx.cta_of[idx]]
 
     def warp_synced(self, sel):
         """A warp-level sync (bar.warp.sync or a warp collective) by the threads `sel`."""
@@ -306,20 +327,58 @@ class RaceTracker:
                 self.readers[flat[cross]] = back[cross] | (_MULTI | _CROSS)
 
     def record(self, rows, total: int, idx, line: int):
-        """The threads `idx` wrote `total`-byte items `rows` at PTX line `line`."""
+        """The threads `idx` wrote `total`-byte items `rows` at PTX line `line` (generic proxy)."""
         word = (np.int64(self.serial) << _STAMP_SHIFT) | (line << _LIN_BITS) | self.ctx.lin[idx]
         full = np.empty((word.size, total), np.int64)
         full[:] = word[:, None]
         _scatter_items(self.shadow, rows, total, full)
+        self.generic[(rows[:, None] * total + np.arange(total)).reshape(-1)] = True
 
-    def record_copy(self, dst, size: int, idx, line: int):
-        """Thread idx[i] wrote `size` bytes at flat shared offset dst[i] (a completed cp.async;
-        dst is aligned to size)."""
+    def record_copy(self, dst, size: int, idx, line: int, async_proxy: bool = False):
+        """Thread idx[i] wrote `size` bytes at flat shared offset dst[i] (a completed cp.async,
+        or with `async_proxy` a bulk / TMA copy; dst is aligned to size)."""
         word = (np.int64(self.serial) << _STAMP_SHIFT) | (line << _LIN_BITS) | self.ctx.lin[idx]
         full = np.empty((word.size, size), np.int64)
         full[:] = word[:, None]
         _scatter_items(self.shadow, dst // size, size, full)
+        self.generic[(dst[:, None] + np.arange(size)).reshape(-1)] = not async_proxy
         self.last_write[self.ctx.cta_of[idx]] = self.serial
+
+    def async_read(self, rows, total: int, idx, line: int, what: str, addr_of):
+        """An async-proxy read (`what`: wgmma / tcgen05.mma operand) of `total`-byte items
+        `rows` by threads `idx`: every byte last written through the generic proxy must be
+        ordered after a fence.proxy.async (the module docstring's rule)."""
+        flat = rows[:, None] * total + np.arange(total)
+        generic = self.generic[flat]
+        if not generic.any():
+            return
+        k, b = np.nonzero(generic)
+        word = self.shadow[flat[k, b]]
+        stamp = word >> _STAMP_SHIFT
+        me = idx[k]
+        lin = self.ctx.lin[me]
+        writer = me - lin + (word & _LIN_MASK)
+        cta = self.ctx.cta_of[me]
+        f = self.fenced[writer]
+        synced = (writer == me) | (self.cta_sync[cta] > f)
+        same_warp = (writer >> 5) == (me >> 5)
+        synced |= same_warp & (self.warp_sync[me >> 5] > f)
+        if self.pair_sync is not None:
+            synced |= self.pair_sync[cta, (word & _LIN_MASK) >> 5, lin >> 5] > f
+        ordered = ((f > stamp) & synced) | \
+            ((self.fenced[me] > stamp) & ((writer == me) | (self.fenced_after[me] > stamp)))
+        if ordered.all():
+            return
+        i = int(np.flatnonzero(~ordered)[0])
+        t, w = int(me[i]), int(word[i])
+        _, tid = self.ctx.coords(int(writer[i]))
+        other_line = (w >> _LIN_BITS) & _LINE_MASK
+        a = addr_of(int(k[i])) + int(b[i])
+        raise Fault(f"shared-memory proxy race: {what} reads shared address 0x{a:x} through the "
+                    f"async proxy, which thread tid=({tid[0]}, {tid[1]}, {tid[2]}) wrote through "
+                    f"the generic proxy at line {other_line} (`{self.lines.get(other_line, '?')}`) "
+                    f"with no fence.proxy.async ordered in between (by the writer before a "
+                    f"barrier, or by the reader after one)", t, a)
 
     def _report(self, k, b, word, idx, line, what, addr_of, did):
         ctx = self.ctx

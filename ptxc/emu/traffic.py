@@ -134,6 +134,20 @@ class TrafficCounter:
         rec[2] += ideal
         rec[3] += int(nb.sum())
 
+    def bulk_read(self, line: int, kind: str, addr, nbytes: int):
+        """One bulk copy (TMA) reads `nbytes` at each of `addr`: one request, every 32-byte
+        sector it touches once (the copy engine reads whole sectors, so ideal = actual)."""
+        addr = np.asarray(addr, np.uint64)
+        buf = np.searchsorted(self.gmem.starts, addr, side="right").astype(np.int64) - 1
+        np.add.at(self.read, buf, nbytes)
+        a = addr.astype(np.int64)
+        nsec = int(np.unique(np.concatenate([a >> 5, (a + nbytes - 1) >> 5])).size)
+        rec = self.glob.setdefault((line, kind), [0, 0, 0, 0])
+        rec[0] += 1
+        rec[1] += nsec
+        rec[2] += nsec
+        rec[3] += int(addr.size) * nbytes
+
     # ------------------------------------------------------------------ shared
     def shared_access(self, line: int, kind: str, idx, addr, width: int):
         """Threads `idx` access `width` bytes each at shared addresses `addr` (aligned)."""

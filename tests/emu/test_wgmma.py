@@ -78,7 +78,10 @@ def a_position():
 
 
 def kernel(n, kind, a_regs, trans_a, trans_b, image_bytes, scale_a=1, between="",
-           fence=True, block_guard=""):
+           fence=True, block_guard="", proxy="after"):
+    """`proxy`: where fence.proxy.async orders the threads' st.shared (generic proxy) before
+    the wgmma's operand reads (async proxy): "after" the barrier (each reader), "before" it
+    (each writer), or "none"."""
     nd = n // 2
     dregs = ",".join(f"%d{i}" for i in range(nd))
     if a_regs:
@@ -117,8 +120,9 @@ COPY:
 	add.u32 %r4, %r4, 128;
 	bra COPY;
 COPIED:
+{"	fence.proxy.async.shared::cta;" if proxy == "before" else ""}
 	bar.sync 0;
-	fence.proxy.async.shared::cta;
+{"	fence.proxy.async.shared::cta;" if proxy == "after" else ""}
 	cvt.u64.u32 %rd5, %r2;
 	shr.u64 %rd5, %rd5, 4;
 	and.b64 %rd5, %rd5, 16383;
@@ -242,3 +246,18 @@ def test_non_zero_base_offset_is_refused():
         run(ptx, "wg", (1,), (128,), [image, np.uint32(total // 16),
                                        np.uint64(adesc | (3 << 49)), np.uint64(bdesc), afrag,
                                        z, z.copy(), np.uint32(1)])
+
+
+@pytest.mark.parametrize("proxy", ["after", "before", "none"])
+def test_generic_writes_need_a_proxy_fence_before_wgmma_reads_them(proxy):
+    """Operands written with st.shared (the generic proxy) and read by wgmma (the async
+    proxy): a fence.proxy.async by the writers before the barrier or by the readers after it
+    orders them; without one the hardware may read stale data, and the emulator says so."""
+    if proxy == "none":
+        with pytest.raises(EmulationError, match=r"proxy race: the [AB] operand reads shared "
+                           r"address 0x[0-9a-f]+ through the async proxy, which thread .* wrote "
+                           r"through the generic proxy at line \d+ \(`st.shared"):
+            launch_case(16, "f16", False, 0, 0, 128, 128, proxy=proxy)
+        return
+    got, expect = launch_case(16, "f16", False, 0, 0, 128, 128, proxy=proxy)
+    np.testing.assert_array_equal(got, expect)
