@@ -161,6 +161,7 @@ MLA_DS_OPTIONS = (
     ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\ntopk_length = true\n', "dssparse"),
 )
 WIDE_TARGETS = ("sm_80", "sm_90", "sm_90a", "sm_100")   # >= 128 KiB of shared memory per CTA (sm_90a: the wgmma latent tile)
+MLA_WG_LOADS = (("page_size = 16\n", "p16"), ('[kernel.tile]\nkv_loads = "cp_async"\n', "cpasync"))
 MLA_APPEND_DS_OPTIONS = (('kv_dtype = "e4m3_ds"\n', "ds"), ('kv_dtype = "e4m3_ds"\nrope = "gptj"\n', "dsgptj"))
 
 
@@ -189,9 +190,10 @@ def _mla_rows(full: bool):
                     extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nkv_lora_rank = {rank}\n"
                              f"qk_rope_head_dim = {rope}\ntargets = {json.dumps(list(WIDE_TARGETS))}\n" + option)
                     yield f"mla_wide_{tag}_{dtype}_r{rank}_p{rope}", "mla", dtype, rank + rope, extra, None
-    # sm_90a alone: the wgmma latent tile takes 64 head rows for sparse top-k and e4m3_ds too
+    # sm_90a alone: the wgmma latent tile takes 64 head rows for sparse top-k and e4m3_ds too;
+    # dense caches of the dtype by TMA (paged 64 and 16, contiguous) and by cp.async
     for dtype in ("bf16", "f16"):
-        for option, tag in MLA_OPTIONS + (MLA_DS_OPTIONS if dtype == "bf16" else ()):
+        for option, tag in MLA_OPTIONS + MLA_WG_LOADS + (MLA_DS_OPTIONS if dtype == "bf16" else ()):
             for rope in MLA_ROPES if full else (16, 64, 128):
                 extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nqk_rope_head_dim = {rope}\n"
                          f'targets = ["sm_90a"]\n' + option)

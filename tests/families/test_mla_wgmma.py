@@ -19,15 +19,27 @@ from ptxc.runtime.launch_test import check_artifact
 
 SM90A = ("sm_90a",)
 PATH = "wgmma.m64nNk16"
-CASES = {   # (the traffic test runs 128 bf16 heads over paged rows by default)
-    "h128-bf16-paged-auto": pytest.param((dict(heads=128), {"batch": 9, "max_pages_per_seq": 2,
-                                                            "num_pages": 21}), marks=pytest.mark.slow),
-    "h128-f16-contiguous-1": (dict(dtype="f16", heads=128, layout="contiguous", splits=1),
-                              {"batch": 9, "max_seq_len": 70}),
+CASES = {   # dense caches of the dtype: TMA boxes by default, cp.async with kv_loads = "cp_async"
+    # (the traffic test runs 128 bf16 heads over paged rows by default)
+    "h128-bf16-paged-auto-tma": pytest.param((dict(heads=128), {"batch": 9, "max_pages_per_seq": 2,
+                                                                "num_pages": 21}, "tma"),
+                                             marks=pytest.mark.slow),
+    "h128-f16-contiguous-1-tma": (dict(dtype="f16", heads=128, layout="contiguous", splits=1),
+                                  {"batch": 9, "max_seq_len": 70}, "tma"),
+    "h128-f16-contiguous-1-cp_async": pytest.param(
+        (dict(dtype="f16", heads=128, layout="contiguous", splits=1), {"batch": 9, "max_seq_len": 70},
+         "cp_async"), marks=pytest.mark.slow),
     # up to 1000 keys in 16-row pages over 3 splits: > 4 tiles of 32 rows per split, so every
-    # one of the 4 stage buffers is refilled while the race checker watches
-    "h64-bf16-page16-3splits-L1000": (dict(heads=64, splits=3, page=16),
-                                      {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}),
+    # one of the 4 stage buffers (and, by TMA, its mbarrier's phases) is reused while the race
+    # checker watches; with 16-row pages a TMA tile is two boxes a slab
+    "h64-bf16-page16-3splits-L1000-tma": (dict(heads=64, splits=3, page=16),
+                                          {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}, "tma"),
+    "h64-bf16-page16-3splits-L1000-cp_async": (dict(heads=64, splits=3, page=16),
+                                               {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
+                                               "cp_async"),
+    # FlashMLA's 64-row pages (one box a slab), 3 splits
+    "h64-bf16-page64-3splits-tma": (dict(heads=64, splits=3),
+                                    {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}, "tma"),
 }
 # e4m3 latent rows (one scale): staged raw, converted into two alternating tiles
 FP8_CASES = {
@@ -47,11 +59,19 @@ def _config(art):
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_mixed_batch_matches_reference(tmp_path, case):
-    keys, shapes = case
-    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A)
+    """Rows past each sequence's L and pages no sequence owns hold NaN: by TMA they land in the
+    tile (masked from S; the last tile's V rows past L zeroed before its P·V), block-table
+    entries past L are never read (their boxes take id -1: the TMA's zeros)."""
+    keys, shapes, loads = case
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A,
+                       tile="" if loads == "tma" else f'kv_loads = "{loads}"')
     c = _config(art)
     assert (c["path"], c["block_m"], c["num_warps"], c["value_split"]) == (PATH, 64, 8, 2)
-    assert (c["block_n"], c["num_stages"], c["smem_bytes"]) == (32, 4, 64 * 1152 + 4 * 32 * 1152)
+    barriers = 4 * 8 if loads == "tma" else 0
+    assert (c["block_n"], c["num_stages"], c["smem_bytes"]) == (32, 4, 64 * 1152 + 4 * 32 * 1152 + barriers)
+    assert c.get("kv_loads", "cp_async") == loads
+    assert [p["name"] for p in art.meta["targets"]["sm_90a"]["kernels"][0]["params"]
+            if p["source"]["kind"] == "tensor_map"] == (["kv_tmap"] if loads == "tma" else [])
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
@@ -149,6 +169,35 @@ def test_other_latent_tiles_keep_mma_sync(tmp_path, keys, why):
     assert _config(art)["path"] == "mma.m16n8k16", why
 
 
+@pytest.mark.parametrize("keys,tile,loads", [
+    (dict(heads=64), "", "tma"),                                # FlashMLA's 64-row pages
+    (dict(heads=64, page=8), "", "tma"),                        # one swizzle period: 4 boxes a slab
+    (dict(heads=64, page=1), "", "cp_async"),                   # a box would start mid-period
+    (dict(heads=64, page=48), "", "cp_async"),                  # a 32-row tile would cross a page
+    (dict(heads=64, kv="e4m3"), "", "cp_async"),                # FP8 rows are converted after landing
+    (dict(heads=64, layout="contiguous"), 'kv_loads = "cp_async"', "cp_async"),
+])
+def test_which_latent_tiles_come_by_tma(tmp_path, keys, tile, loads):
+    art = build_kernel(tmp_path, "mla", body(**keys), tile=tile, targets=SM90A)
+    assert (_config(art)["path"], _config(art).get("kv_loads", "cp_async")) == (PATH, loads)
+
+
+@pytest.mark.parametrize("keys,targets", [
+    (dict(heads=64), ("sm_80",)),                               # no wgmma tile
+    (dict(heads=64, kv="e4m3"), SM90A),
+    (dict(heads=64, page=48), SM90A),
+    (dict(heads=16), SM90A),                                    # 16 head rows: the mma.sync tile
+])
+def test_tma_where_it_cannot_apply_is_one_line(keys, targets):
+    from ptxc.errors import SpecError
+    from ptxc.kernels import load_text
+    text = (f'[[kernel]]\nname = "m"\nfamily = "mla"\ntargets = {list(targets)!r}\n{body(**keys)}'
+            f'[kernel.tile]\nkv_loads = "tma"\n').replace("'", '"')
+    with pytest.raises(SpecError) as e:
+        load_text(text, "m.toml")
+    assert "kv_loads" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_two_stages_keep_mma_sync_and_block_n_16_is_honoured(tmp_path):
     """The latent wgmma loop holds tiles j-1 and j and one landing: num_stages = 2 keeps the
     mma.sync kernel; block_n = 16 runs on wgmma (n16 scores) and still matches."""
@@ -161,15 +210,24 @@ def test_two_stages_keep_mma_sync_and_block_n_16_is_honoured(tmp_path):
                                                            "num_pages": 16}, seed=2))
 
 
-def test_latent_rows_are_read_once_per_head_tile(tmp_path, bytes_read):
+@pytest.mark.parametrize("loads", ["tma", "cp_async"])
+def test_latent_rows_are_read_once_per_head_tile(tmp_path, bytes_read, loads):
     """128 heads: two 64-row tiles (each of two warpgroups), so each latent row a sequence
-    with queries owns crosses from global memory twice per split, never for V again."""
-    art = build_kernel(tmp_path, "mla", body(heads=128, splits=3, page=16), targets=SM90A)
+    with queries owns crosses from global memory twice per split, never for V again. cp.async
+    reads exactly the L rows; a TMA box is a whole 16-row page (the emulator counts the
+    elements a box takes from the tensor), so the rows up to L's page end, and no page past it
+    (its box has id -1: outside the map, nothing read)."""
+    art = build_kernel(tmp_path, "mla", body(heads=128, splits=3, page=16), targets=SM90A,
+                       tile="" if loads == "tma" else f'kv_loads = "{loads}"')
     lens = [1, 37, 64, 7, 50, 0, 63]
     spec, inputs, q_lens = _decode_batch(art, lens, [1, 1, 1, 0, 1, 1, 1], 128, np.random.default_rng(4))
     out = art.run(inputs, target="sm_90a")
     assert _config(art)["path"] == PATH
-    assert bytes_read["kv_cache"] == sum(L for L, n in zip(lens, q_lens) if n) * spec.head_dim * 2 * 2
+    rows = [L if loads == "cp_async" else -(-L // 16) * 16 for L, n in zip(lens, q_lens) if n]
+    # the emulator's tensor map reads its own copy of the cache (labelled by the parameter)
+    threads, boxes = bytes_read["kv_cache"], bytes_read["kv_tmap+16"]
+    assert (threads if loads == "cp_async" else boxes) == sum(rows) * spec.head_dim * 2 * 2
+    assert (boxes if loads == "cp_async" else threads) == 0
     assert ref.max_abs_error(out["o"], MLA.reference(spec, inputs)["o"]) < 2e-2
 
 

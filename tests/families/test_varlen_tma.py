@@ -258,7 +258,7 @@ def test_ptxas_sm90a_zero_spills(tmp_path, toolchain, dtypes):
     assert loop["classes"]["ldgsts"] == 0
     assert prof["mix"]["LDL"] == prof["mix"]["STL"] == 0
     assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (8 + 4 + 4, 64 + 64 + 4)
-    # the loop without a warp's own box-issue block (ptxas 13.5: 236, 1.79), and the worst warp
-    # with it (347-351, 2.64-2.66: the figure the analysis reports), against cp.async's 3.13
-    assert min(loop["warp_instructions"].values()) / (loop["mma_flops"] / 4096) <= 2.0
-    assert loop["instructions_per_mma_equivalent"] < 3.13
+    # every warp issues two of the tile's boxes from lane 0 (warp_boxes: slabs and offsets from
+    # the warp id, no branch per warp): ptxas 13.5, 313 instructions a warp, 2.37 per
+    # MMA-equivalent (347-351, 2.64-2.66 with a branch per warp), against cp.async's 3.13
+    assert loop["instructions_per_mma_equivalent"] < 2.45

@@ -14,11 +14,12 @@ from .. import common as C
 from ..config.prefill import PrefillConfig
 from ..config.tcgen05 import PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS, TensorMemoryTile
 from ..config.wgmma import ROWS_PER_WARPGROUP, WGMMA_TARGETS, WgmmaConfig, uses_wgmma
-from ..kv.kv_access import KVAccess
+from ..kv.kv_access import KVAccess, sparse_keys
 from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind, kv_dtype
 from ..kv.kv_fp8_stage import StagedFP8Config, StagingGeom
 from ..mainloop.tiles import SWIZZLE, SwizzledGeom
 from ..mainloop.tiles import CHUNK
+from ..mainloop.tma_pipeline import MBARRIER_BYTES
 from ..math.mma import MmaMath
 from .packed_tile import VarlenCtx
 from .variant import finish_rows, head_dim_v
@@ -147,7 +148,9 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     each compute the whole S = Q·Kᵀ (576 deep) and own half of O's 512 columns (v_split 2:
     64 x 256 f32, 128 registers a thread); one swizzled latent tile per stage serves both
     products (V: its first 512 columns, warpgroup p's from slab 4p), copied by cp.async
-    (wgmma_pipeline.run_latent_wgmma_pipeline)."""
+    (wgmma_pipeline.run_latent_wgmma_pipeline) or, for a dense cache of the dtype, as TMA
+    boxes (kv_loads "tma", latent_loads; tma_pipeline.run_latent_tma_pipeline) on one mbarrier
+    per stage after the stages."""
 
     rows: GroupScaledRows | None = None    # e4m3_ds: whole 656-byte rows staged (scales, RoPE)
 
@@ -159,7 +162,8 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     def smem_bytes(self) -> int:
         if self.fp8:    # two converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
             return self.q_region_bytes + 2 * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes
-        return self.q_region_bytes + self.num_stages * self.kv_geom.bytes
+        bars = self.num_stages * MBARRIER_BYTES if self.tma else 0
+        return self.q_region_bytes + self.num_stages * self.kv_geom.bytes + bars
 
 
 LATENT_WGMMA_DV = 512          # two warpgroups of n256 (wgmma's widest) P·V
@@ -176,7 +180,7 @@ def latent_wgmma(spec, target) -> bool:
     given = spec.tile_dict()
     return (target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
             and head_dim_v(spec) == LATENT_WGMMA_DV and spec.head_dim % 64 == 0
-            and given.get("num_stages", 3) >= 3 and given.get("kv_loads") in (None, "cp_async")
+            and given.get("num_stages", 3) >= 3
             and spec.opt("custom_mask") in (None, "none")
             and _latent_config(spec, 3).smem_bytes <= target.max_smem_per_cta)
 
@@ -186,7 +190,20 @@ def _latent_config(spec, stages: int) -> LatentWgmmaConfig:
     return LatentWgmmaConfig(C.FORMATS[spec.dtype], d, True, LATENT_WGMMA_ROWS,
                              spec.tile_dict().get("block_n", 32), 2 * ROWS_PER_WARPGROUP // 16,
                              stages, True, dv, dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
-                             kv_loads="cp_async", fp8=kind(spec) is not None, rows=group_scaled(spec))
+                             kv_loads=latent_loads(spec), fp8=kind(spec) is not None,
+                             rows=group_scaled(spec))
+
+
+def latent_loads(spec) -> str:
+    """How the wgmma latent tile's rows arrive: TMA boxes for a dense latent cache of the dtype
+    where the layout allows (tma_applies; the default, tile.kv_loads = "cp_async" opts out),
+    per-thread cp.async otherwise -- FP8 rows are converted after they land, and sparse slots
+    are a gather, not a box."""
+    layout = spec.opt("kv_layout")
+    kv = KVAccess(layout, C.FORMATS[spec.dtype], spec.opt("page_size") or 0)
+    tma = (spec.tile_dict().get("kv_loads", "tma") == "tma" and kind(spec) is None
+           and not sparse_keys(spec) and tma_applies(kv))
+    return "tma" if tma else "cp_async"
 
 
 def applies_latent(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:

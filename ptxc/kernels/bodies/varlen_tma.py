@@ -3,10 +3,12 @@ where varlen_tile.tma_applies): the packed tile of varlen_wgmma.py on the mbarri
 tma_pipeline.py (full[stage] mbarriers, the elected thread arriving with each phase's
 expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
 
-  issuers    box (page p, slab s) of a tile is issued by lane 0 of warp (p * slabs + s) %
-             num_warps (run_tma_pipeline's issuer hook): ptxas wraps every box in an ELECT
-             issue loop of ~7 instructions, and one issuing thread made warp 0's iteration
-             longer than the cp.async kernel's (docs/performance.md).
+  issuers    box k = (page p, slab s) of a tile is issued by lane 0 of warp (k + 1) %
+             num_warps (run_tma_pipeline's issuer hook; warp_boxes): ptxas wraps every box in
+             an ELECT issue loop of ~7 instructions, and one issuing thread made warp 0's
+             iteration longer than the cp.async kernel's (docs/performance.md). Each warp's
+             slabs, rows and shared offsets are computed from its id once, before the loop, so
+             the loop issues its boxes without a branch per warp.
 
   Q          GQA-packed (token, head) rows are a gather, not a box: per-thread cp.async into
              the swizzled Q tile as the cp.async body does, issued before the K/V prologue and
@@ -25,6 +27,11 @@ expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
              [0, num_pages) (a corrupt table, or -1) lies outside the map's page dimension
              (num_pages, the cache's own extent), so the TMA fills the box with zeros and still
              counts its bytes: no bad id is dereferenced and expect_tx stays the full tile.
+  latent     MLA's dense latent cache (kv_cache [num_pages, page_size, d] or [batch,
+             max_seq_len, d], no head axis; varlen_tile.latent_loads): one 3D tensor map
+             (kv_tmap, box [64, rows, 1]), one tile per stage serving S and P·V
+             (tma_pipeline.run_latent_tma_pipeline); the same issuers, page ids and V tail
+             (the first head_dim_v columns' slabs are V).
   rows >= L  cache rows at or past the sequence's L may hold anything (NaN included). K rows
              there are masked to -inf before the softmax (P = 0 exactly, selp drops the NaN),
              but 0 x NaN in P·V would poison O, so the last V tile's rows [L - row0, block_n)
@@ -36,6 +43,9 @@ expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 from ...ir import S32, S64, U32, Addr, KernelBuilder, Reg
 from .. import common as C
@@ -68,14 +78,17 @@ def box_rows(kv: KVAccess, block_n: int) -> int:
 
 
 def tensor_map_params(b: KernelBuilder, cfg, kv: KVAccess, params: list) -> dict:
-    """k_cache / v_cache tensor-map parameters (appended to `params`)."""
+    """The caches' tensor-map parameters (appended to `params`): k_tmap and v_tmap, or a
+    latent cache's kv_tmap (no head axis)."""
     from ...ir import TMAP
-    box = (SWIZZLE // cfg.fmt.bytes, 1, box_rows(kv, cfg.block_n), 1)   # d, head, row, seq/page
+    rows = box_rows(kv, cfg.block_n)
+    # innermost first: d, (head,) row, seq or page
+    box = (SWIZZLE // cfg.fmt.bytes, rows, 1) if kv.latent else (SWIZZLE // cfg.fmt.bytes, 1, rows, 1)
     maps = {}
-    for t in ("k_cache", "v_cache"):
-        params.append(LaunchParam(f"{t[0]}_tmap", TMAP,
-                                  ParamSource("tensor_map", tensor=t, box=box, swizzle=SWIZZLE)))
-        maps[t] = b.param(f"{t[0]}_tmap", TMAP)
+    for t in kv.caches:
+        name = "kv_tmap" if kv.latent else f"{t[0]}_tmap"
+        params.append(LaunchParam(name, TMAP, ParamSource("tensor_map", tensor=t, box=box, swizzle=SWIZZLE)))
+        maps[t] = b.param(name, TMAP)
     return maps
 
 
@@ -96,44 +109,89 @@ def zero_tail_rows(b: KernelBuilder, cfg, tid: Reg, v_tile: Reg, nvalid: Reg) ->
             b.st("shared", U32, Addr(mine, i * threads * CHUNK), [zero] * 4)
 
 
+@dataclass(frozen=True)
+class Box:
+    """One box a warp issues per tile: `slab` (128-byte column slab), its first key row in the
+    tile (`row`, int 0 when a tile is one page) and shared-memory offset (`offset`); `active`
+    predicates a last pass that not every warp has a box in (None: every warp has)."""
+
+    active: Reg | None
+    slab: Reg
+    col: Reg          # the slab's first column: its coordinate in the tensor map
+    row: Reg | int
+    offset: Reg
+
+
+def warp_boxes(b: KernelBuilder, warp: Reg, slabs: int, slab_cols: int, pages: int, rows: int,
+               bn: int, num_warps: int) -> list[Box]:
+    """The boxes lane 0 of `warp` issues for each tile, computed once from the warp id: box
+    k = p * slabs + s (page p of the tile, slab s) is issued by warp (k + 1) % num_warps in
+    pass k // num_warps -- spread so that no warp carries the whole issue block (ptxas wraps
+    every box in an ELECT issue loop), and the elected thread's warp 0, which also arrives
+    with the expect_tx, takes the last box of a pass, not a second one."""
+    n = slabs * pages
+    mine = b.rem(b.add(warp, num_warps - 1), num_warps)         # (warp - 1) mod num_warps
+    out = []
+    for i in range(-(-n // num_warps)):
+        k = mine if i == 0 else b.add(mine, i * num_warps)
+        active = None if (i + 1) * num_warps <= n else b.setp("lt", k, n)
+        if pages == 1:
+            slab, row, offset = k, 0, b.mul(k, bn * SWIZZLE)
+        else:
+            page = b.div(k, slabs)
+            slab = b.sub(k, b.mul(page, slabs))
+            row = b.mul(page, rows)
+            offset = b.add(b.mul(slab, bn * SWIZZLE), b.mul(row, SWIZZLE))
+        out.append(Box(active, slab, b.bitcast(b.mul(slab, slab_cols), S32), row, offset))
+    return out
+
+
 class IssuerPages:
     """The page ids of the threads that issue the boxes (lane 0 of each warp, for the pages its
-    boxes cover), loaded one K request ahead so that no block-table load sits between a
-    refill's barrier and its boxes: `cur[p]` holds page p's id in the next K tile to request,
-    `last[p]` in the last K requested, `prev[p]` in the one before. tma_pipeline requests V(t)
-    right after K(t + 1) when that tile exists (ids in `prev`), else alone (in `last`). A row
-    at or past L, or a page wholly before a sliding window's first key (pages an engine may
-    have freed; the cp.async body zero-fills those rows too), gets id -1 (no block-table entry
-    is read for it)."""
+    boxes cover: slot i is box i's page, or one slot for all when a tile is one page), loaded
+    one K request ahead so that no block-table load sits between a refill's barrier and its
+    boxes: `cur[i]` holds the id in the next K tile to request, `last[i]` in the last K
+    requested, `prev[i]` in the one before. tma_pipeline requests V(t) right after K(t + 1)
+    when that tile exists (ids in `prev`), else alone (in `last`); the latent loop requests
+    tiles alone. A row at or past L, or a page wholly before a sliding window's first key
+    (pages an engine may have freed; the cp.async body zero-fills those rows too), gets id -1
+    (no block-table entry is read for it)."""
 
     def __init__(self, b: KernelBuilder, kv: KVAccess, block_row: Reg, first: Reg, bn: int,
-                 rows: int, L: Reg, n_tiles: Reg, key_lo: Reg | None):
+                 rows: int, L: Reg, n_tiles: Reg, key_lo: Reg | None, boxes: list[Box]):
         self.b, self.kv, self.block_row, self.first, self.bn, self.rows = b, kv, block_row, first, bn, rows
         self.L, self.n_tiles, self.key_lo = L, n_tiles, key_lo
-        self.cur, self.last, self.prev = ([b.mov(-1, S32) for _ in range(bn // rows)] for _ in range(3))
+        self.slots = boxes[:1] if rows == bn else boxes     # a one-page tile: one id serves all
+        self.cur, self.last, self.prev = ([b.mov(-1, S32) for _ in self.slots] for _ in range(3))
 
-    def load(self, j: Reg, pages: list[int]) -> None:
-        """cur[p] for p in `pages` <- page p's id in tile j."""
+    def slot(self, i: int) -> int:
+        """The id slot of box i."""
+        return min(i, len(self.slots) - 1)
+
+    def load(self, j: Reg) -> None:
+        """cur[i] <- the id of slot i's page in tile j."""
         b = self.b
         row0 = b.mul(b.add(self.first, j), self.bn)
-        for p in pages:
-            row = row0 if p == 0 else b.add(row0, p * self.rows)
+        for i, box in enumerate(self.slots):
+            row = row0 if box.row == 0 else b.add(row0, box.row)
             valid = b.setp("lt", b.bitcast(row, S32), self.L)
+            if box.active is not None and len(self.slots) > 1:
+                valid = b.and_(valid, box.active)
             if self.key_lo is not None:     # a page wholly before the window: never read
                 valid = b.and_(valid, b.setp("gt", b.bitcast(b.add(row, self.rows), S32), self.key_lo))
-            self.kv.load_page(b, {"block_row": self.block_row}, row, valid, out=self.cur[p])
+            self.kv.load_page(b, {"block_row": self.block_row}, row, valid, out=self.cur[i])
 
-    def k_ids(self, pages: list[int]) -> dict:
+    def k_ids(self) -> list[Reg]:
         """K(j)'s ids (loaded at the previous K request), shifted into `last`."""
-        for p in pages:
-            self.b.mov(self.last[p], out=self.prev[p])
-            self.b.mov(self.cur[p], out=self.last[p])
-        return {p: self.last[p] for p in pages}
+        for i in range(len(self.slots)):
+            self.b.mov(self.last[i], out=self.prev[i])
+            self.b.mov(self.cur[i], out=self.last[i])
+        return list(self.last)
 
-    def v_ids(self, j: Reg, pages: list[int]) -> dict:
+    def v_ids(self, j: Reg) -> list[Reg]:
         b = self.b
         after_k = b.setp("lt", b.add(j, 1), self.n_tiles)     # K(j + 1) was requested first
-        return {p: b.selp(self.prev[p], self.last[p], after_k, S32) for p in pages}
+        return [b.selp(p, q, after_k, S32) for p, q in zip(self.prev, self.last)]
 
 
 def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
@@ -152,51 +210,43 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     b.cp_async_commit()
 
     addr = {t: b.tensor_map_address(tmaps[t]) for t in tmaps}
-    head, seq = b.bitcast(work.kv_head, S32), b.bitcast(work.seq, S32)
+    seq = b.bitcast(work.seq, S32)
+    head = () if kv.latent else (b.bitcast(work.kv_head, S32),)     # a latent cache has no head axis
     slab_cols, slabs = SWIZZLE // cfg.fmt.bytes, cfg.head_dim * cfg.fmt.bytes // SWIZZLE
     v_slabs = cfg.dv * cfg.fmt.bytes // SWIZZLE      # V narrower than K: its first slabs' boxes
     rows = box_rows(kv, bn)
-    # box (page p, slab s) of a tile is issued by lane 0 of warp (p * slabs + s) % num_warps,
-    # so that no warp carries the whole issue block (ptxas wraps each box in an issue loop)
-    boxes = [[(p, s) for p in range(bn // rows) for s in range(slabs)
-              if (p * slabs + s) % cfg.num_warps == w] for w in range(cfg.num_warps)]
-    pages_of = [sorted({p for p, _ in bw}) for bw in boxes]
+    boxes = warp_boxes(b, ctx.warp, slabs, slab_cols, bn // rows, rows, bn, cfg.num_warps)
     issuer = b.setp("eq", ctx.lane, 0)
-
-    def per_warp(body) -> None:
-        for w, bw in enumerate(boxes):
-            if bw:
-                with b.if_then(b.setp("eq", ctx.warp, w)):
-                    body(w, bw)
 
     pages = None
     if kv.layout == "paged":
         pages = IssuerPages(b, kv, C.element_offset(b, ptrs["block_table"], work.seq,
                                                     b.mul(kv.regs["bt_stride"], 4)),
-                            first, bn, rows, L, n_tiles, tile.key_lo())
+                            first, bn, rows, L, n_tiles, tile.key_lo(), boxes)
         with b.if_then(issuer):
-            per_warp(lambda w, bw: pages.load(b.mov(0, U32), pages_of[w]))
+            pages.load(b.mov(0, U32))
 
     def copy_tile(t: str, j, dst: Reg, bar: Addr) -> None:
         if t == "q":
             return                                   # Q came by cp.async (q_bytes 0)
-        cache = "k_cache" if t == "k" else "v_cache"
+        cache = kv.caches[0] if kv.latent else "k_cache" if t == "k" else "v_cache"
         row0 = b.mul(b.add(first, j), bn)
-
-        def issue(w: int, bw: list) -> None:
-            ids = None if pages is None else \
-                pages.k_ids(pages_of[w]) if t == "k" else pages.v_ids(j, pages_of[w])
-            for p, s in bw if t == "k" else [(p, s) for p, s in bw if s < v_slabs]:
-                row = row0 if p == 0 else b.add(row0, p * rows)
-                if ids is None:
-                    coords = (head, b.bitcast(row, S32), seq)
-                else:
-                    coords = (head, b.bitcast(kv.offset_in_page(b, row), S32), ids[p])
-                b.tma_load(Addr(dst, s * bn * SWIZZLE + p * rows * SWIZZLE), addr[cache],
-                           [s * slab_cols, *coords], bar)
-            if pages is not None and t == "k":
-                pages.load(b.add(j, 1), pages_of[w])   # K(j+1)'s ids, for the next refill
-        per_warp(issue)
+        ids = None if pages is None else pages.k_ids() if t == "k" else pages.v_ids(j)
+        in_page = {}     # each distinct box row's coordinate, before the boxes' predicates
+        for box in boxes:
+            if id(box.row) not in in_page:
+                row = row0 if box.row == 0 else b.add(row0, box.row)
+                in_page[id(box.row)] = b.bitcast(row if ids is None else kv.offset_in_page(b, row), S32)
+        for i, box in enumerate(boxes):
+            active = box.active
+            if t == "v" and v_slabs < slabs:         # V's boxes: its first slabs only
+                narrow = b.setp("lt", box.slab, v_slabs)
+                active = narrow if active is None else b.and_(active, narrow)
+            with b.if_then(active) if active is not None else nullcontext():
+                coords = (*head, in_page[id(box.row)], seq if ids is None else ids[pages.slot(i)])
+                b.tma_load(Addr(b.add(dst, box.offset)), addr[cache], [box.col, *coords], bar)
+        if pages is not None and t == "k":
+            pages.load(b.add(j, 1))                  # K(j+1)'s ids, for the next refill
 
     def q_landed() -> None:
         b.cp_async_wait(0)
@@ -211,6 +261,18 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
             b.bar_sync(0)
 
     kv_bytes, v_bytes = cfg.kv_geom.bytes, cfg.v_geom.bytes
+
+    def transform_of(m):
+        return score_transform(b, spec, m)
+
+    if kv.latent:    # MLA: one latent tile per stage serves both products, its barriers after
+        assemble(b, "latent_tma", buffers=Buffers(stages, tile.smem, tile.k_smem, tile.k_smem, kv_bytes,
+                                                  bars=b.add(tile.k_smem, stages * kv_bytes)),
+                 tiles=KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full),
+                 loads=Loads(copy_tile=copy_tile, leader=b.setp("eq", ctx.tid, 0), issuer=issuer,
+                             q_landed=q_landed, last_v_landed=last_v_landed),
+                 math=prebuilt(VarlenWgmmaMath(b, ctx, ptrs, strides)), transform_of=transform_of)
+        return
     if isinstance(cfg, Tcgen05TileConfig):      # sm_100a: its MMA barriers after the TMA ones
         bars = b.add(tile.v_smem, stages * v_bytes)
         math = VarlenTcgen05Math(b, ctx, ptrs, strides, b.add(bars, barrier_bytes(stages)))
@@ -222,7 +284,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
              tiles=KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full),
              loads=Loads(copy_tile=copy_tile, leader=b.setp("eq", ctx.tid, 0), issuer=issuer,
                          q_landed=q_landed, last_v_landed=last_v_landed),
-             math=prebuilt(math), transform_of=lambda m: score_transform(b, spec, m))
+             math=prebuilt(math), transform_of=transform_of)
 
 
 __all__ = ["emit_tma_tile", "tensor_map_params"]

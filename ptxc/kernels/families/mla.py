@@ -78,6 +78,10 @@ FIELDS = FamilyFields(
         Field("block_n", "int", "latent rows per tile", default=None, choices=(16, 32)),
         Field("num_stages", "int", "latent tiles in flight (cp.async)", default=None,
               choices=(2, 3, 4)),
+        Field("kv_loads", "str", "how the sm_90a wgmma tile loads a dense latent cache of the "
+              "dtype: TMA boxes under mbarriers (the default where it applies: contiguous, or "
+              "pages of >= 8 rows that are a power of two or a multiple of 64), or per-thread "
+              "cp.async (FP8 and sparse caches always)", default=None, choices=("cp_async", "tma")),
     ),
 )
 
@@ -172,8 +176,13 @@ def validate(spec: KernelSpec) -> None:
         raise SpecError(f"mla uses mma.m16n8k16 and cp.async (sm_80+), but targets include "
                         f"{old[0]}; drop it", key="targets")
     view = attention_view(spec)
-    for t in spec.targets:
-        varlen.configure(view, TARGETS[t])
+    configs = [varlen.configure(view, TARGETS[t]) for t in spec.targets]
+    if spec.tile_dict().get("kv_loads") == "tma" and not any(getattr(c, "tma", False) for c in configs):
+        raise SpecError(f"kv_loads = \"tma\" with targets {', '.join(spec.targets)}: TMA loads "
+                        f"only the sm_90a wgmma tile (64 head rows) of a dense latent cache of the "
+                        f"dtype (not FP8, not sparse), contiguous or in pages of >= 8 rows that "
+                        f"are a power of two or a multiple of 64; allowed: \"cp_async\" or drop "
+                        f"the key", key="tile.kv_loads")
 
 
 def check_sparse(spec: KernelSpec) -> None:

@@ -33,7 +33,7 @@ made visible to the async proxy with fence.proxy.async before the CTA barrier th
 from __future__ import annotations
 
 from ...ir import U32, Addr, KernelBuilder, Reg
-from .kv_pipeline import StageRing
+from .kv_pipeline import StageRing, advance_stage
 from .wgmma_pipeline import attend_tile
 
 MBARRIER_BYTES = 8
@@ -79,6 +79,17 @@ def refill_copies(b: KernelBuilder, *, k_smem: Reg, v_smem: Reg, n_tiles: Reg, c
             copy_tile("v", v_tile, b.add(v_smem, v_off), bar)
 
 
+def refill_phase(b: KernelBuilder, leader: Reg, issuer: Reg | None, **refill) -> None:
+    """One phase of `bar` (issue_refill's arguments): the elected thread arrives with its
+    expect_tx and issues the copies, or leaves them to the `issuer` threads (each its share)."""
+    with b.if_then(leader):
+        issue_refill(b, copies=issuer is None, **refill)
+    if issuer is not None:
+        refill.pop("kv_bytes"), refill.pop("v_bytes", None)
+        with b.if_then(issuer):
+            refill_copies(b, **refill)
+
+
 def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: int, q_smem: Reg,
                      k_smem: Reg, v_smem: Reg, bars: Reg, leader: Reg, n_tiles: Reg, n_full: Reg,
                      key0_of, copy_tile, math, transform=None, lo_full: Reg | None = None,
@@ -108,15 +119,9 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
 
     def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
         """One phase of `bar`: K(k_tile) into k_off, V(v_tile) into v_off, those that exist."""
-        with b.if_then(leader):
-            issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
-                         copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
-                         v_off=v_off, bar=bar, copies=issuer is None, v_bytes=v_bytes)
-        if issuer is not None:
-            with b.if_then(issuer):
-                refill_copies(b, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
-                              copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
-                              v_off=v_off, bar=bar)
+        refill_phase(b, leader, issuer, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem,
+                     n_tiles=n_tiles, copy_tile=copy_tile, k_tile=k_tile, k_off=k_off,
+                     v_tile=v_tile, v_off=v_off, bar=bar, v_bytes=v_bytes)
 
     with b.if_then(leader):                              # Q, on its own barrier
         b.mbarrier_arrive_expect_tx(q_bar, q_bytes)
@@ -156,3 +161,56 @@ def advance_barrier(b: KernelBuilder, bar_off: Reg, parity: Reg, stages: int) ->
     wrap = b.setp("eq", nxt, stages * MBARRIER_BYTES)
     b.mov(b.selp(0, nxt, wrap, U32), out=bar_off)
     b.xor(parity, b.selp(1, 0, wrap, U32), out=parity)
+
+
+def run_latent_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_smem: Reg,
+                            bars: Reg, leader: Reg, issuer: Reg | None, n_tiles: Reg, n_full: Reg,
+                            key0_of, copy_tile, math, transform=None, lo_full: Reg | None = None,
+                            q_landed=None, last_v_landed=None) -> None:
+    """wgmma_pipeline.run_latent_wgmma_pipeline with TMA boxes on mbarriers (MLA's dense latent
+    tile on sm_90a): tile t lands in buffer t mod S on full[t mod S], phase t / S. Iteration j
+    waits for T(j), issues S(j) from tile j and O += P(j-1)·V(j-1) from tile j-1 together
+    (attend_tile), and ends in a barrier (every warp's wgmma.wait_group 0 retired its reads of
+    tile j-1) after which tile j-1's buffer and barrier take T(j+S-1): S-1 tiles in flight
+    while two are read, one more than the cp.async loop, whose refill has to wait for the
+    barrier at the top of the next iteration. `copy_tile("k", t, dst, bar)` issues tile t's
+    boxes (by `issuer` threads, each its share, or by `leader`, which always arrives with the
+    whole expect_tx); the Q tile comes another way (`q_landed()` waits for it).
+    `last_v_landed(tile)` may rewrite the last tile's rows before the P·V after the loop (the
+    loop's last barrier has retired every read of it). Barriers: `bars` holds S of them."""
+    S = stages
+    assert S >= 2, "the latent TMA loop reads tiles j-1 and j"
+    with b.if_then(leader):
+        for s in range(S):
+            b.mbarrier_init(Addr(bars, s * MBARRIER_BYTES), 1)
+        b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
+    b.bar_sync(0)
+
+    def refill(tile: Reg, off, bar: Addr) -> None:
+        refill_phase(b, leader, issuer, kv_bytes=kv_bytes, k_smem=kv_smem, v_smem=kv_smem,
+                     n_tiles=n_tiles, copy_tile=copy_tile, k_tile=tile, k_off=off, v_tile=None,
+                     v_off=0, bar=bar)
+
+    for s in range(S - 1):                                   # T(0) .. T(S-2)
+        refill(b.mov(s, U32), s * kv_bytes, Addr(bars, s * MBARRIER_BYTES))
+    if q_landed is not None:
+        q_landed()
+    stage = b.mov(0, U32)                       # tile j's buffer offset
+    prev = b.mov((S - 1) * kv_bytes, U32)       # tile j-1's: refilled with T(j+S-1)
+    bar_off = b.mov(0, U32)                     # full[j mod S], its phase's parity
+    prev_bar = b.mov((S - 1) * MBARRIER_BYTES, U32)
+    parity = b.mov(0, U32)
+    with b.for_range(0, n_tiles) as j:
+        b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)            # T(j) landed
+        attend_tile(b, math, kv_smem, stage, kv_smem, prev, j, key0_of, transform, n_full, lo_full)
+        b.bar_sync(0)                      # every warp's reads of tile j-1 retired
+        refill(b.add(j, S - 1), prev, Addr(b.add(bars, prev_bar)))
+        advance_stage(b, stage, prev, kv_bytes, S)
+        b.mov(bar_off, out=prev_bar)
+        advance_barrier(b, bar_off, parity, S)
+    with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
+        if last_v_landed is not None:
+            last_v_landed(b.add(kv_smem, prev))
+        math.issue_pv(b.add(kv_smem, prev))
+        math.pv_done()
+    b.bar_sync(0)        # the Q tile's readers, before the epilogue
