@@ -28,16 +28,9 @@ def _names(text) -> set[str]:
     return set(exprs.names(text)) if isinstance(text, str) else set()
 
 
-def has_tensor_maps(target: dict) -> bool:
-    """A launch list (metadata targets.T) with tensor-map parameters."""
-    return any(p["source"]["kind"] == "tensor_map" for k in target["kernels"] for p in k["params"])
-
-
 def never_reason(family: str, target: dict) -> str:
     """Why a launch list's graph class is NEVER: the reason every loader's capture entry gives
     when it refuses (the class itself is graph_contract's)."""
-    if has_tensor_maps(target):
-        return "its tensor maps bake in the buffers' addresses and shapes"
     return f"a {family} grid is the step's own sequence lengths"
 
 
@@ -52,12 +45,12 @@ def graph_contract(family: str, tensors: dict, dims: list, dim_rules: dict, targ
                 grid_dims |= _names(g)
         for name in list(grid_dims):
             grid_dims |= rule_deps.get(name, set())
-        tma = has_tensor_maps(t)
         per_target[target] = {
             "grid_depends_on": sorted(grid_dims & set(dims)),
-            # a tensor map bakes its tensor's base address and shape in at encoding
-            "class": "NEVER" if tma else SLOT_MAPPED_CLASS if "slot_mapping" in tensors
-            else FAMILY_CLASS.get(family, "NEVER"),
+            # tensor maps (sm_90a / sm_100a TMA) do not change the class: a map bakes in its
+            # tensor's address, as a pointer parameter does, and its shape, whose dims are
+            # capture dims (fixed at the maxima); the caches they map stay put between steps
+            "class": SLOT_MAPPED_CLASS if "slot_mapping" in tensors else FAMILY_CLASS.get(family, "NEVER"),
         }
     capture = set()
     for info in tensors.values():

@@ -21,8 +21,10 @@ with the one-line InputError the CLI prints. Values inside device tensors (prefi
 cu_seqlens_q) are not read: that would synchronise. Modules are loaded once per (artifact
 image, context); functions and their shared-memory opt-in are looked up once per module.
 Tensor-map parameters (sm_90a TMA) are encoded here with cuTensorMapEncodeTiled for the tensor's
-own address, shape and strides (tensor_maps.encode_tensor_map, as every loader derives them); such
-a launch list bakes addresses in, so it is launched, never captured (graph_launch refuses it).
+own address, shape and strides (tensor_maps.encode_tensor_map, as every loader derives them), at
+every launch and capture alike: the encoding is host work, no stream operation, and a map bakes
+in its tensor's address and shape as the other parameters bake in theirs (the shape's dims are
+capture dims, fixed at the maxima).
 Not yet taken: pointer-array KV caches (`derived_from` tensors).
 """
 

@@ -204,6 +204,9 @@ TMA_CASES = {   # kernels whose K/V (and Q) tiles come by TMA: tensor-map parame
     "varlen_tcgen05": ("varlen", 'dtype = "f16"\nhead_dim = 64\nnum_heads = 8\nnum_kv_heads = 2\n'
                        'causal = true\nreturn_lse = true\nkv_layout = "paged"\npage_size = 16', '',
                        {"batch": 3, "max_pages_per_seq": 4, "num_pages": 13}, "sm_100a"),
+    # MLA's latent tile on sm_90a wgmma: one 3D map over the latent cache (kv_tmap)
+    "mla": ("mla", 'dtype = "f16"\nnum_heads = 64\nsoftmax_scale = 0.1\npage_size = 16', '',
+            {"batch": 3, "max_pages_per_seq": 4, "num_pages": 13}, "sm_90a"),
 }
 
 
@@ -222,6 +225,27 @@ def test_tensor_map_kernels_launch_on_device_tensors(tmp_path, stub, case):
     assert any(e == kern["entry"] for e, *_ in records)
     events = (tmp_path / "log" / "events.txt").read_text()
     assert events.count("tensor_map ") == sum(p["type"] == "tmap" for p in kern["params"])
+
+
+@pytest.mark.parametrize("case", ["varlen", "mla"])
+def test_tensor_map_kernels_are_captured_at_the_maxima(tmp_path, stub, case):
+    """A launch list with tensor maps is captured like any other (its class is the family's,
+    ALWAYS): graph_launch encodes each map for the cache at the maxima, two steps of different
+    compositions (the ragged batch rotated) enqueue identical launches, maps included, and each
+    replays right in the emulator."""
+    from stubcuda.cases import next_step
+    family, body, tile, dims, target = TMA_CASES[case]
+    art = build_kernel(tmp_path, family, body, tile=tile, targets=(target,))
+    assert art.meta["graph"]["targets"][target]["class"] == "ALWAYS"
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    first = FAMILIES[family].make_inputs(spec, dims, np.random.default_rng(5))
+    maxima = {d: v for d, v in art.infer_dims(first, num_sms=7, target=target).items()
+              if d in art.meta["graph"]["capture_dims"]}
+    records = [check_launched(tmp_path / str(i), stub, art, spec, step, mode="graph", maxima=maxima,
+                              target=target)
+               for i, step in enumerate((first, next_step(first)))]
+    assert records[0] == records[1]
+    assert any(name.endswith("_tmap") for *_, params in records[0] for name, *_ in params)
 
 
 def test_tensor_map_enum_values_are_the_drivers():

@@ -4,7 +4,8 @@ compiled and run against the stub libcuda, whose cuTensorMapEncodeTiled
 checks the driver's rules and writes the emulator's map layout, then the recorded launch -- its
 parameter bytes, maps included -- replayed in ptxc.emu and compared with the fp64 reference.
 Also: the loaders refuse a misaligned tensor before encoding (the preconditions), and the
-stub's encoder refuses what TMA cannot describe."""
+stub's encoder refuses what TMA cannot describe, and the capture-safe entries (graph_run) take
+a launch list with tensor maps (varlen on sm_90a: class ALWAYS)."""
 
 import shutil
 
@@ -14,7 +15,7 @@ import pytest
 from conftest import rustc_problem
 
 from stubcuda import harness
-from stubcuda.cases import STUB_SMS, input_blob, prepare, shape_dims
+from stubcuda.cases import STUB_SMS, another_step, input_blob, prepare, shape_dims
 
 from ptxc.runtime import load
 from ptxc.reference import from_device, max_abs_error, tolerance
@@ -120,3 +121,76 @@ def test_encoder_failure_is_one_line(built, tmp_path, lang):
     code, message = result["run"]
     assert code == 1 and "parameter k_tmap: cuTensorMapEncodeTiled failed" in message
     assert "\n" not in message and log.launches == []
+
+
+VARLEN_SPEC = '''
+[[kernel]]
+name = "e2e_varlen_tma"
+family = "varlen"
+dtype = "f16"
+head_dim = 64
+num_heads = 8
+num_kv_heads = 2
+causal = true
+return_lse = true
+kv_layout = "paged"
+page_size = 16
+targets = ["sm_90a"]
+'''
+VARLEN_SHAPES = {"batch": 3, "max_pages_per_seq": 4, "num_pages": 13}
+
+
+@pytest.fixture(scope="module")
+def built_varlen(tmp_path_factory):
+    from ptxc.emit import cheader, rust
+    from ptxc.pipeline.build import run_build
+    missing = harness.toolchain_missing()
+    if missing:
+        pytest.skip(missing)
+    root = tmp_path_factory.mktemp("loader_tma_varlen")
+    (root / "e2e.toml").write_text(VARLEN_SPEC)
+    out = root / "out"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PTXAS", raising=False)
+        run_build([root / "e2e.toml"], out, verify=True, progress=False)
+    header = cheader.emit(out)
+    module = rust.emit(out, root / "rust" / "ptxc_kernels.rs") if rustc_problem() is None else None
+    return out, header, module, harness.build_stub(root / "stub")
+
+
+@pytest.mark.parametrize("lang", ["c", "rust"])
+def test_graph_run_captures_tensor_map_kernels(built_varlen, tmp_path, lang):
+    """ptxc_<a>_graph_run / Kernel::graph_run on varlen's sm_90a TMA kernel (class ALWAYS: the
+    maps over the caches are encoded at the maxima like every other parameter): two steps of
+    different compositions enqueue the same launches, maps included, and each replays right."""
+    out, header, module, stub = built_varlen
+    if lang == "rust" and module is None:
+        pytest.skip(rustc_problem())
+    art = load(out / "e2e_varlen_tma")
+    assert art.meta["graph"]["targets"]["sm_90a"]["class"] == "ALWAYS"
+    first = prepare(art, VARLEN_SHAPES, 90)
+    env = {"PTXC_STUB_SM": "90", "PTXC_STUB_SMS": str(STUB_SMS)}
+    records = []
+    for i, (spec, family, inputs, dims, buffers) in enumerate((first, another_step(art, first, 90))):
+        work = tmp_path / str(i)
+        work.mkdir()
+        (work / "inputs.bin").write_bytes(input_blob(art, buffers))
+        if lang == "c":
+            src = harness.c_main(art.meta, header, shape_dims(art, dims), graph=True)
+            stdout = harness.compile_and_run(src, work, stub, cxx=False, env=env,
+                                             args=[str(out / "e2e_varlen_tma"), str(work / "inputs.bin")])
+        else:
+            src = harness.rust_main(art.meta, module, shape_dims(art, dims), graph=True)
+            stdout = harness.compile_rust_and_run(src, work, stub, env=env, args=[str(work / "inputs.bin")])
+        result, log = harness.parse_output(stdout), harness.read_log(work / "log")
+        assert result["run"] == (0, ""), result
+        memory = harness.replay(log, art.meta, "sm_90a", art.ptx("sm_90a"), result["tensors"])
+        ref, naive = family.reference(spec, inputs), family.reference(spec, inputs, dtype=spec.dtype)
+        for tensor in sorted(ref):
+            raw = harness.read_tensor(memory, *result["tensors"][tensor])
+            got = from_device(raw.view(buffers[tensor].dtype).reshape(buffers[tensor].shape),
+                              art.meta["tensors"][tensor]["dtype"])
+            assert max_abs_error(got, ref[tensor]) <= tolerance(naive[tensor], ref[tensor]), tensor
+        records.append(harness.launch_records(log, art.meta, "sm_90a", result["tensors"]))
+    assert records[0] == records[1] and records[0]
+    assert any(name.endswith("_tmap") for *_, params in records[0] for name, *_ in params)

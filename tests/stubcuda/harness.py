@@ -187,7 +187,8 @@ def parse_output(stdout: str) -> dict:
 def launch_records(log: StubLog, meta: dict, target: str, tensors: dict) -> list:
     """What a captured graph would hold of each launch, independent of where the allocator put
     the buffers: entry, grid, block, shared memory, and each parameter by the metadata's ABI --
-    a pointer as (tensor, byte offset), anything else as its bytes."""
+    a pointer as (tensor, byte offset), a tensor map as its tensor, the offset of its base and
+    its other bytes, anything else as its bytes."""
     kernels = {k["entry"]: k for k in meta["targets"][target]["kernels"]}
     out = []
     for launch in log.launches:
@@ -198,6 +199,10 @@ def launch_records(log: StubLog, meta: dict, target: str, tensors: dict) -> list
                 addr = int.from_bytes(raw, "little")
                 name = p["source"]["tensor"]
                 params.append((p["name"], name, addr - tensors[name][0]))
+            elif p["source"]["kind"] == "tensor_map":   # the emulator's layout: the address at 16
+                addr = int.from_bytes(raw[16:24], "little")
+                name = p["source"]["tensor"]
+                params.append((p["name"], name, addr - tensors[name][0], (raw[:16] + raw[24:]).hex()))
             else:
                 params.append((p["name"], raw.hex()))
         out.append((launch.entry, launch.grid, launch.block, launch.smem, params))
