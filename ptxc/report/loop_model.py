@@ -53,8 +53,11 @@ def with_tma_loads(loop: dict, launch: dict, tensors: dict, config: dict, kv_row
     in the tensor map), so they are modelled from the launch instead: per iteration the CTA
     loads kv_rows rows of every tensor a `tensor_map` parameter maps inside the loop (K and V;
     Q is loaded once, before it), and each refill is outstanding from its issue after tile j's
-    barrier to the wait of tile j + num_stages, i.e. num_stages iterations' worth in flight.
-    Spread over the warps that run the loop (the per-warp figures are what the model scales)."""
+    barrier to the wait of tile j + num_stages, i.e. num_stages iterations' worth in flight --
+    one fewer for a latent cache (MLA's kv_cache, tma_pipeline.run_latent_tma_pipeline: tiles
+    j - 1 and j are read while the other stages land, so the refill after tile j's barrier is
+    waited for num_stages - 1 tiles later). Spread over the warps that run the loop (the
+    per-warp figures are what the model scales)."""
     maps = [p["source"]["tensor"] for p in launch.get("params", [])
             if p.get("source", {}).get("kind") == "tensor_map"]
     per_iter = 0
@@ -67,6 +70,8 @@ def with_tma_loads(loop: dict, launch: dict, tensors: dict, config: dict, kv_row
     if not per_iter or not warps_per_cta:
         return loop
     stages = int(config.get("num_stages", 1))
+    if "kv_cache" in maps:          # latent tiles: one stage holds a tile still being read
+        stages -= 1
     share = per_iter / warps_per_cta
     return {**loop, "global_bytes_loaded": loop["global_bytes_loaded"] + round(share),
             "inflight_bytes_mean": round(loop["inflight_bytes_mean"] + stages * share, 1),

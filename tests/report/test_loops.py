@@ -201,6 +201,13 @@ def test_tma_loads_are_modelled_from_the_tensor_maps():
     assert fig["inflight_bytes_per_cta"] == 2 * per_iter == 128 * 1024
     # without tensor maps (cp.async / LDG loops) nothing changes
     assert with_tma_loads(loop, {"params": launch["params"][:1]}, tensors, {"num_stages": 2}, 128, 8) is loop
+    # MLA's latent tiles (one kv_cache map): tiles j - 1 and j are read while the rest land,
+    # so num_stages - 1 tiles are in flight (32 rows x 576 x bf16, 4 stages: 3 x 36 KiB)
+    latent = {"params": [{"name": "kv_tmap", "source": {"kind": "tensor_map", "tensor": "kv_cache",
+                                                        "box": [64, 32, 1], "swizzle": 128}}]}
+    got = with_tma_loads(loop, latent, {"kv_cache": {"dtype": "bf16", "shape": ["num_pages", 64, 576]}},
+                         {"num_stages": 4}, 32, 8)
+    assert got["inflight_bytes_mean"] * 8 == 3 * 32 * 576 * 2
 
 
 def test_tma_issue_blocks_count_for_the_warp_that_runs_them():
