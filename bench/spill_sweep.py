@@ -161,7 +161,13 @@ MLA_DS_OPTIONS = (
     ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\ntopk_length = true\n', "dssparse"),
 )
 WIDE_TARGETS = ("sm_80", "sm_90", "sm_90a", "sm_100")   # >= 128 KiB of shared memory per CTA (sm_90a: the wgmma latent tile)
-MLA_WG_LOADS = (("page_size = 16\n", "p16"), ('[kernel.tile]\nkv_loads = "cp_async"\n', "cpasync"))
+MLA_WG_LOADS = (("page_size = 16\n", "p16"), ('[kernel.tile]\nkv_loads = "cp_async"\n', "cpasync"),
+                ("[kernel.tile]\nsplit_scores = false\n", "unsplit"),
+                ('[kernel.tile]\nkv_loads = "cp_async"\nsplit_scores = true\n', "cpasyncsplit"),
+                ('kv_dtype = "e4m3"\n[kernel.tile]\nsplit_scores = false\n', "fp8unsplit"))
+MLA_DS_UNSPLIT = (('kv_dtype = "e4m3_ds"\n[kernel.tile]\nsplit_scores = false\n', "dsunsplit"),
+                  ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\n[kernel.tile]\nsplit_scores = false\n',
+                   "dssparseunsplit"))
 MLA_APPEND_DS_OPTIONS = (('kv_dtype = "e4m3_ds"\n', "ds"), ('kv_dtype = "e4m3_ds"\nrope = "gptj"\n', "dsgptj"))
 
 
@@ -193,7 +199,7 @@ def _mla_rows(full: bool):
     # sm_90a alone: the wgmma latent tile takes 64 head rows for sparse top-k and e4m3_ds too;
     # dense caches of the dtype by TMA (paged 64 and 16, contiguous) and by cp.async
     for dtype in ("bf16", "f16"):
-        for option, tag in MLA_OPTIONS + MLA_WG_LOADS + (MLA_DS_OPTIONS if dtype == "bf16" else ()):
+        for option, tag in MLA_OPTIONS + MLA_WG_LOADS + (MLA_DS_OPTIONS + MLA_DS_UNSPLIT if dtype == "bf16" else ()):
             for rope in MLA_ROPES if full else (16, 64, 128):
                 extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nqk_rope_head_dim = {rope}\n"
                          f'targets = ["sm_90a"]\n' + option)

@@ -19,42 +19,58 @@ from ptxc.runtime.launch_test import check_artifact
 
 SM90A = ("sm_90a",)
 PATH = "wgmma.m64nNk16"
-CASES = {   # dense caches of the dtype: TMA boxes by default, cp.async with kv_loads = "cp_async"
+CASES = {   # dense caches of the dtype: TMA boxes by default, cp.async with kv_loads = "cp_async";
+    # split_scores (the warpgroups split Q·Kᵀ and exchange partial scores): the default with TMA
+    # (3 stages), not with cp.async (4); the third field says which (None: the default)
     # (the traffic test runs 128 bf16 heads over paged rows by default)
     "h128-bf16-paged-auto-tma": pytest.param((dict(heads=128), {"batch": 9, "max_pages_per_seq": 2,
-                                                                "num_pages": 21}, "tma"),
+                                                                "num_pages": 21}, "tma", None),
                                              marks=pytest.mark.slow),
     "h128-f16-contiguous-1-tma": (dict(dtype="f16", heads=128, layout="contiguous", splits=1),
-                                  {"batch": 9, "max_seq_len": 70}, "tma"),
+                                  {"batch": 9, "max_seq_len": 70}, "tma", None),
     "h128-f16-contiguous-1-cp_async": pytest.param(
         (dict(dtype="f16", heads=128, layout="contiguous", splits=1), {"batch": 9, "max_seq_len": 70},
-         "cp_async"), marks=pytest.mark.slow),
+         "cp_async", None), marks=pytest.mark.slow),
     # up to 1000 keys in 16-row pages over 3 splits: > 4 tiles of 32 rows per split, so every
-    # one of the 4 stage buffers (and, by TMA, its mbarrier's phases) is reused while the race
-    # checker watches; with 16-row pages a TMA tile is two boxes a slab
+    # stage buffer (and, by TMA, its mbarrier's phases) and the score exchange are reused while
+    # the race checker watches; with 16-row pages a TMA tile is two boxes a slab
     "h64-bf16-page16-3splits-L1000-tma": (dict(heads=64, splits=3, page=16),
-                                          {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}, "tma"),
+                                          {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}, "tma", None),
+    "h64-bf16-page16-3splits-L1000-tma-unsplit": (dict(heads=64, splits=3, page=16),
+                                                  {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
+                                                  "tma", False),
     "h64-bf16-page16-3splits-L1000-cp_async": (dict(heads=64, splits=3, page=16),
                                                {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
-                                               "cp_async"),
+                                               "cp_async", None),
+    "h64-bf16-page16-3splits-L1000-cp_async-split": pytest.param(
+        (dict(heads=64, splits=3, page=16), {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
+         "cp_async", True), marks=pytest.mark.slow),
     # FlashMLA's 64-row pages (one box a slab), 3 splits
     "h64-bf16-page64-3splits-tma": (dict(heads=64, splits=3),
-                                    {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}, "tma"),
+                                    {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}, "tma", None),
 }
-# e4m3 latent rows (one scale): staged raw, converted into two alternating tiles
+# e4m3 latent rows (one scale): staged raw, converted into two alternating tiles (split by default)
 FP8_CASES = {
     "h128-e4m3-paged-auto": pytest.param((dict(heads=128, kv="e4m3"),
-                                          {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}),
+                                          {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}, None),
                                          marks=pytest.mark.slow),
     "h64-e4m3-device-page16-3splits-L1000": (dict(heads=64, kv="e4m3", scale="device", splits=3, page=16),
-                                             {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}),
+                                             {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}, None),
+    "h64-e4m3-page16-3splits-L1000-unsplit": pytest.param(
+        (dict(heads=64, kv="e4m3", splits=3, page=16), {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
+         False), marks=pytest.mark.slow),
     "h128-f16-e4m3-contiguous-1": (dict(dtype="f16", heads=128, kv="e4m3", layout="contiguous", splits=1),
-                                   {"batch": 9, "max_seq_len": 70}),
+                                   {"batch": 9, "max_seq_len": 70}, False),
 }
+Q_BYTES, TILE, EXCHANGE = 64 * 1152, 32 * 1152, 2 * 64 * 32 * 4
 
 
 def _config(art):
     return art.meta["targets"]["sm_90a"]["config"]
+
+
+def _split_tile(split) -> str:
+    return "" if split is None else f"split_scores = {str(split).lower()}"
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -62,13 +78,16 @@ def test_mixed_batch_matches_reference(tmp_path, case):
     """Rows past each sequence's L and pages no sequence owns hold NaN: by TMA they land in the
     tile (masked from S; the last tile's V rows past L zeroed before its P·V), block-table
     entries past L are never read (their boxes take id -1: the TMA's zeros)."""
-    keys, shapes, loads = case
-    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A,
-                       tile="" if loads == "tma" else f'kv_loads = "{loads}"')
+    keys, shapes, loads, split = case
+    tile = "\n".join(x for x in ("" if loads == "tma" else f'kv_loads = "{loads}"', _split_tile(split)) if x)
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A, tile=tile)
     c = _config(art)
     assert (c["path"], c["block_m"], c["num_warps"], c["value_split"]) == (PATH, 64, 8, 2)
-    barriers = 4 * 8 if loads == "tma" else 0
-    assert (c["block_n"], c["num_stages"], c["smem_bytes"]) == (32, 4, 64 * 1152 + 4 * 32 * 1152 + barriers)
+    split = loads == "tma" if split is None else split
+    stages = 3 if split else 4
+    barriers = 32 if loads == "tma" else 0             # 8 bytes a stage, padded to 16
+    assert (c["block_n"], c["num_stages"], c.get("split_scores", False)) == (32, stages, split)
+    assert c["smem_bytes"] == Q_BYTES + stages * TILE + barriers + split * EXCHANGE
     assert c.get("kv_loads", "cp_async") == loads
     assert [p["name"] for p in art.meta["targets"]["sm_90a"]["kernels"][0]["params"]
             if p["source"]["kind"] == "tensor_map"] == (["kv_tmap"] if loads == "tma" else [])
@@ -77,14 +96,17 @@ def test_mixed_batch_matches_reference(tmp_path, case):
 
 @pytest.mark.parametrize("case", FP8_CASES.values(), ids=FP8_CASES.keys())
 def test_fp8_latent_matches_reference(tmp_path, case):
-    """FP8 bytes in four 18 KiB staging buffers, two converted 36 KiB tiles; k_scale in the
-    softmax scale and 1/l. The long case refills every staging buffer and converted tile under
-    the race checker (a conversion without the barrier before it fails there)."""
-    keys, shapes = case
-    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A)
+    """FP8 bytes in 18 KiB staging buffers (three with the score exchange, four without), two
+    converted 36 KiB tiles; k_scale in the softmax scale and 1/l. The long case refills every
+    staging buffer and converted tile under the race checker (a conversion without the barrier
+    before it fails there)."""
+    keys, shapes, split = case
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A, tile=_split_tile(split))
     c = _config(art)
-    assert (c["path"], c["num_stages"], c["fp8_staging_bytes"]) == (PATH, 4, 32 * 576)
-    assert c["smem_bytes"] == 64 * 1152 + 2 * 32 * 1152 + 4 * 32 * 576
+    split = True if split is None else split
+    stages = 3 if split else 4
+    assert (c["path"], c["num_stages"], c["fp8_staging_bytes"]) == (PATH, stages, 32 * 576)
+    assert c["smem_bytes"] == Q_BYTES + 2 * TILE + stages * 32 * 576 + split * EXCHANGE
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
@@ -127,8 +149,8 @@ def test_group_scaled_rows_on_wgmma(tmp_path, case):
     text, shapes = case
     art = build_kernel(tmp_path, "mla", text, targets=SM90A)
     c = _config(art)
-    assert (c["path"], c["block_m"], c["fp8_staging_bytes"]) == (PATH, 64, 32 * 656)
-    assert c["smem_bytes"] == 64 * 1152 + 2 * 32 * 1152 + 4 * 32 * 656
+    assert (c["path"], c["block_m"], c["fp8_staging_bytes"], c["split_scores"]) == (PATH, 64, 32 * 656, True)
+    assert c["smem_bytes"] == Q_BYTES + 2 * TILE + 3 * 32 * 656 + EXCHANGE
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
@@ -245,14 +267,17 @@ def test_values_never_read_the_rope_columns(tmp_path):
 
 
 def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
-    """bf16 and f16, paged and contiguous: 0 spills; the loop issues S as 36 HGMMA.64x32x16
-    and P·V as 2 HGMMA.64x256x16 per warpgroup, no LDSM."""
+    """bf16 and f16, paged and contiguous: 0 spills; with split scores (the default) the loop
+    issues half of S, 18 HGMMA.64x32x16, and P·V as 2 HGMMA.64x256x16 per warpgroup (36 for S
+    unsplit), no LDSM."""
     from ptxc.pipeline.build import run_build
     kernels = [f'[[kernel]]\nname = "m_{dt}_{lay}"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
                f'{body(dtype=dt, heads=128, layout=lay, splits=s)}\n'
                for dt, lay, s in (("bf16", "paged", "auto"), ("f16", "contiguous", 1))]
     kernels.append(f'[[kernel]]\nname = "m_e4m3"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
                    f'{body(heads=128, kv="e4m3")}\n')
+    kernels.append(f'[[kernel]]\nname = "m_unsplit"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
+                   f'{body(heads=128)}\n[kernel.tile]\nsplit_scores = false\n')
     (tmp_path / "k.toml").write_text("\n".join(kernels))
     summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
     assert summary["verified"] and not summary["problems"]
@@ -262,6 +287,9 @@ def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
     mix, loops = prof["mix"], prof["loops"]
     loop = loops["loops"][loops["main"]]
     assert mix["LDSM"] == mix["LDL"] == mix["STL"] == 0
-    # per warp and iteration: 36 HGMMA.64x32x16 (4 each), 2 HGMMA.64x256x16 (32 each), and
-    # 2 row-sum HMMA.16816
+    # per warp and iteration: 18 HGMMA.64x32x16 (4 each), 2 HGMMA.64x256x16 (32 each), and
+    # 2 row-sum HMMA.16816; unsplit 36 for S
+    assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (18 + 2 + 2, 18 * 4 + 2 * 32 + 2)
+    _, prof = built_sass(tmp_path / "out", "m_unsplit", "sm_90a", "ptxc_m_unsplit_split")
+    loop = prof["loops"]["loops"][prof["loops"]["main"]]
     assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (36 + 2 + 2, 36 * 4 + 2 * 32 + 2)

@@ -153,6 +153,14 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     per stage after the stages."""
 
     rows: GroupScaledRows | None = None    # e4m3_ds: whole 656-byte rows staged (scales, RoPE)
+    # the warpgroups split Q·Kᵀ's depth and exchange partial scores (math/wgmma.py), at the end
+    # of shared memory: each computes half of S instead of all of it
+    split_scores: bool = False
+
+    @property
+    def score_exchange_bytes(self) -> int:
+        """split_scores: each warpgroup's 64 x block_n f32 partial S."""
+        return self.v_split * ROWS_PER_WARPGROUP * self.block_n * 4 if self.split_scores else 0
 
     @property
     def staging_geom(self) -> StagingGeom:
@@ -161,9 +169,11 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     @property
     def smem_bytes(self) -> int:
         if self.fp8:    # two converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
-            return self.q_region_bytes + 2 * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes
-        bars = self.num_stages * MBARRIER_BYTES if self.tma else 0
-        return self.q_region_bytes + self.num_stages * self.kv_geom.bytes + bars
+            return (self.q_region_bytes + 2 * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes
+                    + self.score_exchange_bytes)
+        # the mbarriers (TMA), padded to 16 bytes for the score exchange's v4 slots after them
+        bars = -(-self.num_stages * MBARRIER_BYTES // 16) * 16 if self.tma else 0
+        return self.q_region_bytes + self.num_stages * self.kv_geom.bytes + bars + self.score_exchange_bytes
 
 
 LATENT_WGMMA_DV = 512          # two warpgroups of n256 (wgmma's widest) P·V
@@ -182,16 +192,31 @@ def latent_wgmma(spec, target) -> bool:
             and head_dim_v(spec) == LATENT_WGMMA_DV and spec.head_dim % 64 == 0
             and given.get("num_stages", 3) >= 3
             and spec.opt("custom_mask") in (None, "none")
-            and _latent_config(spec, 3).smem_bytes <= target.max_smem_per_cta)
+            and _latent_config(spec, 3, False).smem_bytes <= target.max_smem_per_cta)
 
 
-def _latent_config(spec, stages: int) -> LatentWgmmaConfig:
+def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaConfig:
+    """The tile at `stages`; `split` (None: the spec's tile.split_scores, where it fits in
+    three stages) says whether the warpgroups split Q·Kᵀ."""
     d, dv = spec.head_dim, head_dim_v(spec)
+    if split is None:
+        split = spec.tile_dict().get("split_scores", split_by_default(spec)) and \
+            _latent_config(spec, 3, True).smem_bytes <= TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta
     return LatentWgmmaConfig(C.FORMATS[spec.dtype], d, True, LATENT_WGMMA_ROWS,
                              spec.tile_dict().get("block_n", 32), 2 * ROWS_PER_WARPGROUP // 16,
                              stages, True, dv, dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
                              kv_loads=latent_loads(spec), fp8=kind(spec) is not None,
-                             rows=group_scaled(spec))
+                             rows=group_scaled(spec), split_scores=split)
+
+
+def split_by_default(spec) -> bool:
+    """tile.split_scores' default: split where the three stages that leave room for the
+    exchange still keep two latent tiles in flight -- TMA loads and FP8 staging refill a buffer
+    S - 1 tiles ahead -- and not on the dense cp.async loop, which refills S - 2 ahead (one
+    tile at three stages). Static figures (docs/performance.md "MLA decode"): S's tensor work
+    halves (the products' 1.53x becomes 1x), each warp issues fewer instructions, and the loop
+    model's bound improves on H100 and H200; not timed on a GPU."""
+    return kind(spec) is not None or latent_loads(spec) == "tma"
 
 
 def latent_loads(spec) -> str:
@@ -289,12 +314,14 @@ def configure_tcgen05(cfg: PrefillConfig) -> Tcgen05TileConfig:
 
 def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
     """The metadata config: the packed tile's, with the path and the swizzle (as prefill),
-    kv_loads = "tma" when TMA loads the K/V tiles (absent: per-thread cp.async), and on
-    tcgen05 the tensor-memory columns."""
+    kv_loads = "tma" when TMA loads the K/V tiles (absent: per-thread cp.async), MLA's split
+    scores and their exchange bytes, and on tcgen05 the tensor-memory columns."""
     tc = isinstance(cfg, Tcgen05TileConfig)
     out = {**base, "path": f"tcgen05.mma.m{cfg.block_m}" if tc else PATH,
            "smem_swizzle": SWIZZLE, **({"kv_loads": "tma"} if cfg.tma else {}),
            **({"fp8_staging_bytes": cfg.staging_geom.bytes} if cfg.fp8 else {}),
+           **({"split_scores": True, "exchange_bytes": cfg.score_exchange_bytes}
+              if getattr(cfg, "split_scores", False) else {}),
            **({"tmem_columns": cfg.tmem_columns} if tc else {})}
     out.pop("smem_row_stride")
     return out

@@ -82,6 +82,9 @@ FIELDS = FamilyFields(
               "dtype: TMA boxes under mbarriers (the default where it applies: contiguous, or "
               "pages of >= 8 rows that are a power of two or a multiple of 64), or per-thread "
               "cp.async (FP8 and sparse caches always)", default=None, choices=("cp_async", "tma")),
+        Field("split_scores", "bool", "sm_90a wgmma tile: the two warpgroups each compute half of "
+              "Q·Kᵀ's depth and exchange partial scores through 16 KiB of shared memory (one "
+              "latent stage fewer), instead of each computing all of it", default=None),
     ),
 )
 

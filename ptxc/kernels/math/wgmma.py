@@ -36,7 +36,7 @@ on sm_90.
 
 from __future__ import annotations
 
-from ...ir import F32, U64, Imm, KernelBuilder, Reg
+from ...ir import F32, U64, Addr, Imm, KernelBuilder, Reg
 from ..attention.prefill_tile import Ctx
 from ..attention.softmax import exponentials, rescale_factor, rescale_vote, row_candidate, safe_max
 from ..config.wgmma import ROWS_PER_WARPGROUP
@@ -62,6 +62,20 @@ class WgmmaMath(MmaMath):
         self.v_off = None if vs == 1 else \
             b.mul(warpgroup, cfg.dv // vs * cfg.fmt.bytes // SWIZZLE * self.bn * SWIZZLE)
         self.s_acc = zero_regs(b, self.bn // 2, F32)   # written before use: scale_d = 0 at k 0
+        # split scores (MLA's latent tile, LatentWgmmaConfig.split_scores): warpgroup p issues
+        # the k16 steps 2i + p of S (its descriptors 32 B further: inside a slab, steps 2i are
+        # at 0 or 64 B, so 2i + 1 never crosses one) and the two exchange partial sums
+        self.split = None
+        if getattr(cfg, "split_scores", False):
+            assert vs == 2 and self.ksteps % 2 == 0 and not self.half_k
+            tid = b.and_(ctx.tid, 127)
+            base = b.add(ctx.q_smem, cfg.smem_bytes - cfg.score_exchange_bytes)
+            block = self.bn // 8 * 128 * 16          # a warpgroup's partial S: n8 tile jn, thread t
+            slot0 = b.add(base, b.shl(tid, 4))       # ... at (jn * 128 + t) * 16: v4 stores
+            mine = b.add(slot0, b.mul(warpgroup, block))
+            other = b.add(slot0, b.mul(b.xor(warpgroup, 1), block))
+            self.split = (b.mul(warpgroup, 2), mine, other)   # (descriptor step, slots)
+            self.q_desc = b.add(self.q_desc, b.cvt(U64, self.split[0]))
         # P of the last softmax, kept for the P·V of the next iteration (A fragments per k16)
         self.p_frags = [[b.mov(0, self.pair) for _ in range(4)] for _ in range(self.bn // 16)]
         self.alpha = [b.mov(1.0, F32) for _ in range(2)]
@@ -92,10 +106,14 @@ class WgmmaMath(MmaMath):
         """Issue S = Q·Kᵀ as one commit group (not waited); returns S as n8 accumulator tiles."""
         b = self.b
         k_desc = b.matrix_descriptor(k_tile, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        steps = range(self.d // 16)
+        if self.split is not None:        # this warpgroup's half of the depth: steps 2i + p
+            k_desc = b.add(k_desc, b.cvt(U64, self.split[0]))
+            steps = range(0, self.d // 16, 2)
         b.wgmma_fence()
-        for kk in range(self.d // 16):
+        for i, kk in enumerate(steps):
             b.wgmma(self.s_acc, self._k_step(self.q_desc, kk, self.bm),
-                    self._k_step(k_desc, kk, self.bn), self.in_type, scale_d=kk > 0)
+                    self._k_step(k_desc, kk, self.bn), self.in_type, scale_d=i > 0)
         b.wgmma_commit()
         return [self.s_acc[4 * j:4 * j + 4] for j in range(self.bn // 8)]
 
@@ -104,9 +122,20 @@ class WgmmaMath(MmaMath):
         self.b.wgmma_commit()
 
     def scores_ready(self, s: list[list[Reg]]) -> list[list[Reg]]:
-        """S issued by issue_scores, complete (the P·V issued after it may still run)."""
-        self.b.wgmma_wait(1)
-        return s
+        """S issued by issue_scores, complete (the P·V issued after it may still run). Split
+        scores: each warpgroup stores its partial sums, and after a barrier adds the other's
+        (a + b == b + a, so both hold the same S bit for bit). The slots are written again only
+        after the loop's next barrier, which every thread passes after these reads."""
+        b = self.b
+        b.wgmma_wait(1)
+        if self.split is None:
+            return s
+        _, mine, other = self.split
+        for jn, acc in enumerate(s):
+            b.st("shared", F32, Addr(mine, jn * 128 * 16), acc)
+        b.bar_sync(0)
+        return [[b.add(x, y) for x, y in zip(acc, b.ld("shared", F32, Addr(other, jn * 128 * 16), vec=4))]
+                for jn, acc in enumerate(s)]
 
     def pv_done(self) -> None:
         self.b.wgmma_wait(0)
