@@ -137,18 +137,30 @@ kv_layout = "paged"
 page_size = 16
 targets = ["sm_90a"]
 '''
+# MLA's latent tile on sm_90a: one 3D map over the latent cache (kv_tmap), split scores
+MLA_SPEC = '''
+[[kernel]]
+name = "e2e_mla_tma"
+family = "mla"
+dtype = "f16"
+num_heads = 64
+softmax_scale = 0.1
+page_size = 16
+targets = ["sm_90a"]
+'''
+GRAPH_CASES = {"e2e_varlen_tma": VARLEN_SPEC, "e2e_mla_tma": MLA_SPEC}
 VARLEN_SHAPES = {"batch": 3, "max_pages_per_seq": 4, "num_pages": 13}
 
 
 @pytest.fixture(scope="module")
-def built_varlen(tmp_path_factory):
+def built_graph(tmp_path_factory):
     from ptxc.emit import cheader, rust
     from ptxc.pipeline.build import run_build
     missing = harness.toolchain_missing()
     if missing:
         pytest.skip(missing)
-    root = tmp_path_factory.mktemp("loader_tma_varlen")
-    (root / "e2e.toml").write_text(VARLEN_SPEC)
+    root = tmp_path_factory.mktemp("loader_tma_graph")
+    (root / "e2e.toml").write_text("\n".join(GRAPH_CASES.values()))
     out = root / "out"
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("PTXAS", raising=False)
@@ -158,15 +170,17 @@ def built_varlen(tmp_path_factory):
     return out, header, module, harness.build_stub(root / "stub")
 
 
+@pytest.mark.parametrize("name", sorted(GRAPH_CASES))
 @pytest.mark.parametrize("lang", ["c", "rust"])
-def test_graph_run_captures_tensor_map_kernels(built_varlen, tmp_path, lang):
-    """ptxc_<a>_graph_run / Kernel::graph_run on varlen's sm_90a TMA kernel (class ALWAYS: the
-    maps over the caches are encoded at the maxima like every other parameter): two steps of
-    different compositions enqueue the same launches, maps included, and each replays right."""
-    out, header, module, stub = built_varlen
+def test_graph_run_captures_tensor_map_kernels(built_graph, tmp_path, lang, name):
+    """ptxc_<a>_graph_run / Kernel::graph_run on the sm_90a TMA kernels of varlen and MLA
+    (class ALWAYS: the maps over the caches are encoded at the maxima like every other
+    parameter): two steps of different compositions enqueue the same launches, maps included,
+    and each replays right."""
+    out, header, module, stub = built_graph
     if lang == "rust" and module is None:
         pytest.skip(rustc_problem())
-    art = load(out / "e2e_varlen_tma")
+    art = load(out / name)
     assert art.meta["graph"]["targets"]["sm_90a"]["class"] == "ALWAYS"
     first = prepare(art, VARLEN_SHAPES, 90)
     env = {"PTXC_STUB_SM": "90", "PTXC_STUB_SMS": str(STUB_SMS)}
@@ -178,7 +192,7 @@ def test_graph_run_captures_tensor_map_kernels(built_varlen, tmp_path, lang):
         if lang == "c":
             src = harness.c_main(art.meta, header, shape_dims(art, dims), graph=True)
             stdout = harness.compile_and_run(src, work, stub, cxx=False, env=env,
-                                             args=[str(out / "e2e_varlen_tma"), str(work / "inputs.bin")])
+                                             args=[str(out / name), str(work / "inputs.bin")])
         else:
             src = harness.rust_main(art.meta, module, shape_dims(art, dims), graph=True)
             stdout = harness.compile_rust_and_run(src, work, stub, env=env, args=[str(work / "inputs.bin")])
