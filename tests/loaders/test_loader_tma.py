@@ -7,8 +7,6 @@ Also: the loaders refuse a misaligned tensor before encoding (the preconditions)
 stub's encoder refuses what TMA cannot describe, and the capture-safe entries (graph_run) take
 a launch list with tensor maps (varlen on sm_90a: class ALWAYS)."""
 
-import shutil
-
 import numpy as np
 import pytest
 
@@ -43,22 +41,27 @@ SHAPES = {"batch": 2, "seq_q": 19, "seq_k": 45}
 SPECS = {"sm_90a": SPEC, "sm_100a": SPEC.split("[kernel.tile]")[0].replace("sm_90a", "sm_100a")}
 
 
-@pytest.fixture(scope="module", params=sorted(SPECS))
-def built(tmp_path_factory, request):
+def build_loaders(root, spec_text: str) -> tuple:
+    """The spec built (cubins verified) into root/out, its C header, its Rust module (None
+    without a working rustc) and the stub libcuda; skips where the toolchain is missing."""
     from ptxc.emit import cheader, rust
     from ptxc.pipeline.build import run_build
     missing = harness.toolchain_missing()
     if missing:
         pytest.skip(missing)
-    root = tmp_path_factory.mktemp("loader_tma")
-    (root / "e2e.toml").write_text(SPECS[request.param])
+    (root / "e2e.toml").write_text(spec_text)
     out = root / "out"
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("PTXAS", raising=False)
         run_build([root / "e2e.toml"], out, verify=True, progress=False)
     header = cheader.emit(out)
     module = rust.emit(out, root / "rust" / "ptxc_kernels.rs") if rustc_problem() is None else None
-    return out, header, module, harness.build_stub(root / "stub"), request.param
+    return out, header, module, harness.build_stub(root / "stub")
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def built(tmp_path_factory, request):
+    return (*build_loaders(tmp_path_factory.mktemp("loader_tma"), SPECS[request.param]), request.param)
 
 
 def run_loader(built, tmp_path, lang, perturb=""):
@@ -95,6 +98,12 @@ def test_loader_encodes_tensor_maps_end_to_end(built, tmp_path, lang):
         assert raw[:8] == b"PTXCTMAP"
         assert int(np.frombuffer(raw[16:24], np.uint64)[0]) == result["tensors"][p["source"]["tensor"]][0]
         assert list(np.frombuffer(raw[52:68], np.uint32)) == p["source"]["box"]
+    check_replay(art, target, (spec, family, inputs, dims, buffers), result, log)
+
+
+def check_replay(art, target: str, prepared, result, log) -> None:
+    """The recorded launches replayed in the emulator match the fp64 reference."""
+    spec, family, inputs, _, buffers = prepared
     memory = harness.replay(log, art.meta, target, art.ptx(target), result["tensors"])
     ref, naive = family.reference(spec, inputs), family.reference(spec, inputs, dtype=spec.dtype)
     for tensor in sorted(ref):
@@ -154,20 +163,7 @@ VARLEN_SHAPES = {"batch": 3, "max_pages_per_seq": 4, "num_pages": 13}
 
 @pytest.fixture(scope="module")
 def built_graph(tmp_path_factory):
-    from ptxc.emit import cheader, rust
-    from ptxc.pipeline.build import run_build
-    missing = harness.toolchain_missing()
-    if missing:
-        pytest.skip(missing)
-    root = tmp_path_factory.mktemp("loader_tma_graph")
-    (root / "e2e.toml").write_text("\n".join(GRAPH_CASES.values()))
-    out = root / "out"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("PTXAS", raising=False)
-        run_build([root / "e2e.toml"], out, verify=True, progress=False)
-    header = cheader.emit(out)
-    module = rust.emit(out, root / "rust" / "ptxc_kernels.rs") if rustc_problem() is None else None
-    return out, header, module, harness.build_stub(root / "stub")
+    return build_loaders(tmp_path_factory.mktemp("loader_tma_graph"), "\n".join(GRAPH_CASES.values()))
 
 
 @pytest.mark.parametrize("name", sorted(GRAPH_CASES))
@@ -198,13 +194,7 @@ def test_graph_run_captures_tensor_map_kernels(built_graph, tmp_path, lang, name
             stdout = harness.compile_rust_and_run(src, work, stub, env=env, args=[str(work / "inputs.bin")])
         result, log = harness.parse_output(stdout), harness.read_log(work / "log")
         assert result["run"] == (0, ""), result
-        memory = harness.replay(log, art.meta, "sm_90a", art.ptx("sm_90a"), result["tensors"])
-        ref, naive = family.reference(spec, inputs), family.reference(spec, inputs, dtype=spec.dtype)
-        for tensor in sorted(ref):
-            raw = harness.read_tensor(memory, *result["tensors"][tensor])
-            got = from_device(raw.view(buffers[tensor].dtype).reshape(buffers[tensor].shape),
-                              art.meta["tensors"][tensor]["dtype"])
-            assert max_abs_error(got, ref[tensor]) <= tolerance(naive[tensor], ref[tensor]), tensor
+        check_replay(art, "sm_90a", (spec, family, inputs, dims, buffers), result, log)
         records.append(harness.launch_records(log, art.meta, "sm_90a", result["tensors"]))
     assert records[0] == records[1] and records[0]
     assert any(name.endswith("_tmap") for *_, params in records[0] for name, *_ in params)
