@@ -39,6 +39,11 @@ _MAX_COUNT = (1 << 20) - 1
 _SEMANTICS = ("release", "acquire", "relaxed", "cta", "cluster")
 
 
+def arrival(ctx) -> int:
+    """The race tracker's stamp of an arrival (0 without the tracker)."""
+    return ctx.race.arrival() if ctx.race is not None else 0
+
+
 class Barrier:
     __slots__ = ("expected", "pending", "tx", "phase", "parts", "last_parts", "copies",
                  "landed", "tracked", "completed")
@@ -46,7 +51,9 @@ class Barrier:
     def __init__(self, count: int):
         self.expected = self.pending = count
         self.tx, self.phase = 0, 0
-        self.parts, self.last_parts, self.copies = [], np.zeros(0, np.int64), []
+        # (threads, race-tracker stamp of their arrival or copy issue) of the open phase and of
+        # the last completed one: what a wait observing it is ordered after
+        self.parts, self.last_parts, self.copies = [], [], []
         self.landed = []            # copies of completed phases, applied at the first wait
         # asynchronous operations a phase tracks (tcgen05.commit): callables retiring them,
         # run when a wait first observes the phase
@@ -72,7 +79,7 @@ class Mbarriers:
             raise Fault(f"{count} arrivals on an mbarrier phase expecting {b.pending} more "
                         f"(of {b.expected}) at shared address 0x{addr:x}", thread, addr)
         b.pending -= count
-        b.parts.append(threads)
+        b.parts.append((threads, arrival(ctx)))
         self.maybe_complete(ctx, b)
 
     def complete_tx(self, ctx, b, nbytes):
@@ -86,8 +93,7 @@ class Mbarriers:
         b.copies = []
         b.completed += b.tracked
         b.tracked = []
-        b.last_parts = np.concatenate(b.parts) if b.parts else np.zeros(0, np.int64)
-        b.parts = []
+        b.last_parts, b.parts = b.parts, []
         b.phase += 1
         b.pending = b.expected
         self.version += 1
@@ -97,7 +103,7 @@ class Mbarriers:
         """The data of completed phases becomes visible when a wait first observes one (a
         reader that did not wait, directly or through a barrier after a wait, sees it
         pending)."""
-        for cols, data, thread, line, swizzle in b.landed:
+        for cols, data, thread, line, swizzle, stamp in b.landed:
             ctx.smem.data[cols] = data
             ctx.smem.state[cols] = WRITTEN
             if swizzle is None:
@@ -106,7 +112,8 @@ class Mbarriers:
                 ctx.smem.note_tma_layout(cols[::16], swizzle)
             if ctx.race is not None:
                 chunks = cols[::16]
-                ctx.race.record_copy(chunks, 16, np.full(chunks.size, thread), line, async_proxy=True)
+                ctx.race.record_copy(chunks, 16, np.full(chunks.size, thread), line, async_proxy=True,
+                                     stamp=stamp)
         b.landed = []
         for retire in b.completed:
             retire()
@@ -230,11 +237,14 @@ def _wait(ctx, pwrite, address, state, parity, what):
             if done.any() and (b.landed or b.completed):
                 bars.land(ctx, b)
             if ctx.race is not None and done.any():
+                # the phase's arrivals (and copy issues) up to their stamps are ordered before
+                # the waiters' later accesses; waiters are not ordered among themselves
                 seen = idx[rows[done]]
                 for cta in np.unique(ctx.cta_of[seen]).tolist():
-                    parts = b.last_parts[ctx.cta_of[b.last_parts] == cta]
-                    ctx.race.counted_barrier(cta, np.concatenate(
-                        [parts, seen[ctx.cta_of[seen] == cta]]))
+                    arrivers = [(t[ctx.cta_of[t] == cta], stamp) for t, stamp in b.last_parts]
+                    ctx.race.counted_barrier(cta, seen[ctx.cta_of[seen] == cta],
+                                             [(t, st) for t, st in arrivers if t.size],
+                                             pair_waiters=False)
         pwrite(sel, ok)
     return run
 
@@ -251,8 +261,10 @@ def issue_copy(ctx, thread, cols, data, dst_addr, bar_flat, bar_addr, line, swiz
         ctx.race.check(chunks, 16, who, line, "write", addr_of)
     b = ctx.mbar.get(bar_flat, thread, bar_addr)
     ctx.smem.state[cols] = BULK_PENDING
-    b.copies.append((cols, data, thread, line, swizzle))
-    b.parts.append(np.array([thread], np.int64))
+    # the copy's writes are ordered like the issuer's accesses before the issue: stamped just
+    # before the part the phase's waiters are ordered after
+    b.copies.append((cols, data, thread, line, swizzle, arrival(ctx)))
+    b.parts.append((np.array([thread], np.int64), arrival(ctx)))
     ctx.mbar.complete_tx(ctx, b, cols.size)
 
 

@@ -133,11 +133,12 @@ class RaceTracker:
         its barrier's waiters are ordered after."""
         return self._tick()
 
-    def counted_barrier(self, cta: int, threads, arrivers=()):
+    def counted_barrier(self, cta: int, threads, arrivers=(), pair_waiters: bool = True):
         """A barrier with a thread count completed for `threads` (batch indices) of `cta`,
         which waited at it; `arrivers` [(threads, arrival stamp)] passed a bar.arrive of the
         same phase without waiting: their accesses before the arrival are ordered before the
-        waiters' later ones -- not the ones after it, nor anything in the reverse direction."""
+        waiters' later ones -- not the ones after it, nor anything in the reverse direction.
+        `pair_waiters` False (an mbarrier wait): the waiters are not ordered among themselves."""
         s = self._tick()
         tpad = self.ctx.tpad
         if self.pair_sync is None:
@@ -146,7 +147,8 @@ class RaceTracker:
         for who, stamp in arrivers:
             ix = np.ix_(np.unique((who % tpad) >> 5), warps)
             self.pair_sync[cta][ix] = np.maximum(self.pair_sync[cta][ix], stamp)
-        self.pair_sync[cta][np.ix_(warps, warps)] = s
+        if pair_waiters:
+            self.pair_sync[cta][np.ix_(warps, warps)] = s
 
     def proxy_fence(self, sel):
         """fence.proxy.async by the threads `sel` (shared memory between the generic and async
@@ -334,10 +336,13 @@ class RaceTracker:
         _scatter_items(self.shadow, rows, total, full)
         self.generic[(rows[:, None] * total + np.arange(total)).reshape(-1)] = True
 
-    def record_copy(self, dst, size: int, idx, line: int, async_proxy: bool = False):
+    def record_copy(self, dst, size: int, idx, line: int, async_proxy: bool = False,
+                    stamp: int | None = None):
         """Thread idx[i] wrote `size` bytes at flat shared offset dst[i] (a completed cp.async,
-        or with `async_proxy` a bulk / TMA copy; dst is aligned to size)."""
-        word = (np.int64(self.serial) << _STAMP_SHIFT) | (line << _LIN_BITS) | self.ctx.lin[idx]
+        or with `async_proxy` a bulk / TMA copy, ordered like its issuer's accesses up to
+        `stamp`; dst is aligned to size)."""
+        when = self.serial if stamp is None else stamp
+        word = (np.int64(when) << _STAMP_SHIFT) | (line << _LIN_BITS) | self.ctx.lin[idx]
         full = np.empty((word.size, size), np.int64)
         full[:] = word[:, None]
         _scatter_items(self.shadow, dst // size, size, full)

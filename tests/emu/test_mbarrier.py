@@ -165,3 +165,53 @@ def test_a_buffer_read_by_several_warps_is_free_once_each_released_it():
     run(RELEASE.replace("COUNT", "2").replace("LIMIT", "64"), "release_k", (1,), (96,), [])
     with pytest.raises(EmulationError, match=r"race \(write after read\)"):
         run(RELEASE.replace("COUNT", "1").replace("LIMIT", "32"), "release_k", (1,), (96,), [])
+
+
+ORDER = HEADER + r"""
+.visible .entry order_k()
+{
+	.reg .b32 %r<8>;
+	.reg .b64 %rd<4>;
+	.reg .pred %p<8>;
+	.shared .align 4 .b8 buf[16];
+	.shared .align 8 .b64 bar;
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, bar;
+	mov.u32 %r3, buf;
+	setp.eq.u32 %p1, %r1, 0;
+	@%p1 mbarrier.init.shared::cta.b64 [%r2], 1;
+	bar.sync 0;
+	@%p1 st.shared.u32 [%r3], 7;
+	@%p1 mbarrier.arrive.shared::cta.b64 %rd1, [%r2];
+	AFTER_ARRIVE
+	setp.lt.u32 %p2, %r1, 32;
+	@%p2 bra DONE;
+WAIT:
+	mbarrier.try_wait.parity.shared::cta.b64 %p5, [%r2], 0;
+	@!%p5 bra WAIT;
+	WAITERS
+DONE:
+	ret;
+}
+"""
+READ = "setp.eq.u32 %p6, %r1, 32;\n\t@%p6 ld.shared.u32 %r4, [%r3];"
+
+
+@pytest.mark.parametrize("after_arrive,waiters,race", [
+    ("", READ, None),                                          # written before the arrival
+    ("@%p1 st.shared.u32 [%r3+4], 8;", READ.replace("[%r3]", "[%r3+4]"),
+     "read of shared address"),                                 # written after it
+    # two waiters of one phase are not ordered with each other: warp 1 writes, warp 2 reads
+    ("", "setp.eq.u32 %p6, %r1, 32;\n\t@%p6 st.shared.u32 [%r3+8], 3;\n\t"
+         "setp.eq.u32 %p7, %r1, 64;\n\t@%p7 ld.shared.u32 %r4, [%r3+8];", "shared-memory race"),
+])
+def test_an_mbarrier_phase_orders_what_came_before_each_arrival(after_arrive, waiters, race):
+    """The arrivals of a phase order the arriving threads' accesses up to their arrival before
+    the waiters' later ones -- not what an arriver does after arriving, and not one waiter's
+    accesses before another's (a CTA barrier would)."""
+    ptx = ORDER.replace("AFTER_ARRIVE", after_arrive).replace("WAITERS", waiters)
+    if race is None:
+        run(ptx, "order_k", (1,), (96,), [])
+        return
+    with pytest.raises(EmulationError, match=race):
+        run(ptx, "order_k", (1,), (96,), [])
