@@ -164,7 +164,10 @@ WIDE_TARGETS = ("sm_80", "sm_90", "sm_90a", "sm_100")   # >= 128 KiB of shared m
 MLA_WG_LOADS = (("page_size = 16\n", "p16"), ('[kernel.tile]\nkv_loads = "cp_async"\n', "cpasync"),
                 ("[kernel.tile]\nsplit_scores = false\n", "unsplit"),
                 ('[kernel.tile]\nkv_loads = "cp_async"\nsplit_scores = true\n', "cpasyncsplit"),
-                ('kv_dtype = "e4m3"\n[kernel.tile]\nsplit_scores = false\n', "fp8unsplit"))
+                ('kv_dtype = "e4m3"\n[kernel.tile]\nsplit_scores = false\n', "fp8unsplit"),
+                ('kv_dtype = "e4m3"\n[kernel.tile]\nkv_loads = "tma"\n', "fp8tma"),
+                ('kv_dtype = "e4m3"\nkv_layout = "contiguous"\n[kernel.tile]\nkv_loads = "tma"\n'
+                 'split_scores = false\n', "fp8tmaunsplit"))
 MLA_DS_UNSPLIT = (('kv_dtype = "e4m3_ds"\n[kernel.tile]\nsplit_scores = false\n', "dsunsplit"),
                   ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\n[kernel.tile]\nsplit_scores = false\n',
                    "dssparseunsplit"))

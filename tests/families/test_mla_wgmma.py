@@ -49,18 +49,23 @@ CASES = {   # dense caches of the dtype: TMA boxes by default, cp.async with kv_
     "h64-bf16-page64-3splits-tma": (dict(heads=64, splits=3),
                                     {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}, "tma", None),
 }
-# e4m3 latent rows (one scale): staged raw, converted into two alternating tiles (split by default)
+# e4m3 latent rows (one scale): staged raw -- by the threads' cp.async by default, TMA boxes of
+# 192 columns with kv_loads = "tma" -- and converted into two alternating tiles (split by default)
 FP8_CASES = {
     "h128-e4m3-paged-auto": pytest.param((dict(heads=128, kv="e4m3"),
-                                          {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}, None),
-                                         marks=pytest.mark.slow),
-    "h64-e4m3-device-page16-3splits-L1000": (dict(heads=64, kv="e4m3", scale="device", splits=3, page=16),
-                                             {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}, None),
+                                          {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21},
+                                          "cp_async", None), marks=pytest.mark.slow),
+    "h64-e4m3-device-page16-3splits-L1000-tma": (dict(heads=64, kv="e4m3", scale="device", splits=3, page=16),
+                                                 {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
+                                                 "tma", None),
+    "h64-e4m3-page16-3splits-L1000": (dict(heads=64, kv="e4m3", splits=3, page=16),
+                                      {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
+                                      "cp_async", None),
     "h64-e4m3-page16-3splits-L1000-unsplit": pytest.param(
         (dict(heads=64, kv="e4m3", splits=3, page=16), {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
-         False), marks=pytest.mark.slow),
+         "tma", False), marks=pytest.mark.slow),
     "h128-f16-e4m3-contiguous-1": (dict(dtype="f16", heads=128, kv="e4m3", layout="contiguous", splits=1),
-                                   {"batch": 9, "max_seq_len": 70}, False),
+                                   {"batch": 9, "max_seq_len": 70}, "tma", False),
 }
 Q_BYTES, TILE, EXCHANGE = 64 * 1152, 32 * 1152, 2 * 64 * 32 * 4
 
@@ -96,17 +101,20 @@ def test_mixed_batch_matches_reference(tmp_path, case):
 
 @pytest.mark.parametrize("case", FP8_CASES.values(), ids=FP8_CASES.keys())
 def test_fp8_latent_matches_reference(tmp_path, case):
-    """FP8 bytes in 18 KiB staging buffers (three with the score exchange, four without), two
-    converted 36 KiB tiles; k_scale in the softmax scale and 1/l. The long case refills every
+    """FP8 bytes in 18 KiB staging buffers (three with the score exchange, four without; by TMA
+    three 192-column boxes a page, or the threads' cp.async), two converted 36 KiB tiles; k_scale in the softmax scale and 1/l. The long case refills every
     staging buffer and converted tile under the race checker (a conversion without the barrier
     before it fails there)."""
-    keys, shapes, split = case
-    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A, tile=_split_tile(split))
+    keys, shapes, loads, split = case
+    tile = "\n".join(x for x in ('kv_loads = "tma"' if loads == "tma" else "", _split_tile(split)) if x)
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A, tile=tile)
     c = _config(art)
     split = True if split is None else split
     stages = 3 if split else 4
+    barriers = 32 if loads == "tma" else 0
     assert (c["path"], c["num_stages"], c["fp8_staging_bytes"]) == (PATH, stages, 32 * 576)
-    assert c["smem_bytes"] == Q_BYTES + 2 * TILE + stages * 32 * 576 + split * EXCHANGE
+    assert c.get("kv_loads", "cp_async") == loads
+    assert c["smem_bytes"] == Q_BYTES + 2 * TILE + stages * 32 * 576 + barriers + split * EXCHANGE
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
@@ -196,7 +204,9 @@ def test_other_latent_tiles_keep_mma_sync(tmp_path, keys, why):
     (dict(heads=64, page=8), "", "tma"),                        # one swizzle period: 4 boxes a slab
     (dict(heads=64, page=1), "", "cp_async"),                   # a box would start mid-period
     (dict(heads=64, page=48), "", "cp_async"),                  # a 32-row tile would cross a page
-    (dict(heads=64, kv="e4m3"), "", "cp_async"),                # FP8 rows are converted after landing
+    (dict(heads=64, kv="e4m3"), "", "cp_async"),                # e4m3 rows: the threads' copies ...
+    (dict(heads=64, kv="e4m3"), 'kv_loads = "tma"', "tma"),     # ... or 192-column boxes, staged
+    (dict(heads=64, kv="e4m3_ds"), "", "cp_async"),             # 656-byte rows: no box width fits
     (dict(heads=64, layout="contiguous"), 'kv_loads = "cp_async"', "cp_async"),
 ])
 def test_which_latent_tiles_come_by_tma(tmp_path, keys, tile, loads):
@@ -206,7 +216,7 @@ def test_which_latent_tiles_come_by_tma(tmp_path, keys, tile, loads):
 
 @pytest.mark.parametrize("keys,targets", [
     (dict(heads=64), ("sm_80",)),                               # no wgmma tile
-    (dict(heads=64, kv="e4m3"), SM90A),
+    (dict(heads=64, kv="e4m3_ds"), SM90A),
     (dict(heads=64, page=48), SM90A),
     (dict(heads=16), SM90A),                                    # 16 head rows: the mma.sync tile
 ])

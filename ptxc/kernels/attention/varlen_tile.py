@@ -168,12 +168,18 @@ class LatentWgmmaConfig(WgmmaTileConfig):
 
     @property
     def smem_bytes(self) -> int:
-        if self.fp8:    # two converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
-            return (self.q_region_bytes + 2 * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes
-                    + self.score_exchange_bytes)
         # the mbarriers (TMA), padded to 16 bytes for the score exchange's v4 slots after them
         bars = -(-self.num_stages * MBARRIER_BYTES // 16) * 16 if self.tma else 0
+        if self.fp8:    # two converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
+            return (self.q_region_bytes + 2 * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes
+                    + bars + self.score_exchange_bytes)
         return self.q_region_bytes + self.num_stages * self.kv_geom.bytes + bars + self.score_exchange_bytes
+
+    @property
+    def fp8_box_bytes(self) -> int:
+        """TMA-staged FP8 rows: the widest box (at most 256 one-byte columns, a multiple of 16
+        bytes) that divides a row: 192 for DeepSeek's 576-byte rows."""
+        return max(w for w in range(CHUNK, 257, CHUNK) if self.head_dim % w == 0)
 
 
 LATENT_WGMMA_DV = 512          # two warpgroups of n256 (wgmma's widest) P·V
@@ -220,13 +226,17 @@ def split_by_default(spec) -> bool:
 
 
 def latent_loads(spec) -> str:
-    """How the wgmma latent tile's rows arrive: TMA boxes for a dense latent cache of the dtype
-    where the layout allows (tma_applies; the default, tile.kv_loads = "cp_async" opts out),
-    per-thread cp.async otherwise -- FP8 rows are converted after they land, and sparse slots
-    are a gather, not a box."""
+    """How the wgmma latent tile's rows arrive: TMA boxes where the layout allows (tma_applies)
+    for a dense latent cache of the dtype (the default; tile.kv_loads = "cp_async" opts out)
+    or, with tile.kv_loads = "tma", of e4m3 bytes (landed in staging buffers and converted
+    there as the threads' copies are: statically no better than cp.async -- the conversion
+    dominates the loop -- so not the default); per-thread cp.async otherwise: e4m3_ds rows
+    (656 bytes: no box width divides them into 16-byte multiples of at most 256) and sparse
+    slots (a gather, not a box)."""
     layout = spec.opt("kv_layout")
     kv = KVAccess(layout, C.FORMATS[spec.dtype], spec.opt("page_size") or 0)
-    tma = (spec.tile_dict().get("kv_loads", "tma") == "tma" and kind(spec) is None
+    given = spec.tile_dict().get("kv_loads")
+    tma = ((given == "tma" or (given is None and kind(spec) is None)) and group_scaled(spec) is None
            and not sparse_keys(spec) and tma_applies(kv))
     return "tma" if tma else "cp_async"
 

@@ -150,7 +150,8 @@ def _latent_tma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_
                             leader=loads.leader, issuer=loads.issuer, n_tiles=tiles.n_tiles,
                             n_full=tiles.n_full, key0_of=tiles.key0_of, copy_tile=loads.copy_tile,
                             math=m, transform=transform_of(m), lo_full=tiles.lo_full,
-                            q_landed=loads.q_landed, last_v_landed=loads.last_v_landed)
+                            q_landed=loads.q_landed, last_v_landed=loads.last_v_landed,
+                            landed=loads.landed)
     return m
 
 

@@ -3,7 +3,8 @@ table, most specific first: which instruction set and main loop a (spec, target)
 tile is configured, and which body builds it.
 
   tcgen05 (sm_100a / sm_103a)   varlen_tma.py's body with math/tcgen05.py's math, TMA loads
-  wgmma latent (sm_90a, MLA)    varlen_wgmma.py with a latent tile per stage (cp.async)
+  wgmma latent (sm_90a, MLA)    varlen_tma.py (TMA: dense and e4m3 rows) or varlen_wgmma.py
+                                (cp.async: e4m3_ds rows, sparse slots), a latent tile per stage
   wgmma (sm_90a)                varlen_tma.py (TMA loads, the default where the layout allows)
                                 or varlen_wgmma.py (per-thread cp.async: pages < 8 rows, FP8)
   mma.sync (every other case)   varlen_mma.py, the cp.async pipeline of kv_pipeline.py
@@ -34,7 +35,7 @@ class PackedPath:
 
 
 def _tma_body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, mask_bytes):
-    emit_tma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps, mask_bytes)
+    emit_tma_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, tmaps, mask_bytes, quant)
 
 
 def _wgmma_body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, mask_bytes):

@@ -53,6 +53,7 @@ from ..attention.packed_tile import TileWork, packed_tile_setup
 from ..attention.varlen_tile import Tcgen05TileConfig, VarlenMath, score_transform
 from ..base import LaunchParam, ParamSource
 from ..kv.kv_access import KVAccess
+from ..kv.kv_fp8_stage import LatentFP8Staging
 from ..mainloop.tiles import CHUNK
 from ..mainloop.tiles import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
 from ..mainloop.tma_pipeline import barrier_bytes
@@ -82,12 +83,16 @@ def tensor_map_params(b: KernelBuilder, cfg, kv: KVAccess, params: list) -> dict
     latent cache's kv_tmap (no head axis)."""
     from ...ir import TMAP
     rows = box_rows(kv, cfg.block_n)
-    # innermost first: d, (head,) row, seq or page
-    box = (SWIZZLE // cfg.fmt.bytes, rows, 1) if kv.latent else (SWIZZLE // cfg.fmt.bytes, 1, rows, 1)
+    # innermost first: d, (head,) row, seq or page; FP8 latent rows land unswizzled in staging
+    # buffers, a box of fp8_box_bytes columns
+    staged = kv.latent and cfg.fp8
+    swizzle = 0 if staged else SWIZZLE
+    width = cfg.fp8_box_bytes if staged else SWIZZLE // cfg.fmt.bytes
+    box = (width, rows, 1) if kv.latent else (width, 1, rows, 1)
     maps = {}
     for t in kv.caches:
         name = "kv_tmap" if kv.latent else f"{t[0]}_tmap"
-        params.append(LaunchParam(name, TMAP, ParamSource("tensor_map", tensor=t, box=box, swizzle=SWIZZLE)))
+        params.append(LaunchParam(name, TMAP, ParamSource("tensor_map", tensor=t, box=box, swizzle=swizzle)))
         maps[t] = b.param(name, TMAP)
     return maps
 
@@ -123,12 +128,13 @@ class Box:
 
 
 def warp_boxes(b: KernelBuilder, warp: Reg, slabs: int, slab_cols: int, pages: int, rows: int,
-               bn: int, num_warps: int) -> list[Box]:
+               bn: int, num_warps: int, slab_row_bytes: int = SWIZZLE) -> list[Box]:
     """The boxes lane 0 of `warp` issues for each tile, computed once from the warp id: box
     k = p * slabs + s (page p of the tile, slab s) is issued by warp (k + 1) % num_warps in
     pass k // num_warps -- spread so that no warp carries the whole issue block (ptxas wraps
     every box in an ELECT issue loop), and the elected thread's warp 0, which also arrives
-    with the expect_tx, takes the last box of a pass, not a second one."""
+    with the expect_tx, takes the last box of a pass, not a second one. A slab is bn rows of
+    `slab_row_bytes` in shared memory."""
     n = slabs * pages
     mine = b.rem(b.add(warp, num_warps - 1), num_warps)         # (warp - 1) mod num_warps
     out = []
@@ -136,12 +142,12 @@ def warp_boxes(b: KernelBuilder, warp: Reg, slabs: int, slab_cols: int, pages: i
         k = mine if i == 0 else b.add(mine, i * num_warps)
         active = None if (i + 1) * num_warps <= n else b.setp("lt", k, n)
         if pages == 1:
-            slab, row, offset = k, 0, b.mul(k, bn * SWIZZLE)
+            slab, row, offset = k, 0, b.mul(k, bn * slab_row_bytes)
         else:
             page = b.div(k, slabs)
             slab = b.sub(k, b.mul(page, slabs))
             row = b.mul(page, rows)
-            offset = b.add(b.mul(slab, bn * SWIZZLE), b.mul(row, SWIZZLE))
+            offset = b.add(b.mul(slab, bn * slab_row_bytes), b.mul(row, slab_row_bytes))
         out.append(Box(active, slab, b.bitcast(b.mul(slab, slab_cols), S32), row, offset))
     return out
 
@@ -196,7 +202,7 @@ class IssuerPages:
 
 def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
                   work: TileWork, split_count: Reg | None, tmaps: dict,
-                  mask_bytes: Reg | None = None) -> None:
+                  mask_bytes: Reg | None = None, quant=None) -> None:
     """varlen_wgmma.emit_wgmma_tile with TMA K/V loads (see the module docstring)."""
     bn, stages = cfg.block_n, cfg.num_stages
     tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD,
@@ -215,7 +221,14 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     slab_cols, slabs = SWIZZLE // cfg.fmt.bytes, cfg.head_dim * cfg.fmt.bytes // SWIZZLE
     v_slabs = cfg.dv * cfg.fmt.bytes // SWIZZLE      # V narrower than K: its first slabs' boxes
     rows = box_rows(kv, bn)
-    boxes = warp_boxes(b, ctx.warp, slabs, slab_cols, bn // rows, rows, bn, cfg.num_warps)
+    staging, slab_row = None, SWIZZLE
+    if kv.latent and cfg.fp8:    # e4m3 rows: boxes of fp8_box_bytes columns into staging buffers
+        slab_cols = slab_row = cfg.fp8_box_bytes
+        slabs = v_slabs = cfg.head_dim // slab_cols
+        staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, stages, ctx.tid,
+                                   tile.k_smem, quant, "f16x2" if cfg.fmt.name == "f16" else "bf16x2",
+                                   cfg.fmt, box_bytes=slab_cols)
+    boxes = warp_boxes(b, ctx.warp, slabs, slab_cols, bn // rows, rows, bn, cfg.num_warps, slab_row)
     issuer = b.setp("eq", ctx.lane, 0)
 
     pages = None
@@ -266,12 +279,18 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         return score_transform(b, spec, m)
 
     if kv.latent:    # MLA: one latent tile per stage serves both products, its barriers after
-        assemble(b, "latent_tma", buffers=Buffers(stages, tile.smem, tile.k_smem, tile.k_smem, kv_bytes,
-                                                  bars=b.add(tile.k_smem, stages * kv_bytes)),
+        math = VarlenWgmmaMath(b, ctx, ptrs, strides)
+        stage, stage_bytes = (staging.k_stage, staging.stage_bytes) if staging else (tile.k_smem, kv_bytes)
+        if quant is not None:       # e4m3: k_scale in the softmax scale, v_scale in 1/l
+            k_scale, math.v_scale = quant.scales(b, work.kv_head)
+            math.scale_log2 = b.mul(k_scale, math.scale_log2)
+        assemble(b, "latent_tma", buffers=Buffers(stages, tile.smem, stage, stage, stage_bytes,
+                                                  bars=b.add(stage, stages * stage_bytes)),
                  tiles=KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full),
                  loads=Loads(copy_tile=copy_tile, leader=b.setp("eq", ctx.tid, 0), issuer=issuer,
-                             q_landed=q_landed, last_v_landed=last_v_landed),
-                 math=prebuilt(VarlenWgmmaMath(b, ctx, ptrs, strides)), transform_of=transform_of)
+                             q_landed=q_landed, last_v_landed=last_v_landed,
+                             landed=staging.landed if staging else None),
+                 math=prebuilt(math), transform_of=transform_of)
         return
     if isinstance(cfg, Tcgen05TileConfig):      # sm_100a: its MMA barriers after the TMA ones
         bars = b.add(tile.v_smem, stages * v_bytes)

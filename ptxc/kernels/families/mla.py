@@ -78,10 +78,11 @@ FIELDS = FamilyFields(
         Field("block_n", "int", "latent rows per tile", default=None, choices=(16, 32)),
         Field("num_stages", "int", "latent tiles in flight (cp.async)", default=None,
               choices=(2, 3, 4)),
-        Field("kv_loads", "str", "how the sm_90a wgmma tile loads a dense latent cache of the "
-              "dtype: TMA boxes under mbarriers (the default where it applies: contiguous, or "
-              "pages of >= 8 rows that are a power of two or a multiple of 64), or per-thread "
-              "cp.async (FP8 and sparse caches always)", default=None, choices=("cp_async", "tma")),
+        Field("kv_loads", "str", "how the sm_90a wgmma tile loads a dense latent cache: TMA "
+              "boxes under mbarriers (where it applies: contiguous, or pages of >= 8 rows that are "
+              "a power of two or a multiple of 64; the default for a cache of the dtype, given "
+              "for e4m3), or per-thread cp.async (the e4m3 default; e4m3_ds and sparse caches "
+              "always)", default=None, choices=("cp_async", "tma")),
         Field("split_scores", "bool", "sm_90a wgmma tile: the two warpgroups each compute half of "
               "Q·Kᵀ's depth and exchange partial scores through 16 KiB of shared memory (one "
               "latent stage fewer), instead of each computing all of it", default=None),
@@ -183,7 +184,7 @@ def validate(spec: KernelSpec) -> None:
     if spec.tile_dict().get("kv_loads") == "tma" and not any(getattr(c, "tma", False) for c in configs):
         raise SpecError(f"kv_loads = \"tma\" with targets {', '.join(spec.targets)}: TMA loads "
                         f"only the sm_90a wgmma tile (64 head rows) of a dense latent cache of the "
-                        f"dtype (not FP8, not sparse), contiguous or in pages of >= 8 rows that "
+                        f"dtype or of e4m3 (not e4m3_ds, not sparse), contiguous or in pages of >= 8 rows that "
                         f"are a power of two or a multiple of 64; allowed: \"cp_async\" or drop "
                         f"the key", key="tile.kv_loads")
 

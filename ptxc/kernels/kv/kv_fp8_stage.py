@@ -274,7 +274,10 @@ class LatentFP8Staging:
 
     def __init__(self, b: KernelBuilder, geom: StagingGeom, tile_bytes: int, block_n: int,
                  stages: int, tid: Reg, tiles_base: Reg, quant: kv_fp8.KVDequant, pair: str,
-                 fmt=None, rows: kv_fp8.GroupScaledRows | None = None):
+                 fmt=None, rows: kv_fp8.GroupScaledRows | None = None, box_bytes: int | None = None):
+        """`box_bytes`: the staged tiles are TMA boxes of that many columns (a stage holds
+        row_bytes / box_bytes column blocks of block_n rows each, in box order) instead of
+        whole rows copied by the threads."""
         from ..mainloop.tiles import SWIZZLE
         self.b, self.geom, self.quant, self.pair, self.fmt, self.rows = b, geom, quant, pair, fmt, rows
         self.tiles, self.tile_bytes = tiles_base, tile_bytes
@@ -302,16 +305,24 @@ class LatentFP8Staging:
             row = b.add(self.slot.r0, i * geom.rows_per_pass)
             chunk = b.xor(in_slab, b.and_(row, 7))
             self.dst.append(b.add(b.add(slab, b.shl(row, 7)), b.shl(chunk, 4)))
+        # where this thread's chunk sits in a staged tile, and one pass further
+        self.src_off, self.pass_stride = self.slot.soff, geom.rows_per_pass * geom.stride
+        if box_bytes is not None:   # column block c // per of rows x box_bytes, in box order
+            assert rows is None, "group-scaled rows are copied whole by the threads"
+            per = box_bytes // CHUNK
+            self.src_off = b.add(b.mad(b.div(c, per), block_n * box_bytes, b.mul(self.slot.r0, box_bytes)),
+                                 b.shl(b.rem(c, per), 4))
+            self.pass_stride = geom.rows_per_pass * box_bytes
 
     def landed(self, t: str, stage: Reg | int) -> Reg:
         """After this thread's wait for the tile staged at offset `stage`: its chunks
         dequantised into the next converted tile; returns that tile's address."""
         b, geom = self.b, self.geom
-        src = b.add(b.add(self.k_stage, stage), self.slot.soff)
+        src = b.add(b.add(self.k_stage, stage), self.src_off)
         tile = b.add(self.tiles, self.cur)
         for i in range(geom.passes):
             guard = self.slot.guard(b, i)
-            at = i * geom.rows_per_pass * geom.stride
+            at = i * self.pass_stride
             if guard is None:
                 words = b.ld("shared", B32, Addr(src, at), vec=4)
             else:              # a pass without a row for this thread converts zeros

@@ -166,7 +166,7 @@ def advance_barrier(b: KernelBuilder, bar_off: Reg, parity: Reg, stages: int) ->
 def run_latent_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_smem: Reg,
                             bars: Reg, leader: Reg, issuer: Reg | None, n_tiles: Reg, n_full: Reg,
                             key0_of, copy_tile, math, transform=None, lo_full: Reg | None = None,
-                            q_landed=None, last_v_landed=None) -> None:
+                            q_landed=None, last_v_landed=None, landed=None) -> None:
     """wgmma_pipeline.run_latent_wgmma_pipeline with TMA boxes on mbarriers (MLA's dense latent
     tile on sm_90a): tile t lands in buffer t mod S on full[t mod S], phase t / S. Iteration j
     waits for T(j), issues S(j) from tile j and O += P(j-1)·V(j-1) from tile j-1 together
@@ -177,7 +177,8 @@ def run_latent_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_
     boxes (by `issuer` threads, each its share, or by `leader`, which always arrives with the
     whole expect_tx); the Q tile comes another way (`q_landed()` waits for it).
     `last_v_landed(tile)` may rewrite the last tile's rows before the P·V after the loop (the
-    loop's last barrier has retired every read of it). Barriers: `bars` holds S of them."""
+    loop's last barrier has retired every read of it). Barriers: `bars` holds S of them.
+    With `landed(t, stage)` the stages are FP8 staging buffers: _run_staged_latent_tma."""
     S = stages
     assert S >= 2, "the latent TMA loop reads tiles j-1 and j"
     with b.if_then(leader):
@@ -190,6 +191,11 @@ def run_latent_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_
         refill_phase(b, leader, issuer, kv_bytes=kv_bytes, k_smem=kv_smem, v_smem=kv_smem,
                      n_tiles=n_tiles, copy_tile=copy_tile, k_tile=tile, k_off=off, v_tile=None,
                      v_off=0, bar=bar)
+
+    if landed is not None:
+        _run_staged_latent_tma(b, S, kv_bytes, bars, refill, n_tiles, n_full, key0_of, math,
+                               transform, lo_full, q_landed, last_v_landed, landed)
+        return
 
     for s in range(S - 1):                                   # T(0) .. T(S-2)
         refill(b.mov(s, U32), s * kv_bytes, Addr(bars, s * MBARRIER_BYTES))
@@ -214,3 +220,44 @@ def run_latent_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_
         math.issue_pv(b.add(kv_smem, prev))
         math.pv_done()
     b.bar_sync(0)        # the Q tile's readers, before the epilogue
+
+
+def _run_staged_latent_tma(b: KernelBuilder, S: int, stage_bytes: int, bars: Reg, refill,
+                           n_tiles: Reg, n_full: Reg, key0_of, math, transform, lo_full,
+                           q_landed, last_v_landed, landed) -> None:
+    """The latent TMA loop over FP8 staging buffers (wgmma_pipeline._run_staged_latent's
+    schedule): T(t) lands raw in stage t mod S on full[t mod S] and is converted into one of two
+    alternating f16/bf16 tiles (`landed` returns it). Iteration j: wait for T(j); a barrier
+    (every warp past iteration j-1, whose P·V(j-2) read the converted tile T(j) now
+    overwrites); the conversion; a barrier and fence.proxy.async (tile j complete for the
+    tensor cores, T(j)'s stage read by all: it takes T(j+S) at once); attend_tile over tiles j
+    and j-1. S tiles are in flight from the prologue on. The last tile's rows may be rewritten
+    by `last_v_landed` once every warp is past its S (a barrier first)."""
+    for s in range(S):                                          # T(0) .. T(S-1)
+        refill(b.mov(s, U32), s * stage_bytes, Addr(bars, s * MBARRIER_BYTES))
+    if q_landed is not None:
+        q_landed()
+    stage = b.mov(0, U32)
+    prev = b.mov(0, U32)                 # advance_stage's register pair (T(j-1)'s stage)
+    prev_tile = b.mov(0, U32)            # the converted tile j-1 (unread at j = 0)
+    bar_off = b.mov(0, U32)
+    parity = b.mov(0, U32)
+    with b.for_range(0, n_tiles) as j:
+        bar = Addr(b.add(bars, bar_off))
+        b.mbarrier_wait_parity(bar, parity)                                # T(j) landed
+        b.bar_sync(0)
+        tile = landed("k", stage)
+        b.bar_sync(0)
+        b.fence_proxy_async()
+        refill(b.add(j, S), stage, bar)
+        attend_tile(b, math, tile, 0, prev_tile, 0, j, key0_of, transform, n_full, lo_full)
+        b.mov(tile, out=prev_tile)
+        advance_stage(b, stage, prev, stage_bytes, S)
+        advance_barrier(b, bar_off, parity, S)
+    with b.if_then(b.setp("gt", n_tiles, 0)):           # O += P(n-1)·V(n-1)
+        if last_v_landed is not None:
+            b.bar_sync(0)                # every warp's S(n-1) read the tile before it is rewritten
+            last_v_landed(prev_tile)
+        math.issue_pv(prev_tile)
+        math.pv_done()
+    b.bar_sync(0)
