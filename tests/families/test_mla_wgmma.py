@@ -230,6 +230,21 @@ def test_tma_where_it_cannot_apply_is_one_line(keys, targets):
     assert "kv_loads" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_given_stages_are_kept_over_the_score_split():
+    """tile.num_stages = 4 with TMA: the split's exchange does not fit beside four stages, so
+    the tile keeps four and all of S per warpgroup (the split never lowers given stages);
+    given 3, it splits."""
+    from ptxc.kernels import load_text
+    from ptxc.kernels.families import mla, varlen
+    from ptxc.targets import TARGETS
+    for stages, split in ((4, False), (3, True)):
+        [spec] = load_text(f'[[kernel]]\nname = "m"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = 64\n'
+                           f'softmax_scale = 0.1\ntargets = ["sm_90a"]\n[kernel.tile]\n'
+                           f'num_stages = {stages}\n', "m.toml")
+        cfg = varlen.configure(mla.attention_view(spec), TARGETS["sm_90a"])
+        assert (cfg.num_stages, cfg.split_scores, cfg.tma) == (stages, split, True)
+
+
 def test_two_stages_keep_mma_sync_and_block_n_16_is_honoured(tmp_path):
     """The latent wgmma loop holds tiles j-1 and j and one landing: num_stages = 2 keeps the
     mma.sync kernel; block_n = 16 runs on wgmma (n16 scores) and still matches."""

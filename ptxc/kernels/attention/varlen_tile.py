@@ -202,12 +202,14 @@ def latent_wgmma(spec, target) -> bool:
 
 
 def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaConfig:
-    """The tile at `stages`; `split` (None: the spec's tile.split_scores, where it fits in
-    three stages) says whether the warpgroups split Q·Kᵀ."""
+    """The tile at `stages`; `split` (None: the spec's tile.split_scores, where the exchange fits
+    beside three stages -- or beside the given tile.num_stages, which it never lowers) says
+    whether the warpgroups split Q·Kᵀ."""
     d, dv = spec.head_dim, head_dim_v(spec)
     if split is None:
+        room = max(3, spec.tile_dict().get("num_stages", 3))
         split = spec.tile_dict().get("split_scores", split_by_default(spec)) and \
-            _latent_config(spec, 3, True).smem_bytes <= TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta
+            _latent_config(spec, room, True).smem_bytes <= TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta
     return LatentWgmmaConfig(C.FORMATS[spec.dtype], d, True, LATENT_WGMMA_ROWS,
                              spec.tile_dict().get("block_n", 32), 2 * ROWS_PER_WARPGROUP // 16,
                              stages, True, dv, dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
