@@ -63,6 +63,8 @@ _MULTI, _CROSS = 1 << 30, 1 << 31
 # Instructions that can complete a counted barrier (pair_sync events): any mbarrier operation
 # (incl. cp.async.mbarrier.arrive and the bulk copies' complete_tx) and a bar / barrier with a
 # thread count (matched loosely: any operand list with a comma; a false match only costs time).
+# Instructions whose shared-memory operands are read through the async proxy (async_read).
+_ASYNC_READER = re.compile(r"\b(?:wgmma\.mma_async|tcgen05\.mma)\b")
 _COUNTED = re.compile(r"mbarrier|\b(?:bar|barrier)(?:\.[\w:]+)*\s[^;]*,")
 
 
@@ -111,7 +113,10 @@ class RaceTracker:
         self.last_write = np.zeros(ctx.nctas, np.int64)
         self.last_read = np.zeros(ctx.nctas, np.int64)
         self.scratch = self.scratch_flags = None          # per reader word, on demand
-        self.generic = np.zeros(nbytes, np.bool_)          # last write through the generic proxy
+        # last write through the generic proxy, per byte: kept only in programs whose tensor
+        # cores read shared memory (the only async-proxy reads checked), as every store sets it
+        async_reads = any(_ASYNC_READER.search(t) for t in lines.values())
+        self.generic = np.zeros(nbytes, np.bool_) if async_reads else None
         self.fenced = np.zeros(ctx.n, np.int64)            # each thread's last fence.proxy.async
         self.fenced_after = np.zeros(ctx.n, np.int64)      # ... and its CTA's barrier then
 
@@ -334,7 +339,8 @@ class RaceTracker:
         full = np.empty((word.size, total), np.int64)
         full[:] = word[:, None]
         _scatter_items(self.shadow, rows, total, full)
-        self.generic[(rows[:, None] * total + np.arange(total)).reshape(-1)] = True
+        if self.generic is not None:
+            self.generic[(rows[:, None] * total + np.arange(total)).reshape(-1)] = True
 
     def record_copy(self, dst, size: int, idx, line: int, async_proxy: bool = False,
                     stamp: int | None = None):
@@ -346,13 +352,16 @@ class RaceTracker:
         full = np.empty((word.size, size), np.int64)
         full[:] = word[:, None]
         _scatter_items(self.shadow, dst // size, size, full)
-        self.generic[(dst[:, None] + np.arange(size)).reshape(-1)] = not async_proxy
+        if self.generic is not None:
+            self.generic[(dst[:, None] + np.arange(size)).reshape(-1)] = not async_proxy
         self.last_write[self.ctx.cta_of[idx]] = self.serial
 
     def async_read(self, rows, total: int, idx, line: int, what: str, addr_of):
         """An async-proxy read (`what`: wgmma / tcgen05.mma operand) of `total`-byte items
         `rows` by threads `idx`: every byte last written through the generic proxy must be
         ordered after a fence.proxy.async (the module docstring's rule)."""
+        if self.generic is None:
+            return
         flat = rows[:, None] * total + np.arange(total)
         generic = self.generic[flat]
         if not generic.any():

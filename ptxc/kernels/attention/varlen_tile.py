@@ -148,9 +148,9 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     each compute the whole S = Q·Kᵀ (576 deep) and own half of O's 512 columns (v_split 2:
     64 x 256 f32, 128 registers a thread); one swizzled latent tile per stage serves both
     products (V: its first 512 columns, warpgroup p's from slab 4p), copied by cp.async
-    (wgmma_pipeline.run_latent_wgmma_pipeline) or, for a dense cache of the dtype, as TMA
-    boxes (kv_loads "tma", latent_loads; tma_pipeline.run_latent_tma_pipeline) on one mbarrier
-    per stage after the stages."""
+    (wgmma_pipeline.run_latent_wgmma_pipeline) or as TMA boxes (kv_loads "tma", latent_loads:
+    a dense cache of the dtype by default, e4m3 rows into the FP8 staging when given;
+    tma_pipeline.run_latent_tma_pipeline) on one mbarrier per stage after the stages."""
 
     rows: GroupScaledRows | None = None    # e4m3_ds: whole 656-byte rows staged (scales, RoPE)
     # the warpgroups split Q·Kᵀ's depth and exchange partial scores (math/wgmma.py), at the end

@@ -31,7 +31,9 @@ expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
              max_seq_len, d], no head axis; varlen_tile.latent_loads): one 3D tensor map
              (kv_tmap, box [64, rows, 1]), one tile per stage serving S and P·V
              (tma_pipeline.run_latent_tma_pipeline); the same issuers, page ids and V tail
-             (the first head_dim_v columns' slabs are V).
+             (the first head_dim_v columns' slabs are V). e4m3 rows (kv_loads = "tma" given):
+             unswizzled boxes of fp8_box_bytes columns into kv_fp8_stage.LatentFP8Staging's
+             buffers, converted there, the tail zeroed in the converted tile.
   rows >= L  cache rows at or past the sequence's L may hold anything (NaN included). K rows
              there are masked to -inf before the softmax (P = 0 exactly, selp drops the NaN),
              but 0 x NaN in P·V would poison O, so the last V tile's rows [L - row0, block_n)
