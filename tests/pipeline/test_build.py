@@ -47,7 +47,11 @@ def test_every_spec_target_assembles_without_spills(built):
     assert set(ACCEPTANCE_TARGETS) <= seen
 
 
+@pytest.mark.slow
 def test_retarget_every_spec_to_acceptance_targets(tmp_path, toolchain):
+    """Slow (27 s): every example retargeted to every acceptance target. By default
+    test_spill_sweep covers each family × option × target with ptxas, and
+    test_every_spec_target_assembles_without_spills the examples on their own targets."""
     summary = run_build([SPECS], tmp_path, targets=ACCEPTANCE_TARGETS, progress=False, cache_dir=tmp_path / "c")
     assert not summary["problems"]
     for k in summary["kernels"]:

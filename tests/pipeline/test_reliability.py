@@ -120,15 +120,21 @@ def test_eight_concurrent_builders_all_targets(tmp_path):
 
 
 def test_sigkill_mid_build_leaves_nothing_corrupt(tmp_path):
-    cache, out = tmp_path / "cache", tmp_path / "o"
+    """Three spec files (five kernels, ~2.5 s to build on 2 cores), so every kill lands mid-build
+    and the rebuild + verify after them stays short; the whole example set's build is
+    test_build's."""
+    cache, out, specs = tmp_path / "cache", tmp_path / "o", tmp_path / "specs"
+    specs.mkdir()
+    for name in ("llama3_8b", "serve_varlen", "gpt2_f32"):
+        (specs / f"{name}.toml").write_bytes((SPECS / f"{name}.toml").read_bytes())
     env = {**os.environ, "PTXC_CACHE_DIR": str(cache)}
     for delay in (0.3, 0.6, 0.9):
-        p = subprocess.Popen(PTXC + ["build", str(SPECS), "--out", str(out), "-j", "2"], env=env,
+        p = subprocess.Popen(PTXC + ["build", str(specs), "--out", str(out), "-j", "2"], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(delay)
         p.send_signal(signal.SIGKILL)
         p.wait()
-    r = subprocess.run(PTXC + ["build", str(SPECS), "--out", str(out)], env=env, capture_output=True, text=True)
+    r = subprocess.run(PTXC + ["build", str(specs), "--out", str(out)], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "corrupt" not in r.stderr
     r = subprocess.run(PTXC + ["verify", str(out)], capture_output=True, text=True)
