@@ -26,13 +26,17 @@ from ptxc.pipeline.compiler import lower  # noqa: E402
 from ptxc.kernels import load_paths  # noqa: E402
 
 TARGETS = ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_100a", "sm_120")
-# tile variants applied on top of each spec's own tile (sm_90a prefill / varlen load methods)
+# tile variants applied on top of each spec's own tile: the sm_90a prefill / varlen load
+# methods, and on sm_90a and sm_100a both sides of warp_specialize
 VARIANTS = {
     "default": {},
     "cp_async": {"kv_loads": "cp_async"},
     "tma": {"kv_loads": "tma"},
     "ws": {"warp_specialize": True},
+    "one": {"warp_specialize": False},
 }
+VARIANT_TARGETS = {"cp_async": ("sm_90a",), "tma": ("sm_90a",), "ws": ("sm_90a", "sm_100a"),
+                   "one": ("sm_90a", "sm_100a")}
 
 
 def combinations():
@@ -41,7 +45,8 @@ def combinations():
     for spec in specs:
         for target in TARGETS:
             for vname, extra in VARIANTS.items():
-                if extra and (spec.family not in ("prefill", "varlen") or target != "sm_90a"):
+                if extra and (spec.family not in ("prefill", "varlen")
+                              or target not in VARIANT_TARGETS[vname]):
                     continue
                 tile = dict(spec.tile)
                 tile.update(extra)

@@ -127,6 +127,13 @@ OPTIONS = (
     ("varlen", True, _PAGED + "head_dim_v = 128\n" + _EVERY + _SM100A, "tcdv128_100a"),
     ("varlen", True, _PAGED + _SPLIT + _SM100A, "tcsplit_100a"),
     ("varlen", True, 'kv_layout = "contiguous"\n' + _EVERY + _SM100A, "tcvar_100a"),
+    # varlen's load / MMA / softmax warps (the default from d128 at block_m 64) at every head dim
+    # and at block_m 128, and the one-issuer tile where the default is the other
+    ("varlen", True, _PAGED + _EVERY + _SM100A + "[kernel.tile]\nwarp_specialize = true\n", "tcws_100a"),
+    ("varlen", False, _PAGED + _SPLIT + _SM100A +
+     "[kernel.tile]\nblock_m = 128\nnum_warps = 8\nwarp_specialize = true\n", "tcws128_100a"),
+    ("varlen", True, 'kv_layout = "contiguous"\n' + _EVERY + _SM100A +
+     "[kernel.tile]\nwarp_specialize = false\n", "tcone_100a"),
     ("kv_append", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n', "fp8h"),
     ("kv_append", None, _PAGED + 'rope = "neox"\nnum_heads = 8\n', "rope"),
     ("kv_append", None, _PAGED + 'index = "slot_mapping"\n', "slots"),

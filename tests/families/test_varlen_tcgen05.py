@@ -1,12 +1,18 @@
 """varlen on tcgen05 for sm_100a (math/tcgen05.py's Tcgen05Math on varlen_tma.py's body): the
-GQA-packed tile with S, P and O in tensor memory, K/V tiles by TMA. Emulator numerics of the
-real sm_100a PTX against the fp64 reference on ragged batches (sequence lengths 0 / 1 / 17 /
-113, chunks with q_len > 1, pages crossed) whose caches hold NaN at and past every L and in
-every page no sequence uses; paged and contiguous, block_m 64 (M = 64: data-path layout F)
-and 128, causal and not, GQA 4 / 8, split-KV with empty splits, LSE, variants; which specs
-take the path; ptxas sm_100a with 0 spills."""
+GQA-packed tile with S, P and O in tensor memory, K/V tiles by TMA -- one issuing warp, or
+(tile.warp_specialize, the default at block_m 64 from d128) tcgen05_ws_pipeline's load, MMA and
+softmax warps. Emulator numerics of the real sm_100a PTX against the fp64 reference on ragged
+batches (sequence lengths 0 / 1 / 17 / 113, chunks with q_len > 1, pages crossed) whose caches
+hold NaN at and past every L and in every page no sequence uses; paged and contiguous, block_m
+64 (M = 64: data-path layout F) and 128, causal and not, GQA 4 / 8, split-KV with empty splits,
+LSE, variants; planted mistakes in the warp-specialised V tail; which specs take which kernel;
+ptxas sm_100a with 0 spills."""
+
+import re
 
 import pytest
+
+from ptxc.errors import EmulationError, SpecError
 
 from conftest import build_kernel
 from ptxc.kernels import FAMILIES, load_text
@@ -26,10 +32,17 @@ def build(tmp_path, layout, tile="", extra="", **case):
                        targets=SM100A)
     target = art.meta["targets"]["sm_100a"]
     ptx = (art.path / target["ptx"]).read_text()
-    assert target["config"]["path"].startswith("tcgen05.mma.m")
-    assert target["config"]["kv_loads"] == "tma" and target["config"]["tmem_columns"] >= 128
+    config = target["config"]
+    assert config["path"].startswith("tcgen05.mma.m")
+    assert config["kv_loads"] == "tma" and config["tmem_columns"] >= 128
     assert "cp.async.bulk.tensor.4d" in ptx and "tcgen05.mma.cta_group::1.kind::f16" in ptx
+    # the warp-specialised CTA: the load and MMA warps after the block_m / 16 softmax warps
+    assert config.get("threads", 32 * config["num_warps"]) == \
+        32 * config["num_warps"] + (64 if config.get("warp_specialize") else 0)
     return art, KernelSpec.from_dict(art.meta["spec"])
+
+
+WS, ONE = "warp_specialize = true", "warp_specialize = false"
 
 
 @pytest.mark.parametrize("layout,tile,case", [
@@ -38,9 +51,15 @@ def build(tmp_path, layout, tile="", extra="", **case):
                                         splits=3)),
     ("page64", "block_m = 128\nnum_warps = 8", dict(dtype="bf16", head_dim=64, gqa="gqa8",
                                                     causal=True, splits=4)),
-    *(pytest.param(lay, "", dict(dtype=dt, head_dim=d, gqa=g, causal=c, splits=s), marks=SLOW)
-      for dt in ("f16", "bf16") for d in (64, 128) for g in ("gqa4", "gqa8")
-      for c in (True, False) for lay, s in (("page16", 1), ("page64", "auto"), ("contiguous", 3))),
+    # the other kernel where each is not the default
+    ("page16", WS, dict(dtype="bf16", head_dim=64, gqa="gqa8", causal=True, splits=3)),
+    ("page16", ONE, dict(dtype="f16", head_dim=128, gqa="gqa4", causal=True, splits="auto")),
+    ("contiguous", "block_m = 128\nnum_warps = 8\n" + WS,
+     dict(dtype="f16", head_dim=128, gqa="gqa8", causal=True, splits=1)),
+    *(pytest.param(lay, tile, dict(dtype=dt, head_dim=d, gqa=g, causal=c, splits=s), marks=SLOW)
+      for tile in ("", WS) for dt in ("f16", "bf16") for d in (64, 128) for g in ("gqa4", "gqa8")
+      for c in (True, False) for lay, s in (("page16", 1), ("page64", "auto"), ("contiguous", 3))
+      if tile == "" or d == 64),
 ], ids=lambda x: "-".join(map(str, x.values())) if isinstance(x, dict) else
     x.replace(" ", "").replace("\n", "-"))
 def test_ragged_batch_with_nan_garbage(tmp_path, layout, tile, case):
@@ -57,6 +76,48 @@ def test_variants(tmp_path, extra):
     check_poisoned(art, spec, layout, seed=2, target="sm_100a")
 
 
+def test_every_variant_on_the_warp_specialised_tile(tmp_path):
+    """The load / MMA / softmax warps (d128's default) with window, soft-cap, sinks and ALiBi
+    at once: pages wholly before the window never read, split-KV."""
+    extra = "\nsliding_window = 21\nlogits_soft_cap = 2.0\nattention_sinks = true\nalibi = true"
+    art, spec = build(tmp_path, "page16", "", extra, dtype="bf16", head_dim=128, gqa="gqa4",
+                      causal=True, splits=2)
+    assert art.meta["targets"]["sm_100a"]["config"]["warp_specialize"]
+    check_poisoned(art, spec, "page16", seed=3, target="sm_100a")
+
+
+# the MMA warp's V tail (varlen_tma.py): its stores, fenced for the async proxy, then the warp's
+# named barrier before the elected lane's last P·V
+TAIL = re.compile(r"\n\tfence\.proxy\.async[^\n]*\n(\tbar\.sync 2, 32;)")
+
+
+@pytest.mark.parametrize("what,caught", [
+    ("stores", "NaN"),
+    ("fence", "shared-memory proxy race"),
+])
+def test_warp_specialised_v_tail_mistakes_are_caught(tmp_path, monkeypatch, what, caught):
+    """The MMA warp zeroes the last V tile's rows past L before the last P·V: without the
+    stores NaN reaches O; without the fence (generic-proxy stores read through the MMA's
+    async proxy) the emulator's race checker names the line. (The warp's named barrier after
+    the fence is not tested: the emulator orders a warp at its elect.sync, which waits for
+    every lane; the PTX ISA promises memory ordering for bar.sync / bar.warp.sync.)"""
+    import ptxc.kernels.bodies.varlen_tma as vt
+    if what == "stores":      # the MMA warp's call (32 threads) leaves the rows as they are
+        monkeypatch.setenv("PTXC_CACHE_DIR", str(tmp_path / "cache"))   # not a cached good build
+        zero = vt.zero_tail_rows
+        monkeypatch.setattr(vt, "zero_tail_rows", lambda b, cfg, tid, v_tile, nvalid, threads=None:
+                            None if threads == 32 else zero(b, cfg, tid, v_tile, nvalid, threads))
+    art, spec = build(tmp_path, "page16", "", dtype="bf16", head_dim=128, gqa="gqa4",
+                      causal=True, splits=1)
+    if what != "stores":
+        ptx = art.ptx("sm_100a")
+        assert len(TAIL.findall(ptx)) == 1
+        edited = TAIL.sub(r"\n\1", ptx)
+        monkeypatch.setattr(art, "ptx", lambda *_: edited)
+    with pytest.raises((AssertionError, EmulationError), match=caught):
+        check_poisoned(art, spec, "page16", target="sm_100a")
+
+
 @pytest.mark.parametrize("layout,d,dv,case", [
     ("page64", 192, 128, dict(dtype="bf16", gqa="gqa4", causal=True, splits="auto")),
     ("contiguous", 256, 256, dict(dtype="f16", gqa="gqa8", causal=False, splits=3)),
@@ -71,10 +132,35 @@ def test_wider_heads_and_narrower_v(tmp_path, layout, d, dv, case):
     check_poisoned(art, spec, layout, seed=4, target="sm_100a")
 
 
-def _path(text: str, target: str = "sm_100a") -> str:
+def _tile(text: str, target: str = "sm_100a") -> dict:
     [spec] = load_text(f'[[kernel]]\nname = "k"\nfamily = "varlen"\ntargets = ["{target}"]\n'
                        + text)
-    return VARLEN.resolve_tile(spec, TARGETS[target])["path"]
+    VARLEN.validate(spec)
+    return VARLEN.resolve_tile(spec, TARGETS[target])
+
+
+def _path(text: str, target: str = "sm_100a") -> str:
+    return _tile(text, target)["path"]
+
+
+def test_which_tiles_are_warp_specialised():
+    """The load / MMA / softmax warps by default at block_m 64 from d128 (192 / 128 and d256
+    too); the one-issuer tile at d64 and block_m 128 (where 64 more threads cost a CTA per
+    SM); the key overrides either way, and is refused where no target runs the tcgen05 tile."""
+    tile = "\n[kernel.tile]\n"
+    for d, extra, ws in ((128, "", True), (256, "", True), (192, "\nhead_dim_v = 128", True),
+                         (64, "", False), (128, tile + "block_m = 128\nnum_warps = 8", False),
+                         (64, tile + WS, True), (128, tile + ONE, False),
+                         (128, tile + "block_m = 128\nnum_warps = 8\n" + WS, True)):
+        got = _tile(spec_body("page16", head_dim=d) + extra)
+        assert got.get("warp_specialize", False) == ws, (d, extra)
+        assert got.get("threads", 32 * got["num_warps"]) == 32 * got["num_warps"] + 64 * ws
+    for text, target in ((spec_body("page16", head_dim=128) + tile + WS, "sm_90a"),
+                         (spec_body("page4", head_dim=128) + tile + WS, "sm_100a"),
+                         (spec_body("page16", head_dim=96) + tile + WS, "sm_100a")):
+        with pytest.raises(SpecError) as e:
+            _tile(text, target)
+        assert e.value.key == "tile.warp_specialize" and "sm_100a tcgen05" in str(e.value)
 
 
 def test_which_specs_take_tcgen05():
@@ -100,7 +186,9 @@ def test_ptxas_zero_spills(toolchain):
     from ptxc.pipeline.ptxas import assemble
     every = "\nsliding_window = 21\nlogits_soft_cap = 2.0\nattention_sinks = true\nalibi = true"
     for d in (64, 128):
-        for tile in ("", "\n[kernel.tile]\nblock_m = 128\nnum_warps = 8"):
+        for tile in ("", "\n[kernel.tile]\nblock_m = 128\nnum_warps = 8",
+                     "\n[kernel.tile]\n" + (ONE if d == 128 else WS),
+                     "\n[kernel.tile]\nblock_m = 128\nnum_warps = 8\n" + WS):
             for extra in ("", every):
                 for layout in ("page16", "contiguous"):
                     [spec] = load_text('[[kernel]]\nname = "k"\nfamily = "varlen"\n'

@@ -317,11 +317,23 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
                            kv_loads="tma" if tma else "cp_async", fp8=fp8)
 
 
-def configure_tcgen05(cfg: PrefillConfig) -> Tcgen05TileConfig:
-    """The packed tile on tcgen05 (applies_tcgen05 holds): the same tile, TMA loads."""
+# The load / MMA / softmax warps (tile.warp_specialize) are the default for the 64-row tile
+# from this head dim, on static figures alone (no Blackwell GPU lent; docs/performance.md
+# "Blackwell"): at d128 on 16-row pages the softmax warps' loop is 166 instructions a tile
+# against 245-344 for the warps of the one-issuer tile, 104 registers against 126, the same two
+# CTAs per SM (d192/128 and d256 alike). Where the 64 more threads cost a CTA per SM the
+# one-issuer tile stays: d64 (4 against 5) and block_m 128 at d128 (1 against 2).
+WS_MIN_HEAD_DIM = 128
+
+
+def configure_tcgen05(spec, cfg: PrefillConfig) -> Tcgen05TileConfig:
+    """The packed tile on tcgen05 (applies_tcgen05 holds): the same tile, TMA loads; with
+    tile.warp_specialize (the default at block_m 64 from WS_MIN_HEAD_DIM) a load warp and an
+    MMA warp besides (tcgen05_ws_pipeline.py)."""
+    ws = spec.tile_dict().get("warp_specialize", cfg.block_m == 64 and cfg.head_dim >= WS_MIN_HEAD_DIM)
     return Tcgen05TileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
                              cfg.num_stages, False, cfg.dv, 1, kv_loads="tma",
-                             min_ctas_per_sm=PIN_REGISTERS)
+                             min_ctas_per_sm=PIN_REGISTERS, warp_specialize=ws)
 
 
 def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
@@ -334,6 +346,8 @@ def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
            **({"fp8_staging_bytes": cfg.staging_geom.bytes} if cfg.fp8 else {}),
            **({"split_scores": True, "exchange_bytes": cfg.score_exchange_bytes}
               if getattr(cfg, "split_scores", False) else {}),
-           **({"tmem_columns": cfg.tmem_columns} if tc else {})}
+           **({"tmem_columns": cfg.tmem_columns} if tc else {}),
+           **({"warp_specialize": True, "threads": cfg.launch_threads}
+              if tc and cfg.warp_specialize else {})}
     out.pop("smem_row_stride")
     return out

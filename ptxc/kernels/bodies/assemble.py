@@ -86,7 +86,9 @@ class Loads:
     stage)` converts a staged raw tile after its wait (FP8 bytes). TMA: `copy_tile(t, j, dst,
     bar)` issues tile j's boxes, called by `leader` (or each `issuer` for its share); hooks
     `q_landed()` (a Q tile the threads copied) and `last_v_landed(v_tile)` (the V tail rewritten
-    before the last P·V). Decode's SIMT rows: `rows` (decode_attend.RowLoader) and `read`."""
+    before the last P·V). A load warp whose lanes share the boxes (tcgen05_ws):
+    `issue_setup()` -> (copy_tile, leader, issuer), run by that warp. Decode's SIMT rows: `rows`
+    (decode_attend.RowLoader) and `read`."""
 
     load_kv: Callable | None = None
     copy_tile: Callable | None = None
@@ -96,6 +98,7 @@ class Loads:
     issuer: Reg | None = None
     q_landed: Callable | None = None
     last_v_landed: Callable | None = None
+    issue_setup: Callable | None = None
     rows: object | None = None       # decode's SIMT rows: fetch(rows, put), advance(fresh)
     read: Callable | None = None     # ... and a chunk's register load, read(addr, pred)
 
@@ -166,14 +169,15 @@ def _tma_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, 
 
 
 def _tcgen05_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid,
-                lane, warp0, columns: int, make_issue):
+                lane, warp0, columns: int, make_issue, softmax_warps: int = 8):
     run_tcgen05_ws_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, v_bytes=buf.v_bytes,
                             q_bytes=buf.q_bytes, q_smem=buf.q, k_smem=buf.k, v_smem=buf.v,
                             bars=buf.bars, mma_bars=buf.mma_bars, tid=tid, lane=lane, warp0=warp0,
                             columns=columns, n_tiles=tiles.n_tiles, n_full=tiles.n_full,
                             key0_of=tiles.key0_of, copy_tile=loads.copy_tile, make_math=math,
                             make_issue=make_issue, transform_of=transform_of,
-                            lo_full=tiles.lo_full)
+                            lo_full=tiles.lo_full, softmax_warps=softmax_warps,
+                            issue_setup=loads.issue_setup, last_v_landed=loads.last_v_landed)
 
 
 def _rows(b, buf, tiles: KeyRows, loads: Loads, math, transform_of, *, cfg, tid):

@@ -51,7 +51,7 @@ def _mma_body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, 
 
 PATHS = (
     PackedPath("the sm_100a tcgen05 tile", vt.applies_tcgen05,
-               lambda spec, cfg, kv: vt.configure_tcgen05(cfg), vt.Tcgen05TileConfig, _tma_body),
+               lambda spec, cfg, kv: vt.configure_tcgen05(spec, cfg), vt.Tcgen05TileConfig, _tma_body),
     PackedPath("the sm_90a wgmma latent tile", vt.applies_latent, vt.configure_latent,
                vt.LatentWgmmaConfig, _wgmma_body),
     PackedPath("the sm_90a wgmma tile", vt.applies, vt.configure, vt.WgmmaTileConfig, _wgmma_body),

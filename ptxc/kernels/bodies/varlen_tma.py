@@ -58,8 +58,10 @@ from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8_stage import LatentFP8Staging
 from ..mainloop.tiles import CHUNK
 from ..mainloop.tiles import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
+from ..mainloop.tcgen05_ws_pipeline import MMA_WARP_BARRIER
 from ..mainloop.tma_pipeline import barrier_bytes
 from ..math.tcgen05 import Tcgen05Math
+from ..math.umma import UmmaIssue
 from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
 
@@ -68,8 +70,9 @@ class VarlenTcgen05Math(VarlenMath, Tcgen05Math):
     """Tcgen05Math's tile math (sm_100a) with VarlenMath's per-row epilogue: O is fetched from
     tensor memory first and the tensor memory freed after."""
 
-    def __init__(self, b: KernelBuilder, ctx, ptrs: dict, strides: dict, bars: Reg):
-        VarlenMath.__init__(self, b, ctx, ptrs, strides, bars=bars)
+    def __init__(self, b: KernelBuilder, ctx, ptrs: dict, strides: dict, bars: Reg,
+                 tmem: Reg | None = None):
+        VarlenMath.__init__(self, b, ctx, ptrs, strides, bars=bars, tmem=tmem)
 
     def epilogue(self) -> None:
         self.fetch_o()
@@ -99,11 +102,13 @@ def tensor_map_params(b: KernelBuilder, cfg, kv: KVAccess, params: list) -> dict
     return maps
 
 
-def zero_tail_rows(b: KernelBuilder, cfg, tid: Reg, v_tile: Reg, nvalid: Reg) -> None:
-    """Zero rows [nvalid, block_n) of the swizzled V tile at `v_tile` (every slab): chunk c of
-    the tile is row (c / 8) % block_n of slab c / (8 block_n), at byte 16 c (the swizzle only
-    permutes chunks inside a row, so whole rows need no swizzle)."""
-    bn, threads = cfg.block_n, cfg.threads
+def zero_tail_rows(b: KernelBuilder, cfg, tid: Reg, v_tile: Reg, nvalid: Reg,
+                   threads: int | None = None) -> None:
+    """Zero rows [nvalid, block_n) of the swizzled V tile at `v_tile` (every slab) by `threads`
+    threads (default the CTA's; tid their index): chunk c of the tile is row (c / 8) % block_n
+    of slab c / (8 block_n), at byte 16 c (the swizzle only permutes chunks inside a row, so
+    whole rows need no swizzle)."""
+    bn, threads = cfg.block_n, threads or cfg.threads
     chunks = cfg.v_geom.bytes // CHUNK
     zero = b.mov(0, U32)
     row0, mine = b.shr(tid, 3), b.add(v_tile, b.shl(tid, 4))
@@ -205,17 +210,24 @@ class IssuerPages:
 def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
                   work: TileWork, split_count: Reg | None, tmaps: dict,
                   mask_bytes: Reg | None = None, quant=None) -> None:
-    """varlen_wgmma.emit_wgmma_tile with TMA K/V loads (see the module docstring)."""
+    """varlen_wgmma.emit_wgmma_tile with TMA K/V loads (see the module docstring); on sm_100a
+    with tile.warp_specialize, tcgen05_ws_pipeline's load, MMA and softmax warps."""
     bn, stages = cfg.block_n, cfg.num_stages
+    ws = getattr(cfg, "warp_specialize", False)
     tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD,
                              mask_bytes=mask_bytes)
     ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
-    q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
-    q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
-    q_valid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
-    stage_groups(b, cfg, q_slot, row_chunks(b, q_slot, q_row, ctx.m_start, q_valid), q_valid,
-                 tile.smem)
-    b.cp_async_commit()
+    # Q: the softmax warps gather it (the load and MMA warps of a warp-specialised CTA do not)
+    with b.if_then(b.setp("lt", ctx.tid, cfg.threads)) if ws else nullcontext():
+        q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
+        q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
+        q_valid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
+        stage_groups(b, cfg, q_slot, row_chunks(b, q_slot, q_row, ctx.m_start, q_valid), q_valid,
+                     tile.smem)
+        b.cp_async_commit()
+        if ws:      # landed and fenced before the pipeline's first CTA barrier (the allocation's)
+            b.cp_async_wait(0)
+            b.fence_proxy_async()
 
     addr = {t: b.tensor_map_address(tmaps[t]) for t in tmaps}
     seq = b.bitcast(work.seq, S32)
@@ -230,56 +242,101 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, stages, ctx.tid,
                                    tile.k_smem, quant, "f16x2" if cfg.fmt.name == "f16" else "bf16x2",
                                    cfg.fmt, box_bytes=slab_cols)
-    boxes = warp_boxes(b, ctx.warp, slabs, slab_cols, bn // rows, rows, bn, cfg.num_warps, slab_row)
-    issuer = b.setp("eq", ctx.lane, 0)
 
-    pages = None
-    if kv.layout == "paged":
-        pages = IssuerPages(b, kv, C.element_offset(b, ptrs["block_table"], work.seq,
-                                                    b.mul(kv.regs["bt_stride"], 4)),
-                            first, bn, rows, L, n_tiles, tile.key_lo(), boxes)
-        with b.if_then(issuer):
-            pages.load(b.mov(0, U32))
+    def copies(issuing: Reg, issuers: int):
+        """(copy_tile, issuer): the boxes of a tile shared by `issuers` issuing units (box k
+        by unit (k + 1) % issuers: warp_boxes), `issuing` this thread's unit -- its warp, lane
+        0 of each issuing (the one-issuer loop), or its lane in the load warp -- and the page
+        ids those threads load, the first tile's loaded here."""
+        boxes = warp_boxes(b, issuing, slabs, slab_cols, bn // rows, rows, bn, issuers, slab_row)
+        if ws:      # the lanes with a box: (lane - 1) mod 32 < the tile's box count
+            mine = b.rem(b.add(issuing, issuers - 1), issuers)
+            issuer = b.setp("lt", mine, min(issuers, slabs * (bn // rows)))
+        else:
+            issuer = b.setp("eq", ctx.lane, 0)
+        pages = None
+        if kv.layout == "paged":
+            pages = IssuerPages(b, kv, C.element_offset(b, ptrs["block_table"], work.seq,
+                                                        b.mul(kv.regs["bt_stride"], 4)),
+                                first, bn, rows, L, n_tiles, tile.key_lo(), boxes)
+            with b.if_then(issuer):
+                pages.load(b.mov(0, U32))
 
-    def copy_tile(t: str, j, dst: Reg, bar: Addr) -> None:
-        if t == "q":
-            return                                   # Q came by cp.async (q_bytes 0)
-        cache = kv.caches[0] if kv.latent else "k_cache" if t == "k" else "v_cache"
-        row0 = b.mul(b.add(first, j), bn)
-        ids = None if pages is None else pages.k_ids() if t == "k" else pages.v_ids(j)
-        in_page = {}     # each distinct box row's coordinate, before the boxes' predicates
-        for box in boxes:
-            if id(box.row) not in in_page:
-                row = row0 if box.row == 0 else b.add(row0, box.row)
-                in_page[id(box.row)] = b.bitcast(row if ids is None else kv.offset_in_page(b, row), S32)
-        for i, box in enumerate(boxes):
-            active = box.active
-            if t == "v" and v_slabs < slabs:         # V's boxes: its first slabs only
-                narrow = b.setp("lt", box.slab, v_slabs)
-                active = narrow if active is None else b.and_(active, narrow)
-            with b.if_then(active) if active is not None else nullcontext():
-                coords = (*head, in_page[id(box.row)], seq if ids is None else ids[pages.slot(i)])
-                b.tma_load(Addr(b.add(dst, box.offset)), addr[cache], [box.col, *coords], bar)
-        if pages is not None and t == "k":
-            pages.load(b.add(j, 1))                  # K(j+1)'s ids, for the next refill
+        def copy_tile(t: str, j, dst: Reg, bar: Addr) -> None:
+            if t == "q":
+                return                                   # Q came by cp.async (q_bytes 0)
+            cache = kv.caches[0] if kv.latent else "k_cache" if t == "k" else "v_cache"
+            row0 = b.mul(b.add(first, j), bn)
+            ids = None if pages is None else pages.k_ids() if t == "k" else pages.v_ids(j)
+            in_page = {}     # each distinct box row's coordinate, before the boxes' predicates
+            for box in boxes:
+                if id(box.row) not in in_page:
+                    row = row0 if box.row == 0 else b.add(row0, box.row)
+                    in_page[id(box.row)] = b.bitcast(row if ids is None else kv.offset_in_page(b, row), S32)
+            for i, box in enumerate(boxes):
+                active = box.active
+                if t == "v" and v_slabs < slabs:         # V's boxes: its first slabs only
+                    narrow = b.setp("lt", box.slab, v_slabs)
+                    active = narrow if active is None else b.and_(active, narrow)
+                with b.if_then(active) if active is not None else nullcontext():
+                    coords = (*head, in_page[id(box.row)], seq if ids is None else ids[pages.slot(i)])
+                    b.tma_load(Addr(b.add(dst, box.offset)), addr[cache], [box.col, *coords], bar)
+            if pages is not None and t == "k":
+                pages.load(b.add(j, 1))                  # K(j+1)'s ids, for the next refill
+        return copy_tile, issuer
 
     def q_landed() -> None:
         b.cp_async_wait(0)
         b.fence_proxy_async()     # the cp.async-written Q, for wgmma's async-proxy reads
         b.bar_sync(0)
 
+    def tail_rows() -> Reg:
+        """Valid rows of the last V tile (< bn only in the sequence's last tile)."""
+        return b.sub(L, b.bitcast(b.mul(b.add(first, b.sub(n_tiles, 1)), bn), S32))
+
     def last_v_landed(v_tile: Reg) -> None:
-        nvalid = b.sub(L, b.bitcast(b.mul(b.add(first, b.sub(n_tiles, 1)), bn), S32))
+        nvalid = tail_rows()
         with b.if_then(b.setp("lt", nvalid, bn)):          # CTA-uniform
             zero_tail_rows(b, cfg, ctx.tid, v_tile, nvalid)
             b.fence_proxy_async()
             b.bar_sync(0)
 
     kv_bytes, v_bytes = cfg.kv_geom.bytes, cfg.v_geom.bytes
+    key_tiles = KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full)
 
     def transform_of(m):
         return score_transform(b, spec, m)
 
+    if ws:          # sm_100a: load, MMA and softmax warps (tcgen05_ws_pipeline.py)
+        bars = b.add(tile.v_smem, stages * v_bytes)
+        mma_bars = b.add(bars, barrier_bytes(stages, True))
+
+        def issue_setup():
+            copy_tile, issuer = copies(ctx.lane, 32)
+            return copy_tile, b.setp("eq", ctx.lane, 0), issuer
+
+        def mma_warp_tail(v_tile: Reg) -> None:
+            """The MMA warp's 32 threads zero the last V tile's rows past L (warp-uniform)."""
+            nvalid = tail_rows()
+            with b.if_then(b.setp("lt", nvalid, bn)):
+                zero_tail_rows(b, cfg, ctx.lane, v_tile, nvalid, threads=32)
+                b.fence_proxy_async()
+                b.bar_sync(MMA_WARP_BARRIER, 32)   # memory order among the lanes (PTX: bar.sync)
+
+        assemble(b, "tcgen05_ws", buffers=Buffers(stages, tile.smem, tile.k_smem, tile.v_smem,
+                                                  kv_bytes, v_bytes, 0, bars, mma_bars),
+                 tiles=key_tiles, loads=Loads(issue_setup=issue_setup, last_v_landed=mma_warp_tail),
+                 math=lambda tmem: VarlenTcgen05Math(b, ctx, ptrs, strides, mma_bars, tmem),
+                 transform_of=transform_of, tid=ctx.tid, lane=ctx.lane,
+                 warp0=b.setp("eq", b.shfl("idx", ctx.warp, 0), 0), columns=cfg.tmem_columns,
+                 make_issue=lambda tmem: UmmaIssue(b, cfg, tile.smem, tmem, mma_bars, hoist=True),
+                 softmax_warps=cfg.num_warps)
+        return
+    copy_tile, issuer = copies(ctx.warp, cfg.num_warps)
+
+    def loads(**hooks) -> Loads:
+        return Loads(copy_tile=copy_tile, leader=b.setp("eq", ctx.tid, 0), issuer=issuer,
+                     q_landed=q_landed, last_v_landed=last_v_landed, **hooks)
     if kv.latent:    # MLA: one latent tile per stage serves both products, its barriers after
         math = VarlenWgmmaMath(b, ctx, ptrs, strides)
         stage, stage_bytes = (staging.k_stage, staging.stage_bytes) if staging else (tile.k_smem, kv_bytes)
@@ -288,10 +345,8 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
             math.scale_log2 = b.mul(k_scale, math.scale_log2)
         assemble(b, "latent_tma", buffers=Buffers(stages, tile.smem, stage, stage, stage_bytes,
                                                   bars=b.add(stage, stages * stage_bytes)),
-                 tiles=KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full),
-                 loads=Loads(copy_tile=copy_tile, leader=b.setp("eq", ctx.tid, 0), issuer=issuer,
-                             q_landed=q_landed, last_v_landed=last_v_landed,
-                             landed=staging.landed if staging else None),
+                 tiles=key_tiles,
+                 loads=loads(landed=staging.landed if staging else None),
                  math=prebuilt(math), transform_of=transform_of)
         return
     if isinstance(cfg, Tcgen05TileConfig):      # sm_100a: its MMA barriers after the TMA ones
@@ -302,10 +357,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         bars = b.add(tile.v_smem, stages * v_bytes)
     assemble(b, "tma", buffers=Buffers(stages, tile.smem, tile.k_smem, tile.v_smem, kv_bytes, v_bytes,
                                        0, bars),   # Q came by cp.async
-             tiles=KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full),
-             loads=Loads(copy_tile=copy_tile, leader=b.setp("eq", ctx.tid, 0), issuer=issuer,
-                         q_landed=q_landed, last_v_landed=last_v_landed),
-             math=prebuilt(math), transform_of=transform_of)
+             tiles=key_tiles, loads=loads(), math=prebuilt(math), transform_of=transform_of)
 
 
 __all__ = ["emit_tma_tile", "tensor_map_params"]

@@ -44,7 +44,13 @@ def uses_tcgen05(spec: KernelSpec, target: Target) -> bool:
 
 class TensorMemoryTile:
     """Mixed into a tile config on tcgen05 (before the WgmmaConfig it extends): the tensor-
-    memory columns of its S, P and O, and EXTRA_SMEM more shared memory."""
+    memory columns of its S, P and O, EXTRA_SMEM more shared memory, and with
+    warp_specialize the load and MMA warps (tcgen05_ws_pipeline.py) after the computing ones,
+    not a warpgroup."""
+
+    @property
+    def launch_threads(self) -> int:
+        return self.threads + (ISSUE_THREADS if self.warp_specialize else 0)
 
     @property
     def tmem_columns(self) -> int:
@@ -62,10 +68,6 @@ class Tcgen05Config(TensorMemoryTile, WgmmaConfig):
     exponentials of a row, how many the FMA polynomial computes (attention/softmax.exp2_poly)."""
 
     exp2_poly: int = 0
-
-    @property
-    def launch_threads(self) -> int:
-        return self.threads + (ISSUE_THREADS if self.warp_specialize else 0)
 
 
 def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:

@@ -73,6 +73,10 @@ FIELDS = FamilyFields(
               "caches and pages of >= 8 rows), or per-thread cp.async (docs/kernels.md "
               "\"Hopper: varlen on wgmma\")",
               default=None, choices=("cp_async", "tma")),
+        Field("warp_specialize", "bool", "sm_100a tcgen05 kernel: a load warp issues the TMA "
+              "boxes and an MMA warp the tcgen05.mma under mbarriers, the block_m / 16 softmax "
+              "warps only compute (FlashAttention-4's roles; docs/kernels.md \"Blackwell\")",
+              default=None),
     ),
 )
 
@@ -112,6 +116,14 @@ def validate(spec: KernelSpec) -> None:
         raise SpecError(f"kv_loads = \"tma\" with kv_dtype {spec.opt('kv_dtype')!r}: TMA copies bytes "
                         f"as they are, and FP8 tiles are dequantised after cp.async lands them; "
                         f"allowed: \"cp_async\" or drop the key", key="tile.kv_loads")
+    if spec.tile_dict().get("warp_specialize"):
+        from ..attention.varlen_tile import Tcgen05TileConfig
+        if not any(isinstance(configure(spec, TARGETS[t]), Tcgen05TileConfig) for t in spec.targets):
+            raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "
+                            f"{spec.head_dim}, targets {', '.join(spec.targets)}: only the sm_100a "
+                            f"tcgen05 kernel has load and MMA warps (f16/bf16 caches loaded by "
+                            f"TMA, head_dim and head_dim_v 64, 128, 192 or 256, block_m 64 or "
+                            f"128); add sm_100a or drop the key", key="tile.warp_specialize")
     if spec.tile_dict().get("kv_loads") == "tma":
         from ..attention.varlen_tile import WgmmaTileConfig
         if not any(isinstance(configure(spec, TARGETS[t]), WgmmaTileConfig) for t in spec.targets):
@@ -359,7 +371,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     grid_y = f"{spec.num_kv_heads} * num_splits" if split else str(spec.num_kv_heads)
     launches = [Launch(entry=b.entry.name, params=tuple(params),
                        grid=(query_tiles_expr(spec), grid_y, "1"),
-                       block=(cfg.threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
+                       block=(cfg.launch_threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
                        min_ctas_per_sm=cfg.min_ctas_per_sm)]
     entries = [b.entry]
     if split:

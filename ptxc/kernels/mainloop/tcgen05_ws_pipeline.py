@@ -3,8 +3,9 @@ true): FlashAttention-4's roles on the one-issuer schedule of tma_pipeline.py --
 MMA warp and the softmax warps, handing tiles over on mbarriers only (no CTA barrier in the
 loop).
 
-  CTA        8 softmax warps (rows as Tcgen05Math gives them), then warp 8, which issues the TMA
-             boxes, and warp 9, the MMAs: 320 threads. Both issuing warps run their loops
+  CTA        W softmax warps (rows as Tcgen05Math gives them: W = 8 for prefill's 128 rows,
+             block_m / 16 for varlen's packed tile), then warp W, which issues the TMA boxes,
+             and warp W + 1, the MMAs: 32 (W + 2) threads (320 for prefill). Both issuing warps run their loops
              warp-wide and issue from the lane elect.sync picks, so that ptxas can keep the
              operands in uniform registers (a `tid == k` region made it loop over the lanes
              around every UTCHMMA / UTMALDG). No setmaxnreg (it needs
@@ -12,12 +13,18 @@ loop).
              two issuing warps' lanes), so the CTA's register file is 320 x the kernel's count.
   load warp  tma_ws_pipeline.issue_loads, the sm_90a producer's loop: Q on its barrier,
              refills B(i) = {K(i+S), V(i+S-1)} on full[i mod S] after waiting empty[i mod S].
+             With `issue_setup` (varlen's paged boxes) the warp's lanes share the boxes: the
+             setup, run by the load warp, returns its copy_tile and the lanes that arrive
+             (`leader`) and issue (`issuer`), and computes their boxes and page ids there.
   MMA warp   (its loop unrolled by the S stages: each stage's descriptors are constants)
              per tile j: wait full[j mod S] (K(j), V(j-1)); for j > 0 wait s_free (every
              softmax warp has loaded S(j-1)), then issue S(j) -> bar_s; for j > 0 wait p_full
              (P(j-1) stored) and issue O += P(j-1)·V(j-1) -> bar_o (j = 0: an empty commit);
              commit to empty[j mod S] (the phase completes when both products did: the load
-             warp may refill those buffers). After the loop the last P·V.
+             warp may refill those buffers). After the loop the last P·V -- after
+             `last_v_landed(v_tile)`, where the warp rewrites that V tile's rows past the keys
+             (varlen: NaN there would reach O through 0 x NaN), fences them for the async
+             proxy and meets on named barrier MMA_WARP_BARRIER before the MMA reads them.
   softmax    per tile j: wait bar_s, load S(j), arrive on s_free (so S(j+1) runs under this
              tile's softmax); mask / variant, row max and exponentials; wait bar_o (P·V(j-1)
              done: O and the P columns are free); O *= alpha when the max grew past the slack;
@@ -28,7 +35,7 @@ loop).
 
 Barriers: full[0 .. S), Q and empty[0 .. S) as tma_ws_pipeline.py's (empty's count 1: the MMA
 warp's commit), then in the MMA region bar_s, bar_o (count 1, tcgen05.commit) and s_free,
-p_full (count 8: lane 0 of each softmax warp, after tcgen05.fence::before_thread_sync; the MMA
+p_full (count W: lane 0 of each softmax warp, after tcgen05.fence::before_thread_sync; the MMA
 warp's fence::after_thread_sync follows its waits). Every mbarrier phase is one tile's, so
 parities are the tile index's low bit (s_free's and p_full's counted on the MMA warp's side).
 """
@@ -43,20 +50,25 @@ from .kv_pipeline import modify_scores
 from .tma_pipeline import MBARRIER_BYTES
 from .tma_ws_pipeline import CONSUMER_BARRIER, issue_loads
 
-SOFTMAX_WARPS = 8
-LOAD_TID, MMA_TID = 32 * SOFTMAX_WARPS, 32 * SOFTMAX_WARPS + 32
+SOFTMAX_WARPS = 8           # prefill's (128 rows); varlen's packed tile passes block_m / 16
 ISSUE_THREADS = 64          # the load warp and the MMA warp
+MMA_WARP_BARRIER = 2        # named barrier of the MMA warp's own threads (last_v_landed)
 
 
 def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_bytes: int,
                             q_bytes: int, q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg,
                             mma_bars: Reg, tid: Reg, lane: Reg, warp0: Reg, columns: int,
                             n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
-                            make_issue, transform_of, lo_full: Reg | None = None) -> None:
+                            make_issue, transform_of, lo_full: Reg | None = None,
+                            softmax_warps: int = SOFTMAX_WARPS, issue_setup=None,
+                            last_v_landed=None) -> None:
     """tma_pipeline's copy_tile / key0_of; `bars` the TMA barriers (barrier_bytes(stages,
     True)), `mma_bars` the MMA region (umma.BAR_S ..); `make_math(tmem)` builds the
-    softmax warps' Tcgen05Math, `make_issue(tmem)` the MMA warp's UmmaIssue."""
-    S = stages
+    softmax warps' Tcgen05Math, `make_issue(tmem)` the MMA warp's UmmaIssue. `issue_setup()`
+    (None: one elected lane issues copy_tile's boxes) and `last_v_landed(v_tile)`: see the
+    module docstring."""
+    S, W = stages, softmax_warps
+    load_tid, mma_tid = 32 * W, 32 * W + 32
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
     q_bar = full(S)
     empty0 = (S + 1) * MBARRIER_BYTES
@@ -66,21 +78,24 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
             b.mbarrier_init(full(s), 1)
         for s in range(S):
             b.mbarrier_init(Addr(bars, empty0 + s * MBARRIER_BYTES), 1)
-        for at, count in ((BAR_S, 1), (BAR_O, 1), (S_FREE, SOFTMAX_WARPS),
-                          (P_FULL, SOFTMAX_WARPS)):
+        for at, count in ((BAR_S, 1), (BAR_O, 1), (S_FREE, W), (P_FULL, W)):
             b.mbarrier_init(Addr(mma_bars, at), count)
         b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
     tmem = allocate(b, warp0, mma_bars, columns)   # its CTA barrier publishes the inits too
     warp = b.shfl("idx", b.shr(tid, 5), 0)         # warp-uniform for ptxas (every lane, converged)
 
-    with b.if_then(b.setp("ge", tid, LOAD_TID)):                         # the load and MMA warps
-        with b.if_then(b.setp("eq", warp, LOAD_TID // 32)):    # the whole warp; one lane issues
+    with b.if_then(b.setp("ge", tid, load_tid)):                         # the load and MMA warps
+        with b.if_then(b.setp("eq", warp, load_tid // 32)):    # the whole warp; one lane issues
+            lanes = {"warp_wide": True}
+            if issue_setup is not None:                        # or the lanes share the boxes
+                copy_tile, leader, issuer = issue_setup()
+                lanes = {"leader": leader, "issuer": issuer}
             issue_loads(b, stages=S, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=q_bytes,
                         q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, bars=bars,
-                        n_tiles=n_tiles, copy_tile=copy_tile, warp_wide=True)
-        with b.if_then(b.setp("eq", warp, MMA_TID // 32)):   # the whole warp; one lane issues
+                        n_tiles=n_tiles, copy_tile=copy_tile, **lanes)
+        with b.if_then(b.setp("eq", warp, mma_tid // 32)):   # the whole warp; one lane issues
             _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_free,
-                      p_full, n_tiles, make_issue(tmem))
+                      p_full, n_tiles, make_issue(tmem), last_v_landed)
     with b.else_():                                                      # the softmax warps
         math = make_math(tmem)
         transform = transform_of(math)
@@ -103,12 +118,12 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
             math.pv_done()
         # Q has landed (with no tile, nothing else orders its copy before O is staged over it)
         b.mbarrier_wait_parity(q_bar, 0)
-        b.bar_sync(CONSUMER_BARRIER, 32 * SOFTMAX_WARPS)   # every warp done with Q: O goes there
+        b.bar_sync(CONSUMER_BARRIER, 32 * W)     # every warp done with Q: O goes there
         math.epilogue()
 
 
 def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_free, p_full,
-              n_tiles, umma) -> None:
+              n_tiles, umma, last_v_landed=None) -> None:
     """The whole MMA warp runs this (umma issues under elect.sync). The loop is unrolled by the
     S stages, so that tile j's buffers are copy (j mod S)'s constants: every stage's K and V
     descriptor is computed once, before the loop, where ptxas holds them in uniform registers
@@ -160,4 +175,7 @@ def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_fr
              b.xor(parity, b.selp(1, 0, b.setp("ne", last, 0), U32)))
         wait(p_full, handed)
         stage = b.rem(b.add(n_tiles, S - 1), S)               # (n - 1) mod S
-        umma.pv(b.add(v_smem, b.mul(stage, v_bytes)))
+        v_tile = b.add(v_smem, b.mul(stage, v_bytes))
+        if last_v_landed is not None:
+            last_v_landed(v_tile)
+        umma.pv(v_tile)

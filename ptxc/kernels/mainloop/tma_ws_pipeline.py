@@ -42,7 +42,7 @@ import contextlib
 
 from ...ir import U32, Addr, KernelBuilder, Reg
 from .kv_pipeline import StageRing
-from .tma_pipeline import MBARRIER_BYTES, advance_barrier, issue_refill
+from .tma_pipeline import MBARRIER_BYTES, advance_barrier, issue_refill, refill_phase
 from .wgmma_pipeline import attend_tile
 
 PRODUCER_THREADS = 128
@@ -96,23 +96,33 @@ class Turns:
 
 def issue_loads(b: KernelBuilder, *, stages: int, kv_bytes: int, v_bytes: int, q_bytes: int,
                 q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg, n_tiles: Reg,
-                copy_tile, warp_wide: bool = False) -> None:
+                copy_tile, warp_wide: bool = False, leader: Reg | None = None,
+                issuer: Reg | None = None) -> None:
     """The producer thread's whole loop (the barriers' layout as in the module docstring): Q
     on its barrier, refills B(-S) .. B(-1), then for i = S .. n_tiles: wait empty[i mod S]
     and refill B(i - S) = {K(i), V(i - 1)} on full[i mod S]. With `warp_wide` a whole warp
-    runs it and one elected lane arrives and issues the copies."""
+    runs it and one elected lane arrives and issues the copies; with `leader` and `issuer`
+    (predicates over a warp that runs it whole) the leader arrives with each phase's
+    expect_tx and every issuer issues its share of copy_tile's boxes (tma_pipeline's
+    refill_phase)."""
     S = stages
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
     q_bar, empty0 = full(S), (S + 1) * MBARRIER_BYTES
 
     def issue():
+        if leader is not None:
+            return b.if_then(leader)
         return b.if_then(b.elect_sync()) if warp_wide else contextlib.nullcontext()
 
     def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
+        phase = dict(kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
+                     copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
+                     v_off=v_off, bar=bar, v_bytes=v_bytes)
+        if leader is not None:
+            refill_phase(b, leader, issuer, **phase)
+            return
         with issue():
-            issue_refill(b, kv_bytes=kv_bytes, k_smem=k_smem, v_smem=v_smem, n_tiles=n_tiles,
-                         copy_tile=copy_tile, k_tile=k_tile, k_off=k_off, v_tile=v_tile,
-                         v_off=v_off, bar=bar, v_bytes=v_bytes)
+            issue_refill(b, **phase)
 
     with issue():
         b.mbarrier_arrive_expect_tx(q_bar, q_bytes)
