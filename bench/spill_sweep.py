@@ -120,6 +120,12 @@ OPTIONS = (
     ("prefill", False, _SM100A + "[kernel.tile]\nwarp_specialize = true\n", "tcws_100a"),
     ("prefill", True, _EVERY + _SM100A + "[kernel.tile]\nwarp_specialize = false\n", "tcone_100a"),
     ("prefill", True, "head_dim_v = 128\n" + _EVERY + _SM100A, "tcdv128_100a"),
+    # two Q tiles per CTA (FA4's structure; head_dim 64 and 128, setmaxnreg), plain and with
+    # every variant, and V narrower than K
+    ("prefill", False, _SM100A + "[kernel.tile]\nq_tiles = 2\n", "tcq2_100a"),
+    ("prefill", True, _EVERY + "return_lse = true\n" + _SM100A + "[kernel.tile]\nq_tiles = 2\n",
+     "tcq2var_100a"),
+    ("prefill", True, "head_dim_v = 64\n" + _SM100A + "[kernel.tile]\nq_tiles = 2\n", "tcq2dv64_100a"),
     # exp2_poly: every exponential by the FMA polynomial (the most registers), both kernels
     ("prefill", True, _EVERY + _SM100A + "[kernel.tile]\nexp2_poly = 8\n", "tcpoly_100a"),
     ("prefill", True, _SM100A + "[kernel.tile]\nexp2_poly = 8\nwarp_specialize = false\n",

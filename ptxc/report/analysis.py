@@ -104,8 +104,8 @@ def _loop_row(profile: dict | None, k: dict, meta: dict, config: dict, occ: dict
     if loops.get("main") is None:
         return None
     warps = -(-k["block"][0] * k["block"][1] * k["block"][2] // 32)
-    if config.get("warp_specialize"):   # the producer warpgroup never runs the main loop
-        warps = config["num_warps"]
+    if config.get("warp_specialize"):   # the producer / issuing warps never run the main loop
+        warps = config["num_warps"] * config.get("q_tiles", 1)
     rows = kv_rows_per_iteration(meta["family"], config, k["entry"])
     reuse = kv_reuse(meta["family"], config, meta["spec"], dims) if rows else 1
     loop = with_tma_loads(loops["loops"][loops["main"]], k, meta["tensors"], config, rows, warps)

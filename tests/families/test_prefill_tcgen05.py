@@ -5,10 +5,12 @@ reference on odd shapes (seq 1, 17, 113, 333; q_len > L; GQA 1/4/8 and MQA; caus
 LSE; the lazy rescale driven by growing scores; variants; bhsd strides; no keys), the path
 and tile rules, and ptxas with 0 spills for every head dim and option the path takes."""
 
+import re
+
 import numpy as np
 import pytest
 
-from ptxc.errors import SpecError
+from ptxc.errors import EmulationError, SpecError
 from ptxc.kernels import FAMILIES, load_text
 from ptxc.reference import PROBS_SHIFTS, Precision, max_abs_error, tolerance
 from families.prefill_cases import compiled, growing_scores, run, spec_text
@@ -154,6 +156,82 @@ def test_variants(extra):
     tc_check("f16", 64, "gqa4", True, [(17, 113), (130, 200)], extra=extra, batch=1)
 
 
+# ---- two Q tiles per CTA (tile.q_tiles = 2: FlashAttention-4's structure) -----------------------
+Q2 = {"q_tiles": 2}
+EVERY = "sliding_window = 21\nlogits_soft_cap = 2.0\nattention_sinks = true\nalibi = true\n"
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads,causal,extra", [
+    ("f16", 64, "gqa4", True, ""), ("bf16", 128, "mqa", False, ""),
+    ("bf16", 128, "gqa8", True, ""), ("f16", 128, "gqa4", True, EVERY),
+    ("bf16", 128, "gqa4", True, "head_dim_v = 64\n"),
+    *(pytest.param(dt, d, h, c, "", marks=SLOW) for dt in ("f16", "bf16") for d in (64, 128)
+      for h in ("mha", "gqa4", "gqa8", "mqa") for c in (False, True)),
+], ids=lambda x: x.replace("\n", ";")[:24] if isinstance(x, str) else str(x))
+def test_two_q_tiles(dtype, head_dim, heads, causal, extra):
+    """Two 128-row Q tiles per CTA share each K/V tile: 16 softmax warps (8 a tile, their own
+    copy of the loop, S / P / O columns and barriers), the MMA warp issuing both tiles' S then
+    both P·V, one CTA per 256 rows (the second tile of the last CTA past seq_q, causal tiles
+    beyond the first tile's diagonal); seq 1 / 17 / 113 / 333, q_len > L, variants, 128 / 64."""
+    text = spec_text(dtype, head_dim, heads, causal, tile=Q2, targets=SM100A)
+    _, ptx, launch, config = compiled(text.replace("targets = ", extra + "targets = "), "sm_100a")
+    assert config["q_tiles"] == 2 and config["threads"] == 640 and config["tmem_columns"] == 512
+    assert launch["grid"][0] == "cdiv(seq_q, 256)" and ptx.count("setmaxnreg") == 2
+    tc_check(dtype, head_dim, heads, causal, SHAPES + [(333, 333), (200, 150)], tile=Q2,
+             extra=extra, batch=1)
+
+
+def test_two_q_tiles_rescale_stages_and_no_keys():
+    tc_check("bf16", 128, "gqa4", True, [(17, 300), (260, 61)], tile=Q2, transform=growing_scores,
+             batch=1)
+    tc_check("f16", 128, "gqa4", False, [(300, 333)], tile={**Q2, "num_stages": 3}, batch=1)
+    outs = run(spec_text("bf16", 128, "gqa4", False, tile=Q2, targets=SM100A), 9, 0,
+               target="sm_100a")[0]
+    assert np.all(outs["o"] == 0) and np.all(np.isneginf(outs["lse"]))
+
+
+def test_two_q_tiles_rules():
+    """block_n 128 where both tiles' S, P and O fit 512 columns (2 x 256 at d64 and at 128 / 64),
+    else 64 (2 x 224 at d128); refused, one line naming tile.q_tiles: with warp_specialize = false,
+    where the columns do not fit (block_n 128 at d128), above head_dim 128 (192 / 128 spilled),
+    and where no target takes the tcgen05 kernel."""
+    for d, extra, bn in ((64, "", 128), (128, "", 64), (128, "head_dim_v = 64\n", 128)):
+        text = spec_text("bf16", d, "gqa4", True, tile=Q2, targets=SM100A)
+        assert compiled(text.replace("targets = ", extra + "targets = "), "sm_100a")[3]["block_n"] == bn
+    for tile, d, targets in (({**Q2, "warp_specialize": False}, 128, SM100A), (Q2, 256, SM100A),
+                             ({**Q2, "block_n": 128}, 128, SM100A), (Q2, 128, ("sm_90a",)),
+                             (Q2, 192, SM100A)):
+        with pytest.raises(SpecError) as e:
+            load_text(spec_text("bf16", d, tile=tile, targets=targets))
+        assert e.value.key == "tile.q_tiles" and "\n" not in str(e.value), str(e.value)
+
+
+def _run_edited(edit):
+    import families.prefill_cases as tp
+    text = spec_text("bf16", 128, "gqa4", True, tile=Q2, targets=SM100A)
+    spec, ptx, launch, config = compiled(text, "sm_100a")
+    edited = edit(ptx)
+    assert edited != ptx
+    saved = tp.compiled
+    tp.compiled = lambda *_: (spec, edited, launch, config)
+    try:
+        run(text, 333, 333, batch=1, target="sm_100a")
+    finally:
+        tp.compiled = saved
+
+
+@pytest.mark.parametrize("edit,message", [
+    # warp 0 frees the tensor memory without waiting for the other tile's warps
+    (lambda p: p.replace("bar.sync 4, 512;", ""), "tcgen05.dealloc of columns"),
+    # the second tile's p_full expects an arrival more than its 8 softmax warps give
+    (lambda p: re.sub(r"(mbarrier\.init\.shared::cta\.b64 \[%r\d+\+64\], )8;", r"\g<1>9;", p),
+     "mbarrier deadlock"),
+])
+def test_two_q_tiles_protocol_mistakes_are_caught(edit, message):
+    with pytest.raises(EmulationError, match=message):
+        _run_edited(edit)
+
+
 # ---- the path and its tile key ---------------------------------------------------------------
 def test_other_shapes_keep_the_portable_kernels():
     """sm_100 without the suffix, f32 and head dims other than 64/128/192/256 build the
@@ -230,14 +308,14 @@ def test_ptxas_zero_spills(toolchain):
         for dtype in ("f16", "bf16"):
             for causal, extra, tile in ((False, "", None), (True, "", None), (True, every, None),
                                         (False, "", ONE), (True, every, ONE), (False, "", WS),
-                                        (True, every, WS)):
+                                        (True, every, WS), (False, "", Q2), (True, every, Q2)):
                 text = spec_text(dtype, d, "gqa4", causal, tile=tile, targets=SM100A)
                 text = text.replace("targets = ", extra + "targets = ")
                 _, ptx, _, config = compiled(text, "sm_100a")
                 _, res, _ = assemble(ptx, "sm_100a", toolchain, "p")
                 [r] = res.values()
                 assert r.spill_stores == r.spill_loads == 0 and r.stack == 0, (d, dtype, extra, tile)
-                assert config["tmem_columns"] == (256 if d == 64 else 512)
+                assert config["tmem_columns"] == (256 if d == 64 and tile is not Q2 else 512)
 
 
 def _main_loop(tmp_path, tile):

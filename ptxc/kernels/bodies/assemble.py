@@ -169,7 +169,8 @@ def _tma_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, 
 
 
 def _tcgen05_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid,
-                lane, warp0, columns: int, make_issue, softmax_warps: int = 8):
+                lane, warp0, columns: int, make_issue, softmax_warps: int = 8, q_tiles: int = 1,
+                tile_columns: int = 0):
     run_tcgen05_ws_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, v_bytes=buf.v_bytes,
                             q_bytes=buf.q_bytes, q_smem=buf.q, k_smem=buf.k, v_smem=buf.v,
                             bars=buf.bars, mma_bars=buf.mma_bars, tid=tid, lane=lane, warp0=warp0,
@@ -177,7 +178,8 @@ def _tcgen05_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_
                             key0_of=tiles.key0_of, copy_tile=loads.copy_tile, make_math=math,
                             make_issue=make_issue, transform_of=transform_of,
                             lo_full=tiles.lo_full, softmax_warps=softmax_warps,
-                            issue_setup=loads.issue_setup, last_v_landed=loads.last_v_landed)
+                            issue_setup=loads.issue_setup, last_v_landed=loads.last_v_landed,
+                            q_tiles=q_tiles, tile_columns=tile_columns)
 
 
 def _rows(b, buf, tiles: KeyRows, loads: Loads, math, transform_of, *, cfg, tid):

@@ -64,9 +64,9 @@ class Setup:
 def setup(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k) -> Setup:
     """The CTA's place, its tile range and the shared-memory regions (Q, then the K and V stages,
     aligned as the config's tiles need)."""
-    tid, lane, warp, head, batch, kv_head, m_start, head_base = cta_coords(b, spec, cfg.block_m, ptrs, strides)
+    tid, lane, warp, head, batch, kv_head, m_start, head_base = cta_coords(b, spec, cfg.cta_rows, ptrs, strides)
     key_offset, n_tiles, n_full, first_tile, lo_full, variant = tile_range(
-        b, spec, cfg.block_m, cfg.block_n, m_start, seq_q, seq_k)
+        b, spec, cfg.cta_rows, cfg.block_n, m_start, seq_q, seq_k)
     sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
     smem = b.address_of(b.shared("prefill_smem", 0, align=cfg.smem_align))
     k_smem = b.add(smem, cfg.q_region_bytes)

@@ -12,8 +12,11 @@ Math: math/wgmma.py, math/tcgen05.py; loops: bodies/assemble.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from ...ir import S32, TMAP, Addr, KernelBuilder, Reg
 from ...spec.model import KernelSpec
+from ..attention.prefill_tile import Ctx
 from ..base import LaunchParam, ParamSource
 from ..config.tcgen05 import Tcgen05Config
 from ..config.wgmma import ROWS_PER_WARPGROUP, WgmmaConfig
@@ -37,8 +40,8 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg, ptrs, strides, seq_q, seq
     bars = b.add(s.k_smem, stages * (k_bytes + v_bytes))
     tcgen05 = isinstance(cfg, Tcgen05Config)
     mma_bars = b.add(bars, barrier_bytes(stages, ws)) if tcgen05 else None   # after the TMA ones
-    buffers = Buffers(stages, s.smem, s.k_smem, s.v_smem, k_bytes, v_bytes, cfg.q_geom.bytes, bars,
-                      mma_bars)
+    buffers = Buffers(stages, s.smem, s.k_smem, s.v_smem, k_bytes, v_bytes,
+                      getattr(cfg, "q_tiles", 1) * cfg.q_geom.bytes, bars, mma_bars)
     math = None if ws else Tcgen05Math(b, ctx, mma_bars) if tcgen05 else WgmmaMath(b, ctx)
     copy_tile, key0_of = tile_copies(b, cfg, s, tmaps)
     pieces = dict(buffers=buffers, tiles=KeyTiles(s.n_tiles, s.n_full, key0_of, s.lo_full),
@@ -47,16 +50,35 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg, ptrs, strides, seq_q, seq
         leader = math.issuer if tcgen05 else b.setp("eq", s.tid, 0)
         assemble(b, "tma", loads=Loads(copy_tile=copy_tile, leader=leader), math=prebuilt(math),
                  **pieces)
-    elif tcgen05:     # load, MMA and softmax warps
-        assemble(b, "tcgen05_ws", loads=Loads(copy_tile=copy_tile),
-                 math=lambda tmem: Tcgen05Math(b, ctx, mma_bars, tmem), tid=s.tid, lane=s.lane,
-                 warp0=b.setp("eq", b.shfl("idx", s.warp, 0), 0), columns=cfg.tmem_columns,
-                 make_issue=lambda tmem: UmmaIssue(b, cfg, s.smem, tmem, mma_bars, hoist=True),
+    elif tcgen05:     # load, MMA and softmax warps (and two Q tiles: tile.q_tiles)
+        q_smem = lambda t: b.add(s.smem, t * cfg.q_tile_bytes) if t else s.smem   # noqa: E731
+
+        def tile_math(tile) -> Tcgen05Math:
+            if cfg.q_tiles == 1:
+                return Tcgen05Math(b, ctx, tile.bars, tile.tmem)
+            return Tcgen05Math(b, tile_ctx(b, ctx, cfg, tile.index, q_smem(tile.index)), tile.bars,
+                               tile.tmem, barrier=(tile.barrier, cfg.threads), frees_tmem=False)
+        assemble(b, "tcgen05_ws", loads=Loads(copy_tile=copy_tile), math=tile_math, tid=s.tid,
+                 lane=s.lane, warp0=b.setp("eq", b.shfl("idx", s.warp, 0), 0),
+                 columns=cfg.tmem_columns, q_tiles=cfg.q_tiles, tile_columns=cfg.tile_columns,
+                 make_issue=lambda tile: UmmaIssue(b, cfg, q_smem(tile.index), tile.tmem, tile.bars,
+                                                   hoist=True if cfg.q_tiles == 1 else "desc"),
                  **pieces)
     else:             # a producer warpgroup and consumer warpgroups
         assemble(b, "tma_ws", loads=Loads(copy_tile=copy_tile), math=lambda: WgmmaMath(b, ctx),
                  tid=s.tid, lane=s.lane, consumers=cfg.block_m // ROWS_PER_WARPGROUP,
                  pingpong=cfg.pingpong, **pieces)
+
+
+def tile_ctx(b: KernelBuilder, ctx: Ctx, cfg: Tcgen05Config, t: int, q_smem: Reg) -> Ctx:
+    """Q tile t's context (tile.q_tiles): its rows from m_start + t block_m, its Q region, and
+    its warps' and threads' indices within the tile (its warp w is the CTA's 8 t + w: the same
+    tensor-memory sub-partition, w mod 4)."""
+    if t == 0:
+        return dataclasses.replace(ctx, q_smem=q_smem)
+    return dataclasses.replace(ctx, tid=b.sub(ctx.tid, t * cfg.threads),
+                               warp=b.sub(ctx.warp, t * cfg.num_warps),
+                               m_start=b.add(ctx.m_start, t * cfg.block_m), q_smem=q_smem)
 
 
 def build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params) -> None:
@@ -78,8 +100,18 @@ def tile_copies(b, cfg, s: Setup, tmaps: dict):
     def key0_of(j: Reg) -> Reg:
         return b.mul(j if first_tile is None else b.add(j, first_tile), bn)
 
+    q_tiles = getattr(cfg, "q_tiles", 1)
+
     def copy_tile(t: str, tile, dst: Reg, bar) -> None:
-        row0, rows = (s.m_start, cfg.block_m) if t == "q" else (key0_of(tile), bn)
+        if t == "q" and q_tiles > 1:      # each Q tile into its region, on the one barrier
+            for q in range(q_tiles):
+                copy_box(t, b.add(s.m_start, q * cfg.block_m) if q else s.m_start,
+                         b.add(dst, q * cfg.q_tile_bytes) if q else dst, bar)
+            return
+        copy_box(t, s.m_start if t == "q" else key0_of(tile), dst, bar)
+
+    def copy_box(t: str, row0: Reg, dst: Reg, bar) -> None:
+        rows = cfg.block_m if t == "q" else bn
         h, n = coords[t]
         row0 = b.bitcast(row0, S32)
         width = cfg.dv if t == "v" else cfg.head_dim

@@ -326,10 +326,10 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         assemble(b, "tcgen05_ws", buffers=Buffers(stages, tile.smem, tile.k_smem, tile.v_smem,
                                                   kv_bytes, v_bytes, 0, bars, mma_bars),
                  tiles=key_tiles, loads=Loads(issue_setup=issue_setup, last_v_landed=mma_warp_tail),
-                 math=lambda tmem: VarlenTcgen05Math(b, ctx, ptrs, strides, mma_bars, tmem),
+                 math=lambda tile: VarlenTcgen05Math(b, ctx, ptrs, strides, tile.bars, tile.tmem),
                  transform_of=transform_of, tid=ctx.tid, lane=ctx.lane,
                  warp0=b.setp("eq", b.shfl("idx", ctx.warp, 0), 0), columns=cfg.tmem_columns,
-                 make_issue=lambda tmem: UmmaIssue(b, cfg, tile.smem, tmem, mma_bars, hoist=True),
+                 make_issue=lambda q: UmmaIssue(b, cfg, tile.smem, q.tmem, q.bars, hoist=True),
                  softmax_warps=cfg.num_warps)
         return
     copy_tile, issuer = copies(ctx.warp, cfg.num_warps)

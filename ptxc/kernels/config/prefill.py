@@ -60,6 +60,10 @@ FIELDS = FamilyFields(
               "many an FMA polynomial computes instead of MUFU.EX2 (FlashAttention-4's trick where "
               "MUFU bounds the softmax; relative error 8.8e-5, below P's rounding; 0: none)",
               default=None, choices=tuple(range(9))),
+        Field("q_tiles", "int", "sm_100a warp-specialised tcgen05 kernel: Q tiles of 128 rows per "
+              "CTA sharing each K/V tile (2: FlashAttention-4's two tiles, their softmax warps' "
+              "work interleaved on the MMA warp; docs/kernels.md \"tcgen05\")",
+              default=None, choices=(1, 2)),
     ),
 )
 SIMT_LANES_PER_ROW = 8    # f32 path: lanes sharing a query row (its keys and its head_dim chunks)
@@ -123,6 +127,11 @@ class PrefillConfig:
     def launch_threads(self) -> int:
         """The CTA's threads (the block of the launch): the computing warps."""
         return self.threads
+
+    @property
+    def cta_rows(self) -> int:
+        """Query rows per CTA: block_m (tcgen05's two Q tiles: 2 x block_m)."""
+        return self.block_m
 
     @property
     def q_geom(self) -> TileGeom:

@@ -11,16 +11,19 @@ from ...spec.model import KernelSpec
 from ...targets import Target
 from .. import common as C
 from ..attention.variant import head_dim_v
-from ..mainloop.tcgen05_ws_pipeline import ISSUE_THREADS
+from ..mainloop.tcgen05_ws_pipeline import issue_threads
 from ..mainloop.tiles import SWIZZLE
-from ..math.umma import MMA_REGION_BYTES, tmem_columns
+from ..math.umma import mma_region_bytes, tile_columns, tmem_columns
 from .wgmma import WgmmaConfig
 
 TCGEN05_TARGETS = ("sm_100a", "sm_103a")
 TCGEN05_HEAD_DIMS = (64, 128, 192, 256)   # whole 128-byte slabs; N <= 256 for P·V
 TCGEN05_SHAPES = "f16/bf16, head_dim and head_dim_v 64, 128, 192 or 256, head_dim_v <= head_dim"
 BLOCK_M = 128
-EXTRA_SMEM = MMA_REGION_BYTES            # the MMA region (umma.py) after the TMA barriers
+TMEM_COLUMNS = 512                       # tensor memory per CTA: 128 lanes x 512 columns
+# tile.q_tiles = 2 up to this head dim: at 192 / 128 ptxas 13.5 spilled 40 bytes (values the
+# prologue carries across setmaxnreg), whatever the issuing warpgroup's budget
+Q_TILES_MAX_HEAD_DIM = 128
 # .minnctapersm 1: without it ptxas 13.5 gave the 4-warp varlen tile at d64 with every variant
 # 96 registers and 8 bytes of spills; pinned, 102 registers and none
 PIN_REGISTERS = 1
@@ -44,21 +47,44 @@ def uses_tcgen05(spec: KernelSpec, target: Target) -> bool:
 
 class TensorMemoryTile:
     """Mixed into a tile config on tcgen05 (before the WgmmaConfig it extends): the tensor-
-    memory columns of its S, P and O, EXTRA_SMEM more shared memory, and with
-    warp_specialize the load and MMA warps (tcgen05_ws_pipeline.py) after the computing ones,
-    not a warpgroup."""
+    memory columns of its S, P and O, the MMA region of shared memory (umma.py) after the TMA
+    barriers, and with warp_specialize the load and MMA warps (tcgen05_ws_pipeline.py) after
+    the computing ones, not a warpgroup. `q_tiles` (prefill's tile.q_tiles; 1 elsewhere) Q
+    tiles of block_m rows share each K/V tile: their warps, Q regions and columns one after
+    the other."""
+
+    @property
+    def q_tiles(self) -> int:
+        return 1
+
+    @property
+    def cta_rows(self) -> int:
+        return self.block_m * self.q_tiles
 
     @property
     def launch_threads(self) -> int:
-        return self.threads + (ISSUE_THREADS if self.warp_specialize else 0)
+        return self.q_tiles * self.threads + (issue_threads(self.q_tiles) if self.warp_specialize else 0)
+
+    @property
+    def tile_columns(self) -> int:
+        return tile_columns(self.block_n, self.dv)
 
     @property
     def tmem_columns(self) -> int:
-        return tmem_columns(self.block_n, self.dv)
+        return tmem_columns(self.block_n, self.dv, self.q_tiles)
+
+    @property
+    def q_tile_bytes(self) -> int:
+        """One Q tile's region (Q, then its O staging; 1024-aligned)."""
+        return super().q_region_bytes
+
+    @property
+    def q_region_bytes(self) -> int:
+        return self.q_tiles * self.q_tile_bytes
 
     @property
     def smem_bytes(self) -> int:
-        return super().smem_bytes + EXTRA_SMEM
+        return super().smem_bytes + mma_region_bytes(self.q_tiles)
 
 
 @dataclass(frozen=True)
@@ -68,6 +94,7 @@ class Tcgen05Config(TensorMemoryTile, WgmmaConfig):
     exponentials of a row, how many the FMA polynomial computes (attention/softmax.exp2_poly)."""
 
     exp2_poly: int = 0
+    q_tiles: int = 1     # tile.q_tiles: 2 is FlashAttention-4's two Q tiles per CTA
 
 
 def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
@@ -80,19 +107,40 @@ def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
                             f"takes {key} = {allowed!r} (128 rows, 8 warps, TMA loads, one "
                             f"MMA-issuing thread)", key=f"tile.{key}")
     stages = given.get("num_stages", 2)
-    ws = given.get("warp_specialize", spec.head_dim >= WS_MIN_HEAD_DIM)
+    q_tiles = given.get("q_tiles", 1)
+    ws = given.get("warp_specialize", spec.head_dim >= WS_MIN_HEAD_DIM or q_tiles > 1)
+    if q_tiles > 1 and not ws:
+        raise SpecError(f"q_tiles = {q_tiles} with warp_specialize = false on {target}: two Q "
+                        f"tiles share the load and MMA warps; drop warp_specialize or q_tiles",
+                        key="tile.q_tiles")
 
     def make(bn: int) -> Tcgen05Config:
         return Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,
                              False, head_dim_v(spec), 1, kv_loads="tma", warp_specialize=ws,
-                             min_ctas_per_sm=PIN_REGISTERS, exp2_poly=given.get("exp2_poly", 0))
+                             min_ctas_per_sm=PIN_REGISTERS, exp2_poly=given.get("exp2_poly", 0),
+                             q_tiles=q_tiles)
+
+    def fits(bn: int) -> bool:      # shared memory, and each Q tile's S, P and O in the columns
+        return (make(bn).smem_bytes <= target.max_smem_per_cta
+                and q_tiles * tile_columns(bn, head_dim_v(spec)) <= TMEM_COLUMNS)
     # 128 keys a tile where the stages fit in shared memory (O lives in tensor memory, so the
-    # registers do not bound it as on sm_90a), else 64: d256, and 192 / 192
-    bn = given.get("block_n", 128 if make(128).smem_bytes <= target.max_smem_per_cta else 64)
+    # registers do not bound it as on sm_90a) and the Q tiles' columns in tensor memory, else
+    # 64: d256, 192 / 192, and two Q tiles above d64
+    bn = given.get("block_n", 128 if fits(128) else 64)
     if bn not in (64, 128):
         raise SpecError(f"block_n = {bn} on {target}: the tcgen05 prefill kernel takes 64 or 128",
                         key="tile.block_n")
     cfg = make(bn)
+    if q_tiles > 1 and spec.head_dim > Q_TILES_MAX_HEAD_DIM:
+        raise SpecError(f"q_tiles = {q_tiles} with head_dim {spec.head_dim} on {target}: two Q "
+                        f"tiles take head_dim 64 or 128 (at 192 ptxas spills the values the "
+                        f"warps carry across setmaxnreg); drop q_tiles", key="tile.q_tiles")
+    if q_tiles * cfg.tile_columns > TMEM_COLUMNS:
+        raise SpecError(f"q_tiles = {q_tiles} with block_n = {bn}, head_dim_v = {cfg.dv} on "
+                        f"{target}: each Q tile keeps S, P and O in tensor memory "
+                        f"({cfg.tile_columns} columns), {q_tiles * cfg.tile_columns} of "
+                        f"{TMEM_COLUMNS}; two Q tiles take head_dim_v <= 128 (block_n 64) or 64 "
+                        f"(block_n 128)", key="tile.q_tiles")
     if cfg.smem_bytes > target.max_smem_per_cta:
         raise SpecError(f"tile block_n={bn}, num_stages={stages} needs {cfg.smem_bytes} bytes of "
                         f"shared memory; {target} allows {target.max_smem_per_cta} per CTA: use "
@@ -107,4 +155,5 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
             "kv_loads": "tma", "smem_swizzle": SWIZZLE, "smem_bytes": c.smem_bytes,
             "tmem_columns": c.tmem_columns, "min_ctas_per_sm": c.min_ctas_per_sm,
             **({"warp_specialize": True, "threads": c.launch_threads} if c.warp_specialize else {}),
+            **({"q_tiles": c.q_tiles} if c.q_tiles > 1 else {}),
             **({"exp2_poly": c.exp2_poly} if c.exp2_poly else {})}

@@ -95,7 +95,7 @@ def _portable_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes
 # Most specific first: the first that applies is the target's kernel.
 PATHS = (
     PrefillPath("the sm_100a tcgen05 kernel", tc.uses_tcgen05, tc.configure, tc.resolve_tile,
-                _tma_body, ("kv_loads", "warp_specialize", "exp2_poly"), tc.TCGEN05_SHAPES,
+                _tma_body, ("kv_loads", "warp_specialize", "exp2_poly", "q_tiles"), tc.TCGEN05_SHAPES,
                 tc.TCGEN05_TARGETS),
     PrefillPath("the sm_90a wgmma kernel", wg.uses_wgmma, wg.configure, wg.resolve_tile,
                 _wgmma_body, ("kv_loads", "warp_specialize", "pingpong"), wg.WGMMA_SHAPES,
@@ -140,7 +140,8 @@ def validate(spec: KernelSpec) -> None:
     paths = [path_of(spec, TARGETS[t]) for t in spec.targets]
     given = spec.tile_dict()
     for key, value in (("kv_loads", "tma"), ("warp_specialize", True), ("pingpong", True),
-                       ("exp2_poly", given.get("exp2_poly") or None)):
+                       ("exp2_poly", given.get("exp2_poly") or None),
+                       ("q_tiles", 2 if given.get("q_tiles") == 2 else None)):
         if value is not None and given.get(key) == value and not any(key in p.keys for p in paths):
             takers = [p for p in PATHS if key in p.keys]
             shown = f'"{value}"' if isinstance(value, str) else str(value).lower()
@@ -191,7 +192,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     path.body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes)
     b.ret()
     launch = Launch(entry=b.entry.name, params=tuple(params),
-                    grid=(f"cdiv(seq_q, {cfg.block_m})", str(spec.num_heads), "batch"),
+                    grid=(f"cdiv(seq_q, {cfg.cta_rows})", str(spec.num_heads), "batch"),
                     block=(cfg.launch_threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
                     min_ctas_per_sm=cfg.min_ctas_per_sm)
     return Program([b.entry], [launch], path.resolve_tile(spec, target))

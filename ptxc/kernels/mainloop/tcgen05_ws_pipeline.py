@@ -43,16 +43,53 @@ parities are the tile index's low bit (s_free's and p_full's counted on the MMA 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 from ...ir import U32, Addr, KernelBuilder, Reg
-from ..math.umma import BAR_O, BAR_S, P_FULL, S_FREE, allocate
+from ..math.umma import BAR_O, BAR_S, P_FULL, Q_TILE_BARRIERS, S_FREE, allocate
 from .kv_pipeline import modify_scores
 from .tma_pipeline import MBARRIER_BYTES
 from .tma_ws_pipeline import CONSUMER_BARRIER, issue_loads
 
 SOFTMAX_WARPS = 8           # prefill's (128 rows); varlen's packed tile passes block_m / 16
 ISSUE_THREADS = 64          # the load warp and the MMA warp
+# Two Q tiles: 16 softmax warps and a whole issuing warpgroup (the load warp, the MMA warp and
+# two that leave), so that setmaxnreg can move registers: 640 threads start with 96 (ptxas's
+# share of the file), the issuing warpgroup gives them back and the softmax warpgroups take
+# (65536 - 128 x ISSUE_REGS) / 512 each: 112. At 96 (576 threads, no setmaxnreg) ptxas spilled
+# the d128 softmax (36 bytes); the MMA warp holds each tile's Q descriptor, not its k-steps
+# (UmmaIssue hoist="desc"), so that 48 are enough for it
+ISSUE_WARPGROUP = 128
+ISSUE_REGS = 48
+REGISTER_FILE = 65536
+
+
+def issue_threads(q_tiles: int) -> int:
+    """The threads after the softmax warps: two issuing warps, or a warpgroup with two Q tiles."""
+    return ISSUE_THREADS if q_tiles == 1 else ISSUE_WARPGROUP
+
+
+def softmax_regs(q_tiles: int, softmax_warps: int) -> int:
+    """The softmax warps' budget after setmaxnreg.inc (two Q tiles): what the issuing
+    warpgroup leaves, in multiples of 8."""
+    left = REGISTER_FILE - ISSUE_WARPGROUP * ISSUE_REGS
+    return min(256, left // (32 * softmax_warps * q_tiles) // 8 * 8)
 MMA_WARP_BARRIER = 2        # named barrier of the MMA warp's own threads (last_v_landed)
+Q_TILE_BARRIERS_IDS = (CONSUMER_BARRIER, 3)   # named barrier of each Q tile's softmax warps
+SOFTMAX_BARRIER = 4         # every Q tile's softmax warps (before the tensor memory is freed)
+
+
+@dataclass(frozen=True)
+class QTile:
+    """What one Q tile's softmax warps and the MMA warp's products for it share: `index`, its
+    first tensor-memory column `tmem` (S, then P and O, umma.UmmaIssue's layout), its MMA
+    barriers `bars` (umma.BAR_S ..) and the named barrier of its softmax warps (`barrier`;
+    None with one tile: the math's own, CONSUMER_BARRIER)."""
+
+    index: int
+    tmem: Reg
+    bars: Reg
+    barrier: int | None = None
 
 
 def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_bytes: int,
@@ -61,30 +98,41 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                             n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
                             make_issue, transform_of, lo_full: Reg | None = None,
                             softmax_warps: int = SOFTMAX_WARPS, issue_setup=None,
-                            last_v_landed=None) -> None:
+                            last_v_landed=None, q_tiles: int = 1,
+                            tile_columns: int = 0) -> None:
     """tma_pipeline's copy_tile / key0_of; `bars` the TMA barriers (barrier_bytes(stages,
-    True)), `mma_bars` the MMA region (umma.BAR_S ..); `make_math(tmem)` builds the
-    softmax warps' Tcgen05Math, `make_issue(tmem)` the MMA warp's UmmaIssue. `issue_setup()`
-    (None: one elected lane issues copy_tile's boxes) and `last_v_landed(v_tile)`: see the
-    module docstring."""
+    True)), `mma_bars` the MMA region (umma.BAR_S ..; Q tile t's barriers t * Q_TILE_BARRIERS
+    further); `make_math(tile)` builds a Q tile's (QTile) softmax-warp Tcgen05Math,
+    `make_issue(tile)` the MMA warp's UmmaIssue for it. `issue_setup()` (None: one elected
+    lane issues copy_tile's boxes) and `last_v_landed(v_tile)`: see the module docstring.
+    `q_tiles` Q tiles of `softmax_warps` warps each, `tile_columns` apart in tensor memory."""
     S, W = stages, softmax_warps
-    load_tid, mma_tid = 32 * W, 32 * W + 32
+    load_tid = 32 * W * q_tiles
+    mma_tid = load_tid + 32
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
     q_bar = full(S)
     empty0 = (S + 1) * MBARRIER_BYTES
-    s_free, p_full = Addr(mma_bars, S_FREE), Addr(mma_bars, P_FULL)
     with b.if_then(b.setp("eq", tid, 0)):
         for s in range(S + 1):
             b.mbarrier_init(full(s), 1)
         for s in range(S):
             b.mbarrier_init(Addr(bars, empty0 + s * MBARRIER_BYTES), 1)
-        for at, count in ((BAR_S, 1), (BAR_O, 1), (S_FREE, W), (P_FULL, W)):
-            b.mbarrier_init(Addr(mma_bars, at), count)
+        for t in range(q_tiles):
+            for at, count in ((BAR_S, 1), (BAR_O, 1), (S_FREE, W), (P_FULL, W)):
+                b.mbarrier_init(Addr(mma_bars, t * Q_TILE_BARRIERS + at), count)
         b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
     tmem = allocate(b, warp0, mma_bars, columns)   # its CTA barrier publishes the inits too
     warp = b.shfl("idx", b.shr(tid, 5), 0)         # warp-uniform for ptxas (every lane, converged)
 
+    def q_tile(t: int) -> QTile:
+        if q_tiles == 1:
+            return QTile(0, tmem, mma_bars)
+        return QTile(t, b.add(tmem, t * tile_columns) if t else tmem,
+                     b.add(mma_bars, t * Q_TILE_BARRIERS) if t else mma_bars, Q_TILE_BARRIERS_IDS[t])
+
     with b.if_then(b.setp("ge", tid, load_tid)):                         # the load and MMA warps
+        if q_tiles > 1:         # the issuing warpgroup gives registers to the softmax warps
+            b.setmaxnreg(False, ISSUE_REGS)
         with b.if_then(b.setp("eq", warp, load_tid // 32)):    # the whole warp; one lane issues
             lanes = {"warp_wide": True}
             if issue_setup is not None:                        # or the lanes share the boxes
@@ -94,45 +142,70 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                         q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, bars=bars,
                         n_tiles=n_tiles, copy_tile=copy_tile, **lanes)
         with b.if_then(b.setp("eq", warp, mma_tid // 32)):   # the whole warp; one lane issues
-            _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_free,
-                      p_full, n_tiles, make_issue(tmem), last_v_landed)
+            tiles = [q_tile(t) for t in range(q_tiles)]
+            _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0,
+                      [(Addr(t.bars, S_FREE), Addr(t.bars, P_FULL), make_issue(t)) for t in tiles],
+                      n_tiles, last_v_landed)
     with b.else_():                                                      # the softmax warps
-        math = make_math(tmem)
-        transform = transform_of(math)
-        first_lane = b.setp("eq", lane, 0)
-
-        def arrive(bar: Addr) -> None:
-            with b.if_then(first_lane):
-                b.mbarrier_arrive(bar)
-
-        with b.for_range(0, n_tiles) as j:
-            s = math.scores_ready(None)
-            b.tcgen05_fence(before=True)
-            arrive(s_free)                               # S(j) loaded: S(j+1) may overwrite it
-            modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
-            early = math.softmax_early(s)
-            math.pv_done()
-            math.softmax_late(*early)                    # ends with fence::before_thread_sync
-            arrive(p_full)
-        with b.if_then(b.setp("gt", n_tiles, 0)):       # O += P(n-1)·V(n-1)
-            math.pv_done()
-        # Q has landed (with no tile, nothing else orders its copy before O is staged over it)
-        b.mbarrier_wait_parity(q_bar, 0)
-        b.bar_sync(CONSUMER_BARRIER, 32 * W)     # every warp done with Q: O goes there
-        math.epilogue()
+        if q_tiles == 1:
+            _softmax_warps(b, q_tile(0), make_math, transform_of, lane, n_tiles, n_full, key0_of,
+                           lo_full, q_bar, W)
+        else:       # each tile's warps their own copy of the loop: its offsets are constants
+            b.setmaxnreg(True, softmax_regs(q_tiles, W))
+            for t in range(q_tiles):
+                with b.if_then(b.setp("eq", b.div(warp, W), t)):
+                    _softmax_warps(b, q_tile(t), make_math, transform_of, lane, n_tiles, n_full,
+                                   key0_of, lo_full, q_bar, W)
+            # every tile's warps have loaded their O: warp 0 frees the tensor memory
+            b.bar_sync(SOFTMAX_BARRIER, 32 * W * q_tiles)
+            with b.if_then(warp0):
+                b.tcgen05_dealloc(tmem, columns)
 
 
-def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_free, p_full,
-              n_tiles, umma, last_v_landed=None) -> None:
-    """The whole MMA warp runs this (umma issues under elect.sync). The loop is unrolled by the
-    S stages, so that tile j's buffers are copy (j mod S)'s constants: every stage's K and V
-    descriptor is computed once, before the loop, where ptxas holds them in uniform registers
-    (a stage offset carried through the wait loops would not be provably warp-uniform: a vector
-    register, two R2UR moves and a 64-bit add per MMA)."""
-    k_descs = [umma.k_desc(b.add(k_smem, s * kv_bytes) if s else k_smem) for s in range(S)]
-    v_descs = [umma.v_desc(b.add(v_smem, s * v_bytes) if s else v_smem) for s in range(S)]
+def _softmax_warps(b, tile: QTile, make_math, transform_of, lane, n_tiles, n_full, key0_of,
+                   lo_full, q_bar, W: int) -> None:
+    """One Q tile's W softmax warps: the loop, then the epilogue (see the module docstring)."""
+    math = make_math(tile)
+    transform = transform_of(math)
+    first_lane = b.setp("eq", lane, 0)
+    s_free, p_full = Addr(tile.bars, S_FREE), Addr(tile.bars, P_FULL)
+
+    def arrive(bar: Addr) -> None:
+        with b.if_then(first_lane):
+            b.mbarrier_arrive(bar)
+
+    with b.for_range(0, n_tiles) as j:
+        s = math.scores_ready(None)
+        b.tcgen05_fence(before=True)
+        arrive(s_free)                               # S(j) loaded: S(j+1) may overwrite it
+        modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
+        early = math.softmax_early(s)
+        math.pv_done()
+        math.softmax_late(*early)                    # ends with fence::before_thread_sync
+        arrive(p_full)
+    with b.if_then(b.setp("gt", n_tiles, 0)):       # O += P(n-1)·V(n-1)
+        math.pv_done()
+    # Q has landed (with no tile, nothing else orders its copy before O is staged over it)
+    b.mbarrier_wait_parity(q_bar, 0)
+    # every warp of the tile done with its Q: O goes there
+    b.bar_sync(CONSUMER_BARRIER if tile.barrier is None else tile.barrier, 32 * W)
+    math.epilogue()
+
+
+def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, tiles, n_tiles,
+              last_v_landed=None) -> None:
+    """The whole MMA warp runs this (umma issues under elect.sync); `tiles`: per Q tile its
+    (s_free, p_full, UmmaIssue). The loop is unrolled by the S stages, so that tile j's buffers
+    are copy (j mod S)'s constants: every stage's K and V descriptor is computed once, before
+    the loop, where ptxas holds them in uniform registers (a stage offset carried through the
+    wait loops would not be provably warp-uniform: a vector register, two R2UR moves and a
+    64-bit add per MMA). Per K/V tile every Q tile's S, then every Q tile's P·V: while one
+    tile's softmax warps work, the other's products run."""
+    umma0 = tiles[0][2]
+    k_descs = [umma0.k_desc(b.add(k_smem, s * kv_bytes) if s else k_smem) for s in range(S)]
+    v_descs = [umma0.v_desc(b.add(v_smem, s * v_bytes) if s else v_smem) for s in range(S)]
     parity = b.mov(0, U32)     # the phase parity of full[] in this round of S tiles
-    handed = b.mov(0, U32)     # s_free's / p_full's parity: (j - 1) & 1
+    handed = b.mov(0, U32)     # s_free's / p_full's parity: (j - 1) & 1 (every Q tile's)
 
     def wait(bar: Addr, phase: Reg) -> None:
         b.mbarrier_wait_parity(bar, phase)
@@ -143,22 +216,26 @@ def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_fr
         first tile r, which may be tile 0 (no S(j-1) to wait for, no P·V); the others' j > 0."""
         wait(Addr(bars, s * MBARRIER_BYTES), parity)
         later = b.setp("gt", r, 0) if r is not None else None
-        with b.if_then(later) if later is not None else contextlib.nullcontext():
-            wait(s_free, handed)
-        umma.scores_from(k_descs[s])
+        for s_free, _, umma in tiles:
+            with b.if_then(later) if later is not None else contextlib.nullcontext():
+                wait(s_free, handed)
+            umma.scores_from(k_descs[s])
 
         def pv() -> None:
-            wait(p_full, handed)
-            b.xor(handed, 1, out=handed)
-            umma.pv_from(v_descs[(s - 1) % S])
+            for i, (_, p_full, umma) in enumerate(tiles):
+                wait(p_full, handed)
+                if i == len(tiles) - 1:
+                    b.xor(handed, 1, out=handed)
+                umma.pv_from(v_descs[(s - 1) % S])
         if later is None:
             pv()
         else:
             with b.if_then(later):
                 pv()
             with b.else_():
-                umma.no_pv()
-        umma.commit(Addr(bars, empty0 + s * MBARRIER_BYTES))
+                for _, _, umma in tiles:
+                    umma.no_pv()
+        umma0.commit(Addr(bars, empty0 + s * MBARRIER_BYTES))
 
     b.mbarrier_wait_parity(q_bar, 0)
     with b.for_range(0, n_tiles, S) as r:
@@ -173,9 +250,11 @@ def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, s_fr
         last = b.rem(n_tiles, S)
         wait(Addr(b.add(bars, b.mul(last, MBARRIER_BYTES))),
              b.xor(parity, b.selp(1, 0, b.setp("ne", last, 0), U32)))
-        wait(p_full, handed)
+        for _, p_full, _ in tiles:
+            wait(p_full, handed)
         stage = b.rem(b.add(n_tiles, S - 1), S)               # (n - 1) mod S
         v_tile = b.add(v_smem, b.mul(stage, v_bytes))
         if last_v_landed is not None:
             last_v_landed(v_tile)
-        umma.pv(v_tile)
+        for _, _, umma in tiles:
+            umma.pv(v_tile)

@@ -48,10 +48,15 @@ class Tcgen05Math(WgmmaMath):
     first half of its sub-partition). `bars`: the MMA region of shared memory (BAR_S ..
     TMEM_SLOT). Without `tmem` it initialises its barriers
     and allocates the tensor memory itself (one-issuer kernels); the warp-specialised pipeline
-    does both before its warps part and passes the base."""
+    does both before its warps part and passes the base -- with two Q tiles (tile.q_tiles) this
+    tile's first column and barriers, `barrier` the named barrier (id, threads) of the tile's
+    warps for the epilogue, and `frees_tmem` False: the pipeline frees the tensor memory once
+    both tiles have loaded their O."""
 
-    def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg, tmem: Reg | None = None):
+    def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg, tmem: Reg | None = None,
+                 barrier: tuple[int, int] | None = None, frees_tmem: bool = True):
         MmaMath.__init__(self, b, ctx)
+        self.barrier, self.frees_tmem = barrier, frees_tmem
         cfg = ctx.cfg
         self.bm, self.dv = cfg.block_m, cfg.dv
         self.p_frags = [[b.mov(0, self.pair) for _ in range(4)] for _ in range(self.bn // 16)]
@@ -170,9 +175,17 @@ class Tcgen05Math(WgmmaMath):
         self.o = self.o_tiles[0]
         b.tcgen05_fence(before=True)
 
+    def cta_sync(self) -> None:
+        if self.barrier is None:
+            super().cta_sync()
+        else:                       # this Q tile's warps only
+            self.b.bar_sync(*self.barrier)
+
     def release(self) -> None:
         """Warp 0 frees the tensor memory once every warp has loaded its O (a barrier of the
-        warps that compute)."""
+        warps that compute); with two Q tiles the pipeline does, after both."""
+        if not self.frees_tmem:
+            return
         self.cta_sync()
         with self.b.if_then(self.warp0):
             self.b.tcgen05_dealloc(self.tmem, self.ctx.cfg.tmem_columns)

@@ -11,9 +11,16 @@ from ..mainloop.tma_pipeline import MBARRIER_BYTES
 from .wgmma import k_step
 
 # The MMA region of shared memory (8-aligned), after the TMA barriers: two barriers the MMAs
-# arrive on, two the softmax warps arrive on (warp-specialised kernel), the allocation slot.
+# arrive on, two the softmax warps arrive on (warp-specialised kernel), the allocation slot;
+# with two Q tiles (tile.q_tiles) the second tile's four barriers after the slot
+# (Q_TILE_BARRIERS further: tile t's region starts t * Q_TILE_BARRIERS into it).
 BAR_S, BAR_O, S_FREE, P_FULL, TMEM_SLOT = (k * MBARRIER_BYTES for k in range(5))
 MMA_REGION_BYTES = 5 * MBARRIER_BYTES
+Q_TILE_BARRIERS = 5 * MBARRIER_BYTES
+
+
+def mma_region_bytes(q_tiles: int) -> int:
+    return MMA_REGION_BYTES + (q_tiles - 1) * Q_TILE_BARRIERS
 
 
 def allocate(b: KernelBuilder, warp0: Reg, bars: Reg, columns: int) -> Reg:
@@ -39,9 +46,12 @@ class UmmaIssue:
     them from warp-uniform values), where a single-thread region (`tid == 0`) made it wrap every
     MMA in a loop over the lanes with R2UR moves (7 instructions each). `hoist` computes Q's
     k-step descriptors and P's columns once, here (for a warp of its own; in a kernel whose
-    softmax warps build this too they would hold those registers)."""
+    softmax warps build this too they would hold those registers); hoist="desc" only Q's
+    descriptor and P's columns, its k-steps added at each S (two Q tiles: both tiles' steps
+    would hold 2 x head_dim / 16 64-bit registers of the MMA warp)."""
 
-    def __init__(self, b: KernelBuilder, cfg, q_smem: Reg, tmem: Reg, bars: Reg, hoist: bool = False):
+    def __init__(self, b: KernelBuilder, cfg, q_smem: Reg, tmem: Reg, bars: Reg,
+                 hoist: bool | str = False):
         in_type = F16 if cfg.fmt.name == "f16" else BF16
         self.b, self.bm, self.bn, self.d, self.dv = b, cfg.block_m, cfg.block_n, cfg.head_dim, cfg.dv
         self.s_cols, self.p_cols = tmem, b.add(tmem, self.bn)
@@ -50,12 +60,17 @@ class UmmaIssue:
         self.idesc_o = b.umma_instr_descriptor(self.bm, self.dv, in_type, b_mn_major=True)
         self.q_smem = q_smem
         self.bar_s, self.bar_o = Addr(bars, BAR_S), Addr(bars, BAR_O)
-        self.q_steps = self.p_steps = None
-        if hoist:
+        self.q_steps = self.p_steps = self.q_desc = None
+        if hoist == "desc":
+            self.q_desc, self.p_steps = self._q_desc(), self._p_steps()
+        elif hoist:
             self.q_steps, self.p_steps = self._q_steps(), self._p_steps()
 
+    def _q_desc(self) -> Reg:
+        return self.b.umma_descriptor(self.q_smem, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+
     def _q_steps(self) -> list[Reg]:
-        q_desc = self.b.umma_descriptor(self.q_smem, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        q_desc = self.q_desc or self._q_desc()
         return [k_step(self.b, q_desc, kk, self.bm) for kk in range(self.d // 16)]
 
     def _p_steps(self) -> list[Reg]:
@@ -112,8 +127,14 @@ class UmmaIssue:
         self.commit(self.bar_o)
 
 
-def tmem_columns(block_n: int, dv: int) -> int:
-    """Tensor-memory columns of S (block_n f32), P (block_n / 2 pairs) and O (dv f32), rounded
-    up to the power of two tcgen05.alloc takes."""
-    need = block_n + block_n // 2 + dv
+def tile_columns(block_n: int, dv: int) -> int:
+    """One Q tile's tensor-memory columns: S (block_n f32), P (block_n / 2 pairs), O (dv f32);
+    Q tile t's start t times this into the allocation."""
+    return block_n + block_n // 2 + dv
+
+
+def tmem_columns(block_n: int, dv: int, q_tiles: int = 1) -> int:
+    """The allocation: q_tiles tiles' columns, rounded up to the power of two tcgen05.alloc
+    takes."""
+    need = q_tiles * tile_columns(block_n, dv)
     return max(32, 1 << (need - 1).bit_length())
