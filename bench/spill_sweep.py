@@ -126,6 +126,12 @@ OPTIONS = (
     ("prefill", True, _EVERY + "return_lse = true\n" + _SM100A + "[kernel.tile]\nq_tiles = 2\n",
      "tcq2var_100a"),
     ("prefill", True, "head_dim_v = 64\n" + _SM100A + "[kernel.tile]\nq_tiles = 2\n", "tcq2dv64_100a"),
+    # the correction warpgroup (every tcgen05 head dim), plain and with every variant
+    ("prefill", False, _SM100A + "[kernel.tile]\ncorrection = true\n", "tccr_100a"),
+    ("prefill", True, _EVERY + "return_lse = true\n" + _SM100A + "[kernel.tile]\ncorrection = true\n",
+     "tccrvar_100a"),
+    ("prefill", True, "head_dim_v = 128\n" + _SM100A + "[kernel.tile]\ncorrection = true\n",
+     "tccrdv128_100a"),
     # exp2_poly: every exponential by the FMA polynomial (the most registers), both kernels
     ("prefill", True, _EVERY + _SM100A + "[kernel.tile]\nexp2_poly = 8\n", "tcpoly_100a"),
     ("prefill", True, _SM100A + "[kernel.tile]\nexp2_poly = 8\nwarp_specialize = false\n",

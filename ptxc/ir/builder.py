@@ -375,6 +375,14 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps, Blackw
             raise IRError(f"bar.sync: thread count {threads} is not a positive multiple of 32")
         self.emit("bar", ("sync",), (), (Imm(barrier, U32), Imm(threads, U32)))
 
+    def warp_sync(self) -> None:
+        """bar.warp.sync over the whole warp: every lane waits for the others, and their memory
+        accesses before it are ordered before every lane's after it (where a lane hands the
+        warp's work on, e.g. one lane's mbarrier arrive after every lane's stores)."""
+        if self._guard is not None:
+            raise IRError("bar.warp.sync under a predicate: every lane of the warp must reach it")
+        self.emit("bar", ("warp", "sync"), (), (Imm(-1, S32),))
+
     def bar_arrive(self, barrier: int, threads: int) -> None:
         """bar.arrive barrier, threads: count toward named barrier `barrier`'s phase of
         `threads` and go on without waiting (a producer's signal; the waiters bar.sync)."""

@@ -232,6 +232,93 @@ def test_two_q_tiles_protocol_mistakes_are_caught(edit, message):
         _run_edited(edit)
 
 
+# ---- the correction warpgroup (tile.correction: FlashAttention-4's) ----------------------------
+CR = {"correction": True}
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads,causal,extra,tile", [
+    ("f16", 64, "gqa4", True, "", CR), ("bf16", 128, "mqa", False, "", CR),
+    ("bf16", 128, "gqa8", True, "", CR), ("f16", 128, "gqa4", True, EVERY, CR),
+    ("bf16", 192, "gqa4", True, "head_dim_v = 128\n", CR),
+    # odd stage counts: P's buffer of the loop's P·V is chosen at run time
+    ("bf16", 128, "gqa4", True, "", {**CR, "num_stages": 3, "block_n": 64}),
+    ("f16", 64, "gqa8", False, "", {**CR, "num_stages": 1}),
+    *(pytest.param(dt, d, h, c, "", CR, marks=SLOW) for dt in ("f16", "bf16") for d in (64, 128)
+      for h in ("mha", "gqa4", "gqa8", "mqa") for c in (False, True)),
+], ids=lambda x: x.replace("\n", ";")[:24] if isinstance(x, str) else str(x))
+def test_correction_warpgroup(dtype, head_dim, heads, causal, extra, tile):
+    """Four correction warps rescale O in tensor memory where a softmax warp voted (its rows'
+    max grew past the lazy slack), between P·V(j - 1) and P·V(j); the softmax warps hand alpha
+    over through shared memory and write P(j) to buffer j mod 2 once P·V(j - 2) is done."""
+    text = spec_text(dtype, head_dim, heads, causal, tile=tile, targets=SM100A)
+    config = compiled(text.replace("targets = ", extra + "targets = "), "sm_100a")[3]
+    assert config["correction"] and config["threads"] == 448
+    tc_check(dtype, head_dim, heads, causal, SHAPES + [(333, 333), (200, 150)], tile=tile,
+             extra=extra, batch=1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_correction_rescales_growing_scores(causal):
+    """Scores growing from tile to tile: the max grows past the slack again and again, so the
+    correction warps rescale O many times (a correction that skipped it fails here)."""
+    tc_check("bf16", 128, "gqa4", causal, [(17, 300), (130, 61), (200, 500)], tile=CR,
+             transform=growing_scores, batch=1)
+    outs = run(spec_text("bf16", 128, "gqa4", False, tile=CR, targets=SM100A), 9, 0,
+               target="sm_100a")[0]
+    assert np.all(outs["o"] == 0) and np.all(np.isneginf(outs["lse"]))
+
+
+def test_correction_rules():
+    for tile, targets, d in (({**CR, "warp_specialize": False}, SM100A, 128),
+                             ({**CR, **Q2}, SM100A, 128), (CR, ("sm_90a",), 128), (CR, SM100A, 256)):
+        with pytest.raises(SpecError) as e:
+            load_text(spec_text("bf16", d, tile=tile, targets=targets))
+        assert e.value.key == "tile.correction" and "\n" not in str(e.value), str(e.value)
+    config = compiled(spec_text("bf16", 64, tile=CR, targets=SM100A), "sm_100a")[3]
+    assert config["warp_specialize"] and config["tmem_columns"] == 512   # S, 2 P, O: 384
+
+
+def _run_corrected(monkeypatch, edit=None, transform=None):
+    """Lower the kernel afresh (under the caller's patches: `compiled` remembers its PTX),
+    optionally edit its PTX, run it against fp64, and forget it again."""
+    import families.prefill_cases as tp
+    cached = tp.compiled
+    cached.cache_clear()
+    try:
+        text = spec_text("bf16", 128, "gqa4", True, tile=CR, targets=SM100A)
+        spec, ptx, launch, config = cached(text, "sm_100a")
+        if edit is not None:
+            edited = edit(ptx)
+            assert edited != ptx
+            monkeypatch.setattr(tp, "compiled", lambda *_: (spec, edited, launch, config))
+        tc_check("bf16", 128, "gqa4", True, [(130, 300)], tile=CR, batch=1, transform=transform)
+    finally:
+        cached.cache_clear()
+
+
+def test_correction_mistakes_are_caught(monkeypatch):
+    """Planted: the correction warps never rescale (wrong numbers when the max grows); the
+    softmax warps write tile j's exchange buffer without waiting for the correction warps to
+    have read tile j - 2's (the race checker); the MMA warp issues P·V(j) on p_full instead of
+    O_READY (it writes O while the correction warps rescale it)."""
+    import ptxc.kernels.math.tcgen05 as tc
+    with monkeypatch.context() as m:
+        m.setattr(tc.Correction, "tile", lambda self, j: (self.b.tcgen05_fence(before=True),
+                                                          self.b.warp_sync()))
+        with pytest.raises(AssertionError, match="error"):
+            _run_corrected(m, transform=growing_scores)
+    with monkeypatch.context() as m:
+        pair = tc.wait_pair
+        m.setattr(tc, "wait_pair", lambda b, bars, even, odd, i, fence=True:
+                  None if even == tc.X_FREE else pair(b, bars, even, odd, i, fence))
+        with pytest.raises(EmulationError, match="race"):
+            _run_corrected(m)
+    # the MMA warp's waits on O_READY (+48 into the MMA region) turned into waits on P_FULL
+    with monkeypatch.context() as m, pytest.raises(EmulationError, match="tcgen05"):
+        _run_corrected(m, edit=lambda p: re.sub(
+            r"(mbarrier\.try_wait\.parity\.shared::cta\.b64 %p\d+, \[%r\d+)\+48\]", r"\1+24]", p))
+
+
 # ---- the path and its tile key ---------------------------------------------------------------
 def test_other_shapes_keep_the_portable_kernels():
     """sm_100 without the suffix, f32 and head dims other than 64/128/192/256 build the
@@ -308,14 +395,15 @@ def test_ptxas_zero_spills(toolchain):
         for dtype in ("f16", "bf16"):
             for causal, extra, tile in ((False, "", None), (True, "", None), (True, every, None),
                                         (False, "", ONE), (True, every, ONE), (False, "", WS),
-                                        (True, every, WS), (False, "", Q2), (True, every, Q2)):
+                                        (True, every, WS), (False, "", Q2), (True, every, Q2),
+                                        (False, "", CR), (True, every, CR)):
                 text = spec_text(dtype, d, "gqa4", causal, tile=tile, targets=SM100A)
                 text = text.replace("targets = ", extra + "targets = ")
                 _, ptx, _, config = compiled(text, "sm_100a")
                 _, res, _ = assemble(ptx, "sm_100a", toolchain, "p")
                 [r] = res.values()
                 assert r.spill_stores == r.spill_loads == 0 and r.stack == 0, (d, dtype, extra, tile)
-                assert config["tmem_columns"] == (256 if d == 64 and tile is not Q2 else 512)
+                assert config["tmem_columns"] == (256 if d == 64 and tile not in (Q2, CR) else 512)
 
 
 def _main_loop(tmp_path, tile):

@@ -170,7 +170,7 @@ def _tma_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, 
 
 def _tcgen05_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid,
                 lane, warp0, columns: int, make_issue, softmax_warps: int = 8, q_tiles: int = 1,
-                tile_columns: int = 0):
+                tile_columns: int = 0, make_correction=None):
     run_tcgen05_ws_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, v_bytes=buf.v_bytes,
                             q_bytes=buf.q_bytes, q_smem=buf.q, k_smem=buf.k, v_smem=buf.v,
                             bars=buf.bars, mma_bars=buf.mma_bars, tid=tid, lane=lane, warp0=warp0,
@@ -179,7 +179,8 @@ def _tcgen05_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_
                             make_issue=make_issue, transform_of=transform_of,
                             lo_full=tiles.lo_full, softmax_warps=softmax_warps,
                             issue_setup=loads.issue_setup, last_v_landed=loads.last_v_landed,
-                            q_tiles=q_tiles, tile_columns=tile_columns)
+                            q_tiles=q_tiles, tile_columns=tile_columns,
+                            make_correction=make_correction)
 
 
 def _rows(b, buf, tiles: KeyRows, loads: Loads, math, transform_of, *, cfg, tid):

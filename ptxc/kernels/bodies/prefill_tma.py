@@ -22,8 +22,8 @@ from ..config.tcgen05 import Tcgen05Config
 from ..config.wgmma import ROWS_PER_WARPGROUP, WgmmaConfig
 from ..mainloop.tiles import SWIZZLE
 from ..mainloop.tma_pipeline import barrier_bytes
-from ..math.tcgen05 import Tcgen05Math
-from ..math.umma import UmmaIssue
+from ..math.tcgen05 import Correction, Tcgen05Math
+from ..math.umma import UmmaIssue, mma_region_bytes
 from ..math.wgmma import WgmmaMath
 from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 from .prefill_cp_async import Setup, setup
@@ -53,9 +53,13 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg, ptrs, strides, seq_q, seq
     elif tcgen05:     # load, MMA and softmax warps (and two Q tiles: tile.q_tiles)
         q_smem = lambda t: b.add(s.smem, t * cfg.q_tile_bytes) if t else s.smem   # noqa: E731
 
+        # tile.correction: the softmax warps' hand-over to the correction warps, after the
+        # MMA region
+        exchange = b.add(mma_bars, mma_region_bytes(1, True)) if cfg.correction else None
+
         def tile_math(tile) -> Tcgen05Math:
             if cfg.q_tiles == 1:
-                return Tcgen05Math(b, ctx, tile.bars, tile.tmem)
+                return Tcgen05Math(b, ctx, tile.bars, tile.tmem, exchange=exchange)
             return Tcgen05Math(b, tile_ctx(b, ctx, cfg, tile.index, q_smem(tile.index)), tile.bars,
                                tile.tmem, barrier=(tile.barrier, cfg.threads), frees_tmem=False)
         assemble(b, "tcgen05_ws", loads=Loads(copy_tile=copy_tile), math=tile_math, tid=s.tid,
@@ -63,6 +67,9 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg, ptrs, strides, seq_q, seq
                  columns=cfg.tmem_columns, q_tiles=cfg.q_tiles, tile_columns=cfg.tile_columns,
                  make_issue=lambda tile: UmmaIssue(b, cfg, q_smem(tile.index), tile.tmem, tile.bars,
                                                    hoist=True if cfg.q_tiles == 1 else "desc"),
+                 make_correction=(lambda tile, c: Correction(b, cfg, tile.tmem, tile.bars, exchange,
+                                                             c, s.lane, cfg.num_warps))
+                 if cfg.correction else None,
                  **pieces)
     else:             # a producer warpgroup and consumer warpgroups
         assemble(b, "tma_ws", loads=Loads(copy_tile=copy_tile), math=lambda: WgmmaMath(b, ctx),

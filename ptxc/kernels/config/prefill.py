@@ -60,6 +60,11 @@ FIELDS = FamilyFields(
               "many an FMA polynomial computes instead of MUFU.EX2 (FlashAttention-4's trick where "
               "MUFU bounds the softmax; relative error 8.8e-5, below P's rounding; 0: none)",
               default=None, choices=tuple(range(9))),
+        Field("correction", "bool", "sm_100a warp-specialised tcgen05 kernel: a correction "
+              "warpgroup rescales O in tensor memory when a row's running max grew past the "
+              "lazy slack, so the softmax warps never wait for the previous P·V "
+              "(FlashAttention-4's; P double-buffered; docs/kernels.md \"tcgen05\")",
+              default=None),
         Field("q_tiles", "int", "sm_100a warp-specialised tcgen05 kernel: Q tiles of 128 rows per "
               "CTA sharing each K/V tile (2: FlashAttention-4's two tiles, their softmax warps' "
               "work interleaved on the MMA warp; docs/kernels.md \"tcgen05\")",
@@ -299,7 +304,8 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                             f"{target.max_smem_per_cta} per CTA: use a smaller tile", key=f"tile.{key}")
         cfg = make()
     shape_given = given.keys() - {"smem_layout", "warp_rows", "kv_loads", "warp_specialize",
-                                  "exp2_poly"}   # not shapes (the others are sm_90a / sm_100a keys)
+                                  "pingpong", "exp2_poly", "q_tiles", "correction"}
+    # (not shapes: the others are sm_90a / sm_100a keys)
     # (not with a custom mask: its bit windows need more than the 128 registers two CTAs leave)
     floor = needs_floor("prefill", spec, target)
     if tc and not shape_given and not tuned and _two_ctas_target(spec, target) and \

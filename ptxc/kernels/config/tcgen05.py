@@ -11,7 +11,8 @@ from ...spec.model import KernelSpec
 from ...targets import Target
 from .. import common as C
 from ..attention.variant import head_dim_v
-from ..mainloop.tcgen05_ws_pipeline import issue_threads
+from ..mainloop.tcgen05_ws_pipeline import CORRECTION_THREADS, issue_threads
+from ..math.tcgen05 import Exchange
 from ..mainloop.tiles import SWIZZLE
 from ..math.umma import mma_region_bytes, tile_columns, tmem_columns
 from .wgmma import WgmmaConfig
@@ -24,6 +25,9 @@ TMEM_COLUMNS = 512                       # tensor memory per CTA: 128 lanes x 51
 # tile.q_tiles = 2 up to this head dim: at 192 / 128 ptxas 13.5 spilled 40 bytes (values the
 # prologue carries across setmaxnreg), whatever the issuing warpgroup's budget
 Q_TILES_MAX_HEAD_DIM = 128
+# tile.correction up to this head_dim_v: 448 threads cap ptxas at 128 registers, and O's
+# dv / 2 registers a thread in the epilogue (and its zeroing store) do not fit at 256
+CORRECTION_MAX_HEAD_DIM_V = 128
 # .minnctapersm 1: without it ptxas 13.5 gave the 4-warp varlen tile at d64 with every variant
 # 96 registers and 8 bytes of spills; pinned, 102 registers and none
 PIN_REGISTERS = 1
@@ -58,20 +62,25 @@ class TensorMemoryTile:
         return 1
 
     @property
+    def correction(self) -> bool:
+        return False
+
+    @property
     def cta_rows(self) -> int:
         return self.block_m * self.q_tiles
 
     @property
     def launch_threads(self) -> int:
-        return self.q_tiles * self.threads + (issue_threads(self.q_tiles) if self.warp_specialize else 0)
+        return (self.q_tiles * self.threads + (CORRECTION_THREADS if self.correction else 0)
+                + (issue_threads(self.q_tiles) if self.warp_specialize else 0))
 
     @property
     def tile_columns(self) -> int:
-        return tile_columns(self.block_n, self.dv)
+        return tile_columns(self.block_n, self.dv, self.correction)
 
     @property
     def tmem_columns(self) -> int:
-        return tmem_columns(self.block_n, self.dv, self.q_tiles)
+        return tmem_columns(self.block_n, self.dv, self.q_tiles, self.correction)
 
     @property
     def q_tile_bytes(self) -> int:
@@ -84,7 +93,8 @@ class TensorMemoryTile:
 
     @property
     def smem_bytes(self) -> int:
-        return super().smem_bytes + mma_region_bytes(self.q_tiles)
+        exchange = Exchange.bytes(self.num_warps) if self.correction else 0
+        return super().smem_bytes + mma_region_bytes(self.q_tiles, self.correction) + exchange
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,7 @@ class Tcgen05Config(TensorMemoryTile, WgmmaConfig):
 
     exp2_poly: int = 0
     q_tiles: int = 1     # tile.q_tiles: 2 is FlashAttention-4's two Q tiles per CTA
+    correction: bool = False   # tile.correction: a correction warpgroup rescales O
 
 
 def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
@@ -108,21 +119,33 @@ def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
                             f"MMA-issuing thread)", key=f"tile.{key}")
     stages = given.get("num_stages", 2)
     q_tiles = given.get("q_tiles", 1)
-    ws = given.get("warp_specialize", spec.head_dim >= WS_MIN_HEAD_DIM or q_tiles > 1)
+    correction = given.get("correction", False)
+    ws = given.get("warp_specialize", spec.head_dim >= WS_MIN_HEAD_DIM or q_tiles > 1 or correction)
     if q_tiles > 1 and not ws:
         raise SpecError(f"q_tiles = {q_tiles} with warp_specialize = false on {target}: two Q "
                         f"tiles share the load and MMA warps; drop warp_specialize or q_tiles",
                         key="tile.q_tiles")
+    if correction and head_dim_v(spec) > CORRECTION_MAX_HEAD_DIM_V:
+        raise SpecError(f"correction = true with head_dim_v {head_dim_v(spec)} on {target}: the "
+                        f"correction warpgroup's 448 threads leave 128 registers a thread, and "
+                        f"O's {head_dim_v(spec)} columns take {head_dim_v(spec) // 2} of them in "
+                        f"the epilogue; it takes head_dim_v up to {CORRECTION_MAX_HEAD_DIM_V}",
+                        key="tile.correction")
+    if correction and (not ws or q_tiles > 1):
+        raise SpecError(f"correction = true with {'q_tiles = 2' if ws else 'warp_specialize = false'} "
+                        f"on {target}: the correction warpgroup serves the warp-specialised "
+                        f"kernel's one Q tile; drop {'q_tiles' if ws else 'warp_specialize'} or "
+                        f"correction", key="tile.correction")
 
     def make(bn: int) -> Tcgen05Config:
         return Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,
                              False, head_dim_v(spec), 1, kv_loads="tma", warp_specialize=ws,
                              min_ctas_per_sm=PIN_REGISTERS, exp2_poly=given.get("exp2_poly", 0),
-                             q_tiles=q_tiles)
+                             q_tiles=q_tiles, correction=correction)
 
     def fits(bn: int) -> bool:      # shared memory, and each Q tile's S, P and O in the columns
         return (make(bn).smem_bytes <= target.max_smem_per_cta
-                and q_tiles * tile_columns(bn, head_dim_v(spec)) <= TMEM_COLUMNS)
+                and q_tiles * tile_columns(bn, head_dim_v(spec), correction) <= TMEM_COLUMNS)
     # 128 keys a tile where the stages fit in shared memory (O lives in tensor memory, so the
     # registers do not bound it as on sm_90a) and the Q tiles' columns in tensor memory, else
     # 64: d256, 192 / 192, and two Q tiles above d64
@@ -156,4 +179,5 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
             "tmem_columns": c.tmem_columns, "min_ctas_per_sm": c.min_ctas_per_sm,
             **({"warp_specialize": True, "threads": c.launch_threads} if c.warp_specialize else {}),
             **({"q_tiles": c.q_tiles} if c.q_tiles > 1 else {}),
+            **({"correction": True} if c.correction else {}),
             **({"exp2_poly": c.exp2_poly} if c.exp2_poly else {})}

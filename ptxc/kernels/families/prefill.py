@@ -95,7 +95,8 @@ def _portable_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes
 # Most specific first: the first that applies is the target's kernel.
 PATHS = (
     PrefillPath("the sm_100a tcgen05 kernel", tc.uses_tcgen05, tc.configure, tc.resolve_tile,
-                _tma_body, ("kv_loads", "warp_specialize", "exp2_poly", "q_tiles"), tc.TCGEN05_SHAPES,
+                _tma_body, ("kv_loads", "warp_specialize", "exp2_poly", "q_tiles", "correction"),
+                tc.TCGEN05_SHAPES,
                 tc.TCGEN05_TARGETS),
     PrefillPath("the sm_90a wgmma kernel", wg.uses_wgmma, wg.configure, wg.resolve_tile,
                 _wgmma_body, ("kv_loads", "warp_specialize", "pingpong"), wg.WGMMA_SHAPES,
@@ -141,7 +142,8 @@ def validate(spec: KernelSpec) -> None:
     given = spec.tile_dict()
     for key, value in (("kv_loads", "tma"), ("warp_specialize", True), ("pingpong", True),
                        ("exp2_poly", given.get("exp2_poly") or None),
-                       ("q_tiles", 2 if given.get("q_tiles") == 2 else None)):
+                       ("q_tiles", 2 if given.get("q_tiles") == 2 else None),
+                       ("correction", True)):
         if value is not None and given.get(key) == value and not any(key in p.keys for p in paths):
             takers = [p for p in PATHS if key in p.keys]
             shown = f'"{value}"' if isinstance(value, str) else str(value).lower()

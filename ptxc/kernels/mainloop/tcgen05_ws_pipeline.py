@@ -46,13 +46,15 @@ import contextlib
 from dataclasses import dataclass
 
 from ...ir import U32, Addr, KernelBuilder, Reg
-from ..math.umma import BAR_O, BAR_S, P_FULL, Q_TILE_BARRIERS, S_FREE, allocate
+from ..math.umma import (BAR_O, BAR_O1, BAR_S, O_READY, P_FULL, Q_TILE_BARRIERS, S_FREE, X_FREE,
+                         allocate)
 from .kv_pipeline import modify_scores
 from .tma_pipeline import MBARRIER_BYTES
 from .tma_ws_pipeline import CONSUMER_BARRIER, issue_loads
 
 SOFTMAX_WARPS = 8           # prefill's (128 rows); varlen's packed tile passes block_m / 16
 ISSUE_THREADS = 64          # the load warp and the MMA warp
+CORRECTION_THREADS = 128    # tile.correction: four correction warps after the softmax warps
 # Two Q tiles: 16 softmax warps and a whole issuing warpgroup (the load warp, the MMA warp and
 # two that leave), so that setmaxnreg can move registers: 640 threads start with 96 (ptxas's
 # share of the file), the issuing warpgroup gives them back and the softmax warpgroups take
@@ -99,15 +101,17 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                             make_issue, transform_of, lo_full: Reg | None = None,
                             softmax_warps: int = SOFTMAX_WARPS, issue_setup=None,
                             last_v_landed=None, q_tiles: int = 1,
-                            tile_columns: int = 0) -> None:
+                            tile_columns: int = 0, make_correction=None) -> None:
     """tma_pipeline's copy_tile / key0_of; `bars` the TMA barriers (barrier_bytes(stages,
     True)), `mma_bars` the MMA region (umma.BAR_S ..; Q tile t's barriers t * Q_TILE_BARRIERS
     further); `make_math(tile)` builds a Q tile's (QTile) softmax-warp Tcgen05Math,
     `make_issue(tile)` the MMA warp's UmmaIssue for it. `issue_setup()` (None: one elected
     lane issues copy_tile's boxes) and `last_v_landed(v_tile)`: see the module docstring.
-    `q_tiles` Q tiles of `softmax_warps` warps each, `tile_columns` apart in tensor memory."""
+    `q_tiles` Q tiles of `softmax_warps` warps each, `tile_columns` apart in tensor memory.
+    `make_correction(tile, c)` (tile.correction, one Q tile): correction warp c's Correction."""
     S, W = stages, softmax_warps
-    load_tid = 32 * W * q_tiles
+    correction = make_correction is not None
+    load_tid = 32 * W * q_tiles + (CORRECTION_THREADS if correction else 0)
     mma_tid = load_tid + 32
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
     q_bar = full(S)
@@ -120,6 +124,10 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
         for t in range(q_tiles):
             for at, count in ((BAR_S, 1), (BAR_O, 1), (S_FREE, W), (P_FULL, W)):
                 b.mbarrier_init(Addr(mma_bars, t * Q_TILE_BARRIERS + at), count)
+        if correction:
+            b.mbarrier_init(Addr(mma_bars, BAR_O1), 1)
+            for at in (O_READY, X_FREE, X_FREE + MBARRIER_BYTES):
+                b.mbarrier_init(Addr(mma_bars, at), CORRECTION_THREADS // 32)
         b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
     tmem = allocate(b, warp0, mma_bars, columns)   # its CTA barrier publishes the inits too
     warp = b.shfl("idx", b.shr(tid, 5), 0)         # warp-uniform for ptxas (every lane, converged)
@@ -143,11 +151,19 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                         n_tiles=n_tiles, copy_tile=copy_tile, **lanes)
         with b.if_then(b.setp("eq", warp, mma_tid // 32)):   # the whole warp; one lane issues
             tiles = [q_tile(t) for t in range(q_tiles)]
+            handed_on = O_READY if correction else P_FULL    # what P·V(j) waits for
             _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0,
-                      [(Addr(t.bars, S_FREE), Addr(t.bars, P_FULL), make_issue(t)) for t in tiles],
-                      n_tiles, last_v_landed)
+                      [(Addr(t.bars, S_FREE), Addr(t.bars, handed_on), make_issue(t)) for t in tiles],
+                      n_tiles, last_v_landed, correction)
     with b.else_():                                                      # the softmax warps
-        if q_tiles == 1:
+        if correction:        # ... and the correction warps after them
+            with b.if_then(b.setp("ge", warp, W)):
+                _correction_warps(b, make_correction(q_tile(0), b.sub(warp, W)), mma_bars, lane,
+                                  n_tiles)
+            with b.else_():
+                _softmax_warps(b, q_tile(0), make_math, transform_of, lane, n_tiles, n_full,
+                               key0_of, lo_full, q_bar, W, corrected=True)
+        elif q_tiles == 1:
             _softmax_warps(b, q_tile(0), make_math, transform_of, lane, n_tiles, n_full, key0_of,
                            lo_full, q_bar, W)
         else:       # each tile's warps their own copy of the loop: its offsets are constants
@@ -162,9 +178,29 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                 b.tcgen05_dealloc(tmem, columns)
 
 
+def _correction_warps(b, correction, mma_bars: Reg, lane: Reg, n_tiles: Reg) -> None:
+    """The correction warps (tile.correction): per tile j, once the softmax warps handed P(j)
+    over (p_full), rescale O where they voted (Correction.tile: after P·V(j - 1) completed),
+    then lane 0 of each arrives on O_READY, which P·V(j) waits for."""
+    p_full, o_ready = Addr(mma_bars, P_FULL), Addr(mma_bars, O_READY)
+    parity = b.mov(0, U32)
+    first_lane = b.setp("eq", lane, 0)
+    with b.for_range(0, n_tiles) as j:
+        b.mbarrier_wait_parity(p_full, parity)
+        b.xor(parity, 1, out=parity)
+        b.tcgen05_fence(before=False)
+        correction.tile(j)                     # ends with its stores' wait, fence and warp sync
+        with b.if_then(first_lane):
+            b.mbarrier_arrive(o_ready)
+            # its exchange buffer read: the softmax warps may write tile j + 2's there
+            b.mbarrier_arrive(Addr(b.add(mma_bars, b.selp(X_FREE + MBARRIER_BYTES, X_FREE,
+                                                          b.setp("ne", b.and_(j, 1), 0), U32))))
+
+
 def _softmax_warps(b, tile: QTile, make_math, transform_of, lane, n_tiles, n_full, key0_of,
-                   lo_full, q_bar, W: int) -> None:
-    """One Q tile's W softmax warps: the loop, then the epilogue (see the module docstring)."""
+                   lo_full, q_bar, W: int, corrected: bool = False) -> None:
+    """One Q tile's W softmax warps: the loop, then the epilogue (see the module docstring);
+    `corrected`: the correction warps rescale O, P(j) goes to buffer j mod 2."""
     math = make_math(tile)
     transform = transform_of(math)
     first_lane = b.setp("eq", lane, 0)
@@ -180,11 +216,18 @@ def _softmax_warps(b, tile: QTile, make_math, transform_of, lane, n_tiles, n_ful
         arrive(s_free)                               # S(j) loaded: S(j+1) may overwrite it
         modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
         early = math.softmax_early(s)
-        math.pv_done()
-        math.softmax_late(*early)                    # ends with fence::before_thread_sync
+        if corrected:                                # P(j)'s buffer free: P·V(j - 2) done
+            math.p_free(j)
+            math.hand_over(*early, j)                # ... fence and warp sync
+        else:
+            math.pv_done()
+            math.softmax_late(*early)                # ends with fence::before_thread_sync
         arrive(p_full)
-    with b.if_then(b.setp("gt", n_tiles, 0)):       # O += P(n-1)·V(n-1)
-        math.pv_done()
+    if corrected:
+        math.last_pv_done(n_tiles)
+    else:
+        with b.if_then(b.setp("gt", n_tiles, 0)):   # O += P(n-1)·V(n-1)
+            math.pv_done()
     # Q has landed (with no tile, nothing else orders its copy before O is staged over it)
     b.mbarrier_wait_parity(q_bar, 0)
     # every warp of the tile done with its Q: O goes there
@@ -193,14 +236,16 @@ def _softmax_warps(b, tile: QTile, make_math, transform_of, lane, n_tiles, n_ful
 
 
 def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, tiles, n_tiles,
-              last_v_landed=None) -> None:
+              last_v_landed=None, correction: bool = False) -> None:
     """The whole MMA warp runs this (umma issues under elect.sync); `tiles`: per Q tile its
     (s_free, p_full, UmmaIssue). The loop is unrolled by the S stages, so that tile j's buffers
     are copy (j mod S)'s constants: every stage's K and V descriptor is computed once, before
     the loop, where ptxas holds them in uniform registers (a stage offset carried through the
     wait loops would not be provably warp-uniform: a vector register, two R2UR moves and a
     64-bit add per MMA). Per K/V tile every Q tile's S, then every Q tile's P·V: while one
-    tile's softmax warps work, the other's products run."""
+    tile's softmax warps work, the other's products run. With `correction` a P·V waits for
+    O_READY (the tiles' second element) and reads P from buffer (j - 1) mod 2, and tile 0 has
+    no empty commit (each BAR_O phase is one P·V's)."""
     umma0 = tiles[0][2]
     k_descs = [umma0.k_desc(b.add(k_smem, s * kv_bytes) if s else k_smem) for s in range(S)]
     v_descs = [umma0.v_desc(b.add(v_smem, s * v_bytes) if s else v_smem) for s in range(S)]
@@ -211,11 +256,18 @@ def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, tile
         b.mbarrier_wait_parity(bar, phase)
         b.tcgen05_fence(before=False)
 
-    def tile(s: int, r: Reg | None) -> None:
+    def tile(s: int, r: Reg | None, rnd: Reg) -> None:
         """Tile j = r + s (K(j) in stage s, V(j-1) in stage s - 1). Copy 0 gets the round's
         first tile r, which may be tile 0 (no S(j-1) to wait for, no P·V); the others' j > 0."""
         wait(Addr(bars, s * MBARRIER_BYTES), parity)
         later = b.setp("gt", r, 0) if r is not None else None
+        # P(j - 1)'s buffer: (s - 1) mod 2 when the rounds start at even tiles
+        buffer = 0
+        if correction and S % 2 == 0:
+            buffer = (s - 1) % 2
+        elif correction:
+            j1 = b.sub(rnd, 1) if s == 0 else rnd if s == 1 else b.add(rnd, s - 1)   # j - 1
+            buffer = b.setp("ne", b.and_(j1, 1), 0)
         for s_free, _, umma in tiles:
             with b.if_then(later) if later is not None else contextlib.nullcontext():
                 wait(s_free, handed)
@@ -226,9 +278,12 @@ def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, tile
                 wait(p_full, handed)
                 if i == len(tiles) - 1:
                     b.xor(handed, 1, out=handed)
-                umma.pv_from(v_descs[(s - 1) % S])
+                umma.pv_from(v_descs[(s - 1) % S], buffer)
         if later is None:
             pv()
+        elif correction:                      # tile 0: no P·V, no commit to BAR_O
+            with b.if_then(later):
+                pv()
         else:
             with b.if_then(later):
                 pv()
@@ -239,10 +294,10 @@ def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, tile
 
     b.mbarrier_wait_parity(q_bar, 0)
     with b.for_range(0, n_tiles, S) as r:
-        tile(0, r)
+        tile(0, r, r)
         for s in range(1, S):
             with b.if_then(b.setp("lt", b.add(r, s), n_tiles)):
-                tile(s, None)
+                tile(s, None, r)
         b.xor(parity, 1, out=parity)
     with b.if_then(b.setp("gt", n_tiles, 0)):                            # O += P(n-1)·V(n-1)
         # V(n-1) lands with full[n mod S], in the round of tile n: this one's parity unless n
@@ -256,5 +311,6 @@ def _mma_warp(b, S, kv_bytes, v_bytes, k_smem, v_smem, bars, q_bar, empty0, tile
         v_tile = b.add(v_smem, b.mul(stage, v_bytes))
         if last_v_landed is not None:
             last_v_landed(v_tile)
+        buffer = b.setp("ne", b.and_(b.sub(n_tiles, 1), 1), 0) if correction else 0
         for _, _, umma in tiles:
-            umma.pv(v_tile)
+            umma.pv(v_tile, buffer)

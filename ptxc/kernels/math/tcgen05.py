@@ -36,7 +36,7 @@ from __future__ import annotations
 from ...ir import F32, U32, Addr, KernelBuilder, Reg
 from ..attention.prefill_tile import Ctx
 from .mma import MmaMath
-from .umma import BAR_O, BAR_S, UmmaIssue, allocate
+from .umma import BAR_O, BAR_O1, BAR_S, X_FREE, UmmaIssue, allocate
 from .wgmma import WgmmaMath
 
 
@@ -54,9 +54,13 @@ class Tcgen05Math(WgmmaMath):
     both tiles have loaded their O."""
 
     def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg, tmem: Reg | None = None,
-                 barrier: tuple[int, int] | None = None, frees_tmem: bool = True):
+                 barrier: tuple[int, int] | None = None, frees_tmem: bool = True,
+                 exchange: Reg | None = None):
         MmaMath.__init__(self, b, ctx)
         self.barrier, self.frees_tmem = barrier, frees_tmem
+        # tile.correction: O is rescaled by the correction warps (Correction), which read
+        # this warp's alpha and vote from `exchange` (shared memory, after the MMA region)
+        self.exchange = Exchange(b, exchange, ctx.cfg.num_warps) if exchange is not None else None
         cfg = ctx.cfg
         self.bm, self.dv = cfg.block_m, cfg.dv
         self.p_frags = [[b.mov(0, self.pair) for _ in range(4)] for _ in range(self.bn // 16)]
@@ -122,6 +126,36 @@ class Tcgen05Math(WgmmaMath):
 
     def pv_done(self) -> None:
         self._wait(self.bar_o, self.o_phase)
+
+    # ---- with a correction warpgroup (tile.correction) -------------------------------------
+    def p_free(self, j: Reg) -> None:
+        """Before P(j) goes to buffer j mod 2: the P·V that read it, P·V(j - 2), completed."""
+        b = self.b
+        with b.if_then(b.setp("ge", j, 2)):
+            wait_pv(b, self.umma.bars, b.sub(j, 2))
+
+    def hand_over(self, probs: list[list[Reg]], rescale: Reg, j: Reg) -> None:
+        """softmax_late without the O rescale: the vote and (when rescaling) this lane's two
+        alphas to the correction warps through exchange buffer j mod 2, P(j) into tensor-memory
+        buffer j mod 2, the row sums; then the stores' wait and fence, and a warp sync, so
+        that lane 0's arrival on p_full orders every lane's stores."""
+        b, buf = self.b, b_and1(self.b, j)
+        with b.if_then(b.setp("ge", j, 2)):     # the correction warps read tile j - 2's there
+            wait_pair(b, self.umma.bars, X_FREE, X_FREE + 8, b.sub(j, 2), fence=False)
+        self.exchange.put(buf, self.ctx.warp, self.ctx.lane, rescale, self.alpha)
+        self.pack_probs(probs)
+        p = b.add(self.p_warp, b.mul(buf, self.bn // 2))
+        b.tcgen05_st("16x128b", p, [x for frag in self.p_frags for x in frag])
+        self.add_row_sums()
+        b.tcgen05_wait("st")
+        b.tcgen05_fence(before=True)
+        b.warp_sync()
+
+    def last_pv_done(self, n_tiles: Reg) -> None:
+        """After the loop: the last P·V, P·V(n - 1), completed (n > 0)."""
+        b = self.b
+        with b.if_then(b.setp("gt", n_tiles, 0)):
+            wait_pv(b, self.umma.bars, b.sub(n_tiles, 1))
 
     # ---- the softmax side (every warp) --------------------------------------------------
     def softmax_late(self, probs: list[list[Reg]], rescale: Reg) -> None:
@@ -194,3 +228,114 @@ class Tcgen05Math(WgmmaMath):
         self.fetch_o()
         MmaMath.epilogue(self)
         self.release()
+
+
+def b_and1(b: KernelBuilder, j: Reg) -> Reg:
+    """j mod 2: which P buffer and exchange buffer tile j uses."""
+    return b.and_(j, 1)
+
+
+def wait_pv(b: KernelBuilder, bars: Reg, i: Reg) -> None:
+    """Wait for P·V(i) (tile.correction): it committed to BAR_O / BAR_O1 by i mod 2."""
+    wait_pair(b, bars, BAR_O, BAR_O1, i)
+
+
+def wait_pair(b: KernelBuilder, bars: Reg, even: int, odd: int, i: Reg, fence: bool = True) -> None:
+    """Wait for event i of a pair of barriers taking turns (i mod 2: `even`, `odd`): the
+    (i div 2)-th phase of its barrier, parity (i >> 1) & 1. Neither runs two phases ahead of
+    its waiter: event i + 2 needs what the waiter has still to give."""
+    second = b.setp("ne", b_and1(b, i), 0)
+    bar = Addr(b.add(bars, b.selp(odd, even, second, U32)))
+    b.mbarrier_wait_parity(bar, b.and_(b.shr(i, 1), 1))
+    if fence:
+        b.tcgen05_fence(before=False)
+
+
+class Exchange:
+    """The softmax warps' hand-over to the correction warps (tile.correction), two buffers (tile
+    j uses j mod 2): per softmax warp w a u32 vote (its O rows need rescaling) and per lane its
+    two rows' alpha, lane l of warp w at alpha[w][l] -- where the correction warp reading the
+    same 16 rows of O (16x256b, the mma C layout) finds it in its own lane l."""
+
+    def __init__(self, b: KernelBuilder, base: Reg, warps: int):
+        self.b, self.base, self.warps = b, base, warps
+        self.votes = -(-4 * warps // 16) * 16
+        self.buffer = self.votes + warps * 32 * 8
+
+    @staticmethod
+    def bytes(warps: int) -> int:
+        return 2 * (-(-4 * warps // 16) * 16 + warps * 32 * 8)
+
+    def _at(self, buf: Reg) -> Reg:
+        return self.b.add(self.base, self.b.mul(buf, self.buffer))
+
+    def put(self, buf: Reg, warp: Reg, lane: Reg, rescale: Reg, alpha: list[Reg]) -> None:
+        b = self.b
+        at = self._at(buf)
+        with b.if_then(b.setp("eq", lane, 0)):
+            b.st("shared", U32, Addr(b.add(at, b.shl(warp, 2))), [b.selp(1, 0, rescale, U32)])
+        with b.if_then(rescale):
+            slot = b.add(at, b.add(b.shl(b.add(b.shl(warp, 5), lane), 3), self.votes))
+            b.st("shared", F32, Addr(slot), list(alpha))
+
+    def vote(self, buf: Reg, warp: int) -> Reg:
+        """Softmax warp `warp`'s vote in buffer `buf` (a warp-uniform predicate)."""
+        b = self.b
+        return b.setp("ne", b.ld("shared", U32, Addr(self._at(buf), 4 * warp)), 0)
+
+    def alpha(self, buf: Reg, warp: int, lane: Reg) -> list[Reg]:
+        b = self.b
+        slot = b.add(self._at(buf), b.add(b.shl(lane, 3), self.votes + warp * 256))
+        return b.ld("shared", F32, Addr(slot), 2)
+
+
+class Correction:
+    """A correction warp (tile.correction; FlashAttention-4's correction warpgroup): warp c of
+    the four reads sub-partition c of tensor memory, where softmax warps c and c + 4 keep
+    their rows of O (layout of Tcgen05Math._lane0). Per tile j, after the softmax warps handed
+    P(j) over (p_full) and P·V(j - 1) completed, it rescales the rows whose warp voted (the
+    running max grew past the lazy slack) by their alpha, and arrives on O_READY: the MMA warp
+    issues P·V(j) after it."""
+
+    def __init__(self, b: KernelBuilder, cfg, tmem: Reg, bars: Reg, exchange: Reg, warp: int | Reg,
+                 lane: Reg, softmax_warps: int):
+        self.b, self.cfg, self.bars, self.lane = b, cfg, bars, lane
+        self.exchange = Exchange(b, exchange, softmax_warps)
+        o_cols = b.add(tmem, cfg.block_n + cfg.block_n)     # S, P's two buffers, then O
+        self.rows = []                                     # (softmax warp, its O address)
+        for w in range(softmax_warps):
+            lane0 = 32 * w if cfg.block_m == 64 else 32 * (w % 4) + 16 * (w // 4)
+            self.rows.append((w, lane0 // 32, b.add(o_cols, (lane0 % 32) << 16)))
+        self.warp = warp            # this correction warp's sub-partition (0..3), a register
+        self.sub = b.shl(warp, 21)  # its lanes 32 c .. (bits 16+ of the address: lane 32 c)
+
+    def tile(self, j: Reg) -> None:
+        b = self.b
+        buf = b_and1(b, j)
+        with b.if_then(b.setp("ge", j, 1)):
+            wait_pv(b, self.bars, b.sub(j, 1))
+        for w, part, o_cols in self.rows:
+            mine = b.setp("eq", self.warp, part)
+            with b.if_then(b.and_(mine, self.exchange.vote(buf, w))):
+                alpha = self.exchange.alpha(buf, w, self.lane)
+                at = b.add(o_cols, self.sub)
+                for first, n in _runs(self.cfg.dv // 8, 16):
+                    cols = at if first == 0 else b.add(at, 8 * first)
+                    o = b.tcgen05_ld("16x256b", n, cols, F32)
+                    b.tcgen05_wait("ld")
+                    for i, x in enumerate(o):
+                        b.mul(x, alpha[(i // 2) % 2], out=x)
+                    b.tcgen05_st("16x256b", cols, o)
+                b.tcgen05_wait("st")
+        b.tcgen05_fence(before=True)
+        b.warp_sync()
+
+
+def _runs(blocks: int, most: int) -> list[tuple[int, int]]:
+    """(first, count) runs of power-of-two counts of at most `most` covering `blocks`."""
+    runs, first = [], 0
+    while first < blocks:
+        n = min(most, 1 << ((blocks - first).bit_length() - 1))
+        runs.append((first, n))
+        first += n
+    return runs

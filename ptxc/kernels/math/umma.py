@@ -17,10 +17,15 @@ from .wgmma import k_step
 BAR_S, BAR_O, S_FREE, P_FULL, TMEM_SLOT = (k * MBARRIER_BYTES for k in range(5))
 MMA_REGION_BYTES = 5 * MBARRIER_BYTES
 Q_TILE_BARRIERS = 5 * MBARRIER_BYTES
+# With a correction warpgroup (tile.correction): P(j) in buffer j mod 2, the P·V that reads
+# buffer 1 commits to BAR_O1, O_READY is the correction warps' (O rescaled for tile j), and
+# X_FREE + 8 (j mod 2) theirs too: they have read tile j's exchange buffer (math/tcgen05.py)
+BAR_O1, O_READY, X_FREE = 5 * MBARRIER_BYTES, 6 * MBARRIER_BYTES, 7 * MBARRIER_BYTES
+CORRECTION_BARRIERS = 4 * MBARRIER_BYTES
 
 
-def mma_region_bytes(q_tiles: int) -> int:
-    return MMA_REGION_BYTES + (q_tiles - 1) * Q_TILE_BARRIERS
+def mma_region_bytes(q_tiles: int, correction: bool = False) -> int:
+    return MMA_REGION_BYTES + (q_tiles - 1) * Q_TILE_BARRIERS + correction * CORRECTION_BARRIERS
 
 
 def allocate(b: KernelBuilder, warp0: Reg, bars: Reg, columns: int) -> Reg:
@@ -54,12 +59,15 @@ class UmmaIssue:
                  hoist: bool | str = False):
         in_type = F16 if cfg.fmt.name == "f16" else BF16
         self.b, self.bm, self.bn, self.d, self.dv = b, cfg.block_m, cfg.block_n, cfg.head_dim, cfg.dv
+        self.corrected = getattr(cfg, "correction", False)
         self.s_cols, self.p_cols = tmem, b.add(tmem, self.bn)
-        self.o_cols = b.add(tmem, self.bn + self.bn // 2)
+        # with a correction warpgroup P is double-buffered: buffer 1 right after buffer 0
+        self.o_cols = b.add(tmem, self.bn + self.bn // 2 * (2 if self.corrected else 1))
         self.idesc_s = b.umma_instr_descriptor(self.bm, self.bn, in_type)
         self.idesc_o = b.umma_instr_descriptor(self.bm, self.dv, in_type, b_mn_major=True)
         self.q_smem = q_smem
         self.bar_s, self.bar_o = Addr(bars, BAR_S), Addr(bars, BAR_O)
+        self.bars = bars
         self.q_steps = self.p_steps = self.q_desc = None
         if hoist == "desc":
             self.q_desc, self.p_steps = self._q_desc(), self._p_steps()
@@ -102,20 +110,29 @@ class UmmaIssue:
                 b.tcgen05_mma(self.s_cols, a, kb, self.idesc_s, kk > 0)
             b.tcgen05_commit(self.bar_s)
 
-    def pv(self, v_tile: Reg) -> None:
-        """O += P·V(tile), committed to bar_o."""
-        self.pv_from(self.v_desc(v_tile))
+    def pv(self, v_tile: Reg, buffer: int | Reg = 0) -> None:
+        """O += P·V(tile), committed to bar_o (pv_from's `buffer`)."""
+        self.pv_from(self.v_desc(v_tile), buffer)
 
-    def pv_from(self, v_desc: Reg) -> None:
+    def pv_from(self, v_desc: Reg, buffer: int | Reg = 0) -> None:
         """O += P·V from V's descriptor (keys 16kk..: P columns 8kk.., V two swizzle periods
-        further), committed to bar_o."""
+        further), committed to bar_o -- with a correction warpgroup, P from `buffer` (0, 1, or
+        a predicate: buffer 1 where true) and committed to that buffer's BAR_O / BAR_O1."""
         b = self.b
         descs = [v_desc if kk == 0 else b.add(v_desc, Imm(kk * 2 * SWIZZLE_PERIOD >> 4, U64))
                  for kk in range(self.bn // 16)]
         with self._issue():
-            for p, desc in zip(self.p_steps or self._p_steps(), descs):
+            steps, bar = self.p_steps or self._p_steps(), self.bar_o
+            if self.corrected and not isinstance(buffer, int):      # chosen at run time
+                half = self.bn // 2
+                steps = [b.selp(b.add(p, half), p, buffer, U32) for p in steps]
+                bar = Addr(b.add(self.bars, b.selp(BAR_O1, BAR_O, buffer, U32)))
+            elif self.corrected and buffer:
+                steps = [b.add(p, self.bn // 2) for p in steps]
+                bar = Addr(self.bars, BAR_O1)
+            for p, desc in zip(steps, descs):
                 b.tcgen05_mma(self.o_cols, p, desc, self.idesc_o, True)
-            b.tcgen05_commit(self.bar_o)
+            b.tcgen05_commit(bar)
 
     def commit(self, bar: Addr) -> None:
         """The issuing lane's MMAs so far arrive once on `bar` when they complete."""
@@ -127,14 +144,15 @@ class UmmaIssue:
         self.commit(self.bar_o)
 
 
-def tile_columns(block_n: int, dv: int) -> int:
-    """One Q tile's tensor-memory columns: S (block_n f32), P (block_n / 2 pairs), O (dv f32);
-    Q tile t's start t times this into the allocation."""
-    return block_n + block_n // 2 + dv
+def tile_columns(block_n: int, dv: int, correction: bool = False) -> int:
+    """One Q tile's tensor-memory columns: S (block_n f32), P (block_n / 2 pairs; two such
+    buffers with a correction warpgroup), O (dv f32); Q tile t's start t times this into the
+    allocation."""
+    return block_n + block_n // 2 * (2 if correction else 1) + dv
 
 
-def tmem_columns(block_n: int, dv: int, q_tiles: int = 1) -> int:
+def tmem_columns(block_n: int, dv: int, q_tiles: int = 1, correction: bool = False) -> int:
     """The allocation: q_tiles tiles' columns, rounded up to the power of two tcgen05.alloc
     takes."""
-    need = q_tiles * tile_columns(block_n, dv)
+    need = q_tiles * tile_columns(block_n, dv, correction)
     return max(32, 1 << (need - 1).bit_length())
