@@ -146,6 +146,10 @@ OPTIONS = (
      "[kernel.tile]\nblock_m = 128\nnum_warps = 8\nwarp_specialize = true\n", "tcws128_100a"),
     ("varlen", True, 'kv_layout = "contiguous"\n' + _EVERY + _SM100A +
      "[kernel.tile]\nwarp_specialize = false\n", "tcone_100a"),
+    # the correction warps on varlen's tile (M = 64, and 128 with a split)
+    ("varlen", True, _PAGED + _EVERY + _SM100A + "[kernel.tile]\ncorrection = true\n", "tccr_100a"),
+    ("varlen", False, _PAGED + _SPLIT + _SM100A +
+     "[kernel.tile]\nblock_m = 128\nnum_warps = 8\ncorrection = true\n", "tccr128_100a"),
     ("kv_append", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n', "fp8h"),
     ("kv_append", None, _PAGED + 'rope = "neox"\nnum_heads = 8\n', "rope"),
     ("kv_append", None, _PAGED + 'index = "slot_mapping"\n', "slots"),

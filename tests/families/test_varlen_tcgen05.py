@@ -10,6 +10,7 @@ ptxas sm_100a with 0 spills."""
 
 import re
 
+import numpy as np
 import pytest
 
 from ptxc.errors import EmulationError, SpecError
@@ -37,12 +38,13 @@ def build(tmp_path, layout, tile="", extra="", **case):
     assert config["kv_loads"] == "tma" and config["tmem_columns"] >= 128
     assert "cp.async.bulk.tensor.4d" in ptx and "tcgen05.mma.cta_group::1.kind::f16" in ptx
     # the warp-specialised CTA: the load and MMA warps after the block_m / 16 softmax warps
-    assert config.get("threads", 32 * config["num_warps"]) == \
-        32 * config["num_warps"] + (64 if config.get("warp_specialize") else 0)
+    assert config.get("threads", 32 * config["num_warps"]) == 32 * config["num_warps"] + \
+        (64 if config.get("warp_specialize") else 0) + (128 if config.get("correction") else 0)
     return art, KernelSpec.from_dict(art.meta["spec"])
 
 
 WS, ONE = "warp_specialize = true", "warp_specialize = false"
+CR = "correction = true"
 
 
 @pytest.mark.parametrize("layout,tile,case", [
@@ -56,6 +58,12 @@ WS, ONE = "warp_specialize = true", "warp_specialize = false"
     ("page16", ONE, dict(dtype="f16", head_dim=128, gqa="gqa4", causal=True, splits="auto")),
     ("contiguous", "block_m = 128\nnum_warps = 8\n" + WS,
      dict(dtype="f16", head_dim=128, gqa="gqa8", causal=True, splits=1)),
+    # the correction warps (tile.correction): M = 64 and 128, an odd stage count
+    ("page16", CR, dict(dtype="bf16", head_dim=128, gqa="gqa4", causal=True, splits="auto")),
+    ("contiguous", "block_m = 128\nnum_warps = 8\n" + CR,
+     dict(dtype="f16", head_dim=64, gqa="gqa8", causal=False, splits=3)),
+    ("page64", CR + "\nnum_stages = 3", dict(dtype="f16", head_dim=128, gqa="gqa8", causal=True,
+                                            splits=1)),
     *(pytest.param(lay, tile, dict(dtype=dt, head_dim=d, gqa=g, causal=c, splits=s), marks=SLOW)
       for tile in ("", WS) for dt in ("f16", "bf16") for d in (64, 128) for g in ("gqa4", "gqa8")
       for c in (True, False) for lay, s in (("page16", 1), ("page64", "auto"), ("contiguous", 3))
@@ -74,6 +82,31 @@ def test_variants(tmp_path, extra):
     art, spec = build(tmp_path, layout, "", "\n" + extra, dtype="f16", head_dim=64,
                       gqa="gqa4", causal=True, splits=2)
     check_poisoned(art, spec, layout, seed=2, target="sm_100a")
+
+
+def test_correction_warps_rescale_growing_scores(tmp_path):
+    """The correction warps (tile.correction) rescale O as the running max grows past the slack
+    from tile to tile (q scaled up, k growing along the keys), with every variant."""
+    from ptxc.reference import round_to
+    extra = "\nsliding_window = 300\nlogits_soft_cap = 30.0\nattention_sinks = true\nalibi = true"
+    art, spec = build(tmp_path, "contiguous", CR, extra, dtype="bf16", head_dim=128, gqa="gqa4",
+                      causal=True, splits=1)
+    assert art.meta["targets"]["sm_100a"]["config"]["correction"]
+    import families.test_varlen_tma as tv
+    made = tv.ragged_inputs
+
+    def growing(spec, layout, lengths, seed):
+        inputs = made(spec, layout, lengths, seed)
+        k = inputs["k_cache"]                  # [batch, max_seq_len, Hk, d]: axis 1 is the key
+        rows = np.arange(k.shape[1]).reshape(1, -1, 1, 1)
+        inputs["k_cache"] = round_to(k * (1 + rows / 8), spec.dtype).astype(np.float32)
+        inputs["q"] = round_to(inputs["q"] * 3, spec.dtype).astype(np.float32)
+        return inputs
+    tv.ragged_inputs = growing
+    try:
+        check_poisoned(art, spec, "contiguous", seed=5, target="sm_100a")
+    finally:
+        tv.ragged_inputs = made
 
 
 def test_every_variant_on_the_warp_specialised_tile(tmp_path):
@@ -151,16 +184,27 @@ def test_which_tiles_are_warp_specialised():
     for d, extra, ws in ((128, "", True), (256, "", True), (192, "\nhead_dim_v = 128", True),
                          (64, "", False), (128, tile + "block_m = 128\nnum_warps = 8", False),
                          (64, tile + WS, True), (128, tile + ONE, False),
-                         (128, tile + "block_m = 128\nnum_warps = 8\n" + WS, True)):
+                         (128, tile + "block_m = 128\nnum_warps = 8\n" + WS, True), (64, tile + CR, True)):
         got = _tile(spec_body("page16", head_dim=d) + extra)
         assert got.get("warp_specialize", False) == ws, (d, extra)
-        assert got.get("threads", 32 * got["num_warps"]) == 32 * got["num_warps"] + 64 * ws
+        assert got.get("threads", 32 * got["num_warps"]) == \
+            32 * got["num_warps"] + 64 * ws + 128 * bool(got.get("correction"))
     for text, target in ((spec_body("page16", head_dim=128) + tile + WS, "sm_90a"),
                          (spec_body("page4", head_dim=128) + tile + WS, "sm_100a"),
                          (spec_body("page16", head_dim=96) + tile + WS, "sm_100a")):
         with pytest.raises(SpecError) as e:
             _tile(text, target)
         assert e.value.key == "tile.warp_specialize" and "sm_100a tcgen05" in str(e.value)
+    # the correction warps: recorded with their 128 threads; refused without the load / MMA
+    # warps, above head_dim_v 128, and where no target runs the tcgen05 tile
+    got = _tile(spec_body("page16", head_dim=128) + tile + CR)
+    assert got["correction"] and got["threads"] == 4 * 32 + 128 + 64
+    for text, target in ((spec_body("page16", head_dim=128) + tile + CR + "\n" + ONE, "sm_100a"),
+                         (spec_body("page16", head_dim=256) + tile + CR, "sm_100a"),
+                         (spec_body("page16", head_dim=128) + tile + CR, "sm_90a")):
+        with pytest.raises(SpecError) as e:
+            _tile(text, target)
+        assert e.value.key == "tile.correction" and "\n" not in str(e.value), str(e.value)
 
 
 def test_which_specs_take_tcgen05():
@@ -188,7 +232,8 @@ def test_ptxas_zero_spills(toolchain):
     for d in (64, 128):
         for tile in ("", "\n[kernel.tile]\nblock_m = 128\nnum_warps = 8",
                      "\n[kernel.tile]\n" + (ONE if d == 128 else WS),
-                     "\n[kernel.tile]\nblock_m = 128\nnum_warps = 8\n" + WS):
+                     "\n[kernel.tile]\nblock_m = 128\nnum_warps = 8\n" + WS,
+                     "\n[kernel.tile]\n" + CR):
             for extra in ("", every):
                 for layout in ("page16", "contiguous"):
                     [spec] = load_text('[[kernel]]\nname = "k"\nfamily = "varlen"\n'

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...errors import SpecError
 from ...ir import B32, F32, S64, U64, Addr, KernelBuilder, Reg
 from ...targets import TARGETS
 from .. import common as C
 from ..config.prefill import PrefillConfig
-from ..config.tcgen05 import PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS, TensorMemoryTile
+from ..config.tcgen05 import (CORRECTION_MAX_HEAD_DIM_V, PIN_REGISTERS, TCGEN05_HEAD_DIMS,
+                              TCGEN05_TARGETS, TensorMemoryTile)
 from ..config.wgmma import ROWS_PER_WARPGROUP, WGMMA_TARGETS, WgmmaConfig, uses_wgmma
 from ..kv.kv_access import KVAccess, sparse_keys
 from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind, kv_dtype
@@ -262,7 +264,10 @@ def configure_latent(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentWgmmaConfi
 @dataclass(frozen=True)
 class Tcgen05TileConfig(TensorMemoryTile, WgmmaTileConfig):
     """The packed tile on tcgen05 (sm_100a; TMA loads): WgmmaTileConfig's shared memory plus
-    the MMA barriers and the tensor-memory address, S/P/O in tensor memory."""
+    the MMA barriers and the tensor-memory address, S/P/O in tensor memory; `correction`: the
+    warp-specialised tile's correction warps (tile.correction)."""
+
+    correction: bool = False
 
 
 def applies_tcgen05(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
@@ -330,10 +335,22 @@ def configure_tcgen05(spec, cfg: PrefillConfig) -> Tcgen05TileConfig:
     """The packed tile on tcgen05 (applies_tcgen05 holds): the same tile, TMA loads; with
     tile.warp_specialize (the default at block_m 64 from WS_MIN_HEAD_DIM) a load warp and an
     MMA warp besides (tcgen05_ws_pipeline.py)."""
-    ws = spec.tile_dict().get("warp_specialize", cfg.block_m == 64 and cfg.head_dim >= WS_MIN_HEAD_DIM)
+    given = spec.tile_dict()
+    correction = given.get("correction", False)
+    ws = given.get("warp_specialize",
+                   cfg.block_m == 64 and cfg.head_dim >= WS_MIN_HEAD_DIM or correction)
+    if correction and not ws:
+        raise SpecError("correction = true with warp_specialize = false on sm_100a: the correction "
+                        "warps serve the warp-specialised tile; drop one of them",
+                        key="tile.correction")
+    if correction and cfg.dv > CORRECTION_MAX_HEAD_DIM_V:
+        raise SpecError(f"correction = true with head_dim_v {cfg.dv} on sm_100a: the correction "
+                        f"warps take head_dim_v up to {CORRECTION_MAX_HEAD_DIM_V} (the epilogue's "
+                        f"O under the register cap their threads leave)", key="tile.correction")
     return Tcgen05TileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
                              cfg.num_stages, False, cfg.dv, 1, kv_loads="tma",
-                             min_ctas_per_sm=PIN_REGISTERS, warp_specialize=ws)
+                             min_ctas_per_sm=PIN_REGISTERS, warp_specialize=ws,
+                             correction=correction)
 
 
 def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
@@ -348,6 +365,7 @@ def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
               if getattr(cfg, "split_scores", False) else {}),
            **({"tmem_columns": cfg.tmem_columns} if tc else {}),
            **({"warp_specialize": True, "threads": cfg.launch_threads}
-              if tc and cfg.warp_specialize else {})}
+              if tc and cfg.warp_specialize else {}),
+           **({"correction": True} if tc and cfg.correction else {})}
     out.pop("smem_row_stride")
     return out

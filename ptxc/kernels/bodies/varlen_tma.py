@@ -60,8 +60,8 @@ from ..mainloop.tiles import CHUNK
 from ..mainloop.tiles import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
 from ..mainloop.tcgen05_ws_pipeline import MMA_WARP_BARRIER
 from ..mainloop.tma_pipeline import barrier_bytes
-from ..math.tcgen05 import Tcgen05Math
-from ..math.umma import UmmaIssue
+from ..math.tcgen05 import Correction, Tcgen05Math
+from ..math.umma import UmmaIssue, mma_region_bytes
 from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
 
@@ -71,8 +71,8 @@ class VarlenTcgen05Math(VarlenMath, Tcgen05Math):
     tensor memory first and the tensor memory freed after."""
 
     def __init__(self, b: KernelBuilder, ctx, ptrs: dict, strides: dict, bars: Reg,
-                 tmem: Reg | None = None):
-        VarlenMath.__init__(self, b, ctx, ptrs, strides, bars=bars, tmem=tmem)
+                 tmem: Reg | None = None, exchange: Reg | None = None):
+        VarlenMath.__init__(self, b, ctx, ptrs, strides, bars=bars, tmem=tmem, exchange=exchange)
 
     def epilogue(self) -> None:
         self.fetch_o()
@@ -323,10 +323,15 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
                 b.fence_proxy_async()
                 b.bar_sync(MMA_WARP_BARRIER, 32)   # memory order among the lanes (PTX: bar.sync)
 
+        # tile.correction: the softmax warps' hand-over to the correction warps
+        exchange = b.add(mma_bars, mma_region_bytes(1, True)) if cfg.correction else None
         assemble(b, "tcgen05_ws", buffers=Buffers(stages, tile.smem, tile.k_smem, tile.v_smem,
                                                   kv_bytes, v_bytes, 0, bars, mma_bars),
                  tiles=key_tiles, loads=Loads(issue_setup=issue_setup, last_v_landed=mma_warp_tail),
-                 math=lambda tile: VarlenTcgen05Math(b, ctx, ptrs, strides, tile.bars, tile.tmem),
+                 math=lambda q: VarlenTcgen05Math(b, ctx, ptrs, strides, q.bars, q.tmem, exchange),
+                 make_correction=(lambda q, c: Correction(b, cfg, q.tmem, q.bars, exchange, c,
+                                                          ctx.lane, cfg.num_warps))
+                 if cfg.correction else None,
                  transform_of=transform_of, tid=ctx.tid, lane=ctx.lane,
                  warp0=b.setp("eq", b.shfl("idx", ctx.warp, 0), 0), columns=cfg.tmem_columns,
                  make_issue=lambda q: UmmaIssue(b, cfg, tile.smem, q.tmem, q.bars, hoist=True),

@@ -73,6 +73,10 @@ FIELDS = FamilyFields(
               "caches and pages of >= 8 rows), or per-thread cp.async (docs/kernels.md "
               "\"Hopper: varlen on wgmma\")",
               default=None, choices=("cp_async", "tma")),
+        Field("correction", "bool", "sm_100a warp-specialised tcgen05 kernel: four correction "
+              "warps rescale O in tensor memory when a row's running max grew past the lazy "
+              "slack (FlashAttention-4's correction warpgroup; docs/kernels.md \"tcgen05\")",
+              default=None),
         Field("warp_specialize", "bool", "sm_100a tcgen05 kernel: a load warp issues the TMA "
               "boxes and an MMA warp the tcgen05.mma under mbarriers, the block_m / 16 softmax "
               "warps only compute (FlashAttention-4's roles; docs/kernels.md \"Blackwell\")",
@@ -116,14 +120,15 @@ def validate(spec: KernelSpec) -> None:
         raise SpecError(f"kv_loads = \"tma\" with kv_dtype {spec.opt('kv_dtype')!r}: TMA copies bytes "
                         f"as they are, and FP8 tiles are dequantised after cp.async lands them; "
                         f"allowed: \"cp_async\" or drop the key", key="tile.kv_loads")
-    if spec.tile_dict().get("warp_specialize"):
+    for key in ("warp_specialize", "correction"):
         from ..attention.varlen_tile import Tcgen05TileConfig
-        if not any(isinstance(configure(spec, TARGETS[t]), Tcgen05TileConfig) for t in spec.targets):
-            raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "
+        if spec.tile_dict().get(key) and not any(
+                isinstance(configure(spec, TARGETS[t]), Tcgen05TileConfig) for t in spec.targets):
+            raise SpecError(f"{key} = true with dtype {spec.dtype}, head_dim "
                             f"{spec.head_dim}, targets {', '.join(spec.targets)}: only the sm_100a "
-                            f"tcgen05 kernel has load and MMA warps (f16/bf16 caches loaded by "
-                            f"TMA, head_dim and head_dim_v 64, 128, 192 or 256, block_m 64 or "
-                            f"128); add sm_100a or drop the key", key="tile.warp_specialize")
+                            f"tcgen05 kernel has load, MMA and correction warps (f16/bf16 caches "
+                            f"loaded by TMA, head_dim and head_dim_v 64, 128, 192 or 256, block_m "
+                            f"64 or 128); add sm_100a or drop the key", key=f"tile.{key}")
     if spec.tile_dict().get("kv_loads") == "tma":
         from ..attention.varlen_tile import WgmmaTileConfig
         if not any(isinstance(configure(spec, TARGETS[t]), WgmmaTileConfig) for t in spec.targets):
