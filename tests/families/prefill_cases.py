@@ -4,6 +4,7 @@ check against fp64, the odd default shapes, a score pattern that forces the lazy
 the dtype x head_dim x heads x causal matrix the tensor-core paths share."""
 
 import functools
+import sys
 
 import numpy as np
 import pytest
@@ -38,6 +39,21 @@ def compiled(text: str, target: str):
     [spec] = load_text(text)
     ptx, launches, config, _ = lower(spec, target)
     return spec, ptx, launches[0], config
+
+
+def run_edited(text: str, target: str, edit, seq_q: int, seq_k: int, **kw):
+    """`run` with the kernel's PTX rewritten by `edit` (a planted mistake the emulator must
+    catch): `compiled` answers with the edited text until the run ends."""
+    module = sys.modules[__name__]
+    spec, ptx, launch, config = compiled(text, target)
+    edited = edit(ptx)
+    assert edited != ptx, "the edit changed nothing"
+    saved = module.compiled
+    module.compiled = lambda *_: (spec, edited, launch, config)
+    try:
+        return run(text, seq_q, seq_k, target=target, **kw)
+    finally:
+        module.compiled = saved
 
 
 def run(text: str, seq_q: int, seq_k: int, *, batch: int = 2, target: str = "sm_80",

@@ -13,7 +13,7 @@ import pytest
 from ptxc.errors import EmulationError, SpecError
 from ptxc.kernels import FAMILIES, load_text
 from ptxc.reference import PROBS_SHIFTS, Precision, max_abs_error, tolerance
-from families.prefill_cases import compiled, growing_scores, run, spec_text
+from families.prefill_cases import compiled, growing_scores, run, run_edited, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 SM100A = ("sm_100a",)
@@ -206,17 +206,8 @@ def test_two_q_tiles_rules():
 
 
 def _run_edited(edit):
-    import families.prefill_cases as tp
-    text = spec_text("bf16", 128, "gqa4", True, tile=Q2, targets=SM100A)
-    spec, ptx, launch, config = compiled(text, "sm_100a")
-    edited = edit(ptx)
-    assert edited != ptx
-    saved = tp.compiled
-    tp.compiled = lambda *_: (spec, edited, launch, config)
-    try:
-        run(text, 333, 333, batch=1, target="sm_100a")
-    finally:
-        tp.compiled = saved
+    run_edited(spec_text("bf16", 128, "gqa4", True, tile=Q2, targets=SM100A), "sm_100a", edit,
+               333, 333, batch=1)
 
 
 @pytest.mark.parametrize("edit,message", [

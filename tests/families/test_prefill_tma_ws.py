@@ -15,7 +15,7 @@ import pytest
 
 from ptxc.errors import EmulationError, SpecError
 from ptxc.kernels import load_text
-from families.prefill_cases import check, compiled, run, spec_text
+from families.prefill_cases import check, compiled, run, run_edited, spec_text
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 SM90A = ("sm_90a",)
@@ -112,17 +112,8 @@ def test_bit_identical_to_the_single_thread_tma_kernel(tile):
 
 # ---- the protocol: the emulator catches what would hang or race on a GPU -----------------------
 def _run_edited(tile, edit):
-    import families.prefill_cases as tp
-    text = spec_text("f16", 64, "mha", False, tile=tile, targets=SM90A)
-    spec, ptx, launch, config = compiled(text, "sm_90a")
-    edited = edit(ptx)
-    assert edited != ptx
-    saved = tp.compiled
-    tp.compiled = lambda *_: (spec, edited, launch, config)
-    try:
-        run(text, 5, 100, batch=1, target="sm_90a")
-    finally:
-        tp.compiled = saved
+    run_edited(spec_text("f16", 64, "mha", False, tile=tile, targets=SM90A), "sm_90a", edit,
+               5, 100, batch=1)
 
 
 @pytest.mark.parametrize("tile,edit,message", [

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...errors import SpecError
-from ...ir import B32, F32, S64, U32, U64, Addr, KernelBuilder
+from ...ir import B32, F32, S64, U32, U64, Addr, KernelBuilder, Reg
 from ...spec.fields import Field, FamilyFields
 from ...spec.model import KernelSpec
 from ...targets import TARGETS, Target

@@ -1,16 +1,17 @@
-"""The warp-specialised K/V tile loop of the sm_100a tcgen05 prefill (tile.warp_specialize =
-true): FlashAttention-4's roles on the one-issuer schedule of tma_pipeline.py -- a load warp, an
-MMA warp and the softmax warps, handing tiles over on mbarriers only (no CTA barrier in the
-loop).
+"""The warp-specialised K/V tile loop of the sm_100a tcgen05 kernels (prefill, and varlen's
+packed tile; tile.warp_specialize = true): FlashAttention-4's roles on the one-issuer schedule
+of tma_pipeline.py -- a load warp, an MMA warp and the softmax warps, handing tiles over on
+mbarriers only (no CTA barrier in the loop).
 
   CTA        W softmax warps (rows as Tcgen05Math gives them: W = 8 for prefill's 128 rows,
              block_m / 16 for varlen's packed tile), then warp W, which issues the TMA boxes,
-             and warp W + 1, the MMAs: 32 (W + 2) threads (320 for prefill). Both issuing warps run their loops
-             warp-wide and issue from the lane elect.sync picks, so that ptxas can keep the
-             operands in uniform registers (a `tid == k` region made it loop over the lanes
-             around every UTCHMMA / UTMALDG). No setmaxnreg (it needs
-             whole warpgroups, and a fourth of a warpgroup's registers would sit idle in the
-             two issuing warps' lanes), so the CTA's register file is 320 x the kernel's count.
+             and warp W + 1, the MMAs: 32 (W + 2) threads (320 for prefill). Both issuing
+             warps run their loops warp-wide and issue from the lane elect.sync picks, so
+             that ptxas can keep the operands in uniform registers (a `tid == k` region made
+             it loop over the lanes around every UTCHMMA / UTMALDG). With one Q tile no
+             setmaxnreg (it needs whole warpgroups, and a fourth of a warpgroup's registers
+             would sit idle in the two issuing warps' lanes), so the CTA's register file is
+             320 x the kernel's count.
   load warp  tma_ws_pipeline.issue_loads, the sm_90a producer's loop: Q on its barrier,
              refills B(i) = {K(i+S), V(i+S-1)} on full[i mod S] after waiting empty[i mod S].
              With `issue_setup` (varlen's paged boxes) the warp's lanes share the boxes: the
@@ -32,6 +33,19 @@ loop).
              barrier (with no tile nothing else orders Q's copy before O is staged over it: the
              emulator's race checker caught that), meet on named barrier 1 (the producer warps
              may have exited), epilogue.
+
+Two Q tiles (tile.q_tiles = 2, prefill): 2W softmax warps, tile t's warps W t .. W t + W - 1
+with their own S / P / O columns (QTile.tmem), barriers (QTile.bars) and named barrier, each
+tile's copy of the loop emitted under its own branch (the offsets constants); the issuing
+warps are a whole warpgroup (the two after them exit) so that setmaxnreg moves registers to
+the softmax warps; the MMA warp issues both tiles' S, then both P·V; after both epilogues the
+softmax warps meet on SOFTMAX_BARRIER before warp 0 frees the tensor memory.
+
+The correction warps (tile.correction, one Q tile): four warps after the softmax warps
+(math/tcgen05.Correction) rescale O between P·V(j - 1) and P·V(j) where a softmax warp voted;
+the softmax warps hand P(j) to buffer j mod 2 (after P·V(j - 2)) and their alphas through
+shared memory (Exchange), never touching O in the loop; the MMA warp issues P·V(j) after
+O_READY(j) (not p_full), and tile 0 has no empty commit (each BAR_O / BAR_O1 phase is one P·V).
 
 Barriers: full[0 .. S), Q and empty[0 .. S) as tma_ws_pipeline.py's (empty's count 1: the MMA
 warp's commit), then in the MMA region bar_s, bar_o (count 1, tcgen05.commit) and s_free,
@@ -71,14 +85,16 @@ def issue_threads(q_tiles: int) -> int:
     return ISSUE_THREADS if q_tiles == 1 else ISSUE_WARPGROUP
 
 
+MMA_WARP_BARRIER = 2        # named barrier of the MMA warp's own threads (last_v_landed)
+Q_TILE_BARRIERS_IDS = (CONSUMER_BARRIER, 3)   # named barrier of each Q tile's softmax warps
+SOFTMAX_BARRIER = 4         # every Q tile's softmax warps (before the tensor memory is freed)
+
+
 def softmax_regs(q_tiles: int, softmax_warps: int) -> int:
     """The softmax warps' budget after setmaxnreg.inc (two Q tiles): what the issuing
     warpgroup leaves, in multiples of 8."""
     left = REGISTER_FILE - ISSUE_WARPGROUP * ISSUE_REGS
     return min(256, left // (32 * softmax_warps * q_tiles) // 8 * 8)
-MMA_WARP_BARRIER = 2        # named barrier of the MMA warp's own threads (last_v_landed)
-Q_TILE_BARRIERS_IDS = (CONSUMER_BARRIER, 3)   # named barrier of each Q tile's softmax warps
-SOFTMAX_BARRIER = 4         # every Q tile's softmax warps (before the tensor memory is freed)
 
 
 @dataclass(frozen=True)

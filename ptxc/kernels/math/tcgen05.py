@@ -27,8 +27,10 @@ from head_dim 128), FlashAttention-4's load / MMA / softmax warps (tcgen05_ws_pi
   epilogue   wait the last P·V, load O (16x256b), MmaMath's normalise + staged row stores,
              then warp 0 frees the tensor memory.
 
-Not yet FA4's two Q tiles per CTA or its correction warpgroup. Verified in the emulator only
-(no Blackwell GPU has been lent).
+FA4's two Q tiles per CTA (tile.q_tiles: a Tcgen05Math per tile, its columns and barriers
+from tcgen05_ws_pipeline.QTile) and its correction warpgroup (tile.correction: Correction and
+Exchange below, P double-buffered) are the warp-specialised pipeline's. Verified in the
+emulator only (no Blackwell GPU has been lent).
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ class Tcgen05Math(WgmmaMath):
         alphas to the correction warps through exchange buffer j mod 2, P(j) into tensor-memory
         buffer j mod 2, the row sums; then the stores' wait and fence, and a warp sync, so
         that lane 0's arrival on p_full orders every lane's stores."""
-        b, buf = self.b, b_and1(self.b, j)
+        b, buf = self.b, buffer_of(self.b, j)
         with b.if_then(b.setp("ge", j, 2)):     # the correction warps read tile j - 2's there
             wait_pair(b, self.umma.bars, X_FREE, X_FREE + 8, b.sub(j, 2), fence=False)
         self.exchange.put(buf, self.ctx.warp, self.ctx.lane, rescale, self.alpha)
@@ -230,8 +232,8 @@ class Tcgen05Math(WgmmaMath):
         self.release()
 
 
-def b_and1(b: KernelBuilder, j: Reg) -> Reg:
-    """j mod 2: which P buffer and exchange buffer tile j uses."""
+def buffer_of(b: KernelBuilder, j: Reg) -> Reg:
+    """j mod 2: which P buffer and exchange buffer tile j uses (tile.correction)."""
     return b.and_(j, 1)
 
 
@@ -244,7 +246,7 @@ def wait_pair(b: KernelBuilder, bars: Reg, even: int, odd: int, i: Reg, fence: b
     """Wait for event i of a pair of barriers taking turns (i mod 2: `even`, `odd`): the
     (i div 2)-th phase of its barrier, parity (i >> 1) & 1. Neither runs two phases ahead of
     its waiter: event i + 2 needs what the waiter has still to give."""
-    second = b.setp("ne", b_and1(b, i), 0)
+    second = b.setp("ne", buffer_of(b, i), 0)
     bar = Addr(b.add(bars, b.selp(odd, even, second, U32)))
     b.mbarrier_wait_parity(bar, b.and_(b.shr(i, 1), 1))
     if fence:
@@ -311,7 +313,7 @@ class Correction:
 
     def tile(self, j: Reg) -> None:
         b = self.b
-        buf = b_and1(b, j)
+        buf = buffer_of(b, j)
         with b.if_then(b.setp("ge", j, 1)):
             wait_pv(b, self.bars, b.sub(j, 1))
         for w, part, o_cols in self.rows:
