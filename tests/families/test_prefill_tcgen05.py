@@ -299,7 +299,7 @@ def test_correction_mistakes_are_caught(monkeypatch):
     with monkeypatch.context() as m:
         pair = tc.wait_pair
         m.setattr(tc, "wait_pair", lambda b, bars, even, odd, i, fence=True:
-                  None if even == tc.X_FREE else pair(b, bars, even, odd, i, fence))
+                  None if even == tc.X_FREE0 else pair(b, bars, even, odd, i, fence))
         with pytest.raises(EmulationError, match="race"):
             _run_corrected(m)
     # the MMA warp's waits on O_READY (+48 into the MMA region) turned into waits on P_FULL

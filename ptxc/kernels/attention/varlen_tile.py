@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import SpecError
 from ...ir import B32, F32, S64, U64, Addr, KernelBuilder, Reg
 from ...targets import TARGETS
 from .. import common as C
 from ..config.prefill import PrefillConfig
-from ..config.tcgen05 import (CORRECTION_MAX_HEAD_DIM_V, PIN_REGISTERS, TCGEN05_HEAD_DIMS,
-                              TCGEN05_TARGETS, TensorMemoryTile)
+from ..config.tcgen05 import (PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS,
+                              TensorMemoryTile, check_correction)
 from ..config.wgmma import ROWS_PER_WARPGROUP, WGMMA_TARGETS, WgmmaConfig, uses_wgmma
 from ..kv.kv_access import KVAccess, sparse_keys
 from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind, kv_dtype
@@ -339,14 +338,8 @@ def configure_tcgen05(spec, cfg: PrefillConfig) -> Tcgen05TileConfig:
     correction = given.get("correction", False)
     ws = given.get("warp_specialize",
                    cfg.block_m == 64 and cfg.head_dim >= WS_MIN_HEAD_DIM or correction)
-    if correction and not ws:
-        raise SpecError("correction = true with warp_specialize = false on sm_100a: the correction "
-                        "warps serve the warp-specialised tile; drop one of them",
-                        key="tile.correction")
-    if correction and cfg.dv > CORRECTION_MAX_HEAD_DIM_V:
-        raise SpecError(f"correction = true with head_dim_v {cfg.dv} on sm_100a: the correction "
-                        f"warps take head_dim_v up to {CORRECTION_MAX_HEAD_DIM_V} (the epilogue's "
-                        f"O under the register cap their threads leave)", key="tile.correction")
+    if correction:
+        check_correction(ws, 1, cfg.dv, "sm_100a")
     return Tcgen05TileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
                              cfg.num_stages, False, cfg.dv, 1, kv_loads="tma",
                              min_ctas_per_sm=PIN_REGISTERS, warp_specialize=ws,

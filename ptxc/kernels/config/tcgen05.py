@@ -12,8 +12,8 @@ from ...targets import Target
 from .. import common as C
 from ..attention.variant import head_dim_v
 from ..mainloop.tcgen05_ws_pipeline import CORRECTION_THREADS, issue_threads
-from ..math.tcgen05 import Exchange
 from ..mainloop.tiles import SWIZZLE
+from ..math.tcgen05 import Exchange
 from ..math.umma import mma_region_bytes, tile_columns, tmem_columns
 from .wgmma import WgmmaConfig
 
@@ -108,6 +108,21 @@ class Tcgen05Config(TensorMemoryTile, WgmmaConfig):
     correction: bool = False   # tile.correction: a correction warpgroup rescales O
 
 
+def check_correction(ws: bool, q_tiles: int, dv: int, target: Target | str) -> None:
+    """tile.correction's rule, prefill's and varlen's tile alike: the warp-specialised kernel's
+    one Q tile, head_dim_v up to CORRECTION_MAX_HEAD_DIM_V; else one line naming the key."""
+    if dv > CORRECTION_MAX_HEAD_DIM_V:
+        raise SpecError(f"correction = true with head_dim_v {dv} on {target}: the correction "
+                        f"warps' threads leave 128 registers a thread, and O's {dv} columns take "
+                        f"{dv // 2} of them in the epilogue; it takes head_dim_v up to "
+                        f"{CORRECTION_MAX_HEAD_DIM_V}", key="tile.correction")
+    if not ws or q_tiles > 1:
+        raise SpecError(f"correction = true with {'q_tiles = 2' if ws else 'warp_specialize = false'} "
+                        f"on {target}: the correction warps serve the warp-specialised kernel's "
+                        f"one Q tile; drop {'q_tiles' if ws else 'warp_specialize'} or correction",
+                        key="tile.correction")
+
+
 def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
     given = spec.tile_dict()
     # pingpong is the sm_90a kernel's key: ignored here, as on the other targets (prefill.validate
@@ -125,17 +140,8 @@ def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
         raise SpecError(f"q_tiles = {q_tiles} with warp_specialize = false on {target}: two Q "
                         f"tiles share the load and MMA warps; drop warp_specialize or q_tiles",
                         key="tile.q_tiles")
-    if correction and head_dim_v(spec) > CORRECTION_MAX_HEAD_DIM_V:
-        raise SpecError(f"correction = true with head_dim_v {head_dim_v(spec)} on {target}: the "
-                        f"correction warpgroup's 448 threads leave 128 registers a thread, and "
-                        f"O's {head_dim_v(spec)} columns take {head_dim_v(spec) // 2} of them in "
-                        f"the epilogue; it takes head_dim_v up to {CORRECTION_MAX_HEAD_DIM_V}",
-                        key="tile.correction")
-    if correction and (not ws or q_tiles > 1):
-        raise SpecError(f"correction = true with {'q_tiles = 2' if ws else 'warp_specialize = false'} "
-                        f"on {target}: the correction warpgroup serves the warp-specialised "
-                        f"kernel's one Q tile; drop {'q_tiles' if ws else 'warp_specialize'} or "
-                        f"correction", key="tile.correction")
+    if correction:
+        check_correction(ws, q_tiles, head_dim_v(spec), target)
 
     def make(bn: int) -> Tcgen05Config:
         return Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,

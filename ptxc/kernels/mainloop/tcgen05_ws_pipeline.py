@@ -60,8 +60,9 @@ import contextlib
 from dataclasses import dataclass
 
 from ...ir import U32, Addr, KernelBuilder, Reg
-from ..math.umma import (BAR_O, BAR_O1, BAR_S, O_READY, P_FULL, Q_TILE_BARRIERS, S_FREE, X_FREE,
-                         allocate)
+from ..math.tcgen05 import pair_barrier
+from ..math.umma import (BAR_O, BAR_O1, BAR_S, O_READY, P_FULL, Q_TILE_BARRIERS, S_FREE, X_FREE0,
+                         X_FREE1, allocate)
 from .kv_pipeline import modify_scores
 from .tma_pipeline import MBARRIER_BYTES
 from .tma_ws_pipeline import CONSUMER_BARRIER, issue_loads
@@ -142,7 +143,7 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                 b.mbarrier_init(Addr(mma_bars, t * Q_TILE_BARRIERS + at), count)
         if correction:
             b.mbarrier_init(Addr(mma_bars, BAR_O1), 1)
-            for at in (O_READY, X_FREE, X_FREE + MBARRIER_BYTES):
+            for at in (O_READY, X_FREE0, X_FREE1):
                 b.mbarrier_init(Addr(mma_bars, at), CORRECTION_THREADS // 32)
         b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
     tmem = allocate(b, warp0, mma_bars, columns)   # its CTA barrier publishes the inits too
@@ -209,8 +210,7 @@ def _correction_warps(b, correction, mma_bars: Reg, lane: Reg, n_tiles: Reg) -> 
         with b.if_then(first_lane):
             b.mbarrier_arrive(o_ready)
             # its exchange buffer read: the softmax warps may write tile j + 2's there
-            b.mbarrier_arrive(Addr(b.add(mma_bars, b.selp(X_FREE + MBARRIER_BYTES, X_FREE,
-                                                          b.setp("ne", b.and_(j, 1), 0), U32))))
+            b.mbarrier_arrive(pair_barrier(b, mma_bars, X_FREE0, X_FREE1, j))
 
 
 def _softmax_warps(b, tile: QTile, make_math, transform_of, lane, n_tiles, n_full, key0_of,

@@ -38,7 +38,7 @@ from __future__ import annotations
 from ...ir import F32, U32, Addr, KernelBuilder, Reg
 from ..attention.prefill_tile import Ctx
 from .mma import MmaMath
-from .umma import BAR_O, BAR_O1, BAR_S, X_FREE, UmmaIssue, allocate
+from .umma import BAR_O, BAR_O1, BAR_S, X_FREE0, X_FREE1, UmmaIssue, allocate
 from .wgmma import WgmmaMath
 
 
@@ -143,7 +143,7 @@ class Tcgen05Math(WgmmaMath):
         that lane 0's arrival on p_full orders every lane's stores."""
         b, buf = self.b, buffer_of(self.b, j)
         with b.if_then(b.setp("ge", j, 2)):     # the correction warps read tile j - 2's there
-            wait_pair(b, self.umma.bars, X_FREE, X_FREE + 8, b.sub(j, 2), fence=False)
+            wait_pair(b, self.umma.bars, X_FREE0, X_FREE1, b.sub(j, 2), fence=False)
         self.exchange.put(buf, self.ctx.warp, self.ctx.lane, rescale, self.alpha)
         self.pack_probs(probs)
         p = b.add(self.p_warp, b.mul(buf, self.bn // 2))
@@ -179,12 +179,7 @@ class Tcgen05Math(WgmmaMath):
     def _o_blocks(self) -> list[tuple[int, int]]:
         """O's n8 blocks as (first, count) runs of power-of-two 16x256b repetitions (dv 192:
         16 + 8), each run one instruction 8 columns a block further."""
-        runs, first, left = [], 0, self.dv // 8
-        while left:
-            n = 1 << (left.bit_length() - 1)
-            runs.append((first, n))
-            first, left = first + n, left - n
-        return runs
+        return power_of_two_runs(self.dv // 8)
 
     def _load_o(self) -> list[Reg]:
         """This warp's rows of O (the mma C layout, 4 registers an n8 block), loaded and waited."""
@@ -242,13 +237,17 @@ def wait_pv(b: KernelBuilder, bars: Reg, i: Reg) -> None:
     wait_pair(b, bars, BAR_O, BAR_O1, i)
 
 
-def wait_pair(b: KernelBuilder, bars: Reg, even: int, odd: int, i: Reg, fence: bool = True) -> None:
-    """Wait for event i of a pair of barriers taking turns (i mod 2: `even`, `odd`): the
-    (i div 2)-th phase of its barrier, parity (i >> 1) & 1. Neither runs two phases ahead of
-    its waiter: event i + 2 needs what the waiter has still to give."""
+def pair_barrier(b: KernelBuilder, bars: Reg, even: int, odd: int, i: Reg) -> Addr:
+    """Event i's barrier of a pair taking turns (i mod 2: the one at `even`, or at `odd`)."""
     second = b.setp("ne", buffer_of(b, i), 0)
-    bar = Addr(b.add(bars, b.selp(odd, even, second, U32)))
-    b.mbarrier_wait_parity(bar, b.and_(b.shr(i, 1), 1))
+    return Addr(b.add(bars, b.selp(odd, even, second, U32)))
+
+
+def wait_pair(b: KernelBuilder, bars: Reg, even: int, odd: int, i: Reg, fence: bool = True) -> None:
+    """Wait for event i of a pair of barriers taking turns (pair_barrier): the (i div 2)-th
+    phase of its barrier, parity (i >> 1) & 1. Neither runs two phases ahead of its waiter:
+    event i + 2 needs what the waiter has still to give."""
+    b.mbarrier_wait_parity(pair_barrier(b, bars, even, odd, i), b.and_(b.shr(i, 1), 1))
     if fence:
         b.tcgen05_fence(before=False)
 
@@ -261,12 +260,17 @@ class Exchange:
 
     def __init__(self, b: KernelBuilder, base: Reg, warps: int):
         self.b, self.base, self.warps = b, base, warps
-        self.votes = -(-4 * warps // 16) * 16
-        self.buffer = self.votes + warps * 32 * 8
+        self.votes, self.buffer = self.layout(warps)
+
+    @staticmethod
+    def layout(warps: int) -> tuple[int, int]:
+        """(bytes of the votes, 16-aligned; bytes of one buffer: the votes, then the alphas)."""
+        votes = -(-4 * warps // 16) * 16
+        return votes, votes + warps * 32 * 8
 
     @staticmethod
     def bytes(warps: int) -> int:
-        return 2 * (-(-4 * warps // 16) * 16 + warps * 32 * 8)
+        return 2 * Exchange.layout(warps)[1]
 
     def _at(self, buf: Reg) -> Reg:
         return self.b.add(self.base, self.b.mul(buf, self.buffer))
@@ -321,7 +325,7 @@ class Correction:
             with b.if_then(b.and_(mine, self.exchange.vote(buf, w))):
                 alpha = self.exchange.alpha(buf, w, self.lane)
                 at = b.add(o_cols, self.sub)
-                for first, n in _runs(self.cfg.dv // 8, 16):
+                for first, n in power_of_two_runs(self.cfg.dv // 8, 16):
                     cols = at if first == 0 else b.add(at, 8 * first)
                     o = b.tcgen05_ld("16x256b", n, cols, F32)
                     b.tcgen05_wait("ld")
@@ -333,11 +337,13 @@ class Correction:
         b.warp_sync()
 
 
-def _runs(blocks: int, most: int) -> list[tuple[int, int]]:
-    """(first, count) runs of power-of-two counts of at most `most` covering `blocks`."""
+def power_of_two_runs(blocks: int, most: int | None = None) -> list[tuple[int, int]]:
+    """(first, count) runs of power-of-two counts (at most `most`) covering `blocks` n8 blocks:
+    each one 16x256b instruction (dv 192: 16 + 8)."""
     runs, first = [], 0
     while first < blocks:
-        n = min(most, 1 << ((blocks - first).bit_length() - 1))
+        n = 1 << ((blocks - first).bit_length() - 1)
+        n = n if most is None else min(most, n)
         runs.append((first, n))
         first += n
     return runs

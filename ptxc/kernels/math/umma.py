@@ -19,8 +19,8 @@ MMA_REGION_BYTES = 5 * MBARRIER_BYTES
 Q_TILE_BARRIERS = 5 * MBARRIER_BYTES
 # With a correction warpgroup (tile.correction): P(j) in buffer j mod 2, the P·V that reads
 # buffer 1 commits to BAR_O1, O_READY is the correction warps' (O rescaled for tile j), and
-# X_FREE + 8 (j mod 2) theirs too: they have read tile j's exchange buffer (math/tcgen05.py)
-BAR_O1, O_READY, X_FREE = 5 * MBARRIER_BYTES, 6 * MBARRIER_BYTES, 7 * MBARRIER_BYTES
+# X_FREE0 / X_FREE1 (by j mod 2) theirs too: they have read tile j's exchange buffer
+BAR_O1, O_READY, X_FREE0, X_FREE1 = (k * MBARRIER_BYTES for k in range(5, 9))
 CORRECTION_BARRIERS = 4 * MBARRIER_BYTES
 
 
