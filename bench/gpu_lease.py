@@ -54,7 +54,7 @@ def _meta(path: Path) -> dict:
     return json.loads((path / f"{path.name}.json").read_text())
 
 
-def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None) -> list[dict]:
+def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None, every: bool = False) -> list[dict]:
     """The ordered items: {"kind": "check"|"bench", "kernel", "path", "target", "compare", "shape"}.
     Each of `shapes` (--shape) adds a timing of every priority kernel that has all the dims it names, right
     after the priority kernels' default-shape timings, on the arch-specific image where built."""
@@ -67,6 +67,8 @@ def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None) -> list[di
                     images.setdefault(name, {}).setdefault(t, path)
     rank = {n: i for i, n in enumerate(PRIORITY)}
     names = sorted(images, key=lambda n: (rank.get(n, len(rank)), n))
+    if every:   # an A/B set: every kernel is a priority kernel, in PRIORITY's order, then by name
+        rank = {n: i for i, n in enumerate(names)}
     items = []
 
     def add(kind, name, target, compare=False, shape=None):
@@ -82,7 +84,7 @@ def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None) -> list[di
     for shape in shapes or []:
         for n in names:
             path = images[n].get(arch) or images[n].get(own)
-            if n in rank and set(shape) <= set(_meta(path)["dims"]):   # all of its dims
+            if n in rank and set(shape) <= set(_meta(path)["dims"]) and fits(_meta(path), shape):
                 add("bench", n, arch if arch in images[n] else own, compare=True, shape=shape)
     for n in names:
         add("check", n, own)
@@ -91,6 +93,26 @@ def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None) -> list[di
             add("bench", n, arch, compare=True)
             add("bench", n, own, compare=arch not in images[n])
     return items
+
+
+# A --shape that suits one kernel can be enormous for another with the same dims (a batch of
+# 64 paged sequences of 4096 tokens is 1 GiB of llama3's cache, 80 GiB of a 128-head latent one).
+HOST_INPUT_LIMIT = 8 << 30
+
+
+def fits(meta: dict, shape: dict) -> bool:
+    """Whether the bench inputs at `shape` stay under HOST_INPUT_LIMIT bytes (as host f32)."""
+    from ptxc.pipeline import exprs
+    from ptxc.report.costs import resolve_dims
+    dims = resolve_dims(meta, shape, num_sms=132, target=sorted(meta["targets"])[0])
+    total = 0
+    for info in meta["tensors"].values():
+        if info["role"] in ("input", "inout"):
+            n = 1
+            for s in info["shape"]:
+                n *= exprs.evaluate(s, dims) if isinstance(s, str) else s
+            total += 4 * n
+    return total <= HOST_INPUT_LIMIT
 
 
 def run_item(item: dict, device, dry: bool) -> dict:
@@ -146,7 +168,7 @@ def parent(args) -> int:
         sm = CudaDevice.open().sm
     args.out.mkdir(parents=True, exist_ok=True)
     from ptxc.runtime.launch_test import parse_assignments
-    items = plan(args.sets, sm, [parse_assignments([text], "--shape") for text in args.shape])
+    items = plan(args.sets, sm, [parse_assignments([text], "--shape") for text in args.shape], args.every)
     items_path, results = args.out / "plan.json", args.out / "results.jsonl"
     items_path.write_text(json.dumps(items, indent=1))
     results.unlink(missing_ok=True)
@@ -188,6 +210,9 @@ def main() -> int:
     ap.add_argument("--shape", action="append", default=[],
                     help="also time the priority kernels whose dims it names at this shape, e.g. "
                          "batch=1,seq_q=16384,seq_k=16384 (repeatable)")
+    ap.add_argument("--every", action="store_true",
+                    help="treat every kernel of the sets as a priority kernel (an A/B set: each timed "
+                         "at every --shape that fits it)")
     ap.add_argument("--dry", action="store_true", help="no GPU: load, plan and make inputs only")
     return parent(ap.parse_args())
 
