@@ -65,8 +65,9 @@ CALIBRATIONS = {H100_MMA_SYNC.gpu: H100_MMA_SYNC}
 # What the report quotes with every estimate (tests/report/test_calibration.py keeps it true).
 CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 41 within ±35 %, all within ±45 %; "
                      "out-of-sample over 23 H200 medians (53a4762): 16 within ±35 %, model/measured "
-                     "0.74–2.00, and over 41 H100 medians of 89432c6: 33 within ±35 %, 0.67–1.61 "
-                     "(tensor-core decode modelled up to 2x slow); mma.sync and SIMT kernels only")
+                     "0.74–2.00, over 41 H100 medians of 89432c6: 33 within ±35 %, 0.67–1.61, and "
+                     "over 40 H200 medians of 2d6d5cd: 32 within ±35 %, 0.66–1.91 (tensor-core "
+                     "decode modelled up to 2x slow); mma.sync and SIMT kernels only")
 
 
 def _opt(spec: dict, key: str, default=None):
