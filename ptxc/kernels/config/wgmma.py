@@ -11,7 +11,7 @@ from ...errors import SpecError
 from ...spec.model import KernelSpec
 from ...targets import Target
 from .. import common as C
-from ..attention.variant import head_dim_v
+from ..attention.variant import head_dim_v, spec_option
 from ..mainloop.tiles import SWIZZLE, SWIZZLE_PERIOD, SwizzledGeom, TileGeom
 from ..mainloop.tma_pipeline import barrier_bytes
 from ..mainloop.tma_ws_pipeline import PRODUCER_THREADS, consumer_regs, producer_regs
@@ -21,6 +21,8 @@ WGMMA_TARGETS = ("sm_90a",)
 WGMMA_HEAD_DIMS = (64, 128, 192, 256)   # head_dim and head_dim_v: whole 128-byte slabs, n <= 256
 WGMMA_SHAPES = "f16/bf16, head_dim and head_dim_v 64, 128, 192 or 256"   # for refusals
 ROWS_PER_WARPGROUP = 64
+SHORT_WINDOW_TILES = 4   # a sliding window under this many key tiles keeps the one-issuer kernel
+D64_WS_STAGES = 4        # the warp-specialised d64 tile's default stages (timed, see configure)
 
 
 def uses_wgmma(spec: KernelSpec, target: Target) -> bool:
@@ -132,12 +134,23 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
                         f"wgmma prefill kernel needs num_warps = block_m / 16 = {bm // 16}",
                         key="tile.num_warps")
     # a producer warpgroup by default where TMA feeds the tiles: 4-7 % faster on an H100 at d64,
-    # d128 and 192 / 128 (docs/performance.md, "GPU results")
-    ws = given.get("warp_specialize", loads == "tma")
+    # d128 and 192 / 128, 2-11 % on an H200 at d128 / d256 with ALiBi, soft-cap and a 4096 window
+    # (docs/performance.md, "GPU results") -- except under a window of fewer than
+    # SHORT_WINDOW_TILES key tiles, where each Q tile runs a few K tiles and the producer's
+    # pipeline never fills: gpt-oss's 128-key window ran 9-10 % faster with one issuer (H200)
+    window = spec_option(spec, "sliding_window")
+    short_window = window is not None and window < SHORT_WINDOW_TILES * bn
+    needs_producer = given.get("pingpong", False) or bm == 192   # both are producer-warpgroup tiles
+    ws = given.get("warp_specialize", loads == "tma" and (needs_producer or not short_window))
     if ws and loads != "tma":
         raise SpecError(f"warp_specialize = true with kv_loads = \"{loads}\" on {target}: the "
                         f"producer warpgroup issues TMA loads; use kv_loads = \"tma\" or drop "
                         f"warp_specialize", key="tile.warp_specialize")
+    if ws and bm == 128 and max(d, dv) <= 64 and not given.get("pingpong") and "num_stages" not in given:
+        # d64's tile is short (16 KiB of K and V a stage): 4 stages ran 5 % faster than 2 with
+        # the producer warpgroup, on an H100 (415 vs 394 TFLOP/s) and an H200 (426 vs 406 at
+        # 4 x 4096^2, 456 vs 444 at 16k^2); at 146 KiB the registers still bind (one CTA per SM)
+        stages = D64_WS_STAGES
     pingpong = given.get("pingpong", False)
     if pingpong and not (ws and bm == 2 * ROWS_PER_WARPGROUP):
         raise SpecError(f"pingpong = true with block_m = {bm}, warp_specialize = "
