@@ -2,10 +2,12 @@
 tests/report/test_calibration.py, so the table printed and the figures pinned are the same numbers.
 
 Each point names the GPU it was timed on (`gpu`, a ptxc/report/gpus.py key) and the target whose
-cubin ran; the model always uses the H100-fitted constants (`H100_MMA_SYNC`) on that GPU's row.
-The points of the runs the constants were fitted to (`FITTED`) are in-sample (`in_sample`);
-every other point -- another GPU, or a later H100 run of later kernels -- is out-of-sample. A
-wgmma path (sm_90a) gets no prediction (`predicted_ms` None): the model does not describe it.
+cubin ran; the model uses the H100-fitted constants of the kernel's path on that GPU's row
+(`launch_model.calibration_for`: `H100_MMA_SYNC` for mma.sync / SIMT, `H100_WGMMA` for the
+sm_90a wgmma kernels). The points each set of constants was fitted to (`FITTED`,
+`WGMMA_FITTED`) are in-sample (`in_sample`); every other point -- another GPU, or a later run
+of later kernels -- is out-of-sample. A path without fitted constants (tcgen05) gets no
+prediction (`predicted_ms` None).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import json
 from pathlib import Path
 
 from ptxc.report.gpus import GPUS
-from ptxc.report.launch_model import H100_MMA_SYNC, launch_list_seconds
+from ptxc.report.launch_model import calibration_for, launch_list_seconds
+from ptxc.report.loop_model import main_loop
 from ptxc.report.sass import sass_profile
 
 HERE = Path(__file__).resolve().parent
-FITTED = {("h100-sxm", c) for c in ("b26fd24", "c889eb4", "3357c2c")}   # (gpu, commit)
+FITTED = {("h100-sxm", c) for c in ("b26fd24", "c889eb4", "3357c2c")}   # (gpu, commit): mma.sync
+WGMMA_FITTED = {("h100-sxm", c) for c in ("89432c6", "f7ee845")}          # and wgmma
 
 
 def points(calib: Path = HERE) -> list[dict]:
@@ -34,19 +38,21 @@ def predictions(calib: Path = HERE) -> list[dict]:
         cubin = (calib / p["commit"] / f"{p['kernel']}.{p['target']}.cubin").read_bytes()
         digest = hashlib.sha256(cubin).hexdigest()
         t = meta["targets"][p["target"]]
-        p = {**p, "in_sample": (p["gpu"], p["commit"]) in FITTED}
-        if str(t["config"].get("path", "")).startswith("wgmma"):
-            out.append({**p, "predicted_ms": None, "bound": "no model (wgmma)", "cubin": digest})
+        wgmma = str(t["config"].get("path", "")).startswith("wgmma")
+        p = {**p, "path": "wgmma" if wgmma else "mma.sync",
+             "in_sample": (p["gpu"], p["commit"]) in (WGMMA_FITTED if wgmma else FITTED)}
+        # the H100's constants on this GPU's row: the same model, checked on another GPU
+        fitted = calibration_for("h100-sxm", t["config"])
+        if fitted is None:
+            out.append({**p, "predicted_ms": None, "bound": "no model", "cubin": digest})
             continue
         if digest not in profiles:
             profiles[digest] = sass_profile(cubin)
-        loops = {}
-        for k in t["kernels"]:
-            fn = profiles[digest].get(k["entry"], {}).get("loops", {})
-            loops[k["entry"]] = fn["loops"][fn["main"]] if fn.get("main") is not None else None
+        loops = {k["entry"]: main_loop(profiles[digest].get(k["entry"]), k, meta, t["config"])
+                 for k in t["kernels"]}
         got = launch_list_seconds(meta["family"], meta["spec"], t["config"], t["kernels"], loops,
                                   {"num_splits": 1, "num_new": 1, **p["shape"]}, GPUS[p["gpu"]],
-                                  H100_MMA_SYNC)
+                                  fitted[0])
         bound = max(got["launches"], key=lambda x: x["seconds"])["bound"]
         out.append({**p, "predicted_ms": got["seconds"] * 1e3, "bound": bound, "cubin": digest})
     return out

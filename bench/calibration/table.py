@@ -1,5 +1,6 @@
 """Print the whole-launch model against every recorded median (the tables in
-bench/calibration/README.md and docs/performance.md), one table per GPU:
+bench/calibration/README.md and docs/performance.md), one table per GPU, path (mma.sync or
+wgmma: each has its own constants) and sample:
 
     python bench/calibration/table.py          # needs nvdisasm (NVDISASM or the test extra)
 """
@@ -19,12 +20,12 @@ from predict import predictions  # noqa: E402
 
 def main() -> int:
     rows = predictions()
-    for gpu, fitted in dict.fromkeys((p["gpu"], p["in_sample"]) for p in rows):
-        print(f"\n{gpu}, {'in-sample (fitted)' if fitted else 'out-of-sample'}:\n")
+    for gpu, path, fitted in dict.fromkeys((p["gpu"], p["path"], p["in_sample"]) for p in rows):
+        print(f"\n{gpu}, {path}, {'in-sample (fitted)' if fitted else 'out-of-sample'}:\n")
         print("| commit | kernel | target | shape | measured ms | model ms | model / measured | binding term |")
         print("|---|---|---|---|---:|---:|---:|---|")
         logs = []
-        for p in (p for p in rows if (p["gpu"], p["in_sample"]) == (gpu, fitted)):
+        for p in (p for p in rows if (p["gpu"], p["path"], p["in_sample"]) == (gpu, path, fitted)):
             shape = ",".join(f"{k}={v}" for k, v in p["shape"].items())
             if p["predicted_ms"] is None:
                 print(f"| {p['commit']} | {p['kernel']} | {p['target']} | {shape} | {p['median_ms']:.4g} | - | - | "

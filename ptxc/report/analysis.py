@@ -21,8 +21,8 @@ from ..pipeline import exprs
 from .costs import launch_cost, resolve_dims, roofline
 from ..errors import InputError, UserError
 from .gpus import GPUS, get_gpu, models_for_target, sm_of_target
-from .loop_model import kv_reuse, kv_rows_per_iteration, loop_figures, with_tma_loads, with_umma_flops
-from .launch_model import CALIBRATION_ERROR, CALIBRATIONS, launch_list_seconds
+from .loop_model import kv_reuse, kv_rows_per_iteration, loop_figures, loop_warps, main_loop
+from .launch_model import calibration_for, launch_list_seconds
 from ..targets import get_target, occupancy
 
 
@@ -100,17 +100,12 @@ def _target_for_sm(targets: dict, sm: int) -> str | None:
 def _loop_row(profile: dict | None, k: dict, meta: dict, config: dict, occ: dict | None,
               gpus, dims: dict) -> dict | None:
     """The main loop's figures (ptxc.report.loop_model) for one launch, or None without one."""
-    loops = (profile or {}).get("loops") or {}
-    if loops.get("main") is None:
+    loop = main_loop(profile, k, meta, config)
+    if loop is None:
         return None
-    warps = -(-k["block"][0] * k["block"][1] * k["block"][2] // 32)
-    if config.get("warp_specialize"):   # the producer / issuing warps never run the main loop
-        warps = config["num_warps"] * config.get("q_tiles", 1)
     rows = kv_rows_per_iteration(meta["family"], config, k["entry"])
     reuse = kv_reuse(meta["family"], config, meta["spec"], dims) if rows else 1
-    loop = with_tma_loads(loops["loops"][loops["main"]], k, meta["tensors"], config, rows, warps)
-    loop = with_umma_flops(loop, config, meta["spec"], warps)
-    return loop_figures(loop, warps, (occ or {}).get("ctas_per_sm", 0), rows, gpus, reuse)
+    return loop_figures(loop, loop_warps(config, k), (occ or {}).get("ctas_per_sm", 0), rows, gpus, reuse)
 
 
 def _launch_row(k: dict, target: str, dims: dict, sass: dict | None, why: str | None,
@@ -137,27 +132,25 @@ def _launch_row(k: dict, target: str, dims: dict, sass: dict | None, why: str | 
 
 def _estimates(meta: dict, tinfo: dict, launches: list[dict], dims: dict, models, sass) -> list[dict]:
     """The calibrated whole-launch estimate (ptxc.report.launch_model) on every GPU model that has
-    a calibration, for the paths it was calibrated on (mma.sync and SIMT; not wgmma/TMA, which
-    never ran on hardware), with the calibration's measured error."""
-    if not sass or str(tinfo.get("config", {}).get("path", "")).startswith("wgmma"):
+    a calibration for the kernel's path (mma.sync and SIMT; wgmma + TMA; not tcgen05, which never
+    ran on hardware), with that calibration's measured error."""
+    if not sass:
         return []
-    loops = {}
-    for k in tinfo["kernels"]:
-        fn = ((sass.get(k["entry"]) or {}).get("loops")) or {}
-        loops[k["entry"]] = fn["loops"][fn["main"]] if fn.get("main") is not None else None
+    config = tinfo.get("config", {})
+    loops = {k["entry"]: main_loop(sass.get(k["entry"]), k, meta, config) for k in tinfo["kernels"]}
     kernels = [{**k, "occupancy": L["occupancy"] or {"ctas_per_sm": 1}} for k, L in zip(tinfo["kernels"], launches)]
     out = []
     for g in models:
-        cal = CALIBRATIONS.get(g.key)
-        if cal is None:
+        fitted = calibration_for(g.key, config)
+        if fitted is None:
             continue
+        cal, error = fitted
         try:
-            got = launch_list_seconds(meta["family"], meta["spec"], tinfo.get("config", {}), kernels,
-                                      loops, dims, g, cal)
+            got = launch_list_seconds(meta["family"], meta["spec"], config, kernels, loops, dims, g, cal)
         except (InputError, KeyError, ZeroDivisionError):
             continue
         out.append({"gpu": g.key, "seconds": got["seconds"], "launches": got["launches"],
-                    "calibration": cal.source, "error": CALIBRATION_ERROR})
+                    "calibration": cal.source, "error": error})
     return out
 
 

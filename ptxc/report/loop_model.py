@@ -99,6 +99,27 @@ def with_umma_flops(loop: dict, config: dict, spec: dict, warps_per_cta: int) ->
             "instructions_per_mma_equivalent": round(total * HMMA_16816_FLOPS / flops, 2)}
 
 
+def loop_warps(config: dict, launch: dict) -> int:
+    """Warps of one CTA that run the main loop: every warp, except in a warp-specialised kernel,
+    whose producer / issuing warps never do (the per-warp figures are scaled by this)."""
+    if config.get("warp_specialize"):
+        return config["num_warps"] * config.get("q_tiles", 1)
+    return -(-launch["block"][0] * launch["block"][1] * launch["block"][2] // 32)
+
+
+def main_loop(profile: dict | None, launch: dict, meta: dict, config: dict) -> dict | None:
+    """One launch's main-loop profile as the models read it: the SASS loop (`profile`, one
+    entry of report.sass.sass_profile) plus what the SASS cannot show -- TMA's load bytes and
+    tcgen05's FLOPs -- spread over `loop_warps`; None without a main loop."""
+    loops = (profile or {}).get("loops") or {}
+    if loops.get("main") is None:
+        return None
+    warps = loop_warps(config, launch)
+    rows = kv_rows_per_iteration(meta["family"], config, launch["entry"])
+    loop = with_tma_loads(loops["loops"][loops["main"]], launch, meta["tensors"], config, rows, warps)
+    return with_umma_flops(loop, config, meta["spec"], warps)
+
+
 def bound_on(loop: dict, warps_per_sm: int, gpu, reuse: int = 1) -> dict:
     """Seconds per iteration of every resident CTA under each bound, on one GPU model; only
     1/`reuse` of the loaded bytes come from DRAM (the rest from L2, at no modelled cost)."""
@@ -137,5 +158,5 @@ def loop_figures(loop: dict, warps_per_cta: int, ctas_per_sm: int, kv_rows: int 
     }
 
 
-__all__ = ["BOUNDS", "bound_on", "kv_reuse", "kv_rows_per_iteration", "loop_figures",
+__all__ = ["BOUNDS", "bound_on", "kv_reuse", "kv_rows_per_iteration", "loop_figures", "loop_warps", "main_loop",
            "with_tma_loads", "with_umma_flops"]

@@ -89,7 +89,8 @@ def print_report(report: dict) -> None:
             gpu = report["gpus"][e["gpu"]]["name"] if e["gpu"] in report["gpus"] else e["gpu"]
             est.add_row(name, target, gpu, fmt_seconds(e["seconds"]), bound)
         c.print(est)
-        c.print(f"estimate error: {estimates[0][2]['error']} ({estimates[0][2]['calibration']})")
+        for source, error in dict.fromkeys((e["calibration"], e["error"]) for _, _, e in estimates):
+            c.print(f"estimate error: {error} ({source})")   # one line per fit (mma.sync, wgmma)
     c.print("peaks: " + "; ".join(f"{g['name']} {g['tensor_tflops']:g} TFLOP/s tensor, "
                                    f"{g['f32_tflops']:g} f32, {g['bandwidth_gbs']:g} GB/s"
                                    for g in report["gpus"].values()))
