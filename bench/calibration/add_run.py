@@ -7,8 +7,9 @@ RESULTS.jsonl is the run's results file; SET_DIR are the artifact sets it carrie
 holding a kernel's cubin for the timed target wins, as in gpu_lease.plan); C is the commit whose
 ptxc built them. The GPU key comes from the rows (`gpu`, a ptxc/report/gpus.py key). Left out:
 torch rows; items that did not finish; and the sm_90a rows whose code is the sm_90 code
-(not a wgmma path: the same mma.sync kernel, already recorded on sm_90). A point already
-recorded (same commit, GPU, kernel, target and shape) is replaced.
+(not a wgmma path: the same mma.sync kernel) where the run timed the sm_90 cubin at that shape
+too (kept where only the sm_90a image ran the shape: an mma.sync point like the others). A
+point already recorded (same commit, GPU, kernel, target and shape) is replaced.
 """
 
 from __future__ import annotations
@@ -49,15 +50,18 @@ def main() -> int:
     data = json.loads(path.read_text())
     key = lambda p: (p["commit"], p["gpu"], p["kernel"], p["target"], json.dumps(p["shape"], sort_keys=True))
     points = {key(p): p for p in data["points"]}
+    rows = list(timed_rows(args.results))
+    portable = {(r["kernel"], json.dumps(r["dims"], sort_keys=True)) for r in rows if not r["target"].endswith("a")}
     added = 0
-    for row in timed_rows(args.results):
+    for row in rows:
         art = find_artifact(args.sets, row["kernel"], row["target"])
         if art is None:
             print(f"add_run: no cubin of {row['kernel']} for {row['target']} in the sets", file=sys.stderr)
             return 1
         meta = json.loads((art / f"{row['kernel']}.json").read_text())
-        if row["target"].endswith("a") and not str(meta["targets"][row["target"]]["config"].get("path", "")).startswith("wgmma"):
-            continue
+        if (row["target"].endswith("a") and (row["kernel"], json.dumps(row["dims"], sort_keys=True)) in portable
+                and not str(meta["targets"][row["target"]]["config"].get("path", "")).startswith("wgmma")):
+            continue    # the sm_90 mma.sync code assembled for sm_90a: its sm_90 row is the point
         dest = HERE / args.commit
         dest.mkdir(exist_ok=True)
         shutil.copyfile(art / f"{row['kernel']}.{row['target']}.cubin", dest / f"{row['kernel']}.{row['target']}.cubin")

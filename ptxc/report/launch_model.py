@@ -29,7 +29,7 @@ H100 runs of ptxc's mma.sync / SIMT kernels (sm_90 cubins): in-sample, 41 land w
 and all within ±45 % (tests/report/test_calibration.py pins this). Out of sample, on an H200 (its own
 GPU row, the same constants) at 53a4762, 16 of 23 medians land within ±35 % (0.74-2.00: the
 tensor-core decode is modelled up to 2x slow, its "warp" term; MLA decode about 0.75x), and on
-the H100 at 89432c6 33 of 41 (0.67-1.61), on an H200 at 2d6d5cd 32 of 40 (0.66-1.91).
+the H100 at 89432c6 33 of 41 (0.67-1.61), on an H200 at 2d6d5cd 39 of 48 (0.66-1.91).
 
 The sm_90a wgmma + TMA kernels have constants of their own (`H100_WGMMA`), chosen on the 28
 H100 wgmma medians of 89432c6 / f7ee845: the tensor term at 0.60 of the dense peak (wgmma gets
@@ -89,7 +89,7 @@ CALIBRATIONS = MMA_SYNC_CALIBRATIONS    # the mma.sync fit, by GPU (the report's
 CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 41 within ±35 %, all within ±45 %; "
                      "out-of-sample over 23 H200 medians (53a4762): 16 within ±35 %, model/measured "
                      "0.74–2.00, over 41 H100 medians of 89432c6: 33 within ±35 %, 0.67–1.61, and "
-                     "over 40 H200 medians of 2d6d5cd: 32 within ±35 %, 0.66–1.91 (tensor-core "
+                     "over 48 H200 medians of 2d6d5cd: 39 within ±35 %, 0.66–1.91 (tensor-core "
                      "decode modelled up to 2x slow); mma.sync and SIMT kernels only")
 WGMMA_CALIBRATION_ERROR = ("in-sample over 28 H100 wgmma medians (89432c6, f7ee845): all within "
                            "±35 %, 0.75–1.26; out-of-sample over 62 H200 wgmma medians (2d6d5cd, "
