@@ -147,8 +147,8 @@ def _run_edited(tile, edit):
      "mbarrier deadlock"),
     # the consumers' barrier counting the producer's threads, which never reach it
     (SMALL, lambda p: p.replace("bar.sync 1, 128;", "bar.sync 1, 256;"), "barrier deadlock"),
-    # empty[] counting one consumer warpgroup of two
-    (TWO, lambda p: re.sub(r"(mbarrier\.init\.shared::cta\.b64 \[%r\d+\+(24|32)\], )8;",
+    # empty[] counting one consumer warpgroup of two (at 2 stages: empty[] at +24 and +32)
+    ({**TWO, "num_stages": 2}, lambda p: re.sub(r"(mbarrier\.init\.shared::cta\.b64 \[%r\d+\+(24|32)\], )8;",
                            r"\g<1>4;", p), "arrivals on an mbarrier phase expecting"),
 ])
 def test_protocol_mistakes_are_caught(tile, edit, message):
