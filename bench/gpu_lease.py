@@ -73,8 +73,10 @@ def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None, every: boo
 
     def add(kind, name, target, compare=False, shape=None):
         if target in images[name]:
-            items.append({"kind": kind, "kernel": name, "path": str(images[name][target]), "target": target,
-                          "compare": compare, "shape": shape or {}})
+            path = images[name][target]
+            items.append({"kind": kind, "kernel": name, "path": str(path), "target": target,
+                          "compare": compare, "shape": shape or {},
+                          "input_bytes": input_bytes(_meta(path), shape or {}) if kind == "bench" else 0})
     for n in names:
         add("check", n, arch)
     for n in names:
@@ -98,10 +100,14 @@ def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None, every: boo
 # A --shape that suits one kernel can be enormous for another with the same dims (a batch of
 # 64 paged sequences of 4096 tokens is 1 GiB of llama3's cache, 80 GiB of a 128-head latent one).
 HOST_INPUT_LIMIT = 8 << 30
+# Making and converting the host inputs runs at roughly this rate (bytes of host f32 a second):
+# an item gets --item-timeout plus its inputs' share (a 128-head latent cache's 10.7 GB of
+# host f32 took longer than 30 s on the H200's host).
+INPUT_BYTES_PER_S = 200e6
 
 
-def fits(meta: dict, shape: dict) -> bool:
-    """Whether the bench inputs at `shape` stay under HOST_INPUT_LIMIT bytes (as host f32)."""
+def input_bytes(meta: dict, shape: dict) -> int:
+    """Bytes of the bench inputs at `shape` as host f32 (bench_inputs' representation)."""
     from ptxc.pipeline import exprs
     from ptxc.report.costs import resolve_dims
     dims = resolve_dims(meta, shape, num_sms=132, target=sorted(meta["targets"])[0])
@@ -112,7 +118,11 @@ def fits(meta: dict, shape: dict) -> bool:
             for s in info["shape"]:
                 n *= exprs.evaluate(s, dims) if isinstance(s, str) else s
             total += 4 * n
-    return total <= HOST_INPUT_LIMIT
+    return total
+
+
+def fits(meta: dict, shape: dict) -> bool:
+    return input_bytes(meta, shape) <= HOST_INPUT_LIMIT
 
 
 def run_item(item: dict, device, dry: bool) -> dict:
@@ -184,13 +194,15 @@ def parent(args) -> int:
             now = time.monotonic()
             if lines(results) != seen:
                 seen, last = lines(results), now
-            if now > end or now - last > args.item_timeout:
+            allowed = args.item_timeout + items[min(seen, len(items) - 1)].get("input_bytes", 0) / INPUT_BYTES_PER_S
+            if now > end or now - last > allowed:
                 proc.kill()
                 proc.wait()
                 break
         if lines(results) == seen and seen < len(items) and proc.returncode not in (0, 3):
             why = "deadline" if time.monotonic() > end else \
-                f"no result in {args.item_timeout} s, or the process died (exit {proc.returncode})"
+                f"no result in time ({args.item_timeout} s + the inputs' share), or the process died " \
+                f"(exit {proc.returncode})"
             with results.open("a") as f:
                 f.write(json.dumps({"status": "timeout", "error": why, "index": seen, **items[seen]},
                                    sort_keys=True) + "\n")
@@ -205,7 +217,8 @@ def main() -> int:
     ap.add_argument("sets", nargs="+", type=Path, help="ptxc build output directories")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--deadline", type=float, default=360.0, help="seconds for the whole plan")
-    ap.add_argument("--item-timeout", type=float, default=60.0, help="seconds one item may take")
+    ap.add_argument("--item-timeout", type=float, default=60.0,
+                    help="seconds one item may take, plus its inputs' bytes at INPUT_BYTES_PER_S")
     ap.add_argument("--sm", type=int, default=None, help="plan for this SM (default: the device's)")
     ap.add_argument("--shape", action="append", default=[],
                     help="also time the priority kernels whose dims it names at this shape, e.g. "

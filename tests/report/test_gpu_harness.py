@@ -409,7 +409,10 @@ def test_gpu_lease_plan_and_resume_without_a_gpu(tmp_path):
     kernels = sorted({p["kernel"] for p in plan})
     assert [(p["kind"], p["target"]) for p in plan[:len(kernels)]] == [("check", "sm_90a")] * len(kernels)
     assert plan[len(kernels)] == {"kind": "bench", "kernel": "llama3_8b_decode", "target": "sm_90a",
-                                  "path": str(out / "llama3_8b_decode"), "compare": True, "shape": {}}
+                                  "path": str(out / "llama3_8b_decode"), "compare": True, "shape": {},
+                                  # q, k, v and seq_lens, as host f32 (4 bytes an element)
+                                  "input_bytes": 4 * (16 * 32 * 128 + 2 * 16 * 4096 * 8 * 128 + 16)}
+    assert all(p["input_bytes"] == 0 for p in plan if p["kind"] == "check")
     # an extra shape: one more timing of each priority kernel that has those dims
     assert [(p["kernel"], p["shape"]) for p in plan if p["shape"]] == [
         ("llama3_8b_decode", {"batch": 3, "max_seq_len": 200})]
