@@ -84,7 +84,6 @@ H100_WGMMA = Calibration(
     bandwidth_fraction=0.78, launch_s=5e-6, cta_fixed_s=3e-6,
     source="bench/calibration: 28 wgmma medians, H100 SXM, commits 89432c6 / f7ee845")
 WGMMA_CALIBRATIONS = {H100_WGMMA.gpu: H100_WGMMA}
-CALIBRATIONS = MMA_SYNC_CALIBRATIONS    # the mma.sync fit, by GPU (the report's first model)
 # What the report quotes with every estimate (tests/report/test_calibration.py keeps it true).
 CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 41 within ±35 %, all within ±45 %; "
                      "out-of-sample over 23 H200 medians (53a4762): 16 within ±35 %, model/measured "
@@ -213,6 +212,6 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
     return {"seconds": total, "launches": parts, "calibration": cal.source}
 
 
-__all__ = ["CALIBRATION_ERROR", "CALIBRATIONS", "Calibration", "H100_MMA_SYNC", "H100_WGMMA",
+__all__ = ["CALIBRATION_ERROR", "Calibration", "H100_MMA_SYNC", "H100_WGMMA",
            "MMA_SYNC_CALIBRATIONS", "WGMMA_CALIBRATIONS", "WGMMA_CALIBRATION_ERROR", "calibration_for",
            "cta_iterations", "iteration_seconds", "kv_length", "launch_list_seconds"]
