@@ -8,14 +8,18 @@
 # sm_90a) and ab (bench/lease_specs/hopper_ab.toml: the sm_90a choices not yet timed, A/B).
 # The device image has Python 3.12 with numpy, click, jinja2, rich, cuda-bindings and torch,
 # but not these pure-Python dependencies of ptxc, which travel as wheels. Both folders are
-# added to .git/info/exclude. Then, in one device call carrying `.whl` and `gpu-art`:
+# added to .git/info/exclude. Then, in one device call carrying `.whl` and `gpu-art` (the
+# H200 lease at 2d6d5cd, 484 s: the main sets first, then the A/B set; what the deadlines cut can
+# be resumed in a second call with `gpu_lease.py --child PLAN RESULTS START`):
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD && mkdir -p /tmp/a && tar xzf gpu-art/arts.tgz -C /tmp/a &&
-#   PYTHONUNBUFFERED=1 timeout 150 python3 bench/gpu_lease.py /tmp/a/ab --out /tmp/ab --deadline 140 \
-#       --shape batch=4,total_q=16384,max_pages_per_seq=64,num_pages=256,num_splits=1;
-#   PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu_lease.py /tmp/a/gpuart /tmp/a/a90 --out /tmp/r \
-#       --deadline 280 [--shape ...]; cp -r /tmp/ab /tmp/r $OUT/
+#   PYTHONUNBUFFERED=1 timeout 320 python3 bench/gpu_lease.py /tmp/a/a90 /tmp/a/gpuart --out $OUT/r \
+#       --deadline 305 --item-timeout 30 --shape batch=1,seq_q=16384,seq_k=16384 \
+#       --shape batch=64,max_seq_len=4096 --shape batch=64,max_pages_per_seq=256,num_pages=16384;
+#   PYTHONUNBUFFERED=1 timeout 190 python3 bench/gpu_lease.py /tmp/a/ab --every --out $OUT/ab \
+#       --deadline 175 --item-timeout 30 --shape batch=1,seq_q=16384,seq_k=16384 \
+#       --shape batch=4,total_q=16384,max_pages_per_seq=64,num_pages=256,num_splits=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PTXC=${PTXC:-.venv/bin/ptxc}

@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import InputError, UserError
+from ..errors import InputError
 
 NOT_SEMANTIC = ("name", "targets")   # the artifact's name and the GPUs it is built for
 LEADING = ("family", "dtype", "head_dim")   # first in a key, for readability
