@@ -157,9 +157,10 @@ def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     B, H, Sq, D = q.shape
     Hk, Sk = k.shape[1], k.shape[2]
-    k = np.repeat(k, H // Hk, axis=1)
-    v = np.repeat(v, H // Hk, axis=1)
-    s = rnd(np.einsum("bhqd,bhkd->bhqk", q, k) * scale)
+    # GQA as a group axis, not a copy of K and V per query head (MLA: 128 heads over one
+    # latent head made the copy the reference's whole cost)
+    g = H // Hk
+    s = rnd(np.einsum("bngqd,bnkd->bngqk", q.reshape(B, Hk, g, Sq, D), k).reshape(B, H, Sq, Sk) * scale)
     if soft_cap is not None:   # the naive path takes tanh at tanh.approx.f32's precision
         t = np.tanh(s / soft_cap)
         s = rnd(soft_cap * (round_mantissa(t, TANH_APPROX_BITS) if prec else t))
@@ -193,7 +194,8 @@ def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype
     if sink is not None:
         l = l + np.exp(sink - m_safe)
     with np.errstate(divide="ignore", invalid="ignore"):
-        o = rnd(np.einsum("bhqk,bhkd->bhqd", rnd(p / np.where(l > 0, l, 1.0)), v))
+        probs = rnd(p / np.where(l > 0, l, 1.0)).reshape(B, Hk, g, Sq, Sk)
+        o = rnd(np.einsum("bngqk,bnkd->bngqd", probs, v).reshape(B, H, Sq, v.shape[-1]))
         lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l[..., 0]), -np.inf)
     return o, lse
 
