@@ -178,10 +178,18 @@ def parent(args) -> int:
         sm = CudaDevice.open().sm
     args.out.mkdir(parents=True, exist_ok=True)
     from ptxc.runtime.launch_test import parse_assignments
-    items = plan(args.sets, sm, [parse_assignments([text], "--shape") for text in args.shape], args.every)
     items_path, results = args.out / "plan.json", args.out / "results.jsonl"
-    items_path.write_text(json.dumps(items, indent=1))
-    results.unlink(missing_ok=True)
+    if args.resume and items_path.exists():
+        # the plan already there, from the first item without a result; an item the last
+        # call's deadline cut (always the last line) runs again
+        items = json.loads(items_path.read_text())
+        kept = [t for t in (results.read_text().splitlines() if results.exists() else [])
+                if json.loads(t).get("error") != "deadline"]
+        results.write_text("".join(t + "\n" for t in kept))
+    else:
+        items = plan(args.sets, sm, [parse_assignments([text], "--shape") for text in args.shape], args.every)
+        items_path.write_text(json.dumps(items, indent=1))
+        results.unlink(missing_ok=True)
     end = time.monotonic() + args.deadline
     print(f"gpu_lease: {len(items)} items for sm_{sm}, deadline {args.deadline} s", file=sys.stderr, flush=True)
     while lines(results) < len(items) and time.monotonic() < end:
@@ -226,6 +234,9 @@ def main() -> int:
     ap.add_argument("--every", action="store_true",
                     help="treat every kernel of the sets as a priority kernel (an A/B set: each timed "
                          "at every --shape that fits it)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the plan already in --out (a second device call after a deadline: "
+                         "the sets and --shape given are not re-planned)")
     ap.add_argument("--dry", action="store_true", help="no GPU: load, plan and make inputs only")
     return parent(ap.parse_args())
 

@@ -9,8 +9,8 @@
 # The device image has Python 3.12 with numpy, click, jinja2, rich, cuda-bindings and torch,
 # but not these pure-Python dependencies of ptxc, which travel as wheels. Both folders are
 # added to .git/info/exclude. Then, in one device call carrying `.whl` and `gpu-art` (the
-# H200 lease at 2d6d5cd, 484 s: the main sets first, then the A/B set; what the deadlines cut can
-# be resumed in a second call with `gpu_lease.py --child PLAN RESULTS START`):
+# H200 lease at 2d6d5cd, 484 s: the main sets first, then the A/B set; what the deadlines cut
+# goes on in a second call with the same command plus `--resume`):
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD && mkdir -p /tmp/a && tar xzf gpu-art/arts.tgz -C /tmp/a &&

@@ -397,10 +397,10 @@ def test_gpu_lease_plan_and_resume_without_a_gpu(tmp_path):
     out = tmp_path / "out"
     run_build([SPECS / "llama3_8b.toml"], out, verify=False, progress=False, targets=["sm_90", "sm_90a"])
 
-    def lease(results):
+    def lease(results, *more):
         run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_lease.py"), str(out), "--out",
                               str(results), "--sm", "90", "--dry", "--deadline", "300",
-                              "--shape", "batch=3,max_seq_len=200", "--shape", "seq_q=16384"],
+                              "--shape", "batch=3,max_seq_len=200", "--shape", "seq_q=16384", *more],
                              capture_output=True, text=True, cwd=ROOT)
         assert run.returncode == 0, run.stderr
         plan = json.loads((results / "plan.json").read_text())
@@ -417,6 +417,13 @@ def test_gpu_lease_plan_and_resume_without_a_gpu(tmp_path):
     assert [(p["kernel"], p["shape"]) for p in plan if p["shape"]] == [
         ("llama3_8b_decode", {"batch": 3, "max_seq_len": 200})]
     assert [x["index"] for x in lines] == list(range(len(plan))) and all(x["status"] == "ok" for x in lines)
+    # --resume: a call cut by its deadline (the last line says so) goes on in the next one
+    results = tmp_path / "r" / "results.jsonl"
+    cut = [json.dumps(x) for x in lines[:3]] + [json.dumps({**lines[3], "status": "timeout", "error": "deadline"})]
+    results.write_text("\n".join(cut) + "\n")
+    resumed, again = lease(tmp_path / "r", "--resume")
+    assert resumed == plan and [x["index"] for x in again] == list(range(len(plan)))
+    assert again[:3] == lines[:3] and all(x["status"] == "ok" for x in again)
     # a tampered artifact: each of its items is recorded as an error, a new child resumes after it
     victim = plan[1]["kernel"]
     ptx = out / victim / f"{victim}.sm_90a.ptx"
