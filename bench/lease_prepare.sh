@@ -10,16 +10,18 @@
 # but not these pure-Python dependencies of ptxc, which travel as wheels. Both folders are
 # added to .git/info/exclude. Then, in one device call carrying `.whl` and `gpu-art` (the
 # H200 lease at 2d6d5cd, 484 s: the main sets first, then the A/B set; what the deadlines cut
-# goes on in a second call with the same command plus `--resume`):
+# goes on in a second call on the still-warm machine with the same command plus `--resume` --
+# $OUT is emptied before every call, hence --out under /tmp and a copy at the end):
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD && mkdir -p /tmp/a && tar xzf gpu-art/arts.tgz -C /tmp/a &&
-#   PYTHONUNBUFFERED=1 timeout 320 python3 bench/gpu_lease.py /tmp/a/a90 /tmp/a/gpuart --out $OUT/r \
+#   PYTHONUNBUFFERED=1 timeout 320 python3 bench/gpu_lease.py /tmp/a/a90 /tmp/a/gpuart --out /tmp/r \
 #       --deadline 305 --item-timeout 30 --shape batch=1,seq_q=16384,seq_k=16384 \
 #       --shape batch=64,max_seq_len=4096 --shape batch=64,max_pages_per_seq=256,num_pages=16384;
-#   PYTHONUNBUFFERED=1 timeout 190 python3 bench/gpu_lease.py /tmp/a/ab --every --out $OUT/ab \
+#   PYTHONUNBUFFERED=1 timeout 190 python3 bench/gpu_lease.py /tmp/a/ab --every --out /tmp/ab \
 #       --deadline 175 --item-timeout 30 --shape batch=1,seq_q=16384,seq_k=16384 \
-#       --shape batch=4,total_q=16384,max_pages_per_seq=64,num_pages=256,num_splits=1
+#       --shape batch=4,total_q=16384,max_pages_per_seq=64,num_pages=256,num_splits=1;
+#   cp -r /tmp/r /tmp/ab $OUT/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PTXC=${PTXC:-.venv/bin/ptxc}
