@@ -17,6 +17,7 @@ from ptxc.cli import main
 from ptxc.report.costs import Cost, decode_cost, launch_cost, prefill_cost, resolve_dims, roofline
 from ptxc.errors import InputError, UserError
 from ptxc.report.gpus import GPUS, get_gpu, match_device, models_for_target
+from ptxc.report.launch_model import CALIBRATION_ERROR, WGMMA_CALIBRATION_ERROR
 from ptxc.report.loop_model import COPY_FAMILIES
 from ptxc.targets import TARGETS, occupancy
 
@@ -176,6 +177,7 @@ def test_report_every_example_spec_json_and_html(built, tmp_path, shared_cache):
     except SassUnavailable:
         has_nvdisasm = False
     assert data["sass"]["available"] == has_nvdisasm
+    wgmma_estimates = 0
     for k in data["kernels"]:
         meta = json.loads((out / k["name"] / f"{k['name']}.json").read_text())
         for t in k["targets"]:
@@ -198,6 +200,16 @@ def test_report_every_example_spec_json_and_html(built, tmp_path, shared_cache):
             want = launch_cost(meta, t["target"], k["dims"]).to_dict()
             assert t["cost"] == want
             assert [r["gpu"] for r in t["roofline"]] == [g.key for g in models_for_target(t["target"])]
+            # the calibrated estimate: each path quotes its own fit's error; tcgen05 gets none
+            path = str(t["config"].get("path", ""))
+            wgmma_estimates += path.startswith("wgmma") and bool(t.get("estimate"))
+            for e in t.get("estimate") or []:
+                assert e["error"] == (WGMMA_CALIBRATION_ERROR if path.startswith("wgmma") else CALIBRATION_ERROR)
+            if path.startswith("tcgen05"):
+                assert not t.get("estimate")
+            elif has_nvdisasm and any(r["gpu"] == "h100-sxm" for r in t["roofline"]):
+                assert t.get("estimate"), (k["name"], t["target"])
+    assert (wgmma_estimates > 0) == has_nvdisasm   # the examples' sm_90a kernels are estimated
     html = html_path.read_text()
     assert ("Main loop: one steady-state iteration" in html) == has_nvdisasm
     assert html.count('<svg class="roofline"') == len(data["gpus"]) >= 4
