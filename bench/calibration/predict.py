@@ -43,28 +43,37 @@ def _profiles(calib: Path, pts: list[dict]) -> dict[str, dict]:
         return dict(zip(cubins, pool.map(sass_profile, cubins.values())))
 
 
-def predictions(calib: Path = HERE) -> list[dict]:
+def model_inputs(calib: Path = HERE):
+    """Per recorded point: (point with `path`, `in_sample` and `cubin`, the launch model's
+    arguments but the constants -- (family, spec, config, launches, loops, dims, GPU row) --
+    or None where no constants were fitted for the kernel's path (tcgen05))."""
     pts = points(calib)
     profiles = _profiles(calib, pts)
-    out = []
     for p in pts:
         meta = json.loads((calib / p["commit"] / f"{p['kernel']}.json").read_text())
         cubin = (calib / p["commit"] / f"{p['kernel']}.{p['target']}.cubin").read_bytes()
         digest = hashlib.sha256(cubin).hexdigest()
         t = meta["targets"][p["target"]]
         wgmma = str(t["config"].get("path", "")).startswith("wgmma")
-        p = {**p, "path": "wgmma" if wgmma else "mma.sync",
+        p = {**p, "path": "wgmma" if wgmma else "mma.sync", "cubin": digest,
              "in_sample": (p["gpu"], p["commit"]) in (WGMMA_FITTED if wgmma else FITTED)}
-        # the H100's constants on this GPU's row: the same model, checked on another GPU
-        fitted = calibration_for("h100-sxm", t["config"])
-        if fitted is None:
-            out.append({**p, "predicted_ms": None, "bound": "no model", "cubin": digest})
+        if calibration_for("h100-sxm", t["config"]) is None:
+            yield p, None
             continue
         loops = {k["entry"]: main_loop(profiles[digest].get(k["entry"]), k, meta, t["config"])
                  for k in t["kernels"]}
-        got = launch_list_seconds(meta["family"], meta["spec"], t["config"], t["kernels"], loops,
-                                  {"num_splits": 1, "num_new": 1, **p["shape"]}, GPUS[p["gpu"]],
-                                  fitted[0])
+        yield p, (meta["family"], meta["spec"], t["config"], t["kernels"], loops,
+                  {"num_splits": 1, "num_new": 1, **p["shape"]}, GPUS[p["gpu"]])
+
+
+def predictions(calib: Path = HERE) -> list[dict]:
+    out = []
+    for p, args in model_inputs(calib):
+        if args is None:
+            out.append({**p, "predicted_ms": None, "bound": "no model"})
+            continue
+        # the H100's constants on this GPU's row: the same model, checked on another GPU
+        got = launch_list_seconds(*args, calibration_for("h100-sxm", args[2])[0])
         bound = max(got["launches"], key=lambda x: x["seconds"])["bound"]
-        out.append({**p, "predicted_ms": got["seconds"] * 1e3, "bound": bound, "cubin": digest})
+        out.append({**p, "predicted_ms": got["seconds"] * 1e3, "bound": bound})
     return out
