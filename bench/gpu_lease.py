@@ -76,7 +76,7 @@ def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None, every: boo
             path = images[name][target]
             items.append({"kind": kind, "kernel": name, "path": str(path), "target": target,
                           "compare": compare, "shape": shape or {},
-                          "input_bytes": input_bytes(_meta(path), shape or {}) if kind == "bench" else 0})
+                          "buffer_bytes": (buffer_bytes(_meta(path), shape or {}) or 0) if kind == "bench" else 0})
     for n in names:
         add("check", n, arch)
     for n in names:
@@ -86,7 +86,7 @@ def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None, every: boo
     for shape in shapes or []:
         for n in names:
             path = images[n].get(arch) or images[n].get(own)
-            if n in rank and set(shape) <= set(_meta(path)["dims"]) and fits(_meta(path), shape):
+            if n in rank and set(shape) <= set(_meta(path)["dims"]) and buffer_bytes(_meta(path), shape):
                 add("bench", n, arch if arch in images[n] else own, compare=True, shape=shape)
     for n in names:
         add("check", n, own)
@@ -97,32 +97,25 @@ def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None, every: boo
     return items
 
 
-# A --shape that suits one kernel can be enormous for another with the same dims (a batch of
-# 64 paged sequences of 4096 tokens is 1 GiB of llama3's cache, 80 GiB of a 128-head latent one).
-HOST_INPUT_LIMIT = 8 << 30
-# Making and converting the host inputs runs at roughly this rate (bytes of host f32 a second):
-# an item gets --item-timeout plus its inputs' share (a 128-head latent cache's 10.7 GB of
-# host f32 took longer than 30 s on the H200's host).
-INPUT_BYTES_PER_S = 200e6
+# Making and uploading a bench's buffers runs at roughly this rate (device bytes a second; the
+# host builds bf16 tensors as f32 first): an item gets --item-timeout plus its buffers' share
+# (a 128-head latent cache's 5.4 GB took longer than 30 s on the H200's host).
+BUFFER_BYTES_PER_S = 100e6
 
 
-def input_bytes(meta: dict, shape: dict) -> int:
-    """Bytes of the bench inputs at `shape` as host f32 (bench_inputs' representation)."""
-    from ptxc.pipeline import exprs
+def buffer_bytes(meta: dict, shape: dict) -> int | None:
+    """Bytes of every buffer a bench at `shape` needs, by the runtime's own count
+    (runtime.abi.check_buffer_budget), or None where the runtime refuses them: a --shape that
+    suits one kernel can be enormous for another with the same dims (a batch of 64 paged
+    sequences of 4096 tokens is 1 GiB of llama3's cache, 40 GiB of a 128-head latent one)."""
+    from ptxc.errors import InputError
     from ptxc.report.costs import resolve_dims
+    from ptxc.runtime.abi import check_buffer_budget
     dims = resolve_dims(meta, shape, num_sms=132, target=sorted(meta["targets"])[0])
-    total = 0
-    for info in meta["tensors"].values():
-        if info["role"] in ("input", "inout"):
-            n = 1
-            for s in info["shape"]:
-                n *= exprs.evaluate(s, dims) if isinstance(s, str) else s
-            total += 4 * n
-    return total
-
-
-def fits(meta: dict, shape: dict) -> bool:
-    return input_bytes(meta, shape) <= HOST_INPUT_LIMIT
+    try:
+        return check_buffer_budget(meta, None, dims)
+    except InputError:
+        return None
 
 
 def run_item(item: dict, device, dry: bool) -> dict:
@@ -202,14 +195,14 @@ def parent(args) -> int:
             now = time.monotonic()
             if lines(results) != seen:
                 seen, last = lines(results), now
-            allowed = args.item_timeout + items[min(seen, len(items) - 1)].get("input_bytes", 0) / INPUT_BYTES_PER_S
+            allowed = args.item_timeout + items[min(seen, len(items) - 1)].get("buffer_bytes", 0) / BUFFER_BYTES_PER_S
             if now > end or now - last > allowed:
                 proc.kill()
                 proc.wait()
                 break
         if lines(results) == seen and seen < len(items) and proc.returncode not in (0, 3):
             why = "deadline" if time.monotonic() > end else \
-                f"no result in time ({args.item_timeout} s + the inputs' share), or the process died " \
+                f"no result in time ({args.item_timeout} s + the buffers' share), or the process died " \
                 f"(exit {proc.returncode})"
             with results.open("a") as f:
                 f.write(json.dumps({"status": "timeout", "error": why, "index": seen, **items[seen]},
@@ -226,7 +219,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--deadline", type=float, default=360.0, help="seconds for the whole plan")
     ap.add_argument("--item-timeout", type=float, default=60.0,
-                    help="seconds one item may take, plus its inputs' bytes at INPUT_BYTES_PER_S")
+                    help="seconds one item may take, plus its buffers' bytes at BUFFER_BYTES_PER_S")
     ap.add_argument("--sm", type=int, default=None, help="plan for this SM (default: the device's)")
     ap.add_argument("--shape", action="append", default=[],
                     help="also time the priority kernels whose dims it names at this shape, e.g. "

@@ -140,18 +140,18 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
     # pipeline never fills: gpt-oss's 128-key window ran 9-10 % faster with one issuer (H200)
     window = spec_option(spec, "sliding_window")
     short_window = window is not None and window < SHORT_WINDOW_TILES * bn
-    needs_producer = given.get("pingpong", False) or bm == 192   # both are producer-warpgroup tiles
+    pingpong = given.get("pingpong", False)
+    needs_producer = pingpong or bm == 192   # both are producer-warpgroup tiles
     ws = given.get("warp_specialize", loads == "tma" and (needs_producer or not short_window))
     if ws and loads != "tma":
         raise SpecError(f"warp_specialize = true with kv_loads = \"{loads}\" on {target}: the "
                         f"producer warpgroup issues TMA loads; use kv_loads = \"tma\" or drop "
                         f"warp_specialize", key="tile.warp_specialize")
-    if ws and bm == 128 and max(d, dv) <= 64 and not given.get("pingpong") and "num_stages" not in given:
+    if ws and bm == 128 and max(d, dv) <= 64 and not pingpong and "num_stages" not in given:
         # d64's tile is short (16 KiB of K and V a stage): 4 stages ran 5 % faster than 2 with
         # the producer warpgroup, on an H100 (415 vs 394 TFLOP/s) and an H200 (426 vs 406 at
         # 4 x 4096^2, 456 vs 444 at 16k^2); at 146 KiB the registers still bind (one CTA per SM)
         stages = D64_WS_STAGES
-    pingpong = given.get("pingpong", False)
     if pingpong and not (ws and bm == 2 * ROWS_PER_WARPGROUP):
         raise SpecError(f"pingpong = true with block_m = {bm}, warp_specialize = "
                         f"{str(ws).lower()} on {target}: the consumers' ping-pong takes two "
