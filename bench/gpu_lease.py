@@ -139,7 +139,22 @@ def run_item(item: dict, device, dry: bool) -> dict:
     return {"rows": result.pop("results"), "device": result}
 
 
-def child(items_path: Path, results: Path, start: int, dry: bool) -> int:
+def apply_patches(patches: list[str]) -> None:
+    """--patch MODULE:NAME=INT ...: set compiler constants in this process before any artifact
+    loads (the checked loader re-derives each PTX from its spec, so an A/B of a constant, such as
+    bench/split_rule_ab.py's, must compile its variant set and load it with the same values)."""
+    import importlib
+    for p in patches:
+        module, assign = p.split(":", 1)
+        name, value = assign.split("=", 1)
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            raise SystemExit(f"--patch {p}: {module} has no {name}")
+        setattr(mod, name, int(value))
+
+
+def child(items_path: Path, results: Path, start: int, dry: bool, patches: list[str]) -> int:
+    apply_patches(patches)
     items = json.loads(items_path.read_text())
     device = None
     if not dry:
@@ -188,6 +203,7 @@ def parent(args) -> int:
     while lines(results) < len(items) and time.monotonic() < end:
         start = lines(results)
         cmd = [sys.executable, __file__, "--child", str(items_path), str(results), str(start)]
+        cmd += [f"--patch={p}" for p in args.patch]
         proc = subprocess.Popen(cmd + (["--dry"] if args.dry else []))
         seen, last = start, time.monotonic()
         while proc.poll() is None:
@@ -213,7 +229,8 @@ def parent(args) -> int:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        return child(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), "--dry" in sys.argv)
+        return child(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), "--dry" in sys.argv,
+                     [a.split("=", 1)[1] for a in sys.argv[5:] if a.startswith("--patch=")])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sets", nargs="+", type=Path, help="ptxc build output directories")
     ap.add_argument("--out", type=Path, required=True)
@@ -231,7 +248,12 @@ def main() -> int:
                     help="continue the plan already in --out (a second device call after a deadline: "
                          "the sets and --shape given are not re-planned)")
     ap.add_argument("--dry", action="store_true", help="no GPU: load, plan and make inputs only")
-    return parent(ap.parse_args())
+    ap.add_argument("--patch", action="append", default=[], metavar="MODULE:NAME=INT",
+                    help="set a compiler constant in every process that loads artifacts (an A/B "
+                         "set built with the same value; repeatable)")
+    args = ap.parse_args()
+    apply_patches(args.patch)
+    return parent(args)
 
 
 if __name__ == "__main__":

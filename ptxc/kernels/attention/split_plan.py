@@ -32,6 +32,8 @@ from ...ir import U32, KernelBuilder, Reg
 
 SPLIT_HEADROOM = 4    # "auto": split indices per resident CTA slot (see the module docstring)
 MAX_AUTO_SPLITS = 64
+AUTO_WAVES = 1        # "auto": busy CTAs per resident slot the `total` term aims at
+EQUAL_SPLITS = False  # "auto": even out the longest row's splits (cdiv(longest, its count))
 
 
 def _cdiv(b: KernelBuilder, a: Reg, d: Reg | int) -> Reg:
@@ -78,8 +80,14 @@ def emit_chunk(b: KernelBuilder, *, total: Reg, longest: Reg, own: Reg, num_spli
     """The uniform chunk (in units) of the module docstring."""
     chunk = b.max(b.max(_cdiv(b, longest, num_splits), _cdiv(b, own, num_splits)), 1)
     if auto:
-        slots = b.max(_cdiv(b, b.mul(num_splits, rows), SPLIT_HEADROOM), 1)
+        split_rows = b.mul(num_splits, rows)
+        if AUTO_WAVES != 1:
+            split_rows = b.mul(split_rows, AUTO_WAVES)
+        slots = b.max(_cdiv(b, split_rows, SPLIT_HEADROOM), 1)
         b.max(chunk, _cdiv(b, total, slots), out=chunk)
+        if EQUAL_SPLITS:   # n <= S splits of the longest row, each cdiv(longest, n) units
+            n = b.max(_cdiv(b, longest, chunk), 1)
+            chunk = b.max(b.max(_cdiv(b, longest, n), _cdiv(b, own, num_splits)), 1)
     return chunk
 
 
@@ -116,6 +124,8 @@ def plan(units: list[int], num_splits: int, auto: bool, work: list[int] | None =
     longest = max(units, default=0)
     chunk = max(1, cd(longest, S))
     if auto:
-        chunk = max(chunk, cd(sum(work), max(1, cd(S * rows, SPLIT_HEADROOM))))
+        chunk = max(chunk, cd(sum(work), max(1, cd(S * rows * AUTO_WAVES, SPLIT_HEADROOM))))
+        if EQUAL_SPLITS:
+            chunk = max(cd(longest, max(1, cd(longest, chunk))), 1)
     ranges = [[(min(z * chunk, u), min(min(z * chunk, u) + chunk, u)) for z in range(S)] for u in units]
     return chunk, ranges
