@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ptxc.kernels.attention.split_plan import plan  # noqa: E402
+from ptxc.kernels.attention.split_plan import AUTO_SPLIT, AutoSplit, plan  # noqa: E402
 from ptxc.pipeline.exprs import evaluate  # noqa: E402
 from ptxc.runtime import apply_dim_rule, load, rule_ctas_per_sm  # noqa: E402
 
@@ -100,8 +100,8 @@ def main() -> None:
                 old = min(16, max(1, -(-2 * args.sms // max(1, evaluate(rule["auto"]["ctas"], dims)))))
                 new = apply_dim_rule(rule, dims, args.sms, occ)
                 slots = args.sms * occ
-                b_old = figures(LENS, unit, old, columns, slots, False, False)
-                b_new = figures(LENS, unit, new, columns, slots, True, True)
+                b_old = figures(LENS, unit, old, columns, slots, False, None)
+                b_new = figures(LENS, unit, new, columns, slots, True, AUTO_SPLIT.get(fam, AutoSplit()))
                 print(f"| {name} | {target} | {occ} | {old} -> {new} | {b_old[0]} -> {b_new[0]} "
                       f"| {b_old[1]} / {b_old[2]:.0f} | {b_new[1]} / {b_new[2]:.0f} "
                       f"| {b_old[3]:.2f} -> {b_new[3]:.2f} |")

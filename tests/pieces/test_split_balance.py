@@ -9,7 +9,7 @@ import pytest
 
 from conftest import build_kernel
 from ptxc.kernels import FAMILIES
-from ptxc.kernels.attention.split_plan import SPLIT_HEADROOM, plan
+from ptxc.kernels.attention.split_plan import AUTO_SPLIT, SPLIT_HEADROOM, AutoSplit, auto_split, plan
 from ptxc.runtime import _emu_launcher, infer_dims, prepare_buffers
 from ptxc.spec.model import KernelSpec
 
@@ -36,15 +36,51 @@ def partial_lse(q, k, scale, rows) -> float:
 
 def test_plan_covers_every_row_once_and_bounds_splits():
     units = [613, 0, 1, 3, 17, 5, 0, 40, 2]
-    for S, auto in ((1, False), (4, False), (12, True), (64, True)):
+    policies = [AutoSplit(), *AUTO_SPLIT.values()]
+    for S, auto in [(1, None), (4, None)] + [(S, a) for S in (12, 64) for a in policies]:
         chunk, ranges = plan(units, S, auto)
         for u, rs in zip(units, ranges):
             covered = [x for a, b in rs for x in range(a, b)]
             assert covered == list(range(u))                     # contiguous, once, in order
             assert all(b - a <= chunk for a, b in rs)
         assert chunk >= -(-max(units) // S)
-    chunk, _ = plan([10] * 8, 4, True)                            # equal lengths: busy CTAs ~ slots
+    chunk, _ = plan([10] * 8, 4, AutoSplit())                     # equal lengths: busy CTAs ~ slots
     assert chunk == -(-80 // -(-4 * 8 // SPLIT_HEADROOM))
+
+
+def busy_ctas(units: list[int], S: int, auto, rows: int, ctas_per_row: int, work=None) -> tuple[int, int]:
+    chunk, ranges = plan(units, S, auto, work, rows)
+    return chunk, sum(b > a for r in ranges for a, b in r) * ctas_per_row
+
+
+def test_family_rules_give_the_split_counts_timed_fastest_on_an_h200():
+    """The shapes of docs/performance.md "Split-KV 'auto' rule" (H200: 132 SMs), through the
+    launch's own S (AUTO_RULE): decode at batch 64 x 4096 (3 CTAs per SM, 8 KV heads, 64-key
+    tiles) used 512 busy CTAs (1.29 waves, 0.344 ms) and now uses 2048 (5.2 waves, 0.279 ms);
+    MLA (1 CTA per SM, 32-row latent tiles, rows = the packed tiles + batch) now leaves
+    DeepSeek-V3 at batch 64 unsplit (0.207 ms timed at num_splits 1 against 0.227 at the old
+    rule's 114 + 14 rows) and gives Kimi-K2 two even halves (0.127 against 0.147)."""
+    cd = lambda a, d: -(-a // d)
+    S = cd(SPLIT_HEADROOM * 132 * 3, 8 * 64)
+    assert busy_ctas([64] * 64, S, AutoSplit(), 64, 8) == (64, 512)
+    assert busy_ctas([64] * 64, S, AUTO_SPLIT["decode"], 64, 8) == (16, 2048)
+    for heads, old, new in ((128, (114, 256), (128, 128)), (64, (52, 192), (64, 128))):
+        tiles = heads // 64
+        rows = 64 * tiles + 64
+        S = cd(SPLIT_HEADROOM * 132, rows)
+        args = ([128] * 64, S, None, rows, tiles, [128 * tiles] * 64)
+        assert busy_ctas(*args[:2], AutoSplit(), *args[3:]) == old
+        assert busy_ctas(*args[:2], AUTO_SPLIT["mla"], *args[3:]) == new
+
+
+def test_rounding_down_never_exceeds_the_aim_and_stays_exact():
+    """"down": the longest row's splits are floor(longest / the total term's chunk), all even."""
+    for units in ([100] * 7, [613, 0, 1, 40], [5, 5, 6], [1]):
+        for S in (1, 2, 3, 8, 64):
+            chunk, ranges = plan(units, S, AutoSplit(even="down"))
+            aim = max(1, -(-sum(units) // max(1, -(-S * len(units) // SPLIT_HEADROOM))))
+            assert chunk >= -(-max(units) // S)                                   # S chunks cover
+            assert sum(b > a for a, b in ranges[units.index(max(units))]) <= max(1, max(units) // aim)
 
 
 @pytest.mark.parametrize("splits", [5, "auto"])
@@ -71,7 +107,7 @@ def test_decode_splits_follow_the_model_on_mixed_lengths(tmp_path, splits):
     S = dims["num_splits"]
     assert S == (5 if splits == 5 else min(64, -(-SPLIT_HEADROOM * 108 // (Hk * B))))  # 1 CTA/SM: unverified
     units = [-(-int(n) // per_iter) for n in lens]
-    chunk, ranges = plan(units, S, splits == "auto")
+    chunk, ranges = plan(units, S, auto_split(spec))
     busy = 0
     for bi, n in enumerate(lens):
         for h in range(4):
@@ -103,7 +139,7 @@ def test_varlen_splits_follow_the_model_on_mixed_lengths(tmp_path):
     np.testing.assert_allclose(buf["lse"], ref["lse"], rtol=1e-2, atol=1e-2)
     bn = art.meta["targets"]["sm_80"]["config"]["block_n"]
     units = [-(-int(n) // bn) for n in lens]
-    chunk, ranges = plan(units, 4, False)
+    chunk, ranges = plan(units, 4, None)
     for bi, n in enumerate(lens):
         for h in range(4):
             for z, (a, e) in enumerate(ranges[bi]):

@@ -16,7 +16,7 @@ from .. import common as C
 from ..config.prefill import PrefillConfig
 from ..kv.kv_access import KVAccess
 from .mask_tiles import TileList, classify_tiles
-from .split_plan import emit_balanced_split
+from .split_plan import auto_split, emit_balanced_split
 from .variant import load_head_f32
 from .variant import AttentionVariant, MaskPredicate
 
@@ -255,7 +255,7 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
         first, n_vis = emit_balanced_split(
             b, split=split, num_splits=split_count, lane=lane, n_seqs=work.n_seqs,
             seq_units=work.seq_units, own=span, begin=first, end=n_vis, rows=work.split_rows,
-            auto=spec.opt("num_splits") == "auto", keep_split0="sinks" in ptrs, write_empty=None)
+            auto=auto_split(spec), keep_split0="sinks" in ptrs, write_empty=None)
     n_tiles = b.sub(n_vis, first)
     n_full = b.sub(b.max(n_full, first), first)
     if lo_full is not None:

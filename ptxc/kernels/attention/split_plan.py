@@ -6,7 +6,9 @@ CTAs of short rows idle while the long ones dominate), every CTA derives one uni
 in units of KV tiles, for the whole batch from the device's seq_lens:
 
     chunk = max(1, cdiv(longest, S), cdiv(own, S))                          (fixed num_splits)
-    chunk = max(that, cdiv(total, cdiv(S * rows, SPLIT_HEADROOM)))          ("auto")
+    chunk = max(that, cdiv(total, cdiv(S * rows * waves, SPLIT_HEADROOM)))  ("auto")
+    then, with the family's AutoSplit.even, n = cdiv(longest, chunk) ("up") or
+    max(1, longest // chunk) ("down"), and chunk = max(cdiv(longest, n), cdiv(own, S))
 
 where `longest` is the most units of any row, `total` the units of the whole batch and `own` the
 CTA's own row (== longest's bound normally; it keeps the cover exact even if the two disagree).
@@ -17,7 +19,7 @@ cdiv(own, S), a CTA with z * cdiv(own, S) >= own knows it is unused from its own
 exits before the batch pass (emit_idle_exit; decode does, varlen does not: there ptxas spilled):
 the many spare split indices of short rows then cost a load and a store. "auto" sizes
 S = SPLIT_HEADROOM x the resident CTA slots / (CTAs per split index) (split_interface), so the
-`total` term aims the busy CTAs at about one per resident slot, and the headroom lets a long
+`total` term aims the busy CTAs at about `waves` per resident slot, and the headroom lets a long
 row take up to SPLIT_HEADROOM x its even share of splits. Exactness rests on the `longest` and
 `own` terms alone (S chunks cover every row), so even a wrapped u32 `total` only unbalances. Each CTA computes `longest` and `total` with a warp-parallel pass over the
 batch (one lane per row, a shuffle reduction): every warp does it redundantly, so there is no
@@ -26,14 +28,37 @@ barrier and no shared memory. `plan` is the same arithmetic in Python (tests, do
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from ...ir import U32, KernelBuilder, Reg
 
 SPLIT_HEADROOM = 4    # "auto": split indices per resident CTA slot (see the module docstring)
 MAX_AUTO_SPLITS = 64
-AUTO_WAVES = 1        # "auto": busy CTAs per resident slot the `total` term aims at
-EQUAL_SPLITS = False  # "auto": even out the longest row's splits (cdiv(longest, its count))
+
+
+@dataclass(frozen=True)
+class AutoSplit:
+    """How "auto" turns the batch's work into the chunk (module docstring): the `total` term aims
+    at `waves` busy CTAs per resident slot, then with `even` the longest row's splits are evened
+    out -- "up": its cdiv(longest, chunk) splits each take cdiv(longest, n) units; "down":
+    floor(longest / chunk) of them (at least one), so the busy CTAs never exceed the aim."""
+    waves: int = 1
+    even: str = ""            # "", "up" or "down"
+
+
+# Per family, from H200 timings (docs/performance.md "Split-KV 'auto' rule"): decode's CTAs are
+# small (3+ per SM) and latency-bound, its partials tiny: four waves of busy CTAs, evened out
+# (batch 64 x 4096: 0.344 -> 0.279 ms). MLA's CTA holds an SM and a split's f32 partial of
+# 512-wide rows costs ~5 % of the latent bytes: at most one wave, whole splits of equal size
+# (DeepSeek-V3 at batch 64: unsplit, 0.227 -> 0.207 ms). varlen: the rule as it was (its
+# batch-64 serve at 85 % of HBM did not gain from either).
+AUTO_SPLIT = {"decode": AutoSplit(waves=4, even="up"), "mla": AutoSplit(even="down")}
+
+
+def auto_split(spec) -> AutoSplit | None:
+    """The family's AutoSplit for a spec built with num_splits = "auto" (None otherwise)."""
+    return AUTO_SPLIT.get(spec.family, AutoSplit()) if spec.opt("num_splits") == "auto" else None
 
 
 def _cdiv(b: KernelBuilder, a: Reg, d: Reg | int) -> Reg:
@@ -76,17 +101,17 @@ def emit_idle_exit(b: KernelBuilder, split: Reg, own: Reg, num_splits: Reg, keep
 
 
 def emit_chunk(b: KernelBuilder, *, total: Reg, longest: Reg, own: Reg, num_splits: Reg,
-               rows: Reg, auto: bool) -> Reg:
+               rows: Reg, auto: AutoSplit | None) -> Reg:
     """The uniform chunk (in units) of the module docstring."""
     chunk = b.max(b.max(_cdiv(b, longest, num_splits), _cdiv(b, own, num_splits)), 1)
-    if auto:
+    if auto is not None:
         split_rows = b.mul(num_splits, rows)
-        if AUTO_WAVES != 1:
-            split_rows = b.mul(split_rows, AUTO_WAVES)
+        if auto.waves != 1:
+            split_rows = b.mul(split_rows, auto.waves)
         slots = b.max(_cdiv(b, split_rows, SPLIT_HEADROOM), 1)
         b.max(chunk, _cdiv(b, total, slots), out=chunk)
-        if EQUAL_SPLITS:   # n <= S splits of the longest row, each cdiv(longest, n) units
-            n = b.max(_cdiv(b, longest, chunk), 1)
+        if auto.even:   # n <= S splits of the longest row, each cdiv(longest, n) units
+            n = b.max(_cdiv(b, longest, chunk) if auto.even == "up" else b.div(longest, chunk), 1)
             chunk = b.max(b.max(_cdiv(b, longest, n), _cdiv(b, own, num_splits)), 1)
     return chunk
 
@@ -99,7 +124,7 @@ def emit_split_range(b: KernelBuilder, split: Reg, chunk: Reg, begin: Reg, end: 
 
 def emit_balanced_split(b: KernelBuilder, *, split: Reg, num_splits: Reg, lane: Reg, n_seqs: Reg,
                         seq_units: Callable[[Reg], tuple[Reg, Reg]], own: Reg, begin: Reg, end: Reg,
-                        rows: Reg, auto: bool, keep_split0: bool,
+                        rows: Reg, auto: AutoSplit | None, keep_split0: bool,
                         write_empty: Callable[[], None] | None, unit: int = 1) -> tuple[Reg, Reg]:
     """The whole assignment for one split CTA, in order: the idle exit (skipped when
     `write_empty` is None: the caller already placed it), the batch pass, the chunk, and this
@@ -113,19 +138,21 @@ def emit_balanced_split(b: KernelBuilder, *, split: Reg, num_splits: Reg, lane: 
     return emit_split_range(b, split, b.mul(chunk, unit) if unit != 1 else chunk, begin, end)
 
 
-def plan(units: list[int], num_splits: int, auto: bool, work: list[int] | None = None,
+def plan(units: list[int], num_splits: int, auto: AutoSplit | None, work: list[int] | None = None,
          rows: int | None = None) -> tuple[int, list[list[tuple[int, int]]]]:
     """(chunk, per row the [first, last) unit ranges of its splits 0..S-1), as the kernels
     compute them: `units` per split row (its KV span), `work` per batch entry (default: units),
-    `rows` the split rows of the grid (default: len(units))."""
+    `rows` the split rows of the grid (default: len(units)), `auto` the family's AutoSplit
+    (None: a fixed num_splits)."""
     cd = lambda a, d: -(-a // d)
     S, work = num_splits, units if work is None else work
     rows = len(units) if rows is None else rows
     longest = max(units, default=0)
     chunk = max(1, cd(longest, S))
-    if auto:
-        chunk = max(chunk, cd(sum(work), max(1, cd(S * rows * AUTO_WAVES, SPLIT_HEADROOM))))
-        if EQUAL_SPLITS:
-            chunk = max(cd(longest, max(1, cd(longest, chunk))), 1)
+    if auto is not None:
+        chunk = max(chunk, cd(sum(work), max(1, cd(S * rows * auto.waves, SPLIT_HEADROOM))))
+        if auto.even:
+            n = max(1, cd(longest, chunk) if auto.even == "up" else longest // chunk)
+            chunk = max(cd(longest, n), 1)
     ranges = [[(min(z * chunk, u), min(min(z * chunk, u) + chunk, u)) for z in range(S)] for u in units]
     return chunk, ranges

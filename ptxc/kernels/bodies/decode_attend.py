@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ...ir import F32, S32, S64, U32, Addr, KernelBuilder, Reg
 from .. import common as C
-from ..attention.split_plan import emit_balanced_split
+from ..attention.split_plan import auto_split, emit_balanced_split
 from ..attention.softmax import (
     exponentials, log_sum_exp, merge_states, merge_weights, normaliser, rescale_factor, safe_max)
 from ..attention.variant import AttentionVariant, join_sink, load_head_f32
@@ -67,7 +67,7 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
         row_begin, row_end = emit_balanced_split(
             b, split=z, num_splits=split_count, lane=lane, n_seqs=n_seqs, seq_units=seq_units,
             own=units(span), begin=row_begin, end=seq_len, rows=n_seqs,
-            auto=spec.opt("num_splits") == "auto", keep_split0="sinks" in ptrs,
+            auto=auto_split(spec), keep_split0="sinks" in ptrs,
             write_empty=write_empty, unit=rows_per_iter)
 
     lane_byte = b.cvt(S64, b.mul(sub, C.VEC_BYTES))

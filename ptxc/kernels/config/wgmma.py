@@ -22,6 +22,7 @@ WGMMA_HEAD_DIMS = (64, 128, 192, 256)   # head_dim and head_dim_v: whole 128-byt
 WGMMA_SHAPES = "f16/bf16, head_dim and head_dim_v 64, 128, 192 or 256"   # for refusals
 ROWS_PER_WARPGROUP = 64
 SHORT_WINDOW_TILES = 4   # a sliding window under this many key tiles keeps the one-issuer kernel
+SHORT_WINDOW_BLOCK_M = 64   # ... on query tiles of one warpgroup
 D64_WS_STAGES = 4        # the warp-specialised d64 tile's default stages (timed, see configure)
 
 
@@ -103,6 +104,14 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
         bm = 16 * given["num_warps"]
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
     loads = given.get("kv_loads", "tma")
+    window = spec_option(spec, "sliding_window")
+    short_window = window is not None and window < SHORT_WINDOW_TILES * bn
+    if short_window and loads == "tma" and not given.keys() & {"block_m", "num_warps", "pingpong"}:
+        # one consumer warpgroup of 64 rows (160 registers, 3 CTAs per SM, against one at 128):
+        # under a window of a few key tiles each CTA's loop is short, so its prologue and
+        # epilogue are much of its time, and resident CTAs overlap them -- gpt-oss's 128-key
+        # window ran 0.361 -> 0.254 ms (4 x 4096^2) and 0.363 -> 0.258 (16k^2) on an H200
+        bm = SHORT_WINDOW_BLOCK_M
     if bm % ROWS_PER_WARPGROUP or bm > 192:
         raise SpecError(f"block_m = {bm} on {target}: the wgmma prefill kernel gives each "
                         f"warpgroup 64 query rows, so block_m must be 64 or 128 (192: three "
@@ -138,8 +147,6 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
     # (docs/performance.md, "GPU results") -- except under a window of fewer than
     # SHORT_WINDOW_TILES key tiles, where each Q tile runs a few K tiles and the producer's
     # pipeline never fills: gpt-oss's 128-key window ran 9-10 % faster with one issuer (H200)
-    window = spec_option(spec, "sliding_window")
-    short_window = window is not None and window < SHORT_WINDOW_TILES * bn
     pingpong = given.get("pingpong", False)
     needs_producer = pingpong or bm == 192   # both are producer-warpgroup tiles
     ws = given.get("warp_specialize", loads == "tma" and (needs_producer or not short_window))
