@@ -56,7 +56,8 @@ def busy_ctas(units: list[int], S: int, auto, rows: int, ctas_per_row: int, work
 def test_family_rules_give_the_split_counts_timed_fastest_on_an_h200():
     """The shapes of docs/performance.md "Split-KV 'auto' rule" (H200: 132 SMs), through the
     launch's own S (AUTO_RULE): decode at batch 64 x 4096 (3 CTAs per SM, 8 KV heads, 64-key
-    tiles) used 512 busy CTAs (1.29 waves, 0.344 ms) and now uses 2048 (5.2 waves, 0.279 ms);
+    tiles) left every sequence whole, 512 busy CTAs (1.29 waves, 0.344 ms), and now spreads
+    them over the 4 splits, 2048 (5.2 waves, 0.279 ms);
     MLA (1 CTA per SM, 32-row latent tiles, rows = the packed tiles + batch) now leaves
     DeepSeek-V3 at batch 64 unsplit (0.207 ms timed at num_splits 1 against 0.227 at the old
     rule's 114 + 14 rows) and gives Kimi-K2 two even halves (0.127 against 0.147)."""
@@ -64,6 +65,11 @@ def test_family_rules_give_the_split_counts_timed_fastest_on_an_h200():
     S = cd(SPLIT_HEADROOM * 132 * 3, 8 * 64)
     assert busy_ctas([64] * 64, S, AutoSplit(), 64, 8) == (64, 512)
     assert busy_ctas([64] * 64, S, AUTO_SPLIT["decode"], 64, 8) == (16, 2048)
+    # batch 16 (13 splits): the rule's uneven 20 + 20 + 20 + 4 tiles stay (0.084 ms; spread
+    # over 13 splits of 5: 0.087, evened to 4 x 16: 0.096); likewise batch 32 x 8192
+    for batch, units in ((16, 64), (32, 128)):
+        S = cd(SPLIT_HEADROOM * 132 * 3, 8 * batch)
+        assert plan([units] * batch, S, AUTO_SPLIT["decode"]) == plan([units] * batch, S, AutoSplit())
     for heads, old, new in ((128, (114, 256), (128, 128)), (64, (52, 192), (64, 128))):
         tiles = heads // 64
         rows = 64 * tiles + 64
@@ -74,10 +80,10 @@ def test_family_rules_give_the_split_counts_timed_fastest_on_an_h200():
 
 
 def test_rounding_down_never_exceeds_the_aim_and_stays_exact():
-    """"down": the longest row's splits are floor(longest / the total term's chunk), all even."""
+    """round_down: the longest row's splits are floor(longest / the total term's chunk), even."""
     for units in ([100] * 7, [613, 0, 1, 40], [5, 5, 6], [1]):
         for S in (1, 2, 3, 8, 64):
-            chunk, ranges = plan(units, S, AutoSplit(even="down"))
+            chunk, ranges = plan(units, S, AutoSplit(round_down=True))
             aim = max(1, -(-sum(units) // max(1, -(-S * len(units) // SPLIT_HEADROOM))))
             assert chunk >= -(-max(units) // S)                                   # S chunks cover
             assert sum(b > a for a, b in ranges[units.index(max(units))]) <= max(1, max(units) // aim)

@@ -6,9 +6,10 @@ CTAs of short rows idle while the long ones dominate), every CTA derives one uni
 in units of KV tiles, for the whole batch from the device's seq_lens:
 
     chunk = max(1, cdiv(longest, S), cdiv(own, S))                          (fixed num_splits)
-    chunk = max(that, cdiv(total, cdiv(S * rows * waves, SPLIT_HEADROOM)))  ("auto")
-    then, with the family's AutoSplit.even, n = cdiv(longest, chunk) ("up") or
-    max(1, longest // chunk) ("down"), and chunk = max(cdiv(longest, n), cdiv(own, S))
+    chunk = max(that, cdiv(total, cdiv(S * rows, SPLIT_HEADROOM)))          ("auto")
+
+and then the family's AutoSplit: decode takes `that` again where this leaves the longest row
+whole (spread), MLA cdiv(longest, max(1, longest // chunk)) (round_down),
 
 where `longest` is the most units of any row, `total` the units of the whole batch and `own` the
 CTA's own row (== longest's bound normally; it keeps the cover exact even if the two disagree).
@@ -19,7 +20,7 @@ cdiv(own, S), a CTA with z * cdiv(own, S) >= own knows it is unused from its own
 exits before the batch pass (emit_idle_exit; decode does, varlen does not: there ptxas spilled):
 the many spare split indices of short rows then cost a load and a store. "auto" sizes
 S = SPLIT_HEADROOM x the resident CTA slots / (CTAs per split index) (split_interface), so the
-`total` term aims the busy CTAs at about `waves` per resident slot, and the headroom lets a long
+`total` term aims the busy CTAs at about one per resident slot, and the headroom lets a long
 row take up to SPLIT_HEADROOM x its even share of splits. Exactness rests on the `longest` and
 `own` terms alone (S chunks cover every row), so even a wrapped u32 `total` only unbalances. Each CTA computes `longest` and `total` with a warp-parallel pass over the
 batch (one lane per row, a shuffle reduction): every warp does it redundantly, so there is no
@@ -39,21 +40,24 @@ MAX_AUTO_SPLITS = 64
 
 @dataclass(frozen=True)
 class AutoSplit:
-    """How "auto" turns the batch's work into the chunk (module docstring): the `total` term aims
-    at `waves` busy CTAs per resident slot, then with `even` the longest row's splits are evened
-    out -- "up": its cdiv(longest, chunk) splits each take cdiv(longest, n) units; "down":
-    floor(longest / chunk) of them (at least one), so the busy CTAs never exceed the aim."""
-    waves: int = 1
-    even: str = ""            # "", "up" or "down"
+    """How "auto" turns the batch's work into the chunk (module docstring), per family:
+    `spread`: when the total term would leave the longest row whole (one split) although S
+    allows more, every row spreads over S splits instead (chunk = cdiv(longest, S)) -- the
+    batch alone fills about a wave there, and whole rows land at 1-2 waves with a full last
+    one; `round_down`: the longest row takes floor(longest / chunk) even splits (at least
+    one) instead of cdiv(longest, chunk) uneven ones, so the busy CTAs never exceed the aim."""
+    spread: bool = False
+    round_down: bool = False
 
 
-# Per family, from H200 timings (docs/performance.md "Split-KV 'auto' rule"): decode's CTAs are
-# small (3+ per SM) and latency-bound, its partials tiny: four waves of busy CTAs, evened out
-# (batch 64 x 4096: 0.344 -> 0.279 ms). MLA's CTA holds an SM and a split's f32 partial of
-# 512-wide rows costs ~5 % of the latent bytes: at most one wave, whole splits of equal size
-# (DeepSeek-V3 at batch 64: unsplit, 0.227 -> 0.207 ms). varlen: the rule as it was (its
-# batch-64 serve at 85 % of HBM did not gain from either).
-AUTO_SPLIT = {"decode": AutoSplit(waves=4, even="up"), "mla": AutoSplit(even="down")}
+# From H200 timings (docs/performance.md "Split-KV 'auto' rule"). decode: at batch 64 x 4096
+# the total term left every sequence whole, 512 CTAs of one warp on 396 slots (1.29 waves):
+# 0.344 ms; spread over the 4 splits, 2048 CTAs: 0.279 ms (81 % of HBM). Spreading at smaller
+# batches (13 splits at batch 16) lost 3-21 %, the uneven splits the rule gives there won. MLA:
+# a CTA holds an SM and a split's f32 partial of 512-wide rows costs ~5 % of the latent bytes:
+# DeepSeek-V3 at batch 64 ran fastest unsplit (0.207 ms; 0.227 at the rule's 114 + 14 tiles),
+# Kimi-K2 in two even halves (0.127 against 0.147). varlen: the rule as it was.
+AUTO_SPLIT = {"decode": AutoSplit(spread=True), "mla": AutoSplit(round_down=True)}
 
 
 def auto_split(spec) -> AutoSplit | None:
@@ -104,15 +108,16 @@ def emit_chunk(b: KernelBuilder, *, total: Reg, longest: Reg, own: Reg, num_spli
                rows: Reg, auto: AutoSplit | None) -> Reg:
     """The uniform chunk (in units) of the module docstring."""
     chunk = b.max(b.max(_cdiv(b, longest, num_splits), _cdiv(b, own, num_splits)), 1)
-    if auto is not None:
-        split_rows = b.mul(num_splits, rows)
-        if auto.waves != 1:
-            split_rows = b.mul(split_rows, auto.waves)
-        slots = b.max(_cdiv(b, split_rows, SPLIT_HEADROOM), 1)
-        b.max(chunk, _cdiv(b, total, slots), out=chunk)
-        if auto.even:   # n <= S splits of the longest row, each cdiv(longest, n) units
-            n = b.max(_cdiv(b, longest, chunk) if auto.even == "up" else b.div(longest, chunk), 1)
-            chunk = b.max(b.max(_cdiv(b, longest, n), _cdiv(b, own, num_splits)), 1)
+    if auto is None:
+        return chunk
+    floor = chunk if not (auto.spread or auto.round_down) else b.mov(chunk)
+    slots = b.max(_cdiv(b, b.mul(num_splits, rows), SPLIT_HEADROOM), 1)
+    b.max(chunk, _cdiv(b, total, slots), out=chunk)
+    if auto.spread:       # the longest row left whole: spread every row over the S splits
+        return b.selp(floor, chunk, b.setp("ge", chunk, longest), U32)
+    if auto.round_down:   # floor(longest / chunk) even splits of the longest row
+        n = b.max(b.div(longest, chunk), 1)
+        return b.max(_cdiv(b, longest, n), floor)
     return chunk
 
 
@@ -150,9 +155,11 @@ def plan(units: list[int], num_splits: int, auto: AutoSplit | None, work: list[i
     longest = max(units, default=0)
     chunk = max(1, cd(longest, S))
     if auto is not None:
-        chunk = max(chunk, cd(sum(work), max(1, cd(S * rows * auto.waves, SPLIT_HEADROOM))))
-        if auto.even:
-            n = max(1, cd(longest, chunk) if auto.even == "up" else longest // chunk)
-            chunk = max(cd(longest, n), 1)
+        floor = chunk
+        chunk = max(chunk, cd(sum(work), max(1, cd(S * rows, SPLIT_HEADROOM))))
+        if auto.spread and chunk >= longest:
+            chunk = floor
+        elif auto.round_down:
+            chunk = max(cd(longest, max(1, longest // chunk)), floor)
     ranges = [[(min(z * chunk, u), min(min(z * chunk, u) + chunk, u)) for z in range(S)] for u in units]
     return chunk, ranges
