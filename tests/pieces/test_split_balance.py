@@ -153,3 +153,38 @@ def test_varlen_splits_follow_the_model_on_mixed_lengths(tmp_path):
                 want = partial_lse(inputs["q"][bi, h], inputs["k_cache"][bi, :, h // 2], spec.softmax_scale, rows)
                 got = float(buf["lse_part"][bi, h, z])
                 assert (got == -np.inf) if want == -np.inf else abs(got - want) < 2e-2, (bi, h, z, got, want)
+
+
+def test_mla_splits_follow_the_model_with_the_mla_rule(tmp_path):
+    """MLA's "auto" kernel at num_splits 4 over eight 300-key sequences: the total term's chunk
+    (8 of 10 tiles) would split every row 8 + 2; MLA's round_down keeps each row whole, and
+    every split's partial lse covers exactly the rows the model gives it (fp64)."""
+    art = build_kernel(tmp_path, "mla", 'dtype = "bf16"\nnum_heads = 16\nkv_lora_rank = 128\n'
+                                        'qk_rope_head_dim = 16\nsoftmax_scale = 0.1\n'
+                                        'kv_layout = "contiguous"\nnum_splits = "auto"\nreturn_lse = true')
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    B, L, d = 8, 300, 144
+    rng = np.random.default_rng(3)
+    bf = lambda shape: rng.standard_normal(shape).astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+    inputs = {"q": bf((B, 16, d)).view(np.float32), "kv_cache": bf((B, 320, d)).view(np.float32),
+              "cu_seqlens_q": np.arange(B + 1, dtype=np.int32), "seq_lens": np.full(B, L, np.int32)}
+    dims = infer_dims(art.meta, inputs, {"num_splits": 4}, target="sm_80")
+    buf = prepare_buffers(art.meta, inputs, dims)
+    launch = _emu_launcher(art.ptx("sm_80"), art.meta)
+    for k in art.meta["targets"]["sm_80"]["kernels"]:
+        launch(k, buf, dims)
+    ref = FAMILIES["mla"].reference(spec, inputs)
+    np.testing.assert_allclose(buf["lse"], ref["lse"], rtol=1e-2, atol=1e-2)
+    cfg = art.meta["targets"]["sm_80"]["config"]
+    bn, bm = cfg["block_n"], cfg["block_m"]
+    units = [-(-L // bn)] * B
+    rows, work = B * 16 // bm + B, [u * -(-16 // bm) for u in units]   # grid.x: the launched query tiles
+    chunk, ranges = plan(units, 4, auto_split(spec), work, rows)
+    assert chunk == units[0] and plan(units, 4, AutoSplit(), work, rows)[0] == 8
+    for bi in range(B):
+        for h in range(16):
+            for z, (a, e) in enumerate(ranges[bi]):
+                keys = np.arange(a * bn, min(e * bn, L))
+                want = partial_lse(inputs["q"][bi, h], inputs["kv_cache"][bi], spec.softmax_scale, keys)
+                got = float(buf["lse_part"][bi, h, z])
+                assert (got == -np.inf) if want == -np.inf else abs(got - want) < 2e-2, (bi, h, z, got, want)
