@@ -10,6 +10,7 @@ import pytest
 from conftest import build_kernel
 from ptxc.kernels import FAMILIES
 from ptxc.kernels.attention.split_plan import AUTO_SPLIT, SPLIT_HEADROOM, AutoSplit, auto_split, plan
+from ptxc.reference import from_device
 from ptxc.runtime import _emu_launcher, infer_dims, prepare_buffers
 from ptxc.spec.model import KernelSpec
 
@@ -158,7 +159,9 @@ def test_varlen_splits_follow_the_model_on_mixed_lengths(tmp_path):
 def test_mla_splits_follow_the_model_with_the_mla_rule(tmp_path):
     """MLA's "auto" kernel at num_splits 4 over eight 300-key sequences: the total term's chunk
     (8 of 10 tiles) would split every row 8 + 2; MLA's round_down keeps each row whole, and
-    every split's partial lse covers exactly the rows the model gives it (fp64)."""
+    every split's partial lse covers exactly the rows the model gives it (fp64). The idle split
+    indices leave their o_part unwritten (NaN planted there stays, and the reduce, which never
+    reads a split of lse -inf, still gives the exact output)."""
     art = build_kernel(tmp_path, "mla", 'dtype = "bf16"\nnum_heads = 16\nkv_lora_rank = 128\n'
                                         'qk_rope_head_dim = 16\nsoftmax_scale = 0.1\n'
                                         'kv_layout = "contiguous"\nnum_splits = "auto"\nreturn_lse = true')
@@ -170,11 +173,14 @@ def test_mla_splits_follow_the_model_with_the_mla_rule(tmp_path):
               "cu_seqlens_q": np.arange(B + 1, dtype=np.int32), "seq_lens": np.full(B, L, np.int32)}
     dims = infer_dims(art.meta, inputs, {"num_splits": 4}, target="sm_80")
     buf = prepare_buffers(art.meta, inputs, dims)
+    buf["o_part"].fill(np.nan)
     launch = _emu_launcher(art.ptx("sm_80"), art.meta)
     for k in art.meta["targets"]["sm_80"]["kernels"]:
         launch(k, buf, dims)
     ref = FAMILIES["mla"].reference(spec, inputs)
     np.testing.assert_allclose(buf["lse"], ref["lse"], rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(from_device(buf["o"], "bf16").astype(np.float64), ref["o"], rtol=2e-2, atol=2e-2)
+    assert np.isfinite(buf["o_part"][:, :, 0]).all() and np.isnan(buf["o_part"][:, :, 1:]).all()
     cfg = art.meta["targets"]["sm_80"]["config"]
     bn, bm = cfg["block_n"], cfg["block_m"]
     units = [-(-L // bn)] * B

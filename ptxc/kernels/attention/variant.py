@@ -307,10 +307,12 @@ def load_head_f32(b: KernelBuilder, ptr: Reg, head: Reg) -> Reg:
 
 
 def finish_rows(b: KernelBuilder, ctx, m: list[Reg], l: list[Reg], rows: list[Reg],
-                lanes: tuple[int, ...], writer: Reg, lse_scale: float = C.LN2) -> list[Reg]:
+                lanes: tuple[int, ...], writer: Reg, lse_scale: float = C.LN2,
+                seen: list | None = None) -> list[Reg]:
     """Reduce l over the row's lanes; return 1/l per row (0 for a row that saw no key) and, with
     return_lse, have the `writer` lanes store lse = (m + log2 l) * lse_scale for rows < seq_q
-    (ln 2 gives the natural-log LSE; 1.0 keeps log2 units, as split-KV partials want)."""
+    (ln 2 gives the natural-log LSE; 1.0 keeps log2 units, as split-KV partials want). `seen`
+    (a list) receives each row's predicate "lse is finite" (a key or a sink)."""
     invs = []
     for r, row in enumerate(rows):
         total = C.warp_sum(b, l[r], lanes)
@@ -320,6 +322,8 @@ def finish_rows(b: KernelBuilder, ctx, m: list[Reg], l: list[Reg], rows: list[Re
             total, alpha, m_ref = join_sink(b, m[r], total, sink)
         inv, has_keys = normaliser(b, total, None if sink is None else alpha)
         invs.append(inv)
+        if seen is not None:
+            seen.append(has_keys)
         if ctx.lse is not None:
             lse = log_sum_exp(b, m_ref, total, has_keys, lse_scale)
             ok = b.and_(writer, b.setp("lt", row, ctx.seq_q))

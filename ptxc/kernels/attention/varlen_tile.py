@@ -39,13 +39,17 @@ class VarlenMath(MmaMath):
         split = ctx.split is not None
         writer = self.writer()
         l_rows, lanes = self.row_sums()
+        seen: list[Reg] = []
         invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, writer,
-                           lse_scale=1.0 if split else C.LN2)
+                           lse_scale=1.0 if split else C.LN2, seen=seen)
         if self.v_scale is not None:
             invs = [b.mul(inv, self.v_scale) for inv in invs]
         for r, row in enumerate(self.rows):
             ok = b.setp("lt", row, ctx.seq_q)
-            if split:   # o_part [total_q, H, splits, d] f32: this lane's columns 2t, 2t+1
+            if split:   # o_part [total_q, H, splits, d] f32: this lane's columns 2t, 2t+1 --
+                # not for a row whose partial lse is -inf, which the reduce never reads (an
+                # idle split index of a 64-row MLA tile leaves 128 KiB unwritten)
+                ok = b.and_(ok, seen[r])
                 addr = b.add(self.ptrs["o_part"], b.mul_wide(ctx.out_index(row), ctx.cfg.dv * 4))
                 addr = b.add(addr, b.cvt(U64, b.shl(self.t, 3)))
                 if self.col0 is not None:   # this warp's slice of the value columns
