@@ -106,7 +106,8 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
     loads = given.get("kv_loads", "tma")
     window = spec_option(spec, "sliding_window")
     short_window = window is not None and window < SHORT_WINDOW_TILES * bn
-    if short_window and loads == "tma" and not given.keys() & {"block_m", "num_warps", "pingpong"}:
+    if (short_window and loads == "tma" and not given.keys() & {"block_m", "num_warps", "pingpong"}
+            and not given.get("warp_specialize")):   # timed: 64 rows with one issuer
         # one consumer warpgroup of 64 rows (160 registers, 3 CTAs per SM, against one at 128):
         # under a window of a few key tiles each CTA's loop is short, so its prologue and
         # epilogue are much of its time, and resident CTAs overlap them -- gpt-oss's 128-key
