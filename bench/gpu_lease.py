@@ -141,8 +141,9 @@ def run_item(item: dict, device, dry: bool) -> dict:
 
 def apply_patches(patches: list[str]) -> None:
     """--patch MODULE:NAME=INT ...: set compiler constants in this process before any artifact
-    loads (the checked loader re-derives each PTX from its spec, so an A/B of a constant, such as
-    bench/split_rule_ab.py's, must compile its variant set and load it with the same values)."""
+    loads (the checked loader re-derives each PTX from its spec, so an A/B of a constant -- round
+    17's split-rule variants, built by bench/split_rule_ab.py at dd55dec -- must load each
+    variant set with the values it was built with). An unknown module or name is refused."""
     import importlib
     for p in patches:
         module, assign = p.split(":", 1)

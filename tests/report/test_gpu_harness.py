@@ -436,3 +436,16 @@ def test_gpu_lease_plan_and_resume_without_a_gpu(tmp_path):
     assert [x["index"] for x in lines] == list(range(len(plan)))
     assert {x["status"] for x in lines if x["kernel"] == victim} == {"error"}
     assert all(x["status"] == "ok" for x in lines if x["kernel"] != victim)
+
+
+def test_gpu_lease_patch_sets_an_existing_constant_and_refuses_others(monkeypatch):
+    """gpu_lease --patch (an A/B of a compiler constant): the value lands in the module every
+    process loads artifacts with; a name the module lacks is a one-line refusal."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_lease
+    from ptxc.kernels.attention import split_plan
+    monkeypatch.setattr(split_plan, "SPLIT_HEADROOM", split_plan.SPLIT_HEADROOM)   # restored after
+    gpu_lease.apply_patches(["ptxc.kernels.attention.split_plan:SPLIT_HEADROOM=2"])
+    assert split_plan.SPLIT_HEADROOM == 2
+    with pytest.raises(SystemExit, match="has no NO_SUCH"):
+        gpu_lease.apply_patches(["ptxc.kernels.attention.split_plan:NO_SUCH=1"])
