@@ -89,14 +89,14 @@ CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 41 within ±35 %, all with
                      "out-of-sample over 23 H200 medians (53a4762): 16 within ±35 %, model/measured "
                      "0.74–2.00, over 41 H100 medians of 89432c6: 33 within ±35 %, 0.67–1.61, and "
                      "over 48 H200 medians of 2d6d5cd: 39 within ±35 %, 0.66–1.91 (tensor-core "
-                     "decode modelled up to 2x slow), over 55 of the 155 H200 medians of round 17: "
+                     "decode modelled up to 2x slow), over 55 of the 155 H200 medians of 6c5a819–621d27f: "
                      "49 within ±35 %, 0.54–2.03 (FP8 and MQA d256 decode missed); mma.sync and "
                      "SIMT kernels only")
 WGMMA_CALIBRATION_ERROR = ("in-sample over 28 H100 wgmma medians (89432c6, f7ee845): all within "
                            "±35 %, 0.75–1.26; out-of-sample over 62 H200 wgmma medians (2d6d5cd, "
                            "53a4762): 51 within ±35 %, 0.53–1.22 (MLA decode on wgmma, never "
                            "fitted, modelled 0.53–0.73: too fast), over 100 of the 155 H200 "
-                           "medians of round 17: every one that is not MLA (20) within ±35 %, "
+                           "medians of 6c5a819–621d27f: every one that is not MLA (20) within ±35 %, "
                            "0.88–1.19, MLA decode 0.33–0.74, the varlen MLA prefill 5.7x slow; "
                            "sm_90a wgmma kernels only")
 

@@ -170,10 +170,10 @@ def test_wgmma_constants_out_of_sample_on_the_h200(every_point):
     assert "62 H200 wgmma medians" in WGMMA_CALIBRATION_ERROR and "51 within ±35 %, 0.53–1.22" in WGMMA_CALIBRATION_ERROR
 
 
-ROUND_17 = ("6c5a819", "dd55dec", "4d6b7c7", "621d27f")   # the H200 calls of 2026-11-28, round 17
+RUN_621D27F = ("6c5a819", "dd55dec", "4d6b7c7", "621d27f")   # the H200 run at 621d27f: its four calls of 2026-11-28
 
 
-def test_h200_points_of_round_17_are_out_of_sample_and_quoted_as_measured(every_point):
+def test_h200_points_of_run_621d27f_are_out_of_sample_and_quoted_as_measured(every_point):
     """The four H200 calls after the last model change (decode split counts and split rules,
     the MLA tile's choices, gpt-oss on 64-row tiles, the MLA prefill on wgmma): 155 medians.
     mma.sync (the decodes, on sm_90a images of mma.sync code): 49 of 55 within ±35 %, the
@@ -181,7 +181,7 @@ def test_h200_points_of_round_17_are_out_of_sample_and_quoted_as_measured(every_
     that is not MLA within (20, 0.88-1.19); outside, only MLA decode (0.33-0.74x: too fast,
     worst where an explicit num_splits left most split indices idle, which the model -- even
     shares -- does not know) and the varlen MLA prefill (128 KV heads, 5.7x slow)."""
-    new = [p for p in every_point if p["commit"] in ROUND_17]
+    new = [p for p in every_point if p["commit"] in RUN_621D27F]
     assert len(new) == 155 and all(p["gpu"] == "h200" and not p["in_sample"] for p in new)
     ratio = lambda p: p["predicted_ms"] / p["median_ms"]
     inside = lambda p: 1 / 1.35 <= ratio(p) <= 1.35
@@ -194,16 +194,16 @@ def test_h200_points_of_round_17_are_out_of_sample_and_quoted_as_measured(every_
     assert len(wg) == 100 and len(other) == 20 and all(map(inside, other))
     assert all(p["kernel"] == "deepseek_v3_mla_prefill" or "mla" in p["kernel"] and "decode" in p["kernel"]
                for p in wg if not inside(p))
-    assert "155 H200 medians of round 17" in CALIBRATION_ERROR + WGMMA_CALIBRATION_ERROR
+    assert "155 H200 medians of 6c5a819–621d27f" in CALIBRATION_ERROR + WGMMA_CALIBRATION_ERROR
 
 
-def test_the_same_cubins_timed_again_in_round_17_agree_within_7_percent(every_point):
-    """Cubins timed at 2d6d5cd and again this round at the same shape (another day's machine of
+def test_the_same_cubins_timed_again_in_run_621d27f_agree_within_7_percent(every_point):
+    """Cubins timed at 2d6d5cd and again at 6c5a819–621d27f at the same shape (another day's machine of
     the same kind): decode, varlen and MLA within 1 %, prefill at 4 x 4096^2 within 7 % (the
     noise docs/performance.md quotes for prefill A/B between separate items)."""
     first = {(p["cubin"], json.dumps(p["shape"], sort_keys=True)): p
              for p in every_point if p["commit"] == "2d6d5cd"}
-    pairs = [(first[k], p) for p in every_point if p["commit"] in ROUND_17
+    pairs = [(first[k], p) for p in every_point if p["commit"] in RUN_621D27F
              for k in [(p["cubin"], json.dumps(p["shape"], sort_keys=True))] if k in first]
     assert len(pairs) >= 9
     for a, b in pairs:

@@ -62,12 +62,7 @@ AUTO_SPLIT = {"decode": AutoSplit(spread=True), "mla": AutoSplit(round_down=True
 
 def auto_split(spec) -> AutoSplit | None:
     """The family's AutoSplit for a spec built with num_splits = "auto" (None otherwise)."""
-    return family_split(spec.family, spec.opt("num_splits"))
-
-
-def family_split(family: str, num_splits) -> AutoSplit | None:
-    """auto_split from a family name and the spec's num_splits value (metadata readers)."""
-    return AUTO_SPLIT.get(family, AutoSplit()) if num_splits == "auto" else None
+    return AUTO_SPLIT.get(spec.family, AutoSplit()) if spec.opt("num_splits") == "auto" else None
 
 
 def _cdiv(b: KernelBuilder, a: Reg, d: Reg | int) -> Reg:
