@@ -143,12 +143,19 @@ def apply_patches(patches: list[str]) -> None:
     """--patch MODULE:NAME=INT ...: set compiler constants in this process before any artifact
     loads (the checked loader re-derives each PTX from its spec, so an A/B of a constant -- round
     17's split-rule variants, built by bench/split_rule_ab.py at dd55dec -- must load each
-    variant set with the values it was built with). An unknown module or name is refused."""
+    variant set with the values it was built with). A malformed argument, an unknown module or
+    name, or a value that is not an integer is refused in one line."""
     import importlib
+    import re
     for p in patches:
-        module, assign = p.split(":", 1)
-        name, value = assign.split("=", 1)
-        mod = importlib.import_module(module)
+        m = re.fullmatch(r"([\w.]+):(\w+)=(-?\d+)", p)
+        if m is None:
+            raise SystemExit(f"--patch {p}: expected MODULE:NAME=INT")
+        module, name, value = m.groups()
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            raise SystemExit(f"--patch {p}: no module {module}") from None
         if not hasattr(mod, name):
             raise SystemExit(f"--patch {p}: {module} has no {name}")
         setattr(mod, name, int(value))

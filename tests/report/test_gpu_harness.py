@@ -440,7 +440,8 @@ def test_gpu_lease_plan_and_resume_without_a_gpu(tmp_path):
 
 def test_gpu_lease_patch_sets_an_existing_constant_and_refuses_others(monkeypatch):
     """gpu_lease --patch (an A/B of a compiler constant): the value lands in the module every
-    process loads artifacts with; a name the module lacks is a one-line refusal."""
+    process loads artifacts with; a malformed argument, a missing module and a name the module
+    lacks are one-line refusals."""
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_lease
     from ptxc.kernels.attention import split_plan
@@ -449,3 +450,9 @@ def test_gpu_lease_patch_sets_an_existing_constant_and_refuses_others(monkeypatc
     assert split_plan.SPLIT_HEADROOM == 2
     with pytest.raises(SystemExit, match="has no NO_SUCH"):
         gpu_lease.apply_patches(["ptxc.kernels.attention.split_plan:NO_SUCH=1"])
+    for bad in ("SPLIT_HEADROOM=2", "ptxc.kernels.attention.split_plan:SPLIT_HEADROOM",
+                "ptxc.kernels.attention.split_plan:SPLIT_HEADROOM=two"):
+        with pytest.raises(SystemExit, match="expected MODULE:NAME=INT"):
+            gpu_lease.apply_patches([bad])
+    with pytest.raises(SystemExit, match="no module ptxc.no_such"):
+        gpu_lease.apply_patches(["ptxc.no_such:X=1"])
