@@ -5,13 +5,14 @@ e = bytes per element of the dtype; L = KV rows per sequence (max_seq_len, or
 max_pages_per_seq * page_size when paged): the cost of a batch whose sequences are all full.
 
 decode     FLOPs = 4 * batch * H * L * d      (q.k and p.v: 2 FLOPs per multiply-add)
-           bytes = (K + V) * head_chunks + q + o (+ lse) + seq_lens (+ block_table | k/v_ptrs)
-                   (+ split partials), with K + V = 2 * batch * L * Hk * d * e_kv (e_kv = 1 for
+           bytes = (K + V) * head_chunks + q + o (+ lse) + seq_lens (+ block_table | k/v_ptrs),
+                   with K + V = 2 * batch * L * Hk * d * e_kv (e_kv = 1 for
                    an FP8 kv_dtype: the cache is read as bytes, half a 16-bit cache). Each CTA serves
                    `heads_per_cta` query heads of one KV head, so a K/V row is read once per
                    chunk of its GQA group: head_chunks = group_size / heads_per_cta (from the
-                   resolved tile config). With num_splits > 1 the split kernel writes f32
-                   partial outputs and log-sum-exps that the reduce kernel reads back.
+                   resolved tile config). Split-KV partials are not counted: they are
+                   overhead, not the attention's traffic (and a row split 0 covers whole
+                   writes none), so a split kernel's GB/s never credits them.
 prefill    FLOPs = 4 * batch * seq_q * seq_k * d * H, halved when causal (the FlashAttention
                    convention; exact for seq_q == seq_k up to the diagonal blocks)
            bytes = q + k + v + o (+ lse), each once (K/V reuse across query blocks from L2)
@@ -46,7 +47,6 @@ from ..errors import InputError, UserError
 from ..pipeline.metadata import ELEMENT_BYTES
 
 LSE_BYTES = 4   # lse is always f32
-PART_BYTES = 4  # split-KV partials are f32
 # Shapes the report uses when --shape does not say: typical serving sizes, not launch-test's
 # small odd ones (these decide which side of the ridge a kernel lands on).
 DEFAULT_DIMS = {
@@ -131,9 +131,7 @@ def decode_cost(meta: dict, config: dict, dims: dict) -> Cost:
     kv = 2 * b * L * Hk * d * ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]] * head_chunks
     qo = 2 * b * H * d * e
     lse = b * H * LSE_BYTES if spec.get("return_lse") else 0
-    splits = dims.get("num_splits", 1)
-    parts = 2 * b * H * splits * (d + 1) * PART_BYTES if splits > 1 else 0
-    return Cost(4 * b * H * L * d, kv + qo + lse + b * 4 + parts + _layout_bytes(meta, dims, L),
+    return Cost(4 * b * H * L * d, kv + qo + lse + b * 4 + _layout_bytes(meta, dims, L),
                 _unit(config), dict(dims))
 
 
@@ -190,10 +188,8 @@ def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
     qo = 2 * tq * H * d * e
     kv = 2 * b * rows * Hk * d * ELEMENT_BYTES[spec.get("kv_dtype") or spec["dtype"]]
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
-    splits = dims.get("num_splits", 1)
-    parts = 2 * tq * H * splits * (d + 1) * PART_BYTES if splits > 1 else 0
     index = (b + 1) * 4 + b * 4 + _layout_bytes(meta, dims, rows) + mask_bytes
-    return Cost(4 * b * H * d * keys, qo + kv + lse + parts + index, _unit(config), dict(dims))
+    return Cost(4 * b * H * d * keys, qo + kv + lse + index, _unit(config), dict(dims))
 
 
 def latent_row_bytes(meta: dict) -> int:
@@ -218,11 +214,9 @@ def mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
     latent = b * L * latent_row_bytes(meta)
     qo = tq * H * (d + dv) * e
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
-    splits = dims.get("num_splits", 1)
-    parts = 2 * tq * H * splits * (dv + 1) * PART_BYTES if splits > 1 else 0
     index = (b + 1) * 4 + b * 4 + _layout_bytes(meta, dims, L)
     return Cost(2 * b * H * (d + dv) * keys_seen(q, L, True, None),
-                latent + qo + lse + parts + index, _unit(config), dict(dims))
+                latent + qo + lse + index, _unit(config), dict(dims))
 
 
 def sparse_mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
@@ -235,10 +229,8 @@ def sparse_mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
     latent = tq * N * latent_row_bytes(meta)
     qo = tq * H * (d + dv) * e
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
-    splits = dims.get("num_splits", 1)
-    parts = 2 * tq * H * splits * (dv + 1) * PART_BYTES if splits > 1 else 0
     index = tq * N * 4 + (tq * 4 if spec.get("topk_length") else 0)
-    return Cost(2 * tq * H * (d + dv) * N, latent + qo + lse + parts + index, _unit(config), dict(dims))
+    return Cost(2 * tq * H * (d + dv) * N, latent + qo + lse + index, _unit(config), dict(dims))
 
 
 def mla_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
