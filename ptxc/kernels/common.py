@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import SpecError
 from ..ir import B32, F16X2, BF16X2, F32, S64, U32, U64, Addr, KernelBuilder, Reg
@@ -16,6 +17,7 @@ from ..ir import B32, F16X2, BF16X2, F32, S64, U32, U64, Addr, KernelBuilder, Re
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
+POS_INF = float("inf")   # split-KV: the mark of a row split 0 finished whole (split_reduce)
 VEC_BYTES = 16  # one 128-bit load/store
 
 
@@ -104,6 +106,19 @@ def element_offset(b: KernelBuilder, base: Reg, index: Reg, stride_bytes: Reg) -
 
 def byte_stride(b: KernelBuilder, stride_elems: Reg, fmt: ElemFormat) -> Reg:
     return b.mul(stride_elems, fmt.bytes)
+
+
+@dataclass(frozen=True)
+class LateValue:
+    """A value loaded where it is used rather than at entry (a parameter only a split kernel's
+    epilogue may need: loaded at entry, ptxas holds its registers across the main loop)."""
+
+    load: Callable[[], Reg]
+
+
+def late(x):
+    """x, or what a LateValue loads (emitted at this point)."""
+    return x.load() if isinstance(x, LateValue) else x
 
 
 def warp_sum(b: KernelBuilder, x: Reg, offsets) -> Reg:

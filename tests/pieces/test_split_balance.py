@@ -17,10 +17,14 @@ from ptxc.spec.model import KernelSpec
 LOG2E = np.log2(np.e)
 
 
-def run_keeping_workspace(art, inputs: dict, target="sm_80") -> tuple[dict, dict]:
-    """Run the launch list on the emulator; return (dims, every buffer incl. o_part/lse_part)."""
-    dims = infer_dims(art.meta, inputs, {}, target=target)
+def run_keeping_workspace(art, inputs: dict, target="sm_80", dims: dict | None = None,
+                          poison=()) -> tuple[dict, dict]:
+    """Run the launch list on the emulator; return (dims, every buffer incl. o_part/lse_part).
+    `poison`: buffers filled with NaN first (what a kernel must not read or need not write)."""
+    dims = infer_dims(art.meta, inputs, dims or {}, target=target)
     buffers = prepare_buffers(art.meta, inputs, dims)
+    for name in poison:
+        buffers[name].fill(np.nan)
     launch = _emu_launcher(art.ptx(target), art.meta)
     for k in art.meta["targets"][target]["kernels"]:
         launch(k, buffers, dims)
@@ -194,3 +198,74 @@ def test_mla_splits_follow_the_model_with_the_mla_rule(tmp_path):
                 want = partial_lse(inputs["q"][bi, h], inputs["kv_cache"][bi], spec.softmax_scale, keys)
                 got = float(buf["lse_part"][bi, h, z])
                 assert (got == -np.inf) if want == -np.inf else abs(got - want) < 2e-2, (bi, h, z, got, want)
+
+
+def check_whole_rows(buf: dict, ranges: list, want_lse) -> int:
+    """The sm_90a packed tile's split contract, row by row (rows of [rows, H, S] from
+    plan's `ranges` per row): where split 0 covers the row, lse_part[.., 0] is its log2 lse
+    (fp64 `want_lse(row, head)`), split 1 holds the +inf mark, splits past it and o_part stay
+    as planted (NaN); elsewhere every split has its partial. Returns the whole rows."""
+    whole = 0
+    for r, splits in enumerate(ranges):
+        lse = buf["lse_part"][r]
+        if all(e <= a for a, e in splits[1:]):
+            whole += 1
+            assert (lse[:, 1] == np.inf).all() and np.isnan(lse[:, 2:]).all(), r
+            assert np.isnan(buf["o_part"][r]).all(), r
+            for h in range(lse.shape[0]):
+                want = want_lse(r, h)
+                assert (lse[h, 0] == -np.inf) if want == -np.inf else abs(lse[h, 0] - want) < 2e-2, (r, h)
+        else:
+            assert not np.isnan(lse).any() and not (lse == np.inf).any(), r
+    return whole
+
+
+def test_sm90a_varlen_finishes_whole_sequences_in_split_0(tmp_path):
+    """varlen's wgmma tile (sm_90a) at 4 splits over decode-like rows of 1 long, many short
+    and empty sequences, the workspace and lse planted with NaN: split 0 of a sequence it
+    covers whole stores the final o itself and marks split 1 (the reduce then writes only its
+    lse); idle split indices leave at once; the long sequence is merged as before. Exact."""
+    art = build_kernel(tmp_path, "varlen", 'dtype = "f16"\nhead_dim = 64\nnum_heads = 8\nnum_kv_heads = 2\n'
+                                           'kv_layout = "contiguous"\ncausal = false\nnum_splits = 4\n'
+                                           'return_lse = true', targets=("sm_90a",))
+    cfg = art.meta["targets"]["sm_90a"]["config"]
+    assert cfg["path"].startswith("wgmma")
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    lens = np.array([613, 0, 1, 3, 17, 5, 0, 40, 2], np.int32)
+    B, S_max, Hk, d = len(lens), 640, 2, 64
+    rng = np.random.default_rng(11)
+    f16 = lambda shape: rng.standard_normal(shape).astype(np.float16).astype(np.float32)
+    inputs = {"q": f16((B, 8, d)), "cu_seqlens_q": np.arange(B + 1, dtype=np.int32), "seq_lens": lens,
+              "k_cache": f16((B, S_max, Hk, d)), "v_cache": f16((B, S_max, Hk, d))}
+    _, buf = run_keeping_workspace(art, inputs, "sm_90a", poison=("o_part", "lse_part", "lse"))
+    ref = FAMILIES["varlen"].reference(spec, inputs)
+    np.testing.assert_allclose(from_device(buf["o"], "f16").astype(np.float64), ref["o"], rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(buf["lse"], ref["lse"], rtol=1e-2, atol=1e-2)
+    _, ranges = plan([-(-int(n) // cfg["block_n"]) for n in lens], 4, None)
+    whole = check_whole_rows(buf, ranges, lambda r, h: partial_lse(
+        inputs["q"][r, h], inputs["k_cache"][r, :, h // 4], spec.softmax_scale, np.arange(lens[r])))
+    assert 0 < whole < B
+
+
+def test_sm90a_mla_whole_rows_write_no_partials(tmp_path):
+    """MLA on the sm_90a latent tile (DeepSeek's 512 + 64, 64 heads), "auto" at num_splits 2
+    over three 100-key sequences: round_down keeps every row whole, so no o_part is written at
+    all, split 0's lse_part holds each row's log2 lse and split 1 the mark. Exact outputs."""
+    art = build_kernel(tmp_path, "mla", 'dtype = "bf16"\nnum_heads = 64\nkv_lora_rank = 512\n'
+                                        'qk_rope_head_dim = 64\nsoftmax_scale = 0.05\n'
+                                        'kv_layout = "contiguous"\nnum_splits = "auto"\nreturn_lse = true',
+                       targets=("sm_90a",))
+    assert art.meta["targets"]["sm_90a"]["config"]["path"].startswith("wgmma")
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    B, L, d = 3, 100, 576
+    rng = np.random.default_rng(3)
+    bf = lambda shape: rng.standard_normal(shape).astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+    inputs = {"q": bf((B, 64, d)).view(np.float32), "kv_cache": bf((B, 128, d)).view(np.float32),
+              "cu_seqlens_q": np.arange(B + 1, dtype=np.int32), "seq_lens": np.full(B, L, np.int32)}
+    _, buf = run_keeping_workspace(art, inputs, "sm_90a", {"num_splits": 2}, poison=("o_part", "lse_part", "lse"))
+    ref = FAMILIES["mla"].reference(spec, inputs)
+    np.testing.assert_allclose(buf["lse"], ref["lse"], rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(from_device(buf["o"], "bf16").astype(np.float64), ref["o"], rtol=2e-2, atol=2e-2)
+    whole = check_whole_rows(buf, [[(0, 1), (1, 1)]] * B, lambda r, h: partial_lse(
+        inputs["q"][r, h], inputs["kv_cache"][r], spec.softmax_scale, np.arange(L)))
+    assert whole == B

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ...ir import S32, S64, U32, U64, Addr, KernelBuilder, Reg
+from ...ir import F32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from .. import common as C
 from ..config.prefill import PrefillConfig
 from ..kv.kv_access import KVAccess
@@ -48,6 +48,10 @@ class VarlenCtx(MaskPredicate):
     # sparse keys (kv_access sparse): pred, key (s32) has no cache row -- masked like a key
     # past the limit (MmaMath.mask asks once per key of the lane, for all its rows)
     missing_key: Callable[[Reg], Reg] | None = None
+    # split-KV on a path that finishes whole tiles (PrefillConfig.finishes_whole_tiles): pred,
+    # this is split 0, S > 1 and it covers the tile's whole key range (chunk >= span): it
+    # stores the final o itself and marks split 1's lse_part +inf (split_reduce)
+    whole: Reg | None = None
 
     # The custom mask predicate (variant.MaskPredicate) over this tile's packed rows: query
     # token i's row of bits; a tree's n x n bits cover the draft keys (column = key - (L - n)),
@@ -248,14 +252,22 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
         lo_full = variant.first_unmasked_tile(b, ctx.position(ctx.token(last_row)), bn)
     first = b.mov(0, U32) if w_first is None else w_first
     if split is not None:                 # a uniform, length-balanced chunk (split_plan.py)
-        # No early exit for idle split indices here (decode has one: split_plan.emit_idle_exit):
-        # with it ptxas 13.0 caps the d64 split kernel on sm_120 at 128 registers and spills.
-        # An idle split runs the batch pass and an empty KV loop, then writes an empty partial.
+        # No idle exit before the batch pass here (decode has one: split_plan.emit_idle_exit):
+        # with it ptxas 13.0 capped the d64 split kernel on sm_120 at 128 registers and spilled.
+        # The paths that finish whole tiles leave after it (emit_idle_split_exit); on mma.sync
+        # that exit too made ptxas 13.5 spill (4 of the sweep's combinations), so an idle split
+        # there runs an empty KV loop and writes an empty partial.
         span = n_vis if w_first is None else b.sub(n_vis, w_first)
-        first, n_vis = emit_balanced_split(
+        begin, end = first, n_vis
+        first, n_vis, chunk = emit_balanced_split(
             b, split=split, num_splits=split_count, lane=lane, n_seqs=work.n_seqs,
-            seq_units=work.seq_units, own=span, begin=first, end=n_vis, rows=work.split_rows,
+            seq_units=work.seq_units, own=span, begin=begin, end=end, rows=work.split_rows,
             auto=auto_split(spec), keep_split0="sinks" in ptrs, write_empty=None)
+        if cfg.finishes_whole_tiles:
+            whole = b.setp("ge", b.add(begin, chunk), end)
+            emit_idle_split_exit(b, ctx, split, first, n_vis, whole, rows, cfg)
+            # S = 1 keeps the partials: split 1's lse slot, the mark, is not there
+            ctx.whole = b.and_(b.and_(whole, b.setp("eq", split, 0)), b.setp("gt", split_count, 1))
     n_tiles = b.sub(n_vis, first)
     n_full = b.sub(b.max(n_full, first), first)
     if lo_full is not None:
@@ -268,6 +280,23 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
                                key0=b.bitcast(b.mul(first, bn), S32), n_tiles=n_tiles, n_full=n_full,
                                lo_full=lo_full, bn=bn)
     return PackedTile(ctx, L, smem, k_smem, v_smem, first, n_tiles, n_full, lo_full, order)
+
+
+def emit_idle_split_exit(b: KernelBuilder, ctx: VarlenCtx, split: Reg, first: Reg, last: Reg,
+                         whole: Reg, rows: Reg, cfg: PrefillConfig) -> None:
+    """Leave at once when split index `split` (not 0) got no KV tiles, before the Q tile and
+    the pipeline start, with an empty partial for the tile's rows (lse_part = -inf, o_part
+    unwritten: the reduce weighs it 0 without reading it) -- or, where split 0 covers the whole
+    tile (`whole`), nothing: the reduce reads no split past split 1's slot, which split 0
+    marks."""
+    idle = b.and_(b.setp("ne", split, 0), b.setp("ge", first, last))
+    with b.if_then(idle):
+        with b.if_then(whole, negate=True):
+            with b.for_range(ctx.tid, cfg.block_m, cfg.launch_threads) as i:
+                row = b.add(ctx.m_start, i)
+                with b.predicate(b.setp("lt", row, rows)):
+                    b.st("global", F32, Addr(ctx.lse_addr(b, row)), [b.mov(C.NEG_INF, F32)])
+        b.ret()
 
 
 def kv_row(b: KernelBuilder, kv: KVAccess, bases: dict, cache: str, row: Reg, ok: Reg):

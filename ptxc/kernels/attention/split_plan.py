@@ -130,17 +130,20 @@ def emit_split_range(b: KernelBuilder, split: Reg, chunk: Reg, begin: Reg, end: 
 def emit_balanced_split(b: KernelBuilder, *, split: Reg, num_splits: Reg, lane: Reg, n_seqs: Reg,
                         seq_units: Callable[[Reg], tuple[Reg, Reg]], own: Reg, begin: Reg, end: Reg,
                         rows: Reg, auto: AutoSplit | None, keep_split0: bool,
-                        write_empty: Callable[[], None] | None, unit: int = 1) -> tuple[Reg, Reg]:
+                        write_empty: Callable[[], None] | None, unit: int = 1) -> tuple[Reg, Reg, Reg]:
     """The whole assignment for one split CTA, in order: the idle exit (skipped when
     `write_empty` is None: the caller already placed it), the batch pass, the chunk, and this
     split's [first, last) of [begin, end) (begin/end in units of `unit`: a chunk of c units
-    covers c * unit of them). Decode, varlen and anything built on varlen's body call this."""
+    covers c * unit of them), returned with that chunk in those units (split 0 alone covers
+    the row when begin + chunk >= end). Decode, varlen and anything built on varlen's body
+    call this."""
     if write_empty is not None:
         emit_idle_exit(b, split, own, num_splits, keep_split0, write_empty)
     total, longest = emit_batch_units(b, lane, n_seqs, seq_units)
     chunk = emit_chunk(b, total=total, longest=longest, own=own, num_splits=num_splits, rows=rows,
                        auto=auto)
-    return emit_split_range(b, split, b.mul(chunk, unit) if unit != 1 else chunk, begin, end)
+    step = b.mul(chunk, unit) if unit != 1 else chunk
+    return (*emit_split_range(b, split, step, begin, end), step)
 
 
 def plan(units: list[int], num_splits: int, auto: AutoSplit | None, work: list[int] | None = None,

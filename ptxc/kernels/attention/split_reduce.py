@@ -7,7 +7,10 @@ the split saw no key). With M = max_s λ_s and w_s = 2^(λ_s − M):
 
 which is exactly softmax over the union of the splits; empty splits have w_s = 0 (their o_s is
 not read: split_plan.emit_idle_exit leaves it unwritten), and a
-sequence with no keys at all gives o = 0, lse = −inf. One CTA per (head, sequence); each thread
+sequence with no keys at all gives o = 0, lse = −inf. A row whose split 0 covered all its keys
+(the GQA-packed tile's ctx.whole, S > 1) has its o from the split kernel and λ_1 = +inf as the
+mark (no partial lse is +inf: a finite running max m gives l in [1, keys], m = +inf makes l
+NaN): the reduce writes lse = λ_0 · ln 2 and leaves. One CTA per (head, sequence); each thread
 owns 4 consecutive elements of the head.
 """
 
@@ -63,6 +66,19 @@ def build_reduce(spec, entry: str, has_lse: bool, rows_dim: str = "batch") -> tu
     part_row0 = b.mul(b.mad(batch, H, head), splits)            # (b, h, split 0)
     lse_row = C.element_offset(b, ptrs["lse_part"], part_row0, b.mov(4, S64))
 
+    # A row split 0 finished whole (VarlenMath.epilogue) holds its o already and is marked +inf
+    # in split 1's lse (splits past 1 may be unwritten, so nothing more is read): only its lse
+    # is left, split 0's log2 lse in natural-log units.
+    marker = b.mov(C.NEG_INF, F32)
+    with b.predicate(b.setp("gt", splits, 1)):
+        b.ld("global", F32, Addr(lse_row, 4), out=[marker])
+    with b.if_then(b.setp("eq", marker, C.POS_INF)):
+        if has_lse:
+            with b.if_then(b.setp("eq", tid, 0)):
+                idx = b.mad(batch, H, head)
+                lse = b.mul(b.ld("global", F32, Addr(lse_row)), C.LN2)
+                b.st("global", F32, Addr(C.element_offset(b, ptrs["lse"], idx, b.mov(4, S64))), [lse])
+        b.ret()
     m = b.mov(C.NEG_INF, F32)
     with b.for_range(0, splits) as s:
         b.max(m, b.ld("global", F32, Addr(C.element_offset(b, lse_row, s, b.mov(4, S64)))), out=m)

@@ -7,6 +7,7 @@ varlen_tma.py (TMA on wgmma) build on these; nothing here imports a body.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ...ir import B32, F32, S64, U64, Addr, KernelBuilder, Reg
 from ...targets import TARGETS
@@ -35,6 +36,10 @@ class VarlenMath(MmaMath):
         self.v_scale: Reg | None = None    # FP8 V: multiplies 1/l (set by emit_varlen)
 
     def epilogue(self) -> None:
+        """1/l per row, then o in the dtype (and lse), or split: the log2 lse_part and the f32
+        partial o_part -- except where split 0 covers the whole tile (ctx.whole): it stores the
+        final o itself and, with S > 1, marks the row +inf in split 1's lse_part (split 1 has
+        nothing there); split_reduce then only turns lse_part[.., 0] into the final lse."""
         b, ctx = self.b, self.ctx
         split = ctx.split is not None
         writer = self.writer()
@@ -44,30 +49,53 @@ class VarlenMath(MmaMath):
                            lse_scale=1.0 if split else C.LN2, seen=seen)
         if self.v_scale is not None:
             invs = [b.mul(inv, self.v_scale) for inv in invs]
+        if not split:
+            self.store_rows(invs)
+            return
+        if ctx.whole is None:
+            self.store_parts(invs, seen)
+            return
+        with b.if_then(ctx.whole):
+            self.store_rows(invs)
+            mark = b.and_(writer, b.setp("gt", ctx.num_splits, 1))
+            for row in self.rows:
+                with b.predicate(b.and_(mark, b.setp("lt", row, ctx.seq_q))):
+                    b.st("global", F32, Addr(ctx.lse_addr(b, row), 4), [b.mov(C.POS_INF, F32)])
+        with b.else_():
+            self.store_parts(invs, seen)
+
+    def store_rows(self, invs: list[Reg]) -> None:
+        """o [total_q, H, dv] in the dtype (strided): this lane's columns 2t, 2t+1 of each row."""
+        b, ctx = self.b, self.ctx
+        o, strides = C.late(self.ptrs["o"]), [C.late(self.strides[("o", a)]) for a in (0, 1)]
         for r, row in enumerate(self.rows):
             ok = b.setp("lt", row, ctx.seq_q)
-            if split:   # o_part [total_q, H, splits, d] f32: this lane's columns 2t, 2t+1 --
-                # not for a row whose partial lse is -inf, which the reduce never reads (an
-                # idle split index of a 64-row MLA tile leaves 128 KiB unwritten)
-                ok = b.and_(ok, seen[r])
-                addr = b.add(self.ptrs["o_part"], b.mul_wide(ctx.out_index(row), ctx.cfg.dv * 4))
-                addr = b.add(addr, b.cvt(U64, b.shl(self.t, 3)))
-                if self.col0 is not None:   # this warp's slice of the value columns
-                    addr = b.add(addr, b.mul_wide(self.col0, 4))
-            else:
-                tok = b.add(ctx.token0, ctx.token(row))
-                base = C.element_offset(b, self.ptrs["o"], tok, self.strides[("o", 0)])
-                base = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), self.strides[("o", 1)])
-                addr = b.bitcast(b.add(base, b.cvt(S64, b.shl(self.t, 2))), U64)
-                if self.col0 is not None:
-                    addr = b.add(addr, b.mul_wide(self.col0, ctx.cfg.fmt.bytes))
+            tok = b.add(ctx.token0, ctx.token(row))
+            base = C.element_offset(b, o, tok, strides[0])
+            base = C.element_offset(b, b.bitcast(base, U64), ctx.head(row), strides[1])
+            addr = b.bitcast(b.add(base, b.cvt(S64, b.shl(self.t, 2))), U64)
+            if self.col0 is not None:   # this warp's slice of the value columns
+                addr = b.add(addr, b.mul_wide(self.col0, ctx.cfg.fmt.bytes))
             for jd, acc in enumerate(self.o):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
                 with b.predicate(ok):
-                    if split:
-                        b.st("global", F32, Addr(addr, jd * 32), [lo, hi])
-                    else:
-                        b.st("global", B32, Addr(addr, jd * 16), [b.cvt_pack(self.pair, hi, lo)])
+                    b.st("global", B32, Addr(addr, jd * 16), [b.cvt_pack(self.pair, hi, lo)])
+
+    def store_parts(self, invs: list[Reg], seen: list[Reg]) -> None:
+        """o_part [total_q, H, splits, dv] f32: this lane's columns 2t, 2t+1 -- not for a row
+        whose partial lse is -inf, which the reduce never reads (an idle split index of a
+        64-row MLA tile leaves 128 KiB unwritten)."""
+        b, ctx = self.b, self.ctx
+        for r, row in enumerate(self.rows):
+            ok = b.and_(b.setp("lt", row, ctx.seq_q), seen[r])
+            addr = b.add(self.ptrs["o_part"], b.mul_wide(ctx.out_index(row), ctx.cfg.dv * 4))
+            addr = b.add(addr, b.cvt(U64, b.shl(self.t, 3)))
+            if self.col0 is not None:
+                addr = b.add(addr, b.mul_wide(self.col0, 4))
+            for jd, acc in enumerate(self.o):
+                lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
+                with b.predicate(ok):
+                    b.st("global", F32, Addr(addr, jd * 32), [lo, hi])
 
 
 def packed_tile_config(spec, c: PrefillConfig) -> dict:
@@ -113,6 +141,7 @@ class WgmmaTileConfig(WgmmaConfig):
     buffers each for K and V and are dequantised into one swizzled tile each
     (kv_fp8_stage.SwizzledFP8Staging)."""
 
+    finishes_whole_tiles: ClassVar[bool] = True   # registers to spare (PrefillConfig)
     fp8: bool = False
 
     @property

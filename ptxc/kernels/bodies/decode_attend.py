@@ -64,7 +64,7 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
                 b.st("global", F32, Addr(C.element_offset(b, ptrs["lse_part"], row, b.mov(4, S64))),
                      [b.mov(C.NEG_INF, F32)])
         n_seqs = b.special("%nctaid.y")
-        row_begin, row_end = emit_balanced_split(
+        row_begin, row_end, _ = emit_balanced_split(
             b, split=z, num_splits=split_count, lane=lane, n_seqs=n_seqs, seq_units=seq_units,
             own=units(span), begin=row_begin, end=seq_len, rows=n_seqs,
             auto=auto_split(spec), keep_split0="sinks" in ptrs,

@@ -6,6 +6,7 @@ GQA-packed tensor-core body."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ...errors import SpecError
 from ...spec.fields import Field, FamilyFields, int_range, head_dim_range
@@ -103,6 +104,10 @@ class PrefillConfig:
     # Sparse top-k (a cache slot per key): the slots of the next K tile parked in a two-tile
     # ring before the mask list (kv_pages.SparseSlots)
     slot_ring: bool = False
+    # Split-KV on the GQA-packed tile: split 0 stores the final o of a tile it covers whole
+    # (VarlenMath.epilogue). Not on mma.sync: its split kernels sit at ptxas's 128-register
+    # cap, and the second epilogue made 20 of the spill sweep's 14963 combinations spill.
+    finishes_whole_tiles: ClassVar[bool] = False
 
     @property
     def dv(self) -> int:

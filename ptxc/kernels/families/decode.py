@@ -213,19 +213,28 @@ def build(spec: KernelSpec, target: Target) -> Program:
     b = KernelBuilder(f"ptxc_{spec.name}" + ("_split" if split else ""))
     params: list[LaunchParam] = []
 
-    def param(name, type, source):
+    def param(name, type, source, then=lambda r: r, late=False):
         params.append(LaunchParam(name, type, source))
-        return b.load_param(b.param(name, type))
+        sym = b.param(name, type)
+        if late:   # loaded where it is used (C.LateValue)
+            return C.LateValue(lambda: then(b.load_param(sym)))
+        return then(b.load_param(sym))
 
+    # split: the partials, and o where the tensor-core tile finishes whole sequences in split 0
+    # (VarlenMath.epilogue; its pointer and strides are loaded there)
+    finals = split and mma and cfg.finishes_whole_tiles
     names = ["q", *kv.pointer_tensors(), "seq_lens"] + \
-        (["o_part", "lse_part"] if split else ["o"] + (["lse"] if spec.opt("return_lse") else [])) + \
+        (["o_part", "lse_part"] + (["o"] if finals else []) if split else
+         ["o"] + (["lse"] if spec.opt("return_lse") else [])) + \
         [t.name for t in variant_tensors(spec)]
-    ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t))) for t in names}
+    ptrs = {t: param(t, C.U64, ParamSource("pointer", tensor=t), b.to_global, late=split and t == "o")
+            for t in names}
     strides = {("q", a): C.byte_stride(b, param(f"q_stride{a}", S64, ParamSource("stride", "q", a)), cfg.fmt)
                for a in (0, 1)}
     kv.emit_strides(param)
-    if not split:
-        strides.update({("o", a): C.byte_stride(b, param(f"o_stride{a}", S64, ParamSource("stride", "o", a)), cfg.fmt)
+    if not split or finals:
+        strides.update({("o", a): param(f"o_stride{a}", S64, ParamSource("stride", "o", a),
+                                        lambda r: C.byte_stride(b, r, cfg.fmt), late=split)
                         for a in (0, 1)})
     kv.emit_dims(param)
     split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None

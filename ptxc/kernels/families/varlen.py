@@ -347,16 +347,25 @@ def build(spec: KernelSpec, target: Target) -> Program:
     b = KernelBuilder(f"ptxc_{spec.name}" + ("_split" if split else ""))
     params: list[LaunchParam] = []
 
-    def param(name, type, source):
+    def param(name, type, source, then=lambda r: r, late=False):
         params.append(LaunchParam(name, type, source))
-        return b.load_param(b.param(name, type))
+        sym = b.param(name, type)
+        if late:   # loaded where it is used (C.LateValue)
+            return C.LateValue(lambda: then(b.load_param(sym)))
+        return then(b.load_param(sym))
 
-    outs = ["o_part", "lse_part"] if split else ["o"] + (["lse"] if spec.opt("return_lse") else [])
+    # split: the partials, and o where split 0 finishes whole tiles (VarlenMath.epilogue; its
+    # pointer and strides are loaded there)
+    finals = cfg.finishes_whole_tiles and split
+    outs = ["o_part", "lse_part"] + (["o"] if finals else []) if split else \
+        ["o"] + (["lse"] if spec.opt("return_lse") else [])
     names = ["q", *(t.name for t in key_count_tensors(spec, kv)), *kv.pointer_tensors(), *outs,
              *(t.name for t in variant_tensors(spec) + mask_tensors(spec))]
-    ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t))) for t in names}
-    strides = {(t, a): C.byte_stride(b, param(f"{t}_stride{a}", S64, ParamSource("stride", t, a)), cfg.fmt)
-               for t in ("q",) + (() if split else ("o",)) for a in (0, 1)}
+    ptrs = {t: param(t, C.U64, ParamSource("pointer", tensor=t), b.to_global, late=split and t == "o")
+            for t in names}
+    strides = {(t, a): param(f"{t}_stride{a}", S64, ParamSource("stride", t, a),
+                             lambda r: C.byte_stride(b, r, cfg.fmt), late=split and t == "o")
+               for t in ("q", "o") if t in ptrs for a in (0, 1)}
     kv.emit_strides(param)
     kv.emit_dims(param)
     batch = None if kv.sparse else param("batch", U32, ParamSource("dim", name="batch"))
