@@ -31,6 +31,15 @@ def run_keeping_workspace(art, inputs: dict, target="sm_80", dims: dict | None =
     return dims, buffers
 
 
+def uniform_mla_inputs(B: int, heads: int, d: int, cache_rows: int, L: int) -> dict:
+    """B single-token MLA queries over contiguous latent caches of L keys each, bf16 values."""
+    rng = np.random.default_rng(3)
+    bf = lambda shape: (rng.standard_normal(shape).astype(np.float32).view(np.uint32)
+                        & np.uint32(0xFFFF0000)).view(np.float32)
+    return {"q": bf((B, heads, d)), "kv_cache": bf((B, cache_rows, d)),
+            "cu_seqlens_q": np.arange(B + 1, dtype=np.int32), "seq_lens": np.full(B, L, np.int32)}
+
+
 def partial_lse(q, k, scale, rows) -> float:
     """log2 sum_j 2^(q.k_j * scale * log2 e) over `rows` (-inf when empty), in fp64."""
     if len(rows) == 0:
@@ -170,11 +179,8 @@ def test_mla_splits_follow_the_model_with_the_mla_rule(tmp_path):
                                         'qk_rope_head_dim = 16\nsoftmax_scale = 0.1\n'
                                         'kv_layout = "contiguous"\nnum_splits = "auto"\nreturn_lse = true')
     spec = KernelSpec.from_dict(art.meta["spec"])
-    B, L, d = 8, 300, 144
-    rng = np.random.default_rng(3)
-    bf = lambda shape: rng.standard_normal(shape).astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
-    inputs = {"q": bf((B, 16, d)).view(np.float32), "kv_cache": bf((B, 320, d)).view(np.float32),
-              "cu_seqlens_q": np.arange(B + 1, dtype=np.int32), "seq_lens": np.full(B, L, np.int32)}
+    B, L = 8, 300
+    inputs = uniform_mla_inputs(B, 16, 144, 320, L)
     dims = infer_dims(art.meta, inputs, {"num_splits": 4}, target="sm_80")
     buf = prepare_buffers(art.meta, inputs, dims)
     buf["o_part"].fill(np.nan)
@@ -257,11 +263,8 @@ def test_sm90a_mla_whole_rows_write_no_partials(tmp_path):
                        targets=("sm_90a",))
     assert art.meta["targets"]["sm_90a"]["config"]["path"].startswith("wgmma")
     spec = KernelSpec.from_dict(art.meta["spec"])
-    B, L, d = 3, 100, 576
-    rng = np.random.default_rng(3)
-    bf = lambda shape: rng.standard_normal(shape).astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
-    inputs = {"q": bf((B, 64, d)).view(np.float32), "kv_cache": bf((B, 128, d)).view(np.float32),
-              "cu_seqlens_q": np.arange(B + 1, dtype=np.int32), "seq_lens": np.full(B, L, np.int32)}
+    B, L = 3, 100
+    inputs = uniform_mla_inputs(B, 64, 576, 128, L)
     _, buf = run_keeping_workspace(art, inputs, "sm_90a", {"num_splits": 2}, poison=("o_part", "lse_part", "lse"))
     ref = FAMILIES["mla"].reference(spec, inputs)
     np.testing.assert_allclose(buf["lse"], ref["lse"], rtol=1e-2, atol=1e-2)
