@@ -74,7 +74,7 @@ class BatchRun:
         self.bar_count_of = np.array([op.bar_count if op.kind == BARRIER and op.bar_count is not None
                                       else -1 for op in self.ops] + [-1], np.int64)
         self.bar_arrived = np.zeros((ctx.nctas, 16), np.int64)   # bar.arrive's in the open phase
-        self.bar_arrivers: dict = {}     # (cta, id) -> [(threads, race stamp)] of the open phase
+        self.bar_arrivers: dict = {}     # (cta, id) -> [(threads, race stamp, knowledge)] of the open phase
         # threads whose mbarrier wait failed yield until some mbarrier phase completes
         self.parked = np.zeros(n, np.bool_)
         self.park_version = np.zeros(n, np.int64)
@@ -351,16 +351,17 @@ class BatchRun:
         bid, count = op.bar_id, op.bar_count
         ctas = self.ctx.cta_of[threads]
         add = np.bincount(ctas, minlength=self.ctx.nctas)
-        stamp = self.ctx.race.arrival() if self.ctx.race is not None else 0
+        race = self.ctx.race
+        stamp = race.arrival() if race is not None else 0
         for c in np.flatnonzero(add).tolist():
             mine = threads[ctas == c]
             before = self.bar_arrivers.setdefault((c, bid), [])
-            again = [t for t, _ in before if np.isin(mine, t).any()]
+            again = [t for t, *_ in before if np.isin(mine, t).any()]
             if again:
                 raise Fault(f"a thread arrives twice at barrier {bid} in one phase (the "
                             f"hardware would count both arrivals: the phase completes early)",
                             int(mine[np.isin(mine, again[0])][0]))
-            before.append((mine, stamp))
+            before.append((mine, stamp, race.knowledge(c, mine) if race is not None else None))
         self.bar_arrived[:, bid] += add
         over = self.bar_arrived[:, bid] > count
         if over.any():

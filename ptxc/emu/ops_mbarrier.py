@@ -44,6 +44,22 @@ def arrival(ctx) -> int:
     return ctx.race.arrival() if ctx.race is not None else 0
 
 
+def arrival_part(ctx, threads, cumulative: bool = True) -> tuple:
+    """(threads, stamp, knowledge) of an arrival by `threads` (one CTA's) on an mbarrier
+    phase: what its waiters are ordered after (racecheck.RaceTracker.counted_barrier).
+    `cumulative` False (a tcgen05.commit's arrival, made by the tensor cores when the MMAs
+    complete): the waiters are ordered after the issuing thread's own accesses before the
+    commit and after the MMAs' completion (racecheck's tensor-core row), not after what that
+    thread had been ordered after -- no release chain is assumed through the asynchronous
+    unit."""
+    if ctx.race is None:
+        return threads, 0, None
+    if not cumulative:
+        return (threads, *ctx.race.tensor_core_arrival())
+    known = ctx.race.knowledge(int(ctx.cta_of[threads[0]]), threads)
+    return threads, ctx.race.arrival(), known
+
+
 class Barrier:
     __slots__ = ("expected", "pending", "tx", "phase", "parts", "last_parts", "copies",
                  "landed", "tracked", "completed")
@@ -74,13 +90,15 @@ class Mbarriers:
                         f"initialised mbarrier (missing mbarrier.init?)", thread, addr)
         return b
 
-    def arrive(self, ctx, b, threads, count, thread, addr):
+    def arrive(self, ctx, b, threads, count, thread, addr, cumulative=True):
         if count > b.pending:
             raise Fault(f"{count} arrivals on an mbarrier phase expecting {b.pending} more "
                         f"(of {b.expected}) at shared address 0x{addr:x}", thread, addr)
         b.pending -= count
-        b.parts.append((threads, arrival(ctx)))
+        part = arrival_part(ctx, threads, cumulative)
+        b.parts.append(part)
         self.maybe_complete(ctx, b)
+        return part
 
     def complete_tx(self, ctx, b, nbytes):
         b.tx -= nbytes
@@ -241,9 +259,10 @@ def _wait(ctx, pwrite, address, state, parity, what):
                 # the waiters' later accesses; waiters are not ordered among themselves
                 seen = idx[rows[done]]
                 for cta in np.unique(ctx.cta_of[seen]).tolist():
-                    arrivers = [(t[ctx.cta_of[t] == cta], stamp) for t, stamp in b.last_parts]
+                    arrivers = [(t[ctx.cta_of[t] == cta], stamp, known)
+                                for t, stamp, known in b.last_parts]
                     ctx.race.counted_barrier(cta, seen[ctx.cta_of[seen] == cta],
-                                             [(t, st) for t, st in arrivers if t.size],
+                                             [a for a in arrivers if a[0].size],
                                              pair_waiters=False)
         pwrite(sel, ok)
     return run
@@ -264,7 +283,7 @@ def issue_copy(ctx, thread, cols, data, dst_addr, bar_flat, bar_addr, line, swiz
     # the copy's writes are ordered like the issuer's accesses before the issue: stamped just
     # before the part the phase's waiters are ordered after
     b.copies.append((cols, data, thread, line, swizzle, arrival(ctx)))
-    b.parts.append((np.array([thread], np.int64), arrival(ctx)))
+    b.parts.append(arrival_part(ctx, np.array([thread], np.int64)))
     ctx.mbar.complete_tx(ctx, b, cols.size)
 
 

@@ -14,7 +14,9 @@ the tensor memory and what it checks in tmem.py):
   phase that a later tcgen05.commit of the same thread arrives on; until then the shared
   memory it read may not be written either.
 * tcgen05.commit...mbarrier::arrive::one makes the mbarrier track the thread's MMAs since its
-  previous commit and arrives once on it.
+  previous commit and arrives once on it -- as the tensor cores (racecheck's pseudo warp), so
+  that a read of D is ordered after the completion only for warps that waited on the phase or
+  follow such a wait through barriers (tmem.py's ordering rules).
 * tcgen05.ld / st are warp-collective (.sync.aligned): a warp reaches the 32 lanes of its
   sub-partition. An st's cells may not be read (by ld or mma) before the warp's
   tcgen05.wait::st. An ld's registers are *not* held until tcgen05.wait::ld: Triton 3.9's
@@ -39,8 +41,8 @@ from ptxc.emu.ops_warp import _halves_to_f64, _tf32_to_f64, whole_warps
 from ptxc.emu.ops_wgmma import read_operand
 from ptxc.emu.ptx_ast import Addr, Imm, Reg, Vec
 from ptxc.emu.tcgen05_layout import (
-    LD_SHAPES, InstrDescriptor, SmemDescriptor, fragment_cells, row_lanes)
-from ptxc.emu.tmem import MmaRecord, TensorMemory
+    LANES, LD_SHAPES, InstrDescriptor, SmemDescriptor, fragment_cells, row_lanes)
+from ptxc.emu.tmem import PENDING, MmaRecord, TensorMemory
 
 U32, U64, B32, PRED = TYPES["u32"], TYPES["u64"], TYPES["b32"], TYPES["pred"]
 
@@ -212,6 +214,9 @@ def _mma_one(ctx, tm, t, d_addr, a_val, b_val, i_val, enable_d, mma_kind, a_tmem
         raise Fault(f"tcgen05.mma D address 0x{d_addr:08x} names lane {d_addr >> 16}: D starts "
                     f"at lane 0", t)
     d_cols = (d_addr & 0xFFFF) + np.arange(N)
+    # the same cells as basic slices where they are contiguous (the ordering checks' gathers)
+    lane_idx = slice(0, LANES) if M == LANES else lanes
+    d_cells = (lane_idx, slice(int(d_cols[0]), int(d_cols[0]) + N))
     tm.cells(cta, lanes, d_cols, t, "tcgen05.mma D")
     rows = []
 
@@ -226,6 +231,8 @@ def _mma_one(ctx, tm, t, d_addr, a_val, b_val, i_val, enable_d, mma_kind, a_tmem
         return _tf32_to_f64(words) if tf32 else _halves_to_f64(words, bf16)
 
     B = smem_operand(b_val, N, idesc.b_mn_major, "B")
+    me = int(ctx.lin[t]) >> 5
+    a_cols = None
     if a_tmem:
         if a_val >> 16:
             raise Fault(f"tcgen05.mma A address 0x{a_val:08x} names lane {a_val >> 16}: A "
@@ -233,6 +240,9 @@ def _mma_one(ctx, tm, t, d_addr, a_val, b_val, i_val, enable_d, mma_kind, a_tmem
         a_cols = (a_val & 0xFFFF) + np.arange(8)
         tm.cells(cta, lanes, a_cols, t, "tcgen05.mma A")
         tm.check_read(cta, lanes, a_cols, t, "tcgen05.mma A", in_flight_ok=True)
+        tm.check_ordered(tm.puts, cta, (lane_idx, slice(int(a_cols[0]), int(a_cols[0]) + 8)),
+                         me, t,
+                         "tcgen05.mma A reads", own_pending=True)
         words = tm.data[cta][np.ix_(lanes, a_cols)]
         A = _tf32_to_f64(words) if tf32 else _halves_to_f64(words, bf16)
     else:
@@ -245,13 +255,23 @@ def _mma_one(ctx, tm, t, d_addr, a_val, b_val, i_val, enable_d, mma_kind, a_tmem
         # an earlier MMA of this thread may still be writing D: MMAs of one issuer run in order
         tm.check_read(cta, lanes, d_cols, t, "tcgen05.mma (enable_input_d) D",
                       in_flight_ok=True)
+        tm.check_ordered(tm.puts, cta, d_cells, me, t,
+                         "tcgen05.mma (enable_input_d) D reads", own_pending=True)
         D = D + tm.data[cta][block].view(np.float32).astype(np.float64)
     else:
         tm.check_stored(cta, lanes, d_cols, t, "tcgen05.mma D overwrites")
+        tm.check_ordered(tm.puts, cta, d_cells, me, t,
+                         "tcgen05.mma D overwrites", own_pending=True)
+    tm.check_ordered(tm.loads, cta, d_cells, me, t,
+                     "tcgen05.mma D overwrites", own_pending=True)
+    tm.check_a_in_flight(cta, lanes, d_cols, t, "tcgen05.mma D overwrites", issuer=t)
     tm.data[cta][block] = D.astype(np.float32).view(np.uint32)
     tm.written[cta][block] = True
+    tm.puts.forget(cta, d_cells)
+    mmas = tm.mmas
+    mmas.by[cta][d_cells], mmas.at[cta][d_cells], mmas.line[cta][d_cells] = me + 1, PENDING, line
     smem_rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    tm.issue(MmaRecord(cta, lanes, d_cols, smem_rows, t, line))
+    tm.issue(MmaRecord(cta, lanes, d_cols, smem_rows, t, line, a_cols, d_cells))
 
 
 def _decode_commit(ins, env, m, kind):
@@ -278,7 +298,9 @@ def _decode_commit(ins, env, m, kind):
                 records = tm.commit(t)
                 if records:
                     b.tracked.append(functools.partial(tm.retire, records))
-                ctx.mbar.arrive(ctx, b, np.array([t]), 1, t, int(addr[j]))
+                part = ctx.mbar.arrive(ctx, b, np.array([t]), 1, t, int(addr[j]),
+                                       cumulative=False)
+                tm.committed(records, int(ctx.lin[t]) >> 5, part[1])
         return run
     return Op(NORMAL, ins, bind)
 
@@ -315,7 +337,7 @@ def _decode_ld_st(ins, env, m, kind):
     tplan = _taddr_plan(env, addr_op)
     span_lanes = LD_SHAPES[shape][1]
     rplans = [(dst_plan if kind == "ld" else src_plan)(env, x, B32) for x in regs_op.items]
-    what = f"tcgen05.{kind}"
+    what, line = f"tcgen05.{kind}", ins.line
 
     def bind(ctx):
         tm, where = tensor_memory(ctx), tplan(ctx)
@@ -341,11 +363,20 @@ def _decode_ld_st(ins, env, m, kind):
                 ul, uc = np.unique(lanes), np.unique(cols)
                 tm.cells(cta, ul, uc, t, what)
                 rows = slice(32 * w, 32 * w + 32)
+                gwarp, warp = int(t) >> 5, int(ctx.lin[t]) >> 5
                 if kind == "ld":
                     _check_cells(tm, cta, lanes, cols, t, what)
+                    tm.check_ordered(tm.puts, cta, (lanes, cols), warp, t, f"{what} reads")
+                    tm.check_ordered(tm.mmas, cta, (lanes, cols), warp, t, f"{what} reads")
                     out[rows] = tm.data[cta, lanes, cols]
+                    tm.loads.record(cta, lanes, cols, warp, line, gwarp)
                 else:
                     tm.check_write(cta, ul, uc, t, what)
+                    tm.check_a_in_flight(cta, ul, uc, t, f"{what} overwrites")
+                    tm.check_ordered(tm.loads, cta, (lanes, cols), warp, t, f"{what} overwrites")
+                    tm.check_ordered(tm.mmas, cta, (lanes, cols), warp, t, f"{what} overwrites")
+                    tm.mmas.forget(cta, (lanes, cols))
+                    tm.puts.record(cta, lanes, cols, warp, line, gwarp)
                     tm.data[cta, lanes, cols] = out[rows]
                     tm.written[cta, lanes, cols] = True
                     tm.stored[cta, lanes, cols] += 1
@@ -378,9 +409,12 @@ def _decode_wait(ins, env, m, kind):
 
         def run(sel):
             idx = whole_warps(ctx, sel, what)
-            if kind == "wait::ld":
-                return
+            stamp = ctx.race.serial if ctx.race is not None else 0
+            log = tm.loads if kind == "wait::ld" else tm.puts
             for t in idx[::32].tolist():
+                log.complete(int(t) >> 5, int(ctx.lin[t]) >> 5, stamp)
+                if kind == "wait::ld":
+                    continue
                 for cta, lanes, cols in tm.stores.pop(int(t) >> 5, []):
                     tm.stored[cta, lanes, cols] -= 1
         return run

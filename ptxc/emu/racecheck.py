@@ -12,6 +12,13 @@ synchronisation event takes a fresh counter value and records it where it orders
 * a warp-level synchronisation (``bar.warp.sync``, and the warp collectives ``shfl.sync``,
   ``mma.sync``, ``ldmatrix``) -> ``warp_sync[warp]``.
 
+Counted barriers are transitive: an arrival hands its waiters what the arriving warps were
+ordered after (their ``pair_sync`` columns), a named barrier merges its participants', a
+CTA-wide barrier every warp's -- a release / acquire chain through a third warp orders the
+first warp's accesses before the last one's. A tcgen05.commit's arrival is the tensor cores'
+(a pseudo warp, ``pair_sync`` index ``tensor_cores``): its waiters are ordered after the MMAs'
+completion, and tensor memory's ordering rules (tmem.py) read that row.
+
 An access by thread U of a byte last written by thread T != U is ordered after that write iff
 a sync event that both took part in happened after it: ``cta_sync > stamp``, or (same warp)
 ``warp_sync > stamp``, or (counted barrier) ``pair_sync > stamp``. A read (RAW) or a write
@@ -107,7 +114,10 @@ class RaceTracker:
         self.serial = 1
         self.cta_sync = np.ones(ctx.nctas, np.int64)       # newer than every initial stamp 0
         self.warp_sync = np.zeros(ctx.n // 32, np.int64)
-        self.pair_sync = None                              # (nctas, warps, warps) on demand
+        # (nctas, warps + 1, warps + 1) on demand; index `tensor_cores` (= warps) is a pseudo
+        # warp: the tcgen05.commit arrivals, made by the tensor cores when the MMAs complete
+        self.pair_sync = None
+        self.tensor_cores = ctx.tpad // 32
         # serial of each CTA's last shared write / read: when older than its last barrier, no
         # byte can be unordered and the per-byte checks are skipped
         self.last_write = np.zeros(ctx.nctas, np.int64)
@@ -126,34 +136,72 @@ class RaceTracker:
         return self.serial
 
     def cta_barrier(self, ctas=None):
-        """A CTA-wide barrier completed for `ctas` (None: every CTA of the batch)."""
+        """A CTA-wide barrier completed for `ctas` (None: every CTA of the batch); what any warp
+        was ordered after, every warp is now (transitivity; what matters beyond cta_sync is
+        the tensor cores' row)."""
         s = self._tick()
         if ctas is None:
             self.cta_sync[:] = s
         else:
             self.cta_sync[ctas] = s
+        p = self.pair_sync
+        if p is not None:
+            if ctas is None:
+                p[:] = p.max(axis=2, keepdims=True)
+            else:
+                p[ctas] = p[ctas].max(axis=-1, keepdims=True)
+
+    def _pairs(self):
+        if self.pair_sync is None:
+            n = self.tensor_cores + 1
+            self.pair_sync = np.zeros((self.ctx.nctas, n, n), np.int64)
+        return self.pair_sync
+
+    def tensor_core_arrival(self):
+        """(stamp, knowledge) of a tcgen05.commit's arrival: its waiters are ordered after the
+        completion of the MMAs it tracks (the tensor cores' row), not after anything the issuing
+        thread had been ordered after."""
+        known = np.zeros(self._pairs().shape[1], np.int64)
+        stamp = self._tick()
+        known[self.tensor_cores] = stamp
+        return stamp, known
 
     def arrival(self) -> int:
         """The stamp of a bar.arrive: the arriving threads' accesses up to here are the ones
         its barrier's waiters are ordered after."""
         return self._tick()
 
+    def knowledge(self, cta: int, threads):
+        """What the warps of `threads` (batch indices, of `cta`) are ordered after now: for
+        every warp x of the CTA, the newest stamp s such that x's accesses before s are ordered
+        before theirs (their pair_sync columns; None before any counted barrier). An arrival
+        hands it on to the barrier's waiters, so ordering is transitive: a release / acquire
+        chain through a third warp (softmax -> correction -> MMA warp) orders the first warp's
+        accesses before the last one's."""
+        if self.pair_sync is None:
+            return None
+        warps = np.unique((threads % self.ctx.tpad) >> 5)
+        return self.pair_sync[cta][:, warps].max(axis=1)
+
     def counted_barrier(self, cta: int, threads, arrivers=(), pair_waiters: bool = True):
         """A barrier with a thread count completed for `threads` (batch indices) of `cta`,
-        which waited at it; `arrivers` [(threads, arrival stamp)] passed a bar.arrive of the
-        same phase without waiting: their accesses before the arrival are ordered before the
-        waiters' later ones -- not the ones after it, nor anything in the reverse direction.
+        which waited at it; `arrivers` [(threads, arrival stamp, their knowledge then)] passed
+        a bar.arrive (or an mbarrier arrival) of the same phase without waiting: their accesses
+        before the arrival, and what those were ordered after, are ordered before the waiters'
+        later ones -- not the ones after it, nor anything in the reverse direction.
         `pair_waiters` False (an mbarrier wait): the waiters are not ordered among themselves."""
         s = self._tick()
         tpad = self.ctx.tpad
-        if self.pair_sync is None:
-            self.pair_sync = np.zeros((self.ctx.nctas, tpad // 32, tpad // 32), np.int64)
+        sync = self._pairs()[cta]
         warps = np.unique((threads % tpad) >> 5)
-        for who, stamp in arrivers:
+        for who, stamp, known in arrivers:
             ix = np.ix_(np.unique((who % tpad) >> 5), warps)
-            self.pair_sync[cta][ix] = np.maximum(self.pair_sync[cta][ix], stamp)
+            sync[ix] = np.maximum(sync[ix], stamp)
+            if known is not None:
+                sync[:, warps] = np.maximum(sync[:, warps], known[:, None])
         if pair_waiters:
-            self.pair_sync[cta][np.ix_(warps, warps)] = s
+            sync[:, warps] = sync[:, warps].max(axis=1)[:, None]
+            sync[np.ix_(warps, warps)] = s
 
     def proxy_fence(self, sel):
         """fence.proxy.async by the threads `sel` (shared memory between the generic and async

@@ -14,10 +14,30 @@ What it checks (each a Fault naming the line and the thread, hence the warp):
   thread not yet complete, as the PTX ISA defines it (a missing commit, or a read before the
   wait, is caught there);
 * no tcgen05.mma or tcgen05.ld reading cells that a tcgen05.st has not completed (the storing
-  warp's tcgen05.wait::st completes them).
+  warp's tcgen05.wait::st completes them);
+* ordering across warps, with the race tracker's sync events (racecheck.py; off with
+  racecheck=False, the pending rules below stay):
+  - write after read: a tcgen05.mma (its D) or another warp's tcgen05.st overwriting cells a
+    warp read with tcgen05.ld must be ordered after that read -- the reading warp's
+    tcgen05.wait::ld, then a CTA-wide barrier, or a chain of named barriers / mbarrier phases
+    from that warp to the writer's (FlashAttention-4's "S free" handshake). An MMA overwriting cells its own warp read
+    needs that warp's wait::ld first. A tcgen05.st or MMA writing cells an MMA still in flight
+    reads as its A operand (P in tensor memory) fails until a wait observes that MMA's commit
+    (MMAs of one issuing thread run in order, so its own later MMAs may);
+  - read after a tcgen05.st: an MMA (A from tensor memory, or D accumulated) or another warp's
+    tcgen05.ld reading stored cells must be ordered after the storing warp's tcgen05.wait::st
+    the same way (the softmax warps' "P full" handshake);
+  - reading an MMA's result: a tcgen05.ld (or st) of D cells must be ordered after the MMA's
+    completion -- a wait on its commit's phase by the reading warp, or a chain from a warp
+    that waited (racecheck's tensor-core row); the in-flight rule above only asks that some
+    wait observed it.
+  One record per cell (the last reader, the last storer, the last MMA): a cell several warps
+  read is checked against the last of them only, so a race can be missed there, never
+  invented.
 
 The MMA's values are written when it is issued (as for wgmma, nothing may observe the cells
-before it completes, so this is the value every legal observer sees).
+before it completes, so this is the value every legal observer sees); the ordering checks are
+what stop an early overwrite or a late store from hiding behind that.
 """
 
 from __future__ import annotations
@@ -28,15 +48,53 @@ from ptxc.emu.operands import Fault
 from ptxc.emu.tcgen05_layout import COLUMNS, LANES
 
 
+# the stamp of a tcgen05.ld / st not yet completed by its warp's wait: ordered after nothing
+PENDING = 1 << 62
+
+
 class MmaRecord:
-    """One issued tcgen05.mma: the cells it writes and the shared chunks it reads."""
+    """One issued tcgen05.mma: the cells it writes, the cells it reads as A (None: A from
+    shared memory) and the shared chunks it reads."""
 
-    __slots__ = ("cta", "lanes", "cols", "smem_rows", "thread", "line", "done")
+    __slots__ = ("cta", "lanes", "cols", "a_cols", "cells", "smem_rows", "thread", "line",
+                 "done")
 
-    def __init__(self, cta, lanes, cols, smem_rows, thread, line):
-        self.cta, self.lanes, self.cols = cta, lanes, cols
+    def __init__(self, cta, lanes, cols, smem_rows, thread, line, a_cols=None, cells=None):
+        self.cta, self.lanes, self.cols, self.a_cols = cta, lanes, cols, a_cols
+        self.cells = cells if cells is not None else np.ix_(lanes, cols)   # D, as an index
         self.smem_rows, self.thread, self.line = smem_rows, thread, line
         self.done = False
+
+
+class CellLog:
+    """The last access of one kind to every cell: its warp (index in the CTA, + 1; 0: none),
+    its stamp (the race tracker's serial when the warp's wait completed it; PENDING before) and
+    its PTX line. np.zeros, so a batch pays only for the pages its allocations touch."""
+
+    def __init__(self, shape, kind: str, wait: str):
+        self.kind, self.wait = kind, wait           # for messages: the access, what completes it
+        self.by = np.zeros(shape, np.int16)
+        self.at = np.zeros(shape, np.int64)
+        self.line = np.zeros(shape, np.int32)
+        self.pending: dict = {}         # warp (batch index) -> [(cta, lanes, cols)]
+
+    def record(self, cta, lanes, cols, warp_in_cta: int, line: int, gwarp: int):
+        self.by[cta, lanes, cols] = warp_in_cta + 1
+        self.at[cta, lanes, cols] = PENDING
+        self.line[cta, lanes, cols] = line
+        self.pending.setdefault(gwarp, []).append((cta, lanes, cols))
+
+    def forget(self, cta, block):
+        """A later write (checked against this one) replaced the cells' last access of this
+        kind: it is what the next accesses are ordered against."""
+        self.by[cta][block] = 0
+
+    def complete(self, gwarp: int, warp_in_cta: int, stamp: int):
+        """The warp's wait: its pending accesses (those no other warp redid since) get `stamp`."""
+        for cta, lanes, cols in self.pending.pop(gwarp, []):
+            mine = (self.by[cta, lanes, cols] == warp_in_cta + 1) & \
+                (self.at[cta, lanes, cols] == PENDING)
+            self.at[cta, lanes[mine], cols[mine]] = stamp
 
 
 class TensorMemory:
@@ -51,6 +109,12 @@ class TensorMemory:
         self.allocs = [dict() for _ in range(n)]                   # column -> columns
         self.relinquished = np.zeros(n, np.bool_)
         self.live: dict = {}            # issuing thread -> its MMAs not yet complete
+        shape = (n, LANES, COLUMNS)
+        self.a_reads = np.zeros(shape, np.int32)                    # in-flight MMAs' A
+        self.loads = CellLog(shape, "tcgen05.ld", "its warp's tcgen05.wait::ld")
+        self.puts = CellLog(shape, "tcgen05.st", "its warp's tcgen05.wait::st")
+        # D cells: the issuing warp, stamped (commit arrival - 1) by the thread's next commit
+        self.mmas = CellLog(shape, "tcgen05.mma", "a tcgen05.commit after it")
         self.stores: dict = {}          # warp -> [(cta, lanes, cols)] before tcgen05.wait::st
         smem = ctx.smem
         if smem.async_readers is None:
@@ -145,9 +209,82 @@ class TensorMemory:
             raise Fault(f"{what} writes tensor memory (lane {lanes[li]}, column {cols[ci]}) that "
                         f"a tcgen05.mma still writes (no wait observed its commit)", thread)
 
+    # ------------------------------------------------------------------ ordering across warps
+    def unordered(self, log: CellLog, cta: int, cells, warp: int, own_pending: bool):
+        """Mask over `cells` (an index into one CTA's lanes x columns) whose last access in `log`
+        an access by `warp` (index in the CTA) now is not ordered after. `own_pending`: the
+        warp's own pending accesses count too (an MMA is another unit than its warp's ld).
+        An MMA's D is ordered for no warp by program order, its issuer's included: only by a
+        wait on its commit's phase, or a chain from such a wait."""
+        by = log.by[cta][cells]                 # warp + 1; 0: none
+        live = by > 0
+        if not live.any():
+            return live
+        at = log.at[cta][cells]
+        other = live & (by != warp + 1) if log is not self.mmas else live
+        pending = (other | (live & own_pending)) & (at == PENDING)
+        race = self.ctx.race
+        if race is None:
+            return pending
+        if log is self.mmas:    # only the commit's wait, or a chain from it (barriers too)
+            ordered = race.pair_sync is not None and \
+                race.pair_sync[cta][race.tensor_cores, warp] > at
+            return live & ~ordered | pending
+        bad = other & ~(race.cta_sync[cta] > at)
+        if race.pair_sync is not None and bad.any():
+            bad &= ~(race.pair_sync[cta][np.maximum(by.astype(np.intp) - 1, 0), warp] > at)
+        return bad | pending
+
+    def check_ordered(self, log: CellLog, cta, cells, warp, thread, what, own_pending=False):
+        """Fail when `what` (by `warp`) is not ordered after the last access in `log` of one of
+        `cells` ((lanes, columns): index arrays of one shape, or a lane index and a column
+        slice); the message names both accesses."""
+        bad = self.unordered(log, cta, cells, warp, own_pending)
+        if not bad.any():
+            return
+        lanes, cols = np.arange(LANES)[cells[0]], np.arange(COLUMNS)[cells[1]]
+        if isinstance(cells[1], slice):
+            lanes, cols = lanes[:, None], cols[None, :]
+        lanes, cols = np.broadcast_arrays(lanes, cols)
+        pos = tuple(int(i[0]) for i in np.nonzero(bad))
+        lane, col = int(lanes[pos]), int(cols[pos])
+        other, line = int(log.by[cta, lane, col]) - 1, int(log.line[cta, lane, col])
+        if log.at[cta, lane, col] == PENDING:
+            how = f"before {log.wait} completed it"
+        elif log is self.mmas:
+            how = (f"warp {warp} did not wait on the mbarrier phase its tcgen05.commit arrives "
+                   f"on, and no CTA barrier or chain of mbarriers / named barriers from a warp "
+                   f"that did came after that wait")
+        else:
+            how = (f"no CTA barrier, and no chain of mbarriers / named barriers from warp "
+                   f"{other} to warp {warp}, came after {log.wait}")
+        raise Fault(f"{what} tensor memory (lane {lane}, column {col}) that warp {other} "
+                    f"accessed with {log.kind} at PTX line {line}, not ordered after it: {how}",
+                    thread)
+
+    def check_a_in_flight(self, cta, lanes, cols, thread, what, issuer=None):
+        """Fail when `what` writes cells (lanes x cols) an MMA in flight reads as A, unless
+        that MMA's issuing thread is `issuer` (an MMA after it in the same thread's order)."""
+        block = np.ix_(lanes, cols)
+        if not self.a_reads[cta][block].any():
+            return
+        for t, records in self.live.items():
+            for rec in records:
+                if t == issuer or rec.a_cols is None or rec.cta != cta:
+                    continue
+                hit = np.isin(rec.lanes, lanes)[:, None] & np.isin(rec.a_cols, cols)[None, :]
+                if hit.any():
+                    li, ci = np.argwhere(hit)[0]
+                    raise Fault(f"{what} tensor memory (lane {rec.lanes[li]}, column "
+                                f"{rec.a_cols[ci]}) that the tcgen05.mma at PTX line {rec.line} "
+                                f"still reads as its A operand: no wait has observed the "
+                                f"mbarrier phase of a tcgen05.commit issued after it", thread)
+
     # ------------------------------------------------------------------ asynchronous MMAs
     def issue(self, rec: MmaRecord):
         self.in_flight[rec.cta][np.ix_(rec.lanes, rec.cols)] += 1
+        if rec.a_cols is not None:
+            self.a_reads[rec.cta][np.ix_(rec.lanes, rec.a_cols)] += 1
         np.add.at(self.ctx.smem.async_readers, rec.smem_rows, 1)
         self.ctx.smem.async_live += 1
         self.live.setdefault(rec.thread, []).append(rec)
@@ -155,6 +292,23 @@ class TensorMemory:
     def commit(self, thread: int) -> list:
         """The issuing thread's MMAs not yet complete, now (also) tracked by an mbarrier."""
         return list(self.live.get(thread, ()))
+
+    def committed(self, records, warp: int, stamp: int):
+        """A commit's arrival (race stamp `stamp`) tracks `records`: their D cells not yet
+        stamped are ordered for the warps that wait on its phase (pair_sync >= stamp) and for
+        what those waits order after them."""
+        log, done = self.mmas, set()
+        for rec in records:
+            cells = rec.cells
+            lanes = cells[0]                                # S's or O's MMAs share a block
+            key = (rec.cta, (lanes.start, lanes.stop) if isinstance(lanes, slice) else lanes.size,
+                   cells[1].start, cells[1].stop)
+            if key in done:
+                continue
+            done.add(key)
+            at = log.at[rec.cta][cells]
+            at[(log.by[rec.cta][cells] == warp + 1) & (at == PENDING)] = stamp - 1
+            log.at[rec.cta][cells] = at
 
     def retire(self, records):
         """A wait observed the phase their commit arrived on: the MMAs are complete (those an
@@ -165,5 +319,7 @@ class TensorMemory:
             rec.done = True
             self.live[rec.thread].remove(rec)
             self.in_flight[rec.cta][np.ix_(rec.lanes, rec.cols)] -= 1
+            if rec.a_cols is not None:
+                self.a_reads[rec.cta][np.ix_(rec.lanes, rec.a_cols)] -= 1
             np.subtract.at(self.ctx.smem.async_readers, rec.smem_rows, 1)
             self.ctx.smem.async_live -= 1

@@ -215,3 +215,51 @@ def test_an_mbarrier_phase_orders_what_came_before_each_arrival(after_arrive, wa
         return
     with pytest.raises(EmulationError, match=race):
         run(ptx, "order_k", (1,), (96,), [])
+
+
+CHAIN = HEADER + r"""
+.visible .entry chain_k()
+{
+	.reg .b32 %r<8>;
+	.reg .b64 %rd<4>;
+	.reg .pred %p<8>;
+	.shared .align 4 .b8 buf[16];
+	.shared .align 8 .b64 bar_a;
+	.shared .align 8 .b64 bar_b;
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, bar_a;
+	mov.u32 %r5, bar_b;
+	mov.u32 %r3, buf;
+	setp.eq.u32 %p1, %r1, 0;
+	@%p1 mbarrier.init.shared::cta.b64 [%r2], 1;
+	@%p1 mbarrier.init.shared::cta.b64 [%r5], 1;
+	bar.sync 0;
+	@%p1 st.shared.u32 [%r3], 7;
+	@%p1 mbarrier.arrive.shared::cta.b64 %rd1, [%r2];
+	setp.eq.u32 %p2, %r1, 32;
+	@!%p2 bra PASSED;
+HANDOFF
+	mbarrier.arrive.shared::cta.b64 %rd1, [%r5];
+PASSED:
+	setp.eq.u32 %p3, %r1, 64;
+	@!%p3 bra DONE;
+WAIT_B:
+	mbarrier.try_wait.parity.shared::cta.b64 %p5, [%r5], 0;
+	@!%p5 bra WAIT_B;
+	ld.shared.u32 %r4, [%r3];
+DONE:
+	ret;
+}
+"""
+RELAY_WAIT = """WAIT_A:
+	mbarrier.try_wait.parity.shared::cta.b64 %p5, [%r2], 0;
+	@!%p5 bra WAIT_A;"""
+
+
+def test_ordering_is_transitive_through_a_relaying_warp():
+    """Thread 0 writes and arrives on bar_a; thread 32 waits on bar_a and arrives on bar_b;
+    thread 64 waits on bar_b and reads: ordered (release / acquire chains are cumulative) --
+    a race when thread 32 arrives on bar_b without waiting on bar_a."""
+    run(CHAIN.replace("HANDOFF", RELAY_WAIT), "chain_k", (1,), (96,), [])
+    with pytest.raises(EmulationError, match="read of shared address"):
+        run(CHAIN.replace("HANDOFF", ""), "chain_k", (1,), (96,), [])

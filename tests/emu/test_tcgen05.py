@@ -229,3 +229,147 @@ def test_mma_cells_before_the_wait_on_its_commit():
     with pytest.raises(EmulationError, match="a tcgen05.mma still writes") as e:
         _mma_case(32, "f16", 0, 0, 128, 128, wait=False)
     assert "tcgen05.ld" in e.value.text
+
+
+# ----------------------------------------------------------------------------- ordering across warps
+
+def order_kernel(scenario: str) -> str:
+    """Every warp fills columns 0-15 and 32-47 of its lanes (a CTA barrier orders the fills);
+    `scenario` then runs with %r20 = the warp's base address, %rd8 / %r15 the B descriptor and
+    instruction descriptor of an M128 N32 f16 MMA whose A is columns 0-7 (%r3) and D columns
+    32-63 (%r21), mbarriers bar_a / bar_b / bar_mma (count 1) at %r16 / %r17 / %r14, %p3 for
+    thread 0 and %p5 for lane 0 of each warp. B (32 x 16 halves, K-major, no swizzle) is
+    zeros in shared memory."""
+    lbo, sbo, size = strides(32, 0, 0)
+    zero = "".join(f"\tst.shared.u32 [%r31+{512 * k}], 0;\n" for k in range(-(-size // 512)))
+    setup = f"""\tmov.u32 %r30, img;
+\tshl.b32 %r31, %r1, 2;
+\tadd.s32 %r31, %r31, %r30;
+{zero}\tfence.proxy.async.shared::cta;
+\tmov.u32 %r14, bar_mma;
+\tmov.u32 %r16, bar_a;
+\tmov.u32 %r17, bar_b;
+\tsetp.eq.u32 %p3, %r1, 0;
+\tand.b32 %r32, %r1, 31;
+\tsetp.eq.u32 %p5, %r32, 0;
+\t@%p3 mbarrier.init.shared::cta.b64 [%r14], 1;
+\t@%p3 mbarrier.init.shared::cta.b64 [%r16], 1;
+\t@%p3 mbarrier.init.shared::cta.b64 [%r17], 1;
+""" + FILL + "\tadd.s32 %r7, %r5, 32;\n" \
+        f"\ttcgen05.st.sync.aligned.32x32b.x16.b32 [%r7], {regs(100, 16)};\n" \
+        "\ttcgen05.wait::st.sync.aligned;\n" \
+        "\ttcgen05.fence::before_thread_sync;\n\tbar.sync 0;\n" \
+        "\ttcgen05.fence::after_thread_sync;\n" \
+        f"\tshr.u32 %r33, %r30, 4;\n\tcvt.u64.u32 %rd9, %r33;\n" \
+        f"\tmov.b64 %rd8, {encode_smem_descriptor(0, lbo, sbo, 0)};\n" \
+        "\tadd.s64 %rd8, %rd8, %rd9;\n" \
+        f"\tmov.b32 %r15, {encode_instr_descriptor(128, 32, 'f16')};\n" \
+        "\tadd.s32 %r21, %r3, 32;\n\tmov.u32 %r20, %r5;\n"
+    ptx = kernel(setup + scenario, ncols=64, smem=-(-size // 512) * 512)
+    return ptx.replace("\t.shared .align 16 .b32 slot;",
+                       "\t.shared .align 16 .b32 slot;\n\t.shared .align 8 .b64 bar_mma;\n"
+                       "\t.shared .align 8 .b64 bar_a;\n\t.shared .align 8 .b64 bar_b;")
+
+
+MMA = "\t@%p3 tcgen05.mma.cta_group::1.kind::f16 [%r21], [%r3], %rd8, %r15, 0;\n" \
+    "\t@%p3 tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.b64 [%r14];\n"
+
+
+def wait_on(bar: str, label: str, who: str = "") -> str:
+    """Wait for phase 0 of the mbarrier at `bar`; `who`: a guard predicate (e.g. "@%p3 ")."""
+    if who:
+        return f"\t{who}bra ${label}_go;\n\tbra ${label}_end;\n${label}_go:\n" + \
+            wait_on(bar, label) + f"${label}_end:\n"
+    return f"${label}:\n\tmbarrier.try_wait.parity.shared::cta.b64 %p4, [{bar}], 0;\n" \
+        f"\t@!%p4 bra ${label};\n"
+
+
+def in_warp(w: int, code: str, label: str) -> str:
+    """`code` run by warp w only."""
+    return f"\tsetp.ne.u32 %p6, %r2, {w};\n\t@%p6 bra ${label};\n{code}${label}:\n"
+
+
+FINISH = wait_on("%r14", "mma_done") + "\ttcgen05.fence::after_thread_sync;\n"
+ARRIVE_A = "\t@%p5 mbarrier.arrive.shared::cta.b64 %rd10, [%r16];\n"
+LD_D = f"\tadd.s32 %r7, %r20, 32;\n\ttcgen05.ld.sync.aligned.32x32b.x16.b32 {regs(200, 16)}, [%r7];\n"
+WAIT_LD = "\ttcgen05.wait::ld.sync.aligned;\n"
+BEFORE = "\ttcgen05.fence::before_thread_sync;\n"
+
+
+def _order_run(scenario: str):
+    run(order_kernel(scenario), "k", (1,), (128,), [np.zeros(128 * 16, np.uint32)])
+
+
+def test_ordered_read_then_mma_overwrite():
+    """FlashAttention-4's "S free": warp 1 reads D's cells, waits for its loads, fences and
+    arrives; the issuing thread waits on that mbarrier before its MMA overwrites them."""
+    _order_run(in_warp(1, LD_D + WAIT_LD + BEFORE + ARRIVE_A, "w1") +
+               wait_on("%r16", "s_free", "@%p3 ") + MMA + FINISH)
+
+
+@pytest.mark.parametrize("reader", [
+    LD_D + ARRIVE_A + WAIT_LD,          # arrives before its tcgen05.wait::ld
+    LD_D + WAIT_LD + BEFORE,            # never arrives: the MMA waits on nothing of warp 1's
+])
+def test_mma_overwriting_cells_a_warp_read_unordered(reader):
+    sync = wait_on("%r16", "s_free", "@%p3 ") if "arrive" in reader else "\tbar.sync 1, 64;\n"
+    if "arrive" not in reader:      # warps 0 and 2 meet (a barrier that leaves warp 1 out)
+        reader = reader + "\tbra $w1_out;\n"
+        scenario = in_warp(1, reader, "w1") + \
+            "\tsetp.eq.u32 %p6, %r2, 3;\n\t@%p6 bra $w1_out;\n" + sync + MMA + \
+            "$w1_out:\n" + FINISH
+    else:
+        scenario = in_warp(1, reader, "w1") + sync + MMA + FINISH
+    with pytest.raises(EmulationError, match="tcgen05.mma D overwrites tensor memory .* that "
+                       "warp 1 accessed with tcgen05.ld at PTX line") as e:
+        _order_run(scenario)
+    assert e.value.tid == (0, 0, 0)
+
+
+def test_store_over_an_mma_operand_in_flight():
+    """P in tensor memory: the softmax warps may write the next P only once the P·V that reads
+    the current one has completed (a wait on its commit)."""
+    overwrite = "\ttcgen05.st.sync.aligned.32x32b.x1.b32 [%r20], {%r1};\n" \
+        "\ttcgen05.wait::st.sync.aligned;\n"
+    issue = MMA + "\t@%p3 mbarrier.arrive.shared::cta.b64 %rd10, [%r16];\n" + \
+        wait_on("%r16", "issued")
+    _order_run(issue + FINISH + overwrite)
+    with pytest.raises(EmulationError, match="tcgen05.st overwrites tensor memory .* that the "
+                       "tcgen05.mma at PTX line \\d+ still reads as its A operand"):
+        _order_run(issue + overwrite + FINISH)
+
+
+def test_mma_reading_a_store_of_another_warp():
+    """P full: an MMA reading cells warp 1 stored is ordered after that warp's wait::st --
+    directly (warp 1 arrives, thread 0 waits) or through a third warp (warp 1 -> warp 2 ->
+    thread 0: release / acquire chains are transitive); not when warp 1 arrived first."""
+    store = f"\ttcgen05.st.sync.aligned.32x32b.x8.b32 [%r20], {regs(100, 8)};\n"
+    handed = in_warp(1, store + "\ttcgen05.wait::st.sync.aligned;\n" + BEFORE + ARRIVE_A, "w1")
+    relay = in_warp(2, wait_on("%r16", "relay") +
+                    "\t@%p5 mbarrier.arrive.shared::cta.b64 %rd10, [%r17];\n", "w2")
+    _order_run(handed + relay + wait_on("%r17", "p_full", "@%p3 ") + MMA + FINISH)
+    early = in_warp(1, ARRIVE_A + store + "\ttcgen05.wait::st.sync.aligned;\n", "w1")
+    with pytest.raises(EmulationError, match="tcgen05\\.(mma A reads|st overwrites) tensor "
+                       "memory"):
+        _order_run(early + wait_on("%r16", "p_full", "@%p3 ") + MMA + FINISH)
+
+
+def test_reading_an_mma_result_needs_its_commit_observed_by_the_reader():
+    """Warp 2 reads D after a wait on its commit's phase, or after a chain from a warp that
+    waited (warp 1 waits, then arrives on bar_b) -- not after an arrival the issuing thread
+    made once it had committed (warp 1's wait completed the MMA in the emulator, but nothing
+    orders that completion before warp 2's read: on hardware it may read stale cells)."""
+    lanes_of_warp2 = "\tadd.s32 %r7, %r20, 32;\n" + \
+        f"\ttcgen05.ld.sync.aligned.32x32b.x16.b32 {regs(200, 16)}, [%r7];\n" + WAIT_LD
+    issue = MMA + "\t@%p3 mbarrier.arrive.shared::cta.b64 %rd10, [%r16];\n"
+    relayed = in_warp(1, wait_on("%r14", "w1_mma") + BEFORE +
+                      "\t@%p5 mbarrier.arrive.shared::cta.b64 %rd10, [%r17];\n", "w1") + \
+        in_warp(2, wait_on("%r17", "w2_relay") + "\ttcgen05.fence::after_thread_sync;\n" +
+                lanes_of_warp2, "w2")
+    _order_run(issue + relayed + FINISH)
+    unordered = in_warp(1, wait_on("%r14", "w1_mma"), "w1") + \
+        in_warp(2, wait_on("%r16", "w2_issued") + lanes_of_warp2, "w2")
+    with pytest.raises(EmulationError, match="tcgen05.ld reads tensor memory .* that warp 0 "
+                       "accessed with tcgen05.mma at PTX line \\d+, not ordered after it: warp 2 "
+                       "did not wait on the mbarrier phase its tcgen05.commit arrives on"):
+        _order_run(issue + unordered + FINISH)
