@@ -55,7 +55,7 @@ def arrival_part(ctx, threads, cumulative: bool = True) -> tuple:
     if ctx.race is None:
         return threads, 0, None
     if not cumulative:
-        return (threads, *ctx.race.tensor_core_arrival())
+        return (threads, *ctx.race.tensor_core_arrival(int(ctx.lin[threads[0]]) >> 5))
     known = ctx.race.knowledge(int(ctx.cta_of[threads[0]]), threads)
     return threads, ctx.race.arrival(), known
 

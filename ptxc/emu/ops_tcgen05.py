@@ -232,17 +232,16 @@ def _mma_one(ctx, tm, t, d_addr, a_val, b_val, i_val, enable_d, mma_kind, a_tmem
 
     B = smem_operand(b_val, N, idesc.b_mn_major, "B")
     me = int(ctx.lin[t]) >> 5
-    a_cols = None
+    a_cells = None
     if a_tmem:
         if a_val >> 16:
             raise Fault(f"tcgen05.mma A address 0x{a_val:08x} names lane {a_val >> 16}: A "
                         f"starts at lane 0", t)
         a_cols = (a_val & 0xFFFF) + np.arange(8)
+        a_cells = (lane_idx, slice(int(a_cols[0]), int(a_cols[0]) + 8))
         tm.cells(cta, lanes, a_cols, t, "tcgen05.mma A")
         tm.check_read(cta, lanes, a_cols, t, "tcgen05.mma A", in_flight_ok=True)
-        tm.check_ordered(tm.puts, cta, (lane_idx, slice(int(a_cols[0]), int(a_cols[0]) + 8)),
-                         me, t,
-                         "tcgen05.mma A reads", own_pending=True)
+        tm.check_ordered(tm.puts, cta, a_cells, me, t, "tcgen05.mma A reads", own_pending=True)
         words = tm.data[cta][np.ix_(lanes, a_cols)]
         A = _tf32_to_f64(words) if tf32 else _halves_to_f64(words, bf16)
     else:
@@ -264,14 +263,16 @@ def _mma_one(ctx, tm, t, d_addr, a_val, b_val, i_val, enable_d, mma_kind, a_tmem
                          "tcgen05.mma D overwrites", own_pending=True)
     tm.check_ordered(tm.loads, cta, d_cells, me, t,
                      "tcgen05.mma D overwrites", own_pending=True)
-    tm.check_a_in_flight(cta, lanes, d_cols, t, "tcgen05.mma D overwrites", issuer=t)
+    tm.check_ordered(tm.mma_reads, cta, d_cells, me, t, "tcgen05.mma D overwrites")
     tm.data[cta][block] = D.astype(np.float32).view(np.uint32)
     tm.written[cta][block] = True
     tm.puts.forget(cta, d_cells)
-    mmas = tm.mmas
-    mmas.by[cta][d_cells], mmas.at[cta][d_cells], mmas.line[cta][d_cells] = me + 1, PENDING, line
+    tm.mma_reads.forget(cta, d_cells)
+    for log, cells in ((tm.mmas, d_cells), (tm.mma_reads, a_cells)):
+        if cells is not None:       # stamped by the issuing thread's next commit
+            log.by[cta][cells], log.at[cta][cells], log.line[cta][cells] = me + 1, PENDING, line
     smem_rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    tm.issue(MmaRecord(cta, lanes, d_cols, smem_rows, t, line, a_cols, d_cells))
+    tm.issue(MmaRecord(cta, lanes, d_cols, smem_rows, t, line, d_cells, a_cells))
 
 
 def _decode_commit(ins, env, m, kind):
@@ -367,15 +368,17 @@ def _decode_ld_st(ins, env, m, kind):
                 if kind == "ld":
                     _check_cells(tm, cta, lanes, cols, t, what)
                     tm.check_ordered(tm.puts, cta, (lanes, cols), warp, t, f"{what} reads")
-                    tm.check_ordered(tm.mmas, cta, (lanes, cols), warp, t, f"{what} reads")
+                    tm.check_ordered(tm.mmas, cta, (lanes, cols), warp, t, f"{what} reads",
+                                     own_ordered=False)
                     out[rows] = tm.data[cta, lanes, cols]
                     tm.loads.record(cta, lanes, cols, warp, line, gwarp)
                 else:
                     tm.check_write(cta, ul, uc, t, what)
-                    tm.check_a_in_flight(cta, ul, uc, t, f"{what} overwrites")
-                    tm.check_ordered(tm.loads, cta, (lanes, cols), warp, t, f"{what} overwrites")
-                    tm.check_ordered(tm.mmas, cta, (lanes, cols), warp, t, f"{what} overwrites")
+                    for log in (tm.loads, tm.mmas, tm.mma_reads):
+                        tm.check_ordered(log, cta, (lanes, cols), warp, t, f"{what} overwrites",
+                                         own_ordered=log is tm.loads)
                     tm.mmas.forget(cta, (lanes, cols))
+                    tm.mma_reads.forget(cta, (lanes, cols))
                     tm.puts.record(cta, lanes, cols, warp, line, gwarp)
                     tm.data[cta, lanes, cols] = out[rows]
                     tm.written[cta, lanes, cols] = True

@@ -16,8 +16,9 @@ Counted barriers are transitive: an arrival hands its waiters what the arriving 
 ordered after (their ``pair_sync`` columns), a named barrier merges its participants', a
 CTA-wide barrier every warp's -- a release / acquire chain through a third warp orders the
 first warp's accesses before the last one's. A tcgen05.commit's arrival is the tensor cores'
-(a pseudo warp, ``pair_sync`` index ``tensor_cores``): its waiters are ordered after the MMAs'
-completion, and tensor memory's ordering rules (tmem.py) read that row.
+(a pseudo warp per issuing warp w, ``pair_sync`` index ``tensor_cores + w``): its waiters are
+ordered after the completion of w's MMAs up to the commit, and tensor memory's ordering rules
+(tmem.py) read those rows.
 
 An access by thread U of a byte last written by thread T != U is ordered after that write iff
 a sync event that both took part in happened after it: ``cta_sync > stamp``, or (same warp)
@@ -114,8 +115,8 @@ class RaceTracker:
         self.serial = 1
         self.cta_sync = np.ones(ctx.nctas, np.int64)       # newer than every initial stamp 0
         self.warp_sync = np.zeros(ctx.n // 32, np.int64)
-        # (nctas, warps + 1, warps + 1) on demand; index `tensor_cores` (= warps) is a pseudo
-        # warp: the tcgen05.commit arrivals, made by the tensor cores when the MMAs complete
+        # (nctas, 2 warps, 2 warps) on demand; index `tensor_cores + w` is a pseudo warp: the
+        # tcgen05.commit arrivals of warp w's MMAs, made by the tensor cores as they complete
         self.pair_sync = None
         self.tensor_cores = ctx.tpad // 32
         # serial of each CTA's last shared write / read: when older than its last barrier, no
@@ -153,17 +154,18 @@ class RaceTracker:
 
     def _pairs(self):
         if self.pair_sync is None:
-            n = self.tensor_cores + 1
+            n = 2 * self.tensor_cores
             self.pair_sync = np.zeros((self.ctx.nctas, n, n), np.int64)
         return self.pair_sync
 
-    def tensor_core_arrival(self):
-        """(stamp, knowledge) of a tcgen05.commit's arrival: its waiters are ordered after the
-        completion of the MMAs it tracks (the tensor cores' row), not after anything the issuing
-        thread had been ordered after."""
+    def tensor_core_arrival(self, warp: int):
+        """(stamp, knowledge) of a tcgen05.commit's arrival by a thread of `warp` (index in
+        its CTA): its waiters are ordered after the completion of that warp's MMAs up to the
+        commit (a commit tracks every earlier MMA of its thread: the row of the warp's tensor
+        cores), not after anything the issuing thread had been ordered after."""
         known = np.zeros(self._pairs().shape[1], np.int64)
         stamp = self._tick()
-        known[self.tensor_cores] = stamp
+        known[self.tensor_cores + warp] = stamp
         return stamp, known
 
     def arrival(self) -> int:
@@ -253,7 +255,7 @@ class RaceTracker:
     def _paired_with_all(self, stamp, cta, me, warps):
         """Whether a counted-barrier event newer than `stamp` paired `me`'s warp with every
         warp of the mask `warps` (n, k each)."""
-        nw = self.pair_sync.shape[1]
+        nw = self.tensor_cores                          # the real warps' rows only
         w = np.arange(nw)
         pairs = self.pair_sync[cta[:, None], w[None, :], (me >> 5)]          # (n, nw)
         bits = ((warps[..., None] >> w) & 1) != 0                           # (n, k, nw)

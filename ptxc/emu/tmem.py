@@ -21,16 +21,16 @@ What it checks (each a Fault naming the line and the thread, hence the warp):
     warp read with tcgen05.ld must be ordered after that read -- the reading warp's
     tcgen05.wait::ld, then a CTA-wide barrier, or a chain of named barriers / mbarrier phases
     from that warp to the writer's (FlashAttention-4's "S free" handshake). An MMA overwriting cells its own warp read
-    needs that warp's wait::ld first. A tcgen05.st or MMA writing cells an MMA still in flight
-    reads as its A operand (P in tensor memory) fails until a wait observes that MMA's commit
-    (MMAs of one issuing thread run in order, so its own later MMAs may);
+    needs that warp's wait::ld first. A tcgen05.st, or another warp's MMA, writing cells an MMA
+    read as its A operand (P in tensor memory) must be ordered after that MMA's completion, as
+    a read of its D (below; the issuing warp's later MMAs run in order and may);
   - read after a tcgen05.st: an MMA (A from tensor memory, or D accumulated) or another warp's
     tcgen05.ld reading stored cells must be ordered after the storing warp's tcgen05.wait::st
     the same way (the softmax warps' "P full" handshake);
   - reading an MMA's result: a tcgen05.ld (or st) of D cells must be ordered after the MMA's
-    completion -- a wait on its commit's phase by the reading warp, or a chain from a warp
-    that waited (racecheck's tensor-core row); the in-flight rule above only asks that some
-    wait observed it.
+    completion -- a wait by the reading warp on the phase of a commit its issuing thread made
+    after it, or a chain from a warp that waited (racecheck's tensor-core row of the issuing
+    warp); the in-flight rule above only asks that some wait observed it.
   One record per cell (the last reader, the last storer, the last MMA): a cell several warps
   read is checked against the last of them only, so a race can be missed there, never
   invented.
@@ -53,15 +53,17 @@ PENDING = 1 << 62
 
 
 class MmaRecord:
-    """One issued tcgen05.mma: the cells it writes, the cells it reads as A (None: A from
-    shared memory) and the shared chunks it reads."""
+    """One issued tcgen05.mma: the cells it writes (`lanes` x `cols`; `cells` the same as an
+    index), the cells it reads as A (`a_cells`; None: A from shared memory) and the shared
+    chunks it reads."""
 
-    __slots__ = ("cta", "lanes", "cols", "a_cols", "cells", "smem_rows", "thread", "line",
+    __slots__ = ("cta", "lanes", "cols", "cells", "a_cells", "smem_rows", "thread", "line",
                  "done")
 
-    def __init__(self, cta, lanes, cols, smem_rows, thread, line, a_cols=None, cells=None):
-        self.cta, self.lanes, self.cols, self.a_cols = cta, lanes, cols, a_cols
-        self.cells = cells if cells is not None else np.ix_(lanes, cols)   # D, as an index
+    def __init__(self, cta, lanes, cols, smem_rows, thread, line, cells=None, a_cells=None):
+        self.cta, self.lanes, self.cols = cta, lanes, cols
+        self.cells = cells if cells is not None else np.ix_(lanes, cols)
+        self.a_cells = a_cells
         self.smem_rows, self.thread, self.line = smem_rows, thread, line
         self.done = False
 
@@ -71,8 +73,11 @@ class CellLog:
     its stamp (the race tracker's serial when the warp's wait completed it; PENDING before) and
     its PTX line. np.zeros, so a batch pays only for the pages its allocations touch."""
 
-    def __init__(self, shape, kind: str, wait: str):
+    def __init__(self, shape, kind: str, wait: str, tensor_cores: bool = False):
         self.kind, self.wait = kind, wait           # for messages: the access, what completes it
+        # an MMA's access: stamped by its commit, ordered only by a wait on that commit's phase
+        # or a chain from one (racecheck's tensor-core row), for its own warp too
+        self.tensor_cores = tensor_cores
         self.by = np.zeros(shape, np.int16)
         self.at = np.zeros(shape, np.int64)
         self.line = np.zeros(shape, np.int32)
@@ -110,11 +115,13 @@ class TensorMemory:
         self.relinquished = np.zeros(n, np.bool_)
         self.live: dict = {}            # issuing thread -> its MMAs not yet complete
         shape = (n, LANES, COLUMNS)
-        self.a_reads = np.zeros(shape, np.int32)                    # in-flight MMAs' A
         self.loads = CellLog(shape, "tcgen05.ld", "its warp's tcgen05.wait::ld")
         self.puts = CellLog(shape, "tcgen05.st", "its warp's tcgen05.wait::st")
-        # D cells: the issuing warp, stamped (commit arrival - 1) by the thread's next commit
-        self.mmas = CellLog(shape, "tcgen05.mma", "a tcgen05.commit after it")
+        # an MMA's D cells and A cells (A from tensor memory): the issuing warp, stamped
+        # (commit arrival - 1) by the thread's next commit
+        self.mmas = CellLog(shape, "tcgen05.mma", "a tcgen05.commit after it", True)
+        self.mma_reads = CellLog(shape, "tcgen05.mma (as its A operand)",
+                                 "a tcgen05.commit after it", True)
         self.stores: dict = {}          # warp -> [(cta, lanes, cols)] before tcgen05.wait::st
         smem = ctx.smem
         if smem.async_readers is None:
@@ -210,36 +217,40 @@ class TensorMemory:
                         f"a tcgen05.mma still writes (no wait observed its commit)", thread)
 
     # ------------------------------------------------------------------ ordering across warps
-    def unordered(self, log: CellLog, cta: int, cells, warp: int, own_pending: bool):
+    def unordered(self, log: CellLog, cta: int, cells, warp: int, own_pending: bool = False,
+                  own_ordered: bool = True):
         """Mask over `cells` (an index into one CTA's lanes x columns) whose last access in `log`
         an access by `warp` (index in the CTA) now is not ordered after. `own_pending`: the
-        warp's own pending accesses count too (an MMA is another unit than its warp's ld).
-        An MMA's D is ordered for no warp by program order, its issuer's included: only by a
-        wait on its commit's phase, or a chain from such a wait."""
+        warp's own pending accesses count too (an MMA is another unit than its warp's ld);
+        `own_ordered` False: program order does not order the warp's own accesses either (an
+        MMA's, for a warp's ld / st)."""
         by = log.by[cta][cells]                 # warp + 1; 0: none
         live = by > 0
         if not live.any():
             return live
         at = log.at[cta][cells]
-        other = live & (by != warp + 1) if log is not self.mmas else live
+        other = live & (by != warp + 1) if own_ordered else live
         pending = (other | (live & own_pending)) & (at == PENDING)
         race = self.ctx.race
         if race is None:
             return pending
-        if log is self.mmas:    # only the commit's wait, or a chain from it (barriers too)
-            ordered = race.pair_sync is not None and \
-                race.pair_sync[cta][race.tensor_cores, warp] > at
-            return live & ~ordered | pending
+        sync = race.pair_sync
+        if log.tensor_cores:    # the issuing warp's tensor-core row
+            if sync is None:
+                return other | pending
+            rows = race.tensor_cores + np.maximum(by.astype(np.intp) - 1, 0)
+            return other & ~(sync[cta][rows, warp] > at) | pending
         bad = other & ~(race.cta_sync[cta] > at)
-        if race.pair_sync is not None and bad.any():
-            bad &= ~(race.pair_sync[cta][np.maximum(by.astype(np.intp) - 1, 0), warp] > at)
+        if sync is not None and bad.any():
+            bad &= ~(sync[cta][np.maximum(by.astype(np.intp) - 1, 0), warp] > at)
         return bad | pending
 
-    def check_ordered(self, log: CellLog, cta, cells, warp, thread, what, own_pending=False):
+    def check_ordered(self, log: CellLog, cta, cells, warp, thread, what, own_pending=False,
+                      own_ordered=True):
         """Fail when `what` (by `warp`) is not ordered after the last access in `log` of one of
         `cells` ((lanes, columns): index arrays of one shape, or a lane index and a column
         slice); the message names both accesses."""
-        bad = self.unordered(log, cta, cells, warp, own_pending)
+        bad = self.unordered(log, cta, cells, warp, own_pending, own_ordered)
         if not bad.any():
             return
         lanes, cols = np.arange(LANES)[cells[0]], np.arange(COLUMNS)[cells[1]]
@@ -251,7 +262,7 @@ class TensorMemory:
         other, line = int(log.by[cta, lane, col]) - 1, int(log.line[cta, lane, col])
         if log.at[cta, lane, col] == PENDING:
             how = f"before {log.wait} completed it"
-        elif log is self.mmas:
+        elif log.tensor_cores:
             how = (f"warp {warp} did not wait on the mbarrier phase its tcgen05.commit arrives "
                    f"on, and no CTA barrier or chain of mbarriers / named barriers from a warp "
                    f"that did came after that wait")
@@ -262,29 +273,9 @@ class TensorMemory:
                     f"accessed with {log.kind} at PTX line {line}, not ordered after it: {how}",
                     thread)
 
-    def check_a_in_flight(self, cta, lanes, cols, thread, what, issuer=None):
-        """Fail when `what` writes cells (lanes x cols) an MMA in flight reads as A, unless
-        that MMA's issuing thread is `issuer` (an MMA after it in the same thread's order)."""
-        block = np.ix_(lanes, cols)
-        if not self.a_reads[cta][block].any():
-            return
-        for t, records in self.live.items():
-            for rec in records:
-                if t == issuer or rec.a_cols is None or rec.cta != cta:
-                    continue
-                hit = np.isin(rec.lanes, lanes)[:, None] & np.isin(rec.a_cols, cols)[None, :]
-                if hit.any():
-                    li, ci = np.argwhere(hit)[0]
-                    raise Fault(f"{what} tensor memory (lane {rec.lanes[li]}, column "
-                                f"{rec.a_cols[ci]}) that the tcgen05.mma at PTX line {rec.line} "
-                                f"still reads as its A operand: no wait has observed the "
-                                f"mbarrier phase of a tcgen05.commit issued after it", thread)
-
     # ------------------------------------------------------------------ asynchronous MMAs
     def issue(self, rec: MmaRecord):
         self.in_flight[rec.cta][np.ix_(rec.lanes, rec.cols)] += 1
-        if rec.a_cols is not None:
-            self.a_reads[rec.cta][np.ix_(rec.lanes, rec.a_cols)] += 1
         np.add.at(self.ctx.smem.async_readers, rec.smem_rows, 1)
         self.ctx.smem.async_live += 1
         self.live.setdefault(rec.thread, []).append(rec)
@@ -294,21 +285,23 @@ class TensorMemory:
         return list(self.live.get(thread, ()))
 
     def committed(self, records, warp: int, stamp: int):
-        """A commit's arrival (race stamp `stamp`) tracks `records`: their D cells not yet
-        stamped are ordered for the warps that wait on its phase (pair_sync >= stamp) and for
-        what those waits order after them."""
-        log, done = self.mmas, set()
+        """A commit's arrival (race stamp `stamp`) tracks `records`: their D and A cells not
+        yet stamped are ordered for the warps that wait on its phase (the tensor-core row >=
+        stamp) and for what those waits order after them."""
+        done = set()
         for rec in records:
-            cells = rec.cells
-            lanes = cells[0]                                # S's or O's MMAs share a block
-            key = (rec.cta, (lanes.start, lanes.stop) if isinstance(lanes, slice) else lanes.size,
-                   cells[1].start, cells[1].stop)
-            if key in done:
-                continue
-            done.add(key)
-            at = log.at[rec.cta][cells]
-            at[(log.by[rec.cta][cells] == warp + 1) & (at == PENDING)] = stamp - 1
-            log.at[rec.cta][cells] = at
+            for log, cells in ((self.mmas, rec.cells), (self.mma_reads, rec.a_cells)):
+                if cells is None:
+                    continue
+                lanes = cells[0]                        # S's or O's MMAs share a block
+                key = (id(log), rec.cta, (lanes.start, lanes.stop) if isinstance(lanes, slice)
+                       else lanes.size, cells[1].start, cells[1].stop)
+                if key in done:
+                    continue
+                done.add(key)
+                at = log.at[rec.cta][cells]
+                at[(log.by[rec.cta][cells] == warp + 1) & (at == PENDING)] = stamp - 1
+                log.at[rec.cta][cells] = at
 
     def retire(self, records):
         """A wait observed the phase their commit arrived on: the MMAs are complete (those an
@@ -319,7 +312,5 @@ class TensorMemory:
             rec.done = True
             self.live[rec.thread].remove(rec)
             self.in_flight[rec.cta][np.ix_(rec.lanes, rec.cols)] -= 1
-            if rec.a_cols is not None:
-                self.a_reads[rec.cta][np.ix_(rec.lanes, rec.a_cols)] -= 1
             np.subtract.at(self.ctx.smem.async_readers, rec.smem_rows, 1)
             self.ctx.smem.async_live -= 1

@@ -334,9 +334,15 @@ def test_store_over_an_mma_operand_in_flight():
     issue = MMA + "\t@%p3 mbarrier.arrive.shared::cta.b64 %rd10, [%r16];\n" + \
         wait_on("%r16", "issued")
     _order_run(issue + FINISH + overwrite)
-    with pytest.raises(EmulationError, match="tcgen05.st overwrites tensor memory .* that the "
-                       "tcgen05.mma at PTX line \\d+ still reads as its A operand"):
+    with pytest.raises(EmulationError, match="tcgen05.st overwrites tensor memory .* that warp "
+                       "0 accessed with tcgen05.mma \\(as its A operand\\) at PTX line \\d+, "
+                       "not ordered after it: warp 0 did not wait"):
         _order_run(issue + overwrite + FINISH)
+    # warp 1 completed the MMA (its wait), but warp 2, which never waited, then overwrites P
+    warp2 = in_warp(1, wait_on("%r14", "w1_done"), "w1") + \
+        in_warp(2, wait_on("%r16", "w2_issued") + overwrite, "w2")
+    with pytest.raises(EmulationError, match="tcgen05.st overwrites .* warp 2 did not wait"):
+        _order_run(issue + warp2 + FINISH)
 
 
 def test_mma_reading_a_store_of_another_warp():
