@@ -155,6 +155,7 @@ class SharedMemory:
         self.async_readers, self.async_live = None, 0
         self.async_reader = ("a wgmma.mma_async in flight reads, before the wgmma.wait_group "
                              "that retires it")
+        self.tc_reads = None        # tmem.SharedReads in kernels with tcgen05 (their ordering)
         # per 16-byte chunk, the swizzle width a TMA copy wrote it with (-1: written otherwise);
         # created by the first TMA copy, so that an MMA descriptor with another swizzle fails
         self.tma_swizzle = None
@@ -199,6 +200,8 @@ class SharedMemory:
     def check_not_pending(self, rows, total: int, sel, addr_of):
         if self.async_live:
             self._check_no_async_reader(rows, total, sel, addr_of)
+        if self.tc_reads is not None:
+            self.tc_reads.check(rows, total, sel, addr_of)
         st = self.state_rows.lanes(rows, total).astype(np.uint64)
         pending = ((st & _ANY_PENDING) != 0).any(axis=1)
         if pending.any():

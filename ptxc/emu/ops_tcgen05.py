@@ -42,7 +42,7 @@ from ptxc.emu.ops_wgmma import read_operand
 from ptxc.emu.ptx_ast import Addr, Imm, Reg, Vec
 from ptxc.emu.tcgen05_layout import (
     LANES, LD_SHAPES, InstrDescriptor, SmemDescriptor, fragment_cells, row_lanes)
-from ptxc.emu.tmem import PENDING, MmaRecord, TensorMemory
+from ptxc.emu.tmem import PENDING, MmaRecord, TensorMemory, flat_cells
 
 U32, U64, B32, PRED = TYPES["u32"], TYPES["u64"], TYPES["b32"], TYPES["pred"]
 
@@ -365,21 +365,22 @@ def _decode_ld_st(ins, env, m, kind):
                 tm.cells(cta, ul, uc, t, what)
                 rows = slice(32 * w, 32 * w + 32)
                 gwarp, warp = int(t) >> 5, int(ctx.lin[t]) >> 5
+                flat = flat_cells(cta, lanes, cols)
                 if kind == "ld":
                     _check_cells(tm, cta, lanes, cols, t, what)
-                    tm.check_ordered(tm.puts, cta, (lanes, cols), warp, t, f"{what} reads")
-                    tm.check_ordered(tm.mmas, cta, (lanes, cols), warp, t, f"{what} reads",
+                    tm.check_ordered(tm.puts, cta, flat, warp, t, f"{what} reads")
+                    tm.check_ordered(tm.mmas, cta, flat, warp, t, f"{what} reads",
                                      own_ordered=False)
                     out[rows] = tm.data[cta, lanes, cols]
-                    tm.loads.record(cta, lanes, cols, warp, line, gwarp)
+                    tm.loads.record(flat, warp, line, gwarp)
                 else:
                     tm.check_write(cta, ul, uc, t, what)
                     for log in (tm.loads, tm.mmas, tm.mma_reads):
-                        tm.check_ordered(log, cta, (lanes, cols), warp, t, f"{what} overwrites",
+                        tm.check_ordered(log, cta, flat, warp, t, f"{what} overwrites",
                                          own_ordered=log is tm.loads)
-                    tm.mmas.forget(cta, (lanes, cols))
-                    tm.mma_reads.forget(cta, (lanes, cols))
-                    tm.puts.record(cta, lanes, cols, warp, line, gwarp)
+                    tm.mmas.forget(cta, flat)
+                    tm.mma_reads.forget(cta, flat)
+                    tm.puts.record(flat, warp, line, gwarp)
                     tm.data[cta, lanes, cols] = out[rows]
                     tm.written[cta, lanes, cols] = True
                     tm.stored[cta, lanes, cols] += 1

@@ -31,6 +31,8 @@ What it checks (each a Fault naming the line and the thread, hence the warp):
     completion -- a wait by the reading warp on the phase of a commit its issuing thread made
     after it, or a chain from a warp that waited (racecheck's tensor-core row of the issuing
     warp); the in-flight rule above only asks that some wait observed it.
+  - shared memory an MMA read as A or B: a write (a store, cp.async, a TMA copy's issue) must
+    be ordered after that MMA's completion the same way (SharedReads).
   One record per cell (the last reader, the last storer, the last MMA): a cell several warps
   read is checked against the last of them only, so a race can be missed there, never
   invented.
@@ -68,6 +70,12 @@ class MmaRecord:
         self.done = False
 
 
+def flat_cells(cta: int, lanes, cols):
+    """Cells (lanes, cols: index arrays of one shape) of one CTA as flat indices into the
+    (CTAs, lanes, columns) arrays: a warp's ld / st fragment is then one 1-D gather."""
+    return ((cta * LANES + lanes) * COLUMNS + cols).reshape(-1)
+
+
 class CellLog:
     """The last access of one kind to every cell: its warp (index in the CTA, + 1; 0: none),
     its stamp (the race tracker's serial when the warp's wait completed it; PENDING before) and
@@ -81,25 +89,89 @@ class CellLog:
         self.by = np.zeros(shape, np.int16)
         self.at = np.zeros(shape, np.int64)
         self.line = np.zeros(shape, np.int32)
-        self.pending: dict = {}         # warp (batch index) -> [(cta, lanes, cols)]
+        self.pending: dict = {}         # warp (batch index) -> [flat cell indices]
 
-    def record(self, cta, lanes, cols, warp_in_cta: int, line: int, gwarp: int):
-        self.by[cta, lanes, cols] = warp_in_cta + 1
-        self.at[cta, lanes, cols] = PENDING
-        self.line[cta, lanes, cols] = line
-        self.pending.setdefault(gwarp, []).append((cta, lanes, cols))
+    def record(self, flat, warp_in_cta: int, line: int, gwarp: int):
+        """A warp's access of the cells `flat` (flat_cells), pending until its wait."""
+        self.by.reshape(-1)[flat] = warp_in_cta + 1
+        self.at.reshape(-1)[flat] = PENDING
+        self.line.reshape(-1)[flat] = line
+        self.pending.setdefault(gwarp, []).append(flat)
 
-    def forget(self, cta, block):
+    def forget(self, cta, cells):
         """A later write (checked against this one) replaced the cells' last access of this
-        kind: it is what the next accesses are ordered against."""
-        self.by[cta][block] = 0
+        kind: it is what the next accesses are ordered against. `cells`: an index into the
+        CTA's lanes x columns, or flat_cells."""
+        if isinstance(cells, np.ndarray):
+            self.by.reshape(-1)[cells] = 0
+        else:
+            self.by[cta][cells] = 0
 
     def complete(self, gwarp: int, warp_in_cta: int, stamp: int):
         """The warp's wait: its pending accesses (those no other warp redid since) get `stamp`."""
-        for cta, lanes, cols in self.pending.pop(gwarp, []):
-            mine = (self.by[cta, lanes, cols] == warp_in_cta + 1) & \
-                (self.at[cta, lanes, cols] == PENDING)
-            self.at[cta, lanes[mine], cols[mine]] = stamp
+        pending = self.pending.pop(gwarp, None)
+        if not pending:
+            return
+        flat = np.concatenate(pending) if len(pending) > 1 else pending[0]
+        by, at = self.by.reshape(-1), self.at.reshape(-1)
+        at[flat[(by[flat] == warp_in_cta + 1) & (at[flat] == PENDING)]] = stamp
+
+
+class SharedReads:
+    """The shared memory tcgen05.mma operands read, per 16-byte chunk: the issuing warp (+ 1;
+    0: none), the stamp of the commit that tracks the MMA (PENDING before one) and the MMA's
+    line. A write of such a chunk must be ordered after that MMA's completion, as a read of its
+    D: the writer's warp waited on the phase of a commit the issuing thread made after it, or a
+    chain leads to it from one that did (the load warp refilling a K/V stage waits on the
+    stage's "empty" mbarrier, which the MMA warp's commit arrives on). The in-flight count
+    (smem.async_readers) only asks that some wait observed the commit."""
+
+    def __init__(self, ctx):
+        n = ctx.smem.data.size // 16 + 1
+        self.ctx = ctx
+        self.by = np.zeros(n, np.int16)
+        self.at = np.zeros(n, np.int64)
+        self.line = np.zeros(n, np.int32)
+
+    def record(self, chunks, warp: int, line: int):
+        self.by[chunks], self.at[chunks], self.line[chunks] = warp + 1, PENDING, line
+
+    def committed(self, chunks, warp: int, stamp: int):
+        mine = chunks[(self.by[chunks] == warp + 1) & (self.at[chunks] == PENDING)]
+        self.at[mine] = stamp - 1
+
+    def check(self, rows, total: int, sel, addr_of):
+        """Writes of `total`-byte items `rows` by the threads `sel` (smem.check_not_pending)."""
+        chunks = (np.asarray(rows, np.int64) * total) >> 4
+        by = self.by[chunks]
+        live = by > 0
+        if not live.any():
+            return
+        ctx = self.ctx
+        idx = ctx.all_index if isinstance(sel, slice) else np.asarray(sel)
+        at, race = self.at[chunks], ctx.race
+        bad = live & (at == PENDING)
+        if race is not None:
+            sync = race.pair_sync
+            rest = live & ~bad
+            if sync is None:
+                bad |= rest
+            elif rest.any():
+                k = np.flatnonzero(rest)
+                ordered = sync[ctx.cta_of[idx[k]], race.tensor_cores + by[k].astype(np.intp) - 1,
+                               ctx.lin[idx[k]] >> 5] > at[k]
+                bad[k[~ordered]] = True
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            t, warp = int(idx[k]), int(ctx.lin[idx[k]]) >> 5
+            how = ("before a tcgen05.commit tracked it" if at[k] == PENDING else
+                   f"warp {warp} did not wait on the mbarrier phase its tcgen05.commit arrives "
+                   f"on, and no CTA barrier or chain of mbarriers / named barriers from a warp "
+                   f"that did came after that wait")
+            raise Fault(f"write to shared memory (shared address 0x{addr_of(k):x}) that the "
+                        f"tcgen05.mma at PTX line {int(self.line[chunks[k]])} (warp "
+                        f"{int(by[k]) - 1}) read, not ordered after its completion: {how}", t,
+                        addr_of(k))
 
 
 class TensorMemory:
@@ -124,6 +196,7 @@ class TensorMemory:
                                  "a tcgen05.commit after it", True)
         self.stores: dict = {}          # warp -> [(cta, lanes, cols)] before tcgen05.wait::st
         smem = ctx.smem
+        self.smem_reads = smem.tc_reads = SharedReads(ctx)
         if smem.async_readers is None:
             smem.async_readers = np.zeros(smem.data.size // 16 + 1, np.int32)
         smem.async_reader = ("a tcgen05.mma in flight reads, before a wait observes the "
@@ -224,11 +297,12 @@ class TensorMemory:
         warp's own pending accesses count too (an MMA is another unit than its warp's ld);
         `own_ordered` False: program order does not order the warp's own accesses either (an
         MMA's, for a warp's ld / st)."""
-        by = log.by[cta][cells]                 # warp + 1; 0: none
+        flat = isinstance(cells, np.ndarray)
+        by = log.by.reshape(-1)[cells] if flat else log.by[cta][cells]    # warp + 1; 0: none
         live = by > 0
         if not live.any():
             return live
-        at = log.at[cta][cells]
+        at = log.at.reshape(-1)[cells] if flat else log.at[cta][cells]
         other = live & (by != warp + 1) if own_ordered else live
         pending = (other | (live & own_pending)) & (at == PENDING)
         race = self.ctx.race
@@ -248,15 +322,16 @@ class TensorMemory:
     def check_ordered(self, log: CellLog, cta, cells, warp, thread, what, own_pending=False,
                       own_ordered=True):
         """Fail when `what` (by `warp`) is not ordered after the last access in `log` of one of
-        `cells` ((lanes, columns): index arrays of one shape, or a lane index and a column
-        slice); the message names both accesses."""
+        `cells` (flat_cells, or a lane index and a column slice); the message names both
+        accesses."""
         bad = self.unordered(log, cta, cells, warp, own_pending, own_ordered)
         if not bad.any():
             return
-        lanes, cols = np.arange(LANES)[cells[0]], np.arange(COLUMNS)[cells[1]]
-        if isinstance(cells[1], slice):
-            lanes, cols = lanes[:, None], cols[None, :]
-        lanes, cols = np.broadcast_arrays(lanes, cols)
+        if isinstance(cells, np.ndarray):
+            lanes, cols = cells // COLUMNS % LANES, cells % COLUMNS
+        else:
+            lanes, cols = np.arange(LANES)[cells[0]][:, None], np.arange(COLUMNS)[cells[1]][None, :]
+            lanes, cols = np.broadcast_arrays(lanes, cols)
         pos = tuple(int(i[0]) for i in np.nonzero(bad))
         lane, col = int(lanes[pos]), int(cols[pos])
         other, line = int(log.by[cta, lane, col]) - 1, int(log.line[cta, lane, col])
@@ -278,6 +353,7 @@ class TensorMemory:
         self.in_flight[rec.cta][np.ix_(rec.lanes, rec.cols)] += 1
         np.add.at(self.ctx.smem.async_readers, rec.smem_rows, 1)
         self.ctx.smem.async_live += 1
+        self.smem_reads.record(rec.smem_rows, int(self.ctx.lin[rec.thread]) >> 5, rec.line)
         self.live.setdefault(rec.thread, []).append(rec)
 
     def commit(self, thread: int) -> list:
@@ -290,6 +366,7 @@ class TensorMemory:
         stamp) and for what those waits order after them."""
         done = set()
         for rec in records:
+            self.smem_reads.committed(rec.smem_rows, warp, stamp)
             for log, cells in ((self.mmas, rec.cells), (self.mma_reads, rec.a_cells)):
                 if cells is None:
                     continue

@@ -379,3 +379,18 @@ def test_reading_an_mma_result_needs_its_commit_observed_by_the_reader():
                        "accessed with tcgen05.mma at PTX line \\d+, not ordered after it: warp 2 "
                        "did not wait on the mbarrier phase its tcgen05.commit arrives on"):
         _order_run(issue + unordered + FINISH)
+
+
+def test_refilling_shared_memory_an_mma_read_needs_its_completion():
+    """A K/V stage is refilled only once the MMA that read it completed, for the writing warp:
+    warp 2 waits on the commit itself -- or a race when it only follows the issuing thread's
+    arrival after the commit, though warp 1's wait completed the MMA in the emulator."""
+    refill = "\tst.shared.u32 [%r30], 5;\n"
+    issue = MMA + "\t@%p3 mbarrier.arrive.shared::cta.b64 %rd10, [%r16];\n"
+    _order_run(issue + in_warp(2, wait_on("%r14", "w2_done") + refill, "w2") + FINISH)
+    unordered = in_warp(1, wait_on("%r14", "w1_done"), "w1") + \
+        in_warp(2, wait_on("%r16", "w2_issued") + refill, "w2")
+    with pytest.raises(EmulationError, match="write to shared memory \\(shared address 0x[0-9a-f]+"
+                       "\\) that the tcgen05.mma at PTX line \\d+ \\(warp 0\\) read, not ordered "
+                       "after its completion: warp 2 did not wait"):
+        _order_run(issue + unordered + FINISH)
