@@ -294,6 +294,15 @@ ARRIVE_A = "\t@%p5 mbarrier.arrive.shared::cta.b64 %rd10, [%r16];\n"
 LD_D = f"\tadd.s32 %r7, %r20, 32;\n\ttcgen05.ld.sync.aligned.32x32b.x16.b32 {regs(200, 16)}, [%r7];\n"
 WAIT_LD = "\ttcgen05.wait::ld.sync.aligned;\n"
 BEFORE = "\ttcgen05.fence::before_thread_sync;\n"
+# thread 0 issues the MMA, commits, then arrives on bar_a (which says nothing of completion)
+ISSUE_THEN_ARRIVE = MMA + "\t@%p3 mbarrier.arrive.shared::cta.b64 %rd10, [%r16];\n"
+
+
+def completed_elsewhere(action: str) -> str:
+    """Warp 1 waits on the MMA's commit (completing it in the emulator); warp 2 runs `action`
+    after the issuing thread's arrival on bar_a only: nothing orders the completion before it."""
+    return in_warp(1, wait_on("%r14", "w1_done"), "w1") + \
+        in_warp(2, wait_on("%r16", "w2_issued") + action, "w2")
 
 
 def _order_run(scenario: str):
@@ -331,18 +340,15 @@ def test_store_over_an_mma_operand_in_flight():
     the current one has completed (a wait on its commit)."""
     overwrite = "\ttcgen05.st.sync.aligned.32x32b.x1.b32 [%r20], {%r1};\n" \
         "\ttcgen05.wait::st.sync.aligned;\n"
-    issue = MMA + "\t@%p3 mbarrier.arrive.shared::cta.b64 %rd10, [%r16];\n" + \
-        wait_on("%r16", "issued")
+    issue = ISSUE_THEN_ARRIVE + wait_on("%r16", "issued")
     _order_run(issue + FINISH + overwrite)
     with pytest.raises(EmulationError, match="tcgen05.st overwrites tensor memory .* that warp "
                        "0 accessed with tcgen05.mma \\(as its A operand\\) at PTX line \\d+, "
                        "not ordered after it: warp 0 did not wait"):
         _order_run(issue + overwrite + FINISH)
     # warp 1 completed the MMA (its wait), but warp 2, which never waited, then overwrites P
-    warp2 = in_warp(1, wait_on("%r14", "w1_done"), "w1") + \
-        in_warp(2, wait_on("%r16", "w2_issued") + overwrite, "w2")
     with pytest.raises(EmulationError, match="tcgen05.st overwrites .* warp 2 did not wait"):
-        _order_run(issue + warp2 + FINISH)
+        _order_run(ISSUE_THEN_ARRIVE + completed_elsewhere(overwrite) + FINISH)
 
 
 def test_mma_reading_a_store_of_another_warp():
@@ -367,18 +373,15 @@ def test_reading_an_mma_result_needs_its_commit_observed_by_the_reader():
     orders that completion before warp 2's read: on hardware it may read stale cells)."""
     lanes_of_warp2 = "\tadd.s32 %r7, %r20, 32;\n" + \
         f"\ttcgen05.ld.sync.aligned.32x32b.x16.b32 {regs(200, 16)}, [%r7];\n" + WAIT_LD
-    issue = MMA + "\t@%p3 mbarrier.arrive.shared::cta.b64 %rd10, [%r16];\n"
     relayed = in_warp(1, wait_on("%r14", "w1_mma") + BEFORE +
                       "\t@%p5 mbarrier.arrive.shared::cta.b64 %rd10, [%r17];\n", "w1") + \
         in_warp(2, wait_on("%r17", "w2_relay") + "\ttcgen05.fence::after_thread_sync;\n" +
                 lanes_of_warp2, "w2")
-    _order_run(issue + relayed + FINISH)
-    unordered = in_warp(1, wait_on("%r14", "w1_mma"), "w1") + \
-        in_warp(2, wait_on("%r16", "w2_issued") + lanes_of_warp2, "w2")
+    _order_run(ISSUE_THEN_ARRIVE + relayed + FINISH)
     with pytest.raises(EmulationError, match="tcgen05.ld reads tensor memory .* that warp 0 "
                        "accessed with tcgen05.mma at PTX line \\d+, not ordered after it: warp 2 "
                        "did not wait on the mbarrier phase its tcgen05.commit arrives on"):
-        _order_run(issue + unordered + FINISH)
+        _order_run(ISSUE_THEN_ARRIVE + completed_elsewhere(lanes_of_warp2) + FINISH)
 
 
 def test_refilling_shared_memory_an_mma_read_needs_its_completion():
@@ -386,11 +389,9 @@ def test_refilling_shared_memory_an_mma_read_needs_its_completion():
     warp 2 waits on the commit itself -- or a race when it only follows the issuing thread's
     arrival after the commit, though warp 1's wait completed the MMA in the emulator."""
     refill = "\tst.shared.u32 [%r30], 5;\n"
-    issue = MMA + "\t@%p3 mbarrier.arrive.shared::cta.b64 %rd10, [%r16];\n"
-    _order_run(issue + in_warp(2, wait_on("%r14", "w2_done") + refill, "w2") + FINISH)
-    unordered = in_warp(1, wait_on("%r14", "w1_done"), "w1") + \
-        in_warp(2, wait_on("%r16", "w2_issued") + refill, "w2")
+    _order_run(ISSUE_THEN_ARRIVE + in_warp(2, wait_on("%r14", "w2_done") + refill, "w2") +
+               FINISH)
     with pytest.raises(EmulationError, match="write to shared memory \\(shared address 0x[0-9a-f]+"
                        "\\) that the tcgen05.mma at PTX line \\d+ \\(warp 0\\) read, not ordered "
                        "after its completion: warp 2 did not wait"):
-        _order_run(issue + unordered + FINISH)
+        _order_run(ISSUE_THEN_ARRIVE + completed_elsewhere(refill) + FINISH)
