@@ -77,6 +77,18 @@ def test_default_warp_specialization():
     assert config["warp_specialize"] and config["threads"] == 320
 
 
+def test_s_handed_back_before_its_loads_completed_is_caught():
+    """Planted: the softmax warps arrive on s_free with their tcgen05.ld of S(j) not waited for
+    (every tcgen05.wait::ld removed): the MMA warp's S(j + 1) overwrites cells whose loads may
+    still be reading them -- the emulator's tensor-memory ordering names both."""
+    text = spec_text("bf16", 128, "gqa4", True, targets=SM100A)
+    with pytest.raises(EmulationError, match="tcgen05.mma D overwrites tensor memory .* that "
+                       "warp \\d+ accessed with tcgen05.ld at PTX line \\d+, not ordered after "
+                       "it: before its warp's tcgen05.wait::ld completed it"):
+        run_edited(text, "sm_100a", lambda p: p.replace("tcgen05.wait::ld.sync.aligned;", ""),
+                   17, 300, batch=1)
+
+
 @pytest.mark.parametrize("dtype,head_dim,heads,causal", [
     ("bf16", 64, "gqa4", True), ("f16", 128, "mqa", False),
     *(pytest.param(dt, d, h, c, marks=SLOW) for dt in ("f16", "bf16") for d in (64, 128)
