@@ -3,22 +3,8 @@ by default.
 
 Every shared byte has a shadow word: who wrote it last and when,
 ``stamp << 30 | line << 10 | writer`` (writer: the thread's linear index in its CTA, line: the
-PTX line of the write, stamp: the value of a batch-wide sync counter at the write). Every
-synchronisation event takes a fresh counter value and records it where it orders accesses:
-
-* a CTA-wide barrier completing (``bar.sync 0`` and friends) -> ``cta_sync[cta]``;
-* a barrier with a thread count completing -> ``pair_sync[cta, wa, wb]`` for every pair of
-  warps that took part;
-* a warp-level synchronisation (``bar.warp.sync``, and the warp collectives ``shfl.sync``,
-  ``mma.sync``, ``ldmatrix``) -> ``warp_sync[warp]``.
-
-Counted barriers are transitive: an arrival hands its waiters what the arriving warps were
-ordered after (their ``pair_sync`` columns), a named barrier merges its participants', a
-CTA-wide barrier every warp's -- a release / acquire chain through a third warp orders the
-first warp's accesses before the last one's. A tcgen05.commit's arrival is the tensor cores'
-(a pseudo warp per issuing warp w, ``pair_sync`` index ``tensor_cores + w``): its waiters are
-ordered after the completion of w's MMAs up to the commit, and tensor memory's ordering rules
-(tmem.py) read those rows.
+PTX line of the write, stamp: the value of the batch-wide sync counter at the write; the sync
+events and what they order: syncorder.py).
 
 An access by thread U of a byte last written by thread T != U is ordered after that write iff
 a sync event that both took part in happened after it: ``cta_sync > stamp``, or (same warp)
@@ -59,6 +45,7 @@ import re
 import numpy as np
 
 from ptxc.emu.operands import Fault
+from ptxc.emu.syncorder import SyncOrder
 
 _LINE_BITS, _LIN_BITS = 20, 10
 _STAMP_SHIFT = _LINE_BITS + _LIN_BITS
@@ -100,11 +87,13 @@ def _as_read_stamp(cta_sync, ndim: int):
     return s[:, None] if ndim == 2 else s
 
 
-class RaceTracker:
-    """Shadow state of one batch's shared memory (see the module docstring)."""
+class RaceTracker(SyncOrder):
+    """Shadow state of one batch's shared memory (see the module docstring), on the batch's
+    sync events (SyncOrder)."""
 
     def __init__(self, ctx, nbytes: int, lines: dict):
-        self.ctx, self.lines = ctx, lines          # lines: PTX line -> instruction text
+        super().__init__(ctx)
+        self.lines = lines                         # PTX line -> instruction text
         self.shadow = np.zeros(nbytes, np.int64)        # last write of each byte
         self.readers = np.zeros(nbytes // 4, np.int64)  # reads of each 4-byte word since then
         # bit w: warp w read the word since then -- only what counted barriers need, so kept
@@ -112,13 +101,6 @@ class RaceTracker:
         counted = any(_COUNTED.search(t) for t in lines.values())
         self.reader_warps = np.zeros(nbytes // 4, np.int64) if counted else None
         self.views = {}
-        self.serial = 1
-        self.cta_sync = np.ones(ctx.nctas, np.int64)       # newer than every initial stamp 0
-        self.warp_sync = np.zeros(ctx.n // 32, np.int64)
-        # (nctas, 2 warps, 2 warps) on demand; index `tensor_cores + w` is a pseudo warp: the
-        # tcgen05.commit arrivals of warp w's MMAs, made by the tensor cores as they complete
-        self.pair_sync = None
-        self.tensor_cores = ctx.tpad // 32
         # serial of each CTA's last shared write / read: when older than its last barrier, no
         # byte can be unordered and the per-byte checks are skipped
         self.last_write = np.zeros(ctx.nctas, np.int64)
@@ -131,94 +113,12 @@ class RaceTracker:
         self.fenced = np.zeros(ctx.n, np.int64)            # each thread's last fence.proxy.async
         self.fenced_after = np.zeros(ctx.n, np.int64)      # ... and its CTA's barrier then
 
-    # ------------------------------------------------------------------ sync events
-    def _tick(self) -> int:
-        self.serial += 1
-        return self.serial
-
-    def cta_barrier(self, ctas=None):
-        """A CTA-wide barrier completed for `ctas` (None: every CTA of the batch); what any warp
-        was ordered after, every warp is now (transitivity; what matters beyond cta_sync is
-        the tensor cores' row)."""
-        s = self._tick()
-        if ctas is None:
-            self.cta_sync[:] = s
-        else:
-            self.cta_sync[ctas] = s
-        p = self.pair_sync
-        if p is not None:
-            if ctas is None:
-                p[:] = p.max(axis=2, keepdims=True)
-            else:
-                p[ctas] = p[ctas].max(axis=-1, keepdims=True)
-
-    def _pairs(self):
-        if self.pair_sync is None:
-            n = 2 * self.tensor_cores
-            self.pair_sync = np.zeros((self.ctx.nctas, n, n), np.int64)
-        return self.pair_sync
-
-    def tensor_core_arrival(self, warp: int):
-        """(stamp, knowledge) of a tcgen05.commit's arrival by a thread of `warp` (index in
-        its CTA): its waiters are ordered after the completion of that warp's MMAs up to the
-        commit (a commit tracks every earlier MMA of its thread: the row of the warp's tensor
-        cores), not after anything the issuing thread had been ordered after."""
-        known = np.zeros(self._pairs().shape[1], np.int64)
-        stamp = self._tick()
-        known[self.tensor_cores + warp] = stamp
-        return stamp, known
-
-    def arrival(self) -> int:
-        """The stamp of a bar.arrive: the arriving threads' accesses up to here are the ones
-        its barrier's waiters are ordered after."""
-        return self._tick()
-
-    def knowledge(self, cta: int, threads):
-        """What the warps of `threads` (batch indices, of `cta`) are ordered after now: for
-        every warp x of the CTA, the newest stamp s such that x's accesses before s are ordered
-        before theirs (their pair_sync columns; None before any counted barrier). An arrival
-        hands it on to the barrier's waiters, so ordering is transitive: a release / acquire
-        chain through a third warp (softmax -> correction -> MMA warp) orders the first warp's
-        accesses before the last one's."""
-        if self.pair_sync is None:
-            return None
-        warps = np.unique((threads % self.ctx.tpad) >> 5)
-        return self.pair_sync[cta][:, warps].max(axis=1)
-
-    def counted_barrier(self, cta: int, threads, arrivers=(), pair_waiters: bool = True):
-        """A barrier with a thread count completed for `threads` (batch indices) of `cta`,
-        which waited at it; `arrivers` [(threads, arrival stamp, their knowledge then)] passed
-        a bar.arrive (or an mbarrier arrival) of the same phase without waiting: their accesses
-        before the arrival, and what those were ordered after, are ordered before the waiters'
-        later ones -- not the ones after it, nor anything in the reverse direction.
-        `pair_waiters` False (an mbarrier wait): the waiters are not ordered among themselves."""
-        s = self._tick()
-        tpad = self.ctx.tpad
-        sync = self._pairs()[cta]
-        warps = np.unique((threads % tpad) >> 5)
-        for who, stamp, known in arrivers:
-            ix = np.ix_(np.unique((who % tpad) >> 5), warps)
-            sync[ix] = np.maximum(sync[ix], stamp)
-            if known is not None:
-                sync[:, warps] = np.maximum(sync[:, warps], known[:, None])
-        if pair_waiters:
-            sync[:, warps] = sync[:, warps].max(axis=1)[:, None]
-            sync[np.ix_(warps, warps)] = s
-
     def proxy_fence(self, sel):
         """fence.proxy.async by the threads `sel` (shared memory between the generic and async
         proxies)."""
         idx = self.ctx.all_index if isinstance(sel, slice) else sel
         self.fenced[idx] = self._tick()
         self.fenced_after[idx] = self.cta_sync[self.ctx.cta_of[idx]]
-
-    def warp_synced(self, sel):
-        """A warp-level sync (bar.warp.sync or a warp collective) by the threads `sel`."""
-        s = self._tick()
-        if isinstance(sel, slice):
-            self.warp_sync[:] = s
-        else:
-            self.warp_sync[sel >> 5] = s
 
     # ------------------------------------------------------------------ accesses
     def _rows(self, total: int, readers: bool = False):
