@@ -74,7 +74,8 @@ class BatchRun:
         self.bar_count_of = np.array([op.bar_count if op.kind == BARRIER and op.bar_count is not None
                                       else -1 for op in self.ops] + [-1], np.int64)
         self.bar_arrived = np.zeros((ctx.nctas, 16), np.int64)   # bar.arrive's in the open phase
-        self.bar_arrivers: dict = {}     # (cta, id) -> [(threads, race stamp, knowledge)] of the open phase
+        # (cta, id) -> [(threads, race stamp, knowledge)] of the open phase
+        self.bar_arrivers: dict = {}
         # threads whose mbarrier wait failed yield until some mbarrier phase completes
         self.parked = np.zeros(n, np.bool_)
         self.park_version = np.zeros(n, np.int64)

@@ -46,10 +46,10 @@ def arrival(ctx) -> int:
 
 def arrival_part(ctx, threads, cumulative: bool = True) -> tuple:
     """(threads, stamp, knowledge) of an arrival by `threads` (one CTA's) on an mbarrier
-    phase: what its waiters are ordered after (racecheck.RaceTracker.counted_barrier).
+    phase: what its waiters are ordered after (syncorder.SyncOrder.counted_barrier).
     `cumulative` False (a tcgen05.commit's arrival, made by the tensor cores when the MMAs
     complete): the waiters are ordered after the issuing thread's own accesses before the
-    commit and after the MMAs' completion (racecheck's tensor-core row), not after what that
+    commit and after the MMAs' completion (syncorder's tensor-core row), not after what that
     thread had been ordered after -- no release chain is assumed through the asynchronous
     unit."""
     if ctx.race is None:

@@ -14,7 +14,7 @@ the tensor memory and what it checks in tmem.py):
   phase that a later tcgen05.commit of the same thread arrives on; until then the shared
   memory it read may not be written either.
 * tcgen05.commit...mbarrier::arrive::one makes the mbarrier track the thread's MMAs since its
-  previous commit and arrives once on it -- as the tensor cores (racecheck's pseudo warp), so
+  previous commit and arrives once on it -- as the tensor cores (syncorder's pseudo warp), so
   that a read of D is ordered after the completion only for warps that waited on the phase or
   follow such a wait through barriers (tmem.py's ordering rules).
 * tcgen05.ld / st are warp-collective (.sync.aligned): a warp reaches the 32 lanes of its

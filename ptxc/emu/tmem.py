@@ -15,22 +15,23 @@ What it checks (each a Fault naming the line and the thread, hence the warp):
   wait, is caught there);
 * no tcgen05.mma or tcgen05.ld reading cells that a tcgen05.st has not completed (the storing
   warp's tcgen05.wait::st completes them);
-* ordering across warps, with the race tracker's sync events (racecheck.py; off with
-  racecheck=False, the pending rules below stay):
+* ordering across warps, on the batch's sync events (syncorder.py; with racecheck=False
+  only the pending rules below stay):
   - write after read: a tcgen05.mma (its D) or another warp's tcgen05.st overwriting cells a
     warp read with tcgen05.ld must be ordered after that read -- the reading warp's
     tcgen05.wait::ld, then a CTA-wide barrier, or a chain of named barriers / mbarrier phases
-    from that warp to the writer's (FlashAttention-4's "S free" handshake). An MMA overwriting cells its own warp read
-    needs that warp's wait::ld first. A tcgen05.st, or another warp's MMA, writing cells an MMA
-    read as its A operand (P in tensor memory) must be ordered after that MMA's completion, as
-    a read of its D (below; the issuing warp's later MMAs run in order and may);
+    from that warp to the writer's (FlashAttention-4's "S free" handshake). An MMA
+    overwriting cells its own warp read needs that warp's wait::ld first. A tcgen05.st, or
+    another warp's MMA, writing cells an MMA read as its A operand (P in tensor memory) must be
+    ordered after that MMA's completion, as a read of its D (below; the issuing warp's later
+    MMAs run in order and may);
   - read after a tcgen05.st: an MMA (A from tensor memory, or D accumulated) or another warp's
     tcgen05.ld reading stored cells must be ordered after the storing warp's tcgen05.wait::st
     the same way (the softmax warps' "P full" handshake);
   - reading an MMA's result: a tcgen05.ld (or st) of D cells must be ordered after the MMA's
     completion -- a wait by the reading warp on the phase of a commit its issuing thread made
-    after it, or a chain from a warp that waited (racecheck's tensor-core row of the issuing
-    warp); the in-flight rule above only asks that some wait observed it.
+    after it, or a chain from a warp that waited (syncorder's tensor-core row of the issuing
+    warp); the in-flight rule above only asks that some wait observed it;
   - shared memory an MMA read as A or B: a write (a store, cp.async, a TMA copy's issue) must
     be ordered after that MMA's completion the same way (SharedReads).
   One record per cell (the last reader, the last storer, the last MMA): a cell several warps
@@ -78,13 +79,13 @@ def flat_cells(cta: int, lanes, cols):
 
 class CellLog:
     """The last access of one kind to every cell: its warp (index in the CTA, + 1; 0: none),
-    its stamp (the race tracker's serial when the warp's wait completed it; PENDING before) and
+    its stamp (the sync counter when the warp's wait completed it; PENDING before) and
     its PTX line. np.zeros, so a batch pays only for the pages its allocations touch."""
 
     def __init__(self, shape, kind: str, wait: str, tensor_cores: bool = False):
         self.kind, self.wait = kind, wait           # for messages: the access, what completes it
         # an MMA's access: stamped by its commit, ordered only by a wait on that commit's phase
-        # or a chain from one (racecheck's tensor-core row), for its own warp too
+        # or a chain from one (syncorder's tensor-core row), for its own warp too
         self.tensor_cores = tensor_cores
         self.by = np.zeros(shape, np.int16)
         self.at = np.zeros(shape, np.int64)

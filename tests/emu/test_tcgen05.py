@@ -231,7 +231,7 @@ def test_mma_cells_before_the_wait_on_its_commit():
     assert "tcgen05.ld" in e.value.text
 
 
-# ----------------------------------------------------------------------------- ordering across warps
+# ------------------------------------------------------------------------ ordering across warps
 
 def order_kernel(scenario: str) -> str:
     """Every warp fills columns 0-15 and 32-47 of its lanes (a CTA barrier orders the fills);
@@ -291,7 +291,8 @@ def in_warp(w: int, code: str, label: str) -> str:
 
 FINISH = wait_on("%r14", "mma_done") + "\ttcgen05.fence::after_thread_sync;\n"
 ARRIVE_A = "\t@%p5 mbarrier.arrive.shared::cta.b64 %rd10, [%r16];\n"
-LD_D = f"\tadd.s32 %r7, %r20, 32;\n\ttcgen05.ld.sync.aligned.32x32b.x16.b32 {regs(200, 16)}, [%r7];\n"
+LD_D = "\tadd.s32 %r7, %r20, 32;\n" \
+    f"\ttcgen05.ld.sync.aligned.32x32b.x16.b32 {regs(200, 16)}, [%r7];\n"
 WAIT_LD = "\ttcgen05.wait::ld.sync.aligned;\n"
 BEFORE = "\ttcgen05.fence::before_thread_sync;\n"
 # thread 0 issues the MMA, commits, then arrives on bar_a (which says nothing of completion)
