@@ -57,9 +57,8 @@ class VarlenMath(MmaMath):
             return
         with b.if_then(ctx.whole):
             self.store_rows(invs)
-            mark = b.and_(writer, b.setp("gt", ctx.num_splits, 1))
-            for row in self.rows:
-                with b.predicate(b.and_(mark, b.setp("lt", row, ctx.seq_q))):
+            for row in self.rows:      # ctx.whole implies num_splits > 1: split 1's slot exists
+                with b.predicate(b.and_(writer, b.setp("lt", row, ctx.seq_q))):
                     b.st("global", F32, Addr(ctx.lse_addr(b, row), 4), [b.mov(C.POS_INF, F32)])
         with b.else_():
             self.store_parts(invs, seen)
