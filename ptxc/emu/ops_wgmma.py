@@ -10,7 +10,9 @@ operation stays *in flight* until the wgmma.wait_group that retires its commit g
 
 * its accumulator and A registers must not be read or written by any other instruction of the
   issuing threads until then (other wgmma.mma_async of the chain may use the accumulator);
-* the shared memory it reads must not be written until then (stores and cp.async to it fail);
+* the shared memory it reads must not be written until then (stores and cp.async to it fail),
+  and a write by another warp must be ordered after its completion: the wait_group that
+  retires it reads the operands again for the race tracker (_reread_at_completion);
 * a register accessed by any non-wgmma instruction must be followed by a wgmma.fence before a
   wgmma.mma_async uses it (and a wgmma.fence must precede a warpgroup's first wgmma).
 
@@ -55,7 +57,7 @@ class WgmmaState:
     def __init__(self, ctx, regs):
         n = ctx.n
         self.commits = np.zeros(n, np.int64)
-        self.records = []       # (threads (G,128), gid (G,), regs, smem chunk rows (G, c))
+        self.records = []       # (threads (G,128), gid (G,), regs, smem chunk rows (G, c), line)
         self.busy = {r: np.zeros(n, np.int16) for r in regs}
         self.touched = {r: np.ones(n, np.bool_) for r in regs}
 
@@ -64,7 +66,7 @@ class WgmmaState:
         flag[idx] = True
         left = []
         try:
-            for thr, gid, regs, rows in self.records:
+            for thr, gid, regs, rows, line in self.records:
                 lead = thr[:, 0]
                 done = flag[lead] & (gid < self.commits[lead] - keep)
                 if done.any():
@@ -73,13 +75,29 @@ class WgmmaState:
                         self.busy[r][who] -= 1
                     np.subtract.at(ctx.smem.async_readers, rows[done].reshape(-1), 1)
                     ctx.smem.async_live -= int(done.sum())
+                    if ctx.race is not None:
+                        _reread_at_completion(ctx, thr[done], rows[done], line)
                     keep_g = ~done
                     thr, gid, rows = thr[keep_g], gid[keep_g], rows[keep_g]
                 if thr.size:
-                    left.append((thr, gid, regs, rows))
+                    left.append((thr, gid, regs, rows, line))
         finally:
             flag[idx] = False
         self.records = left
+
+
+def _reread_at_completion(ctx, thr, rows, line):
+    """The race tracker sees the operands' shared memory read again by the issuing threads when
+    the wait_group retires them (the chunks spread over the warpgroup's threads as at issue):
+    a refill (a store, cp.async or TMA copy by a producer) must be ordered after the wgmma's
+    *completion* -- the consumers' wait_group, then their arrival on the stage's "empty"
+    barrier -- not merely after its issue. The in-flight count (smem.async_readers) catches a
+    refill before the wait_group in the emulator's schedule; this one a consumer that arrives
+    before its wait_group, whatever the schedule."""
+    who = thr[:, np.arange(rows.shape[1]) % thr.shape[1]].reshape(-1)
+    chunks = rows.reshape(-1)
+    stride = ctx.smem.stride
+    ctx.race.read(chunks, 16, who, line, lambda k: int(chunks[k]) * 16 % stride)
 
 
 def bind_wgmma_checks(program, ctx, ops, bound):
@@ -275,7 +293,7 @@ def _decode_mma_async(ins, env, n, is_bf16):
             out = (D + C).astype(np.float32)[:, acc_row, acc_col].reshape(-1, n // 2)
             for i, w in enumerate(writers):
                 w(sel, out[:, i])
-            _record(ctx, state, thr, d_names + a_names, np.concatenate(rows, axis=1))
+            _record(ctx, state, thr, d_names + a_names, np.concatenate(rows, axis=1), line)
         return run
     return Op(NORMAL, ins, bind)
 
@@ -347,10 +365,10 @@ def read_operand(ctx, thr, descs, rows, mn_major, line, which):
     return out, np.stack(chunk_rows)
 
 
-def _record(ctx, state, thr, names, rows):
+def _record(ctx, state, thr, names, rows, line):
     idx = thr.reshape(-1)
     for r in names:
         state.busy[r][idx] += 1
     np.add.at(ctx.smem.async_readers, rows.reshape(-1), 1)
     ctx.smem.async_live += thr.shape[0]
-    state.records.append((thr, state.commits[thr[:, 0]].copy(), tuple(names), rows))
+    state.records.append((thr, state.commits[thr[:, 0]].copy(), tuple(names), rows, line))

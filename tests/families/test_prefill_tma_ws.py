@@ -156,6 +156,32 @@ def test_protocol_mistakes_are_caught(tile, edit, message):
         _run_edited(tile, edit)
 
 
+def test_a_stage_released_before_the_wgmma_that_reads_it_completed_is_caught(monkeypatch):
+    """Planted: the consumers arrive on empty[] right after issuing S(j) and P(j-1)·V(j-1),
+    before the wait_group that completes them -- the producer's next box into that stage then
+    races with the tensor cores' reads on hardware. The race checker sees a wgmma's operands read
+    again when its wait_group retires it, so the refill must be ordered after that."""
+    import families.prefill_cases as cases
+    import ptxc.kernels.mainloop.tma_ws_pipeline as ws
+    import ptxc.kernels.mainloop.wgmma_pipeline as wp
+    real = wp.attend_tile
+
+    def early_release(b, math, *args, reads_done=None, **kw):
+        if reads_done is not None:
+            pv_done = math.pv_done
+            math.pv_done = lambda: (reads_done(), pv_done())     # arrive, then wait
+        return real(b, math, *args, **kw)
+
+    monkeypatch.setattr(ws, "attend_tile", early_release)
+    cases.compiled.cache_clear()
+    try:
+        with pytest.raises(EmulationError, match="race \\(write after read\\)"):
+            run(spec_text("f16", 64, "mha", False, tile=SMALL, targets=SM90A), 5, 100, batch=1,
+                target="sm_90a")
+    finally:
+        cases.compiled.cache_clear()
+
+
 # ---- the tile key ------------------------------------------------------------------------------
 def test_key_rules():
     only = {"warp_specialize": True}
