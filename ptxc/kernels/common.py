@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import SpecError
+from .base import LaunchParam
 from ..ir import B32, F16X2, BF16X2, F32, S64, U32, U64, Addr, KernelBuilder, Reg
 
 LOG2E = math.log2(math.e)
@@ -119,6 +120,19 @@ class LateValue:
 def late(x):
     """x, or what a LateValue loads (emitted at this point)."""
     return x.load() if isinstance(x, LateValue) else x
+
+
+def param_loader(b: KernelBuilder, params: list[LaunchParam]):
+    """A kernel's `param(name, type, source, then=..., late=False)`: declares the launch
+    parameter (appended to `params`, the launch's order) and loads it at entry -- or, with
+    `late`, where it is used (a LateValue) -- passing the loaded register through `then`."""
+    def param(name, type, source, then=lambda r: r, late=False):
+        params.append(LaunchParam(name, type, source))
+        sym = b.param(name, type)
+        if late:
+            return LateValue(lambda: then(b.load_param(sym)))
+        return then(b.load_param(sym))
+    return param
 
 
 def warp_sum(b: KernelBuilder, x: Reg, offsets) -> Reg:

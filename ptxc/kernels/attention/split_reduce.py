@@ -51,9 +51,7 @@ def build_reduce(spec, entry: str, has_lse: bool, rows_dim: str = "batch") -> tu
     b = KernelBuilder(entry)
     params: list[LaunchParam] = []
 
-    def param(name, type, source):
-        params.append(LaunchParam(name, type, source))
-        return b.load_param(b.param(name, type))
+    param = C.param_loader(b, params)
 
     ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t)))
             for t in ("o_part", "lse_part", "o") + (("lse",) if has_lse else ())}

@@ -145,9 +145,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     b = KernelBuilder(f"ptxc_{spec.name}")
     params: list[LaunchParam] = []
 
-    def param(name, type, source):
-        params.append(LaunchParam(name, type, source))
-        return b.load_param(b.param(name, type))
+    param = C.param_loader(b, params)
 
     index = "slot_mapping" if kv.by_slot else "positions"
     ptrs = {t: b.to_global(param(t, C.U64, ParamSource("pointer", tensor=t)))

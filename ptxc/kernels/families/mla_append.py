@@ -118,9 +118,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     b = KernelBuilder(f"ptxc_{spec.name}")
     params: list[LaunchParam] = []
 
-    def param(name, type, source):
-        params.append(LaunchParam(name, type, source))
-        return b.load_param(b.param(name, type))
+    param = C.param_loader(b, params)
 
     mode = kv_fp8.scale_mode(spec)
     names = ("kv_c", "k_pe", "slot_mapping", *(("positions", "cos_sin_cache") if rope else ()),

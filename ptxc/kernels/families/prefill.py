@@ -180,9 +180,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     b = KernelBuilder(f"ptxc_{spec.name}")
     params: list[LaunchParam] = []
 
-    def param(name, type, source):
-        params.append(LaunchParam(name, type, source))
-        return b.load_param(b.param(name, type))
+    param = C.param_loader(b, params)
 
     ptrs = {t.name: b.to_global(param(t.name, U64, ParamSource("pointer", tensor=t.name)))
             for t in interface(spec).tensors}

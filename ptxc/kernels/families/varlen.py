@@ -347,12 +347,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     b = KernelBuilder(f"ptxc_{spec.name}" + ("_split" if split else ""))
     params: list[LaunchParam] = []
 
-    def param(name, type, source, then=lambda r: r, late=False):
-        params.append(LaunchParam(name, type, source))
-        sym = b.param(name, type)
-        if late:   # loaded where it is used (C.LateValue)
-            return C.LateValue(lambda: then(b.load_param(sym)))
-        return then(b.load_param(sym))
+    param = C.param_loader(b, params)
 
     # split: the partials, and o where split 0 finishes whole tiles (VarlenMath.epilogue; its
     # pointer and strides are loaded there)

@@ -188,9 +188,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     b = KernelBuilder(f"ptxc_{spec.name}")
     params: list[LaunchParam] = []
 
-    def param(name, type, source):
-        params.append(LaunchParam(name, type, source))
-        return b.load_param(b.param(name, type))
+    param = C.param_loader(b, params)
 
     rope = opts["rope"]
     sources = ("k_new", "v_new") + (("q", "q_rot") if rope else ())
