@@ -132,6 +132,13 @@ OPTIONS = (
      "tccrvar_100a"),
     ("prefill", True, "head_dim_v = 128\n" + _SM100A + "[kernel.tile]\ncorrection = true\n",
      "tccrdv128_100a"),
+    # both: two Q tiles and the correction warpgroup (768 threads, 80 registers at entry;
+    # setmaxnreg 48 / 48 / 96), plain, with every variant, and V narrower than K
+    ("prefill", False, _SM100A + "[kernel.tile]\nq_tiles = 2\ncorrection = true\n", "tcq2cr_100a"),
+    ("prefill", True, _EVERY + "return_lse = true\n" + _SM100A +
+     "[kernel.tile]\nq_tiles = 2\ncorrection = true\n", "tcq2crvar_100a"),
+    ("prefill", True, "head_dim_v = 64\n" + _SM100A + "[kernel.tile]\nq_tiles = 2\ncorrection = true\n",
+     "tcq2crdv64_100a"),
     # exp2_poly: every exponential by the FMA polynomial (the most registers), both kernels
     ("prefill", True, _EVERY + _SM100A + "[kernel.tile]\nexp2_poly = 8\n", "tcpoly_100a"),
     ("prefill", True, _SM100A + "[kernel.tile]\nexp2_poly = 8\nwarp_specialize = false\n",

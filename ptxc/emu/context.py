@@ -8,6 +8,7 @@ import numpy as np
 from ptxc.emu.memory import SharedMemory
 from ptxc.emu.operands import RegStorage
 from ptxc.emu.ops_async import AsyncCopies
+from ptxc.emu.ops_hopper import RegisterPool
 from ptxc.emu.ops_mbarrier import Mbarriers
 from ptxc.emu.racecheck import RaceTracker
 
@@ -41,6 +42,12 @@ class BatchContext:
         self.wgmma = None               # a WgmmaState in kernels with wgmma (ops_wgmma.py)
         self.tmem = None                # a TensorMemory in kernels with tcgen05 (tmem.py)
         self._special = {}
+        self._register_pool = None      # setmaxnreg's per-CTA pools (ops_hopper.RegisterPool)
+
+    def register_pool(self):
+        if self._register_pool is None:
+            self._register_pool = RegisterPool(self)
+        return self._register_pool
 
     def coords(self, thread: int):
         """(ctaid, tid) tuples of a batch thread index."""

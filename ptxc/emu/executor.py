@@ -230,8 +230,9 @@ class BatchRun:
         elif op.kind == PARK:
             pe[sel] = pc + 1
             if s2 is not None:
-                self.bound[pc](s2)
-                failed = s2[~self.ctx.regs[op.park_reg].bits[s2]]
+                waiting = self.bound[pc](s2)
+                # an mbarrier wait names its predicate; setmaxnreg.inc returns its waiters
+                failed = s2[~self.ctx.regs[op.park_reg].bits[s2]] if op.park_reg else waiting
                 if failed.size:              # yield: re-run the wait after a phase completes
                     self.parked[failed] = True
                     self.park_version[failed] = self.ctx.mbar.version
@@ -259,6 +260,10 @@ class BatchRun:
         if retry.size == 0:
             t = int(parked[0])
             self.cur_pc = int(self._park_pc(t))
+            pool = [int(u) for u in parked if not self.ops[int(self._park_pc(int(u)))].park_reg]
+            if pool:            # a setmaxnreg.inc: name the pool, not an mbarrier
+                self.cur_pc = int(self._park_pc(pool[0]))
+                raise Fault(self.ctx.register_pool().describe(pool[0]), pool[0])
             raise Fault("mbarrier deadlock: every thread waits on an mbarrier phase (or a "
                         "barrier) and no arrival or copy can complete one", t)
         self.parked[retry] = False

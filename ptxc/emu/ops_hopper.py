@@ -1,9 +1,13 @@
 """sm_90 warp-level helpers: elect.sync, setmaxnreg, stmatrix.
 
 elect.sync elects the lowest lane of its membermask (PTX ISA: "the leader is the thread with the
-lowest lane id"; every lane of the mask must execute it, as for shfl.sync). setmaxnreg only
-changes the register budget of a warpgroup, which the emulator does not model: it checks its
-operand (24..256, a multiple of 8) and that whole warpgroups execute it. stmatrix is the store
+lowest lane id"; every lane of the mask must execute it, as for shfl.sync). setmaxnreg moves a
+warpgroup's registers through the CTA's pool (RegisterPool below): .dec gives them back,
+.inc takes them and *waits* while the pool lacks them (PTX ISA: "blocks the execution until
+enough registers are available in the CTA's register pool") -- so a budget beyond what the
+CTA started with hangs, and the emulator reports it as it reports an mbarrier deadlock; it
+also checks the operand (24..256, a multiple of 8) and that whole warpgroups execute it.
+stmatrix is the store
 counterpart of ldmatrix: lanes 8i..8i+7 give the row addresses of matrix i, register i of lane l
 holds row l/4, columns 2(l%4) and 2(l%4)+1 (transposed with .trans).
 """
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ptxc.emu.decode import NORMAL, Mods, Op, expect_operands, register
+from ptxc.emu.decode import NORMAL, PARK, Mods, Op, expect_operands, register
 from ptxc.emu.memory import GENERIC_SHARED_BASE
 from ptxc.emu.operands import TYPES, DecodeError, Fault, dst_plan, src_plan
 from ptxc.emu.ops_mem import address_plan
@@ -67,7 +71,7 @@ def decode_elect(ins, env):
 @register("setmaxnreg")
 def decode_setmaxnreg(ins, env):
     m = Mods(ins)
-    m.need("inc", "dec")
+    m_inc = m.need("inc", "dec") == "inc"
     if not (m.flag("sync") and m.flag("aligned")):
         raise DecodeError("needs .sync.aligned")
     if m.one_type().name != "u32":
@@ -79,11 +83,65 @@ def decode_setmaxnreg(ins, env):
             or count.value % 8:
         raise DecodeError("the register count must be a constant in 24..256, a multiple of 8")
 
+    inc, want = m_inc, count.value
+
     def bind(ctx):
         def run(sel):
-            warpgroups(ctx, sel, "setmaxnreg")
+            groups = warpgroups(ctx, sel, "setmaxnreg")
+            pool = ctx.register_pool()
+            waiting = [g for g in groups if not pool.move(g, want, inc)]
+            return np.concatenate(waiting) if waiting else sel[:0]
         return run
-    return Op(NORMAL, ins, bind)
+    # .inc may yield (PARK, no predicate: run returns the threads that wait for registers)
+    return Op(PARK if inc else NORMAL, ins, bind)
+
+
+REGISTER_FILE = 65536       # 32-bit registers per SM (sm_90, sm_100)
+
+
+class RegisterPool:
+    """setmaxnreg's per-CTA pool (PTX ISA "setmaxnreg"). Every warpgroup starts at the kernel's
+    register count at entry, which ptxc pins (.minnctapersm 1 on every kernel that moves
+    registers): ptxas then gives each thread the file's share, 65536 / threads in multiples of
+    8 (at most 255). The pool starts empty -- the CTA holds that count times its threads, no
+    more -- .dec adds (count - new) x 128 registers and .inc takes (new - count) x 128, or waits
+    (the executor parks the warpgroup; a release wakes it)."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.entry = min(255, REGISTER_FILE // ctx.nthreads) // 8 * 8
+        groups = ctx.tpad // 128 if ctx.tpad % 128 == 0 else 0
+        self.count = np.full((ctx.nctas, max(groups, 1)), self.entry, np.int64)
+        self.free = np.zeros(ctx.nctas, np.int64)
+
+    def move(self, group: np.ndarray, want: int, inc: bool) -> bool:
+        """Warpgroup `group` (its 128 thread indices) to `want` registers a thread; False when
+        an .inc must wait for the pool."""
+        ctx = self.ctx
+        first = int(group[0])
+        cta, g = int(ctx.cta_of[first]), int(ctx.lin[first]) >> 7
+        have = int(self.count[cta, g])
+        if inc and want < have or not inc and want > have:
+            raise Fault(f"setmaxnreg.{'inc' if inc else 'dec'} to {want} registers from the "
+                        f"warpgroup's {have}: .inc may only raise the count, .dec only lower it",
+                        first)
+        delta = 128 * (want - have)
+        if inc and delta > self.free[cta]:
+            return False
+        self.free[cta] -= delta
+        self.count[cta, g] = want
+        if not inc and delta:
+            ctx.mbar.version += 1          # parked .inc warpgroups retry
+        return True
+
+    def describe(self, thread: int) -> str:
+        """Why an .inc at `thread` waits: the pool against the warpgroups' counts."""
+        cta = int(self.ctx.cta_of[thread])
+        counts = ", ".join(str(int(c)) for c in self.count[cta])
+        return (f"setmaxnreg.inc waits for ever: the CTA's register pool holds {int(self.free[cta])} "
+                f"registers, and no warpgroup releases more (the CTA started with "
+                f"{self.entry} a thread x {self.ctx.nthreads} threads; warpgroups now at "
+                f"{counts})")
 
 
 @register("stmatrix")

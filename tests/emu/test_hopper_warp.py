@@ -1,5 +1,5 @@
-"""sm_90 warp helpers: elect.sync (leader = lowest lane of the mask), setmaxnreg (operand and
-warpgroup checks), stmatrix (the inverse of ldmatrix, checked by reading rows back)."""
+"""sm_90 warp helpers: elect.sync (leader = lowest lane of the mask), setmaxnreg (the CTA's
+register pool, operand and warpgroup checks), stmatrix (the inverse of ldmatrix, checked by reading rows back)."""
 
 import numpy as np
 import pytest
@@ -57,19 +57,45 @@ def test_elect_sync_names_absent_lanes():
 SETMAXNREG = HEADER + r"""
 .visible .entry regs_k()
 {
-	setmaxnreg.inc.sync.aligned.u32 240;
-	setmaxnreg.dec.sync.aligned.u32 40;
+	.reg .b32 %r<2>;
+	.reg .pred %p<2>;
+	mov.u32 %r1, %tid.x;
+	setp.ge.u32 %p1, %r1, LAST;
+	@%p1 bra $RELEASE;
+	setmaxnreg.inc.sync.aligned.u32 INC;    // before the release in program order: it waits
+	ret;
+$RELEASE:
+	setmaxnreg.dec.sync.aligned.u32 DEC;
 	ret;
 }
 """
 
 
-def test_setmaxnreg_is_a_checked_no_op():
-    run(SETMAXNREG, "regs_k", (2,), (256,), [])
+def regs_kernel(last: int, inc: int, dec: int) -> str:
+    """Warpgroups below thread `last` raise their count to `inc`, the rest lower it to `dec`."""
+    return SETMAXNREG.replace("LAST", str(last)).replace("INC", str(inc)).replace("u32 DEC;", f"u32 {dec};")
+
+
+def test_setmaxnreg_moves_registers_through_the_pool():
+    """CUTLASS's budget at 384 threads (168 each at entry): a producer warpgroup at 24 gives
+    two consumer warpgroups 240 -- exactly the pool; the consumers' .inc, reached first,
+    waits for the producer's .dec. One register more a consumer thread, or a producer that
+    keeps 32, and the last .inc waits for ever: reported with the pool, not as a pass."""
+    run(regs_kernel(256, 240, 24), "regs_k", (2,), (384,), [])
+    run(regs_kernel(128, 256, 40), "regs_k", (1,), (256,), [])      # 248 at entry
+    for inc, dec in ((248, 24), (240, 32)):
+        with pytest.raises(EmulationError, match="setmaxnreg.inc waits for ever: the CTA's "
+                                                 "register pool holds"):
+            run(regs_kernel(256, inc, dec), "regs_k", (1,), (384,), [])
+    with pytest.raises(EmulationError, match="may only raise the count"):   # 168 at entry
+        run(regs_kernel(256, 160, 24), "regs_k", (1,), (384,), [])
+
+
+def test_setmaxnreg_checks_its_operand_and_warpgroups():
     with pytest.raises(EmulationError, match="whole warpgroups"):
-        run(SETMAXNREG, "regs_k", (1,), (96,), [])
+        run(regs_kernel(64, 240, 40), "regs_k", (1,), (96,), [])
     with pytest.raises(EmulationError, match="multiple of 8"):     # ptxas refuses it too
-        launch(SETMAXNREG.replace("240", "241"), "regs_k", (1,), (128,), [])
+        launch(regs_kernel(128, 241, 40), "regs_k", (1,), (256,), [])
 
 
 STMATRIX = HEADER + r"""

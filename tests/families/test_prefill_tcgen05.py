@@ -187,7 +187,9 @@ def test_two_q_tiles(dtype, head_dim, heads, causal, extra):
     text = spec_text(dtype, head_dim, heads, causal, tile=Q2, targets=SM100A)
     _, ptx, launch, config = compiled(text.replace("targets = ", extra + "targets = "), "sm_100a")
     assert config["q_tiles"] == 2 and config["threads"] == 640 and config["tmem_columns"] == 512
-    assert launch["grid"][0] == "cdiv(seq_q, 256)" and ptx.count("setmaxnreg") == 2
+    assert launch["grid"][0] == "cdiv(seq_q, 256)"
+    assert re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32 (\d+)", ptx) == [("dec", "48"),
+                                                                              ("inc", "104")]
     tc_check(dtype, head_dim, heads, causal, SHAPES + [(333, 333), (200, 150)], tile=Q2,
              extra=extra, batch=1)
 
@@ -228,6 +230,11 @@ def _run_edited(edit):
     # the second tile's p_full expects an arrival more than its 8 softmax warps give
     (lambda p: re.sub(r"(mbarrier\.init\.shared::cta\.b64 \[%r\d+\+64\], )8;", r"\g<1>9;", p),
      "mbarrier deadlock"),
+    # the softmax warps ask for 112 registers, as they once did: 640 x 96 at entry, less the
+    # issuing warpgroup's 128 x 48, leaves the four softmax warpgroups 104 -- the last .inc
+    # would wait for ever on hardware
+    (lambda p: p.replace("setmaxnreg.inc.sync.aligned.u32 104;", "setmaxnreg.inc.sync.aligned.u32 112;"),
+     "setmaxnreg.inc waits for ever"),
 ])
 def test_two_q_tiles_protocol_mistakes_are_caught(edit, message):
     with pytest.raises(EmulationError, match=message):
@@ -271,7 +278,7 @@ def test_correction_rescales_growing_scores(causal):
 
 def test_correction_rules():
     for tile, targets, d in (({**CR, "warp_specialize": False}, SM100A, 128),
-                             ({**CR, **Q2}, SM100A, 128), (CR, ("sm_90a",), 128), (CR, SM100A, 256)):
+                             (CR, ("sm_90a",), 128), (CR, SM100A, 256)):
         with pytest.raises(SpecError) as e:
             load_text(spec_text("bf16", d, tile=tile, targets=targets))
         assert e.value.key == "tile.correction" and "\n" not in str(e.value), str(e.value)
@@ -318,6 +325,58 @@ def test_correction_mistakes_are_caught(monkeypatch):
     with monkeypatch.context() as m, pytest.raises(EmulationError, match="tcgen05"):
         _run_corrected(m, edit=lambda p: re.sub(
             r"(mbarrier\.try_wait\.parity\.shared::cta\.b64 %p\d+, \[%r\d+)\+48\]", r"\1+24]", p))
+
+
+# ---- both: two Q tiles and the correction warpgroup (FlashAttention-4's whole CTA) ------------
+Q2CR = {**Q2, **CR}
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads,causal,extra,tile", [
+    ("bf16", 128, "gqa4", True, "", Q2CR), ("f16", 64, "gqa8", True, EVERY, Q2CR),
+    pytest.param("bf16", 128, "gqa4", False, "", {**Q2CR, "num_stages": 3}, marks=SLOW),
+    pytest.param("bf16", 128, "gqa4", True, "head_dim_v = 64\n", Q2CR, marks=SLOW),
+    *(pytest.param(dt, d, h, c, "", Q2CR, marks=SLOW) for dt in ("f16", "bf16") for d in (64, 128)
+      for h in ("mha", "gqa4", "gqa8", "mqa") for c in (False, True)),
+], ids=lambda x: x.replace("\n", ";")[:24] if isinstance(x, str) else str(x))
+def test_two_q_tiles_with_correction(dtype, head_dim, heads, causal, extra, tile):
+    """FlashAttention-4's CTA: two 128-row Q tiles (16 softmax warps), one correction
+    warpgroup rescaling both tiles' O (each tile its barriers, P buffers and exchange), the
+    issuing warpgroup: 768 threads, registers moved by setmaxnreg (issuing 48, correction 48,
+    softmax 96); seq 1 / 17 / 113 / 333, q_len > L, variants, head_dim_v 64."""
+    text = spec_text(dtype, head_dim, heads, causal, tile=tile, targets=SM100A)
+    _, ptx, launch, config = compiled(text.replace("targets = ", extra + "targets = "), "sm_100a")
+    assert config["q_tiles"] == 2 and config["correction"] and config["threads"] == 768
+    assert config["tmem_columns"] == 512 and launch["grid"][0] == "cdiv(seq_q, 256)"
+    assert re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32 (\d+)", ptx) == [
+        ("dec", "48"), ("inc", "96"), ("dec", "48")]
+    tc_check(dtype, head_dim, heads, causal, SHAPES + [(333, 333), (200, 150)], tile=tile,
+             extra=extra, batch=1)
+
+
+def test_two_q_tiles_with_correction_rescale_and_no_keys():
+    """Growing scores: both tiles' correction passes rescale O again and again; no keys."""
+    tc_check("bf16", 128, "gqa4", True, [(17, 300), (260, 61), (300, 500)], tile=Q2CR,
+             transform=growing_scores, batch=1)
+    outs = run(spec_text("bf16", 128, "gqa4", False, tile=Q2CR, targets=SM100A), 9, 0,
+               target="sm_100a")[0]
+    assert np.all(outs["o"] == 0) and np.all(np.isneginf(outs["lse"]))
+
+
+@pytest.mark.parametrize("edit,message", [
+    # the softmax warps ask for 104: 768 x 80 at entry less 128 x 48 twice leaves them 96
+    (lambda p: p.replace("setmaxnreg.inc.sync.aligned.u32 96;", "setmaxnreg.inc.sync.aligned.u32 104;"),
+     "setmaxnreg.inc waits for ever"),
+    # the MMA warp's waits on each tile's O_READY (+48 into its barriers) turned into waits on
+    # its P_FULL: P·V no longer waits for the correction warps (with one Q tile the emulator
+    # sees P·V write O under the rescale; with two the phases no longer line up and every
+    # warp ends up waiting -- refused either way)
+    (lambda p: re.sub(r"(mbarrier\.try_wait\.parity\.shared::cta\.b64 %p\d+, \[%r\d+)\+48\]", r"\1+24]", p),
+     "tcgen05|mbarrier deadlock"),
+])
+def test_two_q_tiles_with_correction_mistakes_are_caught(edit, message):
+    with pytest.raises(EmulationError, match=message):
+        run_edited(spec_text("bf16", 128, "gqa4", True, tile=Q2CR, targets=SM100A), "sm_100a", edit,
+                   333, 333, batch=1)
 
 
 # ---- the path and its tile key ---------------------------------------------------------------

@@ -371,7 +371,7 @@ def configure_tcgen05(spec, cfg: PrefillConfig) -> Tcgen05TileConfig:
     ws = given.get("warp_specialize",
                    cfg.block_m == 64 and cfg.head_dim >= WS_MIN_HEAD_DIM or correction)
     if correction:
-        check_correction(ws, 1, cfg.dv, "sm_100a")
+        check_correction(ws, cfg.dv, "sm_100a")
     return Tcgen05TileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
                              cfg.num_stages, False, cfg.dv, 1, kv_loads="tma",
                              min_ctas_per_sm=PIN_REGISTERS, warp_specialize=ws,

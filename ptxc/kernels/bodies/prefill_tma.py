@@ -22,7 +22,7 @@ from ..config.tcgen05 import Tcgen05Config
 from ..config.wgmma import ROWS_PER_WARPGROUP, WgmmaConfig
 from ..mainloop.tiles import SWIZZLE
 from ..mainloop.tma_pipeline import barrier_bytes
-from ..math.tcgen05 import Correction, Tcgen05Math
+from ..math.tcgen05 import Correction, Exchange, Tcgen05Math
 from ..math.umma import UmmaIssue, mma_region_bytes
 from ..math.wgmma import WgmmaMath
 from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
@@ -53,22 +53,38 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg, ptrs, strides, seq_q, seq
     elif tcgen05:     # load, MMA and softmax warps (and two Q tiles: tile.q_tiles)
         q_smem = lambda t: b.add(s.smem, t * cfg.q_tile_bytes) if t else s.smem   # noqa: E731
 
-        # tile.correction: the softmax warps' hand-over to the correction warps, after the
-        # MMA region
-        exchange = b.add(mma_bars, mma_region_bytes(1, True)) if cfg.correction else None
+        # tile.correction: each Q tile's softmax warps' hand-over to the correction warps,
+        # after the MMA region
+        exchange = (b.add(mma_bars, mma_region_bytes(cfg.q_tiles, True)) if cfg.correction
+                    else None)
+
+        def exchange_of(tile) -> Reg | None:
+            if exchange is None or tile.index == 0:
+                return exchange
+            return b.add(exchange, tile.index * Exchange.bytes(cfg.num_warps))
+
+        # with two Q tiles and the correction warps (768 threads: ptxas's budget at entry is
+        # 80 registers, and it checks each instruction's against it, not setmaxnreg's), the
+        # softmax warps move O 8 n8 blocks (32 registers) an instruction at most, the
+        # correction warps (48 registers) 4
+        two_corrected = cfg.q_tiles > 1 and cfg.correction
 
         def tile_math(tile) -> Tcgen05Math:
             if cfg.q_tiles == 1:
                 return Tcgen05Math(b, ctx, tile.bars, tile.tmem, exchange=exchange)
             return Tcgen05Math(b, tile_ctx(b, ctx, cfg, tile.index, q_smem(tile.index)), tile.bars,
-                               tile.tmem, barrier=(tile.barrier, cfg.threads), frees_tmem=False)
+                               tile.tmem, barrier=(tile.barrier, cfg.threads), frees_tmem=False,
+                               exchange=exchange_of(tile),
+                               o_run=8 if two_corrected else None)
         assemble(b, "tcgen05_ws", loads=Loads(copy_tile=copy_tile), math=tile_math, tid=s.tid,
                  lane=s.lane, warp0=b.setp("eq", b.shfl("idx", s.warp, 0), 0),
                  columns=cfg.tmem_columns, q_tiles=cfg.q_tiles, tile_columns=cfg.tile_columns,
                  make_issue=lambda tile: UmmaIssue(b, cfg, q_smem(tile.index), tile.tmem, tile.bars,
                                                    hoist=True if cfg.q_tiles == 1 else "desc"),
-                 make_correction=(lambda tile, c: Correction(b, cfg, tile.tmem, tile.bars, exchange,
-                                                             c, s.lane, cfg.num_warps))
+                 make_correction=(lambda tile, c: Correction(b, cfg, tile.tmem, tile.bars,
+                                                             exchange_of(tile), c, s.lane,
+                                                             cfg.num_warps,
+                                                             4 if two_corrected else 16))
                  if cfg.correction else None,
                  **pieces)
     else:             # a producer warpgroup and consumer warpgroups

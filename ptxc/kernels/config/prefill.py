@@ -64,7 +64,8 @@ FIELDS = FamilyFields(
         Field("correction", "bool", "sm_100a warp-specialised tcgen05 kernel: a correction "
               "warpgroup rescales O in tensor memory when a row's running max grew past the "
               "lazy slack, so the softmax warps never wait for the previous P·V "
-              "(FlashAttention-4's; P double-buffered; docs/kernels.md \"tcgen05\")",
+              "(FlashAttention-4's; P double-buffered; with q_tiles = 2 it serves both tiles; "
+              "docs/kernels.md \"tcgen05\")",
               default=None),
         Field("q_tiles", "int", "sm_100a warp-specialised tcgen05 kernel: Q tiles of 128 rows per "
               "CTA sharing each K/V tile (2: FlashAttention-4's two tiles, their softmax warps' "

@@ -93,7 +93,7 @@ class TensorMemoryTile:
 
     @property
     def smem_bytes(self) -> int:
-        exchange = Exchange.bytes(self.num_warps) if self.correction else 0
+        exchange = self.q_tiles * Exchange.bytes(self.num_warps) if self.correction else 0
         return super().smem_bytes + mma_region_bytes(self.q_tiles, self.correction) + exchange
 
 
@@ -108,19 +108,19 @@ class Tcgen05Config(TensorMemoryTile, WgmmaConfig):
     correction: bool = False   # tile.correction: a correction warpgroup rescales O
 
 
-def check_correction(ws: bool, q_tiles: int, dv: int, target: Target | str) -> None:
-    """tile.correction's rule, prefill's and varlen's tile alike: the warp-specialised kernel's
-    one Q tile, head_dim_v up to CORRECTION_MAX_HEAD_DIM_V; else one line naming the key."""
+def check_correction(ws: bool, dv: int, target: Target | str) -> None:
+    """tile.correction's rule, prefill's and varlen's tile alike: the warp-specialised kernel
+    (one Q tile or prefill's two), head_dim_v up to CORRECTION_MAX_HEAD_DIM_V; else one line
+    naming the key."""
     if dv > CORRECTION_MAX_HEAD_DIM_V:
         raise SpecError(f"correction = true with head_dim_v {dv} on {target}: the correction "
                         f"warps' threads leave 128 registers a thread, and O's {dv} columns take "
                         f"{dv // 2} of them in the epilogue; it takes head_dim_v up to "
                         f"{CORRECTION_MAX_HEAD_DIM_V}", key="tile.correction")
-    if not ws or q_tiles > 1:
-        raise SpecError(f"correction = true with {'q_tiles = 2' if ws else 'warp_specialize = false'} "
-                        f"on {target}: the correction warps serve the warp-specialised kernel's "
-                        f"one Q tile; drop {'q_tiles' if ws else 'warp_specialize'} or correction",
-                        key="tile.correction")
+    if not ws:
+        raise SpecError(f"correction = true with warp_specialize = false on {target}: the "
+                        f"correction warps serve the warp-specialised kernel's softmax warps; "
+                        f"drop warp_specialize or correction", key="tile.correction")
 
 
 def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
@@ -141,7 +141,7 @@ def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
                         f"tiles share the load and MMA warps; drop warp_specialize or q_tiles",
                         key="tile.q_tiles")
     if correction:
-        check_correction(ws, q_tiles, head_dim_v(spec), target)
+        check_correction(ws, head_dim_v(spec), target)
 
     def make(bn: int) -> Tcgen05Config:
         return Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,

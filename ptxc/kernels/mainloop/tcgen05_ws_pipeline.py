@@ -41,8 +41,11 @@ warps are a whole warpgroup (the two after them exit) so that setmaxnreg moves r
 the softmax warps; the MMA warp issues both tiles' S, then both P·V; after both epilogues the
 softmax warps meet on SOFTMAX_BARRIER before warp 0 frees the tensor memory.
 
-The correction warps (tile.correction, one Q tile): four warps after the softmax warps
-(math/tcgen05.Correction) rescale O between P·V(j - 1) and P·V(j) where a softmax warp voted;
+The correction warps (tile.correction): four warps after the softmax warps
+(math/tcgen05.Correction) rescale O between P·V(j - 1) and P·V(j) where a softmax warp voted --
+with two Q tiles, tile 0's then tile 1's each K/V tile (each tile its barrier block,
+umma.tile_barriers, and exchange; the issuing and correction warpgroups keep 48 registers,
+the softmax warpgroups take what the CTA's pool then holds, softmax_regs);
 the softmax warps hand P(j) to buffer j mod 2 (after P·V(j - 2)) and their alphas through
 shared memory (Exchange), never touching O in the loop; the MMA warp issues P·V(j) after
 O_READY(j) (not p_full), and tile 0 has no empty commit (each BAR_O / BAR_O1 phase is one P·V).
@@ -61,8 +64,8 @@ from dataclasses import dataclass
 
 from ...ir import U32, Addr, KernelBuilder, Reg
 from ..math.tcgen05 import pair_barrier
-from ..math.umma import (BAR_O, BAR_O1, BAR_S, O_READY, P_FULL, Q_TILE_BARRIERS, S_FREE, X_FREE0,
-                         X_FREE1, allocate)
+from ..math.umma import (BAR_O, BAR_O1, BAR_S, O_READY, P_FULL, S_FREE, X_FREE0, X_FREE1,
+                         allocate, tile_barriers)
 from .kv_pipeline import modify_scores
 from .tma_pipeline import MBARRIER_BYTES
 from .tma_ws_pipeline import CONSUMER_BARRIER, issue_loads
@@ -71,14 +74,27 @@ SOFTMAX_WARPS = 8           # prefill's (128 rows); varlen's packed tile passes 
 ISSUE_THREADS = 64          # the load warp and the MMA warp
 CORRECTION_THREADS = 128    # tile.correction: four correction warps after the softmax warps
 # Two Q tiles: 16 softmax warps and a whole issuing warpgroup (the load warp, the MMA warp and
-# two that leave), so that setmaxnreg can move registers: 640 threads start with 96 (ptxas's
-# share of the file), the issuing warpgroup gives them back and the softmax warpgroups take
-# (65536 - 128 x ISSUE_REGS) / 512 each: 112. At 96 (576 threads, no setmaxnreg) ptxas spilled
-# the d128 softmax (36 bytes); the MMA warp holds each tile's Q descriptor, not its k-steps
-# (UmmaIssue hoist="desc"), so that 48 are enough for it
+# two that leave), so that setmaxnreg can move registers. setmaxnreg.inc takes registers only
+# from the CTA's pool, which holds what the .dec warpgroups released -- the CTA keeps the
+# count it started with (ptxas's share of the file under .minnctapersm 1: 65536 / threads in
+# multiples of 8) times its threads, as CUTLASS's 24 / 240 at 384 threads and 168 balance:
+# 640 threads start with 96, the issuing warpgroup keeps ISSUE_REGS, and the softmax
+# warpgroups take (640 x 96 - 128 x 48) / 512: 104 (a budget past the pool -- 112 at first --
+# would leave the last softmax warpgroup's .inc waiting for ever on hardware; the emulator
+# does not model the pool). At 96 (576 threads, no setmaxnreg) ptxas spilled the d128
+# softmax (36 bytes); the MMA warp holds each tile's Q descriptor, not its k-steps (UmmaIssue
+# hoist="desc"), so that 48 are enough for it
 ISSUE_WARPGROUP = 128
 ISSUE_REGS = 48
+# Two Q tiles with the correction warpgroup: 768 threads start with 80; the correction warps
+# keep 48 (an O chunk of 4 n8 blocks, 16 registers, a load), so the softmax warps take 96
+CORRECTION_REGS = 48
 REGISTER_FILE = 65536
+
+
+def entry_regs(threads: int) -> int:
+    """ptxas's register count at entry under .minnctapersm 1: the file's share, multiples of 8."""
+    return min(255, REGISTER_FILE // threads) // 8 * 8
 
 
 def issue_threads(q_tiles: int) -> int:
@@ -91,11 +107,13 @@ Q_TILE_BARRIERS_IDS = (CONSUMER_BARRIER, 3)   # named barrier of each Q tile's s
 SOFTMAX_BARRIER = 4         # every Q tile's softmax warps (before the tensor memory is freed)
 
 
-def softmax_regs(q_tiles: int, softmax_warps: int) -> int:
-    """The softmax warps' budget after setmaxnreg.inc (two Q tiles): what the issuing
-    warpgroup leaves, in multiples of 8."""
-    left = REGISTER_FILE - ISSUE_WARPGROUP * ISSUE_REGS
-    return min(256, left // (32 * softmax_warps * q_tiles) // 8 * 8)
+def softmax_regs(q_tiles: int, softmax_warps: int, correction: bool = False) -> int:
+    """The softmax warps' budget after setmaxnreg.inc (two Q tiles): what the CTA started with
+    less what the issuing (and correction) warpgroups keep, in multiples of 8."""
+    softmax = 32 * softmax_warps * q_tiles
+    kept = ISSUE_WARPGROUP * ISSUE_REGS + correction * CORRECTION_THREADS * CORRECTION_REGS
+    threads = softmax + ISSUE_WARPGROUP + correction * CORRECTION_THREADS
+    return min(256, (threads * entry_regs(threads) - kept) // softmax // 8 * 8)
 
 
 @dataclass(frozen=True)
@@ -128,6 +146,7 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
     `make_correction(tile, c)` (tile.correction, one Q tile): correction warp c's Correction."""
     S, W = stages, softmax_warps
     correction = make_correction is not None
+    stride = tile_barriers(correction)                  # Q tile t's barriers t * stride in
     load_tid = 32 * W * q_tiles + (CORRECTION_THREADS if correction else 0)
     mma_tid = load_tid + 32
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
@@ -140,11 +159,11 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
             b.mbarrier_init(Addr(bars, empty0 + s * MBARRIER_BYTES), 1)
         for t in range(q_tiles):
             for at, count in ((BAR_S, 1), (BAR_O, 1), (S_FREE, W), (P_FULL, W)):
-                b.mbarrier_init(Addr(mma_bars, t * Q_TILE_BARRIERS + at), count)
-        if correction:
-            b.mbarrier_init(Addr(mma_bars, BAR_O1), 1)
-            for at in (O_READY, X_FREE0, X_FREE1):
-                b.mbarrier_init(Addr(mma_bars, at), CORRECTION_THREADS // 32)
+                b.mbarrier_init(Addr(mma_bars, t * stride + at), count)
+            if correction:
+                b.mbarrier_init(Addr(mma_bars, t * stride + BAR_O1), 1)
+                for at in (O_READY, X_FREE0, X_FREE1):
+                    b.mbarrier_init(Addr(mma_bars, t * stride + at), CORRECTION_THREADS // 32)
         b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
     tmem = allocate(b, warp0, mma_bars, columns)   # its CTA barrier publishes the inits too
     warp = b.shfl("idx", b.shr(tid, 5), 0)         # warp-uniform for ptxas (every lane, converged)
@@ -153,7 +172,7 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
         if q_tiles == 1:
             return QTile(0, tmem, mma_bars)
         return QTile(t, b.add(tmem, t * tile_columns) if t else tmem,
-                     b.add(mma_bars, t * Q_TILE_BARRIERS) if t else mma_bars, Q_TILE_BARRIERS_IDS[t])
+                     b.add(mma_bars, t * stride) if t else mma_bars, Q_TILE_BARRIERS_IDS[t])
 
     with b.if_then(b.setp("ge", tid, load_tid)):                         # the load and MMA warps
         if q_tiles > 1:         # the issuing warpgroup gives registers to the softmax warps
@@ -174,43 +193,62 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                       n_tiles, last_v_landed, correction)
     with b.else_():                                                      # the softmax warps
         if correction:        # ... and the correction warps after them
-            with b.if_then(b.setp("ge", warp, W)):
-                _correction_warps(b, make_correction(q_tile(0), b.sub(warp, W)), mma_bars, lane,
-                                  n_tiles)
+            c = b.sub(warp, W * q_tiles)
+            softmax = lambda: _softmax_tiles(b, q_tile, make_math, transform_of, lane, n_tiles,  # noqa: E731
+                                             n_full, key0_of, lo_full, q_bar, W, q_tiles,
+                                             correction, tmem, warp, columns)
+            with b.if_then(b.setp("lt", warp, W * q_tiles)):
+                softmax()
             with b.else_():
-                _softmax_warps(b, q_tile(0), make_math, transform_of, lane, n_tiles, n_full,
-                               key0_of, lo_full, q_bar, W, corrected=True)
-        elif q_tiles == 1:
-            _softmax_warps(b, q_tile(0), make_math, transform_of, lane, n_tiles, n_full, key0_of,
-                           lo_full, q_bar, W)
-        else:       # each tile's warps their own copy of the loop: its offsets are constants
-            b.setmaxnreg(True, softmax_regs(q_tiles, W))
-            for t in range(q_tiles):
-                with b.if_then(b.setp("eq", b.div(warp, W), t)):
-                    _softmax_warps(b, q_tile(t), make_math, transform_of, lane, n_tiles, n_full,
-                                   key0_of, lo_full, q_bar, W)
-            # every tile's warps have loaded their O: warp 0 frees the tensor memory
-            b.bar_sync(SOFTMAX_BARRIER, 32 * W * q_tiles)
-            with b.if_then(warp0):
-                b.tcgen05_dealloc(tmem, columns)
+                if q_tiles > 1:
+                    b.setmaxnreg(False, CORRECTION_REGS)
+                _correction_warps(b, [(q_tile(t), make_correction(q_tile(t), c))
+                                      for t in range(q_tiles)], lane, n_tiles)
+        else:
+            _softmax_tiles(b, q_tile, make_math, transform_of, lane, n_tiles, n_full, key0_of,
+                           lo_full, q_bar, W, q_tiles, correction, tmem, warp, columns)
 
 
-def _correction_warps(b, correction, mma_bars: Reg, lane: Reg, n_tiles: Reg) -> None:
-    """The correction warps (tile.correction): per tile j, once the softmax warps handed P(j)
-    over (p_full), rescale O where they voted (Correction.tile: after P·V(j - 1) completed),
-    then lane 0 of each arrives on O_READY, which P·V(j) waits for."""
-    p_full, o_ready = Addr(mma_bars, P_FULL), Addr(mma_bars, O_READY)
+def _softmax_tiles(b, q_tile, make_math, transform_of, lane, n_tiles, n_full, key0_of, lo_full,
+                   q_bar, W: int, q_tiles: int, corrected: bool, tmem, warp,
+                   columns: int) -> None:
+    """The softmax warps of every Q tile: one tile's run _softmax_warps; with two, each tile's
+    warps their own copy of the loop (its offsets constants), under the registers the issuing
+    (and correction) warpgroups gave up, then warp 0 frees the tensor memory."""
+    if q_tiles == 1:
+        _softmax_warps(b, q_tile(0), make_math, transform_of, lane, n_tiles, n_full, key0_of,
+                       lo_full, q_bar, W, corrected=corrected)
+        return
+    b.setmaxnreg(True, softmax_regs(q_tiles, W, corrected))
+    for t in range(q_tiles):
+        with b.if_then(b.setp("eq", b.div(warp, W), t)):
+            _softmax_warps(b, q_tile(t), make_math, transform_of, lane, n_tiles, n_full,
+                           key0_of, lo_full, q_bar, W, corrected=corrected)
+    # every tile's warps have loaded their O: warp 0 frees the tensor memory (its predicate
+    # made here: one carried from the prologue across setmaxnreg, ptxas spilled)
+    b.bar_sync(SOFTMAX_BARRIER, 32 * W * q_tiles)
+    with b.if_then(b.setp("eq", warp, 0)):
+        b.tcgen05_dealloc(tmem, columns)
+
+
+def _correction_warps(b, tiles: list, lane: Reg, n_tiles: Reg) -> None:
+    """The correction warps (tile.correction), `tiles` (QTile, Correction) per Q tile: per K/V
+    tile j and Q tile, once its softmax warps handed P(j) over (p_full), rescale its O where
+    they voted (Correction.tile: after its P·V(j - 1) completed), then lane 0 of each warp
+    arrives on the tile's O_READY, which its P·V(j) waits for."""
     parity = b.mov(0, U32)
     first_lane = b.setp("eq", lane, 0)
     with b.for_range(0, n_tiles) as j:
-        b.mbarrier_wait_parity(p_full, parity)
-        b.xor(parity, 1, out=parity)
-        b.tcgen05_fence(before=False)
-        correction.tile(j)                     # ends with its stores' wait, fence and warp sync
-        with b.if_then(first_lane):
-            b.mbarrier_arrive(o_ready)
-            # its exchange buffer read: the softmax warps may write tile j + 2's there
-            b.mbarrier_arrive(pair_barrier(b, mma_bars, X_FREE0, X_FREE1, j))
+        for i, (tile, correction) in enumerate(tiles):
+            b.mbarrier_wait_parity(Addr(tile.bars, P_FULL), parity)
+            if i == len(tiles) - 1:
+                b.xor(parity, 1, out=parity)
+            b.tcgen05_fence(before=False)
+            correction.tile(j)                 # ends with its stores' wait, fence and warp sync
+            with b.if_then(first_lane):
+                b.mbarrier_arrive(Addr(tile.bars, O_READY))
+                # its exchange buffer read: the softmax warps may write tile j + 2's there
+                b.mbarrier_arrive(pair_barrier(b, tile.bars, X_FREE0, X_FREE1, j))
 
 
 def _softmax_warps(b, tile: QTile, make_math, transform_of, lane, n_tiles, n_full, key0_of,

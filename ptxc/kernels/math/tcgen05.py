@@ -57,8 +57,11 @@ class Tcgen05Math(WgmmaMath):
 
     def __init__(self, b: KernelBuilder, ctx: Ctx, bars: Reg, tmem: Reg | None = None,
                  barrier: tuple[int, int] | None = None, frees_tmem: bool = True,
-                 exchange: Reg | None = None):
+                 exchange: Reg | None = None, o_run: int | None = None):
         MmaMath.__init__(self, b, ctx)
+        # n8 blocks of O one tcgen05.ld / st moves at most (None: all): ptxas checks each
+        # instruction's registers against the kernel's launch budget, not setmaxnreg's
+        self.o_run = o_run
         self.barrier, self.frees_tmem = barrier, frees_tmem
         # tile.correction: O is rescaled by the correction warps (Correction), which read
         # this warp's alpha and vote from `exchange` (shared memory, after the MMA region)
@@ -179,7 +182,7 @@ class Tcgen05Math(WgmmaMath):
     def _o_blocks(self) -> list[tuple[int, int]]:
         """O's n8 blocks as (first, count) runs of power-of-two 16x256b repetitions (dv 192:
         16 + 8), each run one instruction 8 columns a block further."""
-        return power_of_two_runs(self.dv // 8)
+        return power_of_two_runs(self.dv // 8, self.o_run)
 
     def _load_o(self) -> list[Reg]:
         """This warp's rows of O (the mma C layout, 4 registers an n8 block), loaded and waited."""
@@ -304,8 +307,9 @@ class Correction:
     issues P·V(j) after it."""
 
     def __init__(self, b: KernelBuilder, cfg, tmem: Reg, bars: Reg, exchange: Reg, warp: int | Reg,
-                 lane: Reg, softmax_warps: int):
+                 lane: Reg, softmax_warps: int, chunk: int = 16):
         self.b, self.cfg, self.bars, self.lane = b, cfg, bars, lane
+        self.chunk = chunk          # n8 blocks of O a load at most: 4 registers each
         self.exchange = Exchange(b, exchange, softmax_warps)
         o_cols = b.add(tmem, cfg.block_n + cfg.block_n)     # S, P's two buffers, then O
         self.rows = []                                     # (softmax warp, its O address)
@@ -325,7 +329,7 @@ class Correction:
             with b.if_then(b.and_(mine, self.exchange.vote(buf, w))):
                 alpha = self.exchange.alpha(buf, w, self.lane)
                 at = b.add(o_cols, self.sub)
-                for first, n in power_of_two_runs(self.cfg.dv // 8, 16):
+                for first, n in power_of_two_runs(self.cfg.dv // 8, self.chunk):
                     cols = at if first == 0 else b.add(at, 8 * first)
                     o = b.tcgen05_ld("16x256b", n, cols, F32)
                     b.tcgen05_wait("ld")

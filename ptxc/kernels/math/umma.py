@@ -10,12 +10,11 @@ from ..mainloop.tiles import CHUNK, SWIZZLE, SWIZZLE_PERIOD
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
 from .wgmma import k_step
 
-# The MMA region of shared memory (8-aligned), after the TMA barriers: two barriers the MMAs
-# arrive on, two the softmax warps arrive on (warp-specialised kernel), the allocation slot;
-# with two Q tiles (tile.q_tiles) the second tile's four barriers after the slot
-# (Q_TILE_BARRIERS further: tile t's region starts t * Q_TILE_BARRIERS into it).
+# The MMA region of shared memory (8-aligned), after the TMA barriers: per Q tile two barriers
+# the MMAs arrive on, two the softmax warps arrive on (warp-specialised kernel), the allocation
+# slot (tile 0's is the one used), and with a correction warpgroup its four (below); Q tile t's
+# block starts t * tile_barriers(correction) into the region (tile.q_tiles).
 BAR_S, BAR_O, S_FREE, P_FULL, TMEM_SLOT = (k * MBARRIER_BYTES for k in range(5))
-MMA_REGION_BYTES = 5 * MBARRIER_BYTES
 Q_TILE_BARRIERS = 5 * MBARRIER_BYTES
 # With a correction warpgroup (tile.correction): P(j) in buffer j mod 2, the P·V that reads
 # buffer 1 commits to BAR_O1, O_READY is the correction warps' (O rescaled for tile j), and
@@ -24,8 +23,13 @@ BAR_O1, O_READY, X_FREE0, X_FREE1 = (k * MBARRIER_BYTES for k in range(5, 9))
 CORRECTION_BARRIERS = 4 * MBARRIER_BYTES
 
 
+def tile_barriers(correction: bool = False) -> int:
+    """One Q tile's block of MMA barriers (bytes): Q tile t's starts t times this in."""
+    return Q_TILE_BARRIERS + correction * CORRECTION_BARRIERS
+
+
 def mma_region_bytes(q_tiles: int, correction: bool = False) -> int:
-    return MMA_REGION_BYTES + (q_tiles - 1) * Q_TILE_BARRIERS + correction * CORRECTION_BARRIERS
+    return q_tiles * tile_barriers(correction)
 
 
 def allocate(b: KernelBuilder, warp0: Reg, bars: Reg, columns: int) -> Reg:
