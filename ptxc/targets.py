@@ -31,6 +31,9 @@ class Target:
     smem_per_sm: int         # bytes
     max_smem_per_cta: int    # bytes, with the opt-in attribute
     reserved_smem_per_cta: int  # bytes the driver reserves per resident CTA (sm_80+: 1 KiB)
+    # tensor memory (sm_100 / sm_103): columns of 128 lanes per SM, which the resident CTAs'
+    # tcgen05.alloc share -- a CTA whose columns are taken waits in its alloc
+    tmem_columns_per_sm: int = 0
 
     @property
     def has_bf16(self) -> bool:
@@ -49,7 +52,11 @@ class Target:
 
 
 def _t(name, sm, ptx, warps, ctas, smem_sm_kib, smem_cta_kib, reserved=KIB):
-    return Target(name, sm, ptx, warps, ctas, smem_sm_kib * KIB, smem_cta_kib * KIB, reserved)
+    return Target(name, sm, ptx, warps, ctas, smem_sm_kib * KIB, smem_cta_kib * KIB, reserved,
+                  TMEM_COLUMNS_PER_SM if sm in (100, 103) else 0)
+
+
+TMEM_COLUMNS_PER_SM = 512
 
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
@@ -79,11 +86,14 @@ def get_target(name: str) -> Target:
         raise SpecError(f"unsupported target {name!r}; allowed: {', '.join(TARGETS)}") from None
 
 
-def occupancy(target: Target, threads_per_cta: int, registers: int, smem_per_cta: int) -> dict:
-    """Theoretical occupancy: resident CTAs and warps per SM, and which limit binds.
+def occupancy(target: Target, threads_per_cta: int, registers: int, smem_per_cta: int,
+              tmem_columns: int = 0) -> dict:
+    """Theoretical occupancy: CTAs and warps per SM that run at once, and which limit binds.
 
     Registers: each warp allocates ceil(regs * 32 / 256) * 256 registers from the SM's 64 K.
     Shared memory: each CTA takes its bytes (rounded up to 128) plus the driver's reservation.
+    Tensor memory (a tcgen05 kernel's `tmem_columns`): the SM's 512 columns; a CTA resident
+    past them waits in its tcgen05.alloc until another frees its columns, so it does not count.
     """
     warps = -(-threads_per_cta // 32)
     limits = {"warps": target.max_warps_per_sm // warps, "ctas": target.max_ctas_per_sm}
@@ -93,6 +103,8 @@ def occupancy(target: Target, threads_per_cta: int, registers: int, smem_per_cta
     if smem_per_cta:
         per_cta = -(-smem_per_cta // SMEM_ALLOC_UNIT) * SMEM_ALLOC_UNIT + target.reserved_smem_per_cta
         limits["shared_memory"] = target.smem_per_sm // per_cta
+    if tmem_columns:
+        limits["tensor_memory"] = target.tmem_columns_per_sm // tmem_columns
     ctas = min(limits.values())
     return {
         "ctas_per_sm": ctas,

@@ -91,6 +91,8 @@ class Launch:
     # PTX .minnctapersm: ptxas keeps the registers within what this many resident CTAs per SM
     # leave (with .maxntid); 0 leaves the directive out.
     min_ctas_per_sm: int = 0
+    # tensor-memory columns the kernel allocates (tcgen05.alloc; 0: none): CTAs per SM share 512
+    tmem_columns: int = 0
 
 
 @dataclass

@@ -79,6 +79,7 @@ TRUST = {
     "targets.*.kernels.*.block": "re-derived", "targets.*.kernels.*.dynamic_smem_bytes": "re-derived",
     "targets.*.kernels.*.static_smem_bytes": "re-derived",
     "targets.*.kernels.*.needs_smem_opt_in": "re-derived",
+    "targets.*.kernels.*.tmem_columns": "re-derived",
     "targets.*.kernels.*.resources": "not trusted", "targets.*.kernels.*.occupancy": "re-derived",
     "fatbin": "checked", "graph": "re-derived",
     **{f"graph.{k}": "re-derived" for k in ("capture_dims", "per_step_inputs", "targets",
@@ -491,7 +492,8 @@ def _rederive_problems(meta: dict, where: Path) -> list[str]:
             elif "resources" in k:
                 threads = k["block"][0] * k["block"][1] * k["block"][2]
                 occ = occupancy(get_target(target), threads, k["resources"]["registers"],
-                                k["static_smem_bytes"] + k["dynamic_smem_bytes"])
+                                k["static_smem_bytes"] + k["dynamic_smem_bytes"],
+                                k.get("tmem_columns", 0))
                 if k["occupancy"] != json.loads(json.dumps(occ)):
                     problems.append(_differs(where, f"{target} {k['entry']} occupancy",
                                              k["occupancy"], occ))

@@ -56,7 +56,8 @@ def launch_to_dict(launch: Launch, static_smem: int) -> dict[str, Any]:
     return {"entry": launch.entry, "params": params, "param_bytes": offset,
             "grid": list(launch.grid), "block": list(launch.block),
             "dynamic_smem_bytes": launch.dynamic_smem_bytes, "static_smem_bytes": static_smem,
-            "needs_smem_opt_in": smem > DEFAULT_SMEM_PER_CTA}
+            "needs_smem_opt_in": smem > DEFAULT_SMEM_PER_CTA,
+            **({"tmem_columns": launch.tmem_columns} if launch.tmem_columns else {})}
 
 
 def lower(spec: KernelSpec, target_name: str) -> tuple[str, list[dict], dict, list]:

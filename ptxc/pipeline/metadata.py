@@ -48,7 +48,8 @@ def make_metadata(build, verified: bool, fatbin: dict | None = None) -> dict[str
                 k["resources"] = res
                 threads = launch["block"][0] * launch["block"][1] * launch["block"][2]
                 k["occupancy"] = occupancy(target, threads, res["registers"],
-                                           launch["static_smem_bytes"] + launch["dynamic_smem_bytes"])
+                                           launch["static_smem_bytes"] + launch["dynamic_smem_bytes"],
+                                           launch.get("tmem_columns", 0))
             kernels.append(k)
         entry = {"ptx": files["ptx"], "ptx_sha256": sha256(tb.ptx.encode()),
                  "ptx_version": module_ptx_version(tb.ptx), "config": tb.config, "kernels": kernels}

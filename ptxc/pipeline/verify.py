@@ -92,7 +92,7 @@ def _reassemble(meta: dict, target: str, t: dict, ptx: str, cubin: bytes | None,
                                    f"from metadata {k['resources']}")
         threads = k["block"][0] * k["block"][1] * k["block"][2]
         occ = occupancy(get_target(target), threads, got["registers"],
-                        k["static_smem_bytes"] + k["dynamic_smem_bytes"])
+                        k["static_smem_bytes"] + k["dynamic_smem_bytes"], k.get("tmem_columns", 0))
         report.rows.append({"kernel": meta["name"], "target": target, "entry": k["entry"], **got, **occ})
 
 

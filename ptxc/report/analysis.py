@@ -115,7 +115,8 @@ def _launch_row(k: dict, target: str, dims: dict, sass: dict | None, why: str | 
     smem = k["static_smem_bytes"] + k["dynamic_smem_bytes"]
     occ = k.get("occupancy")
     if occ is None and res:
-        occ = occupancy(get_target(target), threads, res.get("registers", 0), smem)
+        occ = occupancy(get_target(target), threads, res.get("registers", 0), smem,
+                        k.get("tmem_columns", 0))
     try:
         grid = [exprs.evaluate(g, dims) for g in k["grid"]]
     except InputError:

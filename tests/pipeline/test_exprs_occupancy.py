@@ -38,3 +38,15 @@ def test_occupancy_register_bound_and_warp_bound():
     # 1024 threads x 32 regs on sm_89: 48 warps max -> 1 CTA of 32 warps.
     occ = occupancy(TARGETS["sm_89"], 1024, 32, 0)
     assert occ["ctas_per_sm"] == 1 and occ["limited_by"] == "warps"
+
+
+def test_occupancy_counts_tensor_memory():
+    """sm_100a: a CTA allocating 256 of an SM's 512 tensor-memory columns -- varlen's 4-warp
+    tile at d64 -- runs two at a time, though registers (88) and shared memory (41 KiB) would
+    keep five resident: the others wait in tcgen05.alloc. Other targets have none to count."""
+    occ = occupancy(TARGETS["sm_100a"], 128, 88, 41024, tmem_columns=256)
+    assert occ == {"ctas_per_sm": 2, "warps_per_sm": 8, "occupancy": 0.125,
+                   "limited_by": "tensor_memory"}
+    assert occupancy(TARGETS["sm_100a"], 128, 88, 41024)["ctas_per_sm"] == 5
+    assert occupancy(TARGETS["sm_100a"], 320, 121, 166000, tmem_columns=512)["ctas_per_sm"] == 1
+    assert TARGETS["sm_90a"].tmem_columns_per_sm == 0 and TARGETS["sm_103a"].tmem_columns_per_sm == 512

@@ -187,7 +187,8 @@ def test_report_every_example_spec_json_and_html(built, tmp_path, shared_cache):
                 threads = launch["block"][0] * launch["block"][1] * launch["block"][2]
                 smem = launch["static_smem_bytes"] + launch["dynamic_smem_bytes"]
                 assert row["registers"] == res["registers"] and row["barriers"] == res["barriers"]
-                assert row["occupancy"] == occupancy(TARGETS[t["target"]], threads, res["registers"], smem)
+                assert row["occupancy"] == occupancy(TARGETS[t["target"]], threads, res["registers"], smem,
+                                                     launch.get("tmem_columns", 0))
                 if has_nvdisasm:
                     assert row["sass"]["total"] > 0 and row["sass"]["LDL"] == row["sass"]["STL"] == 0
                     # the attention launch of a tensor-core kernel (not its split-merge

@@ -353,23 +353,23 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
                            kv_loads="tma" if tma else "cp_async", fp8=fp8)
 
 
-# The load / MMA / softmax warps (tile.warp_specialize) are the default for the 64-row tile
-# from this head dim, on static figures alone (no Blackwell GPU lent; docs/performance.md
-# "Blackwell"): at d128 on 16-row pages the softmax warps' loop is 166 instructions a tile
-# against 245-344 for the warps of the one-issuer tile, 104 registers against 126, the same two
-# CTAs per SM (d192/128 and d256 alike). Where the 64 more threads cost a CTA per SM the
-# one-issuer tile stays: d64 (4 against 5) and block_m 128 at d128 (1 against 2).
-WS_MIN_HEAD_DIM = 128
+# The load / MMA / softmax warps (tile.warp_specialize) are the default for the 64-row tile at
+# every head dim, on static figures alone (no Blackwell GPU lent; docs/performance.md
+# "Blackwell"): the softmax warps' loop is 166 instructions a tile at d64 and d128 (114 at
+# 192 / 128 and d256) against 226-344 for the warps of the one-issuer tile, with fewer
+# registers, at the same CTAs per SM -- tensor memory bounds both (the tile's 256 columns: two
+# CTAs of an SM's 512; one at d256's 512) -- and for the 128-row tile at d64 (two CTAs either
+# way, by registers). The 128-row tile keeps one issuing warp from d128, where the 64 more
+# threads cost its second CTA (registers: 1 against 2).
 
 
 def configure_tcgen05(spec, cfg: PrefillConfig) -> Tcgen05TileConfig:
     """The packed tile on tcgen05 (applies_tcgen05 holds): the same tile, TMA loads; with
-    tile.warp_specialize (the default at block_m 64 from WS_MIN_HEAD_DIM) a load warp and an
-    MMA warp besides (tcgen05_ws_pipeline.py)."""
+    tile.warp_specialize (the default at block_m 64, and at d64) a load warp and an MMA warp besides
+    (tcgen05_ws_pipeline.py)."""
     given = spec.tile_dict()
     correction = given.get("correction", False)
-    ws = given.get("warp_specialize",
-                   cfg.block_m == 64 and cfg.head_dim >= WS_MIN_HEAD_DIM or correction)
+    ws = given.get("warp_specialize", cfg.block_m == 64 or cfg.head_dim == 64 or correction)
     if correction:
         check_correction(ws, cfg.dv, "sm_100a")
     return Tcgen05TileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,

@@ -242,7 +242,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
     grid = (str(spec.num_kv_heads * _ctas_per_kv_head(spec)), "batch", "num_splits" if split else "1")
     launches = [Launch(entry=b.entry.name, params=tuple(params), grid=grid, block=(cfg.num_warps * 32, 1, 1),
                        dynamic_smem_bytes=cfg.smem_bytes if mma else 0,
-                       min_ctas_per_sm=getattr(cfg, "min_ctas_per_sm", 0))]
+                       min_ctas_per_sm=getattr(cfg, "min_ctas_per_sm", 0),
+                       tmem_columns=getattr(cfg, "tmem_columns", 0))]
     entries = [b.entry]
     if spec.opt("append_kv"):
         from .kv_append import build as build_append

@@ -194,7 +194,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
     launch = Launch(entry=b.entry.name, params=tuple(params),
                     grid=(f"cdiv(seq_q, {cfg.cta_rows})", str(spec.num_heads), "batch"),
                     block=(cfg.launch_threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
-                    min_ctas_per_sm=cfg.min_ctas_per_sm)
+                    min_ctas_per_sm=cfg.min_ctas_per_sm,
+                    tmem_columns=getattr(cfg, "tmem_columns", 0))
     return Program([b.entry], [launch], path.resolve_tile(spec, target))
 
 

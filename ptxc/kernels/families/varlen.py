@@ -381,7 +381,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
     launches = [Launch(entry=b.entry.name, params=tuple(params),
                        grid=(query_tiles_expr(spec), grid_y, "1"),
                        block=(cfg.launch_threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
-                       min_ctas_per_sm=cfg.min_ctas_per_sm)]
+                       min_ctas_per_sm=cfg.min_ctas_per_sm,
+                       tmem_columns=getattr(cfg, "tmem_columns", 0))]
     entries = [b.entry]
     if split:
         entry, launch = build_reduce(spec, f"ptxc_{spec.name}_reduce", spec.opt("return_lse"),
