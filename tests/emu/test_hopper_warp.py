@@ -82,7 +82,7 @@ def test_setmaxnreg_moves_registers_through_the_pool():
     waits for the producer's .dec. One register more a consumer thread, or a producer that
     keeps 32, and the last .inc waits for ever: reported with the pool, not as a pass."""
     run(regs_kernel(256, 240, 24), "regs_k", (2,), (384,), [])
-    run(regs_kernel(128, 256, 40), "regs_k", (1,), (256,), [])      # 248 at entry
+    run(regs_kernel(128, 256, 40), "regs_k", (1,), (256,), [])      # 255 at entry: 256 held
     for inc, dec in ((248, 24), (240, 32)):
         with pytest.raises(EmulationError, match="setmaxnreg.inc waits for ever: the CTA's "
                                                  "register pool holds"):

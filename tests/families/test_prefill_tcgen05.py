@@ -448,7 +448,10 @@ def test_exp2_poly_rules():
 
 def test_ptxas_zero_spills(toolchain):
     """ptxas (sm_100a) with 0 spills at each head dim and dtype, causal and not, plain and
-    with every variant at once; the tensor-memory columns the tile records."""
+    with every variant at once; the tensor-memory columns the tile records. Where warpgroups
+    move registers (two Q tiles), ptxas starts every thread at entry_regs(threads) -- the
+    count the setmaxnreg budgets (and the emulator's pool) assume."""
+    from ptxc.kernels.mainloop.tma_ws_pipeline import entry_regs
     from ptxc.pipeline.ptxas import assemble
     every = "sliding_window = 21\nlogits_soft_cap = 2.0\nattention_sinks = true\nalibi = true\n"
     for d in (64, 128):
@@ -456,14 +459,18 @@ def test_ptxas_zero_spills(toolchain):
             for causal, extra, tile in ((False, "", None), (True, "", None), (True, every, None),
                                         (False, "", ONE), (True, every, ONE), (False, "", WS),
                                         (True, every, WS), (False, "", Q2), (True, every, Q2),
-                                        (False, "", CR), (True, every, CR)):
+                                        (False, "", CR), (True, every, CR), (False, "", Q2CR),
+                                        (True, every, Q2CR)):
                 text = spec_text(dtype, d, "gqa4", causal, tile=tile, targets=SM100A)
                 text = text.replace("targets = ", extra + "targets = ")
                 _, ptx, _, config = compiled(text, "sm_100a")
                 _, res, _ = assemble(ptx, "sm_100a", toolchain, "p")
                 [r] = res.values()
                 assert r.spill_stores == r.spill_loads == 0 and r.stack == 0, (d, dtype, extra, tile)
-                assert config["tmem_columns"] == (256 if d == 64 and tile not in (Q2, CR) else 512)
+                assert config["tmem_columns"] == (256 if d == 64 and tile not in (Q2, CR, Q2CR)
+                                                  else 512)
+                if "setmaxnreg" in ptx:
+                    assert r.registers == entry_regs(config["threads"]), (d, dtype, tile)
 
 
 def _main_loop(tmp_path, tile):

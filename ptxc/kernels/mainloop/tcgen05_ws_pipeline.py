@@ -68,7 +68,7 @@ from ..math.umma import (BAR_O, BAR_O1, BAR_S, O_READY, P_FULL, S_FREE, X_FREE0,
                          allocate, tile_barriers)
 from .kv_pipeline import modify_scores
 from .tma_pipeline import MBARRIER_BYTES
-from .tma_ws_pipeline import CONSUMER_BARRIER, issue_loads
+from .tma_ws_pipeline import CONSUMER_BARRIER, issue_loads, raised_regs
 
 SOFTMAX_WARPS = 8           # prefill's (128 rows); varlen's packed tile passes block_m / 16
 ISSUE_THREADS = 64          # the load warp and the MMA warp
@@ -80,8 +80,8 @@ CORRECTION_THREADS = 128    # tile.correction: four correction warps after the s
 # multiples of 8) times its threads, as CUTLASS's 24 / 240 at 384 threads and 168 balance:
 # 640 threads start with 96, the issuing warpgroup keeps ISSUE_REGS, and the softmax
 # warpgroups take (640 x 96 - 128 x 48) / 512: 104 (a budget past the pool -- 112 at first --
-# would leave the last softmax warpgroup's .inc waiting for ever on hardware; the emulator
-# does not model the pool). At 96 (576 threads, no setmaxnreg) ptxas spilled the d128
+# would leave the last softmax warpgroup's .inc waiting for ever on hardware, and did in the
+# emulator once it modelled the pool: ops_hopper.RegisterPool). At 96 (576 threads, no setmaxnreg) ptxas spilled the d128
 # softmax (36 bytes); the MMA warp holds each tile's Q descriptor, not its k-steps (UmmaIssue
 # hoist="desc"), so that 48 are enough for it
 ISSUE_WARPGROUP = 128
@@ -89,12 +89,6 @@ ISSUE_REGS = 48
 # Two Q tiles with the correction warpgroup: 768 threads start with 80; the correction warps
 # keep 48 (an O chunk of 4 n8 blocks, 16 registers, a load), so the softmax warps take 96
 CORRECTION_REGS = 48
-REGISTER_FILE = 65536
-
-
-def entry_regs(threads: int) -> int:
-    """ptxas's register count at entry under .minnctapersm 1: the file's share, multiples of 8."""
-    return min(255, REGISTER_FILE // threads) // 8 * 8
 
 
 def issue_threads(q_tiles: int) -> int:
@@ -109,11 +103,11 @@ SOFTMAX_BARRIER = 4         # every Q tile's softmax warps (before the tensor me
 
 def softmax_regs(q_tiles: int, softmax_warps: int, correction: bool = False) -> int:
     """The softmax warps' budget after setmaxnreg.inc (two Q tiles): what the CTA started with
-    less what the issuing (and correction) warpgroups keep, in multiples of 8."""
+    less what the issuing (and correction) warpgroups keep (tma_ws_pipeline.raised_regs)."""
     softmax = 32 * softmax_warps * q_tiles
     kept = ISSUE_WARPGROUP * ISSUE_REGS + correction * CORRECTION_THREADS * CORRECTION_REGS
     threads = softmax + ISSUE_WARPGROUP + correction * CORRECTION_THREADS
-    return min(256, (threads * entry_regs(threads) - kept) // softmax // 8 * 8)
+    return raised_regs(threads, kept, softmax)
 
 
 @dataclass(frozen=True)
@@ -138,8 +132,8 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                             last_v_landed=None, q_tiles: int = 1,
                             tile_columns: int = 0, make_correction=None) -> None:
     """tma_pipeline's copy_tile / key0_of; `bars` the TMA barriers (barrier_bytes(stages,
-    True)), `mma_bars` the MMA region (umma.BAR_S ..; Q tile t's barriers t * Q_TILE_BARRIERS
-    further); `make_math(tile)` builds a Q tile's (QTile) softmax-warp Tcgen05Math,
+    True)), `mma_bars` the MMA region (umma.BAR_S ..; Q tile t's barriers
+    t * umma.tile_barriers(correction) further); `make_math(tile)` builds a Q tile's (QTile) softmax-warp Tcgen05Math,
     `make_issue(tile)` the MMA warp's UmmaIssue for it. `issue_setup()` (None: one elected
     lane issues copy_tile's boxes) and `last_v_landed(v_tile)`: see the module docstring.
     `q_tiles` Q tiles of `softmax_warps` warps each, `tile_columns` apart in tensor memory.

@@ -48,7 +48,22 @@ from .wgmma_pipeline import attend_tile
 PRODUCER_THREADS = 128
 CONSUMER_BARRIER = 1      # named barrier of the consumer warpgroups (0 is the whole CTA's)
 PINGPONG_BARRIERS = (2, 3)   # warpgroup g's turn (tile.pingpong)
-REGISTER_FILE = 65536     # 32-bit registers per SM (sm_90)
+REGISTER_FILE = 65536     # 32-bit registers per SM (sm_90, sm_100)
+
+
+def entry_regs(threads: int) -> int:
+    """ptxas's register count at entry under .minnctapersm 1 (which every kernel that moves
+    registers carries): the file's share in multiples of 8, at most 255 (256 threads: 255)."""
+    return min(255, REGISTER_FILE // threads // 8 * 8)
+
+
+def raised_regs(threads: int, kept: int, raised_threads: int) -> int:
+    """The budget setmaxnreg.inc can give `raised_threads` threads: the CTA's pool is what it
+    started with (threads x the entry count, allocated in granules of 8) less the registers
+    the other warpgroups keep (`kept`, in all) -- an .inc takes only what a .dec released, and
+    one asking more waits for ever. In multiples of 8, at most 256."""
+    held = -(-entry_regs(threads) // 8) * 8
+    return min(256, (threads * held - kept) // raised_threads // 8 * 8)
 
 
 def producer_regs(consumers: int) -> int:
@@ -59,10 +74,10 @@ def producer_regs(consumers: int) -> int:
 
 
 def consumer_regs(consumers: int) -> int:
-    """The consumers' budget after setmaxnreg.inc: what the producer's release leaves of the
-    register file, in multiples of 8, at most 256 (two consumer warpgroups: 240)."""
-    left = REGISTER_FILE - PRODUCER_THREADS * producer_regs(consumers)
-    return min(256, left // (128 * consumers) // 8 * 8)
+    """The consumers' budget after setmaxnreg.inc: what the producer leaves of the CTA's
+    pool (two consumer warpgroups: 240, as FlashAttention-3's 24 / 240 at 168 on entry)."""
+    threads = PRODUCER_THREADS + 128 * consumers
+    return raised_regs(threads, PRODUCER_THREADS * producer_regs(consumers), 128 * consumers)
 
 
 class Turns:
