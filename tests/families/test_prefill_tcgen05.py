@@ -348,14 +348,14 @@ def test_two_q_tiles_with_correction(dtype, head_dim, heads, causal, extra, tile
     assert config["q_tiles"] == 2 and config["correction"] and config["threads"] == 768
     assert config["tmem_columns"] == 512 and launch["grid"][0] == "cdiv(seq_q, 256)"
     assert re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32 (\d+)", ptx) == [
-        ("dec", "48"), ("inc", "96"), ("dec", "48")]
+        ("dec", "48"), ("dec", "48"), ("inc", "96")]
     tc_check(dtype, head_dim, heads, causal, SHAPES + [(333, 333), (200, 150)], tile=tile,
              extra=extra, batch=1)
 
 
 def test_two_q_tiles_with_correction_rescale_and_no_keys():
     """Growing scores: both tiles' correction passes rescale O again and again; no keys."""
-    tc_check("bf16", 128, "gqa4", True, [(17, 300), (260, 61), (300, 500)], tile=Q2CR,
+    tc_check("bf16", 128, "gqa4", True, [(17, 300), (260, 61)], tile=Q2CR,
              transform=growing_scores, batch=1)
     outs = run(spec_text("bf16", 128, "gqa4", False, tile=Q2CR, targets=SM100A), 9, 0,
                target="sm_100a")[0]

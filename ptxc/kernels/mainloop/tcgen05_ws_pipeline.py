@@ -81,9 +81,9 @@ CORRECTION_THREADS = 128    # tile.correction: four correction warps after the s
 # 640 threads start with 96, the issuing warpgroup keeps ISSUE_REGS, and the softmax
 # warpgroups take (640 x 96 - 128 x 48) / 512: 104 (a budget past the pool -- 112 at first --
 # would leave the last softmax warpgroup's .inc waiting for ever on hardware, and did in the
-# emulator once it modelled the pool: ops_hopper.RegisterPool). At 96 (576 threads, no setmaxnreg) ptxas spilled the d128
-# softmax (36 bytes); the MMA warp holds each tile's Q descriptor, not its k-steps (UmmaIssue
-# hoist="desc"), so that 48 are enough for it
+# emulator once it modelled the pool: ops_hopper.RegisterPool). At 96 (576 threads, no
+# setmaxnreg) ptxas spilled the d128 softmax (36 bytes); the MMA warp holds each tile's Q
+# descriptor, not its k-steps (UmmaIssue hoist="desc"), so that 48 are enough for it
 ISSUE_WARPGROUP = 128
 ISSUE_REGS = 48
 # Two Q tiles with the correction warpgroup: 768 threads start with 80; the correction warps
@@ -133,11 +133,12 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                             tile_columns: int = 0, make_correction=None) -> None:
     """tma_pipeline's copy_tile / key0_of; `bars` the TMA barriers (barrier_bytes(stages,
     True)), `mma_bars` the MMA region (umma.BAR_S ..; Q tile t's barriers
-    t * umma.tile_barriers(correction) further); `make_math(tile)` builds a Q tile's (QTile) softmax-warp Tcgen05Math,
-    `make_issue(tile)` the MMA warp's UmmaIssue for it. `issue_setup()` (None: one elected
-    lane issues copy_tile's boxes) and `last_v_landed(v_tile)`: see the module docstring.
-    `q_tiles` Q tiles of `softmax_warps` warps each, `tile_columns` apart in tensor memory.
-    `make_correction(tile, c)` (tile.correction, one Q tile): correction warp c's Correction."""
+    t * umma.tile_barriers(correction) further); `make_math(tile)` builds a Q tile's (QTile)
+    softmax-warp Tcgen05Math, `make_issue(tile)` the MMA warp's UmmaIssue for it.
+    `issue_setup()` (None: one elected lane issues copy_tile's boxes) and
+    `last_v_landed(v_tile)`: see the module docstring. `q_tiles` Q tiles of `softmax_warps`
+    warps each, `tile_columns` apart in tensor memory. `make_correction(tile, c)`
+    (tile.correction): correction warp c's Correction for a Q tile."""
     S, W = stages, softmax_warps
     correction = make_correction is not None
     stride = tile_barriers(correction)                  # Q tile t's barriers t * stride in
@@ -186,21 +187,20 @@ def run_tcgen05_ws_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, v_b
                       [(Addr(t.bars, S_FREE), Addr(t.bars, handed_on), make_issue(t)) for t in tiles],
                       n_tiles, last_v_landed, correction)
     with b.else_():                                                      # the softmax warps
-        if correction:        # ... and the correction warps after them
-            c = b.sub(warp, W * q_tiles)
-            softmax = lambda: _softmax_tiles(b, q_tile, make_math, transform_of, lane, n_tiles,  # noqa: E731
-                                             n_full, key0_of, lo_full, q_bar, W, q_tiles,
-                                             correction, tmem, warp, columns)
-            with b.if_then(b.setp("lt", warp, W * q_tiles)):
-                softmax()
-            with b.else_():
-                if q_tiles > 1:
-                    b.setmaxnreg(False, CORRECTION_REGS)
-                _correction_warps(b, [(q_tile(t), make_correction(q_tile(t), c))
-                                      for t in range(q_tiles)], lane, n_tiles)
-        else:
+        def softmax() -> None:
             _softmax_tiles(b, q_tile, make_math, transform_of, lane, n_tiles, n_full, key0_of,
                            lo_full, q_bar, W, q_tiles, correction, tmem, warp, columns)
+        if correction:        # ... and the correction warps after them
+            with b.if_then(b.setp("ge", warp, W * q_tiles)):
+                if q_tiles > 1:
+                    b.setmaxnreg(False, CORRECTION_REGS)
+                c = b.sub(warp, W * q_tiles)
+                _correction_warps(b, [(q_tile(t), make_correction(q_tile(t), c))
+                                      for t in range(q_tiles)], lane, n_tiles)
+            with b.else_():
+                softmax()
+        else:
+            softmax()
 
 
 def _softmax_tiles(b, q_tile, make_math, transform_of, lane, n_tiles, n_full, key0_of, lo_full,
