@@ -41,6 +41,7 @@ class BatchContext:
         self.mbar = Mbarriers()           # mbarrier objects (ops_mbarrier.py)
         self.wgmma = None               # a WgmmaState in kernels with wgmma (ops_wgmma.py)
         self.tmem = None                # a TensorMemory in kernels with tcgen05 (tmem.py)
+        self.bulk_stores = None         # ops_tma_store.BulkStores once a TMA store is issued
         self._special = {}
         self._register_pool = None      # setmaxnreg's per-CTA pools (ops_hopper.RegisterPool)
 

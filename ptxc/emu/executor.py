@@ -114,6 +114,9 @@ class BatchRun:
                 if self.ctx.tmem is not None:
                     self.cur_pc = len(self.ops)          # reported as the end of the kernel
                     self.ctx.tmem.check_released()
+                if self.ctx.bulk_stores is not None:
+                    self.cur_pc = len(self.ops)
+                    self.ctx.bulk_stores.check_drained()
         except Fault as fault:
             raise self._error(fault) from None
 

@@ -156,6 +156,9 @@ class SharedMemory:
         self.async_reader = ("a wgmma.mma_async in flight reads, before the wgmma.wait_group "
                              "that retires it")
         self.tc_reads = None        # tmem.SharedReads in kernels with tcgen05 (their ordering)
+        # TMA stores in flight (ops_tma_store.py): per 16-byte chunk, how many read it until
+        # the wait_group.read that retires them
+        self.store_readers, self.store_live = None, 0
         # per 16-byte chunk, the swizzle width a TMA copy wrote it with (-1: written otherwise);
         # created by the first TMA copy, so that an MMA descriptor with another swizzle fails
         self.tma_swizzle = None
@@ -200,6 +203,15 @@ class SharedMemory:
     def check_not_pending(self, rows, total: int, sel, addr_of):
         if self.async_live:
             self._check_no_async_reader(rows, total, sel, addr_of)
+        if self.store_live:
+            chunks = (np.asarray(rows, np.int64) * total) >> 4
+            hit = self.store_readers[chunks] > 0
+            if hit.any():
+                k = _first(hit)
+                a = addr_of(k)
+                raise Fault(f"write to shared memory that a TMA store (cp.async.bulk.tensor to "
+                            f"global) in flight reads, before the cp.async.bulk.wait_group.read "
+                            f"that retires it (shared address 0x{a:x})", _at(sel, k), a)
         if self.tc_reads is not None:
             self.tc_reads.check(rows, total, sel, addr_of)
         st = self.state_rows.lanes(rows, total).astype(np.uint64)

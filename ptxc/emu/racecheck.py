@@ -59,7 +59,7 @@ _MULTI, _CROSS = 1 << 30, 1 << 31
 # (incl. cp.async.mbarrier.arrive and the bulk copies' complete_tx) and a bar / barrier with a
 # thread count (matched loosely: any operand list with a comma; a false match only costs time).
 # Instructions whose shared-memory operands are read through the async proxy (async_read).
-_ASYNC_READER = re.compile(r"\b(?:wgmma\.mma_async|tcgen05\.mma)\b")
+_ASYNC_READER = re.compile(r"\b(?:wgmma\.mma_async|tcgen05\.mma|cp\.async\.bulk\.tensor\.\w+\.global)\b")
 _COUNTED = re.compile(r"mbarrier|\b(?:bar|barrier)(?:\.[\w:]+)*\s[^;]*,")
 
 

@@ -95,3 +95,12 @@ def matmul_tma_kernel(a_desc, b_desc, c_ptr, M, N, K, stride_cm,
     rn = pid_n * BN + tl.arange(0, BN)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def scale_tma_store_kernel(a_desc, c_desc, BM: tl.constexpr, BN: tl.constexpr):
+    """c = 2 a + 1, tile by tile: A's tile loaded by TMA, C's tile written through shared memory
+    by a TMA store (st.shared, fence.proxy.async, cp.async.bulk.tensor to global, bulk group)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    a = a_desc.load([pid_m * BM, pid_n * BN])
+    c_desc.store([pid_m * BM, pid_n * BN], a * 2 + 1)
