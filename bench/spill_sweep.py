@@ -139,6 +139,12 @@ OPTIONS = (
      "[kernel.tile]\nq_tiles = 2\ncorrection = true\n", "tcq2crvar_100a"),
     ("prefill", True, "head_dim_v = 64\n" + _SM100A + "[kernel.tile]\nq_tiles = 2\ncorrection = true\n",
      "tcq2crdv64_100a"),
+    # O by TMA stores (tile.tma_store), on both generations' TMA kernels, plain and with every
+    # variant (the slab addresses are made in the epilogue)
+    ("prefill", True, "return_lse = true\n" + _SM90A + "[kernel.tile]\ntma_store = true\n", "tmast_90a"),
+    ("prefill", True, _EVERY + _SM90A + "[kernel.tile]\ntma_store = true\n", "tmastvar_90a"),
+    ("prefill", True, "return_lse = true\n" + _SM100A + "[kernel.tile]\ntma_store = true\n", "tmast_100a"),
+    ("prefill", True, _EVERY + _SM100A + "[kernel.tile]\ntma_store = true\n", "tmastvar_100a"),
     # exp2_poly: every exponential by the FMA polynomial (the most registers), both kernels
     ("prefill", True, _EVERY + _SM100A + "[kernel.tile]\nexp2_poly = 8\n", "tcpoly_100a"),
     ("prefill", True, _SM100A + "[kernel.tile]\nexp2_poly = 8\nwarp_specialize = false\n",

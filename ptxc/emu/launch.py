@@ -140,9 +140,13 @@ def _pack_params(kernel: str, env, args: list):
     buffers += [(None, arr) for arr in targets.values()]
     names += [f"pointer-table target {k}" for k in range(len(targets))]
     struct_slot = {}
+    placed = {id(a): k for k, (_, a) in enumerate(buffers)}
     for i, (_, ptrs) in structs.items():
         for off, label, arr in ptrs:
-            struct_slot[(i, off)] = len(buffers)
+            if id(arr) in placed:       # also a pointer argument (a tensor map's array): one buffer
+                struct_slot[(i, off)] = placed[id(arr)]
+                continue
+            struct_slot[(i, off)] = placed[id(arr)] = len(buffers)
             buffers.append((None, arr))
             names.append(label)
     globals_slot = None

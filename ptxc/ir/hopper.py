@@ -11,6 +11,8 @@ Matrix Multiply-Accumulate", "mbarrier", "Parallel Synchronization: fence").
     elect_sync()                                                 the warp's leader lane, as a predicate
     tensor_map_address(tmap)                                     generic address of a map param
     tma_load(dst, tmap_addr, coords, bar)                        TMA box copy global -> shared
+    tma_store(src, tmap_addr, coords)                            TMA box copy shared -> global
+    bulk_commit(), bulk_wait_read(n)                             the TMA stores' bulk groups
     prefetch_tensormap(tmap_addr)                                the descriptor into the cache
 
 Every wgmma instruction is warpgroup-wide (all 128 threads converged), so none may be placed
@@ -222,6 +224,32 @@ class HopperOps:
         self.emit("cp", ("async", "bulk", "tensor", f"{len(coords)}d", "shared::cluster", "global",
                          "tile", "mbarrier::complete_tx::bytes"), (),
                   (dst, TensorCoords(tmap_addr, ops), bar))
+
+    def tma_store(self, src: Addr, tmap_addr: Reg, coords: Sequence) -> None:
+        """One box of shared memory at `src` (128-byte aligned; the layout a tma_load of the
+        same map writes) into the tensor behind the map at `coords`, clipped to the tensor:
+        cp.async.bulk.tensor.Nd.global.shared::cta.tile.bulk_group. The caller's
+        fence_proxy_async orders the threads' writes of `src` before it, and bulk_commit /
+        bulk_wait_read keep `src` alive until it has been read. Callers elect one thread."""
+        what = "cp.async.bulk.tensor (store)"
+        self._operand(tmap_addr, U64, f"{what} tensor map")
+        if not isinstance(tmap_addr, Reg):
+            raise IRError(f"{what}: the tensor map is a u64 register from tensor_map_address")
+        coords = list(coords)
+        if not 1 <= len(coords) <= 5:
+            raise IRError(f"{what}: {len(coords)} coordinates; a tensor map has 1 to 5 dimensions")
+        ops = tuple(self._operand(c, S32, f"{what} coordinate {i}") for i, c in enumerate(coords))
+        self._mbar_addr(src, f"{what} source")
+        self.emit("cp", ("async", "bulk", "tensor", f"{len(coords)}d", "global", "shared::cta",
+                         "tile", "bulk_group"), (), (TensorCoords(tmap_addr, ops), src))
+
+    def bulk_commit(self) -> None:
+        """Close this thread's bulk async-group (its TMA stores so far)."""
+        self.emit("cp", ("async", "bulk", "commit_group"))
+
+    def bulk_wait_read(self, n: int = 0) -> None:
+        """Wait until at most `n` of this thread's bulk groups still read their shared memory."""
+        self.emit("cp", ("async", "bulk", "wait_group", "read"), (), (Imm(n, U32),))
 
     def prefetch_tensormap(self, tmap_addr: Reg) -> None:
         """Bring the tensor map's 128 bytes into the descriptor cache ahead of the first copy."""

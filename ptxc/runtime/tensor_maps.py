@@ -91,8 +91,9 @@ def encode_tensor_map(where: str, dtype: str, shape, byte_strides, address: int,
 def emu_tensor_map(meta: dict):
     """-> tensor_map(name, array, source) for pack_args on the emulator: checks the encoding
     (address 0: the emulator places the array itself) and passes a ptxc.emu.TensorMap of the
-    array's contents (a C-ordered copy: the emulator's map describes a dense array, and the
-    kernel only reads through it)."""
+    array -- a C-ordered array or a strided view of one (a TMA store writes into it, and into
+    the same buffer as the threads when the array is a pointer argument too); another layout
+    gets a C-ordered copy, which only a load may be given."""
     import numpy as np
 
     from .. import emu
@@ -101,5 +102,6 @@ def emu_tensor_map(meta: dict):
         where = f"{meta['name']}: tensor map of {name}"
         encode_tensor_map(where, meta["tensors"][name]["dtype"], arr.shape, arr.strides, 0,
                           source["box"], source["swizzle"])
-        return emu.TensorMap(np.ascontiguousarray(arr), tuple(source["box"]), source["swizzle"])
+        view = arr if emu.tensormap.tensor_map_base(arr)[0] is not None else np.ascontiguousarray(arr)
+        return emu.TensorMap(view, tuple(source["box"]), source["swizzle"])
     return tensor_map

@@ -38,6 +38,7 @@ class Ctx(MaskPredicate):
     sinks: Reg | None = None    # u64 sinks [num_heads] f32 (attention_sinks)
     slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
     mask_bits: Reg | None = None   # u64 first byte of the batch entry's mask bits (custom_mask)
+    o_tmap: Reg | None = None   # u64 generic address of o's tensor map (tile.tma_store)
 
     # variant.MaskPredicate over a batch entry's seq_q x seq_k bits: row = query, column = key
     def mask_rows(self, b: KernelBuilder) -> Reg:

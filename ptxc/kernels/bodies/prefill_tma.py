@@ -35,6 +35,8 @@ def emit_body(b: KernelBuilder, spec: KernelSpec, cfg, ptrs, strides, seq_q, seq
     cfg's generation and tile.warp_specialize name (see the module docstring)."""
     s = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k)
     ctx = s.ctx(spec, cfg, ptrs, strides, seq_q, seq_k)
+    if cfg.tma_store:         # O leaves by TMA stores (MmaMath.store_by_tma)
+        ctx = dataclasses.replace(ctx, o_tmap=b.tensor_map_address(tmaps["o"]))
     stages, ws = cfg.num_stages, cfg.warp_specialize
     k_bytes, v_bytes = cfg.kv_geom.bytes, cfg.v_geom.bytes
     bars = b.add(s.k_smem, stages * (k_bytes + v_bytes))
@@ -146,9 +148,12 @@ def tile_copies(b, cfg, s: Setup, tmaps: dict):
 def tensor_map_params(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig | Tcgen05Config,
                       params: list) -> dict:
     """The q/k/v tensor-map parameters of the TMA loads (appended to `params`): one box is a
-    64-element (128-byte) column slab of block_m (Q) or block_n (K, V) rows of one head."""
+    64-element (128-byte) column slab of block_m (Q) or block_n (K, V) rows of one head; with
+    tile.tma_store o's too (block_m rows, as Q's)."""
     maps = {}
-    for t, rows in (("q", cfg.block_m), ("k", cfg.block_n), ("v", cfg.block_n)):
+    names = (("q", cfg.block_m), ("k", cfg.block_n), ("v", cfg.block_n)) + \
+        ((("o", cfg.block_m),) if cfg.tma_store else ())
+    for t, rows in names:
         box = (SWIZZLE // cfg.fmt.bytes, 1, rows, 1)    # innermost first: d, head, seq, batch
         src = ParamSource("tensor_map", tensor=t, box=box, swizzle=SWIZZLE)
         params.append(LaunchParam(f"{t}_tmap", TMAP, src))

@@ -67,6 +67,10 @@ FIELDS = FamilyFields(
               "(FlashAttention-4's; P double-buffered; with q_tiles = 2 it serves both tiles; "
               "docs/kernels.md \"tcgen05\")",
               default=None),
+        Field("tma_store", "bool", "sm_90a / sm_100a TMA kernels: O leaves through shared memory "
+              "by TMA stores (one box a 128-byte column slab, clipped at seq_q) instead of the "
+              "threads' row stores (FlashAttention-3's epilogue; untimed, hence off)",
+              default=None),
         Field("q_tiles", "int", "sm_100a warp-specialised tcgen05 kernel: Q tiles of 128 rows per "
               "CTA sharing each K/V tile (2: FlashAttention-4's two tiles, their softmax warps' "
               "work interleaved on the MMA warp; docs/kernels.md \"tcgen05\")",
@@ -310,7 +314,8 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
                             f"{target.max_smem_per_cta} per CTA: use a smaller tile", key=f"tile.{key}")
         cfg = make()
     shape_given = given.keys() - {"smem_layout", "warp_rows", "kv_loads", "warp_specialize",
-                                  "pingpong", "exp2_poly", "q_tiles", "correction"}
+                                  "pingpong", "exp2_poly", "q_tiles", "correction",
+                                  "tma_store"}
     # (not shapes: the others are sm_90a / sm_100a keys)
     # (not with a custom mask: its bit windows need more than the 128 registers two CTAs leave)
     floor = needs_floor("prefill", spec, target)

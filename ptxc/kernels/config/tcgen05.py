@@ -147,7 +147,8 @@ def configure(spec: KernelSpec, target: Target) -> Tcgen05Config:
         return Tcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, BLOCK_M, bn, 8, stages,
                              False, head_dim_v(spec), 1, kv_loads="tma", warp_specialize=ws,
                              min_ctas_per_sm=PIN_REGISTERS, exp2_poly=given.get("exp2_poly", 0),
-                             q_tiles=q_tiles, correction=correction)
+                             q_tiles=q_tiles, correction=correction,
+                             tma_store=given.get("tma_store", False))
 
     def fits(bn: int) -> bool:      # shared memory, and each Q tile's S, P and O in the columns
         return (make(bn).smem_bytes <= target.max_smem_per_cta
@@ -186,4 +187,5 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
             **({"warp_specialize": True, "threads": c.launch_threads} if c.warp_specialize else {}),
             **({"q_tiles": c.q_tiles} if c.q_tiles > 1 else {}),
             **({"correction": True} if c.correction else {}),
+            **({"tma_store": True} if c.tma_store else {}),
             **({"exp2_poly": c.exp2_poly} if c.exp2_poly else {})}

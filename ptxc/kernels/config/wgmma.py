@@ -43,6 +43,9 @@ class WgmmaConfig(PrefillConfig):
     kv_loads: str = "cp_async"
     warp_specialize: bool = False   # tma only: + a producer warpgroup (tma_ws_pipeline.py)
     pingpong: bool = False          # warp_specialize with two consumer warpgroups taking turns
+    # tile.tma_store: O leaves through shared memory by TMA stores (MmaMath.epilogue), one box
+    # a 128-byte column slab, like the loads; TMA kernels only
+    tma_store: bool = False
 
     @property
     def tma(self) -> bool:
@@ -165,7 +168,12 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
                         f"{str(ws).lower()} on {target}: the consumers' ping-pong takes two "
                         f"consumer warpgroups of the warp-specialised TMA kernel (block_m = 128, "
                         f"kv_loads = \"tma\", warp_specialize = true)", key="tile.pingpong")
-    cfg = _config(spec, target, bm, bn, stages, loads, ws, pingpong)
+    tma_store = given.get("tma_store", False)
+    if tma_store and loads != "tma":
+        raise SpecError(f"tma_store = true with kv_loads = \"{loads}\" on {target}: the TMA "
+                        f"stores use the TMA kernel's tensor maps; use kv_loads = \"tma\" or "
+                        f"drop tma_store", key="tile.tma_store")
+    cfg = _config(spec, target, bm, bn, stages, loads, ws, pingpong, tma_store)
     if cfg.smem_bytes > target.max_smem_per_cta:
         raise SpecError(f"tile block_m={bm}, block_n={bn}, num_stages={stages} needs "
                         f"{cfg.smem_bytes} bytes of shared memory; {target} allows "
@@ -175,10 +183,10 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
 
 
 def _config(spec: KernelSpec, target: Target, bm: int, bn: int, stages: int, loads: str,
-            ws: bool, pingpong: bool = False) -> WgmmaConfig:
+            ws: bool, pingpong: bool = False, tma_store: bool = False) -> WgmmaConfig:
     return WgmmaConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, bm // 16, stages,
                        loads != "tma", head_dim_v(spec), 1, kv_loads=loads, warp_specialize=ws,
-                       pingpong=pingpong,
+                       pingpong=pingpong, tma_store=tma_store,
                        # .minnctapersm 1 pins the register count at entry (65536 / threads),
                        # without which ptxas drops setmaxnreg (C7508, "unable to determine
                        # register count at entry") -- and setmaxnreg's budgets assume it
@@ -193,4 +201,5 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
             **({"kv_loads": "tma"} if c.tma else {}),
             **({"warp_specialize": True, "threads": c.launch_threads, "min_ctas_per_sm": 1,
                 "setmaxnreg": [c.producer_regs, c.consumer_regs]} if c.warp_specialize else {}),
-            **({"pingpong": True} if c.pingpong else {})}
+            **({"pingpong": True} if c.pingpong else {}),
+            **({"tma_store": True} if c.tma_store else {})}

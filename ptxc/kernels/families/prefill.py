@@ -95,11 +95,12 @@ def _portable_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes
 # Most specific first: the first that applies is the target's kernel.
 PATHS = (
     PrefillPath("the sm_100a tcgen05 kernel", tc.uses_tcgen05, tc.configure, tc.resolve_tile,
-                _tma_body, ("kv_loads", "warp_specialize", "exp2_poly", "q_tiles", "correction"),
+                _tma_body, ("kv_loads", "warp_specialize", "exp2_poly", "q_tiles", "correction",
+                            "tma_store"),
                 tc.TCGEN05_SHAPES,
                 tc.TCGEN05_TARGETS),
     PrefillPath("the sm_90a wgmma kernel", wg.uses_wgmma, wg.configure, wg.resolve_tile,
-                _wgmma_body, ("kv_loads", "warp_specialize", "pingpong"), wg.WGMMA_SHAPES,
+                _wgmma_body, ("kv_loads", "warp_specialize", "pingpong", "tma_store"), wg.WGMMA_SHAPES,
                 wg.WGMMA_TARGETS),
     PrefillPath("the mma.sync / SIMT kernel", lambda spec, target: True,
                 lambda spec, target: configure(spec, target),
@@ -143,7 +144,7 @@ def validate(spec: KernelSpec) -> None:
     for key, value in (("kv_loads", "tma"), ("warp_specialize", True), ("pingpong", True),
                        ("exp2_poly", given.get("exp2_poly") or None),
                        ("q_tiles", 2 if given.get("q_tiles") == 2 else None),
-                       ("correction", True)):
+                       ("correction", True), ("tma_store", True)):
         if value is not None and given.get(key) == value and not any(key in p.keys for p in paths):
             takers = [p for p in PATHS if key in p.keys]
             shown = f'"{value}"' if isinstance(value, str) else str(value).lower()

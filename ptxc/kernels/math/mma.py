@@ -84,8 +84,16 @@ class MmaMath:
         self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.os, ctx.q_smem), b.shl(t, 2))
         # swizzled O tile: the lane's rows are g and g + 8 (row & 7 = g), so n8 tile jd (chunk
         # jd) sits at chunk jd ^ g: one register per jd % 8, the 128-byte group immediate
+        # tile.tma_store: O staged as a TMA box of each 128-byte column slab wants it -- slab s
+        # at s x block_m x 128 bytes, rows of 128 bytes, chunk c of row r at c ^ (r & 7) (r & 7
+        # = g): the lane's row and g << 4 kept (two registers; the chunks' addresses are made
+        # in the epilogue, not held through the loop)
+        self.o_slab = None
+        if getattr(cfg, "tma_store", False):
+            self.o_slab = (b.add(ctx.q_smem, b.add(b.shl(b.add(warp_rows, g), 7), b.shl(t, 2))),
+                           b.shl(g, 4))
         self.o_lanes = [b.add(self.o_smem, b.shl(b.xor(g, j), 4)) for j in range(8)] \
-            if cfg.o_geom.swizzled else None
+            if cfg.o_geom.swizzled and self.o_slab is None else None
         self.col0 = None   # first O column of this warp's slice (u32), when the value is split
         if vs > 1:
             self.col0 = b.mul(self.value_part(b, ctx), cfg.dv // vs)
@@ -264,20 +272,49 @@ class MmaMath:
         """A barrier of every thread that computes (the whole CTA here)."""
         self.b.bar_sync(0)
 
+    def store_by_tma(self) -> None:
+        """tile.tma_store: the staged O tile leaves by TMA stores, one box a 128-byte column
+        slab (rows past seq_q are clipped by the map): each thread's writes fenced for the
+        async proxy, the math's barrier, then thread 0 issues the boxes and waits until they
+        have been read (the CTA's shared memory must outlive them)."""
+        b, ctx = self.b, self.ctx
+        bm, slab_cols = ctx.cfg.block_m, 128 // ctx.cfg.fmt.bytes
+        b.fence_proxy_async()
+        self.cta_sync()
+        coords = [b.bitcast(x, S32) for x in (ctx.head, ctx.m_start, ctx.batch)]
+        with b.if_then(b.setp("eq", ctx.tid, 0)):
+            for s in range(ctx.cfg.dv // slab_cols):
+                b.tma_store(Addr(ctx.q_smem, s * bm * 128), ctx.o_tmap,
+                            [b.mov(s * slab_cols, S32), *coords])
+            b.bulk_commit()
+            b.bulk_wait_read(0)
+
     def epilogue(self) -> None:
-        """O / l rounded into this warp's rows of the Q tile, then 128-bit row stores by all."""
+        """O / l rounded into this warp's rows of the Q tile, then 128-bit row stores by all
+        (tile.tma_store: TMA stores, store_by_tma)."""
         from ..mainloop.tiles import global_rows, store_tile, thread_slot
         b, ctx = self.b, self.ctx
         l_rows, lanes = self.row_sums()
         invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, self.writer())
+        if self.o_slab is not None:
+            row, g16 = self.o_slab
+            slab_lanes = [b.add(row, b.xor(g16, j << 4)) for j in range(8)]
         for mt, o in enumerate(self.o_tiles):
             for jd, acc in enumerate(o):
                 for r in range(2):
                     lo, hi = (b.mul(acc[2 * r + e], invs[2 * mt + r]) for e in range(2))
                     row_off = (16 * mt + 8 * r) * self.os
-                    at = Addr(self.o_smem, row_off + jd * 16) if self.o_lanes is None else \
-                        Addr(self.o_lanes[jd % 8], row_off + jd // 8 * 128)
+                    if self.o_slab is not None:
+                        at = Addr(slab_lanes[jd % 8],
+                                  (16 * mt + 8 * r) * 128 + jd // 8 * ctx.cfg.block_m * 128)
+                    elif self.o_lanes is None:
+                        at = Addr(self.o_smem, row_off + jd * 16)
+                    else:
+                        at = Addr(self.o_lanes[jd % 8], row_off + jd // 8 * 128)
                     b.st("shared", B32, at, [b.cvt_pack(self.pair, hi, lo)])
+        if self.o_slab is not None:
+            self.store_by_tma()
+            return
         self.cta_sync()
         slot = thread_slot(b, ctx.cfg.o_geom, ctx.tid)
         go = global_rows(b, slot, ctx.o_base, ctx.o_row_stride)
