@@ -43,7 +43,7 @@ def decode_cp_bulk_tensor(ins, env):
     rank = int(rank[0])
     if not isinstance(src, TensorAddr) or len(src.coords) != rank:
         raise DecodeError(f"the source is [tensor-map, {{{rank} coordinates}}]")
-    map_reader = _map_plan(env, src.map)
+    map_reader = map_plan(env, src.map)
     cplans = [src_plan(env, c, S32) for c in src.coords]
     dplan, bplan = address_plan(env, dst, "shared"), address_plan(env, bar, "shared")
     line = ins.line
@@ -61,12 +61,7 @@ def decode_cp_bulk_tensor(ins, env):
             bflat = _smem_flat(ctx, idx, ba, "mbarrier (cp.async.bulk.tensor)")
             for k in range(n):
                 t = int(idx[k])
-                tmap = decode_map(read_map(sel, k, t))
-                if tmap is None:
-                    raise Fault("the tensor-map operand does not hold an emulator TensorMap "
-                                "(pass ptxc.emu.TensorMap for the 128-byte map parameter)", t)
-                if tmap[0] != rank:
-                    raise Fault(f"a {rank}d tensor copy with a rank-{tmap[0]} tensor map", t)
+                tmap = tensor_map_of(read_map(sel, k, t), rank, t)
                 cols, data = _box(ctx, t, tmap, [int(c[k]) for c in cs], int(da[k]), line)
                 issue_copy(ctx, t, cols, data, int(da[k]), int(bflat[k]), int(ba[k]), line,
                            tmap[3])
@@ -74,7 +69,18 @@ def decode_cp_bulk_tensor(ins, env):
     return Op(NORMAL, ins, bind)
 
 
-def _map_plan(env, addr):
+def tensor_map_of(raw: bytes, rank: int, thread: int):
+    """The decoded map (tensormap.decode_map) of a rank-`rank` TMA copy, or a Fault."""
+    tmap = decode_map(raw)
+    if tmap is None:
+        raise Fault("the tensor-map operand does not hold an emulator TensorMap "
+                    "(pass ptxc.emu.TensorMap for the 128-byte map parameter)", thread)
+    if tmap[0] != rank:
+        raise Fault(f"a {rank}d tensor copy with a rank-{tmap[0]} tensor map", thread)
+    return tmap
+
+
+def map_plan(env, addr):
     """bind(ctx) -> read(sel, k, thread) giving the 128 map bytes."""
     if isinstance(addr.base, Sym) and addr.base.name in env.params:
         off = env.params[addr.base.name][0] + addr.offset
@@ -99,25 +105,34 @@ def _map_plan(env, addr):
     return bind
 
 
+def box_elements(tmap, coords):
+    """(inside, byte offsets from the map's address) of each element of the box at `coords`,
+    in row-major box order; an element outside the tensor gets a clamped offset and
+    inside False."""
+    rank, _, _, _, dims, box, strides = tmap
+    grid = np.indices(box[::-1]).reshape(rank, -1)[::-1]        # per dim (innermost first)
+    inside = np.ones(grid.shape[1], np.bool_)
+    offsets = np.zeros(grid.shape[1], np.int64)
+    for d in range(rank):
+        pos = coords[d] + grid[d]
+        inside &= (pos >= 0) & (pos < dims[d])
+        offsets += np.clip(pos, 0, dims[d] - 1) * strides[d]
+    return inside, offsets
+
+
 def _box(ctx, thread, tmap, coords, dst_addr, line):
     """(flat shared byte offsets, bytes) of one box, zero-filled outside the tensor. The
     elements inside the tensor are global reads like any other: each must lie in an
     allocation (a map whose dims overstate its buffer faults instead of reading a neighbour)
     and they count as the line's traffic."""
-    rank, esize, gaddr, swizzle, dims, box, strides = tmap
+    _, esize, gaddr, swizzle, _, box, _ = tmap
     if dst_addr % 128:
         raise Fault(f"cp.async.bulk.tensor destination 0x{dst_addr:x} is not 128-byte "
                     f"aligned", thread, dst_addr)
     nbytes = int(np.prod(box)) * esize
     dflat = int(ctx.smem.offsets(ctx.cta_of[[thread]], np.array([dst_addr]), nbytes, 16,
                                  "cp.async.bulk.tensor write", np.array([thread]))[0])
-    grid = np.indices(box[::-1]).reshape(rank, -1)[::-1]        # per dim (innermost first)
-    inside = np.ones(grid.shape[1], np.bool_)
-    src = np.zeros(grid.shape[1], np.int64)
-    for d in range(rank):
-        pos = coords[d] + grid[d]
-        inside &= (pos >= 0) & (pos < dims[d])
-        src += np.clip(pos, 0, dims[d] - 1) * strides[d]
+    inside, src = box_elements(tmap, coords)
     base = int(ctx.gmem.offsets(np.array([gaddr], np.uint64), 1, 1, "tensor map base",
                                 np.array([thread]))[0])
     read = np.uint64(gaddr) + src[inside].astype(np.uint64)

@@ -25,8 +25,8 @@ import numpy as np
 from ptxc.emu.decode import NORMAL, Mods, Op, expect_operands
 from ptxc.emu.operands import TYPES, DecodeError, Fault, src_plan
 from ptxc.emu.ops_mem import address_plan
+from ptxc.emu.ops_tma import box_elements, map_plan, tensor_map_of
 from ptxc.emu.ptx_ast import Imm, TensorAddr
-from ptxc.emu.tensormap import decode_map
 from ptxc.emu.wgmma_layout import swizzle_address
 
 S32 = TYPES["s32"]
@@ -101,8 +101,7 @@ def decode_cp_bulk_tensor_store(ins, env, rank: int):
     dst, src = ins.operands
     if not isinstance(dst, TensorAddr) or len(dst.coords) != rank:
         raise DecodeError(f"the destination is [tensor-map, {{{rank} coordinates}}]")
-    from ptxc.emu.ops_tma import _map_plan          # the loads' map reader (a sibling op)
-    map_reader = _map_plan(env, dst.map)
+    map_reader = map_plan(env, dst.map)
     cplans = [src_plan(env, c, S32) for c in dst.coords]
     splan = address_plan(env, src, "shared")
     line = ins.line
@@ -117,19 +116,14 @@ def decode_cp_bulk_tensor_store(ins, env, rank: int):
             cs = [np.broadcast_to(np.asarray(c(sel), np.int64), (n,)) for c in coords]
             for k in range(n):
                 t = int(idx[k])
-                tmap = decode_map(read_map(sel, k, t))
-                if tmap is None:
-                    raise Fault("the tensor-map operand does not hold an emulator TensorMap "
-                                "(pass ptxc.emu.TensorMap for the 128-byte map parameter)", t)
-                if tmap[0] != rank:
-                    raise Fault(f"a {rank}d tensor copy with a rank-{tmap[0]} tensor map", t)
-                _store_box(ctx, t, tmap, [int(c[k]) for c in cs], int(sa[k]), line)
+                _store_box(ctx, t, tensor_map_of(read_map(sel, k, t), rank, t),
+                           [int(c[k]) for c in cs], int(sa[k]), line)
         return run
     return Op(NORMAL, ins, bind)
 
 
 def _store_box(ctx, thread, tmap, coords, src_addr, line) -> None:
-    rank, esize, gaddr, swizzle, dims, box, strides = tmap
+    _, esize, gaddr, swizzle, _, box, _ = tmap
     if src_addr % 128:
         raise Fault(f"cp.async.bulk.tensor source 0x{src_addr:x} is not 128-byte aligned",
                     thread, src_addr)
@@ -151,13 +145,7 @@ def _store_box(ctx, thread, tmap, coords, src_addr, line) -> None:
         ctx.race.async_read(chunks, 16, items, line, STORE, where)
         ctx.race.read(chunks, 16, items, line, where)
     data = ctx.smem.data[flat].reshape(-1, esize)
-    grid = np.indices(box[::-1]).reshape(rank, -1)[::-1]        # per dim (innermost first)
-    inside = np.ones(grid.shape[1], np.bool_)
-    dst = np.zeros(grid.shape[1], np.int64)
-    for d in range(rank):
-        pos = coords[d] + grid[d]
-        inside &= (pos >= 0) & (pos < dims[d])
-        dst += np.clip(pos, 0, dims[d] - 1) * strides[d]
+    inside, dst = box_elements(tmap, coords)
     write = np.uint64(gaddr) + dst[inside].astype(np.uint64)
     if write.size:
         off = ctx.gmem.offsets(write, esize, 1, "cp.async.bulk.tensor write",

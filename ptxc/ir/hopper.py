@@ -212,18 +212,23 @@ class HopperOps:
         cp.async.bulk.tensor.Nd.shared::cluster.global.tile.mbarrier::complete_tx::bytes.
         Issued by every thread that executes it (callers elect one)."""
         what = "cp.async.bulk.tensor"
+        box = self._tensor_coords(tmap_addr, coords, what)
+        self._mbar_addr(dst, f"{what} destination")
+        self._mbar_addr(bar, f"{what} mbarrier")
+        self.emit("cp", ("async", "bulk", "tensor", f"{len(box.coords)}d", "shared::cluster",
+                         "global", "tile", "mbarrier::complete_tx::bytes"), (), (dst, box, bar))
+
+    def _tensor_coords(self, tmap_addr: Reg, coords: Sequence, what: str) -> TensorCoords:
+        """A TMA copy's [map, {coords}] operand, checked: a u64 map address, 1 to 5 s32
+        coordinates."""
         self._operand(tmap_addr, U64, f"{what} tensor map")
         if not isinstance(tmap_addr, Reg):
             raise IRError(f"{what}: the tensor map is a u64 register from tensor_map_address")
         coords = list(coords)
         if not 1 <= len(coords) <= 5:
             raise IRError(f"{what}: {len(coords)} coordinates; a tensor map has 1 to 5 dimensions")
-        ops = tuple(self._operand(c, S32, f"{what} coordinate {i}") for i, c in enumerate(coords))
-        self._mbar_addr(dst, f"{what} destination")
-        self._mbar_addr(bar, f"{what} mbarrier")
-        self.emit("cp", ("async", "bulk", "tensor", f"{len(coords)}d", "shared::cluster", "global",
-                         "tile", "mbarrier::complete_tx::bytes"), (),
-                  (dst, TensorCoords(tmap_addr, ops), bar))
+        return TensorCoords(tmap_addr, tuple(self._operand(c, S32, f"{what} coordinate {i}")
+                                             for i, c in enumerate(coords)))
 
     def tma_store(self, src: Addr, tmap_addr: Reg, coords: Sequence) -> None:
         """One box of shared memory at `src` (128-byte aligned; the layout a tma_load of the
@@ -232,16 +237,10 @@ class HopperOps:
         fence_proxy_async orders the threads' writes of `src` before it, and bulk_commit /
         bulk_wait_read keep `src` alive until it has been read. Callers elect one thread."""
         what = "cp.async.bulk.tensor (store)"
-        self._operand(tmap_addr, U64, f"{what} tensor map")
-        if not isinstance(tmap_addr, Reg):
-            raise IRError(f"{what}: the tensor map is a u64 register from tensor_map_address")
-        coords = list(coords)
-        if not 1 <= len(coords) <= 5:
-            raise IRError(f"{what}: {len(coords)} coordinates; a tensor map has 1 to 5 dimensions")
-        ops = tuple(self._operand(c, S32, f"{what} coordinate {i}") for i, c in enumerate(coords))
+        box = self._tensor_coords(tmap_addr, coords, what)
         self._mbar_addr(src, f"{what} source")
-        self.emit("cp", ("async", "bulk", "tensor", f"{len(coords)}d", "global", "shared::cta",
-                         "tile", "bulk_group"), (), (TensorCoords(tmap_addr, ops), src))
+        self.emit("cp", ("async", "bulk", "tensor", f"{len(box.coords)}d", "global", "shared::cta",
+                         "tile", "bulk_group"), (), (box, src))
 
     def bulk_commit(self) -> None:
         """Close this thread's bulk async-group (its TMA stores so far)."""
