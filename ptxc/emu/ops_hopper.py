@@ -90,7 +90,7 @@ def decode_setmaxnreg(ins, env):
             groups = warpgroups(ctx, sel, "setmaxnreg")
             pool = ctx.register_pool()
             waiting = [g for g in groups if not pool.move(g, want, inc)]
-            return np.concatenate(waiting) if waiting else sel[:0]
+            return np.concatenate(waiting) if waiting else groups.reshape(-1)[:0]
         return run
     # .inc may yield (PARK, no predicate: run returns the threads that wait for registers)
     return Op(PARK if inc else NORMAL, ins, bind)

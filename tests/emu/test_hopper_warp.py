@@ -89,6 +89,10 @@ def test_setmaxnreg_moves_registers_through_the_pool():
             run(regs_kernel(256, inc, dec), "regs_k", (1,), (384,), [])
     with pytest.raises(EmulationError, match="may only raise the count"):   # 168 at entry
         run(regs_kernel(256, 160, 24), "regs_k", (1,), (384,), [])
+    # every warpgroup converged on one .dec, then one .inc back: what it released suffices
+    both = HEADER + ".visible .entry regs_k()\n{\n\tsetmaxnreg.dec.sync.aligned.u32 40;\n" \
+        "\tsetmaxnreg.inc.sync.aligned.u32 160;\n\tret;\n}\n"
+    run(both, "regs_k", (2,), (384,), [])
 
 
 def test_setmaxnreg_checks_its_operand_and_warpgroups():
