@@ -82,16 +82,17 @@ class MmaMath:
         self.alibi = [ctx.alibi_row(b, r, two_t, self.unit) for r in self.rows] \
             if ctx.variant.alibi else None
         self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.os, ctx.q_smem), b.shl(t, 2))
-        # swizzled O tile: the lane's rows are g and g + 8 (row & 7 = g), so n8 tile jd (chunk
-        # jd) sits at chunk jd ^ g: one register per jd % 8, the 128-byte group immediate
         # tile.tma_store: O staged as a TMA box of each 128-byte column slab wants it -- slab s
         # at s x block_m x 128 bytes, rows of 128 bytes, chunk c of row r at c ^ (r & 7) (r & 7
         # = g): the lane's row and g << 4 kept (two registers; the chunks' addresses are made
-        # in the epilogue, not held through the loop)
+        # in the epilogue, not held through the loop). The TMA kernels never split V (vs 1)
         self.o_slab = None
         if getattr(cfg, "tma_store", False):
+            assert vs == 1, "tile.tma_store stages whole O rows"
             self.o_slab = (b.add(ctx.q_smem, b.add(b.shl(b.add(warp_rows, g), 7), b.shl(t, 2))),
                            b.shl(g, 4))
+        # swizzled O tile: the lane's rows are g and g + 8 (row & 7 = g), so n8 tile jd (chunk
+        # jd) sits at chunk jd ^ g: one register per jd % 8, the 128-byte group immediate
         self.o_lanes = [b.add(self.o_smem, b.shl(b.xor(g, j), 4)) for j in range(8)] \
             if cfg.o_geom.swizzled and self.o_slab is None else None
         self.col0 = None   # first O column of this warp's slice (u32), when the value is split
