@@ -11,6 +11,7 @@ Matrix Multiply-Accumulate", "mbarrier", "Parallel Synchronization: fence").
     elect_sync()                                                 the warp's leader lane, as a predicate
     tensor_map_address(tmap)                                     generic address of a map param
     tma_load(dst, tmap_addr, coords, bar)                        TMA box copy global -> shared
+    stmatrix(addr, regs)                                         four 8x8 b16 matrices to shared
     tma_store(src, tmap_addr, coords)                            TMA box copy shared -> global
     bulk_commit(), bulk_wait_read(n)                             the TMA stores' bulk groups
     prefetch_tensormap(tmap_addr)                                the descriptor into the cache
@@ -229,6 +230,21 @@ class HopperOps:
             raise IRError(f"{what}: {len(coords)} coordinates; a tensor map has 1 to 5 dimensions")
         return TensorCoords(tmap_addr, tuple(self._operand(c, S32, f"{what} coordinate {i}")
                                              for i, c in enumerate(coords)))
+
+    def stmatrix(self, addr: Addr, regs: Sequence[Reg]) -> None:
+        """Four 8x8 matrices of 16-bit elements to shared memory,
+        stmatrix.sync.aligned.m8n8.x4.shared.b16: register i of lane l holds row l / 4,
+        columns 2 (l % 4) and + 1 of matrix i (the mma.sync C fragment of an n8 block, packed);
+        lanes 8i .. 8i + 7 give the addresses of matrix i's rows (16 bytes each). Warp-wide."""
+        what = "stmatrix"
+        if self._guard is not None:
+            raise IRError(f"{what} under a predicate: all 32 lanes of the warp must execute it")
+        regs = list(regs)
+        if len(regs) != 4 or any(not isinstance(r, Reg) or r.type.bits != 32 for r in regs):
+            raise IRError(f"{what}: .x4 takes four 32-bit registers, got {regs!r}")
+        self._mbar_addr(addr, f"{what} address")
+        self.emit("stmatrix", ("sync", "aligned", "m8n8", "x4", "shared", "b16"), (),
+                  (addr, Vec(tuple(regs))))
 
     def tma_store(self, src: Addr, tmap_addr: Reg, coords: Sequence) -> None:
         """One box of shared memory at `src` (128-byte aligned; the layout a tma_load of the

@@ -67,9 +67,10 @@ FIELDS = FamilyFields(
               "(FlashAttention-4's; P double-buffered; with q_tiles = 2 it serves both tiles; "
               "docs/kernels.md \"tcgen05\")",
               default=None),
-        Field("tma_store", "bool", "sm_90a / sm_100a TMA kernels: O leaves through shared memory "
-              "by TMA stores (one box a 128-byte column slab, clipped at seq_q) instead of the "
-              "threads' row stores (FlashAttention-3's epilogue; untimed, hence off)",
+        Field("tma_store", "bool", "sm_90a / sm_100a TMA kernels: O leaves through shared "
+              "memory (stmatrix) by TMA stores (one box a 128-byte column slab, clipped at "
+              "seq_q) instead of the threads' row stores (FlashAttention-3's epilogue; untimed, "
+              "hence off)",
               default=None),
         Field("q_tiles", "int", "sm_100a warp-specialised tcgen05 kernel: Q tiles of 128 rows per "
               "CTA sharing each K/V tile (2: FlashAttention-4's two tiles, their softmax warps' "

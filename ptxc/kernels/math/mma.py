@@ -83,14 +83,20 @@ class MmaMath:
             if ctx.variant.alibi else None
         self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.os, ctx.q_smem), b.shl(t, 2))
         # tile.tma_store: O staged as a TMA box of each 128-byte column slab wants it -- slab s
-        # at s x block_m x 128 bytes, rows of 128 bytes, chunk c of row r at c ^ (r & 7) (r & 7
-        # = g): the lane's row and g << 4 kept (two registers; the chunks' addresses are made
-        # in the epilogue, not held through the loop). The TMA kernels never split V (vs 1)
+        # at s x block_m x 128 bytes, rows of 128 bytes, chunk c of row r at c ^ (r & 7) -- by
+        # stmatrix.x4, n8 blocks jd, jd + 1 of 16 rows an instruction. Lane l gives row j = l & 7
+        # of matrix i = l >> 3 (rows 8 (i & 1) + j, block jd + (i >> 1)): chunk (jd + h) ^ j,
+        # h = i >> 1, which for even jd is ((jd ^ (j & 6)) + (h ^ (j & 1))) << 4. Kept: the
+        # lane's row address with its (h ^ (j & 1)) << 4, and (j & 6) << 4 (two registers; the
+        # four jd-dependent addresses are made in the epilogue). TMA kernels never split V
         self.o_slab = None
         if getattr(cfg, "tma_store", False):
-            assert vs == 1, "tile.tma_store stages whole O rows"
-            self.o_slab = (b.add(ctx.q_smem, b.add(b.shl(b.add(warp_rows, g), 7), b.shl(t, 2))),
-                           b.shl(g, 4))
+            assert vs == 1 and self.dtiles % 2 == 0, "tile.tma_store stages whole O rows"
+            j, i = b.and_(lane, 7), b.shr(lane, 3)
+            row = b.add(warp_rows, b.add(b.shl(b.and_(i, 1), 3), j))
+            chunk = b.shl(b.xor(b.shr(i, 1), b.and_(j, 1)), 4)
+            self.o_slab = (b.add(ctx.q_smem, b.add(b.shl(row, 7), chunk)),
+                           b.shl(b.and_(j, 6), 4))
         # swizzled O tile: the lane's rows are g and g + 8 (row & 7 = g), so n8 tile jd (chunk
         # jd) sits at chunk jd ^ g: one register per jd % 8, the 128-byte group immediate
         self.o_lanes = [b.add(self.o_smem, b.shl(b.xor(g, j), 4)) for j in range(8)] \
@@ -273,6 +279,19 @@ class MmaMath:
         """A barrier of every thread that computes (the whole CTA here)."""
         self.b.bar_sync(0)
 
+    def stage_slabs(self, invs: list[Reg]) -> None:
+        """tile.tma_store: O / l in the dtype into the Q region as TMA boxes of 128-byte column
+        slabs, n8 blocks jd and jd + 1 of 16 rows by one stmatrix.x4 (see __init__)."""
+        b, bm = self.b, self.ctx.cfg.block_m
+        row, j6 = self.o_slab
+        lanes = [b.add(row, b.xor(j6, jp << 4)) for jp in (0, 2, 4, 6)]
+        for mt, o in enumerate(self.o_tiles):
+            for jd in range(0, len(o), 2):
+                regs = [b.cvt_pack(self.pair, *(b.mul(acc[2 * r + e], invs[2 * mt + r])
+                                                for e in (1, 0)))
+                        for acc in (o[jd], o[jd + 1]) for r in range(2)]
+                b.stmatrix(Addr(lanes[jd % 8 // 2], 16 * mt * 128 + jd // 8 * bm * 128), regs)
+
     def store_by_tma(self) -> None:
         """tile.tma_store: the staged O tile leaves by TMA stores, one box a 128-byte column
         slab (rows past seq_q are clipped by the map): each thread's writes fenced for the
@@ -298,24 +317,19 @@ class MmaMath:
         l_rows, lanes = self.row_sums()
         invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, self.writer())
         if self.o_slab is not None:
-            row, g16 = self.o_slab
-            slab_lanes = [b.add(row, b.xor(g16, j << 4)) for j in range(8)]
+            self.stage_slabs(invs)
+            self.store_by_tma()
+            return
         for mt, o in enumerate(self.o_tiles):
             for jd, acc in enumerate(o):
                 for r in range(2):
                     lo, hi = (b.mul(acc[2 * r + e], invs[2 * mt + r]) for e in range(2))
                     row_off = (16 * mt + 8 * r) * self.os
-                    if self.o_slab is not None:
-                        at = Addr(slab_lanes[jd % 8],
-                                  (16 * mt + 8 * r) * 128 + jd // 8 * ctx.cfg.block_m * 128)
-                    elif self.o_lanes is None:
+                    if self.o_lanes is None:
                         at = Addr(self.o_smem, row_off + jd * 16)
                     else:
                         at = Addr(self.o_lanes[jd % 8], row_off + jd // 8 * 128)
                     b.st("shared", B32, at, [b.cvt_pack(self.pair, hi, lo)])
-        if self.o_slab is not None:
-            self.store_by_tma()
-            return
         self.cta_sync()
         slot = thread_slot(b, ctx.cfg.o_geom, ctx.tid)
         go = global_rows(b, slot, ctx.o_base, ctx.o_row_stride)
