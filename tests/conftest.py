@@ -143,8 +143,9 @@ def require_rustc() -> None:
 @pytest.fixture
 def bytes_read(monkeypatch):
     """A Counter of the bytes the emulator's loads (and cp.async / TMA reads) take from each labelled
-    global buffer during the test: `bytes_read["k_cache"]` (the emulator's TensorMap places its
-    array as a buffer of its own, labelled by the parameter: `bytes_read["kv_tmap+16"]`)."""
+    global buffer during the test: `bytes_read["k_cache"]`; a TMA box's reads apart, under
+    `bytes_read["k_cache (TMA)"]` (a map over a pointer argument's array reads that buffer; a
+    map's array of its own is labelled by the parameter, e.g. "kv_tmap+16")."""
     from collections import Counter
 
     import numpy as np
@@ -159,7 +160,8 @@ def bytes_read(monkeypatch):
             buf = np.searchsorted(self.starts, np.atleast_1d(np.asarray(addr, np.uint64)), side="right") - 1
             for i, n in zip(*np.unique(buf, return_counts=True)):
                 label = self.labels[i]   # "parameter 'q'"; a tensor map's own array: "kv_tmap+16"
-                read[label.split("'")[1] if "'" in label else label] += int(n) * nbytes
+                name = label.split("'")[1] if "'" in label else label
+                read[name + (" (TMA)" if what == "cp.async.bulk.tensor read" else "")] += int(n) * nbytes
         return out
     monkeypatch.setattr(memory.GlobalMemory, "offsets", counting)
     return read
