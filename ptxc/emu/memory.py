@@ -140,6 +140,10 @@ class GlobalMemory:
         self.rows.scatter(off >> _SHIFT[total], total, values)
 
 
+STORE_READER = ("a TMA store (cp.async.bulk.tensor to global) in flight reads, before the "
+                "cp.async.bulk.wait_group.read that retires it")
+
+
 class SharedMemory:
     """Shared memory of every CTA of a batch, with a per-byte initialisation state."""
 
@@ -202,16 +206,9 @@ class SharedMemory:
 
     def check_not_pending(self, rows, total: int, sel, addr_of):
         if self.async_live:
-            self._check_no_async_reader(rows, total, sel, addr_of)
+            self._check_no_reader(self.async_readers, self.async_reader, rows, total, sel, addr_of)
         if self.store_live:
-            chunks = (np.asarray(rows, np.int64) * total) >> 4
-            hit = self.store_readers[chunks] > 0
-            if hit.any():
-                k = _first(hit)
-                a = addr_of(k)
-                raise Fault(f"write to shared memory that a TMA store (cp.async.bulk.tensor to "
-                            f"global) in flight reads, before the cp.async.bulk.wait_group.read "
-                            f"that retires it (shared address 0x{a:x})", _at(sel, k), a)
+            self._check_no_reader(self.store_readers, STORE_READER, rows, total, sel, addr_of)
         if self.tc_reads is not None:
             self.tc_reads.check(rows, total, sel, addr_of)
         st = self.state_rows.lanes(rows, total).astype(np.uint64)
@@ -222,13 +219,15 @@ class SharedMemory:
             raise Fault(f"write to cp.async destination before cp.async.wait_group "
                         f"(shared address 0x{a:x})", _at(sel, k), a)
 
-    def _check_no_async_reader(self, rows, total: int, sel, addr_of):
+    @staticmethod
+    def _check_no_reader(readers, who: str, rows, total: int, sel, addr_of):
+        """No chunk of the write may be one that `readers` (per 16-byte chunk) counts in flight."""
         chunks = (np.asarray(rows, np.int64) * total) >> 4     # aligned: one chunk each
-        hit = self.async_readers[chunks] > 0
+        hit = readers[chunks] > 0
         if hit.any():
             k = _first(hit)
             a = addr_of(k)
-            raise Fault(f"write to shared memory that {self.async_reader} (shared address "
+            raise Fault(f"write to shared memory that {who} (shared address "
                         f"0x{a:x})", _at(sel, k), a)
 
     def load(self, cta, addr, esize: int, nvec: int, sel, line: int = 0):

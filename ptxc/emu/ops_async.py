@@ -73,12 +73,9 @@ def decode_cp(ins, env):
         from ptxc.emu.ops_tma_store import decode_bulk_group
         return decode_bulk_group(ins, env)
     if "tensor" in ins.mods:
-        mods = list(ins.mods)
-        ranks = [x for x in mods if x in ("1d", "2d", "3d", "4d", "5d")]
-        shared = [i for i, x in enumerate(mods) if x.startswith("shared")]
-        if "global" in mods and ranks and shared and mods.index("global") < shared[0]:
-            from ptxc.emu.ops_tma_store import decode_cp_bulk_tensor_store   # .global.shared
-            return decode_cp_bulk_tensor_store(ins, env, int(ranks[0][0]))
+        if "bulk_group" in ins.mods:        # a store completes by bulk group, a load on an mbarrier
+            from ptxc.emu.ops_tma_store import decode_cp_bulk_tensor_store
+            return decode_cp_bulk_tensor_store(ins, env)
         from ptxc.emu.ops_tma import decode_cp_bulk_tensor
         return decode_cp_bulk_tensor(ins, env)
     if "bulk" in ins.mods:

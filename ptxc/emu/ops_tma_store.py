@@ -30,7 +30,7 @@ from ptxc.emu.ptx_ast import Imm, TensorAddr
 from ptxc.emu.wgmma_layout import swizzle_address
 
 S32 = TYPES["s32"]
-STORE = "a TMA store (cp.async.bulk.tensor to global)"
+STORE = "a TMA store (cp.async.bulk.tensor to global)"   # the async-proxy reader, for messages
 
 
 class BulkStores:
@@ -90,11 +90,11 @@ def stores(ctx) -> BulkStores:
     return ctx.bulk_stores
 
 
-def decode_cp_bulk_tensor_store(ins, env, rank: int):
+def decode_cp_bulk_tensor_store(ins, env):
     m = Mods(ins)
     for need in ("async", "bulk", "tensor", "global", "shared::cta", "bulk_group"):
         m.need(need)
-    m.need(f"{rank}d")
+    rank = int(m.need("1d", "2d", "3d", "4d", "5d")[0])
     m.flag("tile")
     m.done()
     expect_operands(ins, 2)

@@ -365,8 +365,8 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
 
 def configure_tcgen05(spec, cfg: PrefillConfig) -> Tcgen05TileConfig:
     """The packed tile on tcgen05 (applies_tcgen05 holds): the same tile, TMA loads; with
-    tile.warp_specialize (the default at block_m 64, and at d64) a load warp and an MMA warp besides
-    (tcgen05_ws_pipeline.py)."""
+    tile.warp_specialize (the default at block_m 64, and at d64) a load warp and an MMA warp
+    besides (tcgen05_ws_pipeline.py)."""
     given = spec.tile_dict()
     correction = given.get("correction", False)
     ws = given.get("warp_specialize", cfg.block_m == 64 or cfg.head_dim == 64 or correction)

@@ -307,9 +307,9 @@ class Correction:
     issues P·V(j) after it."""
 
     def __init__(self, b: KernelBuilder, cfg, tmem: Reg, bars: Reg, exchange: Reg, warp: int | Reg,
-                 lane: Reg, softmax_warps: int, chunk: int = 16):
+                 lane: Reg, softmax_warps: int, o_run: int = 16):
         self.b, self.cfg, self.bars, self.lane = b, cfg, bars, lane
-        self.chunk = chunk          # n8 blocks of O a load at most: 4 registers each
+        self.o_run = o_run          # n8 blocks of O a load at most (4 registers each), as Tcgen05Math
         self.exchange = Exchange(b, exchange, softmax_warps)
         o_cols = b.add(tmem, cfg.block_n + cfg.block_n)     # S, P's two buffers, then O
         self.rows = []                                     # (softmax warp, its O address)
@@ -329,7 +329,7 @@ class Correction:
             with b.if_then(b.and_(mine, self.exchange.vote(buf, w))):
                 alpha = self.exchange.alpha(buf, w, self.lane)
                 at = b.add(o_cols, self.sub)
-                for first, n in power_of_two_runs(self.cfg.dv // 8, self.chunk):
+                for first, n in power_of_two_runs(self.cfg.dv // 8, self.o_run):
                     cols = at if first == 0 else b.add(at, 8 * first)
                     o = b.tcgen05_ld("16x256b", n, cols, F32)
                     b.tcgen05_wait("ld")
