@@ -28,11 +28,13 @@ then read through the async proxy (a wgmma or tcgen05.mma descriptor operand) ne
 fence.proxy.async in between (PTX ISA, "Memory Consistency Model: proxies"): without it the
 tensor cores may read stale data on hardware, whatever the barriers say. Each byte remembers
 whether its last write was generic (TMA and bulk copies write through the async proxy), each
-thread the serial of its last fence.proxy.async and the CTA barrier it had passed then. An
-async read of a generic byte is ordered iff the writer fenced after writing and a sync event
-(the same thread, a CTA-wide or counted barrier pairing the two warps, or a warp sync for the
-same warp) followed that fence, or the reader fenced after a CTA-wide barrier that followed the
-write (fences are cumulative: what the barrier made visible, the reader's fence covers).
+thread the serial of its last fence.proxy.async, the CTA barrier it had passed then, and its
+last fence before its CTA's last barrier. An async read of a generic byte is ordered iff the
+writer fenced after writing and a sync event (the same thread, a CTA-wide or counted barrier
+pairing the two warps, or a warp sync for the same warp) followed that fence -- its last fence,
+or the last one a CTA-wide barrier followed (a later fence must not hide it) -- or the reader
+fenced after a CTA-wide barrier that followed the write (fences are cumulative: what the
+barrier made visible, the reader's fence covers).
 
 Not tracked: atomics (they never race with each other and are not checked against plain
 accesses), and several threads of ONE instruction storing to the same byte.
@@ -112,6 +114,17 @@ class RaceTracker(SyncOrder):
         self.generic = np.zeros(nbytes, np.bool_) if async_reads else None
         self.fenced = np.zeros(ctx.n, np.int64)            # each thread's last fence.proxy.async
         self.fenced_after = np.zeros(ctx.n, np.int64)      # ... and its CTA's barrier then
+        # each thread's last fence before its CTA's last barrier: a later fence (of a later
+        # write) must not hide the one a CTA barrier already published
+        self.fenced_published = np.zeros(ctx.n, np.int64)
+
+    def cta_barrier(self, ctas=None):
+        super().cta_barrier(ctas)
+        if ctas is None:
+            self.fenced_published[:] = self.fenced
+        else:
+            mine = np.isin(self.ctx.cta_of, ctas)
+            self.fenced_published[mine] = self.fenced[mine]
 
     def proxy_fence(self, sel):
         """fence.proxy.async by the threads `sel` (shared memory between the generic and async
@@ -329,7 +342,7 @@ class RaceTracker(SyncOrder):
         synced |= same_warp & (self.warp_sync[me >> 5] > f)
         if self.pair_sync is not None:
             synced |= self.pair_sync[cta, (word & _LIN_MASK) >> 5, lin >> 5] > f
-        ordered = ((f > stamp) & synced) | \
+        ordered = ((f > stamp) & synced) | (self.fenced_published[writer] > stamp) | \
             ((self.fenced[me] > stamp) & ((writer == me) | (self.fenced_after[me] > stamp)))
         if ordered.all():
             return

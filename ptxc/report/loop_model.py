@@ -28,8 +28,8 @@ def kv_rows_per_iteration(family: str, config: dict, entry: str) -> int | None:
     """K/V rows one CTA consumes per iteration of its main loop (None: not an attention loop)."""
     if entry.endswith(("_reduce", "_append")) or family in COPY_FAMILIES:
         return None
-    if "block_n" in config:
-        return int(config["block_n"])
+    if "block_n" in config:   # MLA's seesaw: each warpgroup's iteration is its tile and the other's
+        return int(config["block_n"]) * (2 if config.get("seesaw") else 1)
     if {"num_warps", "lanes_per_row", "kv_unroll"} <= config.keys():
         return config["num_warps"] * (32 // config["lanes_per_row"]) * config["kv_unroll"]
     return None
@@ -56,8 +56,9 @@ def with_tma_loads(loop: dict, launch: dict, tensors: dict, config: dict, kv_row
     barrier to the wait of tile j + num_stages, i.e. num_stages iterations' worth in flight --
     one fewer for a latent cache (MLA's kv_cache, tma_pipeline.run_latent_tma_pipeline: tiles
     j - 1 and j are read while the other stages land, so the refill after tile j's barrier is
-    waited for num_stages - 1 tiles later). Spread over the warps that run the loop (the
-    per-warp figures are what the model scales)."""
+    waited for num_stages - 1 tiles later), and under MLA's seesaw (two tiles an iteration) the
+    two tiles beyond those read. Spread over the warps that run the loop (the per-warp figures
+    are what the model scales)."""
     maps = [p["source"]["tensor"] for p in launch.get("params", [])
             if p.get("source", {}).get("kind") == "tensor_map"]
     per_iter = 0
@@ -72,6 +73,8 @@ def with_tma_loads(loop: dict, launch: dict, tensors: dict, config: dict, kv_row
     stages = int(config.get("num_stages", 1))
     if "kv_cache" in maps:          # latent tiles: one stage holds a tile still being read
         stages -= 1
+    if config.get("seesaw"):        # two tiles an iteration; two of four stages in flight (T(j+1),
+        stages = (stages - 1) / 2   # T(j+2) while tiles j-1 and j are read)
     share = per_iter / warps_per_cta
     return {**loop, "global_bytes_loaded": loop["global_bytes_loaded"] + round(share),
             "inflight_bytes_mean": round(loop["inflight_bytes_mean"] + stages * share, 1),

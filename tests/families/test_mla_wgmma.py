@@ -318,3 +318,97 @@ def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
     _, prof = built_sass(tmp_path / "out", "m_unsplit", "sm_90a", "ptxc_m_unsplit_split")
     loop = prof["loops"]["loops"][prof["loops"]["main"]]
     assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (36 + 2 + 2, 36 * 4 + 2 * 32 + 2)
+
+
+# FlashMLA's seesaw schedule (tile.seesaw; mainloop/seesaw_pipeline.py): the warpgroups take
+# alternate tiles' S and softmax and hand each other P and m; four stages, 10 KiB of hand-over
+SEESAW = {
+    # up to 1000 keys in 16-row pages over 3 splits: every stage buffer, mbarrier phase and
+    # hand-over slot reused many times under the race checker; odd and even tile counts
+    "h64-bf16-page16-3splits-L1000": (dict(heads=64, splits=3, page=16),
+                                      {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}),
+    # two head tiles, f16, a contiguous cache (rows past max_seq_len: the TMA's zeros)
+    "h128-f16-contiguous-1": (dict(dtype="f16", heads=128, layout="contiguous", splits=1),
+                              {"batch": 9, "max_seq_len": 70}),
+    # FlashMLA's 64-row pages, 3 splits (splits with one tile: the other warpgroup owns none)
+    "h64-bf16-page64-3splits": (dict(heads=64, splits=3),
+                                {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}),
+    "h128-bf16-page8-auto": pytest.param((dict(heads=128, page=8),
+                                          {"batch": 9, "max_pages_per_seq": 16, "num_pages": 150}),
+                                         marks=pytest.mark.slow),
+}
+SEESAW_TILE = "seesaw = true"
+SEESAW_EXCHANGE = 2 * (2 * 128 * 16 + 128 * 8)
+
+
+@pytest.mark.parametrize("case", SEESAW.values(), ids=SEESAW.keys())
+def test_seesaw_matches_reference(tmp_path, case):
+    """The mixed batches of test_mixed_batch_matches_reference (q_len 0/1/2/4, L 0/1/63/64/65
+    and long, NaN in rows no sequence owns) under the seesaw: 0, 1, 2, 3 and many tiles per
+    split, so either warpgroup may own the last tile (and zero its V tail) or none."""
+    keys, shapes = case
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A, tile="seesaw = true")
+    c = _config(art)
+    assert (c["path"], c["block_m"], c["num_warps"], c["value_split"]) == (PATH, 64, 8, 2)
+    assert (c["block_n"], c["num_stages"], c["seesaw"], c.get("split_scores", False)) == (32, 4, True, False)
+    assert c["smem_bytes"] == Q_BYTES + 4 * TILE + 32 + SEESAW_EXCHANGE == 231456
+    assert c["exchange_bytes"] == SEESAW_EXCHANGE
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
+def test_seesaw_never_reads_the_rope_columns_for_values_and_reads_rows_once(tmp_path, bytes_read):
+    """Two caches that differ only in the RoPE columns give identical bytes (V is the first 512
+    columns, whichever warpgroup's P weighs them); each latent row a tile sees crosses once
+    (each warpgroup's boxes load its own tiles: every page once, none twice, none past L)."""
+    art = build_kernel(tmp_path, "mla", body(heads=64, page=16), targets=SM90A, tile=SEESAW_TILE)
+    lens = [5, 64, 33, 1, 0, 49]
+    spec, inputs, q_lens = _decode_batch(art, lens, [1, 2, 4, 1, 1, 0], 64, np.random.default_rng(9))
+    inputs["q"][..., 512:] = 0
+    other = {**inputs, "kv_cache": inputs["kv_cache"].copy()}
+    other["kv_cache"][..., 512:] = 30000.0
+    a = art.run(inputs, target="sm_90a")
+    # 64 heads: a tile a query token, whose causal keys end at L - q_len + 1 + i (whole pages)
+    rows = [-(-(L - n + 1 + i) // 16) * 16 for L, n in zip(lens, q_lens) for i in range(n) if L]
+    assert bytes_read["kv_cache (TMA)"] == sum(rows) * spec.head_dim * 2 and bytes_read["kv_cache"] == 0
+    b = art.run(other, target="sm_90a")
+    assert np.array_equal(a["o"], b["o"]) and np.array_equal(a["lse"], b["lse"])
+    assert ref.max_abs_error(a["o"], MLA.reference(spec, inputs)["o"]) < 2e-2
+
+
+@pytest.mark.parametrize("tile,targets,key", [
+    ("seesaw = true\nsplit_scores = true", SM90A, "tile.split_scores"),
+    ("seesaw = true\nnum_stages = 3", SM90A, "tile.num_stages"),
+    ('seesaw = true\nkv_loads = "cp_async"', SM90A, "tile.seesaw"),
+    ("seesaw = true", ("sm_80", "sm_90"), "tile.seesaw"),
+])
+def test_seesaw_where_it_cannot_run_is_one_line(tile, targets, key):
+    from ptxc.errors import SpecError
+    from ptxc.kernels import load_text
+    text = (f'[[kernel]]\nname = "m"\nfamily = "mla"\ntargets = {list(targets)!r}\n{body(heads=64)}'
+            f'[kernel.tile]\n{tile}\n').replace("'", '"')
+    with pytest.raises(SpecError) as e:
+        load_text(text, "m.toml")
+    assert key in str(e.value) and "\n" not in str(e.value)
+    for kv in ("e4m3", "e4m3_ds"):       # FP8 rows are staged and converted: not the seesaw's loop
+        with pytest.raises(SpecError, match="tile.seesaw"):
+            load_text(f'[[kernel]]\nname = "m"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
+                      f'{body(heads=64, kv=kv)}[kernel.tile]\nseesaw = true\n', "m.toml")
+
+
+def test_seesaw_ptxas_zero_spills_pipelined_wgmma(tmp_path, toolchain):
+    """0 spills and wgmma ptxas keeps pipelined (a build problem otherwise); per warp and
+    iteration (its own tile and the other's): its own tile's whole S (36 HGMMA.64x32x16), two
+    P·V (2 HGMMA.64x256x16 each: its P's and the received one) and their row sums (2 HMMA each)."""
+    from ptxc.pipeline.build import run_build
+    kernels = [f'[[kernel]]\nname = "m_{dt}_{lay}"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
+               f'{body(dtype=dt, heads=128, layout=lay, splits=s)}\n[kernel.tile]\nseesaw = true\n'
+               for dt, lay, s in (("bf16", "paged", "auto"), ("f16", "contiguous", 1))]
+    (tmp_path / "k.toml").write_text("\n".join(kernels))
+    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
+    assert summary["verified"] and not summary["problems"]
+    for k in summary["kernels"]:
+        assert k["targets"]["sm_90a"]["spill_bytes"] == 0, k["name"]
+    _, prof = built_sass(tmp_path / "out", "m_bf16_paged", "sm_90a", "ptxc_m_bf16_paged_split")
+    mix, loop = prof["mix"], prof["loops"]["loops"][prof["loops"]["main"]]
+    assert mix["LDSM"] == mix["LDL"] == mix["STL"] == 0
+    assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (36 + 4 + 4, 36 * 4 + 4 * 32 + 4)

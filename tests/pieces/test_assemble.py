@@ -18,6 +18,7 @@ from ptxc.pipeline.compiler import lower
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TARGETS = ("sm_80", "sm_90a", "sm_100a")   # sm_90 / sm_120 take sm_80's paths (and their loops)
 LOADS = ({}, {"kv_loads": "cp_async"}, {"warp_specialize": False}, {"warp_specialize": True})
+MLA_SCHEDULES = ({"seesaw": True},)      # sm_90a's latent tile (opt-in)
 ATTENTION = {"prefill", "varlen", "mla", "decode"}
 
 
@@ -27,9 +28,12 @@ def _combinations():
         if spec.family not in ATTENTION:
             continue
         for target in TARGETS:
-            for extra in LOADS:
-                if extra and (spec.family not in ("prefill", "varlen") or
-                              target not in ("sm_90a", "sm_100a")):
+            for extra in LOADS + MLA_SCHEDULES:
+                if extra in MLA_SCHEDULES:
+                    if spec.family != "mla" or target != "sm_90a":
+                        continue
+                elif extra and (spec.family not in ("prefill", "varlen") or
+                                target not in ("sm_90a", "sm_100a")):
                     continue
                 tile = dict(spec.tile)
                 tile.update(extra)

@@ -23,6 +23,7 @@ from ..mainloop.tiles import SWIZZLE, SwizzledGeom
 from ..mainloop.tiles import CHUNK
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
 from ..math.mma import MmaMath
+from ..math.seesaw import seesaw_slot_bytes
 from .packed_tile import VarlenCtx
 from .variant import finish_rows, head_dim_v
 
@@ -189,11 +190,19 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     # the warpgroups split Q·Kᵀ's depth and exchange partial scores (math/wgmma.py), at the end
     # of shared memory: each computes half of S instead of all of it
     split_scores: bool = False
+    # FlashMLA's seesaw schedule (math/seesaw.py, mainloop/seesaw_pipeline.py): the warpgroups
+    # take alternate tiles' S and softmax and hand each other P and the row max
+    seesaw: bool = False
 
     @property
     def score_exchange_bytes(self) -> int:
         """split_scores: each warpgroup's 64 x block_n f32 partial S."""
         return self.v_split * ROWS_PER_WARPGROUP * self.block_n * 4 if self.split_scores else 0
+
+    @property
+    def seesaw_exchange_bytes(self) -> int:
+        """seesaw: each warpgroup's published P (its A fragments) and row max."""
+        return self.v_split * seesaw_slot_bytes(self.block_n) if self.seesaw else 0
 
     @property
     def staging_geom(self) -> StagingGeom:
@@ -206,7 +215,8 @@ class LatentWgmmaConfig(WgmmaTileConfig):
         if self.fp8:    # two converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
             return (self.q_region_bytes + 2 * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes
                     + bars + self.score_exchange_bytes)
-        return self.q_region_bytes + self.num_stages * self.kv_geom.bytes + bars + self.score_exchange_bytes
+        return (self.q_region_bytes + self.num_stages * self.kv_geom.bytes + bars + self.score_exchange_bytes
+                + self.seesaw_exchange_bytes)
 
     @property
     def fp8_box_bytes(self) -> int:
@@ -239,6 +249,9 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
     beside three stages -- or beside the given tile.num_stages, which it never lowers) says
     whether the warpgroups split Q·Kᵀ."""
     d, dv = spec.head_dim, head_dim_v(spec)
+    seesaw = bool(spec.tile_dict().get("seesaw", False))
+    if seesaw:          # the seesaw's warpgroups each compute their tiles' whole S
+        split = False
     if split is None:
         room = max(3, spec.tile_dict().get("num_stages", 3))
         split = spec.tile_dict().get("split_scores", split_by_default(spec)) and \
@@ -247,7 +260,7 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
                              spec.tile_dict().get("block_n", 32), 2 * ROWS_PER_WARPGROUP // 16,
                              stages, True, dv, dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
                              kv_loads=latent_loads(spec), fp8=kind(spec) is not None,
-                             rows=group_scaled(spec), split_scores=split)
+                             rows=group_scaled(spec), split_scores=split, seesaw=seesaw)
 
 
 def split_by_default(spec) -> bool:
@@ -388,6 +401,8 @@ def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
            **({"fp8_staging_bytes": cfg.staging_geom.bytes} if cfg.fp8 else {}),
            **({"split_scores": True, "exchange_bytes": cfg.score_exchange_bytes}
               if getattr(cfg, "split_scores", False) else {}),
+           **({"seesaw": True, "exchange_bytes": cfg.seesaw_exchange_bytes}
+              if getattr(cfg, "seesaw", False) else {}),
            **({"tmem_columns": cfg.tmem_columns} if tc else {}),
            **({"warp_specialize": True, "threads": cfg.launch_threads}
               if tc and cfg.warp_specialize else {}),

@@ -25,6 +25,8 @@ Main loops, one per load method (mainloop/):
   tma          tma_pipeline.run_tma_pipeline: TMA boxes on full mbarriers, one issuing CTA
   latent_tma   tma_pipeline.run_latent_tma_pipeline: the latent_wgmma overlap with the latent
                tiles as TMA boxes (MLA's dense latent cache on sm_90a)
+  latent_seesaw seesaw_pipeline.run_seesaw_pipeline: MLA's latent TMA tile with the two
+               warpgroups taking alternate tiles' softmax (FlashMLA's seesaw, tile.seesaw)
   tma_ws       tma_ws_pipeline.run_tma_ws_pipeline: a producer warpgroup, consumer warpgroups
   tcgen05_ws   tcgen05_ws_pipeline.run_tcgen05_ws_pipeline: load, MMA and softmax warps
   rows         row_pipeline.run_row_pipeline: decode's SIMT rows, register loads or each
@@ -43,6 +45,7 @@ from ...ir import KernelBuilder, Reg
 from ..mainloop.kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
 from ..mainloop.row_pipeline import KeyRows, run_row_pipeline
 from ..mainloop.tcgen05_ws_pipeline import run_tcgen05_ws_pipeline
+from ..mainloop.seesaw_pipeline import run_seesaw_pipeline
 from ..mainloop.tma_pipeline import run_latent_tma_pipeline, run_tma_pipeline
 from ..mainloop.tma_ws_pipeline import run_tma_ws_pipeline
 from ..mainloop.wgmma_pipeline import run_latent_wgmma_pipeline, run_wgmma_pipeline
@@ -158,6 +161,20 @@ def _latent_tma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_
     return m
 
 
+def _latent_seesaw(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *,
+                   second: Reg, refill: Callable, exchange: Callable):
+    """`refill(t, offset, bar)`: the calling warpgroup's load of tile t; `exchange(math)`: its
+    SeesawExchange; the Loads' last_v_landed zeroes the V tail by one warpgroup's threads."""
+    assert tiles.mask_of is None, "a latent cache takes no packed mask"
+    m = math()
+    run_seesaw_pipeline(b, kv_bytes=buf.k_bytes, kv_smem=buf.k, bars=buf.bars, leader=loads.leader,
+                        second=second, n_tiles=tiles.n_tiles, n_full=tiles.n_full,
+                        key0_of=tiles.key0_of, refill=refill, math=m, exchange=exchange(m),
+                        transform=transform_of(m), lo_full=tiles.lo_full,
+                        q_landed=loads.q_landed, tail=loads.last_v_landed)
+    return m
+
+
 def _tma_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid, lane,
             consumers: int, pingpong: bool):
     run_tma_ws_pipeline(b, stages=buf.stages, consumers=consumers, kv_bytes=buf.k_bytes,
@@ -195,7 +212,7 @@ def _rows(b, buf, tiles: KeyRows, loads: Loads, math, transform_of, *, cfg, tid)
 MAINLOOPS: dict[str, Callable] = {
     "cp_async": _cp_async, "latent": _latent_tile(run_shared_kv_pipeline), "wgmma": _wgmma,
     "latent_wgmma": _latent_tile(run_latent_wgmma_pipeline),
-    "tma": _tma, "latent_tma": _latent_tma, "tma_ws": _tma_ws, "tcgen05_ws": _tcgen05_ws, "rows": _rows,
+    "tma": _tma, "latent_tma": _latent_tma, "latent_seesaw": _latent_seesaw, "tma_ws": _tma_ws, "tcgen05_ws": _tcgen05_ws, "rows": _rows,
 }
 
 

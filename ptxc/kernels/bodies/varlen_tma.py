@@ -59,7 +59,9 @@ from ..kv.kv_fp8_stage import LatentFP8Staging
 from ..mainloop.tiles import CHUNK
 from ..mainloop.tiles import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
 from ..mainloop.tcgen05_ws_pipeline import MMA_WARP_BARRIER
-from ..mainloop.tma_pipeline import barrier_bytes
+from ..mainloop.seesaw_pipeline import SEESAW_STAGES
+from ..mainloop.tma_pipeline import barrier_bytes, refill_phase
+from ..math.seesaw import TAIL_BARRIERS, WARPGROUP, SeesawExchange
 from ..math.tcgen05 import Correction, Tcgen05Math
 from ..math.umma import UmmaIssue, mma_region_bytes
 from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
@@ -243,11 +245,12 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
                                    tile.k_smem, quant, "f16x2" if cfg.fmt.name == "f16" else "bf16x2",
                                    cfg.fmt, box_bytes=slab_cols)
 
-    def copies(issuing: Reg, issuers: int):
+    def copies(issuing: Reg, issuers: int, first_tile: Reg | int = 0, step: int = 1):
         """(copy_tile, issuer): the boxes of a tile shared by `issuers` issuing units (box k
         by unit (k + 1) % issuers: warp_boxes), `issuing` this thread's unit -- its warp, lane
         0 of each issuing (the one-issuer loop), or its lane in the load warp -- and the page
-        ids those threads load, the first tile's loaded here."""
+        ids those threads load: `first_tile`'s here, then after each K tile t's request those
+        of t + `step`, the next these threads request (the seesaw's warpgroups: every other)."""
         boxes = warp_boxes(b, issuing, slabs, slab_cols, bn // rows, rows, bn, issuers, slab_row)
         if ws:      # the lanes with a box: (lane - 1) mod 32 < the tile's box count
             mine = b.rem(b.add(issuing, issuers - 1), issuers)
@@ -260,7 +263,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
                                                         b.mul(kv.regs["bt_stride"], 4)),
                                 first, bn, rows, L, n_tiles, tile.key_lo(), boxes)
             with b.if_then(issuer):
-                pages.load(b.mov(0, U32))
+                pages.load(b.mov(first_tile, U32) if isinstance(first_tile, int) else first_tile)
 
         def copy_tile(t: str, j, dst: Reg, bar: Addr) -> None:
             if t == "q":
@@ -282,7 +285,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
                     coords = (*head, in_page[id(box.row)], seq if ids is None else ids[pages.slot(i)])
                     b.tma_load(Addr(b.add(dst, box.offset)), addr[cache], [box.col, *coords], bar)
             if pages is not None and t == "k":
-                pages.load(b.add(j, 1))                  # K(j+1)'s ids, for the next refill
+                pages.load(b.add(j, step))               # the next K request's ids
         return copy_tile, issuer
 
     def q_landed() -> None:
@@ -337,6 +340,10 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
                  make_issue=lambda q: UmmaIssue(b, cfg, tile.smem, q.tmem, q.bars, hoist=True),
                  softmax_warps=cfg.num_warps)
         return
+    if kv.latent and getattr(cfg, "seesaw", False):
+        emit_seesaw(b, cfg, tile, ctx, copies, q_landed, tail_rows, key_tiles, transform_of,
+                    VarlenWgmmaMath(b, ctx, ptrs, strides))
+        return
     copy_tile, issuer = copies(ctx.warp, cfg.num_warps)
 
     def loads(**hooks) -> Loads:
@@ -363,6 +370,50 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     assemble(b, "tma", buffers=Buffers(stages, tile.smem, tile.k_smem, tile.v_smem, kv_bytes, v_bytes,
                                        0, bars),   # Q came by cp.async
              tiles=key_tiles, loads=loads(), math=prebuilt(math), transform_of=transform_of)
+
+
+def emit_seesaw(b: KernelBuilder, cfg, tile, ctx, copies, q_landed, tail_rows, key_tiles: KeyTiles,
+                transform_of, math) -> None:
+    """MLA's latent tile under the seesaw schedule (tile.seesaw; seesaw_pipeline.py): each
+    warpgroup's four warps issue the boxes of its own tiles (every other one: their page ids
+    step by 2), thread 0 of the warpgroup arriving with the expect_tx; the V tail is zeroed by
+    the warpgroup that owns the last tile once it has landed, before its S (whose scores of
+    those rows are masked) and its hand-over."""
+    # warpgroup 1's predicate from lane 0's warp index: a value ptxas can prove warp-uniform,
+    # so the loop's trip count and its branches around wgmma are not divergent paths (there
+    # ptxas serialises every wgmma: C7520)
+    second = b.setp("ge", b.shfl("idx", ctx.warp, 0), 4)
+    t = b.and_(ctx.tid, WARPGROUP - 1)          # the thread's index in its warpgroup
+    copy_tile, issuer = copies(b.and_(ctx.warp, 3), 4, b.selp(1, 0, second, U32), 2)
+    kv_bytes = cfg.kv_geom.bytes
+
+    def refill(j: Reg, off: Reg, bar: Addr) -> None:
+        refill_phase(b, b.setp("eq", t, 0), issuer, kv_bytes=kv_bytes, k_smem=tile.k_smem,
+                     v_smem=tile.k_smem, n_tiles=tile.n_tiles, copy_tile=copy_tile, k_tile=j,
+                     k_off=off, v_tile=None, v_off=0, bar=bar)
+
+    def warpgroup_barrier() -> None:
+        """Memory order among the warpgroup's threads (PTX: bar.sync)."""
+        with b.if_then(second):
+            b.bar_sync(TAIL_BARRIERS[1], WARPGROUP)
+        with b.else_():
+            b.bar_sync(TAIL_BARRIERS[0], WARPGROUP)
+
+    def tail(v_tile: Reg) -> None:
+        nvalid = tail_rows()
+        with b.if_then(b.setp("lt", nvalid, cfg.block_n)):     # warpgroup-uniform
+            zero_tail_rows(b, cfg, t, v_tile, nvalid, threads=WARPGROUP)
+            b.fence_proxy_async()
+            warpgroup_barrier()        # the writes before any of its warps' wgmma reads
+
+    bars = b.add(tile.k_smem, SEESAW_STAGES * kv_bytes)
+    slots = b.add(ctx.q_smem, cfg.smem_bytes - cfg.seesaw_exchange_bytes)
+    assemble(b, "latent_seesaw", buffers=Buffers(SEESAW_STAGES, tile.smem, tile.k_smem, tile.k_smem,
+                                                 kv_bytes, bars=bars),
+             tiles=key_tiles, loads=Loads(leader=b.setp("eq", ctx.tid, 0), q_landed=q_landed,
+                                          last_v_landed=tail),
+             math=prebuilt(math), transform_of=transform_of, second=second, refill=refill,
+             exchange=lambda m: SeesawExchange(b, m, slots, t, second))
 
 
 __all__ = ["emit_tma_tile", "tensor_map_params"]

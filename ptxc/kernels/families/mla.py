@@ -86,6 +86,11 @@ FIELDS = FamilyFields(
         Field("split_scores", "bool", "sm_90a wgmma tile: the two warpgroups each compute half of "
               "Q·Kᵀ's depth and exchange partial scores through 16 KiB of shared memory (one "
               "latent stage fewer), instead of each computing all of it", default=None),
+        Field("seesaw", "bool", "sm_90a wgmma tile over TMA-loaded latent rows of the dtype: "
+              "FlashMLA's seesaw schedule -- the warpgroups take alternate tiles' whole S and "
+              "softmax and hand each other P and the row max through 10 KiB of shared memory, so "
+              "one's softmax runs under the other's products (four latent stages; replaces "
+              "split_scores)", default=False),
     ),
 )
 
@@ -187,6 +192,28 @@ def validate(spec: KernelSpec) -> None:
                         f"dtype or of e4m3 (not e4m3_ds, not sparse), contiguous or in pages of >= 8 rows that "
                         f"are a power of two or a multiple of 64; allowed: \"cp_async\" or drop "
                         f"the key", key="tile.kv_loads")
+    if spec.tile_dict().get("seesaw"):
+        check_seesaw(spec, configs)
+
+
+def check_seesaw(spec: KernelSpec, configs: list) -> None:
+    """tile.seesaw runs on the sm_90a wgmma tile whose latent rows of the dtype come by TMA,
+    at four stages (each warpgroup's tiles alternate between two of them)."""
+    tile = spec.tile_dict()
+    if tile.get("split_scores"):
+        raise SpecError("split_scores = true with seesaw = true: the seesaw's warpgroups each "
+                        "compute their own tiles' whole S; allowed: drop one of them",
+                        key="tile.split_scores")
+    if tile.get("num_stages", 4) != 4:
+        raise SpecError(f"num_stages = {tile['num_stages']} with seesaw = true: each warpgroup's "
+                        f"tiles alternate between two of four latent stages; allowed: 4 or drop "
+                        f"the key", key="tile.num_stages")
+    wgmma = [c for c in configs if getattr(c, "seesaw", False)]
+    if not wgmma or any(not c.tma or c.fp8 for c in wgmma):
+        raise SpecError(f"seesaw = true with targets {', '.join(spec.targets)}: the seesaw runs on "
+                        f"the sm_90a wgmma tile (64 head rows) over TMA-loaded latent rows of the "
+                        f"dtype (a dense cache, not e4m3 / e4m3_ds, not sparse, kv_loads \"tma\"); "
+                        f"allowed: false", key="tile.seesaw")
 
 
 def check_sparse(spec: KernelSpec) -> None:

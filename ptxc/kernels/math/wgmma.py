@@ -140,15 +140,16 @@ class WgmmaMath(MmaMath):
     def pv_done(self) -> None:
         self.b.wgmma_wait(0)
 
-    def issue_pv(self, v_tile: Reg) -> None:
-        """Issue O += P·V with the packed P of the previous softmax as one commit group."""
+    def issue_pv(self, v_tile: Reg, frags: list[list[Reg]] | None = None) -> None:
+        """Issue O += P·V with the packed P of the previous softmax (or `frags`, another P's A
+        fragments: the seesaw's received P) as one commit group."""
         b = self.b
         if self.v_off is not None:      # this warpgroup's value columns
             v_tile = b.add(v_tile, self.v_off)
         v_desc = b.matrix_descriptor(v_tile, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
         acc = [r for tile in self.o for r in tile]
         b.wgmma_fence()
-        for kk, a in enumerate(self.p_frags):   # keys 16kk..16kk+15: 2 swizzle periods further
+        for kk, a in enumerate(frags or self.p_frags):   # keys 16kk..16kk+15: 2 swizzle periods further
             desc = v_desc if kk == 0 else b.add(v_desc, Imm(kk * 2 * SWIZZLE_PERIOD >> 4, U64))
             b.wgmma(acc, a, desc, self.in_type, scale_d=True, trans_b=1)
         b.wgmma_commit()
@@ -178,14 +179,18 @@ class WgmmaMath(MmaMath):
     def softmax_late(self, probs: list[list[Reg]], rescale: Reg) -> None:
         """After the previous P·V retired: O *= alpha (when rescaling), P packed into the
         registers the next P·V reads, the row sums by mma.sync against ones."""
+        self.rescale_o(rescale)
+        self.pack_probs(probs)
+        self.add_row_sums()
+
+    def rescale_o(self, rescale: Reg) -> None:
+        """O *= alpha where the warp voted to rescale (O not in flight)."""
         b = self.b
         with b.if_then(rescale):
             for r in range(2):
                 for acc in self.o:
                     for e in range(2):
                         b.mul(acc[2 * r + e], self.alpha[r], out=acc[2 * r + e])
-        self.pack_probs(probs)
-        self.add_row_sums()
 
     def pack_probs(self, probs: list[list[Reg]]) -> None:
         """P rounded to f16x2/bf16x2 pairs in the A-fragment registers of the next P·V."""
@@ -195,9 +200,9 @@ class WgmmaMath(MmaMath):
                 self.b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn],
                                 out=frag[2 * (jn % 2) + r])
 
-    def add_row_sums(self) -> None:
-        """The packed P's row sums, by mma.sync against a fragment of ones."""
-        for a in self.p_frags:
+    def add_row_sums(self, frags: list[list[Reg]] | None = None) -> None:
+        """The packed P's (or `frags`') row sums, by mma.sync against a fragment of ones."""
+        for a in frags or self.p_frags:
             self.b.mma_m16n8k16(a, (self.ones, self.ones), self.l_acc, self.in_type,
                                 out=self.l_acc)
 
