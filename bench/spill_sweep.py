@@ -1,13 +1,14 @@
 """Every family x dtype x causal x head_dim (multiples of 8 from 16 to 256, and 512) x default
 target, every option (one at a time, over the head sizes engines use), and MLA over every latent
 rank x RoPE width x option set, lowered and assembled by the real ptxas; prints (or records) the
-spill bytes.
+spill bytes, and on wgmma targets whether ptxas serialised an entry's wgmma (its C75xx note).
 
     python bench/spill_sweep.py [--out FILE.json] [--update FILE.json] [--jobs 2] [--floors]
 
 tests/pipeline/test_spill_sweep.py runs the same matrix: it re-assembles every combination whose PTX is
 not in the committed record tests/golden/spill_sweep.json (keyed by the PTX's sha256, the target
-and the ptxas version) and a fixed sample of the recorded ones, and asserts 0 spills everywhere.
+and the ptxas version) and a fixed sample of the recorded ones, and asserts 0 spills and no
+serialised wgmma everywhere.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from ptxc.errors import SpecError  # noqa: E402
 from ptxc.pipeline.compiler import lower  # noqa: E402
 from ptxc.kernels import load_text  # noqa: E402
+from ptxc.kernels.config.wgmma import WGMMA_TARGETS  # noqa: E402
 from ptxc.targets import DEFAULT_TARGETS  # noqa: E402
 
 HEAD_DIMS = tuple(range(16, 257, 8)) + (512,)
@@ -203,7 +205,10 @@ MLA_WG_LOADS = (("page_size = 16\n", "p16"), ('[kernel.tile]\nkv_loads = "cp_asy
                 ('kv_dtype = "e4m3"\n[kernel.tile]\nsplit_scores = false\n', "fp8unsplit"),
                 ('kv_dtype = "e4m3"\n[kernel.tile]\nkv_loads = "tma"\n', "fp8tma"),
                 ('kv_dtype = "e4m3"\nkv_layout = "contiguous"\n[kernel.tile]\nkv_loads = "tma"\n'
-                 'split_scores = false\n', "fp8tmaunsplit"))
+                 'split_scores = false\n', "fp8tmaunsplit"),
+                ("[kernel.tile]\nseesaw = true\n", "seesaw"),
+                ('page_size = 16\n[kernel.tile]\nseesaw = true\n', "seesawp16"),
+                ('kv_layout = "contiguous"\n[kernel.tile]\nseesaw = true\n', "seesawcontig"))
 MLA_DS_UNSPLIT = (('kv_dtype = "e4m3_ds"\n[kernel.tile]\nsplit_scores = false\n', "dsunsplit"),
                   ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\n[kernel.tile]\nsplit_scores = false\n',
                    "dssparseunsplit"))
@@ -312,17 +317,32 @@ def lowered(jobs=2, full=True):
 
 
 def assemble_all(items, tc, jobs=2):
-    """{(name, target): {"sha": ..., "spill_bytes": ..., "registers": max}} by real ptxas."""
+    """{(name, target): {"sha": ..., "spill_bytes": ..., "registers": max}} by real ptxas, and on
+    wgmma targets "wgmma_serialized": the entries whose wgmma ptxas serialised."""
     from ptxc.pipeline.ptxas import assemble
 
     def one(item):
         name, target, ptx, sha = item
         _, res, _ = assemble(ptx, target, tc, name)
         spills = sum(r.spill_stores + r.spill_loads for r in res.values())
-        return (name, target), {"sha": sha, "spill_bytes": spills,
-                                "registers": max(r.registers for r in res.values())}
+        out = {"sha": sha, "spill_bytes": spills, "registers": max(r.registers for r in res.values())}
+        if target in WGMMA_TARGETS:
+            out["wgmma_serialized"] = sum(r.wgmma_serialized for r in res.values())
+        return (name, target), out
     with ThreadPoolExecutor(jobs) as pool:
         return dict(pool.map(one, items))
+
+
+def failed(v: dict) -> bool:
+    """A combination that spills or whose wgmma ptxas serialised."""
+    return bool(v["spill_bytes"] or v.get("wgmma_serialized"))
+
+
+def reusable(entry: dict | None, target: str, sha: str) -> bool:
+    """A record entry that holds this PTX's result (on a wgmma target, with the serialisation
+    check, which older records lack)."""
+    return bool(entry) and entry.get("sha") == sha and (target not in WGMMA_TARGETS
+                                                         or "wgmma_serialized" in entry)
 
 
 def main(argv=None) -> int:
@@ -343,13 +363,17 @@ def main(argv=None) -> int:
         if record.get("ptxas_version") == tc.version:
             known = record["entries"]
     reused = {(n, t): known[f"{n}/{t}"] for n, t, _, sha in items
-              if known.get(f"{n}/{t}", {}).get("sha") == sha}
+              if reusable(known.get(f"{n}/{t}"), t, sha)}
     results = {**reused, **assemble_all([it for it in items if (it[0], it[1]) not in reused], tc, args.jobs)}
-    bad = {k: v for k, v in results.items() if v["spill_bytes"]}
+    bad = {k: v for k, v in results.items() if failed(v)}
     for (name, target), v in sorted(bad.items()):
-        print(f"SPILL {name} {target}: {v['spill_bytes']} B ({v['registers']} registers)")
-    print(f"{len(results)} combinations, {len(bad)} spill (ptxas {tc.version})")
+        if v["spill_bytes"]:
+            print(f"SPILL {name} {target}: {v['spill_bytes']} B ({v['registers']} registers)")
+        if v.get("wgmma_serialized"):
+            print(f"SERIALIZED {name} {target}: ptxas serialised the wgmma of {v['wgmma_serialized']} entries")
+    print(f"{len(results)} combinations, {len(bad)} spill or serialise wgmma (ptxas {tc.version})")
     if args.floors:
+        bad = {k: v for k, v in bad.items() if v["spill_bytes"]}
         from ptxc.kernels.config.register_floor import shape_key
         from ptxc.targets import get_target
         specs = {(n, t): spec for n, spec, t in combinations()}

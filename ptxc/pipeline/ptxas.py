@@ -29,9 +29,16 @@ class Resources:
     shared_bytes: int = 0
     constant_bytes: int = 0
     barriers: int = 0
+    # ptxas serialised the entry's wgmma (its C75xx "Potential Performance Loss" note): every
+    # wgmma waits for the one before it, which the kernel was not written for. Kept out of the
+    # metadata while 0, so that artifacts without it read the same.
+    wgmma_serialized: int = 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["wgmma_serialized"]:
+            del d["wgmma_serialized"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -98,9 +105,25 @@ _RES = {
 }
 
 
+_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions are "
+                         r"serialized.*in the function '([\w$]+)'")
+
+
+def serialized_wgmma(log: str) -> dict[str, str]:
+    """Entry -> ptxas's note (code and reason) for each entry whose wgmma ptxas serialised."""
+    out = {}
+    for line in log.splitlines():
+        if (m := _SERIALIZED.search(line)):
+            reason = line.split("Potential Performance Loss: ", 1)[1].split(" in the function")[0]
+            out[m.group(2)] = f"{m.group(1)}: {reason}"
+    return out
+
+
 def parse_resources(stderr: str) -> dict[str, Resources]:
     """Per entry function, the resources in `ptxas -v` output."""
     found: dict[str, dict[str, int]] = {}
+    for name in serialized_wgmma(stderr):
+        found.setdefault(name, {})["wgmma_serialized"] = 1
     current = None
     for line in stderr.splitlines():
         m = re.search(r"(?:Compiling entry function|Function properties for) '?([\w$]+)'?", line)

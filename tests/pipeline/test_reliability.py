@@ -191,3 +191,22 @@ def test_make_build_installs_only_the_toolchain():
     assert any("[toolchain,test]" in l for l in test), test
     assert any("-m venv" in l for l in subprocess.run(["make", "-n", "-B", "test"], cwd=root, capture_output=True,
                                                        text=True, env=env).stdout.splitlines())
+
+
+def test_wgmma_ptxas_serialised_is_a_failed_check(tmp_path, monkeypatch, toolchain):
+    """ptxas's C75xx note (it serialised an entry's wgmma: each waits for the one before, a
+    several-fold slowdown the kernel was not written for) fails the build like a spill: exit 1,
+    the entry named. A wrapper around the real ptxas adds the note for every entry it compiles."""
+    wrapper = tmp_path / "ptxas"
+    wrapper.write_text(
+        f'#!/bin/sh\n[ "$1" = "--version" ] && exec "{toolchain.path}" --version\n'
+        f'out=$("{toolchain.path}" "$@" 2>&1); rc=$?\nprintf "%s\\n" "$out" >&2\n'
+        'printf "%s\\n" "$out" | sed -n "s/.*Compiling entry function \'\\([^\']*\\)\'.*/ptxas info    '
+        ': (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to '
+        'a test in the function \'\\1\'/p" >&2\nexit $rc\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PTXAS", str(wrapper))
+    r = CliRunner().invoke(main, ["build", str(SPECS / "llama3_8b.toml"), "--out", str(tmp_path / "o"),
+                                  "--target", "sm_90a", "-j", "1", "--no-cache"])
+    assert r.exit_code == 1, r.output
+    assert "ptxas serialised its wgmma" in r.output and "ptxc_llama3_8b_decode_split" in r.output

@@ -6,7 +6,8 @@ Lowering the matrix to PTX is front-end time (~3400 kernels by default, 25 s on 
 time is what the record saves. tests/golden/spill_sweep.json records, per combination, the sha256 of its PTX and what
 ptxas 13.5 reported for it. The default run re-assembles every combination whose PTX is not the
 recorded one (a code-generation change is always re-checked for real) and a fixed sample of the
-recorded ones (the record stays honest), and asserts 0 spill bytes everywhere; `-m slow`
+recorded ones (the record stays honest), and asserts 0 spill bytes everywhere and no wgmma
+that ptxas serialised (its C75xx note: every wgmma then waits for the one before); `-m slow`
 re-assembles all. Update the record with `python bench/spill_sweep.py --update tests/golden/spill_sweep.json
 --out tests/golden/spill_sweep.json` (it exits 1 while anything spills; --floors names the
 register_floor.py keys)."""
@@ -39,13 +40,18 @@ def _check(items, toolchain):
     results = spill_sweep.assemble_all(items, toolchain)
     spilled = {f"{n}/{t}": v for (n, t), v in results.items() if v["spill_bytes"]}
     assert not spilled, f"spills (see ptxc/kernels/config/register_floor.py): {spilled}"
+    serialized = [f"{n}/{t}" for (n, t), v in results.items() if v.get("wgmma_serialized")]
+    assert not serialized, f"ptxas serialised the wgmma of {serialized}"
 
 
 def test_record_holds_only_spill_free_results(matrix):
+    """... and results of wgmma targets that say ptxas kept the wgmma pipelined."""
     items, record, _ = matrix
     assert len(items) > 3000
     assert len(record["entries"]) > 6000 and {f"{n}/{t}" for n, t, *_ in items} <= set(record["entries"])
-    assert all(v["spill_bytes"] == 0 for v in record["entries"].values())
+    assert all(not spill_sweep.failed(v) for v in record["entries"].values())
+    assert all("wgmma_serialized" in v for k, v in record["entries"].items()
+               if k.split("/")[1] in spill_sweep.WGMMA_TARGETS)
 
 
 def test_changed_and_sampled_combinations_assemble_without_spills(matrix):
@@ -53,7 +59,7 @@ def test_changed_and_sampled_combinations_assemble_without_spills(matrix):
     same_ptxas = record["ptxas_version"] == toolchain.version
     entries = record["entries"]
     changed = [it for it in items if not same_ptxas
-               or entries.get(f"{it[0]}/{it[1]}", {}).get("sha") != it[3]]
+               or not spill_sweep.reusable(entries.get(f"{it[0]}/{it[1]}"), it[1], it[3])]
     rest = [it for it in items if it not in changed]
     sample = random.Random(20261125).sample(rest, min(SAMPLE, len(rest)))
     _check(changed + sample, toolchain)
