@@ -16,6 +16,14 @@ Per launch with an attention main loop:
                    mma.sync on an H100 does not reach the wgmma peak the GPU model states
        fp32, smem  FP32 lane operations, and bytes through the shared-memory pipe (128 B/clock)
        latency     Little's law: loaded bytes / bytes in flight x `dram_latency_ns`
+       lockstep    a tile whose warps share rows (`value_split` > 1: MLA's latent tiles, each
+                   warp a slice of O's columns) and meet at a CTA barrier every iteration:
+                   every row's softmax waits for its S and the whole CTA for every row, so the
+                   tensor cores idle while it runs -- the tensor term plus one warp's
+                   non-tensor chain (/ `ipc`), not the larger of the two. Not under MLA's
+                   seesaw (no CTA barrier in its loop: one warpgroup's softmax runs under the
+                   other's products). No constant of its own; chosen after the H200 MLA points
+                   it fixes were seen (0.33-0.74x before, docs/performance.md)
   3. CTAs list-scheduled in launch order onto SMs x r slots, each taking iterations x that time;
   4. DRAM, one resource every resident CTA shares: the launch takes at least all its loaded
      bytes (/ reuse: prefill tiles re-read from L2) over `bandwidth_fraction` of the DRAM
@@ -29,15 +37,16 @@ H100 runs of ptxc's mma.sync / SIMT kernels (sm_90 cubins): in-sample, 41 land w
 and all within ±45 % (tests/report/test_calibration.py pins this). Out of sample, on an H200 (its own
 GPU row, the same constants) at 53a4762, 16 of 23 medians land within ±35 % (0.74-2.00: the
 tensor-core decode is modelled up to 2x slow, its "warp" term; MLA decode about 0.75x), and on
-the H100 at 89432c6 33 of 41 (0.67-1.61), on an H200 at 2d6d5cd 39 of 48 (0.66-1.91).
+the H100 at 89432c6 35 of 41 (0.70-1.61), on an H200 at 2d6d5cd 41 of 48 (0.66-1.91) -- 33
+and 39 before the lockstep term, which moved the MLA decodes.
 
 The sm_90a wgmma + TMA kernels have constants of their own (`H100_WGMMA`), chosen on the 28
 H100 wgmma medians of 89432c6 / f7ee845: the tensor term at 0.60 of the dense peak (wgmma gets
 twice mma.sync's share) and `cta_fixed_s`, 3 us a CTA outside its loop (a warp-specialised CTA
 holds a whole SM, so its prologue and epilogue overlap nothing: what made gpt-oss's 128-key
 window, two tiles a CTA, 2.6-2.9x slower than its loop alone). In-sample all 28 land within ±35 %;
-out of sample on an H200 (2d6d5cd) 51 of 62, the 11 outside being every MLA decode on wgmma
-(modelled 0.53-0.73x, too fast: a tile the fit never saw). They price the tensor term and the
+out of sample on an H200 (2d6d5cd) 59 of 62, the 3 outside sparse MLA decodes at 0.73x (51 before
+the lockstep term: every MLA decode on wgmma modelled 0.53-0.73x). They price the tensor term and the
 per-CTA overhead only: every A/B pair of schedules timed (producer warpgroup or not, ping-pong,
 stages) is modelled within 3 % while measured -10 % to +10 %, so they cannot rank schedules.
 tcgen05 kernels (sm_100a) get no estimate: none has run on hardware.
@@ -87,18 +96,19 @@ WGMMA_CALIBRATIONS = {H100_WGMMA.gpu: H100_WGMMA}
 # What the report quotes with every estimate (tests/report/test_calibration.py keeps it true).
 CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 41 within ±35 %, all within ±45 %; "
                      "out-of-sample over 23 H200 medians (53a4762): 16 within ±35 %, model/measured "
-                     "0.74–2.00, over 41 H100 medians of 89432c6: 33 within ±35 %, 0.67–1.61, and "
-                     "over 48 H200 medians of 2d6d5cd: 39 within ±35 %, 0.66–1.91 (tensor-core "
+                     "0.74–2.00, over 41 H100 medians of 89432c6: 35 within ±35 %, 0.70–1.61, and "
+                     "over 48 H200 medians of 2d6d5cd: 41 within ±35 %, 0.66–1.91 (tensor-core "
                      "decode modelled up to 2x slow), over 55 of the 155 H200 medians of 6c5a819–621d27f: "
                      "49 within ±35 %, 0.54–2.03 (FP8 and MQA d256 decode missed); mma.sync and "
                      "SIMT kernels only")
 WGMMA_CALIBRATION_ERROR = ("in-sample over 28 H100 wgmma medians (89432c6, f7ee845): all within "
                            "±35 %, 0.75–1.26; out-of-sample over 62 H200 wgmma medians (2d6d5cd, "
-                           "53a4762): 51 within ±35 %, 0.53–1.22 (MLA decode on wgmma, never "
-                           "fitted, modelled 0.53–0.73: too fast), over 100 of the 155 H200 "
-                           "medians of 6c5a819–621d27f: every one that is not MLA (20) within ±35 %, "
-                           "0.88–1.19, MLA decode 0.33–0.74, the varlen MLA prefill 5.7x slow; "
-                           "sm_90a wgmma kernels only")
+                           "53a4762): 59 within ±35 %, 0.73–1.22 (sparse MLA 0.73), over 100 of "
+                           "the 155 H200 medians of 6c5a819–621d27f: 93 within ±35 % -- every one "
+                           "that is not MLA (20), 0.88–1.19, and 72 of 78 MLA decodes, 0.44–1.13 "
+                           "(the MLA decode's lockstep term was chosen after seeing these points: "
+                           "0.33–0.74 before it) -- the varlen MLA prefill 5.7x slow; sm_90a wgmma "
+                           "kernels only")
 
 
 def calibration_for(gpu: str, config: dict) -> tuple[Calibration, str] | None:
@@ -154,8 +164,15 @@ def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list
     return []
 
 
+def lockstep(config: dict) -> bool:
+    """Whether a tile's warps share rows and meet at a CTA barrier every iteration (the module
+    docstring's `lockstep` term): MLA's latent tiles, except under the seesaw schedule."""
+    return config.get("value_split", 1) > 1 and not config.get("seesaw") \
+        and not config.get("warp_specialize")
+
+
 def iteration_seconds(loop: dict, warps_per_sm: int, active_sms: int, gpu: GpuModel,
-                      cal: Calibration, reuse: int = 1) -> tuple[float, str, dict]:
+                      cal: Calibration, reuse: int = 1, in_lockstep: bool = False) -> tuple[float, str, dict]:
     """Time of one main-loop iteration of every resident CTA of an SM, its binding term, all terms."""
     clock = gpu.clock_mhz * 1e6
     tensor = loop["classes"].get("tensor", 0)
@@ -171,6 +188,8 @@ def iteration_seconds(loop: dict, warps_per_sm: int, active_sms: int, gpu: GpuMo
         / (cal.bandwidth_fraction * gpu.bandwidth / active_sms),
         "latency": loop["global_bytes_loaded"] / inflight * cal.dram_latency_ns * 1e-9 if inflight else 0.0,
     }
+    if in_lockstep:
+        terms["lockstep"] = terms["tensor"] + (loop["instructions"] - tensor) / cal.ipc / clock
     worst = max(terms, key=lambda k: terms[k])
     return terms[worst], worst, terms
 
@@ -198,7 +217,7 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
         resident = max(1, min(launch["occupancy"]["ctas_per_sm"], math.ceil(len(work) / gpu.sm_count)))
         active = min(gpu.sm_count, len(work))
         _, _, terms = iteration_seconds(loop, warps * resident, active, gpu, cal,
-                                        kv_reuse(family, config, spec, dims))
+                                        kv_reuse(family, config, spec, dims), lockstep(config))
         own = {k: v for k, v in terms.items() if k != "bandwidth"}
         bound = max(own, key=lambda k: own[k])
         slots = [0.0] * (gpu.sm_count * resident)
@@ -219,4 +238,4 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
 
 __all__ = ["CALIBRATION_ERROR", "Calibration", "H100_MMA_SYNC", "H100_WGMMA",
            "MMA_SYNC_CALIBRATIONS", "WGMMA_CALIBRATIONS", "WGMMA_CALIBRATION_ERROR", "calibration_for",
-           "cta_iterations", "iteration_seconds", "kv_length", "launch_list_seconds"]
+           "cta_iterations", "iteration_seconds", "kv_length", "launch_list_seconds", "lockstep"]
