@@ -292,7 +292,8 @@ def test_values_never_read_the_rope_columns(tmp_path):
 
 
 def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
-    """bf16 and f16, paged and contiguous: 0 spills; with split scores (the default) the loop
+    """bf16 and f16, paged and contiguous, split, unsplit and seesaw: 0 spills and no wgmma
+    ptxas serialised; with split scores (the default) the loop
     issues half of S, 18 HGMMA.64x32x16, and P·V as 2 HGMMA.64x256x16 per warpgroup (36 for S
     unsplit), no LDSM."""
     from ptxc.pipeline.build import run_build
@@ -303,6 +304,9 @@ def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
                    f'{body(heads=128, kv="e4m3")}\n')
     kernels.append(f'[[kernel]]\nname = "m_unsplit"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
                    f'{body(heads=128)}\n[kernel.tile]\nsplit_scores = false\n')
+    kernels += [f'[[kernel]]\nname = "m_seesaw_{dt}"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
+                f'{body(dtype=dt, heads=128, layout=lay)}\n[kernel.tile]\nseesaw = true\n'
+                for dt, lay in (("bf16", "paged"), ("f16", "contiguous"))]
     (tmp_path / "k.toml").write_text("\n".join(kernels))
     summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
     assert summary["verified"] and not summary["problems"]
@@ -318,6 +322,13 @@ def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
     _, prof = built_sass(tmp_path / "out", "m_unsplit", "sm_90a", "ptxc_m_unsplit_split")
     loop = prof["loops"]["loops"][prof["loops"]["main"]]
     assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (36 + 2 + 2, 36 * 4 + 2 * 32 + 2)
+    # seesaw, per warp and iteration (its own tile and the other's): its tile's whole S, two
+    # P·V (its P's and the received one's) and their row sums; the build's problems would
+    # name a wgmma ptxas serialised
+    _, prof = built_sass(tmp_path / "out", "m_seesaw_bf16", "sm_90a", "ptxc_m_seesaw_bf16_split")
+    loop = prof["loops"]["loops"][prof["loops"]["main"]]
+    assert prof["mix"]["LDL"] == prof["mix"]["STL"] == 0
+    assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (36 + 4 + 4, 36 * 4 + 4 * 32 + 4)
 
 
 # FlashMLA's seesaw schedule (tile.seesaw; mainloop/seesaw_pipeline.py): the warpgroups take
@@ -393,22 +404,3 @@ def test_seesaw_where_it_cannot_run_is_one_line(tile, targets, key):
         with pytest.raises(SpecError, match="tile.seesaw"):
             load_text(f'[[kernel]]\nname = "m"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
                       f'{body(heads=64, kv=kv)}[kernel.tile]\nseesaw = true\n', "m.toml")
-
-
-def test_seesaw_ptxas_zero_spills_pipelined_wgmma(tmp_path, toolchain):
-    """0 spills and wgmma ptxas keeps pipelined (a build problem otherwise); per warp and
-    iteration (its own tile and the other's): its own tile's whole S (36 HGMMA.64x32x16), two
-    P·V (2 HGMMA.64x256x16 each: its P's and the received one) and their row sums (2 HMMA each)."""
-    from ptxc.pipeline.build import run_build
-    kernels = [f'[[kernel]]\nname = "m_{dt}_{lay}"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
-               f'{body(dtype=dt, heads=128, layout=lay, splits=s)}\n[kernel.tile]\nseesaw = true\n'
-               for dt, lay, s in (("bf16", "paged", "auto"), ("f16", "contiguous", 1))]
-    (tmp_path / "k.toml").write_text("\n".join(kernels))
-    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
-    assert summary["verified"] and not summary["problems"]
-    for k in summary["kernels"]:
-        assert k["targets"]["sm_90a"]["spill_bytes"] == 0, k["name"]
-    _, prof = built_sass(tmp_path / "out", "m_bf16_paged", "sm_90a", "ptxc_m_bf16_paged_split")
-    mix, loop = prof["mix"], prof["loops"]["loops"][prof["loops"]["main"]]
-    assert mix["LDSM"] == mix["LDL"] == mix["STL"] == 0
-    assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (36 + 4 + 4, 36 * 4 + 4 * 32 + 4)

@@ -26,7 +26,7 @@ warpgroups hold the same l, bit for bit, and normalise their halves of O alike.
 from __future__ import annotations
 
 from ...ir import B32, F32, U32, Addr, KernelBuilder, Reg
-from ..attention.softmax import rescale_factor, rescale_vote, safe_max
+from ..attention.softmax import rescale_vote
 
 SEESAW_BARRIERS = (2, 3)   # warpgroup g publishes P and m on SEESAW_BARRIERS[g]
 TAIL_BARRIERS = (4, 5)     # warpgroup g's own 128 threads (the zeroed V tail)
@@ -83,14 +83,9 @@ class SeesawExchange:
     def absorb(self, frags: list[list[Reg]], m_new: list[Reg]) -> None:
         """The other warpgroup's softmax step on this warpgroup's state (module docstring): O
         must not be in flight (its P·V retired)."""
-        b, math = self.b, self.math
-        rescale = rescale_vote(b, m_new, math.m[:2], (4, 8, 16))
-        with b.if_then(rescale):
-            for r in range(2):
-                b.mov(rescale_factor(b, math.m[r], safe_max(b, m_new[r])), out=math.alpha[r])
-                for e in range(2):
-                    b.mul(math.l_acc[2 * r + e], math.alpha[r], out=math.l_acc[2 * r + e])
-                b.mov(m_new[r], out=math.m[r])
+        math = self.math
+        rescale = rescale_vote(self.b, m_new, math.m[:2], (4, 8, 16))
+        math.move_max(rescale, m_new)
         math.rescale_o(rescale)
         math.add_row_sums(frags)
 

@@ -168,13 +168,19 @@ class WgmmaMath(MmaMath):
         m_use = [b.selp(cands[r], self.m[r], rescale) for r in range(2)]
         probs = [exponentials(b, rows[r], safe_max(b, m_use[r]), self.scale_log2, self.exp2_poly)
                  for r in range(2)]
+        self.move_max(rescale, cands)
+        return probs, rescale
+
+    def move_max(self, rescale: Reg, m_new: list[Reg]) -> None:
+        """Where the warp voted to rescale: alpha = 2^(m - m_new), the row sums scaled by it and
+        m <- m_new (O follows in rescale_o, once no P·V holds it)."""
+        b = self.b
         with b.if_then(rescale):
             for r in range(2):
-                b.mov(rescale_factor(b, self.m[r], safe_max(b, cands[r])), out=self.alpha[r])
+                b.mov(rescale_factor(b, self.m[r], safe_max(b, m_new[r])), out=self.alpha[r])
                 for e in range(2):
                     b.mul(self.l_acc[2 * r + e], self.alpha[r], out=self.l_acc[2 * r + e])
-                b.mov(cands[r], out=self.m[r])
-        return probs, rescale
+                b.mov(m_new[r], out=self.m[r])
 
     def softmax_late(self, probs: list[list[Reg]], rescale: Reg) -> None:
         """After the previous P·V retired: O *= alpha (when rescaling), P packed into the
