@@ -208,7 +208,8 @@ MLA_WG_LOADS = (("page_size = 16\n", "p16"), ('[kernel.tile]\nkv_loads = "cp_asy
                  'split_scores = false\n', "fp8tmaunsplit"),
                 ("[kernel.tile]\nseesaw = true\n", "seesaw"),
                 ('page_size = 16\n[kernel.tile]\nseesaw = true\n', "seesawp16"),
-                ('kv_layout = "contiguous"\n[kernel.tile]\nseesaw = true\n', "seesawcontig"))
+                ('kv_layout = "contiguous"\n[kernel.tile]\nseesaw = true\n', "seesawcontig"),
+                ("[kernel.tile]\nseesaw = true\nblock_n = 16\n", "seesawbn16"))
 MLA_DS_UNSPLIT = (('kv_dtype = "e4m3_ds"\n[kernel.tile]\nsplit_scores = false\n', "dsunsplit"),
                   ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\n[kernel.tile]\nsplit_scores = false\n',
                    "dssparseunsplit"))

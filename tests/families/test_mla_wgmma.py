@@ -344,12 +344,19 @@ SEESAW = {
     # FlashMLA's 64-row pages, 3 splits (splits with one tile: the other warpgroup owns none)
     "h64-bf16-page64-3splits": (dict(heads=64, splits=3),
                                 {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}),
+    # 16-row tiles: one A fragment a hand-over, S as m64n16
+    "h64-bf16-page16-3splits-L1000-bn16": (dict(heads=64, splits=3, page=16),
+                                           {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}, 16),
     "h128-bf16-page8-auto": pytest.param((dict(heads=128, page=8),
                                           {"batch": 9, "max_pages_per_seq": 16, "num_pages": 150}),
                                          marks=pytest.mark.slow),
 }
 SEESAW_TILE = "seesaw = true"
-SEESAW_EXCHANGE = 2 * (2 * 128 * 16 + 128 * 8)
+
+
+def _seesaw_exchange(bn: int) -> int:
+    """Two slots: bn / 16 A-fragment blocks of 128 x 16 bytes (P), 128 x 8 bytes (m)."""
+    return 2 * (bn // 16 * 128 * 16 + 128 * 8)
 
 
 @pytest.mark.parametrize("case", SEESAW.values(), ids=SEESAW.keys())
@@ -357,13 +364,15 @@ def test_seesaw_matches_reference(tmp_path, case):
     """The mixed batches of test_mixed_batch_matches_reference (q_len 0/1/2/4, L 0/1/63/64/65
     and long, NaN in rows no sequence owns) under the seesaw: 0, 1, 2, 3 and many tiles per
     split, so either warpgroup may own the last tile (and zero its V tail) or none."""
-    keys, shapes = case
-    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A, tile="seesaw = true")
+    keys, shapes, *given = case
+    bn = given[0] if given else 32
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A,
+                       tile="seesaw = true" + (f"\nblock_n = {bn}" if given else ""))
     c = _config(art)
     assert (c["path"], c["block_m"], c["num_warps"], c["value_split"]) == (PATH, 64, 8, 2)
-    assert (c["block_n"], c["num_stages"], c["seesaw"], c.get("split_scores", False)) == (32, 4, True, False)
-    assert c["smem_bytes"] == Q_BYTES + 4 * TILE + 32 + SEESAW_EXCHANGE == 231456
-    assert c["exchange_bytes"] == SEESAW_EXCHANGE
+    assert (c["block_n"], c["num_stages"], c["seesaw"], c.get("split_scores", False)) == (bn, 4, True, False)
+    assert c["smem_bytes"] == Q_BYTES + 4 * TILE * bn // 32 + 32 + _seesaw_exchange(bn)
+    assert c["exchange_bytes"] == _seesaw_exchange(bn) and (bn != 32 or c["smem_bytes"] == 231456)
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
