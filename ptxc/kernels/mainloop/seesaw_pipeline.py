@@ -55,6 +55,7 @@ def run_seesaw_pipeline(b: KernelBuilder, *, kv_bytes: int, kv_smem: Reg, bars: 
     warpgroup's threads and orders them before its wgmma (None: nothing to zero). `leader`:
     the CTA's thread that initialises the barriers; `second`: warpgroup 1's predicate."""
     S = SEESAW_STAGES
+    assert S % 2 == 0 and S & (S - 1) == 0, "each warpgroup's tiles in whole buffers, t mod S by a mask"
     with b.if_then(leader):
         for s in range(S):
             b.mbarrier_init(Addr(bars, s * MBARRIER_BYTES), 1)
@@ -66,7 +67,7 @@ def run_seesaw_pipeline(b: KernelBuilder, *, kv_bytes: int, kv_smem: Reg, bars: 
         """Tile t's buffer offset, its barrier and the phase's parity."""
         s = b.and_(t, S - 1)
         return (b.mul(s, kv_bytes), Addr(b.add(bars, b.mul(s, MBARRIER_BYTES))),
-                b.and_(b.shr(t, 2), 1))
+                b.and_(b.shr(t, S.bit_length() - 1), 1))
 
     def landed(t: Reg) -> Reg:
         off, bar, parity = buffer(t)
