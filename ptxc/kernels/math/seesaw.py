@@ -28,11 +28,11 @@ from __future__ import annotations
 from ...ir import B32, F32, U32, Addr, KernelBuilder, Reg
 from ..attention.softmax import rescale_vote
 
-SEESAW_BARRIERS = (2, 3)   # warpgroup g publishes P and m on SEESAW_BARRIERS[g]
-TAIL_BARRIERS = (4, 5)     # warpgroup g's own 128 threads (the zeroed V tail)
-WARPGROUP = 128           # threads
-FRAGMENT_BLOCK = WARPGROUP * 16  # one k16 A fragment (4 registers) of every thread of a warpgroup
-MAX_BLOCK = WARPGROUP * 8        # the row max of both rows of every thread
+SEESAW_BARRIERS = (2, 3)          # warpgroup g publishes P and m on SEESAW_BARRIERS[g]
+TAIL_BARRIERS = (4, 5)            # warpgroup g's own 128 threads (the zeroed V tail)
+WARPGROUP = 128                   # threads
+FRAGMENT_BLOCK = WARPGROUP * 16   # one k16 A fragment (4 registers) of every thread of a warpgroup
+MAX_BLOCK = WARPGROUP * 8         # the row max of both rows of every thread
 
 
 def seesaw_slot_bytes(block_n: int) -> int:
