@@ -1,14 +1,15 @@
 """Every family x dtype x causal x head_dim (multiples of 8 from 16 to 256, and 512) x default
 target, every option (one at a time, over the head sizes engines use), and MLA over every latent
 rank x RoPE width x option set, lowered and assembled by the real ptxas; prints (or records) the
-spill bytes, and on wgmma targets whether ptxas serialised an entry's wgmma (its C75xx note).
+spill bytes, and on the arch-specific targets ptxas's performance-loss notes (C75xx: wgmma
+serialised, setmaxnreg ignored, ...).
 
     python bench/spill_sweep.py [--out FILE.json] [--update FILE.json] [--jobs 2] [--floors]
 
 tests/pipeline/test_spill_sweep.py runs the same matrix: it re-assembles every combination whose PTX is
 not in the committed record tests/golden/spill_sweep.json (keyed by the PTX's sha256, the target
 and the ptxas version) and a fixed sample of the recorded ones, and asserts 0 spills and no
-serialised wgmma everywhere.
+performance note everywhere.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ sys.path.insert(0, str(ROOT))
 from ptxc.errors import SpecError  # noqa: E402
 from ptxc.pipeline.compiler import lower  # noqa: E402
 from ptxc.kernels import load_text  # noqa: E402
-from ptxc.kernels.config.wgmma import WGMMA_TARGETS  # noqa: E402
 from ptxc.targets import DEFAULT_TARGETS  # noqa: E402
 
 HEAD_DIMS = tuple(range(16, 257, 8)) + (512,)
@@ -319,7 +319,8 @@ def lowered(jobs=2, full=True):
 
 def assemble_all(items, tc, jobs=2):
     """{(name, target): {"sha": ..., "spill_bytes": ..., "registers": max}} by real ptxas, and on
-    wgmma targets "wgmma_serialized": the entries whose wgmma ptxas serialised."""
+    the arch-specific targets (wgmma, setmaxnreg, tcgen05) "performance_notes": ptxas's C75xx
+    notes over the entries (wgmma serialised, setmaxnreg ignored, ...)."""
     from ptxc.pipeline.ptxas import assemble
 
     def one(item):
@@ -327,23 +328,26 @@ def assemble_all(items, tc, jobs=2):
         _, res, _ = assemble(ptx, target, tc, name)
         spills = sum(r.spill_stores + r.spill_loads for r in res.values())
         out = {"sha": sha, "spill_bytes": spills, "registers": max(r.registers for r in res.values())}
-        if target in WGMMA_TARGETS:
-            out["wgmma_serialized"] = sum(r.wgmma_serialized for r in res.values())
+        if target in NOTED_TARGETS:
+            out["performance_notes"] = sum(r.performance_notes for r in res.values())
         return (name, target), out
     with ThreadPoolExecutor(jobs) as pool:
         return dict(pool.map(one, items))
 
 
+NOTED_TARGETS = ("sm_90a", "sm_100a", "sm_103a")   # where wgmma / setmaxnreg / tcgen05 exist
+
+
 def failed(v: dict) -> bool:
-    """A combination that spills or whose wgmma ptxas serialised."""
-    return bool(v["spill_bytes"] or v.get("wgmma_serialized"))
+    """A combination that spills or that ptxas notes a performance loss for."""
+    return bool(v["spill_bytes"] or v.get("performance_notes"))
 
 
 def reusable(entry: dict | None, target: str, sha: str) -> bool:
-    """A record entry that holds this PTX's result (on a wgmma target, with the serialisation
-    check, which older records lack)."""
-    return bool(entry) and entry.get("sha") == sha and (target not in WGMMA_TARGETS
-                                                         or "wgmma_serialized" in entry)
+    """A record entry that holds this PTX's result (on a NOTED_TARGETS target, with the
+    performance-note check, which older records lack)."""
+    return bool(entry) and entry.get("sha") == sha and (target not in NOTED_TARGETS
+                                                         or "performance_notes" in entry)
 
 
 def main(argv=None) -> int:
@@ -370,9 +374,9 @@ def main(argv=None) -> int:
     for (name, target), v in sorted(bad.items()):
         if v["spill_bytes"]:
             print(f"SPILL {name} {target}: {v['spill_bytes']} B ({v['registers']} registers)")
-        if v.get("wgmma_serialized"):
-            print(f"SERIALIZED {name} {target}: ptxas serialised the wgmma of {v['wgmma_serialized']} entries")
-    print(f"{len(results)} combinations, {len(bad)} spill or serialise wgmma (ptxas {tc.version})")
+        if v.get("performance_notes"):
+            print(f"PERFORMANCE {name} {target}: {v['performance_notes']} C75xx notes (ptxas -v names them)")
+    print(f"{len(results)} combinations, {len(bad)} spill or carry a performance note (ptxas {tc.version})")
     if args.floors:
         bad = {k: v for k, v in bad.items() if v["spill_bytes"]}
         from ptxc.kernels.config.register_floor import shape_key

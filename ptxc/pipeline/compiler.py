@@ -167,9 +167,9 @@ def build_all(specs: list[KernelSpec], cache: Cache, tc: Toolchain | None, jobs:
 
 
 def check_resources(spec: KernelSpec, tb: TargetBuild) -> list[str]:
-    """Problems a user must hear about even when ptxas succeeded: spills, wgmma ptxas
-    serialised, local stacks, and a launch whose shared memory the target cannot give one CTA
-    (ptxas does not see dynamic shared memory; the launch would fail on the device)."""
+    """Problems a user must hear about even when ptxas succeeded: spills, ptxas's
+    performance-loss notes, local stacks, and a launch whose shared memory the target cannot
+    give one CTA (ptxas does not see dynamic shared memory; the launch would fail there)."""
     problems = []
     limit = get_target(tb.target).max_smem_per_cta
     for launch in tb.launches:
@@ -182,7 +182,8 @@ def check_resources(spec: KernelSpec, tb: TargetBuild) -> list[str]:
         if res.spill_stores or res.spill_loads:
             problems.append(f"{spec.name} [{tb.target}] {entry}: {res.spill_stores} bytes spill "
                             f"stores, {res.spill_loads} bytes spill loads")
-        if res.wgmma_serialized:
-            problems.append(f"{spec.name} [{tb.target}] {entry}: ptxas serialised its wgmma "
-                            f"(every one waits for the last; ptxas -v names the cause)")
+        if res.performance_notes:
+            problems.append(f"{spec.name} [{tb.target}] {entry}: ptxas reports a potential "
+                            f"performance loss ({res.performance_notes} C75xx note(s): wgmma "
+                            f"serialised, setmaxnreg ignored, ...; `ptxas -v` on the PTX names it)")
     return problems

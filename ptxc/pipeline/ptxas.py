@@ -29,15 +29,16 @@ class Resources:
     shared_bytes: int = 0
     constant_bytes: int = 0
     barriers: int = 0
-    # ptxas serialised the entry's wgmma (its C75xx "Potential Performance Loss" note): every
-    # wgmma waits for the one before it, which the kernel was not written for. Kept out of the
-    # metadata while 0, so that artifacts without it read the same.
-    wgmma_serialized: int = 0
+    # ptxas's C75xx "Potential Performance Loss" notes for the entry: wgmma serialised (every
+    # one waits for the last), setmaxnreg ignored (every warp at the entry count) -- plans the
+    # kernel was not written without, which ptxas drops and still succeeds. Kept out of the
+    # metadata while 0, so that artifacts without one read the same.
+    performance_notes: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if not d["wgmma_serialized"]:
-            del d["wgmma_serialized"]
+        if not d["performance_notes"]:
+            del d["performance_notes"]
         return d
 
 
@@ -105,25 +106,30 @@ _RES = {
 }
 
 
-_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions are "
-                         r"serialized.*in the function '([\w$]+)'")
+_PERFORMANCE_NOTE = re.compile(r"\((C75\d\d)\) Potential Performance Loss: (.*?)\.?(?: in the "
+                               r"function '([\w$]+)'.*)?$")
+_COMPILING = re.compile(r"Compiling entry function '([\w$]+)'")
 
 
-def serialized_wgmma(log: str) -> dict[str, str]:
-    """Entry -> ptxas's note (code and reason) for each entry whose wgmma ptxas serialised."""
-    out = {}
+def performance_notes(log: str) -> dict[str, list[str]]:
+    """Entry -> ptxas's performance-loss notes ("C7514: wgmma.mma_async instructions are
+    serialized due to ...", "C7508: 'setmaxnreg' ignored; ..."): the entry a note names, else
+    the one being compiled (the last "Compiling entry function" before it), else every entry
+    of the log ('' in the result)."""
+    out: dict[str, list[str]] = {}
+    current = ""
     for line in log.splitlines():
-        if (m := _SERIALIZED.search(line)):
-            reason = line.split("Potential Performance Loss: ", 1)[1].split(" in the function")[0]
-            out[m.group(2)] = f"{m.group(1)}: {reason}"
+        if (c := _COMPILING.search(line)):
+            current = c.group(1)
+        elif (m := _PERFORMANCE_NOTE.search(line)):
+            out.setdefault(m.group(3) or current, []).append(f"{m.group(1)}: {m.group(2)}")
     return out
 
 
 def parse_resources(stderr: str) -> dict[str, Resources]:
     """Per entry function, the resources in `ptxas -v` output."""
     found: dict[str, dict[str, int]] = {}
-    for name in serialized_wgmma(stderr):
-        found.setdefault(name, {})["wgmma_serialized"] = 1
+    notes = performance_notes(stderr)
     current = None
     for line in stderr.splitlines():
         m = re.search(r"(?:Compiling entry function|Function properties for) '?([\w$]+)'?", line)
@@ -136,6 +142,10 @@ def parse_resources(stderr: str) -> dict[str, Resources]:
         for key, rx in _RES.items():
             if (mm := rx.search(line)):
                 found[current][key] = int(mm.group(1))
+    for name, vals in found.items():
+        n = len(notes.get(name, ())) + len(notes.get("", ()))
+        if n:
+            vals["performance_notes"] = n
     return {name: Resources(**vals) for name, vals in found.items()}
 
 

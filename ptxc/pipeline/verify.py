@@ -87,8 +87,9 @@ def _reassemble(meta: dict, target: str, t: dict, ptx: str, cubin: bytes | None,
         if got["spill_stores"] or got["spill_loads"]:
             report.problems.append(f"{where} {k['entry']}: spills "
                                    f"({got['spill_stores']} B stores, {got['spill_loads']} B loads)")
-        if got.get("wgmma_serialized"):
-            report.problems.append(f"{where} {k['entry']}: ptxas serialised its wgmma")
+        if got.get("performance_notes"):
+            report.problems.append(f"{where} {k['entry']}: ptxas reports a potential performance "
+                                   f"loss ({got['performance_notes']} C75xx note(s))")
         if "resources" in k and same_ptxas and k["resources"] != got:
             report.problems.append(f"{where} {k['entry']}: resources {got} differ "
                                    f"from metadata {k['resources']}")

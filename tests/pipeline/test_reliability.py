@@ -194,9 +194,10 @@ def test_make_build_installs_only_the_toolchain():
 
 
 def test_wgmma_ptxas_serialised_is_a_failed_check(tmp_path, monkeypatch, toolchain):
-    """ptxas's C75xx note (it serialised an entry's wgmma: each waits for the one before, a
-    several-fold slowdown the kernel was not written for) fails the build like a spill: exit 1,
-    the entry named. A wrapper around the real ptxas adds the note for every entry it compiles."""
+    """ptxas's C75xx notes (here: it serialised an entry's wgmma, each waiting for the one
+    before, a several-fold slowdown the kernel was not written for) fail the build like a
+    spill: exit 1, the entry named. A wrapper around the real ptxas adds the note for every
+    entry it compiles."""
     wrapper = tmp_path / "ptxas"
     wrapper.write_text(
         f'#!/bin/sh\n[ "$1" = "--version" ] && exec "{toolchain.path}" --version\n'
@@ -209,4 +210,26 @@ def test_wgmma_ptxas_serialised_is_a_failed_check(tmp_path, monkeypatch, toolcha
     r = CliRunner().invoke(main, ["build", str(SPECS / "llama3_8b.toml"), "--out", str(tmp_path / "o"),
                                   "--target", "sm_90a", "-j", "1", "--no-cache"])
     assert r.exit_code == 1, r.output
-    assert "ptxas serialised its wgmma" in r.output and "ptxc_llama3_8b_decode_split" in r.output
+    assert "potential performance loss" in r.output and "ptxc_llama3_8b_decode_split" in r.output
+
+
+def test_performance_notes_go_to_the_entry_they_name_or_the_one_being_compiled():
+    """A C75xx note names its function (wgmma serialised) or not (setmaxnreg ignored: the entry
+    ptxas is compiling); either way the entry's resources count it, and 0 stays out of the
+    metadata."""
+    from ptxc.pipeline.ptxas import Resources, parse_resources, performance_notes
+    log = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are "
+           "serialized due to a test in the function 'k_b' in line 0\n"
+           "ptxas info    : Compiling entry function 'k_a' for 'sm_90a'\n"
+           "ptxas info    : (C7508) Potential Performance Loss: 'setmaxnreg' ignored; unable to "
+           "determine register count at entry.\n"
+           "ptxas info    : Used 168 registers, used 1 barriers\n"
+           "ptxas info    : Compiling entry function 'k_b' for 'sm_90a'\n"
+           "ptxas info    : Used 96 registers\n")
+    assert performance_notes(log) == {
+        "k_b": ["C7514: wgmma.mma_async instructions are serialized due to a test"],
+        "k_a": ["C7508: 'setmaxnreg' ignored; unable to determine register count at entry"]}
+    res = parse_resources(log)
+    assert (res["k_a"].performance_notes, res["k_a"].registers) == (1, 168)
+    assert (res["k_b"].performance_notes, res["k_b"].registers) == (1, 96)
+    assert "performance_notes" not in Resources(registers=1).to_dict()
