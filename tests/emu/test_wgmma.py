@@ -77,11 +77,31 @@ def a_position():
     return 16 * warp + lane // 4 + 8 * ((e // 2) % 2), 2 * (lane % 4) + e % 2 + 8 * (e // 4)
 
 
+REFENCE = """	mov.u32 %r11, spare;
+	shl.b32 %r12, %r4, 2;
+	add.u32 %r11, %r11, %r12;
+	st.shared.u32 [%r11], %r1;
+	fence.proxy.async.shared::cta;"""
+
+
+OTHER_COPIES = """	setp.lt.u32 %p3, %r1, 128;
+	@%p3 bra COPIED;
+	sub.u32 %r4, %r1, 128;"""
+OTHER_LEAVES = """	setp.lt.u32 %p3, %r1, 128;
+	@%p3 bra COMPUTE;
+	sub.u32 %r4, %r1, 128;
+{refence}
+	ret;
+COMPUTE:"""
+
+
 def kernel(n, kind, a_regs, trans_a, trans_b, image_bytes, scale_a=1, between="",
-           fence=True, block_guard="", proxy="after"):
+           fence=True, block_guard="", proxy="after", other_writes=False, refence=False):
     """`proxy`: where fence.proxy.async orders the threads' st.shared (generic proxy) before
     the wgmma's operand reads (async proxy): "after" the barrier (each reader), "before" it
-    (each writer), or "none"."""
+    (each writer), or "none". `other_writes`: a second warpgroup (threads 128-255) writes the
+    operands and leaves after the barrier -- with `refence`, once it has stored elsewhere and
+    fenced again (no barrier after that fence) -- and the first computes."""
     nd = n // 2
     dregs = ",".join(f"%d{i}" for i in range(nd))
     if a_regs:
@@ -103,11 +123,13 @@ def kernel(n, kind, a_regs, trans_a, trans_b, image_bytes, scale_a=1, between=""
 	.reg .b64 %rd<20>;
 	.reg .pred %p<4>;
 	.shared .align 1024 .b8 smem[{image_bytes}];
+	.shared .align 4 .b32 spare[128];
 	mov.u32 %r1, %tid.x;
 	mov.u32 %r2, smem;
 	ld.param.u64 %rd1, [img_p];
 	ld.param.u32 %r3, [nchunks_p];
 	mov.u32 %r4, %r1;
+{OTHER_COPIES if other_writes else ""}
 COPY:
 	setp.ge.u32 %p1, %r4, %r3;
 	@%p1 bra COPIED;
@@ -123,6 +145,7 @@ COPIED:
 {"	fence.proxy.async.shared::cta;" if proxy == "before" else ""}
 	bar.sync 0;
 {"	fence.proxy.async.shared::cta;" if proxy == "after" else ""}
+{OTHER_LEAVES.format(refence=REFENCE if refence else "") if other_writes else ""}
 	cvt.u64.u32 %rd5, %r2;
 	shr.u64 %rd5, %rd5, 4;
 	and.b64 %rd5, %rd5, 16383;
@@ -182,7 +205,7 @@ def launch_case(n, kind, a_regs, trans_a, trans_b, swizzle_a, swizzle_b, scale_d
     cfrag = np.ascontiguousarray(c[row, col])
     dfrag = np.zeros_like(cfrag)
     ptx = kernel(n, kind, a_regs, trans_a, trans_b, total, scale_a, **kernel_kw)
-    run(ptx, "wg", (1,), (128,), [image, np.uint32(total // 16), np.uint64(adesc),
+    run(ptx, "wg", (1,), (256 if kernel_kw.get("other_writes") else 128,), [image, np.uint32(total // 16), np.uint64(adesc),
                                    np.uint64(bdesc), afrag, cfrag, dfrag, np.uint32(scale_d)])
     expect = scale_a * (a_val @ bt_val.T) + (c.astype(np.float64) if scale_d else 0)
     got = np.zeros((64, n), np.float32)
@@ -221,6 +244,23 @@ def test_accumulator_read_before_wait_is_an_error():
 
 def test_accumulator_written_before_wait_is_an_error():
     _error("still in flight", between="\tmov.f32 %d1, 0f00000000;")
+
+
+@pytest.mark.parametrize("proxy,refence", [("before", False), ("before", True), ("none", True)])
+def test_a_later_fence_does_not_hide_the_one_a_barrier_published(proxy, refence):
+    """Another warpgroup writes the operands, fences, and the CTA barrier publishes them; then
+    (refence) it stores elsewhere and fences again with no barrier after, while this
+    warpgroup's wgmma reads what it wrote first. Each writer's last fence alone would say the
+    write was never published to the async proxy (the emulator kept only that one, and
+    refused MLA's seesaw); its last fence before the CTA's last barrier says it was. Without
+    any fence it is still a proxy race."""
+    if proxy == "none":
+        with pytest.raises(EmulationError, match="proxy race"):
+            launch_case(16, "f16", False, 0, 0, 128, 128, proxy=proxy, other_writes=True, refence=refence)
+        return
+    got, expect = launch_case(16, "f16", False, 0, 0, 128, 128, proxy=proxy, other_writes=True,
+                              refence=refence)
+    np.testing.assert_array_equal(got, expect)
 
 
 def test_missing_fence_is_an_error():
