@@ -212,7 +212,8 @@ def _rows(b, buf, tiles: KeyRows, loads: Loads, math, transform_of, *, cfg, tid)
 MAINLOOPS: dict[str, Callable] = {
     "cp_async": _cp_async, "latent": _latent_tile(run_shared_kv_pipeline), "wgmma": _wgmma,
     "latent_wgmma": _latent_tile(run_latent_wgmma_pipeline),
-    "tma": _tma, "latent_tma": _latent_tma, "latent_seesaw": _latent_seesaw, "tma_ws": _tma_ws, "tcgen05_ws": _tcgen05_ws, "rows": _rows,
+    "tma": _tma, "latent_tma": _latent_tma, "latent_seesaw": _latent_seesaw, "tma_ws": _tma_ws,
+    "tcgen05_ws": _tcgen05_ws, "rows": _rows,
 }
 
 

@@ -61,7 +61,7 @@ from ..mainloop.tiles import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
 from ..mainloop.tcgen05_ws_pipeline import MMA_WARP_BARRIER
 from ..mainloop.seesaw_pipeline import SEESAW_STAGES
 from ..mainloop.tma_pipeline import barrier_bytes, refill_phase
-from ..math.seesaw import TAIL_BARRIERS, WARPGROUP, SeesawExchange
+from ..math.seesaw import WARPGROUP, SeesawExchange, warpgroup_barrier
 from ..math.tcgen05 import Correction, Tcgen05Math
 from ..math.umma import UmmaIssue, mma_region_bytes
 from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
@@ -392,19 +392,12 @@ def emit_seesaw(b: KernelBuilder, cfg, tile, ctx, copies, q_landed, tail_rows, k
                      v_smem=tile.k_smem, n_tiles=tile.n_tiles, copy_tile=copy_tile, k_tile=j,
                      k_off=off, v_tile=None, v_off=0, bar=bar)
 
-    def warpgroup_barrier() -> None:
-        """Memory order among the warpgroup's threads (PTX: bar.sync)."""
-        with b.if_then(second):
-            b.bar_sync(TAIL_BARRIERS[1], WARPGROUP)
-        with b.else_():
-            b.bar_sync(TAIL_BARRIERS[0], WARPGROUP)
-
     def tail(v_tile: Reg) -> None:
         nvalid = tail_rows()
         with b.if_then(b.setp("lt", nvalid, cfg.block_n)):     # warpgroup-uniform
             zero_tail_rows(b, cfg, t, v_tile, nvalid, threads=WARPGROUP)
             b.fence_proxy_async()
-            warpgroup_barrier()        # the writes before any of its warps' wgmma reads
+            warpgroup_barrier(b, second)   # the writes before any of its warps' wgmma reads
 
     bars = b.add(tile.k_smem, SEESAW_STAGES * kv_bytes)
     slots = b.add(ctx.q_smem, cfg.smem_bytes - cfg.seesaw_exchange_bytes)

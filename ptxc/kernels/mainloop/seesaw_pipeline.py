@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from ...ir import U32, Addr, KernelBuilder, Reg
 from .kv_pipeline import modify_scores
-from .tma_pipeline import MBARRIER_BYTES
+from .tma_pipeline import MBARRIER_BYTES, init_full_barriers
 
 SEESAW_STAGES = 4      # two buffers a warpgroup: its tile j and j+2 (loading), and the other's
 
@@ -56,11 +56,7 @@ def run_seesaw_pipeline(b: KernelBuilder, *, kv_bytes: int, kv_smem: Reg, bars: 
     the CTA's thread that initialises the barriers; `second`: warpgroup 1's predicate."""
     S = SEESAW_STAGES
     assert S % 2 == 0 and S & (S - 1) == 0, "each warpgroup's tiles in whole buffers, t mod S by a mask"
-    with b.if_then(leader):
-        for s in range(S):
-            b.mbarrier_init(Addr(bars, s * MBARRIER_BYTES), 1)
-        b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
-    b.bar_sync(0)
+    init_full_barriers(b, leader, bars, S)
     g = b.selp(1, 0, second, U32)
 
     def buffer(t: Reg) -> tuple[Reg, Addr, Reg]:

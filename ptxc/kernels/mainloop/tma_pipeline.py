@@ -44,6 +44,17 @@ def barrier_bytes(stages: int, warp_specialized: bool = False) -> int:
     return (2 * stages + 1 if warp_specialized else stages + 1) * MBARRIER_BYTES
 
 
+def init_full_barriers(b: KernelBuilder, leader: Reg, bars: Reg, count: int) -> None:
+    """`count` mbarriers at `bars` (8 bytes apart, arrival count 1: the thread that arrives
+    with each phase's expect_tx) initialised by `leader`, fenced for the async proxy (the
+    TMA's complete_tx) and published by a CTA barrier."""
+    with b.if_then(leader):
+        for s in range(count):
+            b.mbarrier_init(Addr(bars, s * MBARRIER_BYTES), 1)
+        b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
+    b.bar_sync(0)
+
+
 def issue_refill(b: KernelBuilder, *, kv_bytes: int, k_smem: Reg, v_smem: Reg, n_tiles: Reg,
                  copy_tile, k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr,
                  copies: bool = True, v_bytes: int | None = None) -> None:
@@ -111,11 +122,7 @@ def run_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, q_bytes: i
     S = stages
     v_bytes = kv_bytes if v_bytes is None else v_bytes
     q_bar = Addr(bars, S * MBARRIER_BYTES)
-    with b.if_then(leader):
-        for s in range(S + 1):
-            b.mbarrier_init(Addr(bars, s * MBARRIER_BYTES), 1)
-        b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
-    b.bar_sync(0)
+    init_full_barriers(b, leader, bars, S + 1)
 
     def refill(k_tile: Reg, k_off, v_tile: Reg | None, v_off, bar: Addr) -> None:
         """One phase of `bar`: K(k_tile) into k_off, V(v_tile) into v_off, those that exist."""
@@ -181,11 +188,7 @@ def run_latent_tma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_
     With `landed(t, stage)` the stages are FP8 staging buffers: _run_staged_latent_tma."""
     S = stages
     assert S >= 2, "the latent TMA loop reads tiles j-1 and j"
-    with b.if_then(leader):
-        for s in range(S):
-            b.mbarrier_init(Addr(bars, s * MBARRIER_BYTES), 1)
-        b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
-    b.bar_sync(0)
+    init_full_barriers(b, leader, bars, S)
 
     def refill(tile: Reg, off, bar: Addr) -> None:
         refill_phase(b, leader, issuer, kv_bytes=kv_bytes, k_smem=kv_smem, v_smem=kv_smem,

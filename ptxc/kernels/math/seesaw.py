@@ -40,6 +40,22 @@ def seesaw_slot_bytes(block_n: int) -> int:
     return block_n // 16 * FRAGMENT_BLOCK + MAX_BLOCK
 
 
+def by_warpgroup(b: KernelBuilder, second: Reg, first_does, second_does) -> None:
+    """Warpgroup 0 runs `first_does()`, warpgroup 1 `second_does()` (each warp-uniformly: a
+    named barrier's id is an immediate, so each side is its own instruction)."""
+    with b.if_then(second):
+        second_does()
+    with b.else_():
+        first_does()
+
+
+def warpgroup_barrier(b: KernelBuilder, second: Reg) -> None:
+    """bar.sync over the calling warpgroup's 128 threads (TAIL_BARRIERS): memory order among
+    them (the zeroed V tail before any of its warps' wgmma reads it)."""
+    by_warpgroup(b, second, lambda: b.bar_sync(TAIL_BARRIERS[0], WARPGROUP),
+                 lambda: b.bar_sync(TAIL_BARRIERS[1], WARPGROUP))
+
+
 class SeesawExchange:
     """The slots and barriers of one warpgroup's side (`second`: the predicate of warpgroup 1,
     `t` the thread's index in its warpgroup, `base` the two slots' address) over `math`, a
@@ -56,11 +72,7 @@ class SeesawExchange:
         self.m_mine, self.m_other = (b.add(s, b.add(b.shl(t, 3), maxes)) for s in (mine, other))
 
     def _by_warpgroup(self, first, second) -> None:
-        b = self.b
-        with b.if_then(self.second):
-            second()
-        with b.else_():
-            first()
+        by_warpgroup(self.b, self.second, first, second)
 
     def publish(self) -> None:
         """Store this warpgroup's packed P and m, then arrive: the other may take them."""
@@ -90,4 +102,5 @@ class SeesawExchange:
         math.add_row_sums(frags)
 
 
-__all__ = ["SEESAW_BARRIERS", "SeesawExchange", "TAIL_BARRIERS", "WARPGROUP", "seesaw_slot_bytes"]
+__all__ = ["SEESAW_BARRIERS", "SeesawExchange", "TAIL_BARRIERS", "WARPGROUP", "by_warpgroup",
+           "seesaw_slot_bytes", "warpgroup_barrier"]
