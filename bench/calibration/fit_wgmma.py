@@ -19,8 +19,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 
-from predict import WGMMA_FITTED, model_inputs  # noqa: E402
-from ptxc.report.launch_model import H100_WGMMA, launch_list_seconds  # noqa: E402
+from predict import WGMMA_FITTED, model_inputs, modelled  # noqa: E402
+from ptxc.report.launch_model import H100_WGMMA  # noqa: E402
 
 FRACTIONS = (0.45, 0.50, 0.55, 0.60, 0.65, 0.70)
 CTA_FIXED_US = (0.0, 1.0, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)
@@ -30,7 +30,7 @@ def main() -> int:
     points = [(p, args) for p, args in model_inputs(HERE) if p["path"] == "wgmma"]
 
     def ratios(cal, sample: bool) -> list[float]:
-        return [launch_list_seconds(*args, cal)["seconds"] * 1e3 / p["median_ms"]
+        return [modelled(args, cal)["seconds"] * 1e3 / p["median_ms"]
                 for p, args in points if ((p["gpu"], p["commit"]) in WGMMA_FITTED) == sample]
 
     def within(rs):

@@ -19,13 +19,54 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ptxc.report.gpus import GPUS
-from ptxc.report.launch_model import calibration_for, launch_list_seconds
+from ptxc.report.launch_model import SplitRows, calibration_for, kernel_chunk_rule, launch_list_seconds
 from ptxc.report.loop_model import main_loop
 from ptxc.report.sass import sass_profile
 
 HERE = Path(__file__).resolve().parent
 FITTED = {("h100-sxm", c) for c in ("b26fd24", "c889eb4", "3357c2c")}   # (gpu, commit): mma.sync
 WGMMA_FITTED = {("h100-sxm", c) for c in ("89432c6", "f7ee845")}          # and wgmma
+
+
+def _auto_rule(waves: int = 1, even: str = "", spread: bool = False):
+    """A split-KV chunk rule of the timed commits' split_plan.py for num_splits = "auto": the
+    `total` term aiming at `waves` busy CTAs per resident slot, then with `even` the longest
+    row's splits evened out ("up": cdiv(units, chunk) of them; "down": units // chunk), with
+    `spread` a row left whole spread over the S splits instead."""
+    cd = lambda a, d: -(-a // d)
+
+    def chunk(s: SplitRows) -> int:
+        floor = max(1, cd(s.units, s.splits))
+        c = max(floor, cd(s.work * s.seqs, max(1, cd(s.splits * s.rows * waves, 4))))
+        if spread and c >= s.units:
+            return floor
+        if even:
+            n = max(1, cd(s.units, c) if even == "up" else s.units // c)
+            c = max(cd(s.units, n), floor)
+        return c
+    return chunk
+
+
+def _even_shares(s: SplitRows) -> int:
+    return max(1, -(-s.units // s.splits))
+
+
+def chunk_rule(commit: str, family: str, kernel: str, spec: dict):
+    """The split-KV chunk the cubin of `kernel` at `commit` computes (None: this ptxc's,
+    launch_model.kernel_chunk_rule): each row's even share before split_plan.py (cd97613);
+    "auto" as it was (the `total` term alone) from 53a4762; dd55dec's A/B variants
+    `<kernel>_w<waves>e<0|1>` (AUTO_WAVES, EQUAL_SPLITS); 4d6b7c7's per-family rule (decode four
+    waves evened up, MLA evened down); 621d27f's, which is this ptxc's."""
+    if commit in ("b26fd24", "c889eb4", "3357c2c"):
+        return _even_shares
+    if commit == "621d27f" or spec.get("num_splits", (spec.get("options") or {}).get("num_splits")) != "auto":
+        return None
+    if commit == "dd55dec" and "_w" in kernel:
+        waves, even = kernel.rsplit("_w", 1)[1].split("e")
+        return _auto_rule(int(waves), "up" if even == "1" else "")
+    if commit == "4d6b7c7":
+        return {"decode": _auto_rule(4, "up"), "mla": _auto_rule(even="down")}.get(family, _auto_rule())
+    return _auto_rule()
 
 
 def points(calib: Path = HERE) -> list[dict]:
@@ -45,7 +86,8 @@ def _profiles(calib: Path, pts: list[dict]) -> dict[str, dict]:
 
 def model_inputs(calib: Path = HERE):
     """Per recorded point: (point with `path`, `in_sample` and `cubin`, the launch model's
-    arguments but the constants -- (family, spec, config, launches, loops, dims, GPU row) --
+    arguments but the constants -- (family, spec, config, launches, loops, dims, GPU row,
+    the cubin's split-KV chunk rule) --
     or None where no constants were fitted for the kernel's path (tcgen05))."""
     pts = points(calib)
     profiles = _profiles(calib, pts)
@@ -63,7 +105,14 @@ def model_inputs(calib: Path = HERE):
         loops = {k["entry"]: main_loop(profiles[digest].get(k["entry"]), k, meta, t["config"])
                  for k in t["kernels"]}
         yield p, (meta["family"], meta["spec"], t["config"], t["kernels"], loops,
-                  {"num_splits": 1, "num_new": 1, **p["shape"]}, GPUS[p["gpu"]])
+                  {"num_splits": 1, "num_new": 1, **p["shape"]}, GPUS[p["gpu"]],
+                  chunk_rule(p["commit"], meta["family"], p["kernel"], meta["spec"]))
+
+
+def modelled(args: tuple, cal) -> dict:
+    """launch_list_seconds over model_inputs' arguments under the constants `cal`."""
+    *inputs, rule = args
+    return launch_list_seconds(*inputs, cal, chunk_rule=rule)
 
 
 def predictions(calib: Path = HERE) -> list[dict]:
@@ -73,7 +122,7 @@ def predictions(calib: Path = HERE) -> list[dict]:
             out.append({**p, "predicted_ms": None, "bound": "no model"})
             continue
         # the H100's constants on this GPU's row: the same model, checked on another GPU
-        got = launch_list_seconds(*args, calibration_for("h100-sxm", args[2])[0])
+        got = modelled(args, calibration_for("h100-sxm", args[2])[0])
         bound = max(got["launches"], key=lambda x: x["seconds"])["bound"]
         out.append({**p, "predicted_ms": got["seconds"] * 1e3, "bound": bound})
     return out

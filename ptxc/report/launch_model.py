@@ -4,8 +4,10 @@ error, never a forecast past what it was checked on.
 
 Per launch with an attention main loop:
   1. the work: every CTA's number of main-loop iterations at the shape (prefill: its query
-     block's visible key tiles, causal and window included; decode: its split of the keys;
-     varlen: the real (sequence, KV head, split) tiles -- the grid's spare CTAs exit at once),
+     block's visible key tiles, causal and window included; varlen: the real (sequence, KV
+     head, split) tiles -- the grid's spare CTAs exit at once; split-KV: the kernels' uniform
+     chunk of the keys, split_plan's arithmetic at a shape of equal lengths (`chunk_rule`), so
+     a row may leave split indices idle),
   2. one iteration's time with r CTAs resident per SM (r = min(occupancy, CTAs per SM the
      launch can fill)), the largest of
        issue       warp-instructions / 4 schedulers per clock
@@ -35,17 +37,18 @@ stands for the per-launch overhead of the others.
 The constants are fitted (a grid search, bench/calibration/README.md) to the 45 medians of three
 H100 runs of ptxc's mma.sync / SIMT kernels (sm_90 cubins): in-sample, 41 land within ±35 %
 and all within ±45 % (tests/report/test_calibration.py pins this). Out of sample, on an H200 (its own
-GPU row, the same constants) at 53a4762, 16 of 23 medians land within ±35 % (0.74-2.00: the
+GPU row, the same constants) at 53a4762, 16 of 23 medians land within ±35 % (0.73-2.00: the
 tensor-core decode is modelled up to 2x slow, its "warp" term; MLA decode about 0.75x), and on
-the H100 at 89432c6 35 of 41 (0.70-1.61), on an H200 at 2d6d5cd 41 of 48 (0.66-1.91) -- 33
-and 39 before the lockstep term, which moved the MLA decodes.
+the H100 at 89432c6 34 of 41 (0.70-1.56), on an H200 at 2d6d5cd 40 of 48 (0.69-2.11) -- 33
+and 39 before the lockstep term, which moved the MLA decodes, 35 and 41 before the split
+chunk, which moved two just past 0.74x.
 
 The sm_90a wgmma + TMA kernels have constants of their own (`H100_WGMMA`), chosen on the 28
 H100 wgmma medians of 89432c6 / f7ee845: the tensor term at 0.60 of the dense peak (wgmma gets
 twice mma.sync's share) and `cta_fixed_s`, 3 us a CTA outside its loop (a warp-specialised CTA
 holds a whole SM, so its prologue and epilogue overlap nothing: what made gpt-oss's 128-key
 window, two tiles a CTA, 2.6-2.9x slower than its loop alone). In-sample all 28 land within ±35 %;
-out of sample on an H200 (2d6d5cd) 59 of 62, the 3 outside sparse MLA decodes at 0.73x (51 before
+out of sample on an H200 (2d6d5cd) 59 of 62, the 3 outside sparse MLA decodes at 0.71x (51 before
 the lockstep term: every MLA decode on wgmma modelled 0.53-0.73x). They price the tensor term and the
 per-CTA overhead only: every A/B pair of schedules timed (producer warpgroup or not, ping-pong,
 stages) is modelled within 3 % while measured -10 % to +10 %, so they cannot rank schedules.
@@ -57,7 +60,9 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import Callable
 
+from ..kernels.attention.split_plan import AUTO_SPLIT, AutoSplit, plan
 from ..pipeline.exprs import evaluate
 from .gpus import GpuModel
 from .loop_model import kv_reuse, kv_rows_per_iteration, loop_warps
@@ -96,16 +101,17 @@ WGMMA_CALIBRATIONS = {H100_WGMMA.gpu: H100_WGMMA}
 # What the report quotes with every estimate (tests/report/test_calibration.py keeps it true).
 CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 41 within ±35 %, all within ±45 %; "
                      "out-of-sample over 23 H200 medians (53a4762): 16 within ±35 %, model/measured "
-                     "0.74–2.00, over 41 H100 medians of 89432c6: 35 within ±35 %, 0.70–1.61, and "
-                     "over 48 H200 medians of 2d6d5cd: 41 within ±35 %, 0.66–1.91 (tensor-core "
+                     "0.73–2.00, over 41 H100 medians of 89432c6: 34 within ±35 %, 0.70–1.56, and "
+                     "over 48 H200 medians of 2d6d5cd: 40 within ±35 %, 0.69–2.11 (tensor-core "
                      "decode modelled up to 2x slow), over 55 of the 155 H200 medians of 6c5a819–621d27f: "
                      "49 within ±35 %, 0.54–2.03 (FP8 and MQA d256 decode missed); mma.sync and "
                      "SIMT kernels only")
 WGMMA_CALIBRATION_ERROR = ("in-sample over 28 H100 wgmma medians (89432c6, f7ee845): all within "
                            "±35 %, 0.75–1.26; out-of-sample over 62 H200 wgmma medians (2d6d5cd, "
-                           "53a4762): 59 within ±35 %, 0.73–1.22 (sparse MLA 0.73), over 100 of "
+                           "53a4762): 59 within ±35 %, 0.71–1.22 (sparse MLA 0.71), over 100 of "
                            "the 155 H200 medians of 6c5a819–621d27f: 93 within ±35 % -- every one "
-                           "that is not MLA (20), 0.88–1.19, and 72 of 78 MLA decodes, 0.44–1.13 "
+                           "that is not MLA (20), 0.88–1.19, and 72 of 78 MLA decodes, 0.66–1.13, "
+                           "the 6 outside at 5–17 splits modelled fast "
                            "(the MLA decode's lockstep term was chosen after seeing these points: "
                            "0.33–0.74 before it) -- the varlen MLA prefill 5.7x slow; sm_90a wgmma "
                            "kernels only")
@@ -135,9 +141,34 @@ def kv_length(spec: dict, dims: dict) -> int:
     return dims.get("max_pages_per_seq", 0) * int(_opt(spec, "page_size", 16) or 16)
 
 
+@dataclass(frozen=True)
+class SplitRows:
+    """What a split kernel's uniform chunk is computed from (kernels/attention/split_plan.py),
+    at a shape where every sequence has the same length."""
+    units: int      # KV units of each row (its KV tiles; the SIMT decode: its loop iterations)
+    splits: int     # S, the launch's num_splits
+    work: int       # units of work per sequence (its query tiles x KV units)
+    rows: int       # split rows of the grid (the `rows` of the `total` term)
+    seqs: int       # sequences the batch pass sums over
+
+
+ChunkRule = Callable[[SplitRows], int]
+
+
+def kernel_chunk_rule(family: str, spec: dict) -> ChunkRule:
+    """The chunk this ptxc's kernels compute: split_plan.plan with the family's AutoSplit
+    under num_splits = "auto", cdiv(units, S) otherwise. An artifact of another ptxc version
+    may follow another rule (bench/calibration/predict.py names those of the timed commits)."""
+    auto = AUTO_SPLIT.get(family, AutoSplit()) if _opt(spec, "num_splits") == "auto" else None
+    return lambda s: plan([s.units] * s.seqs, s.splits, auto, [s.work] * s.seqs, s.rows)[0]
+
+
 def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list[int],
-                   kv_rows: int) -> list[int]:
-    """Main-loop iterations of every CTA that does work, in launch order."""
+                   kv_rows: int, chunk_rule: ChunkRule | None = None) -> list[int]:
+    """Main-loop iterations of every CTA that does work, in launch order. Split-KV CTAs take
+    the kernel's chunk (`chunk_rule`, default `kernel_chunk_rule`): split z of a row covers
+    units [z * chunk, (z + 1) * chunk) of its span, so a row may use fewer than S splits
+    (its spare CTAs: 0 iterations, `cta_fixed_s`)."""
     window = _opt(spec, "sliding_window") or _opt(spec, "window") or None
     n = grid[0] * grid[1] * grid[2]
     if family == "prefill":
@@ -149,19 +180,33 @@ def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list
             start = max(0, mb * bm + sk - sq - window + 1) if window else 0
             out += [max(0, math.ceil(end / kv_rows) - start // kv_rows)] * (grid[1] * grid[2])
         return out
-    splits = max(1, dims.get("num_splits", 1))
-    if family == "mla" and _opt(spec, "sparse_topk"):   # every CTA: one token's N slots, its split's share
-        return [math.ceil(math.ceil(_opt(spec, "sparse_topk") / splits) / kv_rows)] * n
-    L = kv_length(spec, dims)
-    keys = min(L, window) if window else L
-    if family == "decode":
-        return [math.ceil(math.ceil(keys / splits) / kv_rows)] * n
-    if family in ("varlen", "mla"):
-        group = spec["num_heads"] // spec["num_kv_heads"]
-        q = max(1, dims["total_q"] // max(1, dims["batch"]))
-        real = min(n, dims["batch"] * math.ceil(q * group / config["block_m"]) * grid[1])
-        return [math.ceil(math.ceil((keys + q) / splits) / kv_rows)] * real
-    return []
+    if family not in ("decode", "varlen", "mla"):
+        return []
+    S = max(1, dims.get("num_splits", 1))
+    unit = int(config.get("block_n", kv_rows))   # split_plan's unit: a KV tile, or a SIMT iteration
+    if family == "mla" and _opt(spec, "sparse_topk"):   # every CTA: one token's N slots
+        full = span = _opt(spec, "sparse_topk")
+        seqs, tiles = dims["total_q"], spec["num_heads"] // config["block_m"]
+        rows, per_split = grid[0], n // S
+    else:
+        L = kv_length(spec, dims)
+        q = 0 if family == "decode" else max(1, dims["total_q"] // max(1, dims["batch"]))
+        full, span = L + q, (min(L, window) if window else L) + q   # keys: the longest term's, the CTA's own
+        seqs = dims["batch"]
+        if family == "decode":
+            tiles = grid[0] // spec.get("num_kv_heads", 1) if "block_n" in config else 1
+            rows, per_split = seqs * tiles, n // S
+        else:
+            tiles = math.ceil(q * (spec["num_heads"] // spec["num_kv_heads"]) / config["block_m"])
+            rows, per_split = grid[0], min(n, seqs * tiles * grid[1]) // S
+    units, span_units = math.ceil(full / unit), math.ceil(span / unit)
+    chunk = (chunk_rule or kernel_chunk_rule(family, spec))(SplitRows(units, S, units * tiles, rows, seqs))
+    out = []
+    for z in range(S):      # the split index is the grid's slowest dimension
+        lo = min(z * chunk, span_units)
+        keys = max(0, min(min(lo + chunk, span_units) * unit, span) - lo * unit)
+        out += [math.ceil(keys / kv_rows)] * per_split
+    return out
 
 
 def lockstep(config: dict) -> bool:
@@ -196,9 +241,10 @@ def iteration_seconds(loop: dict, warps_per_sm: int, active_sms: int, gpu: GpuMo
 
 def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[dict],
                         loops: dict[str, dict | None], dims: dict, gpu: GpuModel,
-                        cal: Calibration) -> dict:
+                        cal: Calibration, chunk_rule: ChunkRule | None = None) -> dict:
     """The whole launch list's modelled time. `launches`: metadata launch dicts (entry, grid
-    expressions, block, occupancy); `loops`: entry -> main-loop profile (or None)."""
+    expressions, block, occupancy); `loops`: entry -> main-loop profile (or None);
+    `chunk_rule`: the split-KV chunk the kernels compute (cta_iterations)."""
     total, parts = 0.0, []
     for launch in launches:
         entry, loop = launch["entry"], loops.get(launch["entry"])
@@ -208,7 +254,7 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
             parts.append({"entry": entry, "bound": "fixed", "seconds": cal.launch_s})
             continue
         grid = [evaluate(g, dims) for g in launch["grid"]]
-        work = cta_iterations(family, spec, config, dims, grid, kv_rows)
+        work = cta_iterations(family, spec, config, dims, grid, kv_rows, chunk_rule)
         if not work:
             total += cal.launch_s
             parts.append({"entry": entry, "bound": "fixed", "seconds": cal.launch_s})
@@ -236,6 +282,7 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
     return {"seconds": total, "launches": parts, "calibration": cal.source}
 
 
-__all__ = ["CALIBRATION_ERROR", "Calibration", "H100_MMA_SYNC", "H100_WGMMA",
+__all__ = ["CALIBRATION_ERROR", "Calibration", "ChunkRule", "SplitRows", "H100_MMA_SYNC", "H100_WGMMA",
            "MMA_SYNC_CALIBRATIONS", "WGMMA_CALIBRATIONS", "WGMMA_CALIBRATION_ERROR", "calibration_for",
-           "cta_iterations", "iteration_seconds", "kv_length", "launch_list_seconds", "lockstep"]
+           "cta_iterations", "iteration_seconds", "kernel_chunk_rule", "kv_length", "launch_list_seconds",
+           "lockstep"]

@@ -85,7 +85,7 @@ def test_h200_points_are_out_of_sample_and_quoted_as_measured(every_point):
     assert len(within) == 16, within
     assert 0.73 <= min(ratios.values()) and max(ratios.values()) <= 2.01
     assert "23 H200 medians" in CALIBRATION_ERROR and "16 within ±35 %" in CALIBRATION_ERROR
-    assert "0.74–2.00" in CALIBRATION_ERROR
+    assert "0.73–2.00" in CALIBRATION_ERROR
     # the one wgmma point is modelled by the wgmma constants (test_wgmma_* below)
     assert [p["kernel"] for p in every_point if p["commit"] == "53a4762" and p["path"] == "wgmma"] \
         == ["llama3_8b_fp8_varlen"]
@@ -97,16 +97,18 @@ def test_h100_points_of_later_kernels_are_out_of_sample_and_quoted_as_measured(e
     shared resource per launch these were 31 within ±35 %, 0.67-2.08 (decode of 2-3 waves
     modelled up to 2.1x slow); that change was made after seeing them, so they test it only
     in part. What it still misses: the tensor-core split decode up to 1.6x slow (its warp
-    term), sparse MLA ~0.7x. (33 within, 0.67-1.61, before the lockstep term moved the MLA
-    decodes of the 64-row mma.sync tile, whose warps share rows: chosen after seeing them.)"""
+    term), sparse MLA and Kimi-K2 at 5 splits ~0.74x. (33 within, 0.67-1.61, before the lockstep
+    term moved the MLA decodes of the 64-row mma.sync tile, whose warps share rows: chosen after
+    seeing them; 35, 0.70-1.61, before the model followed the kernels' split chunk, which took
+    Kimi-K2 from 0.75 to 0.74.)"""
     later = [p for p in every_point if p["commit"] == "89432c6" and p["path"] == "mma.sync"]
     assert all(p["gpu"] == "h100-sxm" and not p["in_sample"] for p in later)
     ratios = {p["kernel"]: p["predicted_ms"] / p["median_ms"] for p in later}
     assert len(later) == 41 and len(ratios) == 41
     within = sorted(k for k, r in ratios.items() if 1 / 1.35 <= r <= 1.35)
-    assert len(within) == 35, within
-    assert 0.69 <= min(ratios.values()) and max(ratios.values()) <= 1.62
-    assert "41 H100 medians of 89432c6" in CALIBRATION_ERROR and "35 within ±35 %, 0.70–1.61" in CALIBRATION_ERROR
+    assert len(within) == 34, within
+    assert 0.69 <= min(ratios.values()) and max(ratios.values()) <= 1.57
+    assert "41 H100 medians of 89432c6" in CALIBRATION_ERROR and "34 within ±35 %, 0.70–1.56" in CALIBRATION_ERROR
     # the sm_90a rows whose code is wgmma are the wgmma constants' (17 of them)
     assert sum(p["commit"] == "89432c6" and p["path"] == "wgmma" for p in every_point) == 17
 
@@ -115,18 +117,20 @@ def test_h200_points_of_2d6d5cd_are_out_of_sample_and_quoted_as_measured(every_p
     """The same constants against 48 H200 medians of the mma.sync / SIMT kernels at 2d6d5cd,
     timed after the last change to the model (DRAM shared per launch): the first points that test
     it wholly out of sample. Misses: the tensor-core split decode slow (up to 1.9x, its warp term,
-    as before), sparse MLA fast, the d256 decode at 64 splits fast (0.66x); 39 within before
-    the lockstep term moved the MLA decodes (chosen after seeing them). The wgmma rows (61) are
-    the wgmma constants' (below)."""
+    as before: 2.1x for the FP8 decode at batch 64, whose rows the rule of then left whole),
+    sparse MLA and Kimi-K2 at 5 splits fast (0.73-0.74x), the d256 decode at 64 splits fast
+    (0.69x); 39 within before the lockstep term moved the MLA decodes (chosen after seeing
+    them), 41 (0.66-1.91) before the model followed the kernels' split chunk. The wgmma rows
+    (61) are the wgmma constants' (below)."""
     later = [p for p in every_point if p["commit"] == "2d6d5cd" and p["path"] == "mma.sync"]
     assert all(p["gpu"] == "h200" and not p["in_sample"] for p in later)
     ratios = {(p["kernel"], json.dumps(p["shape"], sort_keys=True)): p["predicted_ms"] / p["median_ms"]
               for p in later}
     assert len(later) == 48 and len(ratios) == 48
     within = sorted(k for k, r in ratios.items() if 1 / 1.35 <= r <= 1.35)
-    assert len(within) == 41, within
-    assert 0.65 <= min(ratios.values()) and max(ratios.values()) <= 1.92
-    assert "48 H200 medians of 2d6d5cd: 41 within ±35 %, 0.66–1.91" in CALIBRATION_ERROR
+    assert len(within) == 40, within
+    assert 0.68 <= min(ratios.values()) and max(ratios.values()) <= 2.11
+    assert "48 H200 medians of 2d6d5cd: 40 within ±35 %, 0.69–2.11" in CALIBRATION_ERROR
     assert sum(p["commit"] == "2d6d5cd" and p["path"] == "wgmma" for p in every_point) == 61
 
 
@@ -156,10 +160,11 @@ def test_wgmma_constants_in_sample(every_point):
 
 def test_wgmma_constants_out_of_sample_on_the_h200(every_point):
     """The same constants on the H200's row against its 62 wgmma medians (2d6d5cd and the one of
-    53a4762): 59 within ±35 %; the 3 outside are the sparse MLA decodes, modelled 0.73x. (Before
-    the lockstep term -- a tile whose warps share rows and meet at a CTA barrier every
-    iteration: tensor + chain, not the larger -- every MLA decode on wgmma was outside,
-    0.53-0.73x; the term was chosen after seeing them, no constant refitted.)"""
+    53a4762): 59 within ±35 %; the 3 outside are the sparse MLA decodes, modelled 0.71x (0.73x
+    before the model followed the kernels' split chunk). (Before the lockstep term -- a tile
+    whose warps share rows and meet at a CTA barrier every iteration: tensor + chain, not the
+    larger -- every MLA decode on wgmma was outside, 0.53-0.73x; the term was chosen after
+    seeing them, no constant refitted.)"""
     h200 = [p for p in every_point if p["path"] == "wgmma" and p["gpu"] == "h200"
             and p["commit"] in ("2d6d5cd", "53a4762")]
     assert len(h200) == 62 and not any(p["in_sample"] for p in h200)
@@ -169,8 +174,8 @@ def test_wgmma_constants_out_of_sample_on_the_h200(every_point):
     assert len(ratio) == 62 and len(ratio) - len(outside) == 59
     assert {k[1] for k in outside} == {"deepseek_v32_mla_sparse_decode", "deepseek_v32_mla_sparse_decode_fp8",
                                        "deepseek_v32_mla_sparse_decode_fp8_sm90a"}
-    assert 0.72 <= min(ratio.values()) and max(ratio.values()) <= 1.23
-    assert "62 H200 wgmma medians" in WGMMA_CALIBRATION_ERROR and "59 within ±35 %, 0.73–1.22" in WGMMA_CALIBRATION_ERROR
+    assert 0.70 <= min(ratio.values()) and max(ratio.values()) <= 1.23
+    assert "62 H200 wgmma medians" in WGMMA_CALIBRATION_ERROR and "59 within ±35 %, 0.71–1.22" in WGMMA_CALIBRATION_ERROR
 
 
 RUN_621D27F = ("6c5a819", "dd55dec", "4d6b7c7", "621d27f")   # the H200 run at 621d27f: its four calls of 2026-11-28
@@ -181,10 +186,11 @@ def test_h200_points_of_run_621d27f_are_out_of_sample_and_quoted_as_measured(eve
     the MLA tile's choices, gpt-oss on 64-row tiles, the MLA prefill on wgmma): 155 medians.
     mma.sync (the decodes, on sm_90a images of mma.sync code): 49 of 55 within ±35 %, the
     misses FP8 decode (1.70-2.03x slow) and MQA d256 decode (0.54-0.66x). wgmma: 93 of 100,
-    every point that is not MLA within (20, 0.88-1.19); outside, 6 MLA decodes (0.44-0.58x:
-    too fast, where an explicit num_splits left split indices idle, which the model -- even
-    shares -- does not know; 0.33-0.74x for all 78 before the lockstep term) and the varlen
-    MLA prefill (128 KV heads, 5.7x slow)."""
+    every point that is not MLA within (20, 0.88-1.19); outside, 6 MLA decodes at 5-17 splits
+    (0.66-0.74x: too fast -- what a split costs beyond its keys, the partials and the reduce's
+    read of them, is not modelled; 0.33-0.74x for all 78 before the lockstep term, and before
+    the model followed the kernels' split chunk 6 others, 0.44-0.58x, whose forced split counts
+    the rule left partly idle) and the varlen MLA prefill (128 KV heads, 5.7x slow)."""
     new = [p for p in every_point if p["commit"] in RUN_621D27F]
     assert len(new) == 155 and all(p["gpu"] == "h200" and not p["in_sample"] for p in new)
     ratio = lambda p: p["predicted_ms"] / p["median_ms"]
@@ -199,7 +205,7 @@ def test_h200_points_of_run_621d27f_are_out_of_sample_and_quoted_as_measured(eve
     assert all(p["kernel"] == "deepseek_v3_mla_prefill" or "mla" in p["kernel"] and "decode" in p["kernel"]
                for p in wg if not inside(p))
     assert sum(map(inside, wg)) == 93
-    assert all(p["shape"].get("num_splits", 1) > 1 for p in wg if not inside(p) and "decode" in p["kernel"])
+    assert all(p["shape"]["num_splits"] >= 5 and ratio(p) < 1 for p in wg if not inside(p) and "decode" in p["kernel"])
     assert "155 H200 medians of 6c5a819–621d27f" in CALIBRATION_ERROR + WGMMA_CALIBRATION_ERROR
 
 
@@ -236,13 +242,30 @@ def test_wgmma_constants_cannot_rank_the_schedule_choices(every_point):
 
 def test_every_cta_of_a_sparse_mla_launch_visits_its_share_of_the_n_slots():
     """Sparse top-k MLA has no batch or sequence length: each of the grid's CTAs (token x head
-    tile x split) visits ceil(ceil(N / splits) / kv_rows) tiles (the report gave no estimate
+    tile x split) visits its split's share of the N slots in kv_rows tiles, as split_plan
+    chunks them: cdiv(128 tiles, 3) = 43, 43 and the remaining 42 (the report gave no estimate
     before: KeyError 'batch')."""
     from ptxc.report.launch_model import cta_iterations
     spec = {"family": "mla", "sparse_topk": 2048, "num_heads": 128, "num_kv_heads": 1}
     work = cta_iterations("mla", spec, {"block_m": 32}, {"total_q": 64, "num_pages": 4096, "num_splits": 3},
                           [64 * 4, 3, 1], 16)
-    assert work == [43] * (64 * 4 * 3)       # ceil(ceil(2048 / 3) / 16) = ceil(683 / 16)
+    assert work == [43] * (64 * 4 * 2) + [42] * (64 * 4)     # split-major, as the grid's y
     dense = cta_iterations("mla", {**spec, "sparse_topk": 0}, {"block_m": 64},
                            {"batch": 2, "total_q": 2, "max_pages_per_seq": 2, "page_size": 64}, [2, 1, 1], 16)
     assert dense and all(w > 0 for w in dense)
+
+
+def test_split_kv_ctas_take_the_kernels_chunk():
+    """cta_iterations follows split_plan's chunk, not an even share per split index: DeepSeek-V3
+    decode at batch 16 x 4096 (4097 keys with the step's token: 129 tiles of 32) on 2 split
+    indices. "auto" (MLA rounds down): the `total` term's chunk, 172 tiles, leaves every row
+    whole, so split 1's CTAs get nothing; a fixed num_splits = 2: 65 and 64 tiles."""
+    from ptxc.report.launch_model import cta_iterations
+    spec = {"family": "mla", "num_heads": 128, "num_kv_heads": 1, "page_size": 64, "num_splits": "auto"}
+    dims = {"batch": 16, "total_q": 16, "max_pages_per_seq": 64, "num_splits": 2}
+    grid = [16 * 128 // 64 + 16, 2, 1]          # query tiles + batch, KV head x split
+    config = {"block_m": 64, "block_n": 32}
+    assert cta_iterations("mla", spec, config, dims, grid, 32) == [129] * 32 + [0] * 32
+    assert cta_iterations("mla", {**spec, "num_splits": 2}, config, dims, grid, 32) == [65] * 32 + [64] * 32
+    # the seesaw's iteration is two tiles: the same split, half the iterations
+    assert cta_iterations("mla", {**spec, "num_splits": 2}, config, dims, grid, 64) == [33] * 32 + [32] * 32
