@@ -54,10 +54,13 @@ def _meta(path: Path) -> dict:
     return json.loads((path / f"{path.name}.json").read_text())
 
 
-def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None, every: bool = False) -> list[dict]:
+def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None, every: bool = False,
+         only: list[str] | None = None) -> list[dict]:
     """The ordered items: {"kind": "check"|"bench", "kernel", "path", "target", "compare", "shape"}.
     Each of `shapes` (--shape) adds a timing of every priority kernel that has all the dims it names, right
-    after the priority kernels' default-shape timings, on the arch-specific image where built."""
+    after the priority kernels' default-shape timings, on the arch-specific image where built.
+    `only`: just these kernels, each a priority kernel, in this order (an A/B question that must
+    be answered first); a name the sets lack is an error."""
     own, arch = f"sm_{sm}", f"sm_{sm}a"
     images: dict[str, dict[str, Path]] = {}     # kernel -> target -> artifact dir (first set wins)
     for s in sets:
@@ -65,7 +68,13 @@ def plan(sets: list[Path], sm: int, shapes: list[dict] | None = None, every: boo
             for t in targets_of(path):
                 if t in (own, arch):
                     images.setdefault(name, {}).setdefault(t, path)
-    rank = {n: i for i, n in enumerate(PRIORITY)}
+    if only:
+        missing = [n for n in only if n not in images]
+        if missing:
+            raise SystemExit(f"gpu_lease: --only names kernels the sets do not hold for sm_{sm}: "
+                             f"{', '.join(missing)}")
+        images = {n: images[n] for n in only}
+    rank = {n: i for i, n in enumerate(only or PRIORITY)}
     names = sorted(images, key=lambda n: (rank.get(n, len(rank)), n))
     if every:   # an A/B set: every kernel is a priority kernel, in PRIORITY's order, then by name
         rank = {n: i for i, n in enumerate(names)}
@@ -203,7 +212,8 @@ def parent(args) -> int:
                 if json.loads(t).get("error") != "deadline"]
         results.write_text("".join(t + "\n" for t in kept))
     else:
-        items = plan(args.sets, sm, [parse_assignments([text], "--shape") for text in args.shape], args.every)
+        items = plan(args.sets, sm, [parse_assignments([text], "--shape") for text in args.shape], args.every,
+                     args.only.split(",") if args.only else None)
         items_path.write_text(json.dumps(items, indent=1))
         results.unlink(missing_ok=True)
     end = time.monotonic() + args.deadline
@@ -252,6 +262,9 @@ def main() -> int:
     ap.add_argument("--every", action="store_true",
                     help="treat every kernel of the sets as a priority kernel (an A/B set: each timed "
                          "at every --shape that fits it)")
+    ap.add_argument("--only", default=None, metavar="NAME[,NAME...]",
+                    help="just these kernels of the sets, in this order, each timed at every --shape "
+                         "that fits it (the A/B pairs a short call must answer first)")
     ap.add_argument("--resume", action="store_true",
                     help="continue the plan already in --out (a second device call after a deadline: "
                          "the sets and --shape given are not re-planned)")

@@ -5,23 +5,34 @@
 #
 # The sets are built here, with this machine's ptxas, so the cubins timed are the ones the SASS
 # figures describe: gpuart (every example spec for its own targets), a90 (every example for
-# sm_90a) and ab (bench/lease_specs/hopper_ab.toml: the sm_90a choices not yet timed, A/B).
+# sm_90a), ab (bench/lease_specs/hopper_ab.toml: the sm_90a prefill choices not yet timed, A/B)
+# and dab (bench/lease_specs/decode_ab.toml: the decode and MLA choices).
 # The device image has Python 3.12 with numpy, click, jinja2, rich, cuda-bindings and torch,
 # but not these pure-Python dependencies of ptxc, which travel as wheels. Both folders are
 # added to .git/info/exclude. Then, in one device call carrying `.whl` and `gpu-art` (the
-# H200 lease at 2d6d5cd, 484 s: the main sets first, then the A/B set; what the deadlines cut
-# goes on in a second call on the still-warm machine with the same command plus `--resume` --
-# $OUT is emptied before every call, hence --out under /tmp and a copy at the end):
+# H200 lease at 2d6d5cd, 484 s for the two main parts: the main sets first, then the A/B set;
+# what the deadlines cut goes on in a second call on the still-warm machine with the same
+# command plus `--resume` -- $OUT is emptied before every call, hence --out under /tmp and a
+# copy at the end). First the question that decides a default: FlashMLA's seesaw against the
+# split-score tile (issue 25), at batch 64 x 4096 unsplit and "auto", then at 16k keys:
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD && mkdir -p /tmp/a && tar xzf gpu-art/arts.tgz -C /tmp/a &&
+#   PYTHONUNBUFFERED=1 timeout 110 python3 bench/gpu_lease.py /tmp/a/dab /tmp/a/a90 --out /tmp/mla \
+#       --only deepseek_v3_mla_decode_seesaw,deepseek_v3_mla_decode,kimi_k2_mla_decode_seesaw,kimi_k2_mla_decode \
+#       --deadline 100 --item-timeout 40 --shape batch=64,total_q=64,max_pages_per_seq=64,num_pages=4096,num_splits=1 \
+#       --shape batch=64,total_q=64,max_pages_per_seq=256,num_pages=16384;
 #   PYTHONUNBUFFERED=1 timeout 320 python3 bench/gpu_lease.py /tmp/a/a90 /tmp/a/gpuart --out /tmp/r \
 #       --deadline 305 --item-timeout 30 --shape batch=1,seq_q=16384,seq_k=16384 \
 #       --shape batch=64,max_seq_len=4096 --shape batch=64,max_pages_per_seq=256,num_pages=16384;
 #   PYTHONUNBUFFERED=1 timeout 190 python3 bench/gpu_lease.py /tmp/a/ab --every --out /tmp/ab \
 #       --deadline 175 --item-timeout 30 --shape batch=1,seq_q=16384,seq_k=16384 \
 #       --shape batch=4,total_q=16384,max_pages_per_seq=64,num_pages=256,num_splits=1;
-#   cp -r /tmp/r /tmp/ab $OUT/
+#   cp -r /tmp/mla /tmp/r /tmp/ab $OUT/
+#
+# (600 s a call at most: split them over calls when the machine is warm, each with its own
+# --out; the MLA call alone is ~100 s.) `bench/calibration/add_run.py` adds the medians to
+# the calibration set with the cubins that ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PTXC=${PTXC:-.venv/bin/ptxc}
@@ -33,8 +44,9 @@ trap 'rm -rf "$tmp"' EXIT
 "$PTXC" build specs/ --out "$tmp/gpuart" > /dev/null
 "$PTXC" build specs/ --target sm_90a --out "$tmp/a90" > /dev/null
 "$PTXC" build bench/lease_specs/hopper_ab.toml --out "$tmp/ab" > /dev/null
+"$PTXC" build bench/lease_specs/decode_ab.toml --out "$tmp/dab" > /dev/null
 mkdir -p gpu-art .whl
-tar czf gpu-art/arts.tgz -C "$tmp" gpuart a90 ab
+tar czf gpu-art/arts.tgz -C "$tmp" gpuart a90 ab dab
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl platformdirs jsonschema jsonschema-specifications referencing rpds-py

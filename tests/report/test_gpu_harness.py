@@ -428,6 +428,15 @@ def test_gpu_lease_plan_and_resume_without_a_gpu(tmp_path):
     resumed, again = lease(tmp_path / "r", "--resume")
     assert resumed == plan and [x["index"] for x in again] == list(range(len(plan)))
     assert again[:3] == lines[:3] and all(x["status"] == "ok" for x in again)
+    # --only: just the named kernels, in that order, each timed at every --shape that fits it;
+    # a name the sets lack is refused before anything runs
+    only, _ = lease(tmp_path / "r3", "--only", "llama3_8b_decode")
+    assert {p["kernel"] for p in only} == {"llama3_8b_decode"}
+    assert [p["shape"] for p in only if p["kind"] == "bench"] == [{}, {}, {"batch": 3, "max_seq_len": 200}]
+    refused = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_lease.py"), str(out), "--out",
+                              str(tmp_path / "r4"), "--sm", "90", "--dry", "--only", "llama3_8b_decode,nope"],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode != 0 and "--only names kernels the sets do not hold for sm_90: nope" in refused.stderr
     # a tampered artifact: each of its items is recorded as an error, a new child resumes after it
     victim = plan[1]["kernel"]
     ptx = out / victim / f"{victim}.sm_90a.ptx"
