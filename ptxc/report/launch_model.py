@@ -30,28 +30,31 @@ Per launch with an attention main loop:
   4. DRAM, one resource every resident CTA shares: the launch takes at least all its loaded
      bytes (/ reuse: prefill tiles re-read from L2) over `bandwidth_fraction` of the DRAM
      bandwidth -- whatever the waves (a launch's tail wave has the bandwidth to fewer CTAs,
-     which per-wave accounting missed: split decode of 2-3 waves was modelled up to 2x slow).
-Launches without an attention loop (split reduce, appends) cost `launch_s` each, which also
-stands for the per-launch overhead of the others.
+     which per-wave accounting missed: split decode of 2-3 waves was modelled up to 2x slow),
+     plus under split-KV the f32 partials it writes (`partial_bytes`; MLA: 2 KiB per head row
+     and split, 128 KiB for a 64-row tile -- the bytes of 114 latent rows).
+Launches without an attention loop (appends) cost `launch_s` each, which also stands for the
+per-launch overhead of the others; a split reduce adds the time to read the partials.
 
 The constants are fitted (a grid search, bench/calibration/README.md) to the 45 medians of three
 H100 runs of ptxc's mma.sync / SIMT kernels (sm_90 cubins): in-sample, 41 land within ±35 %
 and all within ±45 % (tests/report/test_calibration.py pins this). Out of sample, on an H200 (its own
-GPU row, the same constants) at 53a4762, 16 of 23 medians land within ±35 % (0.73-2.00: the
-tensor-core decode is modelled up to 2x slow, its "warp" term; MLA decode about 0.75x), and on
-the H100 at 89432c6 34 of 41 (0.70-1.56), on an H200 at 2d6d5cd 40 of 48 (0.69-2.11) -- 33
-and 39 before the lockstep term, which moved the MLA decodes, 35 and 41 before the split
-chunk, which moved two just past 0.74x.
+GPU row, the same constants) at 53a4762, 17 of 23 medians land within ±35 % (0.75-2.00: the
+tensor-core decode is modelled up to 2x slow, its "warp" term), and on the H100 at 89432c6 37
+of 41 (0.75-1.57), on an H200 at 2d6d5cd 41 of 48 (0.72-2.11) -- 33 and 39 before the
+lockstep term, which moved the MLA decodes; the split chunk and the partials' bytes (below),
+like it chosen after seeing these points, moved them to 34 / 40 and then here.
 
 The sm_90a wgmma + TMA kernels have constants of their own (`H100_WGMMA`), chosen on the 28
 H100 wgmma medians of 89432c6 / f7ee845: the tensor term at 0.60 of the dense peak (wgmma gets
 twice mma.sync's share) and `cta_fixed_s`, 3 us a CTA outside its loop (a warp-specialised CTA
 holds a whole SM, so its prologue and epilogue overlap nothing: what made gpt-oss's 128-key
 window, two tiles a CTA, 2.6-2.9x slower than its loop alone). In-sample all 28 land within ±35 %;
-out of sample on an H200 (2d6d5cd) 59 of 62, the 3 outside sparse MLA decodes at 0.71x (51 before
-the lockstep term: every MLA decode on wgmma modelled 0.53-0.73x). They price the tensor term and the
-per-CTA overhead only: every A/B pair of schedules timed (producer warpgroup or not, ping-pong,
-stages) is modelled within 3 % while measured -10 % to +10 %, so they cannot rank schedules.
+out of sample on an H200 (2d6d5cd) all 62 (51 before the lockstep term: every MLA decode on
+wgmma modelled 0.53-0.73x; 59 before the split partials' bytes: sparse MLA at 0.71-0.73x).
+They price the tensor term and the per-CTA overhead only: every A/B pair of schedules timed
+(producer warpgroup or not, ping-pong, stages) is modelled within 3 % while measured -10 % to
++10 %, so they cannot rank schedules.
 tcgen05 kernels (sm_100a) get no estimate: none has run on hardware.
 """
 
@@ -100,21 +103,20 @@ H100_WGMMA = Calibration(
 WGMMA_CALIBRATIONS = {H100_WGMMA.gpu: H100_WGMMA}
 # What the report quotes with every estimate (tests/report/test_calibration.py keeps it true).
 CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 41 within ±35 %, all within ±45 %; "
-                     "out-of-sample over 23 H200 medians (53a4762): 16 within ±35 %, model/measured "
-                     "0.73–2.00, over 41 H100 medians of 89432c6: 34 within ±35 %, 0.70–1.56, and "
-                     "over 48 H200 medians of 2d6d5cd: 40 within ±35 %, 0.69–2.11 (tensor-core "
+                     "out-of-sample over 23 H200 medians (53a4762): 17 within ±35 %, model/measured "
+                     "0.75–2.00, over 41 H100 medians of 89432c6: 37 within ±35 %, 0.75–1.57, and "
+                     "over 48 H200 medians of 2d6d5cd: 41 within ±35 %, 0.72–2.11 (tensor-core "
                      "decode modelled up to 2x slow), over 55 of the 155 H200 medians of 6c5a819–621d27f: "
-                     "49 within ±35 %, 0.54–2.03 (FP8 and MQA d256 decode missed); mma.sync and "
+                     "49 within ±35 %, 0.72–2.04 (FP8 and MQA d256 decode missed); mma.sync and "
                      "SIMT kernels only")
 WGMMA_CALIBRATION_ERROR = ("in-sample over 28 H100 wgmma medians (89432c6, f7ee845): all within "
                            "±35 %, 0.75–1.26; out-of-sample over 62 H200 wgmma medians (2d6d5cd, "
-                           "53a4762): 59 within ±35 %, 0.71–1.22 (sparse MLA 0.71), over 100 of "
-                           "the 155 H200 medians of 6c5a819–621d27f: 93 within ±35 % -- every one "
-                           "that is not MLA (20), 0.88–1.19, and 72 of 78 MLA decodes, 0.66–1.13, "
-                           "the 6 outside at 5–17 splits modelled fast "
-                           "(the MLA decode's lockstep term was chosen after seeing these points: "
-                           "0.33–0.74 before it) -- the varlen MLA prefill 5.7x slow; sm_90a wgmma "
-                           "kernels only")
+                           "53a4762): 62 within ±35 %, 0.75–1.22, over 100 of "
+                           "the 155 H200 medians of 6c5a819–621d27f: 98 within ±35 % -- every one "
+                           "that is not MLA (20), 0.88–1.17, and 77 of 78 MLA decodes, 0.73–1.14 "
+                           "(three terms were chosen after seeing these points: the MLA decode's "
+                           "lockstep, the kernels' split chunk, the split partials' bytes) -- the "
+                           "varlen MLA prefill 5.8x slow; sm_90a wgmma kernels only")
 
 
 def calibration_for(gpu: str, config: dict) -> tuple[Calibration, str] | None:
@@ -239,6 +241,26 @@ def iteration_seconds(loop: dict, warps_per_sm: int, active_sms: int, gpu: GpuMo
     return terms[worst], worst, terms
 
 
+def partial_bytes(family: str, spec: dict, config: dict, dims: dict, work: list[int], splits: int) -> int:
+    """DRAM bytes of the split-KV partials an attention launch writes and its reduce reads:
+    an f32 row of head_dim_v per (query row, head) for each split CTA with keys -- except a
+    row that one split covers whole on the packed wgmma / tcgen05 tiles, which write o
+    directly (split_plan.py, packed_tile.emit_idle_split_exit). `work`: cta_iterations'
+    list, split-major, of `splits` split indices."""
+    if not work:
+        return 0
+    per = len(work) // splits
+    direct = (family != "decode" and splits > 1
+              and str(config.get("path", "")).startswith(("wgmma", "tcgen05")))
+    written = 0
+    for r in range(per):
+        busy = sum(work[z * per + r] > 0 for z in range(splits))
+        written += busy if busy > 1 or not direct else 0
+    dv = spec.get("kv_lora_rank") or _opt(spec, "head_dim_v") or spec["head_dim"]
+    rows = (dims["batch"] if family == "decode" else dims["total_q"]) * spec["num_heads"]
+    return rows * dv * 4 * written // max(1, per)
+
+
 def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[dict],
                         loops: dict[str, dict | None], dims: dict, gpu: GpuModel,
                         cal: Calibration, chunk_rule: ChunkRule | None = None) -> dict:
@@ -246,12 +268,19 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
     expressions, block, occupancy); `loops`: entry -> main-loop profile (or None);
     `chunk_rule`: the split-KV chunk the kernels compute (cta_iterations)."""
     total, parts = 0.0, []
+    split = any(k["entry"].endswith("_reduce") for k in launches)
+    dram_rate = cal.bandwidth_fraction * gpu.bandwidth
+    partials = 0      # bytes of split partials written by the attention launch, read by the reduce
     for launch in launches:
         entry, loop = launch["entry"], loops.get(launch["entry"])
         kv_rows = kv_rows_per_iteration(family, config, entry) if loop else None
         if not loop or not kv_rows:
-            total += cal.launch_s
-            parts.append({"entry": entry, "bound": "fixed", "seconds": cal.launch_s})
+            seconds = cal.launch_s
+            if entry.endswith("_reduce") and partials:
+                seconds += partials / dram_rate
+            total += seconds
+            parts.append({"entry": entry, "bound": "fixed" if seconds == cal.launch_s else "bandwidth",
+                          "seconds": seconds})
             continue
         grid = [evaluate(g, dims) for g in launch["grid"]]
         work = cta_iterations(family, spec, config, dims, grid, kv_rows, chunk_rule)
@@ -272,7 +301,9 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
         # DRAM is one resource every resident CTA shares: the launch's bytes over the
         # bandwidth, not whole waves of CTAs at a full wave's share (a launch's tail wave has
         # the bandwidth to fewer CTAs)
-        dram = terms["bandwidth"] * sum(work) / (resident * active)
+        if split:
+            partials = partial_bytes(family, spec, config, dims, work, max(1, dims.get("num_splits", 1)))
+        dram = terms["bandwidth"] * sum(work) / (resident * active) + partials / dram_rate
         if dram > max(slots):
             bound = "bandwidth"
         seconds = max(max(slots), dram) + cal.launch_s
@@ -285,4 +316,4 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
 __all__ = ["CALIBRATION_ERROR", "Calibration", "ChunkRule", "SplitRows", "H100_MMA_SYNC", "H100_WGMMA",
            "MMA_SYNC_CALIBRATIONS", "WGMMA_CALIBRATIONS", "WGMMA_CALIBRATION_ERROR", "calibration_for",
            "cta_iterations", "iteration_seconds", "kernel_chunk_rule", "kv_length", "launch_list_seconds",
-           "lockstep"]
+           "lockstep", "partial_bytes"]
