@@ -5,7 +5,9 @@ error, never a forecast past what it was checked on.
 Per launch with an attention main loop:
   1. the work: every CTA's number of main-loop iterations at the shape (prefill: its query
      block's visible key tiles, causal and window included; varlen: the real (sequence, KV
-     head, split) tiles -- the grid's spare CTAs exit at once; split-KV: the kernels' uniform
+     head, split) tiles -- the grid's spare CTAs exit at once --, each query tile's keys up to
+     its last token (the q queries are the last of the L keys, causal among themselves), its
+     K/V shared through L2 with the sequence's other query tiles; split-KV: the kernels' uniform
      chunk of the keys, split_plan's arithmetic at a shape of equal lengths (`chunk_rule`), so
      a row may leave split indices idle),
   2. one iteration's time with r CTAs resident per SM (r = min(occupancy, CTAs per SM the
@@ -41,17 +43,17 @@ H100 runs of ptxc's mma.sync / SIMT kernels (sm_90 cubins): in-sample, 41 land w
 and all within ±45 % (tests/report/test_calibration.py pins this). Out of sample, on an H200 (its own
 GPU row, the same constants) at 53a4762, 17 of 23 medians land within ±35 % (0.75-2.00: the
 tensor-core decode is modelled up to 2x slow, its "warp" term), and on the H100 at 89432c6 37
-of 41 (0.75-1.57), on an H200 at 2d6d5cd 41 of 48 (0.72-2.11) -- 33 and 39 before the
-lockstep term, which moved the MLA decodes; the split chunk and the partials' bytes (below),
-like it chosen after seeing these points, moved them to 34 / 40 and then here.
+of 41 (0.75-1.57), on an H200 at 2d6d5cd 42 of 48 (0.72-2.11) -- 33 and 39 before the
+lockstep term, which moved the MLA decodes; the split chunk, the partials' bytes and varlen's
+causal queries (step 1, 4), like it chosen after seeing these points, moved them here.
 
 The sm_90a wgmma + TMA kernels have constants of their own (`H100_WGMMA`), chosen on the 28
 H100 wgmma medians of 89432c6 / f7ee845: the tensor term at 0.60 of the dense peak (wgmma gets
 twice mma.sync's share) and `cta_fixed_s`, 3 us a CTA outside its loop (a warp-specialised CTA
 holds a whole SM, so its prologue and epilogue overlap nothing: what made gpt-oss's 128-key
 window, two tiles a CTA, 2.6-2.9x slower than its loop alone). In-sample all 28 land within ±35 %;
-out of sample on an H200 (2d6d5cd) all 62 (51 before the lockstep term: every MLA decode on
-wgmma modelled 0.53-0.73x; 59 before the split partials' bytes: sparse MLA at 0.71-0.73x).
+out of sample on an H200 (2d6d5cd) 61 of 62 (51 before the lockstep term: every MLA decode
+on wgmma modelled 0.53-0.73x; the one outside gpt-oss's 128-key window at batch 64, 0.65x).
 They price the tensor term and the per-CTA overhead only: every A/B pair of schedules timed
 (producer warpgroup or not, ping-pong, stages) is modelled within 3 % while measured -10 % to
 +10 %, so they cannot rank schedules.
@@ -105,18 +107,18 @@ WGMMA_CALIBRATIONS = {H100_WGMMA.gpu: H100_WGMMA}
 CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 41 within ±35 %, all within ±45 %; "
                      "out-of-sample over 23 H200 medians (53a4762): 17 within ±35 %, model/measured "
                      "0.75–2.00, over 41 H100 medians of 89432c6: 37 within ±35 %, 0.75–1.57, and "
-                     "over 48 H200 medians of 2d6d5cd: 41 within ±35 %, 0.72–2.11 (tensor-core "
+                     "over 48 H200 medians of 2d6d5cd: 42 within ±35 %, 0.72–2.11 (tensor-core "
                      "decode modelled up to 2x slow), over 55 of the 155 H200 medians of 6c5a819–621d27f: "
                      "49 within ±35 %, 0.72–2.04 (FP8 and MQA d256 decode missed); mma.sync and "
                      "SIMT kernels only")
 WGMMA_CALIBRATION_ERROR = ("in-sample over 28 H100 wgmma medians (89432c6, f7ee845): all within "
                            "±35 %, 0.75–1.26; out-of-sample over 62 H200 wgmma medians (2d6d5cd, "
-                           "53a4762): 62 within ±35 %, 0.75–1.22, over 100 of "
-                           "the 155 H200 medians of 6c5a819–621d27f: 98 within ±35 % -- every one "
-                           "that is not MLA (20), 0.88–1.17, and 77 of 78 MLA decodes, 0.73–1.14 "
-                           "(three terms were chosen after seeing these points: the MLA decode's "
-                           "lockstep, the kernels' split chunk, the split partials' bytes) -- the "
-                           "varlen MLA prefill 5.8x slow; sm_90a wgmma kernels only")
+                           "53a4762): 61 within ±35 %, 0.65–1.22, over 100 of "
+                           "the 155 H200 medians of 6c5a819–621d27f: 95 within ±35 %, 0.66–1.15 -- "
+                           "every one that is not MLA (20), 0.88–1.15, 74 of 78 MLA decodes, every "
+                           "point outside modelled fast (four terms were chosen after seeing these "
+                           "points: the MLA decode's lockstep, the kernels' split chunk, the split "
+                           "partials' bytes, varlen's causal queries); sm_90a wgmma kernels only")
 
 
 def calibration_for(gpu: str, config: dict) -> tuple[Calibration, str] | None:
@@ -186,28 +188,35 @@ def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list
         return []
     S = max(1, dims.get("num_splits", 1))
     unit = int(config.get("block_n", kv_rows))   # split_plan's unit: a KV tile, or a SIMT iteration
+    # one split index's CTAs in launch order, each as the keys [start, end) it visits unsplit
     if family == "mla" and _opt(spec, "sparse_topk"):   # every CTA: one token's N slots
-        full = span = _opt(spec, "sparse_topk")
+        full = _opt(spec, "sparse_topk")
         seqs, tiles = dims["total_q"], spec["num_heads"] // config["block_m"]
-        rows, per_split = grid[0], n // S
+        rows, spans = grid[0], [(0, full)] * (n // S)
     else:
-        L = kv_length(spec, dims)
-        q = 0 if family == "decode" else max(1, dims["total_q"] // max(1, dims["batch"]))
-        full, span = L + q, (min(L, window) if window else L) + q   # keys: the longest term's, the CTA's own
-        seqs = dims["batch"]
-        if family == "decode":
+        full, seqs = kv_length(spec, dims), dims["batch"]
+        if family == "decode":       # the query sits at L - 1
             tiles = grid[0] // spec.get("num_kv_heads", 1) if "block_n" in config else 1
-            rows, per_split = seqs * tiles, n // S
-        else:
-            tiles = math.ceil(q * (spec["num_heads"] // spec["num_kv_heads"]) / config["block_m"])
-            rows, per_split = grid[0], min(n, seqs * tiles * grid[1]) // S
-    units, span_units = math.ceil(full / unit), math.ceil(span / unit)
+            rows, spans = seqs * tiles, [(max(0, full - window) if window else 0, full)] * (n // S)
+        else:   # varlen / MLA: the q queries are the last of the L keys, causal among themselves
+            g, bm = spec["num_heads"] // spec["num_kv_heads"], config["block_m"]
+            q = max(1, dims["total_q"] // max(1, seqs))
+            tiles, causal = math.ceil(q * g / bm), _opt(spec, "causal", True)
+            per_seq = []
+            for m in range(tiles):   # packed rows [m bm, (m + 1) bm) are tokens (row // g)
+                first, last = m * bm // g, min(q, -(-(m + 1) * bm // g)) - 1
+                end = full - q + last + 1 if causal else full
+                per_seq.append((max(0, full - q + first - window + 1) if window else 0, end))
+            rows = grid[0]
+            spans = (per_seq * seqs * grid[1])[:min(n, seqs * tiles * grid[1]) // S]
+    units = math.ceil(full / unit)   # the longest row's KV units: the batch pass's term
     chunk = (chunk_rule or kernel_chunk_rule(family, spec))(SplitRows(units, S, units * tiles, rows, seqs))
     out = []
     for z in range(S):      # the split index is the grid's slowest dimension
-        lo = min(z * chunk, span_units)
-        keys = max(0, min(min(lo + chunk, span_units) * unit, span) - lo * unit)
-        out += [math.ceil(keys / kv_rows)] * per_split
+        for start, end in spans:
+            begin, stop = start // unit, math.ceil(end / unit)
+            lo = min(begin + z * chunk, stop)
+            out.append(math.ceil((min(lo + chunk, stop) - lo) * unit / kv_rows))
     return out
 
 

@@ -36,11 +36,14 @@ def kv_rows_per_iteration(family: str, config: dict, entry: str) -> int | None:
 
 
 def kv_reuse(family: str, config: dict, spec: dict, dims: dict) -> int:
-    """How many CTAs read each K/V tile: prefill's query blocks of every query head of a KV head
-    (all but the first are assumed to hit L2), 1 for decode (one CTA per KV head's group)."""
-    if family == "mla" and "block_m" in config:   # every head tile of a token reads its latent rows
-        q = max(1, dims.get("total_q", 1) // max(1, dims.get("batch", 1)))
-        return max(1, -(-q * spec.get("num_heads", 1) // config["block_m"]))
+    """How many CTAs read each K/V tile: prefill's query blocks of every query head of a KV head,
+    varlen's (and MLA's) packed query tiles of a sequence and KV head (all but the first are
+    assumed to hit L2), 1 for decode (one CTA per KV head's group)."""
+    if family in ("mla", "varlen") and "block_m" in config and "total_q" in dims:
+        # every packed tile of a sequence's (token, head) rows reads its K/V (MLA: latent) rows
+        q = max(1, dims["total_q"] // max(1, dims.get("batch", 1)))
+        group = max(1, spec.get("num_heads", 1) // max(1, spec.get("num_kv_heads") or 1))
+        return max(1, -(-q * group // config["block_m"]))
     if "block_m" in config and "seq_q" in dims:
         group = max(1, spec.get("num_heads", 1) // max(1, spec.get("num_kv_heads") or spec.get("num_heads", 1)))
         return max(1, -(-dims["seq_q"] // config["block_m"])) * group
