@@ -8,6 +8,8 @@ naming the instruction, the operand and both types.
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -23,6 +25,17 @@ from .values import (
 
 INT_CMPS = ("eq", "ne", "lt", "le", "gt", "ge")
 FLOAT_CMPS = INT_CMPS + ("equ", "neu", "ltu", "leu", "gtu", "geu", "num", "nan")
+
+
+def _fits_f32(v: float) -> bool:
+    """A finite float that rounds to a finite f32 (inf and NaN are meant as they are)."""
+    if not math.isfinite(v):
+        return True
+    try:
+        struct.pack("<f", v)
+    except OverflowError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,8 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps, Blackw
         if isinstance(v, float):
             if not type.is_float:
                 raise IRError(f"{what}: float immediate {v} where {type} is expected")
+            if type.name == "f32" and not _fits_f32(v):
+                raise IRError(f"{what}: float immediate {v} overflows f32")
             return Imm(v, type)
         if isinstance(v, (Reg, Imm, Special, Sym)):
             if not _compatible(v.type, type):

@@ -87,8 +87,11 @@ def head_dim_range(lo: int, hi: int):
 
 
 def float_range(lo: float, hi: float):
-    what = f"a number > {lo} and <= {hi}"
-    return (lambda v: what if not (lo < v <= hi) else None), what
+    """A check for numbers in [lo, hi]. The kernels bake such a value into f32 immediates (and
+    its reciprocal, times log2(e)): the bounds keep both finite normal f32 numbers, where an
+    unbounded positive number could overflow to inf (a NaN in every score) or flush to 0."""
+    what = f"a number from {lo:g} to {hi:g}"
+    return (lambda v: what if not (lo <= v <= hi) else None), what
 
 
 def check_name(v: str) -> str | None:

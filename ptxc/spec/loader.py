@@ -30,7 +30,7 @@ MAX_SPEC_BYTES = 16 << 20   # a spec file larger than this is not a spec (and /d
 TOP_LEVEL_KEYS = ("defaults", "kernel")
 
 _heads_check, _heads_allowed = int_range(1, 1024)
-_scale_check, _scale_allowed = float_range(0.0, 1e6)
+_scale_check, _scale_allowed = float_range(1e-6, 1e6)
 
 
 def _check_targets(v: list[str]) -> str | None:

@@ -181,6 +181,13 @@ def test_varlen_window_never_reads_pages_before_it(tmp_path):
     ("prefill", "causal = true\nsliding_window = 0", "sliding_window"),
     ("decode", "logits_soft_cap = 0.0", "logits_soft_cap"),
     ("varlen", "logits_soft_cap = -3", "logits_soft_cap"),
+    # values whose c, 1 / c or scale x log2(e) have no finite normal f32: once a NaN in every
+    # score (1e308: c became inf, x / c 0) or a traceback from the printer (1e39, 1e-45)
+    ("decode", "logits_soft_cap = 1e308", "logits_soft_cap"),
+    ("prefill", "logits_soft_cap = 1e39", "logits_soft_cap"),
+    ("varlen", "logits_soft_cap = 1e-45", "logits_soft_cap"),
+    ("decode", "softmax_scale = 1e-50", "softmax_scale"),
+    ("prefill", "softmax_scale = 0.0", "softmax_scale"),
 ])
 def test_variant_spec_errors(family, text, key):
     body = (f'[[kernel]]\nname = "k"\nfamily = "{family}"\ndtype = "f16"\nhead_dim = 64\n'

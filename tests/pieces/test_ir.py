@@ -4,7 +4,7 @@ expected branch/label shape."""
 import pytest
 
 from ptxc.errors import IRError
-from ptxc.ir import F32, S32, U32, U64, Addr, KernelBuilder
+from ptxc.ir import F32, F64, S32, U32, U64, Addr, KernelBuilder
 from ptxc.ir.printer import render_instr
 
 
@@ -69,6 +69,19 @@ def test_float_immediates_print_as_hex_bits():
     b.mov(1.0, F32)
     assert [render_instr(i) for i in b.entry.body] == ["\tmov.f32 %f1, 0fFF800000;",
                                                        "\tmov.f32 %f2, 0f3F800000;"]
+
+
+def test_a_finite_f32_immediate_that_overflows_is_refused_when_built():
+    """1e39 has no f32: refused where the instruction is built, not printed as inf (or crashing
+    the printer); infinities are meant as they are, and f64 holds it."""
+    b = KernelBuilder("k")
+    with pytest.raises(IRError, match="overflows f32"):
+        b.mov(1e39, F32)
+    with pytest.raises(IRError, match="overflows f32"):
+        b.mul(b.mov(1.0, F32), -1e300)
+    b.mov(3.4028234e38, F32)        # rounds to the largest f32
+    b.mov(float("inf"), F32)
+    b.mov(1e39, F64)
 
 
 def _divrem_kernel():

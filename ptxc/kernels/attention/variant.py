@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ...errors import SpecError
 from ...ir import F32, S32, S64, U8, U32, U64, Addr, KernelBuilder, Reg
-from ...spec.fields import Field, int_range
+from ...spec.fields import Field, float_range, int_range
 from .. import common as C
 from ..base import ParamSource
 from .softmax import log_sum_exp, normaliser, rescale_factor, safe_max
@@ -28,8 +28,8 @@ _win_check, _win_allowed = int_range(1, MAX_WINDOW)
 _hdv_check, _hdv_allowed = int_range(8, 512, multiple_of=8)
 
 
-def _positive(v: float) -> str | None:
-    return None if v > 0 else "a number > 0"
+# the soft-cap c and 1 / c, times the softmax scale's log2(e) units, stay finite normal f32
+_cap_check, _cap_allowed = float_range(1e-3, 1e6)
 
 
 VARIANT_FIELDS = (
@@ -37,7 +37,7 @@ VARIANT_FIELDS = (
           "iff p - j < sliding_window (the last W keys up to its own; needs causal)",
           default=None, check=_win_check, allowed=_win_allowed),
     Field("logits_soft_cap", "float", "soft-cap c: s <- c * tanh(s / c) after the softmax scale "
-          "(Gemma 2: 50)", default=None, check=_positive, allowed="a number > 0"),
+          "(Gemma 2: 50)", default=None, check=_cap_check, allowed=_cap_allowed),
     Field("head_dim_v", "int", "head size of V and O when it differs from Q/K's head_dim "
           "(DeepSeek-V3 prefill: 192 / 128); prefill and varlen, <= head_dim", default=None,
           check=_hdv_check, allowed=_hdv_allowed),
