@@ -167,6 +167,21 @@ def kernel_chunk_rule(family: str, spec: dict) -> ChunkRule:
     return lambda s: plan([s.units] * s.seqs, s.splits, auto, [s.work] * s.seqs, s.rows)[0]
 
 
+def query_tile_keys(spec: dict, config: dict, dims: dict, L: int, window: int | None) -> list[tuple[int, int]]:
+    """The keys [start, end) each packed query tile of a varlen / MLA sequence visits: its q
+    queries are the last of its L keys (seq_lens counts them), causal among themselves, and a
+    tile's packed rows [m block_m, (m + 1) block_m) are (token, head) pairs, token = row // group."""
+    g, bm = spec["num_heads"] // spec["num_kv_heads"], config["block_m"]
+    q = max(1, dims["total_q"] // max(1, dims["batch"]))
+    causal = _opt(spec, "causal", True)
+    keys = []
+    for m in range(math.ceil(q * g / bm)):
+        first, last = m * bm // g, min(q, -(-(m + 1) * bm // g)) - 1
+        end = L - q + last + 1 if causal else L
+        keys.append((max(0, L - q + first - window + 1) if window else 0, end))
+    return keys
+
+
 def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list[int],
                    kv_rows: int, chunk_rule: ChunkRule | None = None) -> list[int]:
     """Main-loop iterations of every CTA that does work, in launch order. Split-KV CTAs take
@@ -198,16 +213,9 @@ def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list
         if family == "decode":       # the query sits at L - 1
             tiles = grid[0] // spec.get("num_kv_heads", 1) if "block_n" in config else 1
             rows, spans = seqs * tiles, [(max(0, full - window) if window else 0, full)] * (n // S)
-        else:   # varlen / MLA: the q queries are the last of the L keys, causal among themselves
-            g, bm = spec["num_heads"] // spec["num_kv_heads"], config["block_m"]
-            q = max(1, dims["total_q"] // max(1, seqs))
-            tiles, causal = math.ceil(q * g / bm), _opt(spec, "causal", True)
-            per_seq = []
-            for m in range(tiles):   # packed rows [m bm, (m + 1) bm) are tokens (row // g)
-                first, last = m * bm // g, min(q, -(-(m + 1) * bm // g)) - 1
-                end = full - q + last + 1 if causal else full
-                per_seq.append((max(0, full - q + first - window + 1) if window else 0, end))
-            rows = grid[0]
+        else:
+            per_seq = query_tile_keys(spec, config, dims, full, window)
+            tiles, rows = len(per_seq), grid[0]
             spans = (per_seq * seqs * grid[1])[:min(n, seqs * tiles * grid[1]) // S]
     units = math.ceil(full / unit)   # the longest row's KV units: the batch pass's term
     chunk = (chunk_rule or kernel_chunk_rule(family, spec))(SplitRows(units, S, units * tiles, rows, seqs))
