@@ -94,6 +94,10 @@ def float_range(lo: float, hi: float):
     return (lambda v: what if not (lo <= v <= hi) else None), what
 
 
+# softmax_scale: the loader's field, and the range MLA's required scale names when missing
+SCALE_CHECK, SCALE_ALLOWED = float_range(1e-6, 1e6)
+
+
 def check_name(v: str) -> str | None:
     if NAME_RE.match(v) and len(v) <= MAX_NAME_LEN:
         return None

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import SpecError
 from ..targets import DEFAULT_TARGETS, TARGETS
-from .fields import REQUIRED, Field, check_name, float_range, int_range
+from .fields import REQUIRED, SCALE_ALLOWED, SCALE_CHECK, Field, check_name, int_range
 from .model import KernelSpec
 
 if sys.version_info >= (3, 11):
@@ -30,7 +30,6 @@ MAX_SPEC_BYTES = 16 << 20   # a spec file larger than this is not a spec (and /d
 TOP_LEVEL_KEYS = ("defaults", "kernel")
 
 _heads_check, _heads_allowed = int_range(1, 1024)
-_scale_check, _scale_allowed = float_range(1e-6, 1e6)
 
 
 def _check_targets(v: list[str]) -> str | None:
@@ -56,7 +55,7 @@ COMMON_FIELDS: tuple[Field, ...] = (
     Field("num_kv_heads", "int", "key/value heads (GQA/MQA); must divide num_heads",
           default=None, check=_heads_check, allowed=_heads_allowed),
     Field("softmax_scale", "float", "scale applied to Q.K^T; default 1/sqrt(head_dim)",
-          default=None, check=_scale_check, allowed=_scale_allowed),
+          default=None, check=SCALE_CHECK, allowed=SCALE_ALLOWED),
     Field("targets", "str_list", "SM targets to build for", default=list(DEFAULT_TARGETS),
           check=_check_targets, allowed=f"list of {', '.join(TARGETS)}", expandable=False),
 )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...errors import SpecError
-from ...spec.fields import Field, FamilyFields, int_range
+from ...spec.fields import SCALE_ALLOWED, Field, FamilyFields, int_range
 from ...spec.model import KernelSpec
 from ...targets import TARGETS
 from .. import common as C
@@ -105,7 +105,7 @@ def derive(values: dict) -> None:
     if values.get("softmax_scale") is None:
         raise SpecError("missing required key (MLA's scale depends on the unabsorbed q/k head "
                         "size and YaRN's mscale, e.g. DeepSeek-V3: 192^-0.5 x mscale^2 = 0.1353; "
-                        "never 1/sqrt(576); allowed: a number from 1e-06 to 1e+06)", key="softmax_scale")
+                        f"never 1/sqrt(576); allowed: {SCALE_ALLOWED})", key="softmax_scale")
 
 
 def latent_head(values: dict) -> None:
