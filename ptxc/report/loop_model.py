@@ -152,7 +152,7 @@ def loop_figures(loop: dict, warps_per_cta: int, ctas_per_sm: int, kv_rows: int 
     warps_per_sm = warps_per_cta * ctas_per_sm
     per_cta = loop["inflight_bytes_mean"] * warps_per_cta
     return {
-        **loop,
+        **{k: v for k, v in loop.items() if k != "program"},   # issue_sim's input, not a figure
         "kv_rows_per_iteration": kv_rows,
         "instructions_per_kv_row": round(loop["instructions"] * warps_per_cta / kv_rows, 2)
         if kv_rows else None,

@@ -45,14 +45,15 @@ def test_every_point_within_45_percent_and_most_within_35(predictions):
     worst = max(ratios.items(), key=lambda kv: abs(math.log(kv[1])))
     assert all(1 / 1.45 <= r <= 1.45 for r in ratios.values()), worst
     within = [k for k, r in ratios.items() if 1 / 1.35 <= r <= 1.35]
-    assert len(within) >= 41, sorted(set(ratios) - set(within))
+    assert len(within) >= 44, sorted(set(ratios) - set(within))
     # no systematic lean: the median ratio is within 10 % of 1
     assert 0.9 <= sorted(ratios.values())[len(ratios) // 2] <= 1.1
 
 
 def test_recorded_changes_keep_their_sign(predictions):
     """Every kernel timed at two commits with a different cubin: a change the H100 measured
-    beyond its noise (>= 5 %) has the model's sign; one within the noise is modelled under 25 %."""
+    beyond its noise (>= 5 %) is modelled with its sign and within 5 points; one within the
+    noise is modelled under 5 %."""
     by_kernel: dict[str, list[dict]] = {}
     for p in predictions:
         by_kernel.setdefault(p["kernel"], []).append(p)   # one GPU: changes are compared on it
@@ -66,8 +67,13 @@ def test_recorded_changes_keep_their_sign(predictions):
             modelled = b["predicted_ms"] / a["predicted_ms"] - 1
             if abs(measured) >= 0.05:
                 assert math.copysign(1, measured) == math.copysign(1, modelled), (a["kernel"], measured, modelled)
+                # the one large change: mha_d64's 2 CTAs / SM (-28 %; -25 % modelled, -21.5 % by
+                # the fitted issue-rate term the sub-partition simulation replaced)
+                assert abs(modelled - measured) < 0.05, (a["kernel"], measured, modelled)
             else:
-                assert abs(modelled) < 0.25, (a["kernel"], a["commit"], measured, modelled)
+                # within the noise, modelled within it: the issue-rate term had the prefills at
+                # -10 % / -14 % and the paged decode at -24 % for changes measured at -1 to -2 %
+                assert abs(modelled) < 0.05, (a["kernel"], a["commit"], measured, modelled)
             checked += 1
     assert checked >= 7
 
@@ -75,18 +81,18 @@ def test_recorded_changes_keep_their_sign(predictions):
 def test_h200_points_are_out_of_sample_and_quoted_as_measured(every_point):
     """The H100-fitted constants on the H200's row (4.8 TB/s), against 23 medians of the kernels
     at 53a4762 that were never fitted to: the report quotes exactly this error, so a model change
-    that moves it has to say so. The tensor-core decode is modelled up to 2x slow (its warp term),
-    MLA decode ~0.75x (fast). (16 within, 0.73-2.00, before the split partials' bytes were
-    counted.)"""
+    that moves it has to say so. The unsplit tensor-core decodes are modelled 1.35-1.71x slow.
+    (16 within, 0.73-2.00, before the split partials' bytes were counted; 17, 0.75-2.00, with
+    the fitted issue-rate warp term before the sub-partition simulation.)"""
     h200 = [p for p in every_point if p["commit"] == "53a4762" and p["path"] == "mma.sync"]
     assert all(p["gpu"] == "h200" for p in h200)
     ratios = {p["kernel"]: p["predicted_ms"] / p["median_ms"] for p in h200}
     assert len(h200) == 23 and len(ratios) == 23
     within = sorted(k for k, r in ratios.items() if 1 / 1.35 <= r <= 1.35)
-    assert len(within) == 17, within
-    assert 0.74 <= min(ratios.values()) and max(ratios.values()) <= 2.01
-    assert "23 H200 medians" in CALIBRATION_ERROR and "17 within ±35 %" in CALIBRATION_ERROR
-    assert "0.75–2.00" in CALIBRATION_ERROR
+    assert len(within) == 19, within
+    assert 0.74 <= min(ratios.values()) and max(ratios.values()) <= 1.71
+    assert "23 H200 medians" in CALIBRATION_ERROR and "19 within ±35 %" in CALIBRATION_ERROR
+    assert "0.74–1.71" in CALIBRATION_ERROR
     # the one wgmma point is modelled by the wgmma constants (test_wgmma_* below)
     assert [p["kernel"] for p in every_point if p["commit"] == "53a4762" and p["path"] == "wgmma"] \
         == ["llama3_8b_fp8_varlen"]
@@ -97,8 +103,9 @@ def test_h100_points_of_later_kernels_are_out_of_sample_and_quoted_as_measured(e
     decode by default, tensor-core and MLA decode, none of them fitted to). Before DRAM was one
     shared resource per launch these were 31 within ±35 %, 0.67-2.08 (decode of 2-3 waves
     modelled up to 2.1x slow); that change was made after seeing them, so they test it only
-    in part. What it still misses: the tensor-core split decode up to 1.6x slow (its warp
-    term) and DeepSeek-V3 at 16 heads (13 splits) 1.57x. (33 within, 0.67-1.61, before the
+    in part. What it still misses: the MQA split decode 1.37x slow, DeepSeek-V3 at 16 heads
+    (13 splits) 1.57x and gpt-oss's serve step at batch 16 0.74x. (37 within, 0.75-1.57, with the fitted issue-rate warp term before the
+    sub-partition simulation; 33 within, 0.67-1.61, before the
     lockstep term moved the MLA decodes of the 64-row mma.sync tile, whose warps share rows:
     chosen after seeing them; 35, 0.70-1.61, before the model followed the kernels' split chunk,
     34, 0.70-1.56, before it counted the split partials' bytes -- both also after seeing them.)"""
@@ -107,9 +114,9 @@ def test_h100_points_of_later_kernels_are_out_of_sample_and_quoted_as_measured(e
     ratios = {p["kernel"]: p["predicted_ms"] / p["median_ms"] for p in later}
     assert len(later) == 41 and len(ratios) == 41
     within = sorted(k for k, r in ratios.items() if 1 / 1.35 <= r <= 1.35)
-    assert len(within) == 37, within
-    assert 0.75 <= min(ratios.values()) and max(ratios.values()) <= 1.58
-    assert "41 H100 medians of 89432c6" in CALIBRATION_ERROR and "37 within ±35 %, 0.75–1.57" in CALIBRATION_ERROR
+    assert len(within) == 38, within
+    assert 0.73 <= min(ratios.values()) and max(ratios.values()) <= 1.57
+    assert "41 H100 medians of 89432c6" in CALIBRATION_ERROR and "38 within ±35 %, 0.74–1.57" in CALIBRATION_ERROR
     # the sm_90a rows whose code is wgmma are the wgmma constants' (17 of them)
     assert sum(p["commit"] == "89432c6" and p["path"] == "wgmma" for p in every_point) == 17
 
@@ -117,9 +124,11 @@ def test_h100_points_of_later_kernels_are_out_of_sample_and_quoted_as_measured(e
 def test_h200_points_of_2d6d5cd_are_out_of_sample_and_quoted_as_measured(every_point):
     """The same constants against 48 H200 medians of the mma.sync / SIMT kernels at 2d6d5cd,
     timed after the last change to the model (DRAM shared per launch): the first points that test
-    it wholly out of sample. Misses: the tensor-core split decode slow (up to 1.9x, its warp term,
-    as before: 2.1x for the FP8 decode at batch 64, whose rows the rule of then left whole),
-    the d256 decode at 64 splits fast (0.72x); 39 within before the lockstep term moved the MLA
+    it wholly out of sample. Misses: the MQA split decode 1.46x and the FP8 decode at batch 64
+    (whose rows the rule of then left whole) 1.43x slow, the d256 decode at 64 splits fast
+    (0.71x); 42 (0.72-2.11) with the fitted issue-rate warp term before the sub-partition
+    simulation, whose tensor-core split decodes were up to 1.9x slow (the FP8 one 2.1x); 39
+    within before the lockstep term moved the MLA
     decodes (chosen after seeing them), 41 (0.66-1.91) before the model followed the kernels'
     split chunk, 40 (0.69-2.11) before it counted the split partials' bytes and 41 before
     varlen's queries were the last of the L keys, causal among themselves. The wgmma rows (61)
@@ -130,9 +139,9 @@ def test_h200_points_of_2d6d5cd_are_out_of_sample_and_quoted_as_measured(every_p
               for p in later}
     assert len(later) == 48 and len(ratios) == 48
     within = sorted(k for k, r in ratios.items() if 1 / 1.35 <= r <= 1.35)
-    assert len(within) == 42, within
-    assert 0.71 <= min(ratios.values()) and max(ratios.values()) <= 2.11
-    assert "48 H200 medians of 2d6d5cd: 42 within ±35 %, 0.72–2.11" in CALIBRATION_ERROR
+    assert len(within) == 45, within
+    assert 0.71 <= min(ratios.values()) and max(ratios.values()) <= 1.46
+    assert "48 H200 medians of 2d6d5cd: 45 within ±35 %, 0.71–1.46" in CALIBRATION_ERROR
     assert sum(p["commit"] == "2d6d5cd" and p["path"] == "wgmma" for p in every_point) == 61
 
 
@@ -186,8 +195,10 @@ RUN_621D27F = ("6c5a819", "dd55dec", "4d6b7c7", "621d27f")   # the H200 run at 6
 def test_h200_points_of_run_621d27f_are_out_of_sample_and_quoted_as_measured(every_point):
     """The four H200 calls after the last model change (decode split counts and split rules,
     the MLA tile's choices, gpt-oss on 64-row tiles, the MLA prefill on wgmma): 155 medians.
-    mma.sync (the decodes, on sm_90a images of mma.sync code): 49 of 55 within ±35 %, the
-    misses FP8 decode (1.65-2.04x slow) and MQA d256 decode at 64 splits (0.72x). wgmma: 95 of
+    mma.sync (the decodes, on sm_90a images of mma.sync code): 51 of 55 within ±35 %, the
+    misses the FP8 decode at batch 64 (1.38-1.39x slow) and MQA d256 decode at 64 splits
+    (0.71-0.72x); 49 (FP8 decode 1.65-2.04x) with the fitted issue-rate warp term before the
+    sub-partition simulation. wgmma: 95 of
     100, every point that is not MLA within (20, 0.88-1.15); outside, all modelled fast: Kimi-K2
     at batch 16 and 17 splits (0.73-0.74x), the sparse MLA decode at 5 splits (0.73x) and the
     varlen MLA prefill at 4 x 4096 queries (0.66x). Four model changes were made after seeing
@@ -201,9 +212,9 @@ def test_h200_points_of_run_621d27f_are_out_of_sample_and_quoted_as_measured(eve
     ratio = lambda p: p["predicted_ms"] / p["median_ms"]
     inside = lambda p: 1 / 1.35 <= ratio(p) <= 1.35
     mma = [p for p in new if p["path"] == "mma.sync"]
-    assert len(mma) == 55 and sum(map(inside, mma)) == 49
+    assert len(mma) == 55 and sum(map(inside, mma)) == 51
     assert {p["kernel"] for p in mma if not inside(p)} == {"llama3_8b_fp8_decode", "mqa_d256_decode"}
-    assert 0.71 <= min(map(ratio, mma)) and max(map(ratio, mma)) <= 2.04
+    assert 0.71 <= min(map(ratio, mma)) and max(map(ratio, mma)) <= 1.39
     wg = [p for p in new if p["path"] == "wgmma"]
     other = [p for p in wg if "mla" not in p["kernel"]]
     assert len(wg) == 100 and len(other) == 20 and all(map(inside, other))
