@@ -48,7 +48,7 @@ per-launch overhead of the others; a split reduce adds the time to read the part
 The mma.sync / SIMT constants (`H100_MMA_SYNC`) are chosen (a grid search,
 bench/calibration/README.md) on the 45 medians of three H100 runs of ptxc's mma.sync / SIMT
 kernels (sm_90 cubins): in-sample, 44 land within ±35 % and all within ±45 %, and the one large
-recorded change (mha_d64's 2 CTAs per SM, -28 %) is modelled at -28 %
+recorded change (mha_d64's 2 CTAs per SM, -28 %) is modelled at -25 %
 (tests/report/test_calibration.py pins this). Out of sample, on an H200 (its own GPU row, the
 same constants) at 53a4762, 19 of 23 medians land within ±35 % (0.74-1.71: the unsplit
 tensor-core decodes modelled slow), on the H100 at 89432c6 38 of 41 (0.74-1.57), on an H200 at
@@ -110,8 +110,9 @@ class Calibration:
 # The mma.sync / SIMT kernels: each SM sub-partition's warps simulated in order (issue_sim),
 # loads answering after 500 ns, the tensor pipe at 0.26 of the dense peak, chosen on the 45 H100
 # medians of b26fd24 / c889eb4 / 3357c2c (bench/calibration/README.md: a grid over the tensor
-# share, the latency and the bandwidth share; 44 of 45 within ±35 % for 0.26-0.28 and 450-550 ns). hmma_cycles and ipc are
-# the "ipc" term's, used only for a loop without a dependency program.
+# share, the latency and the bandwidth share; 44 of 45 within ±35 % for 0.26-0.28 and
+# 450-550 ns). hmma_cycles and ipc are the "ipc" term's, used only for a loop without a
+# dependency program.
 H100_MMA_SYNC = Calibration(
     gpu="h100-sxm", tensor_fraction=0.26, hmma_cycles=20, ipc=0.30, dram_latency_ns=500,
     bandwidth_fraction=0.78, launch_s=5e-6, warp_term="in_order",
@@ -282,8 +283,10 @@ def iteration_seconds(loop: dict, warps_per_sm: int, active_sms: int, gpu: GpuMo
     if in_lockstep:
         terms["lockstep"] = terms["tensor"] + (loop["instructions"] - tensor) / cal.ipc / clock
     if cal.warp_term == "in_order" and loop.get("program"):
-        per_cta = max(1, (warps_per_cta or warps_per_sm) // 4)      # warps of a CTA on one quarter
-        ctas = max(1, round(warps_per_sm / 4) // per_cta)
+        # the busiest sub-partition: a CTA's warps are dealt round the four, so it holds
+        # ceil(warps / 4) of the SM's warps, ceil(warps of a CTA / 4) of each CTA's
+        per_cta = math.ceil((warps_per_cta or warps_per_sm) / 4)
+        ctas = max(1, math.ceil(warps_per_sm / 4) // per_cta)
         tensor_flops_per_clock = cal.tensor_fraction * gpu.tensor_tflops * 1e12 / gpu.sm_count / 4 / clock
         clocks = sub_partition_clocks(loop["program"], per_cta, ctas, 1 / tensor_flops_per_clock,
                                       cal.dram_latency_ns * 1e-9 * clock)

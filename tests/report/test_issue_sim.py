@@ -83,3 +83,21 @@ def test_predicates_written_by_a_compare_are_waited_for():
     program = _program("ISETP.GE.AND P0, PT, R2, R3, PT ;", "@P0 FADD R4, R4, 1 ;")
     assert 512 in program[0][1] and 512 in program[1][2]          # P0
     assert _clocks(program) >= LATENCY["int"] + 1
+
+
+def test_the_launch_model_takes_the_simulation_in_place_of_the_fitted_warp_term():
+    """Under H100_MMA_SYNC (warp_term "in_order") a loop with a dependency program is timed by
+    the simulation -- no `warp`, `latency` or `lockstep` term -- at the busiest sub-partition:
+    5 one-warp CTAs put two warps on one quarter of the SM."""
+    from ptxc.report.gpus import GPUS
+    from ptxc.report.launch_model import H100_MMA_SYNC, H100_WGMMA, iteration_seconds
+
+    chain = _program(*CHAIN)
+    loop = {"instructions": 9, "classes": {"tensor": 0}, "inflight_bytes_mean": 0, "mma_flops": 0,
+            "fp32_lane_ops": 8 * 32, "global_bytes_loaded": 0, "program": chain}
+    h100 = GPUS["h100-sxm"]
+    _, bound, terms = iteration_seconds(loop, 5, 132, h100, H100_MMA_SYNC, in_lockstep=True, warps_per_cta=1)
+    assert bound == "sub_partition" and not {"warp", "latency", "lockstep"} & terms.keys()
+    assert terms["sub_partition"] * h100.clock_mhz * 1e6 == pytest.approx(8 * LATENCY["fp32"])
+    _, _, fitted = iteration_seconds(loop, 5, 132, h100, H100_WGMMA, warps_per_cta=1)
+    assert "sub_partition" not in fitted and "warp" in fitted
