@@ -13,11 +13,15 @@
 # H200 lease at 2d6d5cd, 484 s for the two main parts: the main sets first, then the A/B set;
 # what the deadlines cut goes on in a second call on the still-warm machine with the same
 # command plus `--resume` -- $OUT is emptied before every call, hence --out under /tmp and a
-# copy at the end). First the question that decides a default: FlashMLA's seesaw against the
-# split-score tile (issue 25), at batch 64 x 4096 unsplit and "auto", then at 16k keys:
+# copy at the end). First the machine constants of the model's sub-partition simulation
+# (bench/microbench.py, ~10 s: latencies and issue intervals of FFMA, IMAD, MUFU, SHFL, the FP8
+# cvt, LDS, LDSM, HMMA, and L2 / DRAM load latency, beside ptxc/report/issue_sim.py's table),
+# then the question that decides a default: FlashMLA's seesaw against the split-score tile
+# (issue 25), at batch 64 x 4096 unsplit and "auto", then at 16k keys:
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD && mkdir -p /tmp/a && tar xzf gpu-art/arts.tgz -C /tmp/a &&
+#   timeout 60 python3 bench/microbench.py --json $OUT/microbench.json;
 #   PYTHONUNBUFFERED=1 timeout 110 python3 bench/gpu_lease.py /tmp/a/dab /tmp/a/a90 --out /tmp/mla \
 #       --only deepseek_v3_mla_decode_seesaw,deepseek_v3_mla_decode,kimi_k2_mla_decode_seesaw,kimi_k2_mla_decode \
 #       --deadline 100 --item-timeout 40 --shape batch=64,total_q=64,max_pages_per_seq=64,num_pages=4096,num_splits=1 \
