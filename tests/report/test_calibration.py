@@ -226,6 +226,42 @@ def test_h200_points_of_run_621d27f_are_out_of_sample_and_quoted_as_measured(eve
     assert "155 H200 medians of 6c5a819–621d27f" in CALIBRATION_ERROR + WGMMA_CALIBRATION_ERROR
 
 
+def test_out_of_sample_changes_on_the_h200_as_documented(every_point):
+    """Every mma.sync / SIMT kernel and shape timed on the H200 at two commits of the run series
+    (2d6d5cd, 6c5a819-621d27f) with different cubins: of the 10 changes beyond the noise the
+    model has the sign of 6 (the fitted issue-rate term had 9); the 10 within the noise it
+    models under 5 %. The three it misses are the batch-64 decodes at 4 splits from 2d6d5cd /
+    6c5a819 to 4d6b7c7 (the split rule changed: measured -18 to -23 %, modelled +0.6 %): both
+    commits are DRAM-bound in the model, while the one-warp CTAs (3 per SM) ran 20 % slower than
+    that at the earlier commit -- a latency the simulation's constant 500 ns does not reach (DRAM
+    latency grows with the bandwidth in use). And mistral's +5.4 % (4d6b7c7 -> 621d27f), modelled
+    -0.5 %. Kept visible here: docs/performance.md quotes it."""
+    order = ("2d6d5cd", *RUN_621D27F)
+    runs: dict[tuple, list[dict]] = {}
+    for p in every_point:
+        if p["gpu"] == "h200" and p["path"] == "mma.sync" and p["commit"] in order:
+            runs.setdefault((p["kernel"], p["target"], json.dumps(p["shape"], sort_keys=True)), []).append(p)
+    beyond, right, noise, flat, missed = 0, 0, 0, 0, set()
+    for (kernel, _, shape), ps in runs.items():
+        ps.sort(key=lambda p: order.index(p["commit"]))
+        for a, b in zip(ps, ps[1:]):
+            if a["cubin"] == b["cubin"]:
+                continue
+            measured = b["median_ms"] / a["median_ms"] - 1
+            modelled = b["predicted_ms"] / a["predicted_ms"] - 1
+            if abs(measured) >= 0.05:
+                beyond += 1
+                right += (measured > 0) == (modelled > 0)
+                if (measured > 0) != (modelled > 0):
+                    missed.add((kernel, a["commit"], b["commit"]))
+            else:
+                noise += 1
+                flat += abs(modelled) < 0.05
+    assert (beyond, right, noise, flat) == (10, 6, 10, 10)
+    assert missed == {("llama3_8b_decode", "6c5a819", "4d6b7c7"), ("mistral_7b_decode", "2d6d5cd", "4d6b7c7"),
+                      ("llama3_8b_paged_decode", "2d6d5cd", "4d6b7c7"), ("mistral_7b_decode", "4d6b7c7", "621d27f")}
+
+
 def test_the_same_cubins_timed_again_in_run_621d27f_agree_within_7_percent(every_point):
     """Cubins timed at 2d6d5cd and again at 6c5a819–621d27f at the same shape (another day's machine of
     the same kind): decode, varlen and MLA within 1 %, prefill at 4 x 4096^2 within 7 % (the
