@@ -24,6 +24,20 @@ from predict import predictions as model_at_points  # noqa: E402
 ORDER = ("b26fd24", "c889eb4", "3357c2c", "53a4762", "89432c6", "2d6d5cd")
 
 
+def recorded_changes(points: list[dict], order: tuple[str, ...], key=lambda p: p["kernel"]):
+    """(a, b, measured change, modelled change) for every kernel (`key`) timed at two commits of
+    `order` in a row with different cubins."""
+    runs: dict = {}
+    for p in points:
+        if p["commit"] in order:
+            runs.setdefault(key(p), []).append(p)
+    for ps in runs.values():
+        ps.sort(key=lambda p: order.index(p["commit"]))
+        for a, b in zip(ps, ps[1:]):
+            if a["cubin"] != b["cubin"]:
+                yield (a, b, b["median_ms"] / a["median_ms"] - 1, b["predicted_ms"] / a["predicted_ms"] - 1)
+
+
 @pytest.fixture(scope="module")
 def every_point():
     try:
@@ -54,27 +68,18 @@ def test_recorded_changes_keep_their_sign(predictions):
     """Every kernel timed at two commits with a different cubin: a change the H100 measured
     beyond its noise (>= 5 %) is modelled with its sign and within 5 points; one within the
     noise is modelled under 5 %."""
-    by_kernel: dict[str, list[dict]] = {}
-    for p in predictions:
-        by_kernel.setdefault(p["kernel"], []).append(p)   # one GPU: changes are compared on it
     checked = 0
-    for runs in by_kernel.values():
-        runs.sort(key=lambda p: ORDER.index(p["commit"]))
-        for a, b in zip(runs, runs[1:]):
-            if a["cubin"] == b["cubin"]:
-                continue
-            measured = b["median_ms"] / a["median_ms"] - 1
-            modelled = b["predicted_ms"] / a["predicted_ms"] - 1
-            if abs(measured) >= 0.05:
-                assert math.copysign(1, measured) == math.copysign(1, modelled), (a["kernel"], measured, modelled)
-                # the one large change: mha_d64's 2 CTAs / SM (-28 %; -25 % modelled, -21.5 % by
-                # the fitted issue-rate term the sub-partition simulation replaced)
-                assert abs(modelled - measured) < 0.05, (a["kernel"], measured, modelled)
-            else:
-                # within the noise, modelled within it: the issue-rate term had the prefills at
-                # -10 % / -14 % and the paged decode at -24 % for changes measured at -1 to -2 %
-                assert abs(modelled) < 0.05, (a["kernel"], a["commit"], measured, modelled)
-            checked += 1
+    for a, b, measured, modelled in recorded_changes(predictions, ORDER):   # one GPU: the H100
+        if abs(measured) >= 0.05:
+            assert math.copysign(1, measured) == math.copysign(1, modelled), (a["kernel"], measured, modelled)
+            # the one large change: mha_d64's 2 CTAs / SM (-28 %; -25 % modelled, -21.5 % by
+            # the fitted issue-rate term the sub-partition simulation replaced)
+            assert abs(modelled - measured) < 0.05, (a["kernel"], measured, modelled)
+        else:
+            # within the noise, modelled within it: the issue-rate term had the prefills at
+            # -10 % / -14 % and the paged decode at -24 % for changes measured at -1 to -2 %
+            assert abs(modelled) < 0.05, (a["kernel"], a["commit"], measured, modelled)
+        checked += 1
     assert checked >= 7
 
 
@@ -104,9 +109,9 @@ def test_h100_points_of_later_kernels_are_out_of_sample_and_quoted_as_measured(e
     shared resource per launch these were 31 within ±35 %, 0.67-2.08 (decode of 2-3 waves
     modelled up to 2.1x slow); that change was made after seeing them, so they test it only
     in part. What it still misses: the MQA split decode 1.37x slow, DeepSeek-V3 at 16 heads
-    (13 splits) 1.57x and gpt-oss's serve step at batch 16 0.74x. (37 within, 0.75-1.57, with the fitted issue-rate warp term before the
-    sub-partition simulation; 33 within, 0.67-1.61, before the
-    lockstep term moved the MLA decodes of the 64-row mma.sync tile, whose warps share rows:
+    (13 splits) 1.57x and gpt-oss's serve step at batch 16 0.74x. (37 within, 0.75-1.57, with
+    the fitted issue-rate warp term before the sub-partition simulation; 33 within, 0.67-1.61,
+    before the lockstep term moved the MLA decodes of the 64-row mma.sync tile, whose warps share rows:
     chosen after seeing them; 35, 0.70-1.61, before the model followed the kernels' split chunk,
     34, 0.70-1.56, before it counted the split partials' bytes -- both also after seeing them.)"""
     later = [p for p in every_point if p["commit"] == "89432c6" and p["path"] == "mma.sync"]
@@ -236,27 +241,18 @@ def test_out_of_sample_changes_on_the_h200_as_documented(every_point):
     that at the earlier commit -- a latency the simulation's constant 500 ns does not reach (DRAM
     latency grows with the bandwidth in use). And mistral's +5.4 % (4d6b7c7 -> 621d27f), modelled
     -0.5 %. Kept visible here: docs/performance.md quotes it."""
-    order = ("2d6d5cd", *RUN_621D27F)
-    runs: dict[tuple, list[dict]] = {}
-    for p in every_point:
-        if p["gpu"] == "h200" and p["path"] == "mma.sync" and p["commit"] in order:
-            runs.setdefault((p["kernel"], p["target"], json.dumps(p["shape"], sort_keys=True)), []).append(p)
+    h200 = [p for p in every_point if p["gpu"] == "h200" and p["path"] == "mma.sync"]
     beyond, right, noise, flat, missed = 0, 0, 0, 0, set()
-    for (kernel, _, shape), ps in runs.items():
-        ps.sort(key=lambda p: order.index(p["commit"]))
-        for a, b in zip(ps, ps[1:]):
-            if a["cubin"] == b["cubin"]:
-                continue
-            measured = b["median_ms"] / a["median_ms"] - 1
-            modelled = b["predicted_ms"] / a["predicted_ms"] - 1
-            if abs(measured) >= 0.05:
-                beyond += 1
-                right += (measured > 0) == (modelled > 0)
-                if (measured > 0) != (modelled > 0):
-                    missed.add((kernel, a["commit"], b["commit"]))
-            else:
-                noise += 1
-                flat += abs(modelled) < 0.05
+    point = lambda p: (p["kernel"], p["target"], json.dumps(p["shape"], sort_keys=True))   # noqa: E731
+    for a, b, measured, modelled in recorded_changes(h200, ("2d6d5cd", *RUN_621D27F), key=point):
+        if abs(measured) >= 0.05:
+            beyond += 1
+            right += (measured > 0) == (modelled > 0)
+            if (measured > 0) != (modelled > 0):
+                missed.add((a["kernel"], a["commit"], b["commit"]))
+        else:
+            noise += 1
+            flat += abs(modelled) < 0.05
     assert (beyond, right, noise, flat) == (10, 6, 10, 10)
     assert missed == {("llama3_8b_decode", "6c5a819", "4d6b7c7"), ("mistral_7b_decode", "2d6d5cd", "4d6b7c7"),
                       ("llama3_8b_paged_decode", "2d6d5cd", "4d6b7c7"), ("mistral_7b_decode", "4d6b7c7", "621d27f")}
