@@ -351,7 +351,8 @@ _NO_DEST = {"ST", "STS", "STG", "STL", "STSM", "RED", "ATOM", "ATOMS", "BAR", "B
 
 def _operand_width(i: Instr, position: int) -> int | None:
     """Registers a vector operand spans where the text names only the first: HMMA's fragments
-    (D, A, B, C of m16n8k16: 4, 4, 2, 4 with f32 accumulators) and a wide load's destination."""
+    (D, A, B, C of m16n8k16: 4, 4, 2, 4 with f32 accumulators), a wide load's destination and
+    a .WIDE multiply's pair."""
     if i.base == "HMMA":
         acc = 4 if ".F32" in i.opcode else 2
         k16 = ".16816" in i.opcode
@@ -361,6 +362,8 @@ def _operand_width(i: Instr, position: int) -> int | None:
         return int(n) if n in ("2", "4") else 1
     if position == 0 and i.base in ("LDS", "LDG", "LD", "LDL"):
         return max(1, access_bytes(i.opcode) // 4)
+    if position in (0, 3) and ".WIDE" in i.opcode:   # IMAD.WIDE: a 64-bit result and addend
+        return 2
     return None
 
 

@@ -79,6 +79,13 @@ def test_a_cta_barrier_holds_its_warps_until_the_last_arrives():
     assert _clocks(_program(*CHAIN[:4], "BAR.ARV 0x1, 0x40 ;")) < alone
 
 
+def test_wide_results_and_loads_write_every_register_they_span():
+    program = _program("IMAD.WIDE.U32 R2, R3, R4, R6 ;", "LDS.128 R8, [R2] ;", "LDG.E.64 R12, [R2.64] ;")
+    assert program[0][1] == [2, 3] and program[0][2] == [3, 4, 6, 7]      # R6 is the 64-bit addend
+    assert program[1][1] == [8, 9, 10, 11] and program[2][1] == [12, 13]
+    assert [e[0] for e in program[:3]] == ["int", "lds", "ldg_wide"]
+
+
 def test_predicates_written_by_a_compare_are_waited_for():
     program = _program("ISETP.GE.AND P0, PT, R2, R3, PT ;", "@P0 FADD R4, R4, 1 ;")
     assert 512 in program[0][1] and 512 in program[1][2]          # P0
