@@ -194,7 +194,7 @@ def assemble(m: Micro, arch: str, tool: str, where: Path) -> Path:
 def timed_count(m: Micro, sass: str) -> int:
     """Instructions of the measured kind between the two clock reads of the kernel's SASS: ptxas
     must have kept every copy (no constant folding, no merged chains)."""
-    from ptxc.report.loops import parse_functions
+    from ptxc.report.sass_instr import parse_functions
     [(instrs, _)] = parse_functions(sass).values()
     clocks = [n for n, i in enumerate(instrs) if "SR_CLOCK" in i.operands]
     return sum(i.base == SASS_OF.get(m.unit) for i in instrs[clocks[0]:clocks[-1]])
@@ -254,14 +254,13 @@ def run_on_device(micros: list[Micro]) -> list[dict]:
 def table(rows: list[dict]) -> str:
     from ptxc.report.gpus import match_device
     from ptxc.report.issue_sim import INTERVAL, L2_HIT_CLOCKS, LATENCY
-    from ptxc.report.launch_model import H100_MMA_SYNC
+    from ptxc.report.launch_model import H100_MMA_SYNC, tensor_clocks_per_flop
     gpu = match_device(rows[0]["device"]) if rows else None
     clock = gpu.clock_mhz * 1e6 if gpu else None
     model = {"ldg_index": L2_HIT_CLOCKS,
              "ldg_wide": H100_MMA_SYNC.dram_latency_ns * 1e-9 * clock if gpu else None,
              # the HMMA pipe at the calibrated share of the peak: one m16n8k16 (4096 FLOPs)
-             "hmma interval": 4096 / (H100_MMA_SYNC.tensor_fraction * gpu.tensor_tflops * 1e12
-                                      / gpu.sm_count / 4 / clock) if gpu else None}
+             "hmma interval": 4096 * tensor_clocks_per_flop(gpu, H100_MMA_SYNC) if gpu else None}
     # with w warps the figure is a warp's: a pipe the sub-partition's warps share shows as
     # about w / 4 times the interval
     lines = ["| measurement | warps | clocks per instruction | issue_sim's |", "|---|---:|---:|---:|"]

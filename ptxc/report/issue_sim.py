@@ -4,7 +4,7 @@ the launch model's time for an iteration of an mma.sync or SIMT kernel (launch_m
 
 An SM has four sub-partitions, each with one warp scheduler; the model takes the warps of one
 (every sub-partition runs the same) and issues their dependency program
-(ptxc.report.loops.dependency_program) under these rules:
+(ptxc.report.dependency.dependency_program) under these rules:
   - one instruction per clock for the sub-partition, each warp in its own program order;
   - an instruction issues once every register it reads is ready (its writer's issue +
     `LATENCY` of the writer's unit) and its unit's pipe is free (`INTERVAL` clocks after the

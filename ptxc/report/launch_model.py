@@ -259,6 +259,12 @@ def lockstep(config: dict) -> bool:
         and not config.get("warp_specialize")
 
 
+def tensor_clocks_per_flop(gpu: GpuModel, cal: Calibration) -> float:
+    """Clocks one SM sub-partition's HMMA pipe spends per FLOP at the calibrated share of the
+    dense tensor peak (an m16n8k16 is 4096 FLOPs)."""
+    return 1 / (cal.tensor_fraction * gpu.tensor_tflops * 1e12 / gpu.sm_count / 4 / (gpu.clock_mhz * 1e6))
+
+
 def iteration_seconds(loop: dict, warps_per_sm: int, active_sms: int, gpu: GpuModel,
                       cal: Calibration, reuse: int = 1, in_lockstep: bool = False,
                       warps_per_cta: int | None = None) -> tuple[float, str, dict]:
@@ -287,8 +293,7 @@ def iteration_seconds(loop: dict, warps_per_sm: int, active_sms: int, gpu: GpuMo
         # ceil(warps / 4) of the SM's warps, ceil(warps of a CTA / 4) of each CTA's
         per_cta = math.ceil((warps_per_cta or warps_per_sm) / 4)
         ctas = max(1, math.ceil(warps_per_sm / 4) // per_cta)
-        tensor_flops_per_clock = cal.tensor_fraction * gpu.tensor_tflops * 1e12 / gpu.sm_count / 4 / clock
-        clocks = sub_partition_clocks(loop["program"], per_cta, ctas, 1 / tensor_flops_per_clock,
+        clocks = sub_partition_clocks(loop["program"], per_cta, ctas, tensor_clocks_per_flop(gpu, cal),
                                       cal.dram_latency_ns * 1e-9 * clock)
         for k in ("warp", "latency", "lockstep"):
             terms.pop(k, None)
@@ -372,4 +377,4 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
 __all__ = ["CALIBRATION_ERROR", "Calibration", "ChunkRule", "SplitRows", "H100_MMA_SYNC", "H100_WGMMA",
            "MMA_SYNC_CALIBRATIONS", "WGMMA_CALIBRATIONS", "WGMMA_CALIBRATION_ERROR", "calibration_for",
            "cta_iterations", "iteration_seconds", "kernel_chunk_rule", "kv_length", "launch_list_seconds",
-           "lockstep", "partial_bytes"]
+           "lockstep", "partial_bytes", "tensor_clocks_per_flop"]

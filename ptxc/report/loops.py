@@ -22,167 +22,12 @@ lanes are not known statically and count as loading). Nothing here needs a GPU.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
-# Instruction classes, in report order: name -> predicate on (base opcode, full opcode).
-CLASSES = ("tensor", "umma", "ldsm", "ldgsts", "ldg", "stg", "lds", "sts", "tmem", "mufu", "fp32",
-           "cvt", "shfl", "bar", "int", "move", "control", "other")
-_TENSOR = {"HMMA", "HGMMA", "IMMA", "DMMA", "QGMMA", "IGMMA", "BMMA"}
-_FP = {"FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FSWZADD", "HADD2",
-       "HMUL2", "HFMA2", "HMNMX2", "HSET2", "HSETP2", "FMUL2", "FADD2", "FFMA2"}
-_CVT = {"F2F", "F2I", "I2F", "F2FP", "I2FP", "F2IP", "FRND", "I2I", "I2IP"}
-_BAR = {"BAR", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "MEMBAR", "SYNCS", "ARRIVES", "ERRBAR", "CCTL",
-        "UTCBAR",
-        "WARPGROUP", "FENCE"}
-_INT = {"IADD3", "IADD", "IMAD", "LEA", "LOP3", "LOP", "SHF", "ISETP", "IMNMX", "IABS", "POPC",
-        "FLO", "BFE", "BFI", "PRMT", "SEL", "PLOP3", "P2R", "R2P", "VIADD", "VIMNMX", "IDP",
-        "BREV", "BMSK", "SGXT", "ISCADD", "XMAD", "LEA.HI", "IMUL", "FSETP.INT", "VIADDMNMX"}
-_MOVE = {"MOV", "MOV32I", "CS2R", "S2R", "S2UR", "R2UR", "LDC", "ULDC", "UMOV", "SHFL.IDX.MOVE"}
-_CONTROL = {"BRA", "BRX", "JMP", "BSSY", "BSYNC", "EXIT", "CALL", "RET", "NOP", "YIELD", "BPT",
-            "BMOV", "KILL", "ELECT", "VOTE", "VOTEU", "NANOSLEEP", "USETMAXREG"}
-_GLOBAL_LOADS = {"LDG", "LD"}
-# Bulk-copy issue (TMA boxes, bulk copies, their prefetches): the instruction that feeds a tile
-# whose bytes are not in the SASS (the box lives in the tensor map). It is tile work wherever it
-# stands, so a region holding one is never a table refill and the steady path keeps it.
-# Blackwell's tcgen05.mma (UTC*MMA, class "umma") is issued the same way, by one thread for the
-# CTA, with its shape in an instruction-descriptor register: no FLOPs from the SASS (the report
-# takes them from the launch's tile, loop_model.with_umma_flops), and issue work like a box.
-_UMMA = {"UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCOMMA", "UTCMMA"}
-_BULK_ISSUE = {"UTMALDG", "UBLKCP", "UTMAPF", "UBLKPF"} | _UMMA
-_GLOBAL_STORES = {"STG", "ST", "RED", "ATOMG", "ATOM"}
+from .dependency import dependency_program
+from .sass_instr import (BULK_ISSUE, CLASSES, DEPBAR_KEEP, GLOBAL_LOADS, HMMA_16816_FLOPS, REGISTER, Instr,
+                         access_bytes, classify, mma_flops, parse_functions, registers, shared_bytes)
 
-_LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):")
-# (opcode parts may hold a lower-case shape: HGMMA.64x128x16.F32)
-_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_][A-Za-z0-9_]*)*)"
-                   r"\s*([^;]*);")
-_SECTION = re.compile(r"^\s*\.section\s+\.text\.([\w$]+)")
-_REG = re.compile(r"\bR(\d+)(\.64)?\b")
 _TARGET = re.compile(r"`\((\.L\w+)\)")
-_DEPBAR = re.compile(r"SB0\s*,\s*(0x[0-9a-f]+|\d+)")
-_GMMA_SHAPE = re.compile(r"\.(\d+)x(\d+)x(\d+)")
-# One warp's mma.m16n8k16 (HMMA.16816): the unit "instructions per HMMA-equivalent" counts in,
-# so a warp's quarter of an HGMMA.64xNx16 is N/8 of them (64*N*16 / (16*8*16) per warpgroup).
-HMMA_16816_FLOPS = 2 * 16 * 8 * 16
-
-
-@dataclass(frozen=True)
-class Instr:
-    addr: int
-    guard: str          # "" or "@P0", "@!PT", ...
-    opcode: str         # full: "LDG.E.128"
-    operands: str       # text between the opcode and ';'
-
-    @property
-    def base(self) -> str:
-        return self.opcode.split(".")[0]
-
-
-def parse_functions(text: str) -> dict[str, tuple[list[Instr], dict[str, int]]]:
-    """Per function of `nvdisasm -c` output: its instructions and label -> address."""
-    out: dict[str, tuple[list[Instr], dict[str, int]]] = {}
-    instrs: list[Instr] | None = None
-    labels: dict[str, int] = {}
-    pending: list[str] = []
-    for line in text.splitlines():
-        if m := _SECTION.match(line):
-            instrs, labels, pending = [], {}, []
-            out[m.group(1)] = (instrs, labels)
-        elif instrs is None:
-            continue
-        elif m := _LABEL.match(line):
-            pending.append(m.group(1))
-        elif m := _LINE.match(line):
-            addr = int(m.group(1), 16)
-            for name in pending:
-                labels[name] = addr
-            pending = []
-            instrs.append(Instr(addr, (m.group(2) or "").strip(), m.group(3), m.group(4).strip()))
-    return out
-
-
-def classify(opcode: str) -> str:
-    parts = opcode.split(".")
-    base = parts[0]
-    if base in _TENSOR:
-        return "tensor"
-    if base in _UMMA:
-        return "umma"
-    if base in ("LDTM", "STTM"):
-        return "tmem"     # tcgen05.ld / st: tensor memory <-> registers
-    if base in ("LDSM", "LDGSTS", "LDS", "STS", "MUFU", "SHFL"):
-        return base.lower()
-    if base == "STSM":
-        return "sts"    # sm_90 stmatrix: a store to shared memory
-    if base in _GLOBAL_LOADS:
-        return "ldg"
-    if base in _GLOBAL_STORES:
-        return "stg"
-    if base == "IMAD" and len(parts) > 1 and parts[1] == "MOV":
-        return "move"   # ptxas's register move on the integer pipe
-    if base in _MOVE:
-        return "move"
-    if base in _FP:
-        return "fp32"
-    if base in _CVT:
-        return "cvt"
-    if base in _BAR:
-        return "bar"
-    if base in _CONTROL:
-        return "control"
-    if base in _INT or (base.startswith("U") and base[1:] in _INT):
-        return "int"
-    if base.startswith("U") and base[1:] in _MOVE:
-        return "move"
-    return "other"
-
-
-def access_bytes(opcode: str) -> int:
-    """Bytes per lane of a memory instruction, from its width suffix (32-bit when none)."""
-    sizes = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
-    for part in reversed(opcode.split(".")[1:]):
-        if part in sizes:
-            return sizes[part]
-    return 4
-
-
-def shared_bytes(instr: Instr) -> int:
-    """Bytes one warp's instruction moves through the shared-memory pipe (128 B per clock per
-    SM): LDS/STS/STSM and the landing of an LDGSTS by width x 32 lanes, LDSM by its matrix
-    count (.x1/.x2/.x4: 128/256/512 B)."""
-    if instr.base == "LDSM":
-        n = instr.opcode.rsplit(".", 1)[-1]
-        return 128 * (int(n) if n in ("2", "4") else 1)
-    if instr.base in ("LDS", "STS", "LDGSTS"):
-        return access_bytes(instr.opcode) * 32
-    if instr.base == "STSM":
-        n = instr.opcode.rsplit(".", 1)[-1]
-        return 128 * (int(n) if n in ("2", "4") else 1)
-    return 0
-
-
-def mma_flops(instr: Instr) -> int:
-    """FLOPs of one warp's tensor-core instruction (HGMMA: a quarter of the warpgroup's)."""
-    op = instr.opcode
-    if instr.base == "HMMA":
-        if ".16816" in op:
-            return HMMA_16816_FLOPS
-        if ".1688" in op:
-            return 2 * 16 * 8 * 8
-        if ".884" in op:
-            return 2 * 8 * 8 * 4
-    if m := _GMMA_SHAPE.search(op):
-        mm, n, k = map(int, m.groups())
-        return 2 * mm * n * k // 4
-    return 0
-
-
-def _regs(operands: str) -> set[int]:
-    out: set[int] = set()
-    for m in _REG.finditer(operands):
-        n = int(m.group(1))
-        out.update((n, n + 1) if m.group(2) else (n,))
-    return out
-
 
 def _branch_target(i: Instr, labels: dict[str, int]) -> int | None:
     if i.base not in ("BRA", "JMP"):
@@ -217,7 +62,7 @@ _WORK = {"tensor", "ldsm", "ldgsts", "ldg", "lds", "sts"}
 
 
 def _is_work(i: Instr) -> bool:
-    return classify(i.opcode) in _WORK or i.base in _BULK_ISSUE
+    return classify(i.opcode) in _WORK or i.base in BULK_ISSUE
 
 
 def table_refills(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> set[int]:
@@ -239,7 +84,7 @@ def table_refills(instrs: list[Instr], labels: dict[str, int], head: int, latch:
         loads = [instrs[k] for k in region if classify(instrs[k].opcode) == "ldg"]
         if loads and all(access_bytes(ld.opcode) <= 4 for ld in loads) \
                 and not classes & {"tensor", "ldsm", "ldgsts", "lds"} \
-                and not any(instrs[k].base in _BULK_ISSUE for k in region):
+                and not any(instrs[k].base in BULK_ISSUE for k in region):
             out.update(region)
     return out
 
@@ -275,7 +120,7 @@ def warp_selectors(instrs: list[Instr], labels: dict[str, int], head: int, latch
     for n, (reg, c) in found.items():
         by_reg.setdefault(reg, set()).add(c)
         end = index.get(labels.get(labels_of[n].group(1), -1), n) if labels_of[n] else n
-        if any(instrs[k].base in _BULK_ISSUE for k in range(n + 1, end)):
+        if any(instrs[k].base in BULK_ISSUE for k in range(n + 1, end)):
             issuing.add(reg)
     return {n: rc for n, rc in found.items() if len(by_reg[rc[0]]) >= 2 or rc[0] in issuing}
 
@@ -336,101 +181,6 @@ def warp_paths(instrs: list[Instr], labels: dict[str, int], head: int, latch: in
     return out
 
 
-# The dependency program (`dependency_program`): what ptxc.report.issue_sim needs of each
-# instruction of a warp's steady path -- its unit, the registers it writes and reads, and the
-# events a warp waits on. Registers are numbered R n -> n, UR n -> 256 + n, P n -> 512 + n,
-# UP n -> 520 + n (PT, UPT and RZ are constants).
-_OPERAND = re.compile(r"\b(U?R)(\d+)(\.64)?\b|\b(U?P)([0-6])\b")
-_REG_BASE = {"R": 0, "UR": 256, "P": 512, "UP": 520}
-# opcodes whose first operand is read, not written (stores, branches, barriers, async issue)
-_NO_DEST = {"ST", "STS", "STG", "STL", "STSM", "RED", "ATOM", "ATOMS", "BAR", "BRA", "BRX", "JMP",
-            "EXIT", "RET", "CALL", "LDGSTS", "LDGDEPBAR", "DEPBAR", "WARPSYNC", "HGMMA", "BSSY",
-            "BSYNC", "YIELD", "NOP", "SYNCS", "UTMALDG", "UTMAPF", "UBLKCP", "ARRIVES", "MEMBAR",
-            "FENCE", "WARPGROUP", "CCTL", "ERRBAR"}
-
-
-def _operand_width(i: Instr, position: int) -> int | None:
-    """Registers a vector operand spans where the text names only the first: HMMA's fragments
-    (D, A, B, C of m16n8k16: 4, 4, 2, 4 with f32 accumulators), a wide load's destination and
-    a .WIDE multiply's pair."""
-    if i.base == "HMMA":
-        acc = 4 if ".F32" in i.opcode else 2
-        k16 = ".16816" in i.opcode
-        return (acc, 4 if k16 else 2, 2 if k16 else 1, acc)[position] if position < 4 else 1
-    if position == 0 and i.base == "LDSM":
-        n = i.opcode.rsplit(".", 1)[-1]
-        return int(n) if n in ("2", "4") else 1
-    if position == 0 and i.base in ("LDS", "LDG", "LD", "LDL"):
-        return max(1, access_bytes(i.opcode) // 4)
-    if position in (0, 3) and ".WIDE" in i.opcode:   # IMAD.WIDE: a 64-bit result and addend
-        return 2
-    return None
-
-
-def _unit(i: Instr) -> str:
-    """The issue_sim unit of an instruction (its latency and its pipe)."""
-    c = classify(i.opcode)
-    if c == "tensor":
-        return "hmma" if i.base == "HMMA" else "async"
-    if i.base == "F2FP":
-        return "pack"
-    if c in ("cvt", "mufu", "shfl", "lds", "ldsm", "sts"):
-        return c
-    if c == "fp32":
-        return "half" if i.base.startswith("H") else "fp32"
-    if c == "ldg":
-        return "ldg_wide" if access_bytes(i.opcode) >= 8 else "ldg_index"
-    if c == "int" and not i.base.startswith("U"):
-        return "int"
-    return "alu"
-
-
-def dependency_program(path: list[Instr]) -> list[list]:
-    """One entry per instruction of a warp's steady path (predicated-off ones dropped):
-    [unit, registers written, registers read, shared-memory bytes, mma FLOPs, event], the
-    event "" or "bar" (a CTA barrier: BAR.SYNC / BAR.RED), "ldgsts" (joins the open copy
-    group), "commit" (LDGDEPBAR), "wait<n>" (DEPBAR.LE SB0, n: until n groups remain)."""
-    out = []
-    for i in path:
-        if i.guard == "@!PT":
-            continue
-        ops = [o.strip() for o in i.operands.split(",")] if i.operands else []
-        written: set[int] = set()
-        read: set[int] = set()
-        for position, text in enumerate(ops):
-            regs: list[int] = []
-            for m in _OPERAND.finditer(text):
-                if m.group(1):
-                    n, base = int(m.group(2)), _REG_BASE[m.group(1)]
-                    if n == 255:           # RZ / URZ
-                        continue
-                    width = _operand_width(i, position) or (2 if m.group(3) else 1)
-                    regs += [base + n + k for k in range(width)]
-                else:
-                    regs.append(_REG_BASE[m.group(4)] + int(m.group(5)))
-            if position == 0 and i.base not in _NO_DEST and "[" not in text:
-                written.update(regs)
-            elif position == 1 and i.base.endswith("SETP"):
-                written.update(regs)      # ISETP P0, P1, ...: both predicates are results
-            else:
-                read.update(regs)
-        guard = i.guard.lstrip("@!")
-        if guard and guard not in ("PT", "UPT"):
-            read.add(_REG_BASE["UP" if guard.startswith("UP") else "P"] + int(guard.lstrip("UP")))
-        event = ""
-        if i.base == "BAR" and not {"ARV", "ARRIVE"} & set(i.opcode.split(".")):
-            event = "bar"
-        elif i.base == "LDGSTS":
-            event = "ldgsts"
-        elif i.base == "LDGDEPBAR":
-            event = "commit"
-        elif i.base == "DEPBAR" and (m := _DEPBAR.search(i.operands)):
-            event = f"wait{int(m.group(1), 0)}"
-        out.append([_unit(i), sorted(written), sorted(read), shared_bytes(i),
-                    mma_flops(i) if i.base == "HMMA" else 0, event])
-    return out
-
-
 def bytes_in_flight(path: list[Instr], lanes: int = 32) -> tuple[float, int]:
     """(mean, peak) global-load bytes outstanding per warp over the steady-state path."""
     loads: list[tuple[set[int], int]] = []
@@ -441,11 +191,11 @@ def bytes_in_flight(path: list[Instr], lanes: int = 32) -> tuple[float, int]:
         for i in path:
             if i.guard == "@!PT":
                 continue
-            used = _regs(i.operands)
+            used = registers(i.operands)
             loads = [ld for ld in loads if not (ld[0] & used)]
-            if i.base in _GLOBAL_LOADS:
+            if i.base in GLOBAL_LOADS:
                 nbytes = access_bytes(i.opcode)
-                first = _REG.match(i.operands.split(",")[0].strip())
+                first = REGISTER.match(i.operands.split(",")[0].strip())
                 if first:
                     r = int(first.group(1))
                     loads.append((set(range(r, r + max(1, nbytes // 4))), nbytes * lanes))
@@ -454,7 +204,7 @@ def bytes_in_flight(path: list[Instr], lanes: int = 32) -> tuple[float, int]:
             elif i.base == "LDGDEPBAR":
                 groups.append(open_group)
                 open_group = 0
-            elif i.base == "DEPBAR" and (m := _DEPBAR.search(i.operands)):
+            elif i.base == "DEPBAR" and (m := DEPBAR_KEEP.search(i.operands)):
                 keep = int(m.group(1), 0)
                 groups = groups[max(0, len(groups) - keep):] if keep else []   # n or fewer stay
             if rep == 2:

@@ -89,10 +89,10 @@ def sass_profile(cubin: bytes, cache=None) -> dict[str, dict]:
 
     from ..pipeline.cache import canonical_json
     from ..files import sha256
-    from . import loops as loops_module
+    from . import dependency, loops as loops_module, sass_instr
     tool = find_nvdisasm()
-    # keyed by the analyser's own source, so a changed analysis never reads a stale result
-    analyser = sha256(Path(loops_module.__file__).read_bytes())
+    # keyed by the analyser's own sources, so a changed analysis never reads a stale result
+    analyser = sha256(b"".join(Path(m.__file__).read_bytes() for m in (sass_instr, dependency, loops_module)))
     key = sha256(canonical_json({"stage": "sass", "v": 2, "cubin": sha256(cubin), "tool": tool,
                                  "classes": list(MIX_CLASSES), "loops": analyser}))
     hit = cache.get("sass", key) if cache is not None else None

@@ -1,5 +1,5 @@
 """The in-order sub-partition model (ptxc.report.issue_sim) and the dependency program it runs
-(ptxc.report.loops.dependency_program), on hand-written loops whose clocks are worked out by
+(ptxc.report.dependency.dependency_program), on hand-written loops whose clocks are worked out by
 hand from the latency table."""
 
 from __future__ import annotations

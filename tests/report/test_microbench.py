@@ -35,3 +35,11 @@ def test_the_chase_is_one_cycle_through_every_line():
         at = int(words[(at - 0x1000) // 8])
     assert at == start and len(seen) == lines and far in seen and far != start
     assert all(a % 128 == 0x1000 % 128 for a in seen)
+
+
+def test_the_table_puts_the_simulations_figure_beside_each_measurement():
+    rows = [{"name": n, "unit": u, "kind": k, "warps": 1, "per_instruction": 1.0, "device": "NVIDIA H200"}
+            for n, u, k in (("empty", "-", "latency"), ("fp32 latency", "fp32", "latency"),
+                            ("hmma interval", "hmma", "interval"), ("ld.global L2 latency", "ldg_index", "latency"))]
+    lines = microbench.table(rows).splitlines()[2:]
+    assert [line.split("|")[4].strip() for line in lines] == ["4", "15.4", "260"]   # no row for "empty"
