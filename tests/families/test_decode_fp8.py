@@ -71,6 +71,34 @@ def test_fp8_decode_on_tensor_cores_matches_reference(tmp_path, case):
     assert all(r.max_error == 0 for r in rows if r.tensor.endswith("cache"))
 
 
+@pytest.mark.parametrize("target", ["sm_80", "sm_89"])
+def test_f16_products_keep_the_range_of_bf16_queries(tmp_path, target):
+    """A bf16 kernel over an FP8 cache runs its products on f16 (kv_fp8_stage.f16_math_applies):
+    each Q row is rescaled by a power of two into f16 before the loop. Rows far outside f16's
+    range -- elements up to 2^38 (f16 overflows at 2^16) and 2^-30 (below its subnormals),
+    zero -- side by side in one tile match the fp64 reference as rows of unit scale do, the
+    lse too. k_scale 2^-20 keeps their scores where an f32 softmax resolves them (any f32
+    softmax, the bf16 path's included, loses a score past ~2^24 in log2 units)."""
+    from ptxc.reference import max_abs_error, tolerance
+    art = build_kernel(tmp_path, "decode", body("bf16", "e4m3", "tensor", "paged", heads=(8, 2),
+                                                head_dim=64, extra="return_lse = true\n"),
+                       targets=(target,))
+    assert art.meta["targets"][target]["config"]["mma_inputs"] == "f16"
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    fam = FAMILIES["decode"]
+    inputs = fam.make_inputs(spec, shapes("paged"), np.random.default_rng(11))
+    factors = np.array([2.0 ** 36, 2.0 ** -30, 2.0 ** 20, 0.0, 1.0, 2.0 ** 24, 2.0 ** 28, 2.0 ** -10])
+    inputs["q"] = (inputs["q"] * factors[None, :, None]).astype(np.float32)   # powers of two: still bf16
+    inputs["k_scale"] = np.float32(2.0 ** -20)
+    ref = fam.reference(spec, inputs)
+    naive = fam.reference(spec, inputs, dtype=spec.dtype)
+    out = art.run(inputs, target=target, backend="emu")
+    assert int(inputs["seq_lens"].max()) > 16
+    for name in ("o", "lse"):
+        err = max_abs_error(out[name], ref[name])
+        assert np.isfinite(err) and err <= tolerance(naive[name], ref[name]), (name, err)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("layout", ["contiguous", "pointer_array", "paged"])
@@ -147,6 +175,9 @@ def built(tmp_path_factory):
             '[[kernel]]\nname = "d_append_{head_dim}"\nfamily = "decode"\ndtype = "f16"\nnum_heads = 8\n'
             'num_kv_heads = 1\nhead_dim = [64, 256]\nkv_layout = "paged"\nkv_dtype = "e4m3"\nappend_kv = true\n'
             f'targets = {json.dumps(ALL_TARGETS)}\n'
+            '[[kernel]]\nname = "h_e4m3_paged"\nfamily = "decode"\ndtype = "f16"\nnum_heads = 32\n'
+            'num_kv_heads = 8\nhead_dim = 128\nkv_layout = "paged"\nkv_dtype = "e4m3"\nkv_scale = "head"\n'
+            'num_splits = "auto"\ntargets = ["sm_89", "sm_90"]\n'
             '[[kernel]]\nname = "d_f32"\nfamily = "decode"\ndtype = "f32"\nnum_heads = 4\n'
             'num_kv_heads = 4\nhead_dim = 64\nkv_dtype = "e5m2"\n'
             f'targets = {json.dumps(ALL_TARGETS)}\n')
@@ -157,7 +188,7 @@ def built(tmp_path_factory):
 def test_every_target_assembles_without_spills(built):
     out, summary = built
     assert summary["verified"] and not summary["problems"]
-    assert len(summary["kernels"]) == 9
+    assert len(summary["kernels"]) == 10
     for k in summary["kernels"]:
         assert all(t["spill_bytes"] == 0 for t in k["targets"].values()), k["name"]
 
@@ -183,6 +214,27 @@ def test_sass_loop_converts_at_most_once_per_two_elements(built, kind, path):
         assert (loop["classes"]["cvt"] - p_packs) * 2 <= elems_per_lane, (t["target"], loop["classes"])
         seen.add(t["target"])
     assert {"sm_80", "sm_89", "sm_90"} <= seen
+
+
+def test_bf16_over_fp8_loops_as_f16_does(built):
+    """bf16 over an e4m3 cache takes f16 products (kv_fp8_stage.f16_math_applies): its staged
+    tiles convert in one cvt a pair, as f16's do, where a bf16 tile took four (1739 instructions
+    a warp per iteration on sm_90 before, 971 now). Its loop is the f16 kernel's, give or take
+    the per-row softmax factors."""
+    from ptxc.report.analysis import build_report
+    out, _ = built
+    loops = {}
+    for name in ("d_e4m3_paged", "h_e4m3_paged"):
+        for t in build_report([out / name])["kernels"][0]["targets"]:
+            if t["target"] in ("sm_89", "sm_90"):
+                assert t["config"].get("mma_inputs", "f16") == "f16"
+                loops[name, t["target"]] = t["launches"][0]["loop"]
+    for target in ("sm_89", "sm_90"):
+        bf16, f16 = loops["d_e4m3_paged", target], loops["h_e4m3_paged", target]
+        assert bf16["mma_equivalents"] == f16["mma_equivalents"]
+        assert bf16["instructions"] <= f16["instructions"] * 1.02 + 8, (target, bf16["instructions"],
+                                                                        f16["instructions"])
+        assert bf16["instructions"] < 1100, (target, bf16["instructions"])
 
 
 ERRORS = {

@@ -79,7 +79,7 @@ class VarlenMath(MmaMath):
             for jd, acc in enumerate(self.o):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
                 with b.predicate(ok):
-                    b.st("global", B32, Addr(addr, jd * 16), [b.cvt_pack(self.pair, hi, lo)])
+                    b.st("global", B32, Addr(addr, jd * 16), [b.cvt_pack(self.out_pair, hi, lo)])
 
     def store_parts(self, invs: list[Reg], seen: list[Reg]) -> None:
         """o_part [total_q, H, splits, dv] f32: this lane's columns 2t, 2t+1 -- not for a row
@@ -106,6 +106,7 @@ def packed_tile_config(spec, c: PrefillConfig) -> dict:
             **({"value_split": c.v_split} if c.v_split > 1 else {}),
             **({"score_split": True, "exchange_bytes": c.exchange_bytes} if c.score_split else {}),
             **({"fp8_staging_bytes": c.staging_bytes} if isinstance(c, StagedFP8Config) else {}),
+            **({"mma_inputs": c.math_fmt.name} if c.math_fmt is not c.fmt else {}),
             **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {})}
 
 

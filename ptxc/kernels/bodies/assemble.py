@@ -111,7 +111,8 @@ def _cp_async(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of
     run_kv_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, k_smem=buf.k, v_smem=buf.v,
                     use_async=loads.use_async, n_tiles=tiles.n_tiles, n_full=tiles.n_full,
                     key0_of=tiles.key0_of, load_kv=loads.load_kv, math=m, transform=transform_of(m),
-                    lo_full=tiles.lo_full, landed=loads.landed, mask_of=tiles.mask_of)
+                    lo_full=tiles.lo_full, landed=loads.landed, mask_of=tiles.mask_of,
+                    q_landed=loads.q_landed)
     return m
 
 
@@ -123,7 +124,8 @@ def _latent_tile(run):
         m = math()
         run(b, stages=buf.stages, kv_bytes=buf.k_bytes, kv_smem=buf.k, n_tiles=tiles.n_tiles,
             n_full=tiles.n_full, key0_of=tiles.key0_of, load_kv=loads.load_kv, math=m,
-            transform=transform_of(m), lo_full=tiles.lo_full, landed=loads.landed)
+            transform=transform_of(m), lo_full=tiles.lo_full, landed=loads.landed,
+            **({"q_landed": loads.q_landed} if loads.q_landed is not None else {}))
         return m
     return adapter
 

@@ -119,6 +119,12 @@ class PrefillConfig:
     def dv(self) -> int:
         return self.head_dim_v or self.head_dim
 
+    @property
+    def math_fmt(self) -> C.ElemFormat:
+        """The format of the tensor-core products' inputs (Q, K, V tiles and P): the dtype's,
+        except where a config says otherwise (kv_fp8_stage.StagedFP8Config.f16_math)."""
+        return self.fmt
+
     def _geom(self, rows: int, elems: int) -> TileGeom:
         row_bytes = elems * self.fmt.bytes
         return TileGeom(rows, row_bytes, self.threads,

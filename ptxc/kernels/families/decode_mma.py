@@ -114,7 +114,8 @@ def configure(spec: KernelSpec, target: Target | None):
     if kv_fp8_stage.applies(spec):
         def make(stages):
             return kv_fp8_stage.StagedFP8Config(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn,
-                                                bm // 16, stages, True, min_ctas_per_sm=1)
+                                                bm // 16, stages, True, min_ctas_per_sm=1,
+                                                f16_math=kv_fp8_stage.f16_math_applies(spec))
         stages = tile.get("num_stages") or (
             kv_fp8_stage.default_stages(make, target) if target is not None else DEFAULT_STAGES)
         cfg = make(stages)

@@ -168,7 +168,9 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     # MLA's 512-wide V: the four warps sharing 16 rows split the 576-deep Q·Kᵀ between them
     split_scores = latent and vsplit > 1 and -(-spec.head_dim // 16) % vsplit == 0
     config_type = kv_fp8_stage.StagedFP8Config if staged else PrefillConfig
-    rows = {"rows": kv_fp8.group_scaled(spec)} if staged else {}   # e4m3_ds: whole rows staged
+    # e4m3_ds: whole rows staged; per-tensor / per-head scales under bf16: f16 products
+    rows = {"rows": kv_fp8.group_scaled(spec), "f16_math": kv_fp8_stage.f16_math_applies(spec)} \
+        if staged else {}
 
     def make(stages=None):
         return config_type(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,

@@ -65,6 +65,13 @@ class StagedFP8Config(PrefillConfig):
     cache of kv_fp8.GroupScaledRows) a stage holds whole cache rows, scales and RoPE included."""
 
     rows: kv_fp8.GroupScaledRows | None = None
+    # bf16 kernels whose cache is FP8 with a per-tensor / per-head scale run their products on
+    # f16 inputs (f16_math_applies): the staged bytes convert to f16 in one instruction a pair
+    f16_math: bool = False
+
+    @property
+    def math_fmt(self) -> C.ElemFormat:
+        return C.FORMATS["f16"] if self.f16_math else self.fmt
 
     def staging_geom(self, cols: int) -> StagingGeom:
         return StagingGeom(self.block_n, cols, self.threads)
@@ -83,6 +90,22 @@ class StagedFP8Config(PrefillConfig):
     def smem_bytes(self) -> int:
         return self.q_geom.bytes + self.kv_tiles * (self.kv_geom.bytes + self.num_stages * self.staging_bytes) + \
             self.tail_bytes
+
+
+def f16_math_applies(spec) -> bool:
+    """A bf16 kernel over a staged FP8 cache scaled per tensor or per head takes its tensor-core
+    products on f16 inputs. Every FP8 value is an f16 value, so the tile a staged FP8 chunk
+    becomes is one cvt.rn.f16x2.{e4m3x2,e5m2x2} a pair on sm_89+ (e5m2: one prmt anywhere),
+    where bf16 takes four (the f16 pair, two widenings to f32, a prmt of the top halves) --
+    the conversions were most of the FP8 decode loop (docs/kernels.md "FP8 on f16 products").
+    Q, a bf16 tensor whose rows may exceed f16's range, is rescaled per row by a power of two
+    into f16 before the loop (MmaMath.rescale_q_to_f16) and the softmax scale of each row takes
+    the inverse power, so the scores are the bf16 path's up to f32 rounding; P is rounded to f16
+    (finer than bf16). Not for e4m3_ds rows (a group scale times e4m3 can leave f16's range) nor
+    for score transforms that read raw scores (soft-cap, ALiBi: they would need the row's power)."""
+    from ..attention.variant import AttentionVariant
+    return (applies(spec) and spec.dtype == "bf16" and kv_fp8.group_scaled(spec) is None
+            and not AttentionVariant.from_spec(spec).transforms)
 
 
 def default_stages(make, target: Target) -> int:
@@ -127,7 +150,7 @@ class FP8Staging:
     def __init__(self, b: KernelBuilder, cfg: StagedFP8Config, tid: Reg, tiles_base: Reg,
                  quant: kv_fp8.KVDequant):
         self.b, self.cfg, self.quant = b, cfg, quant
-        self.pair = "f16x2" if cfg.fmt.name == "f16" else "bf16x2"
+        self.pair = "f16x2" if cfg.math_fmt.name == "f16" else "bf16x2"
         kv_bytes = cfg.kv_geom.bytes
         self.tile = {"k": tiles_base, "v": b.add(tiles_base, kv_bytes)}
         self.stage_bytes = cfg.staging_bytes
@@ -356,5 +379,5 @@ class LatentFP8Staging:
             b.st("shared", B32, Addr(first), words)
 
 
-__all__ = ["applies", "StagingGeom", "StagedFP8Config", "default_stages", "staging_slot", "FP8Staging",
+__all__ = ["applies", "f16_math_applies", "StagingGeom", "StagedFP8Config", "default_stages", "staging_slot", "FP8Staging",
            "SwizzledFP8Staging", "LatentFP8Staging", "MAX_STAGES"]

@@ -20,7 +20,8 @@ from ...ir import U32, KernelBuilder, Reg
 
 def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
                     use_async: bool, n_tiles: Reg, n_full: Reg, key0_of, load_kv, math,
-                    transform=None, lo_full: Reg | None = None, landed=None, mask_of=None) -> None:
+                    transform=None, lo_full: Reg | None = None, landed=None, mask_of=None,
+                    q_landed=None) -> None:
     """Prologue, loop over tiles [0, n_tiles) and drain. `key0_of(j)` is the first key of loop
     tile j (what the mask compares against); `transform(scores, key0)`, when given, modifies the
     raw scores before the mask (the variant seam: soft-cap, ALiBi). With `lo_full` (a sliding
@@ -30,7 +31,10 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
     the tile at buffer offset `stage` and returns the address the math reads instead.
     With `mask_of(j)` -> (first key, pred needs the mask) the family orders the tiles itself
     (mask_tiles.TileList: loop tile j is any KV tile), replacing key0_of / n_full / lo_full for
-    the scores."""
+    the scores.
+    With `q_landed()` the Q tile is rewritten before the loop (MmaMath.rescale_q_to_f16): after
+    the prologue, the wait for the first group (Q and K(0)) and a barrier; iteration 0's own
+    barrier then orders the rewrite before every read."""
 
     def wait_and_sync(t: str):
         if use_async:
@@ -43,6 +47,11 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
         load_kv("k", b.mov(s, U32), s * kv_bytes)
         if s < stages - 1:
             load_kv("v", b.mov(s, U32), s * kv_bytes)
+    if q_landed is not None:
+        if use_async:
+            b.cp_async_wait(2 * stages - 2)
+        b.bar_sync(0)
+        q_landed()
 
     # Buffer offsets of tile j (stage) and of tile j - 1 (prev, = the stage of j + S - 1), carried
     # in registers rather than recomputed from j % S every iteration.
@@ -70,7 +79,7 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
 
 def run_shared_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_smem: Reg,
                            n_tiles: Reg, n_full: Reg, key0_of, load_kv, math, transform=None,
-                           lo_full: Reg | None = None, landed=None) -> None:
+                           lo_full: Reg | None = None, landed=None, q_landed=None) -> None:
     """run_kv_pipeline for a cache whose V rows are the leading columns of its K rows (MLA's
     latent rows): `load_kv("k", j, stage)` loads tile j once (load_kv is never asked for V),
     and the scores and P·V of iteration j read the same stage buffer.
@@ -79,10 +88,15 @@ def run_shared_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_s
     flight, then ONE barrier (T(j) visible to all; every warp is past P·V of tile j-1, whose
     buffer is then refilled with T(j+S-1)). With `landed` (FP8 bytes staged, kv_fp8_stage.py)
     the converted tile is read by both products, so its conversion sits between two barriers:
-    the first ends every read of tile j-1's conversion. Needs S >= 2."""
+    the first ends every read of tile j-1's conversion. Needs S >= 2. `q_landed` as in
+    run_kv_pipeline (after the wait for Q and T0)."""
     assert stages >= 2, "the latent pipeline refills tile j-1's buffer while tile j is in use"
     for s in range(stages - 1):
         load_kv("k", b.mov(s, U32), s * kv_bytes)
+    if q_landed is not None:
+        b.cp_async_wait(stages - 2)
+        b.bar_sync(0)
+        q_landed()
     stage = b.mov(0, U32)
     prev = b.mov((stages - 1) * kv_bytes, U32)
     with b.for_range(0, n_tiles) as j:

@@ -19,7 +19,9 @@ single n8 tile of V (ldmatrix.x2).
 
 from __future__ import annotations
 
-from ...ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, Addr, KernelBuilder, Reg
+from contextlib import nullcontext
+
+from ...ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, U32, Addr, KernelBuilder, Reg
 from .. import common as C
 from ..attention.prefill_tile import Ctx
 from ..attention.softmax import exponentials, rescale_factor, rescale_vote, row_candidate, safe_max
@@ -34,8 +36,10 @@ from ..mainloop.tiles import ldmatrix_lanes_mk, ldmatrix_lanes_nk, zero_regs
 class MmaMath:
     def __init__(self, b: KernelBuilder, ctx: Ctx):
         self.b, self.ctx, cfg = b, ctx, ctx.cfg
-        self.in_type = F16 if cfg.fmt.name == "f16" else BF16
-        self.pair = F16X2 if cfg.fmt.name == "f16" else BF16X2
+        # the products' inputs (Q, K, V tiles, P: cfg.math_fmt) and the output's format
+        self.in_type = F16 if cfg.math_fmt.name == "f16" else BF16
+        self.pair = F16X2 if cfg.math_fmt.name == "f16" else BF16X2
+        self.out_pair = F16X2 if cfg.fmt.name == "f16" else BF16X2
         self.ss = cfg.q_geom.stride
         self.d, self.bn = cfg.head_dim, cfg.block_n
         self.mt = cfg.warp_rows // 16   # m16 tiles per warp
@@ -43,6 +47,8 @@ class MmaMath:
         self.dtiles = cfg.dv // 8 // cfg.v_split  # n8 tiles of O (head_dim_v) this warp owns
         self.vs, self.os = cfg.v_geom.stride, cfg.o_geom.stride   # == ss unless head_dim_v < d
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
+        # Q rescaled per row into f16 (rescale_q_to_f16): each of this lane's rows' scale_log2
+        self.row_scales: list[Reg] | None = None
         self.exp2_poly = getattr(ctx.cfg, "exp2_poly", 0)   # the tcgen05 tile's (config/tcgen05.py)
         lane = ctx.lane
         # ldmatrix lane addresses (tiles.LdmatrixLanes: padded or swizzled): Q and K's .x2 tail
@@ -117,7 +123,7 @@ class MmaMath:
         # no cross-lane reduction at the end; rescaled by alpha like O. One per m-tile.
         self.l_accs = [zero_regs(b, 4, F32) for _ in range(self.mt)]
         self.l_acc = self.l_accs[0]
-        self.ones = b.mov(0x3C003C00 if cfg.fmt.name == "f16" else 0x3F803F80, B32)
+        self.ones = b.mov(0x3C003C00 if cfg.math_fmt.name == "f16" else 0x3F803F80, B32)
 
     def warp_row0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
         """This warp's first row in the CTA's tile: warp_rows per warp (warps sharing rows
@@ -227,7 +233,7 @@ class MmaMath:
         # rows[i]: row i = 2 mt + r of this lane (r = 0: g, 1: g + 8 of m-tile mt)
         rows = [[acc[2 * (i % 2) + e] for acc in s[i // 2 * nt:(i // 2 + 1) * nt] for e in range(2)]
                 for i in range(n_rows)]
-        cands = [row_candidate(b, self.m[i], rows[i], self.scale_log2, (1, 2)) for i in range(n_rows)]
+        cands = [row_candidate(b, self.m[i], rows[i], self.row_scale(i), (1, 2)) for i in range(n_rows)]
         with b.if_then(rescale_vote(b, cands, self.m, (4, 8, 16))):
             for i in range(n_rows):
                 mt, r = divmod(i, 2)
@@ -241,12 +247,92 @@ class MmaMath:
             probs = []
             for r in range(2):
                 probs.append(exponentials(b, rows[2 * mt + r], safe_max(b, self.m[2 * mt + r]),
-                                          self.scale_log2))
+                                          self.row_scale(2 * mt + r)))
             # probs[r][2 jn + e] is element (r, e) of n8 tile jn; k-step k packs tiles 2k, 2k+1.
             pk = [[b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn]) for r in range(2)]
                   for jn in range(nt)]
             a_frags += [pk[2 * k] + pk[2 * k + 1] for k in range(self.bn // 16)]
         return a_frags
+
+    def row_scale(self, i: int):
+        """The factor from row i's raw scores to log2 units (a float, or a register with a
+        runtime k_scale or a rescaled Q)."""
+        return self.scale_log2 if self.row_scales is None else self.row_scales[i]
+
+    def rescale_q_to_f16(self) -> None:
+        """The Q tile's bf16 rows -> f16 in place, row r times 2^k_r, so products run on f16
+        inputs (kv_fp8_stage.f16_math_applies) whatever Q's range. Called once the Q tile has
+        landed and a barrier made it visible; the loop's first barrier precedes every read.
+        k_r = 15 - E_r (E_r the exponent of the row's largest |q|, clamped to +-126): the row's
+        largest element lands in [2^15, 2^16), below f16's 65504 (a bf16 there is at most 65280,
+        exact), and every element above 2^-24 of it keeps all its bits (f16 normals reach
+        2^-14: 29 binades below the top). Row r's softmax factor becomes scale_log2 · 2^-k_r,
+        exact, so S · factor equals the bf16 path's scores up to f32 rounding.
+        Lane (g, t) of the warp owning rows R (warp_rows, or shared under v_split) takes rows
+        g + 8i of them -- the rows its score fragments hold -- and chunks t, t + 4, ..: the
+        row's max over the quad's lanes (two shuffles) leaves k_r in the lanes that need it.
+        Warps sharing rows (v_split) each read the whole row, meet at a barrier, then convert
+        their share of its chunks (chunk t + 4 (part + v_split j)). A chunk is transformed in
+        place, so the padded or swizzled order of a row's chunks does not matter."""
+        from ..common import FORMATS
+        b, ctx, cfg = self.b, self.ctx, self.ctx.cfg
+        assert cfg.math_fmt is FORMATS["f16"] and cfg.fmt is FORMATS["bf16"], "bf16 rows to f16"
+        chunks, ss, vs = cfg.head_dim // 8, self.ss, cfg.v_split
+        t, g = self.t, b.shr(ctx.lane, 2)
+        row_addrs = [b.mad(b.add(self.warp_row0(b, ctx), b.add(g, 8 * i)), ss, ctx.q_smem)
+                     for i in range(2 * self.mt)]
+        lane_chunk = b.shl(t, 4)
+
+        def each_chunk(step: int, first: Reg | int):
+            """(chunk offset j, predicate or None) of this lane's chunks first + step j."""
+            for j in range(-(-chunks // step)):
+                last = j * step + step - 1
+                yield j * step, None if last < chunks else                     b.setp("lt", b.add(first, j * step) if not isinstance(first, int) else first + j * step, chunks)
+
+        # pass 1: |largest bf16| of each row as bits, over the lane's chunks, then the quad
+        highest = []
+        for addr in row_addrs:
+            top_hi, top_lo = b.mov(0, U32), b.mov(0, U32)
+            at = b.add(addr, lane_chunk)
+            for j, pred in each_chunk(4, t):
+                if pred is None:
+                    words = b.ld("shared", B32, Addr(at, 16 * j), vec=4)
+                else:        # past the row: zeros
+                    words = zero_regs(b, 4)
+                    with b.predicate(pred):
+                        b.ld("shared", B32, Addr(at, 16 * j), vec=4, out=words)
+                for w in words:      # |hi| in the top half orders the high halves; |lo| << 16
+                    mag = b.and_(b.bitcast(w, U32), 0x7FFF7FFF)
+                    b.max(top_hi, mag, out=top_hi)
+                    b.max(top_lo, b.shl(mag, 16), out=top_lo)
+            top = b.shr(b.max(top_hi, top_lo), 16)
+            for off in (1, 2):
+                top = b.max(top, b.shfl("bfly", top, off))
+            highest.append(top)
+        # k = 15 - E = 142 - (exponent field), clamped: 2^k and 2^-k are normal f32
+        ks = [b.bitcast(b.min(b.max(b.sub(142, b.bitcast(b.shr(top, 7), S32)), -126), 126), S32)
+              for top in highest]
+        up = [b.bitcast(b.shl(b.bitcast(b.add(k, 127), U32), 23), F32) for k in ks]
+        down = [b.bitcast(b.shl(b.bitcast(b.sub(127, k), U32), 23), F32) for k in ks]
+        self.row_scales = [b.mul(d, self.scale_log2) for d in down]
+        if vs > 1:
+            b.bar_sync(0)     # every warp sharing the rows has read them
+        # pass 2: this warp's share of the chunks, times 2^k, rounded to f16 pairs in place
+        part = b.shl(self.value_part(b, ctx), 2) if vs > 1 else None
+        first = t if part is None else b.add(t, part)
+        off = lane_chunk if part is None else b.shl(first, 4)
+        for addr, scale in zip(row_addrs, up):
+            at = b.add(addr, off)
+            for j, pred in each_chunk(4 * vs, first):
+                with b.if_then(pred) if pred is not None else nullcontext():
+                    words = b.ld("shared", B32, Addr(at, 16 * j), vec=4)
+                    halves = []
+                    for w in words:
+                        u = b.bitcast(w, U32)
+                        lo = b.mul(b.bitcast(b.shl(u, 16), F32), scale)
+                        hi = b.mul(b.bitcast(b.and_(u, 0xFFFF0000), F32), scale)
+                        halves.append(b.cvt_pack(F16X2, hi, lo))
+                    b.st("shared", B32, Addr(at, 16 * j), halves)
 
     def pv(self, a_frags: list[list[Reg]], v_tile: Reg) -> None:
         b, kt = self.b, self.bn // 16
@@ -287,7 +373,7 @@ class MmaMath:
         lanes = [b.add(row, b.xor(j6, jp << 4)) for jp in (0, 2, 4, 6)]
         for mt, o in enumerate(self.o_tiles):
             for jd in range(0, len(o), 2):
-                regs = [b.cvt_pack(self.pair, *(b.mul(acc[2 * r + e], invs[2 * mt + r])
+                regs = [b.cvt_pack(self.out_pair, *(b.mul(acc[2 * r + e], invs[2 * mt + r])
                                                 for e in (1, 0)))
                         for acc in (o[jd], o[jd + 1]) for r in range(2)]
                 b.stmatrix(Addr(lanes[jd % 8 // 2], 16 * mt * 128 + jd // 8 * bm * 128), regs)
@@ -329,7 +415,7 @@ class MmaMath:
                         at = Addr(self.o_smem, row_off + jd * 16)
                     else:
                         at = Addr(self.o_lanes[jd % 8], row_off + jd // 8 * 128)
-                    b.st("shared", B32, at, [b.cvt_pack(self.pair, hi, lo)])
+                    b.st("shared", B32, at, [b.cvt_pack(self.out_pair, hi, lo)])
         self.cta_sync()
         slot = thread_slot(b, ctx.cfg.o_geom, ctx.tid)
         go = global_rows(b, slot, ctx.o_base, ctx.o_row_stride)
