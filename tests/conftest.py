@@ -91,6 +91,37 @@ def fp8_cache_body(dtype, kind, scale, layout, *, heads=(6, 2), head_dim=40, ext
     return text + ('page_size = 8\n' if layout == "paged" else "") + extra
 
 
+# Q rows far outside f16's range (and zero) for the f16-products tests, cycled over the heads;
+# with k_scale = WIDE_Q_K_SCALE their scores stay where an f32 softmax resolves them
+WIDE_Q_FACTORS = (2.0 ** 36, 2.0 ** -30, 2.0 ** 20, 0.0, 1.0, 2.0 ** 24, 2.0 ** 28, 2.0 ** -10)
+WIDE_Q_K_SCALE = 2.0 ** -20
+
+
+def assert_wide_queries_match(art, family: str, target: str, dims: dict, seed: int) -> None:
+    """A bf16 kernel over an FP8 cache on f16 products (config.mma_inputs, Q rescaled per row:
+    kv_fp8_stage.f16_math_applies) against the fp64 reference with WIDE_Q_FACTORS' rows side by
+    side in every tile: every output within the FA2 rule of the naive bf16 computation."""
+    import numpy as np
+
+    from ptxc.kernels import FAMILIES
+    from ptxc.reference import max_abs_error, tolerance
+    from ptxc.spec.model import KernelSpec
+    assert art.meta["targets"][target]["config"]["mma_inputs"] == "f16"
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    fam = FAMILIES[family]
+    inputs = fam.make_inputs(spec, dims, np.random.default_rng(seed))
+    heads = inputs["q"].shape[-2]
+    factors = np.resize(np.array(WIDE_Q_FACTORS), heads)      # powers of two: still bf16 values
+    inputs["q"] = (inputs["q"] * factors[:, None]).astype(np.float32)
+    scale = inputs["k_scale"]
+    inputs["k_scale"] = (np.asarray(scale) * 0 + WIDE_Q_K_SCALE).astype(np.float32)
+    ref, naive = fam.reference(spec, inputs), fam.reference(spec, inputs, dtype=spec.dtype)
+    out = art.run(inputs, target=target, backend="emu")
+    for name in ref:
+        err = max_abs_error(out[name], ref[name])
+        assert np.isfinite(err) and err <= tolerance(naive[name], ref[name]), (target, name, err)
+
+
 def cache_shapes(layout: str, batch: int, num_pages: int) -> dict:
     """launch-test shapes for a batch over a paged (5 pages per sequence) or contiguous cache."""
     return ({"batch": batch, "max_pages_per_seq": 5, "num_pages": num_pages}

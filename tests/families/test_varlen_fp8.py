@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from conftest import assert_pass, build_kernel, cache_shapes
+from conftest import assert_pass, assert_wide_queries_match, build_kernel, cache_shapes
 from conftest import fp8_cache_body as body
 from ptxc.kernels import FAMILIES
 from ptxc.runtime.launch_test import check_artifact
@@ -45,6 +45,43 @@ def test_fp8_varlen_matches_reference(tmp_path, case):
     art = build_kernel(tmp_path, "varlen", body(dtype, kind, scale, layout, head_dim=d, extra=extra),
                        targets=TARGETS)
     assert_pass(check_artifact(art, backend="emu", shapes=shapes(layout), seed=13))
+
+
+WIDE = {   # (family, spec keys, tile keys, target, dims): every body with f16 products
+    "varlen-mma": ("varlen", body("bf16", "e4m3", "tensor", "paged", heads=(8, 2), head_dim=64,
+                                  extra="return_lse = true\n"), "", "sm_89",
+                   cache_shapes("paged", batch=9, num_pages=47)),
+    "varlen-wgmma": ("varlen", body("bf16", "e5m2", "head", "paged", heads=(8, 2), head_dim=128,
+                                    extra="num_splits = 2\n").replace("page_size = 8", "page_size = 16"),
+                     "", "sm_90a", cache_shapes("paged", batch=5, num_pages=30)),
+    # MLA on mma.sync: four warps share 16 rows (value split, split scores)
+    "mla-mma": ("mla", 'dtype = "bf16"\nnum_heads = 16\nsoftmax_scale = 0.1353\nkv_layout = "paged"\n'
+                       'kv_dtype = "e4m3"\nreturn_lse = true\n', "", "sm_89",
+                {"batch": 5, "max_pages_per_seq": 2, "num_pages": 12}),
+    # MLA on wgmma: two warpgroups share 64 rows of 128-byte slabs, staged by cp.async / TMA
+    "mla-wgmma": ("mla", 'dtype = "bf16"\nnum_heads = 64\nsoftmax_scale = 0.1353\nkv_layout = "paged"\n'
+                         'kv_dtype = "e4m3"\nkv_scale = "device"\n', "", "sm_90a",
+                  {"batch": 5, "max_pages_per_seq": 2, "num_pages": 12}),
+    "mla-wgmma-tma": ("mla", 'dtype = "bf16"\nnum_heads = 64\nsoftmax_scale = 0.1353\nkv_layout = "paged"\n'
+                             'kv_dtype = "e4m3"\n', 'kv_loads = "tma"', "sm_90a",
+                      {"batch": 5, "max_pages_per_seq": 2, "num_pages": 12}),
+    # sparse top-k slots (a tile holds one token's heads) on both bodies
+    **{f"mla-sparse-{target}": ("mla", 'dtype = "bf16"\nnum_heads = 64\nsoftmax_scale = 0.1353\n'
+                                       'kv_layout = "paged"\nkv_dtype = "e4m3"\nnum_splits = 3\n'
+                                       'sparse_topk = 100\ntopk_length = true\n', "", target,
+                                {"total_q": 7, "num_pages": 5}) for target in ("sm_90", "sm_90a")},
+}
+
+
+@pytest.mark.parametrize("case", WIDE.values(), ids=WIDE.keys())
+def test_f16_products_keep_the_range_of_bf16_queries(tmp_path, case):
+    """bf16 over FP8 on f16 products, on every body that takes them (mma.sync's padded tiles,
+    wgmma's slabs; rows owned by one warp, or shared by warps that convert a share each):
+    Q rows from 2^-30 to 2^38 and zero, side by side in a tile, match the fp64 reference
+    (conftest.assert_wide_queries_match; test_decode_fp8 has decode's)."""
+    family, text, tile, target, dims = case
+    art = build_kernel(tmp_path, family, text, tile=tile, targets=(target,))
+    assert_wide_queries_match(art, family, target, dims, seed=17)
 
 
 @pytest.mark.parametrize("kind", ["e4m3", "e5m2"])

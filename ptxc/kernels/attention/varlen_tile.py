@@ -18,7 +18,7 @@ from ..config.tcgen05 import (PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS,
 from ..config.wgmma import ROWS_PER_WARPGROUP, WGMMA_TARGETS, WgmmaConfig, uses_wgmma
 from ..kv.kv_access import KVAccess, sparse_keys
 from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind, kv_dtype
-from ..kv.kv_fp8_stage import StagedFP8Config, StagingGeom
+from ..kv.kv_fp8_stage import StagedFP8Config, StagingGeom, f16_math_applies
 from ..mainloop.tiles import SWIZZLE, SwizzledGeom
 from ..mainloop.tiles import CHUNK
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
@@ -261,7 +261,8 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
                              spec.tile_dict().get("block_n", 32), 2 * ROWS_PER_WARPGROUP // 16,
                              stages, True, dv, dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
                              kv_loads=latent_loads(spec), fp8=kind(spec) is not None,
-                             rows=group_scaled(spec), split_scores=split, seesaw=seesaw)
+                             rows=group_scaled(spec), split_scores=split, seesaw=seesaw,
+                             f16_math=f16_math_applies(spec) and not seesaw)
 
 
 def split_by_default(spec) -> bool:
@@ -364,7 +365,7 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
     tma = _loads_by_tma(spec, kv)
     return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
                            cfg.num_stages, True, cfg.dv, 1,
-                           kv_loads="tma" if tma else "cp_async", fp8=fp8)
+                           kv_loads="tma" if tma else "cp_async", fp8=fp8, f16_math=cfg.f16_math)
 
 
 # The load / MMA / softmax warps (tile.warp_specialize) are the default for the 64-row tile at

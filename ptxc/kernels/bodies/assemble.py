@@ -125,7 +125,7 @@ def _latent_tile(run):
         run(b, stages=buf.stages, kv_bytes=buf.k_bytes, kv_smem=buf.k, n_tiles=tiles.n_tiles,
             n_full=tiles.n_full, key0_of=tiles.key0_of, load_kv=loads.load_kv, math=m,
             transform=transform_of(m), lo_full=tiles.lo_full, landed=loads.landed,
-            **({"q_landed": loads.q_landed} if loads.q_landed is not None else {}))
+            q_landed=loads.q_landed)
         return m
     return adapter
 
@@ -136,7 +136,8 @@ def _wgmma(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *
     run_wgmma_pipeline(b, stages=buf.stages, kv_bytes=buf.k_bytes, v_bytes=buf.v_bytes,
                        k_smem=buf.k, v_smem=buf.v, n_tiles=tiles.n_tiles, n_full=tiles.n_full,
                        key0_of=tiles.key0_of, load_kv=loads.load_kv, math=m,
-                       transform=transform_of(m), lo_full=tiles.lo_full, landed=loads.landed)
+                       transform=transform_of(m), lo_full=tiles.lo_full, landed=loads.landed,
+                       q_landed=loads.q_landed)
     return m
 
 

@@ -83,7 +83,7 @@ def emit_mma_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs
                 load_tile_rows(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
             else:
                 stage_rows_dequant(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst,
-                                   quant, "f16x2" if cfg.fmt.name == "f16" else "bf16x2")
+                                   quant, "f16x2" if cfg.math_fmt.name == "f16" else "bf16x2")
         b.cp_async_commit()
 
     load_tile_rows(b, q_slot, q_row, m_start, b.sub(b.bitcast(rows, S32), b.bitcast(m_start, S32)),

@@ -242,7 +242,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         slab_cols = slab_row = cfg.fp8_box_bytes
         slabs = v_slabs = cfg.head_dim // slab_cols
         staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, stages, ctx.tid,
-                                   tile.k_smem, quant, "f16x2" if cfg.fmt.name == "f16" else "bf16x2",
+                                   tile.k_smem, quant, "f16x2" if cfg.math_fmt.name == "f16" else "bf16x2",
                                    cfg.fmt, box_bytes=slab_cols)
 
     def copies(issuing: Reg, issuers: int, first_tile: Reg | int = 0, step: int = 1):
@@ -346,11 +346,19 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         return
     copy_tile, issuer = copies(ctx.warp, cfg.num_warps)
 
-    def loads(**hooks) -> Loads:
+    def loads(q_hook=q_landed, **hooks) -> Loads:
         return Loads(copy_tile=copy_tile, leader=b.setp("eq", ctx.tid, 0), issuer=issuer,
-                     q_landed=q_landed, last_v_landed=last_v_landed, **hooks)
+                     q_landed=q_hook, last_v_landed=last_v_landed, **hooks)
     if kv.latent:    # MLA: one latent tile per stage serves both products, its barriers after
         math = VarlenWgmmaMath(b, ctx, ptrs, strides)
+
+        def q_rescaled() -> None:
+            """f16 products over a bf16 Q (e4m3 rows): Q's rows rescaled into f16 once it
+            landed, fenced for the tensor cores' reads before a barrier."""
+            q_landed()
+            math.rescale_q_to_f16()
+            b.fence_proxy_async()
+            b.bar_sync(0)
         stage, stage_bytes = (staging.k_stage, staging.stage_bytes) if staging else (tile.k_smem, kv_bytes)
         if quant is not None:       # e4m3: k_scale in the softmax scale, v_scale in 1/l
             k_scale, math.v_scale = quant.scales(b, work.kv_head)
@@ -358,7 +366,8 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         assemble(b, "latent_tma", buffers=Buffers(stages, tile.smem, stage, stage, stage_bytes,
                                                   bars=b.add(stage, stages * stage_bytes)),
                  tiles=key_tiles,
-                 loads=loads(landed=staging.landed if staging else None),
+                 loads=loads(q_rescaled if cfg.f16_math else q_landed,
+                             landed=staging.landed if staging else None),
                  math=prebuilt(math), transform_of=transform_of)
         return
     if isinstance(cfg, Tcgen05TileConfig):      # sm_100a: its MMA barriers after the TMA ones

@@ -146,12 +146,12 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     if cfg.fp8 and cfg.shared_kv:   # MLA's FP8 latent rows: two alternating converted tiles
         staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, cfg.num_stages,
                                    ctx.tid, tile.k_smem, quant,
-                                   "f16x2" if cfg.fmt.name == "f16" else "bf16x2", cfg.fmt, cfg.rows)
+                                   "f16x2" if cfg.math_fmt.name == "f16" else "bf16x2", cfg.fmt, cfg.rows)
         kv_slot = staging.slot
     elif cfg.fp8:
         staging = SwizzledFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, cfg.kv_geom.slab_bytes,
                                      cfg.num_stages, ctx.tid, tile.k_smem, quant,
-                                     "f16x2" if cfg.fmt.name == "f16" else "bf16x2")
+                                     "f16x2" if cfg.math_fmt.name == "f16" else "bf16x2")
         kv_slot = staging.slot
     else:
         kv_slot = swizzled_slot(b, cfg.copy_geom(bn), ctx.tid)
@@ -195,7 +195,9 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
              buffers=Buffers(cfg.num_stages, tile.smem, k_stage, v_stage,
                              staging.stage_bytes if staging else cfg.kv_geom.bytes),
              tiles=KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full),
-             loads=Loads(load_kv=load_kv, landed=staging.landed if staging else None),
+             loads=Loads(load_kv=load_kv, landed=staging.landed if staging else None,
+                         # f16 products over a bf16 Q: its rows rescaled into f16 first
+                         q_landed=math.rescale_q_to_f16 if cfg.f16_math else None),
              math=prebuilt(math), transform_of=lambda m: score_transform(b, spec, m))
 
 

@@ -110,6 +110,9 @@ class PrefillConfig:
     # Sparse top-k (a cache slot per key): the slots of the next K tile parked in a two-tile
     # ring before the mask list (kv_pages.SparseSlots)
     slot_ring: bool = False
+    # The tensor-core products on f16 inputs over a bf16 kernel's FP8 cache (Q rescaled per
+    # row into f16 first: kv_fp8_stage.f16_math_applies, math.mma.MmaMath.rescale_q_to_f16)
+    f16_math: bool = False
     # Split-KV on the GQA-packed tile: split 0 stores the final o of a tile it covers whole
     # (VarlenMath.epilogue). Not on mma.sync: its split kernels sit at ptxas's 128-register
     # cap, and the second epilogue made 20 of the spill sweep's 14963 combinations spill.
@@ -122,8 +125,8 @@ class PrefillConfig:
     @property
     def math_fmt(self) -> C.ElemFormat:
         """The format of the tensor-core products' inputs (Q, K, V tiles and P): the dtype's,
-        except where a config says otherwise (kv_fp8_stage.StagedFP8Config.f16_math)."""
-        return self.fmt
+        or f16 with f16_math."""
+        return C.FORMATS["f16"] if self.f16_math else self.fmt
 
     def _geom(self, rows: int, elems: int) -> TileGeom:
         row_bytes = elems * self.fmt.bytes

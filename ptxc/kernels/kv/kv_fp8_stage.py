@@ -65,13 +65,6 @@ class StagedFP8Config(PrefillConfig):
     cache of kv_fp8.GroupScaledRows) a stage holds whole cache rows, scales and RoPE included."""
 
     rows: kv_fp8.GroupScaledRows | None = None
-    # bf16 kernels whose cache is FP8 with a per-tensor / per-head scale run their products on
-    # f16 inputs (f16_math_applies): the staged bytes convert to f16 in one instruction a pair
-    f16_math: bool = False
-
-    @property
-    def math_fmt(self) -> C.ElemFormat:
-        return C.FORMATS["f16"] if self.f16_math else self.fmt
 
     def staging_geom(self, cols: int) -> StagingGeom:
         return StagingGeom(self.block_n, cols, self.threads)

@@ -47,11 +47,7 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
         load_kv("k", b.mov(s, U32), s * kv_bytes)
         if s < stages - 1:
             load_kv("v", b.mov(s, U32), s * kv_bytes)
-    if q_landed is not None:
-        if use_async:
-            b.cp_async_wait(2 * stages - 2)
-        b.bar_sync(0)
-        q_landed()
+    q_rewrite(b, q_landed, 2 * stages - 1 if use_async else 0)
 
     # Buffer offsets of tile j (stage) and of tile j - 1 (prev, = the stage of j + S - 1), carried
     # in registers rather than recomputed from j % S every iteration.
@@ -93,10 +89,7 @@ def run_shared_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_s
     assert stages >= 2, "the latent pipeline refills tile j-1's buffer while tile j is in use"
     for s in range(stages - 1):
         load_kv("k", b.mov(s, U32), s * kv_bytes)
-    if q_landed is not None:
-        b.cp_async_wait(stages - 2)
-        b.bar_sync(0)
-        q_landed()
+    q_rewrite(b, q_landed, stages - 1)
     stage = b.mov(0, U32)
     prev = b.mov((stages - 1) * kv_bytes, U32)
     with b.for_range(0, n_tiles) as j:
@@ -114,6 +107,19 @@ def run_shared_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_s
         advance_stage(b, stage, prev, kv_bytes, stages)
     b.cp_async_wait(0)   # the Q tile when no KV tile was visited (and empty groups)
     b.bar_sync(0)
+
+
+def q_rewrite(b: KernelBuilder, q_landed, groups: int) -> None:
+    """`q_landed()` (MmaMath.rescale_q_to_f16) after a prologue of `groups` cp.async commit
+    groups (0: plain loads): the wait for the first, the Q tile's, and a barrier. Iteration 0's
+    barrier (and on wgmma its fence.proxy.async) then orders the rewrite before every read of Q,
+    as it does a converted tile."""
+    if q_landed is None:
+        return
+    if groups:
+        b.cp_async_wait(groups - 1)
+    b.bar_sync(0)
+    q_landed()
 
 
 def modify_scores(b: KernelBuilder, math, s, j: Reg, key0_of, transform, n_full: Reg,

@@ -25,18 +25,19 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from ...ir import U32, KernelBuilder, Reg
-from .kv_pipeline import StageRing, advance_stage, modify_scores
+from .kv_pipeline import StageRing, advance_stage, modify_scores, q_rewrite
 
 
 def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg, v_smem: Reg,
                        n_tiles: Reg, n_full: Reg, key0_of, load_kv, math, transform=None,
-                       lo_full: Reg | None = None, landed=None, v_bytes: int | None = None) -> None:
+                       lo_full: Reg | None = None, landed=None, v_bytes: int | None = None,
+                       q_landed=None) -> None:
     """`load_kv(t, tile, stage_offset)` copies one K or V tile (if it exists) and commits exactly
     one group; `math` is a WgmmaMath. With `landed(t, stage)` the stage buffers hold raw tiles
     (FP8 bytes, kv_fp8_stage.SwizzledFP8Staging): after A(j)'s wait and before its barrier it
     converts this thread's share of K(j) and V(j-1) and returns the tile the math reads.
     `v_bytes`: a V stage buffer's size when it differs from K's `kv_bytes` (head_dim_v <
-    head_dim)."""
+    head_dim). `q_landed()` rewrites the Q tile before the loop (q_rewrite)."""
     S = stages
     v_bytes = kv_bytes if v_bytes is None else v_bytes
     for s in range(S):                                  # B(-S) .. B(-1)
@@ -45,6 +46,7 @@ def run_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: 
             b.cp_async_commit()                         # V(-1): an empty group
         else:
             load_kv("v", b.mov(s - 1, U32), (s - 1) * v_bytes)
+    q_rewrite(b, q_landed, 2 * S)
 
     ring = StageRing(b, S, kv_bytes, v_bytes)   # buffer offsets of K(j) and of V(j - 1)
 
@@ -107,7 +109,7 @@ def attend_tile(b: KernelBuilder, math, k_smem: Reg, stage: Reg, v_smem: Reg, pr
 
 def run_latent_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_smem: Reg,
                               n_tiles: Reg, n_full: Reg, key0_of, load_kv, math, transform=None,
-                              lo_full: Reg | None = None, landed=None) -> None:
+                              lo_full: Reg | None = None, landed=None, q_landed=None) -> None:
     """run_wgmma_pipeline for a latent cache (MLA: V is the first columns of each K row, one
     tile per stage, kv_pipeline.run_shared_kv_pipeline's contract for `load_kv`): iteration j
     issues S(j) from tile j and O += P(j-1)·V(j-1) from tile j-1 together (attend_tile), so
@@ -118,15 +120,16 @@ def run_latent_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k
     iteration after; iteration j waits for T(j) with S-3 younger groups in flight (the tile
     loaded S-2 iterations ahead). Needs S >= 3 (tiles j-1 and j in use, one landing).
     With `landed(t, stage)` (FP8 bytes, kv_fp8_stage.LatentFP8Staging) the stages hold raw
-    tiles: _run_staged_latent."""
+    tiles: _run_staged_latent. `q_landed` as in run_wgmma_pipeline."""
     if landed is not None:
         _run_staged_latent(b, stages, kv_bytes, kv_smem, n_tiles, n_full, key0_of, load_kv, math,
-                           transform, lo_full, landed)
+                           transform, lo_full, landed, q_landed)
         return
     S = stages
     assert S >= 3, "the latent wgmma loop holds tiles j-1 and j and loads one ahead"
     for s in range(S - 2):
         load_kv("k", b.mov(s, U32), s * kv_bytes)
+    q_rewrite(b, q_landed, S - 2)
     stage = b.mov(0, U32)                          # tile j's buffer offset
     prev = b.mov((S - 1) * kv_bytes, U32)          # tile j-1's
     fill = b.mov((S - 2) * kv_bytes, U32)          # tile j-2's: refilled with T(j+S-2)
@@ -146,7 +149,8 @@ def run_latent_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k
 
 
 def _run_staged_latent(b: KernelBuilder, S: int, stage_bytes: int, stage_smem: Reg, n_tiles: Reg,
-                       n_full: Reg, key0_of, load_kv, math, transform, lo_full, landed) -> None:
+                       n_full: Reg, key0_of, load_kv, math, transform, lo_full, landed,
+                       q_landed=None) -> None:
     """The latent wgmma loop over FP8 staging buffers: T(j) lands raw in stage j % S and is
     converted into one of two alternating f16/bf16 tiles (`landed` returns it). Iteration j:
     wait for this thread's T(j) chunks (S-1 younger groups in flight: the staging ring is S
@@ -157,6 +161,7 @@ def _run_staged_latent(b: KernelBuilder, S: int, stage_bytes: int, stage_smem: R
     .., T(S-1) before the loop, one per iteration after."""
     for s in range(S):
         load_kv("k", b.mov(s, U32), s * stage_bytes)
+    q_rewrite(b, q_landed, S)
     stage = b.mov(0, U32)
     prev = b.mov(0, U32)        # the staging offset of T(j-1) (advance_stage's register pair)
     prev_tile = b.mov(0, U32)   # the converted tile j-1 (unread at j = 0: no P·V(-1))
@@ -175,3 +180,4 @@ def _run_staged_latent(b: KernelBuilder, S: int, stage_bytes: int, stage_smem: R
         math.pv_done()
     b.cp_async_wait(0)
     b.bar_sync(0)
+

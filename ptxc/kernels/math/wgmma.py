@@ -161,12 +161,12 @@ class WgmmaMath(MmaMath):
         (probs, rescale)."""
         b = self.b
         rows = [[acc[2 * r + e] for acc in s for e in range(2)] for r in range(2)]
-        cands = [row_candidate(b, self.m[r], rows[r], self.scale_log2, (1, 2)) for r in range(2)]
+        cands = [row_candidate(b, self.m[r], rows[r], self.row_scale(r), (1, 2)) for r in range(2)]
         rescale = rescale_vote(b, cands, self.m, (4, 8, 16))
         # the exponentials first, against the max this tile will use (branch-free), so that
         # they sit in the basic block before the rescale branch and the wait that follows it
         m_use = [b.selp(cands[r], self.m[r], rescale) for r in range(2)]
-        probs = [exponentials(b, rows[r], safe_max(b, m_use[r]), self.scale_log2, self.exp2_poly)
+        probs = [exponentials(b, rows[r], safe_max(b, m_use[r]), self.row_scale(r), self.exp2_poly)
                  for r in range(2)]
         self.move_max(rescale, cands)
         return probs, rescale
