@@ -132,11 +132,44 @@ def test_dequantizer_all_codes(kind, target):
     assert np.all(np.isnan(bf.view(np.float32)[nan]))
 
 
+def f16_pairs_kernel(kind: str, target: str) -> str:
+    b = KernelBuilder("k")
+    src, dst = _thread_base(b, "codes", 4), _thread_base(b, "pairs", 8)
+    b.st("global", B32, Addr(dst), fp8.f16_pairs(b, [b.ld("global", B32, Addr(src))], kind, TARGETS[target]))
+    b.ret()
+    return _ptx(b, target)
+
+
+@pytest.mark.parametrize("target", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_f16_pairs_all_codes(kind, target):
+    """f16_pairs: every code as the f16 of its value times f16_pair_factor, exactly -- 2^-8 for
+    e4m3 placed by bits without a hardware cvt (its subnormals as f16 subnormals, -0 kept), 1
+    elsewhere -- and NaN as a NaN; the bit path is 11 integer operations a pair (PTX) or fewer."""
+    codes = np.arange(256, dtype=np.uint8)
+    pairs = np.zeros(128, np.uint32)
+    ptx = f16_pairs_kernel(kind, target)
+    emu.launch(ptx, "k", (1,), (64,), [codes, pairs])
+    factor = fp8.f16_pair_factor(kind, TARGETS[target])
+    assert factor == (2.0 ** -8 if kind == "e4m3" and target in ("sm_75", "sm_80") else 1.0)
+    got = pairs.view(np.float16)
+    want = fp8_decode(codes, kind) * factor
+    nan = np.isnan(want)
+    assert np.all(np.isnan(got[nan]))
+    assert np.array_equal(got[~nan].view(np.uint16), want[~nan].astype(np.float16).view(np.uint16))
+    if factor != 1.0:
+        body = ptx.split("ld.global.b32", 1)[1]
+        ops = [ln for ln in body.splitlines() if ln.strip().split(" ")[0].split(".")[0]
+               in ("prmt", "and", "or", "shr", "add", "sub")]
+        assert len(ops) <= 2 * 11, ops
+
+
 @pytest.mark.parametrize("target", ["sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_120"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_both_paths_assemble(kind, target):
     assert_assembles(quantize_kernel(kind, target))
     assert_assembles(dequantize_kernel(kind, target))
+    assert_assembles(f16_pairs_kernel(kind, target))
 
 
 def test_hardware_path_uses_cvt_and_software_path_does_not():

@@ -93,6 +93,8 @@ def emit_mma_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs
     math = VarlenMath(b, ctx, ptrs, strides)
     if quant is not None and quant.mode != "group":   # group scales: applied in the staging
         k_scale, math.v_scale = quant.scales(b, kv_head)
+        if staging is not None and staging.factor != 1.0:   # tiles of the values times factor
+            k_scale, math.v_scale = (b.mul(x, 1.0 / staging.factor) for x in (k_scale, math.v_scale))
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
     assemble(b, "latent" if cfg.shared_kv else "cp_async",   # MLA: one latent tile per stage
              buffers=Buffers(stages, smem, k_smem, v_smem, kv_bytes),

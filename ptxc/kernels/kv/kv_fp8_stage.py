@@ -144,6 +144,10 @@ class FP8Staging:
                  quant: kv_fp8.KVDequant):
         self.b, self.cfg, self.quant = b, cfg, quant
         self.pair = "f16x2" if cfg.math_fmt.name == "f16" else "bf16x2"
+        # f16 tiles hold the values times this (fp8.f16_pair_factor: 2^-8 for e4m3 placed by
+        # bits below sm_89); the body folds its inverse into k_scale and v_scale
+        self.factor = fp8.f16_pair_factor(quant.kind, quant.target) \
+            if self.pair == "f16x2" and cfg.rows is None else 1.0
         kv_bytes = cfg.kv_geom.bytes
         self.tile = {"k": tiles_base, "v": b.add(tiles_base, kv_bytes)}
         self.stage_bytes = cfg.staging_bytes
@@ -174,7 +178,8 @@ class FP8Staging:
             self._group_scaled(slot, src, loaded)
             return self.tile[t]
         for i, (guard, words) in enumerate(loaded):
-            vals = fp8.dequantize(b, words, self.quant.kind, self.quant.target, to=self.pair)
+            vals = fp8.f16_pairs(b, words, self.quant.kind, self.quant.target) if self.pair == "f16x2" \
+                else fp8.dequantize(b, words, self.quant.kind, self.quant.target, to=self.pair)
             doff = i * geom.rows_per_pass * f16.stride
             for h in range(2):
                 with b.predicate(guard) if guard is not None else nullcontext():

@@ -124,6 +124,37 @@ def dequantize(b: KernelBuilder, words: list[Reg], kind: str, target: Target, to
     return vals
 
 
+# e4m3 into f16 tiles without a hardware cvt (sm_75 .. sm_86): the byte's bits placed as an f16
+# -- sign at bit 15, the 7 magnitude bits at [13:7] -- read as the value times 2^-8, e4m3's
+# subnormals included (M·2^-9 lands as the f16 subnormal M·2^-17), so a pair is a prmt and a
+# few integer operations where the exact path takes two f32 multiplies, two NaN selects and a
+# pack; the caller folds 2^8 into its scales (f16_pair_factor).
+F16_PLACED = 2.0 ** -8
+
+
+def f16_pair_factor(kind: str, target: Target) -> float:
+    """What f16_pairs' values are times the FP8 values: 2^-8 where e4m3 is placed by bits
+    (no hardware cvt), else 1."""
+    return F16_PLACED if kind == "e4m3" and not has_fp8_cvt(target) else 1.0
+
+
+def f16_pairs(b: KernelBuilder, words: list[Reg], kind: str, target: Target) -> list[Reg]:
+    """b32 words of FP8 bytes -> f16x2 pairs (2 per word) of the values times
+    f16_pair_factor(kind, target), exactly; e4m3 NaN (S.1111.111) -> an f16 NaN (exponent 31:
+    the placed magnitude's 0x3F80 with 0x7C00 or-ed in)."""
+    if f16_pair_factor(kind, target) == 1.0:
+        return dequantize(b, words, kind, target, to="f16x2")
+    pairs = []
+    for w in words:
+        for p in (0, 1):
+            high = b.bitcast(_f16x2_sw(b, w, p, kind), U32)   # each byte in its half's high byte
+            placed = b.or_(b.and_(b.shr(high, 1), 0x3F803F80), b.and_(high, 0x80008000))
+            # a NaN half's magnitude 0x7F00 plus 0x0100 carries into its bit 15, no other does
+            nan = b.and_(b.add(b.and_(high, 0x7F007F00), 0x01000100), 0x80008000)
+            pairs.append(b.bitcast(b.or_(placed, b.sub(nan, b.shr(nan, 5))), B32))   # 0x8000 -> 0x7C00
+    return pairs
+
+
 def load_words(b: KernelBuilder, addr: Addr, elems: int, pred: Reg | None = None) -> list[Reg]:
     """`elems` (16, 8 or 4) FP8 bytes at a 16/8/4-byte aligned address as b32 words, one
     ld.global.nc; with `pred`, lanes where it is false read zeros. A kernel that keeps several
@@ -147,4 +178,5 @@ def load_kv_dequant(b: KernelBuilder, addr: Addr, kind: str, target: Target, *, 
     return [b.mul(v, scale) for v in vals] if scale is not None else vals
 
 
-__all__ = ["KINDS", "MAX_FINITE", "has_fp8_cvt", "ptx_version", "quantize", "dequantize", "load_words", "load_kv_dequant"]
+__all__ = ["KINDS", "MAX_FINITE", "has_fp8_cvt", "ptx_version", "quantize", "dequantize", "F16_PLACED",
+           "f16_pair_factor", "f16_pairs", "load_words", "load_kv_dequant"]
