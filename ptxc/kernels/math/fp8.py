@@ -141,7 +141,7 @@ def f16_pair_factor(kind: str, target: Target) -> float:
 def f16_pairs(b: KernelBuilder, words: list[Reg], kind: str, target: Target) -> list[Reg]:
     """b32 words of FP8 bytes -> f16x2 pairs (2 per word) of the values times
     f16_pair_factor(kind, target), exactly; e4m3 NaN (S.1111.111) -> an f16 NaN (exponent 31:
-    the placed magnitude's 0x3F80 with 0x7C00 or-ed in)."""
+    the placed magnitude's 0x3F80 with bit 14 or-ed in, 0x7F80)."""
     if f16_pair_factor(kind, target) == 1.0:
         return dequantize(b, words, kind, target, to="f16x2")
     pairs = []
@@ -149,9 +149,10 @@ def f16_pairs(b: KernelBuilder, words: list[Reg], kind: str, target: Target) -> 
         for p in (0, 1):
             high = b.bitcast(_f16x2_sw(b, w, p, kind), U32)   # each byte in its half's high byte
             placed = b.or_(b.and_(b.shr(high, 1), 0x3F803F80), b.and_(high, 0x80008000))
-            # a NaN half's magnitude 0x7F00 plus 0x0100 carries into its bit 15, no other does
-            nan = b.and_(b.add(b.and_(high, 0x7F007F00), 0x01000100), 0x80008000)
-            pairs.append(b.bitcast(b.or_(placed, b.sub(nan, b.shr(nan, 5))), B32))   # 0x8000 -> 0x7C00
+            # NaN's placed magnitude 0x3F80 plus 0x80 carries into bit 14 (no other magnitude,
+            # at most 0x3F00, does; no carry leaves the half): or-ed in, its exponent is 31
+            nan = b.and_(b.add(placed, 0x00800080), 0x40004000)
+            pairs.append(b.bitcast(b.or_(placed, nan), B32))
     return pairs
 
 
