@@ -83,7 +83,7 @@ def emit_mma_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs
                 load_tile_rows(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst, True)
             else:
                 stage_rows_dequant(b, slots[cache], rows_of, row0, b.sub(L, b.bitcast(row0, S32)), dst,
-                                   quant, "f16x2" if cfg.math_fmt.name == "f16" else "bf16x2")
+                                   quant, cfg.math_pair)
         b.cp_async_commit()
 
     load_tile_rows(b, q_slot, q_row, m_start, b.sub(b.bitcast(rows, S32), b.bitcast(m_start, S32)),
@@ -102,5 +102,5 @@ def emit_mma_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs
                             None if tile.order is None else tile.mask_of),   # a packed mask's tiles
              loads=Loads(load_kv=load_kv, landed=None if staging is None else staging.landed,
                          # f16 products over a bf16 Q: its rows rescaled into f16 first
-                         q_landed=math.rescale_q_to_f16 if getattr(cfg, "f16_math", False) else None),
+                         q_landed=math.rescale_q_to_f16 if cfg.f16_math else None),
              math=prebuilt(math), transform_of=lambda m: score_transform(b, spec, m))

@@ -242,7 +242,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         slab_cols = slab_row = cfg.fp8_box_bytes
         slabs = v_slabs = cfg.head_dim // slab_cols
         staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, stages, ctx.tid,
-                                   tile.k_smem, quant, "f16x2" if cfg.math_fmt.name == "f16" else "bf16x2",
+                                   tile.k_smem, quant, cfg.math_pair,
                                    cfg.fmt, box_bytes=slab_cols)
 
     def copies(issuing: Reg, issuers: int, first_tile: Reg | int = 0, step: int = 1):

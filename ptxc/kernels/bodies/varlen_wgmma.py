@@ -146,12 +146,12 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     if cfg.fp8 and cfg.shared_kv:   # MLA's FP8 latent rows: two alternating converted tiles
         staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, cfg.num_stages,
                                    ctx.tid, tile.k_smem, quant,
-                                   "f16x2" if cfg.math_fmt.name == "f16" else "bf16x2", cfg.fmt, cfg.rows)
+                                   cfg.math_pair, cfg.fmt, cfg.rows)
         kv_slot = staging.slot
     elif cfg.fp8:
         staging = SwizzledFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, cfg.kv_geom.slab_bytes,
                                      cfg.num_stages, ctx.tid, tile.k_smem, quant,
-                                     "f16x2" if cfg.math_fmt.name == "f16" else "bf16x2")
+                                     cfg.math_pair)
         kv_slot = staging.slot
     else:
         kv_slot = swizzled_slot(b, cfg.copy_geom(bn), ctx.tid)

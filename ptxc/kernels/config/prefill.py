@@ -128,6 +128,11 @@ class PrefillConfig:
         or f16 with f16_math."""
         return C.FORMATS["f16"] if self.f16_math else self.fmt
 
+    @property
+    def math_pair(self) -> str:
+        """The packed pair a converted K/V tile holds: "f16x2" or "bf16x2" (math_fmt's)."""
+        return f"{self.math_fmt.name}x2"
+
     def _geom(self, rows: int, elems: int) -> TileGeom:
         row_bytes = elems * self.fmt.bytes
         return TileGeom(rows, row_bytes, self.threads,

@@ -143,7 +143,7 @@ class FP8Staging:
     def __init__(self, b: KernelBuilder, cfg: StagedFP8Config, tid: Reg, tiles_base: Reg,
                  quant: kv_fp8.KVDequant):
         self.b, self.cfg, self.quant = b, cfg, quant
-        self.pair = "f16x2" if cfg.math_fmt.name == "f16" else "bf16x2"
+        self.pair = cfg.math_pair
         # f16 tiles hold the values times this (fp8.f16_pair_factor: 2^-8 for e4m3 placed by
         # bits below sm_89); the body folds its inverse into k_scale and v_scale
         self.factor = fp8.f16_pair_factor(quant.kind, quant.target) \
