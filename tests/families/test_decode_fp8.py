@@ -86,6 +86,32 @@ def test_f16_products_keep_the_range_of_bf16_queries(tmp_path, target):
     assert_wide_queries_match(art, "decode", target, shapes("paged"), seed=11)
 
 
+@pytest.mark.parametrize("target", ["sm_80", "sm_89"])
+def test_f16_products_keep_the_probability_tail(tmp_path, target):
+    """Under f16 products P is f16, which alone flushes a probability below 2^-25 of the
+    running max that bf16 keeps; the exponentials are lifted by softmax.P_HEADROOM (2^7) so
+    they keep 2^-31. One key 26 log2 units above 63 others whose V is 448 (its own V 0): the
+    output is the tail's alone, 63 · 2^-26 · 448 / (1 + ...) ~ 4.1e-4, which a flushed tail
+    makes 0. Matches fp64 within 1 %."""
+    from ptxc.spec.model import KernelSpec
+    art = build_kernel(tmp_path, "decode", body("bf16", "e4m3", "tensor", "contiguous", heads=(8, 2),
+                                                head_dim=64), targets=(target,))
+    spec = KernelSpec.from_dict(art.meta["spec"])
+    fam = FAMILIES["decode"]
+    inputs = fam.make_inputs(spec, {"batch": 1, "max_seq_len": 64}, np.random.default_rng(1))
+    inputs["seq_lens"] = np.array([64], np.int32)
+    k, v = np.zeros((1, 64, 2, 64), np.uint8), np.zeros((1, 64, 2, 64), np.uint8)
+    k[0, 0, :, 0] = 0x7E                     # key 0: 448 in dimension 0, the others 0
+    v[0, 1:] = 0x7E                          # the tail's values: 448, key 0's: 0
+    q = np.zeros((1, 8, 64), np.float32)
+    q[..., 0] = 20.625                       # s0 · scale · log2 e = 20.625 · 7 · 0.18034 = 26.04
+    inputs.update(k_cache=k, v_cache=v, q=q, k_scale=np.float32(1 / 64), v_scale=np.float32(1.0))
+    want = fam.reference(spec, inputs)["o"]
+    got = art.run(inputs, target=target, backend="emu")["o"].astype(np.float64)
+    assert 4e-4 < want.min() and want.max() < 4.3e-4
+    assert np.abs(got - want).max() < 0.01 * want.max(), (got.min(), got.max(), want.max())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("layout", ["contiguous", "pointer_array", "paged"])

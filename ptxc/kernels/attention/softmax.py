@@ -29,6 +29,11 @@ from ...ir import B64, F32, S32, U32, KernelBuilder, Reg
 from ..common import LN2, NEG_INF
 
 RESCALE_SLACK = 8.0   # log2 units: probabilities against a stale max stay <= 2^8
+# log2 units f16 probabilities are lifted by where a bf16 kernel runs f16 products (MmaMath's
+# f16_math): taken against m - P_HEADROOM they reach 2^15 < f16's 65504 and keep what lies
+# 2^-31 below the running max, where f16 alone would flush below 2^-24 (bf16 keeps 2^-133);
+# the row sums and O share the reference, so only its users (the lse, a sink) see m - 7
+P_HEADROOM = 7.0
 # 2^f on [0, 1) by a degree-3 polynomial, highest relative error 8.8e-5 (FlashAttention-4's
 # coefficients): far below the rounding of P to f16 (4.9e-4) or bf16 (3.9e-3) before P·V
 EXP2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625,
@@ -70,12 +75,13 @@ def rescale_vote(b: KernelBuilder, cands: list[Reg], m: list[Reg], lanes) -> Reg
 
 
 def exponentials(b: KernelBuilder, vals: list[Reg], m_safe: Reg, scale_log2: float | None,
-                 poly: int = 0) -> list[Reg]:
-    """2^(x·scale_log2 - m_safe) for each raw score x (one fma each); with scale_log2 None the
-    scores are already in log2 units: 2^(x - m_safe). `poly` of every 8 (spread evenly) go
-    through the FMA polynomial (exp2_poly_pairs, two at a time in f32x2: sm_100+) instead of
-    ex2.approx on MUFU."""
-    neg = None if scale_log2 is None else b.neg(m_safe)
+                 poly: int = 0, lift: float = 0.0) -> list[Reg]:
+    """2^(x·scale_log2 - m_safe + lift) for each raw score x (one fma each; `lift`: P_HEADROOM
+    or 0, at no cost); with scale_log2 None the scores are already in log2 units:
+    2^(x - m_safe). `poly` of every 8 (spread evenly) go through the FMA polynomial
+    (exp2_poly_pairs, two at a time in f32x2: sm_100+) instead of ex2.approx on MUFU."""
+    assert scale_log2 is not None or not lift, "a lift rides on the fma"
+    neg = None if scale_log2 is None else b.sub(lift, m_safe) if lift else b.neg(m_safe)
     out: list[Reg | None] = []
     emulated: list[int] = []
     for i, x in enumerate(vals):

@@ -46,7 +46,7 @@ class VarlenMath(MmaMath):
         writer = self.writer()
         l_rows, lanes = self.row_sums()
         seen: list[Reg] = []
-        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, writer,
+        invs = finish_rows(b, ctx, self.sums_max(), l_rows, self.rows, lanes, writer,
                            lse_scale=1.0 if split else C.LN2, seen=seen)
         if self.v_scale is not None:
             invs = [b.mul(inv, self.v_scale) for inv in invs]

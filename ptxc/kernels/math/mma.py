@@ -24,7 +24,8 @@ from contextlib import nullcontext
 from ...ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, U32, Addr, KernelBuilder, Reg
 from .. import common as C
 from ..attention.prefill_tile import Ctx
-from ..attention.softmax import exponentials, rescale_factor, rescale_vote, row_candidate, safe_max
+from ..attention.softmax import (P_HEADROOM, exponentials, rescale_factor, rescale_vote, row_candidate,
+                                 safe_max)
 from ..attention.variant import finish_rows
 from ..mainloop.tiles import ldmatrix_lanes_mk, ldmatrix_lanes_nk, zero_regs
 
@@ -49,6 +50,8 @@ class MmaMath:
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
         # Q rescaled per row into f16 (rescale_q_to_f16): each of this lane's rows' scale_log2
         self.row_scales: list[Reg] | None = None
+        # f16 P under f16 products: probabilities lifted by P_HEADROOM (softmax.py)
+        self.p_lift = P_HEADROOM if cfg.f16_math else 0.0
         self.exp2_poly = getattr(ctx.cfg, "exp2_poly", 0)   # the tcgen05 tile's (config/tcgen05.py)
         lane = ctx.lane
         # ldmatrix lane addresses (tiles.LdmatrixLanes: padded or swizzled): Q and K's .x2 tail
@@ -247,12 +250,17 @@ class MmaMath:
             probs = []
             for r in range(2):
                 probs.append(exponentials(b, rows[2 * mt + r], safe_max(b, self.m[2 * mt + r]),
-                                          self.row_scale(2 * mt + r)))
+                                          self.row_scale(2 * mt + r), lift=self.p_lift))
             # probs[r][2 jn + e] is element (r, e) of n8 tile jn; k-step k packs tiles 2k, 2k+1.
             pk = [[b.cvt_pack(self.pair, probs[r][2 * jn + 1], probs[r][2 * jn]) for r in range(2)]
                   for jn in range(nt)]
             a_frags += [pk[2 * k] + pk[2 * k + 1] for k in range(self.bn // 16)]
         return a_frags
+
+    def sums_max(self) -> list[Reg]:
+        """The reference the row sums and O are against, per row: m, or m - P_HEADROOM where
+        the probabilities are lifted (what the lse and a sink must be taken against)."""
+        return self.m if not self.p_lift else [self.b.sub(m, self.p_lift) for m in self.m]
 
     def row_scale(self, i: int):
         """The factor from row i's raw scores to log2 units (a float, or a register with a
@@ -412,7 +420,7 @@ class MmaMath:
         from ..mainloop.tiles import global_rows, store_tile, thread_slot
         b, ctx = self.b, self.ctx
         l_rows, lanes = self.row_sums()
-        invs = finish_rows(b, ctx, self.m, l_rows, self.rows, lanes, self.writer())
+        invs = finish_rows(b, ctx, self.sums_max(), l_rows, self.rows, lanes, self.writer())
         if self.o_slab is not None:
             self.stage_slabs(invs)
             self.store_by_tma()

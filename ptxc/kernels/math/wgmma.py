@@ -166,7 +166,8 @@ class WgmmaMath(MmaMath):
         # the exponentials first, against the max this tile will use (branch-free), so that
         # they sit in the basic block before the rescale branch and the wait that follows it
         m_use = [b.selp(cands[r], self.m[r], rescale) for r in range(2)]
-        probs = [exponentials(b, rows[r], safe_max(b, m_use[r]), self.row_scale(r), self.exp2_poly)
+        probs = [exponentials(b, rows[r], safe_max(b, m_use[r]), self.row_scale(r), self.exp2_poly,
+                              lift=self.p_lift)
                  for r in range(2)]
         self.move_max(rescale, cands)
         return probs, rescale
