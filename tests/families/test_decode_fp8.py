@@ -5,7 +5,8 @@ cp.async and dequantised after their wait, as in varlen): every layout, split-KV
 quantising append, on ragged lengths (0, 1, odd, full). The reference dequantises the same FP8
 bytes in fp64, so the attention tolerance rule is unchanged. Also: PTX forms per target, halved
 DRAM bytes in the cost model, at most one SASS conversion per 2 elements in the main loop, zero
-spills on every target, one-line spec errors."""
+spills on every target, one-line spec errors; and bf16 over FP8 on f16 products (Q rows far
+outside f16's range, P's tail kept, the loop as f16's)."""
 
 from __future__ import annotations
 

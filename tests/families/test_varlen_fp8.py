@@ -3,7 +3,8 @@ software (sm_80) and hardware (sm_89) dequantisation paths, over mixed serving b
 prefill, chunks, empty, q_len > L, L = 0, full cache) with odd lengths, paged and contiguous,
 split-KV, GQA packing. The reference dequantises the same FP8 bytes in fp64. Also: zero spills
 on every target, at most one SASS conversion per 2 cache elements in the main loop, halved K/V
-bytes in the cost model."""
+bytes in the cost model; bf16 over FP8 on f16 products with Q rows far outside f16's range on
+every body that takes them (varlen and MLA, mma.sync and wgmma)."""
 
 from __future__ import annotations
 
