@@ -31,7 +31,7 @@ from ..common import LN2, NEG_INF
 RESCALE_SLACK = 8.0   # log2 units: probabilities against a stale max stay <= 2^8
 # log2 units f16 probabilities are lifted by where a bf16 kernel runs f16 products (MmaMath's
 # f16_math): taken against m - P_HEADROOM they reach 2^15 < f16's 65504 and keep what lies
-# 2^-31 below the running max, where f16 alone would flush below 2^-24 (bf16 keeps 2^-133);
+# 2^-32 below the running max, where f16 alone rounds below 2^-25 to 0 (bf16 keeps 2^-133);
 # the row sums and O share the reference, so only its users (the lse, a sink) see m - 7
 P_HEADROOM = 7.0
 # 2^f on [0, 1) by a degree-3 polynomial, highest relative error 8.8e-5 (FlashAttention-4's
