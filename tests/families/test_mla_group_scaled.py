@@ -64,6 +64,11 @@ CASES = {
                           {"total_q": 7, "num_pages": 5}, ("sm_90",)),
     "h128-sparse-1split": (body(heads=128, splits=1, extra="sparse_topk = 40\n"),
                            {"total_q": 3, "num_pages": 3}, ("sm_89",)),
+    # RoPE widths whose chunks do not divide the threads (6 and 14 a row: per-item rows, a
+    # guarded last pass of the copy kv_fp8_group.py makes of them)
+    "h16-rope48": (body(extra="qk_rope_head_dim = 48\n"), PAGED, ("sm_89",)),
+    "h128-rope112-page16": (body(heads=128, splits=3, page=16, extra="qk_rope_head_dim = 112\n"),
+                            {"batch": 5, "max_pages_per_seq": 5, "num_pages": 30}, ("sm_90",)),
 }
 
 

@@ -39,6 +39,7 @@ from ..config.prefill import PrefillConfig
 from ..mainloop.tiles import CHUNK, ThreadSlot, TileGeom, thread_slot, zero_regs
 from ..math import fp8
 from . import kv_fp8
+from .kv_fp8_group import GroupScaledConversion, PaddedTile, SwizzledTile
 
 MAX_STAGES = 4    # the num_stages tile key's largest choice
 
@@ -160,12 +161,21 @@ class FP8Staging:
         self.geoms = {"k": cfg.kv_geom, "v": cfg.v_geom}
         self.f16_off = {t: b.mad(s.r0, self.geoms[t].stride, b.shl(s.col, 1))
                         for t, s in (("k", k_slot), ("v", v_slot))}
+        # group-scaled latent rows: converted by a mapping of their own after the barrier
+        self.group = None
+        if cfg.rows is not None:
+            assert cfg.shared_kv, "group-scaled rows are latent (one tile, converted after a barrier)"
+            self.group = GroupScaledConversion(b, cfg.rows, cfg.block_n, cfg.threads, tid,
+                                               PaddedTile(cfg.kv_geom.stride), quant, cfg.fmt)
 
     def landed(self, t: str, stage: Reg | int) -> Reg:
         """After the wait for tile `t` ("k" | "v") in the staging buffer at offset `stage`:
         dequantise this thread's chunks into the f16/bf16 tile; returns the tile's address.
         All passes' shared loads are issued before the first conversion."""
         b = self.b
+        if self.group is not None:
+            self.group.convert(b.add(self.k_stage, stage), self.tile["k"])
+            return self.tile["k"]
         slot = self.slots["k_cache" if t == "k" else "v_cache"]
         geom, f16 = slot.geom, self.geoms[t]
         src = b.add(b.add(self.k_stage if t == "k" else self.v_stage, stage), slot.soff)
@@ -174,9 +184,6 @@ class FP8Staging:
         for i in range(geom.passes):
             guard = slot.guard(b, i)
             loaded.append((guard, self._load(src, i * geom.rows_per_pass * geom.stride, guard)))
-        if self.cfg.rows is not None:
-            self._group_scaled(slot, src, loaded)
-            return self.tile[t]
         for i, (guard, words) in enumerate(loaded):
             vals = fp8.f16_pairs(b, words, self.quant.kind, self.quant.target) if self.pair == "f16x2" \
                 else fp8.dequantize(b, words, self.quant.kind, self.quant.target, to=self.pair)
@@ -197,37 +204,6 @@ class FP8Staging:
         with b.predicate(guard):
             b.ld("shared", elem, Addr(src, off), vec=vec, out=words)
         return words
-
-    def _group_scaled(self, slot: ThreadSlot, src: Reg, loaded: list) -> None:
-        """kv_fp8.GroupScaledRows: the thread's chunk is e4m3 latent (byte column c < rank:
-        x its row's group scale, in f32, rounded to the tile's bf16 once; two tile chunks at
-        element column c), the scales (nothing to write) or bf16 RoPE (copied as it is, to
-        element column rank + (c - rope_at) / 2). The scale sits in the same staged row, landed
-        by another thread's cp.async: run_shared_kv_pipeline converts after the barrier that
-        follows the wait, which makes every thread's bytes visible (the only pipeline a
-        latent cache runs)."""
-        b, rows, geom = self.b, self.cfg.rows, slot.geom
-        assert self.cfg.shared_kv, "group-scaled rows are latent (one tile, converted after a barrier)"
-        latent = b.setp("lt", slot.col, rows.rank)
-        rope = b.setp("ge", slot.col, rows.rope_at)
-        # this chunk's scale: byte scales_at + 4 * (c // group) of the row, relative to the chunk
-        scale_at = b.add(src, b.sub(b.add(b.shl(b.shr(slot.col, rows.group.bit_length() - 1), 2),
-                                          rows.scales_at), slot.col))
-        dst = b.add(self.tile["k"], self.f16_off["k"])      # element column c: byte 2c
-        # element column rank + (c - rope_at) / 2, in bytes: c + 2 rank - rope_at
-        rope_dst = b.add(b.sub(dst, slot.col), 2 * rows.rank - rows.rope_at)
-        f16 = self.geoms["k"]
-        for i, (guard, words) in enumerate(loaded):
-            scale = self._load(scale_at, i * geom.rows_per_pass * geom.stride, guard, 1, F32)[0]
-            vals = [b.mul(v, scale) for v in fp8.dequantize(b, words, self.quant.kind, self.quant.target)]
-            packed = C.from_f32(b, self.cfg.fmt, vals, self.quant.target)
-            doff = i * geom.rows_per_pass * f16.stride
-            here = latent if guard is None else b.and_(latent, guard)
-            with b.predicate(here):
-                for h in range(2):
-                    b.st("shared", B32, Addr(dst, doff + 16 * h), packed[4 * h:4 * h + 4])
-            with b.predicate(rope if guard is None else b.and_(rope, guard)):
-                b.st("shared", B32, Addr(rope_dst, doff), words)
 
 
 class SwizzledFP8Staging:
@@ -285,11 +261,9 @@ class LatentFP8Staging:
     2(c % 4) + 1 of slab c / 4, XORed with r % 8. Two converted tiles alternate (`landed`
     toggles `cur`): iteration j's S reads tile j while its P·V reads tile j - 1.
 
-    Group-scaled rows (`rows`, e4m3_ds: 656 bytes, 41 chunks, 6 rows a pass) land whole; a
-    latent chunk c < 32 is multiplied by its row's scale for group c / 8 (an ld.shared.f32 of
-    the same staged row, landed by another thread: the loop converts after a barrier) and
-    rounded once, a scale chunk writes nothing, and RoPE chunk c >= 33 (8 bf16 values) is
-    copied as it is to chunk c - 33 of slab 8.
+    Group-scaled rows (`rows`, e4m3_ds: 656 bytes, 41 chunks, 6 rows a pass) land whole and
+    are converted after the barrier by a mapping of their own (kv_fp8_group.py: the latent
+    slabs scaled, the RoPE chunks copied to the slabs after them).
 
     Shared memory from `tiles_base`: converted tile x 2 | staging x stages."""
 
@@ -312,17 +286,12 @@ class LatentFP8Staging:
         c = b.shr(self.slot.col, 4)
         slab = b.mul(b.shr(c, 2), block_n * SWIZZLE)
         in_slab = b.shl(b.and_(c, 3), 1)
-        if rows is not None:    # a RoPE chunk: chunk c - rope_chunk of the last slab
-            rope_chunk = rows.rope_at // CHUNK
-            self.latent = b.setp("lt", self.slot.col, rows.rank)
-            self.rope = b.setp("ge", self.slot.col, rows.rope_at)
-            slab = b.selp(slab, b.mov(rows.rank * 2 // SWIZZLE * block_n * SWIZZLE, U32), self.latent)
-            in_slab = b.selp(in_slab, b.sub(c, rope_chunk), self.latent)
-            # the row's scale for this chunk's group, relative to the chunk
-            self.scale_off = b.sub(b.add(b.shl(b.shr(self.slot.col, rows.group.bit_length() - 1), 2),
-                                         rows.scales_at), self.slot.col)
+        self.group = None
+        if rows is not None:    # converted by a mapping of their own (kv_fp8_group.py)
+            self.group = GroupScaledConversion(b, rows, block_n, geom.threads, tid,
+                                               SwizzledTile(block_n), quant, fmt)
         self.dst = []
-        for i in range(geom.passes):
+        for i in range(geom.passes if rows is None else 0):
             row = b.add(self.slot.r0, i * geom.rows_per_pass)
             chunk = b.xor(in_slab, b.and_(row, 7))
             self.dst.append(b.add(b.add(slab, b.shl(row, 7)), b.shl(chunk, 4)))
@@ -339,8 +308,12 @@ class LatentFP8Staging:
         """After this thread's wait for the tile staged at offset `stage`: its chunks
         dequantised into the next converted tile; returns that tile's address."""
         b, geom = self.b, self.geom
-        src = b.add(b.add(self.k_stage, stage), self.src_off)
         tile = b.add(self.tiles, self.cur)
+        if self.group is not None:
+            self.group.convert(b.add(self.k_stage, stage), tile)
+            b.xor(self.cur, self.tile_bytes, out=self.cur)
+            return tile
+        src = b.add(b.add(self.k_stage, stage), self.src_off)
         for i in range(geom.passes):
             guard = self.slot.guard(b, i)
             at = i * self.pass_stride
@@ -351,30 +324,12 @@ class LatentFP8Staging:
                 with b.predicate(guard):
                     b.ld("shared", B32, Addr(src, at), vec=4, out=words)
             first = b.add(tile, self.dst[i])
-            if self.rows is not None:
-                self._group_scaled(b, words, b.add(src, self.scale_off), at, guard, first)
-                continue
             vals = fp8.dequantize(b, words, self.quant.kind, self.quant.target, to=self.pair)
             with b.predicate(guard) if guard is not None else nullcontext():
                 b.st("shared", B32, Addr(first), vals[:4])
                 b.st("shared", B32, Addr(b.xor(first, 16)), vals[4:])
         b.xor(self.cur, self.tile_bytes, out=self.cur)
         return tile
-
-    def _group_scaled(self, b: KernelBuilder, words, scale_at: Reg, at: int, guard, first) -> None:
-        """One pass of a group-scaled row's chunk: latent x its group's scale (f32, rounded
-        once), or the RoPE chunk as it is; the scale chunk writes nothing."""
-        scale = b.mov(0.0, F32)
-        with b.predicate(guard) if guard is not None else nullcontext():
-            b.ld("shared", F32, Addr(scale_at, at), out=[scale])
-        vals = [b.mul(v, scale) for v in fp8.dequantize(b, words, self.quant.kind, self.quant.target)]
-        packed = C.from_f32(b, self.fmt, vals, self.quant.target)
-        latent = self.latent if guard is None else b.and_(self.latent, guard)
-        with b.predicate(latent):
-            b.st("shared", B32, Addr(first), packed[:4])
-            b.st("shared", B32, Addr(b.xor(first, 16)), packed[4:])
-        with b.predicate(self.rope if guard is None else b.and_(self.rope, guard)):
-            b.st("shared", B32, Addr(first), words)
 
 
 __all__ = ["applies", "f16_math_applies", "StagingGeom", "StagedFP8Config", "default_stages", "staging_slot", "FP8Staging",
