@@ -95,11 +95,11 @@ def _owned_batch(art, lens, q_lens, rng, heads=16):
     return spec, inputs, q_lens
 
 
-@pytest.mark.parametrize("heads,rows", [(16, 16), (128, 32)])
+@pytest.mark.parametrize("heads,rows", [(16, 16), (128, 64)])
 def test_rows_are_read_once_per_head_tile(tmp_path, bytes_read, heads, rows):
     """Whole 656-byte rows (scales and RoPE with them) cross from global memory once per head
-    tile, none for a sequence without queries, none past L; 128 heads take 32-row tiles (8
-    warps) on sm_80, so a row crosses 4 times."""
+    tile, none for a sequence without queries, none past L; 128 heads take 64-row tiles (16
+    warps) on sm_80, so a row crosses twice."""
     art = build_kernel(tmp_path, "mla", body(heads=heads, splits=3, page=16))
     assert art.meta["targets"]["sm_80"]["config"]["block_m"] == rows
     lens = [1, 37, 64, 7, 50, 0, 63]

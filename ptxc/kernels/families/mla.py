@@ -73,7 +73,7 @@ FIELDS = FamilyFields(
     tile=(
         Field("block_m", "int", "query head rows per CTA (token x head); above 256 latent columns "
               "four warps share 16 rows. Default: up to 64 as the heads fill it, where every "
-              "target holds that tile in shared memory (32 for e4m3_ds and sparse), else 16",
+              "target holds that tile in shared memory (32 for sparse), else 16",
               default=None, choices=(16, 32, 64)),
         Field("block_n", "int", "latent rows per tile", default=None, choices=(16, 32)),
         Field("num_stages", "int", "latent tiles in flight (cp.async)", default=None,

@@ -218,12 +218,11 @@ def latent_block_m(spec: KernelSpec) -> int:
     the heads fill, up to WIDE_LATENT_ROWS (16 warps, 128 registers each: the whole register
     file of an SM), where every target of the spec holds that tile in shared memory (sm_80,
     sm_90, sm_100: about 128 KiB; the 99 KiB parts, sm_86/89/120, keep 16 rows), so the grid
-    and the "auto" split rule stay target-independent. e4m3_ds rows and sparse top-k take at
-    most 32 -- at 64 rows x 128 registers the group-scaled conversion and the slot ring
-    (kv_pages.SparseSlots) spill -- unless every target runs the sm_90a wgmma tile
-    (varlen_tile.latent_wgmma: 8 warps of up to 255 registers)."""
+    and the "auto" split rule stay target-independent. Sparse top-k takes at most 32 -- at 64
+    rows x 128 registers the slot ring (kv_pages.SparseSlots) spills -- unless every target
+    runs the sm_90a wgmma tile (varlen_tile.latent_wgmma: 8 warps of up to 255 registers)."""
     rows = 16
-    cap = 32 if kv_fp8.group_scaled(spec) or sparse_keys(spec) else WIDE_LATENT_ROWS
+    cap = 32 if sparse_keys(spec) else WIDE_LATENT_ROWS
     if all(latent_wgmma(spec, TARGETS[t]) for t in spec.targets):
         cap = WIDE_LATENT_ROWS       # the wgmma tile has the registers the mma.sync one lacks
     while rows * 2 <= min(cap, spec.num_heads):

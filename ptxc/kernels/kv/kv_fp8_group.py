@@ -90,8 +90,6 @@ class GroupScaledConversion:
         octets = threads // OCTET
         self.latent_items = block_n // 2 * self.slabs     # (row pair, slab) octet items
         self.latent_passes = -(-self.latent_items // octets)
-        e = b.and_(tid, OCTET - 1)
-        self.octet, self.sub_row, self.quad = b.shr(tid, 3), b.shr(e, 2), b.and_(e, QUAD - 1)
         # the slab of every pass is the first's (threads / 8 octets a multiple of the row's
         # slabs: e4m3_ds rows have rank 512, 8 slabs, and a CTA 128 or more threads), so row,
         # column and addresses are computed once and the passes add immediates
@@ -101,18 +99,17 @@ class GroupScaledConversion:
         self.rope_chunks = 2 * rows.rope // CHUNK
         self.rope_items = block_n * self.rope_chunks
         self.rope_passes = -(-self.rope_items // threads)
-        self.rope_row = b.div(tid, self.rope_chunks)
-        self.rope_col = b.mul(b.rem(tid, self.rope_chunks), CHUNK)
         self.tid = tid
-        self.latent0 = self._latent_at()
 
     def _latent_at(self) -> tuple[Reg, Reg, Reg]:
         """(staged byte offset, staged offset of its scale, converted offset) of this thread's
-        latent chunk in the first pass."""
+        latent chunk in the first pass: computed where the tile is converted, from tid (kept
+        live across the loop they cost the 64-row mma.sync tile its last registers)."""
         b, rows = self.b, self.rows
-        pair, slab = b.div(self.octet, self.slabs), b.rem(self.octet, self.slabs)
-        row = b.add(b.shl(pair, 1), self.sub_row)
-        c = b.add(b.shl(slab, 2), self.quad)                     # the e4m3 chunk of the row
+        octet, e = b.shr(self.tid, 3), b.and_(self.tid, OCTET - 1)
+        pair, slab = b.div(octet, self.slabs), b.rem(octet, self.slabs)
+        row = b.add(b.shl(pair, 1), b.shr(e, 2))
+        c = b.add(b.shl(slab, 2), b.and_(e, QUAD - 1))           # the e4m3 chunk of the row
         src = b.mad(row, rows.row_bytes, b.shl(c, 4))
         group = b.shr(c, (rows.group // CHUNK).bit_length() - 1)
         scale = b.mad(row, rows.row_bytes, b.add(b.shl(group, 2), rows.scales_at))
@@ -123,7 +120,7 @@ class GroupScaledConversion:
         pass by pass (all loads first measured the same instructions and 40 more registers:
         255 on the wgmma tile)."""
         b, octets = self.b, self.threads // OCTET
-        src0, scale0, out0 = self.latent0
+        src0, scale0, out0 = self._latent_at()
         for i in range(self.latent_passes):
             shift = i * self.row_step * self.rows.row_bytes        # staged bytes, pass i
             step = self.tile.rows_step(i * self.row_step)
@@ -131,7 +128,7 @@ class GroupScaledConversion:
             out = b.add(out0, step) if step else out0
             guard = None
             if (i + 1) * octets > self.latent_items:
-                guard = b.setp("lt", b.add(self.octet, i * octets), self.latent_items)
+                guard = b.setp("lt", b.add(b.shr(self.tid, 3), i * octets), self.latent_items)
             if guard is None:
                 words = b.ld("shared", B32, src, vec=4)
                 scale = b.ld("shared", F32, scale_at)
@@ -156,10 +153,12 @@ class GroupScaledConversion:
         """The bf16 RoPE chunks, copied as they are (row-major items over the threads)."""
         b, rows = self.b, self.rows
         step = self.threads // self.rope_chunks if self.threads % self.rope_chunks == 0 else None
+        rope_row = b.div(self.tid, self.rope_chunks)
+        rope_col = b.mul(b.rem(self.tid, self.rope_chunks), CHUNK)
         for i in range(self.rope_passes):
             if step is not None:
-                row = b.add(self.rope_row, i * step)
-                col = self.rope_col
+                row = b.add(rope_row, i * step)
+                col = rope_col
             else:
                 item = b.add(self.tid, i * self.threads)
                 row, col = b.div(item, self.rope_chunks), b.mul(b.rem(item, self.rope_chunks), CHUNK)
