@@ -204,6 +204,8 @@ MLA_WG_LOADS = (("page_size = 16\n", "p16"), ('[kernel.tile]\nkv_loads = "cp_asy
                 ('[kernel.tile]\nkv_loads = "cp_async"\nsplit_scores = true\n', "cpasyncsplit"),
                 ('kv_dtype = "e4m3"\n[kernel.tile]\nsplit_scores = false\n', "fp8unsplit"),
                 ('kv_dtype = "e4m3"\n[kernel.tile]\nkv_loads = "tma"\n', "fp8tma"),
+                ('kv_dtype = "e4m3"\n[kernel.tile]\ndequant_warpgroup = false\n', "fp8fused"),
+                ('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\n', "fp8devcontig"),
                 ('kv_dtype = "e4m3"\nkv_layout = "contiguous"\n[kernel.tile]\nkv_loads = "tma"\n'
                  'split_scores = false\n', "fp8tmaunsplit"),
                 ("[kernel.tile]\nseesaw = true\n", "seesaw"),
@@ -212,7 +214,11 @@ MLA_WG_LOADS = (("page_size = 16\n", "p16"), ('[kernel.tile]\nkv_loads = "cp_asy
                 ("[kernel.tile]\nseesaw = true\nblock_n = 16\n", "seesawbn16"))
 MLA_DS_UNSPLIT = (('kv_dtype = "e4m3_ds"\n[kernel.tile]\nsplit_scores = false\n', "dsunsplit"),
                   ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\n[kernel.tile]\nsplit_scores = false\n',
-                   "dssparseunsplit"))
+                   "dssparseunsplit"),
+                  # every warp converting (the dequantising warpgroup is the default)
+                  ('kv_dtype = "e4m3_ds"\n[kernel.tile]\ndequant_warpgroup = false\n', "dsfused"),
+                  ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\n[kernel.tile]\ndequant_warpgroup = false\n',
+                   "dssparsefused"))
 MLA_APPEND_DS_OPTIONS = (('kv_dtype = "e4m3_ds"\n', "ds"), ('kv_dtype = "e4m3_ds"\nrope = "gptj"\n', "dsgptj"))
 
 

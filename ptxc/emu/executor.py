@@ -362,6 +362,8 @@ class BatchRun:
         add = np.bincount(ctas, minlength=self.ctx.nctas)
         race = self.ctx.race
         stamp = race.arrival() if race is not None else 0
+        if race is not None:
+            race.release(threads, stamp)
         for c in np.flatnonzero(add).tolist():
             mine = threads[ctas == c]
             before = self.bar_arrivers.setdefault((c, bid), [])

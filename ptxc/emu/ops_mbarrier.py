@@ -57,7 +57,9 @@ def arrival_part(ctx, threads, cumulative: bool = True) -> tuple:
     if not cumulative:
         return (threads, *ctx.race.tensor_core_arrival(int(ctx.lin[threads[0]]) >> 5))
     known = ctx.race.knowledge(int(ctx.cta_of[threads[0]]), threads)
-    return threads, ctx.race.arrival(), known
+    stamp = ctx.race.arrival()
+    ctx.race.release(threads, stamp)
+    return threads, stamp, known
 
 
 class Barrier:

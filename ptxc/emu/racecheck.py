@@ -50,6 +50,7 @@ from ptxc.emu.operands import Fault
 from ptxc.emu.syncorder import SyncOrder
 
 _LINE_BITS, _LIN_BITS = 20, 10
+RELEASES = 8       # arrivals per thread whose preceding fence a reader may still rely on
 _STAMP_SHIFT = _LINE_BITS + _LIN_BITS
 _LIN_MASK = (1 << _LIN_BITS) - 1
 _LINE_MASK = (1 << _LINE_BITS) - 1
@@ -117,6 +118,32 @@ class RaceTracker(SyncOrder):
         # each thread's last fence before its CTA's last barrier: a later fence (of a later
         # write) must not hide the one a CTA barrier already published
         self.fenced_published = np.zeros(ctx.n, np.int64)
+        # ... and before each of its last RELEASES arrivals (mbarrier, bar.arrive): (arrival
+        # stamp, fence) rings, so that a writer that fences and arrives again for its next
+        # tile does not hide the release a reader of the last one observed
+        self.released = np.zeros((ctx.n, RELEASES, 2), np.int64)
+        self.released_next = np.zeros(ctx.n, np.int64)
+
+    def release(self, threads, stamp: int) -> None:
+        """The threads `threads` arrived at `stamp` (an mbarrier arrival, a bar.arrive): their
+        fences so far are published to whoever observes that arrival."""
+        if self.generic is None:
+            return
+        slot = self.released_next[threads] % RELEASES
+        self.released[threads, slot, 0] = stamp
+        self.released[threads, slot, 1] = self.fenced[threads]
+        self.released_next[threads] += 1
+
+    def _released_before(self, writer, stamp, cta, reader):
+        """Whether `writer` fenced after `stamp` and then arrived at a barrier phase the
+        reader's warp has observed (its pair_sync from the writer's warp is that arrival's or
+        newer), within its last RELEASES arrivals."""
+        if self.pair_sync is None:
+            return np.zeros(writer.shape, bool)
+        rel = self.released[writer]                        # (m, RELEASES, 2)
+        after = np.where(rel[..., 1] > stamp[:, None], rel[..., 0], np.iinfo(np.int64).max).min(axis=1)
+        seen = self.pair_sync[cta, self.ctx.lin[writer] >> 5, self.ctx.lin[reader] >> 5]
+        return (after <= seen) & (after > 0)
 
     def cta_barrier(self, ctas=None):
         super().cta_barrier(ctas)
@@ -217,10 +244,13 @@ class RaceTracker(SyncOrder):
         self.check(rows, total, idx, line, "read", addr_of)
         cta, me = self.ctx.cta_of[idx], self.ctx.lin[idx]
         rows, total = _words(rows, total)
+        superseded = self._superseded(rows, total, cta, me)
         if self.reader_warps is not None:
-            self._note_reader_warps(rows, total, cta, me)
+            self._note_reader_warps(rows, total, cta, me, superseded)
         if (self.last_read[cta] >= self.cta_sync[cta]).any():
             old = self._rows(total, True)[rows].view(np.int64).reshape(-1, total)
+            if superseded is not None:       # as if read before the CTA's last barrier
+                old = np.where(superseded, -1, old)
             first = old[:, 0]
             if total > 1 and not (old == first[:, None]).all():
                 self.last_read[cta] = self.serial
@@ -236,14 +266,33 @@ class RaceTracker(SyncOrder):
         full[:] = word[:, None]
         _scatter_items(self.readers, rows, total, full)
 
-    def _note_reader_warps(self, rows, total, cta, me):
+    def _superseded(self, rows, total, cta, me):
+        """Per word, whether its recorded reads (since the CTA's last barrier) are all ordered
+        before this read by a counted barrier that paired each reader's warp with this one's
+        after the newest of them -- two warps that read a row, meet at a named barrier, and
+        one rewrites it: its own new read must not carry the other's old one past the barrier
+        (ordering is transitive, so a later write ordered after this read is ordered after
+        those too). None where no counted barrier has run."""
+        if self.pair_sync is None or self.reader_warps is None or \
+                not (self.last_read[cta] >= self.cta_sync[cta]).any():
+            return None
+        flat = rows[:, None] * total + np.arange(total)
+        old = self.readers[flat]
+        live = old >= _as_read_stamp(self.cta_sync[cta], 2)
+        if not live.any():
+            return None
+        return live & self._paired_with_all(old >> _READ_SHIFT, cta, me[:, None], self.reader_warps[flat])
+
+    def _note_reader_warps(self, rows, total, cta, me, superseded=None):
         """Add the readers' warps to each word's mask (reset where its reads predate the CTA's
-        last barrier), before the reader records are replaced."""
+        last barrier, or are `superseded`), before the reader records are replaced."""
         flat = (rows[:, None] * total + np.arange(total)).reshape(-1)
         if (self.last_read[cta] >= self.cta_sync[cta]).any():
             old = self.readers[flat].reshape(-1, total)
-            stale = (old < _as_read_stamp(self.cta_sync[cta], 2)).reshape(-1)
-            self.reader_warps[flat[stale]] = 0
+            stale = old < _as_read_stamp(self.cta_sync[cta], 2)
+            if superseded is not None:
+                stale |= superseded
+            self.reader_warps[flat[stale.reshape(-1)]] = 0
         else:
             self.reader_warps[flat] = 0
         bits = np.left_shift(np.int64(1), (me >> 5).astype(np.int64))
@@ -344,6 +393,8 @@ class RaceTracker(SyncOrder):
             synced |= self.pair_sync[cta, (word & _LIN_MASK) >> 5, lin >> 5] > f
         ordered = ((f > stamp) & synced) | (self.fenced_published[writer] > stamp) | \
             ((self.fenced[me] > stamp) & ((writer == me) | (self.fenced_after[me] > stamp)))
+        if not ordered.all():
+            ordered |= self._released_before(writer, stamp, cta, me)
         if ordered.all():
             return
         i = int(np.flatnonzero(~ordered)[0])

@@ -276,7 +276,8 @@ def iteration_seconds(loop: dict, warps_per_sm: int, active_sms: int, gpu: GpuMo
     tensor = loop["classes"].get("tensor", 0)
     inflight = loop["inflight_bytes_mean"]
     terms = {
-        "issue": loop["instructions"] * warps_per_sm / 4 / clock,
+        # the SM's issue slots: a dequantising warpgroup's instructions too (with_dequant_loads)
+        "issue": loop.get("issue_instructions", loop["instructions"]) * warps_per_sm / 4 / clock,
         "warp": ((loop["instructions"] - tensor) / cal.ipc + tensor * cal.hmma_cycles) / clock,
         "tensor": loop["mma_flops"] * warps_per_sm
         / (cal.tensor_fraction * gpu.tensor_tflops * 1e12 / gpu.sm_count),

@@ -105,10 +105,33 @@ def with_umma_flops(loop: dict, config: dict, spec: dict, warps_per_cta: int) ->
             "instructions_per_mma_equivalent": round(total * HMMA_16816_FLOPS / flops, 2)}
 
 
+def with_dequant_loads(loop: dict, loops: dict, config: dict, warps_per_cta: int) -> dict:
+    """MLA's dequantising warpgroup (config.dequant_warpgroup): the computing warps' loop reads
+    converted tiles from shared memory, and the rows arrive in that warpgroup's own loop (the
+    one with the most global loads and no tensor work; one tile an iteration, as the main
+    loop). Its loads, bytes in flight and instructions are spread over the computing warps:
+    `issue_instructions` (the SM's issue slots per computing warp) is what the issue bound
+    counts, `dequant_instructions` its warps' own figure."""
+    if not config.get("dequant_warpgroup"):
+        return loop
+    others = [p for n, p in enumerate(loops["loops"])
+              if n != loops["main"] and not p["classes"]["tensor"] and p["global_bytes_loaded"]]
+    if not others:
+        return loop
+    dq = max(others, key=lambda p: p["global_bytes_loaded"])
+    share = (config["threads"] // 32 - warps_per_cta) / warps_per_cta
+    return {**loop, "global_bytes_loaded": loop["global_bytes_loaded"] + round(dq["global_bytes_loaded"] * share),
+            "inflight_bytes_mean": round(loop["inflight_bytes_mean"] + dq["inflight_bytes_mean"] * share, 1),
+            "inflight_bytes_peak": loop["inflight_bytes_peak"] + round(dq["inflight_bytes_peak"] * share),
+            "dequant_instructions": dq["instructions"],
+            "issue_instructions": round(loop["instructions"] + dq["instructions"] * share, 2)}
+
+
 def loop_warps(config: dict, launch: dict) -> int:
     """Warps of one CTA that run the main loop: every warp, except in a warp-specialised kernel,
-    whose producer / issuing warps never do (the per-warp figures are scaled by this)."""
-    if config.get("warp_specialize"):
+    whose producer / issuing / dequantising warps never do (the per-warp figures are scaled by
+    this)."""
+    if config.get("warp_specialize") or config.get("dequant_warpgroup"):
         return config["num_warps"] * config.get("q_tiles", 1)
     return -(-launch["block"][0] * launch["block"][1] * launch["block"][2] // 32)
 
@@ -123,6 +146,7 @@ def main_loop(profile: dict | None, launch: dict, meta: dict, config: dict) -> d
     warps = loop_warps(config, launch)
     rows = kv_rows_per_iteration(meta["family"], config, launch["entry"])
     loop = with_tma_loads(loops["loops"][loops["main"]], launch, meta["tensors"], config, rows, warps)
+    loop = with_dequant_loads(loop, loops, config, warps)
     return with_umma_flops(loop, config, meta["spec"], warps)
 
 
@@ -134,7 +158,7 @@ def bound_on(loop: dict, warps_per_sm: int, gpu, reuse: int = 1) -> dict:
     loaded = loop["global_bytes_loaded"] * warps_per_sm / reuse
     inflight = loop["inflight_bytes_mean"] * warps_per_sm
     times = {
-        "issue": loop["instructions"] * warps_per_sm / 4 / clock,
+        "issue": loop.get("issue_instructions", loop["instructions"]) * warps_per_sm / 4 / clock,
         "tensor": loop["mma_flops"] * warps_per_sm / (gpu.tensor_tflops * 1e12 / gpu.sm_count),
         "fp32": loop["fp32_lane_ops"] * warps_per_sm / (gpu.f32_tflops * 1e12 / 2 / gpu.sm_count),
         "bandwidth": loaded / per_sm_bw,
@@ -165,4 +189,4 @@ def loop_figures(loop: dict, warps_per_cta: int, ctas_per_sm: int, kv_rows: int 
 
 
 __all__ = ["BOUNDS", "bound_on", "kv_reuse", "kv_rows_per_iteration", "loop_figures", "loop_warps", "main_loop",
-           "with_tma_loads", "with_umma_flops"]
+           "with_dequant_loads", "with_tma_loads", "with_umma_flops"]

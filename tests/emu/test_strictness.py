@@ -336,3 +336,49 @@ def test_a_broadcast_read_then_one_writer_needs_a_barrier():
     assert "and others" in msg or "other threads" in msg, msg
     run(BROADCAST_THEN_WRITE.replace("SYNC", "bar.sync 0;"), "exchange", (1,), (64,),
         [np.zeros(64, np.uint32)])
+
+
+
+def reread(sync: str) -> str:
+    """Warps 0 and 1 read sm[0] (warp 2 only ever reads sm[1]); `sync`; thread 0 reads sm[0]
+    again and writes it."""
+    return HEADER + f"""
+.visible .entry reread(.param .u64 out_p)
+{{
+	.reg .b32 %r<12>;
+	.reg .pred %p<3>;
+	.reg .b64 %rd<4>;
+	.shared .align 4 .b32 sm[32];
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, sm;
+	setp.eq.u32 %p1, %r1, 0;
+	@%p1 st.shared.u32 [%r2], %r1;
+	@%p1 st.shared.u32 [%r2+4], %r1;
+	bar.sync 0;
+	setp.ge.u32 %p2, %r1, 64;
+	@%p2 ld.shared.u32 %r8, [%r2+4];
+	@%p2 bra DONE;
+	ld.shared.u32 %r8, [%r2];
+	{sync}
+	@%p1 ld.shared.u32 %r9, [%r2];
+	add.u32 %r8, %r8, 1;
+	@%p1 st.shared.u32 [%r2], %r8;
+	ld.param.u64 %rd1, [out_p];
+	mul.wide.u32 %rd2, %r1, 4;
+	add.s64 %rd3, %rd1, %rd2;
+	st.global.u32 [%rd3], %r8;
+DONE:
+	ret;
+}}
+"""
+
+
+def test_a_reread_after_a_named_barrier_does_not_carry_older_reads_past_it():
+    """Warps 0 and 1 read a word, a named barrier pairs just them (bar.sync 1, 64 of the CTA's
+    96 threads), and thread 0 reads the word again before writing it (a row two warpgroups
+    read, then one rewrites: the f16 Q rewrite beside a dequantising warpgroup, where no
+    CTA-wide barrier can be used). The re-read is ordered after the other warp's reads, so
+    the write is too; without the named barrier it is a race."""
+    run(reread("bar.sync 1, 64;"), "reread", (1,), (96,), [np.zeros(96, np.uint32)])
+    expect_error(reread(""), "reread", (1,), (96,), [np.zeros(96, np.uint32)],
+                 "@%p1 st.shared.u32 [%r2], %r8", "write after read", (0, 0, 0), (0, 0, 0))

@@ -95,13 +95,34 @@ OTHER_LEAVES = """	setp.lt.u32 %p3, %r1, 128;
 COMPUTE:"""
 
 
+RELEASE = """	mov.u32 %r13, mbar;
+	setp.eq.u32 %p3, %r1, 0;
+	@%p3 mbarrier.init.shared::cta.b64 [%r13], 128;
+	@%p3 mbarrier.init.shared::cta.b64 [%r13+8], 128;
+	bar.sync 0;"""
+# the writers (threads 128-255) release the operands on mbar[0] ({fence} before or after the
+# arrival) and leave -- with {refence}, once they have stored elsewhere, fenced again and
+# arrived on mbar[1], which no one waits for; the readers acquire mbar[0]'s phase 0
+RELEASED = """	setp.lt.u32 %p3, %r1, 128;
+	@%p3 bra ACQUIRE;
+{early}	mbarrier.arrive.shared::cta.b64 %rd15, [%r13];
+{late}{refence}	ret;
+ACQUIRE:
+	mbarrier.try_wait.parity.shared::cta.b64 %p3, [%r13], 0;
+	@!%p3 bra ACQUIRE;"""
+FENCE = "	fence.proxy.async.shared::cta;\n"
+
+
 def kernel(n, kind, a_regs, trans_a, trans_b, image_bytes, scale_a=1, between="",
-           fence=True, block_guard="", proxy="after", other_writes=False, refence=False):
+           fence=True, block_guard="", proxy="after", other_writes=False, refence=False,
+           sync="cta"):
     """`proxy`: where fence.proxy.async orders the threads' st.shared (generic proxy) before
     the wgmma's operand reads (async proxy): "after" the barrier (each reader), "before" it
     (each writer), or "none". `other_writes`: a second warpgroup (threads 128-255) writes the
     operands and leaves after the barrier -- with `refence`, once it has stored elsewhere and
-    fenced again (no barrier after that fence) -- and the first computes."""
+    fenced again (no barrier after that fence) -- and the first computes. `sync` "mbarrier"
+    (with other_writes): they release the operands by an mbarrier arrival instead (RELEASED;
+    `proxy` "before" or "late": their fence before or after the arrival)."""
     nd = n // 2
     dregs = ",".join(f"%d{i}" for i in range(nd))
     if a_regs:
@@ -123,12 +144,14 @@ def kernel(n, kind, a_regs, trans_a, trans_b, image_bytes, scale_a=1, between=""
 	.reg .b64 %rd<20>;
 	.reg .pred %p<4>;
 	.shared .align 1024 .b8 smem[{image_bytes}];
+	.shared .align 8 .b64 mbar[2];
 	.shared .align 4 .b32 spare[128];
 	mov.u32 %r1, %tid.x;
 	mov.u32 %r2, smem;
 	ld.param.u64 %rd1, [img_p];
 	ld.param.u32 %r3, [nchunks_p];
 	mov.u32 %r4, %r1;
+{RELEASE if sync == "mbarrier" else ""}
 {OTHER_COPIES if other_writes else ""}
 COPY:
 	setp.ge.u32 %p1, %r4, %r3;
@@ -142,10 +165,7 @@ COPY:
 	add.u32 %r4, %r4, 128;
 	bra COPY;
 COPIED:
-{"	fence.proxy.async.shared::cta;" if proxy == "before" else ""}
-	bar.sync 0;
-{"	fence.proxy.async.shared::cta;" if proxy == "after" else ""}
-{OTHER_LEAVES.format(refence=REFENCE if refence else "") if other_writes else ""}
+{synced(sync, proxy, other_writes, refence)}
 	cvt.u64.u32 %rd5, %r2;
 	shr.u64 %rd5, %rd5, 4;
 	and.b64 %rd5, %rd5, 16383;
@@ -175,6 +195,18 @@ COPIED:
 	ret;
 }}
 """
+
+
+def synced(sync: str, proxy: str, other_writes: bool, refence: bool) -> str:
+    """What follows the copies: a CTA barrier with the fence before or after it (and the
+    writers' leaving), or the writers' mbarrier release and the readers' acquire."""
+    if sync == "mbarrier":
+        again = "\tsub.u32 %r4, %r1, 128;\n" + REFENCE + "\n\tmbarrier.arrive.shared::cta.b64 %rd16, [%r13+8];\n" if refence else ""
+        return RELEASED.format(early=FENCE if proxy == "before" else "",
+                               late=FENCE if proxy == "late" else "", refence=again)
+    return "\n".join((FENCE.rstrip("\n") if proxy == "before" else "", "\tbar.sync 0;",
+                      FENCE.rstrip("\n") if proxy == "after" else "",
+                      OTHER_LEAVES.format(refence=REFENCE if refence else "") if other_writes else ""))
 
 
 def build_case(n, kind, a_regs, trans_a, trans_b, swizzle_a, swizzle_b):
@@ -286,6 +318,24 @@ def test_non_zero_base_offset_is_refused():
         run(ptx, "wg", (1,), (128,), [image, np.uint32(total // 16),
                                        np.uint64(adesc | (3 << 49)), np.uint64(bdesc), afrag,
                                        z, z.copy(), np.uint32(1)])
+
+
+@pytest.mark.parametrize("proxy,refence", [("before", False), ("before", True), ("late", False),
+                                           ("none", False)])
+def test_a_fence_before_an_mbarrier_release_orders_the_writes(proxy, refence):
+    """Another warpgroup writes the operands, fences, arrives on an mbarrier and (refence)
+    stores elsewhere, fences and arrives on a second one no one waits for -- a dequantising
+    warpgroup moving on to its next tile; this warpgroup acquires the first phase and its
+    wgmma reads them. The fence before the observed arrival orders them (the writers' last
+    fence alone would not: it follows the pairing); a fence after the arrival, or none, is a
+    proxy race."""
+    kw = dict(proxy=proxy, other_writes=True, refence=refence, sync="mbarrier")
+    if proxy in ("late", "none"):
+        with pytest.raises(EmulationError, match="proxy race"):
+            launch_case(16, "f16", False, 0, 0, 128, 128, **kw)
+        return
+    got, expect = launch_case(16, "f16", False, 0, 0, 128, 128, **kw)
+    np.testing.assert_array_equal(got, expect)
 
 
 @pytest.mark.parametrize("proxy", ["after", "before", "none"])

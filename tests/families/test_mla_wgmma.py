@@ -50,23 +50,30 @@ CASES = {   # dense caches of the dtype: TMA boxes by default, cp.async with kv_
                                     {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}, "tma", None),
 }
 # e4m3 latent rows (one scale): staged raw -- by the threads' cp.async by default, TMA boxes of
-# 192 columns with kv_loads = "tma" -- and converted into two alternating tiles (split by default)
+# 192 columns with kv_loads = "tma" -- and converted (split by default): the threads' copies by
+# the dequantising warpgroup into a ring of three tiles by default, else (dequant_warpgroup =
+# false, and by TMA) by every warp into two alternating tiles; the fifth field: the
+# dequant_warpgroup given (None: the default)
+L1000 = {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}
 FP8_CASES = {
     "h128-e4m3-paged-auto": pytest.param((dict(heads=128, kv="e4m3"),
                                           {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21},
-                                          "cp_async", None), marks=pytest.mark.slow),
+                                          "cp_async", None, None), marks=pytest.mark.slow),
     "h64-e4m3-device-page16-3splits-L1000-tma": (dict(heads=64, kv="e4m3", scale="device", splits=3, page=16),
-                                                 {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
-                                                 "tma", None),
-    "h64-e4m3-page16-3splits-L1000": (dict(heads=64, kv="e4m3", splits=3, page=16),
-                                      {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
-                                      "cp_async", None),
-    "h64-e4m3-page16-3splits-L1000-unsplit": pytest.param(
-        (dict(heads=64, kv="e4m3", splits=3, page=16), {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
-         "tma", False), marks=pytest.mark.slow),
+                                                 L1000, "tma", None, None),
+    "h64-e4m3-page16-3splits-L1000": (dict(heads=64, kv="e4m3", splits=3, page=16), L1000, "cp_async", None, None),
+    "h64-e4m3-page16-3splits-L1000-fused": (dict(heads=64, kv="e4m3", splits=3, page=16), L1000, "cp_async",
+                                            None, False),
+    "h64-e4m3-device-page16-3splits-L1000-unsplit": (
+        dict(heads=64, kv="e4m3", scale="device", splits=3, page=16), L1000, "cp_async", False, None),
+    "h64-e4m3-page16-3splits-L1000-tma-unsplit": pytest.param(
+        (dict(heads=64, kv="e4m3", splits=3, page=16), L1000, "tma", False, None), marks=pytest.mark.slow),
     "h128-f16-e4m3-contiguous-1": (dict(dtype="f16", heads=128, kv="e4m3", layout="contiguous", splits=1),
-                                   {"batch": 9, "max_seq_len": 70}, "tma", False),
+                                   {"batch": 9, "max_seq_len": 70}, "tma", False, None),
+    "h128-f16-e4m3-contiguous-1-cp_async": (dict(dtype="f16", heads=128, kv="e4m3", layout="contiguous", splits=1),
+                                            {"batch": 9, "max_seq_len": 70}, "cp_async", None, None),
 }
+DEQUANT_BARRIERS = 48        # full[3] and empty[3], 8 bytes each
 Q_BYTES, TILE, EXCHANGE = 64 * 1152, 32 * 1152, 2 * 64 * 32 * 4
 
 
@@ -99,22 +106,34 @@ def test_mixed_batch_matches_reference(tmp_path, case):
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
+def _fp8_tile(c: dict, row_bytes: int, loads: str, split: bool, dequant: bool) -> None:
+    """The FP8 wgmma tile's metadata: under the dequantising warpgroup 384 threads, setmaxnreg
+    96 / 200, three converted 36 KiB tiles and the staging buffers that fit beside them (one
+    with the score exchange, two without); else 256 threads, two converted tiles and three
+    staging buffers with the exchange, four without."""
+    stages = (1 if split else 2) if dequant else (3 if split else 4)
+    tiles, barriers = (3, DEQUANT_BARRIERS) if dequant else (2, 32 if loads == "tma" else 0)
+    assert (c["path"], c["num_stages"], c["fp8_staging_bytes"]) == (PATH, stages, 32 * row_bytes)
+    assert (c.get("split_scores", False), c.get("kv_loads", "cp_async")) == (split, loads)
+    assert c["smem_bytes"] == Q_BYTES + tiles * TILE + stages * 32 * row_bytes + barriers + split * EXCHANGE
+    assert (c.get("dequant_warpgroup", False), c.get("threads"), c.get("setmaxnreg")) == \
+        ((True, 384, [96, 200]) if dequant else (False, None, None))
+
+
 @pytest.mark.parametrize("case", FP8_CASES.values(), ids=FP8_CASES.keys())
 def test_fp8_latent_matches_reference(tmp_path, case):
-    """FP8 bytes in 18 KiB staging buffers (three with the score exchange, four without; by TMA
-    three 192-column boxes a page, or the threads' cp.async), two converted 36 KiB tiles; k_scale in the softmax scale and 1/l. The long case refills every
-    staging buffer and converted tile under the race checker (a conversion without the barrier
-    before it fails there)."""
-    keys, shapes, loads, split = case
-    tile = "\n".join(x for x in ('kv_loads = "tma"' if loads == "tma" else "", _split_tile(split)) if x)
+    """FP8 bytes in 18 KiB staging buffers (by TMA three 192-column boxes a page, or the
+    threads' cp.async) converted into 36 KiB tiles (_fp8_tile); k_scale in the softmax scale
+    and 1/l. The long cases refill every staging buffer, converted tile and (dequantising
+    warpgroup) full / empty phase under the race checker and its deadlock detection (a
+    conversion without the barrier before it, or a release before the P·V retired, fails
+    there)."""
+    keys, shapes, loads, split, dequant = case
+    tile = "\n".join(x for x in ('kv_loads = "tma"' if loads == "tma" else "", _split_tile(split),
+                                 "" if dequant is None else f"dequant_warpgroup = {str(dequant).lower()}") if x)
     art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A, tile=tile)
-    c = _config(art)
-    split = True if split is None else split
-    stages = 3 if split else 4
-    barriers = 32 if loads == "tma" else 0
-    assert (c["path"], c["num_stages"], c["fp8_staging_bytes"]) == (PATH, stages, 32 * 576)
-    assert c.get("kv_loads", "cp_async") == loads
-    assert c["smem_bytes"] == Q_BYTES + 2 * TILE + stages * 32 * 576 + barriers + split * EXCHANGE
+    _fp8_tile(_config(art), 576, loads, True if split is None else split,
+              loads == "cp_async" if dequant is None else dequant)
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
@@ -138,35 +157,40 @@ def test_sparse_topk_on_wgmma(tmp_path, case):
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": total_q, "num_pages": pages}, seed=13))
 
 
-DS = {   # FlashMLA's fp8_ds_mla rows (656 bytes: e4m3 latent, 4 group scales, bf16 RoPE)
-    "h128-paged-auto": (ds_body(heads=128), {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}),
+DS = {   # FlashMLA's fp8_ds_mla rows (656 bytes: e4m3 latent, 4 group scales, bf16 RoPE); the
+    # third field: dequant_warpgroup given (None: the default)
+    "h128-paged-auto": (ds_body(heads=128), {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}, None),
+    "h128-paged-auto-fused": (ds_body(heads=128), {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}, False),
     "h128-sparse-top300-1split": (ds_body(heads=128, splits=1, extra="sparse_topk = 300\ntopk_length = true\n"),
-                                  {"total_q": 5, "num_pages": 9}),
-    "h128-page16-3splits-L1000": pytest.param(
-        (ds_body(heads=128, splits=3, page=16), {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}),
-        marks=pytest.mark.slow),
+                                  {"total_q": 5, "num_pages": 9}, None),
+    "h128-page16-3splits-L1000": (ds_body(heads=128, splits=3, page=16), L1000, None),
+    "h128-page16-3splits-L1000-fused": pytest.param(
+        (ds_body(heads=128, splits=3, page=16), L1000, False), marks=pytest.mark.slow),
 }
 
 
 @pytest.mark.parametrize("case", DS.values(), ids=DS.keys())
 def test_group_scaled_rows_on_wgmma(tmp_path, case):
-    """e4m3_ds rows with sm_90a the only target: 64 head rows on the wgmma tile (the mma.sync
-    tile stops at 32); whole 656-byte rows staged (four 20.5 KiB buffers), each latent chunk
-    multiplied by its row's group scale (read from the staged row another thread copied) and
-    rounded once, RoPE copied; unowned rows hold NaN bytes, scales and RoPE."""
-    text, shapes = case
-    art = build_kernel(tmp_path, "mla", text, targets=SM90A)
+    """e4m3_ds rows with sm_90a the only target: 64 head rows on the wgmma tile; whole 656-byte
+    rows staged (20.5 KiB buffers), each latent chunk multiplied by its row's group scale (read
+    from the staged row another thread copied) and rounded once, RoPE copied -- by the
+    dequantising warpgroup (one staging buffer) or by every warp (three); unowned rows hold
+    NaN bytes, scales and RoPE."""
+    text, shapes, dequant = case
+    tile = "" if dequant is None else f"dequant_warpgroup = {str(dequant).lower()}"
+    art = build_kernel(tmp_path, "mla", text, targets=SM90A, tile=tile)
     c = _config(art)
-    assert (c["path"], c["block_m"], c["fp8_staging_bytes"], c["split_scores"]) == (PATH, 64, 32 * 656, True)
-    assert c["smem_bytes"] == Q_BYTES + 2 * TILE + 3 * 32 * 656 + EXCHANGE
+    assert c["block_m"] == 64
+    _fp8_tile(c, 656, "cp_async", True, dequant is None)
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
 @pytest.mark.parametrize("kv", [None, "e4m3", "e4m3_ds"])
 def test_every_rope_width_fits_one_ctas_shared_memory(kv):
     """sm_90a alone, 128 heads, every qk_rope_head_dim the spec allows: the tile fits one CTA's
-    shared memory (the wgmma tile needs three stages: e4m3_ds rows with 128 RoPE columns, 784
-    bytes, would need 239104 bytes, so they keep the mma.sync tile at 32 rows)."""
+    shared memory, and every width of whole 64-column slabs runs on wgmma (e4m3_ds rows with 128
+    RoPE columns, 784 bytes, would need 239104 bytes at the three stages every warp converting
+    takes; the dequantising warpgroup's one staging buffer fits without the score exchange)."""
     from ptxc.kernels import load_text
     from ptxc.kernels.families import mla, varlen
     from ptxc.targets import TARGETS
@@ -178,7 +202,7 @@ def test_every_rope_width_fits_one_ctas_shared_memory(kv):
                            f'targets = ["sm_90a"]\n', "m.toml")
         cfg = varlen.configure(mla.attention_view(spec), target)
         assert cfg.smem_bytes <= target.max_smem_per_cta, (kv, rope)
-        wgmma = rope % 64 == 0 and not (kv == "e4m3_ds" and rope == 128)
+        wgmma = rope % 64 == 0
         assert (cfg.block_m == 64 and cfg.num_warps == 8) == wgmma, (kv, rope, cfg)
 
 

@@ -22,6 +22,7 @@ from ..kv.kv_fp8_stage import StagedFP8Config, StagingGeom, f16_math_applies
 from ..mainloop.tiles import SWIZZLE, SwizzledGeom
 from ..mainloop.tiles import CHUNK
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
+from ..mainloop.tma_ws_pipeline import raised_regs
 from ..math.mma import MmaMath
 from ..math.seesaw import seesaw_slot_bytes
 from .packed_tile import VarlenCtx
@@ -194,6 +195,32 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     # FlashMLA's seesaw schedule (math/seesaw.py, mainloop/seesaw_pipeline.py): the warpgroups
     # take alternate tiles' S and softmax and hand each other P and the row max
     seesaw: bool = False
+    # FP8 rows: a third warpgroup copies and dequantises them into a ring of DEQUANT_TILES
+    # converted tiles, the two computing warpgroups only read those (dequant_pipeline.py)
+    dequant_warpgroup: bool = False
+
+    @property
+    def producer_warpgroup(self) -> bool:
+        return self.warp_specialize or self.dequant_warpgroup
+
+    @property
+    def converted_tiles(self) -> int:
+        """FP8 rows: the converted tiles in shared memory -- two alternating (iteration j reads
+        tile j and j - 1), or the dequantising warpgroup's ring of three (it writes j + 1)."""
+        return DEQUANT_TILES if self.dequant_warpgroup else 2
+
+    @property
+    def copy_threads(self) -> int:
+        """The threads that copy (and convert) the latent rows."""
+        return DEQUANT_THREADS if self.dequant_warpgroup else self.threads
+
+    @property
+    def producer_regs(self) -> int:
+        return DEQUANT_REGS
+
+    @property
+    def consumer_regs(self) -> int:
+        return dequant_consumer_regs(self.threads)
 
     @property
     def score_exchange_bytes(self) -> int:
@@ -207,15 +234,17 @@ class LatentWgmmaConfig(WgmmaTileConfig):
 
     @property
     def staging_geom(self) -> StagingGeom:
-        return StagingGeom(self.block_n, self.rows.row_bytes if self.rows else self.head_dim, self.threads)
+        return StagingGeom(self.block_n, self.rows.row_bytes if self.rows else self.head_dim, self.copy_threads)
 
     @property
     def smem_bytes(self) -> int:
-        # the mbarriers (TMA), padded to 16 bytes for the score exchange's v4 slots after them
-        bars = -(-self.num_stages * MBARRIER_BYTES // 16) * 16 if self.tma else 0
-        if self.fp8:    # two converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
-            return (self.q_region_bytes + 2 * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes
-                    + bars + self.score_exchange_bytes)
+        # the mbarriers (TMA: one a stage; the dequantising warpgroup: full and empty a converted
+        # tile), padded to 16 bytes for the score exchange's v4 slots after them
+        bars = self.num_stages if self.tma else 2 * DEQUANT_TILES if self.dequant_warpgroup else 0
+        bars = -(-bars * MBARRIER_BYTES // 16) * 16
+        if self.fp8:    # the converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
+            return (self.q_region_bytes + self.converted_tiles * self.kv_geom.bytes
+                    + self.num_stages * self.staging_geom.bytes + bars + self.score_exchange_bytes)
         return (self.q_region_bytes + self.num_stages * self.kv_geom.bytes + bars + self.score_exchange_bytes
                 + self.seesaw_exchange_bytes)
 
@@ -228,6 +257,15 @@ class LatentWgmmaConfig(WgmmaTileConfig):
 
 LATENT_WGMMA_DV = 512          # two warpgroups of n256 (wgmma's widest) P·V
 LATENT_WGMMA_ROWS = 64
+DEQUANT_TILES = 3              # the dequantising warpgroup's ring: j - 1 and j read, j + 1 written
+DEQUANT_THREADS = 128
+DEQUANT_REGS = 96              # its budget after setmaxnreg.dec: a staged tile's share in registers
+
+
+def dequant_consumer_regs(threads: int) -> int:
+    """The computing warpgroups' budget after setmaxnreg.inc: what the dequantising warpgroup
+    leaves of the CTA's pool (384 threads enter with 168: 200)."""
+    return raised_regs(threads + DEQUANT_THREADS, DEQUANT_THREADS * DEQUANT_REGS, threads)
 
 
 def latent_wgmma(spec, target) -> bool:
@@ -237,12 +275,28 @@ def latent_wgmma(spec, target) -> bool:
     of RoPE, and the tile's latent stages left to the path (tile.num_stages of 2 keeps the
     mma.sync kernel: this loop holds three tiles) -- and its three stages fit in shared memory
     (e4m3_ds rows with 128 RoPE columns do not: they keep the mma.sync kernel)."""
-    given = spec.tile_dict()
+    given, least = spec.tile_dict(), min_latent_stages(spec)
     return (target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
             and head_dim_v(spec) == LATENT_WGMMA_DV and spec.head_dim % 64 == 0
-            and given.get("num_stages", 3) >= 3
+            and given.get("num_stages", least) >= least
             and spec.opt("custom_mask") in (None, "none")
-            and _latent_config(spec, 3, False).smem_bytes <= target.max_smem_per_cta)
+            and _latent_config(spec, least, False).smem_bytes <= target.max_smem_per_cta)
+
+
+def dequant_warpgroup(spec) -> bool:
+    """tile.dequant_warpgroup (the default) over FP8 rows the threads copy (e4m3, e4m3_ds; not
+    TMA-staged): chosen on static figures, not timed -- the computing warps' loop falls from
+    508 instructions a tile to 223 (e4m3_ds) and from 360 to 226 (e4m3), bf16's is 265, the
+    conversion moving to warps of its own (docs/performance.md "Dequantising warpgroup")."""
+    return bool(spec.tile_dict().get("dequant_warpgroup", True)) and kind(spec) is not None \
+        and latent_loads(spec) == "cp_async"
+
+
+def min_latent_stages(spec) -> int:
+    """The fewest latent stages the wgmma loop runs with: three (tiles j - 1 and j read, one
+    landing), or one staging buffer under a dequantising warpgroup (its converted tiles are
+    the ring)."""
+    return 1 if dequant_warpgroup(spec) else 3
 
 
 def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaConfig:
@@ -253,8 +307,9 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
     seesaw = bool(spec.tile_dict().get("seesaw", False))
     if seesaw:          # the seesaw's warpgroups each compute their tiles' whole S
         split = False
+    least = min_latent_stages(spec)
     if split is None:
-        room = max(3, spec.tile_dict().get("num_stages", 3))
+        room = max(least, spec.tile_dict().get("num_stages", least))
         split = spec.tile_dict().get("split_scores", split_by_default(spec)) and \
             _latent_config(spec, room, True).smem_bytes <= TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta
     return LatentWgmmaConfig(C.FORMATS[spec.dtype], d, True, LATENT_WGMMA_ROWS,
@@ -262,7 +317,9 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
                              stages, True, dv, dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
                              kv_loads=latent_loads(spec), fp8=kind(spec) is not None,
                              rows=group_scaled(spec), split_scores=split, seesaw=seesaw,
-                             f16_math=f16_math_applies(spec) and not seesaw)
+                             f16_math=f16_math_applies(spec) and not seesaw,
+                             dequant_warpgroup=dequant_warpgroup(spec),
+                             min_ctas_per_sm=1 if dequant_warpgroup(spec) else 0)
 
 
 def split_by_default(spec) -> bool:
@@ -300,9 +357,11 @@ def applies_latent(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
 def configure_latent(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentWgmmaConfig:
     """applies_latent's tile: block_n 32 (given: 16 or 32), the most stages up to 4 that fit
     (4 at block_n 32: 72 KiB of Q and 144 KiB of latent tiles; FP8: 72 KiB of Q, two converted
-    36 KiB tiles and four 18 KiB staging buffers), 8 warps."""
+    36 KiB tiles and four 18 KiB staging buffers; under a dequantising warpgroup three converted
+    tiles and what is left: one staging buffer beside the score exchange), 8 warps (+ 4)."""
     stages = spec.tile_dict().get("num_stages", 4)
-    while stages > 3 and _latent_config(spec, stages).smem_bytes > TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta:
+    while stages > min_latent_stages(spec) and \
+            _latent_config(spec, stages).smem_bytes > TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta:
         stages -= 1
     return _latent_config(spec, stages)
 
@@ -405,6 +464,9 @@ def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
               if getattr(cfg, "split_scores", False) else {}),
            **({"seesaw": True, "exchange_bytes": cfg.seesaw_exchange_bytes}
               if getattr(cfg, "seesaw", False) else {}),
+           **({"dequant_warpgroup": True, "threads": cfg.launch_threads,
+               "setmaxnreg": [cfg.producer_regs, cfg.consumer_regs]}
+              if getattr(cfg, "dequant_warpgroup", False) else {}),
            **({"tmem_columns": cfg.tmem_columns} if tc else {}),
            **({"warp_specialize": True, "threads": cfg.launch_threads}
               if tc and cfg.warp_specialize else {}),

@@ -27,6 +27,8 @@ Main loops, one per load method (mainloop/):
                tiles as TMA boxes (MLA's dense latent cache on sm_90a)
   latent_seesaw seesaw_pipeline.run_seesaw_pipeline: MLA's latent TMA tile with the two
                warpgroups taking alternate tiles' softmax (FlashMLA's seesaw, tile.seesaw)
+  latent_dequant dequant_pipeline.run_dequant_pipeline: MLA's FP8 rows copied and converted by
+               a warpgroup of their own, the latent_wgmma loop on the converted tiles
   tma_ws       tma_ws_pipeline.run_tma_ws_pipeline: a producer warpgroup, consumer warpgroups
   tcgen05_ws   tcgen05_ws_pipeline.run_tcgen05_ws_pipeline: load, MMA and softmax warps
   rows         row_pipeline.run_row_pipeline: decode's SIMT rows, register loads or each
@@ -44,6 +46,7 @@ from typing import Callable
 from ...ir import KernelBuilder, Reg
 from ..mainloop.kv_pipeline import run_kv_pipeline, run_shared_kv_pipeline
 from ..mainloop.row_pipeline import KeyRows, run_row_pipeline
+from ..mainloop.dequant_pipeline import run_dequant_pipeline
 from ..mainloop.tcgen05_ws_pipeline import run_tcgen05_ws_pipeline
 from ..mainloop.seesaw_pipeline import run_seesaw_pipeline
 from ..mainloop.tma_pipeline import run_latent_tma_pipeline, run_tma_pipeline
@@ -188,6 +191,21 @@ def _tma_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, 
                         pingpong=pingpong)
 
 
+def _latent_dequant(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid,
+                    lane, threads: int, regs: tuple[int, int], q_rewrite_of=None):
+    """MLA's FP8 rows under a dequantising warpgroup: `buf.k` holds the converted tiles
+    (`buf.k_bytes` each) and then the staging buffers (`buf.v_bytes` each), `buf.bars` the
+    ring's mbarriers; `loads.issue_setup(tid)` builds that warpgroup's (load_kv, convert) in its
+    branch, `loads.q_landed()` copies the Q tile in the computing branch; `regs`: the two
+    branches' setmaxnreg budgets."""
+    run_dequant_pipeline(b, stages=buf.stages, stage_bytes=buf.v_bytes, tile_bytes=buf.k_bytes,
+                         tiles=buf.k, bars=buf.bars, tid=tid, lane=lane, compute_threads=threads,
+                         dequant_regs=regs[0], compute_regs=regs[1], n_tiles=tiles.n_tiles,
+                         n_full=tiles.n_full, key0_of=tiles.key0_of, make_loads=loads.issue_setup,
+                         make_math=math, transform_of=transform_of, copy_q=loads.q_landed,
+                         lo_full=tiles.lo_full, q_rewrite_of=q_rewrite_of)
+
+
 def _tcgen05_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid,
                 lane, warp0, columns: int, make_issue, softmax_warps: int = 8, q_tiles: int = 1,
                 tile_columns: int = 0, make_correction=None):
@@ -216,6 +234,7 @@ MAINLOOPS: dict[str, Callable] = {
     "cp_async": _cp_async, "latent": _latent_tile(run_shared_kv_pipeline), "wgmma": _wgmma,
     "latent_wgmma": _latent_tile(run_latent_wgmma_pipeline),
     "tma": _tma, "latent_tma": _latent_tma, "latent_seesaw": _latent_seesaw, "tma_ws": _tma_ws,
+    "latent_dequant": _latent_dequant,
     "tcgen05_ws": _tcgen05_ws, "rows": _rows,
 }
 

@@ -130,33 +130,13 @@ def row_chunks(b: KernelBuilder, slot: ThreadSlot, row_address, row0: Reg, nvali
                         b.setp("gt", rem, i * geom.rows_per_pass)) for i in range(geom.passes)]
 
 
-def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,
-                    strides: dict, work: TileWork, split_count: Reg | None,
-                    quant=None, mask_bytes: Reg | None = None) -> None:
-    """varlen_mma.emit_mma_tile on wgmma with cp.async K/V loads (see the module
-    docstring; tile.kv_loads = "tma" runs varlen_tma.py's body instead). With `quant` (an FP8 cache, cfg.fp8) the
-    copies land FP8 bytes in staging buffers, converted at the top of each iteration; k_scale
-    joins the softmax scale and v_scale the final 1/l, as on the mma.sync path."""
-    bn = cfg.block_n
-    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD,
-                             mask_bytes=mask_bytes)
-    ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
-    q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
-    staging = None
-    if cfg.fp8 and cfg.shared_kv:   # MLA's FP8 latent rows: two alternating converted tiles
-        staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, cfg.num_stages,
-                                   ctx.tid, tile.k_smem, quant,
-                                   cfg.math_pair, cfg.fmt, cfg.rows)
-        kv_slot = staging.slot
-    elif cfg.fp8:
-        staging = SwizzledFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, cfg.kv_geom.slab_bytes,
-                                     cfg.num_stages, ctx.tid, tile.k_smem, quant,
-                                     cfg.math_pair)
-        kv_slot = staging.slot
-    else:
-        kv_slot = swizzled_slot(b, cfg.copy_geom(bn), ctx.tid)
-    k_stage, v_stage = (staging.k_stage, staging.v_stage) if staging else (tile.k_smem, tile.v_smem)
-    q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
+def kv_copies(b: KernelBuilder, cfg: WgmmaTileConfig, kv: KVAccess, tile, ptrs: dict,
+              work: TileWork, kv_slot: ThreadSlot, k_stage: Reg, v_stage: Reg, staged: bool):
+    """load_kv(t, j, stage_offset) for the threads of `kv_slot`: tile j of t ("k" | "v") by
+    cp.async into its stage buffer if the tile exists, one commit group either way; and the
+    paged layout's ids a tile ahead (LaggedPages, or None), whose load_ahead the caller runs
+    once before the first copy."""
+    bn, L, first, n_tiles = cfg.block_n, tile.L, tile.first, tile.n_tiles
     bases = kv.bases(b, ptrs, work.seq, work.kv_head, b.cvt(S64, kv_slot.col))
     pages = LaggedPages(b, kv, bases, kv_slot, bn, L) if prefetch_applies(kv, kv_slot, bn) else None
     strided = StridedTiles(b, bases, kv_slot, bn, first) if kv.layout == "contiguous" else None
@@ -175,22 +155,106 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
             else:
                 chunks = row_chunks(b, kv_slot, tile.kv_rows(kv, bases, cache, key_lo), row0, nvalid)
             # FP8 rows land whole in one pass group (unpadded staging)
-            stage_groups(b, cfg, kv_slot, chunks, nvalid, dst, groups=1 if staging else None)
+            stage_groups(b, cfg, kv_slot, chunks, nvalid, dst, groups=1 if staged else None)
         if pages is not None and t == "k":
             pages.advance(row0)
         if strided is not None:
             strided.advance(cache)
         b.cp_async_commit()
+    return load_kv, pages
 
+
+def copy_q(b: KernelBuilder, cfg: WgmmaTileConfig, tile, q_slot: ThreadSlot, q_row) -> None:
+    """The packed Q tile's rows by cp.async into the swizzled Q region (no commit: the first
+    group the caller commits takes it)."""
+    ctx = tile.ctx
     q_valid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
     stage_groups(b, cfg, q_slot, row_chunks(b, q_slot, q_row, ctx.m_start, q_valid), q_valid,
                  tile.smem)
-    if pages is not None:
-        pages.load_ahead(b.mul(first, bn))
+
+
+def packed_math(b: KernelBuilder, ctx, ptrs: dict, strides: dict, quant, work: TileWork):
+    """The tile math; an FP8 cache's k_scale joins the softmax scale and v_scale the final 1/l
+    (group scales are applied where the rows are converted)."""
     math = VarlenWgmmaMath(b, ctx, ptrs, strides)
-    if quant is not None and quant.mode != "group":   # group scales: applied in the staging
+    if quant is not None and quant.mode != "group":
         k_scale, math.v_scale = quant.scales(b, work.kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
+    return math
+
+
+def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
+                      work: TileWork, tile, quant) -> None:
+    """MLA's FP8 latent rows under a dequantising warpgroup (tile.dequant_warpgroup;
+    mainloop/dequant_pipeline.py): the computing warpgroups copy Q, the dequantising one copies
+    the rows into its staging buffers and converts them (LatentFP8Staging over its 128 threads)
+    into the ring of converted tiles at the start of the K region."""
+    ctx, bn = tile.ctx, cfg.block_n
+    staging_at = cfg.converted_tiles * cfg.kv_geom.bytes
+
+    def make_loads(tid: Reg):
+        staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, cfg.num_stages, tid,
+                                   tile.k_smem, quant, cfg.math_pair, cfg.fmt, cfg.rows,
+                                   converted=cfg.converted_tiles)
+        load_kv, pages = kv_copies(b, cfg, kv, tile, ptrs, work, staging.slot, staging.k_stage,
+                                   staging.v_stage, True)
+        if pages is not None:
+            pages.load_ahead(b.mul(tile.first, bn))
+        return (lambda j, off: load_kv("k", j, off)), staging.convert
+
+    def copy_q_tile() -> None:
+        q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
+        copy_q(b, cfg, tile, q_slot, tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col)))
+        b.cp_async_commit()
+
+    assemble(b, "latent_dequant",
+             buffers=Buffers(cfg.num_stages, tile.smem, tile.k_smem, tile.k_smem, cfg.kv_geom.bytes,
+                             cfg.staging_geom.bytes,
+                             bars=b.add(tile.k_smem, staging_at + cfg.num_stages * cfg.staging_geom.bytes)),
+             tiles=KeyTiles(tile.n_tiles, tile.n_full, lambda j: b.mul(b.add(tile.first, j), bn),
+                            tile.lo_full),
+             loads=Loads(issue_setup=make_loads, q_landed=copy_q_tile),
+             math=lambda: packed_math(b, ctx, ptrs, strides, quant, work),
+             transform_of=lambda m: score_transform(b, spec, m), tid=ctx.tid, lane=ctx.lane,
+             threads=cfg.threads, regs=(cfg.producer_regs, cfg.consumer_regs),
+             q_rewrite_of=(lambda m: m.rescale_q_to_f16) if cfg.f16_math else None)
+
+
+def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,
+                    strides: dict, work: TileWork, split_count: Reg | None,
+                    quant=None, mask_bytes: Reg | None = None) -> None:
+    """varlen_mma.emit_mma_tile on wgmma with cp.async K/V loads (see the module
+    docstring; tile.kv_loads = "tma" runs varlen_tma.py's body instead). With `quant` (an FP8 cache, cfg.fp8) the
+    copies land FP8 bytes in staging buffers, converted at the top of each iteration; k_scale
+    joins the softmax scale and v_scale the final 1/l, as on the mma.sync path."""
+    bn = cfg.block_n
+    tile = packed_tile_setup(b, spec, cfg, kv, ptrs, work, split_count, smem_align=SWIZZLE_PERIOD,
+                             mask_bytes=mask_bytes)
+    ctx, L, first, n_tiles = tile.ctx, tile.L, tile.first, tile.n_tiles
+    if getattr(cfg, "dequant_warpgroup", False):
+        emit_dequant_tile(b, spec, cfg, kv, ptrs, strides, work, tile, quant)
+        return
+    q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
+    staging = None
+    if cfg.fp8 and cfg.shared_kv:   # MLA's FP8 latent rows: two alternating converted tiles
+        staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, cfg.num_stages,
+                                   ctx.tid, tile.k_smem, quant,
+                                   cfg.math_pair, cfg.fmt, cfg.rows)
+        kv_slot = staging.slot
+    elif cfg.fp8:
+        staging = SwizzledFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, cfg.kv_geom.slab_bytes,
+                                     cfg.num_stages, ctx.tid, tile.k_smem, quant,
+                                     cfg.math_pair)
+        kv_slot = staging.slot
+    else:
+        kv_slot = swizzled_slot(b, cfg.copy_geom(bn), ctx.tid)
+    k_stage, v_stage = (staging.k_stage, staging.v_stage) if staging else (tile.k_smem, tile.v_smem)
+    q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
+    load_kv, pages = kv_copies(b, cfg, kv, tile, ptrs, work, kv_slot, k_stage, v_stage, staging is not None)
+    copy_q(b, cfg, tile, q_slot, q_row)
+    if pages is not None:
+        pages.load_ahead(b.mul(first, bn))
+    math = packed_math(b, ctx, ptrs, strides, quant, work)
     assemble(b, "latent_wgmma" if cfg.shared_kv else "wgmma",   # MLA: one latent tile per stage
              buffers=Buffers(cfg.num_stages, tile.smem, k_stage, v_stage,
                              staging.stage_bytes if staging else cfg.kv_geom.bytes),

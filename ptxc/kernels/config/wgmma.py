@@ -52,8 +52,14 @@ class WgmmaConfig(PrefillConfig):
         return self.kv_loads == "tma"
 
     @property
+    def producer_warpgroup(self) -> bool:
+        """A warpgroup besides the computing ones (which then meet on a named barrier, not the
+        CTA's): the TMA producer here, MLA's dequantising one (LatentWgmmaConfig)."""
+        return self.warp_specialize
+
+    @property
     def launch_threads(self) -> int:
-        return self.threads + (PRODUCER_THREADS if self.warp_specialize else 0)
+        return self.threads + (PRODUCER_THREADS if self.producer_warpgroup else 0)
 
     @property
     def producer_regs(self) -> int:

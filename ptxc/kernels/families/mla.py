@@ -91,6 +91,11 @@ FIELDS = FamilyFields(
               "softmax and hand each other P and the row max through 10 KiB of shared memory, so "
               "one's softmax runs under the other's products (four latent stages; replaces "
               "split_scores)", default=False),
+        Field("dequant_warpgroup", "bool", "sm_90a wgmma tile over e4m3 / e4m3_ds rows the "
+              "threads copy: a third warpgroup copies and dequantises the rows into a ring of "
+              "three converted tiles (FlashMLA's), so the two computing warpgroups run the loop of "
+              "a cache of the dtype (the default; false: every warp converts its share at the top "
+              "of each iteration)", default=None),
     ),
 )
 
@@ -194,6 +199,12 @@ def validate(spec: KernelSpec) -> None:
                         f"the key", key="tile.kv_loads")
     if spec.tile_dict().get("seesaw"):
         check_seesaw(spec, configs)
+    if spec.tile_dict().get("dequant_warpgroup") and \
+            not any(getattr(c, "dequant_warpgroup", False) for c in configs):
+        raise SpecError(f"dequant_warpgroup = true with targets {', '.join(spec.targets)}: the "
+                        f"dequantising warpgroup feeds the sm_90a wgmma tile (64 head rows) from "
+                        f"e4m3 or e4m3_ds rows the threads copy (kv_loads \"cp_async\", no seesaw); "
+                        f"allowed: false", key="tile.dequant_warpgroup")
 
 
 def check_seesaw(spec: KernelSpec, configs: list) -> None:

@@ -51,8 +51,12 @@ class PaddedTile:
     def second(self, b: KernelBuilder, first: Reg) -> Reg:
         return b.add(first, CHUNK)
 
-    def rows_step(self, rows: int) -> int | None:
-        return rows * self.stride
+    def down(self, b: KernelBuilder, at: Reg, rows: int) -> Reg:
+        """`at` (a chunk's offset) `rows` rows further down."""
+        return b.add(at, rows * self.stride) if rows else at
+
+    def steps(self, rows: int) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,14 @@ class SwizzledTile:
     def second(self, b: KernelBuilder, first: Reg) -> Reg:
         return b.xor(first, CHUNK)     # chunk 2k + 1 of an even 2k: bit 0 of the chunk index
 
-    def rows_step(self, rows: int) -> int | None:
-        return rows * SWIZZLE if rows % SWIZZLE_ROWS == 0 else None
+    def down(self, b: KernelBuilder, at: Reg, rows: int) -> Reg:
+        """`at` `rows` rows further down: + rows x 128 bytes, and the row's XOR pattern moves by
+        rows % 8 -- for a multiple of 4, bit 2 of the chunk index flips (r + 4 = r ^ 4 mod 8)."""
+        moved = b.add(at, rows * SWIZZLE) if rows else at
+        return b.xor(moved, CHUNK * SWIZZLE_ROWS // 2) if rows % SWIZZLE_ROWS else moved
+
+    def steps(self, rows: int) -> bool:
+        return rows % (SWIZZLE_ROWS // 2) == 0
 
 
 class GroupScaledConversion:
@@ -95,7 +105,7 @@ class GroupScaledConversion:
         # column and addresses are computed once and the passes add immediates
         assert octets % self.slabs == 0, (octets, self.slabs)
         self.row_step = 2 * octets // self.slabs
-        assert tile.rows_step(self.row_step) is not None, "a pass moves the swizzle pattern"
+        assert tile.steps(self.row_step), "a pass moves the swizzle pattern by other than 4 rows"
         self.rope_chunks = 2 * rows.rope // CHUNK
         self.rope_items = block_n * self.rope_chunks
         self.rope_passes = -(-self.rope_items // threads)
@@ -115,30 +125,47 @@ class GroupScaledConversion:
         scale = b.mad(row, rows.row_bytes, b.add(b.shl(group, 2), rows.scales_at))
         return src, scale, self.tile.at(b, row, b.shl(c, 5))
 
-    def convert(self, staged: Reg, dst: Reg) -> None:
+    def convert(self, staged: Reg, dst: Reg, between=None) -> None:
         """Every latent and RoPE chunk of the tile staged at `staged` into the tile at `dst`,
         pass by pass (all loads first measured the same instructions and 40 more registers:
-        255 on the wgmma tile)."""
+        255 on the wgmma tile) -- or, with `between`, every pass's loads first, then
+        `between()` (the staging buffer is free once every thread got there), then the
+        conversions and stores."""
+        passes = list(self._loads(staged, dst))
+        if between is None:
+            for load, store in passes:
+                store(*load())
+            return
+        loaded = [load() for load, _ in passes]
+        between()
+        for (_, store), got in zip(passes, loaded):
+            store(*got)
+
+    def _loads(self, staged: Reg, dst: Reg):
+        """(load, store) per pass: load() issues the pass's shared loads and returns what
+        store(...) converts and writes (the latent passes, then the RoPE ones)."""
         b, octets = self.b, self.threads // OCTET
         src0, scale0, out0 = self._latent_at()
         for i in range(self.latent_passes):
-            shift = i * self.row_step * self.rows.row_bytes        # staged bytes, pass i
-            step = self.tile.rows_step(i * self.row_step)
-            src, scale_at = Addr(b.add(staged, src0), shift), Addr(b.add(staged, scale0), shift)
-            out = b.add(out0, step) if step else out0
-            guard = None
-            if (i + 1) * octets > self.latent_items:
-                guard = b.setp("lt", b.add(b.shr(self.tid, 3), i * octets), self.latent_items)
-            if guard is None:
-                words = b.ld("shared", B32, src, vec=4)
-                scale = b.ld("shared", F32, scale_at)
-            else:          # an octet item past the tile's: zeros, nothing stored
-                words, scale = zero_regs(b, 4), b.mov(0.0, F32)
-                with b.predicate(guard):
+            def load(i=i):
+                shift = i * self.row_step * self.rows.row_bytes        # staged bytes, pass i
+                src, scale_at = Addr(b.add(staged, src0), shift), Addr(b.add(staged, scale0), shift)
+                out = self.tile.down(b, out0, i * self.row_step)
+                guard = None
+                if (i + 1) * octets > self.latent_items:
+                    guard = b.setp("lt", b.add(b.shr(self.tid, 3), i * octets), self.latent_items)
+                if guard is None:
+                    return guard, b.ld("shared", B32, src, vec=4), b.ld("shared", F32, scale_at), out
+                words, scale = zero_regs(b, 4), b.mov(0.0, F32)   # an octet item past the tile's:
+                with b.predicate(guard):                           # zeros, nothing stored
                     b.ld("shared", B32, src, vec=4, out=words)
                     b.ld("shared", F32, scale_at, out=[scale])
-            self._scaled(guard, words, scale, b.add(dst, out))
-        self._rope(staged, dst)
+                return guard, words, scale, out
+
+            def store(guard, words, scale, out):
+                self._scaled(guard, words, scale, b.add(dst, out))
+            yield load, store
+        yield from self._rope(staged, dst)
 
     def _scaled(self, guard: Reg | None, words: list[Reg], scale: Reg, out: Reg) -> None:
         """16 e4m3 values x their group's scale in f32, rounded once, as two 16-byte chunks."""
@@ -149,16 +176,20 @@ class GroupScaledConversion:
             b.st("shared", B32, Addr(out), packed[:4])
             b.st("shared", B32, Addr(self.tile.second(b, out)), packed[4:])
 
-    def _rope(self, staged: Reg, dst: Reg) -> None:
-        """The bf16 RoPE chunks, copied as they are (row-major items over the threads)."""
+    def _rope(self, staged: Reg, dst: Reg):
+        """(load, store) per pass of the bf16 RoPE chunks, copied as they are (row-major items
+        over the threads); each pass's addresses where its load is emitted."""
         b, rows = self.b, self.rows
         step = self.threads // self.rope_chunks if self.threads % self.rope_chunks == 0 else None
-        rope_row = b.div(self.tid, self.rope_chunks)
-        rope_col = b.mul(b.rem(self.tid, self.rope_chunks), CHUNK)
-        for i in range(self.rope_passes):
+        first = []
+
+        def load(i):
+            if not first:
+                first.append((b.div(self.tid, self.rope_chunks),
+                              b.mul(b.rem(self.tid, self.rope_chunks), CHUNK)))
+            rope_row, rope_col = first[0]
             if step is not None:
-                row = b.add(rope_row, i * step)
-                col = rope_col
+                row, col = b.add(rope_row, i * step), rope_col
             else:
                 item = b.add(self.tid, i * self.threads)
                 row, col = b.div(item, self.rope_chunks), b.mul(b.rem(item, self.rope_chunks), CHUNK)
@@ -166,12 +197,17 @@ class GroupScaledConversion:
             src = b.add(staged, b.mad(row, rows.row_bytes, b.add(col, rows.rope_at)))
             out = b.add(dst, self.tile.at(b, row, b.add(col, 2 * rows.rank)))
             if guard is None:
-                b.st("shared", B32, Addr(out), b.ld("shared", B32, Addr(src), vec=4))
-                continue
+                return None, b.ld("shared", B32, Addr(src), vec=4), out
             words = zero_regs(b, 4)
             with b.predicate(guard):
                 b.ld("shared", B32, Addr(src), vec=4, out=words)
+            return guard, words, out
+
+        def store(guard, words, out):
+            with b.predicate(guard) if guard is not None else nullcontext():
                 b.st("shared", B32, Addr(out), words)
+        for i in range(self.rope_passes):
+            yield (lambda i=i: load(i)), store
 
 
 __all__ = ["GroupScaledConversion", "PaddedTile", "SwizzledTile"]

@@ -265,19 +265,21 @@ class LatentFP8Staging:
     are converted after the barrier by a mapping of their own (kv_fp8_group.py: the latent
     slabs scaled, the RoPE chunks copied to the slabs after them).
 
-    Shared memory from `tiles_base`: converted tile x 2 | staging x stages."""
+    Shared memory from `tiles_base`: converted tile x `converted` | staging x stages."""
 
     def __init__(self, b: KernelBuilder, geom: StagingGeom, tile_bytes: int, block_n: int,
                  stages: int, tid: Reg, tiles_base: Reg, quant: kv_fp8.KVDequant, pair: str,
-                 fmt=None, rows: kv_fp8.GroupScaledRows | None = None, box_bytes: int | None = None):
+                 fmt=None, rows: kv_fp8.GroupScaledRows | None = None, box_bytes: int | None = None,
+                 converted: int = 2):
         """`box_bytes`: the staged tiles are TMA boxes of that many columns (a stage holds
         row_bytes / box_bytes column blocks of block_n rows each, in box order) instead of
-        whole rows copied by the threads."""
+        whole rows copied by the threads. `converted`: the converted tiles before the staging
+        (a dequantising warpgroup's ring of three writes them through `convert`)."""
         from ..mainloop.tiles import SWIZZLE
         self.b, self.geom, self.quant, self.pair, self.fmt, self.rows = b, geom, quant, pair, fmt, rows
         self.tiles, self.tile_bytes = tiles_base, tile_bytes
         self.stage_bytes = geom.bytes
-        self.k_stage = b.add(tiles_base, 2 * tile_bytes)
+        self.k_stage = b.add(tiles_base, converted * tile_bytes)
         self.v_stage = self.k_stage                # V is the latent tile's first columns
         self.slot = thread_slot(b, geom, tid)
         self.cur = b.mov(0, U32)                   # the converted tile `landed` writes next
@@ -307,13 +309,22 @@ class LatentFP8Staging:
     def landed(self, t: str, stage: Reg | int) -> Reg:
         """After this thread's wait for the tile staged at offset `stage`: its chunks
         dequantised into the next converted tile; returns that tile's address."""
+        tile = self.b.add(self.tiles, self.cur)
+        self.convert(stage, tile)
+        self.b.xor(self.cur, self.tile_bytes, out=self.cur)
+        return tile
+
+    def convert(self, stage: Reg | int, tile: Reg, between=None) -> None:
+        """This thread's share of the tile staged at offset `stage`, converted into `tile`
+        (for group-scaled rows: after a barrier that made every thread's copies visible),
+        pass by pass; with `between`, every pass's shared loads first, then `between()`, then
+        the conversions (a dequantising warpgroup refills the staging buffer in between)."""
         b, geom = self.b, self.geom
-        tile = b.add(self.tiles, self.cur)
         if self.group is not None:
-            self.group.convert(b.add(self.k_stage, stage), tile)
-            b.xor(self.cur, self.tile_bytes, out=self.cur)
-            return tile
+            self.group.convert(b.add(self.k_stage, stage), tile, between)
+            return
         src = b.add(b.add(self.k_stage, stage), self.src_off)
+        loaded = []
         for i in range(geom.passes):
             guard = self.slot.guard(b, i)
             at = i * self.pass_stride
@@ -323,13 +334,22 @@ class LatentFP8Staging:
                 words = zero_regs(b, 4)
                 with b.predicate(guard):
                     b.ld("shared", B32, Addr(src, at), vec=4, out=words)
-            first = b.add(tile, self.dst[i])
-            vals = fp8.dequantize(b, words, self.quant.kind, self.quant.target, to=self.pair)
-            with b.predicate(guard) if guard is not None else nullcontext():
-                b.st("shared", B32, Addr(first), vals[:4])
-                b.st("shared", B32, Addr(b.xor(first, 16)), vals[4:])
-        b.xor(self.cur, self.tile_bytes, out=self.cur)
-        return tile
+            loaded.append((i, guard, words))
+            if between is None:
+                self._store(tile, *loaded.pop())
+        if between is not None:
+            between()
+            for got in loaded:
+                self._store(tile, *got)
+
+    def _store(self, tile: Reg, i: int, guard: Reg | None, words: list[Reg]) -> None:
+        """Pass i's 16 FP8 bytes as two 16-byte chunks of the converted tile."""
+        b = self.b
+        first = b.add(tile, self.dst[i])
+        vals = fp8.dequantize(b, words, self.quant.kind, self.quant.target, to=self.pair)
+        with b.predicate(guard) if guard is not None else nullcontext():
+            b.st("shared", B32, Addr(first), vals[:4])
+            b.st("shared", B32, Addr(b.xor(first, 16)), vals[4:])
 
 
 __all__ = ["applies", "f16_math_applies", "StagingGeom", "StagedFP8Config", "default_stages", "staging_slot", "FP8Staging",

@@ -92,9 +92,9 @@ class WgmmaMath(MmaMath):
         return b.shr(ctx.warp, 2)
 
     def cta_sync(self) -> None:
-        """The epilogue's barrier: the consumer warpgroups' named barrier when a producer
-        warpgroup (which never reaches it) shares the CTA."""
-        if getattr(self.ctx.cfg, "warp_specialize", False):
+        """The computing warpgroups' barrier (the epilogue's, the score exchange's): their named
+        barrier when a producer warpgroup (which never reaches it) shares the CTA."""
+        if getattr(self.ctx.cfg, "producer_warpgroup", False):
             self.b.bar_sync(CONSUMER_BARRIER, self.ctx.cfg.threads)
         else:
             self.b.bar_sync(0)
@@ -133,7 +133,7 @@ class WgmmaMath(MmaMath):
         _, mine, other = self.split
         for jn, acc in enumerate(s):
             b.st("shared", F32, Addr(mine, jn * 128 * 16), acc)
-        b.bar_sync(0)
+        self.cta_sync()
         return [[b.add(x, y) for x, y in zip(acc, b.ld("shared", F32, Addr(other, jn * 128 * 16), vec=4))]
                 for jn, acc in enumerate(s)]
 
