@@ -18,8 +18,10 @@
 # cvt, LDS, LDSM, HMMA, and L2 / DRAM load latency, beside ptxc/report/issue_sim.py's table),
 # then the sm_80 images of the FP8 kernels JIT-compiled on the device (their e4m3 tiles hold
 # f16 subnormals for e4m3's subnormals, fp8.f16_pairs: a tensor core that flushed them would
-# show here, ~20 s), then the question that decides a default: FlashMLA's seesaw against the
-# split-score tile (issue 25), at batch 64 x 4096 unsplit and "auto", then at 16k keys. The
+# show here, ~20 s), then the questions that decide defaults: FlashMLA's seesaw against the
+# split-score tile (issue 25), at batch 64 x 4096 unsplit and "auto", then at 16k keys; and the
+# FP8 MLA decodes' dequantising warpgroup (the default since 973ee0c, untimed) against every
+# warp converting (`*_fused`: dequant_warpgroup = false), e4m3 and e4m3_ds. The
 # main sets' FP8 rows (llama3_8b_fp8_decode, deepseek_v3_mla_decode_fp8 at batch 64 x 4096)
 # then say what f16 products did to the FP8 decodes (0.211 and 0.264 ms before, bf16 0.279 and
 # 0.208; docs/performance.md "FP8 on f16 products"):
@@ -29,9 +31,9 @@
 #   timeout 60 python3 bench/microbench.py --json $OUT/microbench.json;
 #   timeout 60 python3 -m ptxc.cli launch-test --backend cuda --target sm_80 --json \
 #       /tmp/a/gpuart/llama3_8b_fp8_decode /tmp/a/gpuart/deepseek_v3_mla_decode_fp8 > $OUT/fp8_sm80.json;
-#   PYTHONUNBUFFERED=1 timeout 110 python3 bench/gpu_lease.py /tmp/a/dab /tmp/a/a90 --out /tmp/mla \
-#       --only deepseek_v3_mla_decode_seesaw,deepseek_v3_mla_decode,kimi_k2_mla_decode_seesaw,kimi_k2_mla_decode \
-#       --deadline 100 --item-timeout 40 --shape batch=64,total_q=64,max_pages_per_seq=64,num_pages=4096,num_splits=1 \
+#   PYTHONUNBUFFERED=1 timeout 170 python3 bench/gpu_lease.py /tmp/a/dab /tmp/a/a90 --out /tmp/mla \
+#       --only deepseek_v3_mla_decode_seesaw,deepseek_v3_mla_decode,kimi_k2_mla_decode_seesaw,kimi_k2_mla_decode,deepseek_v3_mla_decode_fp8,deepseek_v3_mla_decode_fp8_fused,deepseek_v3_mla_decode_fp8_ds,deepseek_v3_mla_decode_fp8_ds_fused \
+#       --deadline 160 --item-timeout 40 --shape batch=64,total_q=64,max_pages_per_seq=64,num_pages=4096,num_splits=1 \
 #       --shape batch=64,total_q=64,max_pages_per_seq=256,num_pages=16384;
 #   PYTHONUNBUFFERED=1 timeout 320 python3 bench/gpu_lease.py /tmp/a/a90 /tmp/a/gpuart --out /tmp/r \
 #       --deadline 305 --item-timeout 30 --shape batch=1,seq_q=16384,seq_k=16384 \

@@ -1,4 +1,4 @@
-"""MLA decode on wgmma for sm_90a (varlen_tile.LatentWgmmaConfig: two warpgroups over 64 head
+"""MLA decode on wgmma for sm_90a (latent_tile.LatentWgmmaConfig: two warpgroups over 64 head
 rows, each computing the whole S and owning half of O's 512 columns; one latent tile per stage
 on wgmma_pipeline.run_latent_wgmma_pipeline; e4m3 rows staged raw and converted,
 kv_fp8_stage.LatentFP8Staging). The real sm_90a PTX in the emulator against the
@@ -108,7 +108,7 @@ def test_mixed_batch_matches_reference(tmp_path, case):
 
 def _fp8_tile(c: dict, row_bytes: int, loads: str, split: bool, dequant: bool) -> None:
     """The FP8 wgmma tile's metadata: under the dequantising warpgroup 384 threads, setmaxnreg
-    96 / 200, three converted 36 KiB tiles and the staging buffers that fit beside them (one
+    104 / 200, three converted 36 KiB tiles and the staging buffers that fit beside them (one
     with the score exchange, two without); else 256 threads, two converted tiles and three
     staging buffers with the exchange, four without."""
     stages = (1 if split else 2) if dequant else (3 if split else 4)
@@ -117,7 +117,7 @@ def _fp8_tile(c: dict, row_bytes: int, loads: str, split: bool, dequant: bool) -
     assert (c.get("split_scores", False), c.get("kv_loads", "cp_async")) == (split, loads)
     assert c["smem_bytes"] == Q_BYTES + tiles * TILE + stages * 32 * row_bytes + barriers + split * EXCHANGE
     assert (c.get("dequant_warpgroup", False), c.get("threads"), c.get("setmaxnreg")) == \
-        ((True, 384, [96, 200]) if dequant else (False, None, None))
+        ((True, 384, [104, 200]) if dequant else (False, None, None))
 
 
 @pytest.mark.parametrize("case", FP8_CASES.values(), ids=FP8_CASES.keys())
@@ -158,7 +158,7 @@ def test_sparse_topk_on_wgmma(tmp_path, case):
 
 
 DS = {   # FlashMLA's fp8_ds_mla rows (656 bytes: e4m3 latent, 4 group scales, bf16 RoPE); the
-    # third field: dequant_warpgroup given (None: the default)
+    # third field: dequant_warpgroup given (None: the default, which sparse top-k does not take)
     "h128-paged-auto": (ds_body(heads=128), {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}, None),
     "h128-paged-auto-fused": (ds_body(heads=128), {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}, False),
     "h128-sparse-top300-1split": (ds_body(heads=128, splits=1, extra="sparse_topk = 300\ntopk_length = true\n"),
@@ -181,16 +181,16 @@ def test_group_scaled_rows_on_wgmma(tmp_path, case):
     art = build_kernel(tmp_path, "mla", text, targets=SM90A, tile=tile)
     c = _config(art)
     assert c["block_m"] == 64
-    _fp8_tile(c, 656, "cp_async", True, dequant is None)
+    _fp8_tile(c, 656, "cp_async", True, dequant is None and "sparse_topk" not in text)
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
 @pytest.mark.parametrize("kv", [None, "e4m3", "e4m3_ds"])
 def test_every_rope_width_fits_one_ctas_shared_memory(kv):
     """sm_90a alone, 128 heads, every qk_rope_head_dim the spec allows: the tile fits one CTA's
-    shared memory, and every width of whole 64-column slabs runs on wgmma (e4m3_ds rows with 128
-    RoPE columns, 784 bytes, would need 239104 bytes at the three stages every warp converting
-    takes; the dequantising warpgroup's one staging buffer fits without the score exchange)."""
+    shared memory (the wgmma tile needs three stages when every warp converts: e4m3_ds rows with
+    128 RoPE columns, 784 bytes, would need 239104 bytes, so they keep the mma.sync tile at 32
+    rows; the dequantising warpgroup, which would fit them, spills there and takes only 64)."""
     from ptxc.kernels import load_text
     from ptxc.kernels.families import mla, varlen
     from ptxc.targets import TARGETS
@@ -202,8 +202,24 @@ def test_every_rope_width_fits_one_ctas_shared_memory(kv):
                            f'targets = ["sm_90a"]\n', "m.toml")
         cfg = varlen.configure(mla.attention_view(spec), target)
         assert cfg.smem_bytes <= target.max_smem_per_cta, (kv, rope)
-        wgmma = rope % 64 == 0
+        wgmma = rope % 64 == 0 and not (kv == "e4m3_ds" and rope == 128)
         assert (cfg.block_m == 64 and cfg.num_warps == 8) == wgmma, (kv, rope, cfg)
+
+
+@pytest.mark.parametrize("extra", ["sparse_topk = 100\n", 'kv_dtype = "e4m3_ds"\nqk_rope_head_dim = 128\n',
+                                   'kv_dtype = "bf16"\n'])
+def test_a_dequantising_warpgroup_where_it_does_not_apply_is_one_line(extra):
+    """Sparse top-k (its computing warps need more than 200 registers), e4m3_ds rows of 128 RoPE
+    columns (784 bytes: the dequantising warps spill), a cache of the dtype: refused with the
+    key, one line."""
+    from ptxc.errors import SpecError
+    from ptxc.kernels import load_text
+    kv = "" if "kv_dtype" in extra else 'kv_dtype = "e4m3"\n'
+    text = ('[[kernel]]\nname = "m"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = 128\n'
+            f'softmax_scale = 0.1\n{kv}{extra}targets = ["sm_90a"]\n[kernel.tile]\ndequant_warpgroup = true\n')
+    with pytest.raises(SpecError) as e:
+        load_text(text, "m.toml")
+    assert "dequant_warpgroup" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_sparse_with_another_target_keeps_32_rows(tmp_path):

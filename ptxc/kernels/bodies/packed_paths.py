@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..attention import latent_tile as lt
 from ..attention import varlen_tile as vt
 from ..config.prefill import PrefillConfig
 from .varlen_mma import emit_mma_tile
@@ -52,8 +53,8 @@ def _mma_body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, 
 PATHS = (
     PackedPath("the sm_100a tcgen05 tile", vt.applies_tcgen05,
                lambda spec, cfg, kv: vt.configure_tcgen05(spec, cfg), vt.Tcgen05TileConfig, _tma_body),
-    PackedPath("the sm_90a wgmma latent tile", vt.applies_latent, vt.configure_latent,
-               vt.LatentWgmmaConfig, _wgmma_body),
+    PackedPath("the sm_90a wgmma latent tile", lt.applies_latent, lt.configure_latent,
+               lt.LatentWgmmaConfig, _wgmma_body),
     PackedPath("the sm_90a wgmma tile", vt.applies, vt.configure, vt.WgmmaTileConfig, _wgmma_body),
     PackedPath("the mma.sync tile", lambda spec, target, cfg, kv: True, lambda spec, cfg, kv: cfg,
                PrefillConfig, _mma_body),

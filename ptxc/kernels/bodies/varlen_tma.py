@@ -28,7 +28,7 @@ expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
              (num_pages, the cache's own extent), so the TMA fills the box with zeros and still
              counts its bytes: no bad id is dereferenced and expect_tx stays the full tile.
   latent     MLA's dense latent cache (kv_cache [num_pages, page_size, d] or [batch,
-             max_seq_len, d], no head axis; varlen_tile.latent_loads): one 3D tensor map
+             max_seq_len, d], no head axis; latent_tile.latent_loads): one 3D tensor map
              (kv_tmap, box [64, rows, 1]), one tile per stage serving S and P·V
              (tma_pipeline.run_latent_tma_pipeline); the same issuers, page ids and V tail
              (the first head_dim_v columns' slabs are V). e4m3 rows (kv_loads = "tma" given):

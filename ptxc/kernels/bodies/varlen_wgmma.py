@@ -195,7 +195,7 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
     def make_loads(tid: Reg):
         staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, cfg.num_stages, tid,
                                    tile.k_smem, quant, cfg.math_pair, cfg.fmt, cfg.rows,
-                                   converted=cfg.converted_tiles)
+                                   converted=cfg.converted_tiles, keep_offsets=False)
         load_kv, pages = kv_copies(b, cfg, kv, tile, ptrs, work, staging.slot, staging.k_stage,
                                    staging.v_stage, True)
         if pages is not None:

@@ -203,8 +203,9 @@ def validate(spec: KernelSpec) -> None:
             not any(getattr(c, "dequant_warpgroup", False) for c in configs):
         raise SpecError(f"dequant_warpgroup = true with targets {', '.join(spec.targets)}: the "
                         f"dequantising warpgroup feeds the sm_90a wgmma tile (64 head rows) from "
-                        f"e4m3 or e4m3_ds rows the threads copy (kv_loads \"cp_async\", no seesaw); "
-                        f"allowed: false", key="tile.dequant_warpgroup")
+                        f"e4m3 or e4m3_ds rows the threads copy (kv_loads \"cp_async\"), dense "
+                        f"(not sparse_topk: its computing warps need more registers than it leaves) and "
+                        f"for e4m3_ds with qk_rope_head_dim 64; allowed: false", key="tile.dequant_warpgroup")
 
 
 def check_seesaw(spec: KernelSpec, configs: list) -> None:

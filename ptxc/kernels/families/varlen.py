@@ -24,7 +24,7 @@ from .. import common as C
 from ..attention.mask_tiles import classified_tiles
 from ..attention.split_plan import MAX_AUTO_SPLITS
 from ..attention.split_reduce import build_reduce, split_interface
-from ..attention.varlen_tile import latent_wgmma
+from ..attention.latent_tile import latent_wgmma
 from ..attention.variant import (
     MASK_BUFFERS, VARIANT_FIELDS, default_seq_len, head_dim_v, mask_bytes_param, validate_variant,
     variant_tensors)
@@ -220,7 +220,7 @@ def latent_block_m(spec: KernelSpec) -> int:
     sm_90, sm_100: about 128 KiB; the 99 KiB parts, sm_86/89/120, keep 16 rows), so the grid
     and the "auto" split rule stay target-independent. Sparse top-k takes at most 32 -- at 64
     rows x 128 registers the slot ring (kv_pages.SparseSlots) spills -- unless every target
-    runs the sm_90a wgmma tile (varlen_tile.latent_wgmma: 8 warps of up to 255 registers)."""
+    runs the sm_90a wgmma tile (latent_tile.latent_wgmma: 8 warps of up to 255 registers)."""
     rows = 16
     cap = 32 if sparse_keys(spec) else WIDE_LATENT_ROWS
     if all(latent_wgmma(spec, TARGETS[t]) for t in spec.targets):

@@ -89,10 +89,13 @@ class GroupScaledConversion:
     """One CTA's conversion of a staged tile of `block_n` group-scaled rows (row-major, `rows`
     .row_bytes apart) into `tile` (PaddedTile or SwizzledTile) by `threads` threads (see the
     module docstring). `convert(staged, dst)` emits it for the tile staged at `staged` into the
-    converted tile at `dst`."""
+    converted tile at `dst`. `keep_offsets`: this thread's offsets are computed once, here, and
+    stay live across the loop (the wgmma tile, where every warp converts: 21 fewer instructions
+    a tile); else where each tile is converted (the 16-warp mma.sync tile's 128 registers and
+    the dequantising warpgroup's 104 have no room to keep them)."""
 
     def __init__(self, b: KernelBuilder, rows: GroupScaledRows, block_n: int, threads: int,
-                 tid: Reg, tile, quant: KVDequant, fmt):
+                 tid: Reg, tile, quant: KVDequant, fmt, keep_offsets: bool = False):
         assert rows.rank % (QUAD * CHUNK) == 0 and rows.group % CHUNK == 0 and block_n % 2 == 0
         self.b, self.rows, self.bn, self.threads, self.tile = b, rows, block_n, threads, tile
         self.quant, self.fmt = quant, fmt
@@ -110,16 +113,22 @@ class GroupScaledConversion:
         self.rope_items = block_n * self.rope_chunks
         self.rope_passes = -(-self.rope_items // threads)
         self.tid = tid
+        self.kept = None
+        if keep_offsets:
+            e = b.and_(tid, OCTET - 1)
+            octet, sub_row, quad = b.shr(tid, 3), b.shr(e, 2), b.and_(e, QUAD - 1)
+            rope = b.div(tid, self.rope_chunks), b.mul(b.rem(tid, self.rope_chunks), CHUNK)
+            self.kept = self._latent_at((octet, sub_row, quad)), rope
 
-    def _latent_at(self) -> tuple[Reg, Reg, Reg]:
+    def _latent_at(self, lane=None) -> tuple[Reg, Reg, Reg]:
         """(staged byte offset, staged offset of its scale, converted offset) of this thread's
-        latent chunk in the first pass: computed where the tile is converted, from tid (kept
-        live across the loop they cost the 64-row mma.sync tile its last registers)."""
+        latent chunk in the first pass, from tid or from `lane` (octet, row in the pair, chunk
+        in the slab)."""
         b, rows = self.b, self.rows
-        octet, e = b.shr(self.tid, 3), b.and_(self.tid, OCTET - 1)
+        octet, e = (b.shr(self.tid, 3), b.and_(self.tid, OCTET - 1)) if lane is None else (lane[0], None)
         pair, slab = b.div(octet, self.slabs), b.rem(octet, self.slabs)
-        row = b.add(b.shl(pair, 1), b.shr(e, 2))
-        c = b.add(b.shl(slab, 2), b.and_(e, QUAD - 1))           # the e4m3 chunk of the row
+        row = b.add(b.shl(pair, 1), b.shr(e, 2) if lane is None else lane[1])
+        c = b.add(b.shl(slab, 2), b.and_(e, QUAD - 1) if lane is None else lane[2])   # the row's e4m3 chunk
         src = b.mad(row, rows.row_bytes, b.shl(c, 4))
         group = b.shr(c, (rows.group // CHUNK).bit_length() - 1)
         scale = b.mad(row, rows.row_bytes, b.add(b.shl(group, 2), rows.scales_at))
@@ -145,7 +154,7 @@ class GroupScaledConversion:
         """(load, store) per pass: load() issues the pass's shared loads and returns what
         store(...) converts and writes (the latent passes, then the RoPE ones)."""
         b, octets = self.b, self.threads // OCTET
-        src0, scale0, out0 = self._latent_at()
+        src0, scale0, out0 = self.kept[0] if self.kept else self._latent_at()
         for i in range(self.latent_passes):
             def load(i=i):
                 shift = i * self.row_step * self.rows.row_bytes        # staged bytes, pass i
@@ -185,8 +194,8 @@ class GroupScaledConversion:
 
         def load(i):
             if not first:
-                first.append((b.div(self.tid, self.rope_chunks),
-                              b.mul(b.rem(self.tid, self.rope_chunks), CHUNK)))
+                first.append(self.kept[1] if self.kept else
+                             (b.div(self.tid, self.rope_chunks), b.mul(b.rem(self.tid, self.rope_chunks), CHUNK)))
             rope_row, rope_col = first[0]
             if step is not None:
                 row, col = b.add(rope_row, i * step), rope_col

@@ -270,11 +270,12 @@ class LatentFP8Staging:
     def __init__(self, b: KernelBuilder, geom: StagingGeom, tile_bytes: int, block_n: int,
                  stages: int, tid: Reg, tiles_base: Reg, quant: kv_fp8.KVDequant, pair: str,
                  fmt=None, rows: kv_fp8.GroupScaledRows | None = None, box_bytes: int | None = None,
-                 converted: int = 2):
+                 converted: int = 2, keep_offsets: bool = True):
         """`box_bytes`: the staged tiles are TMA boxes of that many columns (a stage holds
         row_bytes / box_bytes column blocks of block_n rows each, in box order) instead of
         whole rows copied by the threads. `converted`: the converted tiles before the staging
-        (a dequantising warpgroup's ring of three writes them through `convert`)."""
+        (a dequantising warpgroup's ring of three writes them through `convert`);
+        `keep_offsets`: GroupScaledConversion's."""
         from ..mainloop.tiles import SWIZZLE
         self.b, self.geom, self.quant, self.pair, self.fmt, self.rows = b, geom, quant, pair, fmt, rows
         self.tiles, self.tile_bytes = tiles_base, tile_bytes
@@ -291,7 +292,7 @@ class LatentFP8Staging:
         self.group = None
         if rows is not None:    # converted by a mapping of their own (kv_fp8_group.py)
             self.group = GroupScaledConversion(b, rows, block_n, geom.threads, tid,
-                                               SwizzledTile(block_n), quant, fmt)
+                                               SwizzledTile(block_n), quant, fmt, keep_offsets)
         self.dst = []
         for i in range(geom.passes if rows is None else 0):
             row = b.add(self.slot.r0, i * geom.rows_per_pass)

@@ -25,10 +25,10 @@ computing warpgroups run the loop of a cache of the dtype over the tiles it hand
              named barrier 1; tile j: wait on full[j mod 3] (parity (j / 3) & 1), attend_tile
              with S(j) from tile j and P·V(j - 1) from tile j - 1; once wgmma.wait_group 0 has
              retired P·V(j - 1), lane 0 of each warp arrives on empty[(j - 1) mod 3] (count 8).
-             With split scores, named barrier 1 at the top of every iteration but the first:
-             the exchange's slots are rewritten only after every warp read them (the loop has
-             no other barrier among the computing warps; the emulator's race checker caught
-             the missing one). Then the last P·V and the epilogue (its barriers and the
+             With split scores, named barrier 1 at the end of every iteration: the exchange's
+             slots are rewritten only after every warp read them (the loop has no other
+             barrier among the computing warps; the emulator's race checker caught the missing
+             one). Then the last P·V and the epilogue (its barriers and the
              score exchange's are named barrier 1: the dequantising warpgroup never reaches
              them).
 
@@ -62,9 +62,10 @@ def run_dequant_pipeline(b: KernelBuilder, *, stages: int, stage_bytes: int, til
     """`make_loads(tid)` (in the dequantising warpgroup's branch, `tid` its 0..127) returns
     (load_kv, convert): load_kv(j, stage_offset) copies T(j) if it exists and commits one
     cp.async group, convert(stage_offset, tile, between) loads this thread's share of the
-    staged tile, runs between(), and converts it into the converted tile at `tile`. In the computing branch: `copy_q()` copies the Q tile
-    (cp.async, one group), `make_math()` builds the WgmmaMath, `transform_of(math)` its score
-    transform, `q_rewrite_of(math)` (or None) the hook that rewrites Q once it landed."""
+    staged tile, runs between(), and converts it into the converted tile at `tile`. In the
+    computing branch: `copy_q()` copies the Q tile (cp.async, one group), `make_math()` builds
+    the WgmmaMath, `transform_of(math)` its score transform, `q_rewrite_of(math)` (or None)
+    the hook that rewrites Q once it landed."""
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                        # noqa: E731
     empty0 = TILES * MBARRIER_BYTES
     with b.if_then(b.setp("eq", tid, 0)):
@@ -127,9 +128,6 @@ def _compute(b: KernelBuilder, tile_bytes: int, tiles: Reg, bars: Reg, lane: Reg
     bar_off, parity = b.mov(0, U32), b.mov(0, U32)        # full[j mod 3], (j / 3) & 1
     prev_bar = b.mov(0, U32)                              # empty[(j - 1) mod 3]
     with b.for_range(0, n_tiles) as j:
-        if math.split is not None:   # the score exchange's slots: read by all before rewritten
-            with b.if_then(b.setp("gt", j, 0)):
-                b.bar_sync(CONSUMER_BARRIER, compute_threads)
         b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
 
         def release(j=j) -> None:    # P·V(j - 1) retired: tile j - 1 may be overwritten
@@ -138,6 +136,8 @@ def _compute(b: KernelBuilder, tile_bytes: int, tiles: Reg, bars: Reg, lane: Reg
 
         attend_tile(b, math, tiles, tile, tiles, prev, j, key0_of, transform, n_full, lo_full,
                     reads_done=release)
+        if math.split is not None:   # the score exchange's slots: read by all before rewritten
+            b.bar_sync(CONSUMER_BARRIER, compute_threads)
         advance_stage(b, tile, prev, tile_bytes, TILES)
         b.mov(bar_off, out=prev_bar)
         advance_barrier(b, bar_off, parity, TILES)
