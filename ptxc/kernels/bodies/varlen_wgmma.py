@@ -32,6 +32,10 @@ the tile math and K/V loop of the wgmma prefill (math/wgmma.py, wgmma_pipeline.p
 FP8 caches (e4m3 / e5m2) take the same body with their bytes staged by cp.async and
 dequantised into one swizzled tile each for K and V at the top of every iteration
 (kv_fp8_stage.SwizzledFP8Staging, wgmma_pipeline's `landed`); TMA does not apply to them.
+MLA's FP8 latent rows are converted either by every warp into two alternating tiles
+(kv_fp8_stage.LatentFP8Staging, wgmma_pipeline._run_staged_latent) or, by default where it
+fits (latent_tile.dequant_warpgroup), by a dequantising warpgroup of their own into a ring of
+three (emit_dequant_tile, mainloop/dequant_pipeline.py).
 e4m3_ds rows, other head dims, and head_dim_v != head_dim with cp.async loads (FP8 caches, pages
 of fewer than 8 rows, kv_loads = "cp_async") keep the mma.sync kernel on sm_90a.
 """
