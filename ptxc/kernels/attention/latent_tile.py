@@ -132,7 +132,7 @@ def latent_wgmma(spec, target) -> bool:
 def dequant_warpgroup(spec) -> bool:
     """tile.dequant_warpgroup (the default) over FP8 rows the threads copy (e4m3, e4m3_ds; not
     TMA-staged): chosen on static figures, not timed -- the computing warps' loop falls from
-    508 instructions a tile to 223 (e4m3_ds) and from 360 to 226 (e4m3), bf16's is 265, the
+    508 instructions a tile to 224 (e4m3_ds) and from 360 to 227 (e4m3), bf16's is 265, the
     conversion moving to warps of its own (docs/performance.md "Dequantising warpgroup").
     Dense caches only, and e4m3_ds rows of 64 RoPE columns (FlashMLA's): sparse top-k's
     computing warps need more than the 200 registers it leaves them, and 784-byte e4m3_ds rows
