@@ -50,6 +50,8 @@ def rows_of(report: dict, targets: list[str]) -> list[dict]:
                     # where warps take different paths (TMA issue blocks): every warp's count;
                     # "instructions" and the ratios are the worst warp's
                     "warp_instructions": lp.get("warp_instructions"),
+                    # MLA's dequantising warpgroup: its warps' own loop, per tile
+                    "dequant_instructions": lp.get("dequant_instructions"),
                     "per_hmma": lp["instructions_per_mma_equivalent"], "per_kv_row": lp["instructions_per_kv_row"],
                     "inflight_kib_cta": round(lp["inflight_bytes_per_cta"] / 1024, 1),
                     "inflight_kib_sm": round(lp["inflight_bytes_per_sm"] / 1024, 1),
@@ -60,9 +62,11 @@ def rows_of(report: dict, targets: list[str]) -> list[dict]:
 
 
 def _instructions(r: dict) -> str:
-    """The worst warp's count, and the range over the warps where their paths differ."""
+    """The worst warp's count, and the range over the warps where their paths differ; a
+    dequantising warpgroup's warps' count after it."""
     counts = (r.get("warp_instructions") or {}).values()
-    return f"{r['instructions']} ({min(counts)}-{max(counts)})" if counts else str(r["instructions"])
+    text = f"{r['instructions']} ({min(counts)}-{max(counts)})" if counts else str(r["instructions"])
+    return text + (f"; dequantising {r['dequant_instructions']}" if r.get("dequant_instructions") else "")
 
 
 def print_table(rows: list[dict]) -> None:
