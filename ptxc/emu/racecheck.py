@@ -278,10 +278,13 @@ class RaceTracker(SyncOrder):
             return None
         flat = rows[:, None] * total + np.arange(total)
         old = self.readers[flat]
-        live = old >= _as_read_stamp(self.cta_sync[cta], 2)
-        if not live.any():
+        # only words other threads read since the barrier: a thread's re-read of its own words
+        # (the common case) needs no pairing look-up
+        others = (old >= _as_read_stamp(self.cta_sync[cta], 2)) & \
+            (((old & _LIN_MASK) != me[:, None]) | ((old & _MULTI) != 0))
+        if not others.any():
             return None
-        return live & self._paired_with_all(old >> _READ_SHIFT, cta, me[:, None], self.reader_warps[flat])
+        return others & self._paired_with_all(old >> _READ_SHIFT, cta, me[:, None], self.reader_warps[flat])
 
     def _note_reader_warps(self, rows, total, cta, me, superseded=None):
         """Add the readers' warps to each word's mask (reset where its reads predate the CTA's

@@ -17,6 +17,7 @@ from ..kv.kv_access import KVAccess, sparse_keys
 from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind
 from ..kv.kv_fp8_stage import StagingGeom, f16_math_applies
 from ..mainloop.tiles import CHUNK
+from ..mainloop.dequant_pipeline import THREADS as DEQUANT_THREADS, TILES as DEQUANT_TILES
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
 from ..mainloop.tma_ws_pipeline import raised_regs
 from ..math.seesaw import seesaw_slot_bytes
@@ -103,9 +104,9 @@ class LatentWgmmaConfig(WgmmaTileConfig):
 
 LATENT_WGMMA_DV = 512          # two warpgroups of n256 (wgmma's widest) P·V
 LATENT_WGMMA_ROWS = 64
-DEQUANT_TILES = 3              # the dequantising warpgroup's ring: j - 1 and j read, j + 1 written
-DEQUANT_THREADS = 128
-DEQUANT_REGS = 104             # its budget after setmaxnreg.dec (a staged tile's share in registers); 96 leaves the same 200
+# the dequantising warpgroup's budget after setmaxnreg.dec: a staged tile's share in registers
+# (at 88 the e4m3 conversion spilled; 96 leaves the computing warps the same 200)
+DEQUANT_REGS = 104
 
 
 def dequant_consumer_regs(threads: int) -> int:
@@ -162,7 +163,7 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
     seesaw = bool(spec.tile_dict().get("seesaw", False))
     if seesaw:          # the seesaw's warpgroups each compute their tiles' whole S
         split = False
-    least = min_latent_stages(spec)
+    dequant, least = dequant_warpgroup(spec), min_latent_stages(spec)
     if split is None:
         room = max(least, spec.tile_dict().get("num_stages", least))
         split = spec.tile_dict().get("split_scores", split_by_default(spec)) and \
@@ -173,8 +174,7 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
                              kv_loads=latent_loads(spec), fp8=kind(spec) is not None,
                              rows=group_scaled(spec), split_scores=split, seesaw=seesaw,
                              f16_math=f16_math_applies(spec) and not seesaw,
-                             dequant_warpgroup=dequant_warpgroup(spec),
-                             min_ctas_per_sm=1 if dequant_warpgroup(spec) else 0)
+                             dequant_warpgroup=dequant, min_ctas_per_sm=1 if dequant else 0)
 
 
 def split_by_default(spec) -> bool:

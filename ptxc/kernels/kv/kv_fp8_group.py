@@ -90,9 +90,10 @@ class GroupScaledConversion:
     .row_bytes apart) into `tile` (PaddedTile or SwizzledTile) by `threads` threads (see the
     module docstring). `convert(staged, dst)` emits it for the tile staged at `staged` into the
     converted tile at `dst`. `keep_offsets`: this thread's offsets are computed once, here, and
-    stay live across the loop (the wgmma tile, where every warp converts: 21 fewer instructions
-    a tile); else where each tile is converted (the 16-warp mma.sync tile's 128 registers and
-    the dequantising warpgroup's 104 have no room to keep them)."""
+    stay live across the loop (the wgmma tile where every warp converts, and mma.sync tiles of
+    up to 8 warps: 16-21 fewer instructions a tile); else where each tile is converted (the
+    16-warp mma.sync tile's 128 registers and the dequantising warpgroup's 104 have no room to
+    keep them)."""
 
     def __init__(self, b: KernelBuilder, rows: GroupScaledRows, block_n: int, threads: int,
                  tid: Reg, tile, quant: KVDequant, fmt, keep_offsets: bool = False):

@@ -165,8 +165,11 @@ class FP8Staging:
         self.group = None
         if cfg.rows is not None:
             assert cfg.shared_kv, "group-scaled rows are latent (one tile, converted after a barrier)"
+            # offsets kept across the loop where registers allow (up to 8 warps: 255 a thread);
+            # the 16-warp tile's 128 spilled them
             self.group = GroupScaledConversion(b, cfg.rows, cfg.block_n, cfg.threads, tid,
-                                               PaddedTile(cfg.kv_geom.stride), quant, cfg.fmt)
+                                               PaddedTile(cfg.kv_geom.stride), quant, cfg.fmt,
+                                               keep_offsets=cfg.threads <= 256)
 
     def landed(self, t: str, stage: Reg | int) -> Reg:
         """After the wait for tile `t` ("k" | "v") in the staging buffer at offset `stage`:

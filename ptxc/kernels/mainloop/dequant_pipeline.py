@@ -52,6 +52,7 @@ from .wgmma_pipeline import attend_tile
 
 DEQUANT_BARRIER = 2       # named barrier of the dequantising warpgroup (1: the computing ones')
 TILES = 3                 # the converted ring: j - 1 and j read, j + 1 written
+THREADS = 128             # the dequantising warpgroup
 
 
 def run_dequant_pipeline(b: KernelBuilder, *, stages: int, stage_bytes: int, tile_bytes: int,
@@ -70,7 +71,7 @@ def run_dequant_pipeline(b: KernelBuilder, *, stages: int, stage_bytes: int, til
     empty0 = TILES * MBARRIER_BYTES
     with b.if_then(b.setp("eq", tid, 0)):
         for s in range(TILES):
-            b.mbarrier_init(full(s), 128)
+            b.mbarrier_init(full(s), THREADS)
             b.mbarrier_init(Addr(bars, empty0 + s * MBARRIER_BYTES), compute_threads // 32)
     b.bar_sync(0)                    # the last whole-CTA barrier: every thread is still here
 
@@ -103,10 +104,10 @@ def _dequantise(b: KernelBuilder, S: int, stage_bytes: int, tile_bytes: int, til
     bar_off, parity = b.mov(0, U32), b.mov(0, U32)        # full[i mod 3], (i / 3) & 1
     with b.for_range(0, n_tiles) as i:
         b.cp_async_wait(S - 1)
-        b.bar_sync(DEQUANT_BARRIER, 128)
+        b.bar_sync(DEQUANT_BARRIER, THREADS)
 
         def between(i=i) -> None:    # T(i) is in registers
-            b.bar_sync(DEQUANT_BARRIER, 128)              # ... every thread's: refill its buffer
+            b.bar_sync(DEQUANT_BARRIER, THREADS)              # ... every thread's: refill its buffer
             load_kv(b.add(i, S), stage)
             with b.if_then(b.setp("ge", i, TILES)):       # tile i - 3 released: phase i / 3 - 1
                 b.mbarrier_wait_parity(Addr(b.add(bars, b.add(bar_off, TILES * MBARRIER_BYTES))),
@@ -146,4 +147,4 @@ def _compute(b: KernelBuilder, tile_bytes: int, tiles: Reg, bars: Reg, lane: Reg
         math.pv_done()
 
 
-__all__ = ["run_dequant_pipeline", "DEQUANT_BARRIER"]
+__all__ = ["run_dequant_pipeline", "DEQUANT_BARRIER", "THREADS", "TILES"]
