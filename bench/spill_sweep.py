@@ -147,6 +147,16 @@ OPTIONS = (
     ("prefill", True, _EVERY + _SM90A + "[kernel.tile]\ntma_store = true\n", "tmastvar_90a"),
     ("prefill", True, "return_lse = true\n" + _SM100A + "[kernel.tile]\ntma_store = true\n", "tmast_100a"),
     ("prefill", True, _EVERY + _SM100A + "[kernel.tile]\ntma_store = true\n", "tmastvar_100a"),
+    # persistent CTAs (tile.persistent: the producer's per-tile place in its 24 or 56
+    # registers; O apart or over Q), plain, with every variant, with ping-pong and TMA stores
+    ("prefill", True, "return_lse = true\n" + _SM90A + "[kernel.tile]\npersistent = true\n", "pers_90a"),
+    ("prefill", True, _EVERY + _SM90A + "[kernel.tile]\npersistent = true\n", "persvar_90a"),
+    ("prefill", True, _EVERY + _SM90A + "[kernel.tile]\npersistent = true\npingpong = true\n",
+     "perspp_90a"),
+    ("prefill", True, _EVERY + _SM90A + "[kernel.tile]\npersistent = true\ntma_store = true\n",
+     "perstmast_90a"),
+    ("prefill", True, "head_dim_v = 128\n" + _SM90A + "[kernel.tile]\npersistent = true\n",
+     "persdv128_90a"),
     # exp2_poly: every exponential by the FMA polynomial (the most registers), both kernels
     ("prefill", True, _EVERY + _SM100A + "[kernel.tile]\nexp2_poly = 8\n", "tcpoly_100a"),
     ("prefill", True, _SM100A + "[kernel.tile]\nexp2_poly = 8\nwarp_specialize = false\n",

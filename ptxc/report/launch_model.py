@@ -35,7 +35,10 @@ Per launch with an attention main loop:
                    seesaw (no CTA barrier in its loop: one warpgroup's softmax runs under the
                    other's products). No constant of its own; chosen after the H200 MLA points
                    it fixes were seen (0.33-0.74x before, docs/performance.md)
-  3. CTAs list-scheduled in launch order onto SMs x r slots, each taking iterations x that time;
+  3. CTAs list-scheduled in launch order onto SMs x r slots, each taking iterations x that time
+     (tile.persistent: one CTA a slot, each taking its rounds' work tiles as the kernel deals
+     them, `persistent_tiles`; every tile still pays `cta_fixed_s`: the model cannot see the
+     prologue and epilogue the producer overlaps with the next tile);
   4. DRAM, one resource every resident CTA shares: the launch takes at least all its loaded
      bytes (/ reuse: prefill tiles re-read from L2) over `bandwidth_fraction` of the DRAM
      bandwidth -- whatever the waves (a launch's tail wave has the bandwidth to fewer CTAs,
@@ -252,6 +255,14 @@ def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list
     return out
 
 
+def persistent_tiles(blocks: list[int], per_block: int, causal: bool) -> list[int]:
+    """tile.persistent's work tiles in the order its CTAs take them (prefill_tile.
+    PersistentTiles): query block fastest, longest first when causal, then head and batch
+    (`per_block` of them); `blocks`: each query block's iterations, block 0 first."""
+    order = blocks[::-1] if causal else blocks
+    return order * per_block
+
+
 def lockstep(config: dict) -> bool:
     """Whether a tile's warps share rows and meet at a CTA barrier every iteration (the module
     docstring's `lockstep` term): MLA's latent tiles, except under the seesaw schedule."""
@@ -344,8 +355,12 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
             parts.append({"entry": entry, "bound": "fixed" if seconds == cal.launch_s else "bandwidth",
                           "seconds": seconds})
             continue
-        grid = [evaluate(g, dims) for g in launch["grid"]]
+        persistent = family == "prefill" and config.get("persistent")
+        grid = ([math.ceil(dims["seq_q"] / config["block_m"]), 1, 1] if persistent
+                else [evaluate(g, dims) for g in launch["grid"]])
         work = cta_iterations(family, spec, config, dims, grid, kv_rows, chunk_rule)
+        if persistent and work:     # the query blocks' iterations -> each work tile's, in order
+            work = persistent_tiles(work, spec["num_heads"] * dims["batch"], _opt(spec, "causal", True))
         if not work:
             total += cal.launch_s
             parts.append({"entry": entry, "bound": "fixed", "seconds": cal.launch_s})
@@ -358,7 +373,14 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
         own = {k: v for k, v in terms.items() if k != "bandwidth"}
         bound = max(own, key=lambda k: own[k])
         slots = [0.0] * (gpu.sm_count * resident)
-        for iters in work:      # list scheduling in launch order: the next CTA takes the first free slot
+        if persistent:          # a CTA a slot, each taking a tile a round (PersistentTiles)
+            P = min(len(work), len(slots))
+            slots = [0.0] * P
+            for t, iters in enumerate(work):
+                k, r = divmod(t, P)
+                slots[r if k % 2 == 0 else P - 1 - r] += iters * own[bound] + cal.cta_fixed_s
+        for iters in [] if persistent else work:
+            # list scheduling in launch order: the next CTA takes the first free slot
             heapq.heappush(slots, heapq.heappop(slots) + iters * own[bound] + cal.cta_fixed_s)
         # DRAM is one resource every resident CTA shares: the launch's bytes over the
         # bandwidth, not whole waves of CTAs at a full wave's share (a launch's tail wave has
@@ -378,4 +400,4 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
 __all__ = ["CALIBRATION_ERROR", "Calibration", "ChunkRule", "SplitRows", "H100_MMA_SYNC", "H100_WGMMA",
            "MMA_SYNC_CALIBRATIONS", "WGMMA_CALIBRATIONS", "WGMMA_CALIBRATION_ERROR", "calibration_for",
            "cta_iterations", "iteration_seconds", "kernel_chunk_rule", "kv_length", "launch_list_seconds",
-           "lockstep", "partial_bytes", "tensor_clocks_per_flop"]
+           "lockstep", "partial_bytes", "persistent_tiles", "tensor_clocks_per_flop"]

@@ -255,9 +255,15 @@ def analyze_disassembly(text: str) -> dict[str, dict]:
     """Per function: every loop's iteration profile (by address) and the index of the main one."""
     out = {}
     for fn, (instrs, labels) in parse_functions(text).items():
-        loops = [profile_loop(instrs, labels, h, t) for h, t in find_loops(instrs, labels)]
-        loops = [p for p in loops if p["instructions"]]
-        main = max(range(len(loops)), default=None, key=lambda n: (
+        profiled = [((h, t), profile_loop(instrs, labels, h, t)) for h, t in find_loops(instrs, labels)]
+        profiled = [(span, p) for span, p in profiled if p["instructions"]]
+        spans, loops = [span for span, _ in profiled], [p for _, p in profiled]
+        # a loop around another tensor-core loop (a persistent CTA's loop over its work tiles)
+        # is not the main loop: the innermost one with tensor work is
+        inner = [n for n, (h, t) in enumerate(spans) if not any(
+            h <= h2 and t2 <= t and (h2, t2) != (h, t) and loops[m]["classes"]["tensor"]
+            for m, (h2, t2) in enumerate(spans))]
+        main = max(inner, default=None, key=lambda n: (
             loops[n]["classes"]["tensor"], loops[n]["global_bytes_loaded"], loops[n]["instructions"]))
         out[fn] = {"loops": loops, "main": main}
     return out

@@ -11,6 +11,7 @@ import pytest
 
 from ptxc.kernels import FAMILIES, load_text
 from ptxc.pipeline.compiler import lower
+from ptxc.pipeline.exprs import evaluate
 from ptxc.reference import from_device, max_abs_error, to_device, tolerance
 from ptxc.runtime import POISON, launch_geometry, pack_args
 from ptxc.runtime.tensor_maps import emu_tensor_map
@@ -57,11 +58,16 @@ def run_edited(text: str, target: str, edit, seq_q: int, seq_k: int, **kw):
 
 
 def run(text: str, seq_q: int, seq_k: int, *, batch: int = 2, target: str = "sm_80",
-        layout: str = "bshd", seed: int = 0, transform=None, traffic: bool = False):
+        layout: str = "bshd", seed: int = 0, transform=None, traffic: bool = False,
+        ctas: int | None = None):
     """Run in the emulator; returns (outputs, launch stats, spec, inputs). `transform(spec,
-    inputs)` may reshape the random inputs (kept representable in the dtype)."""
+    inputs)` may reshape the random inputs (kept representable in the dtype). `ctas`: a
+    persistent kernel's grid (the persistent_ctas dim; default: one CTA per work tile)."""
     spec, ptx, kernel, _ = compiled(text, target)
     dims = {"batch": batch, "seq_q": seq_q, "seq_k": seq_k}
+    if "persistent_ctas" in kernel["grid"]:
+        rule = PREFILL.interface(spec).dim_rules["persistent_ctas"]
+        dims["persistent_ctas"] = ctas or evaluate(rule["auto"]["ctas"], dims)
     inputs = PREFILL.make_inputs(spec, dims, np.random.default_rng(seed))
     if transform is not None:
         inputs = transform(spec, inputs)

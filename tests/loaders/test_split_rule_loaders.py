@@ -1,6 +1,7 @@
-"""num_splits = "auto": ptxc.runtime, the generated C header and the generated Rust module
-evaluate the metadata's rule alike — per target, from that target's recorded occupancy of the
-split kernel — over batches, SM counts and targets."""
+"""The "auto" dim rules -- num_splits = "auto", and tile.persistent's persistent_ctas grid:
+ptxc.runtime, the generated C header and the generated Rust module evaluate the metadata's rule
+alike — per target, from that target's recorded occupancy of the kernel the rule names — over
+batches, SM counts and targets."""
 
 from __future__ import annotations
 
@@ -36,7 +37,22 @@ num_heads = 32
 num_kv_heads = 8
 num_splits = "auto"
 targets = ["sm_80", "sm_90"]
+
+[[kernel]]
+name = "rule_persistent"
+family = "prefill"
+dtype = "bf16"
+head_dim = 128
+num_heads = 32
+num_kv_heads = 8
+causal = true
+targets = ["sm_80", "sm_90a"]
+[kernel.tile]
+persistent = true
 """
+# kernel: (the dim its rule sets, the dim the second number of a case sets)
+RULES = {"rule_serve": ("num_splits", "total_q"), "rule_decode": ("num_splits", None),
+         "rule_persistent": ("persistent_ctas", "seq_q")}
 CASES = [(batch, total_q, sms) for batch in (1, 3, 17, 64, 1000) for total_q in (1, 200)
          for sms in (1, 108, 132)]
 
@@ -56,12 +72,12 @@ def built(tmp_path_factory):
 
 def expected(root) -> list[str]:
     lines = []
-    for name in ("rule_serve", "rule_decode"):
+    for name, (dim, second) in RULES.items():
         meta = load(root / "out" / name).meta
-        rule = meta["dim_rules"]["num_splits"]
+        rule = meta["dim_rules"][dim]
         for ti, target in enumerate(sorted(meta["targets"])):
             for batch, total_q, sms in CASES:
-                n = apply_dim_rule(rule, {"batch": batch, "total_q": total_q}, sms,
+                n = apply_dim_rule(rule, {"batch": batch, second or "total_q": total_q}, sms,
                                    rule_ctas_per_sm(meta, rule, target))
                 lines.append(f"{name} {ti} {batch} {total_q} {sms} {n}")
     return lines
@@ -85,13 +101,13 @@ def test_c_header_agrees_with_runtime(built, tmp_path):
     root, stub = built
     header = emit(root / "out", tmp_path / "ptxc_kernels.h")
     body = []
-    for name in ("rule_serve", "rule_decode"):
+    for name, (dim, second) in RULES.items():
         for ti in range(2):
             for batch, total_q, sms in CASES:
-                extra = f" d.total_q = {total_q};" if name == "rule_serve" else ""
+                extra = f" d.{second} = {total_q};" if second else ""
                 body.append(f"    {{ ptxc_{name}_dims_t d; memset(&d, 0, sizeof d); d.batch = {batch};{extra}\n"
                             f"      L.target = {ti}; if (ptxc_{name}_resolve_dims(&L, &d, {sms}) != CUDA_SUCCESS) return 1;\n"
-                            f'      printf("{name} {ti} {batch} {total_q} {sms} %lld\\n", (long long)d.num_splits); }}')
+                            f'      printf("{name} {ti} {batch} {total_q} {sms} %lld\\n", (long long)d.{dim}); }}')
     src = ("#include <stdio.h>\n#include <string.h>\n" f'#include "{header}"\n'
            "int main(void) {\n    ptxc_loader_t L; memset(&L, 0, sizeof L);\n" + "\n".join(body)
            + "\n    return 0;\n}\n")
@@ -105,13 +121,13 @@ def test_rust_module_agrees_with_runtime(built, tmp_path):
     root, stub = built
     module = emit(root / "out", tmp_path / "ptxc_kernels.rs")
     body = []
-    for name in ("rule_serve", "rule_decode"):
+    for name, (dim, second) in RULES.items():
         for ti in range(2):
             for batch, total_q, sms in CASES:
-                extra = f" d.total_q = {total_q};" if name == "rule_serve" else ""
+                extra = f" d.{second} = {total_q};" if second else ""
                 body.append(f"    {{ let mut d = {name}::Dims::default(); d.batch = {batch};{extra}\n"
                             f"      {name}::resolve_dims(&mut d, {sms}, {ti}).expect(\"dims\");\n"
-                            f'      println!("{name} {ti} {batch} {total_q} {sms} {{}}", d.num_splits); }}')
+                            f'      println!("{name} {ti} {batch} {total_q} {sms} {{}}", d.{dim}); }}')
     src = f'#[path = "{module}"]\nmod kernels;\nuse kernels::*;\nfn main() {{\n' + "\n".join(body) + "\n}\n"
     out = harness.compile_rust_and_run(src, tmp_path / "rs", stub, args=[], env={})
     assert out.splitlines() == expected(root)

@@ -6,7 +6,9 @@ rows visit (`tile_range`).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from ...ir import S32, U32, U64, KernelBuilder, Reg
 from ...spec.model import KernelSpec
@@ -39,6 +41,14 @@ class Ctx(MaskPredicate):
     slopes: Reg | None = None   # u64 alibi_slopes [num_heads] f32 (alibi)
     mask_bits: Reg | None = None   # u64 first byte of the batch entry's mask bits (custom_mask)
     o_tmap: Reg | None = None   # u64 generic address of o's tensor map (tile.tma_store)
+    # where the epilogue stages O (tile.persistent: a region of its own, so the next tile's Q
+    # can land during this tile's epilogue); None: over Q, which the loop no longer reads
+    o_stage: Reg | None = None
+
+    @property
+    def o_smem(self) -> Reg:
+        """The shared-memory region the epilogue stages O in."""
+        return self.q_smem if self.o_stage is None else self.o_stage
 
     # variant.MaskPredicate over a batch entry's seq_q x seq_k bits: row = query, column = key
     def mask_rows(self, b: KernelBuilder) -> Reg:
@@ -83,16 +93,22 @@ class Ctx(MaskPredicate):
         return b.add(self.lse, b.shl(idx, 2))
 
 
-def cta_coords(b: KernelBuilder, spec: KernelSpec, bm: int, ptrs: dict, strides: dict):
+def cta_coords(b: KernelBuilder, spec: KernelSpec, bm: int, ptrs: dict, strides: dict,
+               place: tuple[Reg, Reg, Reg] | None = None):
     """A prefill CTA's place (grid: query block, head, batch): (tid, lane, warp, head, batch,
     kv_head, m_start, head_base), head_base(t, h) being tensor t's u64 address of (batch, h).
     Causal: CTA x takes query block nctaid.x - 1 - x, so each (head, batch) starts with its
     longest block (the most visible keys) and the short ones fill the tail of the launch --
-    FlashAttention-3's and FlashInfer's longest-first order; the hardware dispatches x first."""
+    FlashAttention-3's and FlashInfer's longest-first order; the hardware dispatches x first.
+    `place`: a persistent CTA's current work tile (query block, head, batch), from
+    `PersistentTiles.place` in that same order."""
     tid = b.special("%tid.x")
     lane, warp = b.and_(tid, 31), b.shr(tid, 5)
-    m_blk, head, batch = b.special("%ctaid.x"), b.special("%ctaid.y"), b.special("%ctaid.z")
-    if spec.opt("causal"):
+    if place is not None:
+        m_blk, head, batch = place
+    else:
+        m_blk, head, batch = b.special("%ctaid.x"), b.special("%ctaid.y"), b.special("%ctaid.z")
+    if spec.opt("causal") and place is None:
         m_blk = b.sub(b.sub(b.special("%nctaid.x"), 1), m_blk)
     kv_head = b.div(head, spec.group_size) if spec.group_size > 1 else head
     m_start = b.mul(m_blk, bm)
@@ -101,6 +117,51 @@ def cta_coords(b: KernelBuilder, spec: KernelSpec, bm: int, ptrs: dict, strides:
         base = b.bitcast(C.element_offset(b, ptrs[t], batch, strides[(t, 0)]), U64)
         return b.bitcast(C.element_offset(b, base, h, strides[(t, 2)]), U64)
     return tid, lane, warp, head, batch, kv_head, m_start, head_base
+
+
+# tile.persistent's grid: the persistent_ctas dim, a CTA per resident slot (an "auto" rule over
+# pipeline.dim_rules' names, which the loaders evaluate with the device's SM count)
+PERSISTENT_DIM = "persistent_ctas"
+PERSISTENT_RULE = "min(ctas, num_sms * ctas_per_sm)"
+PERSISTENT_MAX = 65535          # a dim rule's cap (the metadata schema's): far above SMs x CTAs
+
+
+class PersistentTiles:
+    """tile.persistent's scheduler: the grid's P CTAs (the persistent_ctas dim: the SMs x the
+    CTAs each holds) take the non-persistent grid's tiles in its launch order -- query block
+    fastest (longest first when causal), then head, then batch -- in rounds of P, so the tiles
+    in flight at once are those the hardware would have run together (the same K/V in L2):
+    round k gives tile kP + c to CTA c when k is even and kP + P - 1 - c when it is odd (a
+    snake, so the CTA that took a round's longest tile takes the next round's shortest: in
+    `ptxc report`'s model of causal grids it balances as well as the hardware's own dispatch,
+    where striding by P left 5-25 % of idle slots)."""
+
+    def __init__(self, b: KernelBuilder, spec: KernelSpec, bm: int, seq_q: Reg, batch: Reg):
+        self.b, self.spec = b, spec
+        self.blocks = b.div(b.add(seq_q, bm - 1), bm)
+        self.total = b.mul(b.mul(self.blocks, spec.num_heads), batch)
+
+    @contextmanager
+    def loop(self) -> Iterator[Reg]:
+        """for each of this CTA's work tiles t (the body runs under `t < total`)."""
+        b = self.b
+        c, P = b.special("%ctaid.x"), b.special("%nctaid.x")
+        mirror = b.sub(b.sub(P, 1), c)
+        with b.for_range(0, b.div(b.add(self.total, b.sub(P, 1)), P)) as k:
+            odd = b.setp("ne", b.and_(k, 1), 0)
+            t = b.mad(k, P, b.selp(mirror, c, odd, U32))
+            with b.if_then(b.setp("lt", t, self.total)):
+                yield t
+
+    def place(self, t: Reg) -> tuple[Reg, Reg, Reg]:
+        """Work tile t's (query block, head, batch)."""
+        b = self.b
+        hb = b.div(t, self.blocks)
+        m_blk = b.sub(t, b.mul(hb, self.blocks))
+        if self.spec.opt("causal"):
+            m_blk = b.sub(b.sub(self.blocks, 1), m_blk)
+        batch = b.div(hb, self.spec.num_heads)
+        return m_blk, b.sub(hb, b.mul(batch, self.spec.num_heads)), batch
 
 
 def tile_range(b: KernelBuilder, spec: KernelSpec, bm: int, bn: int, m_start: Reg, seq_q: Reg,

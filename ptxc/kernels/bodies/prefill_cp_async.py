@@ -61,14 +61,18 @@ class Setup:
         return math.transform if self.variant.transforms else None
 
 
-def setup(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k) -> Setup:
+def setup(b: KernelBuilder, spec: KernelSpec, cfg: PrefillConfig, ptrs, strides, seq_q, seq_k,
+          place=None, smem: Reg | None = None) -> Setup:
     """The CTA's place, its tile range and the shared-memory regions (Q, then the K and V stages,
-    aligned as the config's tiles need)."""
-    tid, lane, warp, head, batch, kv_head, m_start, head_base = cta_coords(b, spec, cfg.cta_rows, ptrs, strides)
+    aligned as the config's tiles need). A persistent CTA gives its work tile's `place`
+    (prefill_tile.PersistentTiles) and the `smem` it declared once."""
+    tid, lane, warp, head, batch, kv_head, m_start, head_base = cta_coords(b, spec, cfg.cta_rows, ptrs,
+                                                                           strides, place)
     key_offset, n_tiles, n_full, first_tile, lo_full, variant = tile_range(
         b, spec, cfg.cta_rows, cfg.block_n, m_start, seq_q, seq_k)
     sq, sk = b.bitcast(seq_q, S32), b.bitcast(seq_k, S32)
-    smem = b.address_of(b.shared("prefill_smem", 0, align=cfg.smem_align))
+    if smem is None:
+        smem = b.address_of(b.shared("prefill_smem", 0, align=cfg.smem_align))
     k_smem = b.add(smem, cfg.q_region_bytes)
     v_smem = b.add(k_smem, cfg.num_stages * cfg.kv_geom.bytes)   # then V's stages (then barriers)
     return Setup(tid, lane, warp, head, batch, kv_head, m_start, head_base, key_offset, n_tiles, n_full,

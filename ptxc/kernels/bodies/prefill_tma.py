@@ -13,15 +13,18 @@ Math: math/wgmma.py, math/tcgen05.py; loops: bodies/assemble.py."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Callable
 
 from ...ir import S32, TMAP, Addr, KernelBuilder, Reg
 from ...spec.model import KernelSpec
-from ..attention.prefill_tile import Ctx
+from ..attention.prefill_tile import Ctx, PersistentTiles
 from ..base import LaunchParam, ParamSource
 from ..config.tcgen05 import Tcgen05Config
 from ..config.wgmma import ROWS_PER_WARPGROUP, WgmmaConfig
 from ..mainloop.tiles import SWIZZLE
 from ..mainloop.tma_pipeline import barrier_bytes
+from ..mainloop.tma_ws_pipeline import run_persistent_ws_pipeline
 from ..math.tcgen05 import Correction, Exchange, Tcgen05Math
 from ..math.umma import UmmaIssue, mma_region_bytes
 from ..math.wgmma import WgmmaMath
@@ -106,9 +109,61 @@ def tile_ctx(b: KernelBuilder, ctx: Ctx, cfg: Tcgen05Config, t: int, q_smem: Reg
                                m_start=b.add(ctx.m_start, t * cfg.block_m), q_smem=q_smem)
 
 
-def build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params) -> None:
-    """emit_body with the q/k/v tensor maps after the other parameters."""
-    emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, tensor_map_params(b, spec, cfg, params))
+def build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, batch: Reg | None = None) -> None:
+    """emit_body (or with tile.persistent, given the batch dim, emit_persistent_body) with the
+    q/k/v tensor maps after the other parameters."""
+    tmaps = tensor_map_params(b, spec, cfg, params)
+    if getattr(cfg, "persistent", False):
+        emit_persistent_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, tmaps, batch)
+    else:
+        emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, tmaps)
+
+
+@dataclass(frozen=True)
+class WorkTile:
+    """What a persistent CTA's role needs of its current work tile (run_persistent_ws_pipeline):
+    the key tiles it visits, their copies, the shared regions, and the consumers' math."""
+
+    n_tiles: Reg
+    n_full: Reg
+    lo_full: Reg | None
+    key0_of: Callable
+    copy_tile: Callable
+    q_smem: Reg
+    k_smem: Reg
+    v_smem: Reg
+    math: Callable        # () -> (WgmmaMath, its score transform or None)
+
+
+def emit_persistent_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, ptrs, strides,
+                         seq_q, seq_k, tmaps: dict, batch: Reg) -> None:
+    """tile.persistent: the producer-warpgroup kernel's CTAs each take work tiles in turn
+    (prefill_tile.PersistentTiles), each role placing itself on tile t where it starts it
+    (setup at the tile's coordinates); O staged in its own region when cfg.o_separate."""
+    tiles = PersistentTiles(b, spec, cfg.cta_rows, seq_q, batch)
+    smem = b.address_of(b.shared("prefill_smem", 0, align=cfg.smem_align))
+    tid = b.special("%tid.x")
+    o_tmap = b.tensor_map_address(tmaps["o"]) if cfg.tma_store else None
+    o_stage = b.add(smem, cfg.o_region_offset) if cfg.o_separate else None
+    k_bytes, v_bytes = cfg.kv_geom.bytes, cfg.v_geom.bytes
+    bars = b.add(b.add(smem, cfg.q_region_bytes), cfg.num_stages * (k_bytes + v_bytes))
+
+    def work(t: Reg) -> WorkTile:
+        s = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k, place=tiles.place(t), smem=smem)
+        copy_tile, key0_of = tile_copies(b, cfg, s, tmaps)
+
+        def math():
+            ctx = dataclasses.replace(s.ctx(spec, cfg, ptrs, strides, seq_q, seq_k),
+                                      o_tmap=o_tmap, o_stage=o_stage)
+            m = WgmmaMath(b, ctx)
+            return m, s.transform_of(m)
+        return WorkTile(s.n_tiles, s.n_full, s.lo_full, key0_of, copy_tile, s.smem, s.k_smem,
+                        s.v_smem, math)
+
+    run_persistent_ws_pipeline(b, stages=cfg.num_stages, consumers=cfg.block_m // ROWS_PER_WARPGROUP,
+                               kv_bytes=k_bytes, v_bytes=v_bytes, q_bytes=cfg.q_geom.bytes,
+                               bars=bars, tid=tid, lane=b.and_(tid, 31), tiles=tiles, work=work,
+                               o_apart=cfg.o_separate, pingpong=cfg.pingpong)
 
 
 def tile_copies(b, cfg, s: Setup, tmaps: dict):

@@ -72,6 +72,11 @@ FIELDS = FamilyFields(
               "seq_q) instead of the threads' row stores (FlashAttention-3's epilogue; untimed, "
               "hence off)",
               default=None),
+        Field("persistent", "bool", "sm_90a warp-specialised TMA kernel: a grid of one CTA per "
+              "resident slot (the persistent_ctas dim: SMs x CTAs per SM, from the device at "
+              "launch) whose CTAs take the query tiles in turn; the producer loads the next "
+              "tile's Q and K/V during this tile's epilogue (FlashAttention-3's persistent "
+              "scheduler; untimed, hence off; docs/kernels.md \"Hopper\")", default=None),
         Field("q_tiles", "int", "sm_100a warp-specialised tcgen05 kernel: Q tiles of 128 rows per "
               "CTA sharing each K/V tile (2: FlashAttention-4's two tiles, their softmax warps' "
               "work interleaved on the MMA warp; docs/kernels.md \"tcgen05\")",
@@ -330,7 +335,7 @@ def configure(spec: KernelSpec, target: Target) -> PrefillConfig:
         cfg = make()
     shape_given = given.keys() - {"smem_layout", "warp_rows", "kv_loads", "warp_specialize",
                                   "pingpong", "exp2_poly", "q_tiles", "correction",
-                                  "tma_store"}
+                                  "tma_store", "persistent"}
     # (not shapes: the others are sm_90a / sm_100a keys)
     # (not with a custom mask: its bit windows need more than the 128 registers two CTAs leave)
     floor = needs_floor("prefill", spec, target)

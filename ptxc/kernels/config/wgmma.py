@@ -23,6 +23,7 @@ WGMMA_SHAPES = "f16/bf16, head_dim and head_dim_v 64, 128, 192 or 256"   # for r
 ROWS_PER_WARPGROUP = 64
 SHORT_WINDOW_TILES = 4   # a sliding window under this many key tiles keeps the one-issuer kernel
 SHORT_WINDOW_BLOCK_M = 64   # ... on query tiles of one warpgroup
+PERSISTENT_MAX_HEAD_DIM = 192   # tile.persistent: wider heads spill (configure)
 D64_WS_STAGES = 4        # the warp-specialised d64 tile's default stages (timed, see configure)
 
 
@@ -46,6 +47,11 @@ class WgmmaConfig(PrefillConfig):
     # tile.tma_store: O leaves through shared memory by TMA stores (MmaMath.epilogue), one box
     # a 128-byte column slab, like the loads; TMA kernels only
     tma_store: bool = False
+    # tile.persistent: CTAs that take work tiles in turn (prefill_tile.PersistentTiles), and
+    # whether O is staged in a region of its own (where it fits: the next tile's Q then lands
+    # during this tile's epilogue) or over Q
+    persistent: bool = False
+    o_separate: bool = False
 
     @property
     def tma(self) -> bool:
@@ -89,11 +95,17 @@ class WgmmaConfig(PrefillConfig):
     def q_region_bytes(self) -> int:
         """Q, and after the loop the padded O staging tile of the epilogue, 1024-aligned."""
         need = max(self.q_geom.bytes, self.o_geom.bytes)
-        return -(-need // SWIZZLE_PERIOD) * SWIZZLE_PERIOD
+        return -(-need // SWIZZLE_PERIOD) * SWIZZLE_PERIOD * (2 if self.o_separate else 1)
+
+    @property
+    def o_region_offset(self) -> int:
+        """tile.persistent with O staged apart: its region's offset (after Q's)."""
+        return self.q_region_bytes // 2
 
     @property
     def smem_bytes(self) -> int:
-        bars = barrier_bytes(self.num_stages, self.warp_specialize) if self.tma else 0
+        bars = barrier_bytes(self.num_stages, self.warp_specialize, self.persistent) \
+            if self.tma else 0
         return self.q_region_bytes + self.num_stages * (self.kv_geom.bytes + self.v_geom.bytes) + bars
 
     @property
@@ -115,7 +127,8 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
     loads = given.get("kv_loads", "tma")
     window = spec_option(spec, "sliding_window")
     short_window = window is not None and window < SHORT_WINDOW_TILES * bn
-    if (short_window and loads == "tma" and not given.keys() & {"block_m", "num_warps", "pingpong"}
+    if (short_window and loads == "tma"
+            and not given.keys() & {"block_m", "num_warps", "pingpong", "persistent"}
             and not given.get("warp_specialize")):   # timed: 64 rows with one issuer
         # one consumer warpgroup of 64 rows (160 registers, 3 CTAs per SM, against one at 128):
         # under a window of a few key tiles each CTA's loop is short, so its prologue and
@@ -158,7 +171,9 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
     # SHORT_WINDOW_TILES key tiles, where each Q tile runs a few K tiles and the producer's
     # pipeline never fills: gpt-oss's 128-key window ran 9-10 % faster with one issuer (H200)
     pingpong = given.get("pingpong", False)
-    needs_producer = pingpong or bm == 192   # both are producer-warpgroup tiles
+    persistent = given.get("persistent", False)
+    # producer-warpgroup tiles, all three
+    needs_producer = pingpong or bm == 192 or persistent
     ws = given.get("warp_specialize", loads == "tma" and (needs_producer or not short_window))
     if ws and loads != "tma":
         raise SpecError(f"warp_specialize = true with kv_loads = \"{loads}\" on {target}: the "
@@ -179,7 +194,25 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
         raise SpecError(f"tma_store = true with kv_loads = \"{loads}\" on {target}: the TMA "
                         f"stores use the TMA kernel's tensor maps; use kv_loads = \"tma\" or "
                         f"drop tma_store", key="tile.tma_store")
-    cfg = _config(spec, target, bm, bn, stages, loads, ws, pingpong, tma_store)
+    if persistent and not ws:
+        raise SpecError(f"persistent = true with kv_loads = \"{loads}\", warp_specialize = "
+                        f"{str(ws).lower()} on {target}: the persistent CTAs are the "
+                        f"warp-specialised TMA kernel's (kv_loads = \"tma\", warp_specialize = "
+                        f"true)", key="tile.persistent")
+    if persistent and (bm > 2 * ROWS_PER_WARPGROUP or max(d, dv) > PERSISTENT_MAX_HEAD_DIM):
+        # the tile loop's own state (its index, the ring's stage and parities across tiles)
+        # is live through the consumers' loop: ptxas spills 256 bytes at d256 (240 registers)
+        # and 32 at block_m 192 (160)
+        raise SpecError(f"persistent = true with block_m = {bm}, head_dim {d}"
+                        + (f" / head_dim_v {dv}" if dv != d else "") + f" on {target}: the "
+                        f"persistent kernel takes block_m 64 or 128 and head dims up to "
+                        f"{PERSISTENT_MAX_HEAD_DIM} (its consumers would spill); drop persistent",
+                        key="tile.persistent")
+    cfg = _config(spec, target, bm, bn, stages, loads, ws, pingpong, tma_store, persistent)
+    if persistent:    # O in a region of its own where it fits
+        apart = _config(spec, target, bm, bn, stages, loads, ws, pingpong, tma_store, True, True)
+        if apart.smem_bytes <= target.max_smem_per_cta:
+            cfg = apart
     if cfg.smem_bytes > target.max_smem_per_cta:
         raise SpecError(f"tile block_m={bm}, block_n={bn}, num_stages={stages} needs "
                         f"{cfg.smem_bytes} bytes of shared memory; {target} allows "
@@ -189,10 +222,12 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
 
 
 def _config(spec: KernelSpec, target: Target, bm: int, bn: int, stages: int, loads: str,
-            ws: bool, pingpong: bool = False, tma_store: bool = False) -> WgmmaConfig:
+            ws: bool, pingpong: bool = False, tma_store: bool = False, persistent: bool = False,
+            o_separate: bool = False) -> WgmmaConfig:
     return WgmmaConfig(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, bm // 16, stages,
                        loads != "tma", head_dim_v(spec), 1, kv_loads=loads, warp_specialize=ws,
-                       pingpong=pingpong, tma_store=tma_store,
+                       pingpong=pingpong, tma_store=tma_store, persistent=persistent,
+                       o_separate=o_separate,
                        # .minnctapersm 1 pins the register count at entry (65536 / threads),
                        # without which ptxas drops setmaxnreg (C7508, "unable to determine
                        # register count at entry") -- and setmaxnreg's budgets assume it
@@ -208,4 +243,6 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
             **({"warp_specialize": True, "threads": c.launch_threads, "min_ctas_per_sm": 1,
                 "setmaxnreg": [c.producer_regs, c.consumer_regs]} if c.warp_specialize else {}),
             **({"pingpong": True} if c.pingpong else {}),
-            **({"tma_store": True} if c.tma_store else {})}
+            **({"tma_store": True} if c.tma_store else {}),
+            **({"persistent": True, "o_staging": "apart" if c.o_separate else "over_q"}
+               if c.persistent else {})}

@@ -18,6 +18,7 @@ from ...ir import S64, U32, U64, KernelBuilder
 from ...spec.model import KernelSpec
 from ...targets import TARGETS, Target
 from .. import common as C
+from ..attention.prefill_tile import PERSISTENT_DIM, PERSISTENT_MAX, PERSISTENT_RULE
 from ..attention.variant import (
     default_seq_len, head_dim_v, mask_bytes_param, validate_variant, variant_inputs,
     variant_reference_args, variant_tensors)
@@ -52,8 +53,25 @@ def interface(spec: KernelSpec) -> Interface:
                     TensorInfo("mask_indptr", "i32", ("batch + 1",), "input", "byte offset of "
                                "each batch entry's bits: 0, non-decreasing, segments >= "
                                "ceil(seq_q*seq_k / 8)", device_resident_scalars=True)]
-    return Interface(tuple(tensors), ("batch", "seq_q", "seq_k") + (("mask_bytes",) if packed else ()),
-                     {"batch": 2, "seq_q": 17, "seq_k": default_seq_len(spec, 113)})
+    rules = persistent_rule(spec)
+    return Interface(tuple(tensors), ("batch", "seq_q", "seq_k") + (("mask_bytes",) if packed else ())
+                     + tuple(rules), {"batch": 2, "seq_q": 17, "seq_k": default_seq_len(spec, 113)},
+                     dim_rules=rules)
+
+
+def persistent_rule(spec: KernelSpec) -> dict:
+    """tile.persistent's grid, the persistent_ctas dim: a CTA per resident slot (num_sms x the
+    kernel's CTAs per SM on the launched target), no more than the work tiles of the kernel that
+    takes the key (a given value: that many CTAs, each taking tiles in turn)."""
+    if not spec.tile_dict().get("persistent"):
+        return {}
+    takers = [t for t in spec.targets if "persistent" in path_of(spec, TARGETS[t]).keys]
+    if not takers:
+        return {}
+    rows = _configure(spec, TARGETS[takers[0]]).cta_rows
+    return {PERSISTENT_DIM: {"auto": {"max": PERSISTENT_MAX, "occupancy_of": f"ptxc_{spec.name}",
+                                      "ctas": f"cdiv(seq_q, {rows}) * {spec.num_heads} * batch",
+                                      "rule": PERSISTENT_RULE}}}
 
 
 
@@ -74,13 +92,14 @@ class PrefillPath:
     targets: tuple[str, ...]     # where it runs, for refusals (the last path: every target)
 
 
-def _tma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
-    prefill_tma.build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params)   # tensor maps last
+def _tma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes, batch=None) -> None:
+    prefill_tma.build_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params,   # tensor maps last
+                           batch=batch)
 
 
-def _wgmma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
+def _wgmma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes, batch=None) -> None:
     if cfg.tma:      # tile.kv_loads = "tma"
-        _tma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes)
+        _tma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes, batch)
     else:
         prefill_cp_async.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, slot=swizzled_slot,
                                    math_type=WgmmaMath, mainloop="wgmma")
@@ -100,7 +119,8 @@ PATHS = (
                 tc.TCGEN05_SHAPES,
                 tc.TCGEN05_TARGETS),
     PrefillPath("the sm_90a wgmma kernel", wg.uses_wgmma, wg.configure, wg.resolve_tile,
-                _wgmma_body, ("kv_loads", "warp_specialize", "pingpong", "tma_store"), wg.WGMMA_SHAPES,
+                _wgmma_body, ("kv_loads", "warp_specialize", "pingpong", "tma_store", "persistent"),
+                wg.WGMMA_SHAPES,
                 wg.WGMMA_TARGETS),
     PrefillPath("the mma.sync / SIMT kernel", lambda spec, target: True,
                 lambda spec, target: configure(spec, target),
@@ -144,7 +164,7 @@ def validate(spec: KernelSpec) -> None:
     for key, value in (("kv_loads", "tma"), ("warp_specialize", True), ("pingpong", True),
                        ("exp2_poly", given.get("exp2_poly") or None),
                        ("q_tiles", 2 if given.get("q_tiles") == 2 else None),
-                       ("correction", True), ("tma_store", True)):
+                       ("correction", True), ("tma_store", True), ("persistent", True)):
         if value is not None and given.get(key) == value and not any(key in p.keys for p in paths):
             takers = [p for p in PATHS if key in p.keys]
             shown = f'"{value}"' if isinstance(value, str) else str(value).lower()
@@ -190,10 +210,16 @@ def build(spec: KernelSpec, target: Target) -> Program:
     seq_q = param("seq_q", U32, ParamSource("dim", name="seq_q"))
     seq_k = param("seq_k", U32, ParamSource("dim", name="seq_k"))
     mask_bytes = mask_bytes_param(spec, param)
-    path.body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes)
+    persistent = getattr(cfg, "persistent", False)
+    if persistent:    # the work tiles' count (PersistentTiles)
+        batch = param("batch", U32, ParamSource("dim", name="batch"))
+        path.body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes, batch=batch)
+    else:
+        path.body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes)
     b.ret()
-    launch = Launch(entry=b.entry.name, params=tuple(params),
-                    grid=(f"cdiv(seq_q, {cfg.cta_rows})", str(spec.num_heads), "batch"),
+    grid = (PERSISTENT_DIM, "1", "1") if persistent else \
+        (f"cdiv(seq_q, {cfg.cta_rows})", str(spec.num_heads), "batch")
+    launch = Launch(entry=b.entry.name, params=tuple(params), grid=grid,
                     block=(cfg.launch_threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
                     min_ctas_per_sm=cfg.min_ctas_per_sm,
                     tmem_columns=getattr(cfg, "tmem_columns", 0))

@@ -39,9 +39,11 @@ from .wgmma_pipeline import attend_tile
 MBARRIER_BYTES = 8
 
 
-def barrier_bytes(stages: int, warp_specialized: bool = False) -> int:
-    """full[0 .. stages) and the Q barrier (then empty[0 .. stages) when warp-specialised)."""
-    return (2 * stages + 1 if warp_specialized else stages + 1) * MBARRIER_BYTES
+def barrier_bytes(stages: int, warp_specialized: bool = False, persistent: bool = False) -> int:
+    """full[0 .. stages) and the Q barrier (then empty[0 .. stages) when warp-specialised, and
+    a persistent CTA's Q-empty barrier)."""
+    return (2 * stages + 1 if warp_specialized else stages + 1) * MBARRIER_BYTES \
+        + (MBARRIER_BYTES if persistent else 0)
 
 
 def init_full_barriers(b: KernelBuilder, leader: Reg, bars: Reg, count: int) -> None:

@@ -219,3 +219,108 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
             math.pv_done()
         b.bar_sync(CONSUMER_BARRIER, 128 * C)   # every consumer done with Q before O goes there
         math.epilogue()
+
+
+def run_persistent_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_bytes: int,
+                               v_bytes: int, q_bytes: int, bars: Reg, tid: Reg, lane: Reg, tiles,
+                               work, o_apart: bool, pingpong: bool = False) -> None:
+    """run_tma_ws_pipeline over a persistent CTA's work tiles (tile.persistent): `tiles` (a
+    prefill_tile.PersistentTiles) gives the CTA's tiles t, `work(t)` what a role needs of tile
+    t (its n_tiles, n_full, lo_full, key0_of, copy_tile, q/k/v regions, and `math()`: the
+    consumers' WgmmaMath with its transform, built where it is called).
+
+    Both roles walk the same stream of refill phases across tiles: tile t with n > 0 key
+    tiles takes n + 1 phases (phase i brings K(i) if i < n and V(i - 1) if i > 0, at the ring's
+    next stage), so bar_off, the parities and the stage offsets run on from tile to tile, and the
+    consumers release every phase, the last P·V's too. The producer's first lap of empty[]
+    waits on parity 1, which a fresh mbarrier reports complete (its "previous" phase), so no
+    prologue is special. Q: a full barrier (the producer's expect_tx, parity = the tile count's)
+    and q_empty (arrival count 1): a consumer thread arrives once every consumer is done with Q --
+    after the loop when O is staged apart (`o_apart`: the next Q then lands during this epilogue),
+    after the epilogue when O is staged over Q -- and the producer waits on it before each Q box
+    (its first wait passes the same way)."""
+    S, C = stages, consumers
+    full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
+    q_full, empty0 = full(S), (S + 1) * MBARRIER_BYTES
+    q_empty = Addr(bars, (2 * S + 1) * MBARRIER_BYTES)
+    with b.if_then(b.setp("eq", tid, 0)):
+        for s in range(S + 1):
+            b.mbarrier_init(full(s), 1)
+        for s in range(S):
+            b.mbarrier_init(Addr(bars, empty0 + s * MBARRIER_BYTES), 4 * C)
+        b.mbarrier_init(q_empty, 1)
+        b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
+    b.bar_sync(0)                    # the last whole-CTA barrier: every thread is still here
+
+    with b.if_then(b.setp("ge", tid, 128 * C)):                          # the producer
+        b.setmaxnreg(False, producer_regs(C))
+        warp = b.shfl("idx", b.shr(tid, 5), 0)
+        with b.if_then(b.setp("eq", warp, 4 * C)):
+            ring = StageRing(b, S, kv_bytes, v_bytes)
+            bar_off, parity, q_parity = b.mov(0, U32), b.mov(1, U32), b.mov(1, U32)
+            with tiles.loop() as t:
+                w = work(t)
+                b.mbarrier_wait_parity(q_empty, q_parity)      # the consumers are done with Q
+                b.xor(q_parity, 1, out=q_parity)
+                with b.if_then(b.elect_sync()):
+                    b.mbarrier_arrive_expect_tx(q_full, q_bytes)
+                    w.copy_tile("q", None, w.q_smem, q_full)
+                with b.if_then(b.setp("gt", w.n_tiles, 0)):
+                    with b.for_range(0, b.add(w.n_tiles, 1)) as i:       # phase i of the tile
+                        b.mbarrier_wait_parity(Addr(b.add(bars, b.add(bar_off, empty0))), parity)
+                        with b.if_then(b.elect_sync()):
+                            issue_refill(b, kv_bytes=kv_bytes, k_smem=w.k_smem, v_smem=w.v_smem,
+                                         n_tiles=w.n_tiles, copy_tile=w.copy_tile, k_tile=i,
+                                         k_off=ring.k, v_tile=b.sub(i, 1), v_off=ring.v_prev,
+                                         bar=Addr(b.add(bars, bar_off)), v_bytes=v_bytes)
+                        ring.advance()
+                        advance_barrier(b, bar_off, parity, S)
+    with b.else_():                                                      # the consumers
+        b.setmaxnreg(True, consumer_regs(C))
+        first_lane = b.setp("eq", lane, 0)
+        ring = StageRing(b, S, kv_bytes, v_bytes)
+        bar_off, parity, q_parity = b.mov(0, U32), b.mov(0, U32), b.mov(0, U32)
+
+        def release() -> None:           # this phase's tiles read: the producer may refill them
+            with b.if_then(first_lane):
+                b.mbarrier_arrive(Addr(b.add(bars, b.add(bar_off, empty0))))
+
+        def release_q() -> None:         # every consumer is past its last read of Q (or O)
+            with b.if_then(b.setp("eq", tid, 0)):
+                b.mbarrier_arrive(q_empty)
+
+        with tiles.loop() as t:
+            w = work(t)
+            math, transform = w.math()
+            turns = Turns(b, b.shr(tid, 5), w.n_tiles) if pingpong else None
+            b.mbarrier_wait_parity(q_full, q_parity)
+            b.xor(q_parity, 1, out=q_parity)
+            with b.for_range(0, w.n_tiles) as j:
+                b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)   # A(j)
+                attend_tile(b, math, w.k_smem, ring.k, w.v_smem, ring.v_prev, j, w.key0_of,
+                            transform, w.n_full, w.lo_full, reads_done=release, turn=turns)
+                ring.advance()
+                advance_barrier(b, bar_off, parity, S)
+            with b.if_then(b.setp("gt", w.n_tiles, 0)):      # O += P(n-1)·V(n-1), phase n
+                b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
+                if turns is not None:
+                    turns.begin()
+                math.issue_pv(b.add(w.v_smem, ring.v_prev))
+                if turns is not None:
+                    turns.end(final=True)
+                math.pv_done()
+                release()
+                ring.advance()
+                advance_barrier(b, bar_off, parity, S)
+            # Q was read by wgmma only, but a variant may have rewritten it in place (generic
+            # writes, q_rescale) and the epilogue stages O with generic stores: fenced for the
+            # TMA that writes the next Q there
+            b.fence_proxy_async()
+            b.bar_sync(CONSUMER_BARRIER, 128 * C)   # every consumer done with Q
+            if o_apart:
+                release_q()
+            math.epilogue()
+            if not o_apart:                          # O was staged over Q: done with it too
+                b.fence_proxy_async()
+                b.bar_sync(CONSUMER_BARRIER, 128 * C)
+                release_q()

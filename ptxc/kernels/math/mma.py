@@ -33,6 +33,12 @@ from .q_rescale import rescale_q_rows
 # FlashAttention 4): probabilities stay <= 2^8, far inside f16/bf16 range.
 
 
+def _o_smem(ctx) -> Reg:
+    """Where the epilogue stages O: the prefill Ctx's o_smem (tile.persistent's own region), else
+    over Q (the packed tiles' contexts)."""
+    return getattr(ctx, "o_smem", ctx.q_smem)
+
+
 class MmaMath:
     def __init__(self, b: KernelBuilder, ctx: Ctx):
         self.b, self.ctx, cfg = b, ctx, ctx.cfg
@@ -89,7 +95,7 @@ class MmaMath:
         self.mask_key = None if self.mask_rows is None else ctx.draft_key(b, two_t)
         self.alibi = [ctx.alibi_row(b, r, two_t, self.unit) for r in self.rows] \
             if ctx.variant.alibi else None
-        self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.os, ctx.q_smem), b.shl(t, 2))
+        self.o_smem = b.add(b.mad(b.add(warp_rows, g), self.os, _o_smem(ctx)), b.shl(t, 2))
         # tile.tma_store: O staged as a TMA box of each 128-byte column slab wants it -- slab s
         # at s x block_m x 128 bytes, rows of 128 bytes, chunk c of row r at c ^ (r & 7) -- by
         # stmatrix.x4, n8 blocks jd, jd + 1 of 16 rows an instruction. Lane l gives row j = l & 7
@@ -103,7 +109,7 @@ class MmaMath:
             j, i = b.and_(lane, 7), b.shr(lane, 3)
             row = b.add(warp_rows, b.add(b.shl(b.and_(i, 1), 3), j))
             chunk = b.shl(b.xor(b.shr(i, 1), b.and_(j, 1)), 4)
-            self.o_slab = (b.add(ctx.q_smem, b.add(b.shl(row, 7), chunk)),
+            self.o_slab = (b.add(_o_smem(ctx), b.add(b.shl(row, 7), chunk)),
                            b.shl(b.and_(j, 6), 4))
         # swizzled O tile: the lane's rows are g and g + 8 (row & 7 = g), so n8 tile jd (chunk
         # jd) sits at chunk jd ^ g: one register per jd % 8, the 128-byte group immediate
@@ -327,7 +333,7 @@ class MmaMath:
         coords = [b.bitcast(x, S32) for x in (ctx.head, ctx.m_start, ctx.batch)]
         with b.if_then(b.setp("eq", ctx.tid, 0)):
             for s in range(ctx.cfg.dv // slab_cols):
-                b.tma_store(Addr(ctx.q_smem, s * bm * 128), ctx.o_tmap,
+                b.tma_store(Addr(_o_smem(ctx), s * bm * 128), ctx.o_tmap,
                             [b.mov(s * slab_cols, S32), *coords])
             b.bulk_commit()
             b.bulk_wait_read(0)
@@ -357,4 +363,4 @@ class MmaMath:
         slot = thread_slot(b, ctx.cfg.o_geom, ctx.tid)
         go = global_rows(b, slot, ctx.o_base, ctx.o_row_stride)
         nvalid = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
-        store_tile(b, slot, go, ctx.m_start, nvalid, ctx.q_smem)
+        store_tile(b, slot, go, ctx.m_start, nvalid, _o_smem(ctx))
