@@ -50,13 +50,16 @@ def test_default_tile_stages_o_apart_and_the_phases_run_on_across_tiles():
     check(text, [(300, 300)], batch=1, target="sm_90a", ctas=2)
 
 
-def test_o_over_q_where_apart_does_not_fit():
+@pytest.mark.parametrize("tma_store", [False, True])
+def test_o_over_q_where_apart_does_not_fit(tma_store):
     """DeepSeek's 192 / 128 (128-key tiles): Q 48 KiB + two stages of 80 KiB + O in a region as
-    large as Q's is over the 227 KiB, so O is staged over Q and Q released after the epilogue."""
-    text = pers_text(head_dim=192, heads="mqa", tile=PERS, extra="head_dim_v = 128\n")
+    large as Q's is over the 227 KiB, so O is staged over Q and Q released after the epilogue
+    (with TMA stores: after thread 0 saw them read)."""
+    text = pers_text(head_dim=192, heads="mqa", tile={**PERS, "tma_store": tma_store},
+                     extra="head_dim_v = 128\n")
     config = compiled(text, "sm_90a")[3]
     assert (config["o_staging"], config["block_n"]) == ("over_q", 128)
-    check(text, [(140, 140)], batch=1, target="sm_90a", ctas=1)
+    check(text, [(140, 140), (300, 40)], batch=1, target="sm_90a", ctas=2)
 
 
 def test_bit_identical_to_the_non_persistent_kernel():
