@@ -108,8 +108,10 @@ def test_h100_points_of_later_kernels_are_out_of_sample_and_quoted_as_measured(e
     decode by default, tensor-core and MLA decode, none of them fitted to). Before DRAM was one
     shared resource per launch these were 31 within ±35 %, 0.67-2.08 (decode of 2-3 waves
     modelled up to 2.1x slow); that change was made after seeing them, so they test it only
-    in part. What it still misses: the MQA split decode 1.37x slow, DeepSeek-V3 at 16 heads
-    (13 splits) 1.57x and gpt-oss's serve step at batch 16 0.74x. (37 within, 0.75-1.57, with
+    in part. What it still misses: the MQA split decode 1.37x slow and gpt-oss's serve step at
+    batch 16 0.74x; DeepSeek-V3 at 16 heads (13 splits) was 1.57x slow until the latent tile's
+    copied bytes were capped at the tile's (its predicated copy slots: 0.96x since; chosen after
+    seeing it). (37 within, 0.75-1.57, with
     the fitted issue-rate warp term before the sub-partition simulation; 33 within, 0.67-1.61,
     before the lockstep term moved the MLA decodes of the 64-row mma.sync tile, whose warps share rows:
     chosen after seeing them; 35, 0.70-1.61, before the model followed the kernels' split chunk,
@@ -119,9 +121,10 @@ def test_h100_points_of_later_kernels_are_out_of_sample_and_quoted_as_measured(e
     ratios = {p["kernel"]: p["predicted_ms"] / p["median_ms"] for p in later}
     assert len(later) == 41 and len(ratios) == 41
     within = sorted(k for k, r in ratios.items() if 1 / 1.35 <= r <= 1.35)
-    assert len(within) == 38, within
-    assert 0.73 <= min(ratios.values()) and max(ratios.values()) <= 1.57
-    assert "41 H100 medians of 89432c6" in CALIBRATION_ERROR and "38 within ±35 %, 0.74–1.57" in CALIBRATION_ERROR
+    assert len(within) == 39, within
+    assert 0.73 <= min(ratios.values()) and max(ratios.values()) <= 1.375
+    assert 0.9 <= ratios["deepseek_v3_mla_decode_tp8"] <= 1.0
+    assert "41 H100 medians of 89432c6" in CALIBRATION_ERROR and "39 within ±35 %, 0.74–1.37" in CALIBRATION_ERROR
     # the sm_90a rows whose code is wgmma are the wgmma constants' (17 of them)
     assert sum(p["commit"] == "89432c6" and p["path"] == "wgmma" for p in every_point) == 17
 
