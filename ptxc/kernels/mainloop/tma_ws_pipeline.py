@@ -155,6 +155,22 @@ def issue_loads(b: KernelBuilder, *, stages: int, kv_bytes: int, v_bytes: int, q
         advance_barrier(b, bar_off, parity, S)
 
 
+def init_barriers(b: KernelBuilder, tid: Reg, bars: Reg, stages: int, consumers: int,
+                  q_empty: Addr | None = None) -> None:
+    """Thread 0 initialises full[0 .. S) and Q's (arrival count 1), empty[0 .. S) (4C: every
+    consumer warp) and a persistent CTA's q_empty (1), fenced for the TMA's complete_tx; then
+    the kernel's one whole-CTA barrier (every thread is still there)."""
+    with b.if_then(b.setp("eq", tid, 0)):
+        for s in range(stages + 1):
+            b.mbarrier_init(Addr(bars, s * MBARRIER_BYTES), 1)
+        for s in range(stages):
+            b.mbarrier_init(Addr(bars, (stages + 1 + s) * MBARRIER_BYTES), 4 * consumers)
+        if q_empty is not None:
+            b.mbarrier_init(q_empty, 1)
+        b.fence_proxy_async()
+    b.bar_sync(0)
+
+
 def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_bytes: int,
                         q_bytes: int, q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg, tid: Reg,
                         lane: Reg, n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
@@ -171,13 +187,7 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
     q_bar = full(S)
     empty0 = (S + 1) * MBARRIER_BYTES
-    with b.if_then(b.setp("eq", tid, 0)):
-        for s in range(S + 1):
-            b.mbarrier_init(full(s), 1)
-        for s in range(S):
-            b.mbarrier_init(Addr(bars, empty0 + s * MBARRIER_BYTES), 4 * C)
-        b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
-    b.bar_sync(0)                    # the last whole-CTA barrier: every thread is still here
+    init_barriers(b, tid, bars, S, C)
 
     with b.if_then(b.setp("ge", tid, 128 * C)):                          # the producer
         b.setmaxnreg(False, producer_regs(C))
@@ -243,14 +253,7 @@ def run_persistent_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int,
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
     q_full, empty0 = full(S), (S + 1) * MBARRIER_BYTES
     q_empty = Addr(bars, (2 * S + 1) * MBARRIER_BYTES)
-    with b.if_then(b.setp("eq", tid, 0)):
-        for s in range(S + 1):
-            b.mbarrier_init(full(s), 1)
-        for s in range(S):
-            b.mbarrier_init(Addr(bars, empty0 + s * MBARRIER_BYTES), 4 * C)
-        b.mbarrier_init(q_empty, 1)
-        b.fence_proxy_async()        # the initialised barriers, for the TMA's complete_tx
-    b.bar_sync(0)                    # the last whole-CTA barrier: every thread is still here
+    init_barriers(b, tid, bars, S, C, q_empty)
 
     with b.if_then(b.setp("ge", tid, 128 * C)):                          # the producer
         b.setmaxnreg(False, producer_regs(C))
