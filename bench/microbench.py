@@ -19,7 +19,7 @@ computed from the body, so nothing is dead code). Clocks per instruction = (the 
                 random 128-byte lines of 2 MiB, which a first pass leaves in L2, and of 256 MiB
                 (DRAM: the warm-up pass reads other lines)
 The issue_sim table it checks: LATENCY / INTERVAL, L2_HIT_CLOCKS, and the calibrated DRAM
-latency (launch_model.H100_MMA_SYNC.dram_latency_ns at the clock of the GPU's row). Nothing
+latency (calibration.H100_MMA_SYNC.dram_latency_ns at the clock of the GPU's row). Nothing
 here is fitted: the figures are printed with the table's value beside them.
 """
 
@@ -254,7 +254,8 @@ def run_on_device(micros: list[Micro]) -> list[dict]:
 def table(rows: list[dict]) -> str:
     from ptxc.report.gpus import match_device
     from ptxc.report.issue_sim import INTERVAL, L2_HIT_CLOCKS, LATENCY
-    from ptxc.report.launch_model import H100_MMA_SYNC, tensor_clocks_per_flop
+    from ptxc.report.calibration import H100_MMA_SYNC
+    from ptxc.report.launch_model import tensor_clocks_per_flop
     gpu = match_device(rows[0]["device"]) if rows else None
     clock = gpu.clock_mhz * 1e6 if gpu else None
     model = {"ldg_index": L2_HIT_CLOCKS,

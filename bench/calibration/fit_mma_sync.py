@@ -1,4 +1,4 @@
-"""The grid that chose the mma.sync / SIMT constants (`launch_model.H100_MMA_SYNC`, the
+"""The grid that chose the mma.sync / SIMT constants (`calibration.H100_MMA_SYNC`, the
 sub-partition simulation): tensor_fraction x dram_latency_ns x bandwidth_fraction, scored on the
 45 in-sample H100 medians (b26fd24, c889eb4, 3357c2c) against what tests/report/test_calibration.py
 asks of them -- all within ±45 %, the most within ±35 %, the median within 10 % of 1, every
@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 
 from predict import FITTED, model_inputs, modelled  # noqa: E402
-from ptxc.report.launch_model import H100_MMA_SYNC  # noqa: E402
+from ptxc.report.calibration import H100_MMA_SYNC  # noqa: E402
 
 FRACTIONS = (0.22, 0.24, 0.26, 0.28, 0.30, 0.32)
 LATENCIES_NS = (400, 450, 500, 550, 600)

@@ -1,4 +1,4 @@
-"""The grid that chose the wgmma constants (`launch_model.H100_WGMMA`): tensor_fraction x
+"""The grid that chose the wgmma constants (`calibration.H100_WGMMA`): tensor_fraction x
 cta_fixed_s, the other constants the mma.sync fit's, scored on the H100 wgmma medians alone
 (in-sample: 89432c6, f7ee845) and shown against the H200 ones (out of sample, not used to pick):
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 
 from predict import WGMMA_FITTED, model_inputs, modelled  # noqa: E402
-from ptxc.report.launch_model import H100_WGMMA  # noqa: E402
+from ptxc.report.calibration import H100_WGMMA  # noqa: E402
 
 FRACTIONS = (0.45, 0.50, 0.55, 0.60, 0.65, 0.70)
 CTA_FIXED_US = (0.0, 1.0, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)

@@ -3,7 +3,7 @@ tests/report/test_calibration.py, so the table printed and the figures pinned ar
 
 Each point names the GPU it was timed on (`gpu`, a ptxc/report/gpus.py key) and the target whose
 cubin ran; the model uses the H100-fitted constants of the kernel's path on that GPU's row
-(`launch_model.calibration_for`: `H100_MMA_SYNC` for mma.sync / SIMT, `H100_WGMMA` for the
+(`calibration.calibration_for`: `H100_MMA_SYNC` for mma.sync / SIMT, `H100_WGMMA` for the
 sm_90a wgmma kernels). The points each set of constants was fitted to (`FITTED`,
 `WGMMA_FITTED`) are in-sample (`in_sample`); every other point -- another GPU, or a later run
 of later kernels -- is out-of-sample. A path without fitted constants (tcgen05) gets no
@@ -18,8 +18,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ptxc.report.calibration import calibration_for
 from ptxc.report.gpus import GPUS
-from ptxc.report.launch_model import SplitRows, calibration_for, kernel_chunk_rule, launch_list_seconds
+from ptxc.report.launch_model import SplitRows, kernel_chunk_rule, launch_list_seconds
 from ptxc.report.loop_model import main_loop
 from ptxc.report.sass import sass_profile
 

@@ -22,7 +22,8 @@ from .costs import launch_cost, resolve_dims, roofline
 from ..errors import InputError, UserError
 from .gpus import GPUS, get_gpu, models_for_target, sm_of_target
 from .loop_model import kv_reuse, kv_rows_per_iteration, loop_figures, loop_warps, main_loop
-from .launch_model import calibration_for, launch_list_seconds
+from .calibration import calibration_for
+from .launch_model import launch_list_seconds
 from ..targets import get_target, occupancy
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ptxc.report.launch_model import CALIBRATION_ERROR, WGMMA_CALIBRATION_ERROR
+from ptxc.report.calibration import CALIBRATION_ERROR, WGMMA_CALIBRATION_ERROR
 from ptxc.report.sass import SassUnavailable, find_nvdisasm
 
 CALIB = Path(__file__).resolve().parents[2] / "bench" / "calibration"

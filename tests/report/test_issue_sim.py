@@ -97,7 +97,8 @@ def test_the_launch_model_takes_the_simulation_in_place_of_the_fitted_warp_term(
     the simulation -- no `warp`, `latency` or `lockstep` term -- at the busiest sub-partition:
     5 one-warp CTAs put two warps on one quarter of the SM."""
     from ptxc.report.gpus import GPUS
-    from ptxc.report.launch_model import H100_MMA_SYNC, H100_WGMMA, iteration_seconds
+    from ptxc.report.calibration import H100_MMA_SYNC, H100_WGMMA
+    from ptxc.report.launch_model import iteration_seconds
 
     chain = _program(*CHAIN)
     loop = {"instructions": 9, "classes": {"tensor": 0}, "inflight_bytes_mean": 0, "mma_flops": 0,

@@ -17,7 +17,7 @@ from ptxc.cli import main
 from ptxc.report.costs import Cost, decode_cost, launch_cost, prefill_cost, resolve_dims, roofline
 from ptxc.errors import InputError, UserError
 from ptxc.report.gpus import GPUS, get_gpu, match_device, models_for_target
-from ptxc.report.launch_model import CALIBRATION_ERROR, WGMMA_CALIBRATION_ERROR
+from ptxc.report.calibration import CALIBRATION_ERROR, WGMMA_CALIBRATION_ERROR
 from ptxc.report.loop_model import COPY_FAMILIES
 from ptxc.targets import TARGETS, occupancy
 
