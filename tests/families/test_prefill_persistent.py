@@ -143,3 +143,32 @@ def test_grid_and_dim_rule():
     assert apply_dim_rule(rule, {"batch": 1, "seq_q": 200}, 132, 1) == 2 * heads
     assert compiled(text, "sm_90a")[2]["grid"] == ["persistent_ctas", "1", "1"]
     assert compiled(text, "sm_80")[2]["grid"][0].startswith("cdiv(seq_q, ")
+
+
+# ---- O's TMA stores read while the next tile runs ------------------------------------------
+def _drop_store_wait(n: int):
+    def edit(ptx: str) -> str:
+        lines = ptx.split("\n")
+        waits = [i for i, line in enumerate(lines) if "cp.async.bulk.wait_group.read 0;" in line]
+        del lines[waits[n]]
+        return "\n".join(lines)
+    return edit
+
+
+def test_tma_stores_are_waited_for_before_o_is_staged_again_and_at_exit():
+    """With O in its own region, thread 0 issues a tile's O boxes and goes on (FlashAttention-3's
+    epilogue overlap): the boxes are read while the next tile's loop runs, and thread 0 waits
+    for them before the consumers' barrier that precedes the next epilogue, and after the last
+    tile. Either wait left out is caught: a stmatrix over boxes in flight, or a CTA exiting
+    with them."""
+    text = pers_text(tile={**SMALL, "tma_store": True})
+    lines = [line.strip() for line in compiled(text, "sm_90a")[1].split("\n")]
+    commit = lines.index("cp.async.bulk.commit_group;")
+    waits = [i for i, line in enumerate(lines) if line == "cp.async.bulk.wait_group.read 0;"]
+    assert len(waits) == 2 and waits[0] < commit < waits[1]       # before the epilogue; at exit
+    assert lines[commit + 1] != "cp.async.bulk.wait_group.read 0;"
+    check(text, [(300, 131)], batch=1, target="sm_90a", ctas=2)
+    for n, message in ((0, "write to shared memory that a TMA store .* in flight reads"),
+                       (1, "still reads shared memory when its CTA exits")):
+        with pytest.raises(EmulationError, match=message):
+            run_edited(text, "sm_90a", _drop_store_wait(n), 150, 131, batch=1, ctas=2)

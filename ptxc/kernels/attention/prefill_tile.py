@@ -44,6 +44,9 @@ class Ctx(MaskPredicate):
     # where the epilogue stages O (tile.persistent: a region of its own, so the next tile's Q
     # can land during this tile's epilogue); None: over Q, which the loop no longer reads
     o_stage: Reg | None = None
+    # tile.persistent with TMA stores into O's own region: thread 0 does not wait for the boxes
+    # to be read after issuing them; the pipeline does, before the next tile stages O
+    store_wait_deferred: bool = False
 
     @property
     def o_smem(self) -> Reg:

@@ -147,6 +147,9 @@ def emit_persistent_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, p
     o_stage = b.add(smem, cfg.o_region_offset) if cfg.o_separate else None
     k_bytes, v_bytes = cfg.kv_geom.bytes, cfg.v_geom.bytes
     bars = b.add(b.add(smem, cfg.q_region_bytes), cfg.num_stages * (k_bytes + v_bytes))
+    # TMA stores from O's own region are read while the next tile runs (FlashAttention-3's
+    # epilogue overlap): thread 0 waits for them before O is staged again, and at exit
+    deferred = cfg.tma_store and cfg.o_separate
 
     def work(t: Reg) -> WorkTile:
         s = setup(b, spec, cfg, ptrs, strides, seq_q, seq_k, place=tiles.place(t), smem=smem)
@@ -154,7 +157,8 @@ def emit_persistent_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, p
 
         def math():
             ctx = dataclasses.replace(s.ctx(spec, cfg, ptrs, strides, seq_q, seq_k),
-                                      o_tmap=o_tmap, o_stage=o_stage)
+                                      o_tmap=o_tmap, o_stage=o_stage,
+                                      store_wait_deferred=deferred)
             m = WgmmaMath(b, ctx)
             return m, s.transform_of(m)
         return WorkTile(s.n_tiles, s.n_full, s.lo_full, key0_of, copy_tile, s.smem, s.k_smem,
@@ -163,7 +167,8 @@ def emit_persistent_body(b: KernelBuilder, spec: KernelSpec, cfg: WgmmaConfig, p
     run_persistent_ws_pipeline(b, stages=cfg.num_stages, consumers=cfg.block_m // ROWS_PER_WARPGROUP,
                                kv_bytes=k_bytes, v_bytes=v_bytes, q_bytes=cfg.q_geom.bytes,
                                bars=bars, tid=tid, lane=b.and_(tid, 31), tiles=tiles, work=work,
-                               o_apart=cfg.o_separate, pingpong=cfg.pingpong)
+                               o_apart=cfg.o_separate, pingpong=cfg.pingpong,
+                               store_reads=(lambda: b.bulk_wait_read(0)) if deferred else None)
 
 
 def tile_copies(b, cfg, s: Setup, tmaps: dict):

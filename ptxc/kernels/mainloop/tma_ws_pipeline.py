@@ -233,7 +233,8 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
 
 def run_persistent_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_bytes: int,
                                v_bytes: int, q_bytes: int, bars: Reg, tid: Reg, lane: Reg, tiles,
-                               work, o_apart: bool, pingpong: bool = False) -> None:
+                               work, o_apart: bool, pingpong: bool = False,
+                               store_reads=None) -> None:
     """run_tma_ws_pipeline over a persistent CTA's work tiles (tile.persistent): `tiles` (a
     prefill_tile.PersistentTiles) gives the CTA's tiles t, `work(t)` what a role needs of tile
     t (its n_tiles, n_full, lo_full, key0_of, copy_tile, q/k/v regions, and `math()`: the
@@ -248,7 +249,10 @@ def run_persistent_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int,
     and q_empty (arrival count 1): a consumer thread arrives once every consumer is done with Q --
     after the loop when O is staged apart (`o_apart`: the next Q then lands during this epilogue),
     after the epilogue when O is staged over Q -- and the producer waits on it before each Q box
-    (its first wait passes the same way)."""
+    (its first wait passes the same way). `store_reads()` (O's TMA stores left in flight by the
+    epilogue, store_wait_deferred) is what thread 0 runs before the consumers' barrier that
+    precedes each epilogue, and after the last tile: the boxes of tile t are read while tile
+    t + 1's loop runs."""
     S, C = stages, consumers
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                      # noqa: E731
     q_full, empty0 = full(S), (S + 1) * MBARRIER_BYTES
@@ -319,6 +323,9 @@ def run_persistent_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int,
             # writes, q_rescale) and the epilogue stages O with generic stores: fenced for the
             # TMA that writes the next Q there
             b.fence_proxy_async()
+            if store_reads is not None:              # the last tile's O boxes read: O is free
+                with b.if_then(b.setp("eq", tid, 0)):
+                    store_reads()
             b.bar_sync(CONSUMER_BARRIER, 128 * C)   # every consumer done with Q
             if o_apart:
                 release_q()
@@ -327,3 +334,6 @@ def run_persistent_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int,
                 b.fence_proxy_async()
                 b.bar_sync(CONSUMER_BARRIER, 128 * C)
                 release_q()
+        if store_reads is not None:                  # the CTA's shared memory outlives them
+            with b.if_then(b.setp("eq", tid, 0)):
+                store_reads()

@@ -325,7 +325,9 @@ class MmaMath:
         """tile.tma_store: the staged O tile leaves by TMA stores, one box a 128-byte column
         slab (rows past seq_q are clipped by the map): each thread's writes fenced for the
         async proxy, the math's barrier, then thread 0 issues the boxes and waits until they
-        have been read (the CTA's shared memory must outlive them)."""
+        have been read (the CTA's shared memory must outlive them) -- unless the context
+        defers that wait (a persistent CTA's O region of its own: the boxes are read while the
+        next tile runs, and the pipeline waits before O is staged there again and at exit)."""
         b, ctx = self.b, self.ctx
         bm, slab_cols = ctx.cfg.block_m, 128 // ctx.cfg.fmt.bytes
         b.fence_proxy_async()
@@ -336,7 +338,8 @@ class MmaMath:
                 b.tma_store(Addr(_o_smem(ctx), s * bm * 128), ctx.o_tmap,
                             [b.mov(s * slab_cols, S32), *coords])
             b.bulk_commit()
-            b.bulk_wait_read(0)
+            if not getattr(ctx, "store_wait_deferred", False):
+                b.bulk_wait_read(0)
 
     def epilogue(self) -> None:
         """O / l rounded into this warp's rows of the Q tile, then 128-bit row stores by all
