@@ -44,6 +44,7 @@ from typing import Any
 from ..errors import PtxcError, SpecError, UserError, VerifyError
 from . import exprs
 from ..files import read_regular_file, sha256
+from .fatbin import fatbin_images
 from .metadata import artifact_files, schema_errors
 from ..ir.values import PARAM_ALIGN
 
@@ -375,38 +376,6 @@ def _fatbin_problems(d: Path, name: str, fatbin: dict, targets: dict) -> list[st
             return [f"{where}: its {key[0]} image for sm_{key[1]} is not the artifact's {what} for "
                     f"that target (a fatbin from another build?)"]
     return []
-
-
-FATBIN_MAGIC = 0xBA55ED50
-FATBIN_KINDS = {1: "ptx", 2: "elf"}
-
-
-def fatbin_images(data: bytes) -> list[tuple[str, int, bytes]]:
-    """(kind, sm, payload) for every image of an uncompressed fatbin (`fatbinary --compress=false`
-    layout: a 16-byte header {magic u32, version u16, header size u16, body size u64}, then per
-    image {kind u16, version u16, header size u32, padded payload size u64, ..., sm u32 at byte
-    28}); ValueError on anything else. Padding (NULs) after a payload is dropped from PTX
-    (an ELF payload keeps it: the caller compares it with the cubin plus padding)."""
-    import struct
-    if len(data) < 16:
-        raise ValueError("shorter than a fatbin header")
-    magic, _, head, body = struct.unpack_from("<IHHQ", data, 0)
-    if magic != FATBIN_MAGIC or head < 16 or head + body != len(data):
-        raise ValueError("bad header or size")
-    images, off = [], head
-    while off < len(data):
-        if off + 32 > len(data):
-            raise ValueError("truncated image header")
-        kind, _, ihead, size = struct.unpack_from("<HHIQ", data, off)
-        (sm,) = struct.unpack_from("<I", data, off + 28)
-        if kind not in FATBIN_KINDS or ihead < 32 or off + ihead + size > len(data):
-            raise ValueError(f"bad image header at byte {off}")
-        payload = data[off + ihead: off + ihead + size]
-        if FATBIN_KINDS[kind] == "ptx":
-            payload = payload.rstrip(b"\0")
-        images.append((FATBIN_KINDS[kind], sm, payload))
-        off += ihead + size
-    return images
 
 
 def _ptx_tokens(ptx: bytes) -> list[str]:
