@@ -3,7 +3,10 @@
 tensor-core generations, the math and the main loop from the config:
 
   sm_90a wgmma     WgmmaMath; the "tma" loop (one elected thread issues), or with
-                   tile.warp_specialize the "tma_ws" loop (a producer warpgroup)
+                   tile.warp_specialize the "tma_ws" loop (a producer warpgroup); with
+                   tile.persistent its CTAs take work tiles in turn (emit_persistent_body:
+                   tma_ws_pipeline.run_persistent_ws_pipeline, each role placing itself on
+                   a tile where it starts it)
   sm_100a tcgen05  Tcgen05Math (its MMA barriers after the TMA ones); the "tma" loop with the
                    math's issuer, or with tile.warp_specialize the "tcgen05_ws" loop (load, MMA
                    and softmax warps; UmmaIssue for the MMA warp)
