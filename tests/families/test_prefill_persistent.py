@@ -73,6 +73,15 @@ def test_bit_identical_to_the_non_persistent_kernel():
         assert np.array_equal(outs[0][name], outs[1][name], equal_nan=True), name
 
 
+def test_bhsd_strides_and_growing_scores():
+    """Head-major tensors (through the tensor maps' strides) and scores whose running max keeps
+    jumping, over CTAs that take several tiles each."""
+    from families.prefill_cases import growing_scores
+    check(pers_text(), [(150, 97)], batch=2, target="sm_90a", ctas=3, layout="bhsd")
+    check(pers_text(heads="mqa", causal=False), [(70, 113)], batch=2, target="sm_90a", ctas=2,
+          transform=growing_scores)
+
+
 def test_zero_keys_and_rows_that_see_none():
     """A work tile with no key tile (the producer loads only Q, the consumers store zeros and
     -inf) between tiles that have some, and causal rows past the keys."""
