@@ -62,6 +62,16 @@ def test_o_over_q_where_apart_does_not_fit(tma_store):
     check(text, [(140, 140), (300, 40)], batch=1, target="sm_90a", ctas=2)
 
 
+def test_d256_takes_32_key_tiles():
+    """At head dims over 192 the persistent kernel's consumers hold its tile loop's state beside
+    d256's accumulators only with 32-key tiles (64 spilled 256 bytes): the default there, O
+    staged apart."""
+    text = pers_text(head_dim=256, heads="mqa", tile=PERS)
+    config = compiled(text, "sm_90a")[3]
+    assert (config["block_n"], config["o_staging"]) == (32, "apart")
+    check(text, [(150, 131)], batch=1, target="sm_90a", ctas=2)
+
+
 def test_bit_identical_to_the_non_persistent_kernel():
     """Only which CTA takes a tile, and where O is staged, changed: each tile's math is the same
     instructions in the same order, so the outputs are equal bit for bit."""
@@ -131,8 +141,8 @@ def test_protocol_mistakes_are_caught(edit, message):
 def test_key_rules():
     with pytest.raises(SpecError, match=r"persistent = true .*warp-specialised TMA kernel"):
         load_text(pers_text(tile={**PERS, "warp_specialize": False}), "t.toml")
-    for tile, d in (({**PERS, "block_m": 192}, 64), (PERS, 256)):   # they would spill
-        with pytest.raises(SpecError, match=r"persistent = true with block_m = \d+, head_dim \d+"):
+    for tile, d in (({**PERS, "block_m": 192}, 64), ({**PERS, "block_n": 64}, 256)):   # spills
+        with pytest.raises(SpecError, match=r"persistent = true with block_m = \d+, block_n = \d+"):
             load_text(pers_text(head_dim=d, tile=tile), "t.toml")
     with pytest.raises(SpecError, match="persistent"):
         load_text(spec_text("bf16", 64, "gqa4", True, tile=PERS, targets=("sm_80",)), "t.toml")

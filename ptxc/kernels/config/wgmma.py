@@ -23,7 +23,8 @@ WGMMA_SHAPES = "f16/bf16, head_dim and head_dim_v 64, 128, 192 or 256"   # for r
 ROWS_PER_WARPGROUP = 64
 SHORT_WINDOW_TILES = 4   # a sliding window under this many key tiles keeps the one-issuer kernel
 SHORT_WINDOW_BLOCK_M = 64   # ... on query tiles of one warpgroup
-PERSISTENT_MAX_HEAD_DIM = 192   # tile.persistent: wider heads spill (configure)
+PERSISTENT_MAX_HEAD_DIM = 192   # tile.persistent: wider heads take ...
+PERSISTENT_WIDE_BLOCK_N = 32    # ... 32-key tiles (64 spill: configure)
 D64_WS_STAGES = 4        # the warp-specialised d64 tile's default stages (timed, see configure)
 
 
@@ -123,6 +124,10 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
         bn = 64
     if "num_warps" in given and "block_m" not in given:
         bm = 16 * given["num_warps"]
+    if given.get("persistent") and max(d, dv) > PERSISTENT_MAX_HEAD_DIM:
+        # a persistent CTA's tile loop keeps its state live through the consumers' loop: at
+        # d256 the 64-key tile's accumulators leave no room (256 bytes spilled), 32 keys do
+        bn = PERSISTENT_WIDE_BLOCK_N
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
     loads = given.get("kv_loads", "tma")
     window = spec_option(spec, "sliding_window")
@@ -199,14 +204,16 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
                         f"{str(ws).lower()} on {target}: the persistent CTAs are the "
                         f"warp-specialised TMA kernel's (kv_loads = \"tma\", warp_specialize = "
                         f"true)", key="tile.persistent")
-    if persistent and (bm > 2 * ROWS_PER_WARPGROUP or max(d, dv) > PERSISTENT_MAX_HEAD_DIM):
+    wide = max(d, dv) > PERSISTENT_MAX_HEAD_DIM
+    if persistent and (bm > 2 * ROWS_PER_WARPGROUP or (wide and bn > PERSISTENT_WIDE_BLOCK_N)):
         # the tile loop's own state (its index, the ring's stage and parities across tiles)
-        # is live through the consumers' loop: ptxas spills 256 bytes at d256 (240 registers)
-        # and 32 at block_m 192 (160)
-        raise SpecError(f"persistent = true with block_m = {bm}, head_dim {d}"
+        # is live through the consumers' loop: ptxas spills 256 bytes at d256 with 64-key
+        # tiles (240 registers) and 32 at block_m 192 (160)
+        raise SpecError(f"persistent = true with block_m = {bm}, block_n = {bn}, head_dim {d}"
                         + (f" / head_dim_v {dv}" if dv != d else "") + f" on {target}: the "
-                        f"persistent kernel takes block_m 64 or 128 and head dims up to "
-                        f"{PERSISTENT_MAX_HEAD_DIM} (its consumers would spill); drop persistent",
+                        f"persistent kernel takes block_m 64 or 128, and block_n up to "
+                        f"{PERSISTENT_WIDE_BLOCK_N} for head dims over {PERSISTENT_MAX_HEAD_DIM} "
+                        f"(its consumers would spill); drop persistent or the tile key",
                         key="tile.persistent")
     cfg = _config(spec, target, bm, bn, stages, loads, ws, pingpong, tma_store, persistent)
     if persistent:    # O in a region of its own where it fits
