@@ -40,6 +40,16 @@ def test_few_ctas_many_tiles(tile, causal, shapes, ctas):
     check(pers_text(causal=causal, tile=tile), shapes, batch=2, target="sm_90a", ctas=ctas)
 
 
+@pytest.mark.parametrize("dtype,head_dim,heads,causal", [
+    pytest.param(dt, d, h, c, marks=SLOW) for dt in ("f16", "bf16") for d in (64, 128, 192, 256)
+    for h in ("mha", "gqa4", "mqa") for c in (False, True)])
+def test_matrix(dtype, head_dim, heads, causal):
+    """The default persistent tile of every dtype x head dim x GQA x causal, three CTAs over a
+    partial block, q_len > L and a long sequence."""
+    check(pers_text(dtype, head_dim, heads, causal, tile=PERS), [(150, 131), (300, 40)], batch=2,
+          target="sm_90a", ctas=3)
+
+
 def test_default_tile_stages_o_apart_and_the_phases_run_on_across_tiles():
     """The default tile (block_m 128, 128 keys, two stages): O gets its own region (the next Q
     lands during the epilogue); 3 query blocks of 1-3 key tiles per head over 2 CTAs, so the
