@@ -193,6 +193,13 @@ def persistent_tiles(blocks: list[int], per_block: int, causal: bool) -> list[in
     return order * per_block
 
 
+def persistent_cta(t: int, ctas: int) -> int:
+    """The CTA that takes work tile t of a persistent grid of `ctas` (PersistentTiles' snake:
+    round k = t // ctas in order when even, mirrored when odd)."""
+    k, r = divmod(t, ctas)
+    return r if k % 2 == 0 else ctas - 1 - r
+
+
 def lockstep(config: dict) -> bool:
     """Whether a tile's warps share rows and meet at a CTA barrier every iteration (the module
     docstring's `lockstep` term): MLA's latent tiles, except under the seesaw schedule."""
@@ -307,8 +314,7 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
             P = min(len(work), len(slots))
             slots = [0.0] * P
             for t, iters in enumerate(work):
-                k, r = divmod(t, P)
-                slots[r if k % 2 == 0 else P - 1 - r] += iters * own[bound] + cal.cta_fixed_s
+                slots[persistent_cta(t, P)] += iters * own[bound] + cal.cta_fixed_s
         for iters in [] if persistent else work:
             # list scheduling in launch order: the next CTA takes the first free slot
             heapq.heappush(slots, heapq.heappop(slots) + iters * own[bound] + cal.cta_fixed_s)
@@ -328,5 +334,5 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
 
 
 __all__ = ["ChunkRule", "SplitRows", "cta_iterations", "iteration_seconds", "kernel_chunk_rule",
-           "kv_length", "launch_list_seconds", "lockstep", "partial_bytes", "persistent_tiles",
-           "tensor_clocks_per_flop"]
+           "kv_length", "launch_list_seconds", "lockstep", "partial_bytes", "persistent_cta",
+           "persistent_tiles", "tensor_clocks_per_flop"]
