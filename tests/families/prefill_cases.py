@@ -11,9 +11,8 @@ import pytest
 
 from ptxc.kernels import FAMILIES, load_text
 from ptxc.pipeline.compiler import lower
-from ptxc.pipeline.exprs import evaluate
 from ptxc.reference import from_device, max_abs_error, to_device, tolerance
-from ptxc.runtime import POISON, launch_geometry, pack_args
+from ptxc.runtime import EMU_NUM_SMS, POISON, apply_dim_rule, launch_geometry, pack_args
 from ptxc.runtime.tensor_maps import emu_tensor_map
 
 emu = pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
@@ -62,12 +61,13 @@ def run(text: str, seq_q: int, seq_k: int, *, batch: int = 2, target: str = "sm_
         ctas: int | None = None):
     """Run in the emulator; returns (outputs, launch stats, spec, inputs). `transform(spec,
     inputs)` may reshape the random inputs (kept representable in the dtype). `ctas`: a
-    persistent kernel's grid (the persistent_ctas dim; default: one CTA per work tile)."""
+    persistent kernel's grid (the persistent_ctas dim; default: its rule, as the runtime
+    resolves it on the emulator)."""
     spec, ptx, kernel, _ = compiled(text, target)
     dims = {"batch": batch, "seq_q": seq_q, "seq_k": seq_k}
     if "persistent_ctas" in kernel["grid"]:
         rule = PREFILL.interface(spec).dim_rules["persistent_ctas"]
-        dims["persistent_ctas"] = ctas or evaluate(rule["auto"]["ctas"], dims)
+        dims["persistent_ctas"] = ctas or apply_dim_rule(rule, dims, EMU_NUM_SMS)
     inputs = PREFILL.make_inputs(spec, dims, np.random.default_rng(seed))
     if transform is not None:
         inputs = transform(spec, inputs)

@@ -86,7 +86,7 @@ class PrefillPath:
     applies: Callable[[KernelSpec, Target], bool]
     configure: Callable
     resolve_tile: Callable[[KernelSpec, Target], dict]
-    body: Callable       # (b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes)
+    body: Callable       # (b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes, batch)
     keys: tuple[str, ...]
     shapes: str
     targets: tuple[str, ...]     # where it runs, for refusals (the last path: every target)
@@ -105,7 +105,7 @@ def _wgmma_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes, b
                                    math_type=WgmmaMath, mainloop="wgmma")
 
 
-def _portable_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes) -> None:
+def _portable_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes, batch=None) -> None:
     prefill_cp_async.emit_body(b, spec, cfg, ptrs, strides, seq_q, seq_k, mask_bytes,
                                slot=thread_slot, math_type=MmaMath if cfg.tensor_cores else SimtMath,
                                mainloop="cp_async")
@@ -211,11 +211,9 @@ def build(spec: KernelSpec, target: Target) -> Program:
     seq_k = param("seq_k", U32, ParamSource("dim", name="seq_k"))
     mask_bytes = mask_bytes_param(spec, param)
     persistent = getattr(cfg, "persistent", False)
-    if persistent:    # the work tiles' count (PersistentTiles)
-        batch = param("batch", U32, ParamSource("dim", name="batch"))
-        path.body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes, batch=batch)
-    else:
-        path.body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes)
+    # a persistent kernel counts its work tiles (PersistentTiles) from the batch dim
+    batch = param("batch", U32, ParamSource("dim", name="batch")) if persistent else None
+    path.body(b, spec, cfg, ptrs, strides, seq_q, seq_k, params, mask_bytes, batch)
     b.ret()
     grid = (PERSISTENT_DIM, "1", "1") if persistent else \
         (f"cdiv(seq_q, {cfg.cta_rows})", str(spec.num_heads), "batch")
