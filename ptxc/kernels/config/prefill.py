@@ -76,7 +76,8 @@ FIELDS = FamilyFields(
               "resident slot (the persistent_ctas dim: SMs x CTAs per SM, from the device at "
               "launch) whose CTAs take the query tiles in turn; the producer loads the next "
               "tile's Q and K/V during this tile's epilogue (FlashAttention-3's persistent "
-              "scheduler; untimed, hence off; docs/kernels.md \"Hopper\")", default=None),
+              "scheduler; block_m 64 or 128, 32-key tiles at d256; untimed, hence off; "
+              "docs/kernels.md \"Persistent CTAs\")", default=None),
         Field("q_tiles", "int", "sm_100a warp-specialised tcgen05 kernel: Q tiles of 128 rows per "
               "CTA sharing each K/V tile (2: FlashAttention-4's two tiles, their softmax warps' "
               "work interleaved on the MMA warp; docs/kernels.md \"tcgen05\")",
