@@ -30,6 +30,7 @@ class BatchContext:
         self.scratch_flag = np.zeros(n, np.bool_)
         self.regs = {name: RegStorage(t, n) for name, t in program.env.regs.items()}
         self.gmem, self.param_bytes = gmem, param_bytes
+        self.min_ctas_per_sm = program.entry.minnctapersm or 1   # setmaxnreg's entry count
         self.smem = SharedMemory(nctas, smem_bytes)
         self.smem.all_index = self.all_index
         self.traffic = traffic          # a TrafficCounter, or None when not counting

@@ -101,15 +101,16 @@ REGISTER_FILE = 65536       # 32-bit registers per SM (sm_90, sm_100)
 
 class RegisterPool:
     """setmaxnreg's per-CTA pool (PTX ISA "setmaxnreg"). Every warpgroup starts at the kernel's
-    register count at entry, which ptxc pins (.minnctapersm 1 on every kernel that moves
-    registers): ptxas then gives each thread the file's share, 65536 / threads in multiples of
-    8 (255 where that is 256), which the hardware holds in granules of 8. The pool starts
+    register count at entry, which ptxc pins (.minnctapersm N on every kernel that moves
+    registers: 1, or 2 for varlen's packed tile): ptxas then gives each thread the file's share,
+    65536 / (threads x N) in multiples of 8 (255 where that is 256), which the hardware holds in
+    granules of 8. The pool starts
     empty -- the CTA holds those registers, no more -- .dec adds (count - new) x 128 and .inc
     takes (new - count) x 128, or waits (the executor parks the warpgroup; a release wakes it)."""
 
     def __init__(self, ctx):
         self.ctx = ctx
-        self.entry = min(256, REGISTER_FILE // ctx.nthreads // 8 * 8)
+        self.entry = min(256, REGISTER_FILE // (ctx.nthreads * ctx.min_ctas_per_sm) // 8 * 8)
         groups = ctx.tpad // 128 if ctx.tpad % 128 == 0 else 0
         self.count = np.full((ctx.nctas, max(groups, 1)), self.entry, np.int64)
         self.free = np.zeros(ctx.nctas, np.int64)

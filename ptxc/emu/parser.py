@@ -295,6 +295,7 @@ def _parse_entry(text, m, close, body_open, body_close, line_of, module_shared) 
             reqntid = dims
         else:
             maxntid = dims
+    ctas = re.search(r"\.minnctapersm\s+(\d+)", perf)
     regs, shared, body, labels = [], list(module_shared), [], []
     # Nested { } scopes (inline asm) may declare registers, often without '%' and again in
     # every scope: each such declaration gets a unique name, used inside its scope only.
@@ -330,4 +331,4 @@ def _parse_entry(text, m, close, body_open, body_close, line_of, module_shared) 
             ins = parse_instruction(stmt, ln)
             body.append(_rename(ins, scopes[-1]) if scopes[-1] else ins)
     return Entry(name, line, params, tuple(regs), tuple(shared), tuple(body), tuple(labels),
-                 reqntid, maxntid)
+                 reqntid, maxntid, int(ctas.group(1)) if ctas else None)

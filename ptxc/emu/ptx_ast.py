@@ -118,6 +118,7 @@ class Entry:
     labels: tuple               # of (label, pc)
     reqntid: Union[tuple, None]
     maxntid: Union[tuple, None]
+    minnctapersm: Union[int, None] = None    # the CTAs per SM ptxas keeps registers for
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,19 @@ def test_setmaxnreg_moves_registers_through_the_pool():
     run(both, "regs_k", (2,), (384,), [])
 
 
+def test_setmaxnreg_pool_follows_minnctapersm():
+    """.minnctapersm 2 at 256 threads: 128 registers on entry (varlen's warp-specialised packed
+    tile): a producer at 56 gives the consumers 200 -- exactly the pool; 208 waits for ever,
+    and the .minnctapersm 1 entry count (255) would make 200 a decrease."""
+    two = lambda inc, dec: regs_kernel(128, inc, dec).replace(     # noqa: E731
+        ".visible .entry regs_k()", ".visible .entry regs_k()\n.maxntid 256, 1, 1\n.minnctapersm 2")
+    run(two(200, 56), "regs_k", (2,), (256,), [])
+    with pytest.raises(EmulationError, match="setmaxnreg.inc waits for ever: .* started with 128 a thread"):
+        run(two(208, 56), "regs_k", (1,), (256,), [])
+    with pytest.raises(EmulationError, match="may only raise the count"):     # 256 at entry
+        run(regs_kernel(128, 200, 56), "regs_k", (1,), (256,), [])
+
+
 def test_setmaxnreg_checks_its_operand_and_warpgroups():
     with pytest.raises(EmulationError, match="whole warpgroups"):
         run(regs_kernel(64, 240, 40), "regs_k", (1,), (96,), [])
