@@ -246,7 +246,9 @@ def test_report_counts_dense_mask_keys(tmp_path):
 
 
 WGMMA_TREES = [   # (case, extra keys, tile)
+    # d128: the producer warpgroup's tile (its default), and the one-issuer tile
     (dict(dtype="bf16", head_dim=128, gqa="gqa4", layout="page16", splits="auto"), "", ""),
+    (dict(dtype="f16", head_dim=128, gqa="gqa8", layout="page16", splits=2), "", "warp_specialize = false"),
     (dict(dtype="f16", head_dim=64, gqa="gqa8", layout="contiguous", splits=3), "", 'kv_loads = "cp_async"'),
     (dict(dtype="bf16", head_dim=256, gqa="gqa4", layout="page1", splits=1),
      "sliding_window = 21\nattention_sinks = true", ""),

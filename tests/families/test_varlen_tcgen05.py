@@ -194,7 +194,7 @@ def test_which_tiles_are_warp_specialised():
         assert got.get("warp_specialize", False) == ws, (d, extra)
         assert got.get("threads", 32 * got["num_warps"]) == \
             32 * got["num_warps"] + 64 * ws + 128 * bool(got.get("correction"))
-    for text, target in ((spec_body("page16", head_dim=128) + tile + WS, "sm_90a"),
+    for text, target in ((spec_body("page16", head_dim=128) + tile + WS, "sm_90"),
                          (spec_body("page4", head_dim=128) + tile + WS, "sm_100a"),
                          (spec_body("page16", head_dim=96) + tile + WS, "sm_100a")):
         with pytest.raises(SpecError) as e:

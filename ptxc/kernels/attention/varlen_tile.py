@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...ir import B32, F32, S64, U64, Addr, KernelBuilder, Reg
+from ...targets import SMEM_ALLOC_UNIT, TARGETS
 from .. import common as C
 from ..config.prefill import PrefillConfig
 from ..config.tcgen05 import (PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS,
@@ -19,6 +20,7 @@ from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8 import group_scaled, kind, kv_dtype
 from ..kv.kv_fp8_stage import StagedFP8Config, StagingGeom
 from ..mainloop.tiles import CHUNK, SWIZZLE, SwizzledGeom
+from ..mainloop.tma_ws_pipeline import consumer_regs
 from ..math.mma import MmaMath
 from .packed_tile import VarlenCtx
 from .variant import finish_rows
@@ -129,6 +131,7 @@ def tma_applies(kv: KVAccess) -> bool:
 
 
 PATH = "wgmma.m64nNk16"
+WS_TWO_CTA_MAX_DV = 128   # the widest V whose P·V fits 128 registers (ws_ctas_per_sm)
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,11 @@ class WgmmaTileConfig(WgmmaConfig):
 
     finishes_whole_tiles: ClassVar[bool] = True   # registers to spare (PrefillConfig)
     fp8: bool = False
+
+    @property
+    def consumer_regs(self) -> int:
+        """tile.warp_specialize: the consumers' share at min_ctas_per_sm CTAs an SM."""
+        return consumer_regs(self.block_m // ROWS_PER_WARPGROUP, max(1, self.min_ctas_per_sm))
 
     @property
     def q_region_bytes(self) -> int:
@@ -229,9 +237,46 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
     with kv_loads = "cp_async", by per-thread cp.async."""
     fp8 = kind(spec) is not None      # TMA cannot dequantise: FP8 bytes come by cp.async
     tma = _loads_by_tma(spec, kv)
+    ws = tma and warp_specialized(spec, cfg)
     return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
                            cfg.num_stages, True, cfg.dv, 1,
-                           kv_loads="tma" if tma else "cp_async", fp8=fp8, f16_math=cfg.f16_math)
+                           kv_loads="tma" if tma else "cp_async", fp8=fp8, f16_math=cfg.f16_math,
+                           warp_specialize=ws, min_ctas_per_sm=ws_ctas_per_sm(cfg) if ws else 0)
+
+
+# The warp-specialised tile is the default where it keeps what the one-issuer tile has -- CTAs
+# per SM, stages, bytes in flight -- on static figures alone (no Hopper GPU lent since; ptxas
+# 13.5, bench/loop_quality.py, docs/performance.md "varlen on wgmma"): at d128 two CTAs either
+# way, 64 KiB in flight each, and every consumer warp's iteration is 228 instructions against
+# 286-313 (1.73 against 2.37 per HGMMA-equivalent). At d64 (4 CTAs against 2), DeepSeek's
+# 192 / 128 (3 against 2) and d256 (2 against 1) it halves or thirds the bytes in flight per
+# SM, so there it is opt-in.
+WS_DEFAULT_HEAD_DIMS = (128,)
+
+
+def warp_specialized(spec, cfg: PrefillConfig) -> bool:
+    """tile.warp_specialize on the sm_90a TMA tile: a producer warpgroup's first warp issues
+    the K/V boxes under full/empty mbarriers and the block_m / 16 consumer warps only compute
+    (tma_ws_pipeline.py; docs/kernels.md "wgmma (sm_90a): the packed tile"). Default: one
+    consumer warpgroup at head_dim = head_dim_v in WS_DEFAULT_HEAD_DIMS."""
+    default = (cfg.block_m == ROWS_PER_WARPGROUP and cfg.head_dim == cfg.dv
+               and cfg.head_dim in WS_DEFAULT_HEAD_DIMS and ws_ctas_per_sm(cfg) == 2)
+    return bool(spec.tile_dict().get("warp_specialize", default))
+
+
+def ws_ctas_per_sm(cfg: PrefillConfig) -> int:
+    """The warp-specialised tile's CTAs per SM (its .minnctapersm, which setmaxnreg's budgets
+    divide): two for one consumer warpgroup where two fit in shared memory and V is at most
+    128 wide, as the one-issuer tile runs (128 registers on entry; the producer keeps 56, the
+    consumers get 200), else one (two consumer warpgroups at two CTAs would get 104; ptxas
+    checks every instruction against the entry count, not setmaxnreg's, and d256's m64n256
+    P·V needs 158)."""
+    t = TARGETS["sm_90a"]
+    tile = WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
+                           cfg.num_stages, True, cfg.dv, 1, kv_loads="tma", warp_specialize=True)
+    per_cta = -(-tile.smem_bytes // SMEM_ALLOC_UNIT) * SMEM_ALLOC_UNIT + t.reserved_smem_per_cta
+    return 2 if (cfg.block_m == ROWS_PER_WARPGROUP and cfg.dv <= WS_TWO_CTA_MAX_DV
+                 and 2 * per_cta <= t.smem_per_sm) else 1
 
 
 # The load / MMA / softmax warps (tile.warp_specialize) are the default for the 64-row tile at
@@ -276,7 +321,9 @@ def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
               if getattr(cfg, "dequant_warpgroup", False) else {}),
            **({"tmem_columns": cfg.tmem_columns} if tc else {}),
            **({"warp_specialize": True, "threads": cfg.launch_threads}
-              if tc and cfg.warp_specialize else {}),
+              if cfg.warp_specialize else {}),
+           **({"setmaxnreg": [cfg.producer_regs, cfg.consumer_regs]}
+              if cfg.warp_specialize and not tc else {}),
            **({"correction": True} if tc and cfg.correction else {})}
     out.pop("smem_row_stride")
     return out

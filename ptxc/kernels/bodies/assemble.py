@@ -182,13 +182,18 @@ def _latent_seesaw(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transfo
 
 
 def _tma_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid, lane,
-            consumers: int, pingpong: bool):
+            consumers: int, pingpong: bool, ctas_per_sm: int = 1, uniform_roles: bool = False):
+    """A producer warpgroup and consumer warpgroups (the packed tile's: its producer's lanes
+    sharing the boxes through `loads.issue_setup`, two CTAs an SM)."""
+    assert tiles.mask_of is None, "packed masks keep the mma.sync kernel (config/wgmma.uses_wgmma)"
     run_tma_ws_pipeline(b, stages=buf.stages, consumers=consumers, kv_bytes=buf.k_bytes,
                         v_bytes=buf.v_bytes, q_bytes=buf.q_bytes, q_smem=buf.q, k_smem=buf.k,
                         v_smem=buf.v, bars=buf.bars, tid=tid, lane=lane, n_tiles=tiles.n_tiles,
                         n_full=tiles.n_full, key0_of=tiles.key0_of, copy_tile=loads.copy_tile,
                         make_math=math, transform_of=transform_of, lo_full=tiles.lo_full,
-                        pingpong=pingpong)
+                        pingpong=pingpong, ctas_per_sm=ctas_per_sm,
+                        issue_setup=loads.issue_setup, last_v_landed=loads.last_v_landed,
+                        uniform_roles=uniform_roles)
 
 
 def _latent_dequant(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid,

@@ -62,6 +62,7 @@ from ..mainloop.tcgen05_ws_pipeline import MMA_WARP_BARRIER
 from ..mainloop.seesaw_pipeline import SEESAW_STAGES
 from ..mainloop.tma_pipeline import barrier_bytes, refill_phase
 from ..math.seesaw import WARPGROUP, SeesawExchange, warpgroup_barrier
+from ..config.wgmma import ROWS_PER_WARPGROUP as WARPGROUP_ROWS
 from ..math.tcgen05 import Correction, Tcgen05Math
 from ..math.umma import UmmaIssue, mma_region_bytes
 from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
@@ -310,6 +311,10 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     def transform_of(m):
         return score_transform(b, spec, m)
 
+    if ws and not isinstance(cfg, Tcgen05TileConfig):     # sm_90a: a producer warpgroup
+        emit_ws_tile(b, cfg, tile, ctx, copies, tail_rows, key_tiles, transform_of,
+                           lambda: VarlenWgmmaMath(b, ctx, ptrs, strides))
+        return
     if ws:          # sm_100a: load, MMA and softmax warps (tcgen05_ws_pipeline.py)
         bars = b.add(tile.v_smem, stages * v_bytes)
         mma_bars = b.add(bars, barrier_bytes(stages, True))
@@ -379,6 +384,40 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     assemble(b, "tma", buffers=Buffers(stages, tile.smem, tile.k_smem, tile.v_smem, kv_bytes, v_bytes,
                                        0, bars),   # Q came by cp.async
              tiles=key_tiles, loads=loads(), math=prebuilt(math), transform_of=transform_of)
+
+
+def emit_ws_tile(b: KernelBuilder, cfg, tile, ctx, copies, tail_rows, key_tiles: KeyTiles,
+                       transform_of, make_math) -> None:
+    """The packed tile warp-specialised on sm_90a (tile.warp_specialize; tma_ws_pipeline.py):
+    warps 0 .. 4C-1 compute (C = block_m / 64 consumer warpgroups, each warp its 16 rows as
+    in the one-issuer tile), then a producer warpgroup whose first warp issues, at the CTAs
+    per SM of cfg.min_ctas_per_sm (setmaxnreg's budgets are shares of that). Its lanes share
+    a tile's boxes (box k by lane (k + 1) mod 32, lane 0 arriving with the expect_tx) and load
+    the page ids one K request ahead; the consumers' loop has no issue block and no CTA
+    barrier: they wait full[s] and release empty[s]. Q was gathered by the consumers before
+    the pipeline's first barrier (q_bytes 0). The rows of the last V tile at or past L are zeroed by the consumers once it
+    landed, fenced for wgmma and published on their named barrier."""
+    from ..mainloop.tma_ws_pipeline import CONSUMER_BARRIER
+
+    def issue_setup():
+        copy_tile, issuer = copies(ctx.lane, 32)
+        return copy_tile, b.setp("eq", ctx.lane, 0), issuer
+
+    def tail(v_tile: Reg) -> None:
+        nvalid = tail_rows()
+        with b.if_then(b.setp("lt", nvalid, cfg.block_n)):     # uniform over the consumers
+            zero_tail_rows(b, cfg, ctx.tid, v_tile, nvalid)   # cfg.threads: the consumers
+            b.fence_proxy_async()
+            b.bar_sync(CONSUMER_BARRIER, cfg.threads)
+
+    stages, kv_bytes, v_bytes = cfg.num_stages, cfg.kv_geom.bytes, cfg.v_geom.bytes
+    bars = b.add(tile.v_smem, stages * v_bytes)
+    assemble(b, "tma_ws", buffers=Buffers(stages, tile.smem, tile.k_smem, tile.v_smem, kv_bytes,
+                                          v_bytes, 0, bars),    # Q came by cp.async
+             tiles=key_tiles, loads=Loads(issue_setup=issue_setup, last_v_landed=tail),
+             math=make_math, transform_of=transform_of, tid=ctx.tid, lane=ctx.lane,
+             consumers=cfg.block_m // WARPGROUP_ROWS, pingpong=False,
+             ctas_per_sm=cfg.min_ctas_per_sm, uniform_roles=True)
 
 
 def emit_seesaw(b: KernelBuilder, cfg, tile, ctx, copies, q_landed, tail_rows, key_tiles: KeyTiles,

@@ -77,9 +77,12 @@ FIELDS = FamilyFields(
               "warps rescale O in tensor memory when a row's running max grew past the lazy "
               "slack (FlashAttention-4's correction warpgroup; docs/kernels.md \"tcgen05\")",
               default=None),
-        Field("warp_specialize", "bool", "sm_100a tcgen05 kernel: a load warp issues the TMA "
+        Field("warp_specialize", "bool", "TMA kernels: on sm_100a a load warp issues the TMA "
               "boxes and an MMA warp the tcgen05.mma under mbarriers, the block_m / 16 softmax "
-              "warps only compute (FlashAttention-4's roles; docs/kernels.md \"Blackwell\")",
+              "warps only compute (FlashAttention-4's roles; docs/kernels.md \"Blackwell\"); on "
+              "sm_90a a producer warpgroup issues the boxes under full/empty mbarriers and the "
+              "consumer warpgroups only compute (FlashAttention-3's split; docs/kernels.md "
+              "\"wgmma (sm_90a): the packed tile\")",
               default=None),
     ),
 )
@@ -120,15 +123,28 @@ def validate(spec: KernelSpec) -> None:
         raise SpecError(f"kv_loads = \"tma\" with kv_dtype {spec.opt('kv_dtype')!r}: TMA copies bytes "
                         f"as they are, and FP8 tiles are dequantised after cp.async lands them; "
                         f"allowed: \"cp_async\" or drop the key", key="tile.kv_loads")
-    for key in ("warp_specialize", "correction"):
-        from ..attention.varlen_tile import Tcgen05TileConfig
-        if spec.tile_dict().get(key) and not any(
-                isinstance(configure(spec, TARGETS[t]), Tcgen05TileConfig) for t in spec.targets):
-            raise SpecError(f"{key} = true with dtype {spec.dtype}, head_dim "
-                            f"{spec.head_dim}, targets {', '.join(spec.targets)}: only the sm_100a "
-                            f"tcgen05 kernel has load, MMA and correction warps (f16/bf16 caches "
-                            f"loaded by TMA, head_dim and head_dim_v 64, 128, 192 or 256, block_m "
-                            f"64 or 128); add sm_100a or drop the key", key=f"tile.{key}")
+    from ..attention.varlen_tile import Tcgen05TileConfig, WgmmaTileConfig
+    from ..attention.latent_tile import LatentWgmmaConfig
+    if spec.tile_dict().get("correction") and not any(
+            isinstance(configure(spec, TARGETS[t]), Tcgen05TileConfig) for t in spec.targets):
+        raise SpecError(f"correction = true with dtype {spec.dtype}, head_dim "
+                        f"{spec.head_dim}, targets {', '.join(spec.targets)}: only the sm_100a "
+                        f"tcgen05 kernel has correction warps (f16/bf16 caches loaded by TMA, "
+                        f"head_dim and head_dim_v 64, 128, 192 or 256, block_m 64 or 128); add "
+                        f"sm_100a or drop the key", key="tile.correction")
+    if spec.tile_dict().get("warp_specialize"):
+        def specialised(cfg) -> bool:   # tcgen05's roles, or the sm_90a TMA tile's producer
+            return isinstance(cfg, Tcgen05TileConfig) or (
+                isinstance(cfg, WgmmaTileConfig) and not isinstance(cfg, LatentWgmmaConfig)
+                and cfg.tma)
+        if not any(specialised(configure(spec, TARGETS[t])) for t in spec.targets):
+            raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "
+                            f"{spec.head_dim}, kv_dtype {kv_fp8.kv_dtype(spec)}, targets "
+                            f"{', '.join(spec.targets)}: only the kernels fed by TMA have a "
+                            f"producer (the sm_90a wgmma tile: f16/bf16 caches, contiguous or "
+                            f"pages of >= 8 rows, head_dim and head_dim_v 64, 128, 192 or 256, "
+                            f"block_m 64 or 128; the sm_100a tcgen05 tile); add sm_90a or "
+                            f"sm_100a, or drop the key", key="tile.warp_specialize")
     if spec.tile_dict().get("kv_loads") == "tma":
         from ..attention.varlen_tile import WgmmaTileConfig
         if not any(isinstance(configure(spec, TARGETS[t]), WgmmaTileConfig) for t in spec.targets):
@@ -156,8 +172,11 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     warps = given.get("num_warps") or bm // 16 * vsplit
     bn = given.get("block_n") or narrow_block_n(
         spec.family, spec, target, 64 if spec.head_dim <= 128 else 32 if spec.head_dim <= 256 else 16)
-    if "block_n" not in given and tree_on_wgmma(spec, target) and spec.head_dim == 128:
-        bn = 32   # the tree's per-row state on top of a 64 x 64 S: 255 registers, spills with a variant
+    if "block_n" not in given and tree_on_wgmma(spec, target) and (
+            spec.head_dim == 128 or given.get("warp_specialize")):
+        # the tree's per-row state on top of a 64 x 64 S: 255 registers, spills with a variant;
+        # on the producer warpgroup's tile (128 registers before the consumers' setmaxnreg) at d64
+        bn = 32
     smem_limit = target.max_smem_per_cta if target is not None else 1 << 30
     cp_async = target.has_cp_async if target is not None else True
     # FP8 caches staged by cp.async (kv_fp8_stage.py) take the most stages that keep the CTAs

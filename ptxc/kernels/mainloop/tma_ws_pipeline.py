@@ -1,4 +1,5 @@
-"""The warp-specialised K/V tile loop of the sm_90a TMA prefill (tile.warp_specialize = true):
+"""The warp-specialised K/V tile loop of the sm_90a TMA prefill and of varlen's packed tile
+(tile.warp_specialize = true; the packed tile's differences are run_tma_ws_pipeline's options):
 tma_pipeline.py's schedule with its copies moved to a producer warpgroup and the CTA barrier
 of each iteration replaced by `empty[]` mbarriers (FlashAttention-3's producer/consumer split,
 hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp).
@@ -51,18 +52,19 @@ PINGPONG_BARRIERS = (2, 3)   # warpgroup g's turn (tile.pingpong)
 REGISTER_FILE = 65536     # 32-bit registers per SM (sm_90, sm_100)
 
 
-def entry_regs(threads: int) -> int:
-    """ptxas's register count at entry under .minnctapersm 1 (which every kernel that moves
-    registers carries): the file's share in multiples of 8, at most 255 (256 threads: 255)."""
-    return min(255, REGISTER_FILE // threads // 8 * 8)
+def entry_regs(threads: int, ctas: int = 1) -> int:
+    """ptxas's register count at entry under .minnctapersm `ctas` (which every kernel that
+    moves registers carries): the file's share in multiples of 8, at most 255 (256 threads at
+    one CTA an SM: 255)."""
+    return min(255, REGISTER_FILE // (threads * ctas) // 8 * 8)
 
 
-def raised_regs(threads: int, kept: int, raised_threads: int) -> int:
+def raised_regs(threads: int, kept: int, raised_threads: int, ctas: int = 1) -> int:
     """The budget setmaxnreg.inc can give `raised_threads` threads: the CTA's pool is what it
     started with (threads x the entry count, allocated in granules of 8) less the registers
     the other warpgroups keep (`kept`, in all) -- an .inc takes only what a .dec released, and
     one asking more waits for ever. In multiples of 8, at most 256."""
-    held = -(-entry_regs(threads) // 8) * 8
+    held = -(-entry_regs(threads, ctas) // 8) * 8
     return min(256, (threads * held - kept) // raised_threads // 8 * 8)
 
 
@@ -73,11 +75,12 @@ def producer_regs(consumers: int) -> int:
     return 24 if consumers > 1 else 56
 
 
-def consumer_regs(consumers: int) -> int:
+def consumer_regs(consumers: int, ctas: int = 1) -> int:
     """The consumers' budget after setmaxnreg.inc: what the producer leaves of the CTA's
-    pool (two consumer warpgroups: 240, as FlashAttention-3's 24 / 240 at 168 on entry)."""
+    pool (two consumer warpgroups at one CTA an SM: 240, as FlashAttention-3's 24 / 240 at 168
+    on entry; the packed tile's one consumer warpgroup at two CTAs an SM: 200 of 128)."""
     threads = PRODUCER_THREADS + 128 * consumers
-    return raised_regs(threads, PRODUCER_THREADS * producer_regs(consumers), 128 * consumers)
+    return raised_regs(threads, PRODUCER_THREADS * producer_regs(consumers), 128 * consumers, ctas)
 
 
 class Turns:
@@ -175,12 +178,25 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
                         q_bytes: int, q_smem: Reg, k_smem: Reg, v_smem: Reg, bars: Reg, tid: Reg,
                         lane: Reg, n_tiles: Reg, n_full: Reg, key0_of, copy_tile, make_math,
                         transform_of, lo_full: Reg | None = None,
-                        v_bytes: int | None = None, pingpong: bool = False) -> None:
-    """run_tma_pipeline's arguments (see there) for a CTA of `consumers` + 1 warpgroups;
-    `make_math()` builds the consumers' WgmmaMath inside their branch, after setmaxnreg.inc (its
-    accumulators would otherwise be live under the launch budget: ptxas spills them at d128),
-    and `transform_of(math)` gives its score transform (or None); its epilogue ends the branch.
-    `pingpong` (two consumer warpgroups): they take turns at issuing their wgmma (Turns)."""
+                        v_bytes: int | None = None, pingpong: bool = False,
+                        ctas_per_sm: int = 1, issue_setup=None,
+                        last_v_landed=None, uniform_roles: bool = False) -> None:
+    """run_tma_pipeline's arguments (see there) for a CTA of `consumers` warpgroups and a
+    producer after them; `make_math()` builds the consumers' WgmmaMath inside their branch,
+    after setmaxnreg.inc (its accumulators would otherwise be live under the launch budget:
+    ptxas spills them at d128), and `transform_of(math)` gives its score transform (or None);
+    its epilogue ends the branch. `pingpong` (two consumer warpgroups): they take turns at
+    issuing their wgmma (Turns).
+
+    For the GQA-packed tile (varlen_tma.py): `ctas_per_sm` 2 (its .minnctapersm: the budgets
+    are shares of a CTA's pool at 128 registers on entry); `issue_setup()` -> (copy_tile,
+    leader, issuer), built in the producer's first warp, shares a tile's boxes among its lanes
+    (leader arrives with the expect_tx); and
+    `last_v_landed(v_addr)` runs on the consumers once the last V tile landed, before the P·V
+    that reads it (they may rewrite it: the rows past the sequence's end; the hook ends with
+    their named barrier). `uniform_roles`: the roles by the warp index lane 0 holds (a shfl),
+    which ptxas proves warp-uniform -- the packed tile needs it: with `tid >= 128 C` ptxas took
+    its consumers' branch for a divergent path and serialised their wgmma (C7519)."""
     S, C = stages, consumers
     assert not pingpong or C == 2, "ping-pong takes two consumer warpgroups"
     v_bytes = kv_bytes if v_bytes is None else v_bytes
@@ -189,17 +205,24 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
     empty0 = (S + 1) * MBARRIER_BYTES
     init_barriers(b, tid, bars, S, C)
 
-    with b.if_then(b.setp("ge", tid, 128 * C)):                          # the producer
+    producer = b.setp("ge", tid, 128 * C)
+    if uniform_roles:    # the warp index as lane 0 holds it: a value ptxas proves warp-uniform
+        producer = b.setp("ge", b.shfl("idx", b.shr(tid, 5), 0), 4 * C)
+    with b.if_then(producer):                                            # the producer
         b.setmaxnreg(False, producer_regs(C))
         # its first warp runs the loop (warp-uniform for ptxas: no loop over the lanes around
-        # each TMA box), one elected lane issuing
+        # each TMA box), one elected lane issuing -- or its lanes sharing the boxes
         warp = b.shfl("idx", b.shr(tid, 5), 0)
         with b.if_then(b.setp("eq", warp, 4 * C)):
+            issuing = dict(copy_tile=copy_tile, warp_wide=True)
+            if issue_setup is not None:
+                tile_copy, leader, issuer = issue_setup()
+                issuing = dict(copy_tile=tile_copy, leader=leader, issuer=issuer)
             issue_loads(b, stages=S, kv_bytes=kv_bytes, v_bytes=v_bytes, q_bytes=q_bytes,
                         q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, bars=bars,
-                        n_tiles=n_tiles, copy_tile=copy_tile, warp_wide=True)
+                        n_tiles=n_tiles, **issuing)
     with b.else_():                                                      # the consumers
-        b.setmaxnreg(True, consumer_regs(C))
+        b.setmaxnreg(True, consumer_regs(C, ctas_per_sm))
         math = make_math()
         transform = transform_of(math)
         first_lane = b.setp("eq", lane, 0)
@@ -221,6 +244,8 @@ def run_tma_ws_pipeline(b: KernelBuilder, *, stages: int, consumers: int, kv_byt
             advance_barrier(b, bar_off, parity, S)
         with b.if_then(b.setp("gt", n_tiles, 0)):       # O += P(n-1)·V(n-1)
             b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
+            if last_v_landed is not None:
+                last_v_landed(b.add(v_smem, ring.v_prev))
             if turns is not None:
                 turns.begin()
             math.issue_pv(b.add(v_smem, ring.v_prev))

@@ -1,0 +1,226 @@
+"""varlen's sm_90a TMA tile warp-specialised (tile.warp_specialize; varlen_tma.emit_ws_tile on
+tma_ws_pipeline.run_tma_ws_pipeline): a producer warpgroup whose first warp's lanes share each
+tile's boxes and load the page ids, one or two consumer warpgroups that wait full[s] and release
+empty[s] with no CTA barrier in their loop. Emulator numerics (race checker and deadlock
+detection on) against fp64 on the ragged batches of test_varlen_tma.py, whose caches hold NaN at
+and past every L and in every unused page; outputs bit-identical to the one-issuer tile (the
+same math in the same order); the protocol's mistakes caught; the key's rules, the launch and
+ptxas with 0 spills."""
+
+import re
+
+import numpy as np
+import pytest
+
+from conftest import build_kernel
+from ptxc.errors import EmulationError, SpecError
+from ptxc.kernels import FAMILIES, load_text
+from ptxc.spec.model import KernelSpec
+from ptxc.targets import TARGETS
+from families.test_varlen_tma import TMA, check_poisoned, spec_body
+
+pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
+VARLEN = FAMILIES["varlen"]
+SM90A = ("sm_90a",)
+SLOW = pytest.mark.slow
+WS = "warp_specialize = true"
+OFF = "warp_specialize = false"
+
+
+def build(tmp_path, layout, tile="", extra="", ws=True, **case):
+    art = build_kernel(tmp_path, "varlen", spec_body(layout, **case) + extra,
+                       tile="\n".join(x for x in (TMA, WS if ws else OFF, tile) if x), targets=SM90A)
+    target = art.meta["targets"]["sm_90a"]
+    assert target["config"]["kv_loads"] == "tma"
+    assert bool(target["config"].get("warp_specialize")) == ws
+    return art, KernelSpec.from_dict(art.meta["spec"])
+
+
+@pytest.mark.parametrize("layout,tile,case", [
+    ("page16", "block_n = 32", dict(dtype="f16", head_dim=64, gqa="gqa4", causal=True, splits="auto")),
+    ("contiguous", "block_n = 32", dict(dtype="bf16", head_dim=64, gqa="gqa8", causal=False,
+                                        splits=3)),
+    ("page64", "num_stages = 3", dict(dtype="f16", head_dim=64, gqa="gqa8", causal=True, splits=4)),
+    *(pytest.param(lay, "", dict(dtype=dt, head_dim=d, gqa=g, causal=c, splits=s), marks=SLOW)
+      for dt in ("f16", "bf16") for d in (64, 128, 256) for g in ("gqa4", "gqa8")
+      for c in (True, False) for lay, s in (("page16", 1), ("page64", "auto"), ("contiguous", 3))),
+], ids=lambda x: "-".join(map(str, x.values())) if isinstance(x, dict) else x.replace(" ", ""))
+def test_ragged_batch_with_nan_garbage(tmp_path, layout, tile, case):
+    """Lengths 0 / 1 / 17 / 113, chunks and verifications, q_len > L, pages crossed, splits
+    with empty shares, 2 and 3 stages; NaN past L and in unused pages never reaches O or the
+    LSE: the producer's lanes load the right page ids, the consumers zero the V tail."""
+    art, spec = build(tmp_path, layout, tile, **case)
+    out, inputs = check_poisoned(art, spec, layout)
+    cu = inputs["cu_seqlens_q"]
+    assert np.all(out["o"][cu[6]:cu[7]] == 0)                 # L = 0
+    assert np.all(np.isneginf(out["lse"][cu[6]:cu[7]]))
+
+
+def test_bit_identical_to_the_one_issuer_tile(tmp_path):
+    """The consumers run the one-issuer tile's math in its order: the same bits out."""
+    from families.test_varlen_tma import poison
+    from families.test_varlen_wgmma import LENGTHS, ragged_inputs
+    case = dict(dtype="bf16", head_dim=128, gqa="gqa4", causal=True, splits=3)
+    outs = []
+    for ws in (True, False):
+        art, spec = build(tmp_path / str(ws), "page16", ws=ws, **case)
+        inputs = poison(ragged_inputs(spec, "page16", LENGTHS, 5), "page16", LENGTHS)
+        outs.append(art.run(inputs, target="sm_90a"))
+    for t in outs[0]:
+        assert np.array_equal(outs[0][t], outs[1][t], equal_nan=True), t
+
+
+def test_two_consumer_warpgroups_small_tile_page8(tmp_path):
+    """block_m 128: two consumer warpgroups (384 threads, one CTA an SM, 24 / 240 registers),
+    block_n 16 at head_dim 64 (the tail zeroing's one pass is partial: 128 chunks for 256
+    consumer threads), 8-row pages (two boxes of one swizzle period per slab and tile)."""
+    art, spec = build(tmp_path, "page8", "block_m = 128\nnum_warps = 8\nblock_n = 16",
+                      dtype="bf16", head_dim=64, gqa="gqa4", causal=True, splits=2)
+    target = art.meta["targets"]["sm_90a"]
+    assert target["kernels"][0]["block"] == [384, 1, 1]
+    assert target["config"]["setmaxnreg"] == [24, 240] and target["config"]["min_ctas_per_sm"] == 1
+    check_poisoned(art, spec, "page8", seed=1)
+
+
+@pytest.mark.parametrize("layout,d,dv,case", [
+    ("page64", 192, 128, dict(dtype="bf16", gqa="gqa4", causal=True, splits="auto")),
+    pytest.param("contiguous", 256, 128, dict(dtype="f16", gqa="gqa4", causal=True, splits=1),
+                 marks=SLOW),
+], ids=["deepseek-page64", "d256v128-contiguous"])
+def test_v_narrower_than_k(tmp_path, layout, d, dv, case):
+    """DeepSeek's MLA prefill (192 / 128): V's boxes over its first slabs on the lanes that
+    issue K's, its tail zeroed over its own width by the consumers."""
+    art, spec = build(tmp_path, layout, "", f"\nhead_dim_v = {dv}", head_dim=d, **case)
+    check_poisoned(art, spec, layout, seed=4)
+
+
+@pytest.mark.parametrize("extra", ["sliding_window = 21", "logits_soft_cap = 2.0",
+                                   pytest.param("attention_sinks = true", marks=SLOW),
+                                   pytest.param("alibi = true", marks=SLOW)])
+def test_variants(tmp_path, extra):
+    """The variant seam on the consumers; a window's pages wholly before the first token's
+    window are never read (the producer's lanes give them id -1; NaN there)."""
+    art, spec = build(tmp_path, "page16", "block_n = 32", "\n" + extra, dtype="f16",
+                      head_dim=64, gqa="gqa4", causal=True, splits=2)
+    check_poisoned(art, spec, "page16", seed=2)
+
+
+def test_mixed_batch(tmp_path):
+    """make_inputs' serving mix through the launch-test harness, garbage block-table ids (-1,
+    num_pages + 7) past each sequence."""
+    from conftest import assert_pass
+    from ptxc.runtime.launch_test import check_artifact
+    art, _ = build(tmp_path, "page16", dtype="f16", head_dim=64, gqa="gqa4", causal=True,
+                   splits="auto")
+    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 8}, seed=3))
+
+
+# the consumers' V tail (emit_ws_tile): their stores, fenced for the async proxy, then
+# their named barrier before the last P·V
+TAIL = re.compile(r"\n\tfence\.proxy\.async[^\n]*\n(\tbar\.sync 1, 128;)")
+RELEASE = re.compile(r"\tmbarrier\.arrive\.shared::cta\.b64 %rd\d+, \[%r\d+\];\n")
+# the producer's wait on empty[] (a register address; the consumers' Q wait is at +16)
+EMPTY_WAIT = re.compile(r"\$L__mbar_wait_\d+:\n\tmbarrier\.try_wait\.parity\.shared::cta\.b64 "
+                        r"%p\d+, \[%r\d+\], %r\d+;\n\t@!%p\d+ bra \$L__mbar_wait_\d+;\n")
+
+
+@pytest.mark.parametrize("what,caught", [
+    ("stores", "NaN"),
+    ("fence", "shared-memory proxy race"),
+    ("barrier", "race"),
+    ("release", "mbarrier deadlock"),
+    # the next lap's box lands on a stage whose last box the consumers have not waited for
+    ("empty wait", "write to cp.async destination before"),
+])
+def test_protocol_mistakes_are_caught(tmp_path, monkeypatch, what, caught):
+    """Each step of the protocol, left out, is caught: the V tail's stores (NaN reaches O),
+    its fence (generic stores read by wgmma's async proxy), its barrier (one consumer warp's
+    stores, another's wgmma reads); a consumer warp's release (the producer waits for ever);
+    the producer's wait on empty[] (a box overwrites a stage still in use)."""
+    import ptxc.kernels.bodies.varlen_tma as vt
+    if what == "stores":
+        monkeypatch.setenv("PTXC_CACHE_DIR", str(tmp_path / "cache"))   # not a cached good build
+        monkeypatch.setattr(vt, "zero_tail_rows", lambda *a, **k: None)
+    art, spec = build(tmp_path, "page16", "block_n = 32", dtype="bf16", head_dim=64,
+                      gqa="gqa4", causal=True, splits=1)
+    ptx = art.ptx("sm_90a")
+    edits = {"fence": lambda p: TAIL.sub(r"\n\1", p),
+             "barrier": lambda p: TAIL.sub("\n\tfence.proxy.async.shared::cta;", p),
+             "release": lambda p: RELEASE.sub("", p, count=1),
+             "empty wait": lambda p: EMPTY_WAIT.sub("", p, count=1)}
+    if what in edits:
+        edited = edits[what](ptx)
+        assert edited != ptx, "the edit changed nothing"
+        monkeypatch.setattr(art, "ptx", lambda *_: edited)
+    with pytest.raises((AssertionError, EmulationError), match=caught):
+        check_poisoned(art, spec, "page16", target="sm_90a")
+
+
+# ---- the key, the metadata, ptxas --------------------------------------------------------------
+def _config(text: str, targets=SM90A, tile: str = WS) -> dict:
+    [spec] = load_text(f'[[kernel]]\nname = "k"\nfamily = "varlen"\ntargets = {list(targets)!r}\n'
+                       .replace("'", '"') + text + (f"\n[kernel.tile]\n{tile}\n" if tile else ""))
+    return {t: VARLEN.resolve_tile(spec, TARGETS[t]) for t in targets}
+
+
+def test_config_and_the_register_budgets():
+    """One consumer warpgroup at two CTAs an SM (.minnctapersm 2: 128 registers on entry, the
+    producer keeps 56, the consumers get 200) where two fit in shared memory; the empty[]
+    barriers are the only extra shared memory; other targets unchanged. The default at d128
+    (same CTAs, stages and bytes in flight as the one-issuer tile), opt-in at d64, 192 / 128
+    and d256 (where it would run fewer CTAs: d256 one, 256 / 256 registers)."""
+    text = spec_body("page16", head_dim=128)
+    ws, one = _config(text, ("sm_90", "sm_90a"))["sm_90a"], _config(text, tile=OFF)["sm_90a"]
+    assert ws["warp_specialize"] and ws["threads"] == 256 and ws["min_ctas_per_sm"] == 2
+    assert ws["setmaxnreg"] == [56, 200]
+    assert ws["smem_bytes"] == one["smem_bytes"] + 2 * 8
+    assert "warp_specialize" not in one and "setmaxnreg" not in one
+    assert _config(text, ("sm_90", "sm_90a"))["sm_90"] == _config(text, ("sm_90",), tile="")["sm_90"]
+    assert _config(text, tile="") == _config(text)                     # the default at d128
+    for d, extra in ((64, ""), (192, "\nhead_dim_v = 128"), (256, "")):
+        body_text = spec_body("page64", head_dim=d) + extra
+        assert "warp_specialize" not in _config(body_text, tile="")["sm_90a"], d
+    wide = _config(spec_body("contiguous", head_dim=256))["sm_90a"]
+    assert wide["min_ctas_per_sm"] == 1 and wide["setmaxnreg"] == [56, 256]
+
+
+def test_key_rules():
+    """warp_specialize needs a kernel fed by TMA on some target: one line naming the key."""
+    for text, targets in ((spec_body("page16"), ("sm_80", "sm_90")),
+                          (spec_body("page4", head_dim=128), SM90A),            # cp.async pages
+                          (spec_body("page16", head_dim=128) + '\nkv_dtype = "e4m3"\nkv_scale = "tensor"', SM90A)):
+        with pytest.raises(SpecError) as e:
+            _config(text, targets)
+        assert e.value.key == "tile.warp_specialize" and "\n" not in str(e.value)
+        assert "sm_90a" in str(e.value)
+    with pytest.raises(SpecError, match="correction = true"):
+        _config(spec_body("page16", head_dim=128), SM90A, "correction = true")
+
+
+def test_ptxas_sm90a_zero_spills(tmp_path, toolchain):
+    """head_dim 64 / 128 / 256 (and 192 / 128) x paged / contiguous, split-KV and not, one and
+    two consumer warpgroups: 0 spills, no ptxas performance note (a serialised wgmma: the
+    roles are split by a warp-uniform index); the consumers' loop has no UTMALDG and no CTA
+    barrier, the tensor work of the one-issuer loop."""
+    from conftest import built_sass
+    from ptxc.pipeline.build import run_build
+    kernels = []
+    for i, (d, extra, lay, splits, tile) in enumerate((
+            (64, "", "page16", "auto", ""), (128, "", "page16", "auto", ""),
+            (128, "", "contiguous", 1, "block_m = 128\nnum_warps = 8"),
+            (256, "", "contiguous", 1, ""), (192, "\nhead_dim_v = 128", "page64", "auto", ""))):
+        kernels.append(f'[[kernel]]\nname = "v{i}"\nfamily = "varlen"\ntargets = ["sm_90a"]\n'
+                       f'{spec_body(lay, dtype=("f16", "bf16")[i % 2], head_dim=d, causal=True, splits=splits)}'
+                       f'{extra}\n[kernel.tile]\n{WS}\n{tile}\n')
+    (tmp_path / "k.toml").write_text("\n".join(kernels))
+    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
+    assert summary["verified"] and not summary["problems"] and len(summary["kernels"]) == 5
+    for k in summary["kernels"]:
+        assert k["targets"]["sm_90a"]["spill_bytes"] == 0, k["name"]
+    meta, prof = built_sass(tmp_path / "out", "v1", "sm_90a", "ptxc_v1_split")
+    loop = prof["loops"]["loops"][prof["loops"]["main"]]
+    assert prof["mix"]["LDL"] == prof["mix"]["STL"] == 0
+    assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (8 + 4 + 4, 64 + 64 + 4)
+    # one path for every consumer warp (no issue block on some), no LDGSTS
+    assert "warp_instructions" not in loop and loop["classes"]["ldgsts"] == 0
+    assert loop["instructions"] < 286      # the one-issuer tile's warps: 286-313
