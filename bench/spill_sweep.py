@@ -171,6 +171,18 @@ OPTIONS = (
      "[kernel.tile]\nblock_m = 128\nnum_warps = 8\nwarp_specialize = true\n", "tcws128_100a"),
     ("varlen", True, 'kv_layout = "contiguous"\n' + _EVERY + _SM100A +
      "[kernel.tile]\nwarp_specialize = false\n", "tcone_100a"),
+    # varlen's sm_90a producer warpgroup (the default at d128) at every head dim: plain with a
+    # split, every variant, a tree mask, V narrower than K, and two consumer warpgroups
+    ("varlen", True, _PAGED + _SPLIT + _SM90A + "[kernel.tile]\nwarp_specialize = true\n", "ws_90a"),
+    ("varlen", True, _PAGED + _EVERY + _SM90A + "[kernel.tile]\nwarp_specialize = true\n", "wsvar_90a"),
+    ("varlen", True, _PAGED + _TREE + _SPLIT + _SM90A + "[kernel.tile]\nwarp_specialize = true\n",
+     "wstree_90a"),
+    ("varlen", True, _PAGED + "head_dim_v = 128\n" + _SM90A + "[kernel.tile]\nwarp_specialize = true\n",
+     "wsdv128_90a"),
+    ("varlen", False, 'kv_layout = "contiguous"\n' + _SPLIT + _SM90A +
+     "[kernel.tile]\nblock_m = 128\nnum_warps = 8\nwarp_specialize = true\n", "ws128_90a"),
+    ("varlen", True, _PAGED + _EVERY + _SM90A + "[kernel.tile]\nwarp_specialize = false\n", "one_90a"),
+    ("varlen", True, _PAGED + _EVERY, "every"),
     # the correction warps on varlen's tile (M = 64, and 128 with a split)
     ("varlen", True, _PAGED + _EVERY + _SM100A + "[kernel.tile]\ncorrection = true\n", "tccr_100a"),
     ("varlen", False, _PAGED + _SPLIT + _SM100A +

@@ -44,6 +44,10 @@ SPILLING_SHAPES = frozenset({
     "varlen/f16/48/causal/sm_89", "varlen/f16/112/causal/sm_89", "varlen/f16/144/causal/sm_89",
     "varlen/f16/208/noncausal/sm_80", "varlen/f16/208/noncausal/sm_89",
     "varlen/f16/16/causal/sm_120/alibi", "varlen/f16/16/causal/sm_80/alibi",
+    # every variant at once (window + soft-cap + sinks + ALiBi: the sweep's "every" rows)
+    "varlen/f16/64/causal/sm_80/win+cap+sink+alibi", "varlen/f16/104/causal/sm_120/win+cap+sink+alibi",
+    "varlen/f16/72/causal/sm_90/win+cap+sink+alibi", "varlen/f16/184/causal/sm_90/win+cap+sink+alibi",
+    "varlen/f16/72/causal/sm_90a/win+cap+sink+alibi", "varlen/f16/184/causal/sm_90a/win+cap+sink+alibi",
     "varlen/f16/88/causal/sm_80/alibi", "varlen/f16/88/causal/sm_89/alibi",
     "varlen/f16/104/causal/sm_120/alibi", "varlen/f16/104/causal/sm_89/alibi",
     "varlen/f16/32/causal/sm_89/cap", "varlen/f16/40/causal/sm_80/cap",
