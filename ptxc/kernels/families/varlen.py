@@ -390,7 +390,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     mask_bytes = mask_bytes_param(spec, param)
     tmaps = None
     if getattr(cfg, "tma", False):   # tile.kv_loads = "tma": k/v tensor maps after the other params
-        from ..bodies.varlen_tma import tensor_map_params
+        from ..kv.kv_boxes import tensor_map_params
         tmaps = tensor_map_params(b, cfg, kv, params)
     if kv.sparse:
         emit_token_tiles(b, spec, cfg, kv, ptrs, strides, total_q, split_count, quant)
