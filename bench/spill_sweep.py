@@ -181,6 +181,8 @@ OPTIONS = (
      "wsdv128_90a"),
     ("varlen", False, 'kv_layout = "contiguous"\n' + _SPLIT + _SM90A +
      "[kernel.tile]\nblock_m = 128\nnum_warps = 8\nwarp_specialize = true\n", "ws128_90a"),
+    ("varlen", True, _PAGED + _EVERY + _SM90A +
+     "[kernel.tile]\nblock_m = 128\nnum_warps = 8\nwarp_specialize = true\npingpong = true\n", "wspp_90a"),
     ("varlen", True, _PAGED + _EVERY + _SM90A + "[kernel.tile]\nwarp_specialize = false\n", "one_90a"),
     ("varlen", True, _PAGED + _EVERY, "every"),
     # the correction warps on varlen's tile (M = 64, and 128 with a split)

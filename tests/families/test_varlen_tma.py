@@ -83,15 +83,24 @@ def check_poisoned(art, spec, layout, lengths=LENGTHS, seed=0, target="sm_90a"):
     return out, inputs
 
 
+# the slow sweep: f16/bf16 x d64/128/256 x GQA 4/8 x causal x (16-row pages, 64-row pages with
+# split auto, contiguous with 3 splits); test_varlen_tma_ws.py runs it too
+SLOW_MATRIX = [pytest.param(lay, "", dict(dtype=dt, head_dim=d, gqa=g, causal=c, splits=s), marks=SLOW)
+               for dt in ("f16", "bf16") for d in (64, 128, 256) for g in ("gqa4", "gqa8")
+               for c in (True, False) for lay, s in (("page16", 1), ("page64", "auto"), ("contiguous", 3))]
+
+
+def case_id(x) -> str:
+    return "-".join(map(str, x.values())) if isinstance(x, dict) else x.replace(" ", "")
+
+
 @pytest.mark.parametrize("layout,tile,case", [
     ("page16", "block_n = 32", dict(dtype="f16", head_dim=64, gqa="gqa4", causal=True)),
     ("contiguous", "block_n = 32", dict(dtype="bf16", head_dim=64, gqa="gqa8", causal=False,
                                         splits=3)),
     ("page64", "", dict(dtype="f16", head_dim=64, gqa="gqa8", causal=True, splits=4)),
-    *(pytest.param(lay, "", dict(dtype=dt, head_dim=d, gqa=g, causal=c, splits=s), marks=SLOW)
-      for dt in ("f16", "bf16") for d in (64, 128, 256) for g in ("gqa4", "gqa8")
-      for c in (True, False) for lay, s in (("page16", 1), ("page64", "auto"), ("contiguous", 3))),
-], ids=lambda x: "-".join(map(str, x.values())) if isinstance(x, dict) else x.replace(" ", ""))
+    *SLOW_MATRIX,
+], ids=case_id)
 def test_ragged_batch_with_nan_garbage(tmp_path, layout, tile, case):
     """Lengths 0 / 1 / 17 / 113, chunks and verifications, q_len > L, pages crossed (16-row
     pages: four boxes per 64-row tile; 64-row pages: one), splits with empty shares; NaN past L

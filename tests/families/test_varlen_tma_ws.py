@@ -17,7 +17,7 @@ from ptxc.errors import EmulationError, SpecError
 from ptxc.kernels import FAMILIES, load_text
 from ptxc.spec.model import KernelSpec
 from ptxc.targets import TARGETS
-from families.test_varlen_tma import TMA, check_poisoned, spec_body
+from families.test_varlen_tma import SLOW_MATRIX, TMA, case_id, check_poisoned, spec_body
 
 pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 VARLEN = FAMILIES["varlen"]
@@ -41,10 +41,8 @@ def build(tmp_path, layout, tile="", extra="", ws=True, **case):
     ("contiguous", "block_n = 32", dict(dtype="bf16", head_dim=64, gqa="gqa8", causal=False,
                                         splits=3)),
     ("page64", "num_stages = 3", dict(dtype="f16", head_dim=64, gqa="gqa8", causal=True, splits=4)),
-    *(pytest.param(lay, "", dict(dtype=dt, head_dim=d, gqa=g, causal=c, splits=s), marks=SLOW)
-      for dt in ("f16", "bf16") for d in (64, 128, 256) for g in ("gqa4", "gqa8")
-      for c in (True, False) for lay, s in (("page16", 1), ("page64", "auto"), ("contiguous", 3))),
-], ids=lambda x: "-".join(map(str, x.values())) if isinstance(x, dict) else x.replace(" ", ""))
+    *SLOW_MATRIX,
+], ids=case_id)
 def test_ragged_batch_with_nan_garbage(tmp_path, layout, tile, case):
     """Lengths 0 / 1 / 17 / 113, chunks and verifications, q_len > L, pages crossed, splits
     with empty shares, 2 and 3 stages; NaN past L and in unused pages never reaches O or the
@@ -80,6 +78,27 @@ def test_two_consumer_warpgroups_small_tile_page8(tmp_path):
     assert target["kernels"][0]["block"] == [384, 1, 1]
     assert target["config"]["setmaxnreg"] == [24, 240] and target["config"]["min_ctas_per_sm"] == 1
     check_poisoned(art, spec, "page8", seed=1)
+
+
+@pytest.mark.parametrize("layout,tile,case", [
+    ("page16", "block_n = 32", dict(dtype="bf16", head_dim=64, gqa="gqa8", causal=True, splits=2)),
+    pytest.param("contiguous", "", dict(dtype="f16", head_dim=128, gqa="gqa8", causal=False,
+                                        splits=1), marks=SLOW),
+], ids=["d64-page16", "d128-contiguous"])
+def test_pingpong(tmp_path, layout, tile, case):
+    """tile.pingpong on two consumer warpgroups (block_m 128): the turns on named barriers 2 and
+    3 order only when each warpgroup issues its wgmma, so the outputs are the plain two-warpgroup
+    tile's bit for bit; NaN past L never reaches O."""
+    m128 = "block_m = 128\nnum_warps = 8\n" + tile
+    outs = []
+    for pp in (True, False):
+        art, spec = build(tmp_path / str(pp), layout, m128 + ("\npingpong = true" if pp else ""), **case)
+        assert bool(art.meta["targets"]["sm_90a"]["config"].get("pingpong")) == pp
+        if pp:
+            assert "bar.sync 2, 256;" in art.ptx("sm_90a") and "bar.arrive 3, 256;" in art.ptx("sm_90a")
+        outs.append(check_poisoned(art, spec, layout, seed=6)[0])
+    for t in outs[0]:
+        assert np.array_equal(outs[0][t], outs[1][t], equal_nan=True), t
 
 
 @pytest.mark.parametrize("layout,d,dv,case", [
@@ -195,6 +214,10 @@ def test_key_rules():
         assert "sm_90a" in str(e.value)
     with pytest.raises(SpecError, match="correction = true"):
         _config(spec_body("page16", head_dim=128), SM90A, "correction = true")
+    for tile in ("pingpong = true", "block_m = 128\nnum_warps = 8\nwarp_specialize = false\npingpong = true"):
+        with pytest.raises(SpecError) as e:       # one consumer warpgroup; no producer
+            _config(spec_body("page16", head_dim=128), SM90A, tile)
+        assert e.value.key == "tile.pingpong" and "\n" not in str(e.value)
 
 
 def test_ptxas_sm90a_zero_spills(tmp_path, toolchain):

@@ -241,7 +241,9 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
     return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
                            cfg.num_stages, True, cfg.dv, 1,
                            kv_loads="tma" if tma else "cp_async", fp8=fp8, f16_math=cfg.f16_math,
-                           warp_specialize=ws, min_ctas_per_sm=ws_ctas_per_sm(cfg) if ws else 0)
+                           warp_specialize=ws, min_ctas_per_sm=ws_ctas_per_sm(cfg) if ws else 0,
+                           pingpong=ws and cfg.block_m == 2 * ROWS_PER_WARPGROUP
+                           and bool(spec.tile_dict().get("pingpong", False)))
 
 
 # The warp-specialised tile is the default where it keeps what the one-issuer tile has -- CTAs
@@ -324,6 +326,7 @@ def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
               if cfg.warp_specialize else {}),
            **({"setmaxnreg": [cfg.producer_regs, cfg.consumer_regs]}
               if cfg.warp_specialize and not tc else {}),
+           **({"pingpong": True} if cfg.pingpong else {}),
            **({"correction": True} if tc and cfg.correction else {})}
     out.pop("smem_row_stride")
     return out

@@ -18,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ...errors import SpecError
 from ..attention import latent_tile as lt
 from ..attention import varlen_tile as vt
 from ..config.prefill import PrefillConfig
+from ..kv import kv_fp8
 from .varlen_mma import emit_mma_tile
 from .varlen_tma import emit_tma_tile
 from .varlen_wgmma import emit_wgmma_tile
@@ -76,3 +78,45 @@ def emit_packed_tile(b, spec, cfg: PrefillConfig, kv, ptrs: dict, strides: dict,
                      split_count, quant=None, tmaps: dict | None = None, mask_bytes=None) -> None:
     """One GQA-packed query tile of the work `work` (a scheduler's TileWork) on cfg's path."""
     path_of(cfg).body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, mask_bytes)
+
+
+def check_tile_keys(spec, configs: list) -> None:
+    """The packed tile's path keys given where no target's path takes them (`configs`: the
+    spec's tile on each of its targets): one-line errors naming the key."""
+    tile, targets = spec.tile_dict(), ", ".join(spec.targets)
+    if tile.get("kv_loads") == "tma" and kv_fp8.kind(spec):
+        raise SpecError(f"kv_loads = \"tma\" with kv_dtype {spec.opt('kv_dtype')!r}: TMA copies bytes "
+                        f"as they are, and FP8 tiles are dequantised after cp.async lands them; "
+                        f"allowed: \"cp_async\" or drop the key", key="tile.kv_loads")
+    if tile.get("correction") and not any(isinstance(c, vt.Tcgen05TileConfig) for c in configs):
+        raise SpecError(f"correction = true with dtype {spec.dtype}, head_dim "
+                        f"{spec.head_dim}, targets {targets}: only the sm_100a "
+                        f"tcgen05 kernel has correction warps (f16/bf16 caches loaded by TMA, "
+                        f"head_dim and head_dim_v 64, 128, 192 or 256, block_m 64 or 128); add "
+                        f"sm_100a or drop the key", key="tile.correction")
+
+    def specialised(cfg) -> bool:   # tcgen05's roles, or the sm_90a TMA tile's producer
+        return isinstance(cfg, vt.Tcgen05TileConfig) or (
+            isinstance(cfg, vt.WgmmaTileConfig) and not isinstance(cfg, lt.LatentWgmmaConfig)
+            and cfg.tma)
+    if tile.get("warp_specialize") and not any(specialised(c) for c in configs):
+        raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "
+                        f"{spec.head_dim}, kv_dtype {kv_fp8.kv_dtype(spec)}, targets "
+                        f"{targets}: only the kernels fed by TMA have a "
+                        f"producer (the sm_90a wgmma tile: f16/bf16 caches, contiguous or "
+                        f"pages of >= 8 rows, head_dim and head_dim_v 64, 128, 192 or 256, "
+                        f"block_m 64 or 128; the sm_100a tcgen05 tile); add sm_90a or "
+                        f"sm_100a, or drop the key", key="tile.warp_specialize")
+    if tile.get("pingpong") and not any(getattr(c, "pingpong", False) for c in configs):
+        raise SpecError(f"pingpong = true with block_m {tile.get('block_m', 64)}, "
+                        f"targets {targets}: the consumers' ping-pong needs the "
+                        f"sm_90a warp-specialised TMA tile with two consumer warpgroups "
+                        f"(block_m = 128, num_warps = 8, warp_specialize = true); add them or "
+                        f"drop the key", key="tile.pingpong")
+    if tile.get("kv_loads") == "tma" and not any(isinstance(c, vt.WgmmaTileConfig) for c in configs):
+        raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim "
+                        f"{spec.head_dim}, targets {targets}: TMA feeds only "
+                        f"the sm_90a wgmma kernel (f16/bf16 caches, head_dim and head_dim_v "
+                        f"64, 128, 192 or 256, block_m 64 or 128) and the sm_100a tcgen05 "
+                        f"one (head_dim 64 or 128); add sm_90a or drop the key",
+                        key="tile.kv_loads")

@@ -286,7 +286,7 @@ def emit_ws_tile(b: KernelBuilder, cfg, tile, ctx, copies, tail_rows, key_tiles:
                                           v_bytes, 0, bars),    # Q came by cp.async
              tiles=key_tiles, loads=Loads(issue_setup=issue_setup, last_v_landed=tail),
              math=make_math, transform_of=transform_of, tid=ctx.tid, lane=ctx.lane,
-             consumers=cfg.block_m // WARPGROUP_ROWS, pingpong=False,
+             consumers=cfg.block_m // WARPGROUP_ROWS, pingpong=cfg.pingpong,
              ctas_per_sm=cfg.min_ctas_per_sm, uniform_roles=True)
 
 

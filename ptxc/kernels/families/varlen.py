@@ -77,6 +77,9 @@ FIELDS = FamilyFields(
               "warps rescale O in tensor memory when a row's running max grew past the lazy "
               "slack (FlashAttention-4's correction warpgroup; docs/kernels.md \"tcgen05\")",
               default=None),
+        Field("pingpong", "bool", "sm_90a warp-specialised tile with two consumer warpgroups "
+              "(block_m 128): they take turns at issuing their wgmma on named barriers, one's "
+              "softmax under the other's products (FlashAttention-3's ping-pong)", default=None),
         Field("warp_specialize", "bool", "TMA kernels: on sm_100a a load warp issues the TMA "
               "boxes and an MMA warp the tcgen05.mma under mbarriers, the block_m / 16 softmax "
               "warps only compute (FlashAttention-4's roles; docs/kernels.md \"Blackwell\"); on "
@@ -117,43 +120,8 @@ def validate(spec: KernelSpec) -> None:
             if spec.opt(key):
                 raise SpecError(f"{key} with an FP8 kv_dtype is not supported by varlen yet "
                                 f"(decode supports it)", key=key)
-    for t in spec.targets:
-        configure(spec, TARGETS[t])
-    if spec.tile_dict().get("kv_loads") == "tma" and kv_fp8.kind(spec):
-        raise SpecError(f"kv_loads = \"tma\" with kv_dtype {spec.opt('kv_dtype')!r}: TMA copies bytes "
-                        f"as they are, and FP8 tiles are dequantised after cp.async lands them; "
-                        f"allowed: \"cp_async\" or drop the key", key="tile.kv_loads")
-    from ..attention.varlen_tile import Tcgen05TileConfig, WgmmaTileConfig
-    from ..attention.latent_tile import LatentWgmmaConfig
-    if spec.tile_dict().get("correction") and not any(
-            isinstance(configure(spec, TARGETS[t]), Tcgen05TileConfig) for t in spec.targets):
-        raise SpecError(f"correction = true with dtype {spec.dtype}, head_dim "
-                        f"{spec.head_dim}, targets {', '.join(spec.targets)}: only the sm_100a "
-                        f"tcgen05 kernel has correction warps (f16/bf16 caches loaded by TMA, "
-                        f"head_dim and head_dim_v 64, 128, 192 or 256, block_m 64 or 128); add "
-                        f"sm_100a or drop the key", key="tile.correction")
-    if spec.tile_dict().get("warp_specialize"):
-        def specialised(cfg) -> bool:   # tcgen05's roles, or the sm_90a TMA tile's producer
-            return isinstance(cfg, Tcgen05TileConfig) or (
-                isinstance(cfg, WgmmaTileConfig) and not isinstance(cfg, LatentWgmmaConfig)
-                and cfg.tma)
-        if not any(specialised(configure(spec, TARGETS[t])) for t in spec.targets):
-            raise SpecError(f"warp_specialize = true with dtype {spec.dtype}, head_dim "
-                            f"{spec.head_dim}, kv_dtype {kv_fp8.kv_dtype(spec)}, targets "
-                            f"{', '.join(spec.targets)}: only the kernels fed by TMA have a "
-                            f"producer (the sm_90a wgmma tile: f16/bf16 caches, contiguous or "
-                            f"pages of >= 8 rows, head_dim and head_dim_v 64, 128, 192 or 256, "
-                            f"block_m 64 or 128; the sm_100a tcgen05 tile); add sm_90a or "
-                            f"sm_100a, or drop the key", key="tile.warp_specialize")
-    if spec.tile_dict().get("kv_loads") == "tma":
-        from ..attention.varlen_tile import WgmmaTileConfig
-        if not any(isinstance(configure(spec, TARGETS[t]), WgmmaTileConfig) for t in spec.targets):
-            raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim "
-                            f"{spec.head_dim}, targets {', '.join(spec.targets)}: TMA feeds only "
-                            f"the sm_90a wgmma kernel (f16/bf16 caches, head_dim and head_dim_v "
-                            f"64, 128, 192 or 256, block_m 64 or 128) and the sm_100a tcgen05 "
-                            f"one (head_dim 64 or 128); add sm_90a or drop the key",
-                            key="tile.kv_loads")
+    from ..bodies.packed_paths import check_tile_keys
+    check_tile_keys(spec, [configure(spec, TARGETS[t]) for t in spec.targets])
 
 
 def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
