@@ -226,7 +226,7 @@ def test_ptxas_sm90a_zero_spills(tmp_path, toolchain):
     roles are split by a warp-uniform index); the consumers' loop has no UTMALDG and no CTA
     barrier, the tensor work of the one-issuer loop."""
     from conftest import built_sass
-    from ptxc.pipeline.build import run_build
+    from families.test_varlen_tma import assemble_without_spills
     kernels = []
     for i, (d, extra, lay, splits, tile) in enumerate((
             (64, "", "page16", "auto", ""), (128, "", "page16", "auto", ""),
@@ -235,11 +235,7 @@ def test_ptxas_sm90a_zero_spills(tmp_path, toolchain):
         kernels.append(f'[[kernel]]\nname = "v{i}"\nfamily = "varlen"\ntargets = ["sm_90a"]\n'
                        f'{spec_body(lay, dtype=("f16", "bf16")[i % 2], head_dim=d, causal=True, splits=splits)}'
                        f'{extra}\n[kernel.tile]\n{WS}\n{tile}\n')
-    (tmp_path / "k.toml").write_text("\n".join(kernels))
-    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
-    assert summary["verified"] and not summary["problems"] and len(summary["kernels"]) == 5
-    for k in summary["kernels"]:
-        assert k["targets"]["sm_90a"]["spill_bytes"] == 0, k["name"]
+    assemble_without_spills(tmp_path, kernels)
     meta, prof = built_sass(tmp_path / "out", "v1", "sm_90a", "ptxc_v1_split")
     loop = prof["loops"]["loops"][prof["loops"]["main"]]
     assert prof["mix"]["LDL"] == prof["mix"]["STL"] == 0
