@@ -127,7 +127,9 @@ def kernel_chunk_rule(family: str, spec: dict) -> ChunkRule:
 def query_tile_keys(spec: dict, config: dict, dims: dict, L: int, window: int | None) -> list[tuple[int, int]]:
     """The keys [start, end) each packed query tile of a varlen / MLA sequence visits: its q
     queries are the last of its L keys (seq_lens counts them), causal among themselves, and a
-    tile's packed rows [m block_m, (m + 1) block_m) are (token, head) pairs, token = row // group."""
+    tile's packed rows [m block_m, (m + 1) block_m) are (token, head) pairs, token = row // group.
+    In launch order: the last block first where the config records query_order "longest_first"
+    (varlen_attend.emit_varlen; the cubins timed before it launched block 0 first)."""
     g, bm = spec["num_heads"] // spec["num_kv_heads"], config["block_m"]
     q = max(1, dims["total_q"] // max(1, dims["batch"]))
     causal = _opt(spec, "causal", True)
@@ -136,7 +138,7 @@ def query_tile_keys(spec: dict, config: dict, dims: dict, L: int, window: int | 
         first, last = m * bm // g, min(q, -(-(m + 1) * bm // g)) - 1
         end = L - q + last + 1 if causal else L
         keys.append((max(0, L - q + first - window + 1) if window else 0, end))
-    return keys
+    return keys[::-1] if config.get("query_order") == "longest_first" else keys
 
 
 def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list[int],

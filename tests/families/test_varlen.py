@@ -260,3 +260,41 @@ def test_report_cost_and_bench_inputs(tmp_path):
     inputs = bench_inputs(art.meta, small)
     assert list(inputs["cu_seqlens_q"]) == [0, 4, 8, 12] and list(inputs["seq_lens"]) == [32] * 3
     assert art.infer_dims(inputs)["total_q"] == 12
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_causal_query_blocks_launch_longest_first(tmp_path, causal):
+    """A causal sequence's query blocks launch last to first (FA3 / FlashInfer: the last block
+    sees the most keys, so the grid's last wave holds short ones): the grid's first CTA alone
+    (an emulated launch of grid.x = 1) writes the last rows of sequence 0, and the metadata
+    records config.query_order = "longest_first", which the launch model's tile order follows;
+    non-causal keeps block 0 first."""
+    from ptxc import emu
+    from ptxc.report.launch_model import query_tile_keys
+    from ptxc.runtime import infer_dims, launch_geometry, pack_args, prepare_buffers
+    art = build_kernel(tmp_path, "varlen", body(head_dim=32, gqa="gqa4", causal=causal,
+                                                layout="contiguous"))
+    spec = _spec(art)
+    rng = np.random.default_rng(4)
+    inputs = FAMILIES["varlen"].make_inputs(spec, {"batch": 2, "max_seq_len": 80}, rng)
+    q_lens = np.array([50, 3], np.int32)              # 50 tokens x 4 heads: 4 tiles of 64 rows
+    inputs["cu_seqlens_q"] = np.array([0, 50, 53], np.int32)
+    inputs["seq_lens"] = np.array([70, 9], np.int32)
+    inputs["q"] = ref.round_to(rng.standard_normal((53, 8, 32)), "f16").astype(np.float32)
+    dims = infer_dims(art.meta, inputs, {})
+    buffers = prepare_buffers(art.meta, inputs, dims)
+    buffers["o"][...] = np.nan
+    [kernel] = art.target("sm_80")[1]["kernels"]
+    grid, block = launch_geometry(kernel, dims)
+    emu.launch(art.ptx("sm_80"), kernel["entry"], (1, grid[1], grid[2]), block,
+               pack_args(kernel, buffers, dims, pointer=lambda n, a: a),
+               dynamic_smem_bytes=kernel["dynamic_smem_bytes"])
+    written = ~np.isnan(buffers["o"]).any(axis=(1, 2))
+    # one CTA per KV head: 64 packed rows = 16 tokens of the 4 heads of each KV head
+    tokens = np.arange(48, 50) if causal else np.arange(0, 16)     # block 3: tokens 48, 49
+    assert written[tokens].all() and written.sum() == len(tokens), np.flatnonzero(written)
+    config = art.meta["targets"]["sm_80"]["config"]
+    assert config.get("query_order") == ("longest_first" if causal else None)
+    ends = [end for _, end in query_tile_keys(art.meta["spec"], config,
+                                              {"total_q": 200, "batch": 1}, 300, None)]
+    assert ends == sorted(ends, reverse=causal) and len(set(ends)) == (4 * 200 // 64 + 1 if causal else 1)

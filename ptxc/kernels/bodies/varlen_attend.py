@@ -73,6 +73,12 @@ def find_sequence(b: KernelBuilder, cu_ptr: Reg, tile: Reg, batch: Reg, g: int, 
     return seq
 
 
+def longest_first(spec) -> bool:
+    """Whether emit_varlen launches a sequence's query blocks last to first (causal: the last
+    block sees the most keys); the metadata records it as config.query_order."""
+    return bool(spec.opt("causal"))
+
+
 def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: dict,
                 strides: dict, batch: Reg, total_q: Reg, split_count: Reg | None, quant=None,
                 tmaps: dict | None = None, mask_bytes: Reg | None = None) -> None:
@@ -88,7 +94,19 @@ def emit_varlen(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs: 
     seq = find_sequence(b, cu, tile, batch, g, bm, total_q)
     t0 = _token(b, cu, seq, 0, total_q)
     t1 = b.max(_token(b, cu, seq, 4, total_q), t0)
-    m_start = b.mul(b.sub(tile, b.add(b.div(b.mul(t0, g), bm), seq)), bm)
+    first = b.add(b.div(b.mul(t0, g), bm), seq)
+    local = b.sub(tile, first)
+    if longest_first(spec):
+        # longest first (FA3 / FlashInfer): a sequence's tiles [first, next) take its query
+        # blocks last to first -- the last block sees the most keys -- so the grid's last wave
+        # holds the short ones. next = tile_start(seq + 1); a tile at or past it (the last
+        # sequence's, when cu_seqlens_q ends before total_q) gets no block and exits as a
+        # spare tile does.
+        count = b.sub(b.add(b.add(b.div(b.mul(t1, g), bm), seq), 1), first)
+        m_start = b.selp(b.mul(b.sub(b.sub(count, 1), local), bm), 0xFFFFFFFF,
+                         b.setp("lt", local, count), U32)
+    else:
+        m_start = b.mul(local, bm)
 
     def seq_units(i):   # (query tiles x KV tiles, KV tiles) of sequence i: upper bounds
         a = _token(b, cu, i, 0, total_q)

@@ -230,8 +230,11 @@ def _fits(spec: KernelSpec, rows: int, target: Target) -> bool:
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     from ..attention.varlen_tile import WgmmaTileConfig, packed_tile_config, tile_config
+    from ..bodies.varlen_attend import longest_first
     cfg = configure(spec, target)
     conf = packed_tile_config(spec, cfg)
+    if longest_first(spec) and not sparse_keys(spec):   # the launch model's order of the tiles
+        conf["query_order"] = "longest_first"
     return tile_config(conf, cfg) if isinstance(cfg, WgmmaTileConfig) else conf
 
 
