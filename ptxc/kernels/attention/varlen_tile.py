@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...ir import B32, F32, S64, U64, Addr, KernelBuilder, Reg
-from ...targets import SMEM_ALLOC_UNIT, TARGETS
+from ...targets import TARGETS, occupancy
 from .. import common as C
 from ..config.prefill import PrefillConfig
 from ..config.tcgen05 import (PIN_REGISTERS, TCGEN05_HEAD_DIMS, TCGEN05_TARGETS,
@@ -273,12 +273,11 @@ def ws_ctas_per_sm(cfg: PrefillConfig) -> int:
     consumers get 200), else one (two consumer warpgroups at two CTAs would get 104; ptxas
     checks every instruction against the entry count, not setmaxnreg's, and d256's m64n256
     P·V needs 158)."""
-    t = TARGETS["sm_90a"]
     tile = WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
                            cfg.num_stages, True, cfg.dv, 1, kv_loads="tma", warp_specialize=True)
-    per_cta = -(-tile.smem_bytes // SMEM_ALLOC_UNIT) * SMEM_ALLOC_UNIT + t.reserved_smem_per_cta
+    by_smem = occupancy(TARGETS["sm_90a"], tile.launch_threads, 0, tile.smem_bytes)["ctas_per_sm"]
     return 2 if (cfg.block_m == ROWS_PER_WARPGROUP and cfg.dv <= WS_TWO_CTA_MAX_DV
-                 and 2 * per_cta <= t.smem_per_sm) else 1
+                 and by_smem >= 2) else 1
 
 
 # The load / MMA / softmax warps (tile.warp_specialize) are the default for the 64-row tile at
