@@ -23,7 +23,8 @@
 # FP8 MLA decodes' dequantising warpgroup (the default since 973ee0c, untimed) against every
 # warp converting (`*_fused`: dequant_warpgroup = false), e4m3 and e4m3_ds, and TP 8's 16 heads
 # on the padded 64-row wgmma tile against the 16-row mma.sync one, and varlen d128's
-# warp-specialised TMA tile (the default, untimed) against the one-issuer tile; the main sets; then the
+# warp-specialised TMA tile (the default, untimed) against the one-issuer tile, then the same
+# at DeepSeek's 192 / 128 on prefill chunks; the main sets; then the
 # prefill choices never timed -- the persistent CTAs (`*_pers`, tile.persistent) and O by TMA
 # stores (`*_tmast`), each beside its default kernel (the rest of the ab set was timed at
 # 2d6d5cd / 6c5a819; `--every` times it all). The
@@ -40,13 +41,17 @@
 #       --only deepseek_v3_mla_decode_seesaw,deepseek_v3_mla_decode,kimi_k2_mla_decode_seesaw,kimi_k2_mla_decode,deepseek_v3_mla_decode_fp8,deepseek_v3_mla_decode_fp8_fused,deepseek_v3_mla_decode_fp8_ds,deepseek_v3_mla_decode_fp8_ds_fused,deepseek_v3_mla_decode_tp8,deepseek_v3_mla_decode_tp8_m64,llama3_8b_serve,llama3_8b_serve_one \
 #       --deadline 160 --item-timeout 40 --shape batch=64,total_q=64,max_pages_per_seq=64,num_pages=4096,num_splits=1 \
 #       --shape batch=64,total_q=64,max_pages_per_seq=256,num_pages=16384;
+#   PYTHONUNBUFFERED=1 timeout 100 python3 bench/gpu_lease.py /tmp/a/dab --out /tmp/mlap \
+#       --only deepseek_v3_mla_prefill,deepseek_v3_mla_prefill_one --deadline 90 --item-timeout 40 \
+#       --shape batch=4,total_q=16384,max_pages_per_seq=64,num_pages=256 \
+#       --shape batch=1,total_q=16384,max_pages_per_seq=256,num_pages=256;
 #   PYTHONUNBUFFERED=1 timeout 320 python3 bench/gpu_lease.py /tmp/a/a90 /tmp/a/gpuart --out /tmp/r \
 #       --deadline 305 --item-timeout 30 --shape batch=1,seq_q=16384,seq_k=16384 \
 #       --shape batch=64,max_seq_len=4096 --shape batch=64,max_pages_per_seq=256,num_pages=16384;
 #   PYTHONUNBUFFERED=1 timeout 190 python3 bench/gpu_lease.py /tmp/a/ab --out /tmp/ab \
 #       --only llama3_8b_prefill,llama3_8b_prefill_pers,llama3_8b_prefill_tmast,llama3_8b_prefill_pers_tmast,llama3_8b_prefill_nc,llama3_8b_prefill_nc_pers,llama3_8b_prefill_nc_tmast,mha_d64_bf16_prefill,mha_d64_bf16_prefill_pers,mqa_d256_prefill,mqa_d256_prefill_pers,deepseek_v3_prefill,deepseek_v3_prefill_pers \
 #       --deadline 175 --item-timeout 30 --shape batch=4,seq_q=4096,seq_k=4096 --shape batch=1,seq_q=16384,seq_k=16384;
-#   cp -r /tmp/mla /tmp/r /tmp/ab $OUT/
+#   cp -r /tmp/mla /tmp/mlap /tmp/r /tmp/ab $OUT/
 #
 # (600 s a call at most: split them over calls when the machine is warm, each with its own
 # --out; the MLA call alone is ~100 s.) `bench/calibration/add_run.py` adds the medians to

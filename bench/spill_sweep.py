@@ -171,7 +171,7 @@ OPTIONS = (
      "[kernel.tile]\nblock_m = 128\nnum_warps = 8\nwarp_specialize = true\n", "tcws128_100a"),
     ("varlen", True, 'kv_layout = "contiguous"\n' + _EVERY + _SM100A +
      "[kernel.tile]\nwarp_specialize = false\n", "tcone_100a"),
-    # varlen's sm_90a producer warpgroup (the default at d128) at every head dim: plain with a
+    # varlen's sm_90a producer warpgroup (the default at d128 and 192 / 128) at every head dim: plain with a
     # split, every variant, a tree mask, V narrower than K, and two consumer warpgroups
     ("varlen", True, _PAGED + _SPLIT + _SM90A + "[kernel.tile]\nwarp_specialize = true\n", "ws_90a"),
     ("varlen", True, _PAGED + _EVERY + _SM90A + "[kernel.tile]\nwarp_specialize = true\n", "wsvar_90a"),

@@ -123,7 +123,8 @@ def test_v_narrower_than_k(tmp_path, layout, d, dv, case):
     head_dim_v wide (its first slabs' boxes, on the warps that issue K's), P·V is m64n{dv};
     NaN past L and in unused pages, V's tail rows zeroed over its own width. 192-wide rows:
     Q copied in three 128-byte column groups (a pass of 128 threads is then 16 rows)."""
-    art, spec = build(tmp_path, layout, "", f"\nhead_dim_v = {dv}", head_dim=d, **case)
+    art, spec = build(tmp_path, layout, "warp_specialize = false", f"\nhead_dim_v = {dv}",
+                      head_dim=d, **case)                                  # one issuer
     ptx = (art.path / art.meta["targets"]["sm_90a"]["ptx"]).read_text()
     assert f"m64n{dv}k16" in ptx
     check_poisoned(art, spec, layout, seed=4)

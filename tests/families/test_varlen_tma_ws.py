@@ -160,7 +160,8 @@ def test_protocol_mistakes_are_caught(tmp_path, monkeypatch, what, caught):
     if what == "stores":
         monkeypatch.setenv("PTXC_CACHE_DIR", str(tmp_path / "cache"))   # not a cached good build
         monkeypatch.setattr(vt, "zero_tail_rows", lambda *a, **k: None)
-    art, spec = build(tmp_path, "page16", "block_n = 32", dtype="bf16", head_dim=64,
+    # two stages: a 113-key sequence laps the ring (d64's default 4 would not)
+    art, spec = build(tmp_path, "page16", "block_n = 32\nnum_stages = 2", dtype="bf16", head_dim=64,
                       gqa="gqa4", causal=True, splits=1)
     ptx = art.ptx("sm_90a")
     edits = {"fence": lambda p: TAIL.sub(r"\n\1", p),
@@ -185,20 +186,28 @@ def _config(text: str, targets=SM90A, tile: str = WS) -> dict:
 def test_config_and_the_register_budgets():
     """One consumer warpgroup at two CTAs an SM (.minnctapersm 2: 128 registers on entry, the
     producer keeps 56, the consumers get 200) where two fit in shared memory; the empty[]
-    barriers are the only extra shared memory; other targets unchanged. The default at d128
-    (same CTAs, stages and bytes in flight as the one-issuer tile), opt-in at d64, 192 / 128
-    and d256 (where it would run fewer CTAs: d256 one, 256 / 256 registers)."""
+    barriers are the only extra shared memory; other targets unchanged. The default where it
+    keeps the one-issuer tile's bytes in flight per SM: d128 (same CTAs and stages) and
+    192 / 128 (two CTAs of three stages against three of two); opt-in at d64 and d256, where
+    it takes the stages that keep them (4: two CTAs against four; one against two)."""
     text = spec_body("page16", head_dim=128)
     ws, one = _config(text, ("sm_90", "sm_90a"))["sm_90a"], _config(text, tile=OFF)["sm_90a"]
     assert ws["warp_specialize"] and ws["threads"] == 256 and ws["min_ctas_per_sm"] == 2
     assert ws["setmaxnreg"] == [56, 200]
-    assert ws["smem_bytes"] == one["smem_bytes"] + 2 * 8
+    assert ws["smem_bytes"] == one["smem_bytes"] + 2 * 8 and ws["num_stages"] == 2
     assert "warp_specialize" not in one and "setmaxnreg" not in one
     assert _config(text, ("sm_90", "sm_90a"))["sm_90"] == _config(text, ("sm_90",), tile="")["sm_90"]
     assert _config(text, tile="") == _config(text)                     # the default at d128
-    for d, extra in ((64, ""), (192, "\nhead_dim_v = 128"), (256, "")):
-        body_text = spec_body("page64", head_dim=d) + extra
+    deepseek = spec_body("page64", head_dim=192) + "\nhead_dim_v = 128"
+    ws, one = _config(deepseek, tile="")["sm_90a"], _config(deepseek, tile=OFF)["sm_90a"]
+    assert ws["warp_specialize"] and ws["min_ctas_per_sm"] == 2 and ws["setmaxnreg"] == [56, 200]
+    assert (ws["num_stages"], one["num_stages"]) == (3, 2) and ws["block_n"] == one["block_n"]
+    assert _config(deepseek, tile=f"{WS}\nnum_stages = 2")["sm_90a"]["num_stages"] == 2  # given
+    for d, ctas in ((64, 2), (256, 1)):
+        body_text = spec_body("page64" if d == 64 else "contiguous", head_dim=d)
         assert "warp_specialize" not in _config(body_text, tile="")["sm_90a"], d
+        opt_in = _config(body_text)["sm_90a"]
+        assert (opt_in["num_stages"], opt_in["min_ctas_per_sm"]) == (4, ctas), d
     wide = _config(spec_body("contiguous", head_dim=256))["sm_90a"]
     assert wide["min_ctas_per_sm"] == 1 and wide["setmaxnreg"] == [56, 256]
 

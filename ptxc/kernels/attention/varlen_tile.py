@@ -238,43 +238,67 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
     fp8 = kind(spec) is not None      # TMA cannot dequantise: FP8 bytes come by cp.async
     tma = _loads_by_tma(spec, kv)
     ws = tma and warp_specialized(spec, cfg)
+    stages = ws_stages(spec, cfg) if ws else cfg.num_stages
     return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
-                           cfg.num_stages, True, cfg.dv, 1,
+                           stages, True, cfg.dv, 1,
                            kv_loads="tma" if tma else "cp_async", fp8=fp8, f16_math=cfg.f16_math,
-                           warp_specialize=ws, min_ctas_per_sm=ws_ctas_per_sm(cfg) if ws else 0,
+                           warp_specialize=ws,
+                           min_ctas_per_sm=ws_ctas_per_sm(cfg, stages) if ws else 0,
                            pingpong=ws and cfg.block_m == 2 * ROWS_PER_WARPGROUP
                            and bool(spec.tile_dict().get("pingpong", False)))
 
 
-# The warp-specialised tile is the default where it keeps what the one-issuer tile has -- CTAs
-# per SM, stages, bytes in flight -- on static figures alone (no Hopper GPU lent since; ptxas
-# 13.5, bench/loop_quality.py, docs/performance.md "varlen on wgmma"): at d128 two CTAs either
-# way, 64 KiB in flight each, and every consumer warp's iteration is 228 instructions against
-# 286-313 (1.73 against 2.37 per HGMMA-equivalent). At d64 (4 CTAs against 2), DeepSeek's
-# 192 / 128 (3 against 2) and d256 (2 against 1) it halves or thirds the bytes in flight per
-# SM, so there it is opt-in.
-WS_DEFAULT_HEAD_DIMS = (128,)
+# The warp-specialised tile is the default where it keeps the bytes in flight per SM of the
+# one-issuer tile, on static figures alone (no Hopper GPU lent since; ptxas 13.5,
+# bench/loop_quality.py, docs/performance.md "varlen on wgmma"), and the launch model does not
+# rank it slower at any serving shape: at d128 two CTAs either way, 64 KiB in flight each, and
+# every consumer warp's iteration is 228 instructions against 286-313 (1.73 against 2.37 per
+# HGMMA-equivalent); at DeepSeek's 192 / 128 two CTAs of three stages (120 KiB in flight per SM)
+# against three of two (123), 176 instructions against 240-277. At d64 four stages at two CTAs
+# would keep the bytes (128 KiB) too, but two consumer warpgroups per SM where the one-issuer
+# tile has four: the model ranks it 3 % slower on a 16k-token chunk, so there (and at d256, one
+# CTA against two) it is opt-in. Keys: (head_dim, head_dim_v).
+WS_DEFAULT_SHAPES = ((128, 128), (192, 128))
+# The warp-specialised tile's stages where it runs fewer CTAs per SM than the one-issuer tile
+# (whose 2 stages the family's configure chose): as many more as keep its bytes in flight per SM
+# -- d64 4 CTAs x 2 stages = 2 x 4; 192 / 128 3 x 2 = 2 x 3; d256 2 x 2 = 1 x 4. Elsewhere, and
+# when tile.num_stages is given, the family's.
+WS_STAGES = {(64, 64): 4, (192, 128): 3, (256, 256): 4}
 
 
 def warp_specialized(spec, cfg: PrefillConfig) -> bool:
     """tile.warp_specialize on the sm_90a TMA tile: a producer warpgroup's first warp issues
     the K/V boxes under full/empty mbarriers and the block_m / 16 consumer warps only compute
     (tma_ws_pipeline.py; docs/kernels.md "wgmma (sm_90a): the packed tile"). Default: one
-    consumer warpgroup at head_dim = head_dim_v in WS_DEFAULT_HEAD_DIMS."""
-    default = (cfg.block_m == ROWS_PER_WARPGROUP and cfg.head_dim == cfg.dv
-               and cfg.head_dim in WS_DEFAULT_HEAD_DIMS and ws_ctas_per_sm(cfg) == 2)
+    consumer warpgroup at (head_dim, head_dim_v) in WS_DEFAULT_SHAPES."""
+    default = (cfg.block_m == ROWS_PER_WARPGROUP and (cfg.head_dim, cfg.dv) in WS_DEFAULT_SHAPES
+               and ws_ctas_per_sm(cfg, ws_stages(spec, cfg)) == 2)
     return bool(spec.tile_dict().get("warp_specialize", default))
 
 
-def ws_ctas_per_sm(cfg: PrefillConfig) -> int:
+def ws_stages(spec, cfg: PrefillConfig) -> int:
+    """The warp-specialised tile's stages: tile.num_stages if given, else WS_STAGES' for one
+    consumer warpgroup where they fit, else the family's."""
+    stages = WS_STAGES.get((cfg.head_dim, cfg.dv))
+    if "num_stages" in spec.tile_dict() or cfg.block_m != ROWS_PER_WARPGROUP or stages is None:
+        return cfg.num_stages
+    tile = _ws_tile(cfg, stages)
+    return stages if tile.smem_bytes <= TARGETS["sm_90a"].max_smem_per_cta else cfg.num_stages
+
+
+def _ws_tile(cfg: PrefillConfig, stages: int) -> WgmmaTileConfig:
+    return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
+                           stages, True, cfg.dv, 1, kv_loads="tma", warp_specialize=True)
+
+
+def ws_ctas_per_sm(cfg: PrefillConfig, stages: int) -> int:
     """The warp-specialised tile's CTAs per SM (its .minnctapersm, which setmaxnreg's budgets
-    divide): two for one consumer warpgroup where two fit in shared memory and V is at most
-    128 wide, as the one-issuer tile runs (128 registers on entry; the producer keeps 56, the
-    consumers get 200), else one (two consumer warpgroups at two CTAs would get 104; ptxas
-    checks every instruction against the entry count, not setmaxnreg's, and d256's m64n256
-    P·V needs 158)."""
-    tile = WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
-                           cfg.num_stages, True, cfg.dv, 1, kv_loads="tma", warp_specialize=True)
+    divide) at `stages`: two for one consumer warpgroup where two fit in shared memory and V
+    is at most 128 wide, as the one-issuer tile runs (128 registers on entry; the producer
+    keeps 56, the consumers get 200), else one (two consumer warpgroups at two CTAs would get
+    104; ptxas checks every instruction against the entry count, not setmaxnreg's, and d256's
+    m64n256 P·V needs 158)."""
+    tile = _ws_tile(cfg, stages)
     by_smem = occupancy(TARGETS["sm_90a"], tile.launch_threads, 0, tile.smem_bytes)["ctas_per_sm"]
     return 2 if (cfg.block_m == ROWS_PER_WARPGROUP and cfg.dv <= WS_TWO_CTA_MAX_DV
                  and by_smem >= 2) else 1
