@@ -17,12 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from ptxc.emu.decode import NORMAL, PARK, Mods, Op, expect_operands, register
-from ptxc.emu.memory import GENERIC_SHARED_BASE
 from ptxc.emu.operands import TYPES, DecodeError, Fault, dst_plan, src_plan
-from ptxc.emu.ops_mem import address_plan
-from ptxc.emu.ops_warp import executing_lanes, whole_warps
+from ptxc.emu.ops_warp import MATRIX_COL, MATRIX_ROW, decode_matrix, executing_lanes, matrix_rows
 from ptxc.emu.ops_wgmma import warpgroups
-from ptxc.emu.ptx_ast import Imm, Pair, Vec
+from ptxc.emu.ptx_ast import Imm, Pair
 
 U32, B32, PRED = TYPES["u32"], TYPES["b32"], TYPES["pred"]
 
@@ -147,42 +145,16 @@ class RegisterPool:
 
 @register("stmatrix")
 def decode_stmatrix(ins, env):
-    m = Mods(ins)
-    if not (m.flag("sync") and m.flag("aligned")):
-        raise DecodeError("needs .sync.aligned")
-    if not m.flag("m8n8"):
-        raise DecodeError("only .m8n8 is supported")
-    nmat = {"x1": 1, "x2": 2, "x4": 4}[m.need("x1", "x2", "x4")]
-    trans = bool(m.flag("trans"))
-    space = m.flag("shared", "shared::cta")
-    if m.one_type().name != "b16":
-        raise DecodeError("only .b16 is supported")
-    m.done()
-    expect_operands(ins, 2)
-    a, r = ins.operands
-    if not isinstance(r, Vec) or len(r.items) != nmat:
-        raise DecodeError(f"needs {{{nmat}}} source registers")
-    rplans = [src_plan(env, x, B32) for x in r.items]
-    aplan = address_plan(env, a, "shared" if space else None)
-    lane = np.arange(32)
-    row, col = lane >> 2, 2 * (lane & 3)
-    line = ins.line
+    nmat, trans, space, rplans, aplan = decode_matrix(ins, env, "stmatrix", src_plan)
+    row, col, line = MATRIX_ROW, MATRIX_COL, ins.line
 
     def bind(ctx):
         readers = [p(ctx) for p in rplans]
         address = aplan(ctx)
 
         def run(sel):
-            idx = whole_warps(ctx, sel, "stmatrix")
-            nw = idx.size // 32
-            addr = np.broadcast_to(address(sel), idx.shape).reshape(nw, 32)[:, :8 * nmat]
-            if not space:
-                addr = addr.astype(np.int64) - GENERIC_SHARED_BASE
-            who = idx.reshape(nw, 32)[:, :8 * nmat].reshape(-1)
-            flat = ctx.smem.offsets(ctx.cta_of[who], addr.reshape(-1), 16, 16,
-                                    "stmatrix row store", who)
-            rows = flat >> 4
-            addr_of = lambda k: int(addr.reshape(-1)[k])  # noqa: E731
+            idx, nw, addr, who, rows, addr_of = matrix_rows(ctx, sel, address, nmat, space,
+                                                            "stmatrix", "stmatrix row store")
             ctx.smem.check_not_pending(rows, 16, who, addr_of)
             if ctx.race is not None:
                 ctx.race.warp_synced(sel)

@@ -277,8 +277,10 @@ def decode_mma(ins, env):
 
 # ----------------------------------------------------------------------------- ldmatrix
 
-@register("ldmatrix")
-def decode_ldmatrix(ins, env):
+def decode_matrix(ins, env, name: str, plan):
+    """ldmatrix / stmatrix .sync.aligned.m8n8.{x1,x2,x4}[.trans][.shared].b16 [a], {r..}:
+    (matrices, trans, in the shared space, the register plans `plan(env, reg, B32)` of the
+    vector operand, the address plan)."""
     m = Mods(ins)
     if not (m.flag("sync") and m.flag("aligned")):
         raise DecodeError("needs .sync.aligned")
@@ -287,37 +289,51 @@ def decode_ldmatrix(ins, env):
     nmat = {"x1": 1, "x2": 2, "x4": 4}[m.need("x1", "x2", "x4")]
     trans = bool(m.flag("trans"))
     space = m.flag("shared", "shared::cta")
-    t = m.one_type()
-    m.done()
-    if t.name != "b16":
+    if m.one_type().name != "b16":
         raise DecodeError("only .b16 is supported")
+    m.done()
     expect_operands(ins, 2)
-    d, a = ins.operands
-    if not isinstance(d, Vec) or len(d.items) != nmat:
-        raise DecodeError(f"needs {{{nmat}}} destination registers")
-    dplans = [dst_plan(env, x, B32) for x in d.items]
-    aplan = address_plan(env, a, "shared" if space else None)
-    lane = np.arange(32)
-    row, col = lane >> 2, 2 * (lane & 3)
-    line = ins.line
+    vec, a = ins.operands if name == "ldmatrix" else ins.operands[::-1]
+    if not isinstance(vec, Vec) or len(vec.items) != nmat:
+        role = "destination" if name == "ldmatrix" else "source"
+        raise DecodeError(f"needs {{{nmat}}} {role} registers")
+    return (nmat, trans, space, [plan(env, x, B32) for x in vec.items],
+            address_plan(env, a, "shared" if space else None))
+
+
+def matrix_rows(ctx, sel, address, nmat: int, space, name: str, what: str):
+    """The 16-byte shared rows an ldmatrix / stmatrix of the selected (whole) warps touches:
+    (thread indices, warps, row addresses [w, 8 nmat], the threads that give them, flat row
+    indices, addr_of for messages). Lanes 0 .. 8 nmat - 1 give one row address each."""
+    idx = whole_warps(ctx, sel, name)
+    nw = idx.size // 32
+    addr = np.broadcast_to(address(sel), idx.shape).reshape(nw, 32)[:, :8 * nmat]
+    if not space:   # generic address: must point into the shared window
+        addr = addr.astype(np.int64) - GENERIC_SHARED_BASE
+    who = idx.reshape(nw, 32)[:, :8 * nmat].reshape(-1)
+    flat = ctx.smem.offsets(ctx.cta_of[who], addr.reshape(-1), 16, 16, what, who)
+    return idx, nw, addr, who, flat >> 4, lambda k: int(addr.reshape(-1)[k])
+
+
+# a lane's two b16 values of each 8 x 8 matrix: row lane / 4, columns 2 (lane % 4) and + 1
+_LANE = np.arange(32)
+MATRIX_ROW, MATRIX_COL = _LANE >> 2, 2 * (_LANE & 3)
+
+
+@register("ldmatrix")
+def decode_ldmatrix(ins, env):
+    nmat, trans, space, dplans, aplan = decode_matrix(ins, env, "ldmatrix", dst_plan)
+    row, col, line = MATRIX_ROW, MATRIX_COL, ins.line
 
     def bind(ctx):
         writers = [p(ctx) for p in dplans]
         address = aplan(ctx)
 
         def run(sel):
-            idx = whole_warps(ctx, sel, "ldmatrix")
-            nw = idx.size // 32
-            addr = np.broadcast_to(address(sel), idx.shape).reshape(nw, 32)[:, :8 * nmat]
-            if not space:   # generic address: must point into the shared window
-                addr = addr.astype(np.int64) - GENERIC_SHARED_BASE
-            who = idx.reshape(nw, 32)[:, :8 * nmat].reshape(-1)
+            idx, nw, addr, who, rows, addr_of = matrix_rows(ctx, sel, address, nmat, space,
+                                                            "ldmatrix", "ldmatrix row load")
             if ctx.traffic is not None:
                 ctx.traffic.ldmatrix(line, addr)
-            flat = ctx.smem.offsets(ctx.cta_of[who], addr.reshape(-1), 16, 16,
-                                    "ldmatrix row load", who)
-            rows = flat >> 4
-            addr_of = lambda k: int(addr.reshape(-1)[k])  # noqa: E731
             ctx.smem.check_readable(rows, 16, who, addr_of)
             if ctx.race is not None:     # converged on .sync.aligned: the warp is synchronised
                 ctx.race.warp_synced(sel)
