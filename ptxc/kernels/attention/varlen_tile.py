@@ -253,11 +253,11 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
 # bench/loop_quality.py, docs/performance.md "varlen on wgmma"), and the launch model does not
 # rank it slower at any serving shape: at d128 two CTAs either way, 64 KiB in flight each, and
 # every consumer warp's iteration is 228 instructions against 286-313 (1.73 against 2.37 per
-# HGMMA-equivalent); at DeepSeek's 192 / 128 two CTAs of three stages (120 KiB in flight per SM)
-# against three of two (123), 176 instructions against 240-277. At d64 four stages at two CTAs
-# would keep the bytes (128 KiB) too, but two consumer warpgroups per SM where the one-issuer
-# tile has four: the model ranks it 3 % slower on a 16k-token chunk, so there (and at d256, one
-# CTA against two) it is opt-in. Keys: (head_dim, head_dim_v).
+# HGMMA-equivalent); at DeepSeek's 192 / 128 (64-row pages) two CTAs of three stages (120 KiB
+# in flight per SM) against three of two (121), 176 instructions against 228-255. At d64 four
+# stages at two CTAs would keep the bytes (128 KiB) too, but with two consumer warpgroups per
+# SM where the one-issuer tile has four the model ranks it 3-5 % slower on prefill chunks, so
+# there (and at d256, one CTA against two: 8-11 %) it is opt-in. Keys: (head_dim, head_dim_v).
 WS_DEFAULT_SHAPES = ((128, 128), (192, 128))
 # The warp-specialised tile's stages where it runs fewer CTAs per SM than the one-issuer tile
 # (whose 2 stages the family's configure chose): as many more as keep its bytes in flight per SM
