@@ -1,0 +1,27 @@
+"""bench/mla_roofline.py: the roofline ceilings of an FP8 latent cache over bf16 in the dense
+MLA decode (batch 64 x 4096), from the report's cost model -- what issue 25's "e4m3_ds at least
+1.6x faster than bf16" can and cannot be at each head count with the products ptxc builds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import mla_roofline  # noqa: E402
+
+
+def test_fp8_ceilings_by_head_count_and_product_width(monkeypatch, tmp_path):
+    monkeypatch.setenv("PTXC_CACHE_DIR", str(tmp_path / "cache"))
+    dims = {k: int(v) for k, v in (kv.split("=") for kv in mla_roofline.SHAPE.split(","))}
+    rows = {(r["gpu"], r["heads"]): r for r in mla_roofline.ceilings(dims)}
+    for gpu in ("H100 SXM", "H200 SXM"):
+        for heads in (16, 64):       # bandwidth-bound: the cache's bytes are the step
+            r = rows[(gpu, heads)]
+            assert r["bound_by"] == "bandwidth" and r["wide"]["e4m3_ds"] > 1.6
+        assert abs(rows[(gpu, 16)]["wide"]["e4m3"] - 1152 / 576) < 0.02   # e4m3 rows: half
+        r = rows[(gpu, 128)]          # near or past the ridge: 16-bit products cap the gain
+        assert 220 < r["intensity"][0] < 240 and r["wide"]["e4m3_ds"] < 1.3
+        assert r["narrow"]["e4m3_ds"] > 1.6       # e4m3 products would lift the cap
+    assert rows[("H200 SXM", 128)]["bound_by"] == "tensor"
+    assert abs(rows[("H200 SXM", 128)]["wide"]["e4m3_ds"] - 1.0) < 1e-9
