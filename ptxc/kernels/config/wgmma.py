@@ -35,7 +35,7 @@ def uses_wgmma(spec: KernelSpec, target: Target) -> bool:
     # accumulator, which is the mma.sync fragment layout per warp
     return (target.name in WGMMA_TARGETS and spec.dtype in ("f16", "bf16")
             and spec.head_dim in WGMMA_HEAD_DIMS and head_dim_v(spec) in WGMMA_HEAD_DIMS
-            and spec.opt("custom_mask") in (None, "none", "tree"))
+            and spec_option(spec, "custom_mask") in (None, "none", "tree"))
 
 
 @dataclass(frozen=True)

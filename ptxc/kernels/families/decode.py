@@ -65,6 +65,13 @@ FIELDS = FamilyFields(
               "head_dim 128)", default=None, choices=(16, 32, 64, 128)),
         Field("num_stages", "int", "tensor-core path: K/V tiles in the cp.async pipeline "
               "(default 2)", default=None, choices=(1, 2, 3, 4)),
+        Field("kv_loads", "str", "tensor-core path on sm_90a (varlen's wgmma tile): K/V tiles "
+              "by TMA boxes (the default where the layout allows: contiguous caches and pages of "
+              ">= 8 rows) or per-thread cp.async", default=None, choices=("cp_async", "tma")),
+        Field("warp_specialize", "bool", "tensor-core path on sm_90a with TMA: a producer "
+              "warpgroup issues the boxes under full/empty mbarriers and the consumer warpgroup "
+              "only computes (varlen's rule decides the default: docs/kernels.md \"decode\")",
+              default=None),
     ),
 )
 SIMT_STAGES = 2     # K/V row sets in the SIMT path's cp.async pipeline (one in flight while computing)
@@ -157,7 +164,7 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
             "lanes_per_row": c.lanes_per_row, "kv_stages": c.kv_stages}
 
 
-def _kv(spec: KernelSpec) -> KVAccess:
+def kv_access(spec: KernelSpec) -> KVAccess:
     layout = spec.opt("kv_layout")
     return KVAccess(layout, kv_fp8.kv_format(spec), page_size(spec) if layout == "paged" else 0)
 
@@ -168,7 +175,7 @@ def _splits(spec: KernelSpec):
 
 def interface(spec: KernelSpec) -> Interface:
     d, H, Hk = spec.head_dim, spec.num_heads, spec.num_kv_heads
-    kv = _kv(spec)
+    kv = kv_access(spec)
     append = spec.opt("append_kv")
     tensors = [TensorInfo("q", spec.dtype, ("batch", H, d), "input"),
                *kv.tensors(kv_fp8.kv_dtype(spec), Hk, d, "inout" if append else "input"),
@@ -208,7 +215,7 @@ def _ctas_per_kv_head(spec: KernelSpec) -> int:
 def build(spec: KernelSpec, target: Target) -> Program:
     mma = decode_mma.uses_mma(spec)
     cfg = decode_mma.configure(spec, target) if mma else configure(spec, target)
-    kv = _kv(spec)
+    kv = kv_access(spec)
     split = _splits(spec) != 1
     b = KernelBuilder(f"ptxc_{spec.name}" + ("_split" if split else ""))
     params: list[LaunchParam] = []
@@ -235,12 +242,17 @@ def build(spec: KernelSpec, target: Target) -> Program:
     split_count = param("num_splits", U32, ParamSource("dim", name="num_splits")) if split else None
     quant = kv_fp8.emit_params(spec, target, b, param)
     if mma:
-        decode_mma.emit_attention(b, spec, cfg, kv, ptrs, strides, split_count, quant)
+        tmaps = None
+        if getattr(cfg, "tma", False):   # sm_90a's TMA tile: k/v tensor maps after the other params
+            from ..kv.kv_boxes import tensor_map_params
+            tmaps = tensor_map_params(b, cfg, kv, params)
+        decode_mma.emit_attention(b, spec, cfg, kv, ptrs, strides, split_count, quant, tmaps)
     else:
         emit_attention(b, spec, cfg, kv, ptrs, strides, split_count, quant, target)
     b.ret()
     grid = (str(spec.num_kv_heads * _ctas_per_kv_head(spec)), "batch", "num_splits" if split else "1")
-    launches = [Launch(entry=b.entry.name, params=tuple(params), grid=grid, block=(cfg.num_warps * 32, 1, 1),
+    threads = getattr(cfg, "launch_threads", cfg.num_warps * 32)   # a producer warpgroup's too
+    launches = [Launch(entry=b.entry.name, params=tuple(params), grid=grid, block=(threads, 1, 1),
                        dynamic_smem_bytes=cfg.smem_bytes if mma else 0,
                        min_ctas_per_sm=getattr(cfg, "min_ctas_per_sm", 0),
                        tmem_columns=getattr(cfg, "tmem_columns", 0))]

@@ -35,6 +35,7 @@ MAX_FP8_HEAD_DIM = 128
 MAX_BLOCK_M = 128            # 8 warps of 16 packed rows; larger groups take several CTAs
 SIMT_TILE_KEYS = ("num_warps", "kv_unroll")
 MMA_TILE_KEYS = ("block_n", "num_stages")
+HOPPER_TILE_KEYS = ("kv_loads", "warp_specialize")   # the sm_90a wgmma tile's (on_wgmma)
 DEFAULT_STAGES = 2
 
 
@@ -80,8 +81,11 @@ def validate(spec: KernelSpec) -> None:
             if k in tile:
                 raise SpecError(f'tile.{k} belongs to the SIMT path, but math = "mma"; use '
                                 f'tile.block_n / tile.num_stages', key=f"tile.{k}")
-    if not uses_mma(spec):
-        for k in MMA_TILE_KEYS:
+    if uses_mma(spec):
+        from ..bodies.packed_paths import check_tile_keys
+        check_tile_keys(spec, [configure(spec, TARGETS[t]) for t in spec.targets])
+    else:
+        for k in MMA_TILE_KEYS + HOPPER_TILE_KEYS:
             if k in tile:
                 raise SpecError(f"tile.{k} belongs to the tensor-core path, which this kernel does "
                                 f"not take ({mma_blocker(spec) or 'SIMT tile keys or math = simt'})",
@@ -99,14 +103,48 @@ def tiles_per_seq(spec: KernelSpec) -> int:
 
 
 def configure(spec: KernelSpec, target: Target | None):
-    """block_m = the padded group (1 warp up to g = 16); block_n 64 (32 above head_dim 128), two
-    stages: one K/V tile pair in flight while the previous one is multiplied. FP8 caches
-    (kv_fp8_stage.StagedFP8Config) take varlen's rule: the most stages that keep the CTAs per SM
-    two stages allow (a stage is half an f16 tile), and .minnctapersm 1 so ptxas does not cap
-    the registers at the occupancy shared memory never allows and spill the dequantisation."""
+    """The mma.sync tile (mma_tile), moved on sm_90a onto varlen's wgmma tile where that
+    applies (on_wgmma)."""
+    cfg = mma_tile(spec, target)
+    return cfg if target is None else on_wgmma(spec, target, cfg)
+
+
+def on_wgmma(spec: KernelSpec, target: Target, cfg):
+    """sm_90a: the packed tile on wgmma -- by TMA with a producer warpgroup where varlen's rules
+    give it (varlen_tile.configure) -- as varlen's one-token steps run (an H200 timed those 11 %
+    faster on wgmma than the same kernel's mma.sync cubin, docs/performance.md "GPU results").
+    The tile is one warpgroup's 64 rows, g of them the group's heads, the rest masked: decode is
+    bandwidth-bound (64 rows x head_dim x 4 FLOPs a key against its K/V bytes, 64 FLOP per
+    byte at d128: a fifth of an H100's ridge). Groups of more than 64 heads keep mma.sync:
+    their query tiles per sequence (the grid) would differ from the other targets'. So does a
+    sliding window of fewer than SHORT_WINDOW_TILES key tiles unless a tile key asks for the
+    wgmma tile: each CTA's loop is then a few tiles, and the lighter CTAs (five per SM for
+    gpt-oss's 128-key window against four) overlap more prologues -- the launch model puts the
+    wgmma tile 19 % slower there, as an H200 timed the prefill's one-issuer kernel faster under
+    that window (config/wgmma.py)."""
+    from ..attention import varlen_tile as vt
+    from ..attention.variant import spec_option
+    from ..config.wgmma import ROWS_PER_WARPGROUP, SHORT_WINDOW_TILES
+    window = spec_option(spec, "sliding_window")
+    short = window is not None and window < SHORT_WINDOW_TILES * cfg.block_n and \
+        not spec.tile_dict().keys() & set(HOPPER_TILE_KEYS)
+    if spec.group_size > ROWS_PER_WARPGROUP or short or not vt.uses_wgmma(spec, target):
+        return cfg
+    from .decode import kv_access
+    wide, kv = mma_tile(spec, target, rows=ROWS_PER_WARPGROUP), kv_access(spec)
+    return vt.configure(spec, wide, kv) if vt.applies(spec, target, wide, kv) else cfg
+
+
+def mma_tile(spec: KernelSpec, target: Target | None, rows: int | None = None):
+    """block_m = the padded group (1 warp up to g = 16), or `rows`; block_n 64 (32 above
+    head_dim 128), two stages: one K/V tile pair in flight while the previous one is
+    multiplied. FP8 caches (kv_fp8_stage.StagedFP8Config) take varlen's rule: the most stages
+    that keep the CTAs per SM two stages allow (a stage is half an f16 tile), and
+    .minnctapersm 1 so ptxas does not cap the registers at the occupancy shared memory never
+    allows and spill the dequantisation."""
     from ..config.prefill import PrefillConfig, _check_shape
     tile = {**C.tuned_tile("decode", spec, target, MMA_TILE_KEYS), **spec.tile_dict()}   # user wins
-    bm = block_m(spec)
+    bm = rows or block_m(spec)
     bn = 64 if spec.head_dim <= 128 else 32
     if kv_fp8_stage.applies(spec) and target is not None and not fp8.has_fp8_cvt(target):
         bn = 32   # software FP8 conversion: 64 keys reached 255 registers and spilled (d64 .. d128)
@@ -133,12 +171,14 @@ def configure(spec: KernelSpec, target: Target | None):
 
 
 def resolve_tile(spec: KernelSpec, target: Target) -> dict:
-    from ..attention.varlen_tile import packed_tile_config
-    return packed_tile_config(spec, configure(spec, target))
+    from ..attention.varlen_tile import WgmmaTileConfig, packed_tile_config, tile_config
+    cfg = configure(spec, target)
+    conf = packed_tile_config(spec, cfg)
+    return tile_config(conf, cfg) if isinstance(cfg, WgmmaTileConfig) else conf
 
 
 def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
-                   split_count: Reg | None, quant=None) -> None:
+                   split_count: Reg | None, quant=None, tmaps: dict | None = None) -> None:
     """decode's work assignment for the packed body: ctaid.x = KV head x query tile,
     ctaid.y = sequence (its one token is q[seq]), ctaid.z = split."""
     from ..attention.packed_tile import TileWork
@@ -156,4 +196,4 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
     batch = b.special("%nctaid.y")
     work = TileWork(seq, kv_head, split, seq, b.mov(1, S32), m_start, batch,
                     b.mul(batch, tps) if tps > 1 else batch, seq_units)
-    emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant)
+    emit_packed_tile(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps)
