@@ -29,9 +29,10 @@ from ..base import Family, Interface, Launch, LaunchParam, ParamSource, Program,
 from ..bodies.decode_attend import emit_attention
 from ..config.register_floor import needs_floor
 from ..kv import kv_fp8
-from ..kv.kv_access import LAYOUTS, MAX_PAGE_SIZE, KVAccess, check_page_size
+from ..kv.kv_access import LAYOUTS, MAX_PAGE_SIZE, check_page_size
 from ..math import fp8
 from . import decode_mma
+from .decode_mma import kv_access, page_size
 
 _hd_check, _hd_allowed = head_dim_range(16, 512)
 _page_check, _page_allowed = int_range(1, MAX_PAGE_SIZE)
@@ -125,10 +126,6 @@ def validate(spec: KernelSpec) -> None:
                         "\"pointer_array\"", key="append_kv")
 
 
-def page_size(spec: KernelSpec) -> int:
-    return spec.opt("page_size") or 16
-
-
 def configure(spec: KernelSpec, target: Target) -> DecodeConfig:
     fmt = C.FORMATS[spec.dtype]
     chunks = spec.head_dim // fmt.per_vec
@@ -162,11 +159,6 @@ def resolve_tile(spec: KernelSpec, target: Target) -> dict:
     c = configure(spec, target)
     return {"num_warps": c.num_warps, "kv_unroll": c.kv_unroll, "heads_per_cta": c.heads_per_cta,
             "lanes_per_row": c.lanes_per_row, "kv_stages": c.kv_stages}
-
-
-def kv_access(spec: KernelSpec) -> KVAccess:
-    layout = spec.opt("kv_layout")
-    return KVAccess(layout, kv_fp8.kv_format(spec), page_size(spec) if layout == "paged" else 0)
 
 
 def _splits(spec: KernelSpec):

@@ -39,6 +39,17 @@ HOPPER_TILE_KEYS = ("kv_loads", "warp_specialize")   # the sm_90a wgmma tile's (
 DEFAULT_STAGES = 2
 
 
+def page_size(spec: KernelSpec) -> int:
+    return spec.opt("page_size") or 16
+
+
+def kv_access(spec: KernelSpec) -> KVAccess:
+    """The decode cache's layout (both paths; here because on_wgmma needs it and decode.py
+    imports this module)."""
+    layout = spec.opt("kv_layout")
+    return KVAccess(layout, kv_fp8.kv_format(spec), page_size(spec) if layout == "paged" else 0)
+
+
 def mma_blocker(spec: KernelSpec) -> str | None:
     """Why this spec cannot take the tensor-core path (None: it can)."""
     if spec.group_size < MIN_GROUP:
@@ -130,7 +141,6 @@ def on_wgmma(spec: KernelSpec, target: Target, cfg):
         not spec.tile_dict().keys() & set(HOPPER_TILE_KEYS)
     if spec.group_size > ROWS_PER_WARPGROUP or short or not vt.uses_wgmma(spec, target):
         return cfg
-    from .decode import kv_access
     wide, kv = mma_tile(spec, target, rows=ROWS_PER_WARPGROUP), kv_access(spec)
     return vt.configure(spec, wide, kv) if vt.applies(spec, target, wide, kv) else cfg
 
