@@ -29,7 +29,7 @@
 # stores (`*_tmast`), each beside its default kernel (the rest of the ab set was timed at
 # 2d6d5cd / 6c5a819; `--every` times it all). The
 # main sets' decode rows, sm_90a against sm_90, say whether decode's move onto varlen's wgmma
-# tile paid (docs/performance.md "decode on wgmma"); their FP8 rows (llama3_8b_fp8_decode, deepseek_v3_mla_decode_fp8 at batch 64 x 4096)
+# tile paid (docs/performance.md "decode on wgmma (sm_90a) and tcgen05 (sm_100a)"); their FP8 rows (llama3_8b_fp8_decode, deepseek_v3_mla_decode_fp8 at batch 64 x 4096)
 # then say what f16 products did to the FP8 decodes (0.211 and 0.264 ms before, bf16 0.279 and
 # 0.208; docs/performance.md "FP8 on f16 products"):
 #

@@ -101,7 +101,7 @@ OPTIONS = (
      "fp8hsplitapp"),
     ("decode", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "device"\nnum_splits = "auto"\n', "fp8dsplit"),
     ("decode", None, 'kv_layout = "paged"\npage_size = 528\nnum_splits = "auto"\n', "p528"),
-    # decode on sm_90a: varlen's wgmma tile (decode_mma.on_wgmma) -- TMA with the producer
+    # decode on sm_90a: varlen's wgmma tile (decode_mma.on_packed_tile) -- TMA with the producer
     # warpgroup at d128, one issuer elsewhere, cp.async for pointer arrays and FP8 -- plain
     # with a split and the fused append, every variant (its 128-key window would keep mma.sync:
     # the tile key asks for the wgmma tile), FP8, pointer arrays
@@ -110,6 +110,9 @@ OPTIONS = (
     ("decode", None, _PAGED + _EVERY + _SM90A + "[kernel.tile]\nwarp_specialize = true\n", "wgwsvar_90a"),
     ("decode", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n' + _SPLIT + _SM90A, "wgfp8_90a"),
     ("decode", None, 'kv_layout = "pointer_array"\n' + _SPLIT + _SM90A, "wgptr_90a"),
+    # and on sm_100a varlen's tcgen05 tile (load / MMA / softmax warps), plain and every variant
+    ("decode", None, _PAGED + 'num_splits = "auto"\nappend_kv = true\n' + _SM100A, "tc_100a"),
+    ("decode", None, _PAGED + _EVERY + _SPLIT + _SM100A + '[kernel.tile]\nkv_loads = "tma"\n', "tcvar_100a"),
     ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "device"\nnum_splits = "auto"\n', "fp8dsplit"),
     # FP8 caches on the sm_90a wgmma body (head_dim 64 / 128 / 256; other head dims mma.sync)
     ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\n' + _SM90A, "fp8_90a"),

@@ -23,7 +23,7 @@ from ..mainloop.tiles import CHUNK, SWIZZLE, SwizzledGeom
 from ..mainloop.tma_ws_pipeline import consumer_regs
 from ..math.mma import MmaMath
 from .packed_tile import VarlenCtx
-from .variant import finish_rows
+from .variant import finish_rows, spec_option
 
 
 class VarlenMath(MmaMath):
@@ -198,7 +198,7 @@ def applies_tcgen05(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
     return (target.name in TCGEN05_TARGETS and spec.dtype in ("f16", "bf16")
             and kv_dtype(spec) == spec.dtype and cfg.head_dim in TCGEN05_HEAD_DIMS
             and cfg.dv in TCGEN05_HEAD_DIMS and cfg.dv <= cfg.head_dim
-            and _loads_by_tma(spec, kv) and spec.opt("custom_mask") in (None, "none")
+            and _loads_by_tma(spec, kv) and spec_option(spec, "custom_mask") in (None, "none")
             and cfg.v_split == 1 and cfg.block_m in (64, 128)
             and cfg.num_warps == cfg.block_m // 16)
 

@@ -35,7 +35,7 @@ MAX_FP8_HEAD_DIM = 128
 MAX_BLOCK_M = 128            # 8 warps of 16 packed rows; larger groups take several CTAs
 SIMT_TILE_KEYS = ("num_warps", "kv_unroll")
 MMA_TILE_KEYS = ("block_n", "num_stages")
-HOPPER_TILE_KEYS = ("kv_loads", "warp_specialize")   # the sm_90a wgmma tile's (on_wgmma)
+PACKED_TILE_KEYS = ("kv_loads", "warp_specialize")   # the wgmma / tcgen05 tile's (on_packed_tile)
 DEFAULT_STAGES = 2
 
 
@@ -44,7 +44,7 @@ def page_size(spec: KernelSpec) -> int:
 
 
 def kv_access(spec: KernelSpec) -> KVAccess:
-    """The decode cache's layout (both paths; here because on_wgmma needs it and decode.py
+    """The decode cache's layout (both paths; here because on_packed_tile needs it and decode.py
     imports this module)."""
     layout = spec.opt("kv_layout")
     return KVAccess(layout, kv_fp8.kv_format(spec), page_size(spec) if layout == "paged" else 0)
@@ -96,7 +96,7 @@ def validate(spec: KernelSpec) -> None:
         from ..bodies.packed_paths import check_tile_keys
         check_tile_keys(spec, [configure(spec, TARGETS[t]) for t in spec.targets])
     else:
-        for k in MMA_TILE_KEYS + HOPPER_TILE_KEYS:
+        for k in MMA_TILE_KEYS + PACKED_TILE_KEYS:
             if k in tile:
                 raise SpecError(f"tile.{k} belongs to the tensor-core path, which this kernel does "
                                 f"not take ({mma_blocker(spec) or 'SIMT tile keys or math = simt'})",
@@ -114,35 +114,46 @@ def tiles_per_seq(spec: KernelSpec) -> int:
 
 
 def configure(spec: KernelSpec, target: Target | None):
-    """The mma.sync tile (mma_tile), moved on sm_90a onto varlen's wgmma tile where that
-    applies (on_wgmma)."""
+    """The mma.sync tile (mma_tile), moved on sm_90a / sm_100a onto varlen's wgmma or tcgen05
+    tile where one applies (on_packed_tile)."""
     cfg = mma_tile(spec, target)
-    return cfg if target is None else on_wgmma(spec, target, cfg)
+    return cfg if target is None else on_packed_tile(spec, target, cfg)
 
 
-def on_wgmma(spec: KernelSpec, target: Target, cfg):
-    """sm_90a: the packed tile on wgmma -- by TMA with a producer warpgroup where varlen's rules
-    give it (varlen_tile.configure) -- as varlen's one-token steps run (an H200 timed those 11 %
-    faster on wgmma than the same kernel's mma.sync cubin, docs/performance.md "GPU results").
-    The tile is one warpgroup's 64 rows, g of them the group's heads, the rest masked: decode is
-    bandwidth-bound (64 rows x head_dim x 4 FLOPs a key against its K/V bytes, 64 FLOP per
-    byte at d128: a fifth of an H100's ridge). Groups of more than 64 heads keep mma.sync:
-    their query tiles per sequence (the grid) would differ from the other targets'. So does a
-    sliding window of fewer than SHORT_WINDOW_TILES key tiles unless a tile key asks for the
-    wgmma tile: each CTA's loop is then a few tiles, and the lighter CTAs (five per SM for
-    gpt-oss's 128-key window against four) overlap more prologues -- the launch model puts the
-    wgmma tile 19 % slower there, as an H200 timed the prefill's one-issuer kernel faster under
-    that window (config/wgmma.py)."""
-    from ..attention import varlen_tile as vt
+def on_packed_tile(spec: KernelSpec, target: Target, cfg):
+    """The first of packed_paths.PATHS that applies to a 64-row tile -- sm_100a's tcgen05 tile,
+    sm_90a's wgmma tile (by TMA with a producer warpgroup where varlen's rules give it,
+    varlen_tile.configure) -- as varlen's one-token steps run (an H200 timed those 11 % faster
+    on wgmma than the same kernel's mma.sync cubin, docs/performance.md "GPU results"); the
+    mma.sync tile `cfg` where none does. The tile is one warpgroup's 64 rows, g of them the
+    group's heads, the rest masked: decode is bandwidth-bound (64 rows x head_dim x 4 FLOPs a
+    key against its K/V bytes, 64 FLOP per byte at d128: a fifth of an H100's ridge). Groups
+    of more than 64 heads keep mma.sync: their query tiles per sequence (the grid) would differ
+    from the other targets'. So does a sliding window of fewer than SHORT_WINDOW_TILES key
+    tiles unless a tile key asks for the packed tile: each CTA's loop is then a few tiles, and
+    the lighter CTAs (five per SM for gpt-oss's 128-key window against four) overlap more
+    prologues -- the launch model puts the wgmma tile 19 % slower there, as an H200 timed the
+    prefill's one-issuer kernel faster under that window (config/wgmma.py). And so does a
+    tcgen05 tile that would run one CTA per SM (below), unless a tile key asks."""
     from ..attention.variant import spec_option
+    from ..bodies.packed_paths import PATHS
+    from ..config.prefill import PrefillConfig
+    from ..config.tcgen05 import TMEM_COLUMNS
     from ..config.wgmma import ROWS_PER_WARPGROUP, SHORT_WINDOW_TILES
+    asked = bool(spec.tile_dict().keys() & set(PACKED_TILE_KEYS))   # a tile key: the packed tile
     window = spec_option(spec, "sliding_window")
-    short = window is not None and window < SHORT_WINDOW_TILES * cfg.block_n and \
-        not spec.tile_dict().keys() & set(HOPPER_TILE_KEYS)
-    if spec.group_size > ROWS_PER_WARPGROUP or short or not vt.uses_wgmma(spec, target):
+    short = window is not None and window < SHORT_WINDOW_TILES * cfg.block_n and not asked
+    if spec.group_size > ROWS_PER_WARPGROUP or short:
         return cfg
     wide, kv = mma_tile(spec, target, rows=ROWS_PER_WARPGROUP), kv_access(spec)
-    return vt.configure(spec, wide, kv) if vt.applies(spec, target, wide, kv) else cfg
+    path = next(p for p in PATHS if p.applies(spec, target, wide, kv))
+    if path.config_type is PrefillConfig:
+        return cfg
+    packed = path.configure(spec, wide, kv)
+    # a tcgen05 tile that takes all of an SM's tensor memory (d256: 512 columns) runs one CTA
+    # per SM, half the bytes in flight of the mma.sync tile's three (64 KiB against 125)
+    whole_sm = getattr(packed, "tmem_columns", 0) > TMEM_COLUMNS // 2
+    return cfg if whole_sm and not asked else packed
 
 
 def mma_tile(spec: KernelSpec, target: Target | None, rows: int | None = None):

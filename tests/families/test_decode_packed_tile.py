@@ -1,8 +1,8 @@
-"""decode on sm_90a: the tensor-core path on varlen's wgmma tile (decode_mma.on_wgmma) -- by TMA
-with a producer warpgroup where varlen's rules give it, by per-thread cp.async for pointer-array
-and FP8 caches -- against the fp64 reference with NaN in every cache row a kernel must not read
-(rows at or past L, pages no sequence names); which specs move, and that the grid stays every
-target's."""
+"""decode's tensor-core path on varlen's packed tile (decode_mma.on_packed_tile): on sm_90a the
+wgmma tile -- by TMA with a producer warpgroup where varlen's rules give it, by per-thread
+cp.async for pointer-array, odd-page and FP8 caches --, on sm_100a the tcgen05 tile, against
+the fp64 reference with NaN in every cache row a kernel must not read (rows at or past L, pages
+no sequence names); which specs move, and that the grid stays every target's."""
 
 import numpy as np
 import pytest
@@ -42,13 +42,13 @@ def poison(inputs: dict, spec, dims: dict) -> dict:
     return inputs
 
 
-def check(art, spec, dims, seed=0):
+def check(art, spec, dims, seed=0, target="sm_90a"):
     inputs = DECODE.make_inputs(spec, dims, np.random.default_rng(seed))
     if "k_cache" in inputs and spec.opt("kv_layout") != "pointer_array" and \
             np.issubdtype(inputs["k_cache"].dtype, np.floating):
         inputs = poison(inputs, spec, dims)
         assert np.isnan(inputs["v_cache"]).any()
-    out = art.run(inputs, target="sm_90a")
+    out = art.run(inputs, target=target)
     clean = {**inputs, **{t: np.nan_to_num(inputs[t], nan=0.0) for t in ("k_cache", "v_cache")
                           if np.issubdtype(inputs[t].dtype, np.floating)}}
     want, naive = DECODE.reference(spec, clean), DECODE.reference(spec, clean, dtype=spec.dtype)
@@ -130,3 +130,24 @@ def test_hopper_tile_keys_say_where_they_apply():
                     f'[kernel.tile]\nkv_loads = "cp_async"\n')[0]
     conf = DECODE.resolve_tile(one, TARGETS["sm_90a"])
     assert conf["path"] == "wgmma.m64nNk16" and "kv_loads" not in conf and "warp_specialize" not in conf
+
+
+@pytest.mark.parametrize("body,dims", [
+    (_body(), PAGED),
+    (_body(heads=16, kv_heads=1, d=64, layout='kv_layout = "contiguous"', splits=3), CONTIG),
+    (_body(extra="sliding_window = 300\nlogits_soft_cap = 30.0\nattention_sinks = true\nappend_kv = true"),
+     {"batch": 5, "max_pages_per_seq": 24, "num_pages": 128}),
+], ids=["llama3-page16-auto", "mqa-d64-contiguous-3splits", "window-softcap-sinks-append"])
+def test_tcgen05_decode_with_nan_garbage(tmp_path, body, dims):
+    """sm_100a: the tcgen05 tile's load / MMA / softmax warps over one token's heads, the same
+    poisoned batches; FP8 and pointer-array caches keep mma.sync there (no TMA), and so does
+    d256 (its tile would run one CTA per SM: half the bytes in flight)."""
+    art = build_kernel(tmp_path, "decode", body, targets=("sm_90", "sm_100a"))
+    _, t = art.target("sm_100a")
+    assert t["config"]["path"] == "tcgen05.mma.m64" and t["config"]["warp_specialize"]
+    check(art, KernelSpec.from_dict(art.meta["spec"]), dims, target="sm_100a")
+    for body in (_body(extra='kv_dtype = "e4m3"'), _body(layout='kv_layout = "pointer_array"'),
+                 _body(d=256)):     # d256: all 512 tensor-memory columns, one CTA per SM
+        assert _resolve(body, "sm_100a")["path"] == "mma.m16n8k16"
+    asked = _body(d=256, extra="[kernel.tile]\nwarp_specialize = true")   # unless a tile key asks
+    assert _resolve(asked, "sm_100a")["path"] == "tcgen05.mma.m64"
