@@ -66,13 +66,14 @@ FIELDS = FamilyFields(
               "head_dim 128)", default=None, choices=(16, 32, 64, 128)),
         Field("num_stages", "int", "tensor-core path: K/V tiles in the cp.async pipeline "
               "(default 2)", default=None, choices=(1, 2, 3, 4)),
-        Field("kv_loads", "str", "tensor-core path on sm_90a (varlen's wgmma tile): K/V tiles "
-              "by TMA boxes (the default where the layout allows: contiguous caches and pages of "
-              ">= 8 rows) or per-thread cp.async", default=None, choices=("cp_async", "tma")),
-        Field("warp_specialize", "bool", "tensor-core path on sm_90a with TMA: a producer "
+        Field("kv_loads", "str", "tensor-core path on sm_90a / sm_100a (varlen's wgmma / tcgen05 "
+              "tile): K/V tiles by TMA boxes (the default where the layout allows: contiguous "
+              "caches and pages of >= 8 rows) or per-thread cp.async (sm_90a)", default=None,
+              choices=("cp_async", "tma")),
+        Field("warp_specialize", "bool", "tensor-core path with TMA: on sm_90a a producer "
               "warpgroup issues the boxes under full/empty mbarriers and the consumer warpgroup "
-              "only computes (varlen's rule decides the default: docs/kernels.md \"decode\")",
-              default=None),
+              "only computes, on sm_100a load and MMA warps (varlen's rule decides the default: "
+              "docs/kernels.md \"decode\")", default=None),
     ),
 )
 SIMT_STAGES = 2     # K/V row sets in the SIMT path's cp.async pipeline (one in flight while computing)
@@ -235,7 +236,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     quant = kv_fp8.emit_params(spec, target, b, param)
     if mma:
         tmaps = None
-        if getattr(cfg, "tma", False):   # sm_90a's TMA tile: k/v tensor maps after the other params
+        if getattr(cfg, "tma", False):   # the TMA tiles: k/v tensor maps after the other params
             from ..kv.kv_boxes import tensor_map_params
             tmaps = tensor_map_params(b, cfg, kv, params)
         decode_mma.emit_attention(b, spec, cfg, kv, ptrs, strides, split_count, quant, tmaps)
