@@ -151,3 +151,22 @@ def test_tcgen05_decode_with_nan_garbage(tmp_path, body, dims):
         assert _resolve(body, "sm_100a")["path"] == "mma.m16n8k16"
     asked = _body(d=256, extra="[kernel.tile]\nwarp_specialize = true")   # unless a tile key asks
     assert _resolve(asked, "sm_100a")["path"] == "tcgen05.mma.m64"
+
+
+def test_a_tile_sm_90_accepts_sm_90a_accepts():
+    """The packed tile holds 64 rows of Q where the mma.sync one holds 16: a tile the user sized
+    for the latter (block_n x num_stages) is never refused on sm_90a for that (on_packed_tile
+    keeps the mma.sync tile where the 64-row one would not fit)."""
+    from ptxc.errors import SpecError
+
+    def accepted(body, target):
+        try:
+            _resolve(body, target)
+            return True
+        except SpecError:
+            return False
+    for d in (64, 128, 192, 256):
+        for bn in (16, 32, 64, 128):
+            for stages in (1, 2, 3, 4):
+                body = _body(d=d, extra=f"[kernel.tile]\nblock_n = {bn}\nnum_stages = {stages}")
+                assert accepted(body, "sm_90") == accepted(body, "sm_90a"), (d, bn, stages)

@@ -145,7 +145,10 @@ def on_packed_tile(spec: KernelSpec, target: Target, cfg):
     short = window is not None and window < SHORT_WINDOW_TILES * cfg.block_n and not asked
     if spec.group_size > ROWS_PER_WARPGROUP or short:
         return cfg
-    wide, kv = mma_tile(spec, target, rows=ROWS_PER_WARPGROUP), kv_access(spec)
+    try:     # a tile the user sized for the 16-row CTA may not hold 64 rows of Q
+        wide, kv = mma_tile(spec, target, rows=ROWS_PER_WARPGROUP), kv_access(spec)
+    except SpecError:
+        return cfg
     path = next(p for p in PATHS if p.applies(spec, target, wide, kv))
     if path.config_type is PrefillConfig:
         return cfg
