@@ -1,11 +1,13 @@
-"""Hopper warpgroup MMA: wgmma.mma_async (m64nNk16, f32 += f16/bf16), wgmma.fence,
-wgmma.commit_group, wgmma.wait_group.
+"""Hopper warpgroup MMA: wgmma.mma_async (m64nNk16, f32 += f16/bf16; m64nNk32, f32 +=
+e4m3/e5m2, K-major operands only), wgmma.fence, wgmma.commit_group, wgmma.wait_group.
 
 Model. A warpgroup is 4 consecutive warps whose first warp index is a multiple of 4; every
 wgmma instruction must be executed by all 128 threads of each warpgroup together (else a
 "not converged" error), and descriptors must be uniform across the warpgroup. A
-wgmma.mma_async computes its result when issued (exact f16/bf16 products summed in float64 and
-C added, rounded once to f32 -- as mma.sync) and writes the accumulator registers, but the
+wgmma.mma_async computes its result when issued (exact products summed in float64 and C added,
+rounded once to f32 -- as mma.sync; the hardware's FP8 accumulation is known to keep fewer bits,
+about 14 of the partial sums' mantissa (DeepSeek-V3's report), which this model does not
+reproduce: tolerances against a reference must allow for it) and writes the accumulator registers, but the
 operation stays *in flight* until the wgmma.wait_group that retires its commit group:
 
 * its accumulator and A registers must not be read or written by any other instruction of the
@@ -23,9 +25,11 @@ at issue gives exactly the values the hardware produces at any legal observation
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 
+from ptxc.emu.fp8 import FORMATS as FP8_KINDS, to_f16_bits
 from ptxc.emu.decode import NORMAL, Mods, Op, expect_operands, register
 from ptxc.emu.operands import TYPES, DecodeError, Fault, dst_plan, src_plan
 from ptxc.emu.ops_warp import _halves_to_f64
@@ -173,17 +177,27 @@ def decode_wgmma(ins, env):
         m.done()
         return _decode_control(ins, kind)
     shape = m.left[0] if m.left else ""
-    n = int(shape[4:-3]) if shape.startswith("m64n") and shape.endswith("k16") and \
-        shape[4:-3].isdigit() else 0
+    dims = re.fullmatch(r"m64n(\d+)k(16|32)", shape)
+    n, k = (int(dims[1]), int(dims[2])) if dims else (0, 0)
     if n not in _N_SIZES:
-        raise DecodeError("supported shapes: .m64nNk16 with N = 8, 16, ..., 256")
+        raise DecodeError("supported shapes: .m64nNk16 (f16, bf16) and .m64nNk32 (e4m3, e5m2) "
+                          "with N = 8, 16, ..., 256")
     m.left.pop(0)
+    narrow = [x for x in m.left if x in FP8_KINDS]     # 8-bit types are not register types
+    for x in narrow:
+        m.left.remove(x)
     types = [t.name for t in m.types()]
     m.done()
-    if len(types) != 3 or types[0] != "f32" or types[1] != types[2] or \
-            types[1] not in ("f16", "bf16"):
-        raise DecodeError("supported types: .f32.f16.f16 and .f32.bf16.bf16")
-    return _decode_mma_async(ins, env, n, types[1] == "bf16")
+    if k == 16:
+        if narrow or len(types) != 3 or types[0] != "f32" or types[1] != types[2] or \
+                types[1] not in ("f16", "bf16"):
+            raise DecodeError("supported types: .f32.f16.f16 and .f32.bf16.bf16 (k16)")
+        kinds = (types[1], types[1])
+    else:
+        if types != ["f32"] or len(narrow) != 2:
+            raise DecodeError("supported types: .f32 with .e4m3 / .e5m2 A and B (k32)")
+        kinds = tuple(narrow)
+    return _decode_mma_async(ins, env, n, kinds)
 
 
 def _decode_control(ins, kind):
@@ -220,13 +234,14 @@ def _imm(operand, allowed, what):
     return operand.value
 
 
-def _decode_mma_async(ins, env, n, is_bf16):
+def _decode_mma_async(ins, env, n, kinds):
     ops = ins.operands
     a_regs = isinstance(ops[1], Vec) if len(ops) > 1 else False
-    expect_operands(ins, *((6, 7) if a_regs else (6, 8)))
+    narrow = kinds[0] in FP8_KINDS       # 8-bit operands: K-major only, no transpose operands
+    expect_operands(ins, *((6,) if narrow else (6, 7) if a_regs else (6, 8)))
     d = ops[0]
     if not isinstance(d, Vec) or len(d.items) != n // 2:
-        raise DecodeError(f"the accumulator of m64n{n}k16.f32 is {{{n // 2}}} .f32 registers")
+        raise DecodeError(f"the accumulator of m64n{n}.f32 is {{{n // 2}}} .f32 registers")
     if a_regs and len(ops[1].items) != 4:
         raise DecodeError("register operand A is {4} .b32 registers")
     scale_a = _imm(ops[4], (1, -1), "imm-scale-a")
@@ -249,7 +264,8 @@ def _decode_mma_async(ins, env, n, is_bf16):
     d_names = [x.name for x in d.items if isinstance(x, Reg)]
     a_names = [x.name for x in ops[1].items if isinstance(x, Reg)] if a_regs else []
     acc_row, acc_col = accumulator_map(n)
-    ar_row, ar_col = a_register_map()
+    ar_row, ar_col = a_register_map(narrow)
+    depth = 32 if narrow else 16
     line = ins.line
     sign = float(scale_a * scale_b)
 
@@ -274,16 +290,16 @@ def _decode_mma_async(ins, env, n, is_bf16):
             local = lambda r, dt: np.broadcast_to(  # noqa: E731
                 np.asarray(r(sel), dt), (idx.size,)).reshape(G, 128)
             bdesc = _uniform_desc(local(bread, np.uint64), thr, "B")
-            B, brows = _operand(ctx, thr, bdesc, n, bool(trans_b), line, is_bf16, "B")
+            B, brows = _operand(ctx, thr, bdesc, n, bool(trans_b), line, kinds[1], "B")
             rows = [brows]
             if a_regs:
                 words = np.stack([local(r, np.uint32) for r in areaders], axis=2)
-                vals = _halves_to_f64(words, is_bf16)            # (G, 128, 8)
-                A = np.zeros((G, 64, 16))
+                vals = elements_to_f64(words, kinds[0])          # (G, 128, 8 or 16)
+                A = np.zeros((G, 64, depth))
                 A[:, ar_row, ar_col] = vals
             else:
                 adesc = _uniform_desc(local(areaders[0], np.uint64), thr, "A")
-                A, arows = _operand(ctx, thr, adesc, 64, bool(trans_a), line, is_bf16, "A")
+                A, arows = _operand(ctx, thr, adesc, 64, bool(trans_a), line, kinds[0], "A")
                 rows.append(arows)
             D = np.einsum("gmk,gnk->gmn", A, B) * sign
             scale_d = local(sdread, np.bool_)
@@ -298,10 +314,20 @@ def _decode_mma_async(ins, env, n, is_bf16):
     return Op(NORMAL, ins, bind)
 
 
-def _operand(ctx, thr, desc_values, rows, mn_major, line, is_bf16, which):
+def _operand(ctx, thr, desc_values, rows, mn_major, line, kind, which):
     descs = [Descriptor(int(v)) for v in desc_values]
     raw, chunk_rows = read_operand(ctx, thr, descs, rows, mn_major, line, which)
-    return _halves_to_f64(raw.view(np.uint32), is_bf16), chunk_rows
+    return elements_to_f64(raw.view(np.uint32), kind), chunk_rows
+
+
+def elements_to_f64(words, kind: str):
+    """(..., r) uint32 words -> their elements as float64, the lowest bits first: 2r halves
+    (f16, bf16) or 4r bytes (e4m3, e5m2: every FP8 value is an f16 value, NaN stays NaN). The
+    operand chunks' bytes are in k order either way (a 16-byte chunk: 8 or 16 consecutive k)."""
+    if kind in FP8_KINDS:
+        codes = np.ascontiguousarray(words).view(np.uint8)
+        return to_f16_bits(codes, kind).view(np.float16).astype(np.float64)
+    return _halves_to_f64(words, kind == "bf16")
 
 
 def _check_fenced(state, names, idx):

@@ -8,7 +8,9 @@ Descriptor bits: [13:0] start address >> 4, [29:16] leading dimension byte offse
 mode (0 none, 1 128B, 2 64B, 3 32B). Addresses are shared-window addresses.
 
 An operand is an R x 16 matrix X[r, k] of 16-bit elements (A: R = 64 rows m; B: R = N columns
-n, so D = A @ X_B^T) built from 16-byte chunks of 8 consecutive elements. K-major (transpose
+n, so D = A @ X_B^T) built from 16-byte chunks of 8 consecutive elements -- or, for 8-bit
+types (k32, K-major only), R x 32 one-byte elements in the same chunks of 16 consecutive k:
+the byte layout is the same, so the offsets below serve both. K-major (transpose
 flag 0): a chunk holds 8 consecutive k of one r; MN-major (flag 1): 8 consecutive r of one k.
 Chunk offsets from the start address (W = swizzle width in bytes):
 
@@ -104,12 +106,15 @@ def accumulator_map(n: int):
     return row, col
 
 
-def a_register_map():
-    """(row, col) in the 64 x 16 A matrix of the 16-bit element e (0..7; register e//2, low
-    half first) of each thread (lin % 128): the mma.m16n8k16 A fragment, per warp 16 rows."""
+def a_register_map(narrow: bool = False):
+    """(row, col) in the 64 x K A matrix of element e of each thread (lin % 128), per warp 16
+    rows: 16-bit (K 16) e = 0..7, register e//2, low half first -- the mma.m16n8k16 A
+    fragment; 8-bit (K 32) e = 0..15, register e//4, lowest byte first -- mma.m16n8k32's:
+    registers 0..3 hold rows g, g + 8, g, g + 8 at columns 4t.. and 16 + 4t.. ."""
     lin = np.arange(128)
     w, g, t = lin >> 5, (lin & 31) >> 2, lin & 3
-    e = np.arange(8)
-    row = 16 * w[:, None] + g[:, None] + 8 * ((e[None, :] >> 1) & 1)
-    col = 2 * t[:, None] + (e[None, :] & 1) + 8 * (e[None, :] >> 2)
+    per = 4 if narrow else 2                  # elements a register
+    e = np.arange(4 * per)
+    row = 16 * w[:, None] + g[:, None] + 8 * ((e[None, :] // per) & 1)
+    col = per * t[:, None] + (e[None, :] % per) + 4 * per * (e[None, :] // (2 * per))
     return row, col

@@ -27,7 +27,7 @@ from typing import Sequence
 
 from ..errors import IRError
 from .values import (
-    B64, BF16, F16, F32, PRED, S32, TMAP, U32, U64, Addr, Imm, PtxType, Reg, Sym, TensorCoords,
+    B64, BF16, E4M3, E5M2, F16, F32, PRED, S32, TMAP, U32, U64, Addr, Imm, PtxType, Reg, Sym, TensorCoords,
     Vec)
 
 SWIZZLE_MODE = {0: 0, 128: 1, 64: 2, 32: 3}   # swizzle width in bytes -> descriptor bits [63:62]
@@ -60,14 +60,19 @@ class HopperOps:
 
     def wgmma(self, acc: Sequence[Reg], a, b_desc, in_type: PtxType, scale_d=True,
               trans_a: int = 0, trans_b: int = 0) -> list[Reg]:
-        """acc = A·B (+ acc when scale_d) on wgmma.mma_async.m64nNk16.f32, N = 2 * len(acc):
-        `a` is 4 b32 registers (the mma.m16n8k16 A fragment per warp) or a u64 descriptor,
-        `b_desc` a u64 descriptor; trans_* = 1 reads that operand MN-major (not for register A).
-        scale_d: a Python bool (an immediate) or a predicate register."""
+        """acc = A·B (+ acc when scale_d) on wgmma.mma_async.m64nNk16.f32 (f16 / bf16 inputs) or
+        m64nNk32.f32 (e4m3 / e5m2: both operands K-major, no transpose operands), N = 2 *
+        len(acc): `a` is 4 b32 registers (the mma.m16n8k16 / m16n8k32 A fragment per warp) or a
+        u64 descriptor, `b_desc` a u64 descriptor; trans_* = 1 reads that 16-bit operand
+        MN-major (not for register A). scale_d: a Python bool (an immediate) or a predicate
+        register."""
         what = "wgmma.mma_async"
         self._warpgroup_wide(what)
-        if in_type not in (F16, BF16):
-            raise IRError(f"{what}: input type {in_type} is not f16 or bf16")
+        narrow = in_type in (E4M3, E5M2)
+        if in_type not in (F16, BF16) and not narrow:
+            raise IRError(f"{what}: input type {in_type} is not f16, bf16, e4m3 or e5m2")
+        if narrow and (trans_a or trans_b):
+            raise IRError(f"{what}: {in_type} operands are K-major only (no transpose)")
         acc = list(acc)
         n = 2 * len(acc)
         if not 8 <= n <= 256 or n % 8:
@@ -89,10 +94,11 @@ class HopperOps:
             a_op = self._operand(a, U64, f"{what} A descriptor")
         b_op = self._operand(b_desc, U64, f"{what} B descriptor")
         sd = self._flag(scale_d, f"{what}: scale_d")
-        flags = (Imm(1, U32), Imm(1, U32)) + \
-            ((Imm(trans_b, U32),) if isinstance(a_op, Vec) else (Imm(trans_a, U32), Imm(trans_b, U32)))
-        self.emit("wgmma", ("mma_async", "sync", "aligned", f"m64n{n}k16", "f32", in_type.name,
-                            in_type.name), (Vec(tuple(acc)),), (a_op, b_op, sd) + flags)
+        flags = (Imm(1, U32), Imm(1, U32))
+        if not narrow:
+            flags += (Imm(trans_b, U32),) if isinstance(a_op, Vec) else (Imm(trans_a, U32), Imm(trans_b, U32))
+        self.emit("wgmma", ("mma_async", "sync", "aligned", f"m64n{n}k{32 if narrow else 16}", "f32",
+                            in_type.name, in_type.name), (Vec(tuple(acc)),), (a_op, b_op, sd) + flags)
         return acc
 
     def _flag(self, value, what: str):

@@ -45,6 +45,8 @@ F16, BF16 = PtxType("f16", 16, "f"), PtxType("bf16", 16, "f")
 F32, F64 = PtxType("f32", 32, "f"), PtxType("f64", 64, "f")
 # A pair of halves packed in 32 bits: element 0 in bits [15:0].
 F16X2, BF16X2 = PtxType("f16x2", 32, "b"), PtxType("bf16x2", 32, "b")
+# One FP8 element: an operand type of 8-bit wgmma (never a register's type).
+E4M3, E5M2 = PtxType("e4m3", 8, "b"), PtxType("e5m2", 8, "b")
 # A pair of FP8 bytes packed in 16 bits: element 0 in bits [7:0].
 E4M3X2, E5M2X2 = PtxType("e4m3x2", 16, "b"), PtxType("e5m2x2", 16, "b")
 # A CUtensorMap kernel parameter (TMA descriptor): 128 opaque bytes, 64-byte aligned, declared

@@ -9,7 +9,9 @@ import pytest
 from ptxc.emu.wgmma_layout import encode_descriptor
 from ptxc.errors import EmulationError
 
-from .helpers import run
+from ptxc.emu import launch
+
+from .helpers import PTXAS, ptxas_errors, run
 
 HEADER = ".version 8.0\n.target sm_90a\n.address_size 64\n"
 RNG = np.random.default_rng(17)
@@ -115,7 +117,7 @@ FENCE = "	fence.proxy.async.shared::cta;\n"
 
 def kernel(n, kind, a_regs, trans_a, trans_b, image_bytes, scale_a=1, between="",
            fence=True, block_guard="", proxy="after", other_writes=False, refence=False,
-           sync="cta"):
+           sync="cta", narrow=None):
     """`proxy`: where fence.proxy.async orders the threads' st.shared (generic proxy) before
     the wgmma's operand reads (async proxy): "after" the barrier (each reader), "before" it
     (each writer), or "none". `other_writes`: a second warpgroup (threads 128-255) writes the
@@ -185,7 +187,7 @@ COPIED:
 	setp.ne.u32 %p2, %r11, 0;
 {block_guard}
 {"	wgmma.fence.sync.aligned;" if fence else ""}
-	wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{dregs}}}, {a_op}, %rd9, %p2, {scale_a}, 1, {trans};
+{mma(n, kind, dregs, a_op, scale_a, trans, narrow)}
 	wgmma.commit_group.sync.aligned;
 {between}
 	wgmma.wait_group.sync.aligned 0;
@@ -195,6 +197,16 @@ COPIED:
 	ret;
 }}
 """
+
+
+def mma(n, kind, dregs, a_op, scale_a, trans, narrow):
+    """The wgmma.mma_async line: k16 over `kind` with its transpose operands, or (`narrow`: the
+    8-bit A and B types) k32 without them."""
+    if narrow:
+        return (f"\twgmma.mma_async.sync.aligned.m64n{n}k32.f32.{narrow[0]}.{narrow[1]} "
+                f"{{{dregs}}}, {a_op}, %rd9, %p2, {scale_a}, 1;")
+    return (f"\twgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{dregs}}}, {a_op}, "
+            f"%rd9, %p2, {scale_a}, 1, {trans};")
 
 
 def synced(sync: str, proxy: str, other_writes: bool, refence: bool) -> str:
@@ -351,3 +363,102 @@ def test_generic_writes_need_a_proxy_fence_before_wgmma_reads_them(proxy):
         return
     got, expect = launch_case(16, "f16", False, 0, 0, 128, 128, proxy=proxy)
     np.testing.assert_array_equal(got, expect)
+
+
+# ---- 8-bit operands (m64nNk32 .e4m3 / .e5m2: K-major only, 32 one-byte k a row) -------------
+
+def fp8_values(codes, kind):
+    """The values of FP8 codes, decoded from the OCP formats' fields (e4m3: bias 7, subnormals
+    m/8 * 2^-6; e5m2: bias 15, m/4 * 2^-14); the test draws no NaN / inf codes."""
+    c = codes.astype(np.int64)
+    sign = np.where(c & 0x80, -1.0, 1.0)
+    if kind == "e4m3":
+        e, m = (c >> 3) & 15, c & 7
+        mag = np.where(e > 0, (1 + m / 8) * np.exp2(e - 7.0), m / 8 * 2.0 ** -6)
+    else:
+        e, m = (c >> 2) & 31, c & 3
+        mag = np.where(e > 0, (1 + m / 4) * np.exp2(e - 15.0), m / 4 * 2.0 ** -14)
+    return sign * mag
+
+
+def fp8_codes(shape, kind):
+    codes = RNG.integers(0, 256, shape).astype(np.uint8)
+    bad = (codes & 0x7F) == 0x7F if kind == "e4m3" else (codes & 0x7C) == 0x7C
+    return np.where(bad, codes & 0xF0, codes).astype(np.uint8)
+
+
+def byte_address(r, k, swizzle, lbo, sbo):
+    """Byte offset of 8-bit element (r, k) of a K-major R x 32 operand (core matrices of 8 rows
+    x 16 bytes: 16 k a row), from the PTX ISA's canonical K-major layouts."""
+    if swizzle == 0:
+        a = (r // 8) * sbo + (k // 16) * lbo + (r % 8) * 16 + k % 16
+    else:
+        a = (r // 8) * sbo + (r % 8) * swizzle + k
+        a ^= ((a >> 7) % (swizzle // 16)) << 4
+    return a
+
+
+def launch_narrow(n, kinds, a_regs, swizzle_a, swizzle_b, scale_a=1):
+    a_codes, bt_codes = fp8_codes((64, 32), kinds[0]), fp8_codes((n, 32), kinds[1])
+    lbo_a, sbo_a, size_a = strides(64, 0, swizzle_a)
+    lbo_b, sbo_b, size_b = strides(n, 0, swizzle_b)
+    b_base = -(-size_a // 1024) * 1024
+    total = -(-(b_base + size_b) // 1024) * 1024
+    image = RNG.integers(0, 256, total, dtype=np.uint8)
+    for base, codes, lbo, sbo, sw in ((0, a_codes, lbo_a, sbo_a, swizzle_a),
+                                      (b_base, bt_codes, lbo_b, sbo_b, swizzle_b)):
+        if base == 0 and a_regs:
+            continue
+        for r in range(codes.shape[0]):
+            for k in range(32):
+                image[base + byte_address(r, k, sw, lbo, sbo)] = codes[r, k]
+    # A in registers: mma.m16n8k32's fragment -- register i holds rows g (i even) or g + 8,
+    # columns 4t.. (i < 2) or 16 + 4t.., lowest byte first
+    tid, i = np.meshgrid(np.arange(128), np.arange(4), indexing="ij")
+    row0 = 16 * (tid // 32) + (tid % 32) // 4 + 8 * (i % 2)
+    col0 = 4 * (tid % 4) + 16 * (i // 2)
+    afrag = sum(a_codes[row0, col0 + j].astype(np.uint32) << np.uint32(8 * j) for j in range(4))
+    c = RNG.standard_normal((64, n)).astype(np.float32)
+    row, col = acc_position(n)
+    cfrag, dfrag = np.ascontiguousarray(c[row, col]), np.zeros((128, n // 2), np.float32)
+    ptx = kernel(n, None, a_regs, 0, 0, total, scale_a, narrow=kinds)
+    run(ptx, "wg", (1,), (128,), [image, np.uint32(total // 16),
+                                  np.uint64(encode_descriptor(0, lbo_a, sbo_a, swizzle_a)),
+                                  np.uint64(encode_descriptor(b_base, lbo_b, sbo_b, swizzle_b)),
+                                  afrag.astype(np.uint32), cfrag, dfrag, np.uint32(1)])
+    expect = scale_a * fp8_values(a_codes, kinds[0]) @ fp8_values(bt_codes, kinds[1]).T + c
+    got = np.zeros((64, n), np.float32)
+    got[row, col] = dfrag
+    return got, expect.astype(np.float32)
+
+
+@pytest.mark.parametrize("swizzle", [0, 32, 64, 128])
+def test_narrow_descriptor_operands_every_swizzle(swizzle):
+    got, expect = launch_narrow(24, ("e4m3", "e4m3"), False, swizzle, swizzle)
+    np.testing.assert_array_equal(got, expect)
+
+
+@pytest.mark.parametrize("kinds", [("e4m3", "e5m2"), ("e5m2", "e4m3")])
+def test_narrow_register_a_and_mixed_kinds(kinds):
+    got, expect = launch_narrow(16, kinds, True, 0, 64, scale_a=-1)
+    np.testing.assert_array_equal(got, expect)
+
+
+@pytest.mark.parametrize("line, match", [
+    ("wgmma.mma_async.sync.aligned.m64n8k32.f32.f16.f16 {%d0,%d1,%d2,%d3}, %rd4, %rd9, %p2, 1, 1;",
+     "supported types"),
+    ("wgmma.mma_async.sync.aligned.m64n8k16.f32.e4m3.e4m3 {%d0,%d1,%d2,%d3}, %rd4, %rd9, %p2, 1, 1;",
+     "supported types"),
+    ("wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%d0,%d1,%d2,%d3}, %rd4, %rd9, %p2, 1, 1, 0, 0;",
+     "operand"),
+])
+def test_narrow_malformed_is_refused(line, match):
+    """What ptxas refuses, the emulator refuses too (ptxas_errors says so first)."""
+    good = kernel(8, "f16", False, 0, 0, 1024)
+    ptx = good.replace([x for x in good.splitlines() if "mma_async" in x][0], "\t" + line)
+    assert PTXAS is None or ptxas_errors(ptx) is not None
+    with pytest.raises(EmulationError, match=match):
+        launch(ptx, "wg", (1,), (128,), [np.zeros(1024, np.uint8), np.uint32(64), np.uint64(0),
+                                      np.uint64(0), np.zeros(512, np.uint32),
+                                      np.zeros(512, np.float32), np.zeros(512, np.float32),
+                                      np.uint32(1)])

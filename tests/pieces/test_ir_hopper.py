@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ptxc.errors import IRError
-from ptxc.ir import B32, F16, F32, PRED, U32, U64, Addr, KernelBuilder, render_module
+from ptxc.ir import B32, E4M3, E5M2, F16, F32, PRED, U32, U64, Addr, KernelBuilder, render_module
 from ptxc.ir.printer import render_instr
 
 
@@ -34,6 +34,12 @@ def test_wgmma_text():
     assert text(b, 6)[3] == ("\twgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 "
                              "{%f1, %f2, %f3, %f4}, {%r1, %r1, %r1, %r1}, %rd2, %p1, 1, 1, 1;")
     assert text(b, 2) == ["\twgmma.commit_group.sync.aligned;", "\twgmma.wait_group.sync.aligned 1;"]
+    b.wgmma(acc, desc, desc, E4M3)            # 8-bit: k32, no transpose operands
+    b.wgmma(acc, [addr] * 4, desc, E5M2, scale_d=False)
+    assert text(b, 2) == [
+        "\twgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%f1, %f2, %f3, %f4}, %rd2, %rd2, 1, 1, 1;",
+        "\twgmma.mma_async.sync.aligned.m64n8k32.f32.e5m2.e5m2 {%f1, %f2, %f3, %f4}, "
+        "{%r1, %r1, %r1, %r1}, %rd2, 0, 1, 1;"]
 
 
 def test_mbarrier_fence_and_setmaxnreg_text():
@@ -59,7 +65,8 @@ def test_mbarrier_fence_and_setmaxnreg_text():
 @pytest.mark.parametrize("call,message", [
     (lambda b, acc, d, r: b.wgmma(acc[:3], d, d, F16), "N = 6; N must be a multiple of 8"),
     (lambda b, acc, d, r: b.wgmma([r] * 4, d, d, F16), r"accumulator\[0\] %r1 is not an f32"),
-    (lambda b, acc, d, r: b.wgmma(acc, d, d, F32), "input type f32 is not f16 or bf16"),
+    (lambda b, acc, d, r: b.wgmma(acc, d, d, F32), "input type f32 is not f16, bf16, e4m3 or e5m2"),
+    (lambda b, acc, d, r: b.wgmma(acc, d, d, E4M3, trans_b=1), "e4m3 operands are K-major only"),
     (lambda b, acc, d, r: b.wgmma(acc, [r] * 3, d, F16), "register operand A is 4 32-bit"),
     (lambda b, acc, d, r: b.wgmma(acc, [r] * 4, d, F16, trans_a=1), "cannot be transposed"),
     (lambda b, acc, d, r: b.wgmma(acc, d, r, F16), "B descriptor: operand %r1 has type u32"),
