@@ -143,6 +143,18 @@ def fp8_quantize(x: np.ndarray, kind: str) -> np.ndarray:
     return np.where(np.isnan(x), FP8_NAN_CODE, out).astype(np.uint8)
 
 
+def quantize_rows_e4m3(x: np.ndarray) -> np.ndarray:
+    """Each row (last axis) of f32 values times 2^k, k = 7 - floor(log2(max |x|)) (clamped to
+    +-126; 126 for a row of zeros), rounded to e4m3 and scaled back: the values a kernel with
+    e4m3 score products (MLA's qk_products = "e4m3") multiplies. Exact apart from the e4m3
+    rounding, since the scale is a power of two."""
+    x = np.asarray(x, np.float32).astype(np.float64)
+    top = np.max(np.abs(x), axis=-1, keepdims=True)
+    _, e = np.frexp(np.where(top > 0, top, 0.0))                 # top = f * 2^e, f in [0.5, 1)
+    k = np.clip(np.where(top > 0, 8 - e, 126), -126, 126)        # 7 - (e - 1)
+    return fp8_decode(fp8_quantize(np.ldexp(x, k), "e4m3"), "e4m3") * np.exp2(-k.astype(np.float64))
+
+
 # ---- attention ---------------------------------------------------------------------------
 def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype: str | None = None,
               window: int | None = None, soft_cap: float | None = None, sinks=None,

@@ -68,6 +68,7 @@ class Cost:
     bytes: int
     unit: str        # "tensor" | "simt"
     dims: dict
+    fp8_flops: int = 0   # of `flops`, those on 8-bit tensor-core inputs: twice the 16-bit rate
 
     @property
     def intensity(self) -> float:
@@ -75,8 +76,16 @@ class Cost:
         return self.flops / self.bytes if self.bytes else float("inf")
 
     def to_dict(self) -> dict:
-        return {"flops": self.flops, "bytes": self.bytes, "intensity": round(self.intensity, 4),
-                "unit": self.unit, "dims": dict(self.dims)}
+        out = {"flops": self.flops, "bytes": self.bytes, "intensity": round(self.intensity, 4),
+               "unit": self.unit, "dims": dict(self.dims)}
+        if self.fp8_flops:
+            out["fp8_flops"] = self.fp8_flops
+        return out
+
+    @property
+    def peak_equivalent_flops(self) -> float:
+        """FLOPs at the unit's (16-bit) peak that take as long: FP8 products count half."""
+        return self.flops - self.fp8_flops / 2
 
 
 def _unit(config: dict) -> str:
@@ -215,8 +224,10 @@ def mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
     qo = tq * H * (d + dv) * e
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
     index = (b + 1) * 4 + b * 4 + _layout_bytes(meta, dims, L)
-    return Cost(2 * b * H * (d + dv) * keys_seen(q, L, True, None),
-                latent + qo + lse + index, _unit(config), dict(dims))
+    keys = keys_seen(q, L, True, None)
+    narrow = 2 * b * H * d * keys if spec.get("qk_products") == "e4m3" else 0   # S on FP8 wgmma
+    return Cost(2 * b * H * (d + dv) * keys, latent + qo + lse + index, _unit(config), dict(dims),
+                fp8_flops=narrow)
 
 
 def sparse_mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
@@ -313,7 +324,7 @@ def launch_cost(meta: dict, target: str, dims: dict[str, int]) -> Cost:
 def roofline(cost: Cost, gpu) -> dict:
     """Lower bound on the time of `cost` on `gpu`: the slower of doing the math at peak and
     moving the bytes at full bandwidth, and which of the two binds."""
-    compute_s = cost.flops / gpu.peak_flops(cost.unit)
+    compute_s = cost.peak_equivalent_flops / gpu.peak_flops(cost.unit)
     memory_s = cost.bytes / gpu.bandwidth
     seconds = max(compute_s, memory_s)
     return {"gpu": gpu.key, "seconds": seconds, "compute_seconds": compute_s,

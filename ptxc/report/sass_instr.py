@@ -144,7 +144,9 @@ def shared_bytes(instr: Instr) -> int:
 
 
 def mma_flops(instr: Instr) -> int:
-    """FLOPs of one warp's tensor-core instruction (HGMMA: a quarter of the warpgroup's)."""
+    """FLOPs of one warp's tensor-core instruction (HGMMA: a quarter of the warpgroup's), in
+    16-bit-equivalent FLOPs -- the unit of the tensor term, which divides by the 16-bit peak:
+    QGMMA over 8-bit inputs (E4M3 / E5M2) runs at twice that rate, so it counts half."""
     op = instr.opcode
     if instr.base == "HMMA":
         if ".16816" in op:
@@ -155,7 +157,8 @@ def mma_flops(instr: Instr) -> int:
             return 2 * 8 * 8 * 4
     if m := _GMMA_SHAPE.search(op):
         mm, n, k = map(int, m.groups())
-        return 2 * mm * n * k // 4
+        narrow = instr.base == "QGMMA" and (".E4M3" in op or ".E5M2" in op)
+        return 2 * mm * n * k // (8 if narrow else 4)
     return 0
 
 

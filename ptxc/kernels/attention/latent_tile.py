@@ -16,12 +16,12 @@ from ..config.wgmma import ROWS_PER_WARPGROUP, WGMMA_TARGETS
 from ..kv.kv_access import KVAccess, sparse_keys
 from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind
 from ..kv.kv_fp8_stage import StagingGeom, f16_math_applies
-from ..mainloop.tiles import CHUNK
+from ..mainloop.tiles import CHUNK, SwizzledGeom
 from ..mainloop.dequant_pipeline import THREADS as DEQUANT_THREADS, TILES as DEQUANT_TILES
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
 from ..mainloop.tma_ws_pipeline import raised_regs
 from ..math.seesaw import seesaw_slot_bytes
-from .variant import head_dim_v
+from .variant import head_dim_v, spec_option
 from .varlen_tile import WgmmaTileConfig, tma_applies
 
 
@@ -45,6 +45,25 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     # FP8 rows: a third warpgroup copies and dequantises them into a ring of DEQUANT_TILES
     # converted tiles, the two computing warpgroups only read those (dequant_pipeline.py)
     dequant_warpgroup: bool = False
+    # qk_products = "e4m3" (dequantising warpgroup only): Q quantised per row into an e4m3 tile,
+    # S on FP8 wgmma over the rows' raw e4m3 bytes, which the dequantising warpgroup copies into
+    # each converted tile beside the 16-bit V (NARROW_SWIZZLE below)
+    qk_e4m3: bool = False
+
+    @property
+    def q_geom(self):
+        """Q: 16-bit rows, or (qk_e4m3) its e4m3 rows in 64-byte slabs (64 x 576 B: 36 KiB)."""
+        if self.qk_e4m3:
+            return SwizzledGeom(self.block_m, self.head_dim, self.threads)
+        return super().q_geom
+
+    @property
+    def converted_bytes(self) -> int:
+        """One converted tile: the 16-bit latent rows (V: their first dv columns), or (qk_e4m3)
+        the rows' e4m3 bytes for S, then V's dv columns in 16 bits."""
+        if self.qk_e4m3:
+            return self.block_n * self.head_dim + self.block_n * self.dv * self.fmt.bytes
+        return self.kv_geom.bytes
 
     @property
     def producer_warpgroup(self) -> bool:
@@ -90,7 +109,7 @@ class LatentWgmmaConfig(WgmmaTileConfig):
         bars = self.num_stages if self.tma else 2 * DEQUANT_TILES if self.dequant_warpgroup else 0
         bars = -(-bars * MBARRIER_BYTES // 16) * 16
         if self.fp8:    # the converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
-            return (self.q_region_bytes + self.converted_tiles * self.kv_geom.bytes
+            return (self.q_region_bytes + self.converted_tiles * self.converted_bytes
                     + self.num_stages * self.staging_geom.bytes + bars + self.score_exchange_bytes)
         return (self.q_region_bytes + self.num_stages * self.kv_geom.bytes + bars + self.score_exchange_bytes
                 + self.seesaw_exchange_bytes)
@@ -174,7 +193,8 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
                              kv_loads=latent_loads(spec), fp8=kind(spec) is not None,
                              rows=group_scaled(spec), split_scores=split, seesaw=seesaw,
                              f16_math=f16_math_applies(spec) and not seesaw,
-                             dequant_warpgroup=dequant, min_ctas_per_sm=1 if dequant else 0)
+                             dequant_warpgroup=dequant, min_ctas_per_sm=1 if dequant else 0,
+                             qk_e4m3=dequant and spec_option(spec, "qk_products") == "e4m3")
 
 
 def split_by_default(spec) -> bool:

@@ -332,7 +332,8 @@ def configure_tcgen05(spec, cfg: PrefillConfig) -> Tcgen05TileConfig:
 def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
     """The metadata config: the packed tile's, with the path and the swizzle (as prefill),
     kv_loads = "tma" when TMA loads the K/V tiles (absent: per-thread cp.async), MLA's split
-    scores and their exchange bytes, and on tcgen05 the tensor-memory columns."""
+    scores and their exchange bytes and e4m3 score products, and on tcgen05 the tensor-memory
+    columns."""
     tc = isinstance(cfg, Tcgen05TileConfig)
     out = {**base, "path": f"tcgen05.mma.m{cfg.block_m}" if tc else PATH,
            "smem_swizzle": SWIZZLE, **({"kv_loads": "tma"} if cfg.tma else {}),
@@ -344,6 +345,7 @@ def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
            **({"dequant_warpgroup": True, "threads": cfg.launch_threads,
                "setmaxnreg": [cfg.producer_regs, cfg.consumer_regs]}
               if getattr(cfg, "dequant_warpgroup", False) else {}),
+           **({"qk_products": "e4m3"} if getattr(cfg, "qk_e4m3", False) else {}),
            **({"tmem_columns": cfg.tmem_columns} if tc else {}),
            **({"warp_specialize": True, "threads": cfg.launch_threads}
               if cfg.warp_specialize else {}),

@@ -49,6 +49,7 @@ from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8_stage import LatentFP8Staging, SwizzledFP8Staging
 from ..kv.kv_pages import PagedTiles, prefetch_applies
 from ..mainloop.tiles import SWIZZLE_PERIOD, ThreadSlot, load_tile_passes, swizzled_slot
+from ..math.q_rescale import quantize_q_rows
 from ..math.wgmma import WgmmaMath
 from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 
@@ -194,12 +195,14 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
     the rows into its staging buffers and converts them (LatentFP8Staging over its 128 threads)
     into the ring of converted tiles at the start of the K region."""
     ctx, bn = tile.ctx, cfg.block_n
-    staging_at = cfg.converted_tiles * cfg.kv_geom.bytes
+    tile_bytes = cfg.converted_bytes
+    staging_at = cfg.converted_tiles * tile_bytes
 
     def make_loads(tid: Reg):
-        staging = LatentFP8Staging(b, cfg.staging_geom, cfg.kv_geom.bytes, bn, cfg.num_stages, tid,
+        staging = LatentFP8Staging(b, cfg.staging_geom, tile_bytes, bn, cfg.num_stages, tid,
                                    tile.k_smem, quant, cfg.math_pair, cfg.fmt, cfg.rows,
-                                   converted=cfg.converted_tiles, keep_offsets=False)
+                                   converted=cfg.converted_tiles, keep_offsets=False,
+                                   narrow_dv=cfg.dv if cfg.qk_e4m3 else None)
         load_kv, pages = kv_copies(b, cfg, kv, tile, ptrs, work, staging.slot, staging.k_stage,
                                    staging.v_stage, True)
         if pages is not None:
@@ -207,12 +210,23 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
         return (lambda j, off: load_kv("k", j, off)), staging.convert
 
     def copy_q_tile() -> None:
+        if cfg.qk_e4m3:              # Q is read and quantised by q_rewrite below
+            return
         q_slot = swizzled_slot(b, cfg.copy_geom(cfg.block_m), ctx.tid)
         copy_q(b, cfg, tile, q_slot, tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col)))
         b.cp_async_commit()
 
+    def q_rewrite(m):
+        if cfg.qk_e4m3:              # Q's rows into the e4m3 tile, each row's factor in the softmax
+            def quantize() -> None:
+                rows = b.sub(b.bitcast(ctx.seq_q, S32), b.bitcast(ctx.m_start, S32))
+                m.row_scales = quantize_q_rows(m, tile.q_row(ptrs, strides, b.mov(0, S64)), rows,
+                                               quant.target)
+            return quantize
+        return m.rescale_q_to_f16 if cfg.f16_math else None
+
     assemble(b, "latent_dequant",
-             buffers=Buffers(cfg.num_stages, tile.smem, tile.k_smem, tile.k_smem, cfg.kv_geom.bytes,
+             buffers=Buffers(cfg.num_stages, tile.smem, tile.k_smem, tile.k_smem, tile_bytes,
                              cfg.staging_geom.bytes,
                              bars=b.add(tile.k_smem, staging_at + cfg.num_stages * cfg.staging_geom.bytes)),
              tiles=KeyTiles(tile.n_tiles, tile.n_full, lambda j: b.mul(b.add(tile.first, j), bn),
@@ -221,7 +235,7 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
              math=lambda: packed_math(b, ctx, ptrs, strides, quant, work),
              transform_of=lambda m: score_transform(b, spec, m), tid=ctx.tid, lane=ctx.lane,
              threads=cfg.threads, regs=(cfg.producer_regs, cfg.consumer_regs),
-             q_rewrite_of=(lambda m: m.rescale_q_to_f16) if cfg.f16_math else None)
+             q_rewrite_of=q_rewrite if (cfg.qk_e4m3 or cfg.f16_math) else None)
 
 
 def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,

@@ -148,9 +148,13 @@ def ds_decode(rows, raw: np.ndarray) -> np.ndarray:
 
 
 def mla_reference(view, inputs: dict, dtype: str | None, page_size: int) -> dict:
+    from ...reference import quantize_rows_e4m3
+    from ..attention.variant import spec_option
     from ..kv.kv_access import sparse_keys
     from .varlen_inputs import varlen_reference
     k, v = latent_kv(view, inputs)
+    if spec_option(view, "qk_products") == "e4m3":   # the scores' products see e4m3 queries
+        inputs = {**inputs, "q": quantize_rows_e4m3(inputs["q"])}
     if sparse_keys(view):
         return sparse_reference(view, inputs, k, v, dtype)
     return varlen_reference(view, {**inputs, "k_cache": k, "v_cache": v}, dtype, page_size)

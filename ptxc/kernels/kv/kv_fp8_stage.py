@@ -36,7 +36,7 @@ from ...targets import Target, occupancy
 from .. import common as C
 from ..attention.variant import head_dim_v
 from ..config.prefill import PrefillConfig
-from ..mainloop.tiles import CHUNK, ThreadSlot, TileGeom, thread_slot, zero_regs
+from ..mainloop.tiles import CHUNK, NARROW_SWIZZLE, ThreadSlot, TileGeom, thread_slot, zero_regs
 from ..math import fp8
 from . import kv_fp8
 from .kv_fp8_group import GroupScaledConversion, PaddedTile, SwizzledTile
@@ -273,12 +273,15 @@ class LatentFP8Staging:
     def __init__(self, b: KernelBuilder, geom: StagingGeom, tile_bytes: int, block_n: int,
                  stages: int, tid: Reg, tiles_base: Reg, quant: kv_fp8.KVDequant, pair: str,
                  fmt=None, rows: kv_fp8.GroupScaledRows | None = None, box_bytes: int | None = None,
-                 converted: int = 2, keep_offsets: bool = True):
+                 converted: int = 2, keep_offsets: bool = True, narrow_dv: int | None = None):
         """`box_bytes`: the staged tiles are TMA boxes of that many columns (a stage holds
         row_bytes / box_bytes column blocks of block_n rows each, in box order) instead of
         whole rows copied by the threads. `converted`: the converted tiles before the staging
         (a dequantising warpgroup's ring of three writes them through `convert`);
-        `keep_offsets`: GroupScaledConversion's."""
+        `keep_offsets`: GroupScaledConversion's. `narrow_dv` (qk_products = "e4m3"): a converted
+        tile is the rows' e4m3 bytes for S -- 64-byte slabs of block_n x 64 B, chunk c of row r
+        at slab c / 4, chunk (c % 4) ^ ((r / 2) % 4) (the 64-byte swizzle) -- then V's first
+        narrow_dv columns converted as above, after them."""
         from ..mainloop.tiles import SWIZZLE
         self.b, self.geom, self.quant, self.pair, self.fmt, self.rows = b, geom, quant, pair, fmt, rows
         self.tiles, self.tile_bytes = tiles_base, tile_bytes
@@ -296,11 +299,18 @@ class LatentFP8Staging:
         if rows is not None:    # converted by a mapping of their own (kv_fp8_group.py)
             self.group = GroupScaledConversion(b, rows, block_n, geom.threads, tid,
                                                SwizzledTile(block_n), quant, fmt, keep_offsets)
-        self.dst = []
+        self.dst, self.narrow = [], None
         for i in range(geom.passes if rows is None else 0):
             row = b.add(self.slot.r0, i * geom.rows_per_pass)
             chunk = b.xor(in_slab, b.and_(row, 7))
             self.dst.append(b.add(b.add(slab, b.shl(row, 7)), b.shl(chunk, 4)))
+        self.is_v = None
+        if narrow_dv is not None:   # the e4m3 chunk's place (per pass at the store: registers
+            # are what the dequantising warpgroup has least of); V's chunks after the e4m3 bytes
+            assert rows is None and box_bytes is None, "narrow products: threads' e4m3 rows"
+            self.narrow = (b.mul(b.shr(c, 2), block_n * NARROW_SWIZZLE), b.and_(c, 3))
+            self.dst = [b.add(d, block_n * geom.row_bytes) for d in self.dst]
+            self.is_v = b.setp("lt", c, narrow_dv // CHUNK)
         # where this thread's chunk sits in a staged tile, and one pass further
         self.src_off, self.pass_stride = self.slot.soff, geom.rows_per_pass * geom.stride
         if box_bytes is not None:   # column block c // per of rows x box_bytes, in box order
@@ -347,8 +357,16 @@ class LatentFP8Staging:
                 self._store(tile, *got)
 
     def _store(self, tile: Reg, i: int, guard: Reg | None, words: list[Reg]) -> None:
-        """Pass i's 16 FP8 bytes as two 16-byte chunks of the converted tile."""
+        """Pass i's 16 FP8 bytes as two 16-byte chunks of the converted tile (narrow: the bytes
+        themselves first, and the two chunks only for V's columns)."""
         b = self.b
+        if self.narrow is not None:
+            slab, chunk = self.narrow
+            row = b.add(self.slot.r0, i * self.geom.rows_per_pass)
+            at = b.mad(row, NARROW_SWIZZLE, b.add(slab, b.shl(b.xor(chunk, b.and_(b.shr(row, 1), 3)), 4)))
+            with b.predicate(guard) if guard is not None else nullcontext():
+                b.st("shared", B32, Addr(b.add(tile, at)), words)
+            guard = self.is_v if guard is None else b.and_(guard, self.is_v)
         first = b.add(tile, self.dst[i])
         vals = fp8.dequantize(b, words, self.quant.kind, self.quant.target, to=self.pair)
         with b.predicate(guard) if guard is not None else nullcontext():

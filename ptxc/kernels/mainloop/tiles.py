@@ -312,6 +312,9 @@ __all__ = ["TileGeom", "ThreadSlot", "GlobalRows", "thread_slot", "global_rows",
 
 SWIZZLE = 128            # bytes per swizzled row of a slab (the 128-byte swizzle mode)
 SWIZZLE_PERIOD = 1024    # 8 rows x 128 B: the pattern repeats, descriptors' SBO
+# e4m3 score operands (MLA's qk_products = "e4m3"): slabs of 64 one-byte columns with the 64-byte
+# swizzle, so slab s covers the 16-bit tiles' columns 64s.. too (chunk c of row r at c ^ (r/2 % 4))
+NARROW_SWIZZLE = 64
 
 
 @dataclass(frozen=True)

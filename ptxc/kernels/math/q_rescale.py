@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from ...ir import B32, F16X2, F32, S32, U32, Addr, Reg
+from ...ir import B32, F16, F16X2, F32, S32, S64, U32, U64, Addr, Reg
 from ..common import FORMATS
 from ..mainloop.tiles import SwizzledGeom, zero_regs
 
@@ -99,4 +99,76 @@ def rescale_q_rows(math) -> list[Reg]:
     return row_scales
 
 
-__all__ = ["rescale_q_rows"]
+
+
+def quantize_q_rows(math, q_row, valid_rows: Reg, target) -> list[Reg]:
+    """Q's 16-bit rows from global memory into the e4m3 Q tile the scores' FP8 wgmma reads
+    (MLA's qk_products = "e4m3"), row r times 2^k_r, k_r = 7 - E_r (E_r the exponent of the
+    row's largest |q|, clamped to +-126): the row's largest element lands in [2^7, 2^8), under
+    e4m3's 448, and each element rounds to e4m3 (cvt.rn.satfinite: 3 mantissa bits; below 2^-6
+    subnormal, below 2^-10 zero -- 2^-17 of the row's largest). The scale is a power of two, so
+    the reference repeats it exactly and row r's softmax factor is scale_log2 · 2^-k_r.
+    `q_row(row, valid)` is the packed tile's row address (PackedTile.q_row at column 0), rows
+    at or past `valid_rows` (s32) read as zeros. Lane (g, t) of a warp takes rows g + 8i of the
+    warp's 16 (the rows its score fragments hold), reads chunks t, t + 4, .. of each (16 bytes:
+    8 elements) for the row's max over the quad, then converts its warpgroup's share p of them
+    (chunks t + 4p + 8j under the value split) into 8-byte pieces of the Q tile: 64-byte
+    slabs of 64 rows, chunk q of row r at slab q / 8, 16-byte chunk ((q % 8) / 2) ^ ((r / 2) % 4),
+    half q % 2. The caller makes the tile visible (fence.proxy.async, a barrier)."""
+    from ..mainloop.tiles import NARROW_SWIZZLE
+    from . import fp8
+    b, ctx, cfg = math.b, math.ctx, math.ctx.cfg
+    chunks, vs, bf16 = cfg.head_dim // 8, cfg.v_split, cfg.fmt is FORMATS["bf16"]
+    assert chunks % (4 * vs) == 0 and vs <= 2, (chunks, vs)
+    t, g = math.t, b.shr(ctx.lane, 2)
+    rows = [b.add(math.warp_row0(b, ctx), b.add(g, 8 * i)) for i in range(2 * math.mt)]
+    lane_col = b.cvt(S64, b.shl(t, 4))
+    starts = []
+    for r in rows:
+        ok = b.setp("lt", b.bitcast(r, S32), valid_rows)
+        addr, _ = q_row(b.add(ctx.m_start, r), ok)
+        starts.append((b.add(addr, b.bitcast(lane_col, U64)), ok))
+
+    def load(addr: Reg, off: int, ok: Reg) -> list[Reg]:
+        words = zero_regs(b, 4)
+        with b.predicate(ok):
+            b.ld("global", B32, Addr(addr, off), vec=4, out=words, nc=True)
+        return words
+
+    def values(w: Reg) -> list[Reg]:          # a word's two elements as f32, low first
+        u = b.bitcast(w, U32)
+        if bf16:
+            return [b.bitcast(b.shl(u, 16), F32), b.bitcast(b.and_(u, 0xFFFF0000), F32)]
+        return [b.cvt(F32, h) for h in b.unpack(w, F16)]
+
+    # pass 1: the row's largest |element| (bits order magnitudes), over the quad
+    ups, scales = [], []
+    for addr, ok in starts:
+        top_hi, top_lo = b.mov(0, U32), b.mov(0, U32)
+        for j in range(chunks // 4):
+            for w in load(addr, 64 * j, ok):
+                mag = b.and_(b.bitcast(w, U32), 0x7FFF7FFF)
+                b.max(top_hi, mag, out=top_hi)
+                b.max(top_lo, b.shl(mag, 16), out=top_lo)
+        top = b.shr(b.max(top_hi, top_lo), 16)
+        for lanes in (1, 2):
+            top = b.max(top, b.shfl("bfly", top, lanes))
+        big = b.bitcast(b.shl(top, 16), F32) if bf16 else values(top)[0]
+        exp_field = b.bitcast(b.and_(b.shr(b.bitcast(big, U32), 23), 0xFF), S32)
+        k = b.min(b.max(b.sub(134, exp_field), -126), 126)         # 7 - (field - 127)
+        ups.append(b.bitcast(b.shl(b.bitcast(b.add(k, 127), U32), 23), F32))
+        scales.append(b.mul(b.bitcast(b.shl(b.bitcast(b.sub(127, k), U32), 23), F32), math.scale_log2))
+    # pass 2: this warpgroup's chunks t + 4p + 8j, scaled, rounded to e4m3, stored
+    part = b.shl(math.value_part(b, ctx), 2) if vs > 1 else b.mov(0, U32)
+    q8 = b.add(t, part)                                   # q % 8 of every chunk this lane takes
+    for (addr, ok), r, up in zip(starts, rows, ups):
+        addr = b.add(addr, b.cvt(U64, b.shl(part, 4)))
+        piece = b.add(b.shl(b.xor(b.shr(q8, 1), b.and_(b.shr(r, 1), 3)), 4), b.shl(b.and_(q8, 1), 3))
+        dst = b.add(ctx.q_smem, b.mad(r, NARROW_SWIZZLE, piece))
+        for j in range(chunks // (4 * vs)):
+            vals = [b.mul(x, up) for w in load(addr, 16 * 4 * vs * j, ok) for x in values(w)]
+            b.st("shared", B32, Addr(dst, j * cfg.block_m * NARROW_SWIZZLE), fp8.quantize(b, vals, "e4m3", target))
+    return scales
+
+
+__all__ = ["rescale_q_rows", "quantize_q_rows"]

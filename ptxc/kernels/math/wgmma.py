@@ -36,11 +36,11 @@ on sm_90.
 
 from __future__ import annotations
 
-from ...ir import F32, U64, Addr, Imm, KernelBuilder, Reg
+from ...ir import E4M3, F32, U64, Addr, Imm, KernelBuilder, Reg
 from ..attention.prefill_tile import Ctx
 from ..attention.softmax import exponentials, rescale_factor, rescale_vote, row_candidate, safe_max
 from ..config.wgmma import ROWS_PER_WARPGROUP
-from ..mainloop.tiles import CHUNK, SWIZZLE, SWIZZLE_PERIOD, zero_regs
+from ..mainloop.tiles import CHUNK, NARROW_SWIZZLE, SWIZZLE, SWIZZLE_PERIOD, zero_regs
 from ..mainloop.tma_ws_pipeline import CONSUMER_BARRIER
 from .mma import MmaMath
 
@@ -57,7 +57,11 @@ class WgmmaMath(MmaMath):
         warpgroup = b.shr(b.shfl("idx", ctx.warp, 0), 2)
         vs = cfg.v_split   # warpgroups sharing 64 rows, each owning dv / vs columns of O
         q_rows = ctx.q_smem if vs > 1 else b.mad(warpgroup, ROWS_PER_WARPGROUP * SWIZZLE, ctx.q_smem)
-        self.q_desc = b.matrix_descriptor(q_rows, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
+        # qk_e4m3 (MLA's latent tile, qk_products = "e4m3"): S on m64nNk32 e4m3 wgmma over Q's
+        # and the rows' e4m3 bytes in 64-byte slabs (a k32 step is half a slab row)
+        self.narrow = getattr(cfg, "qk_e4m3", False)
+        self.score_slab = NARROW_SWIZZLE if self.narrow else SWIZZLE
+        self.q_desc = b.matrix_descriptor(q_rows, CHUNK, 8 * self.score_slab, self.score_slab)
         # its value columns: whole 128-byte slabs of V further (slab stride block_n x 128 B)
         self.v_off = None if vs == 1 else \
             b.mul(warpgroup, cfg.dv // vs * cfg.fmt.bytes // SWIZZLE * self.bn * SWIZZLE)
@@ -67,7 +71,7 @@ class WgmmaMath(MmaMath):
         # at 0 or 64 B, so 2i + 1 never crosses one) and the two exchange partial sums
         self.split = None
         if getattr(cfg, "split_scores", False):
-            assert vs == 2 and self.ksteps % 2 == 0 and not self.half_k
+            assert vs == 2 and self.ksteps % (4 if self.narrow else 2) == 0 and not self.half_k
             tid = b.and_(ctx.tid, 127)
             base = b.add(ctx.q_smem, cfg.smem_bytes - cfg.score_exchange_bytes)
             block = self.bn // 8 * 128 * 16          # a warpgroup's partial S: n8 tile jn, thread t
@@ -99,21 +103,20 @@ class WgmmaMath(MmaMath):
         else:
             self.b.bar_sync(0)
 
-    def _k_step(self, desc: Reg, kk: int, rows: int) -> Reg:
-        return k_step(self.b, desc, kk, rows)
-
     def issue_scores(self, k_tile: Reg) -> list[list[Reg]]:
         """Issue S = Q·Kᵀ as one commit group (not waited); returns S as n8 accumulator tiles."""
-        b = self.b
-        k_desc = b.matrix_descriptor(k_tile, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
-        steps = range(self.d // 16)
+        b, slab = self.b, self.score_slab
+        k_desc = b.matrix_descriptor(k_tile, CHUNK, 8 * slab, slab)
+        depth = 32 if self.narrow else 16
+        steps = range(self.d // depth)
         if self.split is not None:        # this warpgroup's half of the depth: steps 2i + p
             k_desc = b.add(k_desc, b.cvt(U64, self.split[0]))
-            steps = range(0, self.d // 16, 2)
+            steps = range(0, self.d // depth, 2)
+        in_type = E4M3 if self.narrow else self.in_type
         b.wgmma_fence()
         for i, kk in enumerate(steps):
-            b.wgmma(self.s_acc, self._k_step(self.q_desc, kk, self.bm),
-                    self._k_step(k_desc, kk, self.bn), self.in_type, scale_d=i > 0)
+            b.wgmma(self.s_acc, k_step(b, self.q_desc, kk, self.bm, slab),
+                    k_step(b, k_desc, kk, self.bn, slab), in_type, scale_d=i > 0)
         b.wgmma_commit()
         return [self.s_acc[4 * j:4 * j + 4] for j in range(self.bn // 8)]
 
@@ -144,6 +147,8 @@ class WgmmaMath(MmaMath):
         """Issue O += P·V with the packed P of the previous softmax (or `frags`, another P's A
         fragments: the seesaw's received P) as one commit group."""
         b = self.b
+        if self.narrow:                 # V's 16-bit columns after the rows' e4m3 bytes
+            v_tile = b.add(v_tile, self.bn * self.d)
         if self.v_off is not None:      # this warpgroup's value columns
             v_tile = b.add(v_tile, self.v_off)
         v_desc = b.matrix_descriptor(v_tile, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
@@ -214,9 +219,11 @@ class WgmmaMath(MmaMath):
                                 out=self.l_acc)
 
 
-def k_step(b: KernelBuilder, desc: Reg, kk: int, rows: int) -> Reg:
-    """Descriptor (wgmma's or tcgen05's: the start field is the same) of k16 step kk of a
-    K-major operand of `rows` rows in 128-byte swizzled slabs: +32 B per step inside a slab,
-    + rows x 128 B per slab (the start field counts 16-byte units)."""
-    off = (kk % 4) * 32 + (kk // 4) * rows * SWIZZLE
+def k_step(b: KernelBuilder, desc: Reg, kk: int, rows: int, slab: int = SWIZZLE) -> Reg:
+    """Descriptor (wgmma's or tcgen05's: the start field is the same) of step kk (32 bytes of
+    each row: k16 of 16-bit, k32 of 8-bit elements) of a K-major operand of `rows` rows in
+    `slab`-byte swizzled slabs: +32 B per step inside a slab, + rows x slab per slab (the start
+    field counts 16-byte units)."""
+    per = slab // 32
+    off = (kk % per) * 32 + (kk // per) * rows * slab
     return desc if off == 0 else b.add(desc, Imm(off >> 4, U64))
