@@ -255,6 +255,13 @@ MLA_DS_UNSPLIT = (('kv_dtype = "e4m3_ds"\n[kernel.tile]\nsplit_scores = false\n'
                   ('kv_dtype = "e4m3_ds"\n[kernel.tile]\ndequant_warpgroup = false\n', "dsfused"),
                   ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\n[kernel.tile]\ndequant_warpgroup = false\n',
                    "dssparsefused"))
+# e4m3 score products (qk_products): the dequantising warpgroup's tile, whose RoPE columns are
+# whole 64-column slabs (64, 128); split and unsplit scores, paged and contiguous, 64 heads
+MLA_QK8 = (('kv_dtype = "e4m3"\nqk_products = "e4m3"\n', "qk8"),
+           ('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\nqk_products = "e4m3"\n',
+            "qk8devcontig"),
+           ('kv_dtype = "e4m3"\nqk_products = "e4m3"\npage_size = 16\nnum_heads = 64\n[kernel.tile]\n'
+            'split_scores = false\n', "qk8unsplit"))
 MLA_APPEND_DS_OPTIONS = (('kv_dtype = "e4m3_ds"\n', "ds"), ('kv_dtype = "e4m3_ds"\nrope = "gptj"\n', "dsgptj"))
 
 
@@ -289,6 +296,12 @@ def _mla_rows(full: bool):
         for option, tag in MLA_OPTIONS + MLA_WG_LOADS + (MLA_DS_OPTIONS + MLA_DS_UNSPLIT if dtype == "bf16" else ()):
             for rope in MLA_ROPES if full else (16, 64, 128):
                 extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nqk_rope_head_dim = {rope}\n"
+                         f'targets = ["sm_90a"]\n' + option)
+                yield f"mla_wg_{tag}_{dtype}_r512_p{rope}", "mla", dtype, 512 + rope, extra, None
+        for option, tag in MLA_QK8:
+            for rope in (64, 128):
+                heads = "" if "num_heads" in option else "num_heads = 128\n"
+                extra = (f"{heads}softmax_scale = 0.1\nqk_rope_head_dim = {rope}\n"
                          f'targets = ["sm_90a"]\n' + option)
                 yield f"mla_wg_{tag}_{dtype}_r512_p{rope}", "mla", dtype, 512 + rope, extra, None
     for rope in MLA_ROPES if full else (16, 64, 128):

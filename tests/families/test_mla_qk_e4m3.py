@@ -166,3 +166,21 @@ def test_ptxas_zero_spills_qgmma_loop_and_fp8_cost(tmp_path, toolchain):
     gpu = get_gpu("h100-sxm")
     narrow, wide = roofline(costs["q8"], gpu), roofline(costs["wide"], gpu)
     assert narrow["compute_seconds"] == pytest.approx(wide["compute_seconds"] * (288 + 512) / (576 + 512))
+
+
+def test_one_key_lse_is_the_quantised_score_exactly(tmp_path):
+    """A sequence of one key: lse = softmax_scale · k_scale · (q8 · k) -- the quantised Q's own
+    dot product, f32-exact up to the accumulation order. Pins the kernel's rounding of Q to
+    the reference's (a scale 2x too large would saturate a row's largest element at 448, one
+    too small lose its smallest to subnormals); rows whose largest |q| sits just under a power
+    of two (1.99 · 2^e) are where a wrong k saturates."""
+    art = build_kernel(tmp_path, "mla", body(heads=64, kv="e4m3", splits=1, page=16) + NARROW,
+                       targets=SM90A)
+    rng = np.random.default_rng(11)
+    spec, inputs, _ = _e4m3_batch(art, [1, 1, 1], [1, 2, 1], 64, rng)
+    q = inputs["q"]
+    q[..., 7] = ref.round_to(1.99 * np.exp2(rng.integers(-3, 4, q.shape[:2])), spec.dtype)
+    q[..., 9] = ref.round_to(3e-4 * rng.standard_normal(q.shape[:2]), spec.dtype)   # near 2^-17 of it
+    out = art.run(inputs, target="sm_90a")
+    want = MLA.reference(spec, inputs)
+    np.testing.assert_allclose(out["lse"], want["lse"], rtol=2e-6, atol=2e-6)

@@ -1,6 +1,7 @@
 """bench/mla_roofline.py: the roofline ceilings of an FP8 latent cache over bf16 in the dense
 MLA decode (batch 64 x 4096), from the report's cost model -- what issue 25's "e4m3_ds at least
-1.6x faster than bf16" can and cannot be at each head count with the products ptxc builds."""
+1.6x faster than bf16" can and cannot be at each head count with the products ptxc builds
+(16-bit by default; Q·Kᵀ on e4m3 with qk_products = "e4m3")."""
 
 from __future__ import annotations
 
@@ -23,5 +24,10 @@ def test_fp8_ceilings_by_head_count_and_product_width(monkeypatch, tmp_path):
         r = rows[(gpu, 128)]          # near or past the ridge: 16-bit products cap the gain
         assert 220 < r["intensity"][0] < 240 and r["wide"]["e4m3_ds"] < 1.3
         assert r["narrow"]["e4m3_ds"] > 1.6       # e4m3 products would lift the cap
+        assert rows[(gpu, 16)]["s_narrow"] is None       # qk_products needs 64 head rows
     assert rows[("H200 SXM", 128)]["bound_by"] == "tensor"
     assert abs(rows[("H200 SXM", 128)]["wide"]["e4m3_ds"] - 1.0) < 1e-9
+    # S on e4m3 as built (qk_products = "e4m3"): past 1.6x on the H100 (bandwidth-bound again);
+    # on the H200 still tensor-bound, its ceiling the products' time ratio (576 + 512) / (288 + 512)
+    assert rows[("H100 SXM", 128)]["s_narrow"] > 1.6
+    assert abs(rows[("H200 SXM", 128)]["s_narrow"] - 1088 / 800) < 1e-9
