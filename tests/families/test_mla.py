@@ -69,9 +69,9 @@ def test_deepseek_shapes_long_sequences(tmp_path, heads, layout, shapes, kv):
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=3))
 
 
-def _decode_batch(art, lens, q_lens, heads, rng):
+def _decode_batch(art, lens, q_lens, heads, rng, fp8: str | None = None):
     """Sequences of the given lengths and query counts over a 16-row paged cache whose pages
-    are all owned, shuffled, and hold finite values."""
+    are all owned, shuffled, and hold finite values (`fp8`: that format's codes)."""
     spec = KernelSpec.from_dict(art.meta["spec"])
     B = len(lens)
     dims = {"batch": B, "max_pages_per_seq": 4, "num_pages": 4 * B + 1}
@@ -82,7 +82,9 @@ def _decode_batch(art, lens, q_lens, heads, rng):
     inputs["q"] = ref.round_to(rng.standard_normal((int(q_lens.sum()), heads, spec.head_dim)),
                                spec.dtype).astype(np.float32)
     inputs["block_table"] = rng.permutation(4 * B + 1)[:4 * B].astype(np.int32).reshape(B, 4)
-    inputs["kv_cache"] = ref.round_to(rng.standard_normal(inputs["kv_cache"].shape), spec.dtype).astype(np.float32)
+    values = rng.standard_normal(inputs["kv_cache"].shape)
+    inputs["kv_cache"] = ref.fp8_quantize(values, fp8) if fp8 else \
+        ref.round_to(values, spec.dtype).astype(np.float32)
     return spec, inputs, q_lens
 
 

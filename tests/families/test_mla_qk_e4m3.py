@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 from conftest import assert_pass, build_kernel, built_sass
-from families.test_mla import MLA, body
+from families.test_mla import MLA, _decode_batch, body
 from ptxc import reference as ref
 from ptxc.errors import SpecError
 from ptxc.kernels import load_text
 from ptxc.runtime.launch_test import check_artifact
-from ptxc.spec.model import KernelSpec
 
 SM90A = ("sm_90a",)
 NARROW = 'qk_products = "e4m3"\n'
@@ -61,19 +60,8 @@ def test_matches_reference(tmp_path, case):
 
 
 def _e4m3_batch(art, lens, q_lens, heads, rng):
-    """Sequences of the given lengths over a 16-row paged e4m3 cache whose pages are all owned,
-    shuffled, and hold finite codes."""
-    spec = KernelSpec.from_dict(art.meta["spec"])
-    B = len(lens)
-    inputs = MLA.make_inputs(spec, {"batch": B, "max_pages_per_seq": 4, "num_pages": 4 * B + 1}, rng)
-    q_lens = np.array(q_lens, dtype=np.int32)
-    inputs["seq_lens"] = np.array(lens, dtype=np.int32)
-    inputs["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    inputs["q"] = ref.round_to(rng.standard_normal((int(q_lens.sum()), heads, spec.head_dim)),
-                               spec.dtype).astype(np.float32)
-    inputs["block_table"] = rng.permutation(4 * B + 1)[:4 * B].astype(np.int32).reshape(B, 4)
-    inputs["kv_cache"] = ref.fp8_quantize(rng.standard_normal(inputs["kv_cache"].shape), "e4m3")
-    return spec, inputs, q_lens
+    """test_mla's batches over all-owned, shuffled pages of finite e4m3 codes."""
+    return _decode_batch(art, lens, q_lens, heads, rng, fp8="e4m3")
 
 
 def test_rows_read_once_per_head_tile_and_values_skip_the_rope_columns(tmp_path, bytes_read):

@@ -12,6 +12,28 @@ from ..common import FORMATS
 from ..mainloop.tiles import SwizzledGeom, zero_regs
 
 
+def quad_max_bits(b, word_lists) -> Reg:
+    """The largest |element| of 16-bit pairs (the words of each list `word_lists` yields, loaded
+    as it is iterated), as the element's bits (sign cleared: bits order magnitudes, f16's and
+    bf16's alike), over the lanes of the quad (two shuffles)."""
+    top_hi, top_lo = b.mov(0, U32), b.mov(0, U32)
+    for words in word_lists:
+        for w in words:      # |hi| in the top half orders the high halves; |lo| << 16
+            mag = b.and_(b.bitcast(w, U32), 0x7FFF7FFF)
+            b.max(top_hi, mag, out=top_hi)
+            b.max(top_lo, b.shl(mag, 16), out=top_lo)
+    top = b.shr(b.max(top_hi, top_lo), 16)
+    for lanes in (1, 2):
+        top = b.max(top, b.shfl("bfly", top, lanes))
+    return top
+
+
+def pow2(b, k: Reg, negate: bool = False) -> Reg:
+    """2^k (2^-k) as an f32 from the s32 k in [-126, 126]: the exponent field alone."""
+    field = b.sub(127, k) if negate else b.add(k, 127)
+    return b.bitcast(b.shl(b.bitcast(field, U32), 23), F32)
+
+
 def rescale_q_rows(math) -> list[Reg]:
     """The Q tile's bf16 rows -> f16 in place, row r times 2^k_r, so products run on f16
     inputs (kv_fp8_stage.f16_math_applies) whatever Q's range. Called once the Q tile has
@@ -53,30 +75,23 @@ def rescale_q_rows(math) -> list[Reg]:
             yield off, None if last < chunks else b.setp("lt", b.add(first, q), chunks)
 
     # pass 1: |largest bf16| of each row as bits, over the lane's chunks, then the quad
-    highest = []
-    for addr in row_addrs:
-        top_hi, top_lo = b.mov(0, U32), b.mov(0, U32)
+    def lane_words(addr: Reg):
         at = b.add(addr, lane_chunk)
         for off, pred in each_chunk(4, t):
             if pred is None:
-                words = b.ld("shared", B32, Addr(at, off), vec=4)
+                yield b.ld("shared", B32, Addr(at, off), vec=4)
             else:        # past the row: zeros
                 words = zero_regs(b, 4)
                 with b.predicate(pred):
                     b.ld("shared", B32, Addr(at, off), vec=4, out=words)
-            for w in words:      # |hi| in the top half orders the high halves; |lo| << 16
-                mag = b.and_(b.bitcast(w, U32), 0x7FFF7FFF)
-                b.max(top_hi, mag, out=top_hi)
-                b.max(top_lo, b.shl(mag, 16), out=top_lo)
-        top = b.shr(b.max(top_hi, top_lo), 16)
-        for lanes in (1, 2):
-            top = b.max(top, b.shfl("bfly", top, lanes))
-        highest.append(top)
+                yield words
+
+    highest = [quad_max_bits(b, lane_words(addr)) for addr in row_addrs]
     # k = 15 - E = 142 - (exponent field), clamped: 2^k and 2^-k are normal f32
     ks = [b.bitcast(b.min(b.max(b.sub(142, b.bitcast(b.shr(top, 7), S32)), -126), 126), S32)
           for top in highest]
-    up = [b.bitcast(b.shl(b.bitcast(b.add(k, 127), U32), 23), F32) for k in ks]
-    down = [b.bitcast(b.shl(b.bitcast(b.sub(127, k), U32), 23), F32) for k in ks]
+    up = [pow2(b, k) for k in ks]
+    down = [pow2(b, k, negate=True) for k in ks]
     row_scales = [b.mul(d, math.scale_log2) for d in down]
     if vs > 1:
         math.cta_sync()   # every warp sharing the rows has read them
@@ -144,20 +159,12 @@ def quantize_q_rows(math, q_row, valid_rows: Reg, target) -> list[Reg]:
     # pass 1: the row's largest |element| (bits order magnitudes), over the quad
     ups, scales = [], []
     for addr, ok in starts:
-        top_hi, top_lo = b.mov(0, U32), b.mov(0, U32)
-        for j in range(chunks // 4):
-            for w in load(addr, 64 * j, ok):
-                mag = b.and_(b.bitcast(w, U32), 0x7FFF7FFF)
-                b.max(top_hi, mag, out=top_hi)
-                b.max(top_lo, b.shl(mag, 16), out=top_lo)
-        top = b.shr(b.max(top_hi, top_lo), 16)
-        for lanes in (1, 2):
-            top = b.max(top, b.shfl("bfly", top, lanes))
+        top = quad_max_bits(b, (load(addr, 64 * j, ok) for j in range(chunks // 4)))
         big = b.bitcast(b.shl(top, 16), F32) if bf16 else values(top)[0]
         exp_field = b.bitcast(b.and_(b.shr(b.bitcast(big, U32), 23), 0xFF), S32)
         k = b.min(b.max(b.sub(134, exp_field), -126), 126)         # 7 - (field - 127)
-        ups.append(b.bitcast(b.shl(b.bitcast(b.add(k, 127), U32), 23), F32))
-        scales.append(b.mul(b.bitcast(b.shl(b.bitcast(b.sub(127, k), U32), 23), F32), math.scale_log2))
+        ups.append(pow2(b, k))
+        scales.append(b.mul(pow2(b, k, negate=True), math.scale_log2))
     # pass 2: this warpgroup's chunks t + 4p + 8j, scaled, rounded to e4m3, stored
     part = b.shl(math.value_part(b, ctx), 2) if vs > 1 else b.mov(0, U32)
     q8 = b.add(t, part)                                   # q % 8 of every chunk this lane takes
@@ -171,4 +178,4 @@ def quantize_q_rows(math, q_row, valid_rows: Reg, target) -> list[Reg]:
     return scales
 
 
-__all__ = ["rescale_q_rows", "quantize_q_rows"]
+__all__ = ["pow2", "quad_max_bits", "quantize_q_rows", "rescale_q_rows"]
