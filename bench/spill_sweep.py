@@ -223,6 +223,10 @@ MLA_OPTIONS = (
     ("page_size = 1\n", "p1"),
     ("sparse_topk = 2048\ntopk_length = true\n", "sparse"),
     ('sparse_topk = 2048\nkv_dtype = "e4m3"\nnum_splits = 1\n', "sparsefp8"),
+    # qk_products: Q rounded to e4m3 values on every tile (FP8 products on sm_90a's
+    # dequantising-warpgroup tile; MLA_QK8 below has its other forms)
+    ('kv_dtype = "e4m3"\nqk_products = "e4m3"\n', "qk8"),
+    ('sparse_topk = 2048\nkv_dtype = "e4m3"\nqk_products = "e4m3"\n', "qk8sparse"),
 )
 
 
@@ -255,13 +259,15 @@ MLA_DS_UNSPLIT = (('kv_dtype = "e4m3_ds"\n[kernel.tile]\nsplit_scores = false\n'
                   ('kv_dtype = "e4m3_ds"\n[kernel.tile]\ndequant_warpgroup = false\n', "dsfused"),
                   ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\n[kernel.tile]\ndequant_warpgroup = false\n',
                    "dssparsefused"))
-# e4m3 score products (qk_products): the dequantising warpgroup's tile, whose RoPE columns are
-# whole 64-column slabs (64, 128); split and unsplit scores, paged and contiguous, 64 heads
-MLA_QK8 = (('kv_dtype = "e4m3"\nqk_products = "e4m3"\n', "qk8"),
-           ('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\nqk_products = "e4m3"\n',
+# e4m3 score products (qk_products) on sm_90a: the dequantising warpgroup's tile (RoPE columns in
+# whole 64-column slabs: 64, 128) contiguous and unsplit, and the other wgmma tiles over the
+# rounded Q (TMA-staged rows, every warp converting)
+MLA_QK8 = (('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\nqk_products = "e4m3"\n',
             "qk8devcontig"),
            ('kv_dtype = "e4m3"\nqk_products = "e4m3"\npage_size = 16\nnum_heads = 64\n[kernel.tile]\n'
-            'split_scores = false\n', "qk8unsplit"))
+            'split_scores = false\n', "qk8unsplit"),
+           ('kv_dtype = "e4m3"\nqk_products = "e4m3"\n[kernel.tile]\nkv_loads = "tma"\n', "qk8tma"),
+           ('kv_dtype = "e4m3"\nqk_products = "e4m3"\n[kernel.tile]\ndequant_warpgroup = false\n', "qk8fused"))
 MLA_APPEND_DS_OPTIONS = (('kv_dtype = "e4m3_ds"\n', "ds"), ('kv_dtype = "e4m3_ds"\nrope = "gptj"\n', "dsgptj"))
 
 

@@ -1,12 +1,14 @@
-"""MLA with e4m3 score products (qk_products = "e4m3", sm_90a): each query row quantised in the
-kernel to e4m3 after a power-of-two scale (math/q_rescale.quantize_q_rows), S = Q·Kᵀ on
-m64nNk32 e4m3 wgmma over the latent rows' raw bytes, which the dequantising warpgroup copies
-into each converted tile beside the 16-bit V (kv_fp8_stage.LatentFP8Staging's narrow store);
-P·V unchanged. The real sm_90a PTX in the emulator (race checker and deadlock detection on)
-against the fp64 reference with the same row quantisation (reference.quantize_rows_e4m3);
-the quantisation rule itself; the rows read once per head tile; V never reads the RoPE
-columns; the spec's refusals; ptxas 0 spills with QGMMA in the loop; the cost model's FP8
-share."""
+"""MLA with e4m3 score products (qk_products = "e4m3"): each query row rounded in the kernel to
+e4m3 values after a power-of-two scale on every target; on sm_90a's dequantising-warpgroup
+tile S = Q·Kᵀ runs on m64nNk32 e4m3 wgmma (math/q_rescale.quantize_q_rows from global memory)
+over the latent rows' raw bytes, which the dequantising warpgroup copies into each converted
+tile beside the 16-bit V (kv_fp8_stage.LatentFP8Staging's narrow store); every other tile
+rounds its landed 16-bit Q tile in place (q_rescale.rescale_q_rows with e4m3_on) and keeps
+16-bit products over the same values. P·V unchanged. The real PTX in the emulator (race
+checker and deadlock detection on) against the fp64 reference with the same row quantisation
+(reference.quantize_rows_e4m3); one-key steps whose lse pins Q's rounding on every path; the
+rule itself; the rows read once per head tile; V never reads the RoPE columns; the refusals;
+ptxas 0 spills with QGMMA in the loop; the cost model's FP8 share."""
 
 import numpy as np
 import pytest
@@ -32,6 +34,14 @@ CASES = {   # (body keys, shapes, split scores)
     # 128 RoPE columns (640-byte rows): the exchange no longer fits, each warpgroup takes all of S
     "h64-bf16-rope128-contiguous-auto": (dict(heads=64, kv="e4m3", rope=128, layout="contiguous"),
                                          {"batch": 9, "max_seq_len": 70}, False),
+    # the other tiles, 16-bit products over the rounded Q: 16 heads (16-row mma.sync tiles) on
+    # sm_80 (Q rounded in software) and sm_90a; TMA-staged e4m3 rows on sm_90a's wgmma tile;
+    # sparse top-k (slots, -1, duplicates, outside the cache)
+    "h16-bf16-page16-3splits-L1000-mma": (dict(heads=16, kv="e4m3", splits=3, page=16), L1000, None,
+                                          ("sm_80", "sm_90a")),
+    "h64-bf16-page64-tma": pytest.param((dict(heads=64, kv="e4m3"), {"batch": 9, "max_pages_per_seq": 2,
+                                                                     "num_pages": 21}, "tma"),
+                                        marks=pytest.mark.slow),
     "h128-bf16-paged-auto": pytest.param((dict(heads=128, kv="e4m3"),
                                           {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}, True),
                                          marks=pytest.mark.slow),
@@ -45,13 +55,24 @@ def _config(art) -> dict:
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_matches_reference(tmp_path, case):
     """Rows past each sequence's L and pages no sequence owns hold NaN; q_len 0/1/2/4 mixed.
-    Shared memory: the e4m3 Q tile (64 x head_dim bytes), three converted tiles of the rows'
-    e4m3 bytes and V's 512 16-bit columns, one staging buffer, full / empty barriers, the
-    exchange when split."""
-    keys, shapes, split = case
+    Shared memory of the FP8 tile: the e4m3 Q tile (64 x head_dim bytes), three converted
+    tiles of the rows' e4m3 bytes and V's 512 16-bit columns, one staging buffer, full / empty
+    barriers, the exchange when split. The third field: whether split (the FP8 tile), or the
+    other tile's loads ("tma", None: cp.async), with its targets."""
+    keys, shapes, split, *targets = case
+    if split not in (True, False):             # another tile: 16-bit products, Q rounded
+        tile = 'kv_loads = "tma"' if split == "tma" else ""
+        art = build_kernel(tmp_path, "mla", body(**keys) + NARROW, targets=targets[0] if targets else SM90A,
+                           tile=tile)
+        for t in art.meta["targets"]:
+            c = art.meta["targets"][t]["config"]
+            assert c["q_values"] == "e4m3" and "qk_products" not in c, t
+        assert "e4m3.e4m3" not in "".join(art.ptx(t) for t in art.meta["targets"])
+        assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+        return
     art = build_kernel(tmp_path, "mla", body(**keys) + NARROW, targets=SM90A)
     c, d = _config(art), 512 + keys.get("rope", 64)
-    assert (c["qk_products"], c["dequant_warpgroup"], c["num_stages"]) == ("e4m3", True, 1)
+    assert (c["qk_products"], c["q_values"], c["dequant_warpgroup"], c["num_stages"]) == ("e4m3", "e4m3", True, 1)
     assert c.get("split_scores", False) == split
     tile = 32 * d + 32 * 512 * 2
     assert c["smem_bytes"] == 64 * d + 3 * tile + 32 * d + 48 + split * 2 * 64 * 32 * 4
@@ -62,6 +83,21 @@ def test_matches_reference(tmp_path, case):
 def _e4m3_batch(art, lens, q_lens, heads, rng):
     """test_mla's batches over all-owned, shuffled pages of finite e4m3 codes."""
     return _decode_batch(art, lens, q_lens, heads, rng, fp8="e4m3")
+
+
+def test_sparse_and_fused_tiles_round_q_too(tmp_path):
+    """Sparse top-k (its own slots, -1, duplicates, slots outside the cache, topk_length) on
+    sm_90's and sm_90a's tiles, and f16 with every warp converting on sm_90a beside sm_80:
+    16-bit products over the rounded Q, against the same reference."""
+    from families.test_mla import sparse_body
+    art = build_kernel(tmp_path / "s", "mla", sparse_body(64, 512, 64, "bf16", "e4m3", None, 40, True, "auto")
+                       + NARROW, targets=("sm_90", "sm_90a"))
+    assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 7, "num_pages": 5}, seed=3))
+    art = build_kernel(tmp_path / "f", "mla", body(dtype="f16", heads=64, kv="e4m3", splits=1,
+                                                   layout="contiguous") + NARROW,
+                       targets=("sm_80", "sm_90a"), tile="dequant_warpgroup = false")
+    assert _config(art).get("dequant_warpgroup") is None and _config(art)["q_values"] == "e4m3"
+    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 9, "max_seq_len": 70}, seed=7))
 
 
 def test_rows_read_once_per_head_tile_and_values_skip_the_rope_columns(tmp_path, bytes_read):
@@ -99,27 +135,19 @@ def test_row_quantisation_rule():
     assert np.array_equal(ref.quantize_rows_e4m3(rows * 8), got * 8)
 
 
-def _spec(extra: str, tile: str = "", heads: int = 128):
-    text = (f'[[kernel]]\nname = "m"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = {heads}\n'
-            'softmax_scale = 0.1353\n' + extra + (f"[kernel.tile]\n{tile}" if tile else ""))
-    return load_text(text, "m.toml")
+def _spec(extra: str):
+    return load_text('[[kernel]]\nname = "m"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = 128\n'
+                     'softmax_scale = 0.1353\n' + extra, "m.toml")
 
 
-@pytest.mark.parametrize("extra,tile,words", [
-    (NARROW + 'targets = ["sm_90a"]\n', "", 'kv_dtype = "bf16"'),
-    (NARROW + 'kv_dtype = "e4m3_ds"\ntargets = ["sm_90a"]\n', "", 'allowed: kv_dtype = "e4m3"'),
-    (NARROW + 'kv_dtype = "e4m3"\ntargets = ["sm_90", "sm_90a"]\n', "", "including sm_90"),
-    (NARROW + 'kv_dtype = "e4m3"\n', "", "including sm_80"),
-    (NARROW + 'kv_dtype = "e4m3"\ntargets = ["sm_90a"]\n', 16, "64 head rows"),
-    (NARROW + 'kv_dtype = "e4m3"\nsparse_topk = 64\ntargets = ["sm_90a"]\n', "", "not sparse_topk"),
-    (NARROW + 'kv_dtype = "e4m3"\ntargets = ["sm_90a"]\n', "dequant_warpgroup = false\n", "dequantising"),
-    (NARROW + 'kv_dtype = "e4m3"\ntargets = ["sm_90a"]\n', 'kv_loads = "tma"\n', "cp_async"),
-])
-def test_where_it_cannot_run_is_one_line(extra, tile, words):
-    """`tile`: tile keys, or (an int) the query heads."""
+@pytest.mark.parametrize("kv,words", [("", 'kv_dtype = "bf16"'), ('kv_dtype = "e4m3_ds"\n', 'kv_dtype = "e4m3_ds"')])
+def test_a_cache_without_e4m3_bytes_is_one_line(kv, words):
+    """No tile has FP8 score products over a cache of the dtype or e4m3_ds rows (group scales
+    per key and 128 columns)."""
     with pytest.raises(SpecError) as e:
-        _spec(extra, tile, 128) if isinstance(tile, str) else _spec(extra, "", tile)
-    assert e.value.key == "qk_products" and words in str(e.value) and "\n" not in str(e.value), str(e.value)
+        _spec(NARROW + kv + 'targets = ["sm_90a"]\n')
+    msg = str(e.value)
+    assert e.value.key == "qk_products" and words in msg and 'allowed: kv_dtype = "e4m3"' in msg and "\n" not in msg
 
 
 def test_ptxas_zero_spills_qgmma_loop_and_fp8_cost(tmp_path, toolchain):
@@ -156,19 +184,23 @@ def test_ptxas_zero_spills_qgmma_loop_and_fp8_cost(tmp_path, toolchain):
     assert narrow["compute_seconds"] == pytest.approx(wide["compute_seconds"] * (288 + 512) / (576 + 512))
 
 
-def test_one_key_lse_is_the_quantised_score_exactly(tmp_path):
+@pytest.mark.parametrize("targets", [("sm_80", "sm_90a"), ("sm_89",)])
+def test_one_key_lse_is_the_quantised_score_exactly(tmp_path, targets):
     """A sequence of one key: lse = softmax_scale · k_scale · (q8 · k) -- the quantised Q's own
     dot product, f32-exact up to the accumulation order. Pins the kernel's rounding of Q to
     the reference's (a scale 2x too large would saturate a row's largest element at 448, one
     too small lose its smallest to subnormals); rows whose largest |q| sits just under a power
-    of two (1.99 · 2^e) are where a wrong k saturates."""
+    of two (1.99 · 2^e) are where a wrong k saturates. Every path: sm_90a's FP8 tile (Q from
+    global memory), sm_80's 64-row mma.sync tile (Q rounded in place, in software), sm_89's
+    16-row one (cvt)."""
     art = build_kernel(tmp_path, "mla", body(heads=64, kv="e4m3", splits=1, page=16) + NARROW,
-                       targets=SM90A)
+                       targets=targets)
     rng = np.random.default_rng(11)
     spec, inputs, _ = _e4m3_batch(art, [1, 1, 1], [1, 2, 1], 64, rng)
     q = inputs["q"]
     q[..., 7] = ref.round_to(1.99 * np.exp2(rng.integers(-3, 4, q.shape[:2])), spec.dtype)
     q[..., 9] = ref.round_to(3e-4 * rng.standard_normal(q.shape[:2]), spec.dtype)   # near 2^-17 of it
-    out = art.run(inputs, target="sm_90a")
     want = MLA.reference(spec, inputs)
-    np.testing.assert_allclose(out["lse"], want["lse"], rtol=2e-6, atol=2e-6)
+    for t in targets:
+        out = art.run(inputs, target=t)
+        np.testing.assert_allclose(out["lse"], want["lse"], rtol=2e-6, atol=2e-6, err_msg=t)

@@ -194,6 +194,7 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
                              rows=group_scaled(spec), split_scores=split, seesaw=seesaw,
                              f16_math=f16_math_applies(spec) and not seesaw,
                              dequant_warpgroup=dequant, min_ctas_per_sm=1 if dequant else 0,
+                             q_e4m3=spec_option(spec, "qk_products") == "e4m3",
                              qk_e4m3=dequant and spec_option(spec, "qk_products") == "e4m3")
 
 

@@ -105,6 +105,7 @@ def packed_tile_config(spec, c: PrefillConfig) -> dict:
             **({"score_split": True, "exchange_bytes": c.exchange_bytes} if c.score_split else {}),
             **({"fp8_staging_bytes": c.staging_bytes} if isinstance(c, StagedFP8Config) else {}),
             **({"mma_inputs": c.math_fmt.name} if c.math_fmt is not c.fmt else {}),
+            **({"q_values": "e4m3"} if c.q_e4m3 else {}),
             **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {})}
 
 

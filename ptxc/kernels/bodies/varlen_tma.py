@@ -227,11 +227,14 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
     if kv.latent:    # MLA: one latent tile per stage serves both products, its barriers after
         math = VarlenWgmmaMath(b, ctx, ptrs, strides)
 
+        rewrite = math.q_rewrite(quant.target) if quant is not None else None
+
         def q_rescaled() -> None:
-            """f16 products over a bf16 Q (e4m3 rows): Q's rows rescaled into f16 once it
-            landed, fenced for the tensor cores' reads before a barrier."""
+            """f16 products over a bf16 Q (e4m3 rows): Q's rows rescaled into f16 (or rounded
+            to e4m3 values: qk_products) once it landed, fenced for the tensor cores' reads
+            before a barrier."""
             q_landed()
-            math.rescale_q_to_f16()
+            rewrite()
             b.fence_proxy_async()
             b.bar_sync(0)
         stage, stage_bytes = (staging.k_stage, staging.stage_bytes) if staging else (tile.k_smem, kv_bytes)
@@ -241,7 +244,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         assemble(b, "latent_tma", buffers=Buffers(stages, tile.smem, stage, stage, stage_bytes,
                                                   bars=b.add(stage, stages * stage_bytes)),
                  tiles=key_tiles,
-                 loads=loads(q_rescaled if cfg.f16_math else q_landed,
+                 loads=loads(q_rescaled if rewrite is not None else q_landed,
                              landed=staging.landed if staging else None),
                  math=prebuilt(math), transform_of=transform_of)
         return

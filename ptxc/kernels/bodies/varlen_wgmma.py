@@ -223,7 +223,7 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
                 m.row_scales = quantize_q_rows(m, tile.q_row(ptrs, strides, b.mov(0, S64)), rows,
                                                quant.target)
             return quantize
-        return m.rescale_q_to_f16 if cfg.f16_math else None
+        return m.q_rewrite(quant.target)
 
     assemble(b, "latent_dequant",
              buffers=Buffers(cfg.num_stages, tile.smem, tile.k_smem, tile.k_smem, tile_bytes,
@@ -235,7 +235,7 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
              math=lambda: packed_math(b, ctx, ptrs, strides, quant, work),
              transform_of=lambda m: score_transform(b, spec, m), tid=ctx.tid, lane=ctx.lane,
              threads=cfg.threads, regs=(cfg.producer_regs, cfg.consumer_regs),
-             q_rewrite_of=q_rewrite if (cfg.qk_e4m3 or cfg.f16_math) else None)
+             q_rewrite_of=q_rewrite if (cfg.qk_e4m3 or cfg.q_e4m3 or cfg.f16_math) else None)
 
 
 def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,
@@ -278,8 +278,9 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
                              staging.stage_bytes if staging else cfg.kv_geom.bytes),
              tiles=KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full),
              loads=Loads(load_kv=load_kv, landed=staging.landed if staging else None,
-                         # f16 products over a bf16 Q: its rows rescaled into f16 first
-                         q_landed=math.rescale_q_to_f16 if cfg.f16_math else None),
+                         # f16 products over a bf16 Q: its rows rescaled into f16 first (or
+                         # rounded to e4m3 values: qk_products)
+                         q_landed=math.q_rewrite(quant.target) if quant is not None else None),
              math=prebuilt(math), transform_of=lambda m: score_transform(b, spec, m))
 
 

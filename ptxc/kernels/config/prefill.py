@@ -119,6 +119,10 @@ class PrefillConfig:
     # The tensor-core products on f16 inputs over a bf16 kernel's FP8 cache (Q rescaled per
     # row into f16 first: kv_fp8_stage.f16_math_applies, math.mma.MmaMath.rescale_q_to_f16)
     f16_math: bool = False
+    # MLA's qk_products = "e4m3": Q's rows rounded to e4m3 values (a power-of-two scale per row)
+    # in the products' 16-bit tile before the loop (math.mma.MmaMath.q_rewrite), so every tile
+    # computes the scores of the FP8 tile (latent_tile.LatentWgmmaConfig.qk_e4m3)
+    q_e4m3: bool = False
     # Split-KV on the GQA-packed tile: split 0 stores the final o of a tile it covers whole
     # (VarlenMath.epilogue). Not on mma.sync: its split kernels sit at ptxas's 128-register
     # cap, and the second epilogue made 20 of the spill sweep's 14963 combinations spill.

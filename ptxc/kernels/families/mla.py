@@ -70,11 +70,11 @@ FIELDS = FamilyFields(
         Field("return_lse", "bool", "also write lse [total_q, num_heads] (f32, natural log)",
               default=True),
         Field("qk_products", "str", "the inputs of Q·Kᵀ's tensor-core products: the dtype (the "
-              "default: the FP8 cache converted to 16 bits), or e4m3 -- each query row quantised "
-              "in the kernel to e4m3 after a power-of-two scale, the scores on sm_90a's FP8 wgmma "
-              "at twice the 16-bit rate (kv_dtype \"e4m3\", sm_90a's latent tile with a "
-              "dequantising warpgroup only); P·V stays 16-bit", default="dtype",
-              choices=("dtype", "e4m3")),
+              "default: the FP8 cache converted to 16 bits), or e4m3 (kv_dtype \"e4m3\") -- each "
+              "query row rounded in the kernel to e4m3 after a power-of-two scale on every target, "
+              "the scores on FP8 wgmma at twice the 16-bit rate where sm_90a's latent tile has a "
+              "dequantising warpgroup, on 16-bit products over the same values elsewhere; P·V "
+              "stays 16-bit", default="dtype", choices=("dtype", "e4m3")),
     ),
     tile=(
         Field("block_m", "int", "query head rows per CTA (token x head); above 256 latent columns "
@@ -208,7 +208,7 @@ def validate(spec: KernelSpec) -> None:
     if spec.tile_dict().get("seesaw"):
         check_seesaw(spec, configs)
     if spec.opt("qk_products") == "e4m3":
-        check_narrow_products(spec, configs)
+        check_narrow_products(spec)
     if spec.tile_dict().get("dequant_warpgroup") and \
             not any(getattr(c, "dequant_warpgroup", False) for c in configs):
         raise SpecError(f"dequant_warpgroup = true with targets {', '.join(spec.targets)}: the "
@@ -218,27 +218,16 @@ def validate(spec: KernelSpec) -> None:
                         f"for e4m3_ds with qk_rope_head_dim 64; allowed: false", key="tile.dequant_warpgroup")
 
 
-def check_narrow_products(spec: KernelSpec, configs: list) -> None:
-    """qk_products = "e4m3" runs on sm_90a's FP8 wgmma, in the latent tile whose dequantising
-    warpgroup copies e4m3 rows (one scale) and hands the computing warpgroups their raw bytes
-    for S beside the converted V; no other target has that product, and the numerics are the
-    spec's, so every target must take it."""
-    why = 'qk_products = "e4m3"'
+def check_narrow_products(spec: KernelSpec) -> None:
+    """qk_products = "e4m3" rounds each query row to e4m3 values on every target (the spec's
+    numerics); the scores run on FP8 products where the cache's bytes are e4m3 with one scale
+    and sm_90a's dequantising warpgroup copies them (latent_tile.LatentWgmmaConfig.qk_e4m3),
+    on 16-bit products over the same values elsewhere. Over a cache of the dtype or e4m3_ds
+    rows no tile has FP8 products to give, so it is refused there."""
     if spec.opt("kv_dtype") != "e4m3":
-        raise SpecError(f"{why} with kv_dtype = \"{spec.opt('kv_dtype') or spec.dtype}\": the scores' "
-                        f"FP8 products read the cache's e4m3 bytes (one scale); allowed: "
-                        f"kv_dtype = \"e4m3\" or qk_products = \"dtype\"", key="qk_products")
-    other = [t for t in spec.targets if t != "sm_90a"]
-    if other:
-        raise SpecError(f"{why} with targets including {other[0]}: e4m3 products run on sm_90a's "
-                        f"FP8 wgmma only; allowed: targets = [\"sm_90a\"] or qk_products = "
-                        f"\"dtype\"", key="qk_products")
-    if not all(getattr(c, "qk_e4m3", False) for c in configs):
-        raise SpecError(f"{why}: the scores' FP8 products run in sm_90a's latent wgmma tile with "
-                        f"a dequantising warpgroup -- 64 head rows (num_heads >= 64, or block_m "
-                        f"64), a dense cache (not sparse_topk) the threads copy (kv_loads "
-                        f"\"cp_async\"), dequant_warpgroup and seesaw not turned off / on; allowed: "
-                        f"qk_products = \"dtype\"", key="qk_products")
+        raise SpecError(f"qk_products = \"e4m3\" with kv_dtype = \"{spec.opt('kv_dtype') or spec.dtype}\": "
+                        f"the scores' FP8 products read the cache's e4m3 bytes (one scale); "
+                        f"allowed: kv_dtype = \"e4m3\" or qk_products = \"dtype\"", key="qk_products")
 
 
 def check_seesaw(spec: KernelSpec, configs: list) -> None:

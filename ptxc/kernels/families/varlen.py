@@ -26,8 +26,8 @@ from ..attention.split_plan import MAX_AUTO_SPLITS
 from ..attention.split_reduce import build_reduce, split_interface
 from ..attention.latent_tile import latent_wgmma
 from ..attention.variant import (
-    MASK_BUFFERS, VARIANT_FIELDS, default_seq_len, head_dim_v, mask_bytes_param, validate_variant,
-    variant_tensors)
+    MASK_BUFFERS, VARIANT_FIELDS, default_seq_len, head_dim_v, mask_bytes_param, spec_option,
+    validate_variant, variant_tensors)
 from ..base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from ..config.prefill import PrefillConfig, _check_shape, value_split
 from ..config.register_floor import narrow_block_n, needs_floor
@@ -156,8 +156,8 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     split_scores = latent and vsplit > 1 and -(-spec.head_dim // 16) % vsplit == 0
     config_type = kv_fp8_stage.StagedFP8Config if staged else PrefillConfig
     # e4m3_ds: whole rows staged; per-tensor / per-head scales under bf16: f16 products
-    rows = {"rows": kv_fp8.group_scaled(spec), "f16_math": kv_fp8_stage.f16_math_applies(spec)} \
-        if staged else {}
+    rows = {"rows": kv_fp8.group_scaled(spec), "f16_math": kv_fp8_stage.f16_math_applies(spec),
+            "q_e4m3": spec_option(spec, "qk_products") == "e4m3"} if staged else {}
 
     def make(stages=None):
         return config_type(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,

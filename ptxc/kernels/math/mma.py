@@ -277,6 +277,17 @@ class MmaMath:
         each row's softmax factor taking the inverse power (row_scale)."""
         self.row_scales = rescale_q_rows(self)
 
+    def q_rewrite(self, target):
+        """What rewrites the landed Q tile before the loop, or None: its rows rounded to e4m3
+        values (cfg.q_e4m3: MLA's qk_products; conversions for `target`) or rescaled into f16
+        (cfg.f16_math); each row's softmax factor takes the inverse power either way."""
+        cfg = self.ctx.cfg
+        if getattr(cfg, "q_e4m3", False):
+            def round_rows() -> None:
+                self.row_scales = rescale_q_rows(self, e4m3_on=target)
+            return round_rows
+        return self.rescale_q_to_f16 if cfg.f16_math else None
+
     def pv(self, a_frags: list[list[Reg]], v_tile: Reg) -> None:
         b, kt = self.b, self.bn // 16
         v_lanes = self.v_lanes.bind(v_tile)

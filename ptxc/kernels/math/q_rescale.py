@@ -28,13 +28,22 @@ def quad_max_bits(b, word_lists) -> Reg:
     return top
 
 
+def half_values(b, w: Reg, fmt) -> list[Reg]:
+    """A word's two 16-bit elements (bf16 or f16) as f32, the low half first (a u32 holding
+    one element in its low half: that element first)."""
+    if fmt is FORMATS["bf16"]:
+        u = b.bitcast(w, U32)
+        return [b.bitcast(b.shl(u, 16), F32), b.bitcast(b.and_(u, 0xFFFF0000), F32)]
+    return [b.cvt(F32, h) for h in b.unpack(w, F16)]
+
+
 def pow2(b, k: Reg, negate: bool = False) -> Reg:
     """2^k (2^-k) as an f32 from the s32 k in [-126, 126]: the exponent field alone."""
     field = b.sub(127, k) if negate else b.add(k, 127)
     return b.bitcast(b.shl(b.bitcast(field, U32), 23), F32)
 
 
-def rescale_q_rows(math) -> list[Reg]:
+def rescale_q_rows(math, e4m3_on=None) -> list[Reg]:
     """The Q tile's bf16 rows -> f16 in place, row r times 2^k_r, so products run on f16
     inputs (kv_fp8_stage.f16_math_applies) whatever Q's range. Called once the Q tile has
     landed and a barrier made it visible; the loop's first barrier precedes every read.
@@ -53,9 +62,16 @@ def rescale_q_rows(math) -> list[Reg]:
     is at 16 q (padded or XOR-swizzled rows), or, in 128-byte slabs (wgmma's tiles), at
     slab q // 8, 16 (q % 8). The caller makes the rewrite visible (a barrier; wgmma's
     tensor cores read through the async proxy: a fence.proxy.async as well).
-    Returns each of the lane's rows' softmax factor (scale_log2 · 2^-k_r)."""
+    Returns each of the lane's rows' softmax factor (scale_log2 · 2^-k_r).
+
+    `e4m3_on` (a Target; MLA's qk_products = "e4m3" on tiles whose products stay 16-bit): the
+    rows (bf16 or f16) become e4m3 values instead, in the products' 16-bit format (exact:
+    every e4m3 value is an f16 and a bf16 value), with quantize_q_rows' rule -- k_r = 7 - E_r,
+    cvt.rn.satfinite to e4m3 (in software before sm_89) -- so the scores are the FP8 tile's
+    up to the order of f32 additions."""
     b, ctx, cfg = math.b, math.ctx, math.ctx.cfg
-    assert cfg.math_fmt is FORMATS["f16"] and cfg.fmt is FORMATS["bf16"], "bf16 rows to f16"
+    assert e4m3_on is not None or (cfg.math_fmt is FORMATS["f16"] and cfg.fmt is FORMATS["bf16"]), \
+        "bf16 rows to f16"
     chunks, ss, vs = cfg.head_dim // 8, math.ss, cfg.v_split
     slabs = cfg.q_geom.slab_bytes if isinstance(cfg.q_geom, SwizzledGeom) else None
     assert slabs is None or vs <= 2, "a lane's first chunk of a step stays inside its slab"
@@ -87,9 +103,12 @@ def rescale_q_rows(math) -> list[Reg]:
                 yield words
 
     highest = [quad_max_bits(b, lane_words(addr)) for addr in row_addrs]
-    # k = 15 - E = 142 - (exponent field), clamped: 2^k and 2^-k are normal f32
-    ks = [b.bitcast(b.min(b.max(b.sub(142, b.bitcast(b.shr(top, 7), S32)), -126), 126), S32)
-          for top in highest]
+    if e4m3_on is not None:    # k = 7 - E = 134 - (the largest's f32 exponent field), clamped
+        ks = [b.min(b.max(b.sub(134, b.bitcast(b.and_(b.shr(b.bitcast(
+            half_values(b, top, cfg.fmt)[0], U32), 23), 0xFF), S32)), -126), 126) for top in highest]
+    else:   # k = 15 - E = 142 - (exponent field), clamped: 2^k and 2^-k are normal f32
+        ks = [b.bitcast(b.min(b.max(b.sub(142, b.bitcast(b.shr(top, 7), S32)), -126), 126), S32)
+              for top in highest]
     up = [pow2(b, k) for k in ks]
     down = [pow2(b, k, negate=True) for k in ks]
     row_scales = [b.mul(d, math.scale_log2) for d in down]
@@ -104,6 +123,13 @@ def rescale_q_rows(math) -> list[Reg]:
         for off, pred in each_chunk(4 * vs, first):
             with b.if_then(pred) if pred is not None else nullcontext():
                 words = b.ld("shared", B32, Addr(at, off), vec=4)
+                if e4m3_on is not None:     # 8 values times 2^k, rounded to e4m3, back to 16 bits
+                    from . import fp8
+                    vals = [b.mul(x, scale) for w in words for x in half_values(b, w, cfg.fmt)]
+                    b.st("shared", B32, Addr(at, off), fp8.dequantize(
+                        b, fp8.quantize(b, vals, "e4m3", e4m3_on), "e4m3", e4m3_on,
+                        to=f"{cfg.math_fmt.name}x2"))
+                    continue
                 halves = []
                 for w in words:
                     u = b.bitcast(w, U32)
@@ -151,10 +177,7 @@ def quantize_q_rows(math, q_row, valid_rows: Reg, target) -> list[Reg]:
         return words
 
     def values(w: Reg) -> list[Reg]:          # a word's two elements as f32, low first
-        u = b.bitcast(w, U32)
-        if bf16:
-            return [b.bitcast(b.shl(u, 16), F32), b.bitcast(b.and_(u, 0xFFFF0000), F32)]
-        return [b.cvt(F32, h) for h in b.unpack(w, F16)]
+        return half_values(b, w, cfg.fmt)
 
     # pass 1: the row's largest |element| (bits order magnitudes), over the quad
     ups, scales = [], []
