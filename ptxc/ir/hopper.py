@@ -27,8 +27,8 @@ from typing import Sequence
 
 from ..errors import IRError
 from .values import (
-    B64, BF16, E4M3, E5M2, F16, F32, PRED, S32, TMAP, U32, U64, Addr, Imm, PtxType, Reg, Sym, TensorCoords,
-    Vec)
+    B64, BF16, E4M3, E5M2, F16, F32, PRED, S32, TMAP, U32, U64, Addr, Imm, PtxType, Reg, Sym,
+    TensorCoords, Vec)
 
 SWIZZLE_MODE = {0: 0, 128: 1, 64: 2, 32: 3}   # swizzle width in bytes -> descriptor bits [63:62]
 
@@ -95,10 +95,12 @@ class HopperOps:
         b_op = self._operand(b_desc, U64, f"{what} B descriptor")
         sd = self._flag(scale_d, f"{what}: scale_d")
         flags = (Imm(1, U32), Imm(1, U32))
-        if not narrow:
-            flags += (Imm(trans_b, U32),) if isinstance(a_op, Vec) else (Imm(trans_a, U32), Imm(trans_b, U32))
-        self.emit("wgmma", ("mma_async", "sync", "aligned", f"m64n{n}k{32 if narrow else 16}", "f32",
-                            in_type.name, in_type.name), (Vec(tuple(acc)),), (a_op, b_op, sd) + flags)
+        if not narrow:       # 8-bit forms take no transpose operands
+            flags += (Imm(trans_b, U32),) if isinstance(a_op, Vec) else \
+                (Imm(trans_a, U32), Imm(trans_b, U32))
+        shape = f"m64n{n}k{32 if narrow else 16}"
+        self.emit("wgmma", ("mma_async", "sync", "aligned", shape, "f32", in_type.name, in_type.name),
+                  (Vec(tuple(acc)),), (a_op, b_op, sd) + flags)
         return acc
 
     def _flag(self, value, what: str):

@@ -45,9 +45,9 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     # FP8 rows: a third warpgroup copies and dequantises them into a ring of DEQUANT_TILES
     # converted tiles, the two computing warpgroups only read those (dequant_pipeline.py)
     dequant_warpgroup: bool = False
-    # qk_products = "e4m3" (dequantising warpgroup only): Q quantised per row into an e4m3 tile,
-    # S on FP8 wgmma over the rows' raw e4m3 bytes, which the dequantising warpgroup copies into
-    # each converted tile beside the 16-bit V (NARROW_SWIZZLE below)
+    # qk_products = "e4m3" under the dequantising warpgroup: Q quantised per row into an e4m3
+    # tile, S on FP8 wgmma over the rows' raw e4m3 bytes, which the dequantising warpgroup copies
+    # into each converted tile beside the 16-bit V (64-byte slabs: tiles.NARROW_SWIZZLE)
     qk_e4m3: bool = False
 
     @property
@@ -183,6 +183,7 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
     if seesaw:          # the seesaw's warpgroups each compute their tiles' whole S
         split = False
     dequant, least = dequant_warpgroup(spec), min_latent_stages(spec)
+    q_e4m3 = spec_option(spec, "qk_products") == "e4m3"
     if split is None:
         room = max(least, spec.tile_dict().get("num_stages", least))
         split = spec.tile_dict().get("split_scores", split_by_default(spec)) and \
@@ -194,8 +195,7 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
                              rows=group_scaled(spec), split_scores=split, seesaw=seesaw,
                              f16_math=f16_math_applies(spec) and not seesaw,
                              dequant_warpgroup=dequant, min_ctas_per_sm=1 if dequant else 0,
-                             q_e4m3=spec_option(spec, "qk_products") == "e4m3",
-                             qk_e4m3=dequant and spec_option(spec, "qk_products") == "e4m3")
+                             q_e4m3=q_e4m3, qk_e4m3=dequant and q_e4m3)
 
 
 def split_by_default(spec) -> bool:

@@ -208,7 +208,7 @@ def validate(spec: KernelSpec) -> None:
     if spec.tile_dict().get("seesaw"):
         check_seesaw(spec, configs)
     if spec.opt("qk_products") == "e4m3":
-        check_narrow_products(spec)
+        check_qk_products(spec)
     if spec.tile_dict().get("dequant_warpgroup") and \
             not any(getattr(c, "dequant_warpgroup", False) for c in configs):
         raise SpecError(f"dequant_warpgroup = true with targets {', '.join(spec.targets)}: the "
@@ -218,7 +218,7 @@ def validate(spec: KernelSpec) -> None:
                         f"for e4m3_ds with qk_rope_head_dim 64; allowed: false", key="tile.dequant_warpgroup")
 
 
-def check_narrow_products(spec: KernelSpec) -> None:
+def check_qk_products(spec: KernelSpec) -> None:
     """qk_products = "e4m3" rounds each query row to e4m3 values on every target (the spec's
     numerics); the scores run on FP8 products where the cache's bytes are e4m3 with one scale
     and sm_90a's dequantising warpgroup copies them (latent_tile.LatentWgmmaConfig.qk_e4m3),

@@ -1,7 +1,10 @@
-"""The Q tile of a bf16 kernel rewritten into f16 in place, each row times a power of two, so
-its tensor-core products run on f16 inputs (kv_fp8_stage.f16_math_applies: FP8 caches convert
-to f16 in one instruction a pair). Used by MmaMath and WgmmaMath (their fragment layout: lane
-(g, t) of a warp holds rows g + 8i)."""
+"""Q's rows rewritten before the loop, each times a power of two that its softmax factor undoes:
+a bf16 kernel's Q tile into f16 in place, so its tensor-core products run on f16 inputs
+(kv_fp8_stage.f16_math_applies: FP8 caches convert to f16 in one instruction a pair), or --
+MLA's qk_products = "e4m3" -- rounded to e4m3 values, in place in the 16-bit tile
+(rescale_q_rows with e4m3_on) or from global memory into the e4m3 tile of the FP8 score
+products (quantize_q_rows). Used by MmaMath and WgmmaMath (their fragment layout: lane (g, t)
+of a warp holds rows g + 8i)."""
 
 from __future__ import annotations
 
