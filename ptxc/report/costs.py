@@ -225,7 +225,9 @@ def mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
     index = (b + 1) * 4 + b * 4 + _layout_bytes(meta, dims, L)
     keys = keys_seen(q, L, True, None)
-    narrow = 2 * b * H * d * keys if spec.get("qk_products") == "e4m3" else 0   # S on FP8 wgmma
+    # S on FP8 wgmma where the target's tile runs it (the config says so; elsewhere Q's e4m3
+    # values meet 16-bit products at the 16-bit rate)
+    narrow = 2 * b * H * d * keys if config.get("qk_products") == "e4m3" else 0
     return Cost(2 * b * H * (d + dv) * keys, latent + qo + lse + index, _unit(config), dict(dims),
                 fp8_flops=narrow)
 

@@ -175,8 +175,11 @@ def test_ptxas_zero_spills_qgmma_loop_and_fp8_cost(tmp_path, toolchain):
     assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (9 + 2 + 2, 9 * 4 + 2 * 32 + 2)
     import json
     dims = {"batch": 64, "total_q": 64, "max_pages_per_seq": 64, "num_pages": 4096}
-    costs = {n: launch_cost(json.loads((tmp_path / "out" / n / f"{n}.json").read_text()), "sm_90a", dims)
-             for n in ("q8", "wide")}
+    metas = {n: json.loads((tmp_path / "out" / n / f"{n}.json").read_text()) for n in ("q8", "wide")}
+    costs = {n: launch_cost(meta, "sm_90a", dims) for n, meta in metas.items()}
+    # a tile without FP8 products (any other target's): Q's e4m3 values at the 16-bit rate
+    other = {**metas["q8"], "targets": {"sm_90": {"config": {"path": "mma.m16n8k16", "q_values": "e4m3"}}}}
+    assert launch_cost(other, "sm_90", dims).fp8_flops == 0
     assert costs["q8"].flops == costs["wide"].flops and costs["q8"].bytes == costs["wide"].bytes
     assert costs["q8"].fp8_flops == costs["q8"].flops * 576 // (576 + 512) and not costs["wide"].fp8_flops
     gpu = get_gpu("h100-sxm")
