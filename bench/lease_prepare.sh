@@ -22,8 +22,8 @@
 # split-score tile (issue 25), at batch 64 x 4096 unsplit and "auto", then at 16k keys; and the
 # FP8 MLA decodes' dequantising warpgroup (the default since 973ee0c, untimed) against every
 # warp converting (`*_fused`: dequant_warpgroup = false), e4m3 and e4m3_ds, and e4m3 with the
-# scores on FP8 wgmma (`deepseek_v3_mla_decode_fp8_qk8`: qk_products, untimed; `_unsplit`: two
-# staging buffers, 37 KiB in flight per SM against 15, for all of S in each warpgroup), and TP 8's 16 heads
+# scores on FP8 wgmma (`deepseek_v3_mla_decode_fp8_qk8`: qk_products, S reading the staging ring,
+# untimed; `_unsplit`: all of S in each warpgroup, no exchange), and TP 8's 16 heads
 # on the padded 64-row wgmma tile against the 16-row mma.sync one, and varlen d128's
 # warp-specialised TMA tile (the default, untimed) against the one-issuer tile and at three
 # stages, then the same at DeepSeek's 192 / 128 on prefill chunks; the main sets; then the

@@ -55,9 +55,9 @@ def _config(art) -> dict:
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_matches_reference(tmp_path, case):
     """Rows past each sequence's L and pages no sequence owns hold NaN; q_len 0/1/2/4 mixed.
-    Shared memory of the FP8 tile: the e4m3 Q tile (64 x head_dim bytes), three converted
-    tiles of the rows' e4m3 bytes and V's 512 16-bit columns, one staging buffer, full / empty
-    barriers, the exchange when split. The third field: whether split (the FP8 tile), or the
+    Shared memory of the FP8 tile: the e4m3 Q tile (64 x head_dim bytes), three 16-bit V
+    tiles, four staging buffers that S reads as they landed, full / empty / sempty barriers, the
+    exchange when split; every staging buffer, V tile and barrier phase reused at 1000 keys. The third field: whether split (the FP8 tile), or the
     other tile's loads ("tma", None: cp.async), with its targets."""
     keys, shapes, split, *targets = case
     if split not in (True, False):             # another tile: 16-bit products, Q rounded
@@ -72,10 +72,10 @@ def test_matches_reference(tmp_path, case):
         return
     art = build_kernel(tmp_path, "mla", body(**keys) + NARROW, targets=SM90A)
     c, d = _config(art), 512 + keys.get("rope", 64)
-    assert (c["qk_products"], c["q_values"], c["dequant_warpgroup"], c["num_stages"]) == ("e4m3", "e4m3", True, 1)
+    assert (c["qk_products"], c["q_values"], c["dequant_warpgroup"], c["num_stages"]) == ("e4m3", "e4m3", True, 4)
     assert c.get("split_scores", False) == split
-    tile = 32 * d + 32 * 512 * 2
-    assert c["smem_bytes"] == 64 * d + 3 * tile + 32 * d + 48 + split * 2 * 64 * 32 * 4
+    # four staging buffers (S's operand, kv_fp8_direct.py), three V tiles, full / empty / sempty
+    assert c["smem_bytes"] == 64 * d + 3 * 32 * 512 * 2 + 4 * 32 * d + 80 + split * 2 * 64 * 32 * 4
     assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in art.ptx("sm_90a")
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
@@ -83,6 +83,37 @@ def test_matches_reference(tmp_path, case):
 def _e4m3_batch(art, lens, q_lens, heads, rng):
     """test_mla's batches over all-owned, shuffled pages of finite e4m3 codes."""
     return _decode_batch(art, lens, q_lens, heads, rng, fp8="e4m3")
+
+
+@pytest.mark.parametrize("left_out,caught", [
+    ("await_staging", "read of cp.async destination before"),    # a refill under S's reads
+    ("release_staging", "mbarrier deadlock"),                     # the producer waits for ever
+])
+def test_staging_ring_protocol_mistakes_are_caught(tmp_path, monkeypatch, left_out, caught):
+    """The direct ring's two steps, each left out, are caught in the emulator: the producer
+    refilling a staging buffer without waiting for its release (the next S reads bytes still
+    landing), the computing warps never releasing one."""
+    import ptxc.kernels.mainloop.dequant_pipeline as dp
+    from ptxc.errors import EmulationError
+    monkeypatch.setenv("PTXC_CACHE_DIR", str(tmp_path / "cache"))      # not a cached good build
+    monkeypatch.setattr(dp, left_out, lambda *a, **k: None)
+    art = build_kernel(tmp_path, "mla", body(heads=64, kv="e4m3", splits=3, page=16) + NARROW,
+                       targets=SM90A)
+    with pytest.raises(EmulationError, match=caught):
+        check_artifact(art, backend="emu", shapes=L1000, seed=7)
+
+
+def test_sixteen_row_tiles_copy_the_bytes_beside_v(tmp_path):
+    """block_n 16 (no ring slot for 4 threads a row): the dequantising warpgroup copies each
+    chunk's e4m3 bytes into the converted tile before its 16-bit V (LatentFP8Staging's
+    narrow_dv), S reads them there."""
+    art = build_kernel(tmp_path, "mla", body(heads=64, kv="e4m3", splits=3, page=16) + NARROW,
+                       targets=SM90A, tile="block_n = 16")
+    c = _config(art)
+    assert (c["block_n"], c["qk_products"], c["smem_bytes"]) == (16, "e4m3", 64 * 576 + 3 * (16 * 576 + 16 * 1024)
+                                                                 + 4 * 16 * 576 + 48 + 2 * 64 * 16 * 4)
+    assert_pass(check_artifact(art, backend="emu", shapes={"batch": 5, "max_pages_per_seq": 9,
+                                                           "num_pages": 50}, seed=7))
 
 
 def test_sparse_and_fused_tiles_round_q_too(tmp_path):

@@ -15,6 +15,7 @@ from ..config.prefill import PrefillConfig
 from ..config.wgmma import ROWS_PER_WARPGROUP, WGMMA_TARGETS
 from ..kv.kv_access import KVAccess, sparse_keys
 from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind
+from ..kv.kv_fp8_direct import DIRECT_STAGES, direct_applies
 from ..kv.kv_fp8_stage import StagingGeom, f16_math_applies
 from ..mainloop.tiles import CHUNK, SwizzledGeom
 from ..mainloop.dequant_pipeline import THREADS as DEQUANT_THREADS, TILES as DEQUANT_TILES
@@ -49,6 +50,9 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     # tile, S on FP8 wgmma over the rows' raw e4m3 bytes, which the dequantising warpgroup copies
     # into each converted tile beside the 16-bit V (64-byte slabs: tiles.NARROW_SWIZZLE)
     qk_e4m3: bool = False
+    # ... S reading each tile's staging buffer where the copies landed it (kv_fp8_direct.py:
+    # a ring of DIRECT_STAGES the computing warps release after S), the converted tiles V only
+    qk_direct: bool = False
 
     @property
     def q_geom(self):
@@ -61,6 +65,8 @@ class LatentWgmmaConfig(WgmmaTileConfig):
     def converted_bytes(self) -> int:
         """One converted tile: the 16-bit latent rows (V: their first dv columns), or (qk_e4m3)
         the rows' e4m3 bytes for S, then V's dv columns in 16 bits."""
+        if self.qk_direct:
+            return self.block_n * self.dv * self.fmt.bytes
         if self.qk_e4m3:
             return self.block_n * self.head_dim + self.block_n * self.dv * self.fmt.bytes
         return self.kv_geom.bytes
@@ -107,6 +113,7 @@ class LatentWgmmaConfig(WgmmaTileConfig):
         # the mbarriers (TMA: one a stage; the dequantising warpgroup: full and empty a converted
         # tile), padded to 16 bytes for the score exchange's v4 slots after them
         bars = self.num_stages if self.tma else 2 * DEQUANT_TILES if self.dequant_warpgroup else 0
+        bars += self.num_stages if self.qk_direct else 0     # the staging ring's sempty
         bars = -(-bars * MBARRIER_BYTES // 16) * 16
         if self.fp8:    # the converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
             return (self.q_region_bytes + self.converted_tiles * self.converted_bytes
@@ -188,14 +195,17 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
         room = max(least, spec.tile_dict().get("num_stages", least))
         split = spec.tile_dict().get("split_scores", split_by_default(spec)) and \
             _latent_config(spec, room, True).smem_bytes <= TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta
+    bn = spec.tile_dict().get("block_n", 32)
     return LatentWgmmaConfig(C.FORMATS[spec.dtype], d, True, LATENT_WGMMA_ROWS,
-                             spec.tile_dict().get("block_n", 32), 2 * ROWS_PER_WARPGROUP // 16,
+                             bn, 2 * ROWS_PER_WARPGROUP // 16,
                              stages, True, dv, dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
                              kv_loads=latent_loads(spec), fp8=kind(spec) is not None,
                              rows=group_scaled(spec), split_scores=split, seesaw=seesaw,
                              f16_math=f16_math_applies(spec) and not seesaw,
                              dequant_warpgroup=dequant, min_ctas_per_sm=1 if dequant else 0,
-                             q_e4m3=q_e4m3, qk_e4m3=dequant and q_e4m3)
+                             q_e4m3=q_e4m3, qk_e4m3=dequant and q_e4m3,
+                             qk_direct=dequant and q_e4m3 and stages == DIRECT_STAGES
+                             and direct_applies(bn, DEQUANT_THREADS))
 
 
 def split_by_default(spec) -> bool:

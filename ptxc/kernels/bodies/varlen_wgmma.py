@@ -46,6 +46,7 @@ from ...ir import S32, S64, U64, Imm, KernelBuilder, Reg
 from ..attention.packed_tile import TileWork, packed_tile_setup
 from ..attention.varlen_tile import VarlenMath, WgmmaTileConfig, score_transform
 from ..kv.kv_access import KVAccess
+from ..kv.kv_fp8_direct import DirectLatentStaging
 from ..kv.kv_fp8_stage import LatentFP8Staging, SwizzledFP8Staging
 from ..kv.kv_pages import PagedTiles, prefetch_applies
 from ..mainloop.tiles import SWIZZLE_PERIOD, ThreadSlot, load_tile_passes, swizzled_slot
@@ -199,6 +200,10 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
     staging_at = cfg.converted_tiles * tile_bytes
 
     def make_loads(tid: Reg):
+        if cfg.qk_direct:            # S reads the staging ring: copies into its layout, V converted
+            direct = DirectLatentStaging(b, tid, b.add(tile.k_smem, staging_at), bn, cfg.head_dim,
+                                         cfg.dv, quant, cfg.math_pair)
+            return direct.copies(kv, tile, ptrs, work), direct.convert
         staging = LatentFP8Staging(b, cfg.staging_geom, tile_bytes, bn, cfg.num_stages, tid,
                                    tile.k_smem, quant, cfg.math_pair, cfg.fmt, cfg.rows,
                                    converted=cfg.converted_tiles, keep_offsets=False,
@@ -235,7 +240,8 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
              math=lambda: packed_math(b, ctx, ptrs, strides, quant, work),
              transform_of=lambda m: score_transform(b, spec, m), tid=ctx.tid, lane=ctx.lane,
              threads=cfg.threads, regs=(cfg.producer_regs, cfg.consumer_regs),
-             q_rewrite_of=q_rewrite if (cfg.qk_e4m3 or cfg.q_e4m3 or cfg.f16_math) else None)
+             q_rewrite_of=q_rewrite if (cfg.qk_e4m3 or cfg.q_e4m3 or cfg.f16_math) else None,
+             direct=b.add(tile.k_smem, staging_at) if cfg.qk_direct else None)
 
 
 def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,

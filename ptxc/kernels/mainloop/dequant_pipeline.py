@@ -59,26 +59,38 @@ def run_dequant_pipeline(b: KernelBuilder, *, stages: int, stage_bytes: int, til
                          tiles: Reg, bars: Reg, tid: Reg, lane: Reg, compute_threads: int,
                          dequant_regs: int, compute_regs: int, n_tiles: Reg, n_full: Reg,
                          key0_of, make_loads, make_math, transform_of, copy_q,
-                         lo_full: Reg | None = None, q_rewrite_of=None) -> None:
+                         lo_full: Reg | None = None, q_rewrite_of=None,
+                         direct: Reg | None = None) -> None:
     """`make_loads(tid)` (in the dequantising warpgroup's branch, `tid` its 0..127) returns
     (load_kv, convert): load_kv(j, stage_offset) copies T(j) if it exists and commits one
     cp.async group, convert(stage_offset, tile, between) loads this thread's share of the
     staged tile, runs between(), and converts it into the converted tile at `tile`. In the
     computing branch: `copy_q()` copies the Q tile (cp.async, one group), `make_math()` builds
     the WgmmaMath, `transform_of(math)` its score transform, `q_rewrite_of(math)` (or None)
-    the hook that rewrites Q once it landed."""
+    the hook that rewrites Q once it landed.
+
+    `direct` (the staging ring's base: kv_fp8_direct.py, qk_products = "e4m3"): the `stages`
+    staging buffers hold S's operand as they landed, the converted tiles only V; the computing
+    warps read tile j's staging buffer for S(j) and release it on sempty[j mod stages] (after
+    the empty barriers) once S(j) retired; the dequantising warpgroup refills it with T(j +
+    stages) after that release, two tiles behind the one it converts (_dequantise_direct)."""
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                        # noqa: E731
     empty0 = TILES * MBARRIER_BYTES
     with b.if_then(b.setp("eq", tid, 0)):
         for s in range(TILES):
             b.mbarrier_init(full(s), THREADS)
             b.mbarrier_init(Addr(bars, empty0 + s * MBARRIER_BYTES), compute_threads // 32)
+        for s in range(stages if direct is not None else 0):
+            b.mbarrier_init(Addr(bars, 2 * empty0 + s * MBARRIER_BYTES), compute_threads // 32)
     b.bar_sync(0)                    # the last whole-CTA barrier: every thread is still here
 
     with b.if_then(b.setp("ge", tid, compute_threads)):                    # dequantise
         b.setmaxnreg(False, dequant_regs)
         load_kv, convert = make_loads(b.sub(tid, compute_threads))
-        _dequantise(b, stages, stage_bytes, tile_bytes, tiles, bars, n_tiles, load_kv, convert)
+        if direct is not None:
+            _dequantise_direct(b, stages, stage_bytes, tile_bytes, tiles, bars, n_tiles, load_kv, convert)
+        else:
+            _dequantise(b, stages, stage_bytes, tile_bytes, tiles, bars, n_tiles, load_kv, convert)
     with b.else_():                                                         # compute
         b.setmaxnreg(True, compute_regs)
         copy_q()
@@ -91,7 +103,8 @@ def run_dequant_pipeline(b: KernelBuilder, *, stages: int, stage_bytes: int, til
         b.fence_proxy_async()        # Q (copied, perhaps rewritten) for the tensor cores
         b.bar_sync(CONSUMER_BARRIER, compute_threads)
         _compute(b, tile_bytes, tiles, bars, lane, n_tiles, n_full, key0_of, math,
-                 transform_of(math), lo_full, compute_threads)
+                 transform_of(math), lo_full, compute_threads,
+                 None if direct is None else (direct, stages, stage_bytes))
         math.epilogue()
 
 
@@ -121,22 +134,86 @@ def _dequantise(b: KernelBuilder, S: int, stage_bytes: int, tile_bytes: int, til
     b.cp_async_wait(0)               # the empty groups past the last tile
 
 
+def await_staging(b: KernelBuilder, bar: Addr, parity: Reg) -> None:
+    """The direct ring's producer waits for a staging buffer's release (a seam: the tests
+    leave it out and the emulator must catch the refill)."""
+    b.mbarrier_wait_parity(bar, parity)
+
+
+def release_staging(b: KernelBuilder, bar: Addr) -> None:
+    """A computing warp releases a staging buffer (a seam, as await_staging)."""
+    b.mbarrier_arrive(bar)
+
+
+def _dequantise_direct(b: KernelBuilder, S: int, stage_bytes: int, tile_bytes: int, tiles: Reg,
+                       bars: Reg, n_tiles: Reg, load_kv, convert) -> None:
+    """The direct ring's producer: T(0), T(1) before the loop; tile i waits for its own copies
+    (two younger groups may be in flight), loads its V chunks, then -- once the computing warps
+    released T(i - 2)'s buffer (sempty, after S(i - 2) retired; buffers 2 and 3 start free) --
+    refills that buffer with T(i + 2), waits for V tile i - 3's release and converts tile i's V
+    into converted tile i mod 3. Buffer b's sempty completes phase k when T(b + S k) is
+    released, so iteration i waits on phase (i - 2) / S of buffer (i + 2) mod S."""
+    for s in range(2):
+        load_kv(b.mov(s, U32), s * stage_bytes)
+    stage, staged_prev = b.mov(0, U32), b.mov(0, U32)                  # T(i)'s buffer
+    refill, refill_prev = b.mov(2 * stage_bytes, U32), b.mov(0, U32)   # T(i + 2)'s buffer
+    sbar, sparity = b.mov(2 * MBARRIER_BYTES, U32), b.mov(1, U32)      # its sempty, phase parity
+    tile, tile_prev = b.mov(0, U32), b.mov(0, U32)                     # converted tile i mod 3
+    bar_off, parity = b.mov(0, U32), b.mov(0, U32)                     # full[i mod 3], (i / 3) & 1
+    sempty0 = 2 * TILES * MBARRIER_BYTES
+    with b.for_range(0, n_tiles) as i:
+        b.cp_async_wait(1)
+
+        def between(i=i) -> None:    # T(i)'s V chunks are in registers
+            with b.if_then(b.setp("ge", i, 2)):
+                await_staging(b, Addr(b.add(bars, b.add(sbar, sempty0))), sparity)
+            load_kv(b.add(i, 2), refill)
+            with b.if_then(b.setp("ge", i, TILES)):       # V tile i - 3 released: phase i / 3 - 1
+                b.mbarrier_wait_parity(Addr(b.add(bars, b.add(bar_off, TILES * MBARRIER_BYTES))),
+                                       b.xor(parity, 1))
+        convert(stage, b.add(tiles, tile), between)
+        b.fence_proxy_async()        # the V tile's stores and T(i)'s cp.async bytes, for wgmma
+        b.mbarrier_arrive(Addr(b.add(bars, bar_off)))
+        advance_stage(b, stage, staged_prev, stage_bytes, S)
+        advance_stage(b, refill, refill_prev, stage_bytes, S)
+        advance_barrier(b, sbar, sparity, S)
+        advance_stage(b, tile, tile_prev, tile_bytes, TILES)
+        advance_barrier(b, bar_off, parity, TILES)
+    b.cp_async_wait(0)               # the empty groups past the last tile
+
+
 def _compute(b: KernelBuilder, tile_bytes: int, tiles: Reg, bars: Reg, lane: Reg, n_tiles: Reg,
              n_full: Reg, key0_of, math, transform, lo_full: Reg | None,
-             compute_threads: int) -> None:
+             compute_threads: int, direct=None) -> None:
+    """`direct`: (staging ring base, buffers, buffer bytes) -- S(j) reads T(j)'s buffer, which
+    is released on its sempty with P·V(j - 1)'s V tile (both retired by then)."""
     first_lane = b.setp("eq", lane, 0)
     tile, prev = b.mov(0, U32), b.mov(0, U32)             # converted tiles j and j - 1
     bar_off, parity = b.mov(0, U32), b.mov(0, U32)        # full[j mod 3], (j / 3) & 1
     prev_bar = b.mov(0, U32)                              # empty[(j - 1) mod 3]
+    if direct is not None:
+        ring, S, stage_bytes = direct
+        assert S & (S - 1) == 0, "T(j)'s staging buffer is j mod S, by a mask"
+        sempty0 = 2 * TILES * MBARRIER_BYTES
     with b.for_range(0, n_tiles) as j:
         b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
+        if direct is not None:       # T(j)'s staging buffer and its sempty (three instructions)
+            slot = b.and_(j, S - 1)
+            sstage, sbar = b.mul(slot, stage_bytes), b.mul(slot, MBARRIER_BYTES)
 
         def release(j=j) -> None:    # P·V(j - 1) retired: tile j - 1 may be overwritten
             with b.if_then(b.and_(first_lane, b.setp("gt", j, 0))):
                 b.mbarrier_arrive(Addr(b.add(bars, b.add(prev_bar, TILES * MBARRIER_BYTES))))
+            if direct is not None:   # ... and S(j): T(j)'s staging buffer
+                with b.if_then(first_lane):
+                    release_staging(b, Addr(b.add(bars, b.add(sbar, sempty0))))
 
-        attend_tile(b, math, tiles, tile, tiles, prev, j, key0_of, transform, n_full, lo_full,
-                    reads_done=release)
+        if direct is None:
+            attend_tile(b, math, tiles, tile, tiles, prev, j, key0_of, transform, n_full, lo_full,
+                        reads_done=release)
+        else:
+            attend_tile(b, math, ring, sstage, tiles, prev, j, key0_of, transform, n_full, lo_full,
+                        reads_done=release)
         if math.split is not None:   # the score exchange's slots: read by all before rewritten
             b.bar_sync(CONSUMER_BARRIER, compute_threads)
         advance_stage(b, tile, prev, tile_bytes, TILES)

@@ -147,8 +147,8 @@ class WgmmaMath(MmaMath):
         """Issue O += P·V with the packed P of the previous softmax (or `frags`, another P's A
         fragments: the seesaw's received P) as one commit group."""
         b = self.b
-        if self.narrow:                 # V's 16-bit columns after the rows' e4m3 bytes
-            v_tile = b.add(v_tile, self.bn * self.d)
+        if self.narrow and not getattr(self.ctx.cfg, "qk_direct", False):
+            v_tile = b.add(v_tile, self.bn * self.d)     # V's 16-bit columns after the e4m3 bytes
         if self.v_off is not None:      # this warpgroup's value columns
             v_tile = b.add(v_tile, self.v_off)
         v_desc = b.matrix_descriptor(v_tile, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
