@@ -148,7 +148,7 @@ def release_staging(b: KernelBuilder, bar: Addr) -> None:
 def _dequantise_direct(b: KernelBuilder, S: int, stage_bytes: int, tile_bytes: int, tiles: Reg,
                        bars: Reg, n_tiles: Reg, load_kv, convert) -> None:
     """The direct ring's producer: T(0), T(1) before the loop; tile i waits for its own copies
-    (two younger groups may be in flight), loads its V chunks, then -- once the computing warps
+    (T(i + 1)'s group may still be in flight), loads its V chunks, then -- once the computing warps
     released T(i - 2)'s buffer (sempty, after S(i - 2) retired; buffers 2 and 3 start free) --
     refills that buffer with T(i + 2), waits for V tile i - 3's release and converts tile i's V
     into converted tile i mod 3. Buffer b's sempty completes phase k when T(b + S k) is

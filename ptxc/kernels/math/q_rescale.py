@@ -12,7 +12,8 @@ from contextlib import nullcontext
 
 from ...ir import B32, F16, F16X2, F32, S32, S64, U32, U64, Addr, Reg
 from ..common import FORMATS
-from ..mainloop.tiles import SwizzledGeom, zero_regs
+from ..mainloop.tiles import NARROW_SWIZZLE, SwizzledGeom, zero_regs
+from . import fp8
 
 
 def quad_max_bits(b, word_lists) -> Reg:
@@ -38,6 +39,15 @@ def half_values(b, w: Reg, fmt) -> list[Reg]:
         u = b.bitcast(w, U32)
         return [b.bitcast(b.shl(u, 16), F32), b.bitcast(b.and_(u, 0xFFFF0000), F32)]
     return [b.cvt(F32, h) for h in b.unpack(w, F16)]
+
+
+def e4m3_exponent(b, top: Reg, fmt) -> Reg:
+    """k = 7 - E (s32, clamped to +-126) of a row whose largest |element| has the 16-bit bits
+    `top` (quad_max_bits): times 2^k that element lands in [2^7, 2^8), under e4m3's 448."""
+    big = b.bitcast(b.shl(top, 16), F32) if fmt is FORMATS["bf16"] else \
+        b.cvt(F32, b.unpack(top, F16)[0])
+    field = b.bitcast(b.and_(b.shr(b.bitcast(big, U32), 23), 0xFF), S32)
+    return b.min(b.max(b.sub(134, field), -126), 126)          # 7 - (field - 127)
 
 
 def pow2(b, k: Reg, negate: bool = False) -> Reg:
@@ -106,9 +116,8 @@ def rescale_q_rows(math, e4m3_on=None) -> list[Reg]:
                 yield words
 
     highest = [quad_max_bits(b, lane_words(addr)) for addr in row_addrs]
-    if e4m3_on is not None:    # k = 7 - E = 134 - (the largest's f32 exponent field), clamped
-        ks = [b.min(b.max(b.sub(134, b.bitcast(b.and_(b.shr(b.bitcast(
-            half_values(b, top, cfg.fmt)[0], U32), 23), 0xFF), S32)), -126), 126) for top in highest]
+    if e4m3_on is not None:    # k = 7 - E, quantize_q_rows' rule
+        ks = [e4m3_exponent(b, top, cfg.fmt) for top in highest]
     else:   # k = 15 - E = 142 - (exponent field), clamped: 2^k and 2^-k are normal f32
         ks = [b.bitcast(b.min(b.max(b.sub(142, b.bitcast(b.shr(top, 7), S32)), -126), 126), S32)
               for top in highest]
@@ -127,7 +136,6 @@ def rescale_q_rows(math, e4m3_on=None) -> list[Reg]:
             with b.if_then(pred) if pred is not None else nullcontext():
                 words = b.ld("shared", B32, Addr(at, off), vec=4)
                 if e4m3_on is not None:     # 8 values times 2^k, rounded to e4m3, back to 16 bits
-                    from . import fp8
                     vals = [b.mul(x, scale) for w in words for x in half_values(b, w, cfg.fmt)]
                     b.st("shared", B32, Addr(at, off), fp8.dequantize(
                         b, fp8.quantize(b, vals, "e4m3", e4m3_on), "e4m3", e4m3_on,
@@ -159,10 +167,8 @@ def quantize_q_rows(math, q_row, valid_rows: Reg, target) -> list[Reg]:
     (chunks t + 4p + 8j under the value split) into 8-byte pieces of the Q tile: 64-byte
     slabs of 64 rows, chunk q of row r at slab q / 8, 16-byte chunk ((q % 8) / 2) ^ ((r / 2) % 4),
     half q % 2. The caller makes the tile visible (fence.proxy.async, a barrier)."""
-    from ..mainloop.tiles import NARROW_SWIZZLE
-    from . import fp8
     b, ctx, cfg = math.b, math.ctx, math.ctx.cfg
-    chunks, vs, bf16 = cfg.head_dim // 8, cfg.v_split, cfg.fmt is FORMATS["bf16"]
+    chunks, vs = cfg.head_dim // 8, cfg.v_split
     assert chunks % (4 * vs) == 0 and vs <= 2, (chunks, vs)
     t, g = math.t, b.shr(ctx.lane, 2)
     rows = [b.add(math.warp_row0(b, ctx), b.add(g, 8 * i)) for i in range(2 * math.mt)]
@@ -186,9 +192,7 @@ def quantize_q_rows(math, q_row, valid_rows: Reg, target) -> list[Reg]:
     ups, scales = [], []
     for addr, ok in starts:
         top = quad_max_bits(b, (load(addr, 64 * j, ok) for j in range(chunks // 4)))
-        big = b.bitcast(b.shl(top, 16), F32) if bf16 else values(top)[0]
-        exp_field = b.bitcast(b.and_(b.shr(b.bitcast(big, U32), 23), 0xFF), S32)
-        k = b.min(b.max(b.sub(134, exp_field), -126), 126)         # 7 - (field - 127)
+        k = e4m3_exponent(b, top, cfg.fmt)
         ups.append(pow2(b, k))
         scales.append(b.mul(pow2(b, k, negate=True), math.scale_log2))
     # pass 2: this warpgroup's chunks t + 4p + 8j, scaled, rounded to e4m3, stored
@@ -204,4 +208,4 @@ def quantize_q_rows(math, q_row, valid_rows: Reg, target) -> list[Reg]:
     return scales
 
 
-__all__ = ["pow2", "quad_max_bits", "quantize_q_rows", "rescale_q_rows"]
+__all__ = ["e4m3_exponent", "pow2", "quad_max_bits", "quantize_q_rows", "rescale_q_rows"]
