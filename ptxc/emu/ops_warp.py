@@ -1,4 +1,5 @@
-"""Warp-collective instructions: shfl.sync, mma.sync, ldmatrix, activemask, bar.warp.sync.
+"""Warp-collective instructions: shfl.sync, mma.sync (f16 / bf16 / tf32, and e4m3 / e5m2 at
+m16n8k32), ldmatrix, activemask, bar.warp.sync.
 
 Threads are numbered so that lane = thread index % 32 and a warp is 32 consecutive threads
 (each CTA is padded to whole warps; padding threads count as exited). Collectives check that
@@ -13,6 +14,7 @@ import functools
 import numpy as np
 
 from ptxc.emu.decode import NORMAL, Mods, Op, expect_operands, register
+from ptxc.emu.fp8 import FORMATS as FP8_KINDS, to_f16_bits
 from ptxc.emu.memory import GENERIC_SHARED_BASE
 from ptxc.emu.operands import TYPES, DecodeError, Fault, dst_plan, src_plan
 from ptxc.emu.ops_mem import address_plan
@@ -203,6 +205,30 @@ def _tf32_maps(k: int):
     return [x.reshape(-1) for x in (a_row, a_col, b_row, b_col, c_row, c_col)]
 
 
+def _fp8_maps():
+    """(lane, element) -> (row, col) maps of m16n8k32 over 8-bit operands (PTX ISA, "Matrix
+    fragments for mma.m16n8k32"): a register holds 4 consecutive k, the lowest byte first.
+    A (16 x 32): registers 0..3 at rows g, g + 8, g, g + 8 and columns 4t.., 4t.., 16 + 4t..,
+    16 + 4t..; B (32 x 8): registers 0, 1 at rows 4t.. and 16 + 4t.., column g."""
+    lane = np.arange(32)
+    g, t = lane >> 2, lane & 3
+    ia, ib, ic = np.arange(16), np.arange(8), np.arange(4)
+    a_row = g[:, None] + 8 * ((ia[None, :] >> 2) & 1)
+    a_col = 4 * t[:, None] + (ia[None, :] & 3) + 16 * (ia[None, :] >> 3)
+    b_row = 4 * t[:, None] + (ib[None, :] & 3) + 16 * (ib[None, :] >> 2)
+    b_col = np.broadcast_to(g[:, None], (32, 8))
+    c_row = g[:, None] + 8 * (ic[None, :] >> 1)
+    c_col = 2 * t[:, None] + (ic[None, :] & 1)
+    return [x.reshape(-1) for x in (a_row, a_col, b_row, b_col, c_row, c_col)]
+
+
+def _fp8_to_f64(words, kind: str):
+    """(..., r) uint32 words -> their 4r FP8 elements (lowest byte first) as float64: every
+    e4m3 / e5m2 value is an f16 value; NaN stays NaN."""
+    codes = np.ascontiguousarray(words).view(np.uint8)
+    return to_f16_bits(codes, kind).view(np.float16).astype(np.float64)
+
+
 def _tf32_to_f64(words):
     """tf32 operands: the upper 19 bits of each 32-bit register (the rest is ignored)."""
     w = np.ascontiguousarray(words, np.uint32) & np.uint32(0xFFFFE000)
@@ -214,15 +240,22 @@ def decode_mma(ins, env):
     m = Mods(ins)
     if not (m.flag("sync") and m.flag("aligned")):
         raise DecodeError("needs .sync.aligned")
-    shape = m.need("m16n8k16", "m16n8k8", "m16n8k4")
+    shape = m.need("m16n8k32", "m16n8k16", "m16n8k8", "m16n8k4")
     if not (m.flag("row") and m.flag("col")):
         raise DecodeError("only the .row.col layout is supported")
     tf32 = m.left.count("tf32")
     m.left = [x for x in m.left if x != "tf32"]
+    narrow = [x for x in m.left if x in FP8_KINDS]     # 8-bit types are not register types
+    m.left = [x for x in m.left if x not in FP8_KINDS]
     types = [t.name for t in m.types()]
     m.done()
-    k = {"m16n8k16": 16, "m16n8k8": 8, "m16n8k4": 4}[shape]
-    if tf32:
+    k = {"m16n8k32": 32, "m16n8k16": 16, "m16n8k8": 8, "m16n8k4": 4}[shape]
+    kinds = None
+    if k == 32 or narrow:     # sm_89+: e4m3 / e5m2 A and B (mixed allowed), f32 accumulate
+        if k != 32 or tf32 or len(narrow) != 2 or types != ["f32", "f32"]:
+            raise DecodeError("8-bit mma is .m16n8k32 .f32.{e4m3,e5m2}.{e4m3,e5m2}.f32")
+        counts, maps, elem, kinds = (4, 4, 2, 4), _fp8_maps(), "fp8", tuple(narrow)
+    elif tf32:
         if tf32 != 2 or types != ["f32", "f32"] or k == 16:
             raise DecodeError("tf32 mma is .m16n8k8/.m16n8k4 .f32.tf32.tf32.f32")
         counts, maps, elem = (4, k // 2, k // 4, 4), _tf32_maps(k), "tf32"
@@ -244,9 +277,11 @@ def decode_mma(ins, env):
               for grp, ty in zip(groups[1:], (B32, B32, F32))]
     a_row, a_col, b_row, b_col, c_row, c_col = maps
     if elem == "tf32":
-        to_f64 = _tf32_to_f64
+        to_a = to_b = _tf32_to_f64
+    elif kinds is not None:
+        to_a, to_b = (functools.partial(_fp8_to_f64, kind=x) for x in kinds)
     else:
-        to_f64 = functools.partial(_halves_to_f64, is_bf16=elem == "bf16")
+        to_a = to_b = functools.partial(_halves_to_f64, is_bf16=elem == "bf16")
 
     def bind(ctx):
         writers = [p(ctx) for p in dplans]
@@ -262,12 +297,12 @@ def decode_mma(ins, env):
                 cols = [np.broadcast_to(np.asarray(r(sel), dt), idx.shape) for r in readers]
                 return np.stack(cols, axis=1).reshape(nw, 32, len(readers))
             A = np.zeros((nw, 16, k))
-            A[:, a_row, a_col] = to_f64(frag(ra, np.uint32)).reshape(nw, -1)
+            A[:, a_row, a_col] = to_a(frag(ra, np.uint32)).reshape(nw, -1)
             B = np.zeros((nw, k, 8))
-            B[:, b_row, b_col] = to_f64(frag(rb, np.uint32)).reshape(nw, -1)
+            B[:, b_row, b_col] = to_b(frag(rb, np.uint32)).reshape(nw, -1)
             C = np.zeros((nw, 16, 8))
             C[:, c_row, c_col] = frag(rc, np.float32).astype(np.float64).reshape(nw, -1)
-            # float64 accumulation of exact f16/bf16 products, rounded once to f32
+            # float64 accumulation of exact f16/bf16/FP8 products, rounded once to f32
             D = (A @ B + C).astype(np.float32)[:, c_row, c_col].reshape(nw, 32, 4)
             for i, w in enumerate(writers):
                 w(sel, D[:, :, i].reshape(-1))

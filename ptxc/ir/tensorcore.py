@@ -1,14 +1,16 @@
 """Tensor-core and asynchronous-copy instructions of `KernelBuilder` (sm_80+): mma.m16n8k16,
-ldmatrix and cp.async (with commit/wait groups), type-checked like the rest of the builder.
-Fragment layouts and address patterns: docs/kernels.md (prefill) and the PTX ISA sections
-"Matrix Fragments for mma.m16n8k16", "ldmatrix" and "cp.async"."""
+mma.m16n8k32 over FP8 (sm_89+), ldmatrix and cp.async (with commit/wait groups), type-checked
+like the rest of the builder. Fragment layouts and address patterns: docs/kernels.md (prefill)
+and the PTX ISA sections "Matrix Fragments for mma.m16n8k16 / mma.m16n8k32", "ldmatrix" and
+"cp.async"."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 from ..errors import IRError
-from .values import B32, BF16, BF16X2, F16, F16X2, F32, U32, Addr, Imm, PtxType, Reg, Vec, check_space
+from .values import (B32, BF16, BF16X2, E4M3, E5M2, F16, F16X2, F32, U32, Addr, Imm, PtxType, Reg, Vec,
+                     check_space)
 
 
 class TensorCoreOps:
@@ -30,6 +32,28 @@ class TensorCoreOps:
         dsts = [self._out(F32, o, f"{what} d") for o in (out if out is not None else [None] * 4)]
         self.emit("mma", ("sync", "aligned", "m16n8k16", "row", "col", "f32", in_type.name,
                           in_type.name, "f32"), (Vec(tuple(dsts)),),
+                  (Vec(tuple(a)), Vec(tuple(b)), Vec(tuple(c))))
+        return dsts
+
+    def mma_m16n8k32(self, a: Sequence[Reg], b: Sequence[Reg], c: Sequence[Reg], a_type: PtxType,
+                     b_type: PtxType | None = None, out: Sequence[Reg] | None = None) -> list[Reg]:
+        """D = A·B + C on one m16n8k32 tile over 8-bit floats (row.col, f32 accumulate; sm_89+,
+        PTX ISA 8.4): a is 4 b32 registers of 4 e4m3 / e5m2 bytes each (rows g, g + 8, g, g + 8
+        at k 4t.., 4t.., 16 + 4t.., 16 + 4t..), b 2 (k 4t.. and 16 + 4t.. of column g), c and
+        the result 4 f32 registers. `b_type` defaults to `a_type` (the two may differ)."""
+        what = "mma.m16n8k32"
+        b_type = a_type if b_type is None else b_type
+        for name, ty in (("a", a_type), ("b", b_type)):
+            if ty not in (E4M3, E5M2):
+                raise IRError(f"{what}: {name} type {ty} is not e4m3 or e5m2")
+        for name, regs, n in (("a", a, 4), ("b", b, 2)):
+            _check_frag(what, name, regs, n, (B32,), "b32")
+        _check_frag(what, "c", c, 4, (F32,), "f32")
+        if out is not None and len(out) != 4:
+            raise IRError(f"{what}: {len(out)} destination registers, expected 4")
+        dsts = [self._out(F32, o, f"{what} d") for o in (out if out is not None else [None] * 4)]
+        self.emit("mma", ("sync", "aligned", "m16n8k32", "row", "col", "f32", a_type.name,
+                          b_type.name, "f32"), (Vec(tuple(dsts)),),
                   (Vec(tuple(a)), Vec(tuple(b)), Vec(tuple(c))))
         return dsts
 

@@ -243,7 +243,9 @@ def sparse_mla_cost(meta: dict, config: dict, dims: dict) -> Cost:
     qo = tq * H * (d + dv) * e
     lse = tq * H * LSE_BYTES if spec.get("return_lse") else 0
     index = tq * N * 4 + (tq * 4 if spec.get("topk_length") else 0)
-    return Cost(2 * tq * H * (d + dv) * N, latent + qo + lse + index, _unit(config), dict(dims))
+    narrow = 2 * tq * H * d * N if config.get("qk_products") == "e4m3" else 0   # as mla_cost
+    return Cost(2 * tq * H * (d + dv) * N, latent + qo + lse + index, _unit(config), dict(dims),
+                fp8_flops=narrow)
 
 
 def mla_append_cost(meta: dict, config: dict, dims: dict) -> Cost:

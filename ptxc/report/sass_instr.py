@@ -11,7 +11,7 @@ from dataclasses import dataclass
 # Instruction classes, in report order: name -> predicate on (base opcode, full opcode).
 CLASSES = ("tensor", "umma", "ldsm", "ldgsts", "ldg", "stg", "lds", "sts", "tmem", "mufu", "fp32",
            "cvt", "shfl", "bar", "int", "move", "control", "other")
-_TENSOR = {"HMMA", "HGMMA", "IMMA", "DMMA", "QGMMA", "IGMMA", "BMMA"}
+_TENSOR = {"HMMA", "QMMA", "HGMMA", "IMMA", "DMMA", "QGMMA", "IGMMA", "BMMA"}
 _FP = {"FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FSWZADD", "HADD2",
        "HMUL2", "HFMA2", "HMNMX2", "HSET2", "HSETP2", "FMUL2", "FADD2", "FFMA2"}
 _CVT = {"F2F", "F2I", "I2F", "F2FP", "I2FP", "F2IP", "FRND", "I2I", "I2IP"}
@@ -146,8 +146,11 @@ def shared_bytes(instr: Instr) -> int:
 def mma_flops(instr: Instr) -> int:
     """FLOPs of one warp's tensor-core instruction (HGMMA: a quarter of the warpgroup's), in
     16-bit-equivalent FLOPs -- the unit of the tensor term, which divides by the 16-bit peak:
-    QGMMA over 8-bit inputs (E4M3 / E5M2) runs at twice that rate, so it counts half."""
+    QGMMA over 8-bit inputs (E4M3 / E5M2) runs at twice that rate, so it counts half; so does
+    QMMA.16832 (mma.m16n8k32 over FP8 on sm_89 / sm_120: one HMMA.16816's time)."""
     op = instr.opcode
+    if instr.base == "QMMA" and ".16832" in op:
+        return 2 * 16 * 8 * 32 // 2
     if instr.base == "HMMA":
         if ".16816" in op:
             return HMMA_16816_FLOPS

@@ -310,3 +310,72 @@ def test_ldmatrix_fragments_feed_mma_like_plain_loads():
         for i in range(4):
             got[g + 8 * (i >> 1), 2 * t + (i & 1)] = frag[:, i]
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+
+
+# ---- mma.m16n8k32 over 8-bit operands (sm_89+, PTX ISA 8.4) --------------------------------
+
+MMA_K32 = ".version 8.4\n.target sm_89\n.address_size 64\n" + r"""
+.visible .entry mma_k32(.param .u64 a_p, .param .u64 bt_p, .param .u64 c_p, .param .u64 d_p)
+{
+	.reg .b32 %r<16>;
+	.reg .b32 %a<4>;
+	.reg .b32 %b<2>;
+	.reg .f32 %c<4>;
+	.reg .f32 %d<4>;
+	.reg .b64 %rd<16>;
+""" + PROLOGUE + r"""
+	// A (16x32 bytes row-major per warp): a0 = A[g][4t..4t+3], a1 = A[g+8][4t..],
+	// a2 = A[g][16+4t..], a3 = A[g+8][16+4t..] (lowest k in the lowest byte)
+	shl.b32 %r12, %r7, 2;
+	mad.lo.s32 %r9, %r6, 32, %r12;
+	mad.lo.s32 %r9, %r5, 512, %r9;
+	cvt.u64.u32 %rd5, %r9;
+	add.s64 %rd6, %rd1, %rd5;
+	ld.global.u32 %a0, [%rd6];
+	ld.global.u32 %a1, [%rd6+256];
+	ld.global.u32 %a2, [%rd6+16];
+	ld.global.u32 %a3, [%rd6+272];
+	// B from B^T stored [n][k] (8x32 bytes): b0 = B[4t..4t+3][g], b1 = B[16+4t..][g]
+	mad.lo.s32 %r10, %r6, 32, %r12;
+	mad.lo.s32 %r10, %r5, 256, %r10;
+	cvt.u64.u32 %rd7, %r10;
+	add.s64 %rd8, %rd2, %rd7;
+	ld.global.u32 %b0, [%rd8];
+	ld.global.u32 %b1, [%rd8+16];
+	mma.sync.aligned.m16n8k32.row.col.f32.AKIND.BKIND.f32
+		{%d0, %d1, %d2, %d3}, {%a0, %a1, %a2, %a3}, {%b0, %b1}, {%c0, %c1, %c2, %c3};
+	st.global.v2.f32 [%rd11], {%d0, %d1};
+	st.global.v2.f32 [%rd11+256], {%d2, %d3};
+	ret;
+}
+"""
+
+
+@pytest.mark.parametrize("kinds", [("e4m3", "e4m3"), ("e5m2", "e5m2"), ("e4m3", "e5m2")])
+def test_mma_k32_fp8_matches_numpy(kinds):
+    """Each lane's bytes placed by the ISA's m16n8k32 fragment figures; the values decoded from
+    the formats' fields (test_wgmma.fp8_values), summed exactly, rounded once to f32."""
+    from .test_wgmma import fp8_codes, fp8_values
+    warps = 6
+    a = fp8_codes((warps, 16, 32), kinds[0])
+    bt = fp8_codes((warps, 8, 32), kinds[1])
+    c = RNG.standard_normal((warps, 16, 8)).astype(np.float32)
+    d = np.zeros_like(c)
+    ptx = MMA_K32.replace("AKIND", kinds[0]).replace("BKIND", kinds[1])
+    run(ptx, "mma_k32", (3,), (64,), [a, bt, c, d])
+    want = fp8_values(a, kinds[0]) @ fp8_values(bt, kinds[1]).transpose(0, 2, 1) + c.astype(np.float64)
+    np.testing.assert_array_equal(d, want.astype(np.float32))
+
+
+@pytest.mark.parametrize("old, new", [(".f32.AKIND.BKIND.f32", ".f32.e4m3.e4m3.f16"),
+                                      ("m16n8k32", "m16n8k16")])
+def test_mma_k32_malformed_is_refused(old, new):
+    """What ptxas refuses (ptxas_errors says so first), the emulator refuses too."""
+    from ptxc.emu import launch
+    from ptxc.errors import EmulationError
+    from .helpers import PTXAS, ptxas_errors
+    ptx = MMA_K32.replace(old, new).replace("AKIND", "e4m3").replace("BKIND", "e4m3")
+    assert PTXAS is None or ptxas_errors(ptx) is not None
+    z = np.zeros(6 * 512, np.uint8)
+    with pytest.raises(EmulationError, match="m16n8k32"):
+        launch(ptx, "mma_k32", (3,), (64,), [z, z, np.zeros(768, np.float32), np.zeros(768, np.float32)])

@@ -4,7 +4,8 @@ tile S = Q·Kᵀ runs on m64nNk32 e4m3 wgmma (math/q_rescale.quantize_q_rows fro
 over the latent rows' raw bytes, which the dequantising warpgroup copies into each converted
 tile beside the 16-bit V (kv_fp8_stage.LatentFP8Staging's narrow store); every other tile
 rounds its landed 16-bit Q tile in place (q_rescale.rescale_q_rows with e4m3_on) and keeps
-16-bit products over the same values. P·V unchanged. The real PTX in the emulator (race
+16-bit products over the same values -- except on sm_89 / sm_120, where the mma.sync tile's S
+runs on mma.m16n8k32 e4m3 over the staged rows (math/mma_qk8.py). P·V unchanged. The real PTX in the emulator (race
 checker and deadlock detection on) against the fp64 reference with the same row quantisation
 (reference.quantize_rows_e4m3); one-key steps whose lse pins Q's rounding on every path; the
 rule itself; the rows read once per head tile; V never reads the RoPE columns; the refusals;
@@ -78,6 +79,54 @@ def test_matches_reference(tmp_path, case):
     assert c["smem_bytes"] == 64 * d + 3 * 32 * 512 * 2 + 4 * 32 * d + 80 + split * 2 * 64 * 32 * 4
     assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in art.ptx("sm_90a")
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
+MMA8 = "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"
+QMMA_CASES = {   # (body, shapes, targets): S on mma.m16n8k32 e4m3 over the staged rows
+    # 128 heads in 32-row tiles (4 CTAs a token), 18 k-steps over four warps (5 5 4 4: the tail)
+    "h128-bf16-page64-auto": (dict(heads=128, kv="e4m3", scale="device"),
+                              {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}, ("sm_89", "sm_120")),
+    # 640-byte rows (20 k-steps, no tail), f16, contiguous, 3 splits, up to 1000 keys in 16-row
+    # tiles: every staging buffer reused under the race checker
+    "h16-f16-rope128-contiguous-3splits": (dict(dtype="f16", heads=16, kv="e4m3", rope=128, splits=3,
+                                                layout="contiguous"), {"batch": 9, "max_seq_len": 1000},
+                                           ("sm_120",)),
+    # rank 256: one warp owns the width, all 10 k-steps (no score split)
+    "h32-bf16-r256-page16": (dict(heads=32, kv="e4m3", rank=256, page=16),
+                             {"batch": 9, "max_pages_per_seq": 5, "num_pages": 50}, ("sm_89",)),
+}
+
+
+@pytest.mark.parametrize("case", QMMA_CASES.values(), ids=QMMA_CASES.keys())
+def test_fp8_mma_sync_scores_match_reference(tmp_path, case):
+    """sm_89 / sm_120 (mma.m16n8k32 on FP8 tensor cores, math/mma_qk8.py): S reads the staged
+    e4m3 rows (padded, row order) and Q's e4m3 fragments held in registers; the converted tile
+    holds V's 512 columns only. Poisoned mixed batches as above."""
+    keys, shapes, targets = case
+    art = build_kernel(tmp_path, "mla", body(**keys) + NARROW, targets=targets)
+    for t in targets:
+        c = art.meta["targets"][t]["config"]
+        assert (c["qk_products"], c["q_values"], c["path"]) == ("e4m3", "e4m3", "mma.m16n8k16"), t
+        d = 512 + keys.get("rope", 64) if "rank" not in keys else keys["rank"] + 64
+        assert c["fp8_staging_bytes"] == c["block_n"] * (d // 16 | 1) * 16, t     # rows padded
+        assert MMA8 in art.ptx(t), t
+    if "sm_89" in targets:
+        assert ".version 8.4" in art.ptx("sm_89")      # FP8 mma on sm_89 needs PTX ISA 8.4
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
+def test_fp8_mma_sync_sparse_and_16_bit_targets(tmp_path):
+    """Sparse top-k's slot ring on sm_89 (FP8 products), and where mma.m16n8k32 over FP8 is
+    not native (sm_90, sm_100: ptxas lowers it to conversions and HMMA) Q's e4m3 values meet
+    16-bit products."""
+    from families.test_mla import sparse_body
+    art = build_kernel(tmp_path / "s", "mla", sparse_body(64, 512, 64, "bf16", "e4m3", None, 40, True, "auto")
+                       + NARROW, targets=("sm_89",))
+    assert MMA8 in art.ptx("sm_89")
+    assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 7, "num_pages": 5}, seed=3))
+    art = build_kernel(tmp_path / "w", "mla", body(heads=16, kv="e4m3") + NARROW, targets=("sm_90", "sm_100"))
+    for t in ("sm_90", "sm_100"):
+        assert "qk_products" not in art.meta["targets"][t]["config"] and MMA8 not in art.ptx(t)
 
 
 def _e4m3_batch(art, lens, q_lens, heads, rng):
@@ -195,11 +244,21 @@ def test_ptxas_zero_spills_qgmma_loop_and_fp8_cost(tmp_path, toolchain):
                             ("q8_f16_r128", body(dtype="f16", heads=64, kv="e4m3", rope=128,
                                                  layout="contiguous") + NARROW),
                             ("wide", body(heads=128, kv="e4m3")))]
+    kernels.append('[[kernel]]\nname = "q8_mma"\nfamily = "mla"\ntargets = ["sm_89", "sm_120"]\n'
+                   + body(heads=128, kv="e4m3") + NARROW)
     (tmp_path / "k.toml").write_text("\n".join(kernels))
     summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
     assert summary["verified"] and not summary["problems"]
     for k in summary["kernels"]:
-        assert k["targets"]["sm_90a"]["spill_bytes"] == 0, k["name"]
+        for t, built in k["targets"].items():
+            assert built["spill_bytes"] == 0, (k["name"], t)
+    # sm_89 / sm_120: the worst warp's S as 5 QMMA.16832 k-steps of two n8 tiles (one
+    # HMMA.16816's time each), P·V as 16 HMMA and the row sums' one: 27 where 16-bit S took 35
+    for t in ("sm_89", "sm_120"):
+        _, prof = built_sass(tmp_path / "out", "q8_mma", t, "ptxc_q8_mma_split")
+        loop = prof["loops"]["loops"][prof["loops"]["main"]]
+        assert prof["mix"]["LDL"] == prof["mix"]["STL"] == 0
+        assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (10 + 16 + 1, 27), t
     _, prof = built_sass(tmp_path / "out", "q8", "sm_90a", "ptxc_q8_split")
     loop = prof["loops"]["loops"][prof["loops"]["main"]]
     assert prof["mix"]["LDL"] == prof["mix"]["STL"] == 0

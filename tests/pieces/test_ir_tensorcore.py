@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from ptxc.errors import IRError
-from ptxc.ir import B32, BF16, BF16X2, F16, F16X2, F32, U32, U64, Addr, KernelBuilder, render_module
+from ptxc.ir import (B32, BF16, BF16X2, E4M3, E5M2, F16, F16X2, F32, U32, U64, Addr, KernelBuilder,
+                     render_module)
 from ptxc.ir.printer import render_instr
 
 
@@ -52,6 +53,22 @@ def test_mma_pair_type_must_match_input_type():
     halves = [b.mov(0, F16X2) for _ in range(4)]
     with pytest.raises(IRError, match=r"a\[0\] %r1 has type f16x2, expected b32 or bf16x2"):
         b.mma_m16n8k16(halves, regs(b, 2, B32), regs(b, 4, F32), BF16)
+
+
+def test_mma_k32_fp8_text_and_errors():
+    b = KernelBuilder("k")
+    a, bb, c = regs(b, 4, B32), regs(b, 2, B32), regs(b, 4, F32)
+    d = b.mma_m16n8k32(a, bb, c, E4M3)
+    assert text(b) == ["\tmma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%f5, %f6, %f7, %f8}, "
+                       "{%r1, %r2, %r3, %r4}, {%r5, %r6}, {%f1, %f2, %f3, %f4};"]
+    assert b.mma_m16n8k32(a, bb, d, E4M3, E5M2, out=d) == d
+    assert text(b)[0].startswith("\tmma.sync.aligned.m16n8k32.row.col.f32.e4m3.e5m2.f32 {%f5, %f6, %f7, %f8}")
+    with pytest.raises(IRError, match="mma.m16n8k32: a type f16 is not e4m3 or e5m2"):
+        b.mma_m16n8k32(a, bb, c, F16)
+    with pytest.raises(IRError, match=r"mma.m16n8k32: a\[0\] %r7 has type f16x2, expected b32"):
+        b.mma_m16n8k32([b.mov(0, F16X2) for _ in range(4)], bb, c, E4M3)
+    with pytest.raises(IRError, match="operand b has 1 registers, expected 2"):
+        b.mma_m16n8k32(a, bb[:1], c, E4M3)
 
 
 def test_ldmatrix_text_and_errors():

@@ -133,6 +133,9 @@ def test_widths_and_mma_flops():
     assert mma_flops(Instr(0, "", "HMMA.16816.F32", "")) == 4096
     assert mma_flops(Instr(0, "", "HMMA.1688.F32.TF32", "")) == 2048
     assert mma_flops(Instr(0, "", "HGMMA.64x128x16.F32", "")) == 2 * 64 * 128 * 16 // 4
+    # FP8 at twice the 16-bit rate: one QMMA.16832 (sm_89 / sm_120) is one HMMA.16816's time
+    assert mma_flops(Instr(0, "", "QMMA.16832.F32.E4M3.E4M3", "")) == 4096
+    assert classify("QMMA.16832.F32.E4M3.E4M3") == "tensor"
 
 
 def test_loop_model_bounds_by_hand():

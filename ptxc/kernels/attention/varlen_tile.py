@@ -106,6 +106,7 @@ def packed_tile_config(spec, c: PrefillConfig) -> dict:
             **({"fp8_staging_bytes": c.staging_bytes} if isinstance(c, StagedFP8Config) else {}),
             **({"mma_inputs": c.math_fmt.name} if c.math_fmt is not c.fmt else {}),
             **({"q_values": "e4m3"} if c.q_e4m3 else {}),
+            **({"qk_products": "e4m3"} if getattr(c, "qk_staged", False) else {}),
             **({"min_ctas_per_sm": c.min_ctas_per_sm} if c.min_ctas_per_sm else {})}
 
 

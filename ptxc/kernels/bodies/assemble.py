@@ -107,6 +107,7 @@ class Loads:
     issue_setup: Callable | None = None
     rows: object | None = None       # decode's SIMT rows: fetch(rows, put), advance(fresh)
     read: Callable | None = None     # ... and a chunk's register load, read(addr, pred)
+    scores_from: Callable | None = None   # latent on mma.sync: where S reads a stage's tile
 
 
 def _cp_async(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
@@ -125,10 +126,11 @@ def _latent_tile(run):
     def adapter(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, **_):
         assert tiles.mask_of is None, "a latent cache takes no packed mask"
         m = math()
+        staged = {} if loads.scores_from is None else {"scores_from": loads.scores_from}
         run(b, stages=buf.stages, kv_bytes=buf.k_bytes, kv_smem=buf.k, n_tiles=tiles.n_tiles,
             n_full=tiles.n_full, key0_of=tiles.key0_of, load_kv=loads.load_kv, math=m,
             transform=transform_of(m), lo_full=tiles.lo_full, landed=loads.landed,
-            q_landed=loads.q_landed)
+            q_landed=loads.q_landed, **staged)
         return m
     return adapter
 

@@ -101,6 +101,7 @@ def emit_mma_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs
              tiles=KeyTiles(n_tiles, tile.n_full, tile.key0, tile.lo_full,
                             None if tile.order is None else tile.mask_of),   # a packed mask's tiles
              loads=Loads(load_kv=load_kv, landed=None if staging is None else staging.landed,
+                         scores_from=staging.staged if staging is not None and cfg.qk_staged else None,
                          # f16 products over a bf16 Q: its rows rescaled into f16 first (or
                          # rounded to e4m3 values: qk_products)
                          q_landed=math.q_rewrite(quant.target) if quant is not None else None),

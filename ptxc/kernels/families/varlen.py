@@ -33,7 +33,7 @@ from ..config.prefill import PrefillConfig, _check_shape, value_split
 from ..config.register_floor import narrow_block_n, needs_floor
 from ..kv import kv_fp8, kv_fp8_stage
 from ..kv.kv_access import MAX_PAGE_SIZE, KVAccess, check_page_size, latent_cache, sparse_keys
-from ..math import fp8
+from ..math import fp8, mma_qk8
 
 _hd_check, _hd_allowed = head_dim_range(8, 512)
 _page_check, _page_allowed = int_range(1, MAX_PAGE_SIZE)
@@ -157,7 +157,10 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     config_type = kv_fp8_stage.StagedFP8Config if staged else PrefillConfig
     # e4m3_ds: whole rows staged; per-tensor / per-head scales under bf16: f16 products
     rows = {"rows": kv_fp8.group_scaled(spec), "f16_math": kv_fp8_stage.f16_math_applies(spec),
-            "q_e4m3": spec_option(spec, "qk_products") == "e4m3"} if staged else {}
+            "q_e4m3": spec_option(spec, "qk_products") == "e4m3",
+            # ... on FP8 tensor cores where mma.sync has them (math/mma_qk8.py)
+            "qk_staged": spec_option(spec, "qk_products") == "e4m3" and latent and target is not None
+            and fp8.has_fp8_mma(target) and spec.head_dim % mma_qk8.K_STEP == 0} if staged else {}
 
     def make(stages=None):
         return config_type(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,
@@ -381,7 +384,8 @@ def build(spec: KernelSpec, target: Target) -> Program:
         entries.append(entry)
         launches.append(launch)
     return Program(entries, launches, resolve_tile(spec, target),
-                   ptx_version=fp8.ptx_version(target) if quant is not None else None)
+                   ptx_version=fp8.ptx_version(target, mma=getattr(cfg, "qk_staged", False))
+                   if quant is not None else None)
 
 
 def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:

@@ -66,8 +66,20 @@ class StagedFP8Config(PrefillConfig):
     cache of kv_fp8.GroupScaledRows) a stage holds whole cache rows, scales and RoPE included."""
 
     rows: kv_fp8.GroupScaledRows | None = None
+    # MLA's qk_products = "e4m3" where mma.m16n8k32 runs on FP8 tensor cores (sm_89, sm_120):
+    # S reads the staged e4m3 rows themselves by ldmatrix (math/mma_qk8.py), so they land in
+    # rows padded to an odd number of chunks (conflict-free, as the f16 tiles), each thread's
+    # chunks in row order (tiles.thread_slot); the converted tile holds V's columns only
+    qk_staged: bool = False
 
-    def staging_geom(self, cols: int) -> StagingGeom:
+    @property
+    def kv_geom(self) -> TileGeom:
+        """The converted tile; with qk_staged only V's columns (S reads the staged bytes)."""
+        return self._geom(self.block_n, self.dv if self.qk_staged else self.head_dim)
+
+    def staging_geom(self, cols: int) -> TileGeom:
+        if self.qk_staged:
+            return TileGeom(self.block_n, cols, self.threads)
         return StagingGeom(self.block_n, cols, self.threads)
 
     @property
@@ -154,9 +166,12 @@ class FP8Staging:
         self.stage_bytes = cfg.staging_bytes
         self.k_stage = b.add(tiles_base, cfg.kv_tiles * kv_bytes)
         self.v_stage = b.add(self.k_stage, cfg.num_stages * self.stage_bytes)
-        k_slot = staging_slot(b, cfg.staging_geom(cfg.staged_row_bytes), tid)
+        slot_of = thread_slot if cfg.qk_staged else staging_slot
+        k_slot = slot_of(b, cfg.staging_geom(cfg.staged_row_bytes), tid)
         v_slot = k_slot if cfg.dv == cfg.head_dim else staging_slot(b, cfg.staging_geom(cfg.dv), tid)
         self.slots = {"k_cache": k_slot, "v_cache": v_slot}
+        # qk_staged: S reads the staged bytes, so only V's columns are converted
+        self.v_only = b.setp("lt", k_slot.col, cfg.dv) if cfg.qk_staged else None
         # this thread's two f16 chunks (element columns 2 x the FP8 byte column) in each tile
         self.geoms = {"k": cfg.kv_geom, "v": cfg.v_geom}
         self.f16_off = {t: b.mad(s.r0, self.geoms[t].stride, b.shl(s.col, 1))
@@ -186,6 +201,8 @@ class FP8Staging:
         loaded = []
         for i in range(geom.passes):
             guard = slot.guard(b, i)
+            if self.v_only is not None:
+                guard = self.v_only if guard is None else b.and_(guard, self.v_only)
             loaded.append((guard, self._load(src, i * geom.rows_per_pass * geom.stride, guard)))
         for i, (guard, words) in enumerate(loaded):
             vals = fp8.f16_pairs(b, words, self.quant.kind, self.quant.target) if self.pair == "f16x2" \
@@ -195,6 +212,10 @@ class FP8Staging:
                 with b.predicate(guard) if guard is not None else nullcontext():
                     b.st("shared", B32, Addr(dst, doff + 16 * h), vals[4 * h:4 * h + 4])
         return self.tile[t]
+
+    def staged(self, stage: Reg | int) -> Reg:
+        """The staging buffer at offset `stage` (qk_staged: where S reads the tile's rows)."""
+        return self.b.add(self.k_stage, stage)
 
     def _load(self, src: Reg, off: int, guard: Reg | None, vec: int = 4, elem=B32) -> list[Reg]:
         """ld.shared of this thread's chunk (or a word of its row) in one pass; zeros where

@@ -75,10 +75,14 @@ def run_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k_smem: Reg
 
 def run_shared_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_smem: Reg,
                            n_tiles: Reg, n_full: Reg, key0_of, load_kv, math, transform=None,
-                           lo_full: Reg | None = None, landed=None, q_landed=None) -> None:
+                           lo_full: Reg | None = None, landed=None, q_landed=None,
+                           scores_from=None) -> None:
     """run_kv_pipeline for a cache whose V rows are the leading columns of its K rows (MLA's
     latent rows): `load_kv("k", j, stage)` loads tile j once (load_kv is never asked for V),
-    and the scores and P·V of iteration j read the same stage buffer.
+    and the scores and P·V of iteration j read the same stage buffer -- or, with
+    `scores_from(stage)`, the scores read that address (the staged e4m3 rows themselves,
+    kv_fp8_stage's qk_staged: visible after the same second barrier, refilled only after the
+    next iteration's first) and P·V the converted tile.
 
     Commit groups: Q+T0, T1, ..., T(S-2); iteration j waits for T(j) with S-2 younger groups in
     flight, then ONE barrier (T(j) visible to all; every warp is past P·V of tile j-1, whose
@@ -101,7 +105,7 @@ def run_shared_kv_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, kv_s
             b.bar_sync(0)
         else:
             tile = b.add(kv_smem, stage)
-        s = math.scores(tile)
+        s = math.scores(tile if scores_from is None else scores_from(stage))
         modify_scores(b, math, s, j, key0_of, transform, n_full, lo_full)
         math.pv(math.softmax(s), tile)
         advance_stage(b, stage, prev, kv_bytes, stages)

@@ -33,10 +33,21 @@ def has_fp8_cvt(target: Target) -> bool:
     return target.sm >= 89
 
 
-def ptx_version(target: Target) -> str:
+def has_fp8_mma(target: Target) -> bool:
+    """Whether mma.m16n8k32 over e4m3 / e5m2 runs on FP8 tensor cores (QMMA.16832: twice
+    HMMA.16816's work an instruction): sm_89 and sm_120 / sm_121. ptxas takes it from sm_89 on,
+    but on sm_90 and sm_100 lowers it to conversions and two HMMA.16816 (nvdisasm of ptxas
+    13's output), so FP8 products on mma.sync pay off only here."""
+    return target.sm in (89, 120, 121)
+
+
+def ptx_version(target: Target, mma: bool = False) -> str:
     """The PTX ISA version a module using these blocks needs: the FP8 cvt forms exist on sm_89
-    only from PTX 8.1 (on sm_90 from 7.8), so sm_89 FP8 kernels need a CUDA 12.1+ driver."""
-    return max(target.ptx_version, "8.1", key=_version_key) if target.sm == 89 else target.ptx_version
+    only from PTX 8.1 (on sm_90 from 7.8), so sm_89 FP8 kernels need a CUDA 12.1+ driver;
+    `mma` (mma.m16n8k32 over FP8): 8.4 on sm_89 (CUDA 12.4+)."""
+    if target.sm != 89:
+        return target.ptx_version
+    return max(target.ptx_version, "8.4" if mma else "8.1", key=_version_key)
 
 
 def _version_key(v: str) -> tuple[int, ...]:
@@ -179,5 +190,5 @@ def load_kv_dequant(b: KernelBuilder, addr: Addr, kind: str, target: Target, *, 
     return [b.mul(v, scale) for v in vals] if scale is not None else vals
 
 
-__all__ = ["KINDS", "MAX_FINITE", "has_fp8_cvt", "ptx_version", "quantize", "dequantize", "F16_PLACED",
+__all__ = ["KINDS", "MAX_FINITE", "has_fp8_cvt", "has_fp8_mma", "ptx_version", "quantize", "dequantize", "F16_PLACED",
            "f16_pair_factor", "f16_pairs", "load_words", "load_kv_dequant"]

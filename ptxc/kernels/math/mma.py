@@ -26,6 +26,7 @@ from ..attention.softmax import (P_HEADROOM, exponentials, rescale_factor, resca
                                  safe_max)
 from ..attention.variant import finish_rows
 from ..mainloop.tiles import ldmatrix_lanes_mk, ldmatrix_lanes_nk, zero_regs
+from .mma_qk8 import StagedE4m3Scores
 from .q_rescale import rescale_q_rows
 
 
@@ -132,6 +133,9 @@ class MmaMath:
         self.l_accs = [zero_regs(b, 4, F32) for _ in range(self.mt)]
         self.l_acc = self.l_accs[0]
         self.ones = b.mov(0x3C003C00 if cfg.math_fmt.name == "f16" else 0x3F803F80, B32)
+        # S on FP8 tensor cores over the staged e4m3 rows (cfg.qk_staged: MLA's qk_products
+        # where mma.m16n8k32 is native); set up by q_rewrite, which knows the target
+        self.qk8: StagedE4m3Scores | None = None
 
     def warp_row0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
         """This warp's first row in the CTA's tile: warp_rows per warp (warps sharing rows
@@ -144,6 +148,9 @@ class MmaMath:
         return b.rem(ctx.warp, ctx.cfg.v_split)
 
     def scores(self, k_tile: Reg) -> list[list[Reg]]:
+        """Raw scores of the K tile at `k_tile` (with qk8: the staged e4m3 rows there)."""
+        if self.qk8 is not None:
+            return self.qk8.scores(k_tile)
         b = self.b
         k_lanes = self.k_lanes.bind(k_tile)
         k_lanes_half = self.mk_lanes.bind(k_tile) if self.half_k else None
@@ -283,8 +290,15 @@ class MmaMath:
         (cfg.f16_math); each row's softmax factor takes the inverse power either way."""
         cfg = self.ctx.cfg
         if getattr(cfg, "q_e4m3", False):
+            staged = getattr(cfg, "qk_staged", False)
+            if staged:      # the A fragments' lane addresses, before the loop
+                self.qk8 = StagedE4m3Scores(self, cfg.staging_geom(cfg.staged_row_bytes).stride, target)
+
             def round_rows() -> None:
                 self.row_scales = rescale_q_rows(self, e4m3_on=target)
+                if staged:   # every lane's rounded chunks visible, then its e4m3 fragments
+                    self.cta_sync()
+                    self.qk8.load_q()
             return round_rows
         return self.rescale_q_to_f16 if cfg.f16_math else None
 
