@@ -9,13 +9,15 @@ whole launch list. The fixed C helpers live in templates/kernels.h.j2."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .. import __version__
 from ..errors import UserError
 from ..pipeline.artifacts import MANIFEST
 from ..files import write_if_changed
-from .view import ctas_per_sm, rule_code, ArtifactView, KernelView, TargetView, expr_code, output_view, variant_text
+from .view import (ArtifactView, KernelView, TargetView, ctas_per_sm, dim_ranges, expr_code, image_facts, output_view,
+                   rule_code, variant_text)
 
 SIGNED = {"u32": 0, "s32": 1, "u64": 0, "s64": 1}
 
@@ -83,9 +85,10 @@ def _param_line(a: ArtifactView, k: KernelView, p: dict) -> str:
 
 def _launch_fn(a: ArtifactView, t: TargetView, i: int, k: KernelView) -> str:
     n = max(k.param_bytes, 8)
-    lines = [f"/* {t.name} launch {i}: {k.entry}, block {list(k.block)}, {k.dynamic_smem} B dynamic shared memory */",
+    lines = [f"/* {t.name} launch {i}: {k.entry}, block {list(k.block)}, {k.dynamic_smem} B dynamic shared memory"
+             f" (dry: checks only) */",
              f"static inline CUresult ptxc_{a.name}_{t.name}_launch{i}(ptxc_loader_t *L, CUfunction f, "
-             f"const ptxc_{a.name}_dims_t *d, const ptxc_{a.name}_tensors_t *t, CUstream stream) {{",
+             f"const ptxc_{a.name}_dims_t *d, const ptxc_{a.name}_tensors_t *t, CUstream stream, int dry) {{",
              f"    union {{ uint64_t align; unsigned char bytes[{n}]; }} p;",
              "    CUresult r;",
              "    memset(&p, 0, sizeof p);",
@@ -94,17 +97,19 @@ def _launch_fn(a: ArtifactView, t: TargetView, i: int, k: KernelView) -> str:
     lines.append("    int64_t grid[3] = {" + ", ".join(c_expr(g, a.dims) for g in k.grid) + "};")
     lines.append("    const unsigned block[3] = {" + ", ".join(f"{b}u" for b in k.block) + "};")
     lines.append(f"    return ptxc_launch(L, f, {c_string(k.entry)}, grid, block, {k.dynamic_smem}u, p.bytes, "
-                 f"{k.param_bytes}, stream);")
+                 f"{k.param_bytes}, stream, dry);")
     return "\n".join(lines) + "\n}\n"
 
 
-def _target_row(t: TargetView) -> str:
+def _target_row(a: ArtifactView, t: TargetView) -> str:
     def opt(name):
         return c_string(name) if name else "NULL"
     ks = t.kernels
     if len(ks) > 8:
         raise UserError(f"target {t.name}: {len(ks)} launches, more than the C loader's PTXC_MAX_LAUNCHES (8)")
+    facts = image_facts(a, t)
     return (f"    {{{c_string(t.name)}, {t.sm}, {int(t.arch_specific)}, {opt(t.ptx)}, {opt(t.cubin)}, {opt(t.fatbin)}, "
+            f"{{{', '.join(f'{n}u' for n, _ in facts)}}}, {{{', '.join(f'{c}u' for _, c in facts)}}}, "
             f"{len(ks)}, {{{', '.join(c_string(k.entry) for k in ks)}}}, "
             f"{{{', '.join(f'{k.dynamic_smem}u' for k in ks)}}}, {{{', '.join(str(int(k.needs_opt_in)) for k in ks)}}}}}")
 
@@ -146,7 +151,7 @@ def render_artifact(a: ArtifactView) -> str:
                + f"}} ptxc_{A}_tensors_t;\n")
     out.append(f"#define PTXC_{A.upper()}_NUM_TARGETS {len(a.targets)}")
     out.append(f"static const ptxc_target_t ptxc_{A}_targets[{len(a.targets)}] = {{\n"
-               + ",\n".join(_target_row(t) for t in a.targets) + "\n};\n")
+               + ",\n".join(_target_row(a, t) for t in a.targets) + "\n};\n")
     for t in a.tensors:
         if len(t.shape) > 8:
             raise UserError(f"{A}: tensor {t.name} has rank {len(t.shape)}, more than PTXC_MAX_RANK (8)")
@@ -185,6 +190,8 @@ def render_artifact(a: ArtifactView) -> str:
                + "}\n")
     out.append(f"/* Dims no tensor shape determines (0 = auto), and a check that every dim is >= 0. */\n"
                f"static inline CUresult ptxc_{A}_resolve_dims(ptxc_loader_t *L, ptxc_{A}_dims_t *d, int num_sms) {{\n"
+               f"    CUresult r;\n"
+               f"    if (L->target >= 0 && (r = ptxc_holds(L, {c_string(A)})) != CUDA_SUCCESS) return r;\n"
                + "\n".join(_dim_rules(a) + [""])
                + "".join(f"    if (d->{dim} < 0) return ptxc_fail(L, CUDA_ERROR_INVALID_VALUE, "
                          f"{c_string(f'{A}: dim {dim} is negative')});\n" for dim in a.dims)
@@ -199,9 +206,12 @@ def render_artifact(a: ArtifactView) -> str:
                       f"      for (int i = 0; i < {len(t.shape)}; i++) n *= s[i];\n"
                       f"      if (n > 0 && (r = ptxc_check_tensor(L, {c_string(A)}, {c_string(t.name)}, &t->{t.name}, "
                       f"{len(t.shape)}, s, {t.align_bytes}u, {t.stride_multiple}, {mask}u)) != CUDA_SUCCESS) return r; }}")
-    out.append(f"/* The metadata's preconditions: alignment, packed/free strides. */\n"
+    dims = [f"    if ((r = ptxc_check_dim(L, {c_string(A)}, {c_string(dim)}, d->{dim}, {lo}, {hi}, "
+            f"{c_string(hint)})) != CUDA_SUCCESS) return r;" for dim, (lo, hi, hint) in dim_ranges(a).items()]
+    out.append(f"/* The metadata's preconditions: dims in range (rules resolved), tensors non-null, aligned,\n"
+               f" * packed/free strides. */\n"
                f"static inline CUresult ptxc_{A}_check(ptxc_loader_t *L, const ptxc_{A}_dims_t *d, "
-               f"const ptxc_{A}_tensors_t *t) {{\n    CUresult r;\n" + "\n".join(checks)
+               f"const ptxc_{A}_tensors_t *t) {{\n    CUresult r;\n" + "\n".join(dims + checks)
                + "\n    (void)r;\n    return CUDA_SUCCESS;\n}\n")
     for t in a.targets:
         for i, k in enumerate(t.kernels):
@@ -218,12 +228,15 @@ def render_artifact(a: ArtifactView) -> str:
                f"    return ptxc_load_target(L, {c_string(A)}, &ptxc_{A}_targets[target], target, image, kind);\n}}\n")
     cases = []
     for ti, t in enumerate(a.targets):
-        body = "".join(f"        if ((r = ptxc_{A}_{t.name}_launch{i}(L, L->functions[{i}], d, t, stream)) != "
+        body = "".join(f"            if ((r = ptxc_{A}_{t.name}_launch{i}(L, L->functions[{i}], d, t, stream, dry)) != "
                        f"CUDA_SUCCESS) return r;\n" for i in range(len(t.kernels)))
-        cases.append(f"    case {ti}:\n{body}        return CUDA_SUCCESS;\n")
-    out.append(f"/* The whole launch list of the loaded target, in order, on one stream. */\n"
+        cases.append(f"    case {ti}:\n        for (int dry = 1; dry >= 0; dry--) {{\n{body}        }}\n"
+                     f"        return CUDA_SUCCESS;\n")
+    out.append(f"/* The whole launch list of the loaded target, in order, on one stream: every launch checked\n"
+               f" * (a dry pass) before the first is enqueued. */\n"
                f"static inline CUresult ptxc_{A}_run(ptxc_loader_t *L, const ptxc_{A}_dims_t *d, "
                f"const ptxc_{A}_tensors_t *t, CUstream stream) {{\n    CUresult r;\n"
+               f"    if ((r = ptxc_holds(L, {c_string(A)})) != CUDA_SUCCESS) return r;\n"
                f"    if ((r = ptxc_{A}_check(L, d, t)) != CUDA_SUCCESS) return r;\n"
                f"    switch (L->target) {{\n" + "".join(cases)
                + f"    default:\n        return ptxc_fail(L, CUDA_ERROR_NOT_INITIALIZED, "
@@ -258,7 +271,9 @@ def _graph_fns(a: ArtifactView) -> str:
             f" * positive. Call before capture to size the workspace (ptxc_{A}_workspace_bytes). */\n"
             f"static inline CUresult ptxc_{A}_graph_dims(ptxc_loader_t *L, const ptxc_{A}_dims_t *max, "
             f"int num_sms, ptxc_{A}_dims_t *d) {{\n"
+            f"    CUresult r;\n"
             f"    (void)ptxc_{A}_graph_class;   /* the class of each case below */\n"
+            f"    if ((r = ptxc_holds(L, {c_string(A)})) != CUDA_SUCCESS) return r;\n"
             f"    switch (L->target) {{\n" + "".join(cases)
             + f"    default:\n        return ptxc_fail(L, CUDA_ERROR_NOT_INITIALIZED, "
             f"{c_string(f'{A}: not loaded (call ptxc_{A}_load first)')});\n    }}\n"
@@ -275,10 +290,27 @@ def _graph_fns(a: ArtifactView) -> str:
             f"    return ptxc_{A}_run(L, &d, t, stream);\n}}\n")
 
 
+# What a section defines at file scope: functions and tables, struct typedefs, macros
+_DEFINED = re.compile(r"^(?:static (?:inline )?[^=(\[]*?\b(ptxc_\w+)\s*[(\[]|\} (ptxc_\w+);|#define (PTXC_\w+))", re.M)
+
+
+def check_names(views, sections) -> None:
+    """Artifact names whose generated identifiers collide (`x`'s graph_run is `x_graph`'s run;
+    `X` and `x` share PTXC_X_NUM_TARGETS) would make a header that does not compile: refused."""
+    owner: dict[str, str] = {}
+    for a, text in zip(views, sections):
+        for groups in _DEFINED.findall(text):
+            name = next(g for g in groups if g)
+            if owner.setdefault(name, a.name) != a.name:
+                raise UserError(f"kernels {owner[name]!r} and {a.name!r} both generate the C identifier {name}; "
+                                f"rename one (or emit their headers from separate build directories)")
+
+
 def render(out_dir: Path) -> str:
     import jinja2
     views = output_view(out_dir)
     sections = [render_artifact(a) for a in views]
+    check_names(views, sections)
     env = jinja2.Environment(loader=jinja2.PackageLoader("ptxc", "templates"), keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined, autoescape=False)
     return env.get_template("kernels.h.j2").render(

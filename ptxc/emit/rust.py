@@ -12,7 +12,8 @@ from .. import __version__
 from ..errors import UserError
 from ..pipeline.artifacts import MANIFEST
 from ..files import write_if_changed
-from .view import ArtifactView, ctas_per_sm, rule_code, KernelView, TargetView, expr_code, output_view, variant_text
+from .view import (ArtifactView, KernelView, TargetView, ctas_per_sm, dim_ranges, expr_code, image_facts, output_view,
+                   rule_code, variant_text)
 
 SIGNED = {"u32": "false", "s32": "true", "u64": "false", "s64": "true"}
 
@@ -66,12 +67,12 @@ def _param_line(k: KernelView, p: dict, a: ArtifactView | None = None) -> str:
 
 def _launch_fn(a: ArtifactView, t: TargetView, i: int, k: KernelView) -> str:
     lines = [f"    /// {t.name} launch {i}: {k.entry}, block {list(k.block)}, {k.dynamic_smem} B dynamic shared memory",
-             f"    fn {t.name}_launch{i}(f: CUfunction, d: &Dims, t: &Tensors, stream: CUstream) -> Result<(), Error> {{",
+             f"    fn {t.name}_launch{i}(f: CUfunction, d: &Dims, t: &Tensors, stream: CUstream, dry: bool) -> Result<(), Error> {{",
              f"        let mut p = [0u8; {k.param_bytes}];"]
     lines += ["    " + _param_line(k, p, a) for p in k.params]
     lines.append("        let grid = [" + ", ".join(rs_expr(g, a.dims) for g in k.grid) + "];")
     lines.append(f"        launch(f, {rs_string(k.entry)}, grid, [{', '.join(f'{b}u32' for b in k.block)}], "
-                 f"{k.dynamic_smem}, &mut p, stream)")
+                 f"{k.dynamic_smem}, &mut p, stream, dry)")
     return "\n".join(lines) + "\n    }\n"
 
 
@@ -92,8 +93,9 @@ def _targets(a: ArtifactView, base: Path) -> list[str]:
         tag = t.name.upper()
         cubin = f"Some(&{tag}_CUBIN.0)" if t.cubin else "None"
         fatbin = f"Some(&{tag}_FATBIN.0)" if t.fatbin else "None"
+        images = ", ".join(f"({n}, {c:#010x})" for n, c in image_facts(a, t))
         rows.append(f"        Target {{ name: {rs_string(t.name)}, sm: {t.sm}, arch_specific: {str(t.arch_specific).lower()}, "
-                    f"ptx: {tag}_PTX, cubin: {cubin}, fatbin: {fatbin} }},")
+                    f"ptx: {tag}_PTX, cubin: {cubin}, fatbin: {fatbin}, images: [{images}] }},")
         entries = ", ".join(f"({rs_string(k.entry)}, {k.dynamic_smem}, {str(k.needs_opt_in).lower()})" for k in t.kernels)
         out.append(f"    const ENTRIES_{tag}: [(&str, u32, bool); {len(t.kernels)}] = [{entries}];")
     out.append(f"    /// Targets in numeric order.\n    pub static TARGETS: [Target; {len(a.targets)}] = [\n"
@@ -152,8 +154,11 @@ def _helpers(a: ArtifactView) -> list[str]:
     passed = passed_tensors(a)
     checks = "".join(f"        check_tensor(NAME, {rs_string(t.name)}, &t.{t.name}, &shape_{t.name}(d), {t.align_bytes}, "
                      f"{t.stride_multiple}, &{list(t.strided_axes)})?;\n" for t in a.tensors if t.name in passed)
-    out.append("    /// The metadata's preconditions: alignment, packed/free strides.\n"
-               "    pub fn check(d: &Dims, t: &Tensors) -> Result<(), Error> {\n" + checks + "        Ok(())\n    }")
+    dims = "".join(f"        check_dim(NAME, {rs_string(dim)}, d.{dim}, {lo}, {hi}, {rs_string(hint)})?;\n"
+                   for dim, (lo, hi, hint) in dim_ranges(a).items())
+    out.append("    /// The metadata's preconditions: dims in range (rules resolved), tensors non-null, aligned,\n"
+               "    /// packed/free strides.\n"
+               "    pub fn check(d: &Dims, t: &Tensors) -> Result<(), Error> {\n" + dims + checks + "        Ok(())\n    }")
     return out
 
 
@@ -200,8 +205,8 @@ def render_artifact(a: ArtifactView, base: Path) -> str:
         for i, k in enumerate(t.kernels):
             out.append(_launch_fn(a, t, i, k))
     entries = "".join(f"                {i} => &ENTRIES_{t.name.upper()},\n" for i, t in enumerate(a.targets))
-    runs = "".join(f"            {ti} => {{\n" + "".join(f"                {t.name}_launch{i}(f[{i}], d, t, stream)?;\n"
-                                                        for i in range(len(t.kernels))) + "            }\n"
+    runs = "".join(f"                {ti} => {{\n" + "".join(f"                    {t.name}_launch{i}(f[{i}], d, t, stream, dry)?;\n"
+                                                            for i in range(len(t.kernels))) + "                }\n"
                    for ti, t in enumerate(a.targets))
     out.append(f"""    pub struct Kernel {{
         pub loaded: Loaded,
@@ -244,12 +249,15 @@ def render_artifact(a: ArtifactView, base: Path) -> str:
             Ok(d)
         }}
 
-        /// Check the preconditions, then launch the loaded target's whole launch list on `stream`.
+        /// Check the preconditions and every launch (a dry pass), then launch the loaded target's
+        /// whole launch list on `stream`: a refused run enqueues nothing.
         pub fn run(&self, d: &Dims, t: &Tensors, stream: CUstream) -> Result<(), Error> {{
             check(d, t)?;
             let f = &self.loaded.functions;
-            match self.loaded.target {{
-{runs}            _ => return fail(CUDA_ERROR_NOT_INITIALIZED, format!("{{}}: not loaded", NAME)),
+            for dry in [true, false] {{
+                match self.loaded.target {{
+{runs}                _ => return fail(CUDA_ERROR_NOT_INITIALIZED, format!("{{}}: not loaded", NAME)),
+                }}
             }}
             Ok(())
         }}

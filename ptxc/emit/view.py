@@ -6,6 +6,7 @@ Metadata is read through `ptxc.runtime.load`, the single artifact reader."""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,3 +143,33 @@ def rule_code(text: str, name_fmt: str, int_fmt: str, call_fmt: str) -> str:
 
 def variant_text(variant) -> str:
     return key_text(variant)
+
+
+def image_facts(a: ArtifactView, t: TargetView) -> list[tuple[int, int]]:
+    """(bytes, CRC-32) of the target's PTX, cubin and fatbin files ((0, 0) where none): what a
+    loader checks an image against before the driver loads it."""
+    facts = []
+    for name in (t.ptx, t.cubin, t.fatbin):
+        data = (a.path / name).read_bytes() if name else b""
+        facts.append((len(data), zlib.crc32(data) if name else 0))
+    return facts
+
+
+# The Python runtime's bound on a dim (runtime.abi): a loader refuses larger values before any
+# arithmetic on them
+DIM_MAX = 2**31 - 1
+
+
+def dim_ranges(a: ArtifactView) -> dict[str, tuple[int, int, str]]:
+    """Each dim's allowed range when a launch list runs, and a hint for the error: 0..2^31 - 1,
+    a rule's fixed value, or an "auto" rule's 1..max (0 must have been resolved first)."""
+    out = {}
+    for dim in a.dims:
+        rule = a.dim_rules.get(dim)
+        if rule is None:
+            out[dim] = (0, DIM_MAX, "")
+        elif "value" in rule:
+            out[dim] = (int(rule["value"]), int(rule["value"]), f" (built for {int(rule['value'])})")
+        else:
+            out[dim] = (1, int(rule["auto"]["max"]), " (0 = auto: resolve_dims first)")
+    return out

@@ -44,6 +44,8 @@ from typing import Any
 from ..errors import PtxcError, SpecError, UserError, VerifyError
 from . import exprs
 from ..files import read_regular_file, sha256
+from .cubin_elf import cubin_sm, has_kernel
+from .dim_rules import sm_number
 from .fatbin import fatbin_images
 from .metadata import artifact_files, schema_errors
 from ..ir.values import PARAM_ALIGN
@@ -332,6 +334,14 @@ def _file_problems(d: Path, name: str, target: str, t: dict) -> list[str]:
             have, want_sig = sigs.get(k["entry"]), [(p["type"], p["name"]) for p in k["params"]]
             if have is not None and have != want_sig:
                 problems.append(f"{d / t['ptx']}: entry {k['entry']} parameters differ from metadata")
+    if "cubin" in texts:     # the cubin is this target's and holds these kernels (cubin_elf.py)
+        sm, want_sm = cubin_sm(texts["cubin"]), sm_number(target)
+        missing = [k["entry"] for k in t["kernels"] if not has_kernel(texts["cubin"], k["entry"])]
+        if sm != want_sm:
+            problems.append(f"{d / t['cubin']}: " + ("not a CUDA ELF" if sm is None else
+                                                   f"assembled for sm_{sm}, not {target}"))
+        elif missing:
+            problems.append(f"{d / t['cubin']}: holds no kernel {missing[0]}")
     return problems
 
 

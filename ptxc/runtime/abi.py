@@ -112,7 +112,7 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
         if not isinstance(value, (int, np.integer)):
             raise InputError(f"{meta['name']}: --set {name}={value}: a dimension takes an integer")
         dims[name] = int(value)
-        _check_dim(meta, name, dims[name], "--set")
+        check_dim(meta, name, dims[name], "--set")
     for name in sorted(expected):
         arr, info = np.asarray(inputs[name]), tensors[name]
         if arr.dtype.type not in HOST_DTYPES[info["dtype"]]:
@@ -166,11 +166,11 @@ def infer_dims(meta: dict, inputs: dict[str, np.ndarray], sets: dict[str, int],
         raise InputError(f"{meta['name']}: cannot infer {', '.join(unknown)} from the inputs; "
                          f"give --set {unknown[0]}=N")
     for name, value in dims.items():
-        _check_dim(meta, name, value, "dim")
+        check_dim(meta, name, value, "dim")
     return dims
 
 
-def _check_dim(meta: dict, name: str, value: int, what: str) -> None:
+def check_dim(meta: dict, name: str, value: int, what: str) -> None:
     """A dim must fit the 32-bit parameters it becomes, and obey its rule: a fixed split count
     is the one the kernel was built for, an automatic one lies in [1, max]."""
     rule = (meta.get("dim_rules") or {}).get(name)

@@ -41,7 +41,7 @@ from ..errors import InputError, PtxcError, ToolchainError
 from ..pipeline import exprs
 from ..pipeline.graph import never_reason
 from ..pipeline.metadata import ELEMENT_BYTES
-from .abi import NP_PARAM, launch_geometry, pack_args, pick_target
+from .abi import NP_PARAM, check_dim, launch_geometry, pack_args, pick_target
 from ..pipeline.dim_rules import apply_dim_rule, rule_ctas_per_sm
 from .preconditions import check_tensor, packed_strides
 
@@ -343,6 +343,8 @@ class DeviceRuntime:
         if unknown:
             raise InputError(f"{art.name}: cannot infer {', '.join(unknown)} from the shapes; "
                              f"give sets={{{unknown[0]!r}: N}}")
+        for name in meta["dims"]:        # 32-bit parameters, a rule's split counts: as the host path
+            check_dim(meta, name, int(dims[name]), "dim")
         for name, t in views.items():
             info = meta["tensors"][name]
             want = [s if isinstance(s, int) else exprs.evaluate(s, dims) for s in info["shape"]]

@@ -27,6 +27,8 @@ def check_tensor(meta: dict, name: str, address: int, strides: list[int], shape:
     if rules is None:  # metadata written before preconditions were recorded
         return
     where = f"{meta['name']}: tensor {name}"
+    if not address:
+        raise InputError(f"{where}: null device address")
     if address % rules["align_bytes"]:
         raise InputError(f"{where}: address {address:#x} is not {rules['align_bytes']}-byte aligned "
                          f"(the kernels use {rules['align_bytes']}-byte accesses)")

@@ -84,12 +84,16 @@ SCRIPT = textwrap.dedent('''
         elif mode == "wrong_dtype":
             t = tensors["q"].__cuda_array_interface__
             tensors["q"] = Dev(t["data"][0], t["shape"], "<f4")
+        elif mode == "null":
+            t = tensors["o"].__cuda_array_interface__
+            tensors["o"] = Dev(0, t["shape"], t["typestr"])
         if mode == "repeat" or mode.startswith("graph"):
             rt.prepare(art) if mode != "graph_unprepared" else None
         if mode.startswith("graph"):
             result["dims"] = rt.graph_launch(art, tensors, json.loads(sys.argv[5]), stream=Stream())
         for _ in range(100 if mode == "repeat" else 0 if mode.startswith("graph") else 1):
-            result["dims"] = rt.launch(art, tensors, stream=Stream())
+            result["dims"] = rt.launch(art, tensors, stream=Stream(),
+                                       sets={"num_splits": 0} if mode == "splits0" else None)
         result["module_loads"] = rt.module_loads
     except PtxcError as e:
         result["error"] = str(e)
@@ -313,6 +317,8 @@ def test_module_loaded_once_across_100_launches(tmp_path, stub):
     ("misaligned", "is not 16-byte aligned"),
     ("wrong_device", "expected CUDA device 0"),
     ("wrong_dtype", "typestr '<f4', expected bf16"),
+    ("null", "tensor o: null device address"),
+    ("splits0", "dim num_splits=0 is out of range (allowed: 1.."),   # the C / Rust loaders' "auto" unresolved
 ])
 def test_bad_tensors_are_refused_before_any_launch(tmp_path, stub, mode, message):
     family, body, dims = CASES["decode"]

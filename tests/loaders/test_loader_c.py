@@ -83,11 +83,13 @@ PERTURBATIONS = [
     ("t.q.ptr += 4;", "e2e_prefill: tensor q: address 0x{q:x} is not 16-byte aligned"),
     ("t.k.strides[1] += 1;", "e2e_prefill: tensor k: stride 129 along axis 1 is not a multiple of 8 elements"),
     ("t.o.strides[3] = 2;", "e2e_prefill: tensor o: stride 2 along axis 3 must be 1 (packed)"),
-    ("d.seq_q = 1LL << 40;", "ptxc_e2e_prefill: parameter seq_q = 1099511627776 does not fit its 32-bit type"),
+    ("d.seq_q = 1LL << 40;", "e2e_prefill: dim seq_q = 1099511627776 outside 0..2147483647"),
+    ("t.o.ptr = 0;", "e2e_prefill: tensor o: null device address"),
 ]
 
 
-@pytest.mark.parametrize("perturb,message", PERTURBATIONS, ids=["misaligned", "stride", "innermost", "range"])
+@pytest.mark.parametrize("perturb,message", PERTURBATIONS,
+                         ids=["misaligned", "stride", "innermost", "range", "null"])
 def test_violated_precondition_is_an_error_not_a_launch(built, tmp_path, perturb, message):
     _, _, result, log = run_loader(built, "e2e_prefill", tmp_path, sm=90, perturb=perturb)
     code, error = result["run"]
@@ -146,3 +148,64 @@ def test_c_variant_dispatcher(built, tmp_path):
     assert "; e2e_prefill: family=prefill,dtype=f16,head_dim=64,num_heads=4,num_kv_heads=2," in lines[1]
     prefill_key = lines[1].split("; e2e_prefill: ")[1].split(";")[0].split(",")
     assert {"causal=true", "sliding_window=none", "logits_soft_cap=none"} <= set(prefill_key)
+
+
+def test_another_artifacts_handle_is_refused(built, tmp_path):
+    """Every artifact's functions take the same ptxc_loader_t: a handle loaded for one (the
+    append kernel's, say) given to another's run, resolve_dims or graph_dims is refused, and
+    nothing runs."""
+    out, header, stub = built
+    src = (f'#include <stdio.h>\n#include <string.h>\n#include "{header}"\n'
+           'int main(int argc, char **argv) {\n'
+           '    CUdevice dev; CUcontext ctx; ptxc_loader_t L; (void)argc;\n'
+           '    cuInit(0); cuDeviceGet(&dev, 0); cuDevicePrimaryCtxRetain(&ctx, dev); cuCtxSetCurrent(ctx);\n'
+           '    if (ptxc_e2e_prefill_load(&L, dev, argv[1]) != CUDA_SUCCESS) return 2;\n'
+           '    ptxc_e2e_varlen_dims_t d; ptxc_e2e_varlen_tensors_t t; memset(&d, 0, sizeof d); memset(&t, 0, sizeof t);\n'
+           '    printf("%d|%s\\n", (int)ptxc_e2e_varlen_resolve_dims(&L, &d, 6), L.error);\n'
+           '    printf("%d|%s\\n", (int)ptxc_e2e_varlen_run(&L, &d, &t, NULL), L.error);\n'
+           '    printf("%d|%s\\n", (int)ptxc_e2e_varlen_graph_run(&L, &d, 6, &t, NULL), L.error);\n'
+           '    ptxc_unload(&L);\n'
+           '    printf("%d|%s\\n", (int)ptxc_e2e_varlen_run(&L, &d, &t, NULL), L.error);\n    return 0;\n}\n')
+    lines = harness.compile_and_run(src, tmp_path, stub, cxx=False, args=[str(out / "e2e_prefill")],
+                                    env={"PTXC_STUB_SM": "90", "PTXC_STUB_SMS": str(STUB_SMS)}).splitlines()
+    assert lines[:3] == ["400|e2e_varlen: the loader holds e2e_prefill's module, not e2e_varlen's"] * 3
+    assert lines[3] == "3|e2e_varlen: not loaded (call ptxc_e2e_varlen_load first)"
+    assert not harness.read_log(tmp_path / "log").launches
+
+
+def test_an_image_the_header_was_not_generated_for_is_refused(built, tmp_path):
+    """The header records each image's size and CRC-32: another build's cubin (here a byte
+    appended) in the artifact directory is refused at load, before the driver sees it."""
+    import shutil
+    out, _, _ = built
+    copy = tmp_path / "art"
+    shutil.copytree(out / "e2e_prefill", copy)
+    cubin = copy / load(out / "e2e_prefill").meta["targets"]["sm_90"]["cubin"]
+    cubin.write_bytes(cubin.read_bytes() + b"\0")
+    size = cubin.stat().st_size
+    built_copy = (out, built[1], built[2])
+    art = load(out / "e2e_prefill")
+    prepared = prepare(art, CASES["e2e_prefill"], 90)
+    (tmp_path / "inputs.bin").write_bytes(input_blob(art, prepared[4]))
+    stdout = harness.compile_and_run(harness.c_main(art.meta, built_copy[1], shape_dims(art, prepared[3])),
+                                     tmp_path / "run", built_copy[2], cxx=False,
+                                     args=[str(copy), str(tmp_path / "inputs.bin")],
+                                     env={"PTXC_STUB_SM": "90", "PTXC_STUB_SMS": str(STUB_SMS)})
+    assert stdout.splitlines()[0] == (
+        f"load 200 -1 -|e2e_prefill: {copy}/{cubin.name} is not the image this loader was generated for "
+        f"({size} bytes; expected {size - 1}): regenerate the loader from this build")
+    assert not harness.read_log(tmp_path / "run" / "log").modules
+
+
+@pytest.mark.parametrize("perturb,message", [
+    ("d.num_splits = 0;", "e2e_varlen: dim num_splits = 0 outside 1..{max} (0 = auto: resolve_dims first)"),
+    ("d.num_splits = 70000;", "e2e_varlen: dim num_splits = 70000 outside 1..{max} (0 = auto: resolve_dims first)"),
+    # the split kernel's launch is fine, the reduce's grid (total_q rows in y) is not: nothing runs
+    ("d.total_q = 70000;", "ptxc_e2e_varlen_reduce: grid ("),
+], ids=["unresolved-splits", "splits-past-the-rule", "second-launch-refused"])
+def test_a_refused_run_enqueues_nothing(built, tmp_path, perturb, message):
+    art, _, result, log = run_loader(built, "e2e_varlen", tmp_path, sm=90, perturb=perturb)
+    code, error = result["run"]
+    rule = art.meta["dim_rules"]["num_splits"]["auto"]
+    assert code == 1 and error.startswith(message.format(max=rule["max"])), error
+    assert log.launches == []

@@ -68,10 +68,35 @@ def test_rust_graph_run_enqueues_the_same_launches_for_every_step(built, tmp_pat
                                       "(class NEVER: a prefill grid is the step's own sequence lengths)")
 
 
-def test_rust_checks_preconditions(built, tmp_path):
-    _, _, result, log = run_loader(built, "e2e_prefill", tmp_path, sm=90, perturb="t.v.ptr += 8;")
-    assert result["run"] == (1, f"e2e_prefill: tensor v: address {result['tensors']['v'][0]:#x} is not 16-byte aligned")
+@pytest.mark.parametrize("name,perturb,message", [
+    ("e2e_prefill", "t.v.ptr += 8;", "e2e_prefill: tensor v: address {v:#x} is not 16-byte aligned"),
+    ("e2e_prefill", "t.o.ptr = 0;", "e2e_prefill: tensor o: null device address"),
+    ("e2e_varlen", "d.num_splits = 0;", "e2e_varlen: dim num_splits = 0 outside 1..{max} (0 = auto: resolve_dims first)"),
+    # the split kernel's launch is fine, the reduce's grid (total_q rows in y) is not: nothing runs
+    ("e2e_varlen", "d.total_q = 70000;", "ptxc_e2e_varlen_reduce: grid ["),
+], ids=["misaligned", "null", "unresolved-splits", "second-launch-refused"])
+def test_rust_checks_preconditions_before_any_launch(built, tmp_path, name, perturb, message):
+    art, _, result, log = run_loader(built, name, tmp_path, sm=90, perturb=perturb)
+    rule = art.meta.get("dim_rules", {}).get("num_splits", {}).get("auto", {})
+    code, error = result["run"]
+    v = result["tensors"].get("v", (0,))[0]
+    assert code == 1 and error.startswith(message.format(v=v, max=rule.get("max"))), error
     assert log.launches == []
+
+
+def test_rust_refuses_an_image_it_was_not_generated_for(built, tmp_path):
+    """Kernel::load_target with another build's image (here the embedded cubin with a byte
+    appended) is refused before the driver sees it."""
+    out, module, stub = built
+    src = (f'#[path = "{module}"]\nmod kernels;\nuse kernels::*;\n'
+           'fn main() {\n'
+           '    let mut image = e2e_prefill::TARGETS[1].cubin.unwrap().to_vec();\n    image.push(0);\n'
+           '    match e2e_prefill::Kernel::load_target(1, "cubin", &image) {\n'
+           '        Ok(_) => println!("loaded"),\n        Err(e) => println!("{} {}", e.code, e.message),\n    }\n}\n')
+    stdout = harness.compile_rust_and_run(src, tmp_path, stub, args=[], env={"PTXC_STUB_SM": "90"})
+    size = len(load(out / "e2e_prefill").cubin("sm_90"))
+    assert stdout.strip() == (f"200 e2e_prefill: the sm_90 cubin image ({size + 1} bytes) is not the one this "
+                              f"module was generated for ({size} bytes): regenerate the module from this build")
 
 
 def test_rust_variant_dispatcher(built, tmp_path):

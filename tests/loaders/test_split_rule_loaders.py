@@ -106,7 +106,7 @@ def test_c_header_agrees_with_runtime(built, tmp_path):
             for batch, total_q, sms in CASES:
                 extra = f" d.{second} = {total_q};" if second else ""
                 body.append(f"    {{ ptxc_{name}_dims_t d; memset(&d, 0, sizeof d); d.batch = {batch};{extra}\n"
-                            f"      L.target = {ti}; if (ptxc_{name}_resolve_dims(&L, &d, {sms}) != CUDA_SUCCESS) return 1;\n"
+                            f"      L.target = {ti}; L.artifact = \"{name}\"; if (ptxc_{name}_resolve_dims(&L, &d, {sms}) != CUDA_SUCCESS) return 1;\n"
                             f'      printf("{name} {ti} {batch} {total_q} {sms} %lld\\n", (long long)d.{dim}); }}')
     src = ("#include <stdio.h>\n#include <string.h>\n" f'#include "{header}"\n'
            "int main(void) {\n    ptxc_loader_t L; memset(&L, 0, sizeof L);\n" + "\n".join(body)

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from ptxc.cli import main
 from ptxc.pipeline.build import run_build
+from ptxc.errors import PtxcError
 from ptxc.files import sha256
 from ptxc.pipeline.metadata import dumps
 
@@ -135,10 +136,20 @@ def test_unrefreshed_edit_is_refused_by_the_manifest_hash(built, tmp_path):
     assert r.exit_code == 1 and "differs from" in r.output and "manifest.json" in r.output
 
 
+def altered_cubin(d: Path) -> bytes:
+    """sm_80's cubin with one byte of its middle flipped: still an sm_80 ELF naming the recorded
+    kernel (the checks without ptxas pass it), not what ptxas makes of the PTX."""
+    from ptxc.pipeline.cubin_elf import cubin_sm, has_kernel
+    data = bytearray((d / f"{NAME}.sm_80.cubin").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    assert cubin_sm(bytes(data)) == 80 and has_kernel(bytes(data), f"ptxc_{NAME}")
+    return bytes(data)
+
+
 def test_verify_rejects_a_swapped_cubin_with_refreshed_hashes(built, tmp_path):
     out = copy_out(built, tmp_path)
     d = out / NAME
-    other = (d / f"{NAME}.sm_86.cubin").read_bytes()
+    other = altered_cubin(d)
     (d / f"{NAME}.sm_80.cubin").write_bytes(other)
     tamper(out, lambda m: m["targets"]["sm_80"].__setitem__("cubin_sha256", sha256(other)))
     r = CliRunner().invoke(main, ["verify", str(out)])
@@ -281,7 +292,7 @@ def test_empty_scalars_are_named_as_scalars(tmp_path):
 def test_recorded_ptxas_version_never_turns_the_cubin_compare_off(built, tmp_path):
     out = copy_out(built, tmp_path)
     d = out / NAME
-    other = (d / f"{NAME}.sm_86.cubin").read_bytes()
+    other = altered_cubin(d)
     (d / f"{NAME}.sm_80.cubin").write_bytes(other)
 
     def edit(m):
@@ -332,3 +343,23 @@ def test_a_scalar_shadowing_a_dim_is_refused_before_run(built, tmp_path):
     assert not (tmp_path / "r.npz").exists()
     r = CliRunner().invoke(main, consumers(out, built, tmp_path)["emit-c-header"])
     assert r.exit_code == 1 and not (tmp_path / "k.h").exists()
+
+
+@pytest.mark.parametrize("swap", ["other-target", "other-kernel"])
+def test_a_cubin_of_another_target_or_kernel_is_refused_at_load(built, tmp_path, swap):
+    """Without ptxas (an engine's load, inspect, the emitters): the cubin's ELF header names its
+    SM and its section names its kernels (pipeline/cubin_elf.py), so sm_86's cubin recorded as
+    sm_80's, or a cubin without the recorded entry, is refused even with every hash refreshed."""
+    from ptxc.runtime import load
+    out = copy_out(built, tmp_path)
+    d = out / NAME
+    if swap == "other-target":
+        data = (d / f"{NAME}.sm_86.cubin").read_bytes()
+        want = "assembled for sm_86, not sm_80"
+    else:
+        data = (d / f"{NAME}.sm_80.cubin").read_bytes().replace(b".text.ptxc_", b".text.ptxX_")
+        want = "holds no kernel ptxc_"
+    (d / f"{NAME}.sm_80.cubin").write_bytes(data)
+    tamper(out, lambda m: m["targets"]["sm_80"].__setitem__("cubin_sha256", sha256(data)))
+    with pytest.raises(PtxcError, match=want):
+        load(d)
