@@ -91,9 +91,9 @@ QMMA_CASES = {   # (body, shapes, targets): S on mma.m16n8k32 e4m3 over the stag
     "h16-f16-rope128-contiguous-3splits": (dict(dtype="f16", heads=16, kv="e4m3", rope=128, splits=3,
                                                 layout="contiguous"), {"batch": 9, "max_seq_len": 1000},
                                            ("sm_120",)),
-    # rank 256: one warp owns the width, all 10 k-steps (no score split)
-    "h32-bf16-r256-page16": (dict(heads=32, kv="e4m3", rank=256, page=16),
-                             {"batch": 9, "max_pages_per_seq": 5, "num_pages": 50}, ("sm_89",)),
+    # rank 128: one warp owns the width, all 5 k-steps (no score split)
+    "h32-bf16-r128-p32-page16": (dict(heads=32, kv="e4m3", rank=128, rope=32, page=16),
+                                 {"batch": 9, "max_pages_per_seq": 5, "num_pages": 50}, ("sm_89",)),
 }
 
 
@@ -107,7 +107,7 @@ def test_fp8_mma_sync_scores_match_reference(tmp_path, case):
     for t in targets:
         c = art.meta["targets"][t]["config"]
         assert (c["qk_products"], c["q_values"], c["path"]) == ("e4m3", "e4m3", "mma.m16n8k16"), t
-        d = 512 + keys.get("rope", 64) if "rank" not in keys else keys["rank"] + 64
+        d = keys.get("rank", 512) + keys.get("rope", 64)
         assert c["fp8_staging_bytes"] == c["block_n"] * (d // 16 | 1) * 16, t     # rows padded
         assert MMA8 in art.ptx(t), t
     if "sm_89" in targets:
@@ -117,8 +117,9 @@ def test_fp8_mma_sync_scores_match_reference(tmp_path, case):
 
 def test_fp8_mma_sync_sparse_and_16_bit_targets(tmp_path):
     """Sparse top-k's slot ring on sm_89 (FP8 products), and where mma.m16n8k32 over FP8 is
-    not native (sm_90, sm_100: ptxas lowers it to conversions and HMMA) Q's e4m3 values meet
-    16-bit products."""
+    not native (sm_90, sm_100: ptxas lowers it to conversions and HMMA) or Q's fragments would
+    not fit in registers (more than 5 k-steps a warp: rank 256 unsplit; the 16-warp tile) Q's
+    e4m3 values meet 16-bit products."""
     from families.test_mla import sparse_body
     art = build_kernel(tmp_path / "s", "mla", sparse_body(64, 512, 64, "bf16", "e4m3", None, 40, True, "auto")
                        + NARROW, targets=("sm_89",))
@@ -127,6 +128,10 @@ def test_fp8_mma_sync_sparse_and_16_bit_targets(tmp_path):
     art = build_kernel(tmp_path / "w", "mla", body(heads=16, kv="e4m3") + NARROW, targets=("sm_90", "sm_100"))
     for t in ("sm_90", "sm_100"):
         assert "qk_products" not in art.meta["targets"][t]["config"] and MMA8 not in art.ptx(t)
+    from ptxc.kernels.math import mma_qk8
+    assert not mma_qk8.fits(256 + 64, 1, 4) and not mma_qk8.fits(320 + 64, 4, 16) and mma_qk8.fits(576, 4, 8)
+    art = build_kernel(tmp_path / "r", "mla", body(heads=32, kv="e4m3", rank=256) + NARROW, targets=("sm_89",))
+    assert "qk_products" not in art.meta["targets"]["sm_89"]["config"] and MMA8 not in art.ptx("sm_89")
 
 
 def _e4m3_batch(art, lens, q_lens, heads, rng):

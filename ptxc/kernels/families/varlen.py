@@ -156,11 +156,12 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     split_scores = latent and vsplit > 1 and -(-spec.head_dim // 16) % vsplit == 0
     config_type = kv_fp8_stage.StagedFP8Config if staged else PrefillConfig
     # e4m3_ds: whole rows staged; per-tensor / per-head scales under bf16: f16 products
+    q_e4m3 = spec_option(spec, "qk_products") == "e4m3"
     rows = {"rows": kv_fp8.group_scaled(spec), "f16_math": kv_fp8_stage.f16_math_applies(spec),
-            "q_e4m3": spec_option(spec, "qk_products") == "e4m3",
+            "q_e4m3": q_e4m3,
             # ... on FP8 tensor cores where mma.sync has them (math/mma_qk8.py)
-            "qk_staged": spec_option(spec, "qk_products") == "e4m3" and latent and target is not None
-            and fp8.has_fp8_mma(target) and spec.head_dim % mma_qk8.K_STEP == 0} if staged else {}
+            "qk_staged": q_e4m3 and latent and target is not None and fp8.has_fp8_mma(target)
+            and mma_qk8.fits(spec.head_dim, vsplit if split_scores else 1, warps)} if staged else {}
 
     def make(stages=None):
         return config_type(C.FORMATS[spec.dtype], spec.head_dim, True, bm, bn, warps, stages, cp_async,

@@ -27,6 +27,19 @@ from . import fp8
 from .q_rescale import half_values
 
 K_STEP = 32     # e4m3 elements (bytes) a k-step of mma.m16n8k32
+# Where Q's fragments fit beside the tile's registers (bench/spill_sweep.py, ptxas 13.5): at most
+# 5 k-steps a warp (20 registers: rank 512 with RoPE up to 128 under the four-way score split)
+# and at most 8 warps (255 registers a thread). Unsplit depths (10-15 k-steps) spilled 28-488
+# bytes, as did the 16-warp tile at 128 registers with 3 k-steps; those keep 16-bit products.
+MAX_WARP_STEPS = 5
+MAX_WARPS = 8
+
+
+def fits(head_dim: int, parts: int, warps: int) -> bool:
+    """Whether a tile of `warps` warps, `parts` of them sharing a row group's depth, holds Q's
+    e4m3 fragments in registers (the score product here applies)."""
+    steps = head_dim // K_STEP
+    return head_dim % K_STEP == 0 and warps <= MAX_WARPS and -(-steps // parts) <= MAX_WARP_STEPS
 
 
 class StagedE4m3Scores:
