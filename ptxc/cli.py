@@ -59,7 +59,28 @@ def handles_errors(fn):
 
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineErrors(click.Group):
+    """Click's own usage errors (a missing argument, a bad option value) as one line naming the
+    command, exit 2 -- as every other user error -- instead of usage, hint and message."""
+
+    def main(self, *args, **kwargs):
+        kwargs.pop("standalone_mode", None)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else "ptxc"
+            click.echo(f"error: {where}: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)    # --help / --version: click's Exit code
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ptxc")
 def main():
     """ptxc: compile attention-kernel specs (TOML) to verified PTX/cubin artifacts."""
@@ -182,7 +203,8 @@ def cache_clear():
               help="Where to run: the PTX emulator, a CUDA device, or CUDA when one is present.")
 @click.option("--shape", "shapes", multiple=True, help="Runtime dims, e.g. --shape batch=2,max_seq_len=113.")
 @click.option("--target", "targets", multiple=True, help="Only these targets [default: all built].")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+              help="Seed of the random inputs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
 @handles_errors
 def launch_test(paths, backend, shapes, targets, seed, as_json):

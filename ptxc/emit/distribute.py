@@ -9,7 +9,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from ..pipeline.artifacts import MANIFEST, ensure_output_dir, kernel_dir, update_manifest
+from ..pipeline.artifacts import MANIFEST, ensure_output_dir, inside_artifact_set, kernel_dir, update_manifest
 from ..files import atomic_write, sha256, write_if_changed
 from ..pipeline.checked import read_artifact_file, read_manifest_checked, load_checked
 from ..errors import UserError, VerifyError
@@ -19,6 +19,9 @@ def merge(inputs: list[Path], out: Path) -> dict:
     """Copy every artifact of several output directories into one; the same name with
     different contents in two inputs (or already in `out`) is a conflict."""
     seen: dict[str, tuple[str, Path]] = {}
+    owner = inside_artifact_set(out)
+    if owner is not None:     # an artifact directory, or inside one
+        raise UserError(f"--out {out}: inside the artifact directory {owner}; merge into an output directory")
     existing = read_manifest_checked(out)["artifacts"] if (out / MANIFEST).exists() else {}
     checked: dict[tuple[Path, str], dict] = {}
     for src in inputs:
@@ -47,20 +50,30 @@ def merge(inputs: list[Path], out: Path) -> dict:
 
 
 def pack(src: Path, dest: Path) -> dict:
-    """A reproducible .tar.gz of an output directory: sorted entries, mtime 0, uid/gid 0, no
-    user names, fixed modes, gzip header without a timestamp; dotfiles (locks, temps) left out."""
+    """A reproducible .tar.gz of an output directory's artifact set: the manifest and exactly
+    the files each listed (checked) artifact's metadata names -- nothing else in the directory
+    (a leftover, an earlier archive, an interrupted build's unlisted artifact, which is refused
+    as `verify` refuses it) -- with sorted entries, mtime 0, uid/gid 0, no user names, fixed
+    modes, gzip header without a timestamp. A symlink or special file anywhere is refused."""
+    from ..pipeline.verify import is_artifact_dir
     manifest = read_manifest_checked(src)
-    for name in manifest["artifacts"]:
-        load_checked(kernel_dir(src, name))
-    files = []
+    files = [src / MANIFEST]
+    for name in sorted(manifest["artifacts"]):
+        d = kernel_dir(src, name)
+        meta = load_checked(d)      # schema, hashes, files
+        named = [f"{name}.json"] + [t[kind] for t in meta["targets"].values() for kind in ("ptx", "cubin")
+                                    if kind in t] + ([meta["fatbin"]["file"]] if meta.get("fatbin") else [])
+        files += [d / f for f in sorted(named)]
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src)
         if any(part.startswith(".") for part in rel.parts):
             continue
         if p.is_symlink() or not (p.is_file() or p.is_dir()):
             raise VerifyError(f"{p}: not a regular file (symlinks and special files are never packed)")
-        if p.is_file():
-            files.append(p)
+        if len(rel.parts) == 1 and p.is_dir() and p.name not in manifest["artifacts"] and is_artifact_dir(p):
+            raise VerifyError(f"{src / MANIFEST}: does not list artifact directory {p.name!r} "
+                              f"(an interrupted build?); rebuild or remove it before packing")
+    files.sort()
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for p in files:

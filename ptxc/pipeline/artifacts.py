@@ -54,6 +54,23 @@ def ensure_output_dir(out: Path) -> None:
         raise UserError(f"--out {out}: directory is not writable")
 
 
+def ensure_writable_set(out: Path, names: list[str]) -> None:
+    """Before any artifact is written: a manifest already in `out` is ptxc's and well-formed (a
+    foreign or damaged one is neither overwritten nor carried forward), and nothing that is not
+    a directory stands where an artifact's directory goes."""
+    from ..errors import VerifyError
+    if (out / MANIFEST).exists() or (out / MANIFEST).is_symlink():
+        try:
+            read_manifest_checked(out)
+        except VerifyError as e:
+            raise UserError(f"--out {out}: {e}; remove it or choose another directory") from None
+    for name in names:
+        d = kernel_dir(out, name)
+        if d.exists() and not d.is_dir():
+            raise UserError(f"--out {out}: {d} exists and is not a directory; artifact {name} "
+                            f"is written there")
+
+
 def write_kernel(out: Path, build, verified: bool, fatbin: bool = False) -> tuple[dict[str, Any], int]:
     """Write one kernel's artifact directory (with `fatbin`, also `<name>.fatbin` of every
     target's cubin and PTX); returns (metadata, number of files changed)."""
@@ -76,12 +93,28 @@ def write_kernel(out: Path, build, verified: bool, fatbin: bool = False) -> tupl
     return meta, changed
 
 
+def inside_artifact_set(path: Path) -> Path | None:
+    """The artifact directory (a directory D holding D.json) at or above `path`, or the output
+    directory whose manifest `path` is: what no output option may overwrite or write into."""
+    resolved = path.resolve()
+    if resolved.name == MANIFEST and resolved.is_file():
+        return resolved.parent
+    for d in ([resolved] if resolved.is_dir() else []) + list(resolved.parents):
+        if (d / f"{d.name}.json").is_file():
+            return d
+    return None
+
+
 def ensure_output_file(path: Path, option: str) -> None:
     """Before any work: `path` can be written (parent an existing writable directory, path
-    itself not a directory); otherwise one line naming the option."""
+    itself not a directory, not inside an artifact set); otherwise one line naming the option."""
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise UserError(f"{option} {path}: is a directory; give a file path")
+    owner = inside_artifact_set(path)
+    if owner is not None:
+        raise UserError(f"{option} {path}: inside the artifact set {owner}; ptxc never writes over "
+                        f"its artifacts: give a path outside it")
     if not parent.is_dir():
         raise UserError(f"{option} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -105,21 +138,15 @@ def locked(out: Path) -> Iterator[None]:
         os.close(fd)   # releases the lock
 
 
-def read_manifest(out: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((out / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def update_manifest(out: Path, metas: list[dict[str, Any]], *, lock: bool = True) -> bool:
-    """Add/refresh the built artifacts; keep earlier entries whose metadata file still exists.
-    `lock=False` when the caller already holds `locked(out)`."""
+    """Add/refresh the built artifacts; keep earlier entries whose metadata file still exists
+    (the earlier manifest read by the checked rules: ensure_writable_set refused a malformed
+    one before anything was written). `lock=False` when the caller already holds `locked(out)`."""
     with (locked(out) if lock else contextlib.nullcontext()):
-        old = read_manifest(out) or {}
+        old = read_manifest_checked(out) if (out / MANIFEST).exists() else {}
         entries = {}
         for name, e in (old.get("artifacts") or {}).items():
-            if isinstance(e, dict) and (out / str(e.get("metadata", ""))).is_file():
+            if (out / e["metadata"]).is_file():
                 entries[name] = e
         for meta in metas:
             name = meta["name"]

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .artifacts import ensure_output_dir, locked, update_manifest, write_kernel
+from .artifacts import ensure_output_dir, ensure_writable_set, locked, update_manifest, write_kernel
 from .cache import Cache
 from .compiler import build_all, check_resources
-from ..errors import SpecError
+from ..errors import SpecError, UserError
 from ..kernels import FAMILIES
 from ..spec import KernelSpec
 from ..kernels import load_paths
@@ -23,6 +23,8 @@ from ..targets import get_target
 def _retarget(specs: list[KernelSpec], targets: list[str]) -> list[KernelSpec]:
     for t in targets:
         get_target(t)
+    if len(set(targets)) != len(targets):   # the spec loader's rule: each target once
+        raise UserError(f"--target {' '.join(targets)}: a target is repeated; give each once")
     out = []
     for s in specs:
         s2 = dataclasses.replace(s, targets=tuple(targets))
@@ -66,6 +68,7 @@ def run_build(paths, out: Path, *, targets: list[str] | None = None, verify: boo
         for t in s.targets:
             FAMILIES[s.family].resolve_tile(s, get_target(t))
     ensure_output_dir(out)   # before any work: a bad --out is one line, not a late traceback
+    ensure_writable_set(out, [s.name for s in specs])
     tc = None
     if verify:
         from .ptxas import toolchain

@@ -127,8 +127,14 @@ def read_artifact_file(d: Path, name: str, limit: int = MAX_IMAGE_BYTES) -> byte
 
 
 def _decode_json(data: bytes, where: Path) -> Any:
+    try:     # UTF-8 only, as ptxc writes it (json.loads of bytes would take UTF-16/32 and a BOM)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise VerifyError(f"{where}: not UTF-8 text (byte {e.start})") from None
+    if text.startswith("\ufeff"):
+        raise VerifyError(f"{where}: starts with a byte-order mark; ptxc writes plain UTF-8 JSON")
     try:
-        return json.loads(data)
+        return json.loads(text)
     except RecursionError:
         raise VerifyError(f"{where}: not valid JSON (nested too deeply)") from None
     except ValueError as e:

@@ -39,8 +39,9 @@ def json_differences(old, new, path: str = "", limit: int = 3) -> list[str]:
 
 
 def rebuild_artifact(d: Path, meta: dict, tc, problems: list[str]) -> None:
-    """Append a problem for every file of artifact directory `d` that a rebuild does not reproduce."""
-    from ..spec.model import KernelSpec
+    """Append a problem for every file of artifact directory `d` that a rebuild does not reproduce.
+    The recorded spec passes the spec rules first (a spec no spec file could give is not built)."""
+    from ..kernels import spec_from_record
     name = d.name
     if meta.get("ptxc_version") != __version__:
         problems.append(f"{d}: built by ptxc {meta.get('ptxc_version')}, this is {__version__}: "
@@ -53,10 +54,17 @@ def rebuild_artifact(d: Path, meta: dict, tc, problems: list[str]) -> None:
                         f"--rebuild compares only builds by the same ptxas (set PTXAS=)")
         return
     try:
-        spec = KernelSpec.from_dict(meta["spec"])
+        spec = spec_from_record(meta.get("spec"), f"{d / (name + '.json')}: spec")
+    except PtxcError as e:
+        problems.append(f"{d}: --rebuild: the recorded spec is invalid ({e})")
+        return
+    if spec.name != name:
+        problems.append(f"{d}: --rebuild: the recorded spec names {spec.name!r}, not {name!r}")
+        return
+    try:
         [build] = build_all([spec], Cache(None, enabled=False), tc if verified else None, jobs=1)
-    except (PtxcError, KeyError, TypeError, ValueError) as e:
-        problems.append(f"{d}: --rebuild: the recorded spec does not build ({e})")
+    except (PtxcError, KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError) as e:
+        problems.append(f"{d}: --rebuild: the recorded spec does not build ({type(e).__name__}: {e})")
         return
     with tempfile.TemporaryDirectory(prefix="ptxc-rebuild-") as tmp:
         rebuilt_meta, _ = write_kernel(Path(tmp), build, verified=verified, fatbin="fatbin" in meta)
@@ -81,5 +89,7 @@ def rebuild_artifact(d: Path, meta: dict, tc, problems: list[str]) -> None:
                         detail = "; " + "; ".join(json_differences(json.loads(data), rebuilt_meta))
                     except (ValueError, RecursionError):
                         detail = "; not valid JSON"
+                if not detail.strip("; "):      # equal as JSON: the bytes differ (encoding, spacing)
+                    detail = "; the same JSON written differently (ptxc writes canonical UTF-8)"
                 problems.append(f"{mine}: differs from a rebuild of its recorded spec{detail}")
 

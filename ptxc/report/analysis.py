@@ -207,15 +207,35 @@ def build_report(paths, shapes: dict[str, int] | None = None, gpus: list[str] | 
     }
 
 
+# What a plotted measured point reads of a `ptxc bench --json` row (report/html.py, gpu/bench.py
+# result_row): None where the bench had no GPU model or no target
+NUMBER = (int, float)
+MEASURED_FIELDS = {"kernel": (str,), "target": (str, type(None)), "gpu": (str, type(None)),
+                   "intensity": NUMBER, "tflops": NUMBER, "median_ms": NUMBER}
+
+
 def load_measured(paths) -> list[dict]:
-    """Rows of `ptxc bench --json` files, for plotting measured points on the rooflines."""
+    """Rows of `ptxc bench --json` files, for plotting measured points on the rooflines: a JSON
+    object with a `results` list of objects, each ptxc row with the fields a point reads."""
     rows: list[dict] = []
     for p in map(Path, paths):
         try:
             data = json.loads(p.read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{p}: not a `ptxc bench --json` file ({e})") from None
-        rows += [r for r in data.get("results", []) if r.get("impl") == "ptxc"]
+        results = data.get("results") if isinstance(data, dict) else None
+        if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+            raise UserError(f"{p}: not a `ptxc bench --json` file (expected an object with a "
+                            f"'results' list of objects)")
+        for i, r in enumerate(results):
+            if r.get("impl") != "ptxc":
+                continue
+            bad = [k for k, t in MEASURED_FIELDS.items()
+                   if not isinstance(r.get(k), t) or isinstance(r.get(k), bool)]
+            if bad:
+                want = "a number" if MEASURED_FIELDS[bad[0]] is NUMBER else "a string"
+                raise UserError(f"{p}: results[{i}]: field {bad[0]!r} is missing or not {want}")
+            rows.append(r)
     return rows
 
 
