@@ -73,6 +73,7 @@ TRUST = {
     "targets.*.ptx": "checked", "targets.*.ptx_sha256": "re-derived",
     "targets.*.ptx_version": "re-derived", "targets.*.cubin": "checked",
     "targets.*.cubin_sha256": "checked", "targets.*.ptxas_version": "not trusted",
+    "targets.*.register_floor": "checked",
     "targets.*.config": "re-derived", "targets.*.kernels": "re-derived",
     "targets.*.kernels.*.entry": "re-derived", "targets.*.kernels.*.params": "re-derived",
     "targets.*.kernels.*.params.*.name": "re-derived", "targets.*.kernels.*.params.*.type": "re-derived",
@@ -401,10 +402,15 @@ def _ptx_tokens(ptx: bytes) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def derived_launch_metadata(spec, target: str) -> dict[str, Any]:
-    """What the metadata of `spec` must say for one target, re-derived by lowering it."""
+def derived_launch_metadata(spec, target: str, register_floor=()) -> dict[str, Any]:
+    """What the metadata of `spec` must say for one target, re-derived by lowering it (and
+    giving the entries of a recorded `register_floor` their .minnctapersm 1: ValueError when
+    the record does not fit the PTX)."""
     from .compiler import lower, module_ptx_version
+    from .register_floor import apply_floor
     ptx, launches, config, _ = lower(spec, target)
+    if register_floor:
+        ptx = apply_floor(ptx, register_floor)
     return {"config": config, "kernels": launches, "ptx_sha256": sha256(ptx.encode()),
             "ptx_version": module_ptx_version(ptx)}
 
@@ -453,9 +459,12 @@ def _rederive_problems(meta: dict, where: Path) -> list[str]:
             problems.append(f"{where}: unknown target {target!r}")
             continue
         try:
-            want = json.loads(json.dumps(derived_launch_metadata(spec, target)))
+            want = json.loads(json.dumps(derived_launch_metadata(spec, target, t.get("register_floor", ()))))
         except PtxcError as e:
             problems.append(f"{where}: {target}: the recorded spec does not lower: {str(e)[:200]}")
+            continue
+        except ValueError as e:      # a register_floor the lowered PTX does not take
+            problems.append(f"{where}: {target} register_floor does not fit the recorded spec's PTX ({e})")
             continue
         if t["config"] != want["config"]:
             problems.append(_differs(where, f"{target} config", t["config"], want["config"]))

@@ -1,6 +1,7 @@
 """The compilation stages, in order, for one (spec, target):
 
     spec --family.build--> IR --ir.passes--> IR --render_module--> PTX --ptxas--> cubin + resources
+                                                     (spills: the register-floor pass, PTX --ptxas--> again)
 
 Stage 1+2 ("ptx") and stage 3 ("cubin") are cached separately: the PTX entry is keyed by the
 spec, target and code-generation sources; the cubin entry by the PTX text itself, the target and
@@ -25,6 +26,7 @@ from ..ir.passes import run_passes
 from ..kernels import FAMILIES
 from ..kernels.base import Launch
 from .ptxas import Resources, Toolchain, assemble
+from .register_floor import apply_floor, floorable, spill_bytes
 from ..spec import KernelSpec
 from ..targets import DEFAULT_SMEM_PER_CTA, get_target
 
@@ -39,6 +41,8 @@ class TargetBuild:
     resources: dict[str, dict] | None = None
     ptxas_version: str | None = None
     cached: dict[str, bool] = field(default_factory=dict)
+    # entries given .minnctapersm 1 after ptxas reported spills (pipeline/register_floor.py)
+    register_floor: list[str] = field(default_factory=list)
 
 
 def launch_to_dict(launch: Launch, static_smem: int) -> dict[str, Any]:
@@ -94,7 +98,21 @@ def compile_target(spec: KernelSpec, target: str, cache: Cache, tc: Toolchain | 
         cache.put("ptx", key, canonical_json({"ptx": ptx, "launches": launches, "config": config}))
     if tc is not None:
         _assemble_cached(spec, tb, cache, tc)
+        _floor_pass(spec, tb, cache, tc)
     return tb
+
+
+def _floor_pass(spec: KernelSpec, tb: TargetBuild, cache: Cache, tc: Toolchain) -> None:
+    """ptxas spilled entries without a .minnctapersm of their own: assemble again with
+    .minnctapersm 1 on them, keep the result when it spills less (register_floor.py)."""
+    entries = floorable(tb.ptx, tb.resources)
+    if not entries:
+        return
+    floored = TargetBuild(tb.target, apply_floor(tb.ptx, entries), tb.launches, tb.config)
+    _assemble_cached(spec, floored, cache, tc)
+    if spill_bytes(floored.resources) < spill_bytes(tb.resources):
+        tb.ptx, tb.cubin, tb.resources, tb.register_floor = floored.ptx, floored.cubin, floored.resources, entries
+        tb.cached["cubin"] = tb.cached.get("cubin", False) and floored.cached.get("cubin", False)
 
 
 def _ptx_entry_ok(data: Any) -> bool:

@@ -56,6 +56,8 @@ def make_metadata(build, verified: bool, fatbin: dict | None = None) -> dict[str
         if tb.cubin is not None:
             entry.update(cubin=files["cubin"], cubin_sha256=sha256(tb.cubin),
                          ptxas_version=tb.ptxas_version)
+        if tb.register_floor:    # entries the register-floor pass gave .minnctapersm 1
+            entry["register_floor"] = list(tb.register_floor)
         targets[tb.target] = entry
     tensors = {t.name: t.to_dict() for t in iface.tensors}
     for name, t in tensors.items():
