@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import InputError, UserError
 from ..reference import PROBS_SHIFTS, TOLERANCE_RULE, Precision, max_abs_error, tolerance
+from .abi import DIM_MAX
 
 
 @dataclass
@@ -233,6 +234,8 @@ def parse_assignments(text_items, what: str, floats: bool = False) -> dict[str, 
                 raise UserError(f"{what} {part!r}: expected name=" + ("number" if floats else "integer")) from None
             if out[name.strip()] < 0:
                 raise UserError(f"{what} {part!r}: must not be negative")
+            if isinstance(out[name.strip()], int) and out[name.strip()] > DIM_MAX:
+                raise UserError(f"{what} {part!r}: must be below 2^31 (the kernels' 32-bit dims)")
     return out
 
 

@@ -113,6 +113,7 @@ def test_a_malformed_measured_file_is_one_line(built, tmp_path, text, why):
     (["verify", "{out}/nonexistent"], "does not exist"),
     (["build", "{out}/../tiny.toml", "-j", "0"], "'--jobs'"),
     (["nonsense"], "No such command"),
+    (["report", "{out}", "--no-sass", "--shape", "batch=99999999999999999999"], "below 2^31"),
 ])
 def test_click_usage_errors_are_one_line(built, args, why):
     one_line(ptxc(*[a.format(out=built / "out") for a in args]), 2, why)
