@@ -20,20 +20,10 @@ class TensorCoreOps:
                      out: Sequence[Reg] | None = None) -> list[Reg]:
         """D = A·B + C on one m16n8k16 tile (row.col, f32 accumulate): a is 4 packed-pair
         registers, b 2, c and the result 4 f32 registers (fragment layouts: docs/kernels.md)."""
-        what = "mma.m16n8k16"
         if in_type not in (F16, BF16):
-            raise IRError(f"{what}: input type {in_type} is not f16 or bf16")
+            raise IRError(f"mma.m16n8k16: input type {in_type} is not f16 or bf16")
         pair = F16X2 if in_type == F16 else BF16X2
-        for name, regs, n in (("a", a, 4), ("b", b, 2)):
-            _check_frag(what, name, regs, n, (B32, pair), f"b32 or {pair}")
-        _check_frag(what, "c", c, 4, (F32,), "f32")
-        if out is not None and len(out) != 4:
-            raise IRError(f"{what}: {len(out)} destination registers, expected 4")
-        dsts = [self._out(F32, o, f"{what} d") for o in (out if out is not None else [None] * 4)]
-        self.emit("mma", ("sync", "aligned", "m16n8k16", "row", "col", "f32", in_type.name,
-                          in_type.name, "f32"), (Vec(tuple(dsts)),),
-                  (Vec(tuple(a)), Vec(tuple(b)), Vec(tuple(c))))
-        return dsts
+        return self._mma("m16n8k16", a, b, c, (in_type, in_type), (B32, pair), f"b32 or {pair}", out)
 
     def mma_m16n8k32(self, a: Sequence[Reg], b: Sequence[Reg], c: Sequence[Reg], a_type: PtxType,
                      b_type: PtxType | None = None, out: Sequence[Reg] | None = None) -> list[Reg]:
@@ -41,20 +31,25 @@ class TensorCoreOps:
         PTX ISA 8.4): a is 4 b32 registers of 4 e4m3 / e5m2 bytes each (rows g, g + 8, g, g + 8
         at k 4t.., 4t.., 16 + 4t.., 16 + 4t..), b 2 (k 4t.. and 16 + 4t.. of column g), c and
         the result 4 f32 registers. `b_type` defaults to `a_type` (the two may differ)."""
-        what = "mma.m16n8k32"
         b_type = a_type if b_type is None else b_type
         for name, ty in (("a", a_type), ("b", b_type)):
             if ty not in (E4M3, E5M2):
-                raise IRError(f"{what}: {name} type {ty} is not e4m3 or e5m2")
+                raise IRError(f"mma.m16n8k32: {name} type {ty} is not e4m3 or e5m2")
+        return self._mma("m16n8k32", a, b, c, (a_type, b_type), (B32,), "b32", out)
+
+    def _mma(self, shape: str, a, b, c, types: tuple[PtxType, PtxType], frag_types: tuple,
+             frag_text: str, out) -> list[Reg]:
+        """mma.sync.aligned.<shape>.row.col.f32.<A>.<B>.f32 after the fragment checks: a 4
+        registers, b 2 (of `frag_types`), c and the result 4 f32."""
+        what = f"mma.{shape}"
         for name, regs, n in (("a", a, 4), ("b", b, 2)):
-            _check_frag(what, name, regs, n, (B32,), "b32")
+            _check_frag(what, name, regs, n, frag_types, frag_text)
         _check_frag(what, "c", c, 4, (F32,), "f32")
         if out is not None and len(out) != 4:
             raise IRError(f"{what}: {len(out)} destination registers, expected 4")
         dsts = [self._out(F32, o, f"{what} d") for o in (out if out is not None else [None] * 4)]
-        self.emit("mma", ("sync", "aligned", "m16n8k32", "row", "col", "f32", a_type.name,
-                          b_type.name, "f32"), (Vec(tuple(dsts)),),
-                  (Vec(tuple(a)), Vec(tuple(b)), Vec(tuple(c))))
+        self.emit("mma", ("sync", "aligned", shape, "row", "col", "f32", types[0].name, types[1].name, "f32"),
+                  (Vec(tuple(dsts)),), (Vec(tuple(a)), Vec(tuple(b)), Vec(tuple(c))))
         return dsts
 
     def ldmatrix(self, addr: Addr, count: int, trans: bool = False) -> list[Reg]:
