@@ -188,11 +188,15 @@ def render_artifact(a: ArtifactView) -> str:
                + "".join(f"    {{ int64_t s[{len(t.shape)}]; ptxc_{A}_shape_{t.name}(d, s); "
                          f"ptxc_packed(&t->{t.name}, {len(t.shape)}, s); }}\n" for t in a.tensors)
                + "}\n")
-    out.append(f"/* Dims no tensor shape determines (0 = auto), and a check that every dim is >= 0. */\n"
+    given = "".join(f"    if ((r = ptxc_check_dim(L, {c_string(A)}, {c_string(dim)}, d->{dim}, {lo}, {hi}, \"\")) "
+                    f"!= CUDA_SUCCESS) return r;\n"
+                    for dim, (lo, hi, _) in dim_ranges(a).items() if dim not in a.dim_rules)
+    out.append(f"/* Dims no tensor shape determines (0 = auto), after a check that the given ones lie in\n"
+               f" * 0 .. 2^31 - 1 (before any arithmetic on them), and a check that every dim is >= 0. */\n"
                f"static inline CUresult ptxc_{A}_resolve_dims(ptxc_loader_t *L, ptxc_{A}_dims_t *d, int num_sms) {{\n"
                f"    CUresult r;\n"
                f"    if (L->target >= 0 && (r = ptxc_holds(L, {c_string(A)})) != CUDA_SUCCESS) return r;\n"
-               + "\n".join(_dim_rules(a) + [""])
+               + given + "\n".join(_dim_rules(a) + [""])
                + "".join(f"    if (d->{dim} < 0) return ptxc_fail(L, CUDA_ERROR_INVALID_VALUE, "
                          f"{c_string(f'{A}: dim {dim} is negative')});\n" for dim in a.dims)
                + "    (void)num_sms;\n    return CUDA_SUCCESS;\n}\n")

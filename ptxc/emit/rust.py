@@ -146,10 +146,13 @@ def _helpers(a: ArtifactView) -> list[str]:
                          "        }")
     negative = "".join(f"        if d.{dim} < 0 {{ return fail(CUDA_ERROR_INVALID_VALUE, "
                        f"\"{a.name}: dim {dim} is negative\".into()); }}\n" for dim in a.dims)
+    given = "".join(f"        check_dim(NAME, {rs_string(dim)}, d.{dim}, {lo}, {hi}, \"\")?;\n"
+                    for dim, (lo, hi, _) in dim_ranges(a).items() if dim not in a.dim_rules)
     out.append("    /// Dims no tensor shape determines (0 = auto) for the target at index `target` (see\n"
-               "    /// Kernel::resolve_dims), and a check that every dim is >= 0.\n"
+               "    /// Kernel::resolve_dims), after a check that the given ones lie in 0 .. 2^31 - 1 (before\n"
+               "    /// any arithmetic on them), and a check that every dim is >= 0.\n"
                "    pub fn resolve_dims(d: &mut Dims, num_sms: i32, target: usize) -> Result<(), Error> {\n"
-               + "\n".join(rules + [""]) + negative + "        let _ = (num_sms, target);\n        Ok(())\n    }")
+               + given + "\n".join(rules + [""]) + negative + "        let _ = (num_sms, target);\n        Ok(())\n    }")
     from .cheader import passed_tensors
     passed = passed_tensors(a)
     checks = "".join(f"        check_tensor(NAME, {rs_string(t.name)}, &t.{t.name}, &shape_{t.name}(d), {t.align_bytes}, "

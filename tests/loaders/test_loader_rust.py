@@ -110,3 +110,15 @@ def test_rust_variant_dispatcher(built, tmp_path):
     assert lines[0] == "e2e_prefill"
     assert lines[1].startswith("500|not built: family=decode,dtype=f32; built variants are e2e_mla: ")
     assert "; e2e_paged_fused: " in lines[1]
+
+
+def test_rust_resolve_dims_refuses_huge_dims_before_any_arithmetic(built, tmp_path):
+    """A dim of 2^62 (a debug build's multiply would panic in the split rule) is an Err."""
+    out, module, stub = built
+    src = (f'#[path = "{module}"]\nmod kernels;\nuse kernels::*;\n'
+           'fn main() {\n    let mut d = e2e_varlen::Dims::default();\n'
+           '    d.batch = 1i64 << 62; d.total_q = 5; d.max_pages_per_seq = 3; d.num_pages = 9;\n'
+           '    match e2e_varlen::resolve_dims(&mut d, 6, 1) {\n'
+           '        Ok(()) => println!("ok"),\n        Err(e) => println!("{} {}", e.code, e.message),\n    }\n}\n')
+    stdout = harness.compile_rust_and_run(src, tmp_path, stub, args=[], env={})
+    assert stdout.strip() == f"1 e2e_varlen: dim batch = {1 << 62} outside 0..2147483647"
