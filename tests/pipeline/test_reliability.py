@@ -93,17 +93,25 @@ def test_pack_is_reproducible(tmp_path):
     assert not any(".stale" in m.name for m in members)
 
 
-def _concurrent_builds(tmp_path: Path, n: int, extra: list[str]) -> None:
+def _concurrent_builds(tmp_path: Path, n: int, extra: list[str], every_spec: bool = False) -> None:
+    """n builders, alternately of a larger and an overlapping smaller spec set, on one cache and
+    one output directory: the output equals a lone build of the larger set and verifies. By
+    default the larger set is five files of every family (decode, prefill, varlen, masks, FP8);
+    `every_spec`: the whole example directory (test_build builds it on its own)."""
     cache, out = tmp_path / "cache", tmp_path / "shared-out"
     env = {**os.environ, "PTXC_CACHE_DIR": str(cache)}
-    spec_sets = [[str(SPECS)], [str(SPECS / "llama3_8b.toml"), str(SPECS / "mqa_d256.toml")]]
+    small = [str(SPECS / "llama3_8b.toml"), str(SPECS / "mqa_d256.toml")]
+    large = [str(SPECS)] if every_spec else small + [
+        str(SPECS / f) for f in ("llama3_8b_prefill.toml", "serve_varlen.toml", "speculative_masks.toml",
+                                 "qwen2_7b_fp8_head_scales.toml")]
+    spec_sets = [large, small]
     procs = [subprocess.Popen(PTXC + ["build", *spec_sets[i % 2], "--out", str(out), "-j", "1", *extra],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(n)]
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err.decode()
     reference = tmp_path / "reference"
-    subprocess.run(PTXC + ["build", str(SPECS), "--out", str(reference), *extra], check=True,
+    subprocess.run(PTXC + ["build", *large, "--out", str(reference), *extra], check=True,
                    env={**os.environ, "PTXC_CACHE_DIR": str(tmp_path / "ref-cache")}, capture_output=True)
     assert tree(out) == tree(reference)
     r = subprocess.run(PTXC + ["verify", str(out)], capture_output=True, text=True)
@@ -116,7 +124,7 @@ def test_eight_concurrent_builders_share_cache_and_output(tmp_path):
 
 @pytest.mark.slow
 def test_eight_concurrent_builders_all_targets(tmp_path):
-    _concurrent_builds(tmp_path, 8, [])
+    _concurrent_builds(tmp_path, 8, [], every_spec=True)
 
 
 def test_sigkill_mid_build_leaves_nothing_corrupt(tmp_path):
