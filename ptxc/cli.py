@@ -59,6 +59,11 @@ def handles_errors(fn):
 
 
 
+# click >= 8.2 raises this (a UsageError carrying the help text) for a group called without a
+# command; older clicks print the help themselves
+NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class OneLineErrors(click.Group):
     """Click's own usage errors (a missing argument, a bad option value) as one line naming the
     command, exit 2 -- as every other user error -- instead of usage, hint and message."""
@@ -67,6 +72,9 @@ class OneLineErrors(click.Group):
         kwargs.pop("standalone_mode", None)
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
+        except NO_ARGS_IS_HELP as e:     # `ptxc` alone: the help, as click prints it
+            click.echo(e.format_message(), err=True)
+            sys.exit(e.exit_code)
         except click.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else "ptxc"
             click.echo(f"error: {where}: {e.format_message()}", err=True)

@@ -119,6 +119,12 @@ def test_click_usage_errors_are_one_line(built, args, why):
     one_line(ptxc(*[a.format(out=built / "out") for a in args]), 2, why)
 
 
+def test_ptxc_alone_prints_the_help():
+    r = ptxc()
+    assert r.output.startswith("Usage: ") and "COMMAND [ARGS]" in r.output and "build" in r.output
+    assert "error" not in r.output
+
+
 @pytest.mark.parametrize("encode", ["utf-16", "bom"])
 def test_metadata_that_is_not_plain_utf8_is_refused(built, tmp_path, encode):
     import shutil
