@@ -222,11 +222,14 @@ def _fp8_maps():
     return [x.reshape(-1) for x in (a_row, a_col, b_row, b_col, c_row, c_col)]
 
 
-def _fp8_to_f64(words, kind: str):
-    """(..., r) uint32 words -> their 4r FP8 elements (lowest byte first) as float64: every
-    e4m3 / e5m2 value is an f16 value; NaN stays NaN."""
-    codes = np.ascontiguousarray(words).view(np.uint8)
-    return to_f16_bits(codes, kind).view(np.float16).astype(np.float64)
+def elements_to_f64(words, kind: str):
+    """(..., r) uint32 words -> their elements as float64, the lowest bits first: 2r halves
+    (f16, bf16) or 4r bytes (e4m3, e5m2: every FP8 value is an f16 value, NaN stays NaN). The
+    operand chunks' bytes are in k order either way (a 16-byte chunk: 8 or 16 consecutive k)."""
+    if kind in FP8_KINDS:
+        codes = np.ascontiguousarray(words).view(np.uint8)
+        return to_f16_bits(codes, kind).view(np.float16).astype(np.float64)
+    return _halves_to_f64(words, kind == "bf16")
 
 
 def _tf32_to_f64(words):
@@ -278,10 +281,8 @@ def decode_mma(ins, env):
     a_row, a_col, b_row, b_col, c_row, c_col = maps
     if elem == "tf32":
         to_a = to_b = _tf32_to_f64
-    elif kinds is not None:
-        to_a, to_b = (functools.partial(_fp8_to_f64, kind=x) for x in kinds)
-    else:
-        to_a = to_b = functools.partial(_halves_to_f64, is_bf16=elem == "bf16")
+    else:       # f16 / bf16 pairs or FP8 bytes (A and B may differ)
+        to_a, to_b = (functools.partial(elements_to_f64, kind=x) for x in (kinds or (elem, elem)))
 
     def bind(ctx):
         writers = [p(ctx) for p in dplans]

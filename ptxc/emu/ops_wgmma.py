@@ -29,10 +29,10 @@ import re
 
 import numpy as np
 
-from ptxc.emu.fp8 import FORMATS as FP8_KINDS, to_f16_bits
+from ptxc.emu.fp8 import FORMATS as FP8_KINDS
 from ptxc.emu.decode import NORMAL, Mods, Op, expect_operands, register
 from ptxc.emu.operands import TYPES, DecodeError, Fault, dst_plan, src_plan
-from ptxc.emu.ops_warp import _halves_to_f64
+from ptxc.emu.ops_warp import elements_to_f64
 from ptxc.emu.ptx_ast import Imm, Reg, Vec
 from ptxc.emu.uninit import _regs
 from ptxc.emu.wgmma_layout import (
@@ -318,16 +318,6 @@ def _operand(ctx, thr, desc_values, rows, mn_major, line, kind, which):
     descs = [Descriptor(int(v)) for v in desc_values]
     raw, chunk_rows = read_operand(ctx, thr, descs, rows, mn_major, line, which)
     return elements_to_f64(raw.view(np.uint32), kind), chunk_rows
-
-
-def elements_to_f64(words, kind: str):
-    """(..., r) uint32 words -> their elements as float64, the lowest bits first: 2r halves
-    (f16, bf16) or 4r bytes (e4m3, e5m2: every FP8 value is an f16 value, NaN stays NaN). The
-    operand chunks' bytes are in k order either way (a 16-byte chunk: 8 or 16 consecutive k)."""
-    if kind in FP8_KINDS:
-        codes = np.ascontiguousarray(words).view(np.uint8)
-        return to_f16_bits(codes, kind).view(np.float16).astype(np.float64)
-    return _halves_to_f64(words, kind == "bf16")
 
 
 def _check_fenced(state, names, idx):

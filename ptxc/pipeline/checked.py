@@ -407,7 +407,7 @@ def derived_launch_metadata(spec, target: str, register_floor=()) -> dict[str, A
     giving the entries of a recorded `register_floor` their .minnctapersm 1: ValueError when
     the record does not fit the PTX)."""
     from .compiler import lower, module_ptx_version
-    from .register_floor import apply_floor
+    from .register_floor_pass import apply_floor
     ptx, launches, config, _ = lower(spec, target)
     if register_floor:
         ptx = apply_floor(ptx, register_floor)

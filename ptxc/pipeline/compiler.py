@@ -26,7 +26,7 @@ from ..ir.passes import run_passes
 from ..kernels import FAMILIES
 from ..kernels.base import Launch
 from .ptxas import Resources, Toolchain, assemble
-from .register_floor import apply_floor, floorable, spill_bytes
+from .register_floor_pass import apply_floor, floorable, spill_bytes
 from ..spec import KernelSpec
 from ..targets import DEFAULT_SMEM_PER_CTA, get_target
 
@@ -41,7 +41,7 @@ class TargetBuild:
     resources: dict[str, dict] | None = None
     ptxas_version: str | None = None
     cached: dict[str, bool] = field(default_factory=dict)
-    # entries given .minnctapersm 1 after ptxas reported spills (pipeline/register_floor.py)
+    # entries given .minnctapersm 1 after ptxas reported spills (pipeline/register_floor_pass.py)
     register_floor: list[str] = field(default_factory=list)
 
 
@@ -104,7 +104,7 @@ def compile_target(spec: KernelSpec, target: str, cache: Cache, tc: Toolchain | 
 
 def _floor_pass(spec: KernelSpec, tb: TargetBuild, cache: Cache, tc: Toolchain) -> None:
     """ptxas spilled entries without a .minnctapersm of their own: assemble again with
-    .minnctapersm 1 on them, keep the result when it spills less (register_floor.py)."""
+    .minnctapersm 1 on them, keep the result when it spills less (register_floor_pass.py)."""
     entries = floorable(tb.ptx, tb.resources)
     if not entries:
         return

@@ -1,4 +1,4 @@
-"""The register-floor pass (pipeline/register_floor.py): ptxas spilled an entry that sets no
+"""The register-floor pass (pipeline/register_floor_pass.py): ptxas spilled an entry that sets no
 .minnctapersm of its own -> the build assembles it again with .minnctapersm 1 and keeps the
 result when it spills less; the metadata records the entries, and a reader re-derives the PTX
 with exactly those directives (a removed or invented record is refused)."""
@@ -10,7 +10,7 @@ import pytest
 from ptxc.errors import PtxcError
 from ptxc.files import sha256
 from ptxc.pipeline.build import run_build
-from ptxc.pipeline.register_floor import apply_floor, floorable
+from ptxc.pipeline.register_floor_pass import apply_floor, floorable
 from ptxc.runtime import load
 
 # f32 prefill d128 causal on sm_103: the default tile, where ptxas's own register cap spilled

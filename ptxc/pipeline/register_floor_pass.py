@@ -30,25 +30,21 @@ def spill_bytes(resources: dict[str, dict], entries=None) -> int:
 
 def floorable(ptx: str, resources: dict[str, dict]) -> list[str]:
     """The spilling entries that set no `.minnctapersm` of their own (sorted)."""
-    own = set(_own_floor(ptx))
-    return sorted(e for e, r in resources.items()
-                  if r.get("spill_stores", 0) + r.get("spill_loads", 0) and e not in own)
+    own = _own_floor(ptx)
+    return sorted(e for e in resources if spill_bytes(resources, (e,)) and e not in own)
 
 
-def _own_floor(ptx: str) -> dict[str, int]:
-    """Each entry's line span: entries whose directives (before the body's `{`) hold a
-    `.minnctapersm`."""
-    out = {}
-    lines = ptx.split("\n")
-    current = None
-    for i, line in enumerate(lines):
+def _own_floor(ptx: str) -> set[str]:
+    """The entries whose directives (before the body's `{`) hold a `.minnctapersm`."""
+    out, current = set(), None
+    for line in ptx.split("\n"):
         m = _ENTRY.match(line)
         if m:
             current = m.group(1)
         elif current is not None and line == "{":
             current = None
         elif current is not None and line.startswith(".minnctapersm"):
-            out[current] = i
+            out.add(current)
     return out
 
 
@@ -59,8 +55,8 @@ def apply_floor(ptx: str, entries) -> str:
     the PTX)."""
     want = set(entries)
     own = _own_floor(ptx)
-    if want & set(own):
-        raise ValueError(f"entry {sorted(want & set(own))[0]} sets its own .minnctapersm")
+    if want & own:
+        raise ValueError(f"entry {sorted(want & own)[0]} sets its own .minnctapersm")
     lines = ptx.split("\n")
     out, current, done = [], None, set()
     for line in lines:
