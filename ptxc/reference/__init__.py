@@ -158,13 +158,14 @@ def quantize_rows_e4m3(x: np.ndarray) -> np.ndarray:
 # ---- attention ---------------------------------------------------------------------------
 def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype: str | None = None,
               window: int | None = None, soft_cap: float | None = None, sinks=None,
-              alibi_slopes=None, mask=None):
+              alibi_slopes=None, mask=None, chunk: int | None = None):
     """softmax(scale * q k^T + mask) v over the last two axes of [..., heads, seq, d] arrays.
 
     q: [B, H, Sq, D]; k, v: [B, Hk, Sk, D] (GQA: query head h uses KV head h // (H / Hk)).
     kv_len: optional [B] valid key counts. Queries align bottom-right: query i sits at position
     p = i + L - Sq (L = kv_len[b], or Sk); causal: it sees key j iff j <= p; a sliding `window`
-    W: iff p - j < W (with or without causal). Variant order (docs/spec.md): score -> soft-cap
+    W: iff p - j < W (with or without causal); an attention `chunk` C: iff j >= C * floor(p / C)
+    (the keys of the query's own chunk). Variant order (docs/spec.md): score -> soft-cap
     c*tanh(s/c) -> ALiBi s - slope_h*|p - j| -> masks -> softmax, where `sinks` [H] (natural-log
     logits) join each row's denominator: o = sum e^s v / (e^sink + sum e^s), lse = log(e^sink +
     sum e^s). Rows that see no key give 0 output and lse = -inf (= sink with sinks).
@@ -199,6 +200,8 @@ def attention(q, k, v, scale: float, *, causal: bool = False, kv_len=None, dtype
         mask &= j <= pos
     if window is not None:
         mask &= pos - j < window
+    if chunk is not None:
+        mask &= j >= (pos // chunk) * chunk
     if custom is not None:
         mask &= np.asarray(custom, dtype=bool)
     s = np.where(mask, s, -np.inf)

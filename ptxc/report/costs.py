@@ -26,8 +26,10 @@ varlen     a uniform batch: every sequence has q = total_q / batch queries
 custom_mask (varlen): the estimate assumes dense bits -- every query sees all L keys (a tree:
            the whole prefix and all n draft keys; packed: every key), keys = q * L -- and adds
            the mask bytes read (tree: ceil(q*q/8), packed: ceil(q*L/8) per sequence, + indptr)
-sliding_window = W: decode reads min(L, W) rows; prefill and varlen count each query's keys
-           exactly (at most W) and varlen reads the min(L, q + W - 1) rows its queries see
+sliding_window = W / attention_chunk = C: a query at p sees keys from first_key(p) (p - W + 1,
+           C * floor(p / C), the later); decode reads the rows its query sees (min(L, W) for a
+           window), prefill and varlen count each query's keys exactly and varlen reads the
+           rows from its first query's first key (min(L, q + W - 1) for a window)
 kv_append  FLOPs = 0
            bytes = 2 * batch * num_new * Hk * d * e read (k_new, v_new) and the same written
                    into the cache, + positions (+ one block-table entry per row when paged);
@@ -107,17 +109,28 @@ def kv_length(meta: dict, dims: dict) -> int:
     return dims["max_pages_per_seq"] * ps if ps else dims["max_seq_len"]
 
 
-def keys_seen(q: int, L: int, causal: bool, window: int | None) -> int:
+def first_key(p: int, window: int | None, chunk: int | None = None) -> int:
+    """The first key a query at position p >= 0 sees: the kernels' AttentionVariant.key_begin
+    (a sliding window p - W + 1, an attention chunk C * floor(p / C), the later of both)."""
+    return max(0, p - window + 1 if window else 0, p // chunk * chunk if chunk else 0)
+
+
+def keys_seen(q: int, L: int, causal: bool, window: int | None, chunk: int | None = None) -> int:
     """Keys summed over q queries that sit at the last q positions of L keys (p = L - q + i):
-    all L without causal; with causal, p + 1 (none for p < 0); with a sliding window W, at most
-    the last W of those."""
+    all L without causal; with causal, p + 1 (none for p < 0); with a sliding window W or an
+    attention chunk C, those from first_key(p)."""
     if not causal:
         return q * L
     total = 0
     first = L - q                                      # position of query 0
     for p in range(max(first, 0), L):                  # queries before position 0 see nothing
-        total += min(p + 1, window) if window else p + 1
+        total += p + 1 - first_key(p, window, chunk)
     return total
+
+
+def visible_rows(L: int, window: int | None, chunk: int | None = None) -> int:
+    """K/V rows the query at position L - 1 (decode's) sees."""
+    return L - first_key(L - 1, window, chunk) if L > 0 else 0
 
 
 def _layout_bytes(meta: dict, dims: dict, rows_per_seq: int) -> int:
@@ -131,8 +144,7 @@ def _layout_bytes(meta: dict, dims: dict, rows_per_seq: int) -> int:
 def decode_cost(meta: dict, config: dict, dims: dict) -> Cost:
     spec = meta["spec"]
     b, L = dims["batch"], kv_length(meta, dims)
-    if spec.get("sliding_window"):                     # only the last W rows are read
-        L = min(L, spec["sliding_window"])
+    L = visible_rows(L, spec.get("sliding_window"), spec.get("attention_chunk"))   # only those are read
     H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     e = ELEMENT_BYTES[spec["dtype"]]
     group = H // Hk
@@ -150,8 +162,9 @@ def prefill_cost(meta: dict, config: dict, dims: dict) -> Cost:
     H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     e = ELEMENT_BYTES[spec["dtype"]]
     flops = 4 * b * sq * sk * d * H
-    if spec.get("sliding_window"):                     # exact count: each query sees <= W keys
-        flops = 4 * b * H * d * keys_seen(sq, sk, True, spec["sliding_window"])
+    if spec.get("sliding_window") or spec.get("attention_chunk"):   # exact count of the keys seen
+        flops = 4 * b * H * d * keys_seen(sq, sk, True, spec.get("sliding_window"),
+                                          spec.get("attention_chunk"))
     elif spec.get("causal"):
         flops //= 2
     qo = 2 * b * sq * H * d * e
@@ -186,11 +199,11 @@ def varlen_cost(meta: dict, config: dict, dims: dict) -> Cost:
     q = dims["total_q"] // max(1, b)
     H, Hk, d = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
     e = ELEMENT_BYTES[spec["dtype"]]
-    window = spec.get("sliding_window")
+    window, chunk = spec.get("sliding_window"), spec.get("attention_chunk")
     mask = spec.get("custom_mask", "none")
     # custom masks: dense bits assumed (every key visible; the cost is an upper bound)
-    keys = keys_seen(q, L, bool(spec.get("causal")) and mask == "none", window)
-    rows = min(L, q + window - 1) if window else L     # K/V rows any query of a sequence sees
+    keys = keys_seen(q, L, bool(spec.get("causal")) and mask == "none", window, chunk)
+    rows = L - first_key(max(L - q, 0), window, chunk)   # K/V rows any query of a sequence sees
     mask_bytes = 0 if mask == "none" else \
         b * (-(-q * (q if mask == "tree" else L) // 8)) + (b + 1) * 4
     tq = b * q

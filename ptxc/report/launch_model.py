@@ -86,6 +86,7 @@ from typing import Callable
 from ..kernels.attention.split_plan import AUTO_SPLIT, AutoSplit, plan
 from ..pipeline.exprs import evaluate
 from .calibration import Calibration
+from .costs import first_key, visible_rows
 from .gpus import GpuModel
 from .issue_sim import sub_partition_clocks
 from .loop_model import kv_reuse, kv_rows_per_iteration, loop_warps
@@ -124,10 +125,12 @@ def kernel_chunk_rule(family: str, spec: dict) -> ChunkRule:
     return lambda s: plan([s.units] * s.seqs, s.splits, auto, [s.work] * s.seqs, s.rows)[0]
 
 
-def query_tile_keys(spec: dict, config: dict, dims: dict, L: int, window: int | None) -> list[tuple[int, int]]:
+def query_tile_keys(spec: dict, config: dict, dims: dict, L: int, window: int | None,
+                    chunk: int | None = None) -> list[tuple[int, int]]:
     """The keys [start, end) each packed query tile of a varlen / MLA sequence visits: its q
     queries are the last of its L keys (seq_lens counts them), causal among themselves, and a
     tile's packed rows [m block_m, (m + 1) block_m) are (token, head) pairs, token = row // group.
+    A tile starts at its first token's first key (sliding window / attention chunk).
     In launch order: the last block first where the config records query_order "longest_first"
     (varlen_attend.emit_varlen; the cubins timed before it launched block 0 first)."""
     g, bm = spec["num_heads"] // spec["num_kv_heads"], config["block_m"]
@@ -137,7 +140,7 @@ def query_tile_keys(spec: dict, config: dict, dims: dict, L: int, window: int | 
     for m in range(math.ceil(q * g / bm)):
         first, last = m * bm // g, min(q, -(-(m + 1) * bm // g)) - 1
         end = L - q + last + 1 if causal else L
-        keys.append((max(0, L - q + first - window + 1) if window else 0, end))
+        keys.append((first_key(max(0, L - q + first), window, chunk), end))
     return keys[::-1] if config.get("query_order") == "longest_first" else keys
 
 
@@ -148,6 +151,7 @@ def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list
     units [z * chunk, (z + 1) * chunk) of its span, so a row may use fewer than S splits
     (its spare CTAs: 0 iterations, `cta_fixed_s`)."""
     window = _opt(spec, "sliding_window") or _opt(spec, "window") or None
+    attn_chunk = _opt(spec, "attention_chunk") or None
     n = grid[0] * grid[1] * grid[2]
     if family == "prefill":
         bm, sq, sk = config["block_m"], dims["seq_q"], dims["seq_k"]
@@ -155,7 +159,7 @@ def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list
         out = []
         for mb in range(grid[0]):
             end = min(sk, (mb + 1) * bm + sk - sq) if causal else sk
-            start = max(0, mb * bm + sk - sq - window + 1) if window else 0
+            start = first_key(max(0, mb * bm + sk - sq), window, attn_chunk)
             out += [max(0, math.ceil(end / kv_rows) - start // kv_rows)] * (grid[1] * grid[2])
         return out
     if family not in ("decode", "varlen", "mla"):
@@ -171,9 +175,9 @@ def cta_iterations(family: str, spec: dict, config: dict, dims: dict, grid: list
         full, seqs = kv_length(spec, dims), dims["batch"]
         if family == "decode":       # the query sits at L - 1
             tiles = grid[0] // spec.get("num_kv_heads", 1) if "block_n" in config else 1
-            rows, spans = seqs * tiles, [(max(0, full - window) if window else 0, full)] * (n // S)
+            rows, spans = seqs * tiles, [(full - visible_rows(full, window, attn_chunk), full)] * (n // S)
         else:
-            per_seq = query_tile_keys(spec, config, dims, full, window)
+            per_seq = query_tile_keys(spec, config, dims, full, window, attn_chunk)
             tiles, rows = len(per_seq), grid[0]
             spans = (per_seq * seqs * grid[1])[:min(n, seqs * tiles * grid[1]) // S]
     units = math.ceil(full / unit)   # the longest row's KV units: the batch pass's term

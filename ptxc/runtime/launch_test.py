@@ -146,6 +146,10 @@ def exercised_features(art, spec, dims: dict, inputs: dict) -> tuple[str, ...]:
     if window:
         out.append(f"keys outside the window ({longest} > {window})" if longest > window
                    else f"NOT keys outside the window ({longest} <= {window})")
+    chunk = opts.get("attention_chunk")
+    if chunk:
+        out.append(f"keys before the chunk ({longest} > {chunk})" if longest > chunk
+                   else f"NOT keys before the chunk ({longest} <= {chunk})")
     if "slot_mapping" in inputs:   # kv_append by slot: the pages its tokens land on
         ps = int(opts.get("page_size") or 16)
         slots = np.asarray(inputs["slot_mapping"], np.int64)

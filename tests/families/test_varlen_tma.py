@@ -43,11 +43,12 @@ def build(tmp_path, layout, tile="", extra="", **case):
     return art, KernelSpec.from_dict(art.meta["spec"])
 
 
-def poison(inputs: dict, layout: str, lengths, window: int | None = None) -> dict:
+def poison(inputs: dict, layout: str, lengths, window: int | None = None,
+           chunk: int | None = None) -> dict:
     """NaN in every cache row at or past each sequence's L, and in every page that no
-    sequence's first cdiv(L, page_size) block-table entries name; with a sliding window also
-    in the pages wholly before the window of a sequence's first query (an engine may free
-    them)."""
+    sequence's first cdiv(L, page_size) block-table entries name; with a sliding window (an
+    attention chunk) also in the pages wholly before the window (the chunk) of a sequence's
+    first query (an engine may free them)."""
     for t in ("k_cache", "v_cache"):
         cache = inputs[t]
         if layout == "contiguous":
@@ -57,7 +58,9 @@ def poison(inputs: dict, layout: str, lengths, window: int | None = None) -> dic
         ps = cache.shape[1]
         live = np.zeros(cache.shape[:2], bool)
         for b, (q_len, L) in enumerate(lengths):
-            lo = 0 if window is None else max(0, L - q_len - window + 1) // ps * ps
+            first = L - q_len                      # the first query's position
+            lo = max(0, first - window + 1 if window else 0, first // chunk * chunk if chunk else 0)
+            lo = lo // ps * ps
             for r in range(lo, L):
                 live[inputs["block_table"][b, r // ps], r % ps] = True
         cache[~live] = np.nan
@@ -66,7 +69,7 @@ def poison(inputs: dict, layout: str, lengths, window: int | None = None) -> dic
 
 def check_poisoned(art, spec, layout, lengths=LENGTHS, seed=0, target="sm_90a"):
     inputs = poison(ragged_inputs(spec, layout, lengths, seed), layout, lengths,
-                    spec.opt("sliding_window"))
+                    spec.opt("sliding_window"), spec.opt("attention_chunk"))
     assert np.isnan(inputs["v_cache"]).any()
     out = art.run(inputs, target=target)
     # the reference multiplies masked probabilities (0) by the rows before a window: it gets

@@ -87,7 +87,7 @@ class VarlenCtx(MaskPredicate):
         return self.variant.key_end(b, self.position(self.token(row)), self.kv_len)
 
     def key_begin(self, b: KernelBuilder, row: Reg) -> Reg | None:
-        if self.variant.window is None:
+        if not self.variant.bounded:
             return None
         return self.variant.key_begin(b, self.position(self.token(row)))
 
@@ -185,7 +185,7 @@ class PackedTile:
         """A sliding window: keys before the first token's window are needed by no row of the
         tile, so they are zero-filled rather than read (the first tile may start before it)."""
         ctx = self.ctx
-        return None if ctx.variant.window is None else ctx.b.max(ctx.key_begin(ctx.b, ctx.m_start), 0)
+        return None if not ctx.variant.bounded else ctx.b.max(ctx.key_begin(ctx.b, ctx.m_start), 0)
 
     def kv_rows(self, kv: KVAccess, bases: dict, cache: str, key_lo: Reg | None):
         """load_tile_rows' row_address for K/V rows through the layout's per-row addressing."""
@@ -247,7 +247,7 @@ def packed_tile_setup(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, 
     # A sliding window: tiles before the first token's window are never read; tiles before
     # the first one wholly inside the last token's window cross its left edge (masked).
     w_first = lo_full = None
-    if variant.window is not None:
+    if variant.bounded:
         w_first = b.min(variant.first_tile(b, ctx.position(ctx.token(m_start)), bn), n_vis)
         lo_full = variant.first_unmasked_tile(b, ctx.position(ctx.token(last_row)), bn)
     first = b.mov(0, U32) if w_first is None else w_first

@@ -75,7 +75,7 @@ class Ctx(MaskPredicate):
 
     def key_begin(self, b: KernelBuilder, row: Reg) -> Reg | None:
         """s32 first key query `row` sees (sliding window), or None."""
-        if self.variant.window is None:
+        if not self.variant.bounded:
             return None
         return self.variant.key_begin(b, b.add(b.bitcast(row, S32), self.key_offset))
 
@@ -186,7 +186,7 @@ def tile_range(b: KernelBuilder, spec: KernelSpec, bm: int, bn: int, m_start: Re
     n_tiles, n_full = b.div(b.add(visible, bn - 1), bn), b.div(full, bn)
     variant = AttentionVariant.from_spec(spec)
     first_tile = lo_full = None
-    if variant.window is not None:
+    if variant.bounded:
         if last_row is None:
             last_row = b.sub(b.min(b.add(m_start, bm), seq_q), 1)
         first_tile = variant.first_tile(b, b.add(b.bitcast(m_start, S32), key_offset), bn)

@@ -36,6 +36,10 @@ VARIANT_FIELDS = (
     Field("sliding_window", "int", "sliding-window attention: a query at position p sees key j "
           "iff p - j < sliding_window (the last W keys up to its own; needs causal)",
           default=None, check=_win_check, allowed=_win_allowed),
+    Field("attention_chunk", "int", "chunked local attention (Llama 4's attention_chunk_size, "
+          "FlashAttention-3's attention_chunk): a query at position p sees key j iff j >= C * "
+          "floor(p / C) (its own chunk of C keys, up to its own position; needs causal)",
+          default=None, check=_win_check, allowed=_win_allowed),
     Field("logits_soft_cap", "float", "soft-cap c: s <- c * tanh(s / c) after the softmax scale "
           "(Gemma 2: 50)", default=None, check=_cap_check, allowed=_cap_allowed),
     Field("head_dim_v", "int", "head size of V and O when it differs from Q/K's head_dim "
@@ -75,6 +79,10 @@ def validate_variant(spec, causal_option: bool = True, separate_v: bool = True) 
     if window is not None and causal_option and not spec.opt("causal"):
         raise SpecError(f"sliding_window = {window} needs causal = true (the window is the last "
                         f"{window} keys up to the query's own position)", key="sliding_window")
+    chunk = spec_option(spec, "attention_chunk")
+    if chunk is not None and causal_option and not spec.opt("causal"):
+        raise SpecError(f"attention_chunk = {chunk} needs causal = true (a query sees the keys of "
+                        f"its own chunk of {chunk} up to its own position)", key="attention_chunk")
 
 
 def spec_option(spec, key: str):
@@ -86,6 +94,7 @@ def variant_reference_args(spec, inputs: dict | None = None) -> dict:
     (runtime tensors from `inputs`)."""
     inputs = inputs or {}
     return {"window": spec_option(spec, "sliding_window"),
+            "chunk": spec_option(spec, "attention_chunk"),
             "soft_cap": spec_option(spec, "logits_soft_cap"),
             "sinks": inputs.get("sinks") if spec_option(spec, "attention_sinks") else None,
             "alibi_slopes": inputs.get("alibi_slopes") if spec_option(spec, "alibi") else None}
@@ -125,6 +134,7 @@ def variant_pointer_names(spec) -> list[str]:
 class AttentionVariant:
     causal: bool
     window: int | None = None
+    chunk: int | None = None  # attention_chunk: keys from the query's chunk start, C * floor(p / C)
     soft_cap: float | None = None
     sinks: bool = False
     alibi: bool = False
@@ -134,7 +144,7 @@ class AttentionVariant:
     @classmethod
     def from_spec(cls, spec) -> "AttentionVariant":
         return cls(causal=bool(spec_option(spec, "causal")), window=spec_option(spec, "sliding_window"),
-                   soft_cap=spec_option(spec, "logits_soft_cap"),
+                   chunk=spec_option(spec, "attention_chunk"), soft_cap=spec_option(spec, "logits_soft_cap"),
                    sinks=bool(spec_option(spec, "attention_sinks")), alibi=bool(spec_option(spec, "alibi")),
                    mask=None if spec_option(spec, "custom_mask") in (None, "none")
                    else spec_option(spec, "custom_mask"))
@@ -142,6 +152,12 @@ class AttentionVariant:
     @property
     def tree(self) -> bool:
         return self.mask == "tree"
+
+    @property
+    def bounded(self) -> bool:
+        """Whether a query's keys start after key 0 (a sliding window or a chunk): the one
+        lower bound `key_begin` gives, which every tile, row and page skip derives from."""
+        return self.window is not None or self.chunk is not None
 
     @property
     def transforms(self) -> bool:
@@ -154,14 +170,21 @@ class AttentionVariant:
         return b.min(kv_len, b.add(pos, 1))
 
     def key_begin(self, b: KernelBuilder, pos: Reg) -> Reg | None:
-        """s32 first key a query at position `pos` sees (may be < 0), or None: no lower bound."""
-        if self.window is None:
+        """s32 first key a query at position `pos` sees (may be < 0), or None: no lower bound.
+        Non-decreasing in pos (the tile bounds below rely on it): window pos - W + 1, chunk
+        C * floor(pos / C) (0 for pos < 0: such a row sees no key anyway), both: the later."""
+        if not self.bounded:
             return None
-        return b.sub(pos, self.window - 1)
+        begin = None if self.window is None else b.sub(pos, self.window - 1)
+        if self.chunk is not None:
+            start = b.mul(b.div(b.bitcast(b.max(pos, 0), U32), self.chunk), self.chunk)
+            start = b.bitcast(start, S32)
+            begin = start if begin is None else b.max(begin, start)
+        return begin
 
     def first_tile(self, b: KernelBuilder, first_pos: Reg, block: int) -> Reg | None:
         """u32 first KV tile of `block` keys that the query at `first_pos` (the tile's earliest
-        position) can see: tiles before it are never read. None without a window."""
+        position) can see: tiles before it are never read. None without a lower bound."""
         begin = self.key_begin(b, first_pos)
         if begin is None:
             return None
@@ -170,7 +193,7 @@ class AttentionVariant:
     def first_unmasked_tile(self, b: KernelBuilder, last_pos: Reg, block: int) -> Reg | None:
         """u32 first tile wholly inside the window of the query at `last_pos` (the tile's
         latest position, whose window starts last): earlier visited tiles cross a window's left
-        edge and run the mask. None without a window."""
+        edge and run the mask. None without a lower bound."""
         begin = self.key_begin(b, last_pos)
         if begin is None:
             return None
@@ -344,12 +367,14 @@ __all__ = ["AttentionVariant", "MaskPredicate", "MASK_BUFFERS", "mask_bytes_para
            "finish_rows", "load_head_f32"]
 
 
-WINDOW_REACH = 37   # keys beyond a sliding window in launch-test's default longest sequence
+WINDOW_REACH = 37   # keys beyond a sliding window / chunk in launch-test's default longest sequence
 
 
 def default_seq_len(spec, base: int) -> int:
     """launch-test's default longest key sequence: `base` (small, odd), or with a sliding window
-    W > base, W + 37 so that the longest row has keys outside its window (the default shapes
-    must reach every feature the spec enables; only that one row is long)."""
-    window = spec_option(spec, "sliding_window")
-    return max(base, int(window) + WINDOW_REACH) if window else base
+    W (or an attention chunk C) larger than it, W + 37 (C + 37) so that the longest row has
+    keys outside its window (before its chunk) — the default shapes must reach every feature
+    the spec enables; only that one row is long."""
+    reach = [int(spec_option(spec, k)) + WINDOW_REACH for k in ("sliding_window", "attention_chunk")
+             if spec_option(spec, k)]
+    return max([base, *reach])

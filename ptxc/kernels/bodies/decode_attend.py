@@ -43,7 +43,7 @@ def emit_attention(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, stride
     # The query sits at position L - 1: a sliding window starts the rows at its first key, so
     # rows (and pages) before it are never read and no row of the loop needs a window mask.
     win_begin = None
-    if variant.window is not None:
+    if variant.bounded:
         pos = b.sub(b.bitcast(seq_len, S32), 1)
         win_begin = b.bitcast(b.max(variant.key_begin(b, pos), 0), U32)
     row_begin, row_end = (b.mov(0, U32) if win_begin is None else win_begin), seq_len
