@@ -54,7 +54,31 @@ _SM100A = 'targets = ["sm_100a"]\n'  # rows for the sm_100a tcgen05 body (head_d
 _EVERY = "sliding_window = 128\nattention_sinks = true\nlogits_soft_cap = 30.0\nalibi = true\n"
 _SPLIT = 'num_splits = "auto"\nreturn_lse = true\n'
 _TREE = 'custom_mask = "tree"\n'
+_CHUNK = "attention_chunk = 8192\n"
+_EVERYC = _EVERY + "attention_chunk = 96\n"   # both lower bounds (window and chunk) and the rest
 OPTIONS = (
+    # attention_chunk (Llama 4): alone, and beside every other variant on each body -- mma.sync
+    # (default targets), sm_90a's one issuer / producer warpgroup / ping-pong / persistent CTAs,
+    # sm_100a's tcgen05 tiles, decode's packed tiles
+    ("prefill", True, _CHUNK, "chunk"),
+    ("prefill", True, _EVERYC + "return_lse = true\n", "everychunk"),
+    ("prefill", True, _EVERYC + _SM90A + '[kernel.tile]\nkv_loads = "tma"\nwarp_specialize = false\n',
+     "onechunk_90a"),
+    ("prefill", True, _EVERYC + _SM90A + "[kernel.tile]\npingpong = true\n", "ppchunk_90a"),
+    ("prefill", True, _EVERYC + _SM90A + "[kernel.tile]\npersistent = true\n", "perschunk_90a"),
+    ("prefill", True, _EVERYC + "return_lse = true\n" + _SM100A, "tcchunk_100a"),
+    ("prefill", True, _EVERYC + "return_lse = true\n" + _SM100A
+     + "[kernel.tile]\nq_tiles = 2\ncorrection = true\n", "tcq2crchunk_100a"),
+    ("varlen", True, _PAGED + _CHUNK, "chunk"),
+    ("varlen", True, _PAGED + _EVERYC + _SPLIT, "everychunk"),
+    ("varlen", True, _PAGED + _EVERYC + _SM90A + "[kernel.tile]\nwarp_specialize = true\n", "wschunk_90a"),
+    ("varlen", True, _PAGED + _EVERYC + _SM90A + "[kernel.tile]\nwarp_specialize = false\n", "onechunk_90a"),
+    ("varlen", True, _PAGED + _EVERYC + _SM100A + "[kernel.tile]\nwarp_specialize = true\n",
+     "tcwschunk_100a"),
+    ("decode", None, _PAGED + _CHUNK + _SPLIT, "chunk"),
+    ("decode", None, _PAGED + _EVERYC + _SPLIT + _SM90A + '[kernel.tile]\nkv_loads = "tma"\n', "wgchunk_90a"),
+    ("decode", None, _PAGED + _EVERYC + _SPLIT + _SM100A + '[kernel.tile]\nkv_loads = "tma"\n',
+     "tcchunk_100a"),
     ("prefill", True, "sliding_window = 1024\n", "win"),
     ("prefill", True, "logits_soft_cap = 50.0\n", "cap"),
     ("prefill", True, "attention_sinks = true\n", "sink"),
