@@ -15,6 +15,7 @@ from pathlib import Path
 from .. import __version__
 from ..errors import UserError
 from ..pipeline.artifacts import MANIFEST
+from ..runtime.dispatch import variant_keys
 from ..files import write_if_changed
 from .view import (ArtifactView, KernelView, TargetView, ctas_per_sm, dim_ranges, expr_code, image_facts, output_view,
                    rule_code, variant_text)
@@ -319,7 +320,7 @@ def render(out_dir: Path) -> str:
                              undefined=jinja2.StrictUndefined, autoescape=False)
     return env.get_template("kernels.h.j2").render(
         version=__version__, manifest_name=MANIFEST, artifacts=sections, guard="PTXC_KERNELS_H",
-        variants=[(a.name, c_key(variant_text(a.variant))) for a in views])
+        fields=c_key(",".join(variant_keys())), variants=[(a.name, c_key(variant_text(a.variant))) for a in views])
 
 
 def emit(out_dir: Path, dest: Path | None = None) -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 from .. import __version__
 from ..errors import UserError
 from ..pipeline.artifacts import MANIFEST
+from ..runtime.dispatch import variant_keys
 from ..files import write_if_changed
 from .view import (ArtifactView, KernelView, TargetView, ctas_per_sm, dim_ranges, expr_code, image_facts, output_view,
                    rule_code, variant_text)
@@ -285,7 +286,8 @@ def render(out_dir: Path, dest: Path) -> str:
                              undefined=jinja2.StrictUndefined, autoescape=False)
     return env.get_template("loaders.rs.j2").render(
         version=__version__, manifest_name=MANIFEST, count=len(views), artifacts=sections,
-        variants=[(a.name, rs_string(variant_text(a.variant))[1:-1]) for a in views])
+        variants=[(a.name, rs_string(variant_text(a.variant))[1:-1]) for a in views],
+        fields=[rs_string(f)[1:-1] for f in variant_keys()])
 
 
 def emit(out_dir: Path, dest: Path | None = None) -> Path:

@@ -7,8 +7,8 @@ misaligned pointer, a bad stride, a parameter out of range."""
 import pytest
 
 from stubcuda import harness
-from stubcuda.cases import (CASES, STUB_SMS, TARGETS, another_step, build_set, check_end_to_end, input_blob, prepare,
-                            shape_dims)
+from stubcuda.cases import (CASES, STUB_SMS, TARGETS, VARIANT_KEYS, another_step, build_set, check_end_to_end,
+                            input_blob, prepare, python_variant, shape_dims)
 
 from ptxc.emit.cheader import emit
 from ptxc.runtime import load
@@ -209,3 +209,31 @@ def test_a_refused_run_enqueues_nothing(built, tmp_path, perturb, message):
     rule = art.meta["dim_rules"]["num_splits"]["auto"]
     assert code == 1 and error.startswith(message.format(max=rule["max"])), error
     assert log.launches == []
+
+
+
+def test_c_variant_errors_are_pythons(built, tmp_path):
+    """An unknown field (a typo: "famly"), a part that is not field=value, spaces, not built and
+    ambiguous: ptxc_find_variant says what ptxc.runtime.find_variant says, word for word."""
+    import json
+    out, header, stub = built
+    calls = "".join(f'    i = ptxc_find_variant({json.dumps(k)}, e, sizeof e);\n'
+                    '    printf("%s\\n", i >= 0 ? ptxc_variant_names[i] : e);\n' for k in VARIANT_KEYS)
+    src = (f'#include <stdio.h>\n#include "{header}"\n'
+           f'int main(void) {{\n    static char e[16384];\n    int i;\n{calls}    return 0;\n}}\n')
+    lines = harness.compile_and_run(src, tmp_path, stub, cxx=False, args=[], env={}).splitlines()
+    assert lines == [python_variant(out, k) for k in VARIANT_KEYS]
+    assert lines[0].startswith("variant key: unknown field 'famly'; fields are family, dtype, head_dim, ")
+    assert lines[2] == "variant key 'family=decode,dtype': 'dtype' is not field=value"
+
+
+def test_c_variant_error_fits_a_small_buffer(built, tmp_path):
+    """A message longer than the caller's buffer is cut there, NUL-terminated."""
+    out, header, stub = built
+    src = (f'#include <stdio.h>\n#include <string.h>\n#include "{header}"\n'
+           'int main(void) {\n    char e[12]; memset(e, 1, sizeof e);\n'
+           '    int i = ptxc_find_variant("famly=decode", e, sizeof e);\n'
+           '    printf("%d|%s|%d\\n", i, e, (int)strlen(e));\n'
+           '    printf("%d\\n", ptxc_find_variant("famly=decode", NULL, 0));\n    return 0;\n}\n')
+    lines = harness.compile_and_run(src, tmp_path, stub, cxx=True, args=[], env={}).splitlines()
+    assert lines == ["-1|variant key|11", "-1"]

@@ -8,7 +8,8 @@ import pytest
 from conftest import require_rustc
 
 from stubcuda import harness
-from stubcuda.cases import CASES, STUB_SMS, another_step, build_set, check_end_to_end, input_blob, prepare, shape_dims
+from stubcuda.cases import (CASES, STUB_SMS, VARIANT_KEYS, another_step, build_set, check_end_to_end, input_blob,
+                            prepare, python_variant, shape_dims)
 
 from ptxc.emit.rust import emit
 from ptxc.runtime import load
@@ -122,3 +123,19 @@ def test_rust_resolve_dims_refuses_huge_dims_before_any_arithmetic(built, tmp_pa
            '        Ok(()) => println!("ok"),\n        Err(e) => println!("{} {}", e.code, e.message),\n    }\n}\n')
     stdout = harness.compile_rust_and_run(src, tmp_path, stub, args=[], env={})
     assert stdout.strip() == f"1 e2e_varlen: dim batch = {1 << 62} outside 0..2147483647"
+
+
+def test_rust_variant_errors_are_pythons(built, tmp_path):
+    """find_variant says what ptxc.runtime.find_variant says for an unknown field, a part that
+    is not field=value, spaces, not built and ambiguous keys; a malformed key is
+    CUDA_ERROR_INVALID_VALUE, a key no single artifact serves CUDA_ERROR_NOT_FOUND."""
+    import json
+    out, module, stub = built
+    calls = "".join(f'    match kernels::find_variant({json.dumps(k)}) {{\n'
+                    '        Ok(name) => println!("{}", name),\n'
+                    '        Err(e) => println!("{}|{}", e.code, e.message),\n    }\n' for k in VARIANT_KEYS)
+    src = f'#[path = "{module}"]\nmod kernels;\nfn main() {{\n{calls}}}\n'
+    lines = harness.compile_rust_and_run(src, tmp_path, stub, args=[], env={}).splitlines()
+    codes = [line.split("|", 1)[0] if "|" in line else None for line in lines]
+    assert [line.split("|", 1)[-1] for line in lines] == [python_variant(out, k) for k in VARIANT_KEYS]
+    assert codes == ["1", "1", "1", None, "500", "500", None, "500"]

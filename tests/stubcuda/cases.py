@@ -1,13 +1,17 @@
 """The artifact set the loader end-to-end tests build, and the checks they share (C and Rust)."""
 
+import json
+
 import numpy as np
 import pytest
 
 from stubcuda import harness
 
+from ptxc.errors import InputError
 from ptxc.kernels import FAMILIES
 from ptxc.pipeline.build import run_build
-from ptxc.runtime import launch_geometry, prepare_buffers
+from ptxc.runtime import launch_geometry, load, prepare_buffers
+from ptxc.runtime.dispatch import match, variant_of
 from ptxc.reference import from_device, max_abs_error, tolerance
 from ptxc.spec.model import KernelSpec
 
@@ -215,3 +219,17 @@ def check_end_to_end(art, prepared, result, log, target: str, image_kind: str, i
                           art.meta["tensors"][tensor]["dtype"])
         err, tol = max_abs_error(got, ref[tensor]), tolerance(naive[tensor], ref[tensor])
         assert err <= tol, f"{art.name} [{target}] {tensor}: max error {err:.3e} > {tol:.3e}"
+
+
+# keys the C and Rust lookups must answer as ptxc.runtime.find_variant does (its exact words)
+VARIANT_KEYS = ["famly=decode", "family=decode,heads=4", "family=decode,dtype", " family = decode , dtype = f16 ,,",
+                "family=decode,head_dim=128", "family=decode", "family=decode, append_kv=true,dtype=f16", ""]
+
+
+def python_variant(out, key: str) -> str:
+    """The artifact ptxc.runtime's lookup picks for `key` over build `out`, or its error line."""
+    names = json.loads((out / "manifest.json").read_text())["artifacts"]
+    try:
+        return match({n: variant_of(load(out / n).meta) for n in names}, key)
+    except InputError as e:
+        return str(e)
