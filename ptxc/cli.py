@@ -291,14 +291,17 @@ def pack(src, output):
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Header path [default: OUT_DIR/ptxc_kernels.h].")
+@click.option("--prefix", default=None,
+              help="Name of the header's variant lookup: ptxc_PREFIX_find_variant [default: set_ and a hash of "
+                   "its artifact names].")
 @handles_errors
-def emit_c_header(out_dir, output):
+def emit_c_header(out_dir, output, prefix):
     """Write a C loader header (per-target launch lists, image choice at load, preconditions)."""
     from .emit.cheader import emit
     if output is not None:
         from .pipeline.artifacts import ensure_output_file
         ensure_output_file(output, "--output")
-    click.echo(str(emit(out_dir, output)))
+    click.echo(str(emit(out_dir, output, prefix)))
 
 
 @main.command(name="emit-rust")

@@ -4,10 +4,13 @@ Per artifact: the dims and tensors structs, one table row per target (numeric or
 target's own entries and shared memory, and per target and launch a function that fills the
 exact parameter buffer (from the metadata ABI), evaluates that target's grid and launches;
 `load` picks the target for the device at load time, `run` checks the preconditions and runs the
-whole launch list. The fixed C helpers live in templates/kernels.h.j2."""
+whole launch list. The fixed C types and helpers live in templates/kernels_shared.h.j2, defined once
+per translation unit whatever the number of headers included (PTXC_LOADER_ABI: a hash of them);
+templates/kernels.h.j2 wraps them, each artifact and the header's variant table in guards."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -308,23 +311,70 @@ def check_names(views, sections) -> None:
             name = next(g for g in groups if g)
             if owner.setdefault(name, a.name) != a.name:
                 raise UserError(f"kernels {owner[name]!r} and {a.name!r} both generate the C identifier {name}; "
-                                f"rename one (or emit their headers from separate build directories)")
+                                f"rename one (or emit their headers from separate build directories, included in "
+                                f"separate translation units)")
 
 
-def render(out_dir: Path) -> str:
+def clashes(a: ArtifactView, section: str, names) -> list[tuple[str, str]]:
+    """(artifact, C identifier) for each artifact name of *another* header that would generate an
+    identifier of `a`'s (`x`'s graph_run is `x_graph`'s run): its guard turns that header meeting
+    this one into one #error. Taken from `a`'s own identifiers, on the rule that every artifact
+    defines the suffixes `a` does (load, run, graph_run, ...): a = b_w with b defining w_s where
+    `a` defines s, or b = a_w with `a` defining w_s where b defines s. Artifacts of this header are
+    left out (check_names refused every real collision among them)."""
+    head = f"ptxc_{a.name}_"
+    suffixes = {n[len(head):] for groups in _DEFINED.findall(section) for n in groups if n.startswith(head)}
+    found = {}
+    for s in sorted(suffixes):
+        parts = s.split("_")
+        for i in range(1, len(parts)):   # s = w_s2, s2 one of a's suffixes: b = a_w defines it as its s2
+            if "_".join(parts[i:]) in suffixes:
+                found.setdefault(f"{a.name}_{'_'.join(parts[:i])}", head + s)
+    words = a.name.split("_")
+    for i in range(1, len(words)):       # a = b_w: b's w_s is a's s
+        b, w = "_".join(words[:i]), "_".join(words[i:])
+        for s in sorted(suffixes):
+            if f"{w}_{s}" in suffixes:
+                found.setdefault(b, head + s)
+                break
+    return sorted((b, ident) for b, ident in found.items() if b not in names)
+
+
+PREFIX_RE = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
+GUARD_SLOT = "PTXC_KERNELS_GUARD_SLOT"
+
+
+def default_prefix(names) -> str:
+    """The name of a header's variant table when no --prefix is given: `set_` and 8 hex digits
+    of the SHA-256 of its artifact names (sorted, joined by ','), the same for every header of the
+    same set of artifacts -- headers that may be included together have disjoint sets."""
+    return "set_" + hashlib.sha256(",".join(sorted(names)).encode()).hexdigest()[:8]
+
+
+def render(out_dir: Path, prefix: str | None = None) -> str:
     import jinja2
+    if prefix is not None and not PREFIX_RE.match(prefix):
+        raise UserError(f"--prefix {prefix!r}: a lowercase C identifier is needed ([a-z][a-z0-9_]*, at most 64)")
     views = output_view(out_dir)
     sections = [render_artifact(a) for a in views]
     check_names(views, sections)
+    names = {a.name for a in views}
     env = jinja2.Environment(loader=jinja2.PackageLoader("ptxc", "templates"), keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined, autoescape=False)
-    return env.get_template("kernels.h.j2").render(
-        version=__version__, manifest_name=MANIFEST, artifacts=sections, guard="PTXC_KERNELS_H",
-        fields=c_key(",".join(variant_keys())), variants=[(a.name, c_key(variant_text(a.variant))) for a in views])
+    shared = env.get_template("kernels_shared.h.j2").render().rstrip("\n")
+    text = env.get_template("kernels.h.j2").render(
+        version=__version__, manifest_name=MANIFEST,
+        artifacts=[(a.name, section, clashes(a, section, names)) for a, section in zip(views, sections)],
+        guard=GUARD_SLOT, shared=shared, abi="0x" + hashlib.sha256(shared.encode()).hexdigest()[:8].upper(),
+        prefix=default_prefix(names) if prefix is None else prefix, fields=c_key(",".join(variant_keys())),
+        variants=[(a.name, c_key(variant_text(a.variant))) for a in views])
+    # the include guard names this header's content: the same header twice is one, two differ
+    guard = f"PTXC_KERNELS_{hashlib.sha256(text.encode()).hexdigest()[:16].upper()}_H"
+    return text.replace(GUARD_SLOT, guard)
 
 
-def emit(out_dir: Path, dest: Path | None = None) -> Path:
+def emit(out_dir: Path, dest: Path | None = None, prefix: str | None = None) -> Path:
     dest = dest or out_dir / "ptxc_kernels.h"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    write_if_changed(dest, render(out_dir).encode())
+    write_if_changed(dest, render(out_dir, prefix).encode())
     return dest

@@ -13,7 +13,7 @@ fields its family does not have are absent from its key.
     art = ptxc.runtime.find_variant("out", family="decode", dtype="f16", head_dim=128, kv_layout="paged")
     art = ptxc.runtime.find_variant("out", "family=prefill,head_dim=256,sliding_window=none")
 
-The generated C and Rust loaders carry the same table and field list (`ptxc_find_variant`,
+The generated C and Rust loaders carry the same table and field list (`ptxc_<prefix>_find_variant`,
 `find_variant`) and answer every key with the same words as `match`."""
 
 from __future__ import annotations
