@@ -89,15 +89,25 @@ def load_paths(paths: Iterable[str | Path], *, families: Mapping[str, Any]) -> l
     return specs
 
 
+# A spec directory is a project's, not a file system: `ptxc build /` (or a home directory) is
+# refused after this many entries instead of walking everything below it.
+MAX_SPEC_DIR_ENTRIES = 100_000
+
+
 def _toml_files(root: Path) -> list[Path]:
     """Every *.toml under `root`, sorted; a subdirectory that cannot be read is an error (a
-    silently skipped directory would silently drop kernels)."""
+    silently skipped directory would silently drop kernels), and so is a tree of more than
+    MAX_SPEC_DIR_ENTRIES entries."""
     import os
 
     def fail(e: OSError):
         raise SpecError(f"cannot read directory: {e.strerror}", file=str(e.filename))
-    found = []
+    found, seen = [], 0
     for dirpath, dirnames, filenames in os.walk(root, onerror=fail):
+        seen += len(dirnames) + len(filenames)
+        if seen > MAX_SPEC_DIR_ENTRIES:
+            raise SpecError(f"more than {MAX_SPEC_DIR_ENTRIES} entries under this directory: name the "
+                            f"spec files or the directory that holds them", file=str(root))
         dirnames.sort()
         found += [Path(dirpath, f) for f in filenames if f.endswith(".toml")]
     return sorted(found)

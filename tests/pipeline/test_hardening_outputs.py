@@ -156,3 +156,23 @@ def test_rebuild_refuses_a_recorded_spec_no_spec_file_could_give(built, tmp_path
     r = ptxc("verify", "--rebuild", out / "tiny")
     assert r.exit_code == 1 and "--rebuild: the recorded spec is invalid" in r.output, r.output
     assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("args", [("build", "{spec}", "-o", ""), ("verify", ""), ("emit-c-header", "{out}", "-o", " "),
+                                  ("report", "{out}", "--html", "")])
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(built, tmp_path, monkeypatch, args):
+    monkeypatch.chdir(tmp_path)
+    r = ptxc(*[a.format(spec=built / "tiny.toml", out=built / "out") for a in args])
+    one_line(r, 2, "empty path")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_spec_directory_of_a_whole_file_system_is_refused(tmp_path, monkeypatch):
+    import ptxc.spec.loader as loader
+    monkeypatch.setattr(loader, "MAX_SPEC_DIR_ENTRIES", 50)
+    for i in range(60):
+        (tmp_path / "tree" / f"d{i // 10}").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tree" / f"d{i // 10}" / f"f{i}.txt").write_text("")
+    r = ptxc("build", tmp_path / "tree", "-o", tmp_path / "out")
+    one_line(r, 2, "more than 50 entries", "name the spec files")
+    assert not (tmp_path / "out").exists()
