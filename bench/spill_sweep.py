@@ -39,6 +39,7 @@ FAMILIES = (
     ("varlen", ("f16", "bf16"), (True, False), 'num_heads = 8\nnum_kv_heads = 2\nkv_layout = "paged"\n'
                                               "page_size = 16\n"),
     ("kv_append", ("f16", "bf16", "f32"), (None,), 'num_kv_heads = 2\nkv_layout = "paged"\npage_size = 16\n'),
+    ("merge_states", ("f16", "bf16", "f32"), (None,), "num_heads = 8\nreturn_lse = true\n"),
 )
 
 # The head sizes engines use (vLLM's test sizes and the ends of the range): the options run over

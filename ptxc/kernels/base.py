@@ -32,6 +32,9 @@ class TensorInfo:
     passed_as: str | None = None      # the kernel reaches this tensor through that pointer array
     derived_from: str | None = None   # built by the runtime: per-batch device pointers into it
     prefix_sums: str | None = None    # values are prefix sums 0 .. <this dim> (cu_seqlens_q)
+    # read and written one element at a time (merge_states' lse): natural alignment and any
+    # element strides, even where its rows are whole 16-byte vectors
+    element_access: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = {"dtype": self.dtype, "shape": list(self.shape), "role": self.role}
@@ -43,6 +46,8 @@ class TensorInfo:
             d["derived_from"] = self.derived_from
         if self.prefix_sums:
             d["prefix_sums"] = self.prefix_sums
+        if self.element_access:
+            d["element_access"] = True
         if self.doc:
             d["doc"] = self.doc
         return d

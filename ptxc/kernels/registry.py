@@ -11,12 +11,14 @@ from ..spec import KernelSpec, loader
 from .base import Family
 from .families.decode import FAMILY as _DECODE
 from .families.kv_append import FAMILY as _KV_APPEND
+from .families.merge_states import FAMILY as _MERGE_STATES
 from .families.mla import FAMILY as _MLA
 from .families.mla_append import FAMILY as _MLA_APPEND
 from .families.prefill import FAMILY as _PREFILL
 from .families.varlen import FAMILY as _VARLEN
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (_DECODE, _PREFILL, _KV_APPEND, _VARLEN, _MLA, _MLA_APPEND)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (_DECODE, _PREFILL, _KV_APPEND, _VARLEN, _MLA, _MLA_APPEND,
+                                                   _MERGE_STATES)}
 
 
 def load_text(data: bytes | str, filename: str = "<string>") -> list[KernelSpec]:

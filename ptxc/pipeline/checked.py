@@ -94,7 +94,7 @@ TRUST = {
     "scalars.*.dtype": "re-derived", "scalars.*.doc": "re-derived",
     **{f"tensors.*.{k}": "re-derived"
        for k in ("shape", "dtype", "role", "doc", "passed_as", "derived_from", "device_resident",
-                 "prefix_sums", "preconditions", "preconditions.align_bytes",
+                 "element_access", "prefix_sums", "preconditions", "preconditions.align_bytes",
                  "preconditions.stride_multiple", "preconditions.strided_axes")},
 }
 

@@ -19,7 +19,8 @@ from . import exprs
 # batch (varlen, and mla - varlen's kernel: mixed prefill/decode), single-token decode for uniform decode batches; prefill
 # grids are the step's own sequence lengths (no padding rule), so it is captured per shape only.
 FAMILY_CLASS = {"varlen": "ALWAYS", "mla": "ALWAYS", "decode": "UNIFORM_SINGLE_TOKEN_DECODE",
-                "kv_append": "UNIFORM_BATCH", "mla_append": "ALWAYS", "prefill": "NEVER"}
+                "kv_append": "UNIFORM_BATCH", "mla_append": "ALWAYS", "prefill": "NEVER",
+                "merge_states": "ALWAYS"}   # rows past a step's tokens merge the padding, in bounds
 # kv_append by slot_mapping: any mix of tokens, padded to the captured num_tokens with slot -1
 SLOT_MAPPED_CLASS = "ALWAYS"
 

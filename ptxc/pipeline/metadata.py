@@ -93,10 +93,12 @@ def tensor_preconditions(name: str, tensor: dict, tensors: dict, targets: dict) 
     accesses, so the base address must be 16-byte aligned and every free stride a whole number
     of vectors; other tensors need natural alignment. An axis is free (any stride) only when
     every launch that reaches the tensor takes that axis's stride as a parameter; every other
-    axis, the innermost included, must have the packed stride (product of the inner sizes)."""
+    axis, the innermost included, must have the packed stride (product of the inner sizes).
+    A tensor with `element_access` is read and written element by element: natural alignment."""
     size = ELEMENT_BYTES[tensor["dtype"]]
     row = tensor["shape"][-1] if tensor["shape"] else 1
-    vector = isinstance(row, int) and tensor["dtype"] != "u64" and (row * size) % VECTOR_BYTES == 0
+    vector = isinstance(row, int) and tensor["dtype"] != "u64" and (row * size) % VECTOR_BYTES == 0 \
+        and not tensor.get("element_access")
     handles = {name} | {n for n, t in tensors.items() if t.get("derived_from") == name}
     free: set[int] | None = None
     for t in targets.values():

@@ -21,7 +21,7 @@ from ..pipeline import exprs
 from .costs import launch_cost, resolve_dims, roofline
 from ..errors import InputError, UserError
 from .gpus import GPUS, get_gpu, models_for_target, sm_of_target
-from .loop_model import kv_reuse, kv_rows_per_iteration, loop_figures, loop_warps, main_loop
+from .loop_model import COPY_FAMILIES, kv_reuse, kv_rows_per_iteration, loop_figures, loop_warps, main_loop
 from .calibration import calibration_for
 from .launch_model import launch_list_seconds
 from ..targets import get_target, occupancy
@@ -135,8 +135,10 @@ def _launch_row(k: dict, target: str, dims: dict, sass: dict | None, why: str | 
 def _estimates(meta: dict, tinfo: dict, launches: list[dict], dims: dict, models, sass) -> list[dict]:
     """The calibrated whole-launch estimate (ptxc.report.launch_model) on every GPU model that has
     a calibration for the kernel's path (mma.sync and SIMT; wgmma + TMA; not tcgen05, which never
-    ran on hardware), with that calibration's measured error."""
-    if not sass:
+    ran on hardware), with that calibration's measured error. None for the families without an
+    attention loop (copies and merges): no timed kernel calibrates them, and the model's fixed
+    launch term alone would understate a large one (the roofline bound stands for them)."""
+    if not sass or meta["family"] in COPY_FAMILIES:
         return []
     config = tinfo.get("config", {})
     loops = {k["entry"]: main_loop(sass.get(k["entry"]), k, meta, config) for k in tinfo["kernels"]}

@@ -58,6 +58,7 @@ DEFAULT_DIMS = {
     "varlen": {"batch": 16, "total_q": 64, "kv_len": 4096},
     "mla": {"batch": 64, "total_q": 64, "kv_len": 4096},       # batch-64 single-token decode
     "mla_append": {"num_tokens": 64, "num_pages": 4096, "max_position": 4096},
+    "merge_states": {"num_tokens": 4096},    # a prefill chunk's rows
 }
 KNOWN_DIMS = {"batch", "max_seq_len", "seq_q", "seq_k", "num_pages", "max_pages_per_seq",
               "num_splits", "num_new", "total_q", "max_position", "num_tokens"}
@@ -271,7 +272,17 @@ def mla_append_cost(meta: dict, config: dict, dims: dict) -> Cost:
     return Cost(0, n * (row + 8) + rope, "simt", dict(dims))
 
 
+def merge_states_cost(meta: dict, config: dict, dims: dict) -> Cost:
+    """Both states' o and lse read, the merged o (and lse) written: 5 FLOPs an element."""
+    spec = meta["spec"]
+    rows = dims["num_tokens"] * spec["num_heads"]
+    o = rows * spec["head_dim"] * ELEMENT_BYTES[spec["dtype"]]
+    lse = rows * LSE_BYTES * (3 if spec.get("return_lse") else 2)
+    return Cost(5 * rows * spec["head_dim"], 3 * o + lse, "simt", dict(dims))
+
+
 COST_MODELS: dict[str, Callable[[dict, dict, dict], Cost]] = {
+    "merge_states": merge_states_cost,
     "mla": mla_cost,
     "mla_append": mla_append_cost,
     "decode": decode_cost,

@@ -21,7 +21,7 @@ from ..pipeline.metadata import ELEMENT_BYTES
 from .loops import HMMA_16816_FLOPS
 
 BOUNDS = ("issue", "tensor", "fp32", "bandwidth", "latency")
-COPY_FAMILIES = ("kv_append", "mla_append")   # no attention loop: rows copied once
+COPY_FAMILIES = ("kv_append", "mla_append", "merge_states")   # no attention loop: rows copied once
 
 
 def kv_rows_per_iteration(family: str, config: dict, entry: str) -> int | None:
