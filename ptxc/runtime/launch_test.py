@@ -181,6 +181,9 @@ def exercised_features(art, spec, dims: dict, inputs: dict) -> tuple[str, ...]:
             out.append(key if opts[key] is True else f"{key}={opts[key]}")
     if opts.get("kv_dtype") in ("e4m3", "e5m2"):
         out.append(f"fp8 cache ({opts['kv_dtype']})")
+    if "lse_a" in inputs and "lse_b" in inputs:   # merge_states: empty states (lse +-inf)
+        empty = sum(int(np.isinf(np.asarray(inputs[t])).sum()) for t in ("lse_a", "lse_b"))
+        out.append(f"{empty} empty states (lse +-inf)" if empty else "NOT empty states")
     return tuple(out)
 
 
