@@ -18,6 +18,7 @@ from ptxc.kernels import FAMILIES, load_text
 from ptxc.spec.model import KernelSpec
 from families.prefill_cases import check, spec_text
 from families.test_varlen_tma import check_poisoned, spec_body
+from families.test_varlen_wgmma import LENGTHS
 
 pytest.importorskip("ptxc.emu", reason="the emulator is needed for numerical checks")
 SLOW = pytest.mark.slow
@@ -63,12 +64,15 @@ def test_prefill(dtype, heads, extra, tile, target, shapes):
      "sm_100a", "\nattention_chunk = 48"),
 ], ids=["mma-split3-c24", "sm90a-tma-ws-c32-w40", "sm100a-tcgen05-c48"])
 def test_varlen_ragged_batch_with_nan_before_the_chunk(tmp_path, layout, tile, case, target, extra):
-    """Lengths 0 / 1 / 17 / 113 with chunks of q_len > 1; NaN at and past every L and in the
-    pages wholly before each sequence's first query's chunk."""
+    """Lengths 0 / 1 / 17 / 113 with chunks of q_len > 1, and queries on each side of a chunk
+    start (a token at position C, at 2C - 1 and 2C, a chunk of C + 6 tokens across 2C); NaN at
+    and past every L and in the pages wholly before each sequence's first query's chunk."""
     art = build_kernel(tmp_path, "varlen", spec_body(layout, **case) + extra, tile=tile,
                        targets=(target,))
     spec = KernelSpec.from_dict(art.meta["spec"])
-    check_poisoned(art, spec, layout, target=target)
+    c = spec.opt("attention_chunk")
+    lengths = LENGTHS + [(1, c + 1), (1, c), (2, 2 * c + 1), (c + 6, min(120, 2 * c + 10))]
+    check_poisoned(art, spec, layout, lengths=lengths, target=target)
 
 
 def _decode_poisoned(spec, dims, chunk, seed=0):

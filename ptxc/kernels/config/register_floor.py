@@ -78,20 +78,16 @@ SPILLING_SHAPES = frozenset({
     "varlen/f16/88/causal/sm_80/win+sink", "varlen/f16/96/causal/sm_80/win+sink",
     # sm_100a's mma.sync tile (head dims tcgen05 does not take) with every variant
     "varlen/f16/32/causal/sm_100a/win+cap+sink+alibi",
-    # attention_chunk: its per-row first key (a division ptxas keeps live rather than recompute)
-    "prefill/f16/128/causal/sm_80/chunk",
-    "prefill/f16/104/causal/sm_80/win+chunk+cap+sink+alibi+lse",
-    "prefill/f16/112/causal/sm_80/win+chunk+cap+sink+alibi+lse",
+    # attention_chunk: its per-row bounds at ptxas's tighter caps (sweep: 13 shapes)
     "prefill/f16/120/causal/sm_80/win+chunk+cap+sink+alibi+lse",
     "prefill/f16/128/causal/sm_80/win+chunk+cap+sink+alibi+lse",
-    "varlen/f16/16/causal/sm_89/chunk", "varlen/f16/16/causal/sm_90/chunk",
-    "varlen/f16/24/causal/sm_89/chunk", "varlen/f16/72/causal/sm_90/chunk",
-    "varlen/f16/88/causal/sm_120/chunk", "varlen/f16/88/causal/sm_80/chunk",
-    "varlen/f16/96/causal/sm_80/chunk",
-    "varlen/f16/176/causal/sm_80/win+chunk+cap+sink+alibi+lse+split",
-    "varlen/f16/200/causal/sm_90/win+chunk+cap+sink+alibi+lse+split",
-    "varlen/f16/64/causal/sm_80/win+chunk+cap+sink+alibi+lse+split",
-
+    "prefill/f16/24/causal/sm_120/win+chunk+cap+sink+alibi+lse",
+    "varlen/f16/16/causal/sm_80/chunk", "varlen/f16/16/causal/sm_89/chunk",
+    "varlen/f16/16/causal/sm_90/chunk", "varlen/f16/24/causal/sm_80/chunk",
+    "varlen/f16/24/causal/sm_89/chunk", "varlen/f16/80/causal/sm_89/chunk",
+    "varlen/f16/88/causal/sm_89/chunk", "varlen/f16/96/causal/sm_90/chunk",
+    "varlen/f16/184/causal/sm_90/win+chunk+cap+sink+alibi+lse+split",
+    "varlen/f16/184/causal/sm_90a/win+chunk+cap+sink+alibi",
     # mla (keyed as its varlen view): the paged tile's page-id registers at 128 registers
     "mla/f16/160/causal/sm_80/dv128", "mla/f16/176/causal/sm_80/dv128", "mla/f16/192/causal/sm_80/dv128",
     "mla/f16/208/causal/sm_80/dv128", "mla/f16/224/causal/sm_80/dv128", "mla/f16/240/causal/sm_80/dv128",

@@ -25,6 +25,9 @@ SHORT_WINDOW_TILES = 4   # a sliding window under this many key tiles keeps the 
 SHORT_WINDOW_BLOCK_M = 64   # ... on query tiles of one warpgroup
 PERSISTENT_MAX_HEAD_DIM = 192   # tile.persistent: wider heads take ...
 PERSISTENT_WIDE_BLOCK_N = 32    # ... 32-key tiles (64 spill: configure)
+# ... and 16 with an attention chunk (ptxas 13.5 spilled 8 bytes with 32 beside every other variant
+# at d256: the chunk's bound, the window's, sinks, soft-cap and ALiBi in 168 registers)
+PERSISTENT_CHUNK_BLOCK_N = 16
 D64_WS_STAGES = 4        # the warp-specialised d64 tile's default stages (timed, see configure)
 
 
@@ -127,7 +130,7 @@ def configure(spec: KernelSpec, target: Target) -> WgmmaConfig:
     if given.get("persistent") and max(d, dv) > PERSISTENT_MAX_HEAD_DIM:
         # a persistent CTA's tile loop keeps its state live through the consumers' loop: at
         # d256 the 64-key tile's accumulators leave no room (256 bytes spilled), 32 keys do
-        bn = PERSISTENT_WIDE_BLOCK_N
+        bn = PERSISTENT_CHUNK_BLOCK_N if spec_option(spec, "attention_chunk") else PERSISTENT_WIDE_BLOCK_N
     bm, bn, stages = given.get("block_m", bm), given.get("block_n", bn), given.get("num_stages", stages)
     loads = given.get("kv_loads", "tma")
     window = spec_option(spec, "sliding_window")

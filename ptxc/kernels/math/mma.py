@@ -86,8 +86,13 @@ class MmaMath:
         two_t = b.bitcast(b.shl(t, 1), S32)
         self.two_t = two_t
         self.limits = [b.sub(ctx.key_limit(b, r), two_t) for r in self.rows]   # keys < limit - 2t
-        begins = [ctx.key_begin(b, r) for r in self.rows]                     # keys >= begin - 2t
-        self.begins = None if begins[0] is None else [b.sub(x, two_t) for x in begins]
+        # An attention chunk's first key (C * floor(p / C)) is a division ptxas keeps live per row
+        # rather than recompute, and spilled for: where a row's key limit is its position + 1
+        # (causal, no tree) the mask, which only tiles crossing a bound run, recomputes it
+        v = ctx.variant
+        self.begin_from_limit = v.chunk is not None and v.causal and not v.tree
+        begins = [None] if self.begin_from_limit else [ctx.key_begin(b, r) for r in self.rows]
+        self.begins = None if begins[0] is None else [b.sub(x, two_t) for x in begins]   # keys >= begin - 2t
         self.unit = 1.0 / ctx.spec.softmax_scale        # scores are raw q·k (variant transforms)
         # The custom mask's predicate (packed_tile.VarlenCtx.key_hidden): per-row state, and
         # the lane's first draft key offset (key0 is added per tile)
@@ -220,6 +225,10 @@ class MmaMath:
             mt, r = divmod(i, 2)
             rel = b.sub(self.limits[i], b.bitcast(key0, S32))
             rel_begin = None if self.begins is None else b.sub(self.begins[i], b.bitcast(key0, S32))
+            if self.begin_from_limit:   # p = (limit - 2t) + 2t - 1
+                pos = b.add(self.limits[i], b.sub(self.two_t, 1))
+                begin = b.sub(self.ctx.variant.key_begin(b, pos), self.two_t)
+                rel_begin = b.sub(begin, b.bitcast(key0, S32))
             k0 = None if self.mask_rows is None else b.add(self.mask_key, b.bitcast(key0, S32))
             window = None
             for jn, acc in enumerate(s[mt * nt:(mt + 1) * nt]):
