@@ -98,7 +98,7 @@ def test_violated_precondition_is_an_error_not_a_launch(built, tmp_path, perturb
     assert log.launches == []
 
 
-@pytest.mark.parametrize("name", ["e2e_varlen", "e2e_paged_fused", "e2e_mla"])
+@pytest.mark.parametrize("name", ["e2e_varlen", "e2e_paged_fused", "e2e_mla", "e2e_merge"])
 def test_graph_run_enqueues_the_same_launches_for_every_step(built, tmp_path, name):
     """ptxc_<a>_graph_run at the capture maxima: two steps with different compositions (the
     ragged batch rotated; half the decodes absent) enqueue byte-identical launches -- one
@@ -142,8 +142,9 @@ def test_c_variant_dispatcher(built, tmp_path):
            '    printf("%d|%s\\n", i, e);\n    return 0;\n}\n')
     lines = harness.compile_and_run(src, tmp_path, stub, cxx=True, args=[], env={}).splitlines()
     assert lines[0] == "e2e_paged_fused"
-    assert lines[1].startswith("-1|not built: family=decode,head_dim=128; built variants are e2e_mla: "
-                               "family=mla,dtype=bf16,head_dim=144,")   # in name order
+    assert lines[1].startswith("-1|not built: family=decode,head_dim=128; built variants are e2e_merge: "
+                               "family=merge_states,dtype=bf16,head_dim=64,")   # in name order
+    assert "; e2e_mla: family=mla,dtype=bf16,head_dim=144," in lines[1]
     assert "; e2e_paged_fused: family=decode,dtype=f16,head_dim=64," in lines[1]
     assert "; e2e_prefill: family=prefill,dtype=f16,head_dim=64,num_heads=4,num_kv_heads=2," in lines[1]
     prefill_key = lines[1].split("; e2e_prefill: ")[1].split(";")[0].split(",")

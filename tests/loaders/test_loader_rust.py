@@ -109,7 +109,7 @@ def test_rust_variant_dispatcher(built, tmp_path):
            '    println!("{}|{}", e.code, e.message);\n}\n')
     lines = harness.compile_rust_and_run(src, tmp_path, stub, args=[], env={}).splitlines()
     assert lines[0] == "e2e_prefill"
-    assert lines[1].startswith("500|not built: family=decode,dtype=f32; built variants are e2e_mla: ")
+    assert lines[1].startswith("500|not built: family=decode,dtype=f32; built variants are e2e_merge: ")
     assert "; e2e_paged_fused: " in lines[1]
 
 

@@ -107,6 +107,12 @@ page_size = 16
 kv_dtype = "e4m3_ds"
 sparse_topk = 24
 topk_length = true
+
+[[kernel]]
+name = "e2e_merge"
+family = "merge_states"
+dtype = "bf16"
+return_lse = true
 '''
 
 # One entry per family case: artifact name and small odd shapes. A new family is one more
@@ -121,6 +127,7 @@ CASES = {
     "e2e_varlen_tree": {"batch": 11, "max_pages_per_seq": 3, "num_pages": 35},
     "e2e_mla": {"batch": 9, "max_pages_per_seq": 5, "num_pages": 50},
     "e2e_mla_ds": {"total_q": 5, "num_pages": 4},
+    "e2e_merge": {"num_tokens": 13},
 }
 
 
@@ -160,8 +167,10 @@ def next_step(inputs: dict) -> dict:
     """A second engine step under the same capture maxima (the same shapes): the sequences of a
     ragged batch rotated (query rows, lengths and block-table rows move together, so total_q
     and every page's owner are kept), or, for decode, every other sequence absent (seq_len 0,
-    append position -1)."""
+    append position -1); merge_states' tokens rotated."""
     step = {k: np.array(v, copy=True) for k, v in inputs.items()}
+    if "lse_a" in step:   # merge_states: other states in the same buffers (tokens rotated)
+        return {k: np.roll(v, 1, axis=0) for k, v in step.items()}
     if "cu_seqlens_q" in step:
         q_lens = np.roll(np.diff(step["cu_seqlens_q"]), 1)
         step["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
