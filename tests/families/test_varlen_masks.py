@@ -34,7 +34,7 @@ def test_tree_batch_matches_reference(tmp_path, case):
     assert_pass(check_artifact(art, backend="emu", shapes={"batch": 11}, seed=3))
 
 
-@pytest.mark.parametrize("extra", ["sliding_window = 7", "attention_sinks = true\nalibi = true",
+@pytest.mark.parametrize("extra", ["sliding_window = 7", "attention_chunk = 12", "attention_sinks = true\nalibi = true",
                                    "logits_soft_cap = 30.0"])
 def test_tree_composes_with_variants(tmp_path, extra):
     art = build_kernel(tmp_path, "varlen", body(head_dim=24, gqa="gqa4", layout="page16") + TREE + "\n" + extra)
