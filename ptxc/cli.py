@@ -19,7 +19,7 @@ from . import __version__
 MAX_ERROR_CHARS = 2000   # an error echoes user input; never unboundedly much of it
 
 
-class Path_(click.Path):
+class NonEmptyPath(click.Path):
     """click.Path that refuses an empty value: `-o ''` is Path('.'), the current directory,
     which no one means (a build would write its artifacts wherever the shell stands)."""
 
@@ -105,8 +105,8 @@ def main():
 
 
 @main.command()
-@click.argument("paths", nargs=-1, required=True, type=Path_(path_type=Path))
-@click.option("--out", "-o", type=Path_(path_type=Path), default=Path("out"), show_default=True,
+@click.argument("paths", nargs=-1, required=True, type=NonEmptyPath(path_type=Path))
+@click.option("--out", "-o", type=NonEmptyPath(path_type=Path), default=Path("out"), show_default=True,
               help="Output directory for artifact sets.")
 @click.option("--target", "targets", multiple=True, help="Build for these targets instead of the specs' own.")
 @click.option("--no-verify", is_flag=True, help="Skip ptxas (no cubins; metadata says verified: false).")
@@ -133,7 +133,7 @@ def build(paths, out, targets, no_verify, fatbin, jobs, as_json, no_cache, shard
 
 
 @main.command()
-@click.argument("paths", nargs=-1, required=True, type=Path_(exists=True, path_type=Path))
+@click.argument("paths", nargs=-1, required=True, type=NonEmptyPath(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @click.option("--rebuild", is_flag=True,
               help="Also rebuild every artifact from its recorded spec and compare byte for byte.")
@@ -156,7 +156,7 @@ def verify(paths, as_json, rebuild, allow_other_ptxas):
 
 
 @main.command()
-@click.argument("artifact_dir", type=Path_(exists=True, file_okay=False, path_type=Path))
+@click.argument("artifact_dir", type=NonEmptyPath(exists=True, file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the checked metadata as JSON on stdout.")
 @handles_errors
 def inspect(artifact_dir, as_json):
@@ -216,7 +216,7 @@ def cache_clear():
 
 
 @main.command(name="launch-test")
-@click.argument("paths", nargs=-1, required=True, type=Path_(exists=True, path_type=Path))
+@click.argument("paths", nargs=-1, required=True, type=NonEmptyPath(exists=True, path_type=Path))
 @click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True,
               help="Where to run: the PTX emulator, a CUDA device, or CUDA when one is present.")
 @click.option("--shape", "shapes", multiple=True, help="Runtime dims, e.g. --shape batch=2,max_seq_len=113.")
@@ -242,17 +242,17 @@ def launch_test(paths, backend, shapes, targets, seed, as_json):
 
 
 @main.command()
-@click.argument("artifact_dir", type=Path_(exists=True, file_okay=False, path_type=Path))
-@click.option("--inputs", "inputs_path", required=True, type=Path_(exists=True, dir_okay=False, path_type=Path),
+@click.argument("artifact_dir", type=NonEmptyPath(exists=True, file_okay=False, path_type=Path))
+@click.option("--inputs", "inputs_path", required=True, type=NonEmptyPath(exists=True, dir_okay=False, path_type=Path),
               help=".npz with one array per input tensor (names as in `ptxc inspect`).")
-@click.option("--output", "output_path", required=True, type=Path_(dir_okay=False, path_type=Path),
+@click.option("--output", "output_path", required=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               help=".npz to write the output tensors to.")
 @click.option("--target", default=None, help="Which target's PTX/cubin [default: oldest built].")
 @click.option("--backend", type=click.Choice(["auto", "emu", "cuda"]), default="auto", show_default=True,
               help="Where to run: the PTX emulator, a CUDA device, or CUDA when one is present.")
 @click.option("--set", "sets", multiple=True,
               help="Runtime dims not inferable from inputs, or runtime scalars (k_scale): name=value.")
-@click.option("--record-launches", "record_path", default=None, type=Path_(dir_okay=False, path_type=Path),
+@click.option("--record-launches", "record_path", default=None, type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Also write every launch (entry, grid, block, dynamic smem, parameter bytes with "
                    "device pointers as [buffer, byte offset]) to this JSON file.")
 @handles_errors
@@ -272,8 +272,8 @@ def run(artifact_dir, inputs_path, output_path, target, backend, sets, record_pa
 
 
 @main.command()
-@click.argument("inputs", nargs=-1, required=True, type=Path_(exists=True, file_okay=False, path_type=Path))
-@click.option("--out", "-o", required=True, type=Path_(file_okay=False, path_type=Path),
+@click.argument("inputs", nargs=-1, required=True, type=NonEmptyPath(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", "-o", required=True, type=NonEmptyPath(file_okay=False, path_type=Path),
               help="Output directory to merge into (created if missing).")
 @handles_errors
 def merge(inputs, out):
@@ -284,8 +284,8 @@ def merge(inputs, out):
 
 
 @main.command()
-@click.argument("src", type=Path_(exists=True, file_okay=False, path_type=Path))
-@click.option("--output", "-o", required=True, type=Path_(dir_okay=False, path_type=Path),
+@click.argument("src", type=NonEmptyPath(exists=True, file_okay=False, path_type=Path))
+@click.option("--output", "-o", required=True, type=NonEmptyPath(dir_okay=False, path_type=Path),
               help="Path of the .tar.gz to write.")
 @handles_errors
 def pack(src, output):
@@ -298,8 +298,8 @@ def pack(src, output):
 
 
 @main.command(name="emit-c-header")
-@click.argument("out_dir", type=Path_(exists=True, file_okay=False, path_type=Path))
-@click.option("--output", "-o", type=Path_(dir_okay=False, path_type=Path), default=None,
+@click.argument("out_dir", type=NonEmptyPath(exists=True, file_okay=False, path_type=Path))
+@click.option("--output", "-o", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
               help="Header path [default: OUT_DIR/ptxc_kernels.h].")
 @click.option("--prefix", default=None,
               help="Name of the header's variant lookup: ptxc_PREFIX_find_variant [default: set_ and a hash of "
@@ -315,8 +315,8 @@ def emit_c_header(out_dir, output, prefix):
 
 
 @main.command(name="emit-rust")
-@click.argument("out_dir", type=Path_(exists=True, file_okay=False, path_type=Path))
-@click.option("--output", "-o", type=Path_(dir_okay=False, path_type=Path), default=None,
+@click.argument("out_dir", type=NonEmptyPath(exists=True, file_okay=False, path_type=Path))
+@click.option("--output", "-o", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
               help="Module path [default: OUT_DIR/ptxc_kernels.rs]; images are embedded relative to it.")
 @handles_errors
 def emit_rust(out_dir, output):
@@ -331,15 +331,15 @@ def emit_rust(out_dir, output):
 # --- performance: static report (no GPU), GPU bench and tuner (docs/performance.md) ---
 
 @main.command()
-@click.argument("paths", nargs=-1, required=True, type=Path_(exists=True, file_okay=False, path_type=Path))
+@click.argument("paths", nargs=-1, required=True, type=NonEmptyPath(exists=True, file_okay=False, path_type=Path))
 @click.option("--shape", "shapes", multiple=True,
               help="Runtime dims for the cost model, e.g. --shape batch=32,max_seq_len=8192.")
 @click.option("--gpu", "gpus", multiple=True,
               help="Roofline on these GPU models (ptxc/report/gpus.py) [default: the models of each target's SM].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-@click.option("--html", "html_path", type=Path_(dir_okay=False, path_type=Path), default=None,
+@click.option("--html", "html_path", type=NonEmptyPath(dir_okay=False, path_type=Path), default=None,
               help="Also write a self-contained HTML page with roofline plots.")
-@click.option("--measured", multiple=True, type=Path_(exists=True, dir_okay=False, path_type=Path),
+@click.option("--measured", multiple=True, type=NonEmptyPath(exists=True, dir_okay=False, path_type=Path),
               help="`ptxc bench --json` output whose ptxc rows are drawn on the rooflines.")
 @click.option("--no-sass", is_flag=True, help="Skip the SASS instruction mix (nvdisasm).")
 @handles_errors
@@ -363,7 +363,7 @@ def report(paths, shapes, gpus, as_json, html_path, measured, no_sass):
 
 
 @main.command(name="bench")
-@click.argument("paths", nargs=-1, required=True, type=Path_(exists=True, path_type=Path))
+@click.argument("paths", nargs=-1, required=True, type=NonEmptyPath(exists=True, path_type=Path))
 @click.option("--shape", "shapes", multiple=True, help="Runtime dims, e.g. --shape batch=4,seq_q=4096,seq_k=4096.")
 @click.option("--target", default=None, help="Which target's image [default: the device's SM].")
 @click.option("--warmup", type=click.IntRange(0, 10000), default=10, show_default=True, help="Untimed runs first.")
@@ -387,10 +387,10 @@ def bench_cmd(paths, shapes, target, warmup, repeat, flush, no_compare, as_json)
 
 
 @main.command()
-@click.argument("paths", nargs=-1, required=True, type=Path_(exists=True, path_type=Path))
+@click.argument("paths", nargs=-1, required=True, type=NonEmptyPath(exists=True, path_type=Path))
 @click.option("--target", default=None, help="Target to tune [default: the spec's target for the device's SM].")
 @click.option("--shape", "shapes", multiple=True, help="Runtime dims to tune at.")
-@click.option("--out", "out_dir", type=Path_(file_okay=False, path_type=Path), default=None,
+@click.option("--out", "out_dir", type=NonEmptyPath(file_okay=False, path_type=Path), default=None,
               help="Directory of the tuned table [default: ptxc/tuned/ in the package].")
 @click.option("--warmup", type=click.IntRange(0, 1000), default=5, show_default=True, help="Untimed runs per candidate.")
 @click.option("--repeat", type=click.IntRange(1, 10000), default=20, show_default=True, help="Timed runs per candidate.")

@@ -26,7 +26,7 @@ from ...spec.fields import Field, FamilyFields, head_dim_range
 from ...spec.model import KernelSpec
 from ...targets import Target
 from .. import common as C
-from ..attention.softmax import safe_max
+from ..attention.softmax import log_sum_exp, normaliser, rescale_factor, safe_max
 from ..base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 
 _hd_check, _hd_allowed = head_dim_range(16, 512)
@@ -109,19 +109,18 @@ def build(spec: KernelSpec, target: Target) -> Program:
             total = b.mov(0.0, F32)
             acc = [b.mov(0.0, F32) for _ in range(fmt.per_vec)]
             for x in STATES:
-                w = b.ex2(b.sub(lse[x], m_use))
+                w = rescale_factor(b, lse[x], m_use)
                 b.add(total, w, out=total)
                 vals = C.to_f32(b, fmt, C.load_vec(b, fmt, Addr(b.add(row(f"o_{x}", head), b.bitcast(lane_byte, C.U64))),
                                                    b.setp("gt", w, 0.0)))   # an empty state's o: not read
                 for a, v in zip(acc, vals):
                     b.fma(v, w, a, out=a)
-            seen = b.setp("gt", total, 0.0)
-            inv = b.selp(b.rcp(total), 0.0, seen)
+            inv, seen = normaliser(b, total)
             out = [b.mul(a, inv) for a in acc]
             C.store_vec(b, fmt, Addr(b.add(row("o", head), b.bitcast(lane_byte, C.U64))),
                         C.from_f32(b, fmt, out, target))
             if has_lse:
-                merged = b.selp(b.mul(b.add(m, b.lg2(total)), C.LN2), C.NEG_INF, seen)
+                merged = log_sum_exp(b, m, total, seen)
                 with b.if_then(b.setp("eq", chunk, 0)):
                     b.st("global", F32, Addr(row("lse", head)), [merged])
     b.ret()

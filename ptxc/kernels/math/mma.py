@@ -91,8 +91,9 @@ class MmaMath:
         # (causal, no tree) the mask, which only tiles crossing a bound run, recomputes it
         v = ctx.variant
         self.begin_from_limit = v.chunk is not None and v.causal and not v.tree
-        begins = [None] if self.begin_from_limit else [ctx.key_begin(b, r) for r in self.rows]
-        self.begins = None if begins[0] is None else [b.sub(x, two_t) for x in begins]   # keys >= begin - 2t
+        begins = None if self.begin_from_limit else [ctx.key_begin(b, r) for r in self.rows]
+        self.begins = None if begins is None or begins[0] is None else \
+            [b.sub(x, two_t) for x in begins]                                   # keys >= begin - 2t
         self.unit = 1.0 / ctx.spec.softmax_scale        # scores are raw q·k (variant transforms)
         # The custom mask's predicate (packed_tile.VarlenCtx.key_hidden): per-row state, and
         # the lane's first draft key offset (key0 is added per tile)
@@ -211,6 +212,15 @@ class MmaMath:
             [(b.sub(rel, b.bitcast(key0, S32)), slope) for rel, slope in self.alibi]
         v.transform_scores(b, rows if v.alibi else s, key0, self.unit, alibi)
 
+    def _row_begin(self, i: int) -> Reg | None:
+        """Row i's first key less 2t (s32), or None without a lower bound: held, or for a chunk
+        recomputed from the row's key limit (p = (limit - 2t) + 2t - 1)."""
+        if not self.begin_from_limit:
+            return None if self.begins is None else self.begins[i]
+        b = self.b
+        pos = b.add(self.limits[i], b.sub(self.two_t, 1))
+        return b.sub(self.ctx.variant.key_begin(b, pos), self.two_t)
+
     def mask(self, s: list[list[Reg]], key0: Reg) -> None:
         """-inf where key (key0 + 8 jn + 2t + e) >= the row's key limit (or, with a sliding
         window, < the row's first key; with a custom mask, where variant.MaskPredicate hides it:
@@ -224,11 +234,9 @@ class MmaMath:
         for i in range(2 * self.mt):
             mt, r = divmod(i, 2)
             rel = b.sub(self.limits[i], b.bitcast(key0, S32))
-            rel_begin = None if self.begins is None else b.sub(self.begins[i], b.bitcast(key0, S32))
-            if self.begin_from_limit:   # p = (limit - 2t) + 2t - 1
-                pos = b.add(self.limits[i], b.sub(self.two_t, 1))
-                begin = b.sub(self.ctx.variant.key_begin(b, pos), self.two_t)
-                rel_begin = b.sub(begin, b.bitcast(key0, S32))
+            rel_begin = self._row_begin(i)
+            if rel_begin is not None:
+                rel_begin = b.sub(rel_begin, b.bitcast(key0, S32))
             k0 = None if self.mask_rows is None else b.add(self.mask_key, b.bitcast(key0, S32))
             window = None
             for jn, acc in enumerate(s[mt * nt:(mt + 1) * nt]):
