@@ -20,7 +20,9 @@ other keys are kept, entries of the tuned keys are replaced.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -78,7 +80,21 @@ def lookup(target: str, family: str, head_dim: int, causal: bool, dtype: str,
            device_name: str | None = None, tuned_dir: Path = TUNED_DIR) -> dict | None:
     """The tuned tile for a key on `target` (from the table of `device_name` if given, else the
     newest table for the target), or None. For the tile heuristics to consult."""
-    paths = [table_path(tuned_dir, target, device_name)] if device_name else \
+    try:   # a table written, replaced or removed changes the directory's mtime
+        stamp = os.stat(tuned_dir).st_mtime_ns
+    except OSError:
+        return None
+    tiles = _tiles(str(tuned_dir), stamp, target, device_name)
+    found = tiles.get((family, head_dim, bool(causal), dtype))
+    return dict(found) if found is not None else None
+
+
+@functools.lru_cache(maxsize=64)
+def _tiles(tuned_dir: str, stamp: int, target: str, device_name: str | None) -> dict[tuple, dict]:
+    """{entry key: tile} of `target`'s tables in `tuned_dir` as of mtime `stamp`, the newest
+    table's entry where several hold a key (every configure asks: reading the tables once per
+    directory state keeps the tile search from re-reading them hundreds of thousands of times)."""
+    paths = [table_path(Path(tuned_dir), target, device_name)] if device_name else \
         sorted(Path(tuned_dir).glob(f"{target}_*.json"))
     tables = []
     for p in paths:
@@ -86,12 +102,11 @@ def lookup(target: str, family: str, head_dim: int, causal: bool, dtype: str,
             tables.append(read_table(p))
         except (OSError, ValueError):
             continue
-    want = (family, head_dim, bool(causal), dtype)
+    out: dict[tuple, dict] = {}
     for table in sorted(tables, key=lambda t: t["date"], reverse=True):
         for e in table["entries"]:
-            if entry_key(e) == want:
-                return dict(e["tile"])
-    return None
+            out.setdefault(entry_key(e), e["tile"])
+    return out
 
 
 __all__ = ["FORMAT", "KEY_FIELDS", "TUNED_DIR", "device_slug", "entry_key", "lookup", "read_table",
