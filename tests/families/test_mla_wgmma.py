@@ -19,6 +19,11 @@ from ptxc.runtime.launch_test import check_artifact
 
 SM90A = ("sm_90a",)
 PATH = "wgmma.m64nNk16"
+# the long batches: up to 1008 keys in 16-row pages over 3 splits (> 10 tiles of 32 rows per
+# split: every stage buffer and mbarrier phase reused several times), and for the variants of
+# a loop one of them covers, up to 480 (> 4 tiles per split: every buffer reused)
+L1000 = {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}
+L480 = {"batch": 9, "max_pages_per_seq": 30, "num_pages": 290}
 CASES = {   # dense caches of the dtype: TMA boxes by default, cp.async with kv_loads = "cp_async";
     # split_scores (the warpgroups split Q·Kᵀ and exchange partial scores): the default with TMA
     # (3 stages), not with cp.async (4); the third field says which (None: the default)
@@ -36,9 +41,7 @@ CASES = {   # dense caches of the dtype: TMA boxes by default, cp.async with kv_
     # the race checker watches; with 16-row pages a TMA tile is two boxes a slab
     "h64-bf16-page16-3splits-L1000-tma": (dict(heads=64, splits=3, page=16),
                                           {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}, "tma", None),
-    "h64-bf16-page16-3splits-L1000-tma-unsplit": (dict(heads=64, splits=3, page=16),
-                                                  {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
-                                                  "tma", False),
+    "h64-bf16-page16-3splits-L480-tma-unsplit": (dict(heads=64, splits=3, page=16), L480, "tma", False),
     "h64-bf16-page16-3splits-L1000-cp_async": (dict(heads=64, splits=3, page=16),
                                                {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
                                                "cp_async", None),
@@ -54,7 +57,6 @@ CASES = {   # dense caches of the dtype: TMA boxes by default, cp.async with kv_
 # the dequantising warpgroup into a ring of three tiles by default, else (dequant_warpgroup =
 # false, and by TMA) by every warp into two alternating tiles; the fifth field: the
 # dequant_warpgroup given (None: the default)
-L1000 = {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}
 FP8_CASES = {
     "h128-e4m3-paged-auto": pytest.param((dict(heads=128, kv="e4m3"),
                                           {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21},
@@ -62,10 +64,10 @@ FP8_CASES = {
     "h64-e4m3-device-page16-3splits-L1000-tma": (dict(heads=64, kv="e4m3", scale="device", splits=3, page=16),
                                                  L1000, "tma", None, None),
     "h64-e4m3-page16-3splits-L1000": (dict(heads=64, kv="e4m3", splits=3, page=16), L1000, "cp_async", None, None),
-    "h64-e4m3-page16-3splits-L1000-fused": (dict(heads=64, kv="e4m3", splits=3, page=16), L1000, "cp_async",
-                                            None, False),
-    "h64-e4m3-device-page16-3splits-L1000-unsplit": (
-        dict(heads=64, kv="e4m3", scale="device", splits=3, page=16), L1000, "cp_async", False, None),
+    "h64-e4m3-page16-3splits-L480-fused": (dict(heads=64, kv="e4m3", splits=3, page=16), L480, "cp_async",
+                                           None, False),
+    "h64-e4m3-device-page16-3splits-L480-unsplit": (
+        dict(heads=64, kv="e4m3", scale="device", splits=3, page=16), L480, "cp_async", False, None),
     "h64-e4m3-page16-3splits-L1000-tma-unsplit": pytest.param(
         (dict(heads=64, kv="e4m3", splits=3, page=16), L1000, "tma", False, None), marks=pytest.mark.slow),
     "h128-f16-e4m3-contiguous-1": (dict(dtype="f16", heads=128, kv="e4m3", layout="contiguous", splits=1),
@@ -163,7 +165,7 @@ DS = {   # FlashMLA's fp8_ds_mla rows (656 bytes: e4m3 latent, 4 group scales, b
     "h128-paged-auto-fused": (ds_body(heads=128), {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}, False),
     "h128-sparse-top300-1split": (ds_body(heads=128, splits=1, extra="sparse_topk = 300\ntopk_length = true\n"),
                                   {"total_q": 5, "num_pages": 9}, None),
-    "h128-page16-3splits-L1000": (ds_body(heads=128, splits=3, page=16), L1000, None),
+    "h128-page16-3splits-L480": (ds_body(heads=128, splits=3, page=16), L480, None),
     "h128-page16-3splits-L1000-fused": pytest.param(
         (ds_body(heads=128, splits=3, page=16), L1000, False), marks=pytest.mark.slow),
 }
@@ -385,8 +387,7 @@ SEESAW = {
     "h64-bf16-page64-3splits": (dict(heads=64, splits=3),
                                 {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}),
     # 16-row tiles: one A fragment a hand-over, S as m64n16
-    "h64-bf16-page16-3splits-L1000-bn16": (dict(heads=64, splits=3, page=16),
-                                           {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}, 16),
+    "h64-bf16-page16-3splits-L480-bn16": (dict(heads=64, splits=3, page=16), L480, 16),
     "h128-bf16-page8-auto": pytest.param((dict(heads=128, page=8),
                                           {"batch": 9, "max_pages_per_seq": 16, "num_pages": 150}),
                                          marks=pytest.mark.slow),
