@@ -36,8 +36,8 @@ kv_append  FLOPs = 0
                    by slot mapping batch * num_new is num_tokens, + 8 bytes of slot (and of
                    RoPE position) per token
 
-`unit` says which peak bounds the math: "tensor" for the mma path, "simt" otherwise (decode
-does f32 FMAs on the CUDA cores whatever its storage dtype).
+`unit` says which peak bounds the math: "tensor" for the tensor-core paths (mma, wgmma,
+tcgen05), "simt" otherwise (decode does f32 FMAs on the CUDA cores whatever its storage dtype).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Cost:
 
 
 def _unit(config: dict) -> str:
-    return "tensor" if str(config.get("path", "")).startswith(("mma", "wgmma")) else "simt"
+    return "tensor" if str(config.get("path", "")).startswith(("mma", "wgmma", "tcgen05")) else "simt"
 
 
 def page_size(meta: dict) -> int:

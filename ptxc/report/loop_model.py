@@ -90,13 +90,14 @@ def with_umma_flops(loop: dict, config: dict, spec: dict, warps_per_cta: int) ->
     instruction-descriptor register -- inside this loop (class "umma") or in an MMA warp's own
     loop (warp-specialised) -- so the SASS shows no FLOPs for them. Per iteration the CTA
     computes S = Q·Kᵀ and O += P·V over block_m x block_n: 2 block_m block_n (head_dim +
-    head_dim_v) FLOPs for each of its q_tiles Q tiles, spread here over the warps that run the
-    loop (the per-warp figures are what the model scales), on top of the SASS's own (the
-    mma.sync row sums)."""
+    head_dim_v) FLOPs for each of its q_tiles Q tiles -- head_dim_v an MLA spec's kv_lora_rank,
+    and a CTA's share of it where value_ctas CTAs split the value columns -- spread here over
+    the warps that run the loop (the per-warp figures are what the model scales), on top of
+    the SASS's own (the mma.sync row sums)."""
     if not str(config.get("path", "")).startswith("tcgen05"):
         return loop
     d = int(spec["head_dim"])
-    dv = int(spec.get("head_dim_v") or d)
+    dv = int(spec.get("head_dim_v") or spec.get("kv_lora_rank") or d) // int(config.get("value_ctas", 1))
     cta = 2 * config["block_m"] * config.get("q_tiles", 1) * config["block_n"] * (d + dv)
     flops = loop["mma_flops"] + cta // warps_per_cta
     total = loop["instructions"]
