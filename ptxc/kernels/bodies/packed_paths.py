@@ -2,6 +2,8 @@
 table, most specific first: which instruction set and main loop a (spec, target) gets, how its
 tile is configured, and which body builds it.
 
+  tcgen05 latent (sm_100a, MLA) varlen_tma.py's latent branch with math/tcgen05.py's math: a
+                                latent tile per stage, two CTAs sharing the rows (grid z)
   tcgen05 (sm_100a / sm_103a)   varlen_tma.py's body with math/tcgen05.py's math, TMA loads
   wgmma latent (sm_90a, MLA)    varlen_tma.py (TMA: dense and e4m3 rows) or varlen_wgmma.py
                                 (cp.async: e4m3_ds rows, sparse slots), a latent tile per stage
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...errors import SpecError
+from ..attention import latent_tcgen05 as ltc
 from ..attention import latent_tile as lt
 from ..attention import varlen_tile as vt
 from ..config.prefill import PrefillConfig
@@ -53,6 +56,8 @@ def _mma_body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, 
 
 
 PATHS = (
+    PackedPath("the sm_100a tcgen05 latent tile", ltc.applies_latent_tcgen05,
+               ltc.configure_latent_tcgen05, ltc.LatentTcgen05Config, _tma_body),
     PackedPath("the sm_100a tcgen05 tile", vt.applies_tcgen05,
                lambda spec, cfg, kv: vt.configure_tcgen05(spec, cfg), vt.Tcgen05TileConfig, _tma_body),
     PackedPath("the sm_90a wgmma latent tile", lt.applies_latent, lt.configure_latent,

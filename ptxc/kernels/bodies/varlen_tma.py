@@ -58,7 +58,7 @@ from ..kv.kv_fp8_stage import LatentFP8Staging
 from ..mainloop.tiles import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
 from ..mainloop.tcgen05_ws_pipeline import MMA_WARP_BARRIER
 from ..mainloop.seesaw_pipeline import SEESAW_STAGES
-from ..mainloop.tma_pipeline import barrier_bytes, refill_phase
+from ..mainloop.tma_pipeline import MBARRIER_BYTES, barrier_bytes, refill_phase
 from ..math.seesaw import WARPGROUP, SeesawExchange, warpgroup_barrier
 from ..config.wgmma import ROWS_PER_WARPGROUP as WARPGROUP_ROWS
 from ..math.tcgen05 import Correction, Tcgen05Math
@@ -225,7 +225,12 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         return Loads(copy_tile=copy_tile, leader=b.setp("eq", ctx.tid, 0), issuer=issuer,
                      q_landed=q_hook, last_v_landed=last_v_landed, **hooks)
     if kv.latent:    # MLA: one latent tile per stage serves both products, its barriers after
-        math = VarlenWgmmaMath(b, ctx, ptrs, strides)
+        stage, stage_bytes = (staging.k_stage, staging.stage_bytes) if staging else (tile.k_smem, kv_bytes)
+        bars = b.add(stage, stages * stage_bytes)
+        if isinstance(cfg, Tcgen05TileConfig):   # sm_100a: the MMA barriers after the stages'
+            math = VarlenTcgen05Math(b, ctx, ptrs, strides, b.add(bars, stages * MBARRIER_BYTES))
+        else:
+            math = VarlenWgmmaMath(b, ctx, ptrs, strides)
 
         rewrite = math.q_rewrite(quant.target) if quant is not None else None
 
@@ -237,12 +242,11 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
             rewrite()
             b.fence_proxy_async()
             b.bar_sync(0)
-        stage, stage_bytes = (staging.k_stage, staging.stage_bytes) if staging else (tile.k_smem, kv_bytes)
         if quant is not None:       # e4m3: k_scale in the softmax scale, v_scale in 1/l
             k_scale, math.v_scale = quant.scales(b, work.kv_head)
             math.scale_log2 = b.mul(k_scale, math.scale_log2)
         assemble(b, "latent_tma", buffers=Buffers(stages, tile.smem, stage, stage, stage_bytes,
-                                                  bars=b.add(stage, stages * stage_bytes)),
+                                                  bars=bars),
                  tiles=key_tiles,
                  loads=loads(q_rescaled if rewrite is not None else q_landed,
                              landed=staging.landed if staging else None),

@@ -133,6 +133,12 @@ class PrefillConfig:
         return self.head_dim_v or self.head_dim
 
     @property
+    def row_sharers(self) -> int:
+        """Warps (or warpgroups) of one CTA that hold the same query rows, each owning a slice
+        of O's columns: v_split, or 1 where the slices are CTAs of their own (value_ctas)."""
+        return self.v_split
+
+    @property
     def math_fmt(self) -> C.ElemFormat:
         """The format of the tensor-core products' inputs (Q, K, V tiles and P): the dtype's,
         or f16 with f16_math."""

@@ -75,12 +75,27 @@ class TensorMemoryTile:
                 + (issue_threads(self.q_tiles) if self.warp_specialize else 0))
 
     @property
+    def o_columns(self) -> int:
+        """O's columns a CTA keeps in tensor memory: head_dim_v, or its share where the value
+        columns are split between CTAs (MLA's latent tile: value_ctas)."""
+        return self.dv // self.value_ctas
+
+    @property
+    def value_ctas(self) -> int:
+        """CTAs that share a tile's rows, each owning o_columns of O (grid z; 1: none)."""
+        return 1
+
+    @property
+    def row_sharers(self) -> int:
+        return self.v_split // self.value_ctas
+
+    @property
     def tile_columns(self) -> int:
-        return tile_columns(self.block_n, self.dv, self.correction)
+        return tile_columns(self.block_n, self.o_columns, self.correction)
 
     @property
     def tmem_columns(self) -> int:
-        return tmem_columns(self.block_n, self.dv, self.q_tiles, self.correction)
+        return tmem_columns(self.block_n, self.o_columns, self.q_tiles, self.correction)
 
     @property
     def q_tile_bytes(self) -> int:

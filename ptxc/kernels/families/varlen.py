@@ -374,7 +374,7 @@ def build(spec: KernelSpec, target: Target) -> Program:
     b.ret()
     grid_y = f"{spec.num_kv_heads} * num_splits" if split else str(spec.num_kv_heads)
     launches = [Launch(entry=b.entry.name, params=tuple(params),
-                       grid=(query_tiles_expr(spec), grid_y, "1"),
+                       grid=(query_tiles_expr(spec), grid_y, str(getattr(cfg, "value_ctas", 1))),
                        block=(cfg.launch_threads, 1, 1), dynamic_smem_bytes=cfg.smem_bytes,
                        min_ctas_per_sm=cfg.min_ctas_per_sm,
                        tmem_columns=getattr(cfg, "tmem_columns", 0))]

@@ -85,7 +85,7 @@ def rescale_q_rows(math, e4m3_on=None) -> list[Reg]:
     b, ctx, cfg = math.b, math.ctx, math.ctx.cfg
     assert e4m3_on is not None or (cfg.math_fmt is FORMATS["f16"] and cfg.fmt is FORMATS["bf16"]), \
         "bf16 rows to f16"
-    chunks, ss, vs = cfg.head_dim // 8, math.ss, cfg.v_split
+    chunks, ss, vs = cfg.head_dim // 8, math.ss, cfg.row_sharers
     slabs = cfg.q_geom.slab_bytes if isinstance(cfg.q_geom, SwizzledGeom) else None
     assert slabs is None or vs <= 2, "a lane's first chunk of a step stays inside its slab"
     t, g = math.t, b.shr(ctx.lane, 2)

@@ -67,7 +67,7 @@ class Tcgen05Math(WgmmaMath):
         # this warp's alpha and vote from `exchange` (shared memory, after the MMA region)
         self.exchange = Exchange(b, exchange, ctx.cfg.num_warps) if exchange is not None else None
         cfg = ctx.cfg
-        self.bm, self.dv = cfg.block_m, cfg.dv
+        self.bm, self.dv = cfg.block_m, cfg.o_columns     # this CTA's columns of O
         self.p_frags = [[b.mov(0, self.pair) for _ in range(4)] for _ in range(self.bn // 16)]
         self.alpha = [b.mov(1.0, F32) for _ in range(2)]
         self.issuer = b.setp("eq", ctx.tid, 0)
@@ -78,7 +78,9 @@ class Tcgen05Math(WgmmaMath):
                 b.mbarrier_init(Addr(bars, BAR_O), 1)
             tmem = allocate(b, self.warp0, bars, cfg.tmem_columns)
         self.tmem = tmem
-        self.umma = UmmaIssue(b, cfg, ctx.q_smem, tmem, bars)
+        # value_ctas: this CTA's V slabs start col0 columns into each tile (slabs of block_n rows)
+        v_off = None if self.col0 is None else b.mul(self.col0, cfg.fmt.bytes * cfg.block_n)
+        self.umma = UmmaIssue(b, cfg, ctx.q_smem, tmem, bars, v_off=v_off)
         self.bar_s, self.bar_o = self.umma.bar_s, self.umma.bar_o
         lane_bits = b.shl(self._lane0(b, ctx), 16)           # this warp's 16 lanes (rows)
         self.s_warp, self.p_warp, self.o_warp = (b.add(c, lane_bits) for c in (
@@ -94,6 +96,11 @@ class Tcgen05Math(WgmmaMath):
         if ctx.cfg.block_m == 64:
             return b.shl(ctx.warp, 5)
         return b.add(b.shl(b.and_(ctx.warp, 3), 5), b.shl(b.shr(ctx.warp, 2), 4))
+
+    def value_part(self, b: KernelBuilder, ctx: Ctx) -> Reg:
+        """Which share of O's columns this CTA owns when the value is split (value_ctas: the
+        CTAs of one tile along grid z)."""
+        return b.special("%ctaid.z")
 
     def warp_row0(self, b: KernelBuilder, ctx: Ctx) -> Reg:
         """Warp w's first row: its first lane at M = 128, 16 w at M = 64 (layout F)."""
@@ -329,7 +336,7 @@ class Correction:
             with b.if_then(b.and_(mine, self.exchange.vote(buf, w))):
                 alpha = self.exchange.alpha(buf, w, self.lane)
                 at = b.add(o_cols, self.sub)
-                for first, n in power_of_two_runs(self.cfg.dv // 8, self.o_run):
+                for first, n in power_of_two_runs(self.cfg.o_columns // 8, self.o_run):
                     cols = at if first == 0 else b.add(at, 8 * first)
                     o = b.tcgen05_ld("16x256b", n, cols, F32)
                     b.tcgen05_wait("ld")

@@ -60,9 +60,12 @@ class UmmaIssue:
     would hold 2 x head_dim / 16 64-bit registers of the MMA warp)."""
 
     def __init__(self, b: KernelBuilder, cfg, q_smem: Reg, tmem: Reg, bars: Reg,
-                 hoist: bool | str = False):
-        in_type = F16 if cfg.fmt.name == "f16" else BF16
-        self.b, self.bm, self.bn, self.d, self.dv = b, cfg.block_m, cfg.block_n, cfg.head_dim, cfg.dv
+                 hoist: bool | str = False, v_off: Reg | None = None):
+        in_type = F16 if cfg.math_fmt.name == "f16" else BF16   # f16 products over FP8 (f16_math)
+        self.b, self.bm, self.bn, self.d = b, cfg.block_m, cfg.block_n, cfg.head_dim
+        # O's columns here: head_dim_v, or this CTA's share (value_ctas), whose V starts
+        # `v_off` bytes into each V tile (whole slabs further)
+        self.dv, self.v_off = cfg.o_columns, v_off
         self.corrected = getattr(cfg, "correction", False)
         self.s_cols, self.p_cols = tmem, b.add(tmem, self.bn)
         # with a correction warpgroup P is double-buffered: buffer 1 right after buffer 0
@@ -97,7 +100,8 @@ class UmmaIssue:
         return self.b.umma_descriptor(k_tile, CHUNK, SWIZZLE_PERIOD, SWIZZLE)
 
     def v_desc(self, v_tile: Reg) -> Reg:
-        return self.b.umma_descriptor(v_tile, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
+        at = v_tile if self.v_off is None else self.b.add(v_tile, self.v_off)
+        return self.b.umma_descriptor(at, self.bn * SWIZZLE, SWIZZLE_PERIOD, SWIZZLE)
 
     def scores(self, k_tile: Reg) -> None:
         """S = Q·K(tile)ᵀ, committed to bar_s."""

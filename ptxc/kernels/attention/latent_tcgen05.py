@@ -1,0 +1,108 @@
+"""MLA's latent tile on sm_100a's tcgen05 (`LatentTcgen05Config`): when a latent spec runs on it
+(`applies_latent_tcgen05`) and its stages (`configure_latent_tcgen05`). The body is
+bodies/varlen_tma.py's latent branch with math/tcgen05.py's math.
+
+Tensor memory holds 128 lanes x 512 f32 columns per SM, and a 64-row tile's O over the 512
+latent columns would take all of them with no room for S and P. So the value columns are split
+between two CTAs of the same rows (grid z, `value_ctas`): each computes the whole S = Q·Kᵀ
+(576 deep) from the same latent tile and owns 256 columns of O (its P·V reads V's slabs from
+4 z on), as sm_90a's two warpgroups split them inside one CTA. A latent row is read from
+global memory by both, so once per 32 head rows of a tile -- the same L2 traffic per head row
+as the wgmma tile's 64 rows with one read (its two warpgroups share the CTA's copy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...targets import TARGETS
+from .. import common as C
+from ..config.prefill import PrefillConfig
+from ..config.tcgen05 import PIN_REGISTERS, TCGEN05_TARGETS
+from ..kv.kv_access import KVAccess, sparse_keys
+from ..kv.kv_fp8 import group_scaled, kind
+from ..kv.kv_fp8_stage import StagingGeom, f16_math_applies
+from ..mainloop.tiles import CHUNK
+from ..mainloop.tma_pipeline import MBARRIER_BYTES
+from ..math.umma import mma_region_bytes
+from .variant import head_dim_v, spec_option
+from .varlen_tile import Tcgen05TileConfig, tma_applies
+
+LATENT_ROWS = 64             # tcgen05.mma M = 64: the family's 64-row latent tile (varlen.latent_block_m)
+LATENT_DV = 512              # two CTAs of 256 value columns (tcgen05's widest N)
+VALUE_CTAS = 2
+DEFAULT_BLOCK_N = 32
+# tiles j - 1 (P·V) and j (S) are read while the rest land (tma_pipeline.run_latent_tma_pipeline):
+# three stages keep one tile in flight, four two
+MIN_STAGES, MAX_STAGES = 3, 4
+
+
+@dataclass(frozen=True)
+class LatentTcgen05Config(Tcgen05TileConfig):
+    """The 64-row latent tile on tcgen05: four softmax warps (M = 64, data-path layout F), one
+    swizzled latent tile per stage serving S and P·V, copied as TMA boxes on one mbarrier per
+    stage; S (block_n), P (block_n / 2) and this CTA's 256 columns of O in tensor memory;
+    v_split = value_ctas = 2 CTAs of the same rows (grid z) own half of O each."""
+
+    @property
+    def value_ctas(self) -> int:
+        return self.v_split
+
+    @property
+    def staging_geom(self) -> StagingGeom:
+        """e4m3 rows: a stage's raw bytes (block_n rows of head_dim bytes, as TMA boxes land them)."""
+        return StagingGeom(self.block_n, self.head_dim, self.threads)
+
+    @property
+    def fp8_box_bytes(self) -> int:
+        """e4m3 rows: the widest TMA box (at most 256 one-byte columns, a multiple of 16 bytes)
+        that divides a row: 192 for DeepSeek's 576-byte rows."""
+        return max(w for w in range(CHUNK, 257, CHUNK) if self.head_dim % w == 0)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q (one swizzled 64 x head_dim tile), the latent stages -- or, e4m3, two converted
+        16-bit tiles (S reads tile j while P·V reads j - 1) and the stages of raw bytes -- a
+        full mbarrier per stage, then the MMA barriers (umma.py)."""
+        stages = 2 * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes if self.fp8 \
+            else self.num_stages * self.kv_geom.bytes
+        return self.q_region_bytes + stages + self.num_stages * MBARRIER_BYTES + mma_region_bytes(1)
+
+
+def applies_latent_tcgen05(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
+    """Whether the mma.sync latent tile `cfg` runs on tcgen05 for `target`: sm_100a / sm_103a,
+    f16/bf16, a dense latent cache of the dtype or of e4m3 bytes with one scale, loaded by TMA
+    (contiguous, or pages of >= 8 rows that are a power of two or a multiple of 64; not given
+    kv_loads = "cp_async"), kv_lora_rank 512 with whole 64-column slabs of RoPE, 64 head rows
+    (the family's tile where the heads fill it: 64 or more), and at least three stages that
+    fit. Elsewhere -- e4m3_ds rows, sparse top-k, 16 or 32 heads -- the mma.sync tile runs."""
+    given = spec.tile_dict().get("num_stages", MIN_STAGES)
+    return (cfg.shared_kv and cfg.block_m == LATENT_ROWS and target.name in TCGEN05_TARGETS
+            and spec.dtype in ("f16", "bf16") and kind(spec) in (None, "e4m3")
+            and group_scaled(spec) is None
+            and head_dim_v(spec) == LATENT_DV and spec.head_dim % 64 == 0
+            and not sparse_keys(spec) and tma_applies(kv)
+            and spec.tile_dict().get("kv_loads", "tma") == "tma"
+            and spec_option(spec, "custom_mask") in (None, "none")
+            and given >= MIN_STAGES
+            and _config(spec, cfg, MIN_STAGES).smem_bytes <= target.max_smem_per_cta)
+
+
+def configure_latent_tcgen05(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentTcgen05Config:
+    """applies_latent_tcgen05's tile: block_n 32 (given: 16 or 32), tile.num_stages or the most
+    up to four that fit (DeepSeek's 576 columns: 72 KiB of Q and four 36 KiB latent tiles)."""
+    stages = spec.tile_dict().get("num_stages", MAX_STAGES)
+    limit = TARGETS["sm_100a"].max_smem_per_cta
+    while stages > MIN_STAGES and _config(spec, cfg, stages).smem_bytes > limit:
+        stages -= 1
+    return _config(spec, cfg, stages)
+
+
+def _config(spec, cfg: PrefillConfig, stages: int) -> LatentTcgen05Config:
+    bn = spec.tile_dict().get("block_n", DEFAULT_BLOCK_N)
+    # e4m3: TMA lands the raw bytes, every thread converts its share into the 16-bit tile; a
+    # bf16 kernel's products take f16 inputs (Q rescaled per row), as on the other tiles
+    return LatentTcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, LATENT_ROWS, bn,
+                               LATENT_ROWS // 16, stages, False, head_dim_v(spec), VALUE_CTAS,
+                               shared_kv=True, kv_loads="tma", min_ctas_per_sm=PIN_REGISTERS,
+                               fp8=kind(spec) is not None, f16_math=f16_math_applies(spec),
+                               q_e4m3=spec_option(spec, "qk_products") == "e4m3")

@@ -1,0 +1,206 @@
+"""MLA decode on tcgen05 for sm_100a (latent_tcgen05.LatentTcgen05Config: 64 head rows on M = 64,
+S, P and O in tensor memory, one latent tile per stage by TMA on tma_pipeline's latent loop; the
+value columns split between two CTAs of the same rows along grid z, each computing the whole S
+and owning 256 columns of O). The real sm_100a PTX in the emulator against the fp64 reference
+(make_inputs' mixed batches: q_len 0/1/2/4, L 0/1/63/64/65 and long, pages shuffled, rows no
+sequence owns NaN) with the race checker on; which specs take the tile; the latent rows read
+once per value CTA; V never reads the RoPE columns; a planted mistake; ptxas 0 spills."""
+
+import numpy as np
+import pytest
+
+from conftest import assert_pass, build_kernel, built_sass
+from families.test_mla import MLA, _decode_batch, body
+from ptxc import reference as ref
+from ptxc.runtime.launch_test import check_artifact
+
+SM100A = ("sm_100a",)
+PATH = "tcgen05.mma.m64"
+Q_BYTES, ROW = 64 * 1152, 1152        # DeepSeek's 576 bf16 columns
+MMA_REGION = 40                       # umma.py: five 8-byte slots
+CASES = {
+    # up to 1000 keys in 16-row pages over 3 splits: > 4 tiles of 32 rows per split, so every
+    # stage buffer and its mbarrier's phases, and the MMA barriers, are reused under the race
+    # checker; with 16-row pages a tile is two boxes a slab
+    "h64-bf16-page16-3splits-L1000": (dict(heads=64, splits=3, page=16),
+                                      {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}),
+    # two head tiles, f16, a contiguous cache (rows past max_seq_len: the TMA's zeros), unsplit
+    "h128-f16-contiguous-1": (dict(dtype="f16", heads=128, layout="contiguous", splits=1),
+                              {"batch": 9, "max_seq_len": 70}),
+    # FlashMLA's 64-row pages, 3 splits (splits with one tile, and with none; the e4m3 case
+    # below runs them by default)
+    "h64-bf16-page64-3splits": pytest.param((dict(heads=64, splits=3),
+                                             {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}),
+                                            marks=pytest.mark.slow),
+    "h128-bf16-page64-auto": pytest.param((dict(heads=128),
+                                           {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}),
+                                          marks=pytest.mark.slow),
+}
+
+
+def _config(art) -> dict:
+    return art.meta["targets"]["sm_100a"]["config"]
+
+
+def _check_tile(art, stages: int = 4, block_n: int = 32, row: int = ROW, fp8: bool = False) -> None:
+    """The tile's metadata: 64 rows on 4 warps, two value CTAs (grid z), the latent stages --
+    e4m3: two converted 16-bit tiles and the stages of raw bytes (half a tile each) --, a full
+    mbarrier a stage and the MMA region."""
+    c = _config(art)
+    assert (c["path"], c["block_m"], c["num_warps"], c["value_split"], c["value_ctas"]) == \
+        (PATH, 64, 4, 2, 2)
+    assert (c["block_n"], c["num_stages"], c["kv_loads"], c["tmem_columns"]) == \
+        (block_n, stages, "tma", 512)
+    tiles = 2 * block_n * row + stages * block_n * row // 2 if fp8 else stages * block_n * row
+    assert c["smem_bytes"] == 64 * row + tiles + stages * 8 + MMA_REGION
+    assert c.get("fp8_staging_bytes") == (block_n * row // 2 if fp8 else None)
+    launch = art.meta["targets"]["sm_100a"]["kernels"][0]
+    assert launch["grid"][2] == "2" and launch["block"] == [128, 1, 1]
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_mixed_batch_matches_reference(tmp_path, case):
+    """Both value CTAs of every tile: rows past each sequence's L and pages no sequence owns
+    hold NaN (masked from S; the last tile's V rows past L zeroed before its P·V; block-table
+    entries past L never read: their boxes take id -1, the TMA's zeros); one CTA of the pair
+    writes the LSE."""
+    keys, shapes = case
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM100A)
+    _check_tile(art)
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
+# e4m3 rows (one scale): TMA lands the raw bytes in staging buffers (three 192-byte boxes a row),
+# every thread converts its share into one of two alternating 16-bit tiles; bf16 kernels take
+# f16 products (Q rescaled per row), qk_products = "e4m3" rounds Q's rows to e4m3 values
+FP8_CASES = {
+    # up to 480 keys: > 4 tiles of 32 rows per split, every staging buffer and converted tile reused
+    "h64-bf16-e4m3-page16-3splits-L480": (dict(heads=64, kv="e4m3", splits=3, page=16),
+                                          {"batch": 9, "max_pages_per_seq": 30, "num_pages": 290}),
+    "h128-f16-e4m3-device-contiguous-1": (dict(dtype="f16", heads=128, kv="e4m3", scale="device",
+                                               layout="contiguous", splits=1),
+                                          {"batch": 9, "max_seq_len": 70}),
+    "h64-bf16-e4m3-qk8-page64-3splits": (dict(heads=64, kv="e4m3", splits=3), {"batch": 9, "max_pages_per_seq": 5,
+                                                                              "num_pages": 60}, 'qk_products = "e4m3"\n'),
+}
+
+
+@pytest.mark.parametrize("case", FP8_CASES.values(), ids=FP8_CASES.keys())
+def test_fp8_latent_matches_reference(tmp_path, case):
+    """The long case refills every staging buffer, converted tile and mbarrier phase under the
+    race checker (a conversion without the barrier before it, or a refill of a stage before its
+    conversion read it, fails there); k_scale in the softmax scale and 1/l."""
+    keys, shapes, *extra = case
+    art = build_kernel(tmp_path, "mla", body(**keys) + "".join(extra), targets=SM100A)
+    _check_tile(art, fp8=True)
+    assert _config(art).get("mma_inputs") == ("f16" if keys.get("dtype", "bf16") == "bf16" else None)
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
+def test_block_n_16_and_three_stages_given(tmp_path):
+    art = build_kernel(tmp_path, "mla", body(heads=64, splits=3, page=16), targets=SM100A,
+                       tile="block_n = 16\nnum_stages = 3")
+    _check_tile(art, stages=3, block_n=16)
+    assert_pass(check_artifact(art, backend="emu", seed=3,
+                               shapes={"batch": 5, "max_pages_per_seq": 8, "num_pages": 50}))
+
+
+@pytest.mark.parametrize("keys,tile,why", [
+    (dict(heads=32), "", "32 heads: the family's tile is 32 rows"),
+    (dict(heads=128, kv="e4m3_ds"), "", "e4m3_ds rows: 656 bytes, no box divides them"),
+    (dict(heads=128, kv="e4m3"), 'kv_loads = "cp_async"', "per-thread copies asked for"),
+    (dict(heads=128, kv="e4m3"), "", None),
+    (dict(heads=128, rope=32), "", "576 - 32: RoPE not whole 64-column slabs"),
+    (dict(heads=128, rank=256, rope=64), "", "rank 256"),
+    (dict(heads=128, page=12), "", "12-row pages: no TMA box"),
+    (dict(heads=128), 'kv_loads = "cp_async"', "per-thread copies asked for"),
+    (dict(heads=128), "num_stages = 2", "two stages: the loop reads two tiles"),
+])
+def test_other_latent_tiles_keep_mma_sync(tmp_path, keys, tile, why):
+    """Which latent specs keep the mma.sync tile on sm_100a (why: None -- this one takes tcgen05)."""
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM100A, tile=tile)
+    assert (_config(art)["path"] == "mma.m16n8k16") == (why is not None), why
+    assert art.meta["targets"]["sm_100a"]["kernels"][0]["grid"][2] == ("1" if why else "2")
+
+
+def test_every_rope_width_takes_the_tile_or_keeps_mma_sync():
+    """128 heads, every qk_rope_head_dim the spec allows: whole 64-column slabs take tcgen05
+    with the stages that fit (4 at 64: 576 columns; 3 at 128: 640), the rest mma.sync."""
+    from ptxc.kernels import load_text
+    from ptxc.kernels.families import varlen
+    from ptxc.kernels.families.mla import attention_view
+    from ptxc.targets import TARGETS
+    target = TARGETS["sm_100a"]
+    for rope in range(16, 129, 16):
+        [spec] = load_text(f'[[kernel]]\nname = "k"\nfamily = "mla"\ntargets = ["sm_100a"]\n'
+                           f'{body(heads=128, rope=rope)}')
+        cfg = varlen.configure(attention_view(spec), target)
+        assert cfg.smem_bytes <= target.max_smem_per_cta, rope
+        tc = getattr(cfg, "value_ctas", 1) == 2
+        assert tc == (rope % 64 == 0), (rope, cfg)
+        if tc:
+            assert cfg.num_stages == {64: 4, 128: 3}[rope]
+
+
+def test_latent_rows_are_read_once_per_value_cta(tmp_path, bytes_read):
+    """128 heads: two 64-row tiles, each of two value CTAs, so each latent row a sequence with
+    queries owns crosses from global memory four times per split (a TMA box is a whole 16-row
+    page: the rows up to L's page end, no page past it), never again for V; the threads read
+    none of the cache."""
+    art = build_kernel(tmp_path, "mla", body(heads=128, splits=3, page=16), targets=SM100A)
+    lens = [1, 37, 64, 7, 50, 0, 63]
+    spec, inputs, q_lens = _decode_batch(art, lens, [1, 1, 1, 0, 1, 1, 1], 128, np.random.default_rng(4))
+    out = art.run(inputs, target="sm_100a")
+    rows = [-(-L // 16) * 16 for L, n in zip(lens, q_lens) if n]
+    assert bytes_read["kv_cache (TMA)"] == sum(rows) * spec.head_dim * 2 * 2 * 2
+    assert bytes_read["kv_cache"] == 0
+    assert ref.max_abs_error(out["o"], MLA.reference(spec, inputs)["o"]) < 2e-2
+
+
+def test_values_never_read_the_rope_columns(tmp_path):
+    """q's RoPE part zero: caches that differ only in the RoPE columns (NaN there) give identical
+    bytes, so neither value CTA's slabs (0-3, 4-7) reach slab 8."""
+    art = build_kernel(tmp_path, "mla", body(heads=64, page=16), targets=SM100A)
+    spec, inputs, _ = _decode_batch(art, [5, 64, 33], [1, 2, 4], 64, np.random.default_rng(9))
+    inputs["q"][..., 512:] = 0
+    other = {**inputs, "kv_cache": inputs["kv_cache"].copy()}
+    other["kv_cache"][..., 512:] = 30000.0
+    a, b = art.run(inputs, target="sm_100a"), art.run(other, target="sm_100a")
+    assert np.array_equal(a["o"], b["o"]) and np.array_equal(a["lse"], b["lse"])
+    assert ref.max_abs_error(a["o"], MLA.reference(spec, inputs)["o"]) < 2e-2
+
+
+def test_a_value_cta_reading_the_other_half_fails(tmp_path, monkeypatch):
+    """Planted: the second value CTA's P·V reads V from slab 0 (its own half of O gets the
+    first half's values)."""
+    from ptxc.kernels.math import umma
+    monkeypatch.setattr(umma.UmmaIssue, "v_desc", lambda self, v_tile: self.b.umma_descriptor(
+        v_tile, self.bn * umma.SWIZZLE, umma.SWIZZLE_PERIOD, umma.SWIZZLE))
+    art = build_kernel(tmp_path, "mla", body(heads=64, splits=1, page=16), targets=SM100A)
+    results = check_artifact(art, backend="emu", seed=5,
+                             shapes={"batch": 3, "max_pages_per_seq": 4, "num_pages": 13})
+    assert {r.tensor: r.ok for r in results} == {"o": False, "lse": True}
+
+
+def test_ptxas_zero_spills_and_utcmma_loop(tmp_path, toolchain):
+    """bf16 and f16, paged and contiguous, split and not, RoPE 64 and 128, e4m3: 0 spills; the issuing
+    warp's loop issues S as 36 UTCHMMA (576 / 16) and P·V as 2 (block_n 32 / 16), no HMMA but
+    the two row-sum ones, no ldmatrix."""
+    from ptxc.pipeline.build import run_build
+    kernels = [f'[[kernel]]\nname = "m_{dt}_{lay}_{rope}"\nfamily = "mla"\ntargets = ["sm_100a"]\n'
+               f'{body(dtype=dt, heads=128, layout=lay, splits=s, rope=rope)}\n'
+               for dt, lay, s, rope in (("bf16", "paged", "auto", 64), ("f16", "contiguous", 1, 64),
+                                        ("bf16", "paged", 1, 128))]
+    kernels.append(f'[[kernel]]\nname = "m_e4m3"\nfamily = "mla"\ntargets = ["sm_100a"]\n'
+                   f'{body(heads=128, kv="e4m3")}\n')
+    (tmp_path / "k.toml").write_text("\n".join(kernels))
+    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
+    assert summary["verified"] and not summary["problems"]
+    for k in summary["kernels"]:
+        assert k["targets"]["sm_100a"]["spill_bytes"] == 0, k["name"]
+    _, prof = built_sass(tmp_path / "out", "m_bf16_paged_64", "sm_100a", "ptxc_m_bf16_paged_64_split")
+    assert prof["mix"]["LDL"] == prof["mix"]["STL"] == prof["mix"]["LDSM"] == 0
+    loop = prof["loops"]["loops"][prof["loops"]["main"]]
+    # the issuing warp's path: 36 + 2 UTCHMMA, and every warp's S load and P store (LDTM, STTM)
+    assert (loop["classes"]["umma"], loop["classes"]["tmem"], loop["classes"]["tensor"]) == (38, 2, 2)
+    assert loop["warp_instructions"]["others"] < loop["warp_instructions"]["issuer"]
