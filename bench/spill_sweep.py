@@ -294,9 +294,10 @@ MLA_QK8 = (('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\nq
            ('kv_dtype = "e4m3"\nqk_products = "e4m3"\n[kernel.tile]\nkv_loads = "tma"\n', "qk8tma"),
            ('kv_dtype = "e4m3"\nqk_products = "e4m3"\n[kernel.tile]\ndequant_warpgroup = false\n', "qk8fused"))
 MLA_APPEND_DS_OPTIONS = (('kv_dtype = "e4m3_ds"\n', "ds"), ('kv_dtype = "e4m3_ds"\nrope = "gptj"\n', "dsgptj"))
-# sm_100a alone: the tcgen05 latent tile (two value CTAs; dense caches of the dtype or of e4m3
-# by TMA) over its layouts and tile keys, 64 and 128 heads; e4m3_ds rows and sparse top-k keep
-# the mma.sync tile there
+# sm_100a alone: the tcgen05 latent tile (two value CTAs) over its layouts and tile keys, 64 and
+# 128 heads -- dense caches of the dtype or of e4m3 by TMA, and by the threads' cp.async e4m3_ds
+# rows (with 128 RoPE columns they keep the mma.sync tile: three stages do not fit), sparse
+# top-k, pages no box fits and kv_loads = "cp_async"
 MLA_TC_OPTIONS = (("", "base"), ("num_splits = 1\nreturn_lse = false\n", "nosplit"),
                   ('kv_layout = "contiguous"\n', "contig"), ("page_size = 16\n", "p16"),
                   ("page_size = 8\nnum_heads = 64\n", "p8h64"),
@@ -305,7 +306,11 @@ MLA_TC_OPTIONS = (("", "base"), ("num_splits = 1\nreturn_lse = false\n", "nospli
                   ('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\nnum_splits = 1\n', "fp8dev"),
                   ('kv_dtype = "e4m3"\nqk_products = "e4m3"\n', "qk8"),
                   ('kv_dtype = "e4m3"\npage_size = 16\n[kernel.tile]\nblock_n = 16\nnum_stages = 3\n', "fp8bn16"))
-MLA_TC_FALLBACK = (('kv_dtype = "e4m3_ds"\n', "ds"), ("sparse_topk = 2048\ntopk_length = true\n", "sparse"))
+MLA_TC_CP_ASYNC = (('kv_dtype = "e4m3_ds"\n', "ds"), ("sparse_topk = 2048\ntopk_length = true\n", "sparse"),
+                   ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\n', "dssparse"),
+                   ('kv_dtype = "e4m3"\nsparse_topk = 2048\nnum_splits = 1\n', "sparsefp8"),
+                   ('kv_dtype = "e4m3_ds"\nnum_splits = 1\nreturn_lse = false\npage_size = 1\n', "dsnosplit"),
+                   ("page_size = 12\n", "p12"), ('[kernel.tile]\nkv_loads = "cp_async"\n', "cpasync"))
 
 
 def _mla_rows(full: bool):
@@ -348,7 +353,8 @@ def _mla_rows(full: bool):
                          f'targets = ["sm_90a"]\n' + option)
                 yield f"mla_wg_{tag}_{dtype}_r512_p{rope}", "mla", dtype, 512 + rope, extra, None
     for dtype in ("bf16", "f16"):
-        for option, tag in MLA_TC_OPTIONS + (MLA_TC_FALLBACK if dtype == "bf16" else ()):
+        for option, tag in MLA_TC_OPTIONS + tuple(o for o in MLA_TC_CP_ASYNC
+                                                  if dtype == "bf16" or "e4m3_ds" not in o[0]):
             for rope in MLA_ROPES if full else (64, 128):
                 heads = "" if "num_heads" in option else "num_heads = 128\n"
                 extra = (f"{heads}softmax_scale = 0.1\nqk_rope_head_dim = {rope}\n"

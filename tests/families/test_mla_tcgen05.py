@@ -3,8 +3,10 @@ S, P and O in tensor memory, one latent tile per stage by TMA on tma_pipeline's 
 value columns split between two CTAs of the same rows along grid z, each computing the whole S
 and owning 256 columns of O). The real sm_100a PTX in the emulator against the fp64 reference
 (make_inputs' mixed batches: q_len 0/1/2/4, L 0/1/63/64/65 and long, pages shuffled, rows no
-sequence owns NaN) with the race checker on; which specs take the tile; the latent rows read
-once per value CTA; V never reads the RoPE columns; a planted mistake; ptxas 0 spills."""
+sequence owns NaN) with the race checker on -- TMA boxes (dense caches of the dtype, e4m3) and
+the threads' cp.async (e4m3_ds rows, sparse top-k's slots, pages no box fits); which specs
+take the tile; the latent rows read once per value CTA; V never reads the RoPE columns; a
+planted mistake; ptxas 0 spills."""
 
 import numpy as np
 import pytest
@@ -42,18 +44,19 @@ def _config(art) -> dict:
     return art.meta["targets"]["sm_100a"]["config"]
 
 
-def _check_tile(art, stages: int = 4, block_n: int = 32, row: int = ROW, fp8: bool = False) -> None:
+def _check_tile(art, stages: int = 4, block_n: int = 32, row: int = ROW, staged: int = 0,
+                loads: str = "tma") -> None:
     """The tile's metadata: 64 rows on 4 warps, two value CTAs (grid z), the latent stages --
-    e4m3: two converted 16-bit tiles and the stages of raw bytes (half a tile each) --, a full
-    mbarrier a stage and the MMA region."""
+    FP8: two converted 16-bit tiles and the stages of `staged`-byte raw rows --, with TMA a
+    full mbarrier a stage, and the MMA region."""
     c = _config(art)
     assert (c["path"], c["block_m"], c["num_warps"], c["value_split"], c["value_ctas"]) == \
         (PATH, 64, 4, 2, 2)
-    assert (c["block_n"], c["num_stages"], c["kv_loads"], c["tmem_columns"]) == \
-        (block_n, stages, "tma", 512)
-    tiles = 2 * block_n * row + stages * block_n * row // 2 if fp8 else stages * block_n * row
-    assert c["smem_bytes"] == 64 * row + tiles + stages * 8 + MMA_REGION
-    assert c.get("fp8_staging_bytes") == (block_n * row // 2 if fp8 else None)
+    assert (c["block_n"], c["num_stages"], c.get("kv_loads", "cp_async"), c["tmem_columns"]) == \
+        (block_n, stages, loads, 512)
+    tiles = 2 * block_n * row + stages * block_n * staged if staged else stages * block_n * row
+    assert c["smem_bytes"] == 64 * row + tiles + (stages * 8 if loads == "tma" else 0) + MMA_REGION
+    assert c.get("fp8_staging_bytes") == (block_n * staged if staged else None)
     launch = art.meta["targets"]["sm_100a"]["kernels"][0]
     assert launch["grid"][2] == "2" and launch["block"] == [128, 1, 1]
 
@@ -92,9 +95,57 @@ def test_fp8_latent_matches_reference(tmp_path, case):
     conversion read it, fails there); k_scale in the softmax scale and 1/l."""
     keys, shapes, *extra = case
     art = build_kernel(tmp_path, "mla", body(**keys) + "".join(extra), targets=SM100A)
-    _check_tile(art, fp8=True)
+    _check_tile(art, staged=576)
     assert _config(art).get("mma_inputs") == ("f16" if keys.get("dtype", "bf16") == "bf16" else None)
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
+# The threads' cp.async (wgmma_pipeline.run_latent_wgmma_pipeline): e4m3_ds rows (656 bytes: no
+# box divides them) staged whole and converted with their group scales, sparse top-k's slots (a
+# gather), pages TMA cannot box (12 rows), or kv_loads = "cp_async" given
+CP_ASYNC = {
+    "h128-e4m3_ds-paged-3splits": pytest.param((dict(heads=128, kv="e4m3_ds", splits=3),
+                                                {"batch": 9, "max_pages_per_seq": 3, "num_pages": 30}, "", 4, 656),
+                                               marks=pytest.mark.slow),
+    "h64-e4m3_ds-page16-3splits-L480": (dict(heads=64, kv="e4m3_ds", splits=3, page=16),
+                                        {"batch": 9, "max_pages_per_seq": 30, "num_pages": 290}, "", 4, 656),
+    "h64-f16-page12-auto": (dict(dtype="f16", heads=64, page=12),
+                            {"batch": 9, "max_pages_per_seq": 9, "num_pages": 90}, "", 4, 0),
+    "h64-bf16-contiguous-cp_async-1": (dict(heads=64, layout="contiguous", splits=1),
+                                       {"batch": 9, "max_seq_len": 70}, 'kv_loads = "cp_async"', 4, 0),
+}
+
+
+@pytest.mark.parametrize("case", CP_ASYNC.values(), ids=CP_ASYNC.keys())
+def test_threads_copies_match_reference(tmp_path, case):
+    """The copies' commit groups and the top-of-iteration barrier reuse every stage (and
+    converted tile) under the race checker; the last P·V after the loop waits for every warp's
+    P in tensor memory (a barrier: without it the race checker names the tcgen05.mma)."""
+    keys, shapes, tile, stages, staged = case
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM100A, tile=tile)
+    _check_tile(art, stages=stages, staged=staged, loads="cp_async")
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
+
+
+# Sparse top-k on tcgen05 (64 head rows where every target runs a tensor-core latent tile):
+# test_mla.py's slot batches -- -1, duplicates, slots past the cache, topk_length 0 / 1 / N /
+# past N / negative; every row no counted slot names holds NaN
+SPARSE = [   # (heads, kv, topk, topk_length, splits, total_q, pages)
+    (64, None, 100, True, 3, 7, 5),
+    (128, "e4m3_ds", 300, False, 1, 5, 9),
+    (64, "e4m3", 64, True, "auto", 7, 5),
+]
+
+
+@pytest.mark.parametrize("case", SPARSE, ids=lambda c: "-".join(map(str, c[:5])))
+def test_sparse_topk_on_tcgen05(tmp_path, case):
+    heads, kv, topk, topk_length, splits, total_q, pages = case
+    art = build_kernel(tmp_path, "mla", body(heads=heads, kv=kv, splits=splits) +
+                       f"sparse_topk = {topk}\ntopk_length = {str(topk_length).lower()}\n", targets=SM100A)
+    _check_tile(art, loads="cp_async",
+                staged={None: 0, "e4m3": 576, "e4m3_ds": 656}[kv])
+    assert_pass(check_artifact(art, backend="emu", shapes={"total_q": total_q, "num_pages": pages},
+                               seed=11))
 
 
 def test_block_n_16_and_three_stages_given(tmp_path):
@@ -105,27 +156,38 @@ def test_block_n_16_and_three_stages_given(tmp_path):
                                shapes={"batch": 5, "max_pages_per_seq": 8, "num_pages": 50}))
 
 
-@pytest.mark.parametrize("keys,tile,why", [
-    (dict(heads=32), "", "32 heads: the family's tile is 32 rows"),
-    (dict(heads=128, kv="e4m3_ds"), "", "e4m3_ds rows: 656 bytes, no box divides them"),
-    (dict(heads=128, kv="e4m3"), 'kv_loads = "cp_async"', "per-thread copies asked for"),
-    (dict(heads=128, kv="e4m3"), "", None),
-    (dict(heads=128, rope=32), "", "576 - 32: RoPE not whole 64-column slabs"),
-    (dict(heads=128, rank=256, rope=64), "", "rank 256"),
-    (dict(heads=128, page=12), "", "12-row pages: no TMA box"),
-    (dict(heads=128), 'kv_loads = "cp_async"', "per-thread copies asked for"),
-    (dict(heads=128), "num_stages = 2", "two stages: the loop reads two tiles"),
+@pytest.mark.parametrize("keys,tile,targets,why", [
+    (dict(heads=32), "", SM100A, "32 heads: the family's tile is 32 rows"),
+    (dict(heads=128, rope=32), "", SM100A, "544 columns: RoPE not whole 64-column slabs"),
+    (dict(heads=128, rank=256, rope=64), "", SM100A, "rank 256"),
+    (dict(heads=128), "num_stages = 2", SM100A, "two stages: the loop reads two tiles"),
+    (dict(heads=128, kv="e4m3_ds", rope=128), "", SM100A, "784-byte rows: three stages do not fit"),
+    (dict(heads=128, kv="e4m3"), "", SM100A, None),
+    (dict(heads=128, kv="e4m3_ds"), "", SM100A, None),
+    (dict(heads=128, page=12), "", SM100A, None),
 ])
-def test_other_latent_tiles_keep_mma_sync(tmp_path, keys, tile, why):
+def test_other_latent_tiles_keep_mma_sync(tmp_path, keys, tile, targets, why):
     """Which latent specs keep the mma.sync tile on sm_100a (why: None -- this one takes tcgen05)."""
-    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM100A, tile=tile)
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=targets, tile=tile)
     assert (_config(art)["path"] == "mma.m16n8k16") == (why is not None), why
     assert art.meta["targets"]["sm_100a"]["kernels"][0]["grid"][2] == ("1" if why else "2")
 
 
+def test_sparse_beside_a_target_of_32_rows_keeps_them(tmp_path):
+    """Sparse top-k listed with sm_90 (whose mma.sync tile stops at 32 sparse rows; a kernel's
+    tiles are the same on all its targets) keeps 32 rows, so sm_100a runs the mma.sync tile too;
+    alone it takes 64 rows on tcgen05."""
+    text = body(heads=128) + "sparse_topk = 64\n"
+    both = build_kernel(tmp_path / "a", "mla", text, targets=("sm_90", "sm_100a"))
+    assert (_config(both)["block_m"], _config(both)["path"]) == (32, "mma.m16n8k16")
+    alone = build_kernel(tmp_path / "b", "mla", text, targets=SM100A)
+    assert (_config(alone)["block_m"], _config(alone)["path"]) == (64, PATH)
+
+
 def test_every_rope_width_takes_the_tile_or_keeps_mma_sync():
-    """128 heads, every qk_rope_head_dim the spec allows: whole 64-column slabs take tcgen05
-    with the stages that fit (4 at 64: 576 columns; 3 at 128: 640), the rest mma.sync."""
+    """128 heads, a bf16 cache, every qk_rope_head_dim the spec allows: whole 64-column slabs
+    take tcgen05 with the stages that fit (4 at 64: 576 columns; 3 at 128: 640), the rest
+    mma.sync."""
     from ptxc.kernels import load_text
     from ptxc.kernels.families import varlen
     from ptxc.kernels.families.mla import attention_view
@@ -183,7 +245,8 @@ def test_a_value_cta_reading_the_other_half_fails(tmp_path, monkeypatch):
 
 
 def test_ptxas_zero_spills_and_utcmma_loop(tmp_path, toolchain):
-    """bf16 and f16, paged and contiguous, split and not, RoPE 64 and 128, e4m3: 0 spills; the issuing
+    """bf16 and f16, paged and contiguous, split and not, RoPE 64 and 128, e4m3, e4m3_ds, sparse
+    top-k: 0 spills; the issuing
     warp's loop issues S as 36 UTCHMMA (576 / 16) and P·V as 2 (block_n 32 / 16), no HMMA but
     the two row-sum ones, no ldmatrix."""
     from ptxc.pipeline.build import run_build
@@ -191,8 +254,10 @@ def test_ptxas_zero_spills_and_utcmma_loop(tmp_path, toolchain):
                f'{body(dtype=dt, heads=128, layout=lay, splits=s, rope=rope)}\n'
                for dt, lay, s, rope in (("bf16", "paged", "auto", 64), ("f16", "contiguous", 1, 64),
                                         ("bf16", "paged", 1, 128))]
-    kernels.append(f'[[kernel]]\nname = "m_e4m3"\nfamily = "mla"\ntargets = ["sm_100a"]\n'
-                   f'{body(heads=128, kv="e4m3")}\n')
+    kernels += [f'[[kernel]]\nname = "m_{tag}"\nfamily = "mla"\ntargets = ["sm_100a"]\n{text}\n'
+                for tag, text in (("e4m3", body(heads=128, kv="e4m3")), ("ds", body(heads=128, kv="e4m3_ds")),
+                                  ("sparse_ds", body(heads=128, kv="e4m3_ds") + "sparse_topk = 2048\n"),
+                                  ("sparse", body(heads=64) + "sparse_topk = 2048\ntopk_length = true\n"))]
     (tmp_path / "k.toml").write_text("\n".join(kernels))
     summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
     assert summary["verified"] and not summary["problems"]

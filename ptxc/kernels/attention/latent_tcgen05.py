@@ -1,6 +1,8 @@
 """MLA's latent tile on sm_100a's tcgen05 (`LatentTcgen05Config`): when a latent spec runs on it
-(`applies_latent_tcgen05`) and its stages (`configure_latent_tcgen05`). The body is
-bodies/varlen_tma.py's latent branch with math/tcgen05.py's math.
+(`latent_tcgen05`, `applies_latent_tcgen05`), how its rows arrive (`tcgen05_loads`) and its
+stages (`configure_latent_tcgen05`). The bodies are bodies/varlen_tma.py's latent branch (TMA
+boxes) and bodies/varlen_wgmma.py's (the threads' cp.async: e4m3_ds rows, sparse slots), both
+with math/tcgen05.py's math.
 
 Tensor memory holds 128 lanes x 512 f32 columns per SM, and a 64-row tile's O over the 512
 latent columns would take all of them with no room for S and P. So the value columns are split
@@ -19,7 +21,7 @@ from .. import common as C
 from ..config.prefill import PrefillConfig
 from ..config.tcgen05 import PIN_REGISTERS, TCGEN05_TARGETS
 from ..kv.kv_access import KVAccess, sparse_keys
-from ..kv.kv_fp8 import group_scaled, kind
+from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind
 from ..kv.kv_fp8_stage import StagingGeom, f16_math_applies
 from ..mainloop.tiles import CHUNK
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
@@ -31,17 +33,20 @@ LATENT_ROWS = 64             # tcgen05.mma M = 64: the family's 64-row latent ti
 LATENT_DV = 512              # two CTAs of 256 value columns (tcgen05's widest N)
 VALUE_CTAS = 2
 DEFAULT_BLOCK_N = 32
-# tiles j - 1 (P·V) and j (S) are read while the rest land (tma_pipeline.run_latent_tma_pipeline):
-# three stages keep one tile in flight, four two
+# tiles j - 1 (P·V) and j (S) are read while the rest land (tma_pipeline.run_latent_tma_pipeline,
+# wgmma_pipeline.run_latent_wgmma_pipeline): three stages keep one tile in flight, four two
 MIN_STAGES, MAX_STAGES = 3, 4
 
 
 @dataclass(frozen=True)
 class LatentTcgen05Config(Tcgen05TileConfig):
     """The 64-row latent tile on tcgen05: four softmax warps (M = 64, data-path layout F), one
-    swizzled latent tile per stage serving S and P·V, copied as TMA boxes on one mbarrier per
-    stage; S (block_n), P (block_n / 2) and this CTA's 256 columns of O in tensor memory;
-    v_split = value_ctas = 2 CTAs of the same rows (grid z) own half of O each."""
+    swizzled latent tile per stage serving S and P·V -- TMA boxes on one mbarrier per stage, or
+    the threads' cp.async (kv_loads); FP8 rows staged raw and converted into two alternating
+    16-bit tiles -- S (block_n), P (block_n / 2) and this CTA's 256 columns of O in tensor
+    memory; v_split = value_ctas = 2 CTAs of the same rows (grid z) own half of O each."""
+
+    rows: GroupScaledRows | None = None    # e4m3_ds: whole 656-byte rows staged (scales, RoPE)
 
     @property
     def value_ctas(self) -> int:
@@ -49,42 +54,58 @@ class LatentTcgen05Config(Tcgen05TileConfig):
 
     @property
     def staging_geom(self) -> StagingGeom:
-        """e4m3 rows: a stage's raw bytes (block_n rows of head_dim bytes, as TMA boxes land them)."""
-        return StagingGeom(self.block_n, self.head_dim, self.threads)
+        """FP8 rows: a stage's raw bytes (block_n rows of head_dim bytes, or e4m3_ds's whole rows)."""
+        return StagingGeom(self.block_n, self.rows.row_bytes if self.rows else self.head_dim, self.threads)
 
     @property
     def fp8_box_bytes(self) -> int:
-        """e4m3 rows: the widest TMA box (at most 256 one-byte columns, a multiple of 16 bytes)
-        that divides a row: 192 for DeepSeek's 576-byte rows."""
+        """e4m3 rows by TMA: the widest box (at most 256 one-byte columns, a multiple of 16
+        bytes) that divides a row: 192 for DeepSeek's 576-byte rows."""
         return max(w for w in range(CHUNK, 257, CHUNK) if self.head_dim % w == 0)
 
     @property
     def smem_bytes(self) -> int:
-        """Q (one swizzled 64 x head_dim tile), the latent stages -- or, e4m3, two converted
+        """Q (one swizzled 64 x head_dim tile), the latent stages -- or, FP8, two converted
         16-bit tiles (S reads tile j while P·V reads j - 1) and the stages of raw bytes -- a
-        full mbarrier per stage, then the MMA barriers (umma.py)."""
+        full mbarrier per stage where TMA loads them, then the MMA barriers (umma.py)."""
         stages = 2 * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes if self.fp8 \
             else self.num_stages * self.kv_geom.bytes
-        return self.q_region_bytes + stages + self.num_stages * MBARRIER_BYTES + mma_region_bytes(1)
+        bars = self.num_stages * MBARRIER_BYTES if self.tma else 0
+        return self.q_region_bytes + stages + bars + mma_region_bytes(1)
+
+
+def tcgen05_loads(spec) -> str:
+    """How the tile's rows arrive: TMA boxes for a dense cache of the dtype or of e4m3 where the
+    layout allows (contiguous, or pages of >= 8 rows that are a power of two or a multiple of
+    64); the threads' cp.async for e4m3_ds rows (656 bytes: no box width divides them), sparse
+    slots (a gather, not a box), other page sizes, or given tile.kv_loads = "cp_async"."""
+    kv = KVAccess(spec.opt("kv_layout"), C.FORMATS[spec.dtype], spec.opt("page_size") or 0)
+    tma = (spec.tile_dict().get("kv_loads", "tma") == "tma" and group_scaled(spec) is None
+           and not sparse_keys(spec) and tma_applies(kv))
+    return "tma" if tma else "cp_async"
+
+
+def latent_tcgen05(spec, target) -> bool:
+    """Whether a latent spec's tile runs on tcgen05 for `target` once it holds 64 head rows:
+    sm_100a / sm_103a, f16/bf16, a latent cache of the dtype, of e4m3 bytes (one scale) or of
+    e4m3_ds rows, dense or sparse, kv_lora_rank 512 with whole 64-column slabs of RoPE, at
+    least three stages (tile.num_stages 2 keeps the mma.sync kernel) that fit (e4m3_ds rows
+    with 128 RoPE columns do not: they keep it too), no custom mask."""
+    given = spec.tile_dict().get("num_stages", MIN_STAGES)
+    return (target.name in TCGEN05_TARGETS and spec.dtype in ("f16", "bf16")
+            and kind(spec) in (None, "e4m3")
+            and head_dim_v(spec) == LATENT_DV and spec.head_dim % 64 == 0
+            and spec_option(spec, "custom_mask") in (None, "none")
+            and given >= MIN_STAGES
+            and _config(spec, MIN_STAGES).smem_bytes <= target.max_smem_per_cta)
 
 
 def applies_latent_tcgen05(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
-    """Whether the mma.sync latent tile `cfg` runs on tcgen05 for `target`: sm_100a / sm_103a,
-    f16/bf16, a dense latent cache of the dtype or of e4m3 bytes with one scale, loaded by TMA
-    (contiguous, or pages of >= 8 rows that are a power of two or a multiple of 64; not given
-    kv_loads = "cp_async"), kv_lora_rank 512 with whole 64-column slabs of RoPE, 64 head rows
-    (the family's tile where the heads fill it: 64 or more), and at least three stages that
-    fit. Elsewhere -- e4m3_ds rows, sparse top-k, 16 or 32 heads -- the mma.sync tile runs."""
-    given = spec.tile_dict().get("num_stages", MIN_STAGES)
-    return (cfg.shared_kv and cfg.block_m == LATENT_ROWS and target.name in TCGEN05_TARGETS
-            and spec.dtype in ("f16", "bf16") and kind(spec) in (None, "e4m3")
-            and group_scaled(spec) is None
-            and head_dim_v(spec) == LATENT_DV and spec.head_dim % 64 == 0
-            and not sparse_keys(spec) and tma_applies(kv)
-            and spec.tile_dict().get("kv_loads", "tma") == "tma"
-            and spec_option(spec, "custom_mask") in (None, "none")
-            and given >= MIN_STAGES
-            and _config(spec, cfg, MIN_STAGES).smem_bytes <= target.max_smem_per_cta)
+    """Whether the mma.sync latent tile `cfg` runs on tcgen05 for `target`: latent_tcgen05, and
+    64 head rows (the family's tile where the heads fill it: 64 or more). Elsewhere -- 16 or 32
+    heads, and sparse top-k on a kernel with a target whose mma.sync tile stops at 32 rows --
+    the mma.sync tile runs."""
+    return cfg.shared_kv and cfg.block_m == LATENT_ROWS and latent_tcgen05(spec, target)
 
 
 def configure_latent_tcgen05(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentTcgen05Config:
@@ -92,17 +113,19 @@ def configure_latent_tcgen05(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentTc
     up to four that fit (DeepSeek's 576 columns: 72 KiB of Q and four 36 KiB latent tiles)."""
     stages = spec.tile_dict().get("num_stages", MAX_STAGES)
     limit = TARGETS["sm_100a"].max_smem_per_cta
-    while stages > MIN_STAGES and _config(spec, cfg, stages).smem_bytes > limit:
+    while stages > MIN_STAGES and _config(spec, stages).smem_bytes > limit:
         stages -= 1
-    return _config(spec, cfg, stages)
+    return _config(spec, stages)
 
 
-def _config(spec, cfg: PrefillConfig, stages: int) -> LatentTcgen05Config:
+def _config(spec, stages: int) -> LatentTcgen05Config:
     bn = spec.tile_dict().get("block_n", DEFAULT_BLOCK_N)
-    # e4m3: TMA lands the raw bytes, every thread converts its share into the 16-bit tile; a
-    # bf16 kernel's products take f16 inputs (Q rescaled per row), as on the other tiles
+    # FP8: the rows land raw and every thread converts its share into the 16-bit tile; a bf16
+    # kernel's products take f16 inputs (Q rescaled per row) as on the other tiles, except over
+    # e4m3_ds rows (a group scale times e4m3 can leave f16's range)
     return LatentTcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, LATENT_ROWS, bn,
                                LATENT_ROWS // 16, stages, False, head_dim_v(spec), VALUE_CTAS,
-                               shared_kv=True, kv_loads="tma", min_ctas_per_sm=PIN_REGISTERS,
-                               fp8=kind(spec) is not None, f16_math=f16_math_applies(spec),
+                               shared_kv=True, kv_loads=tcgen05_loads(spec),
+                               min_ctas_per_sm=PIN_REGISTERS, fp8=kind(spec) is not None,
+                               f16_math=f16_math_applies(spec), rows=group_scaled(spec),
                                q_e4m3=spec_option(spec, "qk_products") == "e4m3")

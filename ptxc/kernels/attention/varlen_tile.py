@@ -22,6 +22,7 @@ from ..kv.kv_fp8_stage import StagedFP8Config, StagingGeom
 from ..mainloop.tiles import CHUNK, SWIZZLE, SwizzledGeom
 from ..mainloop.tma_ws_pipeline import consumer_regs
 from ..math.mma import MmaMath
+from ..math.tcgen05 import Tcgen05Math
 from .packed_tile import VarlenCtx
 from .variant import finish_rows, spec_option
 
@@ -94,6 +95,20 @@ class VarlenMath(MmaMath):
                 lo, hi = (b.mul(acc[2 * r + e], invs[r]) for e in range(2))
                 with b.predicate(ok):
                     b.st("global", F32, Addr(addr, jd * 32), [lo, hi])
+
+
+class VarlenTcgen05Math(VarlenMath, Tcgen05Math):
+    """Tcgen05Math's tile math (sm_100a) with VarlenMath's per-row epilogue: O is fetched from
+    tensor memory first and the tensor memory freed after."""
+
+    def __init__(self, b: KernelBuilder, ctx: VarlenCtx, ptrs: dict, strides: dict, bars: Reg,
+                 tmem: Reg | None = None, exchange: Reg | None = None):
+        VarlenMath.__init__(self, b, ctx, ptrs, strides, bars=bars, tmem=tmem, exchange=exchange)
+
+    def epilogue(self) -> None:
+        self.fetch_o()
+        VarlenMath.epilogue(self)
+        self.release()
 
 
 def packed_tile_config(spec, c: PrefillConfig) -> dict:

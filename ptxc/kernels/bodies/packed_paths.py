@@ -2,8 +2,9 @@
 table, most specific first: which instruction set and main loop a (spec, target) gets, how its
 tile is configured, and which body builds it.
 
-  tcgen05 latent (sm_100a, MLA) varlen_tma.py's latent branch with math/tcgen05.py's math: a
-                                latent tile per stage, two CTAs sharing the rows (grid z)
+  tcgen05 latent (sm_100a, MLA) varlen_tma.py's latent branch (TMA) or varlen_wgmma.py
+                                (cp.async: e4m3_ds rows, sparse slots) with math/tcgen05.py's
+                                math: a latent tile per stage, two CTAs sharing the rows (grid z)
   tcgen05 (sm_100a / sm_103a)   varlen_tma.py's body with math/tcgen05.py's math, TMA loads
   wgmma latent (sm_90a, MLA)    varlen_tma.py (TMA: dense and e4m3 rows) or varlen_wgmma.py
                                 (cp.async: e4m3_ds rows, sparse slots), a latent tile per stage
@@ -57,7 +58,7 @@ def _mma_body(b, spec, cfg, kv, ptrs, strides, work, split_count, quant, tmaps, 
 
 PATHS = (
     PackedPath("the sm_100a tcgen05 latent tile", ltc.applies_latent_tcgen05,
-               ltc.configure_latent_tcgen05, ltc.LatentTcgen05Config, _tma_body),
+               ltc.configure_latent_tcgen05, ltc.LatentTcgen05Config, _wgmma_body),
     PackedPath("the sm_100a tcgen05 tile", vt.applies_tcgen05,
                lambda spec, cfg, kv: vt.configure_tcgen05(spec, cfg), vt.Tcgen05TileConfig, _tma_body),
     PackedPath("the sm_90a wgmma latent tile", lt.applies_latent, lt.configure_latent,

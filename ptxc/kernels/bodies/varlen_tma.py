@@ -51,7 +51,7 @@ from contextlib import nullcontext
 from ...ir import S32, S64, U32, Addr, KernelBuilder, Reg
 from .. import common as C
 from ..attention.packed_tile import TileWork, packed_tile_setup
-from ..attention.varlen_tile import Tcgen05TileConfig, VarlenMath, score_transform
+from ..attention.varlen_tile import Tcgen05TileConfig, VarlenTcgen05Math, score_transform
 from ..kv.kv_access import KVAccess
 from ..kv.kv_boxes import IssuerPages, box_rows, tensor_map_params, warp_boxes, zero_tail_rows
 from ..kv.kv_fp8_stage import LatentFP8Staging
@@ -66,19 +66,6 @@ from ..math.umma import UmmaIssue, mma_region_bytes
 from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
 
-
-class VarlenTcgen05Math(VarlenMath, Tcgen05Math):
-    """Tcgen05Math's tile math (sm_100a) with VarlenMath's per-row epilogue: O is fetched from
-    tensor memory first and the tensor memory freed after."""
-
-    def __init__(self, b: KernelBuilder, ctx, ptrs: dict, strides: dict, bars: Reg,
-                 tmem: Reg | None = None, exchange: Reg | None = None):
-        VarlenMath.__init__(self, b, ctx, ptrs, strides, bars=bars, tmem=tmem, exchange=exchange)
-
-    def epilogue(self) -> None:
-        self.fetch_o()
-        VarlenMath.epilogue(self)
-        self.release()
 
 def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides: dict,
                   work: TileWork, split_count: Reg | None, tmaps: dict,

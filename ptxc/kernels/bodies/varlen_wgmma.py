@@ -44,7 +44,8 @@ from __future__ import annotations
 
 from ...ir import S32, S64, U64, Imm, KernelBuilder, Reg
 from ..attention.packed_tile import TileWork, packed_tile_setup
-from ..attention.varlen_tile import VarlenMath, WgmmaTileConfig, score_transform
+from ..attention.varlen_tile import (Tcgen05TileConfig, VarlenMath, VarlenTcgen05Math, WgmmaTileConfig,
+                                     score_transform)
 from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8_direct import DirectLatentStaging
 from ..kv.kv_fp8_stage import LatentFP8Staging, SwizzledFP8Staging
@@ -179,10 +180,13 @@ def copy_q(b: KernelBuilder, cfg: WgmmaTileConfig, tile, q_slot: ThreadSlot, q_r
                  tile.smem)
 
 
-def packed_math(b: KernelBuilder, ctx, ptrs: dict, strides: dict, quant, work: TileWork):
-    """The tile math; an FP8 cache's k_scale joins the softmax scale and v_scale the final 1/l
-    (group scales are applied where the rows are converted)."""
-    math = VarlenWgmmaMath(b, ctx, ptrs, strides)
+def packed_math(b: KernelBuilder, ctx, ptrs: dict, strides: dict, quant, work: TileWork,
+                mma_bars: Reg | None = None):
+    """The tile math -- wgmma's, or on sm_100a tcgen05's with its MMA barriers at `mma_bars`
+    (MLA's latent tile copied by the threads) --; an FP8 cache's k_scale joins the softmax
+    scale and v_scale the final 1/l (group scales are applied where the rows are converted)."""
+    math = VarlenWgmmaMath(b, ctx, ptrs, strides) if mma_bars is None else \
+        VarlenTcgen05Math(b, ctx, ptrs, strides, mma_bars)
     if quant is not None and quant.mode != "group":
         k_scale, math.v_scale = quant.scales(b, work.kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
@@ -278,10 +282,12 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     copy_q(b, cfg, tile, q_slot, q_row)
     if pages is not None:
         pages.load_ahead(b.mul(first, bn))
-    math = packed_math(b, ctx, ptrs, strides, quant, work)
+    stage_bytes = staging.stage_bytes if staging else cfg.kv_geom.bytes
+    # sm_100a (MLA's latent tile on tcgen05): its MMA barriers after the stages
+    mma_bars = b.add(k_stage, cfg.num_stages * stage_bytes) if isinstance(cfg, Tcgen05TileConfig) else None
+    math = packed_math(b, ctx, ptrs, strides, quant, work, mma_bars)
     assemble(b, "latent_wgmma" if cfg.shared_kv else "wgmma",   # MLA: one latent tile per stage
-             buffers=Buffers(cfg.num_stages, tile.smem, k_stage, v_stage,
-                             staging.stage_bytes if staging else cfg.kv_geom.bytes),
+             buffers=Buffers(cfg.num_stages, tile.smem, k_stage, v_stage, stage_bytes),
              tiles=KeyTiles(n_tiles, tile.n_full, lambda j: b.mul(b.add(first, j), bn), tile.lo_full),
              loads=Loads(load_kv=load_kv, landed=staging.landed if staging else None,
                          # f16 products over a bf16 Q: its rows rescaled into f16 first (or

@@ -82,13 +82,15 @@ FIELDS = FamilyFields(
               "target holds that tile in shared memory (32 for sparse), else 16",
               default=None, choices=(16, 32, 64)),
         Field("block_n", "int", "latent rows per tile", default=None, choices=(16, 32)),
-        Field("num_stages", "int", "latent tiles in flight (cp.async)", default=None,
+        Field("num_stages", "int", "latent tiles in flight (2 keeps the mma.sync kernel on "
+              "sm_90a and sm_100a: their tensor-core tiles read two while one lands)", default=None,
               choices=(2, 3, 4)),
         Field("kv_loads", "str", "how the sm_90a wgmma tile loads a dense latent cache: TMA "
               "boxes under mbarriers (where it applies: contiguous, or pages of >= 8 rows that are "
               "a power of two or a multiple of 64; the default for a cache of the dtype, given "
               "for e4m3), or per-thread cp.async (the e4m3 default; e4m3_ds and sparse caches "
-              "always)", default=None, choices=("cp_async", "tma")),
+              "always); sm_100a's tcgen05 tile the same, e4m3 by TMA too by default", default=None,
+              choices=("cp_async", "tma")),
         Field("split_scores", "bool", "sm_90a wgmma tile: the two warpgroups each compute half of "
               "Q·Kᵀ's depth and exchange partial scores through 16 KiB of shared memory (one "
               "latent stage fewer), instead of each computing all of it", default=None),
@@ -201,10 +203,10 @@ def validate(spec: KernelSpec) -> None:
     configs = [varlen.configure(view, TARGETS[t]) for t in spec.targets]
     if spec.tile_dict().get("kv_loads") == "tma" and not any(getattr(c, "tma", False) for c in configs):
         raise SpecError(f"kv_loads = \"tma\" with targets {', '.join(spec.targets)}: TMA loads "
-                        f"only the sm_90a wgmma tile (64 head rows) of a dense latent cache of the "
-                        f"dtype or of e4m3 (not e4m3_ds, not sparse), contiguous or in pages of >= 8 rows that "
-                        f"are a power of two or a multiple of 64; allowed: \"cp_async\" or drop "
-                        f"the key", key="tile.kv_loads")
+                        f"only the sm_90a wgmma and sm_100a tcgen05 tiles (64 head rows) of a dense "
+                        f"latent cache of the dtype or of e4m3 (not e4m3_ds, not sparse), contiguous "
+                        f"or in pages of >= 8 rows that are a power of two or a multiple of 64; "
+                        f"allowed: \"cp_async\" or drop the key", key="tile.kv_loads")
     if spec.tile_dict().get("seesaw"):
         check_seesaw(spec, configs)
     if spec.opt("qk_products") == "e4m3":

@@ -24,6 +24,7 @@ from .. import common as C
 from ..attention.mask_tiles import classified_tiles
 from ..attention.split_plan import MAX_AUTO_SPLITS
 from ..attention.split_reduce import build_reduce, split_interface
+from ..attention.latent_tcgen05 import latent_tcgen05
 from ..attention.latent_tile import latent_wgmma
 from ..attention.variant import (
     MASK_BUFFERS, VARIANT_FIELDS, default_seq_len, head_dim_v, mask_bytes_param, spec_option,
@@ -211,11 +212,12 @@ def latent_block_m(spec: KernelSpec) -> int:
     sm_90, sm_100: about 128 KiB; the 99 KiB parts, sm_86/89/120, keep 16 rows), so the grid
     and the "auto" split rule stay target-independent. Sparse top-k takes at most 32 -- at 64
     rows x 128 registers the slot ring (kv_pages.SparseSlots) spills -- unless every target
-    runs the sm_90a wgmma tile (latent_tile.latent_wgmma: 8 warps of up to 255 registers)."""
+    runs the sm_90a wgmma tile (latent_tile.latent_wgmma: 8 warps of up to 255 registers) or
+    the sm_100a tcgen05 one (latent_tcgen05.latent_tcgen05: O in tensor memory)."""
     rows = 16
     cap = 32 if sparse_keys(spec) else WIDE_LATENT_ROWS
-    if all(latent_wgmma(spec, TARGETS[t]) for t in spec.targets):
-        cap = WIDE_LATENT_ROWS       # the wgmma tile has the registers the mma.sync one lacks
+    if all(latent_wgmma(spec, TARGETS[t]) or latent_tcgen05(spec, TARGETS[t]) for t in spec.targets):
+        cap = WIDE_LATENT_ROWS       # the wgmma and tcgen05 tiles have the registers the mma.sync one lacks
     while rows * 2 <= min(cap, spec.num_heads):
         rows *= 2
     while rows > 16 and not all(_fits(spec, rows, TARGETS[t]) for t in spec.targets):

@@ -139,6 +139,12 @@ class Tcgen05Math(WgmmaMath):
     def pv_done(self) -> None:
         self._wait(self.bar_o, self.o_phase)
 
+    def p_visible(self) -> None:
+        """Before a P·V that no loop barrier precedes (a latent loop's last): every warp's P
+        stores (waited and fenced in softmax_late) reach the issuing warp through a barrier."""
+        self.cta_sync()
+        self.b.tcgen05_fence(before=False)
+
     # ---- with a correction warpgroup (tile.correction) -------------------------------------
     def p_free(self, j: Reg) -> None:
         """Before P(j) goes to buffer j mod 2: the P·V that read it, P·V(j - 2), completed."""

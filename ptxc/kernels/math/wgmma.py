@@ -143,6 +143,10 @@ class WgmmaMath(MmaMath):
     def pv_done(self) -> None:
         self.b.wgmma_wait(0)
 
+    def p_visible(self) -> None:
+        """Before a P·V that no loop barrier precedes (a latent loop's last): P is this
+        warpgroup's own registers, nothing to order."""
+
     def issue_pv(self, v_tile: Reg, frags: list[list[Reg]] | None = None) -> None:
         """Issue O += P·V with the packed P of the previous softmax (or `frags`, another P's A
         fragments: the seesaw's received P) as one commit group."""
