@@ -33,7 +33,9 @@ expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
              (tma_pipeline.run_latent_tma_pipeline); the same issuers, page ids and V tail
              (the first head_dim_v columns' slabs are V). e4m3 rows (kv_loads = "tma" given):
              unswizzled boxes of fp8_box_bytes columns into kv_fp8_stage.LatentFP8Staging's
-             buffers, converted there, the tail zeroed in the converted tile.
+             buffers, converted there, the tail zeroed in the converted tile. On sm_100a
+             (latent_tcgen05.py) the same loop with tcgen05's math, its MMA barriers after
+             the stages' (each of the two value CTAs reads the whole tile).
   rows >= L  cache rows at or past the sequence's L may hold anything (NaN included). K rows
              there are masked to -inf before the softmax (P = 0 exactly, selp drops the NaN),
              but 0 x NaN in P·V would poison O, so the last V tile's rows [L - row0, block_n)
@@ -61,7 +63,7 @@ from ..mainloop.seesaw_pipeline import SEESAW_STAGES
 from ..mainloop.tma_pipeline import MBARRIER_BYTES, barrier_bytes, refill_phase
 from ..math.seesaw import WARPGROUP, SeesawExchange, warpgroup_barrier
 from ..config.wgmma import ROWS_PER_WARPGROUP as WARPGROUP_ROWS
-from ..math.tcgen05 import Correction, Tcgen05Math
+from ..math.tcgen05 import Correction
 from ..math.umma import UmmaIssue, mma_region_bytes
 from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 from .varlen_wgmma import VarlenWgmmaMath, row_chunks, stage_groups
@@ -213,8 +215,9 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
                      q_landed=q_hook, last_v_landed=last_v_landed, **hooks)
     if kv.latent:    # MLA: one latent tile per stage serves both products, its barriers after
         stage, stage_bytes = (staging.k_stage, staging.stage_bytes) if staging else (tile.k_smem, kv_bytes)
-        bars = b.add(stage, stages * stage_bytes)
+        bars = None
         if isinstance(cfg, Tcgen05TileConfig):   # sm_100a: the MMA barriers after the stages'
+            bars = b.add(stage, stages * stage_bytes)
             math = VarlenTcgen05Math(b, ctx, ptrs, strides, b.add(bars, stages * MBARRIER_BYTES))
         else:
             math = VarlenWgmmaMath(b, ctx, ptrs, strides)
@@ -232,8 +235,9 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
         if quant is not None:       # e4m3: k_scale in the softmax scale, v_scale in 1/l
             k_scale, math.v_scale = quant.scales(b, work.kv_head)
             math.scale_log2 = b.mul(k_scale, math.scale_log2)
-        assemble(b, "latent_tma", buffers=Buffers(stages, tile.smem, stage, stage, stage_bytes,
-                                                  bars=bars),
+        if bars is None:            # wgmma's math takes none: its barriers' address, here
+            bars = b.add(stage, stages * stage_bytes)
+        assemble(b, "latent_tma", buffers=Buffers(stages, tile.smem, stage, stage, stage_bytes, bars=bars),
                  tiles=key_tiles,
                  loads=loads(q_rescaled if rewrite is not None else q_landed,
                              landed=staging.landed if staging else None),
