@@ -20,6 +20,29 @@ def toolchain():
     return tc()
 
 
+@pytest.fixture(scope="session")
+def example_build(tmp_path_factory, toolchain):
+    """(out, summary): every example spec built and verified once per test run, from a fresh
+    compile cache; read-only. Under pytest-xdist the workers share it -- the first to ask builds
+    under a lock file in the run's common temporary directory, the others wait and read it
+    (three whole example builds were about a tenth of the default suite)."""
+    import fcntl
+    import json
+    import os
+    from ptxc.pipeline.build import run_build
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out, done = root / "examples-out", root / "examples-summary.json"
+    with open(root / "examples.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            with pytest.MonkeyPatch.context() as mp:   # the tests' ptxas (conftest denies $PTXAS)
+                mp.delenv("PTXAS", raising=False)
+                summary = run_build([SPECS], out, progress=False, cache_dir=root / "examples-cache")
+            done.write_text(json.dumps(summary))
+    return out, json.loads(done.read_text())
+
+
 def write_spec(tmp_path: Path, text: str, name: str = "spec.toml") -> Path:
     p = tmp_path / name
     p.write_text(text)

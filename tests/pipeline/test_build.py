@@ -21,13 +21,8 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, toolchain):
-    out = tmp_path_factory.mktemp("out")
-    cache = tmp_path_factory.mktemp("cache1")
-    with pytest.MonkeyPatch.context() as mp:  # the same ptxas as the tests, which conftest denies $PTXAS
-        mp.delenv("PTXAS", raising=False)
-        summary = run_build([SPECS], out, progress=False, cache_dir=cache)
-    return out, summary
+def built(example_build):
+    return example_build     # conftest's: built once per run, shared with the report tests
 
 
 def test_every_spec_target_assembles_without_spills(built):
