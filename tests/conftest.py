@@ -56,6 +56,18 @@ def example_build(tmp_path_factory, toolchain):
     return out, json.loads(done.read_text())
 
 
+def build_without_spills(tmp_path: Path, kernels: list[str], target: str) -> Path:
+    """Build the [[kernel]] texts `kernels` (verified by ptxas) into tmp_path/out and assert 0
+    spill bytes on `target` for each; returns the output directory."""
+    from ptxc.pipeline.build import run_build
+    (tmp_path / "k.toml").write_text("\n".join(kernels))
+    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
+    assert summary["verified"] and not summary["problems"]
+    for k in summary["kernels"]:
+        assert k["targets"][target]["spill_bytes"] == 0, k["name"]
+    return tmp_path / "out"
+
+
 def write_spec(tmp_path: Path, text: str, name: str = "spec.toml") -> Path:
     p = tmp_path / name
     p.write_text(text)

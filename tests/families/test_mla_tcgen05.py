@@ -11,8 +11,8 @@ planted mistake; ptxas 0 spills."""
 import numpy as np
 import pytest
 
-from conftest import assert_pass, build_kernel, built_sass
-from families.test_mla import MLA, _decode_batch, body
+from conftest import assert_pass, build_kernel, build_without_spills, built_sass
+from families.test_mla import MLA, _decode_batch, assert_values_skip_rope, body
 from ptxc import reference as ref
 from ptxc.runtime.launch_test import check_artifact
 
@@ -220,16 +220,10 @@ def test_latent_rows_are_read_once_per_value_cta(tmp_path, bytes_read):
 
 
 def test_values_never_read_the_rope_columns(tmp_path):
-    """q's RoPE part zero: caches that differ only in the RoPE columns (NaN there) give identical
-    bytes, so neither value CTA's slabs (0-3, 4-7) reach slab 8."""
-    art = build_kernel(tmp_path, "mla", body(heads=64, page=16), targets=SM100A)
-    spec, inputs, _ = _decode_batch(art, [5, 64, 33], [1, 2, 4], 64, np.random.default_rng(9))
-    inputs["q"][..., 512:] = 0
-    other = {**inputs, "kv_cache": inputs["kv_cache"].copy()}
-    other["kv_cache"][..., 512:] = 30000.0
-    a, b = art.run(inputs, target="sm_100a"), art.run(other, target="sm_100a")
-    assert np.array_equal(a["o"], b["o"]) and np.array_equal(a["lse"], b["lse"])
-    assert ref.max_abs_error(a["o"], MLA.reference(spec, inputs)["o"]) < 2e-2
+    """Caches that differ only in the RoPE columns give identical bytes: neither value CTA's
+    slabs (0-3, 4-7) reach slab 8 (test_mla.assert_values_skip_rope)."""
+    assert_values_skip_rope(build_kernel(tmp_path, "mla", body(heads=64, page=16), targets=SM100A),
+                            64, "sm_100a")
 
 
 def test_a_value_cta_reading_the_other_half_fails(tmp_path, monkeypatch):
@@ -249,7 +243,6 @@ def test_ptxas_zero_spills_and_utcmma_loop(tmp_path, toolchain):
     top-k: 0 spills; the issuing
     warp's loop issues S as 36 UTCHMMA (576 / 16) and P·V as 2 (block_n 32 / 16), no HMMA but
     the two row-sum ones, no ldmatrix."""
-    from ptxc.pipeline.build import run_build
     kernels = [f'[[kernel]]\nname = "m_{dt}_{lay}_{rope}"\nfamily = "mla"\ntargets = ["sm_100a"]\n'
                f'{body(dtype=dt, heads=128, layout=lay, splits=s, rope=rope)}\n'
                for dt, lay, s, rope in (("bf16", "paged", "auto", 64), ("f16", "contiguous", 1, 64),
@@ -258,11 +251,7 @@ def test_ptxas_zero_spills_and_utcmma_loop(tmp_path, toolchain):
                 for tag, text in (("e4m3", body(heads=128, kv="e4m3")), ("ds", body(heads=128, kv="e4m3_ds")),
                                   ("sparse_ds", body(heads=128, kv="e4m3_ds") + "sparse_topk = 2048\n"),
                                   ("sparse", body(heads=64) + "sparse_topk = 2048\ntopk_length = true\n"))]
-    (tmp_path / "k.toml").write_text("\n".join(kernels))
-    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
-    assert summary["verified"] and not summary["problems"]
-    for k in summary["kernels"]:
-        assert k["targets"]["sm_100a"]["spill_bytes"] == 0, k["name"]
+    build_without_spills(tmp_path, kernels, "sm_100a")
     _, prof = built_sass(tmp_path / "out", "m_bf16_paged_64", "sm_100a", "ptxc_m_bf16_paged_64_split")
     assert prof["mix"]["LDL"] == prof["mix"]["STL"] == prof["mix"]["LDSM"] == 0
     loop = prof["loops"]["loops"][prof["loops"]["main"]]

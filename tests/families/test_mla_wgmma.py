@@ -11,8 +11,8 @@ ptxas 0 spills with HGMMA in the loop."""
 import numpy as np
 import pytest
 
-from conftest import assert_pass, build_kernel, built_sass
-from families.test_mla import MLA, _decode_batch, body, sparse_body
+from conftest import assert_pass, build_kernel, build_without_spills, built_sass
+from families.test_mla import MLA, _decode_batch, assert_values_skip_rope, body, sparse_body
 from families.test_mla_group_scaled import body as ds_body
 from ptxc import reference as ref
 from ptxc.runtime.launch_test import check_artifact
@@ -321,16 +321,10 @@ def test_latent_rows_are_read_once_per_head_tile(tmp_path, bytes_read, loads):
 
 
 def test_values_never_read_the_rope_columns(tmp_path):
-    """q's RoPE part zero: two caches that differ only in the RoPE columns (3e4 there) give
-    identical bytes, so the warpgroups' value slabs (0-3, 4-7) never reach slab 8."""
-    art = build_kernel(tmp_path, "mla", body(heads=64, page=16), targets=SM90A)
-    spec, inputs, _ = _decode_batch(art, [5, 64, 33], [1, 2, 4], 64, np.random.default_rng(9))
-    inputs["q"][..., 512:] = 0
-    other = {**inputs, "kv_cache": inputs["kv_cache"].copy()}
-    other["kv_cache"][..., 512:] = 30000.0
-    a, b = art.run(inputs, target="sm_90a"), art.run(other, target="sm_90a")
-    assert np.array_equal(a["o"], b["o"]) and np.array_equal(a["lse"], b["lse"])
-    assert ref.max_abs_error(a["o"], MLA.reference(spec, inputs)["o"]) < 2e-2
+    """Caches that differ only in the RoPE columns give identical bytes: the warpgroups' value
+    slabs (0-3, 4-7) never reach slab 8 (test_mla.assert_values_skip_rope)."""
+    assert_values_skip_rope(build_kernel(tmp_path, "mla", body(heads=64, page=16), targets=SM90A),
+                            64, "sm_90a")
 
 
 def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
@@ -338,7 +332,6 @@ def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
     ptxas serialised; with split scores (the default) the loop
     issues half of S, 18 HGMMA.64x32x16, and P·V as 2 HGMMA.64x256x16 per warpgroup (36 for S
     unsplit), no LDSM."""
-    from ptxc.pipeline.build import run_build
     kernels = [f'[[kernel]]\nname = "m_{dt}_{lay}"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
                f'{body(dtype=dt, heads=128, layout=lay, splits=s)}\n'
                for dt, lay, s in (("bf16", "paged", "auto"), ("f16", "contiguous", 1))]
@@ -349,11 +342,7 @@ def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
     kernels += [f'[[kernel]]\nname = "m_seesaw_{dt}"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
                 f'{body(dtype=dt, heads=128, layout=lay)}\n[kernel.tile]\nseesaw = true\n'
                 for dt, lay in (("bf16", "paged"), ("f16", "contiguous"))]
-    (tmp_path / "k.toml").write_text("\n".join(kernels))
-    summary = run_build([tmp_path / "k.toml"], tmp_path / "out", progress=False)
-    assert summary["verified"] and not summary["problems"]
-    for k in summary["kernels"]:
-        assert k["targets"]["sm_90a"]["spill_bytes"] == 0, k["name"]
+    build_without_spills(tmp_path, kernels, "sm_90a")
     _, prof = built_sass(tmp_path / "out", "m_bf16_paged", "sm_90a", "ptxc_m_bf16_paged_split")
     mix, loops = prof["mix"], prof["loops"]
     loop = loops["loops"][loops["main"]]
