@@ -295,9 +295,10 @@ MLA_QK8 = (('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\nq
            ('kv_dtype = "e4m3"\nqk_products = "e4m3"\n[kernel.tile]\ndequant_warpgroup = false\n', "qk8fused"))
 MLA_APPEND_DS_OPTIONS = (('kv_dtype = "e4m3_ds"\n', "ds"), ('kv_dtype = "e4m3_ds"\nrope = "gptj"\n', "dsgptj"))
 # sm_100a alone: the tcgen05 latent tile (two value CTAs) over its layouts and tile keys, 64 and
-# 128 heads -- dense caches of the dtype or of e4m3 by TMA, and by the threads' cp.async e4m3_ds
-# rows (with 128 RoPE columns they keep the mma.sync tile: three stages do not fit), sparse
-# top-k, pages no box fits and kv_loads = "cp_async"
+# 128 heads -- dense caches of the dtype by TMA, FP8 rows by a dequantising warpgroup (the
+# default) or every warp converting (TMA-staged e4m3; e4m3_ds by cp.async, which with 128 RoPE
+# columns keeps the mma.sync tile: three stages do not fit), sparse top-k, pages no box fits
+# and kv_loads = "cp_async" by the threads' cp.async
 MLA_TC_OPTIONS = (("", "base"), ("num_splits = 1\nreturn_lse = false\n", "nosplit"),
                   ('kv_layout = "contiguous"\n', "contig"), ("page_size = 16\n", "p16"),
                   ("page_size = 8\nnum_heads = 64\n", "p8h64"),
@@ -305,12 +306,15 @@ MLA_TC_OPTIONS = (("", "base"), ("num_splits = 1\nreturn_lse = false\n", "nospli
                   ('kv_dtype = "e4m3"\n', "fp8"),
                   ('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\nnum_splits = 1\n', "fp8dev"),
                   ('kv_dtype = "e4m3"\nqk_products = "e4m3"\n', "qk8"),
-                  ('kv_dtype = "e4m3"\npage_size = 16\n[kernel.tile]\nblock_n = 16\nnum_stages = 3\n', "fp8bn16"))
+                  ('kv_dtype = "e4m3"\npage_size = 16\n[kernel.tile]\nblock_n = 16\nnum_stages = 3\n', "fp8bn16"),
+                  ('kv_dtype = "e4m3"\n[kernel.tile]\ndequant_warpgroup = false\n', "fp8fused"),
+                  ('kv_dtype = "e4m3"\n[kernel.tile]\nkv_loads = "tma"\n', "fp8tma"))
 MLA_TC_CP_ASYNC = (('kv_dtype = "e4m3_ds"\n', "ds"), ("sparse_topk = 2048\ntopk_length = true\n", "sparse"),
                    ('kv_dtype = "e4m3_ds"\nsparse_topk = 2048\n', "dssparse"),
                    ('kv_dtype = "e4m3"\nsparse_topk = 2048\nnum_splits = 1\n', "sparsefp8"),
                    ('kv_dtype = "e4m3_ds"\nnum_splits = 1\nreturn_lse = false\npage_size = 1\n', "dsnosplit"),
-                   ("page_size = 12\n", "p12"), ('[kernel.tile]\nkv_loads = "cp_async"\n', "cpasync"))
+                   ("page_size = 12\n", "p12"), ('[kernel.tile]\nkv_loads = "cp_async"\n', "cpasync"),
+                   ('kv_dtype = "e4m3_ds"\n[kernel.tile]\ndequant_warpgroup = false\n', "dsfused"))
 
 
 def _mla_rows(full: bool):

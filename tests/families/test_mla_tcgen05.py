@@ -45,20 +45,25 @@ def _config(art) -> dict:
 
 
 def _check_tile(art, stages: int = 4, block_n: int = 32, row: int = ROW, staged: int = 0,
-                loads: str = "tma") -> None:
+                loads: str = "tma", dequant: bool = False) -> None:
     """The tile's metadata: 64 rows on 4 warps, two value CTAs (grid z), the latent stages --
-    FP8: two converted 16-bit tiles and the stages of `staged`-byte raw rows --, with TMA a
-    full mbarrier a stage, and the MMA region."""
+    FP8: the converted 16-bit tiles (two; a dequantising warpgroup's ring of three) and the
+    stages of `staged`-byte raw rows --, with TMA a full mbarrier a stage (the ring's full and
+    empty ones under a dequantising warpgroup), and the MMA region."""
     c = _config(art)
     assert (c["path"], c["block_m"], c["num_warps"], c["value_split"], c["value_ctas"]) == \
         (PATH, 64, 4, 2, 2)
     assert (c["block_n"], c["num_stages"], c.get("kv_loads", "cp_async"), c["tmem_columns"]) == \
         (block_n, stages, loads, 512)
-    tiles = 2 * block_n * row + stages * block_n * staged if staged else stages * block_n * row
-    assert c["smem_bytes"] == 64 * row + tiles + (stages * 8 if loads == "tma" else 0) + MMA_REGION
+    converted = 3 if dequant else 2
+    tiles = converted * block_n * row + stages * block_n * staged if staged else stages * block_n * row
+    bars = 6 if dequant else stages if loads == "tma" else 0
+    assert c["smem_bytes"] == 64 * row + tiles + bars * 8 + MMA_REGION
     assert c.get("fp8_staging_bytes") == (block_n * staged if staged else None)
+    assert (c.get("dequant_warpgroup", False), c.get("threads", 128)) == (dequant, 256 if dequant else 128)
+    assert "setmaxnreg" not in c      # 256 threads at one CTA per SM: 255 registers each
     launch = art.meta["targets"]["sm_100a"]["kernels"][0]
-    assert launch["grid"][2] == "2" and launch["block"] == [128, 1, 1]
+    assert launch["grid"][2] == "2" and launch["block"] == [256 if dequant else 128, 1, 1]
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -76,39 +81,72 @@ def test_mixed_batch_matches_reference(tmp_path, case):
 # e4m3 rows (one scale): TMA lands the raw bytes in staging buffers (three 192-byte boxes a row),
 # every thread converts its share into one of two alternating 16-bit tiles; bf16 kernels take
 # f16 products (Q rescaled per row), qk_products = "e4m3" rounds Q's rows to e4m3 values
-FP8_CASES = {
-    # up to 480 keys: > 4 tiles of 32 rows per split, every staging buffer and converted tile reused
-    "h64-bf16-e4m3-page16-3splits-L480": (dict(heads=64, kv="e4m3", splits=3, page=16),
-                                          {"batch": 9, "max_pages_per_seq": 30, "num_pages": 290}),
+L480 = {"batch": 9, "max_pages_per_seq": 30, "num_pages": 290}
+DEQUANT = dict(loads="cp_async", dequant=True, stages=2)      # a warpgroup converting: the default
+FUSED = dict(loads="tma")                                     # every warp converting TMA-staged rows
+FP8_CASES = {   # (keys, shapes, tile, the tile's form)
+    # up to 480 keys: > 4 tiles of 32 rows per split, every staging buffer, converted tile and
+    # ring phase reused
+    "h64-bf16-e4m3-page16-3splits-L480": (dict(heads=64, kv="e4m3", splits=3, page=16), L480, "",
+                                          dict(DEQUANT, staged=576)),
+    "h64-bf16-e4m3_ds-page16-3splits-L480": (dict(heads=64, kv="e4m3_ds", splits=3, page=16), L480, "",
+                                             dict(DEQUANT, staged=656)),
+    "h64-bf16-e4m3-page16-3splits-L480-fused": (dict(heads=64, kv="e4m3", splits=3, page=16), L480,
+                                                "dequant_warpgroup = false", dict(FUSED, staged=576)),
     "h128-f16-e4m3-device-contiguous-1": (dict(dtype="f16", heads=128, kv="e4m3", scale="device",
                                                layout="contiguous", splits=1),
-                                          {"batch": 9, "max_seq_len": 70}),
-    "h64-bf16-e4m3-qk8-page64-3splits": (dict(heads=64, kv="e4m3", splits=3), {"batch": 9, "max_pages_per_seq": 5,
-                                                                              "num_pages": 60}, 'qk_products = "e4m3"\n'),
+                                          {"batch": 9, "max_seq_len": 70}, "", dict(DEQUANT, staged=576)),
+    "h128-f16-e4m3-device-contiguous-1-tma": pytest.param(
+        (dict(dtype="f16", heads=128, kv="e4m3", scale="device", layout="contiguous", splits=1),
+         {"batch": 9, "max_seq_len": 70}, 'kv_loads = "tma"', dict(FUSED, staged=576)), marks=pytest.mark.slow),
+    # 784-byte rows (128 RoPE columns): one staging buffer beside the ring
+    "h64-bf16-e4m3_ds-rope128-page64-1": (dict(heads=64, kv="e4m3_ds", rope=128, splits=1),
+                                          {"batch": 5, "max_pages_per_seq": 2, "num_pages": 12}, "",
+                                          dict(DEQUANT, staged=784, stages=1, row=1280)),
+    "h64-bf16-e4m3-qk8-page64-3splits": (dict(heads=64, kv="e4m3", splits=3),
+                                         {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}, "",
+                                         dict(DEQUANT, staged=576), 'qk_products = "e4m3"\n'),
 }
 
 
 @pytest.mark.parametrize("case", FP8_CASES.values(), ids=FP8_CASES.keys())
 def test_fp8_latent_matches_reference(tmp_path, case):
-    """The long case refills every staging buffer, converted tile and mbarrier phase under the
-    race checker (a conversion without the barrier before it, or a refill of a stage before its
-    conversion read it, fails there); k_scale in the softmax scale and 1/l."""
-    keys, shapes, *extra = case
-    art = build_kernel(tmp_path, "mla", body(**keys) + "".join(extra), targets=SM100A)
-    _check_tile(art, staged=576)
-    assert _config(art).get("mma_inputs") == ("f16" if keys.get("dtype", "bf16") == "bf16" else None)
+    """FP8 rows converted by a warpgroup of their own (the default: the threads' cp.async into
+    a staging ring, three converted tiles under full / empty mbarriers) or by every softmax
+    warp (TMA-staged, two converted tiles). The long cases refill every staging buffer,
+    converted tile and mbarrier phase under the race checker and its deadlock detection (a
+    conversion without the barrier before it, or a refill of a stage before its conversion
+    read it, fails there); k_scale in the softmax scale and 1/l."""
+    keys, shapes, tile, form, *extra = case
+    art = build_kernel(tmp_path, "mla", body(**keys) + "".join(extra), targets=SM100A, tile=tile)
+    _check_tile(art, **form)
+    f16 = keys.get("dtype", "bf16") == "bf16" and keys["kv"] == "e4m3"
+    assert _config(art).get("mma_inputs") == ("f16" if f16 else None)
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
-# The threads' cp.async (wgmma_pipeline.run_latent_wgmma_pipeline): e4m3_ds rows (656 bytes: no
-# box divides them) staged whole and converted with their group scales, sparse top-k's slots (a
-# gather), pages TMA cannot box (12 rows), or kv_loads = "cp_async" given
+def test_the_issuing_warp_waits_for_every_warps_p(tmp_path, monkeypatch):
+    """Planted: without p_visible (a named barrier of the softmax warps before each P·V) the
+    issuing warp's tcgen05.mma reads P that the other warps stored in tensor memory unordered:
+    the race checker stops the dequantising tile there."""
+    from ptxc.errors import EmulationError
+    from ptxc.kernels.math import tcgen05
+    monkeypatch.setattr(tcgen05.Tcgen05Math, "p_visible", lambda self: None)
+    art = build_kernel(tmp_path, "mla", body(heads=64, kv="e4m3", splits=1, page=16), targets=SM100A)
+    assert _config(art)["dequant_warpgroup"]
+    with pytest.raises(EmulationError, match="tcgen05.mma"):
+        check_artifact(art, backend="emu", seed=5, shapes={"batch": 3, "max_pages_per_seq": 4, "num_pages": 13})
+
+
+# The threads' cp.async with every softmax warp converting (wgmma_pipeline.run_latent_wgmma_pipeline):
+# e4m3_ds rows (656 bytes: no box divides them) staged whole and converted with their group
+# scales, dequant_warpgroup = false; pages TMA cannot box (12 rows), or kv_loads = "cp_async" given
 CP_ASYNC = {
-    "h128-e4m3_ds-paged-3splits": pytest.param((dict(heads=128, kv="e4m3_ds", splits=3),
-                                                {"batch": 9, "max_pages_per_seq": 3, "num_pages": 30}, "", 4, 656),
-                                               marks=pytest.mark.slow),
-    "h64-e4m3_ds-page16-3splits-L480": (dict(heads=64, kv="e4m3_ds", splits=3, page=16),
-                                        {"batch": 9, "max_pages_per_seq": 30, "num_pages": 290}, "", 4, 656),
+    "h128-e4m3_ds-paged-3splits-fused": pytest.param(
+        (dict(heads=128, kv="e4m3_ds", splits=3), {"batch": 9, "max_pages_per_seq": 3, "num_pages": 30},
+         "dequant_warpgroup = false", 4, 656), marks=pytest.mark.slow),
+    "h64-e4m3_ds-page16-3splits-L480-fused": (dict(heads=64, kv="e4m3_ds", splits=3, page=16), L480,
+                                              "dequant_warpgroup = false", 4, 656),
     "h64-f16-page12-auto": (dict(dtype="f16", heads=64, page=12),
                             {"batch": 9, "max_pages_per_seq": 9, "num_pages": 90}, "", 4, 0),
     "h64-bf16-contiguous-cp_async-1": (dict(heads=64, layout="contiguous", splits=1),
@@ -161,7 +199,9 @@ def test_block_n_16_and_three_stages_given(tmp_path):
     (dict(heads=128, rope=32), "", SM100A, "544 columns: RoPE not whole 64-column slabs"),
     (dict(heads=128, rank=256, rope=64), "", SM100A, "rank 256"),
     (dict(heads=128), "num_stages = 2", SM100A, "two stages: the loop reads two tiles"),
-    (dict(heads=128, kv="e4m3_ds", rope=128), "", SM100A, "784-byte rows: three stages do not fit"),
+    (dict(heads=128, kv="e4m3_ds", rope=128), "dequant_warpgroup = false", SM100A,
+     "784-byte rows, every warp converting: three stages do not fit"),
+    (dict(heads=128, kv="e4m3_ds", rope=128), "", SM100A, None),
     (dict(heads=128, kv="e4m3"), "", SM100A, None),
     (dict(heads=128, kv="e4m3_ds"), "", SM100A, None),
     (dict(heads=128, page=12), "", SM100A, None),

@@ -15,6 +15,7 @@ as the wgmma tile's 64 rows with one read (its two warpgroups share the CTA's co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ...targets import TARGETS
 from .. import common as C
@@ -23,6 +24,7 @@ from ..config.tcgen05 import PIN_REGISTERS, TCGEN05_TARGETS
 from ..kv.kv_access import KVAccess, sparse_keys
 from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind
 from ..kv.kv_fp8_stage import StagingGeom, f16_math_applies
+from ..mainloop.dequant_pipeline import THREADS as DEQUANT_THREADS, TILES as DEQUANT_TILES
 from ..mainloop.tiles import CHUNK
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
 from ..math.umma import mma_region_bytes
@@ -47,15 +49,42 @@ class LatentTcgen05Config(Tcgen05TileConfig):
     memory; v_split = value_ctas = 2 CTAs of the same rows (grid z) own half of O each."""
 
     rows: GroupScaledRows | None = None    # e4m3_ds: whole 656-byte rows staged (scales, RoPE)
+    # FP8 rows the threads copy: a warpgroup of its own copies and converts them into a ring of
+    # DEQUANT_TILES converted tiles (mainloop/dequant_pipeline.py), the softmax warps only read
+    dequant_warpgroup: bool = False
+    # sm_90a's e4m3 score products over the dequantising warpgroup's tiles: not on this tile
+    qk_e4m3: ClassVar[bool] = False
+    qk_direct: ClassVar[bool] = False
+    # 128 softmax + 128 converting threads: 255 registers each at one CTA per SM, no setmaxnreg
+    producer_regs: ClassVar[None] = None
+    consumer_regs: ClassVar[None] = None
 
     @property
     def value_ctas(self) -> int:
         return self.v_split
 
     @property
+    def launch_threads(self) -> int:
+        return super().launch_threads + (DEQUANT_THREADS if self.dequant_warpgroup else 0)
+
+    @property
+    def converted_tiles(self) -> int:
+        """FP8 rows: two alternating converted tiles, or the dequantising warpgroup's ring."""
+        return DEQUANT_TILES if self.dequant_warpgroup else 2
+
+    @property
+    def converted_bytes(self) -> int:
+        return self.kv_geom.bytes
+
+    @property
+    def copy_threads(self) -> int:
+        return DEQUANT_THREADS if self.dequant_warpgroup else self.threads
+
+    @property
     def staging_geom(self) -> StagingGeom:
         """FP8 rows: a stage's raw bytes (block_n rows of head_dim bytes, or e4m3_ds's whole rows)."""
-        return StagingGeom(self.block_n, self.rows.row_bytes if self.rows else self.head_dim, self.threads)
+        return StagingGeom(self.block_n, self.rows.row_bytes if self.rows else self.head_dim,
+                           self.copy_threads)
 
     @property
     def fp8_box_bytes(self) -> int:
@@ -65,24 +94,46 @@ class LatentTcgen05Config(Tcgen05TileConfig):
 
     @property
     def smem_bytes(self) -> int:
-        """Q (one swizzled 64 x head_dim tile), the latent stages -- or, FP8, two converted
-        16-bit tiles (S reads tile j while P·V reads j - 1) and the stages of raw bytes -- a
-        full mbarrier per stage where TMA loads them, then the MMA barriers (umma.py)."""
-        stages = 2 * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes if self.fp8 \
-            else self.num_stages * self.kv_geom.bytes
-        bars = self.num_stages * MBARRIER_BYTES if self.tma else 0
-        return self.q_region_bytes + stages + bars + mma_region_bytes(1)
+        """Q (one swizzled 64 x head_dim tile), the latent stages -- or, FP8, the converted
+        16-bit tiles (S reads tile j while P·V reads j - 1; the dequantising warpgroup writes
+        j + 1) and the stages of raw bytes -- a full mbarrier per stage where TMA loads them
+        (the ring's full and empty ones under a dequantising warpgroup), then the MMA barriers
+        (umma.py)."""
+        stages = self.converted_tiles * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes \
+            if self.fp8 else self.num_stages * self.kv_geom.bytes
+        bars = 2 * DEQUANT_TILES if self.dequant_warpgroup else self.num_stages if self.tma else 0
+        return self.q_region_bytes + stages + bars * MBARRIER_BYTES + mma_region_bytes(1)
 
 
 def tcgen05_loads(spec) -> str:
-    """How the tile's rows arrive: TMA boxes for a dense cache of the dtype or of e4m3 where the
-    layout allows (contiguous, or pages of >= 8 rows that are a power of two or a multiple of
-    64); the threads' cp.async for e4m3_ds rows (656 bytes: no box width divides them), sparse
-    slots (a gather, not a box), other page sizes, or given tile.kv_loads = "cp_async"."""
+    """How the tile's rows arrive: TMA boxes for a dense cache of the dtype -- or of e4m3 with
+    tile.kv_loads = "tma" or dequant_warpgroup = false -- where the layout allows (contiguous,
+    or pages of >= 8 rows that are a power of two or a multiple of 64); the threads' cp.async
+    for FP8 rows a dequantising warpgroup converts, e4m3_ds rows (656 bytes: no box width
+    divides them), sparse slots (a gather, not a box), other page sizes, or given
+    tile.kv_loads = "cp_async"."""
     kv = KVAccess(spec.opt("kv_layout"), C.FORMATS[spec.dtype], spec.opt("page_size") or 0)
     tma = (spec.tile_dict().get("kv_loads", "tma") == "tma" and group_scaled(spec) is None
-           and not sparse_keys(spec) and tma_applies(kv))
+           and not sparse_keys(spec) and tma_applies(kv) and not dequant_warpgroup(spec))
     return "tma" if tma else "cp_async"
+
+
+def dequant_warpgroup(spec) -> bool:
+    """tile.dequant_warpgroup (the default) over dense FP8 rows (e4m3, e4m3_ds) the threads
+    copy -- not given kv_loads = "tma": a warpgroup of its own copies and converts them, as on
+    sm_90a (mainloop/dequant_pipeline.py), so the four softmax warps run the loop of a cache
+    of the dtype. Chosen on static figures, not timed (docs/performance.md "MLA decode": the
+    softmax warps' loop falls to about the bf16 tile's). Sparse top-k keeps every warp
+    converting (its slot gather would sit in the converting warps' loop too; not built)."""
+    given = spec.tile_dict()
+    return (bool(given.get("dequant_warpgroup", True)) and kind(spec) is not None
+            and not sparse_keys(spec) and given.get("kv_loads") != "tma")
+
+
+def min_stages(spec) -> int:
+    """The fewest stages the tile runs with: three (tiles j - 1 and j read, one landing), or one
+    staging buffer under a dequantising warpgroup (its converted tiles are the ring)."""
+    return 1 if dequant_warpgroup(spec) else MIN_STAGES
 
 
 def latent_tcgen05(spec, target) -> bool:
@@ -91,13 +142,13 @@ def latent_tcgen05(spec, target) -> bool:
     e4m3_ds rows, dense or sparse, kv_lora_rank 512 with whole 64-column slabs of RoPE, at
     least three stages (tile.num_stages 2 keeps the mma.sync kernel) that fit (e4m3_ds rows
     with 128 RoPE columns do not: they keep it too), no custom mask."""
-    given = spec.tile_dict().get("num_stages", MIN_STAGES)
+    least = min_stages(spec)
     return (target.name in TCGEN05_TARGETS and spec.dtype in ("f16", "bf16")
             and kind(spec) in (None, "e4m3")
             and head_dim_v(spec) == LATENT_DV and spec.head_dim % 64 == 0
             and spec_option(spec, "custom_mask") in (None, "none")
-            and given >= MIN_STAGES
-            and _config(spec, MIN_STAGES).smem_bytes <= target.max_smem_per_cta)
+            and spec.tile_dict().get("num_stages", least) >= least
+            and _config(spec, least).smem_bytes <= target.max_smem_per_cta)
 
 
 def applies_latent_tcgen05(spec, target, cfg: PrefillConfig, kv: KVAccess) -> bool:
@@ -113,7 +164,7 @@ def configure_latent_tcgen05(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentTc
     up to four that fit (DeepSeek's 576 columns: 72 KiB of Q and four 36 KiB latent tiles)."""
     stages = spec.tile_dict().get("num_stages", MAX_STAGES)
     limit = TARGETS["sm_100a"].max_smem_per_cta
-    while stages > MIN_STAGES and _config(spec, stages).smem_bytes > limit:
+    while stages > min_stages(spec) and _config(spec, stages).smem_bytes > limit:
         stages -= 1
     return _config(spec, stages)
 
@@ -128,4 +179,5 @@ def _config(spec, stages: int) -> LatentTcgen05Config:
                                shared_kv=True, kv_loads=tcgen05_loads(spec),
                                min_ctas_per_sm=PIN_REGISTERS, fp8=kind(spec) is not None,
                                f16_math=f16_math_applies(spec), rows=group_scaled(spec),
-                               q_e4m3=spec_option(spec, "qk_products") == "e4m3")
+                               q_e4m3=spec_option(spec, "qk_products") == "e4m3",
+                               dequant_warpgroup=dequant_warpgroup(spec))

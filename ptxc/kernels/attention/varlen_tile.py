@@ -102,8 +102,10 @@ class VarlenTcgen05Math(VarlenMath, Tcgen05Math):
     tensor memory first and the tensor memory freed after."""
 
     def __init__(self, b: KernelBuilder, ctx: VarlenCtx, ptrs: dict, strides: dict, bars: Reg,
-                 tmem: Reg | None = None, exchange: Reg | None = None):
-        VarlenMath.__init__(self, b, ctx, ptrs, strides, bars=bars, tmem=tmem, exchange=exchange)
+                 tmem: Reg | None = None, exchange: Reg | None = None,
+                 barrier: tuple[int, int] | None = None):
+        VarlenMath.__init__(self, b, ctx, ptrs, strides, bars=bars, tmem=tmem, exchange=exchange,
+                            barrier=barrier)
 
     def epilogue(self) -> None:
         self.fetch_o()
@@ -359,9 +361,10 @@ def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
               if getattr(cfg, "split_scores", False) else {}),
            **({"seesaw": True, "exchange_bytes": cfg.seesaw_exchange_bytes}
               if getattr(cfg, "seesaw", False) else {}),
-           **({"dequant_warpgroup": True, "threads": cfg.launch_threads,
-               "setmaxnreg": [cfg.producer_regs, cfg.consumer_regs]}
+           **({"dequant_warpgroup": True, "threads": cfg.launch_threads}
               if getattr(cfg, "dequant_warpgroup", False) else {}),
+           **({"setmaxnreg": [cfg.producer_regs, cfg.consumer_regs]}
+              if getattr(cfg, "dequant_warpgroup", False) and cfg.producer_regs is not None else {}),
            **({"qk_products": "e4m3"} if getattr(cfg, "qk_e4m3", False) else {}),
            **({"tmem_columns": cfg.tmem_columns} if tc else {}),
            **({"value_ctas": cfg.value_ctas} if tc and cfg.value_ctas > 1 else {}),

@@ -199,19 +199,22 @@ def _tma_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, 
 
 
 def _latent_dequant(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid,
-                    lane, threads: int, regs: tuple[int, int], q_rewrite_of=None, direct=None):
+                    lane, threads: int, regs: tuple[int | None, int | None], q_rewrite_of=None,
+                    direct=None, before_split=None):
     """MLA's FP8 rows under a dequantising warpgroup: `buf.k` holds the converted tiles
     (`buf.k_bytes` each) and then the staging buffers (`buf.v_bytes` each), `buf.bars` the
     ring's mbarriers; `loads.issue_setup(tid)` builds that warpgroup's (load_kv, convert) in its
     branch, `loads.q_landed()` copies the Q tile in the computing branch; `regs`: the two
-    branches' setmaxnreg budgets; `direct`: the staging ring's base when S reads it
-    (kv_fp8_direct.py)."""
+    branches' setmaxnreg budgets (None: none); `direct`: the staging ring's base when S reads it
+    (kv_fp8_direct.py); `before_split()`: tcgen05's barriers and tensor memory, before the
+    branches part."""
     run_dequant_pipeline(b, stages=buf.stages, stage_bytes=buf.v_bytes, tile_bytes=buf.k_bytes,
                          tiles=buf.k, bars=buf.bars, tid=tid, lane=lane, compute_threads=threads,
                          dequant_regs=regs[0], compute_regs=regs[1], n_tiles=tiles.n_tiles,
                          n_full=tiles.n_full, key0_of=tiles.key0_of, make_loads=loads.issue_setup,
                          make_math=math, transform_of=transform_of, copy_q=loads.q_landed,
-                         lo_full=tiles.lo_full, q_rewrite_of=q_rewrite_of, direct=direct)
+                         lo_full=tiles.lo_full, q_rewrite_of=q_rewrite_of, direct=direct,
+                         before_split=before_split)
 
 
 def _tcgen05_ws(b, buf: Buffers, tiles: KeyTiles, loads: Loads, math, transform_of, *, tid,

@@ -42,7 +42,7 @@ of fewer than 8 rows, kv_loads = "cp_async") keep the mma.sync kernel on sm_90a.
 
 from __future__ import annotations
 
-from ...ir import S32, S64, U64, Imm, KernelBuilder, Reg
+from ...ir import S32, S64, U64, Addr, Imm, KernelBuilder, Reg
 from ..attention.packed_tile import TileWork, packed_tile_setup
 from ..attention.varlen_tile import (Tcgen05TileConfig, VarlenMath, VarlenTcgen05Math, WgmmaTileConfig,
                                      score_transform)
@@ -50,8 +50,12 @@ from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8_direct import DirectLatentStaging
 from ..kv.kv_fp8_stage import LatentFP8Staging, SwizzledFP8Staging
 from ..kv.kv_pages import PagedTiles, prefetch_applies
+from ..mainloop.dequant_pipeline import TILES as DEQUANT_TILES
 from ..mainloop.tiles import SWIZZLE_PERIOD, ThreadSlot, load_tile_passes, swizzled_slot
+from ..mainloop.tma_pipeline import MBARRIER_BYTES
+from ..mainloop.tma_ws_pipeline import CONSUMER_BARRIER
 from ..math.q_rescale import quantize_q_rows
+from ..math.umma import BAR_O, BAR_S, allocate_issue, allocated_base
 from ..math.wgmma import WgmmaMath
 from .assemble import Buffers, KeyTiles, Loads, assemble, prebuilt
 
@@ -181,12 +185,13 @@ def copy_q(b: KernelBuilder, cfg: WgmmaTileConfig, tile, q_slot: ThreadSlot, q_r
 
 
 def packed_math(b: KernelBuilder, ctx, ptrs: dict, strides: dict, quant, work: TileWork,
-                mma_bars: Reg | None = None):
+                mma_bars: Reg | None = None, **tcgen05):
     """The tile math -- wgmma's, or on sm_100a tcgen05's with its MMA barriers at `mma_bars`
-    (MLA's latent tile copied by the threads) --; an FP8 cache's k_scale joins the softmax
-    scale and v_scale the final 1/l (group scales are applied where the rows are converted)."""
+    (MLA's latent tile copied by the threads; `tcgen05`: Tcgen05Math's tmem and barrier where
+    a pipeline set them up) --; an FP8 cache's k_scale joins the softmax scale and v_scale the
+    final 1/l (group scales are applied where the rows are converted)."""
     math = VarlenWgmmaMath(b, ctx, ptrs, strides) if mma_bars is None else \
-        VarlenTcgen05Math(b, ctx, ptrs, strides, mma_bars)
+        VarlenTcgen05Math(b, ctx, ptrs, strides, mma_bars, **tcgen05)
     if quant is not None and quant.mode != "group":
         k_scale, math.v_scale = quant.scales(b, work.kv_head)
         math.scale_log2 = b.mul(k_scale, math.scale_log2)
@@ -234,18 +239,44 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
             return quantize
         return m.q_rewrite(quant.target)
 
+    bars = b.add(tile.k_smem, staging_at + cfg.num_stages * cfg.staging_geom.bytes)
+    make_math, before_split = (lambda: packed_math(b, ctx, ptrs, strides, quant, work)), None
+    if isinstance(cfg, Tcgen05TileConfig):   # sm_100a: the MMA barriers after the ring's
+        make_math, before_split = tcgen05_setup(b, cfg, ctx, ptrs, strides, quant, work,
+                                                b.add(bars, 2 * DEQUANT_TILES * MBARRIER_BYTES))
     assemble(b, "latent_dequant",
              buffers=Buffers(cfg.num_stages, tile.smem, tile.k_smem, tile.k_smem, tile_bytes,
-                             cfg.staging_geom.bytes,
-                             bars=b.add(tile.k_smem, staging_at + cfg.num_stages * cfg.staging_geom.bytes)),
+                             cfg.staging_geom.bytes, bars=bars),
              tiles=KeyTiles(tile.n_tiles, tile.n_full, lambda j: b.mul(b.add(tile.first, j), bn),
                             tile.lo_full),
              loads=Loads(issue_setup=make_loads, q_landed=copy_q_tile),
-             math=lambda: packed_math(b, ctx, ptrs, strides, quant, work),
+             math=make_math,
              transform_of=lambda m: score_transform(b, spec, m), tid=ctx.tid, lane=ctx.lane,
              threads=cfg.threads, regs=(cfg.producer_regs, cfg.consumer_regs),
              q_rewrite_of=q_rewrite if (cfg.qk_e4m3 or cfg.q_e4m3 or cfg.f16_math) else None,
-             direct=b.add(tile.k_smem, staging_at) if cfg.qk_direct else None)
+             direct=b.add(tile.k_smem, staging_at) if cfg.qk_direct else None,
+             before_split=before_split)
+
+
+def tcgen05_setup(b: KernelBuilder, cfg, ctx, ptrs: dict, strides: dict, quant, work: TileWork,
+                  mma_bars: Reg):
+    """(make_math, before_split) of the dequantising pipeline on sm_100a: before the branches
+    part, thread 0 initialises the MMA barriers and warp 0 allocates the tensor memory; in the
+    computing branch the math reads the base (warp 0 gives up the permit) and meets the other
+    softmax warps on their named barrier (the converting warpgroup never reaches it)."""
+    warp0 = b.setp("eq", b.shfl("idx", ctx.warp, 0), 0)      # warp-uniform
+
+    def before_split() -> None:
+        with b.if_then(b.setp("eq", ctx.tid, 0)):
+            b.mbarrier_init(Addr(mma_bars, BAR_S), 1)
+            b.mbarrier_init(Addr(mma_bars, BAR_O), 1)
+        allocate_issue(b, warp0, mma_bars, cfg.tmem_columns)
+
+    def make_math():
+        return packed_math(b, ctx, ptrs, strides, quant, work, mma_bars,
+                           tmem=allocated_base(b, warp0, mma_bars),
+                           barrier=(CONSUMER_BARRIER, cfg.threads))
+    return make_math, before_split
 
 
 def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, ptrs: dict,

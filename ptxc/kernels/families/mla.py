@@ -99,11 +99,11 @@ FIELDS = FamilyFields(
               "softmax and hand each other P and the row max through 10 KiB of shared memory, so "
               "one's softmax runs under the other's products (four latent stages; replaces "
               "split_scores)", default=False),
-        Field("dequant_warpgroup", "bool", "sm_90a wgmma tile over e4m3 / e4m3_ds rows the "
-              "threads copy: a third warpgroup copies and dequantises the rows into a ring of "
-              "three converted tiles (FlashMLA's), so the two computing warpgroups run the loop of "
-              "a cache of the dtype (the default; false: every warp converts its share at the top "
-              "of each iteration)", default=None),
+        Field("dequant_warpgroup", "bool", "sm_90a wgmma and sm_100a tcgen05 tiles over dense "
+              "e4m3 / e4m3_ds rows the threads copy: a warpgroup of its own copies and dequantises "
+              "the rows into a ring of three converted tiles (FlashMLA's), so the computing warps "
+              "run the loop of a cache of the dtype (the default; false: every warp converts its "
+              "share at the top of each iteration)", default=None),
     ),
 )
 
@@ -214,10 +214,10 @@ def validate(spec: KernelSpec) -> None:
     if spec.tile_dict().get("dequant_warpgroup") and \
             not any(getattr(c, "dequant_warpgroup", False) for c in configs):
         raise SpecError(f"dequant_warpgroup = true with targets {', '.join(spec.targets)}: the "
-                        f"dequantising warpgroup feeds the sm_90a wgmma tile (64 head rows) from "
-                        f"e4m3 or e4m3_ds rows the threads copy (kv_loads \"cp_async\"), dense "
-                        f"(not sparse_topk: its computing warps need more registers than it leaves) and "
-                        f"for e4m3_ds with qk_rope_head_dim 64; allowed: false", key="tile.dequant_warpgroup")
+                        f"dequantising warpgroup feeds the sm_90a wgmma and sm_100a tcgen05 tiles "
+                        f"(64 head rows) from e4m3 or e4m3_ds rows the threads copy (kv_loads "
+                        f"\"cp_async\"), dense (not sparse_topk) and on sm_90a for e4m3_ds with "
+                        f"qk_rope_head_dim 64; allowed: false", key="tile.dequant_warpgroup")
 
 
 def check_qk_products(spec: KernelSpec) -> None:

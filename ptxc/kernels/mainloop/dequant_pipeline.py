@@ -60,7 +60,7 @@ def run_dequant_pipeline(b: KernelBuilder, *, stages: int, stage_bytes: int, til
                          dequant_regs: int, compute_regs: int, n_tiles: Reg, n_full: Reg,
                          key0_of, make_loads, make_math, transform_of, copy_q,
                          lo_full: Reg | None = None, q_rewrite_of=None,
-                         direct: Reg | None = None) -> None:
+                         direct: Reg | None = None, before_split=None) -> None:
     """`make_loads(tid)` (in the dequantising warpgroup's branch, `tid` its 0..127) returns
     (load_kv, convert): load_kv(j, stage_offset) copies T(j) if it exists and commits one
     cp.async group, convert(stage_offset, tile, between) loads this thread's share of the
@@ -73,7 +73,14 @@ def run_dequant_pipeline(b: KernelBuilder, *, stages: int, stage_bytes: int, til
     staging buffers hold S's operand as they landed, the converted tiles only V; the computing
     warps read tile j's staging buffer for S(j) and release it on sempty[j mod stages] (after
     the empty barriers) once S(j) retired; the dequantising warpgroup refills it with T(j +
-    stages) after that release, two tiles behind the one it converts (_dequantise_direct)."""
+    stages) after that release, two tiles behind the one it converts (_dequantise_direct).
+
+    On sm_100a (MLA's tcgen05 latent tile) the computing warps are one warpgroup of softmax
+    warps with S, P and O in tensor memory: `before_split()` initialises the MMA barriers and
+    allocates the tensor memory before the last CTA barrier, `dequant_regs` / `compute_regs`
+    are None (256 threads: every thread may hold 255 registers, no setmaxnreg), and the math's
+    `p_visible` -- a named barrier of the computing warps there, nothing on wgmma -- orders
+    every warp's P in tensor memory before the next P·V the issuing warp starts."""
     full = lambda s: Addr(bars, s * MBARRIER_BYTES)                        # noqa: E731
     empty0 = TILES * MBARRIER_BYTES
     with b.if_then(b.setp("eq", tid, 0)):
@@ -82,17 +89,21 @@ def run_dequant_pipeline(b: KernelBuilder, *, stages: int, stage_bytes: int, til
             b.mbarrier_init(Addr(bars, empty0 + s * MBARRIER_BYTES), compute_threads // 32)
         for s in range(stages if direct is not None else 0):
             b.mbarrier_init(Addr(bars, 2 * empty0 + s * MBARRIER_BYTES), compute_threads // 32)
+    if before_split is not None:
+        before_split()
     b.bar_sync(0)                    # the last whole-CTA barrier: every thread is still here
 
     with b.if_then(b.setp("ge", tid, compute_threads)):                    # dequantise
-        b.setmaxnreg(False, dequant_regs)
+        if dequant_regs is not None:
+            b.setmaxnreg(False, dequant_regs)
         load_kv, convert = make_loads(b.sub(tid, compute_threads))
         if direct is not None:
             _dequantise_direct(b, stages, stage_bytes, tile_bytes, tiles, bars, n_tiles, load_kv, convert)
         else:
             _dequantise(b, stages, stage_bytes, tile_bytes, tiles, bars, n_tiles, load_kv, convert)
     with b.else_():                                                         # compute
-        b.setmaxnreg(True, compute_regs)
+        if compute_regs is not None:
+            b.setmaxnreg(True, compute_regs)
         copy_q()
         math = make_math()
         b.cp_async_wait(0)
@@ -197,6 +208,7 @@ def _compute(b: KernelBuilder, tile_bytes: int, tiles: Reg, bars: Reg, lane: Reg
         sempty0 = 2 * TILES * MBARRIER_BYTES
     with b.for_range(0, n_tiles) as j:
         b.mbarrier_wait_parity(Addr(b.add(bars, bar_off)), parity)
+        math.p_visible()             # P(j - 1) of every computing warp, before P·V(j - 1)
         if direct is not None:       # T(j)'s staging buffer and its sempty (three instructions)
             slot = b.and_(j, S - 1)
             sstage, sbar = b.mul(slot, stage_bytes), b.mul(slot, MBARRIER_BYTES)
@@ -214,12 +226,13 @@ def _compute(b: KernelBuilder, tile_bytes: int, tiles: Reg, bars: Reg, lane: Reg
         else:
             attend_tile(b, math, ring, sstage, tiles, prev, j, key0_of, transform, n_full, lo_full,
                         reads_done=release)
-        if math.split is not None:   # the score exchange's slots: read by all before rewritten
-            b.bar_sync(CONSUMER_BARRIER, compute_threads)
+        if getattr(math, "split", None) is not None:   # the score exchange's slots: read by all
+            b.bar_sync(CONSUMER_BARRIER, compute_threads)   # before they are rewritten
         advance_stage(b, tile, prev, tile_bytes, TILES)
         b.mov(bar_off, out=prev_bar)
         advance_barrier(b, bar_off, parity, TILES)
     with b.if_then(b.setp("gt", n_tiles, 0)):             # O += P(n-1)·V(n-1)
+        math.p_visible()
         math.issue_pv(b.add(tiles, prev))
         math.pv_done()
 

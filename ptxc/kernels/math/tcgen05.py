@@ -29,7 +29,10 @@ from head_dim 128), FlashAttention-4's load / MMA / softmax warps (tcgen05_ws_pi
 
 FA4's two Q tiles per CTA (tile.q_tiles: a Tcgen05Math per tile, its columns and barriers
 from tcgen05_ws_pipeline.QTile) and its correction warpgroup (tile.correction: Correction and
-Exchange below, P double-buffered) are the warp-specialised pipeline's. Verified in the
+Exchange below, P double-buffered) are the warp-specialised pipeline's. MLA's latent tile
+(attention/latent_tcgen05.py) is this math at M = 64 over a 576-deep S with the value columns
+split between two CTAs (`value_part` = %ctaid.z; O's `o_columns` = 256 of 512 each, V's
+descriptor that many columns into the latent tile). Verified in the
 emulator only (no Blackwell GPU has been lent).
 """
 

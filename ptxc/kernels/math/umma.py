@@ -35,11 +35,22 @@ def mma_region_bytes(q_tiles: int, correction: bool = False) -> int:
 def allocate(b: KernelBuilder, warp0: Reg, bars: Reg, columns: int) -> Reg:
     """Warp 0 allocates the tensor memory and gives up the permit; every thread gets the base
     address after a CTA barrier (the caller's barrier inits go before it too)."""
-    slot = Addr(bars, TMEM_SLOT)
-    with b.if_then(warp0):
-        b.tcgen05_alloc(slot, columns)
+    allocate_issue(b, warp0, bars, columns)
     b.bar_sync(0)
-    base = b.ld("shared", U32, slot)
+    return allocated_base(b, warp0, bars)
+
+
+def allocate_issue(b: KernelBuilder, warp0: Reg, bars: Reg, columns: int) -> None:
+    """allocate's first half, for a pipeline whose own CTA barrier follows: warp 0's
+    tcgen05.alloc into the MMA region's slot."""
+    with b.if_then(warp0):
+        b.tcgen05_alloc(Addr(bars, TMEM_SLOT), columns)
+
+
+def allocated_base(b: KernelBuilder, warp0: Reg, bars: Reg) -> Reg:
+    """allocate's second half, after a CTA barrier: the base address from the slot; warp 0
+    gives up the permit."""
+    base = b.ld("shared", U32, Addr(bars, TMEM_SLOT))
     with b.if_then(warp0):
         b.tcgen05_relinquish()
     return base
