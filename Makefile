@@ -12,9 +12,11 @@ JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 # took ~20 serially); each worker runs whole tests, so more workers than cores only adds memory.
 # Whole files go to one worker (--dist loadfile): a module's fixture (a build, the calibration's
 # SASS, the spill sweep's lowering) is then made once, not once per worker that ran one of its
-# tests (1755 tests: 13 min 25 s against 14.5-15.5 min dealt out one by one)
+# tests (1755 tests: 13 min 25 s against 14.5-15.5 min dealt out one by one). In collection
+# order (--no-loadscope-reorder), which tests/conftest.py's LONGEST_FIRST starts with the
+# longest files, so the workers end together.
 TEST_WORKERS ?= 2
-TEST_DIST    ?= --dist loadfile
+TEST_DIST    ?= --dist loadfile --no-loadscope-reorder
 
 .PHONY: build test test-slow bench clean setup test-deps-system
 

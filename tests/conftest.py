@@ -6,12 +6,15 @@ ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
 
 
-# The longest test files of the default run (about a minute or more each on 2 cores), started
-# first: `make test` deals whole files to two xdist workers in collection order, and one of these
-# dealt last kept a worker busy a minute after the other ran dry.
-LONGEST_FIRST = ("test_mla_wgmma.py", "test_prefill_tcgen05.py", "test_report.py", "test_calibration.py",
-                 "test_spill_sweep.py", "test_build.py", "test_cheader.py", "test_mla_tcgen05.py",
-                 "test_prefill_tma_store.py", "test_mla_qk_e4m3.py", "test_gpu_harness.py")
+# The longest test files of the default run, longest first (seconds on 2 cores at 0084bea, from
+# `pytest --junitxml`): `make test` deals whole files to two xdist workers in collection order
+# (--no-loadscope-reorder: xdist's own order, by test count, dealt the 89-second spill-sweep file
+# last and one worker ran a minute past the other).
+LONGEST_FIRST = ("test_build.py", "test_prefill_tcgen05.py", "test_mla_wgmma.py", "test_report.py",
+                 "test_mla_tcgen05.py", "test_spill_sweep.py", "test_calibration.py",
+                 "test_reliability.py", "test_cheader.py", "test_mla_qk_e4m3.py", "test_gpu_harness.py",
+                 "test_prefill_tma_store.py", "test_varlen_fp8.py", "test_varlen_tcgen05.py",
+                 "test_prefill_persistent.py", "test_decode_fp8.py", "test_prefill.py")
 
 
 def pytest_collection_modifyitems(items):
