@@ -208,17 +208,22 @@ def test_every_rope_width_fits_one_ctas_shared_memory(kv):
         assert (cfg.block_m == 64 and cfg.num_warps == 8) == wgmma, (kv, rope, cfg)
 
 
-@pytest.mark.parametrize("extra", ["sparse_topk = 100\n", 'kv_dtype = "e4m3_ds"\nqk_rope_head_dim = 128\n',
-                                   'kv_dtype = "bf16"\n'])
-def test_a_dequantising_warpgroup_where_it_does_not_apply_is_one_line(extra):
-    """Sparse top-k (its computing warps need more than 200 registers), e4m3_ds rows of 128 RoPE
-    columns (784 bytes: the dequantising warps spill), a cache of the dtype: refused with the
-    key, one line."""
+@pytest.mark.parametrize("extra,target,tile", [
+    ("sparse_topk = 100\n", "sm_90a", ""), ('kv_dtype = "e4m3_ds"\nqk_rope_head_dim = 128\n', "sm_90a", ""),
+    ('kv_dtype = "bf16"\n', "sm_90a", ""),
+    # sm_100a's tcgen05 tile: sparse top-k keeps every warp converting; TMA-staged e4m3 too
+    ("sparse_topk = 100\n", "sm_100a", ""), ("", "sm_100a", 'kv_loads = "tma"\n'),
+    ('kv_dtype = "bf16"\n', "sm_100a", "")])
+def test_a_dequantising_warpgroup_where_it_does_not_apply_is_one_line(extra, target, tile):
+    """Sparse top-k (on sm_90a its computing warps need more than 200 registers), e4m3_ds rows of
+    128 RoPE columns on sm_90a (784 bytes: the dequantising warps spill), TMA-staged rows, a
+    cache of the dtype: refused with the key, one line."""
     from ptxc.errors import SpecError
     from ptxc.kernels import load_text
     kv = "" if "kv_dtype" in extra else 'kv_dtype = "e4m3"\n'
     text = ('[[kernel]]\nname = "m"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = 128\n'
-            f'softmax_scale = 0.1\n{kv}{extra}targets = ["sm_90a"]\n[kernel.tile]\ndequant_warpgroup = true\n')
+            f'softmax_scale = 0.1\n{kv}{extra}targets = ["{target}"]\n[kernel.tile]\n{tile}'
+            'dequant_warpgroup = true\n')
     with pytest.raises(SpecError) as e:
         load_text(text, "m.toml")
     assert "dequant_warpgroup" in str(e.value) and "\n" not in str(e.value)

@@ -23,11 +23,11 @@ from ..config.prefill import PrefillConfig
 from ..config.tcgen05 import PIN_REGISTERS, TCGEN05_TARGETS
 from ..kv.kv_access import KVAccess, sparse_keys
 from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind
-from ..kv.kv_fp8_stage import StagingGeom, f16_math_applies
+from ..kv.kv_fp8_stage import f16_math_applies
 from ..mainloop.dequant_pipeline import THREADS as DEQUANT_THREADS, TILES as DEQUANT_TILES
-from ..mainloop.tiles import CHUNK
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
 from ..math.umma import mma_region_bytes
+from .latent_tile import LatentFP8Rows
 from .variant import head_dim_v, spec_option
 from .varlen_tile import Tcgen05TileConfig, tma_applies
 
@@ -41,12 +41,13 @@ MIN_STAGES, MAX_STAGES = 3, 4
 
 
 @dataclass(frozen=True)
-class LatentTcgen05Config(Tcgen05TileConfig):
+class LatentTcgen05Config(LatentFP8Rows, Tcgen05TileConfig):
     """The 64-row latent tile on tcgen05: four softmax warps (M = 64, data-path layout F), one
     swizzled latent tile per stage serving S and P·V -- TMA boxes on one mbarrier per stage, or
-    the threads' cp.async (kv_loads); FP8 rows staged raw and converted into two alternating
-    16-bit tiles -- S (block_n), P (block_n / 2) and this CTA's 256 columns of O in tensor
-    memory; v_split = value_ctas = 2 CTAs of the same rows (grid z) own half of O each."""
+    the threads' cp.async (kv_loads); FP8 rows staged raw and converted by a dequantising
+    warpgroup into a ring of three 16-bit tiles, or by every warp into two alternating ones --
+    S (block_n), P (block_n / 2) and this CTA's 256 columns of O in tensor memory; v_split =
+    value_ctas = 2 CTAs of the same rows (grid z) own half of O each."""
 
     rows: GroupScaledRows | None = None    # e4m3_ds: whole 656-byte rows staged (scales, RoPE)
     # FP8 rows the threads copy: a warpgroup of its own copies and converts them into a ring of
@@ -68,29 +69,8 @@ class LatentTcgen05Config(Tcgen05TileConfig):
         return super().launch_threads + (DEQUANT_THREADS if self.dequant_warpgroup else 0)
 
     @property
-    def converted_tiles(self) -> int:
-        """FP8 rows: two alternating converted tiles, or the dequantising warpgroup's ring."""
-        return DEQUANT_TILES if self.dequant_warpgroup else 2
-
-    @property
     def converted_bytes(self) -> int:
         return self.kv_geom.bytes
-
-    @property
-    def copy_threads(self) -> int:
-        return DEQUANT_THREADS if self.dequant_warpgroup else self.threads
-
-    @property
-    def staging_geom(self) -> StagingGeom:
-        """FP8 rows: a stage's raw bytes (block_n rows of head_dim bytes, or e4m3_ds's whole rows)."""
-        return StagingGeom(self.block_n, self.rows.row_bytes if self.rows else self.head_dim,
-                           self.copy_threads)
-
-    @property
-    def fp8_box_bytes(self) -> int:
-        """e4m3 rows by TMA: the widest box (at most 256 one-byte columns, a multiple of 16
-        bytes) that divides a row: 192 for DeepSeek's 576-byte rows."""
-        return max(w for w in range(CHUNK, 257, CHUNK) if self.head_dim % w == 0)
 
     @property
     def smem_bytes(self) -> int:
@@ -139,9 +119,10 @@ def min_stages(spec) -> int:
 def latent_tcgen05(spec, target) -> bool:
     """Whether a latent spec's tile runs on tcgen05 for `target` once it holds 64 head rows:
     sm_100a / sm_103a, f16/bf16, a latent cache of the dtype, of e4m3 bytes (one scale) or of
-    e4m3_ds rows, dense or sparse, kv_lora_rank 512 with whole 64-column slabs of RoPE, at
-    least three stages (tile.num_stages 2 keeps the mma.sync kernel) that fit (e4m3_ds rows
-    with 128 RoPE columns do not: they keep it too), no custom mask."""
+    e4m3_ds rows, dense or sparse, kv_lora_rank 512 with whole 64-column slabs of RoPE, the
+    fewest stages it runs with (min_stages: tile.num_stages 2 keeps the mma.sync kernel where
+    every warp converts) fitting in shared memory (e4m3_ds rows with 128 RoPE columns and every
+    warp converting do not: they keep it too), no custom mask."""
     least = min_stages(spec)
     return (target.name in TCGEN05_TARGETS and spec.dtype in ("f16", "bf16")
             and kind(spec) in (None, "e4m3")
@@ -171,7 +152,7 @@ def configure_latent_tcgen05(spec, cfg: PrefillConfig, kv: KVAccess) -> LatentTc
 
 def _config(spec, stages: int) -> LatentTcgen05Config:
     bn = spec.tile_dict().get("block_n", DEFAULT_BLOCK_N)
-    # FP8: the rows land raw and every thread converts its share into the 16-bit tile; a bf16
+    # FP8: the rows land raw and are converted into 16-bit tiles (dequant_warpgroup); a bf16
     # kernel's products take f16 inputs (Q rescaled per row) as on the other tiles, except over
     # e4m3_ds rows (a group scale times e4m3 can leave f16's range)
     return LatentTcgen05Config(C.FORMATS[spec.dtype], spec.head_dim, True, LATENT_ROWS, bn,

@@ -26,8 +26,36 @@ from .variant import head_dim_v, spec_option
 from .varlen_tile import WgmmaTileConfig, tma_applies
 
 
+class LatentFP8Rows:
+    """Mixed into a latent tile's config (sm_90a's LatentWgmmaConfig, sm_100a's
+    LatentTcgen05Config; fields `rows`, `dequant_warpgroup`): where its FP8 rows land and who
+    converts them."""
+
+    @property
+    def converted_tiles(self) -> int:
+        """FP8 rows: the converted tiles in shared memory -- two alternating (iteration j reads
+        tile j and j - 1), or the dequantising warpgroup's ring of three (it writes j + 1)."""
+        return DEQUANT_TILES if self.dequant_warpgroup else 2
+
+    @property
+    def copy_threads(self) -> int:
+        """The threads that copy (and convert) the latent rows."""
+        return DEQUANT_THREADS if self.dequant_warpgroup else self.threads
+
+    @property
+    def staging_geom(self) -> StagingGeom:
+        """A stage's raw bytes: block_n rows of head_dim bytes, or e4m3_ds's whole rows."""
+        return StagingGeom(self.block_n, self.rows.row_bytes if self.rows else self.head_dim, self.copy_threads)
+
+    @property
+    def fp8_box_bytes(self) -> int:
+        """TMA-staged FP8 rows: the widest box (at most 256 one-byte columns, a multiple of 16
+        bytes) that divides a row: 192 for DeepSeek's 576-byte rows."""
+        return max(w for w in range(CHUNK, 257, CHUNK) if self.head_dim % w == 0)
+
+
 @dataclass(frozen=True)
-class LatentWgmmaConfig(WgmmaTileConfig):
+class LatentWgmmaConfig(LatentFP8Rows, WgmmaTileConfig):
     """MLA's latent tile on wgmma (sm_90a, f16/bf16 caches): 64 head rows, two warpgroups that
     each compute the whole S = Q·Kᵀ (576 deep) and own half of O's 512 columns (v_split 2:
     64 x 256 f32, 128 registers a thread); one swizzled latent tile per stage serves both
@@ -76,17 +104,6 @@ class LatentWgmmaConfig(WgmmaTileConfig):
         return self.warp_specialize or self.dequant_warpgroup
 
     @property
-    def converted_tiles(self) -> int:
-        """FP8 rows: the converted tiles in shared memory -- two alternating (iteration j reads
-        tile j and j - 1), or the dequantising warpgroup's ring of three (it writes j + 1)."""
-        return DEQUANT_TILES if self.dequant_warpgroup else 2
-
-    @property
-    def copy_threads(self) -> int:
-        """The threads that copy (and convert) the latent rows."""
-        return DEQUANT_THREADS if self.dequant_warpgroup else self.threads
-
-    @property
     def producer_regs(self) -> int:
         return DEQUANT_REGS
 
@@ -105,10 +122,6 @@ class LatentWgmmaConfig(WgmmaTileConfig):
         return self.v_split * seesaw_slot_bytes(self.block_n) if self.seesaw else 0
 
     @property
-    def staging_geom(self) -> StagingGeom:
-        return StagingGeom(self.block_n, self.rows.row_bytes if self.rows else self.head_dim, self.copy_threads)
-
-    @property
     def smem_bytes(self) -> int:
         # the mbarriers (TMA: one a stage; the dequantising warpgroup: full and empty a converted
         # tile), padded to 16 bytes for the score exchange's v4 slots after them
@@ -121,11 +134,6 @@ class LatentWgmmaConfig(WgmmaTileConfig):
         return (self.q_region_bytes + self.num_stages * self.kv_geom.bytes + bars + self.score_exchange_bytes
                 + self.seesaw_exchange_bytes)
 
-    @property
-    def fp8_box_bytes(self) -> int:
-        """TMA-staged FP8 rows: the widest box (at most 256 one-byte columns, a multiple of 16
-        bytes) that divides a row: 192 for DeepSeek's 576-byte rows."""
-        return max(w for w in range(CHUNK, 257, CHUNK) if self.head_dim % w == 0)
 
 
 LATENT_WGMMA_DV = 512          # two warpgroups of n256 (wgmma's widest) P·V
