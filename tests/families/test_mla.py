@@ -267,10 +267,11 @@ def test_sparse_num_heads_fill_whole_tiles():
 def test_sparse_long_token_runs_the_slot_ring(tmp_path, heads, kv):
     """One split over 300 slots per token: 19 tiles, so past the pipeline's prologue every
     tile's copy reads its rows' slots from the shared-memory ring (kv_pages.SparseSlots) that
-    the previous tile's copy parked; -1, duplicates and out-of-cache slots throughout."""
+    the previous tile's copy parked (their byte offsets: st.shared.s64); -1, duplicates and
+    out-of-cache slots throughout."""
     text = body(heads=heads, splits=1, kv=kv) + "sparse_topk = 300\ntopk_length = true\n"
     art = build_kernel(tmp_path, "mla", text, targets=("sm_90",))
-    assert "st.shared.s32" in art.ptx("sm_90")
+    assert "st.shared.s64" in art.ptx("sm_90")
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 5, "num_pages": 9}, seed=13))
 
 

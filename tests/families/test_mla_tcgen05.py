@@ -45,11 +45,11 @@ def _config(art) -> dict:
 
 
 def _check_tile(art, stages: int = 4, block_n: int = 32, row: int = ROW, staged: int = 0,
-                loads: str = "tma", dequant: bool = False) -> None:
+                loads: str = "tma", dequant: bool = False, sparse: bool = False) -> None:
     """The tile's metadata: 64 rows on 4 warps, two value CTAs (grid z), the latent stages --
     FP8: the converted 16-bit tiles (two; a dequantising warpgroup's ring of three) and the
     stages of `staged`-byte raw rows --, with TMA a full mbarrier a stage (the ring's full and
-    empty ones under a dequantising warpgroup), and the MMA region."""
+    empty ones under a dequantising warpgroup), the MMA region and sparse top-k's slot ring."""
     c = _config(art)
     assert (c["path"], c["block_m"], c["num_warps"], c["value_split"], c["value_ctas"]) == \
         (PATH, 64, 4, 2, 2)
@@ -58,7 +58,8 @@ def _check_tile(art, stages: int = 4, block_n: int = 32, row: int = ROW, staged:
     converted = 3 if dequant else 2
     tiles = converted * block_n * row + stages * block_n * staged if staged else stages * block_n * row
     bars = 6 if dequant else stages if loads == "tma" else 0
-    assert c["smem_bytes"] == 64 * row + tiles + bars * 8 + MMA_REGION
+    ring = 2 * block_n * 8 if sparse else 0       # sparse top-k: two tiles of row offsets
+    assert c["smem_bytes"] == 64 * row + tiles + bars * 8 + MMA_REGION + ring
     assert c.get("fp8_staging_bytes") == (block_n * staged if staged else None)
     assert (c.get("dequant_warpgroup", False), c.get("threads", 128)) == (dequant, 256 if dequant else 128)
     assert "setmaxnreg" not in c      # 256 threads at one CTA per SM: 255 registers each
@@ -182,8 +183,8 @@ def test_sparse_topk_on_tcgen05(tmp_path, case):
     heads, kv, topk, topk_length, splits, total_q, pages = case
     art = build_kernel(tmp_path, "mla", body(heads=heads, kv=kv, splits=splits) +
                        f"sparse_topk = {topk}\ntopk_length = {str(topk_length).lower()}\n", targets=SM100A)
-    _check_tile(art, loads="cp_async",
-                staged={None: 0, "e4m3": 576, "e4m3_ds": 656}[kv])
+    _check_tile(art, staged={None: 0, "e4m3": 576, "e4m3_ds": 656}[kv], sparse=True,
+                **(DEQUANT if kv else dict(loads="cp_async")))
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": total_q, "num_pages": pages},
                                seed=11))
 

@@ -108,16 +108,18 @@ def test_mixed_batch_matches_reference(tmp_path, case):
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
-def _fp8_tile(c: dict, row_bytes: int, loads: str, split: bool, dequant: bool) -> None:
+def _fp8_tile(c: dict, row_bytes: int, loads: str, split: bool, dequant: bool, sparse: bool = False) -> None:
     """The FP8 wgmma tile's metadata: under the dequantising warpgroup 384 threads, setmaxnreg
     104 / 200, three converted 36 KiB tiles and the staging buffers that fit beside them (one
     with the score exchange, two without); else 256 threads, two converted tiles and three
-    staging buffers with the exchange, four without."""
+    staging buffers with the exchange, four without; sparse top-k's slot ring last (two tiles
+    of 8-byte row offsets)."""
     stages = (1 if split else 2) if dequant else (3 if split else 4)
     tiles, barriers = (3, DEQUANT_BARRIERS) if dequant else (2, 32 if loads == "tma" else 0)
     assert (c["path"], c["num_stages"], c["fp8_staging_bytes"]) == (PATH, stages, 32 * row_bytes)
     assert (c.get("split_scores", False), c.get("kv_loads", "cp_async")) == (split, loads)
-    assert c["smem_bytes"] == Q_BYTES + tiles * TILE + stages * 32 * row_bytes + barriers + split * EXCHANGE
+    assert c["smem_bytes"] == Q_BYTES + tiles * TILE + stages * 32 * row_bytes + barriers + split * EXCHANGE \
+        + sparse * 2 * 32 * 8
     assert (c.get("dequant_warpgroup", False), c.get("threads"), c.get("setmaxnreg")) == \
         ((True, 384, [104, 200]) if dequant else (False, None, None))
 
@@ -149,7 +151,8 @@ SPARSE = [   # (heads, rank, rope, dtype, kv, scale, topk, topk_length, splits, 
 @pytest.mark.parametrize("case", SPARSE, ids=lambda c: "-".join(map(str, c[:9])))
 def test_sparse_topk_on_wgmma(tmp_path, case):
     """Sparse top-k (DeepSeek-V3.2) on the wgmma tile when sm_90a is the spec's only target:
-    64 head rows (the mma.sync tile stops at 32 there), each copy loading its rows' slots;
+    64 head rows (the mma.sync tile stops at 32 there), past the first tile each copy reading
+    its rows' offsets from the slot ring (kv_pages.SparseSlots);
     -1, duplicates, slots past the cache and negative ones, topk_length out of range, every
     row no counted slot names NaN (test_mla.py's sparse batches)."""
     *keys, total_q, pages = case
@@ -183,7 +186,8 @@ def test_group_scaled_rows_on_wgmma(tmp_path, case):
     art = build_kernel(tmp_path, "mla", text, targets=SM90A, tile=tile)
     c = _config(art)
     assert c["block_m"] == 64
-    _fp8_tile(c, 656, "cp_async", True, dequant is None and "sparse_topk" not in text)
+    _fp8_tile(c, 656, "cp_async", True, dequant is None and "sparse_topk" not in text,
+              sparse="sparse_topk" in text)
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
@@ -211,11 +215,12 @@ def test_every_rope_width_fits_one_ctas_shared_memory(kv):
 @pytest.mark.parametrize("extra,target,tile", [
     ("sparse_topk = 100\n", "sm_90a", ""), ('kv_dtype = "e4m3_ds"\nqk_rope_head_dim = 128\n', "sm_90a", ""),
     ('kv_dtype = "bf16"\n', "sm_90a", ""),
-    # sm_100a's tcgen05 tile: sparse top-k keeps every warp converting; TMA-staged e4m3 too
-    ("sparse_topk = 100\n", "sm_100a", ""), ("", "sm_100a", 'kv_loads = "tma"\n'),
+    # sm_100a's tcgen05 tile: TMA-staged e4m3 keeps every warp converting
+    ("", "sm_100a", 'kv_loads = "tma"\n'),
     ('kv_dtype = "bf16"\n', "sm_100a", "")])
 def test_a_dequantising_warpgroup_where_it_does_not_apply_is_one_line(extra, target, tile):
-    """Sparse top-k (on sm_90a its computing warps need more than 200 registers), e4m3_ds rows of
+    """Sparse top-k on sm_90a (its computing warps need more than 200 registers; sm_100a takes
+    it: test_mla_tcgen05.py), e4m3_ds rows of
     128 RoPE columns on sm_90a (784 bytes: the dequantising warps spill), TMA-staged rows, a
     cache of the dtype: refused with the key, one line."""
     from ptxc.errors import SpecError

@@ -82,7 +82,8 @@ class LatentTcgen05Config(LatentFP8Rows, Tcgen05TileConfig):
         stages = self.converted_tiles * self.kv_geom.bytes + self.num_stages * self.staging_geom.bytes \
             if self.fp8 else self.num_stages * self.kv_geom.bytes
         bars = 2 * DEQUANT_TILES if self.dequant_warpgroup else self.num_stages if self.tma else 0
-        return self.q_region_bytes + stages + bars * MBARRIER_BYTES + mma_region_bytes(1)
+        return (self.q_region_bytes + stages + bars * MBARRIER_BYTES + mma_region_bytes(1)
+                + self.slot_ring_bytes)    # sparse top-k's slot ring last (slot_ring_offset)
 
 
 def tcgen05_loads(spec) -> str:
@@ -107,7 +108,7 @@ def dequant_warpgroup(spec) -> bool:
     converting (its slot gather would sit in the converting warps' loop too; not built)."""
     given = spec.tile_dict()
     return (bool(given.get("dequant_warpgroup", True)) and kind(spec) is not None
-            and not sparse_keys(spec) and given.get("kv_loads") != "tma")
+            and given.get("kv_loads") != "tma")
 
 
 def min_stages(spec) -> int:
@@ -161,4 +162,5 @@ def _config(spec, stages: int) -> LatentTcgen05Config:
                                min_ctas_per_sm=PIN_REGISTERS, fp8=kind(spec) is not None,
                                f16_math=f16_math_applies(spec), rows=group_scaled(spec),
                                q_e4m3=spec_option(spec, "qk_products") == "e4m3",
-                               dequant_warpgroup=dequant_warpgroup(spec))
+                               dequant_warpgroup=dequant_warpgroup(spec),
+                               slot_ring=bool(sparse_keys(spec)))

@@ -122,17 +122,23 @@ class LatentWgmmaConfig(LatentFP8Rows, WgmmaTileConfig):
         return self.v_split * seesaw_slot_bytes(self.block_n) if self.seesaw else 0
 
     @property
+    def slot_ring_offset(self) -> int:
+        return self.smem_bytes - self.score_exchange_bytes - self.seesaw_exchange_bytes - self.slot_ring_bytes
+
+    @property
     def smem_bytes(self) -> int:
         # the mbarriers (TMA: one a stage; the dequantising warpgroup: full and empty a converted
         # tile), padded to 16 bytes for the score exchange's v4 slots after them
         bars = self.num_stages if self.tma else 2 * DEQUANT_TILES if self.dequant_warpgroup else 0
         bars += self.num_stages if self.qk_direct else 0     # the staging ring's sempty
         bars = -(-bars * MBARRIER_BYTES // 16) * 16
+        # sparse top-k: the slot ring before the exchanges (slot_ring_offset), which end it
         if self.fp8:    # the converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
             return (self.q_region_bytes + self.converted_tiles * self.converted_bytes
-                    + self.num_stages * self.staging_geom.bytes + bars + self.score_exchange_bytes)
+                    + self.num_stages * self.staging_geom.bytes + bars + self.score_exchange_bytes
+                    + self.slot_ring_bytes)
         return (self.q_region_bytes + self.num_stages * self.kv_geom.bytes + bars + self.score_exchange_bytes
-                + self.seesaw_exchange_bytes)
+                + self.seesaw_exchange_bytes + self.slot_ring_bytes)
 
 
 
@@ -211,6 +217,7 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
                              rows=group_scaled(spec), split_scores=split, seesaw=seesaw,
                              f16_math=f16_math_applies(spec) and not seesaw,
                              dequant_warpgroup=dequant, min_ctas_per_sm=1 if dequant else 0,
+                             slot_ring=bool(sparse_keys(spec)),
                              q_e4m3=q_e4m3, qk_e4m3=dequant and q_e4m3,
                              qk_direct=dequant and q_e4m3 and stages == DIRECT_STAGES
                              and direct_applies(bn, DEQUANT_THREADS))

@@ -67,7 +67,7 @@ def emit_mma_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs
     if cfg.slot_ring:
         assert cfg.shared_kv and key_lo is None and tile.order is None
         sparse = SparseSlots(b, kv, bases, kv_slot, bn, L, b.add(smem, cfg.slot_ring_offset), tid,
-                             stages, tile.key0)
+                             stages - 1, tile.key0)
 
     def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
         with b.if_then(b.setp("lt", j, n_tiles)):

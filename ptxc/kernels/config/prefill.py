@@ -208,8 +208,8 @@ class PrefillConfig:
 
     @property
     def slot_ring_bytes(self) -> int:
-        """slot_ring: two tiles of s32 slots."""
-        return 8 * self.block_n if self.slot_ring else 0
+        """slot_ring: two tiles of s64 row offsets (kv_pages.SparseSlots)."""
+        return 16 * self.block_n if self.slot_ring else 0
 
     @property
     def slot_ring_offset(self) -> int:

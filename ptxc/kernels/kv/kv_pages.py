@@ -13,7 +13,7 @@ round trip sits between the pipeline and its cp.async requests.
 
 from __future__ import annotations
 
-from ...ir import S32, S64, Addr, KernelBuilder, Reg
+from ...ir import S32, S64, U64, Addr, KernelBuilder, Reg
 from .. import common as C
 from ..mainloop.tiles import ThreadSlot, load_tile_passes, load_tile_rows
 from .kv_access import KVAccess
@@ -95,28 +95,36 @@ class PagedTiles:
         return list(zip(addrs, oks))
 
 
+RING_ENTRY = 8       # SparseSlots: a parked row is its s64 byte offset in the cache
+
+
 class SparseSlots:
     """Sparse top-k tiles (KVAccess(sparse=N)): row r of tile q reads the cache slot
     indices[token, key0(q) + r]. Loaded where the row's copy needs it, that slot is a global
     round trip in front of every tile's cp.async (in-order issue: the warp waits for it). Here
-    thread i < block_n loads row i's slot two tiles ahead into a register (`mine`) and parks it
-    in a two-tile ring in shared memory one tile ahead; the copy of tile q reads its rows' slots
-    from ring[q % 2]. The shared pipeline's barrier at the top of each iteration orders the park
-    (while issuing tile q - 1) before the reads (issuing tile q), and a ring half is rewritten
-    only an iteration after its last read. The first S - 1 tiles (the pipeline's prologue) read
-    their slots directly; the last of them primes the ring. A tile the loop does not issue
-    (q >= n_tiles) skips the park and the load with it, and so does every later one."""
+    thread i < block_n loads row i's slot two tiles ahead into a register (`mine`) and parks the
+    row's byte offset in the cache (-1 for a missing key) in a two-tile ring in shared memory
+    one tile ahead; the copy of tile q reads its rows' offsets from ring[q % 2] -- the slot's
+    range check and the page arithmetic done once per row, not by each thread copying a chunk
+    of it (a 576-column row is 36 to 72 chunks). A barrier among the copying threads between two issues (the pipelines'
+    one at the top of each iteration) orders the park (while issuing tile q - 1) before the
+    reads (issuing tile q), and a ring half is rewritten only an iteration after its last read.
+    The `prologue` tiles a pipeline issues before its loop (mma.sync's S - 1, the latent
+    tiles' S - 2, S for converted FP8 rows) read their slots directly; the last of them primes
+    the ring. A tile the loop does not issue (q >= n_tiles) skips the park and the load with
+    it, and so does every later one."""
 
     def __init__(self, b: KernelBuilder, kv: KVAccess, bases: dict, slot: ThreadSlot, block_n: int,
-                 L: Reg, ring: Reg, tid: Reg, stages: int, key0_of):
+                 L: Reg, ring: Reg, tid: Reg, prologue: int, key0_of):
+        assert prologue >= 1, "the last prologue tile primes the ring"
         self.b, self.kv, self.bases, self.slot, self.bn, self.L = b, kv, bases, slot, block_n, L
-        self.ring, self.tid, self.stages, self.key0_of = ring, tid, stages, key0_of
+        self.ring, self.tid, self.prologue, self.key0_of = ring, tid, prologue, key0_of
         self.issued = 0                      # load_kv calls emitted so far (prologue, then the loop's)
         self.own = b.setp("lt", tid, block_n)
         self.mine = b.mov(-1, S32)
 
     def _half(self, q: Reg) -> Reg:
-        return self.b.add(self.ring, self.b.mul(self.b.and_(q, 1), 4 * self.bn))
+        return self.b.add(self.ring, self.b.mul(self.b.and_(q, 1), RING_ENTRY * self.bn))
 
     def _fetch(self, q: Reg) -> None:
         """mine <- the slot of row tid of tile q (-1 past the token's keys, and for tid >= block_n)."""
@@ -126,37 +134,60 @@ class SparseSlots:
                           out=self.mine)
 
     def _park(self, q: Reg) -> None:
-        with self.b.predicate(self.own):
-            self.b.st("shared", S32, Addr(self.b.add(self._half(q), self.b.shl(self.tid, 2))), [self.mine])
+        """Row tid of tile q: its byte offset in the cache, worked out once here for every
+        thread that copies a chunk of it (-1: a missing key -- a slot of -1 or outside the
+        cache)."""
+        b = self.b
+        with b.if_then(self.own):
+            page, ok, offset = self.kv.slot_place(b, b.cvt(S64, self.mine))
+            stride = self.bases["k_cache"][1]      # a latent cache: V's rows are K's
+            off = b.mad(b.cvt(S64, offset), stride[1], b.mul(b.cvt(S64, page), stride[0]))
+            b.st("shared", S64, Addr(b.add(self._half(q), b.shl(self.tid, 3))), [b.selp(off, -1, ok)])
 
     def issue(self, cache: str, q: Reg, nvalid: Reg, dst: Reg, rows_of) -> None:
         """cp.async tile q of `cache` (rows past `nvalid` zero-filled); `rows_of` is the per-row
         addressing the prologue's tiles use."""
         b, slot = self.b, self.slot
         row0 = self.key0_of(q)
-        if self.issued < self.stages - 1:
+        if self.issued < self.prologue:
             load_tile_rows(b, slot, rows_of, row0, nvalid, dst, True)
-            if self.issued == self.stages - 2:       # prime: ring[q + 1], mine = tile q + 2's
-                self._fetch(b.add(q, 1))
-                self._park(b.add(q, 1))
-                self._fetch(b.add(q, 2))
         else:
-            half, rpp = self._half(q), slot.geom.rows_per_pass
+            half = self._half(q)
+            load_tile_passes(b, slot, lambda i: self._parked(cache, half, i), nvalid, dst, True)
+        self.advance(q)
 
-            def pass_address(i: int) -> tuple[Reg, Reg]:
-                r = b.add(slot.r0, i * rpp)
-                inside = b.setp("lt", r, self.bn)    # idle threads' rows lie past the tile
-                parked = b.mov(-1, S32)
-                with b.predicate(inside):
-                    b.ld("shared", S32, Addr(b.add(half, b.shl(r, 2))), out=[parked])
-                row, cache_pages = b.add(row0, r), {}
-                self.kv.use_page(b, cache_pages, row, inside, parked)
-                addr, ok = self.kv.row_address(b, self.bases, cache, row, inside, cache_pages)
-                return b.bitcast(addr, C.U64) if addr.type != C.U64 else addr, ok
-            load_tile_passes(b, slot, pass_address, nvalid, dst, True)
+    def chunks(self, cache: str, q: Reg, nvalid: Reg, rows_of, row0: Reg) -> list[tuple[Reg, Reg]]:
+        """Each pass's (chunk address, validity) of tile q (first row `row0`) -- for a copy that
+        takes them all at once (bodies/varlen_wgmma.py's column groups) --, then `advance(q)`
+        after it."""
+        b, slot = self.b, self.slot
+        geom = slot.geom
+        if self.issued < self.prologue:
+            rem = b.sub(nvalid, b.bitcast(slot.r0, S32))
+            return [rows_of(b.add(row0, b.add(slot.r0, i * geom.rows_per_pass)),
+                            b.setp("gt", rem, i * geom.rows_per_pass)) for i in range(geom.passes)]
+        half = self._half(q)
+        return [self._parked(cache, half, i) for i in range(geom.passes)]
+
+    def advance(self, q: Reg) -> None:
+        """After tile q's copy: the last prologue tile primes the ring (ring[q + 1], mine = tile
+        q + 2's); the loop's park tile q + 1's slots and fetch tile q + 2's."""
+        b = self.b
+        if self.issued == self.prologue - 1:
+            self._fetch(b.add(q, 1))
+        if self.issued >= self.prologue - 1:
             self._park(b.add(q, 1))
             self._fetch(b.add(q, 2))
         self.issued += 1
+
+    def _parked(self, cache: str, half: Reg, i: int) -> tuple[Reg, Reg]:
+        """Pass i's chunk address from the offset its row's thread parked, and its validity."""
+        b, rpp = self.b, self.slot.geom.rows_per_pass
+        r = b.add(self.slot.r0, i * rpp)
+        off = b.mov(-1, S64)
+        with b.predicate(b.setp("lt", r, self.bn)):    # idle threads' rows lie past the tile
+            b.ld("shared", S64, Addr(b.add(half, b.shl(r, 3))), out=[off])
+        return b.bitcast(b.add(self.bases[cache][0], off), U64), b.setp("ge", off, 0)
 
 
 __all__ = ["PagedTiles", "SparseSlots", "prefetch_applies"]
