@@ -11,14 +11,14 @@ import functools
 
 from ptxc.emu import (
     ops_async, ops_ctrl, ops_cvt, ops_float, ops_hopper, ops_int, ops_logic, ops_mbarrier, ops_mem,
-    ops_tcgen05, ops_warp, ops_wgmma)
+    ops_tcgen05, ops_vote, ops_warp, ops_wgmma)
 from ptxc.emu.decode import DecodeEnv, Program, decode_error, decoder_table, successors
 from ptxc.emu.operands import DecodeError
 from ptxc.emu.parser import parse_module
 from ptxc.emu.uninit import analyse as analyse_init
 
 DECODERS = decoder_table(ops_async, ops_ctrl, ops_cvt, ops_float, ops_hopper, ops_int, ops_logic,
-                         ops_mbarrier, ops_mem, ops_tcgen05, ops_warp, ops_wgmma)
+                         ops_mbarrier, ops_mem, ops_tcgen05, ops_vote, ops_warp, ops_wgmma)
 
 
 @functools.lru_cache(maxsize=64)

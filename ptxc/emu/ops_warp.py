@@ -1,5 +1,5 @@
 """Warp-collective instructions: shfl.sync, mma.sync (f16 / bf16 / tf32, and e4m3 / e5m2 at
-m16n8k32), ldmatrix, activemask, bar.warp.sync.
+m16n8k32), ldmatrix (bar.warp.sync: ops_ctrl.py; lane masks: ops_vote.py).
 
 Threads are numbered so that lane = thread index % 32 and a warp is 32 consecutive threads
 (each CTA is padded to whole warps; padding threads count as exited). Collectives check that
@@ -384,22 +384,4 @@ def decode_ldmatrix(ins, env):
                 w(sel, (lo.astype(np.uint32) | (hi.astype(np.uint32) << np.uint32(16)))
                   .reshape(-1))
         return run
-    return Op(NORMAL, ins, bind)
-
-
-# ----------------------------------------------------------------------------- misc
-
-@register("activemask")
-def decode_activemask(ins, env):
-    m = Mods(ins)
-    if m.one_type().name != "b32":
-        raise DecodeError("activemask needs .b32")
-    m.done()
-    expect_operands(ins, 1)
-    dp = dst_plan(env, ins.operands[0], B32)
-
-    def bind(ctx):
-        write = dp(ctx)
-        return lambda sel: write(sel, executing_lanes(
-            ctx, ctx.all_index if isinstance(sel, slice) else sel).astype(np.uint32))
     return Op(NORMAL, ins, bind)

@@ -376,6 +376,16 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps, Blackw
                    Imm(-1 if mask == 0xFFFFFFFF else mask, S32)))
         return d
 
+    def ballot(self, p: Reg, mask: int = 0xFFFFFFFF) -> Reg:
+        """vote.sync.ballot.b32: bit i of the u32 result is lane i's `p` (lanes of `mask`, which
+        must all execute it)."""
+        if not isinstance(p, Reg) or p.type != PRED:
+            raise IRError(f"ballot: {p} is not a predicate register")
+        d = self.reg(U32)
+        self.emit("vote", ("sync", "ballot", "b32"), (d,),
+                  (p, Imm(-1 if mask == 0xFFFFFFFF else mask, S32)))
+        return d
+
     def bar_sync(self, barrier: int = 0, threads: int | None = None) -> None:
         """bar.sync barrier (every thread of the CTA), or bar.sync barrier, threads: a named
         barrier that completes when `threads` (a multiple of 32) have arrived."""

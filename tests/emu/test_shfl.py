@@ -125,3 +125,56 @@ def test_partial_membermask_in_diverged_halves():
     lower = np.where(lanes[:16] < 15, (lanes[:16] + 1) * 10, lanes[:16] * 10)
     np.testing.assert_array_equal(out[:16], lower)
     np.testing.assert_array_equal(out[16:], 190)        # every upper lane reads lane 19
+
+
+VOTE = HEADER + r"""
+// Each warp's ballot of (value % 3 == 0); then lanes 0-15 vote among themselves (0xffff).
+.visible .entry vote_k(.param .u64 in_p, .param .u64 out_p)
+{
+	.reg .pred %p<3>;
+	.reg .b32 %r<10>;
+	.reg .b64 %rd<6>;
+	ld.param.u64 %rd1, [in_p];
+	ld.param.u64 %rd2, [out_p];
+	mov.u32 %r1, %tid.x;
+	mul.wide.u32 %rd3, %r1, 4;
+	add.s64 %rd4, %rd1, %rd3;
+	ld.global.u32 %r2, [%rd4];
+	rem.u32 %r3, %r2, 3;
+	setp.eq.u32 %p1, %r3, 0;
+	vote.sync.ballot.b32 %r4, %p1, -1;
+	mov.u32 %r5, 0;
+	and.b32 %r6, %r1, 31;
+	setp.ge.u32 %p2, %r6, 16;
+	@%p2 bra $L__store;
+	vote.sync.ballot.b32 %r5, %p1, 0xffff;
+$L__store:
+	mul.wide.u32 %rd3, %r1, 8;
+	add.s64 %rd5, %rd2, %rd3;
+	st.global.v2.u32 [%rd5], {%r4, %r5};
+	ret;
+}
+"""
+
+
+def test_vote_ballot_whole_and_partial_warps():
+    """vote.sync.ballot: bit i is lane i's predicate, within each warp (and, with a 16-lane
+    membermask, among those lanes only)."""
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 1000, 96).astype(np.uint32)
+    out = np.zeros((96, 2), np.uint32)
+    run(VOTE, "vote_k", (1,), (96,), [a, out])
+    for w in range(3):
+        bits = [int(a[32 * w + lane] % 3 == 0) << lane for lane in range(32)]
+        whole, half = sum(bits), sum(bits[:16])
+        np.testing.assert_array_equal(out[32 * w:32 * w + 32, 0], whole)
+        np.testing.assert_array_equal(out[32 * w:32 * w + 16, 1], half)
+        np.testing.assert_array_equal(out[32 * w + 16:32 * w + 32, 1], 0)
+
+
+def test_vote_with_an_absent_member_is_a_fault():
+    """A membermask naming lanes that took the other branch: undefined in PTX, a Fault here."""
+    from ptxc.errors import EmulationError
+    bad = VOTE.replace("vote.sync.ballot.b32 %r5, %p1, 0xffff;", "vote.sync.ballot.b32 %r5, %p1, -1;")
+    with pytest.raises(EmulationError, match="not executing this vote.sync"):
+        run(bad, "vote_k", (1,), (32,), [np.zeros(32, np.uint32), np.zeros((32, 2), np.uint32)])

@@ -112,16 +112,18 @@ def _fp8_tile(c: dict, row_bytes: int, loads: str, split: bool, dequant: bool, s
     """The FP8 wgmma tile's metadata: under the dequantising warpgroup 384 threads, setmaxnreg
     104 / 200, three converted 36 KiB tiles and the staging buffers that fit beside them (one
     with the score exchange, two without); else 256 threads, two converted tiles and three
-    staging buffers with the exchange, four without; sparse top-k's slot ring last (two tiles
-    of 8-byte row offsets)."""
+    staging buffers with the exchange, four without; sparse top-k's slot ring before the
+    exchange (two tiles of 8-byte row offsets; under the dequantising warpgroup, which takes
+    112 registers there and leaves 192, the 8 words of valid rows after it)."""
     stages = (1 if split else 2) if dequant else (3 if split else 4)
     tiles, barriers = (3, DEQUANT_BARRIERS) if dequant else (2, 32 if loads == "tma" else 0)
     assert (c["path"], c["num_stages"], c["fp8_staging_bytes"]) == (PATH, stages, 32 * row_bytes)
     assert (c.get("split_scores", False), c.get("kv_loads", "cp_async")) == (split, loads)
     assert c["smem_bytes"] == Q_BYTES + tiles * TILE + stages * 32 * row_bytes + barriers + split * EXCHANGE \
-        + sparse * 2 * 32 * 8
+        + sparse * (2 * 32 * 8 + dequant * 32)
+    regs = [112, 192] if sparse else [104, 200]
     assert (c.get("dequant_warpgroup", False), c.get("threads"), c.get("setmaxnreg")) == \
-        ((True, 384, [104, 200]) if dequant else (False, None, None))
+        ((True, 384, regs) if dequant else (False, None, None))
 
 
 @pytest.mark.parametrize("case", FP8_CASES.values(), ids=FP8_CASES.keys())
@@ -162,8 +164,23 @@ def test_sparse_topk_on_wgmma(tmp_path, case):
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": total_q, "num_pages": pages}, seed=13))
 
 
+def test_a_valid_rows_word_one_tile_off_fails(tmp_path, monkeypatch):
+    """Planted: under the dequantising warpgroup the computing warps mask a sparse tile's
+    missing keys from the word of valid rows its copies publish; reading the next tile's
+    word instead, they mask another tile's keys and the results go wrong."""
+    from ptxc.kernels.bodies import varlen_wgmma
+    from ptxc.kernels.kv.kv_pages import valid_word_slot
+    monkeypatch.setattr(varlen_wgmma, "valid_word_slot",
+                        lambda b, words, key0, bn: valid_word_slot(b, words, b.add(key0, bn), bn))
+    art = build_kernel(tmp_path, "mla", sparse_body(64, 512, 64, "bf16", "e4m3", None, 100, True, 1),
+                       targets=SM90A)
+    assert _config(art)["dequant_warpgroup"]
+    results = check_artifact(art, backend="emu", shapes={"total_q": 7, "num_pages": 5}, seed=13)
+    assert {r.tensor: r.ok for r in results} == {"o": False, "lse": False}
+
+
 DS = {   # FlashMLA's fp8_ds_mla rows (656 bytes: e4m3 latent, 4 group scales, bf16 RoPE); the
-    # third field: dequant_warpgroup given (None: the default, which sparse top-k does not take)
+    # third field: dequant_warpgroup given (None: the default)
     "h128-paged-auto": (ds_body(heads=128), {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}, None),
     "h128-paged-auto-fused": (ds_body(heads=128), {"batch": 9, "max_pages_per_seq": 2, "num_pages": 21}, False),
     "h128-sparse-top300-1split": (ds_body(heads=128, splits=1, extra="sparse_topk = 300\ntopk_length = true\n"),
@@ -186,8 +203,7 @@ def test_group_scaled_rows_on_wgmma(tmp_path, case):
     art = build_kernel(tmp_path, "mla", text, targets=SM90A, tile=tile)
     c = _config(art)
     assert c["block_m"] == 64
-    _fp8_tile(c, 656, "cp_async", True, dequant is None and "sparse_topk" not in text,
-              sparse="sparse_topk" in text)
+    _fp8_tile(c, 656, "cp_async", True, dequant is None, sparse="sparse_topk" in text)
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
@@ -213,16 +229,14 @@ def test_every_rope_width_fits_one_ctas_shared_memory(kv):
 
 
 @pytest.mark.parametrize("extra,target,tile", [
-    ("sparse_topk = 100\n", "sm_90a", ""), ('kv_dtype = "e4m3_ds"\nqk_rope_head_dim = 128\n', "sm_90a", ""),
+    ('kv_dtype = "e4m3_ds"\nqk_rope_head_dim = 128\n', "sm_90a", ""),
     ('kv_dtype = "bf16"\n', "sm_90a", ""),
     # sm_100a's tcgen05 tile: TMA-staged e4m3 keeps every warp converting
     ("", "sm_100a", 'kv_loads = "tma"\n'),
     ('kv_dtype = "bf16"\n', "sm_100a", "")])
 def test_a_dequantising_warpgroup_where_it_does_not_apply_is_one_line(extra, target, tile):
-    """Sparse top-k on sm_90a (its computing warps need more than 200 registers; sm_100a takes
-    it: test_mla_tcgen05.py), e4m3_ds rows of
-    128 RoPE columns on sm_90a (784 bytes: the dequantising warps spill), TMA-staged rows, a
-    cache of the dtype: refused with the key, one line."""
+    """e4m3_ds rows of 128 RoPE columns on sm_90a (784 bytes: the dequantising warps spill),
+    TMA-staged rows, a cache of the dtype: refused with the key, one line."""
     from ptxc.errors import SpecError
     from ptxc.kernels import load_text
     kv = "" if "kv_dtype" in extra else 'kv_dtype = "e4m3"\n'

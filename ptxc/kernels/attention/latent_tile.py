@@ -17,6 +17,7 @@ from ..kv.kv_access import KVAccess, sparse_keys
 from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind
 from ..kv.kv_fp8_direct import DIRECT_STAGES, direct_applies
 from ..kv.kv_fp8_stage import StagingGeom, f16_math_applies
+from ..kv.kv_pages import VALID_WORDS
 from ..mainloop.tiles import CHUNK, SwizzledGeom
 from ..mainloop.dequant_pipeline import THREADS as DEQUANT_THREADS, TILES as DEQUANT_TILES
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
@@ -30,6 +31,17 @@ class LatentFP8Rows:
     """Mixed into a latent tile's config (sm_90a's LatentWgmmaConfig, sm_100a's
     LatentTcgen05Config; fields `rows`, `dequant_warpgroup`): where its FP8 rows land and who
     converts them."""
+
+    @property
+    def slot_ring_bytes(self) -> int:
+        """Sparse top-k's slot ring, and under a dequantising warpgroup the ring of the tiles'
+        valid-rows words after it (kv_pages.SparseSlots' valid_words)."""
+        ring = super().slot_ring_bytes
+        return ring + VALID_WORDS * 4 if ring and self.dequant_warpgroup else ring
+
+    @property
+    def valid_words_offset(self) -> int:
+        return self.slot_ring_offset + super().slot_ring_bytes
 
     @property
     def converted_tiles(self) -> int:
@@ -105,11 +117,11 @@ class LatentWgmmaConfig(LatentFP8Rows, WgmmaTileConfig):
 
     @property
     def producer_regs(self) -> int:
-        return DEQUANT_REGS
+        return SPARSE_DEQUANT_REGS if self.slot_ring else DEQUANT_REGS
 
     @property
     def consumer_regs(self) -> int:
-        return dequant_consumer_regs(self.threads)
+        return dequant_consumer_regs(self.threads, self.producer_regs)
 
     @property
     def score_exchange_bytes(self) -> int:
@@ -147,12 +159,16 @@ LATENT_WGMMA_ROWS = 64
 # the dequantising warpgroup's budget after setmaxnreg.dec: a staged tile's share in registers
 # (at 88 the e4m3 conversion spilled; 96 leaves the computing warps the same 200)
 DEQUANT_REGS = 104
+# ... gathering sparse top-k's rows (the slot ring's registers beside a tile's share): 112,
+# which leaves the computing warps 192 -- enough now that they read a tile's missing keys
+# from one word the copies publish (at 104 / 200 ptxas spilled 24 bytes in the gathering warps)
+SPARSE_DEQUANT_REGS = 112
 
 
-def dequant_consumer_regs(threads: int) -> int:
+def dequant_consumer_regs(threads: int, dequant_regs: int = DEQUANT_REGS) -> int:
     """The computing warpgroups' budget after setmaxnreg.inc: what the dequantising warpgroup
-    leaves of the CTA's pool (384 threads enter with 168: 200)."""
-    return raised_regs(threads + DEQUANT_THREADS, DEQUANT_THREADS * DEQUANT_REGS, threads)
+    leaves of the CTA's pool (384 threads enter with 168: 200 beside 104)."""
+    return raised_regs(threads + DEQUANT_THREADS, DEQUANT_THREADS * dequant_regs, threads)
 
 
 def latent_wgmma(spec, target) -> bool:
@@ -175,16 +191,17 @@ def dequant_warpgroup(spec) -> bool:
     TMA-staged): chosen on static figures, not timed -- the computing warps' loop falls from
     508 instructions a tile to 224 (e4m3_ds) and from 360 to 227 (e4m3), bf16's is 265, the
     conversion moving to warps of its own (docs/performance.md "Dequantising warpgroup").
-    Dense caches only, and e4m3_ds rows of 64 RoPE columns (FlashMLA's): sparse top-k's
-    computing warps need more than the 200 registers it leaves them, and 784-byte e4m3_ds rows
-    more than its 104 (ptxas spilled 20-260 bytes)."""
+    Dense caches and sparse top-k (its copies publish each tile's valid rows, so the
+    computing warps need no slot loads: 112 / 192 registers), and e4m3_ds rows of 64 RoPE
+    columns (FlashMLA's): 784-byte e4m3_ds rows need more than its 104 (ptxas spilled 20-260
+    bytes)."""
     return bool(spec.tile_dict().get("dequant_warpgroup", True)) and dequant_fits(spec)
 
 
 def dequant_fits(spec) -> bool:
     """Where the dequantising warpgroup assembles without spills (dequant_warpgroup)."""
     rows = group_scaled(spec)
-    return (kind(spec) is not None and latent_loads(spec) == "cp_async" and not sparse_keys(spec)
+    return (kind(spec) is not None and latent_loads(spec) == "cp_async"
             and (rows is None or rows.rope <= 64))
 
 
@@ -220,7 +237,7 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
                              slot_ring=bool(sparse_keys(spec)),
                              q_e4m3=q_e4m3, qk_e4m3=dequant and q_e4m3,
                              qk_direct=dequant and q_e4m3 and stages == DIRECT_STAGES
-                             and direct_applies(bn, DEQUANT_THREADS))
+                             and direct_applies(bn, DEQUANT_THREADS) and not sparse_keys(spec))
 
 
 def split_by_default(spec) -> bool:

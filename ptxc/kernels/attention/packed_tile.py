@@ -48,6 +48,9 @@ class VarlenCtx(MaskPredicate):
     # sparse keys (kv_access sparse): pred, key (s32) has no cache row -- masked like a key
     # past the limit (MmaMath.mask asks once per key of the lane, for all its rows)
     missing_key: Callable[[Reg], Reg] | None = None
+    # ... or, where the tile's copies publish them (kv_pages.SparseSlots' valid_words): u32 word
+    # of the tile at key0 (u32) whose bit k says key key0 + k has a cache row
+    valid_word: Callable[[Reg], Reg] | None = None
     # split-KV on a path that finishes whole tiles (PrefillConfig.finishes_whole_tiles): pred,
     # this is split 0, S > 1 and it covers the tile's whole key range (chunk >= span): it
     # stores the final o itself and marks split 1's lse_part +inf (split_reduce)

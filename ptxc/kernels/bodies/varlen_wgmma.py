@@ -42,14 +42,14 @@ of fewer than 8 rows, kv_loads = "cp_async") keep the mma.sync kernel on sm_90a.
 
 from __future__ import annotations
 
-from ...ir import S32, S64, U64, Addr, Imm, KernelBuilder, Reg
+from ...ir import S32, S64, U32, U64, Addr, Imm, KernelBuilder, Reg
 from ..attention.packed_tile import TileWork, packed_tile_setup
 from ..attention.varlen_tile import (Tcgen05TileConfig, VarlenMath, VarlenTcgen05Math, WgmmaTileConfig,
                                      score_transform)
 from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8_direct import DirectLatentStaging
 from ..kv.kv_fp8_stage import LatentFP8Staging, SwizzledFP8Staging
-from ..kv.kv_pages import PagedTiles, SparseSlots, prefetch_applies
+from ..kv.kv_pages import PagedTiles, SparseSlots, prefetch_applies, valid_word_slot
 from ..mainloop.dequant_pipeline import TILES as DEQUANT_TILES
 from ..mainloop.tiles import SWIZZLE_PERIOD, ThreadSlot, load_tile_passes, swizzled_slot
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
@@ -143,14 +143,15 @@ def row_chunks(b: KernelBuilder, slot: ThreadSlot, row_address, row0: Reg, nvali
 
 def kv_copies(b: KernelBuilder, cfg: WgmmaTileConfig, kv: KVAccess, tile, ptrs: dict,
               work: TileWork, kv_slot: ThreadSlot, k_stage: Reg, v_stage: Reg, staged: bool,
-              ring: tuple[Reg, int] | None = None):
+              ring: tuple | None = None):
     """load_kv(t, j, stage_offset) for the threads of `kv_slot`: tile j of t ("k" | "v") by
     cp.async into its stage buffer if the tile exists, one commit group either way; and the
     paged layout's ids a tile ahead (LaggedPages, or None), whose load_ahead the caller runs
     once before the first copy. `ring` (sparse top-k's latent tiles, cfg.slot_ring): the
-    copying thread's id and the tiles the pipeline issues before its loop -- the rows' slots
-    come two tiles ahead through the slot ring (kv_pages.SparseSlots) instead of a global
-    round trip in front of each tile's copies."""
+    copying thread's id, the tiles the pipeline issues before its loop and the address of
+    the valid-rows words the copies publish (or None) -- the rows' slots come two tiles ahead
+    through the slot ring (kv_pages.SparseSlots) instead of a global round trip in front of
+    each tile's copies."""
     bn, L, first, n_tiles = cfg.block_n, tile.L, tile.first, tile.n_tiles
     bases = kv.bases(b, ptrs, work.seq, work.kv_head, b.cvt(S64, kv_slot.col))
     pages = LaggedPages(b, kv, bases, kv_slot, bn, L) if prefetch_applies(kv, kv_slot, bn) else None
@@ -159,9 +160,9 @@ def kv_copies(b: KernelBuilder, cfg: WgmmaTileConfig, kv: KVAccess, tile, ptrs: 
     sparse = None
     if ring is not None:
         assert cfg.slot_ring and cfg.shared_kv and key_lo is None and tile.order is None
-        tid, prologue = ring
+        tid, prologue, valid_words = ring
         sparse = SparseSlots(b, kv, bases, kv_slot, bn, L, b.add(tile.smem, cfg.slot_ring_offset),
-                             tid, prologue, tile.key0)
+                             tid, prologue, tile.key0, valid_words)
 
     def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
         cache = "k_cache" if t == "k" else "v_cache"
@@ -169,18 +170,23 @@ def kv_copies(b: KernelBuilder, cfg: WgmmaTileConfig, kv: KVAccess, tile, ptrs: 
         with b.if_then(b.setp("lt", j, n_tiles)):
             dst = b.add(k_stage if t == "k" else v_stage, stage_off)
             nvalid = b.sub(L, b.bitcast(row0, S32))
-            if pages is not None:
-                chunks = pages.pass_chunks(cache, pages.ids_of(cache), row0, key_lo)
-            elif sparse is not None:
-                chunks = sparse.chunks(cache, j, nvalid, tile.kv_rows(kv, bases, cache, key_lo), row0)
-            elif strided is not None:
-                chunks = strided.chunks(cache, row0, nvalid, key_lo)
+            if sparse is not None and staged:
+                # FP8 rows: one pass group, each pass's address worked out as it is copied (a
+                # dequantising warpgroup holds its share of the previous tile meanwhile)
+                sparse.issue(cache, j, nvalid, dst, tile.kv_rows(kv, bases, cache, key_lo))
             else:
-                chunks = row_chunks(b, kv_slot, tile.kv_rows(kv, bases, cache, key_lo), row0, nvalid)
-            # FP8 rows land whole in one pass group (unpadded staging)
-            stage_groups(b, cfg, kv_slot, chunks, nvalid, dst, groups=1 if staged else None)
-            if sparse is not None:
-                sparse.advance(j)
+                if pages is not None:
+                    chunks = pages.pass_chunks(cache, pages.ids_of(cache), row0, key_lo)
+                elif sparse is not None:
+                    chunks = sparse.chunks(cache, j, nvalid, tile.kv_rows(kv, bases, cache, key_lo), row0)
+                elif strided is not None:
+                    chunks = strided.chunks(cache, row0, nvalid, key_lo)
+                else:
+                    chunks = row_chunks(b, kv_slot, tile.kv_rows(kv, bases, cache, key_lo), row0, nvalid)
+                # FP8 rows land whole in one pass group (unpadded staging)
+                stage_groups(b, cfg, kv_slot, chunks, nvalid, dst, groups=1 if staged else None)
+                if sparse is not None:
+                    sparse.advance(j)
         if pages is not None and t == "k":
             pages.advance(row0)
         if strided is not None:
@@ -221,6 +227,11 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
     ctx, bn = tile.ctx, cfg.block_n
     tile_bytes = cfg.converted_bytes
     staging_at = cfg.converted_tiles * tile_bytes
+    valid_words = None
+    if cfg.slot_ring:    # sparse: the copies publish each tile's rows with a cache row
+        valid_words = b.add(tile.smem, cfg.valid_words_offset)
+        ctx.missing_key = None
+        ctx.valid_word = lambda key0: b.ld("shared", U32, Addr(valid_word_slot(b, valid_words, key0, bn)))
 
     def make_loads(tid: Reg):
         if cfg.qk_direct:            # S reads the staging ring: copies into its layout, V converted
@@ -233,7 +244,7 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
                                    narrow_dv=cfg.dv if cfg.qk_e4m3 else None)
         load_kv, pages = kv_copies(b, cfg, kv, tile, ptrs, work, staging.slot, staging.k_stage,
                                    staging.v_stage, True,   # its loop refills S tiles ahead
-                                   ring=(tid, cfg.num_stages) if cfg.slot_ring else None)
+                                   ring=(tid, cfg.num_stages, valid_words) if cfg.slot_ring else None)
         if pages is not None:
             pages.load_ahead(b.mul(tile.first, bn))
         return (lambda j, off: load_kv("k", j, off)), staging.convert
@@ -325,7 +336,7 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     k_stage, v_stage = (staging.k_stage, staging.v_stage) if staging else (tile.k_smem, tile.v_smem)
     q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
     # the latent loops issue S tiles before the loop over converted FP8 rows, S - 2 otherwise
-    ring = (ctx.tid, cfg.num_stages - (0 if staging else 2)) if cfg.slot_ring else None
+    ring = (ctx.tid, cfg.num_stages - (0 if staging else 2), None) if cfg.slot_ring else None
     load_kv, pages = kv_copies(b, cfg, kv, tile, ptrs, work, kv_slot, k_stage, v_stage,
                                staging is not None, ring)
     copy_q(b, cfg, tile, q_slot, q_row)

@@ -99,9 +99,9 @@ FIELDS = FamilyFields(
               "softmax and hand each other P and the row max through 10 KiB of shared memory, so "
               "one's softmax runs under the other's products (four latent stages; replaces "
               "split_scores)", default=False),
-        Field("dequant_warpgroup", "bool", "sm_90a wgmma tiles over dense and sm_100a tcgen05 "
-              "tiles over dense or sparse e4m3 / e4m3_ds rows the threads copy: a warpgroup of its "
-              "own copies (sparse: gathers) and dequantises "
+        Field("dequant_warpgroup", "bool", "sm_90a wgmma and sm_100a tcgen05 tiles over dense "
+              "or sparse e4m3 / e4m3_ds rows the threads copy: a warpgroup of its own copies "
+              "(sparse: gathers) and dequantises "
               "the rows into a ring of three converted tiles (FlashMLA's), so the computing warps "
               "run the loop of a cache of the dtype (the default; false: every warp converts its "
               "share at the top of each iteration)", default=None),
@@ -217,7 +217,7 @@ def validate(spec: KernelSpec) -> None:
         raise SpecError(f"dequant_warpgroup = true with targets {', '.join(spec.targets)}: the "
                         f"dequantising warpgroup feeds the sm_90a wgmma and sm_100a tcgen05 tiles "
                         f"(64 head rows) from e4m3 or e4m3_ds rows the threads copy (kv_loads "
-                        f"\"cp_async\"); on sm_90a dense (not sparse_topk), e4m3_ds with "
+                        f"\"cp_async\"), dense or sparse; on sm_90a e4m3_ds with "
                         f"qk_rope_head_dim 64; allowed: false", key="tile.dequant_warpgroup")
 
 

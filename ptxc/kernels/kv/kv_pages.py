@@ -13,7 +13,7 @@ round trip sits between the pipeline and its cp.async requests.
 
 from __future__ import annotations
 
-from ...ir import S32, S64, U64, Addr, KernelBuilder, Reg
+from ...ir import S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from .. import common as C
 from ..mainloop.tiles import ThreadSlot, load_tile_passes, load_tile_rows
 from .kv_access import KVAccess
@@ -96,6 +96,10 @@ class PagedTiles:
 
 
 RING_ENTRY = 8       # SparseSlots: a parked row is its s64 byte offset in the cache
+# SparseSlots(valid_words): a ring of u32 words, one per tile (its rows with a cache row), slot
+# (first + q) mod VALID_WORDS -- deep enough that a word is rewritten only for a tile issued
+# after the consumer read it (valid_word_slot)
+VALID_WORDS = 8
 
 
 class SparseSlots:
@@ -112,13 +116,24 @@ class SparseSlots:
     The `prologue` tiles a pipeline issues before its loop (mma.sync's S - 1, the latent
     tiles' S - 2, S for converted FP8 rows) read their slots directly; the last of them primes
     the ring. A tile the loop does not issue (q >= n_tiles) skips the park and the load with
-    it, and so does every later one."""
+    it, and so does every later one.
+
+    `valid_words` (a dequantising warpgroup's copies, block_n <= 32): the first warp of the
+    copying threads also publishes each tile's rows that have a cache row as one u32 (a
+    ballot: bit r = row r's slot is in the cache and r below the token's keys) in a ring of
+    VALID_WORDS, which the computing warps read (one shared load a tile) instead of each lane
+    loading its keys' slots to mask the missing ones. The prologue's tiles publish theirs with
+    an extra slot load each, before the loop. The consumer's ordering is the pipeline's: the
+    word is written before the copying threads' arrival on the tile's full barrier."""
 
     def __init__(self, b: KernelBuilder, kv: KVAccess, bases: dict, slot: ThreadSlot, block_n: int,
-                 L: Reg, ring: Reg, tid: Reg, prologue: int, key0_of):
+                 L: Reg, ring: Reg, tid: Reg, prologue: int, key0_of, valid_words: Reg | None = None):
         assert prologue >= 1, "the last prologue tile primes the ring"
+        assert valid_words is None or block_n <= 32, "one warp's ballot holds a tile's rows"
+        assert valid_words is None or prologue <= 3, "valid_word_slot: a word read before rewritten"
         self.b, self.kv, self.bases, self.slot, self.bn, self.L = b, kv, bases, slot, block_n, L
         self.ring, self.tid, self.prologue, self.key0_of = ring, tid, prologue, key0_of
+        self.valid_words = valid_words
         self.issued = 0                      # load_kv calls emitted so far (prologue, then the loop's)
         self.own = b.setp("lt", tid, block_n)
         self.mine = b.mov(-1, S32)
@@ -138,11 +153,32 @@ class SparseSlots:
         thread that copies a chunk of it (-1: a missing key -- a slot of -1 or outside the
         cache)."""
         b = self.b
-        with b.if_then(self.own):
+
+        def park() -> Reg:
             page, ok, offset = self.kv.slot_place(b, b.cvt(S64, self.mine))
             stride = self.bases["k_cache"][1]      # a latent cache: V's rows are K's
             off = b.mad(b.cvt(S64, offset), stride[1], b.mul(b.cvt(S64, page), stride[0]))
-            b.st("shared", S64, Addr(b.add(self._half(q), b.shl(self.tid, 3))), [b.selp(off, -1, ok)])
+            store = lambda: b.st("shared", S64, Addr(b.add(self._half(q), b.shl(self.tid, 3))),  # noqa: E731
+                                 [b.selp(off, -1, ok)])
+            if self.valid_words is None:
+                store()
+            else:                    # the whole first warp is here: its rows' lanes store
+                with b.predicate(self.own):
+                    store()
+            return ok
+        if self.valid_words is None:
+            with b.if_then(self.own):
+                park()
+            return
+        with b.if_then(b.setp("lt", self.tid, 32)):    # the first warp, whole: its ballot
+            self._publish(q, park())
+
+    def _publish(self, q: Reg, ok: Reg) -> None:
+        """Lane 0 writes the first warp's ballot of `ok` as tile q's word of valid rows."""
+        b = self.b
+        word = b.ballot(ok)
+        with b.if_then(b.setp("eq", self.tid, 0)):
+            b.st("shared", U32, Addr(valid_word_slot(b, self.valid_words, self.key0_of(q), self.bn)), [word])
 
     def issue(self, cache: str, q: Reg, nvalid: Reg, dst: Reg, rows_of) -> None:
         """cp.async tile q of `cache` (rows past `nvalid` zero-filled); `rows_of` is the per-row
@@ -173,6 +209,12 @@ class SparseSlots:
         """After tile q's copy: the last prologue tile primes the ring (ring[q + 1], mine = tile
         q + 2's); the loop's park tile q + 1's slots and fetch tile q + 2's."""
         b = self.b
+        if self.valid_words is not None and self.issued < self.prologue:
+            self._fetch(q)           # a prologue tile's word: its slots, loaded once more
+            with b.if_then(b.setp("lt", self.tid, 32)):
+                ok = b.and_(self.own, b.and_(b.setp("ge", self.mine, 0),
+                                             b.setp("lt", b.cvt(S64, self.mine), self.kv.slot_count(b))))
+                self._publish(q, ok)
         if self.issued == self.prologue - 1:
             self._fetch(b.add(q, 1))
         if self.issued >= self.prologue - 1:
@@ -190,4 +232,15 @@ class SparseSlots:
         return b.bitcast(b.add(self.bases[cache][0], off), U64), b.setp("ge", off, 0)
 
 
-__all__ = ["PagedTiles", "SparseSlots", "prefetch_applies"]
+def valid_word_slot(b: KernelBuilder, words: Reg, key0: Reg, block_n: int) -> Reg:
+    """The address of the valid-rows word of the tile starting at key `key0` (u32): slot
+    (key0 / block_n) mod VALID_WORDS. Under a dequantising warpgroup of S staging buffers
+    (the prologue) tile q's word is written while tile q - 1 is issued, in its loop's
+    iteration q - 1 - S, after it saw tile q - S - 5 released (iteration q - 2 - S's wait on
+    the converted ring's empty barrier): with S <= 3 the slot's previous tile, q - 8, was
+    read by then."""
+    tile = b.shr(key0, block_n.bit_length() - 1)
+    return b.add(words, b.shl(b.and_(tile, VALID_WORDS - 1), 2))
+
+
+__all__ = ["PagedTiles", "SparseSlots", "VALID_WORDS", "prefetch_applies", "valid_word_slot"]

@@ -19,7 +19,7 @@ single n8 tile of V (ldmatrix.x2).
 
 from __future__ import annotations
 
-from ...ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, Addr, KernelBuilder, Reg
+from ...ir import B32, BF16, BF16X2, F16, F16X2, F32, S32, U32, Addr, KernelBuilder, Reg
 from .. import common as C
 from ..attention.prefill_tile import Ctx
 from ..attention.softmax import (P_HEADROOM, exponentials, rescale_factor, rescale_vote, row_candidate,
@@ -227,7 +227,12 @@ class MmaMath:
         one bit window per row per 4 n8 tiles, then the predicate per score)."""
         b, nt = self.b, self.bn // 8
         missing = getattr(self.ctx, "missing_key", None)
-        if missing is not None:   # sparse keys: the lane's keys key0 + 2t + 8 jn + e, any row
+        valid_word = getattr(self.ctx, "valid_word", None)
+        if valid_word is not None:   # sparse keys: the tile's word of rows with a cache row
+            bits = b.shr(valid_word(key0), b.bitcast(self.two_t, U32))
+            missing = [[b.setp("eq", b.and_(bits, 1 << (8 * jn + e)), 0) for e in range(2)]
+                       for jn in range(nt)]
+        elif missing is not None:   # sparse keys: the lane's keys key0 + 2t + 8 jn + e, any row
             lane_key = b.add(b.bitcast(key0, S32), self.two_t)
             missing = [[missing(b.add(lane_key, 8 * jn + e) if jn or e else lane_key)
                         for e in range(2)] for jn in range(nt)]
