@@ -18,7 +18,7 @@ import numpy as np
 
 from ptxc.emu.decode import NORMAL, PARK, Mods, Op, expect_operands, register
 from ptxc.emu.operands import TYPES, DecodeError, Fault, dst_plan, src_plan
-from ptxc.emu.ops_warp import MATRIX_COL, MATRIX_ROW, decode_matrix, executing_lanes, matrix_rows
+from ptxc.emu.ops_warp import MATRIX_COL, MATRIX_ROW, check_membermask, decode_matrix, matrix_rows
 from ptxc.emu.ops_wgmma import warpgroups
 from ptxc.emu.ptx_ast import Imm, Pair
 
@@ -47,16 +47,7 @@ def decode_elect(ins, env):
             member = np.broadcast_to(np.asarray(rmask(sel), np.int64) & 0xFFFFFFFF, idx.shape)
             if (member == 0).any():
                 raise Fault("elect.sync with an empty membermask", int(idx[0]))
-            outside = ((member >> lane) & 1) == 0
-            if outside.any():
-                k = int(np.flatnonzero(outside)[0])
-                raise Fault(f"elect.sync executed by lane {lane[k]}, which is not in its "
-                            f"membermask 0x{int(member[k]):08x}", int(idx[k]))
-            absent = member & ~executing_lanes(ctx, idx).astype(np.int64)
-            if absent.any():
-                k = int(np.flatnonzero(absent)[0])
-                raise Fault(f"elect.sync membermask 0x{int(member[k]):08x} names lanes that "
-                            f"are not executing it (exited or diverged)", int(idx[k]))
+            check_membermask(ctx, idx, lane, member, "elect.sync")
             leader = np.log2(member & -member).astype(np.uint32)     # lowest set bit
             if ctx.race is not None:
                 ctx.race.warp_synced(sel)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from ptxc.emu.decode import NORMAL, Mods, Op, expect_operands, register
-from ptxc.emu.operands import TYPES, DecodeError, Fault, dst_plan, src_plan
-from ptxc.emu.ops_warp import FULL_MASK, _lanes, executing_lanes
+from ptxc.emu.operands import TYPES, DecodeError, dst_plan, src_plan
+from ptxc.emu.ops_warp import FULL_MASK, check_membermask, executing_lanes
 
 B32, U32, PRED = TYPES["b32"], TYPES["u32"], TYPES["pred"]
 
@@ -53,7 +53,7 @@ def decode_vote(ins, env):
             idx = ctx.all_index if isinstance(sel, slice) else sel
             lane = ctx.lane[idx]
             membermask = np.broadcast_to(np.asarray(rm(sel), np.int64) & FULL_MASK, idx.shape)
-            _check_members(ctx, idx, lane, membermask)
+            check_membermask(ctx, idx, lane, membermask, "vote.sync")
             bits = np.where(np.asarray(ra(sel), bool), np.int64(1) << lane, 0)
             warp, inverse = np.unique(idx >> 5, return_inverse=True)
             votes = np.zeros(warp.size, np.int64)
@@ -63,18 +63,3 @@ def decode_vote(ins, env):
             write(sel, (votes[inverse] & membermask).astype(np.uint32))
         return run
     return Op(NORMAL, ins, bind)
-
-
-def _check_members(ctx, idx, lane, membermask) -> None:
-    not_member = ((membermask >> lane) & 1) == 0
-    if not_member.any():
-        k = int(np.flatnonzero(not_member)[0])
-        raise Fault(f"vote.sync executed by lane {lane[k]}, which is not in its membermask "
-                    f"0x{int(membermask[k]):08x}", int(idx[k]))
-    absent = membermask & ~executing_lanes(ctx, idx).astype(np.int64)
-    if absent.any():
-        k = int(np.flatnonzero(absent)[0])
-        lanes = [x for x in range(32) if (int(absent[k]) >> x) & 1]
-        raise Fault(f"vote.sync membermask 0x{int(membermask[k]):08x} names lane(s) "
-                    f"{_lanes(lanes)} that are not executing this vote.sync (exited or "
-                    f"diverged)", int(idx[k]))

@@ -139,21 +139,26 @@ def shfl_source_lane(mode: str, lane, b, c):
     return np.where(pval, j, lane), pval
 
 
-def _check_shfl(ctx, idx, lane, src, membermask):
-    membermask = np.broadcast_to(membermask & FULL_MASK, idx.shape)
+def check_membermask(ctx, idx, lane, membermask, what: str):
+    """A collective with a membermask (shfl.sync, vote.sync, elect.sync): every executing lane
+    must be in it and every lane it names executing it. Returns the executing lanes' masks."""
     not_member = ((membermask >> lane) & 1) == 0
     if not_member.any():
         k = int(np.flatnonzero(not_member)[0])
-        raise Fault(f"shfl.sync executed by lane {lane[k]}, which is not in its membermask "
+        raise Fault(f"{what} executed by lane {lane[k]}, which is not in its membermask "
                     f"0x{int(membermask[k]):08x}", int(idx[k]))
     here = executing_lanes(ctx, idx).astype(np.int64)
     absent = membermask & ~here
     if absent.any():
         k = int(np.flatnonzero(absent)[0])
         lanes = [x for x in range(32) if (int(absent[k]) >> x) & 1]
-        raise Fault(f"shfl.sync membermask 0x{int(membermask[k]):08x} names lane(s) "
-                    f"{_lanes(lanes)} that are not executing this shfl.sync (exited or "
-                    f"diverged)", int(idx[k]))
+        raise Fault(f"{what} membermask 0x{int(membermask[k]):08x} names lane(s) "
+                    f"{_lanes(lanes)} that are not executing it (exited or diverged)", int(idx[k]))
+    return here
+
+
+def _check_shfl(ctx, idx, lane, src, membermask):
+    here = check_membermask(ctx, idx, lane, np.broadcast_to(membermask & FULL_MASK, idx.shape), "shfl.sync")
     src_lane = src & 31
     src_here = ((here >> src_lane) & 1) == 1
     if not src_here.all():
