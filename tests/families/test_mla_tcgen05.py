@@ -58,8 +58,8 @@ def _check_tile(art, stages: int = 4, block_n: int = 32, row: int = ROW, staged:
     converted = 3 if dequant else 2
     tiles = converted * block_n * row + stages * block_n * staged if staged else stages * block_n * row
     bars = 6 if dequant else stages if loads == "tma" else 0
-    # sparse top-k: two tiles of row offsets (and the dequantising warpgroup's 8 valid-rows words)
-    ring = 2 * block_n * 8 + dequant * 32 if sparse else 0
+    # sparse top-k: two tiles of row offsets (and the dequantising warpgroup's 16 valid-rows words)
+    ring = 2 * block_n * 8 + dequant * 64 if sparse else 0
     assert c["smem_bytes"] == 64 * row + tiles + bars * 8 + MMA_REGION + ring
     assert c.get("fp8_staging_bytes") == (block_n * staged if staged else None)
     assert (c.get("dequant_warpgroup", False), c.get("threads", 128)) == (dequant, 256 if dequant else 128)
@@ -188,6 +188,18 @@ def test_sparse_topk_on_tcgen05(tmp_path, case):
                 **(DEQUANT if kv else dict(loads="cp_async")))
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": total_q, "num_pages": pages},
                                seed=11))
+
+
+@pytest.mark.parametrize("target,kv", [("sm_100a", "e4m3"), ("sm_90a", "e4m3_ds")])
+def test_sparse_fp8_block_n_16_wraps_the_valid_rows_words(tmp_path, target, kv):
+    """block_n 16 under the dequantising warpgroup: the most staging buffers (a prologue of up
+    to 4 tiles), 16 rows a ballot (lanes 16-31 vote 0) and 300 slots on one split -- 19
+    tiles, so the ring of 16 valid-rows words wraps, under the race checker."""
+    art = build_kernel(tmp_path, "mla", body(heads=64, kv=kv, splits=1) +
+                       "sparse_topk = 300\ntopk_length = true\n", targets=(target,), tile="block_n = 16")
+    c = art.meta["targets"][target]["config"]
+    assert (c["block_n"], c["dequant_warpgroup"]) == (16, True)
+    assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 3, "num_pages": 9}, seed=17))
 
 
 def test_block_n_16_and_three_stages_given(tmp_path):

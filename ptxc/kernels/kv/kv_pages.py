@@ -99,7 +99,7 @@ RING_ENTRY = 8       # SparseSlots: a parked row is its s64 byte offset in the c
 # SparseSlots(valid_words): a ring of u32 words, one per tile (its rows with a cache row), slot
 # (first + q) mod VALID_WORDS -- deep enough that a word is rewritten only for a tile issued
 # after the consumer read it (valid_word_slot)
-VALID_WORDS = 8
+VALID_WORDS = 16
 
 
 class SparseSlots:
@@ -130,7 +130,7 @@ class SparseSlots:
                  L: Reg, ring: Reg, tid: Reg, prologue: int, key0_of, valid_words: Reg | None = None):
         assert prologue >= 1, "the last prologue tile primes the ring"
         assert valid_words is None or block_n <= 32, "one warp's ballot holds a tile's rows"
-        assert valid_words is None or prologue <= 3, "valid_word_slot: a word read before rewritten"
+        assert valid_words is None or prologue <= VALID_WORDS - 5, "valid_word_slot: a word rewritten unread"
         self.b, self.kv, self.bases, self.slot, self.bn, self.L = b, kv, bases, slot, block_n, L
         self.ring, self.tid, self.prologue, self.key0_of = ring, tid, prologue, key0_of
         self.valid_words = valid_words
@@ -237,8 +237,8 @@ def valid_word_slot(b: KernelBuilder, words: Reg, key0: Reg, block_n: int) -> Re
     (key0 / block_n) mod VALID_WORDS. Under a dequantising warpgroup of S staging buffers
     (the prologue) tile q's word is written while tile q - 1 is issued, in its loop's
     iteration q - 1 - S, after it saw tile q - S - 5 released (iteration q - 2 - S's wait on
-    the converted ring's empty barrier): with S <= 3 the slot's previous tile, q - 8, was
-    read by then."""
+    the converted ring's empty barrier): with S <= VALID_WORDS - 5 (the staging buffers are at
+    most 4) the slot's previous tile, q - VALID_WORDS, was read by then."""
     tile = b.shr(key0, block_n.bit_length() - 1)
     return b.add(words, b.shl(b.and_(tile, VALID_WORDS - 1), 2))
 
