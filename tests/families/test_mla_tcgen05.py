@@ -58,8 +58,7 @@ def _check_tile(art, stages: int = 4, block_n: int = 32, row: int = ROW, staged:
     converted = 3 if dequant else 2
     tiles = converted * block_n * row + stages * block_n * staged if staged else stages * block_n * row
     bars = 6 if dequant else stages if loads == "tma" else 0
-    # sparse top-k: two tiles of row offsets (and the dequantising warpgroup's 16 valid-rows words)
-    ring = 2 * block_n * 8 + dequant * 64 if sparse else 0
+    ring = 2 * block_n * 8 + 16 * 4 if sparse else 0   # sparse: row offsets, valid-rows words
     assert c["smem_bytes"] == 64 * row + tiles + bars * 8 + MMA_REGION + ring
     assert c.get("fp8_staging_bytes") == (block_n * staged if staged else None)
     assert (c.get("dequant_warpgroup", False), c.get("threads", 128)) == (dequant, 256 if dequant else 128)

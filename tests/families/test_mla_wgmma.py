@@ -113,14 +113,14 @@ def _fp8_tile(c: dict, row_bytes: int, loads: str, split: bool, dequant: bool, s
     104 / 200, three converted 36 KiB tiles and the staging buffers that fit beside them (one
     with the score exchange, two without); else 256 threads, two converted tiles and three
     staging buffers with the exchange, four without; sparse top-k's slot ring before the
-    exchange (two tiles of 8-byte row offsets; under the dequantising warpgroup, which takes
-    112 registers there and leaves 192, the 16 words of valid rows after it)."""
+    exchange (two tiles of 8-byte row offsets, then 16 words of valid rows; the dequantising
+    warpgroup takes 112 registers there and leaves 192)."""
     stages = (1 if split else 2) if dequant else (3 if split else 4)
     tiles, barriers = (3, DEQUANT_BARRIERS) if dequant else (2, 32 if loads == "tma" else 0)
     assert (c["path"], c["num_stages"], c["fp8_staging_bytes"]) == (PATH, stages, 32 * row_bytes)
     assert (c.get("split_scores", False), c.get("kv_loads", "cp_async")) == (split, loads)
     assert c["smem_bytes"] == Q_BYTES + tiles * TILE + stages * 32 * row_bytes + barriers + split * EXCHANGE \
-        + sparse * (2 * 32 * 8 + dequant * 64)
+        + sparse * (2 * 32 * 8 + 64)
     regs = [112, 192] if sparse else [104, 200]
     assert (c.get("dequant_warpgroup", False), c.get("threads"), c.get("setmaxnreg")) == \
         ((True, 384, regs) if dequant else (False, None, None))
@@ -164,18 +164,26 @@ def test_sparse_topk_on_wgmma(tmp_path, case):
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": total_q, "num_pages": pages}, seed=13))
 
 
-def test_a_valid_rows_word_one_tile_off_fails(tmp_path, monkeypatch):
-    """Planted: under the dequantising warpgroup the computing warps mask a sparse tile's
-    missing keys from the word of valid rows its copies publish; reading the next tile's
-    word instead, they mask another tile's keys and the results go wrong."""
-    from ptxc.kernels.bodies import varlen_wgmma
+@pytest.mark.parametrize("target", ["sm_90a", "sm_90"])
+def test_a_valid_rows_word_one_tile_off_fails(tmp_path, monkeypatch, target):
+    """Planted: the warps that mask a sparse tile's scores read the word of valid rows its
+    copies published (under sm_90a's dequantising warpgroup, and on sm_90's mma.sync tile where
+    the same warps copy); reading the next tile's word instead, they mask another tile's keys
+    and the results go wrong -- or, where the next tile's word was never written (sm_90's last
+    tile), the emulator stops at the read."""
+    from ptxc.kernels.attention import packed_tile
     from ptxc.kernels.kv.kv_pages import valid_word_slot
-    monkeypatch.setattr(varlen_wgmma, "valid_word_slot",
+    monkeypatch.setattr(packed_tile, "valid_word_slot",
                         lambda b, words, key0, bn: valid_word_slot(b, words, b.add(key0, bn), bn))
     art = build_kernel(tmp_path, "mla", sparse_body(64, 512, 64, "bf16", "e4m3", None, 100, True, 1),
-                       targets=SM90A)
-    assert _config(art)["dequant_warpgroup"]
-    results = check_artifact(art, backend="emu", shapes={"total_q": 7, "num_pages": 5}, seed=13)
+                       targets=(target,))
+    assert art.meta["targets"][target]["config"].get("dequant_warpgroup", False) == (target == "sm_90a")
+    from ptxc.errors import EmulationError
+    try:
+        results = check_artifact(art, backend="emu", shapes={"total_q": 7, "num_pages": 5}, seed=13)
+    except EmulationError as e:
+        assert "never-written shared memory" in str(e)
+        return
     assert {r.tensor: r.ok for r in results} == {"o": False, "lse": False}
 
 

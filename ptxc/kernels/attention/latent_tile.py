@@ -17,7 +17,6 @@ from ..kv.kv_access import KVAccess, sparse_keys
 from ..kv.kv_fp8 import GroupScaledRows, group_scaled, kind
 from ..kv.kv_fp8_direct import DIRECT_STAGES, direct_applies
 from ..kv.kv_fp8_stage import StagingGeom, f16_math_applies
-from ..kv.kv_pages import VALID_WORDS
 from ..mainloop.tiles import CHUNK, SwizzledGeom
 from ..mainloop.dequant_pipeline import THREADS as DEQUANT_THREADS, TILES as DEQUANT_TILES
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
@@ -31,17 +30,6 @@ class LatentFP8Rows:
     """Mixed into a latent tile's config (sm_90a's LatentWgmmaConfig, sm_100a's
     LatentTcgen05Config; fields `rows`, `dequant_warpgroup`): where its FP8 rows land and who
     converts them."""
-
-    @property
-    def slot_ring_bytes(self) -> int:
-        """Sparse top-k's slot ring, and under a dequantising warpgroup the ring of the tiles'
-        valid-rows words after it (kv_pages.SparseSlots' valid_words)."""
-        ring = super().slot_ring_bytes
-        return ring + VALID_WORDS * 4 if ring and self.dequant_warpgroup else ring
-
-    @property
-    def valid_words_offset(self) -> int:
-        return self.slot_ring_offset + super().slot_ring_bytes
 
     @property
     def converted_tiles(self) -> int:

@@ -15,6 +15,7 @@ from ...ir import F32, S32, S64, U32, U64, Addr, KernelBuilder, Reg
 from .. import common as C
 from ..config.prefill import PrefillConfig
 from ..kv.kv_access import KVAccess
+from ..kv.kv_pages import valid_word_slot
 from .mask_tiles import TileList, classify_tiles
 from .split_plan import auto_split, emit_balanced_split
 from .variant import load_head_f32
@@ -55,6 +56,13 @@ class VarlenCtx(MaskPredicate):
     # this is split 0, S > 1 and it covers the tile's whole key range (chunk >= span): it
     # stores the final o itself and marks split 1's lse_part +inf (split_reduce)
     whole: Reg | None = None
+
+    def mask_from_valid_words(self, b: KernelBuilder, words: Reg, block_n: int) -> None:
+        """Sparse keys masked from the words of valid rows the tile's copies publish
+        (kv_pages.SparseSlots' valid_words: one shared load a tile) instead of each lane
+        loading its keys' slots (missing_key)."""
+        self.missing_key = None
+        self.valid_word = lambda key0: b.ld("shared", U32, Addr(valid_word_slot(b, words, key0, block_n)))
 
     # The custom mask predicate (variant.MaskPredicate) over this tile's packed rows: query
     # token i's row of bits; a tree's n x n bits cover the draft keys (column = key - (L - n)),

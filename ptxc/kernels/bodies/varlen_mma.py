@@ -66,8 +66,10 @@ def emit_mma_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs
     sparse = None            # sparse top-k: the slots of the next tile parked in shared memory
     if cfg.slot_ring:
         assert cfg.shared_kv and key_lo is None and tile.order is None
+        words = b.add(smem, cfg.valid_words_offset)   # the copies' valid rows mask the scores
+        ctx.mask_from_valid_words(b, words, bn)
         sparse = SparseSlots(b, kv, bases, kv_slot, bn, L, b.add(smem, cfg.slot_ring_offset), tid,
-                             stages - 1, tile.key0)
+                             stages - 1, tile.key0, words)
 
     def load_kv(t: str, j: Reg, stage_off: Reg | int) -> None:
         with b.if_then(b.setp("lt", j, n_tiles)):

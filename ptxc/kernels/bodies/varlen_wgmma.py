@@ -49,7 +49,7 @@ from ..attention.varlen_tile import (Tcgen05TileConfig, VarlenMath, VarlenTcgen0
 from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8_direct import DirectLatentStaging
 from ..kv.kv_fp8_stage import LatentFP8Staging, SwizzledFP8Staging
-from ..kv.kv_pages import PagedTiles, SparseSlots, prefetch_applies, valid_word_slot
+from ..kv.kv_pages import PagedTiles, SparseSlots, prefetch_applies
 from ..mainloop.dequant_pipeline import TILES as DEQUANT_TILES
 from ..mainloop.tiles import SWIZZLE_PERIOD, ThreadSlot, load_tile_passes, swizzled_slot
 from ..mainloop.tma_pipeline import MBARRIER_BYTES
@@ -230,8 +230,7 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
     valid_words = None
     if cfg.slot_ring:    # sparse: the copies publish each tile's rows with a cache row
         valid_words = b.add(tile.smem, cfg.valid_words_offset)
-        ctx.missing_key = None
-        ctx.valid_word = lambda key0: b.ld("shared", U32, Addr(valid_word_slot(b, valid_words, key0, bn)))
+        ctx.mask_from_valid_words(b, valid_words, bn)
 
     def make_loads(tid: Reg):
         if cfg.qk_direct:            # S reads the staging ring: copies into its layout, V converted
@@ -336,7 +335,11 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     k_stage, v_stage = (staging.k_stage, staging.v_stage) if staging else (tile.k_smem, tile.v_smem)
     q_row = tile.q_row(ptrs, strides, b.cvt(S64, q_slot.col))
     # the latent loops issue S tiles before the loop over converted FP8 rows, S - 2 otherwise
-    ring = (ctx.tid, cfg.num_stages - (0 if staging else 2), None) if cfg.slot_ring else None
+    ring = None
+    if cfg.slot_ring:    # the copies publish each tile's rows with a cache row
+        words = b.add(tile.smem, cfg.valid_words_offset)
+        ctx.mask_from_valid_words(b, words, bn)
+        ring = (ctx.tid, cfg.num_stages - (0 if staging else 2), words)
     load_kv, pages = kv_copies(b, cfg, kv, tile, ptrs, work, kv_slot, k_stage, v_stage,
                                staging is not None, ring)
     copy_q(b, cfg, tile, q_slot, q_row)

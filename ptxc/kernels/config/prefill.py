@@ -15,6 +15,7 @@ from ...targets import KIB, MAX_REGS_PER_THREAD, Target
 from .. import common as C
 from ..attention.mask_tiles import classified_tiles
 from ..attention.variant import VARIANT_FIELDS, head_dim_v
+from ..kv.kv_pages import RING_ENTRY, VALID_WORDS
 from ..mainloop.tiles import SWIZZLE_ALIGN, TileGeom, swizzle_fits
 from .register_floor import narrow_block_n, needs_floor
 
@@ -208,13 +209,19 @@ class PrefillConfig:
 
     @property
     def slot_ring_bytes(self) -> int:
-        """slot_ring: two tiles of s64 row offsets (kv_pages.SparseSlots)."""
-        return 16 * self.block_n if self.slot_ring else 0
+        """slot_ring: two tiles of s64 row offsets, then the ring of valid-rows words
+        (kv_pages.SparseSlots)."""
+        return 2 * RING_ENTRY * self.block_n + 4 * VALID_WORDS if self.slot_ring else 0
 
     @property
     def slot_ring_offset(self) -> int:
         """Byte offset of the slot ring in shared memory (before the mask list)."""
         return self.smem_bytes - self.tail_bytes
+
+    @property
+    def valid_words_offset(self) -> int:
+        """Byte offset of the valid-rows words in shared memory (after the slot ring's offsets)."""
+        return self.slot_ring_offset + 2 * RING_ENTRY * self.block_n
 
     @property
     def mask_list_bytes(self) -> int:

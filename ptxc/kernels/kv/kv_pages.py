@@ -118,13 +118,15 @@ class SparseSlots:
     the ring. A tile the loop does not issue (q >= n_tiles) skips the park and the load with
     it, and so does every later one.
 
-    `valid_words` (a dequantising warpgroup's copies, block_n <= 32): the first warp of the
-    copying threads also publishes each tile's rows that have a cache row as one u32 (a
-    ballot: bit r = row r's slot is in the cache and r below the token's keys) in a ring of
-    VALID_WORDS, which the computing warps read (one shared load a tile) instead of each lane
-    loading its keys' slots to mask the missing ones. The prologue's tiles publish theirs with
-    an extra slot load each, before the loop. The consumer's ordering is the pipeline's: the
-    word is written before the copying threads' arrival on the tile's full barrier."""
+    `valid_words` (block_n <= 32): the first warp of the copying threads also publishes each
+    tile's rows that have a cache row as one u32 (a ballot: bit r = row r's slot is in the cache
+    and r below the token's keys) in a ring of VALID_WORDS, which the warps that mask the
+    scores read (one shared load a tile) instead of each lane loading its keys' slots. The
+    prologue's tiles publish theirs with an extra slot load each, before the loop. Ordering:
+    tile q's word is written while tile q - 1 is issued, before the barrier that precedes tile
+    q's scores (the copying threads' one at the top of an iteration, or a dequantising
+    warpgroup's arrival on the tile's full barrier), and rewritten VALID_WORDS tiles later
+    (valid_word_slot)."""
 
     def __init__(self, b: KernelBuilder, kv: KVAccess, bases: dict, slot: ThreadSlot, block_n: int,
                  L: Reg, ring: Reg, tid: Reg, prologue: int, key0_of, valid_words: Reg | None = None):
@@ -234,11 +236,13 @@ class SparseSlots:
 
 def valid_word_slot(b: KernelBuilder, words: Reg, key0: Reg, block_n: int) -> Reg:
     """The address of the valid-rows word of the tile starting at key `key0` (u32): slot
-    (key0 / block_n) mod VALID_WORDS. Under a dequantising warpgroup of S staging buffers
-    (the prologue) tile q's word is written while tile q - 1 is issued, in its loop's
-    iteration q - 1 - S, after it saw tile q - S - 5 released (iteration q - 2 - S's wait on
-    the converted ring's empty barrier): with S <= VALID_WORDS - 5 (the staging buffers are at
-    most 4) the slot's previous tile, q - VALID_WORDS, was read by then."""
+    (key0 / block_n) mod VALID_WORDS. With P tiles issued before the loop (SparseSlots'
+    prologue) tile q's word is written while tile q - 1 is issued, in loop iteration q - 1 - P.
+    Where the copying threads mask too (mma.sync, every warp converting), that is after the
+    barrier that ended tile q - P - 2's reads, so VALID_WORDS >= P + 2 keeps tile q -
+    VALID_WORDS's word until read. Under a dequantising warpgroup that iteration saw tile q -
+    P - 5 released (iteration q - 2 - P's wait on the converted ring's empty barrier): P <=
+    VALID_WORDS - 5 (its staging buffers, at most 4)."""
     tile = b.shr(key0, block_n.bit_length() - 1)
     return b.add(words, b.shl(b.and_(tile, VALID_WORDS - 1), 2))
 
