@@ -41,7 +41,7 @@
 #   timeout 60 python3 -m ptxc.cli launch-test --backend cuda --target sm_80 --json \
 #       /tmp/a/gpuart/llama3_8b_fp8_decode /tmp/a/gpuart/deepseek_v3_mla_decode_fp8 > $OUT/fp8_sm80.json;
 #   PYTHONUNBUFFERED=1 timeout 170 python3 bench/gpu_lease.py /tmp/a/dab /tmp/a/a90 --out /tmp/mla \
-#       --only deepseek_v3_mla_decode_seesaw,deepseek_v3_mla_decode,kimi_k2_mla_decode_seesaw,kimi_k2_mla_decode,deepseek_v3_mla_decode_fp8,deepseek_v3_mla_decode_fp8_qk8,deepseek_v3_mla_decode_fp8_qk8_unsplit,deepseek_v3_mla_decode_fp8_fused,deepseek_v3_mla_decode_fp8_ds,deepseek_v3_mla_decode_fp8_ds_fused,deepseek_v3_mla_decode_tp8,deepseek_v3_mla_decode_tp8_m64,llama3_8b_serve,llama3_8b_serve_one,llama3_8b_serve_s3 \
+#       --only deepseek_v3_mla_decode_seesaw,deepseek_v3_mla_decode,kimi_k2_mla_decode_seesaw,kimi_k2_mla_decode,deepseek_v3_mla_decode_fp8,deepseek_v3_mla_decode_fp8_qk8,deepseek_v3_mla_decode_fp8_qk8_unsplit,deepseek_v3_mla_decode_fp8_fused,deepseek_v3_mla_decode_fp8_ds,deepseek_v3_mla_decode_fp8_ds_fused,deepseek_v32_mla_sparse_decode_fp8_sm90a,deepseek_v32_mla_sparse_decode_fp8_sm90a_fused,deepseek_v3_mla_decode_tp8,deepseek_v3_mla_decode_tp8_m64,llama3_8b_serve,llama3_8b_serve_one,llama3_8b_serve_s3 \
 #       --deadline 160 --item-timeout 40 --shape batch=64,total_q=64,max_pages_per_seq=64,num_pages=4096,num_splits=1 \
 #       --shape batch=64,total_q=64,max_pages_per_seq=256,num_pages=16384;
 #   PYTHONUNBUFFERED=1 timeout 100 python3 bench/gpu_lease.py /tmp/a/dab --out /tmp/mlap \
