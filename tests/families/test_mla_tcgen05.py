@@ -201,6 +201,19 @@ def test_sparse_fp8_block_n_16_wraps_the_valid_rows_words(tmp_path, target, kv):
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 3, "num_pages": 9}, seed=17))
 
 
+@pytest.mark.parametrize("target", ["sm_100a", "sm_90a"])
+def test_sixteen_heads_in_a_64_row_tile_given(tmp_path, target):
+    """DeepSeek-V3 at TP 8 (16 heads) given tile.block_m = 64: a token's 16 heads and up to
+    three more speculative tokens of its sequence in one 64-row tensor-core tile (FlashMLA's
+    packing; padding rows where the step has fewer), on tcgen05 and on wgmma."""
+    art = build_kernel(tmp_path, "mla", body(heads=16, splits=3, page=16), targets=(target,),
+                       tile="block_m = 64")
+    c = art.meta["targets"][target]["config"]
+    assert (c["block_m"], c["path"]) == (64, {"sm_100a": PATH, "sm_90a": "wgmma.m64nNk16"}[target])
+    assert_pass(check_artifact(art, backend="emu", seed=5,
+                               shapes={"batch": 5, "max_pages_per_seq": 8, "num_pages": 50}))
+
+
 def test_block_n_16_and_three_stages_given(tmp_path):
     art = build_kernel(tmp_path, "mla", body(heads=64, splits=3, page=16), targets=SM100A,
                        tile="block_n = 16\nnum_stages = 3")
