@@ -11,7 +11,8 @@ from pathlib import Path
 
 from ..pipeline.artifacts import MANIFEST, ensure_output_dir, inside_artifact_set, kernel_dir, update_manifest
 from ..files import atomic_write, sha256, write_if_changed
-from ..pipeline.checked import read_artifact_file, read_manifest_checked, load_checked
+from ..pipeline.artifact_files import read_artifact_file
+from ..pipeline.checked import load_checked, read_manifest_checked
 from ..errors import UserError, VerifyError
 
 

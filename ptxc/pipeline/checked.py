@@ -35,7 +35,6 @@ Anything else is a VerifyError (exit 1) naming the file and the first problem.
 from __future__ import annotations
 
 import json
-import os
 import re
 import stat
 from pathlib import Path
@@ -43,20 +42,14 @@ from typing import Any
 
 from ..errors import PtxcError, SpecError, UserError, VerifyError
 from . import exprs
-from ..files import read_regular_file, sha256
-from .cubin_elf import cubin_sm, has_kernel
-from .dim_rules import sm_number
-from .fatbin import fatbin_images
-from .metadata import artifact_files, schema_errors
+from ..files import sha256
+from .artifact_files import fatbin_problems, file_problems, read_artifact_file, short
+from .metadata import schema_errors
 from ..ir.values import PARAM_ALIGN
 
 MANIFEST = "manifest.json"
 MAX_METADATA_BYTES = 16 << 20
-MAX_IMAGE_BYTES = 512 << 20
 ARTIFACT_NAME = re.compile(r"[a-z][a-z0-9_]{0,127}")
-_ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(([^)]*)\)", re.S)
-# `.param .u64 name`, or a tensor map `.param .align 64 .b8 name[128]` (read as type "tmap")
-_PARAM = re.compile(r"\.param\s+(?:\.align\s+64\s+\.b8\s+([\w$]+)\[128\]|\.(\w+)\s+([\w$]+))")
 PARAM_SIZE = {"u32": 4, "s32": 4, "f32": 4, "u64": 8, "s64": 8, "tmap": 128}
 
 # Every metadata field (a path through the schema; `*` is any key or list index) and why a
@@ -97,34 +90,6 @@ TRUST = {
                  "element_access", "prefix_sums", "preconditions", "preconditions.align_bytes",
                  "preconditions.stride_multiple", "preconditions.strided_axes")},
 }
-
-
-def short(value: Any, limit: int = 80) -> str:
-    """repr(value), cut to `limit` characters: error lines never echo unbounded input."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def ptx_signatures(ptx: str) -> dict[str, list[tuple[str, str]]]:
-    """Entry name -> [(param type, param name)] as declared in the PTX text."""
-    return {m.group(1): [("tmap", tm) if tm else (t, n) for tm, t, n in _PARAM.findall(m.group(2))]
-            for m in _ENTRY.finditer(ptx)}
-
-
-def read_artifact_file(d: Path, name: str, limit: int = MAX_IMAGE_BYTES) -> bytes:
-    """The bytes of file `name` directly inside artifact directory `d`; VerifyError unless
-    `name` is a plain file name and the file a regular file (never a symlink)."""
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
-            or os.path.isabs(name) or "\0" in name:
-        raise VerifyError(f"{d}: file name {short(name)} is not a plain name inside the artifact directory")
-    path = d / name
-    try:
-        return read_regular_file(path, limit)
-    except FileNotFoundError:
-        raise VerifyError(f"{path}: missing") from None
-    except OSError as e:
-        why = "a symlink" if path.is_symlink() else (e.strerror or str(e))
-        raise VerifyError(f"{path}: not readable as a regular file ({why})") from None
 
 
 def _decode_json(data: bytes, where: Path) -> Any:
@@ -197,9 +162,9 @@ def check_artifact(d: Path, *, manifest: bool = True, rederive: bool = True) -> 
         problems += _manifest_problems(d.resolve().parent, name, raw)
     problems += _reference_problems(meta, meta_path)
     for target, t in meta["targets"].items():
-        problems += _file_problems(d, name, target, t)
+        problems += file_problems(d, name, target, t)
     if "fatbin" in meta and not problems:
-        problems += _fatbin_problems(d, name, meta["fatbin"], meta["targets"])
+        problems += fatbin_problems(d, name, meta["fatbin"], meta["targets"])
     if rederive and not problems:
         problems += _rederive_problems(meta, meta_path)
     return meta, problems
@@ -306,100 +271,6 @@ def _reference_problems(meta: dict, where: Path) -> list[str]:
             if k["param_bytes"] != offset:
                 problems.append(f"{where}: {target} {k['entry']}: param_bytes {k['param_bytes']} != {offset}")
     return problems
-
-
-def _file_problems(d: Path, name: str, target: str, t: dict) -> list[str]:
-    problems = []
-    want = artifact_files(name, target)
-    for kind in ("ptx", "cubin"):
-        if kind in t and t[kind] != want[kind]:
-            problems.append(f"{d}: {target} {kind} file {short(t[kind])} is not {want[kind]!r}")
-    if problems:
-        return problems
-    texts = {}
-    for kind in ("ptx", "cubin"):
-        if kind not in t:
-            continue
-        try:
-            data = read_artifact_file(d, t[kind])
-        except VerifyError as e:
-            problems.append(str(e))
-            continue
-        if sha256(data) != t[f"{kind}_sha256"]:
-            problems.append(f"{d / t[kind]}: sha256 {sha256(data)[:16]}... differs from metadata "
-                            f"{t[kind + '_sha256'][:16]}...")
-        texts[kind] = data
-    if "ptx" in texts:
-        text = texts["ptx"].decode("utf-8", "replace")
-        if f".target {target}" not in text:
-            problems.append(f"{d / t['ptx']}: does not declare .target {target}")
-        sigs = ptx_signatures(text)
-        if sorted(sigs) != sorted(k["entry"] for k in t["kernels"]):
-            problems.append(f"{d / t['ptx']}: entries {sorted(sigs)} differ from metadata "
-                            f"{sorted(k['entry'] for k in t['kernels'])}")
-        for k in t["kernels"]:
-            have, want_sig = sigs.get(k["entry"]), [(p["type"], p["name"]) for p in k["params"]]
-            if have is not None and have != want_sig:
-                problems.append(f"{d / t['ptx']}: entry {k['entry']} parameters differ from metadata")
-    if "cubin" in texts:     # the cubin is this target's and holds these kernels (cubin_elf.py)
-        sm, want_sm = cubin_sm(texts["cubin"]), sm_number(target)
-        missing = [k["entry"] for k in t["kernels"] if not has_kernel(texts["cubin"], k["entry"])]
-        if sm != want_sm:
-            problems.append(f"{d / t['cubin']}: " + ("not a CUDA ELF" if sm is None else
-                                                   f"assembled for sm_{sm}, not {target}"))
-        elif missing:
-            problems.append(f"{d / t['cubin']}: holds no kernel {missing[0]}")
-    return problems
-
-
-def _fatbin_problems(d: Path, name: str, fatbin: dict, targets: dict) -> list[str]:
-    if fatbin["file"] != f"{name}.fatbin":
-        return [f"{d}: fatbin file {short(fatbin['file'])} is not {name + '.fatbin'!r}"]
-    try:
-        data = read_artifact_file(d, fatbin["file"])
-    except VerifyError as e:
-        return [str(e)]
-    if sha256(data) != fatbin["sha256"]:
-        return [f"{d / fatbin['file']}: sha256 {sha256(data)[:16]}... differs from metadata {fatbin['sha256'][:16]}..."]
-    # The hash only says the file is the one the metadata names, and both are editable: the
-    # loaders prefer the fatbin, so its images must be the (checked) per-target files.
-    where = d / fatbin["file"]
-    try:
-        images = fatbin_images(data)
-    except ValueError as e:
-        return [f"{where}: not a fatbin ptxc makes ({e})"]
-    want = {}
-    for target, t in targets.items():
-        sm = int("".join(c for c in target[3:] if c.isdigit()))
-        if "cubin" not in t:
-            return [f"{where}: the metadata records no cubin for {target}; a fatbin packs cubins"]
-        want[("elf", sm)] = read_artifact_file(d, t["cubin"])
-        want[("ptx", sm)] = _ptx_tokens(read_artifact_file(d, t["ptx"]))
-    have = {}
-    for kind, sm, payload in images:
-        if (kind, sm) in have:
-            return [f"{where}: two {kind} images for sm_{sm}"]
-        have[(kind, sm)] = payload if kind == "elf" else _ptx_tokens(payload)
-    if sorted(have) != sorted(want):
-        return [f"{where}: holds images {sorted(have)}, the metadata's targets give {sorted(want)}"]
-    for key in sorted(want):
-        got, cubin = have[key], want[key]
-        if key[0] == "elf":   # the cubin, then at most alignment padding of NULs
-            same = got[:len(cubin)] == cubin and len(got) - len(cubin) < 64 and not got[len(cubin):].strip(b"\0")
-        else:
-            same = got == cubin
-        if not same:
-            what = "cubin" if key[0] == "elf" else "PTX"
-            return [f"{where}: its {key[0]} image for sm_{key[1]} is not the artifact's {what} for "
-                    f"that target (a fatbin from another build?)"]
-    return []
-
-
-def _ptx_tokens(ptx: bytes) -> list[str]:
-    """PTX text without comments and indentation: what `fatbinary` keeps of a module."""
-    text = re.sub(r"/\*.*?\*/", " ", ptx.decode("utf-8", "replace"), flags=re.S)
-    text = re.sub(r"//[^\n]*", "", text)
-    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def derived_launch_metadata(spec, target: str, register_floor=()) -> dict[str, Any]:

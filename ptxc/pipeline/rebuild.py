@@ -13,7 +13,7 @@ from .. import __version__
 from ..errors import PtxcError, VerifyError
 from .artifacts import write_kernel
 from .cache import Cache
-from .checked import read_artifact_file
+from .artifact_files import read_artifact_file
 from .compiler import build_all
 
 

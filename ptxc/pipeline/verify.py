@@ -22,8 +22,8 @@ from typing import Any
 
 from ..errors import PtxcError
 from ..files import sha256
-from .checked import (MANIFEST, check_artifact, ptx_signatures, read_artifact_file,  # noqa: F401
-                      read_manifest_checked, short)
+from .artifact_files import read_artifact_file, short
+from .checked import MANIFEST, check_artifact, read_manifest_checked
 
 
 @dataclass

@@ -56,7 +56,7 @@ def _sass_mixes(jobs: list[tuple[Path, str, dict]], enabled: bool) -> tuple[dict
 
     from ..errors import VerifyError
     from ..pipeline.cache import Cache
-    from ..pipeline.checked import read_artifact_file
+    from ..pipeline.artifact_files import read_artifact_file
     from .sass import SassUnavailable, find_nvdisasm, sass_profile
     status = {"available": False, "reason": None}
     if not enabled:

@@ -45,7 +45,7 @@ class Artifact:
         (it may have changed since load_checked looked at it)."""
         from ..errors import VerifyError
         from ..files import sha256
-        from ..pipeline.checked import read_artifact_file
+        from ..pipeline.artifact_files import read_artifact_file
         _, t = self.target(target)
         data = read_artifact_file(self.path, t[kind])
         if sha256(data) != t[f"{kind}_sha256"]:

@@ -114,14 +114,14 @@ def _fp8_tile(c: dict, row_bytes: int, loads: str, split: bool, dequant: bool, s
     with the score exchange, two without); else 256 threads, two converted tiles and three
     staging buffers with the exchange, four without; sparse top-k's slot ring before the
     exchange (two tiles of 8-byte row offsets, then 16 words of valid rows; the dequantising
-    warpgroup takes 112 registers there and leaves 192)."""
+    warpgroup takes 120 registers there and leaves 192)."""
     stages = (1 if split else 2) if dequant else (3 if split else 4)
     tiles, barriers = (3, DEQUANT_BARRIERS) if dequant else (2, 32 if loads == "tma" else 0)
     assert (c["path"], c["num_stages"], c["fp8_staging_bytes"]) == (PATH, stages, 32 * row_bytes)
     assert (c.get("split_scores", False), c.get("kv_loads", "cp_async")) == (split, loads)
     assert c["smem_bytes"] == Q_BYTES + tiles * TILE + stages * 32 * row_bytes + barriers + split * EXCHANGE \
         + sparse * (2 * 32 * 8 + 64)
-    regs = [112, 192] if sparse else [104, 200]
+    regs = [120, 192] if sparse else [104, 200]
     assert (c.get("dequant_warpgroup", False), c.get("threads"), c.get("setmaxnreg")) == \
         ((True, 384, regs) if dequant else (False, None, None))
 

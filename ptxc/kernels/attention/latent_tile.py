@@ -147,10 +147,11 @@ LATENT_WGMMA_ROWS = 64
 # the dequantising warpgroup's budget after setmaxnreg.dec: a staged tile's share in registers
 # (at 88 the e4m3 conversion spilled; 96 leaves the computing warps the same 200)
 DEQUANT_REGS = 104
-# ... gathering sparse top-k's rows (the slot ring's registers beside a tile's share): 112,
-# which leaves the computing warps 192 -- enough now that they read a tile's missing keys
-# from one word the copies publish (at 104 / 200 ptxas spilled 24 bytes in the gathering warps)
-SPARSE_DEQUANT_REGS = 112
+# ... gathering sparse top-k's rows (the slot ring's registers beside a tile's share): 120,
+# which leaves the computing warps 192 (rounded down to a multiple of 8) -- enough now that
+# they read a tile's missing keys from one word the copies publish (ptxas spilled in the
+# gathering warps at 104 / 200: 24 bytes for e4m3_ds rows, and at 112 / 192: 40 for e4m3)
+SPARSE_DEQUANT_REGS = 120
 
 
 def dequant_consumer_regs(threads: int, dequant_regs: int = DEQUANT_REGS) -> int:
@@ -180,7 +181,8 @@ def dequant_warpgroup(spec) -> bool:
     508 instructions a tile to 224 (e4m3_ds) and from 360 to 227 (e4m3), bf16's is 265, the
     conversion moving to warps of its own (docs/performance.md "Dequantising warpgroup").
     Dense caches and sparse top-k (its copies publish each tile's valid rows, so the
-    computing warps need no slot loads: 112 / 192 registers), and e4m3_ds rows of 64 RoPE
+    computing warps need no slot loads: 120 / 192 registers) but not sparse with qk_products
+    = "e4m3" (its gathering warps spilled 60-84 bytes at 120), and e4m3_ds rows of 64 RoPE
     columns (FlashMLA's): 784-byte e4m3_ds rows need more than its 104 (ptxas spilled 20-260
     bytes)."""
     return bool(spec.tile_dict().get("dequant_warpgroup", True)) and dequant_fits(spec)
@@ -190,7 +192,8 @@ def dequant_fits(spec) -> bool:
     """Where the dequantising warpgroup assembles without spills (dequant_warpgroup)."""
     rows = group_scaled(spec)
     return (kind(spec) is not None and latent_loads(spec) == "cp_async"
-            and (rows is None or rows.rope <= 64))
+            and (rows is None or rows.rope <= 64)
+            and not (sparse_keys(spec) and spec_option(spec, "qk_products") == "e4m3"))
 
 
 def min_latent_stages(spec) -> int:

@@ -218,7 +218,8 @@ def validate(spec: KernelSpec) -> None:
                         f"dequantising warpgroup feeds the sm_90a wgmma and sm_100a tcgen05 tiles "
                         f"(64 head rows) from e4m3 or e4m3_ds rows the threads copy (kv_loads "
                         f"\"cp_async\"), dense or sparse; on sm_90a e4m3_ds with "
-                        f"qk_rope_head_dim 64; allowed: false", key="tile.dequant_warpgroup")
+                        f"qk_rope_head_dim 64, and not sparse with qk_products \"e4m3\"; "
+                        f"allowed: false", key="tile.dequant_warpgroup")
 
 
 def check_qk_products(spec: KernelSpec) -> None:
