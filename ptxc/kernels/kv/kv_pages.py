@@ -110,15 +110,16 @@ class SparseSlots:
     row's byte offset in the cache (-1 for a missing key) in a two-tile ring in shared memory
     one tile ahead; the copy of tile q reads its rows' offsets from ring[q % 2] -- the slot's
     range check and the page arithmetic done once per row, not by each thread copying a chunk
-    of it (a 576-column row is 36 to 72 chunks). A barrier among the copying threads between two issues (the pipelines'
-    one at the top of each iteration) orders the park (while issuing tile q - 1) before the
-    reads (issuing tile q), and a ring half is rewritten only an iteration after its last read.
+    of it (a 576-column row is 36 to 72 chunks). A barrier among the copying threads between
+    two issues (the pipelines' one at the top of each iteration) orders the park (while
+    issuing tile q - 1) before the reads (issuing tile q), and a ring half is rewritten only an
+    iteration after its last read.
     The `prologue` tiles a pipeline issues before its loop (mma.sync's S - 1, the latent
     tiles' S - 2, S for converted FP8 rows) read their slots directly; the last of them primes
     the ring. A tile the loop does not issue (q >= n_tiles) skips the park and the load with
     it, and so does every later one.
 
-    `valid_words` (block_n <= 32): the first warp of the copying threads also publishes each
+    `valid_words` (block_n <= 32): the first warp of the copying threads, whole, also publishes each
     tile's rows that have a cache row as one u32 (a ballot: bit r = row r's slot is in the cache
     and r below the token's keys) in a ring of VALID_WORDS, which the warps that mask the
     scores read (one shared load a tile) instead of each lane loading its keys' slots. The
@@ -129,10 +130,10 @@ class SparseSlots:
     (valid_word_slot)."""
 
     def __init__(self, b: KernelBuilder, kv: KVAccess, bases: dict, slot: ThreadSlot, block_n: int,
-                 L: Reg, ring: Reg, tid: Reg, prologue: int, key0_of, valid_words: Reg | None = None):
+                 L: Reg, ring: Reg, tid: Reg, prologue: int, key0_of, valid_words: Reg):
         assert prologue >= 1, "the last prologue tile primes the ring"
-        assert valid_words is None or block_n <= 32, "one warp's ballot holds a tile's rows"
-        assert valid_words is None or prologue <= VALID_WORDS - 5, "valid_word_slot: a word rewritten unread"
+        assert block_n <= 32, "one warp's ballot holds a tile's rows"
+        assert prologue <= VALID_WORDS - 5, "valid_word_slot: a word rewritten unread"
         self.b, self.kv, self.bases, self.slot, self.bn, self.L = b, kv, bases, slot, block_n, L
         self.ring, self.tid, self.prologue, self.key0_of = ring, tid, prologue, key0_of
         self.valid_words = valid_words
@@ -155,25 +156,13 @@ class SparseSlots:
         thread that copies a chunk of it (-1: a missing key -- a slot of -1 or outside the
         cache)."""
         b = self.b
-
-        def park() -> Reg:
+        with b.if_then(b.setp("lt", self.tid, 32)):    # the first warp, whole: its ballot
             page, ok, offset = self.kv.slot_place(b, b.cvt(S64, self.mine))
             stride = self.bases["k_cache"][1]      # a latent cache: V's rows are K's
             off = b.mad(b.cvt(S64, offset), stride[1], b.mul(b.cvt(S64, page), stride[0]))
-            store = lambda: b.st("shared", S64, Addr(b.add(self._half(q), b.shl(self.tid, 3))),  # noqa: E731
-                                 [b.selp(off, -1, ok)])
-            if self.valid_words is None:
-                store()
-            else:                    # the whole first warp is here: its rows' lanes store
-                with b.predicate(self.own):
-                    store()
-            return ok
-        if self.valid_words is None:
-            with b.if_then(self.own):
-                park()
-            return
-        with b.if_then(b.setp("lt", self.tid, 32)):    # the first warp, whole: its ballot
-            self._publish(q, park())
+            with b.predicate(self.own):            # its lanes of the tile's rows store
+                b.st("shared", S64, Addr(b.add(self._half(q), b.shl(self.tid, 3))), [b.selp(off, -1, ok)])
+            self._publish(q, ok)
 
     def _publish(self, q: Reg, ok: Reg) -> None:
         """Lane 0 writes the first warp's ballot of `ok` as tile q's word of valid rows."""
@@ -208,10 +197,11 @@ class SparseSlots:
         return [self._parked(cache, half, i) for i in range(geom.passes)]
 
     def advance(self, q: Reg) -> None:
-        """After tile q's copy: the last prologue tile primes the ring (ring[q + 1], mine = tile
-        q + 2's); the loop's park tile q + 1's slots and fetch tile q + 2's."""
+        """After tile q's copy: a prologue tile publishes its word, the last one primes the ring
+        (ring[q + 1], mine = tile q + 2's); the loop's park tile q + 1's slots and fetch tile
+        q + 2's."""
         b = self.b
-        if self.valid_words is not None and self.issued < self.prologue:
+        if self.issued < self.prologue:
             self._fetch(q)           # a prologue tile's word: its slots, loaded once more
             with b.if_then(b.setp("lt", self.tid, 32)):
                 ok = b.and_(self.own, b.and_(b.setp("ge", self.mine, 0),
