@@ -100,12 +100,12 @@ def tcgen05_loads(spec) -> str:
 
 
 def dequant_warpgroup(spec) -> bool:
-    """tile.dequant_warpgroup (the default) over dense FP8 rows (e4m3, e4m3_ds) the threads
-    copy -- not given kv_loads = "tma": a warpgroup of its own copies and converts them, as on
+    """tile.dequant_warpgroup (the default) over FP8 rows (e4m3, e4m3_ds), dense or sparse,
+    that the threads copy -- not given kv_loads = "tma": a warpgroup of its own copies (sparse:
+    gathers through the slot ring, publishing each tile's valid rows) and converts them, as on
     sm_90a (mainloop/dequant_pipeline.py), so the four softmax warps run the loop of a cache
     of the dtype. Chosen on static figures, not timed (docs/performance.md "MLA decode": the
-    softmax warps' loop falls to about the bf16 tile's). Sparse top-k keeps every warp
-    converting (its slot gather would sit in the converting warps' loop too; not built)."""
+    softmax warps' loop falls to about the bf16 tile's)."""
     given = spec.tile_dict()
     return (bool(given.get("dequant_warpgroup", True)) and kind(spec) is not None
             and given.get("kv_loads") != "tma")

@@ -32,6 +32,11 @@ computing warpgroups run the loop of a cache of the dtype over the tiles it hand
              score exchange's are named barrier 1: the dequantising warpgroup never reaches
              them).
 
+Sparse top-k's rows are gathered by the same warpgroup: its copies read their rows' offsets
+from the slot ring its first warp fills two tiles ahead (kv_pages.SparseSlots, ordered by
+DEQUANT_BARRIER), and that warp publishes each tile's valid rows as one word, released to the
+computing warps with the tile by the arrival on full[] (their mask reads it: no slot loads).
+
 Phases: full[s] completes phase k when tile s + 3k is converted; empty[s] when tile s + 3k is
 released, in compute iteration s + 3k + 1, so the dequantising warpgroup's wait for tile i is
 on phase i / 3 - 1 of empty[i mod 3]. Tiles n - 3 .. n - 1 are released (or not) with no
