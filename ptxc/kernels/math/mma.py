@@ -236,8 +236,17 @@ class MmaMath:
             lane_key = b.add(b.bitcast(key0, S32), self.two_t)
             missing = [[missing(b.add(lane_key, 8 * jn + e) if jn or e else lane_key)
                         for e in range(2)] for jn in range(nt)]
+        # the valid-rows word already clears every key at or past the token's count, which is
+        # every row's limit (sparse keys have no causal rule): that word is the whole mask
+        only_word = valid_word is not None and self.mask_rows is None and self._row_begin(0) is None
         for i in range(2 * self.mt):
             mt, r = divmod(i, 2)
+            if only_word:
+                for jn, acc in enumerate(s[mt * nt:(mt + 1) * nt]):
+                    for e in range(2):
+                        with b.predicate(missing[jn][e]):
+                            b.mov(C.NEG_INF, F32, out=acc[2 * r + e])
+                continue
             rel = b.sub(self.limits[i], b.bitcast(key0, S32))
             rel_begin = self._row_begin(i)
             if rel_begin is not None:
