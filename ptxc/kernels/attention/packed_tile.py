@@ -57,12 +57,15 @@ class VarlenCtx(MaskPredicate):
     # stores the final o itself and marks split 1's lse_part +inf (split_reduce)
     whole: Reg | None = None
 
-    def mask_from_valid_words(self, b: KernelBuilder, words: Reg, block_n: int) -> None:
+    def mask_from_valid_words(self, b: KernelBuilder, smem: Reg) -> Reg:
         """Sparse keys masked from the words of valid rows the tile's copies publish
         (kv_pages.SparseSlots' valid_words: one shared load a tile) instead of each lane
-        loading its keys' slots (missing_key)."""
+        loading its keys' slots (missing_key); returns the words' address (cfg.slot_ring's,
+        from the tile's shared memory at `smem`)."""
+        words, bn = b.add(smem, self.cfg.valid_words_offset), self.cfg.block_n
         self.missing_key = None
-        self.valid_word = lambda key0: b.ld("shared", U32, Addr(valid_word_slot(b, words, key0, block_n)))
+        self.valid_word = lambda key0: b.ld("shared", U32, Addr(valid_word_slot(b, words, key0, bn)))
+        return words
 
     # The custom mask predicate (variant.MaskPredicate) over this tile's packed rows: query
     # token i's row of bits; a tree's n x n bits cover the draft keys (column = key - (L - n)),

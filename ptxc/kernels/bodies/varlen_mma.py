@@ -66,8 +66,7 @@ def emit_mma_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs
     sparse = None            # sparse top-k: the slots of the next tile parked in shared memory
     if cfg.slot_ring:
         assert cfg.shared_kv and key_lo is None and tile.order is None
-        words = b.add(smem, cfg.valid_words_offset)   # the copies' valid rows mask the scores
-        ctx.mask_from_valid_words(b, words, bn)
+        words = ctx.mask_from_valid_words(b, smem)    # the copies' valid rows mask the scores
         sparse = SparseSlots(b, kv, bases, kv_slot, bn, L, b.add(smem, cfg.slot_ring_offset), tid,
                              stages - 1, tile.key0, words)
 

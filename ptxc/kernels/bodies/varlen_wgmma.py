@@ -229,8 +229,7 @@ def emit_dequant_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, str
     staging_at = cfg.converted_tiles * tile_bytes
     valid_words = None
     if cfg.slot_ring:    # sparse: the copies publish each tile's rows with a cache row
-        valid_words = b.add(tile.smem, cfg.valid_words_offset)
-        ctx.mask_from_valid_words(b, valid_words, bn)
+        valid_words = ctx.mask_from_valid_words(b, tile.smem)
 
     def make_loads(tid: Reg):
         if cfg.qk_direct:            # S reads the staging ring: copies into its layout, V converted
@@ -337,8 +336,7 @@ def emit_wgmma_tile(b: KernelBuilder, spec, cfg: WgmmaTileConfig, kv: KVAccess, 
     # the latent loops issue S tiles before the loop over converted FP8 rows, S - 2 otherwise
     ring = None
     if cfg.slot_ring:    # the copies publish each tile's rows with a cache row
-        words = b.add(tile.smem, cfg.valid_words_offset)
-        ctx.mask_from_valid_words(b, words, bn)
+        words = ctx.mask_from_valid_words(b, tile.smem)
         ring = (ctx.tid, cfg.num_stages - (0 if staging else 2), words)
     load_kv, pages = kv_copies(b, cfg, kv, tile, ptrs, work, kv_slot, k_stage, v_stage,
                                staging is not None, ring)

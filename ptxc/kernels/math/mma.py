@@ -224,7 +224,9 @@ class MmaMath:
     def mask(self, s: list[list[Reg]], key0: Reg) -> None:
         """-inf where key (key0 + 8 jn + 2t + e) >= the row's key limit (or, with a sliding
         window, < the row's first key; with a custom mask, where variant.MaskPredicate hides it:
-        one bit window per row per 4 n8 tiles, then the predicate per score)."""
+        one bit window per row per 4 n8 tiles, then the predicate per score; with sparse keys,
+        where the key has no cache row -- from the copies' valid-rows word, then alone, or each
+        lane's slot loads)."""
         b, nt = self.b, self.bn // 8
         missing = getattr(self.ctx, "missing_key", None)
         valid_word = getattr(self.ctx, "valid_word", None)
@@ -238,7 +240,8 @@ class MmaMath:
                         for e in range(2)] for jn in range(nt)]
         # the valid-rows word already clears every key at or past the token's count, which is
         # every row's limit (sparse keys have no causal rule): that word is the whole mask
-        only_word = valid_word is not None and self.mask_rows is None and self._row_begin(0) is None
+        only_word = (valid_word is not None and self.mask_rows is None
+                     and not self.begin_from_limit and self.begins is None)
         for i in range(2 * self.mt):
             mt, r = divmod(i, 2)
             if only_word:
