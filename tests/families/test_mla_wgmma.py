@@ -238,13 +238,15 @@ def test_every_rope_width_fits_one_ctas_shared_memory(kv):
 
 @pytest.mark.parametrize("extra,target,tile", [
     ('kv_dtype = "e4m3_ds"\nqk_rope_head_dim = 128\n', "sm_90a", ""),
+    ('sparse_topk = 100\nqk_products = "e4m3"\n', "sm_90a", ""),
     ('kv_dtype = "bf16"\n', "sm_90a", ""),
     # sm_100a's tcgen05 tile: TMA-staged e4m3 keeps every warp converting
     ("", "sm_100a", 'kv_loads = "tma"\n'),
     ('kv_dtype = "bf16"\n', "sm_100a", "")])
 def test_a_dequantising_warpgroup_where_it_does_not_apply_is_one_line(extra, target, tile):
     """e4m3_ds rows of 128 RoPE columns on sm_90a (784 bytes: the dequantising warps spill),
-    TMA-staged rows, a cache of the dtype: refused with the key, one line."""
+    sparse top-k with e4m3 score products on sm_90a (its gathering warps spill), TMA-staged
+    rows, a cache of the dtype: refused with the key, one line."""
     from ptxc.errors import SpecError
     from ptxc.kernels import load_text
     kv = "" if "kv_dtype" in extra else 'kv_dtype = "e4m3"\n'
