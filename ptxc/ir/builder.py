@@ -127,6 +127,10 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps, Blackw
         self.entry.body.append(Instr("comment", (), (), (text,)))
 
     def _operand(self, v: Value, type: PtxType, what: str) -> Reg | Imm | Special | Sym:
+        if v.__class__ in _TYPED:    # the common case first: a register or a typed value
+            if v.type is not type and not _compatible(v.type, type):
+                raise IRError(f"{what}: operand {v} has type {v.type}, expected {type}")
+            return v
         if isinstance(v, bool):
             raise IRError(f"{what}: a Python bool is not an operand; use a predicate register")
         if isinstance(v, int):
@@ -148,14 +152,14 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps, Blackw
     def _out(self, type: PtxType, out: Reg | None, what: str) -> Reg:
         if out is None:
             return self.reg(type)
-        if not isinstance(out, Reg) or not _compatible(out.type, type):
+        if out.__class__ is not Reg or out.type is not type and not _compatible(out.type, type):
             raise IRError(f"{what}: destination {out} has type "
                           f"{getattr(out, 'type', '?')}, expected {type}")
         return out
 
     @staticmethod
     def _type_of(*vals: Value, what: str) -> PtxType:
-        typed = [v.type for v in vals if isinstance(v, (Reg, Imm, Special, Sym))]
+        typed = [v.type for v in vals if v.__class__ in _TYPED or isinstance(v, (Reg, Imm, Special, Sym))]
         if not typed:
             raise IRError(f"{what}: cannot infer a type from immediates alone; pass type=")
         first = typed[0]
@@ -422,8 +426,11 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps, Blackw
     # ---- control flow -------------------------------------------------------------------
 
 
+_TYPED = (Reg, Imm, Special, Sym)   # operands that carry their type
+
+
 def _compatible(have: PtxType, want: PtxType) -> bool:
-    if have == want:
+    if have is want or have == want:
         return True
     # Untyped bits match any type of the same width (PTX's relaxed type-checking rule).
     return (have.kind == "b" or want.kind == "b") and have.bits == want.bits

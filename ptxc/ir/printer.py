@@ -17,7 +17,7 @@ from .values import STORAGE_DECL, STORAGE_ORDER, param_decl
 
 
 def _generic(i: Instr) -> str:
-    ops = ", ".join(str(o) for o in i.dsts + i.srcs)
+    ops = ", ".join(map(str, i.dsts + i.srcs))
     return f"{i.mnemonic} {ops};" if ops else f"{i.mnemonic};"
 
 
@@ -40,8 +40,9 @@ def render_instr(i: Instr) -> str:
     text = PRINTERS.get(i.op, _generic)(i)
     if i.op == "label":
         return text
-    guard = f"@{'!' if i.guard[1] else ''}{i.guard[0]} " if i.guard else ""
-    return "\t" + guard + text
+    if i.guard:
+        return f"\t@{'!' if i.guard[1] else ''}{i.guard[0]} {text}"
+    return "\t" + text
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def render_module(entries: list[EntryIR], *, kernel: str, family: str, target: s
                  for c in STORAGE_ORDER if e.reg_counts.get(c)]
         views.append({"name": e.name, "params": [param_decl(p.type, p.name) for p in e.params],
                       "reg_decls": decls, "shared": e.shared,
-                      "lines": [render_instr(i) for i in e.body],
+                      "body": "".join([render_instr(i) + "\n" for i in e.body]),
                       "maxntid": (maxntid or {}).get(e.name),
                       "minnctapersm": (minnctapersm or {}).get(e.name)})
     return _template().render(ptxc_version=__version__, kernel=kernel, family=family, target=target,

@@ -9,7 +9,7 @@ can type-check instructions, while the PTX declares only a handful of register a
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import IRError
 
@@ -82,9 +82,14 @@ class Reg:
     type: PtxType
     cls: str      # storage prefix: "r", "rd", "f", ...
     index: int
+    # The register's name, made once: a kernel prints each register many times
+    text: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "text", f"%{self.cls}{self.index}")
 
     def __str__(self) -> str:
-        return f"%{self.cls}{self.index}"
+        return self.text
 
 
 @dataclass(frozen=True)
