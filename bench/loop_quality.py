@@ -6,7 +6,8 @@
 
 Builds specs/ into a temporary directory (or reads the artifacts already in --out) and prints,
 per attention launch: registers, CTAs/SM, shared memory, the main loop's steady-state
-instructions per warp, HMMA-equivalents (mma.m16n8k16 units: an HGMMA.64xNx16 is N/8 per
+instructions per warp and its longest path (any warp's iteration taking every branch region:
+a mask, a tail, a rescale, a table refill -- the steady figure's bound from above), HMMA-equivalents (mma.m16n8k16 units: an HGMMA.64xNx16 is N/8 per
 warp), instructions per HMMA-equivalent, warp-instructions per KV row, KV bytes in
 flight per CTA and per SM (mean over the iteration), and the estimated bound with the fraction
 of DRAM bandwidth on each GPU model of the target. Needs ptxas and nvdisasm (PTXAS, NVDISASM).
@@ -47,6 +48,8 @@ def rows_of(report: dict, targets: list[str]) -> list[dict]:
                     "ctas_per_sm": (L["occupancy"] or {}).get("ctas_per_sm"),
                     "smem_kib": round(L["smem_bytes"] / 1024, 1),
                     "instructions": lp["instructions"], "hmma": lp["mma_equivalents"],
+                    # the longest path of any warp: a tile taking every branch region
+                    "instructions_longest": lp.get("instructions_longest", lp["instructions"]),
                     # where warps take different paths (TMA issue blocks): every warp's count;
                     # "instructions" and the ratios are the worst warp's
                     "warp_instructions": lp.get("warp_instructions"),
@@ -70,7 +73,8 @@ def _instructions(r: dict) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ("kernel", "target", "regs", "CTA/SM", "smem KiB", "instr (worst warp)", "HMMA-eq", "instr/HMMA-eq",
+    head = ("kernel", "target", "regs", "CTA/SM", "smem KiB", "instr (worst warp)", "longest path", "HMMA-eq",
+            "instr/HMMA-eq",
             "instr/KV row", "KiB fly/CTA", "KiB fly/SM", "bound (DRAM BW share)")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -79,7 +83,7 @@ def print_table(rows: list[dict]) -> None:
                                                     if b["bandwidth_fraction"] is not None else "")
                            for g, b in r["bounds"].items()) or "-"
         cells = (r["kernel"], r["target"], r["registers"], r["ctas_per_sm"], r["smem_kib"],
-                 _instructions(r), r["hmma"], r["per_hmma"] or "-", r["per_kv_row"],
+                 _instructions(r), r["instructions_longest"], r["hmma"], r["per_hmma"] or "-", r["per_kv_row"],
                  r["inflight_kib_cta"], r["inflight_kib_sm"], bounds)
         print("| " + " | ".join(map(str, cells)) + " |")
 

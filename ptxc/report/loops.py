@@ -8,7 +8,10 @@ LDS, STS) and, among those, the fewest instructions: that takes the prefetch of 
 (`if j + 1 < n`) and skips masking, tail handling and prefill's lazy softmax rescale, i.e. an
 interior tile whose running max did not jump. A branch region that only refills an index table
 (scalar global loads, no tile work: FlashInfer's K/V row offsets, once every 16 tiles) counts as
-no work, so the steady path skips it too. A kernel's main loop is the one whose
+no work, so the steady path skips it too. That rule understates a loop whose every iteration
+takes a branch region (the sparse decode's missing-key mask sat on one until it became a word
+test), so each loop also reports `instructions_longest`, the longest path of any warp (every
+region taken): the steady figure's bound from above. A kernel's main loop is the one whose
 iteration has the most HMMA, then the most global-load bytes, then the most instructions.
 
 Bytes in flight are simulated over the path run three times (the last pass is reported, so
@@ -126,15 +129,17 @@ def warp_selectors(instrs: list[Instr], labels: dict[str, int], head: int, latch
 
 
 def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: int,
-                assume: dict[str, int] | None = None, bulk_work: bool = True) -> list[int]:
+                assume: dict[str, int] | None = None, bulk_work: bool = True, longest: bool = False) -> list[int]:
     """Indices of the steady-state iteration: the most work (table refills count as none), then
     the fewest instructions. `assume` fixes registers of warp-selector branches (register ->
     value), so the path is one warp's: it takes that warp's block and skips the others'.
-    `bulk_work=False` counts TMA issue as no work: the path of a warp that issues none."""
+    `bulk_work=False` counts TMA issue as no work: the path of a warp that issues none.
+    `longest=True`: the path with the most instructions instead, every branch region taken that
+    lengthens it (masking, tails, rescales, refills) -- the bound from above of one iteration."""
     index = {i.addr: n for n, i in enumerate(instrs)}
     refills = table_refills(instrs, labels, head, latch)
     selectors = warp_selectors(instrs, labels, head, latch) if assume else {}
-    # best[n] = (score, path) of the best path from head reaching instruction n
+    # best[n] = (score, path) of the best path from head reaching instruction n (lowest score)
     best: dict[int, tuple[tuple[int, int], list[int]]] = {head: ((0, 0), [])}
     for n in range(head, latch + 1):
         if n not in best:
@@ -142,7 +147,10 @@ def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: i
         (work, size), path = best.pop(n)
         i = instrs[n]
         counts = _is_work(i) if bulk_work else classify(i.opcode) in _WORK
-        work, size, path = work - (counts and n not in refills), size + 1, path + [n]
+        if longest:
+            work, size, path = work, size - 1, path + [n]
+        else:
+            work, size, path = work - (counts and n not in refills), size + 1, path + [n]
         if n == latch:
             return path
         succ = []
@@ -164,20 +172,23 @@ def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: i
     return []
 
 
-def warp_paths(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> dict[str, list[int]]:
+def warp_paths(instrs: list[Instr], labels: dict[str, int], head: int, latch: int,
+               longest: bool = False) -> dict[str, list[int]]:
     """Every warp's steady-state path where warp-selector branches split the loop by warp (one
     path per selector value, and one for a warp matching none), keyed "R136=1"-style; else, where
     one thread issues the TMA boxes under a predicate set before the loop, the issuing warp's path
-    and the others' ("issuer", "others"); else the one steady path, keyed ""."""
+    and the others' ("issuer", "others"); else the one steady path, keyed "". `longest`: each
+    warp's longest path (`steady_path`) instead."""
     selectors = warp_selectors(instrs, labels, head, latch)
     regs = sorted({r for r, _ in selectors.values()})
     if len(regs) != 1:   # none, or several selector registers (not modelled)
-        issuer = steady_path(instrs, labels, head, latch)
-        others = steady_path(instrs, labels, head, latch, bulk_work=False)
+        issuer = steady_path(instrs, labels, head, latch, longest=longest)
+        others = steady_path(instrs, labels, head, latch, bulk_work=False, longest=longest)
         return {"issuer": issuer, "others": others} if others != issuer else {"": issuer}
     values = sorted({c for _, c in selectors.values()})
-    out = {f"{regs[0]}={v}": steady_path(instrs, labels, head, latch, {regs[0]: v}) for v in values}
-    out[f"{regs[0]}=other"] = steady_path(instrs, labels, head, latch, {regs[0]: -1})
+    out = {f"{regs[0]}={v}": steady_path(instrs, labels, head, latch, {regs[0]: v}, longest=longest)
+           for v in values}
+    out[f"{regs[0]}=other"] = steady_path(instrs, labels, head, latch, {regs[0]: -1}, longest=longest)
     return out
 
 
@@ -235,9 +246,13 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
         flops += mma_flops(i) if c == "tensor" else 0
     mean, peak = bytes_in_flight(path)
     total = len(path)
+    # the bound from above: the longest path of any warp (a tile taking every branch region:
+    # the causal diagonal's mask, a tail, a lazy rescale, a table refill)
+    longest = max(len(p) for p in warp_paths(instrs, labels, head, latch, longest=True).values())
     return {
         "head": f"{instrs[head].addr:#06x}", "back_edge": f"{instrs[latch].addr:#06x}",
-        "body": latch - head + 1, "instructions": total, "classes": classes,
+        "body": latch - head + 1, "instructions": total, "instructions_longest": max(longest, total),
+        "classes": classes,
         **{f"{c}_bytes": dict(sorted(w.items(), key=lambda kv: -int(kv[0]))) for c, w in widths_of.items()},
         "mma_flops": flops, "fp32_lane_ops": classes["fp32"] * 32,
         "instructions_per_mma": round(total / classes["tensor"], 2) if classes["tensor"] else None,

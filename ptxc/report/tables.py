@@ -111,7 +111,8 @@ def print_loops(c: Console, report: dict) -> None:
     rows = [(k, t, L) for k in report["kernels"] for t in k["targets"] for L in t["launches"] if L.get("loop")]
     if not rows:
         return
-    table = Table(title="main loop, one steady-state iteration per warp (SASS)", title_justify="left")
+    table = Table(title="main loop, one steady-state iteration per warp (SASS; instrs: the steady path, "
+                        "(the longest) where a tile taking every branch region issues more)", title_justify="left")
     for col in ("kernel", "target", "entry", "instrs", *(h for h, _ in LOOP_COLUMNS), "LDG widths B",
                 "instr/HMMA-eq", "instr/KV row", "KiB in flight /CTA", "/SM", "bound (estimate)"):
         table.add_column(col, justify="left" if col in ("kernel", "target", "entry", "LDG widths B",
@@ -119,7 +120,9 @@ def print_loops(c: Console, report: dict) -> None:
     for k, t, L in rows:
         lp = L["loop"]
         widths = " ".join(f"{w}x{n}" for w, n in lp["ldg_bytes"].items()) or "-"
-        table.add_row(k["name"], t["target"], L["entry"], str(lp["instructions"]),
+        longest = lp.get("instructions_longest", lp["instructions"])
+        instrs = str(lp["instructions"]) + (f" ({longest})" if longest > lp["instructions"] else "")
+        table.add_row(k["name"], t["target"], L["entry"], instrs,
                       *(str(lp["classes"][c]) for _, c in LOOP_COLUMNS), widths,
                       _num(lp["instructions_per_mma_equivalent"]), _num(lp["instructions_per_kv_row"]),
                       f"{lp['inflight_bytes_per_cta'] / 1024:.1f}", f"{lp['inflight_bytes_per_sm'] / 1024:.1f}",

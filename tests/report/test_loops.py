@@ -29,6 +29,8 @@ def test_pipelined_mma_loop_takes_prefetch_and_skips_masking():
     assert (loop["head"], loop["back_edge"], loop["body"]) == ("0x0020", "0x0120", 17)
     # 17 in the body less the two masking FSELs the interior tile branches around
     assert loop["instructions"] == 15
+    # ... which a tile taking the masking branch issues: the longest path, the bound from above
+    assert loop["instructions_longest"] == 17
     c = loop["classes"]
     assert (c["tensor"], c["ldsm"], c["ldgsts"], c["mufu"], c["cvt"], c["fp32"]) == (2, 1, 2, 1, 1, 0)
     assert (c["bar"], c["int"], c["control"], c["move"]) == (3, 2, 3, 0)
@@ -66,6 +68,7 @@ def test_flashinfer_paged_decode_loop():
     loop = result["loops"][result["main"]]
     assert (loop["head"], loop["back_edge"], loop["body"]) == ("0x0ac0", "0x2b10", 518)
     assert loop["instructions"] == 518 - 26
+    assert loop["instructions_longest"] == 518     # the tile that refills the table
     c = loop["classes"]
     # per tile: one 16-byte K and one V cp.async per lane, 4 + 4 LDS.128 of K/V rows, the
     # row-offset table read (LDS.64) and 3 LDS; SIMT math on the FP32 pipe (the f16 -> f32
@@ -223,6 +226,8 @@ def test_tma_issue_blocks_count_for_the_warp_that_runs_them():
     # and its branch target is BSYNC, warp 1 skips warp 0's 4 (LDG, R2UR, 2 UTMALDG)
     assert loop["warp_instructions"] == {"R9=0": 15, "R9=1": 15, "R9=other": 11}
     assert loop["instructions"] == 15 and loop["worst_warp"] in ("R9=0", "R9=1")
+    # a warp never runs another warp's block: its longest path is its own (no mask branch here)
+    assert loop["instructions_longest"] == 15
     assert loop["classes"]["tensor"] == 2
     instrs, labels = parse_functions((SASS / "tma_issue_per_warp.sass").read_text())["tma_issue_per_warp"]
     [(head, latch)] = find_loops(instrs, labels)

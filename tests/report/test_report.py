@@ -295,6 +295,7 @@ def _check_loop_row(k: dict, t: dict, row: dict) -> None:
         return
     loop = row["loop"]
     assert loop is not None and loop["instructions"] > 0, row["entry"]
+    assert loop["instructions_longest"] >= loop["instructions"]     # the bound from above
     assert loop["kv_rows_per_iteration"] > 0 and loop["instructions_per_kv_row"] > 0
     assert loop["global_bytes_loaded"] > 0 and loop["inflight_bytes_per_sm"] > 0
     if t["config"].get("path") == "mma.m16n8k16":
