@@ -72,6 +72,19 @@ def test_fp8_decode_on_tensor_cores_matches_reference(tmp_path, case):
     assert all(r.max_error == 0 for r in rows if r.tensor.endswith("cache"))
 
 
+@pytest.mark.parametrize("extra", ["logits_soft_cap = 30.0\nreturn_lse = true\n",
+                                   "alibi = true\nlogits_soft_cap = 5.0\nnum_splits = 3\n"],
+                         ids=["cap", "alibi-cap-split"])
+def test_fp8_decode_on_tensor_cores_under_score_transforms(tmp_path, extra):
+    """Soft-cap and ALiBi over FP8 scores on the packed tile (every target's body): until
+    math/mma.MmaMath.runtime_units they took the constant unit and left k_scale out (0.05 and
+    1.2-6.3 off the fp64 reference; bench/fuzz_numerics.py found it)."""
+    art = build_kernel(tmp_path, "decode", body("bf16", "e4m3", "head", "paged", heads=(8, 2), head_dim=64,
+                                                extra=extra), targets=TARGETS + ("sm_90a", "sm_100a"))
+    assert {t["config"]["path"] for n, t in art.meta["targets"].items() if n in TARGETS} == {"mma.m16n8k16"}
+    assert_pass(check_artifact(art, backend="emu", shapes=shapes("paged"), seed=3))
+
+
 @pytest.mark.parametrize("target", ["sm_80", "sm_89"])
 def test_f16_products_keep_the_range_of_bf16_queries(tmp_path, target):
     """A bf16 kernel over an FP8 cache runs its products on f16 (kv_fp8_stage.f16_math_applies):

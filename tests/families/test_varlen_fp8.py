@@ -48,6 +48,39 @@ def test_fp8_varlen_matches_reference(tmp_path, case):
     assert_pass(check_artifact(art, backend="emu", shapes=shapes(layout), seed=13))
 
 
+# The score transforms over FP8 scores: k_scale reaches the scores only in the softmax factor,
+# so soft-cap and ALiBi take their unit per row at run time (math/mma.MmaMath.runtime_units) --
+# on every body: mma.sync staged (sm_80 software, sm_89 hardware conversions), wgmma (sm_90a),
+# tcgen05 (sm_100a)
+TRANSFORM_CASES = {
+    "cap-window": ("bf16", "e4m3", "tensor", "paged", 64,
+                   "logits_soft_cap = 30.0\nsliding_window = 33\nreturn_lse = true\n"),
+    "alibi-cap-split": ("f16", "e5m2", "head", "contiguous", 128,
+                        "alibi = true\nlogits_soft_cap = 5.0\nattention_sinks = true\nnum_splits = 3\n"),
+}
+
+
+@pytest.mark.parametrize("case", TRANSFORM_CASES.values(), ids=TRANSFORM_CASES.keys())
+def test_fp8_varlen_under_score_transforms(tmp_path, case):
+    dtype, kind, scale, layout, d, extra = case
+    text = body(dtype, kind, scale, layout, heads=(8, 2), head_dim=d, extra=extra).replace(
+        "page_size = 8", "page_size = 16")
+    art = build_kernel(tmp_path, "varlen", text, targets=TARGETS + ("sm_90a", "sm_100a"))
+    assert_pass(check_artifact(art, backend="emu", shapes=cache_shapes(layout, batch=7, num_pages=40),
+                               seed=11))
+
+
+def test_fp8_transforms_fail_at_the_constant_unit(tmp_path, monkeypatch):
+    """The planted mistake: the transforms at 1 / softmax_scale (k_scale left out) fail."""
+    from ptxc.kernels.math import mma
+    monkeypatch.setattr(mma.MmaMath, "runtime_units", lambda self: None)
+    dtype, kind, scale, layout, d, extra = TRANSFORM_CASES["cap-window"]
+    art = build_kernel(tmp_path, "varlen", body(dtype, kind, scale, layout, heads=(8, 2), head_dim=d,
+                                                extra=extra), targets=("sm_80",))
+    rows = check_artifact(art, backend="emu", shapes=cache_shapes(layout, batch=7, num_pages=40), seed=11)
+    assert not all(r.ok for r in rows)
+
+
 WIDE = {   # (family, spec keys, tile keys, target, dims): every body with f16 products
     "varlen-mma": ("varlen", body("bf16", "e4m3", "tensor", "paged", heads=(8, 2), head_dim=64,
                                   extra="return_lse = true\n"), "", "sm_89",

@@ -114,13 +114,6 @@ def validate(spec: KernelSpec) -> None:
     if spec.opt("custom_mask") == "packed" and spec.opt("causal"):
         raise SpecError('custom_mask = "packed" needs causal = false (the bits are the whole '
                         'mask; set the causal part in them)', key="custom_mask")
-    if kv_fp8.kv_dtype(spec) != spec.dtype:
-        # FP8 scores reach the variant's transforms without k_scale (it is folded into the
-        # exp2 scale), so soft-cap and ALiBi would need a runtime unit: not wired yet
-        for key in ("logits_soft_cap", "alibi"):
-            if spec.opt(key):
-                raise SpecError(f"{key} with an FP8 kv_dtype is not supported by varlen yet "
-                                f"(decode supports it)", key=key)
     from ..bodies.packed_paths import check_tile_keys
     check_tile_keys(spec, [configure(spec, TARGETS[t]) for t in spec.targets])
 

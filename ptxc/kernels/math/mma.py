@@ -210,7 +210,22 @@ class MmaMath:
                 for r in range(2)]
         alibi = None if self.alibi is None else \
             [(b.sub(rel, b.bitcast(key0, S32)), slope) for rel, slope in self.alibi]
+        units = self.runtime_units()
+        if units is not None:     # an FP8 cache's k_scale or Q's row factors: known at run time
+            if alibi is not None:  # the slopes were taken at the constant unit: -slope instead
+                alibi = [(rel, b.mul(slope, 1.0 / self.unit)) for rel, slope in alibi]
+            v.transform_scores(b, rows, key0, units, alibi)
+            return
         v.transform_scores(b, rows if v.alibi else s, key0, self.unit, alibi)
+
+    def runtime_units(self) -> list[Reg] | None:
+        """Per row of the transform's 16: the spec's score in raw-score units, LOG2E /
+        row_scale(r), where that factor is a register (an FP8 cache's k_scale joined the
+        softmax scale; Q rescaled per row); None where it is the constant 1 / softmax_scale."""
+        if self.row_scales is None and not isinstance(self.scale_log2, Reg):
+            return None
+        b = self.b
+        return [b.mul(b.rcp(self.row_scale(r)), C.LOG2E) for r in range(2)]
 
     def _row_begin(self, i: int) -> Reg | None:
         """Row i's first key less 2t (s32), or None without a lower bound: held, or for a chunk

@@ -1,0 +1,249 @@
+"""Random specs against the fp64 reference on the emulator: the option space the tests sample.
+
+    python bench/fuzz_numerics.py [--seed N] [--minutes M] [--cases N] [--log FILE.jsonl]
+    python bench/fuzz_numerics.py --replay FILE.jsonl        # re-run the failures of a log
+
+Each case draws a family (decode, prefill, varlen, mla), a dtype, head sizes, heads, the
+family's options (masks, variants, layouts, page sizes, FP8 caches, splits, sparse top-k) and
+one target (sm_80 … sm_100a), writes the spec, lets the spec loader refuse what the spec does
+not allow (counted, not failures), builds it without ptxas (the emulator runs the PTX), and runs
+`launch-test`'s check on the emulator at the family's default dimensions or a smaller draw of
+them (the families' inputs already mix the serving cases: decode rows, prefill chunks, q_len > L,
+L = 0, shuffled pages, never-read garbage). A failure is a row over its tolerance or any
+exception other than a refusal; each case is one JSON line (spec, dims, seed, outcome), so
+`--replay` re-runs exactly the failures. Nothing here needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ptxc.errors import PtxcError, SpecError  # noqa: E402
+
+TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_90a", "sm_100a", "sm_100a", "sm_120")
+HEAD_DIMS = (16, 24, 40, 64, 72, 96, 128, 128, 192, 256)
+
+
+def _maybe(r: random.Random, p: float, value):
+    return value if r.random() < p else None
+
+
+def _variants(r: random.Random, causal: bool) -> dict:
+    """Window / chunk (causal only), soft-cap, sinks, ALiBi: each now and then."""
+    out = {}
+    if causal and r.random() < 0.25:
+        out["sliding_window"] = r.choice((1, 7, 33, 100))
+    elif causal and r.random() < 0.15:
+        out["attention_chunk"] = r.choice((8, 17, 64))
+    if r.random() < 0.2:
+        out["logits_soft_cap"] = r.choice((5.0, 30.0))
+    if r.random() < 0.15:
+        out["attention_sinks"] = True
+    if r.random() < 0.12:
+        out["alibi"] = True
+    return out
+
+
+def _heads(r: random.Random, fields: dict) -> None:
+    kv = r.choice((1, 1, 2, 3))
+    fields["num_kv_heads"] = kv
+    fields["num_heads"] = kv * r.choice((1, 2, 4, 5, 8))
+
+
+def _fp8_cache(r: random.Random, fields: dict, p: float = 0.25) -> None:
+    if r.random() < p:
+        fields["kv_dtype"] = r.choice(("e4m3", "e5m2"))
+        fields["kv_scale"] = r.choice(("tensor", "device", "head"))
+
+
+def draw_spec(r: random.Random) -> tuple[dict, dict, str]:
+    """(fields, tile, target) of one random kernel."""
+    family = r.choice(("decode", "prefill", "varlen", "varlen", "mla", "mla"))
+    target = r.choice(TARGETS)
+    f: dict = {"family": family, "dtype": r.choice(("f16", "bf16", "bf16"))}
+    tile: dict = {}
+    if family == "mla":
+        f["num_heads"] = r.choice((16, 16, 32, 64))
+        f["kv_lora_rank"] = r.choice((128, 192, 256, 512, 512))
+        f["qk_rope_head_dim"] = r.choice((16, 32, 64, 64))
+        f["softmax_scale"] = 0.0723
+        f["kv_layout"] = r.choice(("paged", "paged", "contiguous"))
+        if f["kv_layout"] == "paged":
+            f["page_size"] = r.choice((1, 3, 16, 17, 64))
+        f["kv_dtype"] = r.choice((f["dtype"], f["dtype"], "e4m3", "e4m3_ds"))
+        if f["kv_dtype"] == "e4m3_ds":   # fp8_ds_mla's row: 512 + 64, bf16, paged
+            f.update(dtype="bf16", kv_lora_rank=512, qk_rope_head_dim=64, kv_layout="paged",
+                     page_size=f.get("page_size", 64))
+        if f["kv_layout"] == "paged" and r.random() < 0.35:
+            f["sparse_topk"] = r.choice((8, 16, 40, 64))
+        f["num_splits"] = r.choice((1, 2, 3, "auto"))
+        f["return_lse"] = r.random() < 0.5
+        if target in ("sm_90a", "sm_100a") and r.random() < 0.4:
+            tile.update(r.choice(({"block_m": 64}, {"kv_loads": "cp_async"}, {"split_scores": False},
+                                  {"seesaw": True}, {"dequant_warpgroup": False},
+                                  {"qk_products": "e4m3"}, {"block_n": 16})))
+        return f, tile, target
+    f["head_dim"] = r.choice(HEAD_DIMS)
+    _heads(r, f)
+    f["return_lse"] = r.random() < 0.4
+    if family == "decode":
+        f["kv_layout"] = r.choice(("contiguous", "paged", "paged", "pointer_array"))
+        if f["kv_layout"] == "paged":
+            f["page_size"] = r.choice((1, 3, 8, 16, 17))
+        f["num_splits"] = r.choice((1, 1, 2, 3, "auto"))
+        f["math"] = r.choice(("auto", "auto", "mma", "simt"))
+        f["append_kv"] = r.random() < 0.15 and f["kv_layout"] != "pointer_array"
+        _fp8_cache(r, f)
+        f.update(_variants(r, causal=True))
+        if r.random() < 0.25:
+            tile.update(r.choice(({"block_n": 16}, {"block_n": 32}, {"num_stages": 3}, {"num_stages": 1},
+                                  {"kv_loads": "cp_async"}, {"warp_specialize": True})))
+        return f, tile, target
+    causal = r.random() < 0.7
+    f["causal"] = causal
+    if r.random() < 0.2 and f["head_dim"] >= 16:
+        f["head_dim_v"] = r.choice([d for d in range(8, f["head_dim"] + 1, 8)])
+    if family == "prefill":
+        if not causal and r.random() < 0.2:
+            f["custom_mask"] = "packed"
+        f.update(_variants(r, causal))
+        if r.random() < 0.2:
+            tile.update(r.choice(({"warp_rows": 32}, {"smem_layout": "swizzled"}, {"block_n": 32},
+                                  {"num_stages": 3}, {"block_m": 64, "num_warps": 4})))
+        if target == "sm_90a" and r.random() < 0.3:
+            tile.update(r.choice(({"pingpong": True, "block_m": 128}, {"kv_loads": "cp_async"},
+                                  {"warp_specialize": False}, {"tma_store": True}, {"persistent": True})))
+        if target == "sm_100a" and r.random() < 0.3:
+            tile.update(r.choice(({"q_tiles": 2}, {"correction": True}, {"exp2_poly": 3})))
+        return f, tile, target
+    # varlen
+    f["kv_layout"] = r.choice(("paged", "paged", "contiguous"))
+    if f["kv_layout"] == "paged":
+        f["page_size"] = r.choice((1, 3, 8, 16, 17, 64))
+    f["num_splits"] = r.choice((1, 1, 2, 3, "auto"))
+    if causal and r.random() < 0.15:
+        f["custom_mask"] = "tree"
+    elif not causal and r.random() < 0.2:
+        f["custom_mask"] = "packed"
+    _fp8_cache(r, f)
+    f.update(_variants(r, causal))
+    if r.random() < 0.2:
+        tile["num_stages"] = r.choice((1, 2, 3))
+    if target in ("sm_90a", "sm_100a") and r.random() < 0.25:
+        tile.update(r.choice(({"kv_loads": "cp_async"}, {"pingpong": True, "block_m": 128},
+                              {"correction": True}, {"block_n": 32}, {"block_m": 64})))
+    return f, tile, target
+
+
+def spec_text(name: str, fields: dict, tile: dict, target: str) -> str:
+    def toml(v):
+        return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
+    lines = ["[[kernel]]", f'name = "{name}"', *(f"{k} = {toml(v)}" for k, v in fields.items()),
+             f'targets = ["{target}"]']
+    if tile:
+        lines += ["[kernel.tile]", *(f"{k} = {toml(v)}" for k, v in tile.items())]
+    return "\n".join(lines) + "\n"
+
+
+def draw_dims(r: random.Random, defaults: dict) -> dict:
+    """The family's defaults, or (half the time) a smaller or odder draw of them."""
+    if r.random() < 0.5:
+        return {}
+    out = {}
+    for k, v in defaults.items():
+        if k == "batch":
+            out[k] = r.choice((1, 2, 3, v))
+        elif k in ("seq_q", "seq_k", "max_seq_len"):
+            out[k] = r.choice((1, 2, 17, 63, 65, 113))
+        elif k == "max_pages_per_seq":
+            out[k] = r.choice((1, 2, v, v + 2))
+    if "num_pages" in defaults and "max_pages_per_seq" in out:
+        out["num_pages"] = out.get("batch", defaults.get("batch", 1)) * out["max_pages_per_seq"] + 3
+    return out
+
+
+def run_case(case: dict, workdir: Path) -> dict:
+    """Build and check one case; returns it with "outcome" (pass, refused, fail, error)."""
+    from ptxc.kernels import FAMILIES, load_text
+    from ptxc.pipeline.build import run_build
+    from ptxc.runtime.artifact import load
+    from ptxc.runtime.launch_test import check_artifact
+    text = spec_text(case["name"], case["fields"], case["tile"], case["target"])
+    try:
+        [spec] = load_text(text, f"{case['name']}.toml")
+    except SpecError as e:
+        return {**case, "outcome": "refused", "why": str(e).splitlines()[0][:300]}
+    src = workdir / f"{case['name']}.toml"
+    src.write_text(text)
+    out = workdir / case["name"]
+    t0 = time.perf_counter()
+    try:
+        summary = run_build([src], out, verify=False, progress=False)
+        if summary["problems"]:
+            return {**case, "outcome": "error", "why": "; ".join(summary["problems"])[:600]}
+        art = load(out / case["name"])
+        if case.get("dims") is None:
+            defaults = FAMILIES[spec.family].interface(spec).defaults
+            case = {**case, "dims": draw_dims(random.Random(case["seed"]), defaults)}
+        rows = check_artifact(art, backend="emu", shapes=case["dims"], seed=case["seed"])
+    except PtxcError as e:
+        return {**case, "outcome": "refused", "why": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    except Exception as e:  # noqa: BLE001 -- anything else is a defect to record
+        return {**case, "outcome": "error", "why": f"{type(e).__name__}: {e}"[:600],
+                "trace": traceback.format_exc()[-2000:], "secs": round(time.perf_counter() - t0, 1)}
+    bad = [r.to_dict() for r in rows if not r.ok]
+    return {**case, "outcome": "fail" if bad else "pass", "secs": round(time.perf_counter() - t0, 1),
+            "rows": [{"output": r.tensor, "max_error": r.max_error, "tol": r.tol} for r in rows],
+            **({"bad": bad} if bad else {})}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cases", type=int, default=1_000_000)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--log", type=Path, help="append one JSON line per case")
+    ap.add_argument("--replay", type=Path, help="re-run the failures and errors of a log")
+    args = ap.parse_args(argv)
+    if args.replay:
+        cases = [c for c in map(json.loads, args.replay.read_text().splitlines())
+                 if c["outcome"] in ("fail", "error")]
+        cases = [{k: c[k] for k in ("name", "fields", "tile", "target", "seed", "dims")} for c in cases]
+    else:
+        r = random.Random(args.seed)
+        cases = []
+        for n in range(args.cases):
+            fields, tile, target = draw_spec(r)
+            cases.append({"name": f"fz{args.seed}_{n}", "fields": fields, "tile": tile,
+                          "target": target, "seed": r.randrange(1 << 30), "dims": None})
+    deadline = time.monotonic() + args.minutes * 60
+    counts: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="ptxc-fuzz-") as tmp:
+        for case in cases:
+            if time.monotonic() > deadline:
+                break
+            res = run_case(case, Path(tmp))
+            counts[res["outcome"]] = counts.get(res["outcome"], 0) + 1
+            if res["outcome"] in ("fail", "error"):
+                print(f"{res['outcome'].upper()}: {res['name']} {res['target']} {json.dumps(res['fields'])} "
+                      f"tile={json.dumps(res['tile'])} dims={json.dumps(res.get('dims'))}: "
+                      f"{res.get('why') or res.get('bad')}", flush=True)
+            if args.log:
+                with args.log.open("a") as fh:
+                    fh.write(json.dumps(res) + "\n")
+    print(json.dumps(counts))
+    return 1 if counts.get("fail") or counts.get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
