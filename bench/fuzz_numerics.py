@@ -90,8 +90,9 @@ def draw_spec(r: random.Random) -> tuple[dict, dict, str]:
         f["return_lse"] = r.random() < 0.5
         if target in ("sm_90a", "sm_100a") and r.random() < 0.4:
             tile.update(r.choice(({"block_m": 64}, {"kv_loads": "cp_async"}, {"split_scores": False},
-                                  {"seesaw": True}, {"dequant_warpgroup": False},
-                                  {"qk_products": "e4m3"}, {"block_n": 16})))
+                                  {"seesaw": True}, {"dequant_warpgroup": False}, {"block_n": 16})))
+        if f["kv_dtype"] == "e4m3" and r.random() < 0.3:
+            f["qk_products"] = "e4m3"
         return f, tile, target
     f["head_dim"] = r.choice(HEAD_DIMS)
     _heads(r, f)
