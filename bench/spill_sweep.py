@@ -112,6 +112,8 @@ OPTIONS = (
     ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\n', "fp8"),
     ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\n', "fp8h"),
     # FP8 caches under the score transforms (a runtime unit per row: k_scale), every body
+    ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\nlogits_soft_cap = 50.0\n', "fp8cap"),
+    ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\nalibi = true\n', "fp8alibi"),
     ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\nsliding_window = 4096\nlogits_soft_cap = 50.0\n', "fp8gemma2"),
     ("varlen", True, _PAGED + 'kv_dtype = "e5m2"\nkv_scale = "head"\n' + _EVERY + _SPLIT, "fp8every"),
     ("varlen", True, _PAGED + 'kv_dtype = "e4m3"\n' + _EVERY + _SM90A, "fp8every_90a"),

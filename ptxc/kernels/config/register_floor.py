@@ -59,6 +59,10 @@ SPILLING_SHAPES = frozenset({
     "varlen/f16/88/causal/sm_89/fp8+device+split",
     "varlen/f16/72/causal/sm_80/fp8+head", "varlen/f16/88/causal/sm_90/fp8+head",
     "varlen/f16/104/causal/sm_89/fp8+head", "varlen/f16/104/causal/sm_90/fp8+head",
+    # FP8 scores under the transforms (their unit per row a register)
+    "varlen/f16/40/causal/sm_80/win+cap+fp8", "varlen/f16/40/causal/sm_89/win+cap+fp8",
+    "varlen/f16/88/causal/sm_80/win+cap+fp8", "varlen/f16/88/causal/sm_90/win+cap+fp8",
+    "varlen/f16/24/causal/sm_120/win+cap+sink+alibi+lse+fp8+head+split",
     "varlen/f16/16/causal/sm_90/lse+split", "varlen/f16/72/causal/sm_89/lse+split",
     "varlen/f16/72/causal/sm_90/lse+split", "varlen/f16/80/causal/sm_80/lse+split",
     "varlen/f16/192/causal/sm_80/lse+split",
