@@ -127,6 +127,7 @@ OPTIONS = (
     ("decode", None, _PAGED + "logits_soft_cap = 50.0\nattention_sinks = true\n", "capsink"),
     ("decode", None, _PAGED + "alibi = true\n", "alibi"),
     ("decode", None, _PAGED + 'kv_dtype = "e4m3"\n', "fp8"),
+    ("decode", None, _PAGED + 'kv_dtype = "e4m3"\nlogits_soft_cap = 50.0\nalibi = true\n' + _SPLIT, "fp8capalibi"),
     ("decode", None, _PAGED + 'num_splits = "auto"\nappend_kv = true\n', "splitapp"),
     ("decode", None, _PAGED + "sliding_window = 128\nattention_sinks = true\n", "gptoss"),
     ("decode", None, _PAGED + 'kv_dtype = "e4m3"\nkv_scale = "head"\nnum_splits = "auto"\nappend_kv = true\n',
