@@ -3,8 +3,9 @@
     python bench/fuzz_numerics.py [--seed N] [--minutes M] [--cases N] [--log FILE.jsonl]
     python bench/fuzz_numerics.py --replay FILE.jsonl        # re-run the failures of a log
 
-Each case draws a family (decode, prefill, varlen, mla), a dtype, head sizes, heads, the
-family's options (masks, variants, layouts, page sizes, FP8 caches, splits, sparse top-k) and
+Each case draws a family (decode, prefill, varlen, mla; now and then kv_append, mla_append or
+merge_states), a dtype, head sizes, heads, the family's options (masks, variants, layouts, page
+sizes, FP8 caches, splits, sparse top-k, RoPE, slot mapping) and
 one target (sm_80 … sm_100a), writes the spec, lets the spec loader refuse what the spec does
 not allow (counted, not failures), builds it without ptxas (the emulator runs the PTX), and runs
 `launch-test`'s check on the emulator at the family's default dimensions or a smaller draw of
@@ -68,8 +69,10 @@ def _fp8_cache(r: random.Random, fields: dict, p: float = 0.25) -> None:
 
 def draw_spec(r: random.Random) -> tuple[dict, dict, str]:
     """(fields, tile, target) of one random kernel."""
-    family = r.choice(("decode", "prefill", "varlen", "varlen", "mla", "mla"))
+    family = r.choice(("decode", "prefill", "varlen", "varlen", "mla", "mla", "copies"))
     target = r.choice(TARGETS)
+    if family == "copies":
+        return _draw_copies(r, target)
     f: dict = {"family": family, "dtype": r.choice(("f16", "bf16", "bf16"))}
     tile: dict = {}
     if family == "mla":
@@ -144,6 +147,39 @@ def draw_spec(r: random.Random) -> tuple[dict, dict, str]:
         tile.update(r.choice(({"kv_loads": "cp_async"}, {"pingpong": True, "block_m": 128},
                               {"correction": True}, {"block_n": 32}, {"block_m": 64})))
     return f, tile, target
+
+
+def _draw_copies(r: random.Random, target: str) -> tuple[dict, dict, str]:
+    """The families around attention: kv_append (RoPE, FP8 quantisation, slot mapping),
+    mla_append (latent rows, e4m3 / e4m3_ds) and merge_states."""
+    family = r.choice(("kv_append", "mla_append", "merge_states"))
+    f: dict = {"family": family, "dtype": r.choice(("f16", "bf16", "f32" if family != "mla_append" else "bf16"))}
+    if family == "merge_states":
+        f.update(head_dim=r.choice((16, 40, 128, 512)), num_heads=r.choice((1, 3, 8)), return_lse=r.random() < 0.5)
+        return f, {}, target
+    if family == "mla_append":
+        f.update(num_heads=1, kv_lora_rank=r.choice((128, 256, 512)), qk_rope_head_dim=r.choice((16, 64)),
+                 page_size=r.choice((1, 3, 16, 64)), kv_dtype=r.choice((f["dtype"], "e4m3", "e4m3_ds")))
+        if f["kv_dtype"] == "e4m3_ds":
+            f.update(kv_lora_rank=512, qk_rope_head_dim=64, dtype="bf16")
+        if f["kv_dtype"] == "e4m3" and r.random() < 0.5:
+            f["kv_scale"] = "device"
+        if r.random() < 0.5:
+            f["rope"] = r.choice(("neox", "gptj"))
+        return f, {}, target
+    kv = r.choice((1, 2, 3))
+    f.update(head_dim=r.choice((16, 40, 64, 128, 256)), num_heads=kv, num_kv_heads=kv,
+             kv_layout=r.choice(("contiguous", "paged")))
+    if f["kv_layout"] == "paged":
+        f["page_size"] = r.choice((1, 3, 16, 17))
+        if r.random() < 0.5:
+            f["index"] = "slot_mapping"
+    _fp8_cache(r, f, 0.35)
+    if r.random() < 0.4:
+        f["rope"] = r.choice(("neox", "gptj"))
+        if r.random() < 0.4:
+            f["rotary_dim"] = r.choice([d for d in (8, 16, 32, 64) if d <= f["head_dim"]])
+    return f, {}, target
 
 
 def spec_text(name: str, fields: dict, tile: dict, target: str) -> str:
