@@ -50,8 +50,8 @@ def test_fp8_varlen_matches_reference(tmp_path, case):
 
 # The score transforms over FP8 scores: k_scale reaches the scores only in the softmax factor,
 # so soft-cap and ALiBi take their unit per row at run time (math/mma.MmaMath.runtime_units) --
-# on every body: mma.sync staged (sm_80 software, sm_89 hardware conversions), wgmma (sm_90a),
-# tcgen05 (sm_100a)
+# on every body FP8 varlen runs: mma.sync staged (sm_80 software, sm_89 hardware conversions;
+# sm_100a's FP8 varlen is this tile too) and wgmma (sm_90a)
 TRANSFORM_CASES = {
     "cap-window": ("bf16", "e4m3", "tensor", "paged", 64,
                    "logits_soft_cap = 30.0\nsliding_window = 33\nreturn_lse = true\n"),
