@@ -192,9 +192,18 @@ def spec_text(name: str, fields: dict, tile: dict, target: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def draw_dims(r: random.Random, defaults: dict) -> dict:
-    """The family's defaults, or (half the time) a smaller or odder draw of them."""
-    if r.random() < 0.5:
+def draw_dims(r: random.Random, defaults: dict, page_size: int = 16) -> dict:
+    """The family's defaults, or (half the time) a smaller or odder draw of them, or (one time in
+    ten) a long one: a few sequences of up to ~1000 keys (many tiles, every stage buffer and
+    split reused)."""
+    if r.random() < 0.1:
+        long = {"batch": 2, "max_seq_len": 1000, "seq_q": 65, "seq_k": 1000,
+                "max_pages_per_seq": -(-1000 // page_size)}
+        out = {k: v for k, v in long.items() if k in defaults}
+        if "num_pages" in defaults and "max_pages_per_seq" in out:
+            out["num_pages"] = 2 * out["max_pages_per_seq"] + 5
+        return out
+    if r.random() < 0.45:
         return {}
     out = {}
     for k, v in defaults.items():
@@ -231,7 +240,8 @@ def run_case(case: dict, workdir: Path) -> dict:
         art = load(out / case["name"])
         if case.get("dims") is None:
             defaults = FAMILIES[spec.family].interface(spec).defaults
-            case = {**case, "dims": draw_dims(random.Random(case["seed"]), defaults)}
+            page = dict(spec.options).get("page_size") or (64 if spec.family == "mla" else 16)
+            case = {**case, "dims": draw_dims(random.Random(case["seed"]), defaults, page)}
         rows = check_artifact(art, backend="emu", shapes=case["dims"], seed=case["seed"])
     except PtxcError as e:
         return {**case, "outcome": "refused", "why": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
