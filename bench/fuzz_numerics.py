@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ptxc.errors import PtxcError, SpecError  # noqa: E402
+from ptxc.errors import SpecError, UserError  # noqa: E402
 
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_90a", "sm_100a", "sm_100a", "sm_120")
 HEAD_DIMS = (16, 24, 40, 64, 72, 96, 128, 128, 192, 256)
@@ -243,15 +243,24 @@ def run_case(case: dict, workdir: Path) -> dict:
             page = dict(spec.options).get("page_size") or (64 if spec.family == "mla" else 16)
             case = {**case, "dims": draw_dims(random.Random(case["seed"]), defaults, page)}
         rows = check_artifact(art, backend="emu", shapes=case["dims"], seed=case["seed"])
-    except PtxcError as e:
+    except UserError as e:     # a refusal (SpecError, InputError): not the kernel's defect
         return {**case, "outcome": "refused", "why": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    except Exception as e:  # noqa: BLE001 -- anything else is a defect to record
+    except Exception as e:  # noqa: BLE001 -- anything else (IRError, the emulator's faults) is a defect
         return {**case, "outcome": "error", "why": f"{type(e).__name__}: {e}"[:600],
                 "trace": traceback.format_exc()[-2000:], "secs": round(time.perf_counter() - t0, 1)}
     bad = [r.to_dict() for r in rows if not r.ok]
     return {**case, "outcome": "fail" if bad else "pass", "secs": round(time.perf_counter() - t0, 1),
             "rows": [{"output": r.tensor, "max_error": r.max_error, "tol": r.tol} for r in rows],
             **({"bad": bad} if bad else {})}
+
+
+def drawn_cases(seed: int, n: int):
+    """The campaign's cases, drawn as they are run (the deadline usually ends it)."""
+    r = random.Random(seed)
+    for k in range(n):
+        fields, tile, target = draw_spec(r)
+        yield {"name": f"fz{seed}_{k}", "fields": fields, "tile": tile, "target": target,
+               "seed": r.randrange(1 << 30), "dims": None}
 
 
 def main(argv=None) -> int:
@@ -263,16 +272,11 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", type=Path, help="re-run the failures and errors of a log")
     args = ap.parse_args(argv)
     if args.replay:
-        cases = [c for c in map(json.loads, args.replay.read_text().splitlines())
+        cases = [{k: c[k] for k in ("name", "fields", "tile", "target", "seed", "dims")}
+                 for c in map(json.loads, args.replay.read_text().splitlines())
                  if c["outcome"] in ("fail", "error")]
-        cases = [{k: c[k] for k in ("name", "fields", "tile", "target", "seed", "dims")} for c in cases]
     else:
-        r = random.Random(args.seed)
-        cases = []
-        for n in range(args.cases):
-            fields, tile, target = draw_spec(r)
-            cases.append({"name": f"fz{args.seed}_{n}", "fields": fields, "tile": tile,
-                          "target": target, "seed": r.randrange(1 << 30), "dims": None})
+        cases = drawn_cases(args.seed, args.cases)
     deadline = time.monotonic() + args.minutes * 60
     counts: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="ptxc-fuzz-") as tmp:

@@ -77,7 +77,7 @@ def test_fp8_decode_on_tensor_cores_matches_reference(tmp_path, case):
                          ids=["cap", "alibi-cap-split"])
 def test_fp8_decode_on_tensor_cores_under_score_transforms(tmp_path, extra):
     """Soft-cap and ALiBi over FP8 scores on the packed tile (every target's body): until
-    math/mma.MmaMath.runtime_units they took the constant unit and left k_scale out (0.05 and
+    math/mma.MmaMath.fold_k_scale they took the constant unit and left k_scale out (0.05 and
     1.2-6.3 off the fp64 reference; bench/fuzz_numerics.py found it)."""
     art = build_kernel(tmp_path, "decode", body("bf16", "e4m3", "head", "paged", heads=(8, 2), head_dim=64,
                                                 extra=extra), targets=TARGETS + ("sm_90a", "sm_100a"))

@@ -238,6 +238,18 @@ def test_sparse_topk_matches_reference(tmp_path, case):
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 7, "num_pages": 5}, seed=11))
 
 
+@pytest.mark.parametrize("target", ["sm_90a", "sm_100a"])
+def test_sparse_ranks_the_latent_tiles_leave_run_on_mma_sync(tmp_path, target):
+    """Sparse top-k at a rank the sm_90a / sm_100a latent tiles do not take (192, 64 heads,
+    16-row pages) runs the mma.sync tile: sparse slots are never TMA boxes
+    (varlen_tile.tma_applies), which the generic sm_90a wgmma tile took them for -- an
+    internal error at build (bench/fuzz_numerics.py found it)."""
+    art = build_kernel(tmp_path, "mla", sparse_body(64, 192, 64, "bf16", None, None, 64, True, 2)
+                       + "page_size = 16\n", targets=(target,))
+    assert art.meta["targets"][target]["config"]["path"] == "mma.m16n8k16"
+    assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 7, "num_pages": 5}, seed=11))
+
+
 def test_sparse_interface_and_tokens_without_slots(tmp_path):
     """No sequences: q, kv_cache, indices [total_q, N] (+ topk_length); a token whose slots are
     all -1 or outside the cache writes 0 and lse = -inf."""

@@ -49,7 +49,7 @@ def test_fp8_varlen_matches_reference(tmp_path, case):
 
 
 # The score transforms over FP8 scores: k_scale reaches the scores only in the softmax factor,
-# so soft-cap and ALiBi take their unit per row at run time (math/mma.MmaMath.runtime_units) --
+# so soft-cap and ALiBi take their unit at run time (math/mma.MmaMath.fold_k_scale) --
 # on every body FP8 varlen runs: mma.sync staged (sm_80 software, sm_89 hardware conversions;
 # sm_100a's FP8 varlen is this tile too) and wgmma (sm_90a)
 TRANSFORM_CASES = {
@@ -73,7 +73,9 @@ def test_fp8_varlen_under_score_transforms(tmp_path, case):
 def test_fp8_transforms_fail_at_the_constant_unit(tmp_path, monkeypatch):
     """The planted mistake: the transforms at 1 / softmax_scale (k_scale left out) fail."""
     from ptxc.kernels.math import mma
-    monkeypatch.setattr(mma.MmaMath, "runtime_units", lambda self: None)
+    def fold_only_the_factor(self, k_scale):
+        self.scale_log2 = self.b.mul(k_scale, self.scale_log2)
+    monkeypatch.setattr(mma.MmaMath, "fold_k_scale", fold_only_the_factor)
     dtype, kind, scale, layout, d, extra = TRANSFORM_CASES["cap-window"]
     art = build_kernel(tmp_path, "varlen", body(dtype, kind, scale, layout, heads=(8, 2), head_dim=d,
                                                 extra=extra), targets=("sm_80",))

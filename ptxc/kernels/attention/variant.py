@@ -199,25 +199,21 @@ class AttentionVariant:
             return None
         return b.div(b.add(b.bitcast(b.max(begin, 0), U32), block - 1), block)
 
-    def transform_scores(self, b: KernelBuilder, scores: list, key0: Reg, unit: float | list = 1.0,
-                         alibi_rows: list | None = None) -> None:
+    def transform_scores(self, b: KernelBuilder, scores: list, key0: Reg, unit: float = 1.0,
+                         alibi_rows: list | None = None, cap: tuple[Reg, Reg] | None = None) -> None:
         """Per-score modifiers before the masks, in place on `unit`-scaled scores (see the
         module doc), in the documented order:
           soft-cap  x <- (c·unit) · tanh(x / (c·unit))
           ALiBi     x <- x - unit · slope · |p - j|
         For ALiBi, `scores` are rows of (score, k) pairs and `alibi_rows[r]` = (rel, neg_slope):
         rel (s32) = p - (the lane's key offset) - key0, so |p - j| = |rel - k|; neg_slope (f32)
-        = -unit · slope of the row's head. `unit` is one float, or one f32 register per row of
-        `scores` (then rows of (score, k) pairs, and neg_slope = -slope): where the factor from
-        a row's raw scores to the spec's is only known at run time (an FP8 cache's k_scale,
-        a Q row rescaled into f16). Without an option: emits nothing."""
-        if isinstance(unit, list):
-            self._transform_rows(b, scores, unit, alibi_rows)
-            return None
+        = -unit · slope of the row's head. `cap`: (c·unit, 1 / (c·unit)) as f32 registers where
+        the unit is only known at run time (an FP8 cache's k_scale: MmaMath.fold_k_scale), made
+        once before the loop, as the slopes are. Without an option: emits nothing."""
         if self.soft_cap is not None:
-            cap = self.soft_cap * unit
+            c, inv = cap if cap is not None else (self.soft_cap * unit, 1.0 / (self.soft_cap * unit))
             for x in _flat([x for row in scores for x, _ in row] if self.alibi else scores):
-                b.mul(b.tanh(b.mul(x, 1.0 / cap)), cap, out=x)
+                b.mul(b.tanh(b.mul(x, inv)), c, out=x)
         if self.alibi:
             for row, (rel, neg_slope) in zip(scores, alibi_rows):
                 rel_f = b.cvt(F32, rel)
@@ -225,21 +221,6 @@ class AttentionVariant:
                     dist = b.abs(b.sub(rel_f, float(k)) if k else rel_f)
                     b.fma(neg_slope, dist, x, out=x)
         return None
-
-    def _transform_rows(self, b: KernelBuilder, rows: list, units: list[Reg], alibi_rows) -> None:
-        """transform_scores with a runtime unit per row: the cap and the slope scaled per row."""
-        for n, (row, unit) in enumerate(zip(rows, units)):
-            if self.soft_cap is not None:
-                cap = b.mul(unit, self.soft_cap)
-                inv = b.rcp(cap)
-                for x, _ in row:
-                    b.mul(b.tanh(b.mul(x, inv)), cap, out=x)
-            if self.alibi:
-                rel, neg_slope = alibi_rows[n]
-                rel_f, neg_slope = b.cvt(F32, rel), b.mul(neg_slope, unit)
-                for x, k in row:
-                    dist = b.abs(b.sub(rel_f, float(k)) if k else rel_f)
-                    b.fma(neg_slope, dist, x, out=x)
 
 
 # custom_mask -> (bits tensor, byte-offset tensor, the bits tensor's size dim)

@@ -142,7 +142,10 @@ MIN_PAGE_ROWS = 8    # one swizzle period: a box must start 1024-byte aligned in
 def tma_applies(kv: KVAccess) -> bool:
     """Whether the layout's K/V tiles can be TMA boxes (else the cp.async body runs): a box of
     min(page_size, block_n) rows must sit inside one page, so a page that is not a power of two
-    takes TMA only when it is a whole number of the largest K/V tile (64 rows)."""
+    takes TMA only when it is a whole number of the largest K/V tile (64 rows). Never for
+    sparse top-k slots: each row is gathered from a slot of its own, not a box of a page."""
+    if kv.sparse:
+        return False
     if kv.layout == "contiguous":
         return True
     ps = kv.page_size

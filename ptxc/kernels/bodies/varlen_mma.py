@@ -96,7 +96,7 @@ def emit_mma_tile(b: KernelBuilder, spec, cfg: PrefillConfig, kv: KVAccess, ptrs
         k_scale, math.v_scale = quant.scales(b, kv_head)
         if staging is not None and staging.factor != 1.0:   # tiles of the values times factor
             k_scale, math.v_scale = (b.mul(x, 1.0 / staging.factor) for x in (k_scale, math.v_scale))
-        math.scale_log2 = b.mul(k_scale, math.scale_log2)
+        math.fold_k_scale(k_scale)
     assemble(b, "latent" if cfg.shared_kv else "cp_async",   # MLA: one latent tile per stage
              buffers=Buffers(stages, smem, k_smem, v_smem, kv_bytes),
              tiles=KeyTiles(n_tiles, tile.n_full, tile.key0, tile.lo_full,

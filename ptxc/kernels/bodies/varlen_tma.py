@@ -234,7 +234,7 @@ def emit_tma_tile(b: KernelBuilder, spec, cfg, kv: KVAccess, ptrs: dict, strides
             b.bar_sync(0)
         if quant is not None:       # e4m3: k_scale in the softmax scale, v_scale in 1/l
             k_scale, math.v_scale = quant.scales(b, work.kv_head)
-            math.scale_log2 = b.mul(k_scale, math.scale_log2)
+            math.fold_k_scale(k_scale)
         if bars is None:            # wgmma's math takes none: its barriers' address, here
             bars = b.add(stage, stages * stage_bytes)
         assemble(b, "latent_tma", buffers=Buffers(stages, tile.smem, stage, stage, stage_bytes, bars=bars),

@@ -214,7 +214,7 @@ def packed_math(b: KernelBuilder, ctx, ptrs: dict, strides: dict, quant, work: T
         VarlenTcgen05Math(b, ctx, ptrs, strides, mma_bars, **tcgen05)
     if quant is not None and quant.mode != "group":
         k_scale, math.v_scale = quant.scales(b, work.kv_head)
-        math.scale_log2 = b.mul(k_scale, math.scale_log2)
+        math.fold_k_scale(k_scale)
     return math
 
 

@@ -109,7 +109,7 @@ def f16_math_applies(spec) -> bool:
     the inverse power, so the scores are the bf16 path's up to f32 rounding; P is rounded to f16
     (finer than bf16). Not for e4m3_ds rows (a group scale times e4m3 can leave f16's range) nor
     under score transforms (soft-cap, ALiBi): they work in a row's raw-score units
-    (MmaMath.runtime_units), 2^k_r / (k_scale · softmax_scale) here, past f32's range for the
+    (MmaMath.fold_k_scale), 2^k_r / (k_scale · softmax_scale) here, past f32's range for the
     zero and tiny rows the rescale is for (a zero Q row: k_r = 126)."""
     from ..attention.variant import AttentionVariant
     return (applies(spec) and spec.dtype == "bf16" and kv_fp8.group_scaled(spec) is None

@@ -54,6 +54,8 @@ class MmaMath:
         self.dtiles = cfg.dv // 8 // cfg.v_split  # n8 tiles of O (head_dim_v) this warp owns
         self.vs, self.os = cfg.v_geom.stride, cfg.o_geom.stride   # == ss unless head_dim_v < d
         self.scale_log2 = ctx.spec.softmax_scale * C.LOG2E
+        # the soft-cap's (c·unit, 1 / (c·unit)) where the unit is a register (fold_k_scale)
+        self.runtime_cap: tuple[Reg, Reg] | None = None
         # Q rescaled per row into f16 (rescale_q_to_f16): each of this lane's rows' scale_log2
         self.row_scales: list[Reg] | None = None
         # f16 P under f16 products: probabilities lifted by P_HEADROOM (softmax.py)
@@ -210,22 +212,7 @@ class MmaMath:
                 for r in range(2)]
         alibi = None if self.alibi is None else \
             [(b.sub(rel, b.bitcast(key0, S32)), slope) for rel, slope in self.alibi]
-        units = self.runtime_units()
-        if units is not None:     # an FP8 cache's k_scale or Q's row factors: known at run time
-            if alibi is not None:  # the slopes were taken at the constant unit: -slope instead
-                alibi = [(rel, b.mul(slope, 1.0 / self.unit)) for rel, slope in alibi]
-            v.transform_scores(b, rows, key0, units, alibi)
-            return
-        v.transform_scores(b, rows if v.alibi else s, key0, self.unit, alibi)
-
-    def runtime_units(self) -> list[Reg] | None:
-        """Per row of the transform's 16: the spec's score in raw-score units, LOG2E /
-        row_scale(r), where that factor is a register (an FP8 cache's k_scale joined the
-        softmax scale; Q rescaled per row); None where it is the constant 1 / softmax_scale."""
-        if self.row_scales is None and not isinstance(self.scale_log2, Reg):
-            return None
-        b = self.b
-        return [b.mul(b.rcp(self.row_scale(r)), C.LOG2E) for r in range(2)]
+        v.transform_scores(b, rows if v.alibi else s, key0, self.unit, alibi, self.runtime_cap)
 
     def _row_begin(self, i: int) -> Reg | None:
         """Row i's first key less 2t (s32), or None without a lower bound: held, or for a chunk
@@ -323,6 +310,22 @@ class MmaMath:
         the probabilities are lifted (what the lse and a sink must be taken against)."""
         return self.m if not self.p_lift else [self.b.sub(m, self.p_lift) for m in self.m]
 
+    def fold_k_scale(self, k_scale: Reg) -> None:
+        """An FP8 cache's k_scale joins the softmax factor: the scores stay q·fp8(K), so the
+        spec's score is scale · k_scale · x and the score transforms' unit becomes
+        1 / (softmax_scale · k_scale), a register. Their constants -- the soft-cap's c·unit and
+        its inverse, the ALiBi slopes -unit·slope -- are made here, once before the loop."""
+        b, v = self.b, self.ctx.variant
+        self.scale_log2 = b.mul(k_scale, self.scale_log2)
+        if not v.transforms:
+            return
+        inv_k = b.rcp(k_scale)
+        if v.soft_cap is not None:
+            c = v.soft_cap * self.unit
+            self.runtime_cap = (b.mul(inv_k, c), b.mul(k_scale, 1.0 / c))
+        if self.alibi is not None:     # -unit·slope at the constant unit, over k_scale
+            self.alibi = [(rel, b.mul(slope, inv_k)) for rel, slope in self.alibi]
+
     def row_scale(self, i: int):
         """The factor from row i's raw scores to log2 units (a float, or a register with a
         runtime k_scale or a rescaled Q)."""
@@ -330,7 +333,9 @@ class MmaMath:
 
     def rescale_q_to_f16(self) -> None:
         """The Q tile's bf16 rows into f16 in place before the loop (q_rescale.rescale_q_rows),
-        each row's softmax factor taking the inverse power (row_scale)."""
+        each row's softmax factor taking the inverse power (row_scale). Never under a score
+        transform (kv_fp8_stage.f16_math_applies): its unit would be the row's."""
+        assert not self.ctx.variant.transforms, "score transforms over per-row Q powers"
         self.row_scales = rescale_q_rows(self)
 
     def q_rewrite(self, target):
