@@ -135,7 +135,9 @@ def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: i
     value), so the path is one warp's: it takes that warp's block and skips the others'.
     `bulk_work=False` counts TMA issue as no work: the path of a warp that issues none.
     `longest=True`: the path with the most instructions instead, every branch region taken that
-    lengthens it (masking, tails, rescales, refills) -- the bound from above of one iteration."""
+    lengthens it (masking, tails, rescales, refills) -- the bound from above of one iteration,
+    of the code between head and back edge: a region ptxas placed after the back edge (reached
+    by a forward branch, returning by a backward one) is on neither path."""
     index = {i.addr: n for n, i in enumerate(instrs)}
     refills = table_refills(instrs, labels, head, latch)
     selectors = warp_selectors(instrs, labels, head, latch) if assume else {}
