@@ -2,6 +2,7 @@
 
     python bench/fuzz_numerics.py [--seed N] [--minutes M] [--cases N] [--log FILE.jsonl]
     python bench/fuzz_numerics.py --replay FILE.jsonl        # re-run the failures of a log
+    python bench/fuzz_numerics.py --targets sm_90a,sm_100a --families prefill,varlen,mla  # focused
 
 Each case draws a family (decode, prefill, varlen, mla; now and then kv_append, mla_append or
 merge_states), a dtype, head sizes, heads, the family's options (masks, variants, layouts, page
@@ -67,10 +68,10 @@ def _fp8_cache(r: random.Random, fields: dict, p: float = 0.25) -> None:
         fields["kv_scale"] = r.choice(("tensor", "device", "head"))
 
 
-def draw_spec(r: random.Random) -> tuple[dict, dict, str]:
-    """(fields, tile, target) of one random kernel."""
-    family = r.choice(("decode", "prefill", "varlen", "varlen", "mla", "mla", "copies"))
-    target = r.choice(TARGETS)
+def draw_spec(r: random.Random, targets=TARGETS, families=None) -> tuple[dict, dict, str]:
+    """(fields, tile, target) of one random kernel (`targets`, `families`: a focused campaign)."""
+    family = r.choice(families or ("decode", "prefill", "varlen", "varlen", "mla", "mla", "copies"))
+    target = r.choice(targets)
     if family == "copies":
         return _draw_copies(r, target)
     f: dict = {"family": family, "dtype": r.choice(("f16", "bf16", "bf16"))}
@@ -254,11 +255,11 @@ def run_case(case: dict, workdir: Path) -> dict:
             **({"bad": bad} if bad else {})}
 
 
-def drawn_cases(seed: int, n: int):
+def drawn_cases(seed: int, n: int, targets=TARGETS, families=None):
     """The campaign's cases, drawn as they are run (the deadline usually ends it)."""
     r = random.Random(seed)
     for k in range(n):
-        fields, tile, target = draw_spec(r)
+        fields, tile, target = draw_spec(r, targets, families)
         yield {"name": f"fz{seed}_{k}", "fields": fields, "tile": tile, "target": target,
                "seed": r.randrange(1 << 30), "dims": None}
 
@@ -270,13 +271,17 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--log", type=Path, help="append one JSON line per case")
     ap.add_argument("--replay", type=Path, help="re-run the failures and errors of a log")
+    ap.add_argument("--targets", help="comma-separated: draw only these targets (a focused campaign)")
+    ap.add_argument("--families", help="comma-separated: decode, prefill, varlen, mla, copies")
     args = ap.parse_args(argv)
     if args.replay:
         cases = [{k: c[k] for k in ("name", "fields", "tile", "target", "seed", "dims")}
                  for c in map(json.loads, args.replay.read_text().splitlines())
                  if c["outcome"] in ("fail", "error")]
     else:
-        cases = drawn_cases(args.seed, args.cases)
+        cases = drawn_cases(args.seed, args.cases,
+                            tuple(args.targets.split(",")) if args.targets else TARGETS,
+                            tuple(args.families.split(",")) if args.families else None)
     deadline = time.monotonic() + args.minutes * 60
     counts: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="ptxc-fuzz-") as tmp:
