@@ -12,8 +12,10 @@ not allow (counted, not failures), builds it without ptxas (the emulator runs th
 `launch-test`'s check on the emulator at the family's default dimensions or a smaller draw of
 them (the families' inputs already mix the serving cases: decode rows, prefill chunks, q_len > L,
 L = 0, shuffled pages, never-read garbage). A failure is a row over its tolerance or any
-exception other than a refusal; each case is one JSON line (spec, dims, seed, outcome), so
-`--replay` re-runs exactly the failures. Nothing here needs a GPU.
+exception other than a refusal, except an "edge": an f32 output (lse) over launch-test's
+tolerance whose 4 sampled probability rounding grids fall short, within the tolerance of 64
+(fine_grid_ratios). Each case is one JSON line (spec, dims, seed, outcome), so `--replay`
+re-runs exactly the failures, errors and edges. Nothing here needs a GPU.
 """
 
 from __future__ import annotations
@@ -220,7 +222,8 @@ def draw_dims(r: random.Random, defaults: dict, page_size: int = 16) -> dict:
 
 
 def run_case(case: dict, workdir: Path) -> dict:
-    """Build and check one case; returns it with "outcome" (pass, refused, fail, error)."""
+    """Build and check one case; returns it with "outcome" (pass, refused, fail, error, or
+    edge: over launch-test's tolerance only where its 4 sampled rounding grids fall short)."""
     from ptxc.kernels import FAMILIES, load_text
     from ptxc.pipeline.build import run_build
     from ptxc.runtime.artifact import load
@@ -250,9 +253,40 @@ def run_case(case: dict, workdir: Path) -> dict:
         return {**case, "outcome": "error", "why": f"{type(e).__name__}: {e}"[:600],
                 "trace": traceback.format_exc()[-2000:], "secs": round(time.perf_counter() - t0, 1)}
     bad = [r.to_dict() for r in rows if not r.ok]
-    return {**case, "outcome": "fail" if bad else "pass", "secs": round(time.perf_counter() - t0, 1),
+    edge = fine_grid_ratios(art, spec, case, bad) if bad else None
+    return {**case, "outcome": "edge" if edge else "fail" if bad else "pass",
+            "secs": round(time.perf_counter() - t0, 1),
             "rows": [{"output": r.tensor, "max_error": r.max_error, "tol": r.tol} for r in rows],
-            **({"bad": bad} if bad else {})}
+            **({"bad": bad} if bad else {}), **({"fine_grid_ratios": edge} if edge else {})}
+
+
+FINE_GRIDS = 64
+
+
+def fine_grid_ratios(art, spec, case: dict, bad: list[dict]) -> dict | None:
+    """A tolerance edge, not a defect: where every failing output is an f32 one whose baseline
+    samples the probabilities' rounding grids (launch-test: the largest of PROBS_SHIFTS' 4) and
+    passes against the largest of FINE_GRIDS grids 2^(k/64) -- the kernel's own grid is one of
+    a continuum (its lazy running max), and with one dominant key a row's error on an unlucky
+    grid is about twice the 4 sampled ones' (seen with e4m3_ds rows, whose group scales span
+    six decades). Returns {output: error / fine tolerance}, or None (a failure to report)."""
+    import numpy as np
+
+    from ptxc.kernels import FAMILIES
+    from ptxc.reference import Precision, max_abs_error, tolerance
+    family = FAMILIES[spec.family]
+    sums = family.row_sum_dtype(spec) if family.row_sum_dtype else None
+    names = {row["tensor"] for row in bad}
+    if sums is None or any(art.meta["tensors"].get(n, {}).get("dtype") != "f32" for n in names):
+        return None
+    dims = {**family.interface(spec).defaults, **case["dims"]}
+    inputs = family.make_inputs(spec, dims, np.random.default_rng(case["seed"]))
+    ref = family.reference(spec, inputs)
+    out = art.run(inputs, target=case["target"], backend="emu")
+    naive = [family.reference(spec, inputs, dtype=Precision("f32", probs=sums, probs_scale=2 ** (k / FINE_GRIDS)))
+             for k in range(FINE_GRIDS)]
+    ratios = {n: max_abs_error(out[n], ref[n]) / max(tolerance(x[n], ref[n]) for x in naive) for n in names}
+    return {n: round(r, 3) for n, r in ratios.items()} if all(r <= 1 for r in ratios.values()) else None
 
 
 def drawn_cases(seed: int, n: int, targets=TARGETS, families=None):
@@ -270,14 +304,14 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=1_000_000)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--log", type=Path, help="append one JSON line per case")
-    ap.add_argument("--replay", type=Path, help="re-run the failures and errors of a log")
+    ap.add_argument("--replay", type=Path, help="re-run the failures, errors and edges of a log")
     ap.add_argument("--targets", help="comma-separated: draw only these targets (a focused campaign)")
     ap.add_argument("--families", help="comma-separated: decode, prefill, varlen, mla, copies")
     args = ap.parse_args(argv)
     if args.replay:
         cases = [{k: c[k] for k in ("name", "fields", "tile", "target", "seed", "dims")}
                  for c in map(json.loads, args.replay.read_text().splitlines())
-                 if c["outcome"] in ("fail", "error")]
+                 if c["outcome"] in ("fail", "error", "edge")]
     else:
         cases = drawn_cases(args.seed, args.cases,
                             tuple(args.targets.split(",")) if args.targets else TARGETS,
@@ -290,10 +324,10 @@ def main(argv=None) -> int:
                 break
             res = run_case(case, Path(tmp))
             counts[res["outcome"]] = counts.get(res["outcome"], 0) + 1
-            if res["outcome"] in ("fail", "error"):
+            if res["outcome"] in ("fail", "error", "edge"):
                 print(f"{res['outcome'].upper()}: {res['name']} {res['target']} {json.dumps(res['fields'])} "
                       f"tile={json.dumps(res['tile'])} dims={json.dumps(res.get('dims'))}: "
-                      f"{res.get('why') or res.get('bad')}", flush=True)
+                      f"{res.get('why') or res.get('fine_grid_ratios') or res.get('bad')}", flush=True)
             if args.log:
                 with args.log.open("a") as fh:
                     fh.write(json.dumps(res) + "\n")
