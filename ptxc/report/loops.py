@@ -25,12 +25,22 @@ lanes are not known statically and count as loading). Nothing here needs a GPU.
 from __future__ import annotations
 
 import re
+import threading
 
 from .dependency import dependency_program
 from .sass_instr import (BULK_ISSUE, CLASSES, DEPBAR_KEEP, GLOBAL_LOADS, HMMA_16816_FLOPS, REGISTER, Instr,
                          access_bytes, classify, mma_flops, parse_functions, registers, shared_bytes)
 
 _TARGET = re.compile(r"`\((\.L\w+)\)")
+_LAST = threading.local()      # .entry: (instrs, its address -> position), per thread (report's pool)
+
+
+def _addr_index(instrs: list[Instr]) -> dict[int, int]:
+    """Address -> position in `instrs`, made once per function (every path search needs it)."""
+    entry = getattr(_LAST, "entry", None)
+    if entry is None or entry[0] is not instrs:
+        entry = _LAST.entry = (instrs, {i.addr: n for n, i in enumerate(instrs)})
+    return entry[1]
 
 def _branch_target(i: Instr, labels: dict[str, int]) -> int | None:
     if i.base not in ("BRA", "JMP"):
@@ -50,7 +60,7 @@ def _conditional(i: Instr) -> bool:
 def find_loops(instrs: list[Instr], labels: dict[str, int]) -> list[tuple[int, int]]:
     """(head index, back-edge index) of every backward branch (not the `BRA` to itself that
     pads the end of a function)."""
-    index = {i.addr: n for n, i in enumerate(instrs)}
+    index = _addr_index(instrs)
     loops = []
     for n, i in enumerate(instrs):
         t = _branch_target(i, labels)
@@ -75,7 +85,7 @@ def table_refills(instrs: list[Instr], labels: dict[str, int], head: int, latch:
     table of K/V row offsets there once every 16 tiles; such a region is not part of the steady
     state, however much it loads and stores. A warp's TMA issue block loads its page ids the same
     way but runs every iteration: the box issue in it makes it work."""
-    index = {i.addr: n for n, i in enumerate(instrs)}
+    index = _addr_index(instrs)
     out: set[int] = set()
     for n in range(head, latch):
         i = instrs[n]
@@ -116,7 +126,7 @@ def warp_selectors(instrs: list[Instr], labels: dict[str, int], head: int, latch
                 break
             if pred in d.operands.split(",")[0] or d.base in ("BRA", "BSYNC"):
                 break
-    index = {i.addr: n for n, i in enumerate(instrs)}
+    index = _addr_index(instrs)
     labels_of = {n: _TARGET.search(instrs[n].operands) for n in found}
     by_reg: dict[str, set[int]] = {}
     issuing: set[str] = set()   # registers whose block issues TMA: one issuer is a role too
@@ -129,7 +139,8 @@ def warp_selectors(instrs: list[Instr], labels: dict[str, int], head: int, latch
 
 
 def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: int,
-                assume: dict[str, int] | None = None, bulk_work: bool = True, longest: bool = False) -> list[int]:
+                assume: dict[str, int] | None = None, bulk_work: bool = True, longest: bool = False,
+                refills: set[int] | None = None, selectors: dict | None = None) -> list[int]:
     """Indices of the steady-state iteration: the most work (table refills count as none), then
     the fewest instructions. `assume` fixes registers of warp-selector branches (register ->
     value), so the path is one warp's: it takes that warp's block and skips the others'.
@@ -138,23 +149,31 @@ def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: i
     lengthens it (masking, tails, rescales, refills) -- the bound from above of one iteration,
     of the code between head and back edge: a region ptxas placed after the back edge (reached
     by a forward branch, returning by a backward one) is on neither path."""
-    index = {i.addr: n for n, i in enumerate(instrs)}
-    refills = table_refills(instrs, labels, head, latch)
-    selectors = warp_selectors(instrs, labels, head, latch) if assume else {}
-    # best[n] = (score, path) of the best path from head reaching instruction n (lowest score)
-    best: dict[int, tuple[tuple[int, int], list[int]]] = {head: ((0, 0), [])}
+    index = _addr_index(instrs)
+    if refills is None:      # (warp_paths passes both, made once per loop)
+        refills = table_refills(instrs, labels, head, latch)
+    if selectors is None or not assume:
+        selectors = warp_selectors(instrs, labels, head, latch) if assume else {}
+    # best[n] = (score, predecessor) of the best path from head reaching instruction n (lowest
+    # score); prev[n] once n is final: the path is read back from the latch
+    best: dict[int, tuple[tuple[int, int], int | None]] = {head: ((0, 0), None)}
+    prev: dict[int, int | None] = {}
     for n in range(head, latch + 1):
         if n not in best:
             continue
-        (work, size), path = best.pop(n)
+        (work, size), prev[n] = best.pop(n)
         i = instrs[n]
         counts = _is_work(i) if bulk_work else classify(i.opcode) in _WORK
         if longest:
-            work, size, path = work, size - 1, path + [n]
+            size -= 1
         else:
-            work, size, path = work - (counts and n not in refills), size + 1, path + [n]
+            work, size = work - (counts and n not in refills), size + 1
         if n == latch:
-            return path
+            path, k = [], n
+            while k is not None:
+                path.append(k)
+                k = prev[k]
+            return path[::-1]
         succ = []
         t = _branch_target(i, labels)
         taken = None
@@ -170,7 +189,7 @@ def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: i
             succ.append(n + 1)
         for s in succ:
             if s not in best or (work, size) < best[s][0]:
-                best[s] = ((work, size), path)
+                best[s] = ((work, size), n)
     return []
 
 
@@ -182,15 +201,15 @@ def warp_paths(instrs: list[Instr], labels: dict[str, int], head: int, latch: in
     and the others' ("issuer", "others"); else the one steady path, keyed "". `longest`: each
     warp's longest path (`steady_path`) instead."""
     selectors = warp_selectors(instrs, labels, head, latch)
+    known = {"longest": longest, "refills": table_refills(instrs, labels, head, latch), "selectors": selectors}
     regs = sorted({r for r, _ in selectors.values()})
     if len(regs) != 1:   # none, or several selector registers (not modelled)
-        issuer = steady_path(instrs, labels, head, latch, longest=longest)
-        others = steady_path(instrs, labels, head, latch, bulk_work=False, longest=longest)
+        issuer = steady_path(instrs, labels, head, latch, **known)
+        others = steady_path(instrs, labels, head, latch, bulk_work=False, **known)
         return {"issuer": issuer, "others": others} if others != issuer else {"": issuer}
     values = sorted({c for _, c in selectors.values()})
-    out = {f"{regs[0]}={v}": steady_path(instrs, labels, head, latch, {regs[0]: v}, longest=longest)
-           for v in values}
-    out[f"{regs[0]}=other"] = steady_path(instrs, labels, head, latch, {regs[0]: -1}, longest=longest)
+    out = {f"{regs[0]}={v}": steady_path(instrs, labels, head, latch, {regs[0]: v}, **known) for v in values}
+    out[f"{regs[0]}=other"] = steady_path(instrs, labels, head, latch, {regs[0]: -1}, **known)
     return out
 
 

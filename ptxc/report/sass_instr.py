@@ -6,7 +6,7 @@ registers it names (`registers`)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Instruction classes, in report order: name -> predicate on (base opcode, full opcode).
 CLASSES = ("tensor", "umma", "ldsm", "ldgsts", "ldg", "stg", "lds", "sts", "tmem", "mufu", "fp32",
@@ -54,10 +54,11 @@ class Instr:
     guard: str          # "" or "@P0", "@!PT", ...
     opcode: str         # full: "LDG.E.128"
     operands: str       # text between the opcode and ';'
+    # the opcode without modifiers ("LDG"), made once: the analyses ask it of every instruction
+    base: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def base(self) -> str:
-        return self.opcode.split(".")[0]
+    def __post_init__(self):
+        object.__setattr__(self, "base", self.opcode.split(".")[0])
 
 
 def parse_functions(text: str) -> dict[str, tuple[list[Instr], dict[str, int]]]:
