@@ -159,7 +159,7 @@ class KernelBuilder(ControlFlowOps, TensorCoreOps, ConvertOps, HopperOps, Blackw
 
     @staticmethod
     def _type_of(*vals: Value, what: str) -> PtxType:
-        typed = [v.type for v in vals if v.__class__ in _TYPED or isinstance(v, (Reg, Imm, Special, Sym))]
+        typed = [v.type for v in vals if isinstance(v, _TYPED)]
         if not typed:
             raise IRError(f"{what}: cannot infer a type from immediates alone; pass type=")
         first = typed[0]
