@@ -152,8 +152,10 @@ def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: i
     index = _addr_index(instrs)
     if refills is None:      # (warp_paths passes both, made once per loop)
         refills = table_refills(instrs, labels, head, latch)
-    if selectors is None or not assume:
-        selectors = warp_selectors(instrs, labels, head, latch) if assume else {}
+    if not assume:
+        selectors = {}
+    elif selectors is None:
+        selectors = warp_selectors(instrs, labels, head, latch)
     # best[n] = (score, predecessor) of the best path from head reaching instruction n (lowest
     # score); prev[n] once n is final: the path is read back from the latch
     best: dict[int, tuple[tuple[int, int], int | None]] = {head: ((0, 0), None)}
