@@ -240,11 +240,16 @@ class KVAccess:
 
     def slot_place(self, b: KernelBuilder, slot: Reg) -> tuple[Reg, Reg, Reg]:
         """(page s32, 0 <= slot < num_pages * page_size, offset u32) of a slot (s64)."""
-        slots = self.slot_count(b)
-        ok = b.and_(b.setp("ge", slot, 0), b.setp("lt", slot, slots))
+        ok = self.slot_in_cache(b, slot)
         # in range, the page fits s32 (num_pages is a u32 dim < 2^31 pages of >= 1 row)
         safe = b.selp(slot, 0, ok)
         return b.cvt(S32, self.page_of(b, safe)), ok, b.cvt(U32, self.offset_in_page(b, safe))
+
+    def slot_in_cache(self, b: KernelBuilder, slot: Reg) -> Reg:
+        """pred: 0 <= slot (s64) < num_pages * page_size -- the one range check of a slot (-1
+        pads; anything outside the cache is never dereferenced)."""
+        slots = self.slot_count(b)
+        return b.and_(b.setp("ge", slot, 0), b.setp("lt", slot, slots))
 
     def slot_count(self, b: KernelBuilder) -> Reg:
         return b.mul(b.cvt(S64, self.regs["num_pages"]), self.page_size)
@@ -257,9 +262,7 @@ class KVAccess:
         with b.predicate(inside):
             b.ld("global", S32, Addr(C.element_offset(b, index_row, b.bitcast(key, U32), b.mov(4, S64))),
                  nc=True, out=[slot])
-        wide = b.cvt(S64, slot)
-        ok = b.and_(b.setp("ge", wide, 0), b.setp("lt", wide, self.slot_count(b)))
-        return b.not_(ok)
+        return b.not_(self.slot_in_cache(b, b.cvt(S64, slot)))
 
 
 def page_as_s64(b: KernelBuilder, page: Reg) -> Reg:

@@ -204,9 +204,7 @@ class SparseSlots:
         if self.issued < self.prologue:
             self._fetch(q)           # a prologue tile's word: its slots, loaded once more
             with b.if_then(b.setp("lt", self.tid, 32)):
-                ok = b.and_(self.own, b.and_(b.setp("ge", self.mine, 0),
-                                             b.setp("lt", b.cvt(S64, self.mine), self.kv.slot_count(b))))
-                self._publish(q, ok)
+                self._publish(q, b.and_(self.own, self.kv.slot_in_cache(b, b.cvt(S64, self.mine))))
         if self.issued == self.prologue - 1:
             self._fetch(b.add(q, 1))
         if self.issued >= self.prologue - 1:
