@@ -1,5 +1,5 @@
-"""Prefill tile configuration: the spec keys, the frozen PrefillConfig, the default tile per
-target and head_dim (sized for occupancy, docs/kernels.md) and the checks on a given tile.
+"""Prefill tile configuration: the frozen PrefillConfig, the default tile per target and
+head_dim (sized for occupancy, docs/kernels.md) and the checks on a given tile.
 Shared by the prefill family (prefill.py) and varlen, which reuses PrefillConfig for its
 GQA-packed tensor-core body."""
 
@@ -9,82 +9,16 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...errors import SpecError
-from ...spec.fields import Field, FamilyFields, int_range, head_dim_range
 from ...spec.model import KernelSpec
 from ...targets import KIB, MAX_REGS_PER_THREAD, Target
 from .. import common as C
 from ..attention.mask_tiles import classified_tiles
-from ..attention.variant import VARIANT_FIELDS, head_dim_v
+from ..attention.variant import head_dim_v
 from ..kv.kv_pages import RING_ENTRY, VALID_WORDS
 from ..mainloop.tiles import SWIZZLE_ALIGN, TileGeom, swizzle_fits
 from .register_floor import narrow_block_n, needs_floor
 
-_hd_check, _hd_allowed = head_dim_range(8, 512)
 MAX_SIMT_HEAD_DIM = 256   # f32 path: a 2 KiB row would not fit Q + K/V tiles in shared memory
-_POW2_TILE = (16, 32, 64, 128, 256)
-FIELDS = FamilyFields(
-    fields=(
-        Field("head_dim", "int", "elements per head", check=_hd_check, allowed=_hd_allowed),
-        Field("causal", "bool", "causal mask, aligned bottom-right: query i sees key j iff "
-              "j <= i + seq_k - seq_q", default=False),
-        Field("return_lse", "bool", "also write lse [batch, num_heads, seq_q] (f32, natural log)",
-              default=False),
-        Field("custom_mask", "str", '"packed": runtime custom_mask bits + mask_indptr, a seq_q x '
-              'seq_k bit matrix per batch entry (needs causal = false; f16/bf16), or "none" '
-              '(docs/spec.md)', default="none", choices=("none", "packed")),
-        *VARIANT_FIELDS,
-    ),
-    tile=(
-        Field("block_m", "int", "query rows per CTA (tensor cores: 16 per warp; 192: the sm_90a "
-              "warp-specialised kernel's three consumer warpgroups)", default=None,
-              choices=(*_POW2_TILE[:4], 192, _POW2_TILE[4])),
-        Field("block_n", "int", "keys per K/V tile", default=None, choices=_POW2_TILE),
-        Field("num_warps", "int", "warps per CTA (tensor cores: block_m / 16)", default=None,
-              choices=(1, 2, 4, 8, 16)),
-        Field("num_stages", "int", "K/V tiles in flight in the cp.async pipeline", default=None,
-              choices=(1, 2, 3, 4)),
-        Field("warp_rows", "int", "query rows per warp on tensor cores: 16, or 32 as two m16 "
-              "tiles sharing each K/V fragment (docs/kernels.md)", default=None, choices=(16, 32)),
-        Field("smem_layout", "str", "shared-memory tiles (tensor cores): rows padded to an odd "
-              "number of 16-byte chunks, or XOR-swizzled chunks without padding (docs/kernels.md; "
-              "default: padded unless only swizzled tiles fit)", default=None,
-              choices=("padded", "swizzled")),
-        Field("kv_loads", "str", "how the sm_90a wgmma kernel loads Q/K/V tiles: TMA boxes under "
-              "mbarriers (tensor-map parameters; the default), or per-thread cp.async "
-              "(docs/kernels.md \"Hopper\")", default=None, choices=("tma", "cp_async")),
-        Field("warp_specialize", "bool", "sm_90a TMA kernel: one producer warpgroup issues the "
-              "loads under full/empty mbarriers, the block_m / 64 consumer warpgroups compute "
-              "(setmaxnreg; the default with TMA loads; docs/kernels.md \"Hopper\")", default=None),
-        Field("pingpong", "bool", "sm_90a warp-specialised kernel with two consumer warpgroups: "
-              "they take turns at issuing their wgmma on named barriers, one's softmax under the "
-              "other's products (FlashAttention-3; docs/kernels.md \"Hopper\")", default=False),
-        Field("exp2_poly", "int", "sm_100a tcgen05 kernel: of every 8 exponentials of a row, how "
-              "many an FMA polynomial computes instead of MUFU.EX2 (FlashAttention-4's trick where "
-              "MUFU bounds the softmax; relative error 8.8e-5, below P's rounding; 0: none)",
-              default=None, choices=tuple(range(9))),
-        Field("correction", "bool", "sm_100a warp-specialised tcgen05 kernel: a correction "
-              "warpgroup rescales O in tensor memory when a row's running max grew past the "
-              "lazy slack, so the softmax warps never wait for the previous P·V "
-              "(FlashAttention-4's; P double-buffered; with q_tiles = 2 it serves both tiles; "
-              "docs/kernels.md \"tcgen05\")",
-              default=None),
-        Field("tma_store", "bool", "sm_90a / sm_100a TMA kernels: O leaves through shared "
-              "memory (stmatrix) by TMA stores (one box a 128-byte column slab, clipped at "
-              "seq_q) instead of the threads' row stores (FlashAttention-3's epilogue; untimed, "
-              "hence off)",
-              default=None),
-        Field("persistent", "bool", "sm_90a warp-specialised TMA kernel: a grid of one CTA per "
-              "resident slot (the persistent_ctas dim: SMs x CTAs per SM, from the device at "
-              "launch) whose CTAs take the query tiles in turn; the producer loads the next "
-              "tile's Q and K/V during this tile's epilogue (FlashAttention-3's persistent "
-              "scheduler; block_m 64 or 128, 32-key tiles at d256; untimed, hence off; "
-              "docs/kernels.md \"Persistent CTAs\")", default=None),
-        Field("q_tiles", "int", "sm_100a warp-specialised tcgen05 kernel: Q tiles of 128 rows per "
-              "CTA sharing each K/V tile (2: FlashAttention-4's two tiles, their softmax warps' "
-              "work interleaved on the MMA warp; docs/kernels.md \"tcgen05\")",
-              default=None, choices=(1, 2)),
-    ),
-)
 SIMT_LANES_PER_ROW = 8    # f32 path: lanes sharing a query row (its keys and its head_dim chunks)
 REG_OVERHEAD = 40         # addresses, loop state, softmax temporaries (register estimate)
 

@@ -15,22 +15,90 @@ from typing import Callable
 
 from ...errors import SpecError
 from ...ir import S64, U32, U64, KernelBuilder
+from ...spec.fields import Field, FamilyFields, head_dim_range
 from ...spec.model import KernelSpec
 from ...targets import TARGETS, Target
 from .. import common as C
 from ..attention.prefill_tile import PERSISTENT_DIM, PERSISTENT_MAX, PERSISTENT_RULE
 from ..attention.variant import (
-    default_seq_len, head_dim_v, mask_bytes_param, validate_variant, variant_inputs,
+    VARIANT_FIELDS, default_seq_len, head_dim_v, mask_bytes_param, validate_variant, variant_inputs,
     variant_reference_args, variant_tensors)
 from ..base import Family, Interface, Launch, LaunchParam, ParamSource, Program, TensorInfo
 from ..bodies import prefill_cp_async, prefill_tma
 from ..config import tcgen05 as tc  # sm_100a/sm_103a f16/bf16, head dims 64/128
 from ..config import wgmma as wg  # sm_90a f16/bf16, head dims 64/128/192/256
-from ..config.prefill import FIELDS, MAX_SIMT_HEAD_DIM, configure
+from ..config.prefill import MAX_SIMT_HEAD_DIM, configure
 from ..mainloop.tiles import swizzled_slot, thread_slot
 from ..math.mma import MmaMath
 from ..math.simt import SimtMath
 from ..math.wgmma import WgmmaMath
+
+# the spec keys: the family's, then its tile's
+_hd_check, _hd_allowed = head_dim_range(8, 512)
+_POW2_TILE = (16, 32, 64, 128, 256)
+FIELDS = FamilyFields(
+    fields=(
+        Field("head_dim", "int", "elements per head", check=_hd_check, allowed=_hd_allowed),
+        Field("causal", "bool", "causal mask, aligned bottom-right: query i sees key j iff "
+              "j <= i + seq_k - seq_q", default=False),
+        Field("return_lse", "bool", "also write lse [batch, num_heads, seq_q] (f32, natural log)",
+              default=False),
+        Field("custom_mask", "str", '"packed": runtime custom_mask bits + mask_indptr, a seq_q x '
+              'seq_k bit matrix per batch entry (needs causal = false; f16/bf16), or "none" '
+              '(docs/spec.md)', default="none", choices=("none", "packed")),
+        *VARIANT_FIELDS,
+    ),
+    tile=(
+        Field("block_m", "int", "query rows per CTA (tensor cores: 16 per warp; 192: the sm_90a "
+              "warp-specialised kernel's three consumer warpgroups)", default=None,
+              choices=(*_POW2_TILE[:4], 192, _POW2_TILE[4])),
+        Field("block_n", "int", "keys per K/V tile", default=None, choices=_POW2_TILE),
+        Field("num_warps", "int", "warps per CTA (tensor cores: block_m / 16)", default=None,
+              choices=(1, 2, 4, 8, 16)),
+        Field("num_stages", "int", "K/V tiles in flight in the cp.async pipeline", default=None,
+              choices=(1, 2, 3, 4)),
+        Field("warp_rows", "int", "query rows per warp on tensor cores: 16, or 32 as two m16 "
+              "tiles sharing each K/V fragment (docs/kernels.md)", default=None, choices=(16, 32)),
+        Field("smem_layout", "str", "shared-memory tiles (tensor cores): rows padded to an odd "
+              "number of 16-byte chunks, or XOR-swizzled chunks without padding (docs/kernels.md; "
+              "default: padded unless only swizzled tiles fit)", default=None,
+              choices=("padded", "swizzled")),
+        Field("kv_loads", "str", "how the sm_90a wgmma kernel loads Q/K/V tiles: TMA boxes under "
+              "mbarriers (tensor-map parameters; the default), or per-thread cp.async "
+              "(docs/kernels.md \"Hopper\")", default=None, choices=("tma", "cp_async")),
+        Field("warp_specialize", "bool", "sm_90a TMA kernel: one producer warpgroup issues the "
+              "loads under full/empty mbarriers, the block_m / 64 consumer warpgroups compute "
+              "(setmaxnreg; the default with TMA loads; docs/kernels.md \"Hopper\")", default=None),
+        Field("pingpong", "bool", "sm_90a warp-specialised kernel with two consumer warpgroups: "
+              "they take turns at issuing their wgmma on named barriers, one's softmax under the "
+              "other's products (FlashAttention-3; docs/kernels.md \"Hopper\")", default=False),
+        Field("exp2_poly", "int", "sm_100a tcgen05 kernel: of every 8 exponentials of a row, how "
+              "many an FMA polynomial computes instead of MUFU.EX2 (FlashAttention-4's trick where "
+              "MUFU bounds the softmax; relative error 8.8e-5, below P's rounding; 0: none)",
+              default=None, choices=tuple(range(9))),
+        Field("correction", "bool", "sm_100a warp-specialised tcgen05 kernel: a correction "
+              "warpgroup rescales O in tensor memory when a row's running max grew past the "
+              "lazy slack, so the softmax warps never wait for the previous P·V "
+              "(FlashAttention-4's; P double-buffered; with q_tiles = 2 it serves both tiles; "
+              "docs/kernels.md \"tcgen05\")",
+              default=None),
+        Field("tma_store", "bool", "sm_90a / sm_100a TMA kernels: O leaves through shared "
+              "memory (stmatrix) by TMA stores (one box a 128-byte column slab, clipped at "
+              "seq_q) instead of the threads' row stores (FlashAttention-3's epilogue; untimed, "
+              "hence off)",
+              default=None),
+        Field("persistent", "bool", "sm_90a warp-specialised TMA kernel: a grid of one CTA per "
+              "resident slot (the persistent_ctas dim: SMs x CTAs per SM, from the device at "
+              "launch) whose CTAs take the query tiles in turn; the producer loads the next "
+              "tile's Q and K/V during this tile's epilogue (FlashAttention-3's persistent "
+              "scheduler; block_m 64 or 128, 32-key tiles at d256; untimed, hence off; "
+              "docs/kernels.md \"Persistent CTAs\")", default=None),
+        Field("q_tiles", "int", "sm_100a warp-specialised tcgen05 kernel: Q tiles of 128 rows per "
+              "CTA sharing each K/V tile (2: FlashAttention-4's two tiles, their softmax warps' "
+              "work interleaved on the MMA warp; docs/kernels.md \"tcgen05\")",
+              default=None, choices=(1, 2)),
+    ),
+)
 
 
 def interface(spec: KernelSpec) -> Interface:
