@@ -9,7 +9,8 @@ Datasheets print tensor figures "with sparsity"; the dense figure is half of tha
 Figures checked (2026) against public copies and quotations of the vendor documents:
 A100, H100, H200 (tensor, f32, bandwidth), L40S (tensor 362.05, f32 91.6, 864 GB/s), RTX 4090
 (165.2 with f32 accumulate, 82.6 f32, 1008 GB/s). NOT confirmed against the vendor document
-itself, only secondary copies: RTX 5090 tensor with f32 accumulate (209.5; GeForce parts run
+itself, only secondary copies: every B200 figure (no Blackwell datacenter GPU has been lent, so
+its rows are bounds that no timing has checked); RTX 5090 tensor with f32 accumulate (209.5; GeForce parts run
 f32 accumulate at half the f16-accumulate rate of 419) and its f32 peak (104.8 in the RTX
 Blackwell whitepaper, 105 in reviews); the SM count of the L40S (142, from its 142 RT cores =
 one per SM); L2 sizes (used only to size the L2 flush, which reads the real size from the
@@ -69,6 +70,13 @@ GPUS: dict[str, GpuModel] = {g.key: g for g in (
     GpuModel("h200", "H200 SXM", 90, 132, 989.4, 66.9, 4800.0, 50 * MB,
              "NVIDIA H200 Tensor Core GPU datasheet (SXM column: same compute as H100 SXM, "
              "4.8 TB/s HBM3e)", r"H200", clock_mhz=1830),
+    # Blackwell's datacenter part: 8192 dense f16 FLOP per SM per clock (Hopper's 4096 doubled);
+    # the tensor peak implies the 1856 MHz clock, as H100's implies 1830
+    GpuModel("b200", "B200", 100, 148, 2250.0, 80.0, 8000.0, 126 * MB,
+             "NVIDIA Blackwell datasheet, HGX B200 (1000 W) column as quoted by secondary sources "
+             "(FP16/BF16 tensor 4.5 PF sparse / 2 = 2250, FP32 80, HBM3e up to 8 TB/s; the HGX "
+             "B200 page's 62 TB/s over 8 GPUs is 7.7); 148 SMs and the L2 size from device "
+             "reports, not the vendor document", r"(?<!G)B200", clock_mhz=1856),
     GpuModel("l40s", "L40S", 89, 142, 362.05, 91.6, 864.0, 48 * MB,
              "NVIDIA L40S datasheet (FP16/BF16 tensor 362.05 dense / 733 sparse, FP32 91.6, "
              "864 GB/s)", r"L40S", clock_mhz=2520),

@@ -124,13 +124,16 @@ def test_unknown_family_and_bad_shape_are_clear_errors():
 
 
 def test_gpu_table():
-    assert {g.sm for g in GPUS.values()} == {80, 89, 90, 120}
+    assert {g.sm for g in GPUS.values()} == {80, 89, 90, 100, 120}
     assert all(g.source and g.tensor_tflops > g.f32_tflops > 0 and g.bandwidth_gbs > 0 for g in GPUS.values())
     assert [g.key for g in models_for_target("sm_90a")] == ["h100-sxm", "h200"]
     assert get_gpu("RTX 4090").key == "rtx-4090" and get_gpu("H200 SXM").key == "h200"
     assert match_device("NVIDIA H100 80GB HBM3").key == "h100-sxm"
     assert match_device("NVIDIA A100-SXM4-80GB").key == "a100-sxm"
     assert match_device("NVIDIA H100 PCIe") is None and match_device("NVIDIA A100-SXM4-40GB") is None
+    # B200 bounds the sm_100a kernels; a GB200 (1200 W, other peaks) is not taken for one
+    assert [g.key for g in models_for_target("sm_100a")] == ["b200"] and not models_for_target("sm_103a")
+    assert match_device("NVIDIA B200").key == "b200" and match_device("NVIDIA GB200") is None
     with pytest.raises(UserError, match="unknown GPU model"):
         get_gpu("voodoo2")
 
