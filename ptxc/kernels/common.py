@@ -49,6 +49,16 @@ def check_dtype_target(dtype: str, targets) -> None:
                             f"use f16/f32 for {t} or drop it", key="targets")
 
 
+def path_key_fix(targets, takers) -> str:
+    """The advice ending a refusal of a tile key only some paths take (`takers`: the targets
+    whose path could): add one of them -- or, where the kernel lists one already, its shapes
+    (dtype, head sizes, cache) are what keeps the path off."""
+    listed = [t for t in targets if t in takers]
+    if listed:
+        return f"{', '.join(listed)} is listed, but not with these shapes: change them or drop the key"
+    return f"add {' or '.join(takers)} or drop the key"
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

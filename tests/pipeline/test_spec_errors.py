@@ -10,6 +10,8 @@ from ptxc.kernels import load_text
 
 BASE = '[[kernel]]\nname = "k"\nfamily = "decode"\ndtype = "f16"\nnum_heads = 8\nhead_dim = 64\n'
 
+PREFILL = BASE.replace('"decode"', '"prefill"')
+VARLEN = BASE.replace('"decode"', '"varlen"')
 CASES = {
     "unknown key": (BASE + "head_dims = 64\n",
                     ["kernel #0 'k'", "key 'head_dims'", "did you mean 'head_dim'?"]),
@@ -47,6 +49,20 @@ CASES = {
     "kernel not a table array": ("kernel = 3\n", ["key 'kernel'", "array of tables"]),
     "infinite scale": (BASE + "softmax_scale = inf\n", ["key 'softmax_scale'", "finite"]),
     "bad placeholder": (BASE.replace('"k"', '"k_{nope}"'), ["key 'name'", "bad placeholder"]),
+    # a path key whose target is listed: the shapes keep the path off, not the targets
+    "path key, target listed": (
+        PREFILL.replace("head_dim = 64", "head_dim = 96") + 'targets = ["sm_100a"]\n[kernel.tile]\nexp2_poly = 3\n',
+        ["key 'tile.exp2_poly'", "sm_100a is listed, but not with these shapes: change them or drop the key"]),
+    "path key, target missing": (
+        PREFILL + 'targets = ["sm_90a"]\n[kernel.tile]\nexp2_poly = 3\n',
+        ["key 'tile.exp2_poly'", "add sm_100a or sm_103a or drop the key"]),
+    "varlen path key, target listed": (
+        VARLEN.replace("head_dim = 64", "head_dim = 40") + 'targets = ["sm_103a"]\n[kernel.tile]\nwarp_specialize = true\n',
+        ["key 'tile.warp_specialize'", "sm_103a is listed, but not with these shapes"]),
+    "sparse block_m": (
+        '[[kernel]]\nname = "k"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = 16\nkv_lora_rank = 512\n'
+        'qk_rope_head_dim = 64\nsoftmax_scale = 0.07\nsparse_topk = 64\n[kernel.tile]\nblock_m = 64\n',
+        ["key 'tile.block_m'", "allowed: 16 (a divisor of num_heads)"]),
 }
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...errors import SpecError
+from .. import common as C
 from ..attention import latent_tcgen05 as ltc
 from ..attention import latent_tile as lt
 from ..attention import varlen_tile as vt
@@ -98,8 +99,8 @@ def check_tile_keys(spec, configs: list) -> None:
         raise SpecError(f"correction = true with dtype {spec.dtype}, head_dim "
                         f"{spec.head_dim}, targets {targets}: only the sm_100a "
                         f"tcgen05 kernel has correction warps (f16/bf16 caches loaded by TMA, "
-                        f"head_dim and head_dim_v 64, 128, 192 or 256, block_m 64 or 128); add "
-                        f"sm_100a or drop the key", key="tile.correction")
+                        f"head_dim and head_dim_v 64, 128, 192 or 256, block_m 64 or 128); "
+                        f"{C.path_key_fix(spec.targets, ('sm_100a', 'sm_103a'))}", key="tile.correction")
 
     def specialised(cfg) -> bool:   # tcgen05's roles, or the sm_90a TMA tile's producer
         return isinstance(cfg, vt.Tcgen05TileConfig) or (
@@ -111,8 +112,9 @@ def check_tile_keys(spec, configs: list) -> None:
                         f"{targets}: only the kernels fed by TMA have a "
                         f"producer (the sm_90a wgmma tile: f16/bf16 caches, contiguous or "
                         f"pages of >= 8 rows, head_dim and head_dim_v 64, 128, 192 or 256, "
-                        f"block_m 64 or 128; the sm_100a tcgen05 tile); add sm_90a or "
-                        f"sm_100a, or drop the key", key="tile.warp_specialize")
+                        f"block_m 64 or 128; the sm_100a tcgen05 tile); "
+                        f"{C.path_key_fix(spec.targets, ('sm_90a', 'sm_100a', 'sm_103a'))}",
+                        key="tile.warp_specialize")
     if tile.get("pingpong") and not any(getattr(c, "pingpong", False) for c in configs):
         raise SpecError(f"pingpong = true with block_m {tile.get('block_m', 64)}, "
                         f"targets {targets}: the consumers' ping-pong needs the "
@@ -124,5 +126,6 @@ def check_tile_keys(spec, configs: list) -> None:
                         f"{spec.head_dim}, targets {targets}: TMA feeds only "
                         f"the sm_90a wgmma kernel (f16/bf16 caches, head_dim and head_dim_v "
                         f"64, 128, 192 or 256, block_m 64 or 128) and the sm_100a tcgen05 "
-                        f"one (head_dim 64 or 128); add sm_90a or drop the key",
+                        f"one (head_dim 64 or 128); "
+                        f"{C.path_key_fix(spec.targets, ('sm_90a', 'sm_100a', 'sm_103a'))}",
                         key="tile.kv_loads")

@@ -271,9 +271,10 @@ def check_sparse(spec: KernelSpec) -> None:
                         f"16 rows per warp; allowed: a multiple of 16", key="num_heads")
     bm = spec.tile_dict().get("block_m")
     if bm and spec.num_heads % bm:
+        fits = [m for m in (16, 32, 64) if spec.num_heads % m == 0]
         raise SpecError(f"block_m = {bm} with num_heads = {spec.num_heads}: a sparse tile holds "
-                        f"one token's heads; allowed: a divisor of num_heads (16, 32 or 64)",
-                        key="tile.block_m")
+                        f"one token's heads; allowed: {' or '.join(map(str, fits))} (a divisor "
+                        f"of num_heads)", key="tile.block_m")
 
 
 def interface(spec: KernelSpec) -> Interface:

@@ -237,10 +237,10 @@ def validate(spec: KernelSpec) -> None:
             takers = [p for p in PATHS if key in p.keys]
             shown = f'"{value}"' if isinstance(value, str) else str(value).lower()
             names = " and ".join(f"{p.name} ({p.shapes})" for p in takers)
+            fix = C.path_key_fix(spec.targets, [t for p in takers for t in p.targets])
             raise SpecError(f"{key} = {shown} with dtype {spec.dtype}, head_dim {spec.head_dim}, "
                             f"targets {', '.join(spec.targets)}: only {names} "
-                            f"{'takes' if len(takers) == 1 else 'take'} it; add "
-                            f"{' or '.join(t for p in takers for t in p.targets)} or drop the key",
+                            f"{'takes' if len(takers) == 1 else 'take'} it; {fix}",
                             key=f"tile.{key}")
 
 
