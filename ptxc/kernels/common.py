@@ -55,7 +55,8 @@ def path_key_fix(targets, takers) -> str:
     (dtype, head sizes, cache) are what keeps the path off."""
     listed = [t for t in targets if t in takers]
     if listed:
-        return f"{', '.join(listed)} is listed, but not with these shapes: change them or drop the key"
+        return (f"{', '.join(listed)} is listed, but this kernel's dtype, head sizes or cache keep "
+                f"it off that path: change them or drop the key")
     return f"add {' or '.join(takers)} or drop the key"
 
 
