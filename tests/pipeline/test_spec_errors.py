@@ -59,6 +59,9 @@ CASES = {
     "varlen path key, target listed": (
         VARLEN.replace("head_dim = 64", "head_dim = 40") + 'targets = ["sm_103a"]\n[kernel.tile]\nwarp_specialize = true\n',
         ["key 'tile.warp_specialize'", "sm_103a is listed, but"]),
+    "varlen ping-pong, no sm_90a": (
+        VARLEN + 'num_kv_heads = 2\ntargets = ["sm_100a"]\n[kernel.tile]\npingpong = true\nblock_m = 128\n',
+        ["key 'tile.pingpong'", "add sm_90a or drop the key"]),
     "sparse block_m": (
         '[[kernel]]\nname = "k"\nfamily = "mla"\ndtype = "bf16"\nnum_heads = 16\nkv_lora_rank = 512\n'
         'qk_rope_head_dim = 64\nsoftmax_scale = 0.07\nsparse_topk = 64\n[kernel.tile]\nblock_m = 64\n',

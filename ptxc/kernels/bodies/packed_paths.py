@@ -119,8 +119,9 @@ def check_tile_keys(spec, configs: list) -> None:
         raise SpecError(f"pingpong = true with block_m {tile.get('block_m', 64)}, "
                         f"targets {targets}: the consumers' ping-pong needs the "
                         f"sm_90a warp-specialised TMA tile with two consumer warpgroups "
-                        f"(block_m = 128, num_warps = 8, warp_specialize = true); add them or "
-                        f"drop the key", key="tile.pingpong")
+                        f"(block_m = 128, num_warps = 8, warp_specialize = true); "
+                        f"{'add them' if 'sm_90a' in spec.targets else 'add sm_90a'} or drop the "
+                        f"key", key="tile.pingpong")
     if tile.get("kv_loads") == "tma" and not any(isinstance(c, vt.WgmmaTileConfig) for c in configs):
         raise SpecError(f"kv_loads = \"tma\" with dtype {spec.dtype}, head_dim "
                         f"{spec.head_dim}, targets {targets}: TMA feeds only "
