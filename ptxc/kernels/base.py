@@ -137,6 +137,10 @@ class Family:
     # The dtype the kernel's row sums take the probabilities in (tensor-core row sums), if not f32:
     # the lse tolerance's naive computation rounds them the same way (ptxc/reference).
     row_sum_dtype: Callable[[KernelSpec], str | None] | None = None
+    # The cache rows no query reads, per cache tensor (a boolean mask over its row axes) for
+    # make_inputs' inputs: launch-test fills them with NaN before the kernel runs
+    # (attention/unread_rows.py); None: the family's inputs mark their own, or it has no cache.
+    unread: Callable[[KernelSpec, dict[str, Any]], dict[str, Any]] | None = None
     # Fills the common values the family derives from its own keys (mla: head_dim, one KV head),
     # refusing given values that disagree; called on the validated keys before the defaults.
     derive: Callable[[dict[str, Any]], None] | None = None

@@ -69,6 +69,7 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
     import numpy as np
 
     from ..kernels import FAMILIES
+    from ..kernels.attention.unread_rows import poisoned
     from ..spec.model import KernelSpec
     from .abi import DIM_MAX, check_buffer_budget
     spec = KernelSpec.from_dict(art.meta["spec"])
@@ -109,7 +110,14 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
     tol = {name: max(tolerance(n[name], ref[name]) for n in naive_by_dtype[baseline(name)])
            for name in ref}
     shape = ",".join(f"{k}={v}" for k, v in sorted(dims.items()))
+    # NaN in every cache row no query reads (attention/unread_rows.py): the kernel runs on the
+    # poisoned copy, the references above on the clean inputs
+    unread = family.unread(spec, inputs) if family.unread else {}
+    run_inputs = poisoned(inputs, unread) if unread else inputs
     features = exercised_features(art, spec, dims, inputs)
+    if unread:
+        rows_nan = int(next(iter(unread.values())).sum())
+        features += (f"NaN in {rows_nan} unread cache rows" if rows_nan else "NOT unread cache rows",)
     rows = []
     # on a GPU, every target the device can run: its own cubin and older targets' PTX (JIT)
     default = device.runnable_targets(art) if device is not None else sorted(art.meta["targets"])
@@ -120,14 +128,32 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
         if device is not None:
             device.last_ms.clear()
         with progress_notes(f"{backend}: {art.name} [{target}] at {shape}"):
-            out = art.run(inputs, target=target, backend=backend, device=device)
+            out = art.run(run_inputs, target=target, backend=backend, device=device)
         secs = time.perf_counter() - t0
         ms = sum(device.last_ms) if device is not None and device.last_ms else None
         for name in sorted(ref):
+            got, err = out[name], 0.0
+            if name in unread:   # an inout cache: its unread rows must come back as they went in
+                got, err = unread_rows_kept(got, ref[name], run_inputs[name], unread[name])
             rows.append(CheckRow(art.name, target, backend, shape, name,
-                                 max_abs_error(out[name], ref[name]), tol[name],
+                                 max(err, max_abs_error(got, ref[name])), tol[name],
                                  secs, ms, features))
     return rows
+
+
+def unread_rows_kept(got, want, sent, mask):
+    """(`got` with its unread rows taken from the reference `want`, inf if any of them is not
+    what the kernel was given in `sent` (NaN stays NaN, FP8 bytes stay those bytes) -- a write
+    outside the rows it owns)."""
+    import numpy as np
+    got = np.asarray(got)
+    a, b = got[mask], np.asarray(sent)[mask]
+    floats = np.issubdtype(a.dtype, np.floating) and np.issubdtype(b.dtype, np.floating)
+    kept = np.array_equal(a.astype(np.float64), b.astype(np.float64), equal_nan=True) if floats \
+        else a.dtype == b.dtype and np.array_equal(a, b)
+    fixed = np.array(got, copy=True)
+    fixed[mask] = np.asarray(want)[mask]
+    return fixed, (0.0 if kept else float("inf"))
 
 
 def exercised_features(art, spec, dims: dict, inputs: dict) -> tuple[str, ...]:

@@ -308,6 +308,22 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
     return inputs
 
 
+def unread(spec: KernelSpec, inputs: dict) -> dict:
+    """The cache rows no decode query reads: past L, and before the window or chunk of the
+    query at L - 1 (attention/unread_rows.py)."""
+    import numpy as np
+
+    from ..attention.unread_rows import key_ranges, row_mask
+    rows = inputs["k_cache"].shape[:2]
+    table = inputs.get("block_table")
+    capacity = rows[1] if table is None else table.shape[1] * rows[1]
+    lens = np.clip(np.asarray(inputs["seq_lens"], np.int64), 0, capacity).tolist()
+    ranges = key_ranges(lens, [L - 1 if L > 0 else None for L in lens],
+                        spec.opt("sliding_window"), spec.opt("attention_chunk"))
+    mask = row_mask(ranges, rows, table)
+    return {"k_cache": mask, "v_cache": mask}
+
+
 def dense_caches(spec: KernelSpec, inputs: dict) -> tuple:
     """Gather a paged cache into [batch, rows, Hk, d] for the reference."""
     if spec.opt("kv_layout") != "paged":
@@ -339,6 +355,6 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
 
 FAMILY = Family(name="decode", doc=__doc__.split("\n")[0], fields=FIELDS, validate=validate,
                 interface=interface, build=build, resolve_tile=resolve_tile,
-                make_inputs=make_inputs, reference=reference,
+                make_inputs=make_inputs, reference=reference, unread=unread,
                 row_sum_dtype=lambda spec: spec.dtype if decode_mma.uses_mma(spec) else None,
                 tile_groups=(decode_mma.SIMT_TILE_KEYS, decode_mma.MMA_TILE_KEYS))

@@ -395,6 +395,11 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
     return inputs
 
 
+def unread(spec: KernelSpec, inputs: dict) -> dict:
+    from .varlen_inputs import unread
+    return unread(spec, inputs)
+
+
 def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
     from .varlen_inputs import varlen_reference
     k, v = kv_fp8.dequantized(spec, inputs, inputs["k_cache"], inputs["v_cache"])
@@ -404,7 +409,7 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
 
 FAMILY = Family(name="varlen", doc=__doc__.split("\n")[0], fields=FIELDS, validate=validate,
                 interface=interface, build=build, resolve_tile=resolve_tile,
-                make_inputs=make_inputs, reference=reference,
+                make_inputs=make_inputs, reference=reference, unread=unread,
                 row_sum_dtype=lambda spec: None if spec.dtype == "f32" else spec.dtype,
                 ptx_reads_all_targets=latent_cache)     # latent_block_m fits every target
 
