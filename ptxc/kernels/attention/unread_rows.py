@@ -60,6 +60,20 @@ def row_mask(ranges: list[tuple[int, int]], rows_shape: tuple[int, int],
     return unread
 
 
+def unread_cache_rows(spec, inputs: dict, first_position) -> dict[str, np.ndarray]:
+    """{k_cache, v_cache: the rows no query reads} of a family whose sequence b has L =
+    seq_lens[b] keys (clamped to the cache's capacity) and whose first query sits at
+    `first_position(b, L)` (None: no queries), under the spec's window and chunk."""
+    rows = inputs["k_cache"].shape[:2]
+    table = inputs.get("block_table")
+    capacity = rows[1] if table is None else np.asarray(table).shape[1] * rows[1]
+    lens = np.clip(np.asarray(inputs["seq_lens"], np.int64), 0, capacity).tolist()
+    ranges = key_ranges(lens, [first_position(b, L) for b, L in enumerate(lens)],
+                        spec.opt("sliding_window"), spec.opt("attention_chunk"))
+    mask = row_mask(ranges, rows, table)
+    return {"k_cache": mask, "v_cache": mask}
+
+
 def poisoned(inputs: dict, masks: dict[str, np.ndarray]) -> dict:
     """A copy of `inputs` whose tensors in `masks` hold NaN (FP8 bytes: FP8_NAN) on the masked
     rows; the other tensors are shared, not copied."""
@@ -71,4 +85,4 @@ def poisoned(inputs: dict, masks: dict[str, np.ndarray]) -> dict:
     return out
 
 
-__all__ = ["FP8_NAN", "key_ranges", "poisoned", "row_mask"]
+__all__ = ["FP8_NAN", "key_ranges", "poisoned", "row_mask", "unread_cache_rows"]

@@ -309,19 +309,9 @@ def make_inputs(spec: KernelSpec, dims: dict[str, int], rng) -> dict:
 
 
 def unread(spec: KernelSpec, inputs: dict) -> dict:
-    """The cache rows no decode query reads: past L, and before the window or chunk of the
-    query at L - 1 (attention/unread_rows.py)."""
-    import numpy as np
-
-    from ..attention.unread_rows import key_ranges, row_mask
-    rows = inputs["k_cache"].shape[:2]
-    table = inputs.get("block_table")
-    capacity = rows[1] if table is None else table.shape[1] * rows[1]
-    lens = np.clip(np.asarray(inputs["seq_lens"], np.int64), 0, capacity).tolist()
-    ranges = key_ranges(lens, [L - 1 if L > 0 else None for L in lens],
-                        spec.opt("sliding_window"), spec.opt("attention_chunk"))
-    mask = row_mask(ranges, rows, table)
-    return {"k_cache": mask, "v_cache": mask}
+    """The cache rows no decode query (at position L - 1) reads (attention/unread_rows.py)."""
+    from ..attention.unread_rows import unread_cache_rows
+    return unread_cache_rows(spec, inputs, lambda b, L: L - 1 if L > 0 else None)
 
 
 def dense_caches(spec: KernelSpec, inputs: dict) -> tuple:

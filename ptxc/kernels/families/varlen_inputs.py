@@ -67,19 +67,11 @@ def mixed_batch(spec, dims: dict[str, int], rng, page_size: int) -> dict:
 
 
 def unread(spec, inputs: dict) -> dict:
-    """The cache rows no query of the batch reads (attention/unread_rows.py): past each
-    sequence's L, pages its block table names for none of its keys, and rows before the window
-    or chunk of its first query (position L - q_len); a sequence without queries reads none."""
-    from ..attention.unread_rows import key_ranges, row_mask
-    rows = inputs["k_cache"].shape[:2]
-    table = inputs.get("block_table")
-    capacity = rows[1] if table is None else table.shape[1] * rows[1]
-    lens = np.clip(np.asarray(inputs["seq_lens"], np.int64), 0, capacity).tolist()
+    """The cache rows no query of the batch reads (attention/unread_rows.py); a sequence's
+    first query sits at L - q_len."""
+    from ..attention.unread_rows import unread_cache_rows
     q_lens = np.diff(np.asarray(inputs["cu_seqlens_q"], np.int64)).tolist()
-    ranges = key_ranges(lens, [L - q if q > 0 else None for L, q in zip(lens, q_lens)],
-                        spec.opt("sliding_window"), spec.opt("attention_chunk"))
-    mask = row_mask(ranges, rows, table)
-    return {"k_cache": mask, "v_cache": mask}
+    return unread_cache_rows(spec, inputs, lambda b, L: L - q_lens[b] if q_lens[b] > 0 else None)
 
 
 def shuffled_block_table(lens, dims: dict[str, int], page_size: int, rng) -> np.ndarray:
