@@ -53,7 +53,8 @@ def kv_access(spec: KernelSpec) -> KVAccess:
 def mma_blocker(spec: KernelSpec) -> str | None:
     """Why this spec cannot take the tensor-core path (None: it can)."""
     if spec.group_size < MIN_GROUP:
-        return f"the GQA group is {spec.group_size} query heads per KV head (needs >= {MIN_GROUP})"
+        heads = "query head" if spec.group_size == 1 else "query heads"
+        return f"the GQA group is {spec.group_size} {heads} per KV head (needs >= {MIN_GROUP})"
     if spec.dtype == "f32":
         return "dtype is f32 (tensor cores need f16 or bf16)"
     if kv_fp8.kv_dtype(spec) != spec.dtype and not kv_fp8_stage.applies(spec):
