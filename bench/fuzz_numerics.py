@@ -11,7 +11,7 @@ one target (sm_80 … sm_100a), writes the spec, lets the spec loader refuse wha
 not allow (counted, not failures), builds it without ptxas (the emulator runs the PTX), and runs
 `launch-test`'s check on the emulator at the family's default dimensions or a smaller draw of
 them (the families' inputs already mix the serving cases: decode rows, prefill chunks, q_len > L,
-L = 0, shuffled pages, never-read garbage). A failure is a row over its tolerance or any
+L = 0, shuffled pages, NaN in every cache row no query reads). A failure is a row over its tolerance or any
 exception other than a refusal, except an "edge": an f32 output (lse) over launch-test's
 tolerance whose 4 sampled probability rounding grids fall short, within the tolerance of 64
 (fine_grid_ratios). Each case is one JSON line (spec, dims, seed, outcome), so `--replay`
