@@ -77,3 +77,30 @@ def test_an_inout_cache_must_keep_its_unread_rows():
     written = sent.copy()
     written[1, 3] = 0.0                                    # a write outside the rows it owns
     assert unread_rows_kept(written, want, sent, mask)[1] == float("inf")
+
+
+def test_launch_test_runs_the_kernel_on_the_poisoned_cache(tmp_path, monkeypatch):
+    """The NaN reaches the kernel, not only the reference's bookkeeping: a rule that also
+    marked one row a query reads makes the check fail on o; the rule as it is passes, and the
+    output says how many rows it poisoned."""
+    import dataclasses
+
+    from conftest import build_kernel
+    from ptxc.kernels import registry
+    from ptxc.runtime.launch_test import check_artifact
+    art = build_kernel(tmp_path, "decode", 'dtype = "f16"\nhead_dim = 16\nnum_heads = 2\n'
+                       'return_lse = true\nkv_layout = "paged"\npage_size = 4')
+    dims = {"batch": 3, "max_pages_per_seq": 3, "num_pages": 12}
+    rows = check_artifact(art, backend="emu", shapes=dims, seed=0)
+    assert all(r.ok for r in rows) and any(f.startswith("NaN in ") for f in rows[0].features)
+    decode = FAMILIES["decode"]
+
+    def one_more(spec, inputs):          # the first key of the first sequence with keys
+        masks = decode.unread(spec, inputs)
+        b = int(np.flatnonzero(np.asarray(inputs["seq_lens"]) > 0)[0])
+        mask = masks["k_cache"].copy()
+        mask[inputs["block_table"][b, 0], 0] = True
+        return {"k_cache": mask, "v_cache": mask}
+    monkeypatch.setitem(registry.FAMILIES, "decode", dataclasses.replace(decode, unread=one_more))
+    bad = {r.tensor: r for r in check_artifact(art, backend="emu", shapes=dims, seed=0)}
+    assert not bad["o"].ok and bad["o"].max_error == float("inf")
