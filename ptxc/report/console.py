@@ -175,5 +175,8 @@ def print_launch_test(rows, rule: str) -> None:
     for kernel, feats in seen.items():
         if feats:
             c.print(f"{kernel} exercised: {', '.join(feats)}", markup=False, highlight=False)
+    for r in rows:
+        if r.note:
+            c.print(f"{r.kernel} [{r.target}] {r.tensor}: {r.note}", markup=False, highlight=False)
     failed = sum(not r.ok for r in rows)
     c.print(f"{len(rows) - failed} passed, {failed} failed")   # "N passed" reads right for any N

@@ -104,3 +104,4 @@ def test_launch_test_runs_the_kernel_on_the_poisoned_cache(tmp_path, monkeypatch
     monkeypatch.setitem(registry.FAMILIES, "decode", dataclasses.replace(decode, unread=one_more))
     bad = {r.tensor: r for r in check_artifact(art, backend="emu", shapes=dims, seed=0)}
     assert not bad["o"].ok and bad["o"].max_error == float("inf")
+    assert "passes on clean caches" in bad["o"].note and bad["o"].to_dict()["note"] == bad["o"].note
