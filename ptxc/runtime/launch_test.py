@@ -71,7 +71,7 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
     import numpy as np
 
     from ..kernels import FAMILIES
-    from ..kernels.attention.unread_rows import poisoned
+    from ..kernels.attention.unread_rows import poison, restore
     from ..spec.model import KernelSpec
     from .abi import DIM_MAX, check_buffer_budget
     spec = KernelSpec.from_dict(art.meta["spec"])
@@ -112,11 +112,11 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
     tol = {name: max(tolerance(n[name], ref[name]) for n in naive_by_dtype[baseline(name)])
            for name in ref}
     shape = ",".join(f"{k}={v}" for k, v in sorted(dims.items()))
-    # NaN in every cache row no query reads (attention/unread_rows.py): the kernel runs on the
-    # poisoned copy, the references above on the clean inputs
-    unread = family.unread(spec, inputs) if family.unread else {}
-    run_inputs = poisoned(inputs, unread) if unread else inputs
     features = exercised_features(art, spec, dims, inputs)
+    # NaN in every cache row no query reads (attention/unread_rows.py): the references above
+    # saw the clean inputs, the kernel runs on them poisoned in place
+    unread = family.unread(spec, inputs) if family.unread else {}
+    saved = poison(inputs, unread)
     if unread:
         rows_nan = int(next(iter(unread.values())).sum())
         features += (f"NaN in {rows_nan} unread cache rows" if rows_nan else "NOT unread cache rows",)
@@ -130,19 +130,21 @@ def check_artifact(art, *, backend: str, shapes: dict[str, int], seed: int,
         if device is not None:
             device.last_ms.clear()
         with progress_notes(f"{backend}: {art.name} [{target}] at {shape}"):
-            out = art.run(run_inputs, target=target, backend=backend, device=device)
+            out = art.run(inputs, target=target, backend=backend, device=device)
         secs = time.perf_counter() - t0
         ms = sum(device.last_ms) if device is not None and device.last_ms else None
         errors = {}
         for name in sorted(ref):
             got, err = out[name], 0.0
             if name in unread:   # an inout cache: its unread rows must come back as they went in
-                got, err = unread_rows_kept(got, ref[name], run_inputs[name], unread[name])
+                got, err = unread_rows_kept(got, ref[name], inputs[name], unread[name])
             errors[name] = max(err, max_abs_error(got, ref[name]))
         note = ""
         if unread and any(errors[n] > tol[n] for n in errors):
             # what a user debugging it asks first: do the clean caches pass?
+            restore(inputs, unread, saved)
             clean = art.run(inputs, target=target, backend=backend, device=device)
+            saved = poison(inputs, unread)
             if all(max_abs_error(clean[n], ref[n]) <= tol[n] for n in ref if n not in unread):
                 note = ("passes on clean caches: the kernel reads cache rows no query may see "
                         "(NaN there reached its outputs) or writes them")

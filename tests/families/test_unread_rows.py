@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ptxc.kernels import FAMILIES, load_text
-from ptxc.kernels.attention.unread_rows import FP8_NAN, key_ranges, poisoned, row_mask
+from ptxc.kernels.attention.unread_rows import FP8_NAN, key_ranges, poison, restore, row_mask
 from ptxc.runtime.launch_test import unread_rows_kept
 
 
@@ -27,13 +27,15 @@ def test_ranges_and_masks():
     assert m.sum() == 32 - 6
 
 
-def test_poisoned_copies_only_the_marked_tensors():
+def test_poison_and_restore():
     inputs = {"k_cache": np.ones((2, 3), np.float32), "v_cache": np.ones((2, 3), np.uint8), "q": np.zeros(1)}
     mask = np.array([[True, False, False], [False, False, True]])
-    out = poisoned(inputs, {"k_cache": mask, "v_cache": mask})
-    assert np.isnan(out["k_cache"][mask]).all() and (out["v_cache"][mask] == FP8_NAN).all()
-    assert not np.isnan(out["k_cache"][~mask]).any() and out["q"] is inputs["q"]
-    assert not np.isnan(inputs["k_cache"]).any()                     # the caller's arrays untouched
+    kept = {t: inputs[t] for t in inputs}
+    saved = poison(inputs, {"k_cache": mask, "v_cache": mask})
+    assert np.isnan(inputs["k_cache"][mask]).all() and (inputs["v_cache"][mask] == FP8_NAN).all()
+    assert not np.isnan(inputs["k_cache"][~mask]).any() and inputs["q"] is kept["q"]
+    restore(inputs, {"k_cache": mask, "v_cache": mask}, saved)
+    assert (inputs["k_cache"] == 1).all() and (inputs["v_cache"] == 1).all()
 
 
 SPECS = {

@@ -8,8 +8,9 @@ row masks its score by selection and zeroes its value row, or does not load it. 
 on a page the window only partly covers, and a contiguous cache's rows below L, are the
 sequence's own rows, which the engine wrote (finite): a tile may read and mask them.
 
-`unread_masks(spec, inputs)` gives, per cache tensor, a boolean mask of the rows (over the
-cache's leading row axes) no query reads; launch-test (runtime/launch_test.py) fills them with
+A family's `unread(spec, inputs)` (`Family.unread`; decode and varlen through
+`unread_cache_rows`) gives, per cache tensor, a boolean mask of the rows (over the cache's
+leading row axes) no query reads; launch-test (runtime/launch_test.py) fills them with
 NaN (FP8 bytes: 0x7F, NaN in e4m3 and e5m2) before the kernel runs, and the fp64 reference
 keeps the clean inputs -- so every emulator and GPU check of these families is also a check
 that the garbage stays out. Custom masks (trees, packed bits) only hide more keys, so the rows
@@ -74,15 +75,24 @@ def unread_cache_rows(spec, inputs: dict, first_position) -> dict[str, np.ndarra
     return {"k_cache": mask, "v_cache": mask}
 
 
-def poisoned(inputs: dict, masks: dict[str, np.ndarray]) -> dict:
-    """A copy of `inputs` whose tensors in `masks` hold NaN (FP8 bytes: FP8_NAN) on the masked
-    rows; the other tensors are shared, not copied."""
-    out = dict(inputs)
+def poison(inputs: dict, masks: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Fill the masked rows of `inputs`' tensors in place with NaN (FP8 bytes: FP8_NAN), after
+    making them writable copies of their own; returns what they held, for `restore` (in place:
+    a GPU-sized cache is not copied whole, only its unread rows are kept)."""
+    saved = {}
     for name, mask in masks.items():
-        arr = np.array(inputs[name], copy=True)
+        arr = np.asarray(inputs[name])
+        if not arr.flags.writeable or arr is not inputs[name]:
+            arr = inputs[name] = np.array(arr, copy=True)
+        saved[name] = arr[mask].copy()
         arr[mask] = np.nan if np.issubdtype(arr.dtype, np.floating) else FP8_NAN
-        out[name] = arr
-    return out
+    return saved
 
 
-__all__ = ["FP8_NAN", "key_ranges", "poisoned", "row_mask", "unread_cache_rows"]
+def restore(inputs: dict, masks: dict[str, np.ndarray], saved: dict[str, np.ndarray]) -> None:
+    """Put back what `poison` took out."""
+    for name, mask in masks.items():
+        inputs[name][mask] = saved[name]
+
+
+__all__ = ["FP8_NAN", "key_ranges", "poison", "restore", "row_mask", "unread_cache_rows"]
