@@ -227,17 +227,14 @@ def reference(spec: KernelSpec, inputs: dict, dtype: str | None = None) -> dict:
 
 
 def unread(spec: KernelSpec, inputs: dict) -> dict:
-    """The latent rows the append does not write (padding, slots outside the cache, a RoPE
-    position outside the cos/sin cache): launch-test fills them with NaN (bytes: 0x7F) and
-    they must come back as they went in."""
+    """The latent rows the append does not write (mla_inputs.append_destinations): launch-test
+    fills them with NaN (bytes: 0x7F) and they must come back as they went in."""
     import numpy as np
-    ps, cache = page_size(spec), inputs["kv_cache"]
-    mask = np.ones(cache.shape[:2], dtype=bool)
-    cs, pos = inputs.get("cos_sin_cache"), inputs.get("positions")
-    for t, slot in enumerate(np.asarray(inputs["slot_mapping"]).tolist()):
-        rope_ok = not spec.opt("rope") or 0 <= int(pos[t]) < cs.shape[0]
-        if 0 <= slot < mask.size and rope_ok:
-            mask[slot // ps, slot % ps] = False
+
+    from .mla_inputs import append_destinations
+    mask = np.ones(inputs["kv_cache"].shape[:2], dtype=bool)
+    for _, page, offset in append_destinations(spec, inputs, page_size(spec)):
+        mask[page, offset] = False
     return {"kv_cache": mask}
 
 

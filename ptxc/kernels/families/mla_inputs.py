@@ -273,6 +273,16 @@ def ref_round(x, dtype: str) -> np.ndarray:
     return round_to(x, dtype).astype(np.float32)
 
 
+def append_destinations(spec, inputs: dict, page_size: int):
+    """(token, page, offset) of every latent row the append writes: its slot inside the cache
+    and, with RoPE, its position inside the cos/sin cache (padding and the rest are skipped)."""
+    total = np.asarray(inputs["kv_cache"]).shape[0] * page_size
+    cs, pos = inputs.get("cos_sin_cache"), inputs.get("positions")
+    for t, slot in enumerate(np.asarray(inputs["slot_mapping"]).tolist()):
+        if 0 <= slot < total and (not spec.opt("rope") or 0 <= int(pos[t]) < cs.shape[0]):
+            yield t, slot // page_size, slot % page_size
+
+
 def append_reference(spec, inputs: dict, page_size: int) -> dict:
     """The cache after the append, replaying the kernel's arithmetic in numpy float32 (RoPE's
     products and sums each rounded, x / k_scale as an f32 division, then satfinite RNE e4m3 or
@@ -284,28 +294,23 @@ def append_reference(spec, inputs: dict, page_size: int) -> dict:
     kind, style = kv_fp8.kind(spec), spec.opt("rope")
     rd = spec.opt("qk_rope_head_dim")
     out = np.array(inputs["kv_cache"], dtype=np.uint8 if kind else np.float64)
-    total = out.shape[0] * page_size
     cs = inputs.get("cos_sin_cache")
-    for t, slot in enumerate(np.asarray(inputs["slot_mapping"])):
-        slot = int(slot)
-        if not 0 <= slot < total:
-            continue
+    for t, page, offset in append_destinations(spec, inputs, page_size):
         pe = np.asarray(inputs["k_pe"][t], np.float32)
         if style:
             p = int(inputs["positions"][t])
-            if not 0 <= p < cs.shape[0]:
-                continue
             pe = rotate(pe, cs[p, :rd // 2], cs[p, rd // 2:rd], style, rd)
         row = np.concatenate([np.asarray(inputs["kv_c"][t], np.float32), pe])
         rows = kv_fp8.group_scaled(spec)
         if rows:
-            out[slot // page_size, slot % page_size] = ds_encode(rows, row[:rows.rank], pe)
+            out[page, offset] = ds_encode(rows, row[:rows.rank], pe)
         elif kind:
             scale = np.float32(np.asarray(inputs["k_scale"]).reshape(-1)[0])
-            out[slot // page_size, slot % page_size] = fp8_quantize(row / scale, kind)
+            out[page, offset] = fp8_quantize(row / scale, kind)
         else:
-            out[slot // page_size, slot % page_size] = round_to(row.astype(np.float64), spec.dtype)
+            out[page, offset] = round_to(row.astype(np.float64), spec.dtype)
     return {"kv_cache": out}
 
 
-__all__ = ["CASES", "mla_batch", "mla_reference", "latent_kv", "append_inputs", "append_reference"]
+__all__ = ["CASES", "mla_batch", "mla_reference", "latent_kv", "append_inputs", "append_destinations",
+           "append_reference"]
