@@ -60,3 +60,37 @@ def to_f16_bits(codes, kind: str) -> np.ndarray:
     val = np.where(e > 0, np.ldexp(1.0 + m / 8.0, e.astype(np.int64) - 7), np.ldexp(m / 8.0, -6))
     bits = fp.encode_f16(val).view(np.uint16).astype(np.uint32) | ((c & np.uint32(0x80)) << np.uint32(8))
     return np.where(mag == 0x7F, F16_NAN, bits).astype(np.uint16)
+
+
+
+# FP8 tensor-core accumulation (wgmma and mma.sync over e4m3 / e5m2). The products are exact, but
+# the sum is not f32's: the terms of one instruction -- its k products and C -- are aligned to
+# the largest one and each keeps ACC_FRACTION_BITS fraction bits below that one's leading bit,
+# the rest truncated toward zero, then added exactly (DeepSeek-V3's report and DeepGEMM #50:
+# "the highest 14 bits of each mantissa product after sign-fill right shifting"; SageAttention2:
+# C keeps 13 mantissa bits, the lowest 10 of f32's zeroed). With truncation toward zero this
+# reproduces, bit for bit, the errors the H200 gave in the sm_90a launch-tests of the lease at
+# 4078740 (docs/emulator.md "FP8 tensor-core accumulation"); rounding toward minus infinity
+# (the two's-complement shift) gives 3-8x those errors. ACC_MODE = "exact" sums in float64.
+ACC_FRACTION_BITS = 13
+ACC_MODE = "hopper"
+
+
+def accumulate(products, c, mode: str | None = None):
+    """sum(products, axis=-1) + c as an FP8 tensor-core instruction computes it, as float64
+    (the caller rounds to f32). `products` (..., k): exact float64; `c` (...): the f32
+    accumulator's values. A non-finite sum is float64's (NaN and inf propagate)."""
+    exact = products.sum(axis=-1) + c
+    if (mode or ACC_MODE) == "exact":
+        return exact
+    fb = ACC_FRACTION_BITS
+    _, ce = np.frexp(c)
+    c22 = np.trunc(np.ldexp(c, fb + 1 - ce)) * np.ldexp(1.0, ce - fb - 1)    # C as FP22 (e8m13)
+    terms = np.concatenate([products, c22[..., None]], axis=-1)
+    finite = np.where(np.isfinite(terms), terms, 0.0)
+    _, e = np.frexp(finite)
+    top = np.where(finite != 0, e, -1100).max(axis=-1, keepdims=True)    # zeros align nothing
+    unit = np.ldexp(1.0, top - 1 - fb)                # the largest term is in [2^(top-1), 2^top)
+    with np.errstate(invalid="ignore"):
+        total = (np.trunc(terms / unit) * unit).sum(axis=-1)
+    return np.where(np.isfinite(exact), total, exact)

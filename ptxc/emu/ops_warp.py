@@ -15,6 +15,7 @@ import numpy as np
 
 from ptxc.emu.decode import NORMAL, Mods, Op, expect_operands, register
 from ptxc.emu.fp8 import FORMATS as FP8_KINDS, to_f16_bits
+from ptxc.emu.fp8 import accumulate as fp8_accumulate
 from ptxc.emu.memory import GENERIC_SHARED_BASE
 from ptxc.emu.operands import TYPES, DecodeError, Fault, dst_plan, src_plan
 from ptxc.emu.ops_mem import address_plan
@@ -308,8 +309,11 @@ def decode_mma(ins, env):
             B[:, b_row, b_col] = to_b(frag(rb, np.uint32)).reshape(nw, -1)
             C = np.zeros((nw, 16, 8))
             C[:, c_row, c_col] = frag(rc, np.float32).astype(np.float64).reshape(nw, -1)
-            # float64 accumulation of exact f16/bf16/FP8 products, rounded once to f32
-            D = (A @ B + C).astype(np.float32)[:, c_row, c_col].reshape(nw, 32, 4)
+            if kinds:   # FP8: the tensor cores' own accumulation (fp8.accumulate)
+                D = fp8_accumulate(A[:, :, None, :] * np.swapaxes(B, 1, 2)[:, None, :, :], C)
+            else:       # float64 accumulation of exact f16/bf16/tf32 products, rounded once to f32
+                D = A @ B + C
+            D = D.astype(np.float32)[:, c_row, c_col].reshape(nw, 32, 4)
             for i, w in enumerate(writers):
                 w(sel, D[:, :, i].reshape(-1))
         return run

@@ -4,11 +4,10 @@ e4m3/e5m2, K-major operands only), wgmma.fence, wgmma.commit_group, wgmma.wait_g
 Model. A warpgroup is 4 consecutive warps whose first warp index is a multiple of 4; every
 wgmma instruction must be executed by all 128 threads of each warpgroup together (else a
 "not converged" error), and descriptors must be uniform across the warpgroup. A
-wgmma.mma_async computes its result when issued (exact products summed in float64 and C added,
-rounded once to f32 -- as mma.sync; the hardware's FP8 accumulation is known to keep fewer bits,
-about 14 of the partial sums' mantissa (DeepSeek-V3's report), which this model does not
-reproduce: tolerances against a reference must allow for it) and writes the accumulator registers, but the
-operation stays *in flight* until the wgmma.wait_group that retires its commit group:
+wgmma.mma_async computes its result when issued (16-bit operands: exact products summed in
+float64 and C added, rounded once to f32, as mma.sync; FP8 operands: the tensor cores' own
+13-bit-aligned sum, fp8.accumulate, which reproduces the H200 to the bit) and writes the
+accumulator registers, but the operation stays *in flight* until the wgmma.wait_group that retires its commit group:
 
 * its accumulator and A registers must not be read or written by any other instruction of the
   issuing threads until then (other wgmma.mma_async of the chain may use the accumulator);
@@ -30,6 +29,7 @@ import re
 import numpy as np
 
 from ptxc.emu.fp8 import FORMATS as FP8_KINDS
+from ptxc.emu.fp8 import accumulate as fp8_accumulate
 from ptxc.emu.decode import NORMAL, Mods, Op, expect_operands, register
 from ptxc.emu.operands import TYPES, DecodeError, Fault, dst_plan, src_plan
 from ptxc.emu.ops_warp import elements_to_f64
@@ -301,12 +301,15 @@ def _decode_mma_async(ins, env, n, kinds):
                 adesc = _uniform_desc(local(areaders[0], np.uint64), thr, "A")
                 A, arows = _operand(ctx, thr, adesc, 64, bool(trans_a), line, kinds[0], "A")
                 rows.append(arows)
-            D = np.einsum("gmk,gnk->gmn", A, B) * sign
             scale_d = local(sdread, np.bool_)
             C = np.zeros((G, 64, n))
             cvals = np.stack([local(r, np.float32) for r in creaders], axis=2)
             C[:, acc_row, acc_col] = np.where(scale_d[:, :, None], cvals.astype(np.float64), 0)
-            out = (D + C).astype(np.float32)[:, acc_row, acc_col].reshape(-1, n // 2)
+            if narrow:      # FP8: the tensor cores' own accumulation (fp8.accumulate)
+                D = fp8_accumulate(A[:, :, None, :] * B[:, None, :, :] * sign, C)
+            else:
+                D = np.einsum("gmk,gnk->gmn", A, B) * sign + C
+            out = D.astype(np.float32)[:, acc_row, acc_col].reshape(-1, n // 2)
             for i, w in enumerate(writers):
                 w(sel, out[:, i])
             _record(ctx, state, thr, d_names + a_names, np.concatenate(rows, axis=1), line)

@@ -354,7 +354,9 @@ MMA_K32 = ".version 8.4\n.target sm_89\n.address_size 64\n" + r"""
 @pytest.mark.parametrize("kinds", [("e4m3", "e4m3"), ("e5m2", "e5m2"), ("e4m3", "e5m2")])
 def test_mma_k32_fp8_matches_numpy(kinds):
     """Each lane's bytes placed by the ISA's m16n8k32 fragment figures; the values decoded from
-    the formats' fields (test_wgmma.fp8_values), summed exactly, rounded once to f32."""
+    the formats' fields (test_wgmma.fp8_values), summed as the FP8 tensor cores sum
+    (fp8.accumulate), rounded once to f32."""
+    from ptxc.emu.fp8 import accumulate
     from .test_wgmma import fp8_codes, fp8_values
     warps = 6
     a = fp8_codes((warps, 16, 32), kinds[0])
@@ -363,7 +365,8 @@ def test_mma_k32_fp8_matches_numpy(kinds):
     d = np.zeros_like(c)
     ptx = MMA_K32.replace("AKIND", kinds[0]).replace("BKIND", kinds[1])
     run(ptx, "mma_k32", (3,), (64,), [a, bt, c, d])
-    want = fp8_values(a, kinds[0]) @ fp8_values(bt, kinds[1]).transpose(0, 2, 1) + c.astype(np.float64)
+    want = accumulate(fp8_values(a, kinds[0])[:, :, None, :] * fp8_values(bt, kinds[1])[:, None, :, :],
+                      c.astype(np.float64))
     np.testing.assert_array_equal(d, want.astype(np.float32))
 
 

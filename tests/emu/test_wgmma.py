@@ -6,6 +6,7 @@ results are compared with numpy. Every kernel is assembled by ptxas for sm_90a."
 import numpy as np
 import pytest
 
+from ptxc.emu.fp8 import accumulate
 from ptxc.emu.wgmma_layout import encode_descriptor
 from ptxc.errors import EmulationError
 
@@ -426,7 +427,9 @@ def launch_narrow(n, kinds, a_regs, swizzle_a, swizzle_b, scale_a=1):
                                   np.uint64(encode_descriptor(0, lbo_a, sbo_a, swizzle_a)),
                                   np.uint64(encode_descriptor(b_base, lbo_b, sbo_b, swizzle_b)),
                                   afrag.astype(np.uint32), cfrag, dfrag, np.uint32(1)])
-    expect = scale_a * fp8_values(a_codes, kinds[0]) @ fp8_values(bt_codes, kinds[1]).T + c
+    # the FP8 tensor cores' sum of the exact products (tests/emu/test_fp8_accumulation.py)
+    products = scale_a * fp8_values(a_codes, kinds[0])[:, None, :] * fp8_values(bt_codes, kinds[1])[None, :, :]
+    expect = accumulate(products, c.astype(np.float64))
     got = np.zeros((64, n), np.float32)
     got[row, col] = dfrag
     return got, expect.astype(np.float32)

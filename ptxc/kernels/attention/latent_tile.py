@@ -154,6 +154,17 @@ DEQUANT_REGS = 104
 SPARSE_DEQUANT_REGS = 120
 
 
+# S on FP8 wgmma (qk_e4m3, qk_direct) is off. Hopper's FP8 wgmma keeps 13 fraction bits of each
+# k32 step's sum, its accumulator input included, truncated toward zero (emu/fp8.accumulate,
+# which reproduces the H200's errors bit for bit): over a 576-column score's 9-18 chained steps
+# the lse error reached 1.6-1.9x launch-test's tolerance on the H200 (lease at 4078740).
+# Promotion into a second accumulator per warpgroup (two chains added in f32) brings it to 0.62x
+# but spills 32 bytes at the computing warpgroups' 200 registers. Until one fits, qk_products =
+# "e4m3" on sm_90a rounds Q to e4m3 values and multiplies on 16-bit wgmma (exact products,
+# f32 sums), as sm_80 / sm_90 do; mma.sync's QMMA (sm_89, sm_120) chains at most 5 steps a warp.
+FP8_WGMMA_SCORES = False
+
+
 def dequant_consumer_regs(threads: int, dequant_regs: int = DEQUANT_REGS) -> int:
     """The computing warpgroups' budget after setmaxnreg.inc: what the dequantising warpgroup
     leaves of the CTA's pool (384 threads enter with 168: 200 beside 104)."""
@@ -226,8 +237,8 @@ def _latent_config(spec, stages: int, split: bool | None = None) -> LatentWgmmaC
                              f16_math=f16_math_applies(spec) and not seesaw,
                              dequant_warpgroup=dequant, min_ctas_per_sm=1 if dequant else 0,
                              slot_ring=bool(sparse_keys(spec)),
-                             q_e4m3=q_e4m3, qk_e4m3=dequant and q_e4m3,
-                             qk_direct=dequant and q_e4m3 and stages == DIRECT_STAGES
+                             q_e4m3=q_e4m3, qk_e4m3=dequant and q_e4m3 and FP8_WGMMA_SCORES,
+                             qk_direct=dequant and q_e4m3 and FP8_WGMMA_SCORES and stages == DIRECT_STAGES
                              and direct_applies(bn, DEQUANT_THREADS) and not sparse_keys(spec))
 
 

@@ -16,8 +16,11 @@ twice the 16-bit products' rate; P·V keeps the 16-bit tile the staged V columns
 With score_split the warps sharing 16 rows take contiguous shares of the head_dim / 32 k-steps
 (576: 18 over four warps, 5 5 4 4: the first `extra` warps run one more, a warp-uniform branch)
 and add their partial scores in part order as MmaMath.add_partials does. Products of e4m3
-values are exact and summed in f32, so the scores are the 16-bit products' up to the order of
-the f32 additions (the tests compare both with the same reference)."""
+values are exact, but an FP8 mma keeps 13 fraction bits of its sum, C included (emu/fp8.accumulate,
+the H200's behaviour on wgmma; SageAttention2 found the same on Ada): chained through C, the
+k-steps' truncations of the growing score put f16 kernels' lse 5x past the tolerance. So each
+k-step's products go into a zero C and are added in f32 (DeepGEMM's promotion, here per k32
+step: 4 FADD an mma), which leaves the scores within the alignment of one step's 32 products."""
 
 from __future__ import annotations
 
@@ -118,8 +121,8 @@ class StagedE4m3Scores:
                 for e, frag in enumerate(((kb[0], kb[1]), (kb[2], kb[3]))):
                     for mt in range(math.mt):
                         jn = mt * nt + 2 * pair + e
-                        s[jn] = b.mma_m16n8k32(self.q[mt][kk], frag, s[jn] or math.fzero, E4M3,
-                                               out=s[jn])
+                        part = b.mma_m16n8k32(self.q[mt][kk], frag, math.fzero, E4M3)
+                        s[jn] = part if s[jn] is None else [b.add(x, y, out=x) for x, y in zip(s[jn], part)]
 
         for kk in range(self.base):
             step(kk)
