@@ -61,12 +61,16 @@ SEED = "cvt.u32.u64 %r62, %rd1;\nand.b32 %r62, %r62, 7;\nmov.u32 %r63, %tid.x;\n
 INIT_F = SEED + "".join(f"add.u32 %r61, %r62, {i};\ncvt.rn.f32.u32 %f{i}, %r61;\n"
                         f"mul.f32 %f{i}, %f{i}, 0f3C23D70A;\n" for i in range(40))     # x 0.01
 INIT_R = SEED + "".join(f"add.u32 %r{i}, %r62, {i};\n" for i in range(40))
+# The ldmatrix chains read rows of zeros below 4096 (each adds a loaded 0 to its address); the
+# ld.shared chase's words, each holding its own address, sit above them: an address word among
+# the rows made the ldsm chains walk out of the window (CUDA_ERROR_ILLEGAL_ADDRESS on the H200).
+# Every warp zeroes the same bytes, so the address words are stored after a barrier.
 SHARED = (".shared .align 16 .b8 smem[8192];\n"
           "mov.u32 %r40, smem;\nmov.u32 %r41, %tid.x;\nand.b32 %r41, %r41, 31;\n"
           "shl.b32 %r42, %r41, 8;\nadd.u32 %r43, %r40, %r42;\n"      # this lane's 256 bytes: zeros
           + "".join(f"st.shared.v4.u32 [%r43+{16 * i}], {{0, 0, 0, 0}};\n" for i in range(16))
-          + "shl.b32 %r42, %r41, 4;\nadd.u32 %r43, %r40, %r42;\n"  # a row address per lane
-          "st.shared.u32 [%r43], %r43;\nbar.sync 0;\nmov.u32 %r44, %r43;\n"
+          + "bar.sync 0;\nshl.b32 %r42, %r41, 4;\nadd.u32 %r43, %r40, %r42;\n"  # a row per lane
+          "add.u32 %r44, %r43, 4096;\nst.shared.u32 [%r44], %r44;\nbar.sync 0;\n"
           + "".join(f"add.u32 %r{45 + k}, %r43, {512 * k};\n" for k in range(8)))
 # ldmatrix k (x4) into %r4k..%r4k+3 from chain k's rows, then the next address += a loaded 0:
 # chains the loads so identical ones cannot be merged (one IADD per LDSM rides along)
