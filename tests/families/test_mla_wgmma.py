@@ -25,14 +25,15 @@ PATH = "wgmma.m64nNk16"
 L1000 = {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}
 L480 = {"batch": 9, "max_pages_per_seq": 30, "num_pages": 290}
 CASES = {   # dense caches of the dtype: TMA boxes by default, cp.async with kv_loads = "cp_async";
-    # split_scores (the warpgroups split Q·Kᵀ and exchange partial scores): the default with TMA
-    # (3 stages), not with cp.async (4); the third field says which (None: the default)
+    # split_scores (the warpgroups split Q·Kᵀ and exchange partial scores; 3 stages): given with
+    # TMA (whose default is the seesaw: test_seesaw_matches_reference), not the default with
+    # cp.async (4 stages); the fourth field says which (None: the default)
     # (the traffic test runs 128 bf16 heads over paged rows by default)
     "h128-bf16-paged-auto-tma": pytest.param((dict(heads=128), {"batch": 9, "max_pages_per_seq": 2,
-                                                                "num_pages": 21}, "tma", None),
+                                                                "num_pages": 21}, "tma", True),
                                              marks=pytest.mark.slow),
     "h128-f16-contiguous-1-tma": (dict(dtype="f16", heads=128, layout="contiguous", splits=1),
-                                  {"batch": 9, "max_seq_len": 70}, "tma", None),
+                                  {"batch": 9, "max_seq_len": 70}, "tma", True),
     "h128-f16-contiguous-1-cp_async": pytest.param(
         (dict(dtype="f16", heads=128, layout="contiguous", splits=1), {"batch": 9, "max_seq_len": 70},
          "cp_async", None), marks=pytest.mark.slow),
@@ -40,7 +41,7 @@ CASES = {   # dense caches of the dtype: TMA boxes by default, cp.async with kv_
     # stage buffer (and, by TMA, its mbarrier's phases) and the score exchange are reused while
     # the race checker watches; with 16-row pages a TMA tile is two boxes a slab
     "h64-bf16-page16-3splits-L1000-tma": (dict(heads=64, splits=3, page=16),
-                                          {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}, "tma", None),
+                                          {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}, "tma", True),
     "h64-bf16-page16-3splits-L480-tma-unsplit": (dict(heads=64, splits=3, page=16), L480, "tma", False),
     "h64-bf16-page16-3splits-L1000-cp_async": (dict(heads=64, splits=3, page=16),
                                                {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600},
@@ -50,7 +51,7 @@ CASES = {   # dense caches of the dtype: TMA boxes by default, cp.async with kv_
          "cp_async", True), marks=pytest.mark.slow),
     # FlashMLA's 64-row pages (one box a slab), 3 splits
     "h64-bf16-page64-3splits-tma": (dict(heads=64, splits=3),
-                                    {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}, "tma", None),
+                                    {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}, "tma", True),
 }
 # e4m3 latent rows (one scale): staged raw -- by the threads' cp.async by default, TMA boxes of
 # 192 columns with kv_loads = "tma" -- and converted (split by default): the threads' copies by
@@ -97,7 +98,7 @@ def test_mixed_batch_matches_reference(tmp_path, case):
     art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A, tile=tile)
     c = _config(art)
     assert (c["path"], c["block_m"], c["num_warps"], c["value_split"]) == (PATH, 64, 8, 2)
-    split = loads == "tma" if split is None else split
+    split = bool(split)
     stages = 3 if split else 4
     barriers = 32 if loads == "tma" else 0             # 8 bytes a stage, padded to 16
     assert (c["block_n"], c["num_stages"], c.get("split_scores", False)) == (32, stages, split)
@@ -362,19 +363,18 @@ def test_values_never_read_the_rope_columns(tmp_path):
 
 
 def test_ptxas_zero_spills_and_hgmma_loop(tmp_path, toolchain):
-    """bf16 and f16, paged and contiguous, split, unsplit and seesaw: 0 spills and no wgmma
-    ptxas serialised; with split scores (the default) the loop
-    issues half of S, 18 HGMMA.64x32x16, and P·V as 2 HGMMA.64x256x16 per warpgroup (36 for S
-    unsplit), no LDSM."""
+    """bf16 and f16, paged and contiguous, split, unsplit and seesaw (the default): 0 spills
+    and no wgmma ptxas serialised; with split scores the loop issues half of S, 18
+    HGMMA.64x32x16, and P·V as 2 HGMMA.64x256x16 per warpgroup (36 for S unsplit), no LDSM."""
     kernels = [f'[[kernel]]\nname = "m_{dt}_{lay}"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
-               f'{body(dtype=dt, heads=128, layout=lay, splits=s)}\n'
+               f'{body(dtype=dt, heads=128, layout=lay, splits=s)}\n[kernel.tile]\nsplit_scores = true\n'
                for dt, lay, s in (("bf16", "paged", "auto"), ("f16", "contiguous", 1))]
     kernels.append(f'[[kernel]]\nname = "m_e4m3"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
                    f'{body(heads=128, kv="e4m3")}\n')
     kernels.append(f'[[kernel]]\nname = "m_unsplit"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
                    f'{body(heads=128)}\n[kernel.tile]\nsplit_scores = false\n')
     kernels += [f'[[kernel]]\nname = "m_seesaw_{dt}"\nfamily = "mla"\ntargets = ["sm_90a"]\n'
-                f'{body(dtype=dt, heads=128, layout=lay)}\n[kernel.tile]\nseesaw = true\n'
+                f'{body(dtype=dt, heads=128, layout=lay)}\n'
                 for dt, lay in (("bf16", "paged"), ("f16", "contiguous"))]
     build_without_spills(tmp_path, kernels, "sm_90a")
     _, prof = built_sass(tmp_path / "out", "m_bf16_paged", "sm_90a", "ptxc_m_bf16_paged_split")
@@ -403,9 +403,10 @@ SEESAW = {
     # hand-over slot reused many times under the race checker; odd and even tile counts
     "h64-bf16-page16-3splits-L1000": (dict(heads=64, splits=3, page=16),
                                       {"batch": 9, "max_pages_per_seq": 63, "num_pages": 600}),
-    # two head tiles, f16, a contiguous cache (rows past max_seq_len: the TMA's zeros)
-    "h128-f16-contiguous-1": (dict(dtype="f16", heads=128, layout="contiguous", splits=1),
-                              {"batch": 9, "max_seq_len": 70}),
+    # two head tiles, f16, a contiguous cache (rows past max_seq_len: the TMA's zeros); no tile
+    # key: the seesaw is the default (latent_tile.seesaw_by_default)
+    "h128-f16-contiguous-1-default": (dict(dtype="f16", heads=128, layout="contiguous", splits=1),
+                                      {"batch": 9, "max_seq_len": 70}, 32, "default"),
     # FlashMLA's 64-row pages, 3 splits (splits with one tile: the other warpgroup owns none)
     "h64-bf16-page64-3splits": (dict(heads=64, splits=3),
                                 {"batch": 9, "max_pages_per_seq": 5, "num_pages": 60}),
@@ -430,8 +431,8 @@ def test_seesaw_matches_reference(tmp_path, case):
     split, so either warpgroup may own the last tile (and zero its V tail) or none."""
     keys, shapes, *given = case
     bn = given[0] if given else 32
-    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A,
-                       tile="seesaw = true" + (f"\nblock_n = {bn}" if given else ""))
+    tile = "" if given[1:] == ["default"] else "seesaw = true" + (f"\nblock_n = {bn}" if given else "")
+    art = build_kernel(tmp_path, "mla", body(**keys), targets=SM90A, tile=tile)
     c = _config(art)
     assert (c["path"], c["block_m"], c["num_warps"], c["value_split"]) == (PATH, 64, 8, 2)
     assert (c["block_n"], c["num_stages"], c["seesaw"], c.get("split_scores", False)) == (bn, 4, True, False)

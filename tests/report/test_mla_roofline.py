@@ -27,7 +27,8 @@ def test_fp8_ceilings_by_head_count_and_product_width(monkeypatch, tmp_path):
         assert rows[(gpu, 16)]["s_narrow"] is None       # qk_products needs 64 head rows
     assert rows[("H200 SXM", 128)]["bound_by"] == "tensor"
     assert abs(rows[("H200 SXM", 128)]["wide"]["e4m3_ds"] - 1.0) < 1e-9
-    # S on e4m3 as built (qk_products = "e4m3"): past 1.6x on the H100 (bandwidth-bound again);
-    # on the H200 still tensor-bound, its ceiling the products' time ratio (576 + 512) / (288 + 512)
-    assert rows[("H100 SXM", 128)]["s_narrow"] > 1.6
-    assert abs(rows[("H200 SXM", 128)]["s_narrow"] - 1088 / 800) < 1e-9
+    # qk_products = "e4m3" as built: sm_90a's FP8-score tile is off (latent_tile.FP8_WGMMA_SCORES:
+    # the H200's 13-bit sums failed the lse tolerance), so its products are 16-bit and its
+    # ceiling e4m3's with 16-bit products; FP8 scores would have lifted the H100's past 1.6x
+    for gpu in ("H100 SXM", "H200 SXM"):
+        assert rows[(gpu, 128)]["s_narrow"] == rows[(gpu, 128)]["wide"]["e4m3"]
