@@ -35,6 +35,11 @@ CASES = {   # (body keys, shapes, split scores)
     # 128 RoPE columns (640-byte rows): the exchange no longer fits, each warpgroup takes all of S
     "h64-bf16-rope128-contiguous-auto": (dict(heads=64, kv="e4m3", rope=128, layout="contiguous"),
                                          {"batch": 9, "max_seq_len": 70}, False),
+    # sm_90a's default for qk_products (FP8_WGMMA_SCORES off): the dequantising warpgroup's tile
+    # with Q rounded in place and 16-bit products
+    "h128-f16-contiguous-device-1-default": (dict(dtype="f16", heads=128, kv="e4m3", scale="device",
+                                                  layout="contiguous", splits=1),
+                                             {"batch": 9, "max_seq_len": 70}, "default"),
     # the other tiles, 16-bit products over the rounded Q: 16 heads (16-row mma.sync tiles) on
     # sm_80 (Q rounded in software) and sm_90a; TMA-staged e4m3 rows on sm_90a's wgmma tile;
     # sparse top-k (slots, -1, duplicates, outside the cache)
@@ -81,6 +86,7 @@ def test_matches_reference(tmp_path, case, request):
         for t in art.meta["targets"]:
             c = art.meta["targets"][t]["config"]
             assert c["q_values"] == "e4m3" and "qk_products" not in c, t
+            assert split != "default" or c["dequant_warpgroup"], t
         assert "e4m3.e4m3" not in "".join(art.ptx(t) for t in art.meta["targets"])
         assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
         return
