@@ -62,7 +62,6 @@ def to_f16_bits(codes, kind: str) -> np.ndarray:
     return np.where(mag == 0x7F, F16_NAN, bits).astype(np.uint16)
 
 
-
 # FP8 tensor-core accumulation (wgmma and mma.sync over e4m3 / e5m2). The products are exact, but
 # the sum is not f32's: the terms of one instruction -- its k products and C -- are aligned to
 # the largest one and each keeps ACC_FRACTION_BITS fraction bits below that one's leading bit,

@@ -7,7 +7,8 @@ wgmma instruction must be executed by all 128 threads of each warpgroup together
 wgmma.mma_async computes its result when issued (16-bit operands: exact products summed in
 float64 and C added, rounded once to f32, as mma.sync; FP8 operands: the tensor cores' own
 13-bit-aligned sum, fp8.accumulate, which reproduces the H200 to the bit) and writes the
-accumulator registers, but the operation stays *in flight* until the wgmma.wait_group that retires its commit group:
+accumulator registers, but the operation stays *in flight* until the wgmma.wait_group that
+retires its commit group:
 
 * its accumulator and A registers must not be read or written by any other instruction of the
   issuing threads until then (other wgmma.mma_async of the chain may use the accumulator);

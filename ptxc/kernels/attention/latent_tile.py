@@ -162,7 +162,8 @@ SPARSE_DEQUANT_REGS = 120
 # Promotion into a second accumulator per warpgroup (two chains added in f32) brings it to 0.62x
 # but spills 32 bytes at the computing warpgroups' 200 registers. Until one fits, qk_products =
 # "e4m3" on sm_90a rounds Q to e4m3 values and multiplies on 16-bit wgmma (exact products,
-# f32 sums), as sm_80 / sm_90 do; mma.sync's QMMA (sm_89, sm_120) chains at most 5 steps a warp.
+# f32 sums), as sm_80 / sm_90 do (mma.sync's QMMA on sm_89 / sm_120 promotes every k-step:
+# math/mma_qk8.py). The tile stays built and tested with exact sums for that promotion.
 FP8_WGMMA_SCORES = False
 
 
