@@ -9,31 +9,31 @@
 # and dab (bench/lease_specs/decode_ab.toml: the decode and MLA choices).
 # The device image has Python 3.12 with numpy, click, jinja2, rich, cuda-bindings and torch,
 # but not these pure-Python dependencies of ptxc, which travel as wheels. Both folders are
-# added to .git/info/exclude. Then, in one device call carrying `.whl` and `gpu-art` (the
-# H200 lease at 2d6d5cd, 484 s for the two main parts: the main sets first, then the A/B set;
-# what the deadlines cut goes on in a second call on the still-warm machine with the same
-# command plus `--resume` -- $OUT is emptied before every call, hence --out under /tmp and a
-# copy at the end). First the machine constants of the model's sub-partition simulation
+# added to .git/info/exclude. Then, device calls carrying `.whl` and `gpu-art` (the H200 lease
+# at 4078740: 537 s for everything through the main sets, then 98 s for the A/B set and 66 s
+# for the 192 / 128 prefill on the still-warm machine, 748 s held of 900 with the start; what a
+# deadline cuts goes on in a later call with the same command plus `--resume`). $OUT is emptied
+# before every call and brings back at most 8 files: write --out under /tmp and copy each
+# results.jsonl to $OUT under its own name (at 4078740 a whole folder's plan.json and
+# results.jsonl were left out, and a second call fetched them while the machine was warm).
+# The calls: first the machine constants of the model's sub-partition simulation
 # (bench/microbench.py, ~10 s: latencies and issue intervals of FFMA, IMAD, MUFU, SHFL, the FP8
-# cvt, LDS, LDSM, HMMA, and L2 / DRAM load latency, beside ptxc/report/issue_sim.py's table),
-# then the sm_80 images of the FP8 kernels JIT-compiled on the device (their e4m3 tiles hold
-# f16 subnormals for e4m3's subnormals, fp8.f16_pairs: a tensor core that flushed them would
-# show here, ~20 s), then the questions that decide defaults: FlashMLA's seesaw against the
-# split-score tile (issue 25), at batch 64 x 4096 unsplit and "auto", then at 16k keys; and the
-# FP8 MLA decodes' dequantising warpgroup (the default since 973ee0c, untimed) against every
-# warp converting (`*_fused`: dequant_warpgroup = false), e4m3 and e4m3_ds, and e4m3 with the
-# scores on FP8 wgmma (`deepseek_v3_mla_decode_fp8_qk8`: qk_products, S reading the staging ring,
-# untimed; `_unsplit`: all of S in each warpgroup, no exchange), and TP 8's 16 heads
-# on the padded 64-row wgmma tile against the 16-row mma.sync one, and varlen d128's
-# warp-specialised TMA tile (the default, untimed) against the one-issuer tile and at three
-# stages, then the same at DeepSeek's 192 / 128 on prefill chunks; the main sets; then the
-# prefill choices never timed -- the persistent CTAs (`*_pers`, tile.persistent) and O by TMA
-# stores (`*_tmast`), each beside its default kernel (the rest of the ab set was timed at
-# 2d6d5cd / 6c5a819; `--every` times it all). The
-# main sets' decode rows, sm_90a against sm_90, say whether decode's move onto varlen's wgmma
-# tile paid (docs/performance.md "decode on wgmma (sm_90a) and tcgen05 (sm_100a)"); their FP8 rows (llama3_8b_fp8_decode, deepseek_v3_mla_decode_fp8 at batch 64 x 4096)
-# then say what f16 products did to the FP8 decodes (0.211 and 0.264 ms before, bf16 0.279 and
-# 0.208; docs/performance.md "FP8 on f16 products"):
+# cvt, LDS, LDSM, HMMA, and L2 / DRAM load latency, beside ptxc/report/issue_sim.py's table;
+# it stopped with an illegal address at 4078740, fixed since: never run to the end yet), then
+# the sm_80 images of the FP8 kernels JIT-compiled on the device (their e4m3 tiles hold f16
+# subnormals for e4m3's subnormals: both passed at 4078740), then the MLA set: split scores
+# (`*_split`) against the seesaw, the default since 4078740 timed it 8-18 % faster, at batch 64
+# x 4096 unsplit and "auto" and at 16k keys -- add batch 16 and 128 shapes, which were not
+# timed; the FP8 MLA decodes, dequantising warpgroup against every warp converting (`*_fused`:
+# the warpgroup won by 6-11 %), `*_qk8` (S on FP8 wgmma: off since its sums failed the lse
+# tolerance on the H200; it builds with 16-bit products now, so it times Q's rounding only),
+# TP 8 against its 64-row tile, and varlen d128's producer warpgroup against one issuer and
+# three stages (one issuer won 0.4-4.4 % on one-token steps: time a d128 prefill chunk too).
+# Then the main sets -- every example, sm_90a beside sm_90, at the shapes of issue 27 -- whose
+# FP8 decode rows disagreed at 4078740 (llama3_8b_fp8_decode faster on the sm_90 cubin,
+# qwen2_7b_fp8_head_decode on sm_90a: time both at batch 16 and 64), then the prefill A/B set
+# (persistent CTAs and TMA stores: within +-4 % of the default at 4078740, `--every` times the
+# whole set), then DeepSeek's 192 / 128 varlen prefill against one issuer:
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD && mkdir -p /tmp/a && tar xzf gpu-art/arts.tgz -C /tmp/a &&
@@ -41,7 +41,7 @@
 #   timeout 60 python3 -m ptxc.cli launch-test --backend cuda --target sm_80 --json \
 #       /tmp/a/gpuart/llama3_8b_fp8_decode /tmp/a/gpuart/deepseek_v3_mla_decode_fp8 > $OUT/fp8_sm80.json;
 #   PYTHONUNBUFFERED=1 timeout 170 python3 bench/gpu_lease.py /tmp/a/dab /tmp/a/a90 --out /tmp/mla \
-#       --only deepseek_v3_mla_decode_seesaw,deepseek_v3_mla_decode,kimi_k2_mla_decode_seesaw,kimi_k2_mla_decode,deepseek_v3_mla_decode_fp8,deepseek_v3_mla_decode_fp8_qk8,deepseek_v3_mla_decode_fp8_qk8_unsplit,deepseek_v3_mla_decode_fp8_fused,deepseek_v3_mla_decode_fp8_ds,deepseek_v3_mla_decode_fp8_ds_fused,deepseek_v32_mla_sparse_decode_fp8_sm90a,deepseek_v32_mla_sparse_decode_fp8_sm90a_fused,deepseek_v3_mla_decode_tp8,deepseek_v3_mla_decode_tp8_m64,llama3_8b_serve,llama3_8b_serve_one,llama3_8b_serve_s3 \
+#       --only deepseek_v3_mla_decode_split,deepseek_v3_mla_decode,kimi_k2_mla_decode_split,kimi_k2_mla_decode,deepseek_v3_mla_decode_fp8,deepseek_v3_mla_decode_fp8_qk8,deepseek_v3_mla_decode_fp8_qk8_unsplit,deepseek_v3_mla_decode_fp8_fused,deepseek_v3_mla_decode_fp8_ds,deepseek_v3_mla_decode_fp8_ds_fused,deepseek_v32_mla_sparse_decode_fp8_sm90a,deepseek_v32_mla_sparse_decode_fp8_sm90a_fused,deepseek_v3_mla_decode_tp8,deepseek_v3_mla_decode_tp8_m64,llama3_8b_serve,llama3_8b_serve_one,llama3_8b_serve_s3 \
 #       --deadline 160 --item-timeout 40 --shape batch=64,total_q=64,max_pages_per_seq=64,num_pages=4096,num_splits=1 \
 #       --shape batch=64,total_q=64,max_pages_per_seq=256,num_pages=16384;
 #   PYTHONUNBUFFERED=1 timeout 100 python3 bench/gpu_lease.py /tmp/a/dab --out /tmp/mlap \
@@ -54,7 +54,7 @@
 #   PYTHONUNBUFFERED=1 timeout 190 python3 bench/gpu_lease.py /tmp/a/ab --out /tmp/ab \
 #       --only llama3_8b_prefill,llama3_8b_prefill_pers,llama3_8b_prefill_tmast,llama3_8b_prefill_pers_tmast,llama3_8b_prefill_nc,llama3_8b_prefill_nc_pers,llama3_8b_prefill_nc_tmast,mha_d64_bf16_prefill,mha_d64_bf16_prefill_pers,mqa_d256_prefill,mqa_d256_prefill_pers,deepseek_v3_prefill,deepseek_v3_prefill_pers \
 #       --deadline 175 --item-timeout 30 --shape batch=4,seq_q=4096,seq_k=4096 --shape batch=1,seq_q=16384,seq_k=16384;
-#   cp -r /tmp/mla /tmp/mlap /tmp/r /tmp/ab $OUT/
+#   for d in mla mlap r ab; do cp /tmp/$d/results.jsonl $OUT/$d.jsonl; done
 #
 # (600 s a call at most: split them over calls when the machine is warm, each with its own
 # --out; the MLA call alone is ~100 s.) `bench/calibration/add_run.py` adds the medians to
