@@ -29,7 +29,7 @@ import threading
 
 from .dependency import dependency_program
 from .sass_instr import (BULK_ISSUE, CLASSES, DEPBAR_KEEP, GLOBAL_LOADS, HMMA_16816_FLOPS, REGISTER, Instr,
-                         access_bytes, classify, mma_flops, parse_functions, registers, shared_bytes)
+                         access_bytes, classify, empty_group, mma_flops, parse_functions, registers, shared_bytes)
 
 _TARGET = re.compile(r"`\((\.L\w+)\)")
 _LAST = threading.local()      # .entry: (instrs, its address -> position), per thread (report's pool)
@@ -74,8 +74,11 @@ def find_loops(instrs: list[Instr], labels: dict[str, int]) -> list[tuple[int, i
 _WORK = {"tensor", "ldsm", "ldgsts", "ldg", "lds", "sts"}
 
 
-def _is_work(i: Instr) -> bool:
-    return classify(i.opcode) in _WORK or i.base in BULK_ISSUE
+def _is_work(i: Instr, bulk: bool = True) -> bool:
+    """`bulk`: TMA issue counts. (An empty wgmma group's placeholder does not: the path that
+    skips a P·V would otherwise tie with the one issuing it where P·V is a single wgmma, and win
+    on length.)"""
+    return (classify(i.opcode) in _WORK and not empty_group(i)) or (bulk and i.base in BULK_ISSUE)
 
 
 def table_refills(instrs: list[Instr], labels: dict[str, int], head: int, latch: int) -> set[int]:
@@ -165,7 +168,7 @@ def steady_path(instrs: list[Instr], labels: dict[str, int], head: int, latch: i
             continue
         (work, size), prev[n] = best.pop(n)
         i = instrs[n]
-        counts = _is_work(i) if bulk_work else classify(i.opcode) in _WORK
+        counts = _is_work(i, bulk_work)
         if longest:
             size -= 1
         else:

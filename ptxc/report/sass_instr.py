@@ -144,12 +144,21 @@ def shared_bytes(instr: Instr) -> int:
     return 0
 
 
+def empty_group(instr: Instr) -> bool:
+    """The placeholder ptxas issues for a wgmma commit group holding no wgmma (`HGMMA.64x8x16
+    RZ, gdesc[URZ], RZ, !UPT, gsb0`: a loop's first tile, which has no P·V yet): no math."""
+    return instr.base.endswith("GMMA") and instr.operands.startswith("RZ,")
+
+
 def mma_flops(instr: Instr) -> int:
     """FLOPs of one warp's tensor-core instruction (HGMMA: a quarter of the warpgroup's), in
     16-bit-equivalent FLOPs -- the unit of the tensor term, which divides by the 16-bit peak:
     QGMMA over 8-bit inputs (E4M3 / E5M2) runs at twice that rate, so it counts half; so does
-    QMMA.16832 (mma.m16n8k32 over FP8 on sm_89 / sm_120: one HMMA.16816's time)."""
+    QMMA.16832 (mma.m16n8k32 over FP8 on sm_89 / sm_120: one HMMA.16816's time). An empty
+    group's placeholder counts none."""
     op = instr.opcode
+    if empty_group(instr):
+        return 0
     if instr.base == "QMMA" and ".16832" in op:
         return 2 * 16 * 8 * 32 // 2
     if instr.base == "HMMA":
