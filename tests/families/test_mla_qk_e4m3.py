@@ -28,18 +28,18 @@ CASES = {   # (body keys, shapes, split scores)
     # up to 1000 keys in 16-row pages over 3 splits: every converted tile, staging buffer and
     # full / empty phase reused many times under the race checker; the score exchange too
     "h64-bf16-page16-3splits-L1000": (dict(heads=64, kv="e4m3", splits=3, page=16), L1000, True),
-    # two head tiles, f16, a contiguous cache, the scale a device tensor
-    "h128-f16-contiguous-device-1": (dict(dtype="f16", heads=128, kv="e4m3", scale="device",
-                                          layout="contiguous", splits=1),
-                                     {"batch": 9, "max_seq_len": 70}, True),
-    # 128 RoPE columns (640-byte rows): the exchange no longer fits, each warpgroup takes all of S
+    # two head tiles, a contiguous cache, the scale a device tensor
+    "h128-bf16-contiguous-device-1": (dict(heads=128, kv="e4m3", scale="device", layout="contiguous",
+                                           splits=1), {"batch": 9, "max_seq_len": 70}, True),
+    # 128 RoPE columns (640-byte rows, 10 k32 steps a warpgroup: chains of 4, 3, 3)
     "h64-bf16-rope128-contiguous-auto": (dict(heads=64, kv="e4m3", rope=128, layout="contiguous"),
-                                         {"batch": 9, "max_seq_len": 70}, False),
-    # sm_90a's default for qk_products (FP8_WGMMA_SCORES off): the dequantising warpgroup's tile
-    # with Q rounded in place and 16-bit products
-    "h128-f16-contiguous-device-1-default": (dict(dtype="f16", heads=128, kv="e4m3", scale="device",
-                                                  layout="contiguous", splits=1),
-                                             {"batch": 9, "max_seq_len": 70}, "default"),
+                                         {"batch": 9, "max_seq_len": 70}, True),
+    # where the FP8-score tile does not apply (latent_tile.fp8_score_chains: f16, block_n 32
+    # given, unsplit S), the dequantising warpgroup's tile with Q rounded in place and 16-bit
+    # products
+    "h128-f16-contiguous-device-1-16bit": (dict(dtype="f16", heads=128, kv="e4m3", scale="device",
+                                                layout="contiguous", splits=1),
+                                           {"batch": 9, "max_seq_len": 70}, ""),
     # the other tiles, 16-bit products over the rounded Q: 16 heads (16-row mma.sync tiles) on
     # sm_80 (Q rounded in software) and sm_90a; TMA-staged e4m3 rows on sm_90a's wgmma tile;
     # sparse top-k (slots, -1, duplicates, outside the cache)
@@ -58,16 +58,22 @@ def _config(art) -> dict:
     return art.meta["targets"]["sm_90a"]["config"]
 
 
-@pytest.fixture
-def fp8_tile(monkeypatch):
-    """sm_90a's FP8-score tile (S on e4m3 wgmma), off for specs (latent_tile.FP8_WGMMA_SCORES:
-    the H200 measured its lse past the tolerance), built and run here with exact accumulation
-    (fp8.ACC_MODE): its data path -- staging ring, narrow slabs, Q's e4m3 tile -- stays tested
-    for the promotion that would turn it back on. The hardware's accumulation is
-    test_fp8_wgmma_scores_fail_as_on_the_h200's."""
-    from ptxc.emu import fp8
+def one_chain_tile(monkeypatch, block_n: int = 32) -> None:
+    """The FP8-score tile as the H200 timed it (lease at 4078740): block_n 32, S's k-steps
+    chained through one accumulator a warpgroup -- where the dequantising warpgroup stages the
+    rows straight into S's operand (kv_fp8_direct.py: a row per 4 of its threads)."""
     from ptxc.kernels.attention import latent_tile
-    monkeypatch.setattr(latent_tile, "FP8_WGMMA_SCORES", True)
+    monkeypatch.setattr(latent_tile, "FP8_SCORE_BLOCK_N", block_n)
+    monkeypatch.setattr(latent_tile, "fp8_score_chains", lambda dtype, split, bn: int(bn == block_n))
+
+
+@pytest.fixture
+def direct_tile(monkeypatch):
+    """one_chain_tile, summed exactly (fp8.ACC_MODE): its lse fails on Hopper's 13-bit sums
+    (test_fp8_wgmma_scores_fail_as_on_the_h200), but its direct staging ring -- timed at 1.25x
+    the 16-bit products' speed -- stays tested for a promotion that fits at block_n 32."""
+    from ptxc.emu import fp8
+    one_chain_tile(monkeypatch)
     monkeypatch.setattr(fp8, "ACC_MODE", "exact")
 
 
@@ -80,24 +86,24 @@ def test_matches_reference(tmp_path, case, request):
     other tile's loads ("tma", None: cp.async), with its targets."""
     keys, shapes, split, *targets = case
     if split not in (True, False):             # another tile: 16-bit products, Q rounded
-        tile = 'kv_loads = "tma"' if split == "tma" else ""
+        tile = {"tma": 'kv_loads = "tma"', None: ""}.get(split, split)
         art = build_kernel(tmp_path, "mla", body(**keys) + NARROW, targets=targets[0] if targets else SM90A,
                            tile=tile)
         for t in art.meta["targets"]:
             c = art.meta["targets"][t]["config"]
             assert c["q_values"] == "e4m3" and "qk_products" not in c, t
-            assert split != "default" or c["dequant_warpgroup"], t
+            assert split != "" or c["dequant_warpgroup"], t
         assert "e4m3.e4m3" not in "".join(art.ptx(t) for t in art.meta["targets"])
         assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
         return
-    request.getfixturevalue("fp8_tile")
     art = build_kernel(tmp_path, "mla", body(**keys) + NARROW, targets=SM90A)
     c, d = _config(art), 512 + keys.get("rope", 64)
     assert (c["qk_products"], c["q_values"], c["dequant_warpgroup"], c["num_stages"]) == ("e4m3", "e4m3", True, 4)
-    assert c.get("split_scores", False) == split
-    # four staging buffers (S's operand, kv_fp8_direct.py), three V tiles, full / empty / sempty
-    assert c["smem_bytes"] == 64 * d + 3 * 32 * 512 * 2 + 4 * 32 * d + 80 + split * 2 * 64 * 32 * 4
-    assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in art.ptx("sm_90a")
+    assert (c["split_scores"], c["block_n"], c["score_chains"]) == (True, 16, 3)
+    # Q's e4m3 tile, three converted tiles (the rows' e4m3 bytes beside V's 16-bit columns),
+    # four staging buffers, full / empty barriers, the exchange
+    assert c["smem_bytes"] == 64 * d + 3 * 16 * (d + 1024) + 4 * 16 * d + 48 + 2 * 64 * 16 * 4
+    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in art.ptx("sm_90a")
     assert_pass(check_artifact(art, backend="emu", shapes=shapes, seed=7))
 
 
@@ -165,7 +171,7 @@ def _e4m3_batch(art, lens, q_lens, heads, rng):
     ("await_staging", "read of cp.async destination before"),    # a refill under S's reads
     ("release_staging", "mbarrier deadlock"),                     # the producer waits for ever
 ])
-def test_staging_ring_protocol_mistakes_are_caught(fp8_tile, tmp_path, monkeypatch, left_out, caught):
+def test_staging_ring_protocol_mistakes_are_caught(direct_tile, tmp_path, monkeypatch, left_out, caught):
     """The direct ring's two steps, each left out, are caught in the emulator: the producer
     refilling a staging buffer without waiting for its release (the next S reads bytes still
     landing), the computing warps never releasing one."""
@@ -179,15 +185,16 @@ def test_staging_ring_protocol_mistakes_are_caught(fp8_tile, tmp_path, monkeypat
         check_artifact(art, backend="emu", shapes=L1000, seed=7)
 
 
-def test_sixteen_row_tiles_copy_the_bytes_beside_v(fp8_tile, tmp_path):
-    """block_n 16 (no ring slot for 4 threads a row): the dequantising warpgroup copies each
-    chunk's e4m3 bytes into the converted tile before its 16-bit V (LatentFP8Staging's
-    narrow_dv), S reads them there."""
+def test_direct_tile_stages_rows_into_the_score_operand(direct_tile, tmp_path):
+    """block_n 32 with one chain (direct_tile): the dequantising warpgroup copies the rows'
+    e4m3 bytes straight into the ring S reads (kv_fp8_direct.py, a sempty barrier a buffer),
+    the converted tiles hold V only; pages shuffled and poisoned."""
     art = build_kernel(tmp_path, "mla", body(heads=64, kv="e4m3", splits=3, page=16) + NARROW,
-                       targets=SM90A, tile="block_n = 16")
+                       targets=SM90A)
     c = _config(art)
-    assert (c["block_n"], c["qk_products"], c["smem_bytes"]) == (16, "e4m3", 64 * 576 + 3 * (16 * 576 + 16 * 1024)
-                                                                 + 4 * 16 * 576 + 48 + 2 * 64 * 16 * 4)
+    assert (c["block_n"], c["qk_products"], c["score_chains"]) == (32, "e4m3", 1)
+    assert c["smem_bytes"] == 64 * 576 + 3 * 32 * 512 * 2 + 4 * 32 * 576 + 80 + 2 * 64 * 32 * 4
+    assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in art.ptx("sm_90a")
     assert_pass(check_artifact(art, backend="emu", shapes={"batch": 5, "max_pages_per_seq": 9,
                                                            "num_pages": 50}, seed=7))
 
@@ -207,7 +214,7 @@ def test_sparse_and_fused_tiles_round_q_too(tmp_path):
     assert_pass(check_artifact(art, backend="emu", shapes={"batch": 9, "max_seq_len": 70}, seed=7))
 
 
-def test_rows_read_once_per_head_tile_and_values_skip_the_rope_columns(fp8_tile, tmp_path, bytes_read):
+def test_rows_read_once_per_head_tile_and_values_skip_the_rope_columns(tmp_path, bytes_read):
     """128 heads: two 64-row tiles, so each latent row with queries crosses from global memory
     twice per split as e4m3 bytes (S's and V's from one copy), none past L. With q's RoPE part
     zero, caches that differ only in the RoPE columns (448 there) give identical bytes: V's
@@ -257,12 +264,12 @@ def test_a_cache_without_e4m3_bytes_is_one_line(kv, words):
     assert e.value.key == "qk_products" and words in msg and 'allowed: kv_dtype = "e4m3"' in msg and "\n" not in msg
 
 
-def test_ptxas_zero_spills_qgmma_loop_and_fp8_cost(fp8_tile, tmp_path, toolchain):
-    """0 spills (rope 64 and 128, bf16 and f16); with split scores each warp's iteration issues
-    half of S as 9 QGMMA.64x32x32 (at twice HGMMA's rate: 4 HMMA-equivalents each, as an
-    HGMMA.64x32x16), P·V as 2 HGMMA.64x256x16 and 2 row-sum HMMA -- 102 HMMA-equivalents
-    where the 16-bit products' loop has 138. The cost model counts S's FLOPs as FP8 (half the
-    time at the 16-bit peak)."""
+def test_ptxas_zero_spills_qgmma_loop_and_fp8_cost(tmp_path, toolchain):
+    """0 spills (rope 64 and 128, bf16 and f16); with split scores at block_n 16 each warp's
+    iteration issues half of S as 9 QGMMA.64x16x32 into three accumulators (at twice HGMMA's
+    rate: 2 HMMA-equivalents each, as an HGMMA.64x16x16), P·V as one HGMMA.64x256x16 and one
+    row-sum HMMA -- 51 HMMA-equivalents where the 16-bit products' loop has 69. The cost model
+    counts S's FLOPs as FP8 (half the time at the 16-bit peak)."""
     from ptxc.pipeline.build import run_build
     from ptxc.report.costs import launch_cost, roofline
     from ptxc.report.gpus import get_gpu
@@ -289,7 +296,7 @@ def test_ptxas_zero_spills_qgmma_loop_and_fp8_cost(fp8_tile, tmp_path, toolchain
     _, prof = built_sass(tmp_path / "out", "q8", "sm_90a", "ptxc_q8_split")
     loop = prof["loops"]["loops"][prof["loops"]["main"]]
     assert prof["mix"]["LDL"] == prof["mix"]["STL"] == 0
-    assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (9 + 2 + 2, 9 * 4 + 2 * 32 + 2)
+    assert (loop["classes"]["tensor"], loop["mma_equivalents"]) == (9 + 1 + 1, 9 * 2 + 32 + 1)
     import json
     dims = {"batch": 64, "total_q": 64, "max_pages_per_seq": 64, "num_pages": 4096}
     metas = {n: json.loads((tmp_path / "out" / n / f"{n}.json").read_text()) for n in ("q8", "wide")}
@@ -342,18 +349,33 @@ def test_fp8_wgmma_scores_fail_as_on_the_h200(tmp_path, monkeypatch, mode, split
     """The emulator's FP8 accumulation (fp8.accumulate: each k32 step's terms aligned to the
     largest, 13 fraction bits kept, truncated toward zero) gives the H200's lse errors to the
     last bit on the same inputs (launch-test's seed 0 of specs/deepseek_mla.toml's
-    deepseek_v3_mla_decode_fp8_qk8), past the tolerance: why the tile is off
-    (latent_tile.FP8_WGMMA_SCORES). Exact sums pass with 30x room, as the emulator said before."""
+    deepseek_v3_mla_decode_fp8_qk8 as it was built then: one_chain_tile), past the tolerance:
+    why S's steps are dealt to chains now. Exact sums pass with 30x room, as the emulator said
+    before."""
     from ptxc.emu import fp8
-    from ptxc.kernels.attention import latent_tile
-    monkeypatch.setattr(latent_tile, "FP8_WGMMA_SCORES", True)
+    one_chain_tile(monkeypatch)
     monkeypatch.setattr(fp8, "ACC_MODE", mode)
-    art = build_kernel(tmp_path, "mla", 'dtype = "bf16"\nnum_heads = 128\nsoftmax_scale = 0.1352\n'
-                       'kv_dtype = "e4m3"\nkv_scale = "device"\npage_size = 64\n' + NARROW,
-                       targets=SM90A, tile="" if split else "split_scores = false")
-    assert _config(art).get("split_scores", False) == split
+    art = _h200_tile(tmp_path, "" if split else "split_scores = false")
+    assert _config(art).get("split_scores", False) == split and _config(art)["score_chains"] == 1
     rows = {r.tensor: r for r in check_artifact(art, backend="emu", shapes={}, seed=0)}
     if want is None:
         assert rows["lse"].ok and rows["lse"].max_error < rows["lse"].tol / 30
     else:
         assert rows["lse"].max_error == want and not rows["lse"].ok
+
+
+def test_promoted_fp8_scores_pass_on_the_h200s_sums(tmp_path):
+    """The same spec and inputs as built now (block_n 16, split scores, each warpgroup's 9 k32
+    steps dealt to 3 accumulators added in f32: latent_tile.fp8_score_chains) under the H200's
+    accumulation: lse at 0.31x the tolerance, where one chain reached 1.57x."""
+    art = _h200_tile(tmp_path, "")
+    assert (_config(art)["block_n"], _config(art)["score_chains"]) == (16, 3)
+    rows = {r.tensor: r for r in check_artifact(art, backend="emu", shapes={}, seed=0)}
+    assert all(r.ok for r in rows.values())
+    assert rows["lse"].max_error < 0.35 * rows["lse"].tol
+
+
+def _h200_tile(tmp_path, tile: str):
+    return build_kernel(tmp_path, "mla", 'dtype = "bf16"\nnum_heads = 128\nsoftmax_scale = 0.1352\n'
+                        'kv_dtype = "e4m3"\nkv_scale = "device"\npage_size = 64\n' + NARROW,
+                        targets=SM90A, tile=tile)

@@ -82,6 +82,9 @@ class LatentWgmmaConfig(LatentFP8Rows, WgmmaTileConfig):
     # ... S reading each tile's staging buffer where the copies landed it (kv_fp8_direct.py:
     # a ring of DIRECT_STAGES the computing warps release after S), the converted tiles V only
     qk_direct: bool = False
+    # ... S's k-steps dealt to this many accumulators a warpgroup, added in f32 after they retire
+    # (math/wgmma.WgmmaMath): promotion against the FP8 wgmma's 13-bit sums
+    score_chains: int = 1
 
     @property
     def q_geom(self):
@@ -155,16 +158,29 @@ DEQUANT_REGS = 104
 SPARSE_DEQUANT_REGS = 120
 
 
-# S on FP8 wgmma (qk_e4m3, qk_direct) is off. Hopper's FP8 wgmma keeps 13 fraction bits of each
-# k32 step's sum, its accumulator input included, truncated toward zero (emu/fp8.accumulate,
-# which reproduces the H200's errors bit for bit): over a 576-column score's 9-18 chained steps
-# the lse error reached 1.6-1.9x launch-test's tolerance on the H200 (lease at 4078740).
-# Promotion into a second accumulator per warpgroup (two chains added in f32) brings it to 0.62x
-# but spills 32 bytes at the computing warpgroups' 200 registers. Until one fits, qk_products =
-# "e4m3" on sm_90a rounds Q to e4m3 values and multiplies on 16-bit wgmma (exact products,
-# f32 sums), as sm_80 / sm_90 do (mma.sync's QMMA on sm_89 / sm_120 promotes every k-step:
-# math/mma_qk8.py). The tile stays built and tested with exact sums for that promotion.
-FP8_WGMMA_SCORES = False
+# S on FP8 wgmma (qk_e4m3, qk_direct; qk_products = "e4m3" under the dequantising warpgroup).
+# Hopper's FP8 wgmma keeps 13 fraction bits of each k32
+# step's sum, its accumulator input included, truncated toward zero (emu/fp8.accumulate, which
+# reproduces the H200's errors bit for bit): over a 576-column score's 9-18 steps chained through
+# one accumulator the lse error reached 1.6-1.9x launch-test's tolerance on the H200 (lease at
+# 4078740, block_n 32). So the steps are dealt to FP8_SCORE_CHAINS accumulators a warpgroup and
+# added in f32 (promotion, as DeepGEMM does): with split scores 3 chains of 3 steps, lse at
+# 0.31x the tolerance on the lease's inputs (2 chains: 0.51x). Their registers fit beside O's
+# 128 at block_n 16 (three chains of 8); at block_n 32 two chains already spilled 32 bytes at
+# the computing warps' 200, and unsplit S (18 steps: six chains) spills at either width. And
+# the sums' truncation is a bf16-sized error: f16's lse (its probabilities rounded to 11 bits)
+# allows about a seventh of bf16's, and three chains missed it by 2.9x. So the FP8-score tile
+# is bf16 with split scores at block_n 16 (fp8_score_chains); every other tile keeps Q rounded
+# to e4m3 values on 16-bit products (exact products, f32 sums), as sm_80 / sm_90 do (mma.sync's
+# QMMA on sm_89 / sm_120 promotes every k-step: math/mma_qk8.py).
+FP8_SCORE_CHAINS = 3
+FP8_SCORE_BLOCK_N = 16
+
+
+def fp8_score_chains(dtype: str, split: bool, block_n: int) -> int:
+    """The accumulators a warpgroup's FP8 S is dealt to, 0 where the tile keeps 16-bit
+    products (the comment above: bf16 with split scores at block_n 16 only)."""
+    return FP8_SCORE_CHAINS if dtype == "bf16" and split and block_n == FP8_SCORE_BLOCK_N else 0
 
 
 def dequant_consumer_regs(threads: int, dequant_regs: int = DEQUANT_REGS) -> int:
@@ -242,11 +258,14 @@ def _latent_config(spec, stages: int, split: bool | None = None, seesaw: bool | 
         split = False
     dequant, least = dequant_warpgroup(spec), min_latent_stages(spec)
     q_e4m3 = spec_option(spec, "qk_products") == "e4m3"
+    wants_fp8 = dequant and q_e4m3                  # FP8 S where its chains fit
     if split is None:
         room = max(least, spec.tile_dict().get("num_stages", least))
         split = spec.tile_dict().get("split_scores", split_by_default(spec)) and \
             _latent_config(spec, room, True).smem_bytes <= TARGETS[WGMMA_TARGETS[0]].max_smem_per_cta
-    bn = spec.tile_dict().get("block_n", 32)
+    bn = spec.tile_dict().get("block_n", FP8_SCORE_BLOCK_N if wants_fp8
+                              and fp8_score_chains(spec.dtype, split, FP8_SCORE_BLOCK_N) else 32)
+    chains = fp8_score_chains(spec.dtype, split, bn) if wants_fp8 else 0
     return LatentWgmmaConfig(C.FORMATS[spec.dtype], d, True, LATENT_WGMMA_ROWS,
                              bn, 2 * ROWS_PER_WARPGROUP // 16,
                              stages, True, dv, dv // (LATENT_WGMMA_DV // 2), shared_kv=True,
@@ -255,9 +274,10 @@ def _latent_config(spec, stages: int, split: bool | None = None, seesaw: bool | 
                              f16_math=f16_math_applies(spec) and not seesaw,
                              dequant_warpgroup=dequant, min_ctas_per_sm=1 if dequant else 0,
                              slot_ring=bool(sparse_keys(spec)),
-                             q_e4m3=q_e4m3, qk_e4m3=dequant and q_e4m3 and FP8_WGMMA_SCORES,
-                             qk_direct=dequant and q_e4m3 and FP8_WGMMA_SCORES and stages == DIRECT_STAGES
-                             and direct_applies(bn, DEQUANT_THREADS) and not sparse_keys(spec))
+                             q_e4m3=q_e4m3, qk_e4m3=chains > 0,
+                             qk_direct=chains > 0 and stages == DIRECT_STAGES
+                             and direct_applies(bn, DEQUANT_THREADS) and not sparse_keys(spec),
+                             score_chains=max(chains, 1))
 
 
 def split_by_default(spec) -> bool:

@@ -368,7 +368,8 @@ def tile_config(base: dict, cfg: WgmmaTileConfig) -> dict:
               if getattr(cfg, "dequant_warpgroup", False) else {}),
            **({"setmaxnreg": [cfg.producer_regs, cfg.consumer_regs]}
               if getattr(cfg, "dequant_warpgroup", False) and cfg.producer_regs is not None else {}),
-           **({"qk_products": "e4m3"} if getattr(cfg, "qk_e4m3", False) else {}),
+           **({"qk_products": "e4m3", "score_chains": cfg.score_chains}
+              if getattr(cfg, "qk_e4m3", False) else {}),
            **({"tmem_columns": cfg.tmem_columns} if tc else {}),
            **({"value_ctas": cfg.value_ctas} if tc and cfg.value_ctas > 1 else {}),
            **({"warp_specialize": True, "threads": cfg.launch_threads}

@@ -66,6 +66,12 @@ class WgmmaMath(MmaMath):
         self.v_off = None if vs == 1 else \
             b.mul(warpgroup, cfg.dv // vs * cfg.fmt.bytes // SWIZZLE * self.bn * SWIZZLE)
         self.s_acc = zero_regs(b, self.bn // 2, F32)   # written before use: scale_d = 0 at k 0
+        # score chains (LatentWgmmaConfig.score_chains, FP8 products): S's k-steps dealt round
+        # robin to this many accumulators, added in f32 once they retire -- Hopper's FP8 wgmma
+        # keeps 13 fraction bits of each step's sum, C included (emu/fp8.accumulate), so a
+        # shorter chain carries a smaller C past each step's products
+        self.s_chains = [self.s_acc] + [zero_regs(b, self.bn // 2, F32)
+                                        for _ in range(getattr(cfg, "score_chains", 1) - 1)]
         # split scores (MLA's latent tile, LatentWgmmaConfig.split_scores): warpgroup p issues
         # the k16 steps 2i + p of S (its descriptors 32 B further: inside a slab, steps 2i are
         # at 0 or 64 B, so 2i + 1 never crosses one) and the two exchange partial sums
@@ -112,11 +118,11 @@ class WgmmaMath(MmaMath):
         if self.split is not None:        # this warpgroup's half of the depth: steps 2i + p
             k_desc = b.add(k_desc, b.cvt(U64, self.split[0]))
             steps = range(0, self.d // depth, 2)
-        in_type = E4M3 if self.narrow else self.in_type
+        in_type, chains = E4M3 if self.narrow else self.in_type, len(self.s_chains)
         b.wgmma_fence()
         for i, kk in enumerate(steps):
-            b.wgmma(self.s_acc, k_step(b, self.q_desc, kk, self.bm, slab),
-                    k_step(b, k_desc, kk, self.bn, slab), in_type, scale_d=i > 0)
+            b.wgmma(self.s_chains[i % chains], k_step(b, self.q_desc, kk, self.bm, slab),
+                    k_step(b, k_desc, kk, self.bn, slab), in_type, scale_d=i >= chains)
         b.wgmma_commit()
         return [self.s_acc[4 * j:4 * j + 4] for j in range(self.bn // 8)]
 
@@ -131,6 +137,8 @@ class WgmmaMath(MmaMath):
         after the loop's next barrier, which every thread passes after these reads."""
         b = self.b
         b.wgmma_wait(1)
+        for more in self.s_chains[1:]:    # the chains' partial sums, in f32
+            s = [[b.add(x, y) for x, y in zip(acc, more[4 * jn:4 * jn + 4])] for jn, acc in enumerate(s)]
         if self.split is None:
             return s
         _, mine, other = self.split
