@@ -72,9 +72,9 @@ FIELDS = FamilyFields(
         Field("qk_products", "str", "the inputs of Q·Kᵀ's tensor-core products: the dtype (the "
               "default: the FP8 cache converted to 16 bits), or e4m3 (kv_dtype \"e4m3\") -- each "
               "query row rounded in the kernel to e4m3 after a power-of-two scale on every target, "
-              "the scores on FP8 wgmma at twice the 16-bit rate where sm_90a's latent tile has a "
-              "dequantising warpgroup, on 16-bit products over the same values elsewhere; P·V "
-              "stays 16-bit", default="dtype", choices=("dtype", "e4m3")),
+              "the scores on FP8 mma.sync on sm_89 / sm_120 and on FP8 wgmma where sm_90a's bf16 "
+              "latent tile has a dequantising warpgroup (three accumulators a warpgroup, block_n "
+              "16), on 16-bit products over the same values elsewhere; P·V stays 16-bit", default="dtype", choices=("dtype", "e4m3")),
     ),
     tile=(
         Field("block_m", "int", "query head rows per CTA (token x head); above 256 latent columns "
