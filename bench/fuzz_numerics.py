@@ -99,6 +99,8 @@ def draw_spec(r: random.Random, targets=TARGETS, families=None) -> tuple[dict, d
                                   {"seesaw": True}, {"dequant_warpgroup": False}, {"block_n": 16})))
         if f["kv_dtype"] == "e4m3" and r.random() < 0.3:
             f["qk_products"] = "e4m3"
+            if target == "sm_90a" and f["dtype"] == "bf16" and r.random() < 0.5:
+                tile["fp8_scores"] = True     # refused where the chains do not apply
         return f, tile, target
     f["head_dim"] = r.choice(HEAD_DIMS)
     _heads(r, f)

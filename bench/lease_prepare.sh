@@ -25,9 +25,9 @@
 # (`*_split`) against the seesaw, the default since 4078740 timed it 8-18 % faster, at batch 64
 # x 4096 unsplit and "auto" and at 16k keys -- add batch 16 and 128 shapes, which were not
 # timed; the FP8 MLA decodes, dequantising warpgroup against every warp converting (`*_fused`:
-# the warpgroup won by 6-11 %), `*_qk8` (S on FP8 wgmma in three promoted chains at block_n 16,
-# never timed: the one-chain tile of 4078740 was 1.25x faster than 16-bit products but failed
-# the lse tolerance) against `*_qk8_16bit` (Q's e4m3 values on 16-bit products), TP 8 against
+# the warpgroup won by 6-11 %), `*_qk8_fp8s` (tile.fp8_scores: S on FP8 wgmma in three promoted
+# chains at block_n 16, never timed; the one-chain tile of 4078740 was 1.25x faster than 16-bit
+# products but failed the lse tolerance) against `*_qk8` (Q's e4m3 values on 16-bit), TP 8 against
 # its 64-row tile and over e4m3_ds rows (`*_tp8_fp8_ds`: issue 25's 1.6x, never timed), and
 # varlen d128's producer warpgroup against one issuer and three stages (one issuer won 0.4-4.4 %
 # on one-token steps: time a d128 prefill chunk too).
@@ -43,7 +43,7 @@
 #   timeout 60 python3 -m ptxc.cli launch-test --backend cuda --target sm_80 --json \
 #       /tmp/a/gpuart/llama3_8b_fp8_decode /tmp/a/gpuart/deepseek_v3_mla_decode_fp8 > $OUT/fp8_sm80.json;
 #   PYTHONUNBUFFERED=1 timeout 170 python3 bench/gpu_lease.py /tmp/a/dab /tmp/a/a90 --out /tmp/mla \
-#       --only deepseek_v3_mla_decode_split,deepseek_v3_mla_decode,kimi_k2_mla_decode_split,kimi_k2_mla_decode,deepseek_v3_mla_decode_fp8,deepseek_v3_mla_decode_fp8_qk8,deepseek_v3_mla_decode_fp8_qk8_16bit,deepseek_v3_mla_decode_fp8_fused,deepseek_v3_mla_decode_fp8_ds,deepseek_v3_mla_decode_fp8_ds_fused,deepseek_v32_mla_sparse_decode_fp8_sm90a,deepseek_v32_mla_sparse_decode_fp8_sm90a_fused,deepseek_v3_mla_decode_tp8,deepseek_v3_mla_decode_tp8_m64,deepseek_v3_mla_decode_tp8_fp8_ds,llama3_8b_serve,llama3_8b_serve_one,llama3_8b_serve_s3 \
+#       --only deepseek_v3_mla_decode_split,deepseek_v3_mla_decode,kimi_k2_mla_decode_split,kimi_k2_mla_decode,deepseek_v3_mla_decode_fp8,deepseek_v3_mla_decode_fp8_qk8,deepseek_v3_mla_decode_fp8_qk8_fp8s,deepseek_v3_mla_decode_fp8_fused,deepseek_v3_mla_decode_fp8_ds,deepseek_v3_mla_decode_fp8_ds_fused,deepseek_v32_mla_sparse_decode_fp8_sm90a,deepseek_v32_mla_sparse_decode_fp8_sm90a_fused,deepseek_v3_mla_decode_tp8,deepseek_v3_mla_decode_tp8_m64,deepseek_v3_mla_decode_tp8_fp8_ds,llama3_8b_serve,llama3_8b_serve_one,llama3_8b_serve_s3 \
 #       --deadline 160 --item-timeout 40 --shape batch=64,total_q=64,max_pages_per_seq=64,num_pages=4096,num_splits=1 \
 #       --shape batch=64,total_q=64,max_pages_per_seq=256,num_pages=16384;
 #   PYTHONUNBUFFERED=1 timeout 100 python3 bench/gpu_lease.py /tmp/a/dab --out /tmp/mlap \

@@ -6,8 +6,8 @@ less than max(bytes / bandwidth, FLOPs / tensor peak); with the FP8 values conve
 products (ptxc's default: the tensor cores see f16 / bf16) the tensor term is the bf16
 kernel's, so the FP8 cache's gain is capped by it. With e4m3 products (Q quantised to e4m3:
 Hopper's wgmma e4m3 runs at twice the 16-bit rate) it is not: "S on e4m3" is what ptxc builds
-with qk_products = "e4m3" (Q·Kᵀ on e4m3, P·V 16-bit; e4m3 caches, 64 head rows: not at 16
-heads), "all e4m3" both products. The ratios are ceilings, not forecasts: a kernel reaches
+with qk_products = "e4m3" and tile.fp8_scores (Q·Kᵀ on e4m3, P·V 16-bit; e4m3 caches, 64 head
+rows: not at 16 heads), "all e4m3" both products. The ratios are ceilings, not forecasts: a kernel reaches
 neither peak.
 
     python bench/mla_roofline.py [--shape batch=64,total_q=64,max_pages_per_seq=64,num_pages=4096]
@@ -42,7 +42,7 @@ kv_layout = "paged"
 page_size = 64
 num_splits = "auto"
 {kv_dtype}targets = ["sm_90a"]
-"""
+{tile}"""
 HEADS = (16, 64, 128)
 CACHES = ("bf16", "e4m3", "e4m3_ds")
 NARROW_S = "e4m3_qk"   # e4m3 rows with qk_products = "e4m3" (64 head rows: 64 and 128 heads)
@@ -75,7 +75,9 @@ def ceilings(dims: dict) -> list[dict]:
         kinds = {**{kv: "" if kv == "bf16" else f'kv_dtype = "{kv}"\n' for kv in CACHES},
                  NARROW_S: 'kv_dtype = "e4m3"\nqk_products = "e4m3"\n'}
         built = [(h, kv) for h in HEADS for kv in kinds if kv != NARROW_S or h in NARROW_HEADS]
-        spec.write_text("".join(SPEC.format(heads=h, kv=kv, kv_dtype=kinds[kv]) for h, kv in built))
+        spec.write_text("".join(SPEC.format(heads=h, kv=kv, kv_dtype=kinds[kv],
+                                            tile="[kernel.tile]\nfp8_scores = true\n" if kv == NARROW_S else "")
+                                for h, kv in built))
         run_build([spec], Path(tmp) / "out", verify=False, progress=False)
         costs = {(h, kv): cost(Path(tmp) / "out" / f"h{h}_{kv}", dims) for h, kv in built}
     rows = []

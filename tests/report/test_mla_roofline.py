@@ -27,9 +27,10 @@ def test_fp8_ceilings_by_head_count_and_product_width(monkeypatch, tmp_path):
         assert rows[(gpu, 16)]["s_narrow"] is None       # qk_products needs 64 head rows
     assert rows[("H200 SXM", 128)]["bound_by"] == "tensor"
     assert abs(rows[("H200 SXM", 128)]["wide"]["e4m3_ds"] - 1.0) < 1e-9
-    # qk_products = "e4m3" as built: sm_90a's bf16 tile puts S on e4m3 wgmma (three promoted
-    # chains: latent_tile.fp8_score_chains), which lifts 128 heads' ceiling past the 16-bit
-    # products' (H100 1.29x -> 1.76x, H200 1.00x -> 1.36x); P·V stays 16-bit, so below "all e4m3"
+    # qk_products = "e4m3" with tile.fp8_scores: sm_90a's bf16 tile puts S on e4m3 wgmma (three
+    # promoted chains: latent_tile.fp8_score_chains), which lifts 128 heads' ceiling past the
+    # 16-bit products' (H100 1.29x -> 1.76x, H200 1.00x -> 1.36x); P·V stays 16-bit, so below
+    # "all e4m3"
     for gpu in ("H100 SXM", "H200 SXM"):
         r = rows[(gpu, 128)]
         assert r["wide"]["e4m3"] < r["s_narrow"] < r["narrow"]["e4m3"]

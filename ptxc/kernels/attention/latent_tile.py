@@ -159,20 +159,23 @@ SPARSE_DEQUANT_REGS = 120
 
 
 # S on FP8 wgmma (qk_e4m3, qk_direct; qk_products = "e4m3" under the dequantising warpgroup).
-# Hopper's FP8 wgmma keeps 13 fraction bits of each k32
-# step's sum, its accumulator input included, truncated toward zero (emu/fp8.accumulate, which
-# reproduces the H200's errors bit for bit): over a 576-column score's 9-18 steps chained through
-# one accumulator the lse error reached 1.6-1.9x launch-test's tolerance on the H200 (lease at
-# 4078740, block_n 32). So the steps are dealt to FP8_SCORE_CHAINS accumulators a warpgroup and
-# added in f32 (promotion, as DeepGEMM does): with split scores 3 chains of 3 steps, lse at
-# 0.31x the tolerance on the lease's inputs (2 chains: 0.51x). Their registers fit beside O's
+# Hopper's FP8 wgmma keeps 13 fraction bits of each k32 step's sum, its accumulator input
+# included, truncated toward zero (emu/fp8.accumulate, which reproduces the H200's errors bit
+# for bit): over a 576-column score's 9-18 steps chained through one accumulator the lse error
+# reached 1.6-1.9x launch-test's tolerance on the H200 (lease at 4078740, block_n 32). So the
+# steps are dealt to FP8_SCORE_CHAINS accumulators a warpgroup and added in f32 (promotion, as
+# DeepGEMM does): with split scores 3 chains of 3 steps, lse at 0.31-0.47x the tolerance on the
+# lease's spec over seeds 0-5 (2 chains at block_n 32: up to 0.81x). Their registers fit beside O's
 # 128 at block_n 16 (three chains of 8); at block_n 32 two chains already spilled 32 bytes at
 # the computing warps' 200, and unsplit S (18 steps: six chains) spills at either width. And
-# the sums' truncation is a bf16-sized error: f16's lse (its probabilities rounded to 11 bits)
-# allows about a seventh of bf16's, and three chains missed it by 2.9x. So the FP8-score tile
-# is bf16 with split scores at block_n 16 (fp8_score_chains); every other tile keeps Q rounded
-# to e4m3 values on 16-bit products (exact products, f32 sums), as sm_80 / sm_90 do (mma.sync's
-# QMMA on sm_89 / sm_120 promotes every k-step: math/mma_qk8.py).
+# the sums' truncation is a floor no chain removes (each step's products are aligned to the
+# largest of them): lse's error grows with softmax_scale -- 0.16-0.6x the tolerance at DeepSeek's
+# 0.0723-0.1352 on launch-test's inputs, 0.76-1.16x at 0.3 (128 RoPE columns failed) -- and
+# f16's tolerance (its probabilities rounded to 11 bits) is about a seventh of bf16's (three
+# chains missed it by 2.9x). So the FP8-score tile is opt-in (tile.fp8_scores), bf16 with split
+# scores at block_n 16 (fp8_score_chains); by default, and elsewhere, Q is rounded to e4m3
+# values on 16-bit products (exact products, f32 sums), as sm_80 / sm_90 do (mma.sync's QMMA on
+# sm_89 / sm_120 promotes every k-step: math/mma_qk8.py).
 FP8_SCORE_CHAINS = 3
 FP8_SCORE_BLOCK_N = 16
 
@@ -258,7 +261,7 @@ def _latent_config(spec, stages: int, split: bool | None = None, seesaw: bool | 
         split = False
     dequant, least = dequant_warpgroup(spec), min_latent_stages(spec)
     q_e4m3 = spec_option(spec, "qk_products") == "e4m3"
-    wants_fp8 = dequant and q_e4m3                  # FP8 S where its chains fit
+    wants_fp8 = dequant and q_e4m3 and bool(spec.tile_dict().get("fp8_scores"))
     if split is None:
         room = max(least, spec.tile_dict().get("num_stages", least))
         split = spec.tile_dict().get("split_scores", split_by_default(spec)) and \
