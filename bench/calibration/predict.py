@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ptxc.report.calibration import calibration_for
+from ptxc.report.costs import launch_cost, resolve_dims
 from ptxc.report.gpus import GPUS
 from ptxc.report.launch_model import SplitRows, kernel_chunk_rule, launch_list_seconds
-from ptxc.report.loop_model import main_loop
+from ptxc.report.loop_model import COPY_FAMILIES, main_loop
 from ptxc.report.sass import sass_profile
 
 HERE = Path(__file__).resolve().parent
@@ -88,7 +89,7 @@ def _profiles(calib: Path, pts: list[dict]) -> dict[str, dict]:
 def model_inputs(calib: Path = HERE):
     """Per recorded point: (point with `path`, `in_sample` and `cubin`, the launch model's
     arguments but the constants -- (family, spec, config, launches, loops, dims, GPU row,
-    the cubin's split-KV chunk rule) --
+    the cubin's split-KV chunk rule, a copy family's bytes) --
     or None where no constants were fitted for the kernel's path (tcgen05))."""
     pts = points(calib)
     profiles = _profiles(calib, pts)
@@ -105,15 +106,17 @@ def model_inputs(calib: Path = HERE):
             continue
         loops = {k["entry"]: main_loop(profiles[digest].get(k["entry"]), k, meta, t["config"])
                  for k in t["kernels"]}
+        copy = launch_cost(meta, p["target"], resolve_dims(meta, {"num_new": 1, **p["shape"]})).bytes \
+            if meta["family"] in COPY_FAMILIES else 0
         yield p, (meta["family"], meta["spec"], t["config"], t["kernels"], loops,
                   {"num_splits": 1, "num_new": 1, **p["shape"]}, GPUS[p["gpu"]],
-                  chunk_rule(p["commit"], meta["family"], p["kernel"], meta["spec"]))
+                  chunk_rule(p["commit"], meta["family"], p["kernel"], meta["spec"]), copy)
 
 
 def modelled(args: tuple, cal) -> dict:
     """launch_list_seconds over model_inputs' arguments under the constants `cal`."""
-    *inputs, rule = args
-    return launch_list_seconds(*inputs, cal, chunk_rule=rule)
+    *inputs, rule, copy = args
+    return launch_list_seconds(*inputs, cal, chunk_rule=rule, copy_bytes=copy)
 
 
 def predictions(calib: Path = HERE) -> list[dict]:

@@ -22,7 +22,7 @@ from .costs import launch_cost, resolve_dims, roofline
 from ..errors import InputError, UserError
 from .gpus import GPUS, get_gpu, models_for_target, sm_of_target
 from .loop_model import COPY_FAMILIES, kv_reuse, kv_rows_per_iteration, loop_figures, loop_warps, main_loop
-from .calibration import calibration_for
+from .calibration import COPY_CALIBRATION_ERROR, calibration_for
 from .launch_model import launch_list_seconds
 from ..targets import get_target, occupancy
 
@@ -132,13 +132,15 @@ def _launch_row(k: dict, target: str, dims: dict, sass: dict | None, why: str | 
     }
 
 
-def _estimates(meta: dict, tinfo: dict, launches: list[dict], dims: dict, models, sass) -> list[dict]:
+def _estimates(meta: dict, tinfo: dict, launches: list[dict], dims: dict, models, sass,
+               cost=None) -> list[dict]:
     """The calibrated whole-launch estimate (ptxc.report.launch_model) on every GPU model that has
     a calibration for the kernel's path (mma.sync and SIMT; wgmma + TMA; not tcgen05, which never
-    ran on hardware), with that calibration's measured error. None for the families without an
-    attention loop (copies and merges): no timed kernel calibrates them, and the model's fixed
-    launch term alone would understate a large one (the roofline bound stands for them)."""
-    if not sass or meta["family"] in COPY_FAMILIES:
+    ran on hardware), with that calibration's measured error. The copy families (appends, merges:
+    no attention loop) take their launch term and `cost`'s bytes over the DRAM share, quoted
+    with the error measured on the timed copies (COPY_CALIBRATION_ERROR)."""
+    copy = meta["family"] in COPY_FAMILIES
+    if not sass or (copy and cost is None):
         return []
     config = tinfo.get("config", {})
     loops = {k["entry"]: main_loop(sass.get(k["entry"]), k, meta, config) for k in tinfo["kernels"]}
@@ -149,8 +151,11 @@ def _estimates(meta: dict, tinfo: dict, launches: list[dict], dims: dict, models
         if fitted is None:
             continue
         cal, error = fitted
+        if copy:
+            error = COPY_CALIBRATION_ERROR
         try:
-            got = launch_list_seconds(meta["family"], meta["spec"], config, kernels, loops, dims, g, cal)
+            got = launch_list_seconds(meta["family"], meta["spec"], config, kernels, loops, dims, g, cal,
+                                      copy_bytes=cost.bytes if copy else 0)
         except (InputError, KeyError, ZeroDivisionError):
             continue
         out.append({"gpu": g.key, "seconds": got["seconds"], "launches": got["launches"],
@@ -186,7 +191,7 @@ def build_report(paths, shapes: dict[str, int] | None = None, gpus: list[str] | 
                                     models) for k in tinfo["kernels"]]
             models = models if cost else []
             targets.append({
-                "estimate": _estimates(meta, tinfo, launches, dims, models, mix),
+                "estimate": _estimates(meta, tinfo, launches, dims, models, mix, cost),
                 "target": target, "config": tinfo.get("config", {}),
                 "cost": cost.to_dict() if cost else None, "cost_note": cost_note,
                 "launches": launches,

@@ -45,8 +45,10 @@ Per launch with an attention main loop:
      which per-wave accounting missed: split decode of 2-3 waves was modelled up to 2x slow),
      plus under split-KV the f32 partials it writes (`partial_bytes`; MLA: 2 KiB per head row
      and split, 128 KiB for a 64-row tile -- the bytes of 114 latent rows).
-Launches without an attention loop (appends) cost `launch_s` each, which also stands for the
-per-launch overhead of the others; a split reduce adds the time to read the partials.
+Launches without an attention loop cost `launch_s` each, which also stands for the per-launch
+overhead of the others; a split reduce adds the time to read the partials, a copy family's
+launch (merge_states, the appends) its bytes over the DRAM share -- most appends are a few
+rows, the launch term alone; merging two prefill chunks' states moves hundreds of MB.
 
 The mma.sync / SIMT constants (`H100_MMA_SYNC`) are chosen (a grid search,
 bench/calibration/README.md) on the 45 medians of three H100 runs of ptxc's mma.sync / SIMT
@@ -279,10 +281,13 @@ def partial_bytes(family: str, spec: dict, config: dict, dims: dict, work: list[
 
 def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[dict],
                         loops: dict[str, dict | None], dims: dict, gpu: GpuModel,
-                        cal: Calibration, chunk_rule: ChunkRule | None = None) -> dict:
+                        cal: Calibration, chunk_rule: ChunkRule | None = None,
+                        copy_bytes: int = 0) -> dict:
     """The whole launch list's modelled time. `launches`: metadata launch dicts (entry, grid
     expressions, block, occupancy); `loops`: entry -> main-loop profile (or None);
-    `chunk_rule`: the split-KV chunk the kernels compute (cta_iterations)."""
+    `chunk_rule`: the split-KV chunk the kernels compute (cta_iterations); `copy_bytes`: what a
+    copy family's loop-less launch reads and writes (report.costs' bytes: merge_states,
+    kv_append, mla_append), over the DRAM share after its launch term."""
     total, parts = 0.0, []
     split = any(k["entry"].endswith("_reduce") for k in launches)
     dram_rate = cal.bandwidth_fraction * gpu.bandwidth
@@ -291,12 +296,14 @@ def launch_list_seconds(family: str, spec: dict, config: dict, launches: list[di
         entry, loop = launch["entry"], loops.get(launch["entry"])
         kv_rows = kv_rows_per_iteration(family, config, entry) if loop else None
         if not loop or not kv_rows:
-            seconds = cal.launch_s
-            if entry.endswith("_reduce") and partials:
-                seconds += partials / dram_rate
+            reduce = entry.endswith("_reduce")
+            moved = partials if reduce else copy_bytes
+            seconds = cal.launch_s + moved / dram_rate
             total += seconds
-            parts.append({"entry": entry, "bound": "fixed" if seconds == cal.launch_s else "bandwidth",
-                          "seconds": seconds})
+            # (a copy's bytes name the bound once they outweigh the launch term: most appends
+            # move a few KiB)
+            bandwidth = (reduce and partials > 0) or moved / dram_rate > cal.launch_s
+            parts.append({"entry": entry, "bound": "bandwidth" if bandwidth else "fixed", "seconds": seconds})
             continue
         persistent = family == "prefill" and config.get("persistent")
         grid = ([math.ceil(dims["seq_q"] / config["block_m"]), 1, 1] if persistent

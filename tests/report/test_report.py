@@ -17,7 +17,7 @@ from ptxc.cli import main
 from ptxc.report.costs import Cost, decode_cost, launch_cost, prefill_cost, resolve_dims, roofline
 from ptxc.errors import InputError, UserError
 from ptxc.report.gpus import GPUS, get_gpu, match_device, models_for_target
-from ptxc.report.calibration import CALIBRATION_ERROR, WGMMA_CALIBRATION_ERROR
+from ptxc.report.calibration import CALIBRATION_ERROR, COPY_CALIBRATION_ERROR, H100_MMA_SYNC, WGMMA_CALIBRATION_ERROR
 from ptxc.report.loop_model import COPY_FAMILIES
 from ptxc.targets import TARGETS, occupancy
 
@@ -203,13 +203,17 @@ def test_report_every_example_spec_json_and_html(built, tmp_path, shared_cache):
             want = launch_cost(meta, t["target"], k["dims"]).to_dict()
             assert t["cost"] == want
             assert [r["gpu"] for r in t["roofline"]] == [g.key for g in models_for_target(t["target"])]
-            # the calibrated estimate: each path quotes its own fit's error; tcgen05 gets none,
-            # nor do the families without an attention loop (copies, merges: nothing calibrates them)
+            # the calibrated estimate: each path quotes its own fit's error, the families without
+            # an attention loop (copies, merges) the error measured on the timed copies, their
+            # launch term and bytes (more than the launch term alone); tcgen05 gets none
             path = str(t["config"].get("path", ""))
             wgmma_estimates += path.startswith("wgmma") and bool(t.get("estimate"))
+            copy = meta["family"] in COPY_FAMILIES
             for e in t.get("estimate") or []:
-                assert e["error"] == (WGMMA_CALIBRATION_ERROR if path.startswith("wgmma") else CALIBRATION_ERROR)
-            if path.startswith("tcgen05") or meta["family"] in COPY_FAMILIES:
+                assert e["error"] == (COPY_CALIBRATION_ERROR if copy else WGMMA_CALIBRATION_ERROR
+                                      if path.startswith("wgmma") else CALIBRATION_ERROR)
+                assert not copy or e["seconds"] > H100_MMA_SYNC.launch_s * len(tmeta["kernels"])
+            if path.startswith("tcgen05"):
                 assert not t.get("estimate")
             elif has_nvdisasm and any(r["gpu"] == "h100-sxm" for r in t["roofline"]):
                 assert t.get("estimate"), (k["name"], t["target"])
