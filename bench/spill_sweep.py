@@ -256,8 +256,8 @@ MLA_OPTIONS = (
     ("page_size = 1\n", "p1"),
     ("sparse_topk = 2048\ntopk_length = true\n", "sparse"),
     ('sparse_topk = 2048\nkv_dtype = "e4m3"\nnum_splits = 1\n', "sparsefp8"),
-    # qk_products: Q rounded to e4m3 values on every tile (FP8 products on sm_90a's
-    # dequantising-warpgroup tile; MLA_QK8 below has its other forms)
+    # qk_products: Q rounded to e4m3 values on every tile (FP8 products on sm_89 / sm_120, and
+    # on sm_90a's dequantising-warpgroup tile with tile.fp8_scores: MLA_QK8_FP8S below)
     ('kv_dtype = "e4m3"\nqk_products = "e4m3"\n', "qk8"),
     ('sparse_topk = 2048\nkv_dtype = "e4m3"\nqk_products = "e4m3"\n', "qk8sparse"),
 )
@@ -301,6 +301,13 @@ MLA_QK8 = (('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\nq
             'split_scores = false\n', "qk8unsplit"),
            ('kv_dtype = "e4m3"\nqk_products = "e4m3"\n[kernel.tile]\nkv_loads = "tma"\n', "qk8tma"),
            ('kv_dtype = "e4m3"\nqk_products = "e4m3"\n[kernel.tile]\ndequant_warpgroup = false\n', "qk8fused"))
+# ... and S on FP8 wgmma (tile.fp8_scores: bf16 only, three chains at block_n 16): paged and
+# contiguous, tensor and device scales, 128 and 64 heads
+MLA_QK8_FP8S = (('kv_dtype = "e4m3"\nqk_products = "e4m3"\n[kernel.tile]\nfp8_scores = true\n', "qk8fp8s"),
+                ('kv_dtype = "e4m3"\nkv_scale = "device"\nkv_layout = "contiguous"\nqk_products = "e4m3"\n'
+                 'num_splits = 1\nreturn_lse = false\n[kernel.tile]\nfp8_scores = true\n', "qk8fp8sdevcontig"),
+                ('kv_dtype = "e4m3"\nqk_products = "e4m3"\npage_size = 16\nnum_heads = 64\n[kernel.tile]\n'
+                 'fp8_scores = true\n', "qk8fp8sh64"))
 MLA_APPEND_DS_OPTIONS = (('kv_dtype = "e4m3_ds"\n', "ds"), ('kv_dtype = "e4m3_ds"\nrope = "gptj"\n', "dsgptj"))
 # sm_100a alone: the tcgen05 latent tile (two value CTAs) over its layouts and tile keys, 64 and
 # 128 heads -- dense caches of the dtype by TMA, FP8 rows by a dequantising warpgroup (the
@@ -358,7 +365,7 @@ def _mla_rows(full: bool):
                 extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nqk_rope_head_dim = {rope}\n"
                          f'targets = ["sm_90a"]\n' + option)
                 yield f"mla_wg_{tag}_{dtype}_r512_p{rope}", "mla", dtype, 512 + rope, extra, None
-        for option, tag in MLA_QK8:
+        for option, tag in MLA_QK8 + (MLA_QK8_FP8S if dtype == "bf16" else ()):
             for rope in (64, 128):
                 heads = "" if "num_heads" in option else "num_heads = 128\n"
                 extra = (f"{heads}softmax_scale = 0.1\nqk_rope_head_dim = {rope}\n"
