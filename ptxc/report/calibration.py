@@ -53,9 +53,10 @@ CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 44 within ±35 %, all with
                      "out-of-sample over 23 H200 medians (53a4762): 19 within ±35 %, model/measured "
                      "0.74–1.71, over 41 H100 medians of 89432c6: 39 within ±35 %, 0.74–1.37, "
                      "over 48 H200 medians of 2d6d5cd: 45 within ±35 %, 0.71–1.46, over 55 of the "
-                     "155 H200 medians of 6c5a819–621d27f: 51 within ±35 %, 0.71–1.39 (unsplit "
-                     "and MQA tensor-core decode modelled up to 1.71x slow, MQA d256 at 64 splits "
-                     "0.71x); mma.sync and SIMT kernels only")
+                     "155 H200 medians of 6c5a819–621d27f: 51 within ±35 %, 0.71–1.39, over 60 H200 "
+                     "medians of 4078740: 56 within ±35 %, 0.69–1.69 (unsplit, MQA and FP8 "
+                     "per-head tensor-core decodes modelled up to 1.71x slow, MQA d256 at 64 "
+                     "splits 0.69–0.71x); mma.sync and SIMT kernels only")
 WGMMA_CALIBRATION_ERROR = ("in-sample over 28 H100 wgmma medians (89432c6, f7ee845): all within "
                            "±35 %, 0.75–1.26; out-of-sample over 62 H200 wgmma medians (2d6d5cd, "
                            "53a4762): 61 within ±35 %, 0.65–1.22, over 100 of "
@@ -63,7 +64,10 @@ WGMMA_CALIBRATION_ERROR = ("in-sample over 28 H100 wgmma medians (89432c6, f7ee8
                            "every one that is not MLA (20), 0.88–1.15, 74 of 78 MLA decodes, every "
                            "point outside modelled fast (four terms were chosen after seeing these "
                            "points: the MLA decode's lockstep, the kernels' split chunk, the split "
-                           "partials' bytes, varlen's causal queries); sm_90a wgmma kernels only")
+                           "partials' bytes, varlen's causal queries), over 114 H200 wgmma medians "
+                           "of 4078740: 108 within ±35 %, 0.61–1.21, every point outside modelled "
+                           "fast (gpt-oss's serve step, the FP8 serve step and decode at batch 64, "
+                           "the 192 / 128 prefill); sm_90a wgmma kernels only")
 
 
 # The copy families (kv_append, mla_append, merge_states: no attention loop) under the mma.sync
