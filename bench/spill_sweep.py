@@ -346,6 +346,16 @@ def _mla_rows(full: bool):
                     extra = (f"num_heads = 128\nsoftmax_scale = 0.1\nkv_lora_rank = {rank}\n"
                              f"qk_rope_head_dim = {rope}\n" + option)
                     yield f"mla_{tag}_{dtype}_r{rank}_p{rope}", "mla", dtype, rank + rope, extra, None
+    # sparse top-k at TP 8's 16 heads (a tile holds one token's heads): above 256 + 0 columns
+    # one warp's threads cannot copy a row a chunk each, so warps share the 16 rows
+    for dtype in ("bf16", "f16"):
+        for option, tag in (("sparse_topk = 2048\n", "sparse16"),
+                            ('sparse_topk = 2048\nkv_dtype = "e4m3"\nnum_splits = 1\n', "sparsefp816")):
+            for rank in MLA_RANKS if full else (192, 256, 512):
+                for rope in MLA_ROPES if full else (16, 128):
+                    extra = (f"num_heads = 16\nsoftmax_scale = 0.1\nkv_lora_rank = {rank}\n"
+                             f"qk_rope_head_dim = {rope}\n" + option)
+                    yield f"mla_{tag}_{dtype}_r{rank}_p{rope}", "mla", dtype, rank + rope, extra, None
     # 64 head rows per CTA (16 warps; varlen.latent_block_m) where every target holds the tile:
     # the same options over the large-shared-memory targets, ranks above 256 (four warps per 16 rows)
     for dtype in ("bf16", "f16"):

@@ -250,6 +250,22 @@ def test_sparse_ranks_the_latent_tiles_leave_run_on_mma_sync(tmp_path, target):
     assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 7, "num_pages": 5}, seed=11))
 
 
+@pytest.mark.parametrize("kv", [None, "e4m3"])
+def test_sparse_sixteen_heads_of_wide_rows_share_the_warps(tmp_path, kv):
+    """TP 8's 16 heads over 256 + 32 columns (576-byte Q rows: 36 chunks): a tile holds one
+    token's heads, 16 rows, whose one warp cannot copy such a row a chunk a thread, so two
+    warps share the rows, each with half of O's columns and of Q·Kᵀ's depth (varlen.configure)
+    -- refused before with an error naming a num_warps nobody gave (bench/fuzz_numerics.py
+    found it). Every target family of tile, poisoned slots as above."""
+    targets = ("sm_80", "sm_89", "sm_90a", "sm_100a")
+    art = build_kernel(tmp_path, "mla", sparse_body(16, 256, 32, "bf16", kv, None, 40, True, "auto"),
+                       targets=targets)
+    for t in targets:
+        c = art.meta["targets"][t]["config"]
+        assert (c["block_m"], c["num_warps"], c["value_split"], c["score_split"]) == (16, 2, 2, True), (t, c)
+    assert_pass(check_artifact(art, backend="emu", shapes={"total_q": 7, "num_pages": 5}, seed=11))
+
+
 def test_sparse_interface_and_tokens_without_slots(tmp_path):
     """No sequences: q, kv_cache, indices [total_q, N] (+ topk_length); a token whose slots are
     all -1 or outside the cache writes 0 and lse = -inf."""
