@@ -223,9 +223,17 @@ def draw_dims(r: random.Random, defaults: dict, page_size: int = 16) -> dict:
     return out
 
 
+def _refusal(e: Exception, case: dict) -> str:
+    """"refused", or "error" where the refusal names a tile key the case never gave: it blames
+    the user for a value ptxc derived (16-head sparse MLA once refused "num_warps = 1" so)."""
+    key = getattr(e, "key", None) or ""
+    return "error" if key.startswith("tile.") and key[len("tile."):] not in case["tile"] else "refused"
+
+
 def run_case(case: dict, workdir: Path) -> dict:
-    """Build and check one case; returns it with "outcome" (pass, refused, fail, error, or
-    edge: over launch-test's tolerance only where its 4 sampled rounding grids fall short)."""
+    """Build and check one case; returns it with "outcome" (pass, refused, fail, error -- a
+    defect, a refusal of a tile key the case did not give included -- or edge: over
+    launch-test's tolerance only where its 4 sampled rounding grids fall short)."""
     from ptxc.kernels import FAMILIES, load_text
     from ptxc.pipeline.build import run_build
     from ptxc.runtime.artifact import load
@@ -234,7 +242,7 @@ def run_case(case: dict, workdir: Path) -> dict:
     try:
         [spec] = load_text(text, f"{case['name']}.toml")
     except SpecError as e:
-        return {**case, "outcome": "refused", "why": str(e).splitlines()[0][:300]}
+        return {**case, "outcome": _refusal(e, case), "why": str(e).splitlines()[0][:300]}
     src = workdir / f"{case['name']}.toml"
     src.write_text(text)
     out = workdir / case["name"]
@@ -250,7 +258,7 @@ def run_case(case: dict, workdir: Path) -> dict:
             case = {**case, "dims": draw_dims(random.Random(case["seed"]), defaults, page)}
         rows = check_artifact(art, backend="emu", shapes=case["dims"], seed=case["seed"])
     except UserError as e:     # a refusal (SpecError, InputError): not the kernel's defect
-        return {**case, "outcome": "refused", "why": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        return {**case, "outcome": _refusal(e, case), "why": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     except Exception as e:  # noqa: BLE001 -- anything else (IRError, the emulator's faults) is a defect
         return {**case, "outcome": "error", "why": f"{type(e).__name__}: {e}"[:600],
                 "trace": traceback.format_exc()[-2000:], "secs": round(time.perf_counter() - t0, 1)}

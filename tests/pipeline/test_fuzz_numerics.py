@@ -45,3 +45,13 @@ def test_seeded_cases_pass_and_a_log_replays(tmp_path, capsys):
     capsys.readouterr()
     assert fuzz_numerics.main(["--replay", str(log)]) == 0
     assert '"pass": 1' in capsys.readouterr().out
+
+
+def test_a_refusal_of_a_tile_key_the_case_never_gave_is_a_defect():
+    """A derived tile value refused as if the user had given it (16-head sparse MLA's
+    "num_warps = 1", counted as 27 plain refusals in seed 15's campaign) is an error."""
+    case = {"tile": {"block_n": 16}}
+    assert fuzz_numerics._refusal(SpecError("x", key="tile.num_warps"), case) == "error"
+    assert fuzz_numerics._refusal(SpecError("x", key="tile.block_n"), case) == "refused"
+    assert fuzz_numerics._refusal(SpecError("x", key="num_heads"), case) == "refused"
+    assert fuzz_numerics._refusal(ValueError("x"), case) == "refused"
