@@ -100,7 +100,15 @@ def draw_spec(r: random.Random, targets=TARGETS, families=None) -> tuple[dict, d
         if f["kv_dtype"] == "e4m3" and r.random() < 0.3:
             f["qk_products"] = "e4m3"
             if target == "sm_90a" and f["dtype"] == "bf16" and r.random() < 0.5:
-                tile["fp8_scores"] = True     # refused where the chains do not apply
+                # S on FP8 wgmma: mostly where it applies (64 / 128 heads of 512 + 64 / 128
+                # columns, dense, the tile's own keys), else refused in one line
+                tile["fp8_scores"] = True
+                if r.random() < 0.8:
+                    f.update(num_heads=r.choice((64, 128)), kv_lora_rank=512,
+                             qk_rope_head_dim=r.choice((64, 64, 128)))
+                    f.pop("sparse_topk", None)
+                    for key in ("block_m", "split_scores", "dequant_warpgroup", "kv_loads", "seesaw"):
+                        tile.pop(key, None)
         return f, tile, target
     f["head_dim"] = r.choice(HEAD_DIMS)
     _heads(r, f)
