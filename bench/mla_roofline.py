@@ -7,8 +7,8 @@ products (ptxc's default: the tensor cores see f16 / bf16) the tensor term is th
 kernel's, so the FP8 cache's gain is capped by it. With e4m3 products (Q quantised to e4m3:
 Hopper's wgmma e4m3 runs at twice the 16-bit rate) it is not: "S on e4m3" is what ptxc builds
 with qk_products = "e4m3" and tile.fp8_scores (Q·Kᵀ on e4m3, P·V 16-bit; e4m3 caches, 64 head
-rows: not at 16 heads), "all e4m3" both products. The ratios are ceilings, not forecasts: a kernel reaches
-neither peak.
+rows: not at 16 heads), "all e4m3" both products. The ratios are ceilings, not forecasts: a
+kernel reaches neither peak.
 
     python bench/mla_roofline.py [--shape batch=64,total_q=64,max_pages_per_seq=64,num_pages=4096]
 

@@ -138,12 +138,13 @@ def _estimates(meta: dict, tinfo: dict, launches: list[dict], dims: dict, models
     a calibration for the kernel's path (mma.sync and SIMT; wgmma + TMA; not tcgen05, which never
     ran on hardware), with that calibration's measured error. The copy families (appends, merges:
     no attention loop) take their launch term and `cost`'s bytes over the DRAM share, quoted
-    with the error measured on the timed copies (COPY_CALIBRATION_ERROR)."""
+    with the error measured on the timed copies (COPY_CALIBRATION_ERROR): no SASS needed."""
     copy = meta["family"] in COPY_FAMILIES
-    if not sass or (copy and cost is None):
+    if (cost is None) if copy else not sass:
         return []
     config = tinfo.get("config", {})
-    loops = {k["entry"]: main_loop(sass.get(k["entry"]), k, meta, config) for k in tinfo["kernels"]}
+    loops = {k["entry"]: None if copy else main_loop(sass.get(k["entry"]), k, meta, config)
+             for k in tinfo["kernels"]}
     kernels = [{**k, "occupancy": L["occupancy"] or {"ctas_per_sm": 1}} for k, L in zip(tinfo["kernels"], launches)]
     out = []
     for g in models:

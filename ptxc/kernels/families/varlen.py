@@ -131,11 +131,13 @@ def configure(spec: KernelSpec, target: Target | None) -> PrefillConfig:
     bm = given.get("block_m") or (latent_block_m(spec) if wide else 16 * given.get("num_warps", 4) // vsplit)
     if sparse_keys(spec) and "block_m" not in given:   # a tile holds one token's heads
         bm = math.gcd(bm, spec.num_heads)
-        # ... and one warp's 32 threads cannot copy a Q row of more chunks (tiles.thread_slot:
-        # a thread a chunk; 16 heads of 256 + 32 columns): warps share the 16 rows instead,
-        # each with a slice of O's columns and of Q·Kᵀ's depth, as above 256 value columns
-        while ("num_warps" not in given and bm // 16 * vsplit * 32 < -(-spec.head_dim * C.FORMATS[spec.dtype].bytes // 16)
-               and vsplit < 4 and head_dim_v(spec) // 8 % (2 * vsplit) == 0):
+        # ... and one warp's 32 threads cannot copy a Q row of more 16-byte chunks
+        # (tiles.thread_slot: a thread a chunk; 16 heads of 256 + 32 columns): warps share the
+        # 16 rows instead, each with a slice of O's columns and of Q·Kᵀ's depth, as above 256
+        # value columns
+        row_chunks = -(-spec.head_dim * C.FORMATS[spec.dtype].bytes // 16)
+        while ("num_warps" not in given and bm // 16 * vsplit * 32 < row_chunks and vsplit < 4
+               and head_dim_v(spec) // 8 % (2 * vsplit) == 0):
             vsplit *= 2
     warps = given.get("num_warps") or bm // 16 * vsplit
     bn = given.get("block_n") or narrow_block_n(
