@@ -356,7 +356,7 @@ def _mla_rows(full: bool):
                     extra = (f"num_heads = 16\nsoftmax_scale = 0.1\nkv_lora_rank = {rank}\n"
                              f"qk_rope_head_dim = {rope}\n" + option)
                     yield f"mla_{tag}_{dtype}_r{rank}_p{rope}", "mla", dtype, rank + rope, extra, None
-    # 64 head rows per CTA (16 warps; varlen.latent_block_m) where every target holds the tile:
+    # 64 head rows per CTA (16 warps; varlen_config.latent_block_m) where every target holds the tile:
     # the same options over the large-shared-memory targets, ranks above 256 (four warps per 16 rows)
     for dtype in ("bf16", "f16"):
         for option, tag in MLA_OPTIONS + (MLA_DS_OPTIONS if dtype == "bf16" else ()):

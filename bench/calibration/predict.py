@@ -21,7 +21,7 @@ from pathlib import Path
 from ptxc.report.calibration import calibration_for
 from ptxc.report.costs import launch_cost, resolve_dims
 from ptxc.report.gpus import GPUS
-from ptxc.report.launch_model import SplitRows, kernel_chunk_rule, launch_list_seconds
+from ptxc.report.launch_model import SplitRows, launch_list_seconds
 from ptxc.report.loop_model import COPY_FAMILIES, main_loop
 from ptxc.report.sass import sass_profile
 

@@ -15,7 +15,6 @@ ptxc/pipeline/checked.py's job (`load_checked`).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterator

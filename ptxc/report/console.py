@@ -9,8 +9,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import UserError
-
 
 def plural(n: int, one: str, many: str | None = None) -> str:
     """'1 kernel', '2 kernels', '0 kernels' (irregular plurals passed as `many`)."""

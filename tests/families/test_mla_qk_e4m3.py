@@ -2,7 +2,7 @@
 e4m3 values after a power-of-two scale on every target; on sm_90a's dequantising-warpgroup
 tile S = Q·Kᵀ runs on m64nNk32 e4m3 wgmma (math/q_rescale.quantize_q_rows from global memory)
 over the latent rows' raw bytes, which the dequantising warpgroup copies into each converted
-tile beside the 16-bit V (kv_fp8_stage.LatentFP8Staging's narrow store); every other tile
+tile beside the 16-bit V (kv_fp8_latent.LatentFP8Staging's narrow store); every other tile
 rounds its landed 16-bit Q tile in place (q_rescale.rescale_q_rows with e4m3_on) and keeps
 16-bit products over the same values -- except on sm_89 / sm_120, where the mma.sync tile's S
 runs on mma.m16n8k32 e4m3 over the staged rows (math/mma_qk8.py). P·V unchanged. The real PTX in the emulator (race

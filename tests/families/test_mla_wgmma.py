@@ -1,7 +1,7 @@
 """MLA decode on wgmma for sm_90a (latent_tile.LatentWgmmaConfig: two warpgroups over 64 head
 rows, each computing the whole S and owning half of O's 512 columns; one latent tile per stage
 on wgmma_pipeline.run_latent_wgmma_pipeline; e4m3 rows staged raw and converted,
-kv_fp8_stage.LatentFP8Staging). The real sm_90a PTX in the emulator against the
+kv_fp8_latent.LatentFP8Staging). The real sm_90a PTX in the emulator against the
 fp64 reference (make_inputs' mixed batches: q_len 0/1/2/4, L 0/1/63/64/65 and long, rows no
 sequence owns NaN), with the race checker on: the long-sequence case reuses every stage buffer
 (a refill issued before the barrier that ends the last P·V over it fails there). Plus: which

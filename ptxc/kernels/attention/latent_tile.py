@@ -137,7 +137,7 @@ class LatentWgmmaConfig(LatentFP8Rows, WgmmaTileConfig):
         bars += self.num_stages if self.qk_direct else 0     # the staging ring's sempty
         bars = -(-bars * MBARRIER_BYTES // 16) * 16
         # sparse top-k: the slot ring before the exchanges (slot_ring_offset), which end it
-        if self.fp8:    # the converted tiles, then the FP8 staging ring (kv_fp8_stage.LatentFP8Staging)
+        if self.fp8:    # the converted tiles, then the FP8 staging ring (kv_fp8_latent.LatentFP8Staging)
             return (self.q_region_bytes + self.converted_tiles * self.converted_bytes
                     + self.num_stages * self.staging_geom.bytes + bars + self.score_exchange_bytes
                     + self.slot_ring_bytes)

@@ -32,7 +32,7 @@ expect_tx; the same swizzled slabs, so WgmmaMath is unchanged).
              (kv_tmap, box [64, rows, 1]), one tile per stage serving S and P·V
              (tma_pipeline.run_latent_tma_pipeline); the same issuers, page ids and V tail
              (the first head_dim_v columns' slabs are V). e4m3 rows (kv_loads = "tma" given):
-             unswizzled boxes of fp8_box_bytes columns into kv_fp8_stage.LatentFP8Staging's
+             unswizzled boxes of fp8_box_bytes columns into kv_fp8_latent.LatentFP8Staging's
              buffers, converted there, the tail zeroed in the converted tile. On sm_100a
              (latent_tcgen05.py) the same loop with tcgen05's math, its MMA barriers after
              the stages' (each of the two value CTAs reads the whole tile).
@@ -56,7 +56,7 @@ from ..attention.packed_tile import TileWork, packed_tile_setup
 from ..attention.varlen_tile import Tcgen05TileConfig, VarlenTcgen05Math, score_transform
 from ..kv.kv_access import KVAccess
 from ..kv.kv_boxes import IssuerPages, box_rows, tensor_map_params, warp_boxes, zero_tail_rows
-from ..kv.kv_fp8_stage import LatentFP8Staging
+from ..kv.kv_fp8_latent import LatentFP8Staging
 from ..mainloop.tiles import SWIZZLE, SWIZZLE_PERIOD, swizzled_slot
 from ..mainloop.tcgen05_ws_pipeline import MMA_WARP_BARRIER
 from ..mainloop.seesaw_pipeline import SEESAW_STAGES

@@ -33,7 +33,7 @@ FP8 caches (e4m3 / e5m2) take the same body with their bytes staged by cp.async 
 dequantised into one swizzled tile each for K and V at the top of every iteration
 (kv_fp8_stage.SwizzledFP8Staging, wgmma_pipeline's `landed`); TMA does not apply to them.
 MLA's FP8 latent rows are converted either by every warp into two alternating tiles
-(kv_fp8_stage.LatentFP8Staging, wgmma_pipeline._run_staged_latent) or, by default where it
+(kv_fp8_latent.LatentFP8Staging, wgmma_pipeline._run_staged_latent) or, by default where it
 fits (latent_tile.dequant_warpgroup), by a dequantising warpgroup of their own into a ring of
 three (emit_dequant_tile, mainloop/dequant_pipeline.py).
 e4m3_ds rows, other head dims, and head_dim_v != head_dim with cp.async loads (FP8 caches, pages
@@ -42,13 +42,14 @@ of fewer than 8 rows, kv_loads = "cp_async") keep the mma.sync kernel on sm_90a.
 
 from __future__ import annotations
 
-from ...ir import S32, S64, U32, U64, Addr, Imm, KernelBuilder, Reg
+from ...ir import S32, S64, U64, Addr, Imm, KernelBuilder, Reg
 from ..attention.packed_tile import TileWork, packed_tile_setup
 from ..attention.varlen_tile import (Tcgen05TileConfig, VarlenMath, VarlenTcgen05Math, WgmmaTileConfig,
                                      score_transform)
 from ..kv.kv_access import KVAccess
 from ..kv.kv_fp8_direct import DirectLatentStaging
-from ..kv.kv_fp8_stage import LatentFP8Staging, SwizzledFP8Staging
+from ..kv.kv_fp8_latent import LatentFP8Staging
+from ..kv.kv_fp8_stage import SwizzledFP8Staging
 from ..kv.kv_pages import PagedTiles, SparseSlots, prefetch_applies
 from ..mainloop.dequant_pipeline import TILES as DEQUANT_TILES
 from ..mainloop.tiles import SWIZZLE_PERIOD, ThreadSlot, load_tile_passes, swizzled_slot

@@ -119,7 +119,7 @@ def run_latent_wgmma_pipeline(b: KernelBuilder, *, stages: int, kv_bytes: int, k
     T(j+S-2) right after it. Commit groups: Q+T0, T1, .., T(S-3) before the loop, one per
     iteration after; iteration j waits for T(j) with S-3 younger groups in flight (the tile
     loaded S-2 iterations ahead). Needs S >= 3 (tiles j-1 and j in use, one landing).
-    With `landed(t, stage)` (FP8 bytes, kv_fp8_stage.LatentFP8Staging) the stages hold raw
+    With `landed(t, stage)` (FP8 bytes, kv_fp8_latent.LatentFP8Staging) the stages hold raw
     tiles: _run_staged_latent. `q_landed` as in run_wgmma_pipeline."""
     if landed is not None:
         _run_staged_latent(b, stages, kv_bytes, kv_smem, n_tiles, n_full, key0_of, load_kv, math,
