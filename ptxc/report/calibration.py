@@ -60,14 +60,15 @@ CALIBRATION_ERROR = ("in-sample over 45 H100 medians: 44 within ±35 %, all with
 WGMMA_CALIBRATION_ERROR = ("in-sample over 28 H100 wgmma medians (89432c6, f7ee845): all within "
                            "±35 %, 0.75–1.26; out-of-sample over 62 H200 wgmma medians (2d6d5cd, "
                            "53a4762): 61 within ±35 %, 0.65–1.22, over 100 of "
-                           "the 155 H200 medians of 6c5a819–621d27f: 95 within ±35 %, 0.66–1.15 -- "
+                           "the 155 H200 medians of 6c5a819–621d27f: 96 within ±35 %, 0.80–1.42 -- "
                            "every one that is not MLA (20), 0.88–1.15, 74 of 78 MLA decodes, every "
-                           "point outside modelled fast (four terms were chosen after seeing these "
+                           "point outside modelled slow (four terms were chosen after seeing these "
                            "points: the MLA decode's lockstep, the kernels' split chunk, the split "
-                           "partials' bytes, varlen's causal queries), over 114 H200 wgmma medians "
-                           "of 4078740: 108 within ±35 %, 0.61–1.21, every point outside modelled "
-                           "fast (gpt-oss's serve step, the FP8 serve step and decode at batch 64, "
-                           "the 192 / 128 prefill); sm_90a wgmma kernels only")
+                           "partials' bytes, varlen's causal queries; the wgmma operand stall, from "
+                           "the SM's rates, moved the lockstep decodes up ~15 %), over 114 H200 "
+                           "wgmma medians of 4078740: 109 within ±35 %, 0.61–1.44 (fast: gpt-oss's "
+                           "serve step, the FP8 serve step and decode at batch 64; slow: two MLA "
+                           "lockstep decodes); sm_90a wgmma kernels only")
 
 
 # The copy families (kv_append, mla_append, merge_states: no attention loop) under the mma.sync

@@ -24,7 +24,9 @@ Per launch with an attention main loop:
                    `ipc` + tensor instructions x `hmma_cycles` (the latency no other warp hides
                    when few are resident: what made 1-CTA/SM prefill slow on the H100)
        tensor      mma FLOPs / (`tensor_fraction` x the SM's share of the dense tensor peak):
-                   mma.sync on an H100 does not reach the wgmma peak the GPU model states
+                   mma.sync on an H100 does not reach the wgmma peak the GPU model states; a
+                   wgmma reading A and B from shared memory (SS) with N < 64 is paced by its
+                   operands at 128 B a clock, not its math (loop_model.tensor_flops)
        fp32, smem  FP32 lane operations, and bytes through the shared-memory pipe (128 B/clock)
        latency     ("ipc") Little's law: loaded bytes / bytes in flight x `dram_latency_ns`
        lockstep    a tile whose warps share rows (`value_split` > 1: MLA's latent tiles, each
@@ -91,7 +93,7 @@ from .calibration import Calibration
 from .costs import first_key, visible_rows
 from .gpus import GpuModel
 from .issue_sim import sub_partition_clocks
-from .loop_model import kv_reuse, kv_rows_per_iteration, loop_warps
+from .loop_model import kv_reuse, kv_rows_per_iteration, loop_warps, tensor_flops
 
 
 def _opt(spec: dict, key: str, default=None):
@@ -235,7 +237,7 @@ def iteration_seconds(loop: dict, warps_per_sm: int, active_sms: int, gpu: GpuMo
         # the SM's issue slots: a dequantising warpgroup's instructions too (with_dequant_loads)
         "issue": loop.get("issue_instructions", loop["instructions"]) * warps_per_sm / 4 / clock,
         "warp": ((loop["instructions"] - tensor) / cal.ipc + tensor * cal.hmma_cycles) / clock,
-        "tensor": loop["mma_flops"] * warps_per_sm
+        "tensor": tensor_flops(loop) * warps_per_sm
         / (cal.tensor_fraction * gpu.tensor_tflops * 1e12 / gpu.sm_count),
         "fp32": loop["fp32_lane_ops"] * warps_per_sm / (gpu.f32_tflops * 1e12 / 2 / gpu.sm_count),
         "smem": loop.get("shared_bytes", 0) * warps_per_sm / (128 * clock),

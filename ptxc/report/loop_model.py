@@ -5,7 +5,8 @@ All resident CTAs of an SM (the launch's theoretical occupancy) run one iteratio
 time that takes is bounded below by each of:
   issue      warp-instructions / 4 schedulers per SM, one instruction per clock each
   tensor     mma FLOPs / the SM's share of the dense tensor peak (HMMA on sm_90 is counted at
-             the wgmma peak, so optimistic there)
+             the wgmma peak, so optimistic there), a wgmma whose shared-memory operands stream
+             slower than its math (SS forms below N = 64) at the operands' time (`tensor_flops`)
   fp32       FP32-pipe lane operations / the SM's f32 lanes per clock (f32 peak / 2 / clock)
   bandwidth  DRAM bytes / the SM's share of DRAM bandwidth, where DRAM bytes = loaded bytes /
              reuse: a K/V tile read by `reuse` CTAs (prefill's query blocks and GQA heads) comes
@@ -177,6 +178,12 @@ def main_loop(profile: dict | None, launch: dict, meta: dict, config: dict) -> d
     return with_umma_flops(loop, config, meta["spec"], warps)
 
 
+def tensor_flops(loop: dict) -> int:
+    """The tensor pipe's work in an iteration: its FLOPs, plus the FLOPs' worth of time wgmmas
+    wait for their shared-memory operands (sass_instr.operand_stall_flops: SS forms below N 64)."""
+    return loop["mma_flops"] + loop.get("operand_stall_flops", 0)
+
+
 def bound_on(loop: dict, warps_per_sm: int, gpu, reuse: int = 1) -> dict:
     """Seconds per iteration of every resident CTA under each bound, on one GPU model; only
     1/`reuse` of the loaded bytes come from DRAM (the rest from L2, at no modelled cost)."""
@@ -186,7 +193,7 @@ def bound_on(loop: dict, warps_per_sm: int, gpu, reuse: int = 1) -> dict:
     inflight = loop["inflight_bytes_mean"] * warps_per_sm
     times = {
         "issue": loop.get("issue_instructions", loop["instructions"]) * warps_per_sm / 4 / clock,
-        "tensor": loop["mma_flops"] * warps_per_sm / (gpu.tensor_tflops * 1e12 / gpu.sm_count),
+        "tensor": tensor_flops(loop) * warps_per_sm / (gpu.tensor_tflops * 1e12 / gpu.sm_count),
         "fp32": loop["fp32_lane_ops"] * warps_per_sm / (gpu.f32_tflops * 1e12 / 2 / gpu.sm_count),
         "bandwidth": loaded / per_sm_bw,
         "latency": loaded * gpu.dram_latency_ns * 1e-9 / inflight if inflight else 0.0,
@@ -215,5 +222,5 @@ def loop_figures(loop: dict, warps_per_cta: int, ctas_per_sm: int, kv_rows: int 
     }
 
 
-__all__ = ["BOUNDS", "bound_on", "kv_reuse", "kv_rows_per_iteration", "loop_figures", "loop_warps", "main_loop",
+__all__ = ["BOUNDS", "bound_on", "tensor_flops", "kv_reuse", "kv_rows_per_iteration", "loop_figures", "loop_warps", "main_loop",
            "with_dequant_loads", "with_tma_loads", "with_umma_flops"]

@@ -29,7 +29,8 @@ import threading
 
 from .dependency import dependency_program
 from .sass_instr import (BULK_ISSUE, CLASSES, DEPBAR_KEEP, GLOBAL_LOADS, HMMA_16816_FLOPS, REGISTER, Instr,
-                         access_bytes, classify, empty_group, mma_flops, parse_functions, registers, shared_bytes)
+                         access_bytes, classify, empty_group, mma_flops, operand_stall_flops, parse_functions,
+                         registers, shared_bytes)
 
 _TARGET = re.compile(r"`\((\.L\w+)\)")
 _LAST = threading.local()      # .entry: (instrs, its address -> position), per thread (report's pool)
@@ -259,7 +260,7 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
     classes = dict.fromkeys(CLASSES, 0)
     widths_of: dict[str, dict[str, int]] = {"ldg": {}, "stg": {}, "ldgsts": {}, "lds": {}, "sts": {}}
     loaded = shared = 0
-    flops = 0
+    flops = stall = 0
     for i in path:
         c = classify(i.opcode)
         classes[c] += 1
@@ -270,6 +271,7 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
             loaded += access_bytes(i.opcode) * 32
         shared += shared_bytes(i)
         flops += mma_flops(i) if c == "tensor" else 0
+        stall += operand_stall_flops(i) if c == "tensor" else 0
     mean, peak = bytes_in_flight(path)
     total = len(path)
     # the bound from above: the longest path of any warp (a tile taking every branch region:
@@ -280,7 +282,7 @@ def profile_loop(instrs: list[Instr], labels: dict[str, int], head: int, latch: 
         "body": latch - head + 1, "instructions": total, "instructions_longest": max(longest, total),
         "classes": classes,
         **{f"{c}_bytes": dict(sorted(w.items(), key=lambda kv: -int(kv[0]))) for c, w in widths_of.items()},
-        "mma_flops": flops, "fp32_lane_ops": classes["fp32"] * 32,
+        "mma_flops": flops, "operand_stall_flops": stall, "fp32_lane_ops": classes["fp32"] * 32,
         "instructions_per_mma": round(total / classes["tensor"], 2) if classes["tensor"] else None,
         "mma_equivalents": round(flops / HMMA_16816_FLOPS, 2),
         "instructions_per_mma_equivalent": round(total * HMMA_16816_FLOPS / flops, 2) if flops else None,

@@ -1,7 +1,8 @@
 """One SASS instruction (nvdisasm output) as the loop analysis and the dependency program read it:
 the parsed line (`Instr`, `parse_functions`), its class in the report's mix (`classify`), the
-bytes it moves (`access_bytes`, `shared_bytes`), its tensor-core FLOPs (`mma_flops`) and the
-registers it names (`registers`)."""
+bytes it moves (`access_bytes`, `shared_bytes`), its tensor-core FLOPs (`mma_flops`) and what
+its shared-memory operands cost beyond them (`operand_stall_flops`), and the registers it names
+(`registers`)."""
 
 from __future__ import annotations
 
@@ -175,6 +176,36 @@ def mma_flops(instr: Instr) -> int:
     return 0
 
 
+# A Hopper SM's dense 16-bit tensor rate over its shared-memory bandwidth: 4096 FLOPs and 128
+# bytes a clock (989 TFLOP/s over 132 SMs at 1.83 GHz; 33 TB/s of L1 over the same)
+TENSOR_FLOPS_PER_SHARED_BYTE = 4096 // 128
+
+
+def wgmma_operand_bytes(instr: Instr) -> int:
+    """Shared-memory bytes one warp's share (a quarter) of a wgmma reads through descriptors:
+    B (N x K) always, A (M x K) too in the SS form (`Rd, gdesc[UR], Rc`: one descriptor pair
+    names both), not in the RS form (`Rd, Ra, gdesc[UR], Rc`: A from registers). Element size
+    from the input type (E4M3 / E5M2 / S8 / U8: 1 byte, TF32: 4, else 2)."""
+    if not instr.base.endswith("GMMA") or empty_group(instr):
+        return 0
+    m = _GMMA_SHAPE.search(instr.opcode)
+    if not m:
+        return 0
+    mm, n, k = map(int, m.groups())
+    parts = instr.opcode.split(".")
+    size = 1 if {"E4M3", "E5M2", "S8", "U8"} & set(parts) else 4 if "TF32" in parts else 2
+    ss = instr.operands.split(",")[1].strip().startswith("gdesc")
+    return ((mm * k if ss else 0) + n * k) * size // 4
+
+
+def operand_stall_flops(instr: Instr) -> int:
+    """The FLOPs of tensor time a wgmma costs beyond its own because its shared-memory operands
+    take longer to stream than its math (`TENSOR_FLOPS_PER_SHARED_BYTE`): an SS m64nNk16 reads
+    (64 + N) x 32 bytes for 2048 N FLOPs, so below N = 64 the operands pace it -- at N = 32
+    1.5x its FLOPs (the S = Q.K^T of block_n 32 tiles), at N = 16 2.5x. RS forms never stall."""
+    return max(0, wgmma_operand_bytes(instr) * TENSOR_FLOPS_PER_SHARED_BYTE - mma_flops(instr))
+
+
 def registers(operands: str) -> set[int]:
     out: set[int] = set()
     for m in REGISTER.finditer(operands):
@@ -184,4 +215,5 @@ def registers(operands: str) -> set[int]:
 
 
 __all__ = ["BULK_ISSUE", "CLASSES", "DEPBAR_KEEP", "GLOBAL_LOADS", "HMMA_16816_FLOPS", "Instr", "REGISTER",
-           "access_bytes", "classify", "mma_flops", "parse_functions", "registers", "shared_bytes"]
+           "TENSOR_FLOPS_PER_SHARED_BYTE", "access_bytes", "classify", "mma_flops", "operand_stall_flops",
+           "parse_functions", "registers", "shared_bytes", "wgmma_operand_bytes"]

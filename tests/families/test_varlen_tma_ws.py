@@ -188,8 +188,11 @@ def test_config_and_the_register_budgets():
     producer keeps 56, the consumers get 200) where two fit in shared memory; the empty[]
     barriers are the only extra shared memory; other targets unchanged. The default where it
     keeps the one-issuer tile's bytes in flight per SM: d128 (same CTAs and stages) and
-    192 / 128 (two CTAs of three stages against three of two); opt-in at d64 and d256, where
-    it takes the stages that keep them (4: two CTAs against four; one against two)."""
+    192 / 128 (two CTAs of two 64-key stages against three CTAs of two 32-key ones: S's
+    m64n32k16 wgmmas were paced by their shared-memory operands, varlen_tile.WS_TILES); the
+    family's 32 keys and the one-issuer stages where block_n or num_stages is given; opt-in at
+    d64 and d256, where it takes the stages that keep them (4: two CTAs against four; one
+    against two)."""
     text = spec_body("page16", head_dim=128)
     ws, one = _config(text, ("sm_90", "sm_90a"))["sm_90a"], _config(text, tile=OFF)["sm_90a"]
     assert ws["warp_specialize"] and ws["threads"] == 256 and ws["min_ctas_per_sm"] == 2
@@ -201,8 +204,11 @@ def test_config_and_the_register_budgets():
     deepseek = spec_body("page64", head_dim=192) + "\nhead_dim_v = 128"
     ws, one = _config(deepseek, tile="")["sm_90a"], _config(deepseek, tile=OFF)["sm_90a"]
     assert ws["warp_specialize"] and ws["min_ctas_per_sm"] == 2 and ws["setmaxnreg"] == [56, 200]
-    assert (ws["num_stages"], one["num_stages"]) == (3, 2) and ws["block_n"] == one["block_n"]
-    assert _config(deepseek, tile=f"{WS}\nnum_stages = 2")["sm_90a"]["num_stages"] == 2  # given
+    assert (ws["block_n"], ws["num_stages"]) == (64, 2) and (one["block_n"], one["num_stages"]) == (32, 2)
+    assert ws["smem_bytes"] <= 227 * 1024 // 2                          # two CTAs an SM
+    for given in ("num_stages = 3", "block_n = 32"):                    # the family's tile
+        tile = _config(deepseek, tile=f"{WS}\n{given}")["sm_90a"]
+        assert (tile["block_n"], tile["num_stages"]) == (32, 3 if "stages" in given else 2), given
     for d, ctas in ((64, 2), (256, 1)):
         body_text = spec_body("page64" if d == 64 else "contiguous", head_dim=d)
         assert "warp_specialize" not in _config(body_text, tile="")["sm_90a"], d

@@ -260,12 +260,12 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
     fp8 = kind(spec) is not None      # TMA cannot dequantise: FP8 bytes come by cp.async
     tma = _loads_by_tma(spec, kv)
     ws = tma and warp_specialized(spec, cfg)
-    stages = ws_stages(spec, cfg) if ws else cfg.num_stages
-    return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
+    block_n, stages = ws_shape(spec, cfg) if ws else (cfg.block_n, cfg.num_stages)
+    return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, block_n, cfg.num_warps,
                            stages, True, cfg.dv, 1,
                            kv_loads="tma" if tma else "cp_async", fp8=fp8, f16_math=cfg.f16_math,
                            warp_specialize=ws,
-                           min_ctas_per_sm=ws_ctas_per_sm(cfg, stages) if ws else 0,
+                           min_ctas_per_sm=ws_ctas_per_sm(cfg, block_n, stages) if ws else 0,
                            pingpong=ws and cfg.block_m == 2 * ROWS_PER_WARPGROUP
                            and bool(spec.tile_dict().get("pingpong", False)))
 
@@ -276,16 +276,23 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
 # rank it slower at any serving shape: at d128 two CTAs either way, 64 KiB in flight each, and
 # every consumer warp's iteration is 228 instructions against 286-313 (1.73 against 2.37 per
 # HGMMA-equivalent); at DeepSeek's 192 / 128 (64-row pages) two CTAs of three stages (120 KiB
-# in flight per SM) against three of two (121), 176 instructions against 228-255. At d64 four
+# in flight per SM) against three of two (121), 176 instructions against 228-255 (now 64-key
+# tiles: WS_TILES). At d64 four
 # stages at two CTAs would keep the bytes (128 KiB) too, but with two consumer warpgroups per
 # SM where the one-issuer tile has four the model ranks it 3-5 % slower on prefill chunks, so
 # there (and at d256, one CTA against two: 8-11 %) it is opt-in. Keys: (head_dim, head_dim_v).
 WS_DEFAULT_SHAPES = ((128, 128), (192, 128))
-# The warp-specialised tile's stages where it runs fewer CTAs per SM than the one-issuer tile
-# (whose 2 stages the family's configure chose): as many more as keep its bytes in flight per SM
-# -- d64 4 CTAs x 2 stages = 2 x 4; 192 / 128 3 x 2 = 2 x 3; d256 2 x 2 = 1 x 4. Elsewhere, and
-# when tile.num_stages is given, the family's.
-WS_STAGES = {(64, 64): 4, (192, 128): 3, (256, 256): 4}
+# The warp-specialised tile's (block_n, stages) where they are not the family's (None: its
+# block_n). d64 and d256 run fewer CTAs per SM than the one-issuer tile (whose 2 stages the
+# family's configure chose): as many more stages as keep its bytes in flight per SM -- d64 4 CTAs
+# x 2 stages = 2 x 4; d256 2 x 2 = 1 x 4. DeepSeek's 192 / 128 takes 64-key tiles, two stages
+# at two CTAs (160 KiB in flight per SM): the family's 32 keys made S = Q.K^T twelve
+# m64n32k16 wgmmas reading Q and K from shared memory, (64 + 32) x 32 bytes each for 65536
+# FLOPs -- 24 clocks of the SM's 128 bytes a clock against 16 of math, so the operands paced
+# it (report.sass_instr.operand_stall_flops) and the varlen prefill measured 421-509 TFLOP/s
+# on an H200 where the prefill family's 128-key tile reached 718-723. At 64 keys the operands
+# take 32 clocks of 32. Not where block_n or num_stages is given (then the family's).
+WS_TILES = {(64, 64): (None, 4), (192, 128): (64, 2), (256, 256): (None, 4)}
 
 
 def warp_specialized(spec, cfg: PrefillConfig) -> bool:
@@ -294,33 +301,36 @@ def warp_specialized(spec, cfg: PrefillConfig) -> bool:
     (tma_ws_pipeline.py; docs/kernels.md "wgmma (sm_90a): the packed tile"). Default: one
     consumer warpgroup at (head_dim, head_dim_v) in WS_DEFAULT_SHAPES."""
     default = (cfg.block_m == ROWS_PER_WARPGROUP and (cfg.head_dim, cfg.dv) in WS_DEFAULT_SHAPES
-               and ws_ctas_per_sm(cfg, ws_stages(spec, cfg)) == 2)
+               and ws_ctas_per_sm(cfg, *ws_shape(spec, cfg)) == 2)
     return bool(spec.tile_dict().get("warp_specialize", default))
 
 
-def ws_stages(spec, cfg: PrefillConfig) -> int:
-    """The warp-specialised tile's stages: tile.num_stages if given, else WS_STAGES' for one
-    consumer warpgroup where they fit, else the family's."""
-    stages = WS_STAGES.get((cfg.head_dim, cfg.dv))
-    if "num_stages" in spec.tile_dict() or cfg.block_m != ROWS_PER_WARPGROUP or stages is None:
-        return cfg.num_stages
-    tile = _ws_tile(cfg, stages)
-    return stages if tile.smem_bytes <= TARGETS["sm_90a"].max_smem_per_cta else cfg.num_stages
+def ws_shape(spec, cfg: PrefillConfig) -> tuple[int, int]:
+    """The warp-specialised tile's (block_n, stages): WS_TILES' for one consumer warpgroup
+    where they fit and neither tile.block_n nor tile.num_stages is given, else the family's."""
+    block_n, stages = WS_TILES.get((cfg.head_dim, cfg.dv), (None, None))
+    given = spec.tile_dict().keys() & {"num_stages", "block_n"}
+    if given or cfg.block_m != ROWS_PER_WARPGROUP or stages is None:
+        return cfg.block_n, cfg.num_stages
+    block_n = block_n or cfg.block_n
+    tile = _ws_tile(cfg, block_n, stages)
+    fits = tile.smem_bytes <= TARGETS["sm_90a"].max_smem_per_cta
+    return (block_n, stages) if fits else (cfg.block_n, cfg.num_stages)
 
 
-def _ws_tile(cfg: PrefillConfig, stages: int) -> WgmmaTileConfig:
-    return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, cfg.block_n, cfg.num_warps,
+def _ws_tile(cfg: PrefillConfig, block_n: int, stages: int) -> WgmmaTileConfig:
+    return WgmmaTileConfig(cfg.fmt, cfg.head_dim, True, cfg.block_m, block_n, cfg.num_warps,
                            stages, True, cfg.dv, 1, kv_loads="tma", warp_specialize=True)
 
 
-def ws_ctas_per_sm(cfg: PrefillConfig, stages: int) -> int:
+def ws_ctas_per_sm(cfg: PrefillConfig, block_n: int, stages: int) -> int:
     """The warp-specialised tile's CTAs per SM (its .minnctapersm, which setmaxnreg's budgets
-    divide) at `stages`: two for one consumer warpgroup where two fit in shared memory and V
+    divide) at `block_n` x `stages`: two for one consumer warpgroup where two fit in shared memory and V
     is at most 128 wide, as the one-issuer tile runs (128 registers on entry; the producer
     keeps 56, the consumers get 200), else one (two consumer warpgroups at two CTAs would get
     104; ptxas checks every instruction against the entry count, not setmaxnreg's, and d256's
     m64n256 P·V needs 158)."""
-    tile = _ws_tile(cfg, stages)
+    tile = _ws_tile(cfg, block_n, stages)
     by_smem = occupancy(TARGETS["sm_90a"], tile.launch_threads, 0, tile.smem_bytes)["ctas_per_sm"]
     return 2 if (cfg.block_m == ROWS_PER_WARPGROUP and cfg.dv <= WS_TWO_CTA_MAX_DV
                  and by_smem >= 2) else 1
