@@ -224,6 +224,10 @@ OPTIONS = (
      "wstree_90a"),
     ("varlen", True, _PAGED + "head_dim_v = 128\n" + _SM90A + "[kernel.tile]\nwarp_specialize = true\n",
      "wsdv128_90a"),
+    # ... and V narrower than K by default (DeepSeek's 192 / 128: 64-key tiles, varlen_tile.WS_TILES;
+    # the tree keeps 32) with every variant and with a tree mask
+    ("varlen", True, _PAGED + "head_dim_v = 128\n" + _EVERY + _SM90A, "dv128var_90a"),
+    ("varlen", True, _PAGED + "head_dim_v = 128\n" + _TREE + _SPLIT + _SM90A, "dv128tree_90a"),
     ("varlen", False, 'kv_layout = "contiguous"\n' + _SPLIT + _SM90A +
      "[kernel.tile]\nblock_m = 128\nnum_warps = 8\nwarp_specialize = true\n", "ws128_90a"),
     ("varlen", True, _PAGED + _EVERY + _SM90A +

@@ -291,8 +291,10 @@ WS_DEFAULT_SHAPES = ((128, 128), (192, 128))
 # FLOPs -- 24 clocks of the SM's 128 bytes a clock against 16 of math, so the operands paced
 # it (report.sass_instr.operand_stall_flops) and the varlen prefill measured 421-509 TFLOP/s
 # on an H200 where the prefill family's 128-key tile reached 718-723. At 64 keys the operands
-# take 32 clocks of 32. Not where block_n or num_stages is given (then the family's).
-WS_TILES = {(64, 64): (None, 4), (192, 128): (64, 2), (256, 256): (None, 4)}
+# take 32 clocks of 32; a tree mask, whose per-row state spills beside a 64 x 64 S, keeps 32 keys
+# in three stages (120 KiB in flight per SM). The first choice that applies and fits; none where
+# block_n or num_stages is given (then the family's).
+WS_TILES = {(64, 64): ((None, 4),), (192, 128): ((64, 2), (None, 3)), (256, 256): ((None, 4),)}
 
 
 def warp_specialized(spec, cfg: PrefillConfig) -> bool:
@@ -306,16 +308,20 @@ def warp_specialized(spec, cfg: PrefillConfig) -> bool:
 
 
 def ws_shape(spec, cfg: PrefillConfig) -> tuple[int, int]:
-    """The warp-specialised tile's (block_n, stages): WS_TILES' for one consumer warpgroup
-    where they fit and neither tile.block_n nor tile.num_stages is given, else the family's."""
-    block_n, stages = WS_TILES.get((cfg.head_dim, cfg.dv), (None, None))
-    given = spec.tile_dict().keys() & {"num_stages", "block_n"}
-    if given or cfg.block_m != ROWS_PER_WARPGROUP or stages is None:
+    """The warp-specialised tile's (block_n, stages): the first of WS_TILES' choices for one
+    consumer warpgroup that fits (a tree mask: only those keeping the family's block_n, whose
+    per-row state beside a 64 x 64 S spilled 324 bytes at 192 / 128) where neither
+    tile.block_n nor tile.num_stages is given, else the family's."""
+    if spec.tile_dict().keys() & {"num_stages", "block_n"} or cfg.block_m != ROWS_PER_WARPGROUP:
         return cfg.block_n, cfg.num_stages
-    block_n = block_n or cfg.block_n
-    tile = _ws_tile(cfg, block_n, stages)
-    fits = tile.smem_bytes <= TARGETS["sm_90a"].max_smem_per_cta
-    return (block_n, stages) if fits else (cfg.block_n, cfg.num_stages)
+    tree = spec_option(spec, "custom_mask") == "tree"
+    for block_n, stages in WS_TILES.get((cfg.head_dim, cfg.dv), ()):
+        if block_n is not None and tree:
+            continue
+        block_n = block_n or cfg.block_n
+        if _ws_tile(cfg, block_n, stages).smem_bytes <= TARGETS["sm_90a"].max_smem_per_cta:
+            return block_n, stages
+    return cfg.block_n, cfg.num_stages
 
 
 def _ws_tile(cfg: PrefillConfig, block_n: int, stages: int) -> WgmmaTileConfig:
