@@ -141,6 +141,33 @@ def test_widths_and_mma_flops():
     assert classify("QMMA.16832.F32.E4M3.E4M3") == "tensor"
 
 
+def test_wgmma_operands_from_shared_memory_pace_it_below_n_64():
+    """An SS wgmma (`Rd, gdesc[UR], Rc`: A and B through one descriptor pair) reads
+    (64 + N) x K elements of shared memory, an RS one (`Rd, Ra, gdesc[UR], Rc`) N x K; at the
+    SM's 128 bytes against 4096 FLOPs a clock, the operands of an SS m64nNk16 take
+    (64 + N) / 4 clocks to its math's N / 2, so below N = 64 they pace it. Per warp: a
+    quarter of the warpgroup's bytes and FLOPs."""
+    from ptxc.report.loop_model import tensor_flops
+    from ptxc.report.sass_instr import operand_stall_flops, wgmma_operand_bytes
+    ss32 = Instr(0, "", "HGMMA.64x32x16.F32.BF16", "R88, gdesc[UR24], R88, gsb0")
+    assert wgmma_operand_bytes(ss32) == (64 + 32) * 16 * 2 // 4
+    assert mma_flops(ss32) == 2 * 64 * 32 * 16 // 4
+    assert operand_stall_flops(ss32) == (64 + 32) * 16 * 2 // 4 * 32 - 2 * 64 * 32 * 16 // 4   # 1.5x its math
+    rs128 = Instr(0, "", "HGMMA.64x128x16.F32.BF16", "R24, R104, gdesc[UR16].tnspB, R24")
+    assert wgmma_operand_bytes(rs128) == 128 * 16 * 2 // 4 and operand_stall_flops(rs128) == 0
+    for n in (64, 128, 256):            # SS at N >= 64: the math paces it
+        assert operand_stall_flops(Instr(0, "", f"HGMMA.64x{n}x16.F32.BF16", "R24, gdesc[UR8], R24")) == 0
+    ss16 = Instr(0, "", "HGMMA.64x16x16.F32.F16", "R8, gdesc[UR8], RZ, !UPT")
+    assert operand_stall_flops(ss16) == 1.5 * mma_flops(ss16)           # 2.5x its math
+    # FP8 (k32, one byte an element, twice the rate): the same clocks as 16-bit k16
+    qss32 = Instr(0, "", "QGMMA.64x32x32.F32.E4M3.E4M3", "R88, gdesc[UR24], R88")
+    assert operand_stall_flops(qss32) == operand_stall_flops(ss32)
+    assert operand_stall_flops(Instr(0, "", "HGMMA.64x8x16.F16", "RZ, gdesc[URZ], RZ, !UPT, gsb0")) == 0
+    assert operand_stall_flops(Instr(0, "", "HMMA.16816.F32", "R4, R8, R12, R4")) == 0
+    assert tensor_flops({"mma_flops": 100, "operand_stall_flops": 50}) == 150
+    assert tensor_flops({"mma_flops": 100}) == 100
+
+
 def test_loop_model_bounds_by_hand():
     _, loop = _main("register_loads.sass")
     a100 = GPUS["a100-sxm"]
