@@ -258,3 +258,11 @@ def test_ptxas_sm90a_zero_spills(tmp_path, toolchain):
     # one path for every consumer warp (no issue block on some), no LDGSTS
     assert "warp_instructions" not in loop and loop["classes"]["ldgsts"] == 0
     assert loop["instructions"] < 286      # the one-issuer tile's warps: 286-313
+    # 192 / 128 on 64-key tiles: S's twelve SS wgmmas at N = 64, whose shared-memory operands
+    # no longer pace them (the family's 32 keys: 1.5x their math, report.sass_instr)
+    meta, prof = built_sass(tmp_path / "out", "v4", "sm_90a", "ptxc_v4_split")
+    loop = prof["loops"]["loops"][prof["loops"]["main"]]
+    assert meta["targets"]["sm_90a"]["config"]["block_n"] == 64
+    assert loop["operand_stall_flops"] == 0
+    # S and P.V of 64 keys, and the row sums' four HMMA.16816
+    assert loop["mma_equivalents"] == (12 * 64 + 4 * 128) * 2 * 64 * 16 // 4 // 4096 + 4
