@@ -36,7 +36,8 @@
 # qwen2_7b_fp8_head_decode on sm_90a: time both at batch 16 and 64), then the prefill A/B set
 # (persistent CTAs and TMA stores: within +-4 % of the default at 4078740, `--every` times the
 # whole set), then DeepSeek's 192 / 128 varlen prefill -- the 64-key tile (the default since the
-# model's wgmma operand stall) against the 32-key one 4078740 timed (`_bn32`) and one issuer:
+# model's wgmma operand stall) against the 32-key one 4078740 timed (`_bn32`) and one issuer,
+# and varlen d256 on 32- and 64-key tiles (`d256_serve`, `_bn64`: the same question):
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD && mkdir -p /tmp/a && tar xzf gpu-art/arts.tgz -C /tmp/a &&
@@ -47,8 +48,8 @@
 #       --only deepseek_v3_mla_decode_split,deepseek_v3_mla_decode,kimi_k2_mla_decode_split,kimi_k2_mla_decode,deepseek_v3_mla_decode_fp8,deepseek_v3_mla_decode_fp8_qk8,deepseek_v3_mla_decode_fp8_qk8_fp8s,deepseek_v3_mla_decode_fp8_fused,deepseek_v3_mla_decode_fp8_ds,deepseek_v3_mla_decode_fp8_ds_fused,deepseek_v32_mla_sparse_decode_fp8_sm90a,deepseek_v32_mla_sparse_decode_fp8_sm90a_fused,deepseek_v3_mla_decode_tp8,deepseek_v3_mla_decode_tp8_m64,deepseek_v3_mla_decode_tp8_fp8_ds,llama3_8b_serve,llama3_8b_serve_one,llama3_8b_serve_s3 \
 #       --deadline 160 --item-timeout 40 --shape batch=64,total_q=64,max_pages_per_seq=64,num_pages=4096,num_splits=1 \
 #       --shape batch=64,total_q=64,max_pages_per_seq=256,num_pages=16384;
-#   PYTHONUNBUFFERED=1 timeout 140 python3 bench/gpu_lease.py /tmp/a/dab --out /tmp/mlap \
-#       --only deepseek_v3_mla_prefill,deepseek_v3_mla_prefill_bn32,deepseek_v3_mla_prefill_one --deadline 130 --item-timeout 40 \
+#   PYTHONUNBUFFERED=1 timeout 180 python3 bench/gpu_lease.py /tmp/a/dab --out /tmp/mlap \
+#       --only deepseek_v3_mla_prefill,deepseek_v3_mla_prefill_bn32,deepseek_v3_mla_prefill_one,d256_serve,d256_serve_bn64 --deadline 170 --item-timeout 40 \
 #       --shape batch=4,total_q=16384,max_pages_per_seq=64,num_pages=256 \
 #       --shape batch=1,total_q=16384,max_pages_per_seq=256,num_pages=256;
 #   PYTHONUNBUFFERED=1 timeout 320 python3 bench/gpu_lease.py /tmp/a/a90 /tmp/a/gpuart --out /tmp/r \
