@@ -222,5 +222,6 @@ def loop_figures(loop: dict, warps_per_cta: int, ctas_per_sm: int, kv_rows: int 
     }
 
 
-__all__ = ["BOUNDS", "bound_on", "tensor_flops", "kv_reuse", "kv_rows_per_iteration", "loop_figures", "loop_warps", "main_loop",
+__all__ = ["BOUNDS", "bound_on", "tensor_flops",
+           "kv_reuse", "kv_rows_per_iteration", "loop_figures", "loop_warps", "main_loop",
            "with_dequant_loads", "with_tma_loads", "with_umma_flops"]

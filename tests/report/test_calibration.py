@@ -233,7 +233,8 @@ def test_h200_points_of_run_621d27f_are_out_of_sample_and_quoted_as_measured(eve
     assert all(p["kernel"] == "deepseek_v3_mla_prefill" or "mla" in p["kernel"] and "decode" in p["kernel"]
                for p in wg if not inside(p))
     assert sum(map(inside, wg)) == 96 and all(ratio(p) > 1 for p in wg if not inside(p))
-    assert {p["kernel"] for p in wg if not inside(p)} == {"deepseek_v3_mla_decode_unsplit", "deepseek_v3_mla_decode_cp"}
+    assert {p["kernel"] for p in wg if not inside(p)} == {"deepseek_v3_mla_decode_unsplit",
+                                                          "deepseek_v3_mla_decode_cp"}
     assert 0.79 <= min(map(ratio, wg)) and max(map(ratio, wg)) <= 1.42
     assert "155 H200 medians of 6c5a819–621d27f" in CALIBRATION_ERROR + WGMMA_CALIBRATION_ERROR
 
@@ -322,7 +323,8 @@ def test_h200_points_of_4078740_are_out_of_sample_and_quoted_as_measured(every_p
     assert len(wg) == 114 and sum(map(inside, wg)) == 109
     assert {p["kernel"] for p in wg if ratio(p) < 1 / 1.35} == {
         "gpt_oss_serve", "llama3_8b_fp8_varlen", "llama3_8b_fp8_decode"}
-    assert {p["kernel"] for p in wg if ratio(p) > 1.35} == {"kimi_k2_mla_decode", "deepseek_v32_mla_sparse_decode"}
+    assert {p["kernel"] for p in wg if ratio(p) > 1.35} == {"kimi_k2_mla_decode",
+                                                             "deepseek_v32_mla_sparse_decode"}
     chunks = [p for p in wg if "mla_prefill" in p["kernel"] and p["shape"]["total_q"] == 16384]
     assert len(chunks) == 4 and all(0.85 <= ratio(p) <= 0.99 and p["bound"] == "tensor" for p in chunks)
     assert 0.61 <= min(map(ratio, wg)) and max(map(ratio, wg)) <= 1.45

@@ -31,7 +31,8 @@ from .latent_tile import LatentFP8Rows
 from .variant import head_dim_v, spec_option
 from .varlen_tile import Tcgen05TileConfig, tma_applies
 
-LATENT_ROWS = 64             # tcgen05.mma M = 64: the family's 64-row latent tile (varlen_config.latent_block_m)
+LATENT_ROWS = 64             # tcgen05.mma M = 64: the family's 64-row latent tile
+                             # (varlen_config.latent_block_m)
 LATENT_DV = 512              # two CTAs of 256 value columns (tcgen05's widest N)
 VALUE_CTAS = 2
 DEFAULT_BLOCK_N = 32

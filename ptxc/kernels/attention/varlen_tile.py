@@ -276,11 +276,11 @@ def configure(spec, cfg: PrefillConfig, kv: KVAccess) -> WgmmaTileConfig:
 # rank it slower at any serving shape: at d128 two CTAs either way, 64 KiB in flight each, and
 # every consumer warp's iteration is 228 instructions against 286-313 (1.73 against 2.37 per
 # HGMMA-equivalent); at DeepSeek's 192 / 128 (64-row pages) two CTAs of three stages (120 KiB
-# in flight per SM) against three of two (121), 176 instructions against 228-255 (now 64-key
-# tiles: WS_TILES). At d64 four
-# stages at two CTAs would keep the bytes (128 KiB) too, but with two consumer warpgroups per
-# SM where the one-issuer tile has four the model ranks it 3-5 % slower on prefill chunks, so
-# there (and at d256, one CTA against two: 8-11 %) it is opt-in. Keys: (head_dim, head_dim_v).
+# in flight per SM) against three of two (121), 176 instructions against 228-255 (its tile is
+# 64 keys since: WS_TILES). At d64 four stages at two CTAs would keep the bytes (128 KiB) too,
+# but with two consumer warpgroups per SM where the one-issuer tile has four the model ranks it
+# 3-5 % slower on prefill chunks, so there (and at d256, one CTA against two: 8-11 %) it is
+# opt-in. Keys: (head_dim, head_dim_v).
 WS_DEFAULT_SHAPES = ((128, 128), (192, 128))
 # The warp-specialised tile's (block_n, stages) where they are not the family's (None: its
 # block_n). d64 and d256 run fewer CTAs per SM than the one-issuer tile (whose 2 stages the
@@ -331,8 +331,8 @@ def _ws_tile(cfg: PrefillConfig, block_n: int, stages: int) -> WgmmaTileConfig:
 
 def ws_ctas_per_sm(cfg: PrefillConfig, block_n: int, stages: int) -> int:
     """The warp-specialised tile's CTAs per SM (its .minnctapersm, which setmaxnreg's budgets
-    divide) at `block_n` x `stages`: two for one consumer warpgroup where two fit in shared memory and V
-    is at most 128 wide, as the one-issuer tile runs (128 registers on entry; the producer
+    divide) at `block_n` x `stages`: two for one consumer warpgroup where two fit in shared
+    memory and V is at most 128 wide, as the one-issuer tile runs (128 registers on entry; the producer
     keeps 56, the consumers get 200), else one (two consumer warpgroups at two CTAs would get
     104; ptxas checks every instruction against the entry count, not setmaxnreg's, and d256's
     m64n256 P·V needs 158)."""
