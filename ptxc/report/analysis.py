@@ -140,7 +140,7 @@ def _estimates(meta: dict, tinfo: dict, launches: list[dict], dims: dict, models
     no attention loop) take their launch term and `cost`'s bytes over the DRAM share, quoted
     with the error measured on the timed copies (COPY_CALIBRATION_ERROR): no SASS needed."""
     copy = meta["family"] in COPY_FAMILIES
-    if (cost is None) if copy else not sass:
+    if (copy and cost is None) or (not copy and not sass):
         return []
     config = tinfo.get("config", {})
     loops = {k["entry"]: None if copy else main_loop(sass.get(k["entry"]), k, meta, config)

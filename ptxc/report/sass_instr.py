@@ -194,7 +194,8 @@ def wgmma_operand_bytes(instr: Instr) -> int:
     mm, n, k = map(int, m.groups())
     parts = instr.opcode.split(".")
     size = 1 if {"E4M3", "E5M2", "S8", "U8"} & set(parts) else 4 if "TF32" in parts else 2
-    ss = instr.operands.split(",")[1].strip().startswith("gdesc")
+    operands = instr.operands.split(",")
+    ss = len(operands) > 1 and operands[1].strip().startswith("gdesc")
     return ((mm * k if ss else 0) + n * k) * size // 4
 
 
